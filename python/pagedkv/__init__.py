@@ -1,0 +1,1 @@
+"""pagedkv: a paged KV cache for LLM serving."""
