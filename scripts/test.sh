@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh), then run every test: the Rust core's unit, property, stress and loom
+# tests, a compile check of the benches, and the Python suite. Without a CUDA device the Triton
+# kernels run under TRITON_INTERPRET=1 and the `gpu`-marked tests skip.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+
+VENV=${PAGEDKV_VENV:-.venv}
+PY="$VENV/bin/python"
+
+echo "== cargo test (core, release)"
+cargo test -p pagedkv --release
+
+echo "== loom model of the lock-free free list"
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p pagedkv --release --test loom_freelist
+
+echo "== benches compile"
+cargo bench -p pagedkv --no-run
+
+echo "== pytest"
+if ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+    export TRITON_INTERPRET=1
+fi
+"$PY" -m pytest -q "$@"
