@@ -1,0 +1,253 @@
+"""Step buffers: the host tensors the manager fills each step, and their device mirrors.
+
+Owns the memory that carries one scheduler step's bookkeeping to the GPU:
+
+===================  =======  ===============================  =======================================
+field                dtype    shape                            meaning
+===================  =======  ===============================  =======================================
+``slot_mapping``     int64    ``[max_tokens]``                 ``table[p // B] * B + p % B`` per new token
+``block_tables``     int32    ``[max_seqs, max_blocks_per_seq]``  one row per sequence, batch order
+``seq_lens``         int32    ``[max_seqs]``                   tokens per sequence, new ones included
+``query_start_loc``  int32    ``[max_seqs + 1]``               prefix sums of new tokens per sequence
+``kv_indptr``        int32    ``[max_seqs + 1]``               FlashInfer CSR page table: row offsets
+``kv_indices``       int32    ``[max_seqs * max_blocks_per_seq]``  FlashInfer CSR page table: block ids
+``kv_last_page_len`` int32    ``[max_seqs]``                   tokens in each sequence's last block
+``copies``           int64    ``[max_copies, 2]``              pending copy-on-write ``(src, dst)`` pairs
+===================  =======  ===============================  =======================================
+
+Invariants:
+
+* Everything is allocated once, in :class:`StepBuffers`'s constructor, and never reallocated: every
+  tensor's ``data_ptr()`` is fixed for the object's lifetime, which is what CUDA graphs need.
+* The host tensors live in one contiguous arena (pinned when CUDA is available, so host-to-device
+  copies can be asynchronous); each field starts on a 64-byte boundary.
+* The device mirrors have the same shapes and dtypes, in one arena on ``device``. Without a device
+  (no CUDA, or ``device="cpu"``) the device mirrors *are* the host tensors and
+  :meth:`StepBuffers.to_device` copies nothing.
+
+Stale data: a step writes only what it uses. Columns of a block-table row past the sequence's block
+count, rows past the batch, and elements of every other buffer past the step's extent keep whatever
+an earlier step left there. Kernels must read only ``ceil(seq_lens[i] / B)`` entries of row ``i``
+and only the first ``num_seqs`` rows; :meth:`StepBuffers.views` returns tensors cut to the step's
+extent for code that wants no stale elements in sight. The device mirrors are updated the same way
+(:meth:`StepBuffers.to_device` copies only the used prefix of each field), so they too hold stale
+data past the step's extent — padding rows of a CUDA graph captured at a larger batch included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Optional, Union
+
+import torch
+
+if TYPE_CHECKING:
+    from .manager import StepInfo
+
+__all__ = ["StepBuffers", "StepTensors"]
+
+# Each field starts on its own cache line: keeps every dtype aligned and stops two fields that the
+# core writes back to back from sharing a line.
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    """The eight step tensors, all on one device (host, or the device mirror)."""
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    copies: torch.Tensor
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yields ``(name, tensor)`` for every field, in declaration order."""
+        for name in _FIELD_NAMES:
+            yield name, getattr(self, name)
+
+
+_FIELD_NAMES = (
+    "slot_mapping",
+    "block_tables",
+    "seq_lens",
+    "query_start_loc",
+    "kv_indptr",
+    "kv_indices",
+    "kv_last_page_len",
+    "copies",
+)
+
+
+def _check_dim(name: str, value: int, minimum: int) -> int:
+    from .errors import InvalidArgumentError
+
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(
+            f"invalid argument: {name} = {value!r}: must be an int",
+            what=name,
+            value=value,
+            reason="must be an int",
+        )
+    if value < minimum:
+        reason = f"must be at least {minimum}"
+        raise InvalidArgumentError(
+            f"invalid argument: {name} = {value}: {reason}", what=name, value=value, reason=reason
+        )
+    return value
+
+
+class StepBuffers:
+    """Host step buffers and their device mirrors, allocated once at fixed addresses.
+
+    Attach to a manager with :meth:`pagedkv.BlockManager.attach_buffers`; each
+    :meth:`pagedkv.BlockManager.step` then fills :attr:`host`, and :meth:`to_device` moves the used
+    part to :attr:`device`.
+
+    Args:
+        max_seqs: Most sequences in one step (rows of ``block_tables``).
+        max_tokens: Most new tokens in one step (length of ``slot_mapping``).
+        max_blocks_per_seq: Width of a block-table row; must be at least the manager's
+            ``max_blocks_per_seq`` for every sequence to fit.
+        max_copies: Most pending copy-on-write pairs one step can carry; defaults to ``max_seqs``
+            (each sequence copies at most its tail block per step).
+        device: Where the mirrors live. ``None`` picks ``"cuda"`` when available and otherwise keeps
+            no mirror; ``"cpu"`` also keeps none (the mirrors are the host tensors).
+
+    Raises:
+        InvalidArgumentError: A size is not a positive int (``max_copies`` may be 0).
+    """
+
+    def __init__(
+        self,
+        max_seqs: int,
+        max_tokens: int,
+        max_blocks_per_seq: int,
+        *,
+        max_copies: Optional[int] = None,
+        device: Union[str, torch.device, None] = None,
+    ) -> None:
+        self.max_seqs = _check_dim("max_seqs", max_seqs, 1)
+        self.max_tokens = _check_dim("max_tokens", max_tokens, 1)
+        self.max_blocks_per_seq = _check_dim("max_blocks_per_seq", max_blocks_per_seq, 1)
+        self.max_copies = _check_dim(
+            "max_copies", max_seqs if max_copies is None else max_copies, 0
+        )
+
+        cuda = torch.cuda.is_available()
+        if device is None:
+            device = "cuda" if cuda else "cpu"
+        dev = torch.device(device)
+        self.pinned = cuda
+
+        shapes = self._shapes()
+        self._offsets: dict[str, int] = {}
+        total = 0
+        for name, (dtype, shape) in shapes.items():
+            total = -(-total // _ALIGN) * _ALIGN
+            self._offsets[name] = total
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * dtype.itemsize
+        self.nbytes = total
+
+        # Zeroed rather than empty: stale data is then at least deterministic before the first step.
+        self._host_arena = torch.zeros(total, dtype=torch.uint8, pin_memory=self.pinned)
+        self.host = self._carve(self._host_arena, shapes)
+        if dev.type == "cpu":
+            self._device_arena = self._host_arena
+            self.device = self.host
+            self.has_mirror = False
+        else:
+            self._device_arena = torch.zeros(total, dtype=torch.uint8, device=dev)
+            self.device = self._carve(self._device_arena, shapes)
+            self.has_mirror = True
+        self.mirror_device = dev
+
+    def _shapes(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        s, b = self.max_seqs, self.max_blocks_per_seq
+        return {
+            "slot_mapping": (torch.int64, (self.max_tokens,)),
+            "block_tables": (torch.int32, (s, b)),
+            "seq_lens": (torch.int32, (s,)),
+            "query_start_loc": (torch.int32, (s + 1,)),
+            "kv_indptr": (torch.int32, (s + 1,)),
+            "kv_indices": (torch.int32, (s * b,)),
+            "kv_last_page_len": (torch.int32, (s,)),
+            "copies": (torch.int64, (self.max_copies, 2)),
+        }
+
+    def _carve(
+        self, arena: torch.Tensor, shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    ) -> StepTensors:
+        views = {}
+        for name, (dtype, shape) in shapes.items():
+            off = self._offsets[name]
+            n = 1
+            for d in shape:
+                n *= d
+            views[name] = arena[off : off + n * dtype.itemsize].view(dtype).view(shape)
+        return StepTensors(**views)
+
+    def views(self, info: StepInfo, *, on_device: bool = True) -> StepTensors:
+        """The tensors cut to one step's extent (views, no copies; addresses as the full tensors).
+
+        Args:
+            info: What :meth:`pagedkv.BlockManager.step` returned for this step.
+            on_device: Cut the device mirrors (default) or the host tensors.
+
+        Returns:
+            ``slot_mapping[:num_tokens]``, ``block_tables[:num_seqs]`` (full rows: columns past a
+            sequence's block count are stale), ``seq_lens[:num_seqs]``,
+            ``query_start_loc[:num_seqs + 1]``, ``kv_indptr[:num_seqs + 1]``,
+            ``kv_indices[:num_kv_indices]``, ``kv_last_page_len[:num_seqs]``, ``copies[:num_copies]``.
+        """
+        t = self.device if on_device else self.host
+        s = info.num_seqs
+        return StepTensors(
+            slot_mapping=t.slot_mapping[: info.num_tokens],
+            block_tables=t.block_tables[:s],
+            seq_lens=t.seq_lens[:s],
+            query_start_loc=t.query_start_loc[: s + 1],
+            kv_indptr=t.kv_indptr[: s + 1],
+            kv_indices=t.kv_indices[: info.num_kv_indices],
+            kv_last_page_len=t.kv_last_page_len[:s],
+            copies=t.copies[: info.num_copies],
+        )
+
+    def to_device(self, info: StepInfo, non_blocking: bool = True) -> StepTensors:
+        """Copies the step's used part of every host tensor into its device mirror, in place.
+
+        Never reallocates: the device tensors keep their addresses. Elements past the step's extent
+        are not copied and keep their earlier contents (see the module doc on stale data). With
+        ``non_blocking`` the copies are asynchronous on the current stream (the host side is pinned);
+        do not refill the host buffers (call ``step`` again) before that stream has consumed them.
+
+        Args:
+            info: What :meth:`pagedkv.BlockManager.step` returned for this step.
+            non_blocking: Issue asynchronous copies.
+
+        Returns:
+            The device views for this step, as :meth:`views` gives them.
+        """
+        if self.has_mirror:
+            src = self.views(info, on_device=False)
+            dst = self.views(info, on_device=True)
+            for name in _FIELD_NAMES:
+                d = getattr(dst, name)
+                if d.numel():
+                    d.copy_(getattr(src, name), non_blocking=non_blocking)
+            return dst
+        return self.views(info, on_device=True)
+
+    def __repr__(self) -> str:
+        return (
+            f"StepBuffers(max_seqs={self.max_seqs}, max_tokens={self.max_tokens}, "
+            f"max_blocks_per_seq={self.max_blocks_per_seq}, max_copies={self.max_copies}, "
+            f"device={str(self.mirror_device)!r}, pinned={self.pinned})"
+        )
+

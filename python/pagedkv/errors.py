@@ -1,0 +1,191 @@
+"""Exception classes raised by pagedkv.
+
+Owns one class per variant of the core's error enum (``pagedkv::Error`` in ``rust/core/src/error.rs``);
+the extension module raises these classes, never a bare ``RuntimeError``. Invariants:
+
+* every class derives from :class:`PagedKVError`, so ``except PagedKVError`` catches all of them;
+* ``str(err)`` is the core's message verbatim (it names the offending value and the limit it broke),
+  including for the :class:`KeyError` subclass, whose default ``str`` would quote it;
+* the variant's fields are attributes of the exception (``err.seq_id``, ``err.needed``, ...), and are
+  also available as the ``err.fields`` dict;
+* an operation that raised left the manager unchanged.
+
+The second base of each class is the built-in a caller would naturally catch: ``ValueError`` for bad
+values, ``KeyError`` for an unknown sequence id, ``IndexError`` for a block id outside the pool,
+``RuntimeError`` for states that are not the caller's input. Running out of KV blocks deliberately
+does *not* derive from ``MemoryError``: that one means the interpreter itself is out of memory and
+generic handlers treat it as fatal, whereas a full block pool is an ordinary scheduling outcome.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "PagedKVError",
+    "InvalidConfigError",
+    "InvalidArgumentError",
+    "UnknownSequenceError",
+    "DuplicateSequenceError",
+    "OutOfBlocksError",
+    "WatermarkReachedError",
+    "SequenceTooLongError",
+    "BufferTooSmallError",
+    "BufferInvalidError",
+    "BuffersNotRegisteredError",
+    "InvalidBlockError",
+    "RefcountUnderflowError",
+    "PrefixCollisionError",
+    "InvariantViolationError",
+]
+
+
+class PagedKVError(Exception):
+    """Base class of every pagedkv error.
+
+    Args:
+        message: The human-readable message (the core's ``Display`` text).
+        **fields: The variant's structured fields; each becomes an attribute.
+    """
+
+    #: Names of the structured fields this class carries, in the core's order.
+    field_names: tuple[str, ...] = ()
+
+    def __init__(self, message: str = "", **fields: Any) -> None:
+        super().__init__(message)
+        self.fields: dict[str, Any] = dict(fields)
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    @property
+    def message(self) -> str:
+        """The message the error was raised with."""
+        return str(self.args[0]) if self.args else ""
+
+    def __str__(self) -> str:
+        # KeyError.__str__ would repr() the message; the core's text is already meant for humans.
+        return self.message
+
+
+class InvalidConfigError(PagedKVError, ValueError):
+    """A configuration value is out of range (block size 0, no blocks, watermark ≥ pool, ...).
+
+    Attributes: ``field`` (name), ``value``, ``reason``.
+    """
+
+    field_names = ("field", "value", "reason")
+
+
+class InvalidArgumentError(PagedKVError, ValueError):
+    """An argument is out of range: a negative id, a token id above ``u32::MAX``, a length mismatch.
+
+    Attributes: ``what`` (argument name), ``value``, ``reason``.
+    """
+
+    field_names = ("what", "value", "reason")
+
+
+class UnknownSequenceError(PagedKVError, KeyError):
+    """The sequence id is not known to the manager.
+
+    Attributes: ``seq_id``.
+    """
+
+    field_names = ("seq_id",)
+
+
+class DuplicateSequenceError(PagedKVError, ValueError):
+    """The sequence id is already in use.
+
+    Attributes: ``seq_id``.
+    """
+
+    field_names = ("seq_id",)
+
+
+class OutOfBlocksError(PagedKVError):
+    """The pool does not hold enough free blocks, watermark reserve included.
+
+    Attributes: ``needed``, ``available``.
+    """
+
+    field_names = ("needed", "available")
+
+
+class WatermarkReachedError(OutOfBlocksError):
+    """An admission would dip into the watermark reserve kept for running sequences.
+
+    Derives from :class:`OutOfBlocksError` because a scheduler handles both the same way (defer the
+    request); catch this class alone to tell "reserve protected" from "pool truly empty".
+
+    Attributes: ``needed``, ``available`` (free blocks above the reserve), ``watermark``.
+    """
+
+    field_names = ("needed", "available", "watermark")
+
+
+class SequenceTooLongError(PagedKVError, ValueError):
+    """A sequence would need more blocks than one block-table row holds.
+
+    Attributes: ``seq_id``, ``needed_blocks``, ``max_blocks_per_seq``.
+    """
+
+    field_names = ("seq_id", "needed_blocks", "max_blocks_per_seq")
+
+
+class BufferTooSmallError(PagedKVError, ValueError):
+    """A caller-owned step buffer is too small for this step (or for its declared layout).
+
+    Attributes: ``buffer`` (name), ``needed``, ``capacity`` (in elements).
+    """
+
+    field_names = ("buffer", "needed", "capacity")
+
+
+class BufferInvalidError(PagedKVError, ValueError):
+    """A step buffer has the wrong dtype, is not contiguous host memory, or has a bad pointer.
+
+    Attributes: ``buffer`` (name), ``expected``, ``got``.
+    """
+
+    field_names = ("buffer", "expected", "got")
+
+
+class BuffersNotRegisteredError(PagedKVError, RuntimeError):
+    """A step was requested before step buffers were attached."""
+
+
+class InvalidBlockError(PagedKVError, IndexError):
+    """A block id outside the pool.
+
+    Attributes: ``block``, ``num_blocks``.
+    """
+
+    field_names = ("block", "num_blocks")
+
+
+class RefcountUnderflowError(PagedKVError, RuntimeError):
+    """A block's reference count would drop below zero (a double free).
+
+    Attributes: ``block``.
+    """
+
+    field_names = ("block",)
+
+
+class PrefixCollisionError(PagedKVError, RuntimeError):
+    """Verify mode found a cached block whose token ids differ from the request's.
+
+    Attributes: ``block``.
+    """
+
+    field_names = ("block",)
+
+
+class InvariantViolationError(PagedKVError, RuntimeError):
+    """``check_invariants`` found the manager's state inconsistent; a bug if ever seen.
+
+    Attributes: ``detail`` (the core's description).
+    """
+
+    field_names = ("detail",)

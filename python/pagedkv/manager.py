@@ -1,0 +1,439 @@
+"""The block manager's Python face.
+
+Owns :class:`BlockManager`, a typed, documented wrapper over the extension's ``_core.BlockManager``,
+and the small result types it returns (:class:`AdmitResult`, :class:`StepInfo`, :class:`Stats`).
+All bookkeeping lives in the Rust core; this module only normalises arguments, so its invariants are
+the core's:
+
+* every method either succeeds or raises a :mod:`pagedkv.errors` class and leaves the manager
+  exactly as it was;
+* a block is allocated when a token first needs it, never ahead of time; admissions never take
+  blocks from the watermark reserve, appends may;
+* step buffers attached with :meth:`BlockManager.attach_buffers` are kept alive by the manager until
+  replaced, so the raw pointers the core writes through stay valid.
+
+Token ids may be a list or tuple of ints, a 1-D integer numpy array (int32/int64/uint32/...), a
+CPU torch tensor, or a single int. Arrays and tensors are read in place (``np.asarray`` makes no copy
+of a numpy array or a CPU tensor); the core converts to ``u32`` while checking the range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _core
+from .errors import BufferInvalidError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+    from .buffers import StepBuffers
+
+    TokenIds = Union[Sequence[int], npt.NDArray[np.integer], int, Any]
+    SeqIds = Union[Sequence[int], npt.NDArray[np.integer]]
+
+__all__ = ["BlockManager", "AdmitResult", "StepInfo", "Stats"]
+
+
+class AdmitResult(NamedTuple):
+    """Outcome of one admission."""
+
+    #: Prompt tokens whose KV was found in the prefix cache (a multiple of the block size).
+    cached_tokens: int
+    #: Blocks freshly allocated for the prompt.
+    new_blocks: int
+    #: Blocks in the sequence's table after admission (cached ones included).
+    num_blocks: int
+
+
+class StepInfo(NamedTuple):
+    """Extent of what one :meth:`BlockManager.step` wrote into the step buffers."""
+
+    #: Sequences in the batch (rows of ``block_tables`` written).
+    num_seqs: int
+    #: New tokens in the batch (entries of ``slot_mapping`` written).
+    num_tokens: int
+    #: Entries of ``kv_indices`` written (sum of the batch's block counts).
+    num_kv_indices: int
+    #: Copy-on-write ``(src, dst)`` pairs written to ``copies``; the queue is drained.
+    num_copies: int
+    #: Longest sequence in the batch, in tokens.
+    max_seq_len: int
+
+
+_new_tuple = tuple.__new__
+_ndarray = np.ndarray
+
+
+def _ids(x: Any) -> Any:
+    """Normalises token or sequence ids to something the extension reads directly.
+
+    Lists, tuples and numpy arrays pass through untouched (the extension reads them without a
+    Python-level copy); ints become a one-element list; anything else array-like (a CPU torch tensor,
+    ``array.array``, ``range``) goes through ``np.asarray``, which shares memory where it can.
+    """
+    t = type(x)
+    if t is _ndarray or t is list or t is tuple:
+        return x
+    if t is int:
+        return [x]
+    try:
+        return np.asarray(x)
+    except (TypeError, RuntimeError) as exc:
+        # A CUDA tensor lands here: it has no host memory to read.
+        reason = f"cannot be read as a host integer array ({exc})"
+        raise InvalidArgumentError(
+            f"invalid argument: ids = {type(x).__name__}: {reason}",
+            what="ids",
+            value=type(x).__name__,
+            reason=reason,
+        ) from None
+
+
+class BlockManager:
+    """Paged KV cache block manager: block tables, prefix cache and step output.
+
+    Args:
+        num_blocks: Blocks in the pool (``1 <= num_blocks < 2**32 - 1``).
+        block_size: Tokens per block.
+        watermark_blocks: Blocks kept back from admissions so running sequences can always append;
+            must be below ``num_blocks``. ``None`` takes the core's default.
+        max_blocks_per_seq: Width of a block-table row (longest sequence, in blocks). ``None`` takes
+            the core's default.
+        enable_prefix_caching: Share full blocks between sequences with the same token prefix
+            (and the same extra keys), and keep freed full blocks cached until their space is needed.
+        verify_prefix: On a prefix-cache hit, also compare token ids, raising
+            :class:`~pagedkv.errors.PrefixCollisionError` on a mismatch (guards against a hash
+            collision at the price of a memory compare).
+
+    Raises:
+        InvalidConfigError: A value is out of range (no blocks, block size 0, watermark ≥ pool, ...).
+        InvalidArgumentError: A value is negative or not an int.
+    """
+
+    __slots__ = ("_core", "_buffers", "_append_batch", "_step")
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        watermark_blocks: Optional[int] = None,
+        max_blocks_per_seq: Optional[int] = None,
+        enable_prefix_caching: bool = True,
+        verify_prefix: bool = False,
+    ) -> None:
+        self._core = _core.BlockManager(
+            num_blocks,
+            block_size,
+            watermark_blocks,
+            max_blocks_per_seq,
+            bool(enable_prefix_caching),
+            bool(verify_prefix),
+        )
+        self._buffers: Optional[StepBuffers] = None
+        # Bound once: the hot path then skips two attribute lookups per call.
+        self._append_batch = self._core.append_batch
+        self._step = self._core.step
+
+    # ----------------------------------------------------------------------------------- config
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
+        return self._core.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._core.block_size
+
+    @property
+    def watermark_blocks(self) -> int:
+        """Blocks kept back from admissions."""
+        return self._core.watermark_blocks
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Width of a block-table row: the most blocks one sequence may hold."""
+        return self._core.max_blocks_per_seq
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        """Whether full blocks are shared and cached by prefix hash."""
+        return self._core.enable_prefix_caching
+
+    @property
+    def verify_prefix(self) -> bool:
+        """Whether prefix-cache hits also compare token ids."""
+        return self._core.verify_prefix
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation could take now: free ones plus cached-free (evictable) ones."""
+        return self._core.num_free_blocks()
+
+    @property
+    def num_seqs(self) -> int:
+        """Live sequences (same as ``len(manager)``)."""
+        return self._core.num_seqs()
+
+    # ------------------------------------------------------------------------------- sequences
+
+    def can_admit(self, num_tokens: int) -> bool:
+        """Whether a prompt of ``num_tokens`` tokens fits above the watermark reserve right now.
+
+        Conservative: ignores prefix-cache hits, which can only make an admission cheaper.
+
+        Args:
+            num_tokens: Prompt length.
+
+        Raises:
+            InvalidArgumentError: ``num_tokens`` is negative or not an int.
+        """
+        return self._core.can_admit(num_tokens)
+
+    def admit(
+        self,
+        seq_id: int,
+        token_ids: TokenIds,
+        *,
+        cache_salt: Union[bytes, str, None] = None,
+        adapter_id: Optional[int] = None,
+        mm_inputs: Optional[List[Tuple[int, int, bytes]]] = None,
+        extra_keys: Optional[bytes] = None,
+    ) -> AdmitResult:
+        """Admits a new sequence with its prompt, reusing cached prefix blocks where possible.
+
+        Allocates ``ceil(len(token_ids) / block_size)`` blocks, fewer on a prefix-cache hit. The
+        keyword arguments are the extra keys mixed into the prefix hash: two prompts share blocks
+        only when their token ids *and* these keys agree.
+
+        Args:
+            seq_id: A new sequence id (``0 <= seq_id < 2**64``).
+            token_ids: The prompt (at least one token).
+            cache_salt: Per-tenant salt; prompts with different salts never share blocks.
+            adapter_id: LoRA adapter id; blocks are shared only within one adapter.
+            mm_inputs: Multimodal inputs as ``(start, end, content_hash)``: token positions
+                ``[start, end)`` hold placeholder tokens for an input whose content hash is given;
+                blocks overlapping the range are keyed by the hash too.
+            extra_keys: Any further bytes that change the KV values, applied to every block.
+
+        Returns:
+            The :class:`AdmitResult`.
+
+        Raises:
+            DuplicateSequenceError: ``seq_id`` is already admitted.
+            InvalidArgumentError: An id is negative or too large, the prompt is empty, or a key
+                is malformed.
+            WatermarkReachedError: The new blocks would dip into the watermark reserve.
+            SequenceTooLongError: The prompt needs more than ``max_blocks_per_seq`` blocks.
+            PrefixCollisionError: ``verify_prefix`` found a hash collision.
+        """
+        return _new_tuple(
+            AdmitResult,
+            self._core.admit(seq_id, _ids(token_ids), cache_salt, adapter_id, mm_inputs, extra_keys),
+        )
+
+    def append(self, seq_id: int, token_ids: TokenIds) -> None:
+        """Appends tokens to a sequence, allocating a block only when a boundary is crossed.
+
+        May use the watermark reserve. Appending into a block shared with another sequence (after
+        :meth:`fork`) copies it first and queues a ``(src, dst)`` copy for the next :meth:`step`.
+
+        Args:
+            seq_id: A live sequence.
+            token_ids: The new tokens (an int appends one).
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not live.
+            InvalidArgumentError: A token id is negative or above ``2**32 - 1``.
+            OutOfBlocksError: The pool is empty, reserve included.
+            SequenceTooLongError: The sequence would outgrow its block-table row.
+        """
+        self._core.append(seq_id, _ids(token_ids))
+
+    def append_batch(self, seq_ids: SeqIds, token_ids: TokenIds) -> None:
+        """Appends one token to each of many sequences: the decode step's hot path.
+
+        All or nothing: if any sequence fails, none is changed.
+
+        Args:
+            seq_ids: Live sequence ids, no repeats (int64 or uint64 array, or a list).
+            token_ids: One token id per sequence, same length as ``seq_ids``.
+
+        Raises:
+            UnknownSequenceError: A sequence is not live.
+            InvalidArgumentError: Lengths differ, a sequence repeats, or an id is out of range.
+            OutOfBlocksError: The pool cannot supply the blocks the batch needs.
+            SequenceTooLongError: A sequence would outgrow its block-table row.
+        """
+        self._append_batch(_ids(seq_ids), _ids(token_ids))
+
+    def fork(self, parent: int, child: int) -> None:
+        """Creates ``child`` sharing all of ``parent``'s blocks (parallel sampling, beam search).
+
+        No block is copied now; the first write into a shared block copies it (copy-on-write).
+
+        Args:
+            parent: A live sequence.
+            child: A new sequence id.
+
+        Raises:
+            UnknownSequenceError: ``parent`` is not live.
+            DuplicateSequenceError: ``child`` is already live.
+            InvalidArgumentError: An id is negative or too large.
+        """
+        self._core.fork(parent, child)
+
+    def free(self, seq_id: int) -> None:
+        """Releases a sequence; its full blocks stay in the prefix cache until their space is needed.
+
+        Args:
+            seq_id: A live sequence.
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not live.
+        """
+        self._core.free(seq_id)
+
+    def __contains__(self, seq_id: object) -> bool:
+        """Whether ``seq_id`` is a live sequence (False for anything that is not a valid id)."""
+        if type(seq_id) is not int or seq_id < 0:
+            return False
+        return self._core.contains(seq_id)
+
+    def __len__(self) -> int:
+        """Live sequences."""
+        return self._core.num_seqs()
+
+    def seq_len(self, seq_id: int) -> int:
+        """Tokens in a sequence.
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not live.
+        """
+        return self._core.seq_len(seq_id)
+
+    def block_table(self, seq_id: int) -> List[int]:
+        """A sequence's block table: physical block ids, one per ``block_size`` tokens.
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not live.
+        """
+        return self._core.block_table(seq_id)
+
+    def block_hashes(self, seq_id: int) -> List[bytes]:
+        """The chained prefix hashes of a sequence's full blocks (16 bytes each).
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not live.
+        """
+        return self._core.block_hashes(seq_id)
+
+    # ------------------------------------------------------------------------------------ steps
+
+    def attach_buffers(self, buffers: StepBuffers) -> None:
+        """Registers the step buffers that :meth:`step` fills; replaces any earlier registration.
+
+        The core validates every pointer, dtype and capacity once here. The manager keeps
+        ``buffers`` alive until replaced, so the memory outlives the registration. On error the
+        earlier registration (if any) stays in place.
+
+        Raises:
+            BufferInvalidError: A host tensor is not contiguous CPU memory or has the wrong dtype.
+            BufferTooSmallError: A host tensor is smaller than the layout needs.
+        """
+        host = buffers.host
+        args = []
+        tensors = []
+        for name, t in host.items():
+            if not hasattr(t, "data_ptr"):
+                raise _buffer_invalid(name, "a torch.Tensor", type(t).__name__)
+            if t.device.type != "cpu":
+                raise _buffer_invalid(name, "host (CPU) memory", f"device {t.device}")
+            if not t.is_contiguous():
+                raise _buffer_invalid(
+                    name, "contiguous memory", f"strides {tuple(t.stride())}"
+                )
+            args.append((t.data_ptr(), t.numel(), str(t.dtype).rpartition(".")[2]))
+            tensors.append(t)
+        # The core holds the tensors themselves, not `buffers`: those are what its pointers point into.
+        self._core.register_buffers(
+            buffers.max_seqs, buffers.max_blocks_per_seq, *args, keepalive=tuple(tensors)
+        )
+        self._buffers = buffers
+
+    @property
+    def buffers(self) -> Optional[StepBuffers]:
+        """The attached step buffers, if any."""
+        return self._buffers
+
+    def step(self, seq_ids: SeqIds, num_new_tokens: Union[SeqIds, int]) -> StepInfo:
+        """Fills the attached host buffers for one step of the given batch.
+
+        Each ``(seq_ids[i], num_new_tokens[i])`` means "the last ``n`` tokens of the sequence are new
+        this step" (they must already have been added with :meth:`admit` / :meth:`append`). Writes
+        slot mapping, block-table rows in batch order, sequence lengths, query start offsets, the
+        FlashInfer CSR page table and the pending copy-on-write list (draining it). Follow with
+        :meth:`StepBuffers.to_device`.
+
+        Args:
+            seq_ids: The batch, in order.
+            num_new_tokens: New tokens per sequence, or one int for all (1 for a decode step).
+
+        Returns:
+            The :class:`StepInfo` extent of what was written.
+
+        Raises:
+            BuffersNotRegisteredError: No buffers attached.
+            UnknownSequenceError: A sequence is not live.
+            InvalidArgumentError: Lengths differ, a count exceeds its sequence, or a sequence repeats.
+            BufferTooSmallError: The batch does not fit the buffers; nothing was written.
+        """
+        return _new_tuple(StepInfo, self._step(_ids(seq_ids), num_new_tokens))
+
+    # ---------------------------------------------------------------------------------- signals
+
+    def stats(self) -> Stats:
+        """A snapshot of the manager's counters."""
+        return Stats(**self._core.stats())
+
+    def check_invariants(self) -> None:
+        """Cross-checks refcounts, free list, tables and prefix cache; for tests and debugging.
+
+        Raises:
+            InvariantViolationError: The state is inconsistent (a bug in the core).
+        """
+        self._core.check_invariants()
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"watermark_blocks={self.watermark_blocks}, "
+            f"max_blocks_per_seq={self.max_blocks_per_seq}, seqs={len(self)}, "
+            f"free_blocks={self.num_free_blocks})"
+        )
+
+
+def _buffer_invalid(name: str, expected: str, got: str) -> BufferInvalidError:
+    return BufferInvalidError(
+        f"buffer `{name}`: expected {expected}, got {got}", buffer=name, expected=expected, got=got
+    )
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A snapshot of the manager's counters (see the core's ``metrics`` module)."""
+
+    # Filled in from the core's Stats; see _core.BlockManager.stats.
+    num_blocks: int
+    num_free_blocks: int
+    num_seqs: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """The counters as a plain dict."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
