@@ -1,0 +1,564 @@
+//! Free lists of block ids.
+//!
+//! This module owns the set of block ids that are currently free, and nothing else: reference
+//! counts and the "who owns what" bookkeeping live in [`crate::pool`]. Two implementations share
+//! the [`FreeList`] trait:
+//!
+//! - [`LockFreeFreeList`]: a tagged Treiber stack threaded through a preallocated `next` array.
+//!   The head (index of the top node plus a modification tag) is one `AtomicU64`, so a pop's
+//!   compare-and-swap fails whenever *anything* happened to the stack since the head was read —
+//!   the ABA problem cannot occur short of 2^32 successful operations landing between one
+//!   thread's load and its CAS.
+//! - [`MutexFreeList`]: a `Mutex<Vec<u32>>`, the baseline the benches compare against.
+//!
+//! Invariants, for both:
+//! - Every id in `0..capacity` is either on the list exactly once or held by exactly one caller
+//!   (the caller promises never to push an id that is already free).
+//! - `len()` is authoritative: it is exact whenever no operation is in flight, and `try_pop_n(k)`
+//!   succeeds iff it could reserve `k` from it.
+//! - A fresh list hands out ids in increasing order (0, 1, 2, …), and a batch pop hands out the
+//!   same ids, in the same order, as the equivalent run of single pops.
+//!
+//! The lock-free list is written against `loom`'s atomics when built with `--cfg loom`, so the
+//! very code below is model-checked by `tests/loom_freelist.rs`.
+
+use crate::BlockId;
+
+#[cfg(loom)]
+use loom::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize};
+#[cfg(loom)]
+use loom::sync::Mutex;
+#[cfg(not(loom))]
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize};
+#[cfg(not(loom))]
+use std::sync::Mutex;
+
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+
+/// A concurrent set of free block ids in `0..capacity`.
+///
+/// All methods take `&self` and are safe to call from many threads at once.
+pub trait FreeList: Send + Sync {
+    /// A list holding every id in `0..n`, handing out low ids first.
+    ///
+    /// `u32::MAX` is reserved as the "no block" sentinel, so the capacity is at most
+    /// `u32::MAX - 1`; a larger `n` is clamped to that.
+    fn with_capacity(n: u32) -> Self
+    where
+        Self: Sized;
+
+    /// Number of ids this list was built over.
+    fn capacity(&self) -> u32;
+
+    /// Number of free ids. Exact when no operation is in flight; while pops and pushes race it
+    /// may lag by the operations not yet finished, but it never exceeds what can be popped.
+    fn len(&self) -> usize;
+
+    /// Whether no id is free.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Takes one free id, or `None` if there is none.
+    fn pop(&self) -> Option<BlockId>;
+
+    /// All-or-nothing: appends exactly `k` free ids to `out` and returns `true`, or leaves `out`
+    /// and the list untouched and returns `false` when fewer than `k` are free.
+    fn try_pop_n(&self, k: usize, out: &mut Vec<BlockId>) -> bool;
+
+    /// Returns `id` to the list. The caller guarantees that `id` is not already free; an id
+    /// outside `0..capacity` is ignored.
+    fn push(&self, id: BlockId);
+
+    /// A snapshot of the free ids, top of the list first (the order they would be popped in).
+    ///
+    /// Only meaningful when no operation is in flight. The walk is bounded by the capacity, so
+    /// even a corrupted list cannot make it loop forever; the result may then hold duplicates or
+    /// be cut short, which is exactly what an invariant check wants to see.
+    fn free_ids(&self) -> Vec<BlockId>;
+}
+
+/// Index value meaning "no node": the empty stack, or the end of the chain.
+const NIL: u32 = u32::MAX;
+
+/// Largest capacity: every valid id must differ from [`NIL`].
+const MAX_CAPACITY: u32 = u32::MAX - 1;
+
+/// How many times a batch pop tries to take its whole reservation with one CAS before it
+/// falls back to popping node by node (which always makes progress).
+const BATCH_ATTEMPTS: usize = 2;
+
+#[inline(always)]
+fn pack(tag: u32, index: u32) -> u64 {
+    ((tag as u64) << 32) | index as u64
+}
+
+#[inline(always)]
+fn index_of(head: u64) -> u32 {
+    head as u32
+}
+
+#[inline(always)]
+fn tag_of(head: u64) -> u32 {
+    (head >> 32) as u32
+}
+
+/// Backs off inside a retry loop. Under loom this must yield, or the model checker would
+/// explore an unbounded spin.
+#[inline(always)]
+fn spin() {
+    #[cfg(loom)]
+    loom::thread::yield_now();
+    #[cfg(not(loom))]
+    std::hint::spin_loop();
+}
+
+/// Keeps `T` on its own cache line, so that the head and the count — each hammered by every
+/// operation — do not false-share with each other or with the `next` array's allocation header.
+#[repr(align(64))]
+#[derive(Debug)]
+struct CachePadded<T>(T);
+
+impl<T> std::ops::Deref for CachePadded<T> {
+    type Target = T;
+    #[inline(always)]
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+/// Lock-free free list: a tagged Treiber stack over a preallocated `next` array.
+///
+/// Layout: `next[i]` is the id below `i` on the stack (or [`NIL`]); `head` packs
+/// `(tag << 32) | top_index`; `count` is the authoritative number of free ids.
+///
+/// Protocol:
+/// - **push** links the node (store `next[id]`, CAS the head), *then* increments `count`.
+/// - **pop** first reserves one unit from `count` (refusing at 0), *then* unlinks a node.
+///
+/// Because a node is always on the stack before it is counted, and counted before anyone can
+/// reserve it, a thread holding a reservation of `k` is guaranteed that `k` nodes are on the
+/// stack for it: it may have to retry a CAS, but it never finds the stack short. That is what
+/// makes [`FreeList::try_pop_n`] all-or-nothing without a lock.
+pub struct LockFreeFreeList {
+    head: CachePadded<AtomicU64>,
+    count: CachePadded<AtomicUsize>,
+    next: Box<[AtomicU32]>,
+    capacity: u32,
+}
+
+impl std::fmt::Debug for LockFreeFreeList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LockFreeFreeList")
+            .field("capacity", &self.capacity)
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+impl LockFreeFreeList {
+    /// Reserves `k` units from the free count, or refuses (returning `false`) if fewer are
+    /// counted. On success the caller owns the right to unlink exactly `k` nodes.
+    #[inline]
+    fn reserve(&self, k: usize) -> bool {
+        // Relaxed first read: it only seeds the CAS, which re-validates the value.
+        let mut c = self.count.load(Relaxed);
+        loop {
+            if c < k {
+                return false;
+            }
+            // Acquire on success: it pairs with the Release increment in `push`, so the head
+            // CAS that linked each counted node happens-before our own head operations. That
+            // is the step that turns "counted" into "visible on the stack".
+            match self.count.compare_exchange_weak(c, c - k, Acquire, Relaxed) {
+                Ok(_) => return true,
+                Err(actual) => c = actual,
+            }
+        }
+    }
+
+    /// Unlinks one node; the caller holds a reservation for it.
+    #[inline]
+    fn pop_reserved(&self) -> u32 {
+        // Acquire: pairs with the Release head CAS of the push that linked the top node, so the
+        // `next[top]` store that push made (and whatever the pusher wrote into the block) is
+        // visible to us. Every head update is a read-modify-write, so this holds for any push
+        // earlier in the head's modification order, not only the latest one.
+        let mut cur = self.head.load(Acquire);
+        loop {
+            let top = index_of(cur);
+            if top == NIL {
+                // Our reservation guarantees a node at the head's latest value; an empty head
+                // can only be a stale read. Re-read until the link becomes visible.
+                spin();
+                cur = self.head.load(Acquire);
+                continue;
+            }
+            // Relaxed: ordered by the Acquire above. If `top` was popped and re-pushed since
+            // we read the head, this value may be garbage — but then the tag moved on, and the
+            // CAS below fails.
+            let below = match self.next.get(top as usize) {
+                Some(n) => n.load(Relaxed),
+                None => NIL, // unreachable: only valid ids are ever linked
+            };
+            let new = pack(tag_of(cur).wrapping_add(1), below);
+            // Acquire on failure too: the value we get back becomes our next `cur`, whose
+            // `next` entry we read on the next iteration.
+            match self.head.compare_exchange_weak(cur, new, Acquire, Acquire) {
+                Ok(_) => return top,
+                Err(actual) => {
+                    cur = actual;
+                    spin();
+                }
+            }
+        }
+    }
+
+    /// Unlinks `k >= 1` reserved nodes with one CAS: walks `k - 1` links down from the top and
+    /// swings the head past them. Returns `false` (with `out` as it was) if the walk saw an
+    /// inconsistent chain or the CAS lost a race.
+    ///
+    /// The walk is sound: a successful CAS proves the head did not change since it was read, and
+    /// since every stack change moves the head's tag, the chain below it did not change either.
+    /// The `next` values read along it were published by the pushes that linked those nodes, all
+    /// of which precede the head value we acquired.
+    #[inline]
+    fn try_pop_chain(&self, k: usize, out: &mut Vec<BlockId>) -> bool {
+        let start = out.len();
+        let cur = self.head.load(Acquire);
+        let mut node = index_of(cur);
+        for _ in 0..k {
+            match self.next.get(node as usize) {
+                Some(n) => {
+                    out.push(node);
+                    node = n.load(Relaxed);
+                }
+                None => {
+                    // Hit NIL (or an out-of-range stale value): not a consistent snapshot.
+                    out.truncate(start);
+                    return false;
+                }
+            }
+        }
+        let new = pack(tag_of(cur).wrapping_add(1), node);
+        if self.head.compare_exchange(cur, new, Acquire, Relaxed).is_ok() {
+            true
+        } else {
+            out.truncate(start);
+            false
+        }
+    }
+}
+
+impl FreeList for LockFreeFreeList {
+    fn with_capacity(n: u32) -> Self {
+        let n = n.min(MAX_CAPACITY);
+        // Initial chain 0 -> 1 -> … -> n-1 -> NIL, so a fresh list pops 0 first.
+        let next: Box<[AtomicU32]> = (0..n)
+            .map(|i| AtomicU32::new(if i + 1 < n { i + 1 } else { NIL }))
+            .collect();
+        let top = if n == 0 { NIL } else { 0 };
+        LockFreeFreeList {
+            head: CachePadded(AtomicU64::new(pack(0, top))),
+            count: CachePadded(AtomicUsize::new(n as usize)),
+            next,
+            capacity: n,
+        }
+    }
+
+    #[inline]
+    fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    #[inline]
+    fn len(&self) -> usize {
+        // Relaxed: a point-in-time reading for callers; it carries no synchronization duty.
+        self.count.load(Relaxed)
+    }
+
+    #[inline]
+    fn pop(&self) -> Option<BlockId> {
+        if !self.reserve(1) {
+            return None;
+        }
+        Some(self.pop_reserved())
+    }
+
+    fn try_pop_n(&self, k: usize, out: &mut Vec<BlockId>) -> bool {
+        if k == 0 {
+            return true;
+        }
+        if k > self.capacity as usize {
+            return false;
+        }
+        // Grow `out` before reserving, so that nothing can fail (or unwind) while we hold
+        // a reservation that would otherwise leak free ids.
+        out.reserve(k);
+        if !self.reserve(k) {
+            return false;
+        }
+        // Fast path: the whole reservation in one CAS. Under contention the chain walk may keep
+        // losing to single pops, so after a few tries fall back to node-by-node, which is
+        // guaranteed to finish because the reservation holds `k` nodes for us.
+        for _ in 0..BATCH_ATTEMPTS {
+            if self.try_pop_chain(k, out) {
+                return true;
+            }
+            spin();
+        }
+        for _ in 0..k {
+            out.push(self.pop_reserved());
+        }
+        true
+    }
+
+    #[inline]
+    fn push(&self, id: BlockId) {
+        let Some(slot) = self.next.get(id as usize) else {
+            return;
+        };
+        // Relaxed load: the value only seeds the CAS, which validates it.
+        let mut cur = self.head.load(Relaxed);
+        loop {
+            // Relaxed: published by the Release CAS below.
+            slot.store(index_of(cur), Relaxed);
+            let new = pack(tag_of(cur).wrapping_add(1), id);
+            // Release: makes the `next[id]` store above — and the caller's writes to the block
+            // before handing it back — visible to the thread that pops `id`.
+            match self.head.compare_exchange_weak(cur, new, Release, Relaxed) {
+                Ok(_) => break,
+                Err(actual) => cur = actual,
+            }
+        }
+        // Count only after the node is linked (see the type's docs). Release: a reserver that
+        // acquires this increment also sees the link above.
+        self.count.fetch_add(1, Release);
+    }
+
+    fn free_ids(&self) -> Vec<BlockId> {
+        let mut ids = Vec::with_capacity(self.len());
+        let mut node = index_of(self.head.load(Acquire));
+        while ids.len() < self.capacity as usize {
+            match self.next.get(node as usize) {
+                Some(n) => {
+                    ids.push(node);
+                    node = n.load(Acquire);
+                }
+                None => break,
+            }
+        }
+        ids
+    }
+}
+
+/// The baseline: a `Vec<u32>` behind a mutex, used as a stack (top = end of the vector).
+#[derive(Debug)]
+pub struct MutexFreeList {
+    ids: Mutex<Vec<u32>>,
+    capacity: u32,
+}
+
+impl MutexFreeList {
+    /// Locks the vector. A poisoned lock is still usable: every critical section below leaves
+    /// the vector consistent before anything in it could panic.
+    #[inline]
+    fn guard(&self) -> impl std::ops::DerefMut<Target = Vec<u32>> + '_ {
+        self.ids.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl FreeList for MutexFreeList {
+    fn with_capacity(n: u32) -> Self {
+        let n = n.min(MAX_CAPACITY);
+        // Reversed, so that popping from the end hands out 0 first.
+        MutexFreeList { ids: Mutex::new((0..n).rev().collect()), capacity: n }
+    }
+
+    #[inline]
+    fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    #[inline]
+    fn len(&self) -> usize {
+        self.guard().len()
+    }
+
+    #[inline]
+    fn pop(&self) -> Option<BlockId> {
+        self.guard().pop()
+    }
+
+    fn try_pop_n(&self, k: usize, out: &mut Vec<BlockId>) -> bool {
+        let mut ids = self.guard();
+        if k > ids.len() {
+            return false;
+        }
+        let split = ids.len() - k;
+        // Same order as `k` single pops: top (end of the vector) first.
+        out.extend(ids.drain(split..).rev());
+        true
+    }
+
+    #[inline]
+    fn push(&self, id: BlockId) {
+        if id < self.capacity {
+            self.guard().push(id);
+        }
+    }
+
+    fn free_ids(&self) -> Vec<BlockId> {
+        self.guard().iter().rev().copied().collect()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    fn fresh_order<F: FreeList>() {
+        let l = F::with_capacity(5);
+        assert_eq!(l.capacity(), 5);
+        assert_eq!(l.len(), 5);
+        assert_eq!(l.free_ids(), vec![0, 1, 2, 3, 4]);
+        let got: Vec<_> = (0..5).map(|_| l.pop().unwrap()).collect();
+        assert_eq!(got, vec![0, 1, 2, 3, 4]);
+        assert_eq!(l.pop(), None);
+        assert!(l.is_empty());
+        assert!(l.free_ids().is_empty());
+    }
+
+    fn lifo_and_batch<F: FreeList>() {
+        let l = F::with_capacity(8);
+        let mut out = vec![99];
+        assert!(l.try_pop_n(3, &mut out));
+        assert_eq!(out, vec![99, 0, 1, 2]);
+        l.push(1);
+        l.push(0);
+        assert_eq!(l.len(), 7);
+        // Batch pop sees the same order as single pops would: 0, 1, 3, 4, …
+        assert_eq!(l.free_ids(), vec![0, 1, 3, 4, 5, 6, 7]);
+        let mut out = Vec::new();
+        assert!(l.try_pop_n(4, &mut out));
+        assert_eq!(out, vec![0, 1, 3, 4]);
+        assert_eq!(l.pop(), Some(5));
+    }
+
+    fn all_or_nothing<F: FreeList>() {
+        let l = F::with_capacity(4);
+        let mut out = vec![7];
+        assert!(!l.try_pop_n(5, &mut out));
+        assert_eq!(out, vec![7]);
+        assert_eq!(l.len(), 4);
+        assert_eq!(l.pop(), Some(0));
+        assert!(!l.try_pop_n(4, &mut out));
+        assert_eq!(out, vec![7]);
+        assert_eq!(l.len(), 3);
+        assert!(l.try_pop_n(0, &mut out));
+        assert_eq!(out, vec![7]);
+        assert!(l.try_pop_n(3, &mut out));
+        assert_eq!(out, vec![7, 1, 2, 3]);
+        assert!(l.is_empty());
+        assert!(!l.try_pop_n(1, &mut out));
+        assert!(l.try_pop_n(0, &mut out));
+        assert_eq!(l.pop(), None);
+    }
+
+    fn ignores_out_of_range_push<F: FreeList>() {
+        let l = F::with_capacity(2);
+        l.push(2);
+        l.push(u32::MAX);
+        assert_eq!(l.len(), 2);
+        assert_eq!(l.free_ids(), vec![0, 1]);
+    }
+
+    fn empty_list<F: FreeList>() {
+        let l = F::with_capacity(0);
+        assert_eq!(l.capacity(), 0);
+        assert!(l.is_empty());
+        assert_eq!(l.pop(), None);
+        let mut out = Vec::new();
+        assert!(!l.try_pop_n(1, &mut out));
+        assert!(l.try_pop_n(0, &mut out));
+        l.push(0);
+        assert!(l.is_empty());
+        assert!(l.free_ids().is_empty());
+    }
+
+    fn many_cycles<F: FreeList>() {
+        // Interleaved pushes and pops keep the set exact.
+        let n = 64u32;
+        let l = F::with_capacity(n);
+        let mut held = Vec::new();
+        let mut state = 0x9e37_79b9_u32;
+        for _ in 0..10_000 {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            match state % 3 {
+                0 => {
+                    if let Some(id) = l.pop() {
+                        held.push(id);
+                    }
+                }
+                1 => {
+                    let k = (state >> 8) as usize % 6;
+                    let before = held.len();
+                    let ok = l.try_pop_n(k, &mut held);
+                    assert_eq!(held.len(), if ok { before + k } else { before });
+                }
+                _ => {
+                    if !held.is_empty() {
+                        let i = (state >> 4) as usize % held.len();
+                        l.push(held.swap_remove(i));
+                    }
+                }
+            }
+            assert_eq!(l.len() + held.len(), n as usize);
+        }
+        let free: HashSet<_> = l.free_ids().into_iter().collect();
+        assert_eq!(free.len(), l.len());
+        for id in &held {
+            assert!(!free.contains(id));
+        }
+        assert_eq!(free.len() + held.len(), n as usize);
+    }
+
+    macro_rules! both {
+        ($($name:ident),*) => {
+            mod lock_free {
+                $(#[test] fn $name() { super::$name::<super::LockFreeFreeList>(); })*
+            }
+            mod mutex {
+                $(#[test] fn $name() { super::$name::<super::MutexFreeList>(); })*
+            }
+        };
+    }
+    both!(fresh_order, lifo_and_batch, all_or_nothing, ignores_out_of_range_push, empty_list, many_cycles);
+
+    #[test]
+    fn packing_round_trips() {
+        let h = pack(0xdead_beef, 0x1234_5678);
+        assert_eq!(tag_of(h), 0xdead_beef);
+        assert_eq!(index_of(h), 0x1234_5678);
+        assert_eq!(index_of(pack(u32::MAX, NIL)), NIL);
+    }
+
+    #[test]
+    fn tag_moves_on_every_change() {
+        let l = LockFreeFreeList::with_capacity(3);
+        let t0 = tag_of(l.head.load(Relaxed));
+        let id = l.pop().unwrap();
+        let t1 = tag_of(l.head.load(Relaxed));
+        l.push(id);
+        let t2 = tag_of(l.head.load(Relaxed));
+        let mut out = Vec::new();
+        assert!(l.try_pop_n(2, &mut out));
+        let t3 = tag_of(l.head.load(Relaxed));
+        assert!(t0 != t1 && t1 != t2 && t2 != t3);
+        // The same top index with a different tag: exactly the ABA case the tag guards against.
+        assert_eq!(index_of(l.head.load(Relaxed)), 2);
+    }
+}

@@ -1,0 +1,486 @@
+//! The block pool: a free list plus one atomic reference count per block.
+//!
+//! The pool owns the answer to "is block `b` free, and if not, how many references does it
+//! have?". It does not know about sequences, hashes or caching; those live in the manager, which
+//! holds blocks through the counts kept here.
+//!
+//! Each block is in exactly one of three states, encoded in its count word:
+//! - **free** ([`FREE`] internally): on the free list, owned by nobody. Reported as refcount 0.
+//! - **referenced** (count ≥ 1): handed out; `allocate` starts it at 1, `incref`/`decref` move it.
+//! - **unreferenced** (count 0): allocated but holding no references — e.g. a block kept by a
+//!   prefix cache for reuse. It can be revived with `incref` (0 → 1) or given back with `release`.
+//!
+//! Invariants:
+//! - A block is on the free list iff its word is [`FREE`]; so no block is ever handed out twice,
+//!   and no block is released twice (a second release or free fails instead of corrupting the
+//!   list).
+//! - Every state change is a single atomic compare-and-swap on the count word, so concurrent
+//!   `incref`/`decref`/`free`/`release` calls on one block serialize without a lock.
+//! - Every method validates its input first and returns a typed [`Error`] with the pool unchanged;
+//!   nothing here panics on any input.
+
+use crate::freelist::{FreeList, LockFreeFreeList};
+use crate::{BlockId, Error, Result};
+
+#[cfg(loom)]
+use loom::sync::atomic::AtomicU32;
+#[cfg(not(loom))]
+use std::sync::atomic::AtomicU32;
+
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed};
+
+/// Count word of a block that is on the free list.
+const FREE: u32 = u32::MAX;
+/// Largest reference count a block can reach; one more `incref` is refused.
+pub const MAX_REFCOUNT: u32 = u32::MAX - 1;
+
+/// A fixed set of `num_blocks` blocks with per-block reference counts. `&self` everywhere;
+/// safe to share between threads.
+pub struct BlockPool<F: FreeList = LockFreeFreeList> {
+    free: F,
+    counts: Box<[AtomicU32]>,
+}
+
+impl<F: FreeList> std::fmt::Debug for BlockPool<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockPool")
+            .field("num_blocks", &self.num_blocks())
+            .field("num_free", &self.num_free())
+            .finish()
+    }
+}
+
+impl<F: FreeList> BlockPool<F> {
+    /// A pool of `num_blocks` free blocks, ids `0..num_blocks`.
+    ///
+    /// `InvalidConfig` for 0 blocks, or for `u32::MAX` (that id is the free list's sentinel).
+    pub fn new(num_blocks: u32) -> Result<Self> {
+        if num_blocks == 0 || num_blocks == u32::MAX {
+            return Err(Error::InvalidConfig {
+                field: "num_blocks",
+                value: num_blocks as u64,
+                reason: format!("must be in 1..={}", u32::MAX - 1),
+            });
+        }
+        let counts = (0..num_blocks).map(|_| AtomicU32::new(FREE)).collect();
+        Ok(BlockPool { free: F::with_capacity(num_blocks), counts })
+    }
+
+    /// Number of blocks in the pool.
+    #[inline]
+    pub fn num_blocks(&self) -> u32 {
+        self.counts.len() as u32
+    }
+
+    /// Number of blocks on the free list (exact when no operation is in flight).
+    #[inline]
+    pub fn num_free(&self) -> usize {
+        self.free.len()
+    }
+
+    #[inline]
+    fn word(&self, id: BlockId) -> Result<&AtomicU32> {
+        self.counts
+            .get(id as usize)
+            .ok_or(Error::InvalidBlock { block: id, num_blocks: self.num_blocks() })
+    }
+
+    /// Marks a block just taken off the free list as referenced once.
+    #[inline]
+    fn claim(&self, id: BlockId) {
+        if let Some(w) = self.counts.get(id as usize) {
+            debug_assert_eq!(w.load(Relaxed), FREE, "block {id} came off the free list but was not free");
+            // Relaxed store: nobody else writes a FREE word (every other transition refuses to
+            // start from FREE), and the free list's Release push / Acquire pop already order
+            // the release of this block before this store.
+            w.store(1, Relaxed);
+        }
+    }
+
+    /// Takes one free block; its refcount goes 0 → 1. `OutOfBlocks` if none is free.
+    #[inline]
+    pub fn allocate(&self) -> Result<BlockId> {
+        match self.free.pop() {
+            Some(id) => {
+                self.claim(id);
+                Ok(id)
+            }
+            None => Err(Error::OutOfBlocks { needed: 1, available: self.free.len() }),
+        }
+    }
+
+    /// All-or-nothing: appends `k` newly allocated blocks (each at refcount 1) to `out`, or
+    /// returns `OutOfBlocks` with `out` and the pool unchanged. `k = 0` appends nothing.
+    pub fn allocate_n(&self, k: usize, out: &mut Vec<BlockId>) -> Result<()> {
+        let start = out.len();
+        if !self.free.try_pop_n(k, out) {
+            return Err(Error::OutOfBlocks { needed: k, available: self.free.len() });
+        }
+        for &id in &out[start..] {
+            self.claim(id);
+        }
+        Ok(())
+    }
+
+    /// Current reference count of `id` (0 for a free block). `InvalidBlock` if out of range.
+    #[inline]
+    pub fn refcount(&self, id: BlockId) -> Result<u32> {
+        let c = self.word(id)?.load(Acquire);
+        Ok(if c == FREE { 0 } else { c })
+    }
+
+    /// Whether `id` is on the free list. `InvalidBlock` if out of range.
+    #[inline]
+    pub fn is_free(&self, id: BlockId) -> Result<bool> {
+        Ok(self.word(id)?.load(Acquire) == FREE)
+    }
+
+    /// Adds a reference and returns the new count. 0 → 1 is allowed: it revives an
+    /// unreferenced (cached) block. A free block cannot be referenced (it could be handed out
+    /// at the same time) → `InvalidArgument`; so does a count already at [`MAX_REFCOUNT`].
+    #[inline]
+    pub fn incref(&self, id: BlockId) -> Result<u32> {
+        let w = self.word(id)?;
+        let mut c = w.load(Relaxed);
+        loop {
+            if c == FREE {
+                return Err(Error::InvalidArgument {
+                    what: "block",
+                    value: id as i64,
+                    reason: "block is on the free list; allocate it instead of incref".into(),
+                });
+            }
+            if c == MAX_REFCOUNT {
+                return Err(Error::InvalidArgument {
+                    what: "block",
+                    value: id as i64,
+                    reason: format!("refcount would exceed {MAX_REFCOUNT}"),
+                });
+            }
+            // Acquire on success: a revive (0 → 1) must see what the last holder wrote before
+            // its Release decref. For c ≥ 1 it is free on the platforms we target.
+            match w.compare_exchange_weak(c, c + 1, Acquire, Relaxed) {
+                Ok(_) => return Ok(c + 1),
+                Err(actual) => c = actual,
+            }
+        }
+    }
+
+    /// Drops a reference and returns the new count; the block stays allocated even at 0.
+    /// `RefcountUnderflow` if the count is already 0 or the block is free (a double free).
+    #[inline]
+    pub fn decref(&self, id: BlockId) -> Result<u32> {
+        let w = self.word(id)?;
+        let mut c = w.load(Relaxed);
+        loop {
+            if c == 0 || c == FREE {
+                return Err(Error::RefcountUnderflow { block: id });
+            }
+            // AcqRel: Release so this holder's writes are ordered before the drop; Acquire so
+            // the holder that reaches 0 (and may release next) sees every earlier holder's.
+            match w.compare_exchange_weak(c, c - 1, AcqRel, Relaxed) {
+                Ok(_) => return Ok(c - 1),
+                Err(actual) => c = actual,
+            }
+        }
+    }
+
+    /// Puts an unreferenced (refcount-0) block back on the free list.
+    /// `InvalidArgument` if it still has references; `RefcountUnderflow` if it is already free.
+    #[inline]
+    pub fn release(&self, id: BlockId) -> Result<()> {
+        let w = self.word(id)?;
+        // One CAS decides the race against a concurrent revive (incref 0 → 1): exactly one wins.
+        match w.compare_exchange(0, FREE, AcqRel, Relaxed) {
+            Ok(_) => {
+                self.free.push(id);
+                Ok(())
+            }
+            Err(FREE) => Err(Error::RefcountUnderflow { block: id }),
+            Err(c) => Err(Error::InvalidArgument {
+                what: "block",
+                value: id as i64,
+                reason: format!("refcount is {c}; only a refcount-0 block can be released"),
+            }),
+        }
+    }
+
+    /// Drops a reference and, if it was the last, puts the block back on the free list.
+    /// Returns whether the block was released. `RefcountUnderflow` if the count is already 0 or
+    /// the block is free.
+    ///
+    /// The last reference goes straight from 1 to free in one CAS, so no revive can slip in
+    /// between the decrement and the release.
+    #[inline]
+    pub fn free(&self, id: BlockId) -> Result<bool> {
+        let w = self.word(id)?;
+        let mut c = w.load(Relaxed);
+        loop {
+            if c == 0 || c == FREE {
+                return Err(Error::RefcountUnderflow { block: id });
+            }
+            let new = if c == 1 { FREE } else { c - 1 };
+            // AcqRel: as in `decref`; the push below then publishes the block to its next owner.
+            match w.compare_exchange_weak(c, new, AcqRel, Relaxed) {
+                Ok(_) => {
+                    if new == FREE {
+                        self.free.push(id);
+                        return Ok(true);
+                    }
+                    return Ok(false);
+                }
+                Err(actual) => c = actual,
+            }
+        }
+    }
+
+    /// Snapshot of the free list, in the order it would hand blocks out. Exact only when no
+    /// operation is in flight.
+    pub fn free_ids(&self) -> Vec<BlockId> {
+        self.free.free_ids()
+    }
+
+    /// Checks, while quiescent, that the free list and the count words agree: every listed id is
+    /// in range, listed once and marked free; every block marked free is listed; the free count
+    /// matches. `InvariantViolation` describing the first mismatch otherwise.
+    pub fn check_invariants(&self) -> Result<()> {
+        let n = self.num_blocks() as usize;
+        let mut listed = vec![false; n];
+        let ids = self.free.free_ids();
+        for &id in &ids {
+            let Some(seen) = listed.get_mut(id as usize) else {
+                return Err(Error::InvariantViolation(format!(
+                    "free list holds block {id}, outside the pool of {n}"
+                )));
+            };
+            if *seen {
+                return Err(Error::InvariantViolation(format!("block {id} is on the free list twice")));
+            }
+            *seen = true;
+        }
+        if ids.len() != self.free.len() {
+            return Err(Error::InvariantViolation(format!(
+                "free list holds {} blocks but counts {}",
+                ids.len(),
+                self.free.len()
+            )));
+        }
+        for (id, (w, &on_list)) in self.counts.iter().zip(&listed).enumerate() {
+            let is_free = w.load(Acquire) == FREE;
+            if is_free != on_list {
+                return Err(Error::InvariantViolation(format!(
+                    "block {id}: marked {} but {} the free list",
+                    if is_free { "free" } else { "allocated" },
+                    if on_list { "on" } else { "not on" }
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::freelist::MutexFreeList;
+
+    /// Everything observable about a pool, to compare before and after an error.
+    fn state<F: FreeList>(p: &BlockPool<F>) -> (usize, Vec<BlockId>, Vec<u32>) {
+        let counts = (0..p.num_blocks()).map(|b| p.refcount(b).unwrap()).collect();
+        (p.num_free(), p.free_ids(), counts)
+    }
+
+    fn new_rejects_bad_sizes<F: FreeList>() {
+        for n in [0, u32::MAX] {
+            match BlockPool::<F>::new(n) {
+                Err(Error::InvalidConfig { field: "num_blocks", value, .. }) => assert_eq!(value, n as u64),
+                other => panic!("new({n}) gave {other:?}"),
+            }
+        }
+        let p = BlockPool::<F>::new(1).unwrap();
+        assert_eq!(p.num_blocks(), 1);
+        assert_eq!(p.num_free(), 1);
+    }
+
+    fn allocate_in_order_and_exhaust<F: FreeList>() {
+        let p = BlockPool::<F>::new(3).unwrap();
+        assert_eq!(p.allocate(), Ok(0));
+        assert_eq!(p.allocate(), Ok(1));
+        assert_eq!(p.refcount(0), Ok(1));
+        let mut out = Vec::new();
+        assert_eq!(p.allocate_n(1, &mut out), Ok(()));
+        assert_eq!(out, vec![2]);
+        let before = state(&p);
+        assert_eq!(p.allocate(), Err(Error::OutOfBlocks { needed: 1, available: 0 }));
+        assert_eq!(state(&p), before);
+        p.check_invariants().unwrap();
+    }
+
+    fn allocate_n_all_or_nothing<F: FreeList>() {
+        let p = BlockPool::<F>::new(4).unwrap();
+        p.allocate().unwrap();
+        let before = state(&p);
+        let mut out = vec![42];
+        assert_eq!(p.allocate_n(4, &mut out), Err(Error::OutOfBlocks { needed: 4, available: 3 }));
+        assert_eq!(out, vec![42]);
+        assert_eq!(state(&p), before);
+        assert_eq!(p.allocate_n(usize::MAX, &mut out), Err(Error::OutOfBlocks { needed: usize::MAX, available: 3 }));
+        assert_eq!(state(&p), before);
+        assert_eq!(p.allocate_n(0, &mut out), Ok(()));
+        assert_eq!(out, vec![42]);
+        assert_eq!(p.allocate_n(3, &mut out), Ok(()));
+        assert_eq!(out, vec![42, 1, 2, 3]);
+        for b in 1..4 {
+            assert_eq!(p.refcount(b), Ok(1));
+        }
+        assert_eq!(p.num_free(), 0);
+        p.check_invariants().unwrap();
+    }
+
+    fn invalid_block_everywhere<F: FreeList>() {
+        let p = BlockPool::<F>::new(2).unwrap();
+        p.allocate().unwrap();
+        let before = state(&p);
+        for bad in [2, 3, u32::MAX] {
+            let e = Error::InvalidBlock { block: bad, num_blocks: 2 };
+            assert_eq!(p.refcount(bad), Err(e.clone()));
+            assert_eq!(p.is_free(bad), Err(e.clone()));
+            assert_eq!(p.incref(bad), Err(e.clone()));
+            assert_eq!(p.decref(bad), Err(e.clone()));
+            assert_eq!(p.release(bad), Err(e.clone()));
+            assert_eq!(p.free(bad), Err(e));
+            assert_eq!(state(&p), before);
+        }
+    }
+
+    fn refcount_lifecycle<F: FreeList>() {
+        let p = BlockPool::<F>::new(2).unwrap();
+        let b = p.allocate().unwrap();
+        assert_eq!(p.is_free(b), Ok(false));
+        assert_eq!(p.incref(b), Ok(2));
+        assert_eq!(p.incref(b), Ok(3));
+        assert_eq!(p.free(b), Ok(false));
+        assert_eq!(p.refcount(b), Ok(2));
+        assert_eq!(p.decref(b), Ok(1));
+        assert_eq!(p.decref(b), Ok(0));
+        // Unreferenced but still allocated: not on the free list, revivable.
+        assert_eq!(p.num_free(), 1);
+        assert_eq!(p.is_free(b), Ok(false));
+        p.check_invariants().unwrap();
+        assert_eq!(p.incref(b), Ok(1));
+        assert_eq!(p.decref(b), Ok(0));
+        assert_eq!(p.release(b), Ok(()));
+        assert_eq!(p.is_free(b), Ok(true));
+        assert_eq!(p.refcount(b), Ok(0));
+        assert_eq!(p.num_free(), 2);
+        // Released blocks come back first (LIFO).
+        assert_eq!(p.allocate(), Ok(b));
+        assert_eq!(p.free(b), Ok(true));
+        assert_eq!(p.num_free(), 2);
+        p.check_invariants().unwrap();
+    }
+
+    fn underflow_and_double_free<F: FreeList>() {
+        let p = BlockPool::<F>::new(3).unwrap();
+        let b = p.allocate().unwrap();
+        p.decref(b).unwrap();
+        let before = state(&p);
+        assert_eq!(p.decref(b), Err(Error::RefcountUnderflow { block: b }));
+        assert_eq!(p.free(b), Err(Error::RefcountUnderflow { block: b }));
+        assert_eq!(state(&p), before);
+        p.release(b).unwrap();
+        let before = state(&p);
+        // Every operation on a free block that would take a reference away or hand it back fails.
+        assert_eq!(p.decref(b), Err(Error::RefcountUnderflow { block: b }));
+        assert_eq!(p.free(b), Err(Error::RefcountUnderflow { block: b }));
+        assert_eq!(p.release(b), Err(Error::RefcountUnderflow { block: b }));
+        assert_eq!(state(&p), before);
+        // Never-allocated blocks are free too.
+        assert_eq!(p.free(2), Err(Error::RefcountUnderflow { block: 2 }));
+        assert_eq!(p.release(2), Err(Error::RefcountUnderflow { block: 2 }));
+        assert_eq!(state(&p), before);
+        p.check_invariants().unwrap();
+    }
+
+    fn release_refuses_referenced<F: FreeList>() {
+        let p = BlockPool::<F>::new(2).unwrap();
+        let b = p.allocate().unwrap();
+        p.incref(b).unwrap();
+        let before = state(&p);
+        match p.release(b) {
+            Err(Error::InvalidArgument { what: "block", value, reason }) => {
+                assert_eq!(value, b as i64);
+                assert!(reason.contains("refcount is 2"), "{reason}");
+            }
+            other => panic!("release of a referenced block gave {other:?}"),
+        }
+        assert_eq!(state(&p), before);
+    }
+
+    fn incref_refuses_free_and_overflow<F: FreeList>() {
+        let p = BlockPool::<F>::new(2).unwrap();
+        let before = state(&p);
+        assert!(matches!(p.incref(0), Err(Error::InvalidArgument { what: "block", value: 0, .. })));
+        assert_eq!(state(&p), before);
+        let b = p.allocate().unwrap();
+        // Drive the count to the ceiling directly rather than with 4 billion increfs.
+        p.counts[b as usize].store(MAX_REFCOUNT, Relaxed);
+        let before = state(&p);
+        match p.incref(b) {
+            Err(Error::InvalidArgument { reason, .. }) => assert!(reason.contains("exceed"), "{reason}"),
+            other => panic!("incref at the ceiling gave {other:?}"),
+        }
+        assert_eq!(state(&p), before);
+        assert_eq!(p.decref(b), Ok(MAX_REFCOUNT - 1));
+    }
+
+    fn invariants_catch_corruption<F: FreeList>() {
+        let p = BlockPool::<F>::new(3).unwrap();
+        let b = p.allocate().unwrap();
+        p.check_invariants().unwrap();
+        // A block marked free that is not on the list.
+        p.counts[b as usize].store(FREE, Relaxed);
+        assert!(matches!(p.check_invariants(), Err(Error::InvariantViolation(_))));
+        p.counts[b as usize].store(1, Relaxed);
+        p.check_invariants().unwrap();
+        // A block on the list that is marked allocated.
+        p.counts[1].store(1, Relaxed);
+        assert!(matches!(p.check_invariants(), Err(Error::InvariantViolation(_))));
+    }
+
+    macro_rules! both {
+        ($($name:ident),*) => {
+            mod lock_free {
+                $(#[test] fn $name() { super::$name::<crate::freelist::LockFreeFreeList>(); })*
+            }
+            mod mutex {
+                $(#[test] fn $name() { super::$name::<super::MutexFreeList>(); })*
+            }
+        };
+    }
+    both!(
+        new_rejects_bad_sizes,
+        allocate_in_order_and_exhaust,
+        allocate_n_all_or_nothing,
+        invalid_block_everywhere,
+        refcount_lifecycle,
+        underflow_and_double_free,
+        release_refuses_referenced,
+        incref_refuses_free_and_overflow,
+        invariants_catch_corruption
+    );
+
+    #[test]
+    fn default_free_list_is_lock_free() {
+        let p: BlockPool = BlockPool::new(4).unwrap();
+        assert_eq!(p.allocate(), Ok(0));
+        assert_eq!(format!("{p:?}"), "BlockPool { num_blocks: 4, num_free: 3 }");
+    }
+
+    #[test]
+    fn pool_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<BlockPool>();
+        check::<BlockPool<MutexFreeList>>();
+    }
+}
