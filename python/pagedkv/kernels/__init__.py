@@ -1,0 +1,39 @@
+"""Triton kernels for the paged KV cache, with plain PyTorch references.
+
+Owns the GPU side of the data path: `scatter_kv` (write new K/V through the slot mapping),
+`paged_decode` (+ `DecodeWorkspace`, split-K), `paged_prefill` (varlen prefill/extend, causal over
+cached prefix + new tokens), `copy_blocks`/`BlockCopier` (copy-on-write across all layers in one
+launch) and `swap_blocks` (device <-> pinned host). Every entry point validates its arguments and
+raises a `KernelArgumentError` (ValueError) or `KernelDTypeError` (TypeError) before launching.
+
+This package imports torch and triton; `pagedkv` itself does not import it, so the rest of the
+package stays usable without them. It never imports the Rust extension. See docs/kernels.md.
+"""
+
+from ._interpreter_compat import apply as _apply_interpreter_compat
+
+_apply_interpreter_compat()
+
+from ._validate import (  # noqa: E402
+    KernelArgumentError,
+    KernelDeviceError,
+    KernelDTypeError,
+    KernelIndexError,
+    KernelLayoutError,
+    KernelShapeError,
+)
+from .decode import DecodeWorkspace, choose_num_splits, paged_decode  # noqa: E402
+from .scatter import scatter_kv  # noqa: E402
+
+__all__ = [
+    "KernelArgumentError",
+    "KernelDeviceError",
+    "KernelDTypeError",
+    "KernelIndexError",
+    "KernelLayoutError",
+    "KernelShapeError",
+    "DecodeWorkspace",
+    "choose_num_splits",
+    "paged_decode",
+    "scatter_kv",
+]

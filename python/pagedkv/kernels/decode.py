@@ -1,0 +1,435 @@
+"""Paged decode attention: one query token per sequence against its paged K/V.
+
+Owns `paged_decode`, `DecodeWorkspace` and the split heuristic `choose_num_splits`.
+
+Layouts: `q` `[num_seqs, q_heads, head_dim]`; pool `[num_blocks, block_size, kv_heads, head_dim]`
+(contiguous); `block_tables` int32 `[num_seqs, max_blocks]` (row stride may exceed the width);
+`seq_lens` int32 `[num_seqs]`; `out` like `q`. Query head `h` reads kv head
+`h // (q_heads // kv_heads)` (GQA; MQA when kv_heads == 1).
+
+Kernel shape. One program per (sequence, kv head, split) serves the whole query group of that kv
+head, so each K/V byte is read once per step whatever the GQA ratio. The group is padded to 16
+rows so the two products per tile (`q·Kᵀ` and `p·V`) run on the tensor cores. Each iteration
+gathers `TILE_N` tokens (several pool blocks) through the block table and folds them in with an
+online softmax (running max and sum in fp32, exp2 with log2(e) folded into the scale).
+
+Split-K (flash-decoding). When `num_seqs * kv_heads` programs cannot fill the GPU, each
+sequence's tokens are cut into `num_splits` contiguous ranges, each a multiple of `TILE_N`, sized
+from that sequence's own length in the kernel (no host sync); every split writes its normalized
+partial output and its log-sum-exp into the workspace, and a second small kernel merges them.
+
+Invariants: only `ceil(seq_len / block_size)` block-table entries of a row are read (stale
+columns past them never are); masked K/V lanes load zeros, so stale or NaN pool contents past a
+sequence's end cannot reach the output; a sequence of length 0 yields zeros. The call performs
+no host synchronization and, given `out` and a `DecodeWorkspace`, no allocation: the launch
+configuration depends only on shapes and host integers, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _validate as v
+
+__all__ = ["paged_decode", "DecodeWorkspace", "choose_num_splits", "decode_config"]
+
+_LOG2E = 1.4426950408889634
+
+#: Split heuristic knobs (see `choose_num_splits` and docs/kernels.md).
+TARGET_WAVES = 4
+MIN_TOKENS_PER_SPLIT = 256
+DEFAULT_MAX_SPLITS = 64
+
+_SM_COUNT: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter has no SMs; any fixed figure keeps the heuristic testable
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
+    """Tile size and launch parameters for the main decode kernel."""
+    tile_n = 64 if head_dim <= 128 else 32
+    return {"TILE_N": tile_n, "num_warps": 4, "num_stages": 3}
+
+
+def choose_num_splits(
+    num_seqs: int,
+    kv_heads: int,
+    max_seq_len: int,
+    num_sms: int,
+    *,
+    max_splits: int = DEFAULT_MAX_SPLITS,
+) -> int:
+    """Number of splits per sequence for split-K decode.
+
+    `num_seqs * kv_heads` programs run without splitting. If that is below
+    `TARGET_WAVES * num_sms`, each sequence is split so the grid reaches about that many programs
+    (several waves, so uneven sequence lengths even out), but never into pieces shorter than
+    `MIN_TOKENS_PER_SPLIT` tokens of the longest possible sequence (short pieces cost more in
+    per-program setup and merge traffic than they win), and never beyond `max_splits`.
+    """
+    programs = max(1, num_seqs * kv_heads)
+    target = TARGET_WAVES * num_sms
+    if programs >= target:
+        return 1
+    splits = triton.cdiv(target, programs)
+    splits = min(splits, max(1, max_seq_len // MIN_TOKENS_PER_SPLIT))
+    return max(1, min(splits, max_splits))
+
+
+class DecodeWorkspace:
+    """Preallocated split-K scratch: partial outputs and log-sum-exps, fp32.
+
+    Created once with the largest batch it will serve; `paged_decode` carves views out of it
+    without allocating, so a captured CUDA graph keeps pointing at the same memory. The capacity
+    covers whatever `choose_num_splits` picks for any batch up to `max_num_seqs` (and any context
+    length), unless `capacity` (the largest `num_seqs * num_splits` to serve) is given; a call
+    that needs more raises `KernelShapeError`.
+    """
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        device,
+        max_splits: int = DEFAULT_MAX_SPLITS,
+        capacity: Optional[int] = None,
+    ):
+        v.check_int("max_num_seqs", max_num_seqs, 1)
+        v.check_int("num_q_heads", num_q_heads, 1)
+        v.check_int("num_kv_heads", num_kv_heads, 1)
+        v.check_int("head_dim", head_dim, 1)
+        v.check_int("max_splits", max_splits, 1, 4096)
+        if num_q_heads % num_kv_heads:
+            raise v.KernelShapeError(
+                f"num_q_heads: is {num_q_heads}, expected a multiple of num_kv_heads "
+                f"({num_kv_heads})"
+            )
+        self.device = torch.device(device)
+        self.num_q_heads = num_q_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.max_num_seqs = max_num_seqs
+        self.max_splits = max_splits
+        if capacity is None:
+            sms = _num_sms(self.device)
+            # Worst case over batch sizes of seqs * splits, with unbounded context length.
+            capacity = 1
+            for n in range(1, max_num_seqs + 1):
+                s = choose_num_splits(n, num_kv_heads, 1 << 40, sms, max_splits=max_splits)
+                capacity = max(capacity, n * s if s > 1 else 1)
+        else:
+            v.check_int("capacity", capacity, 1)
+        cap = capacity
+        self.max_seq_splits = cap
+        self.partial_out = torch.empty(cap * num_q_heads * head_dim, dtype=torch.float32, device=self.device)
+        self.partial_lse = torch.empty(cap * num_q_heads, dtype=torch.float32, device=self.device)
+
+    def views(self, num_seqs: int, num_splits: int):
+        need = num_seqs * num_splits
+        if need > self.max_seq_splits:
+            raise v.KernelShapeError(
+                f"num_seqs * num_splits: is {num_seqs} * {num_splits} = {need}, expected at most "
+                f"{self.max_seq_splits} (DecodeWorkspace capacity)"
+            )
+        h, d = self.num_q_heads, self.head_dim
+        po = self.partial_out[: need * h * d].view(num_seqs, h, num_splits, d)
+        pl = self.partial_lse[: need * h].view(num_seqs, h, num_splits)
+        return po, pl
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    po_ptr,
+    pl_ptr,
+    qk_scale,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bts,
+    stride_os,
+    stride_oh,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if NUM_SPLITS == 1:
+        start = 0
+        end = seq_len
+    else:
+        per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
+        start = split * per
+        end = tl.minimum(start + per, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, TILE_N)
+    g_ok = offs_g < GROUP
+    qh = kvh * GROUP + offs_g
+    seq64 = seq.to(tl.int64)
+    q = tl.load(
+        q_ptr + seq64 * stride_qs + qh[:, None] * stride_qh + offs_d[None, :],
+        mask=g_ok[:, None],
+        other=0.0,
+    )
+    bt_row = bt_ptr + seq64 * stride_bts
+    k_head = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    for t0 in range(start, end, TILE_N):
+        offs_t = t0 + offs_n
+        t_ok = offs_t < end
+        blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+        in_blk = offs_t % BLOCK_SIZE
+        k = tl.load(
+            k_head + (blk * stride_kb + in_blk * stride_kt)[:, None] + offs_d[None, :],
+            mask=t_ok[:, None],
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vv = tl.load(
+            v_head + (blk * stride_vb + in_blk * stride_vt)[:, None] + offs_d[None, :],
+            mask=t_ok[:, None],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + seq64 * stride_os + qh[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=g_ok[:, None],
+        )
+    else:
+        # Partial layout [num_seqs, q_heads, NUM_SPLITS, HEAD_DIM], packed.
+        row = (seq64 * (tl.num_programs(1) * GROUP) + qh) * NUM_SPLITS + split
+        tl.store(po_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_ok[:, None])
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+        tl.store(pl_ptr + row, lse, mask=g_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    po_ptr,
+    pl_ptr,
+    out_ptr,
+    stride_os,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < NUM_SPLITS
+    base = (seq.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS
+    lse = tl.load(pl_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+    live = lse > float("-inf")
+    mx = tl.max(lse, 0)
+    mx = tl.where(mx > float("-inf"), mx, 0.0)
+    w = tl.where(live, tl.math.exp2(lse - mx), 0.0)
+    # Empty splits (lse = -inf) are not read at all.
+    o = tl.load(
+        po_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=live[:, None],
+        other=0.0,
+    )
+    den = tl.sum(w, 0)
+    num = tl.sum(w[:, None] * o, 0)
+    res = num / tl.where(den > 0.0, den, 1.0)
+    tl.store(
+        out_ptr + seq.to(tl.int64) * stride_os + h * stride_oh + offs_d,
+        res.to(out_ptr.dtype.element_ty),
+    )
+
+
+def _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, out):
+    num_blocks, block_size, kv_heads, head_dim = v.check_cache_pair(k_cache, v_cache)
+    dev = k_cache.device
+    v.check_tensor("q", q, ndim=3, dtypes=(k_cache.dtype,))
+    v.check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
+    v.check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,))
+    v.check_same_device(dev, q=q, block_tables=block_tables, seq_lens=seq_lens)
+    v.ensure_launchable(dev)
+    num_seqs, q_heads, _ = q.shape
+    v.check_dim("q", q, 2, head_dim, "head_dim of the pool")
+    if q_heads % kv_heads:
+        raise v.KernelShapeError(
+            f"q: has {q_heads} heads (dim 1), expected a multiple of the pool's kv_heads ({kv_heads})"
+        )
+    v.check_min_dim("block_tables", block_tables, 0, num_seqs, "one row per sequence of q")
+    v.check_dim("seq_lens", seq_lens, 0, num_seqs, "one length per sequence of q")
+    v.check_inner_contiguous("q", q, 1)
+    if block_tables.stride(1) != 1:
+        raise v.KernelLayoutError(
+            f"block_tables: column stride is {block_tables.stride(1)}, expected 1"
+        )
+    v.check_contiguous("seq_lens", seq_lens)
+    if out is not None:
+        v.check_tensor("out", out, ndim=3, dtypes=(q.dtype,))
+        v.check_same_device(dev, out=out)
+        if tuple(out.shape) != tuple(q.shape):
+            raise v.KernelShapeError(
+                f"out: shape is {tuple(out.shape)}, expected {tuple(q.shape)} (as q)"
+            )
+        v.check_inner_contiguous("out", out, 1)
+    return num_blocks, block_size, kv_heads, head_dim
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    out: Optional[torch.Tensor] = None,
+    workspace: Optional[DecodeWorkspace] = None,
+    num_splits: Optional[int] = None,
+    max_seq_len: Optional[int] = None,
+    check_indices: bool = False,
+) -> torch.Tensor:
+    """Decode attention for `q` (one token per sequence) over the paged cache; returns `out`.
+
+    `scale` defaults to `1/sqrt(head_dim)`. `max_seq_len` is a host-side upper bound on
+    `seq_lens` used only by the split heuristic (default: the block table's width times the
+    block size); `num_splits` overrides the heuristic. Split-K needs scratch: pass a
+    `DecodeWorkspace` (and `out`) to keep the call allocation-free and graph-capturable; without
+    one a temporary workspace is allocated. `check_indices=True` validates `seq_lens` and the
+    used block-table entries on the host (synchronizes; debugging only).
+    """
+    num_blocks, block_size, kv_heads, head_dim = _check_decode_args(
+        q, k_cache, v_cache, block_tables, seq_lens, out
+    )
+    sc = v.check_scale(scale, head_dim)
+    num_seqs, q_heads, _ = q.shape
+    group = q_heads // kv_heads
+    table_cap = block_tables.shape[1] * block_size
+    if max_seq_len is None:
+        max_seq_len = table_cap
+    v.check_int("max_seq_len", max_seq_len, 0)
+    if check_indices:
+        _check_indices(block_tables, seq_lens, num_seqs, num_blocks, block_size, table_cap)
+    if workspace is not None:
+        if not isinstance(workspace, DecodeWorkspace):
+            raise v.KernelDTypeError(
+                f"workspace: expected a DecodeWorkspace, got {type(workspace).__name__}"
+            )
+        if (workspace.num_q_heads, workspace.head_dim) != (q_heads, head_dim):
+            raise v.KernelShapeError(
+                f"workspace: built for (q_heads, head_dim) = "
+                f"{(workspace.num_q_heads, workspace.head_dim)}, expected {(q_heads, head_dim)}"
+            )
+        v.check_same_device(q.device, workspace=workspace.partial_out)
+    if num_splits is None:
+        max_splits = workspace.max_splits if workspace is not None else DEFAULT_MAX_SPLITS
+        num_splits = choose_num_splits(
+            num_seqs, kv_heads, max_seq_len, _num_sms(q.device), max_splits=max_splits
+        )
+    else:
+        v.check_int("num_splits", num_splits, 1, 4096)
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    cfg = decode_config(head_dim, group, q.dtype)
+    group_pad = max(16, triton.next_power_of_2(group))
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    if num_splits > 1:
+        if workspace is None:
+            workspace = DecodeWorkspace(
+                num_seqs, q_heads, kv_heads, head_dim, device=q.device,
+                max_splits=num_splits, capacity=num_seqs * num_splits,
+            )
+        po, pl = workspace.views(num_seqs, num_splits)
+    else:
+        po = pl = out  # unused by the kernel when NUM_SPLITS == 1
+    grid = (num_seqs, kv_heads, num_splits)
+    _decode_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, out, po, pl,
+        sc * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad,
+        TILE_N=cfg["TILE_N"], NUM_SPLITS=num_splits, PRECISION=precision,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if num_splits > 1:
+        _merge_kernel[(num_seqs, q_heads)](
+            po, pl, out, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4 if head_dim * num_splits <= 8192 else 8,
+        )
+    return out
+
+
+def _check_indices(block_tables, seq_lens, num_seqs, num_blocks, block_size, table_cap):
+    sl = seq_lens[:num_seqs].to("cpu")
+    bad = ((sl < 0) | (sl > table_cap)).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise v.KernelIndexError(
+            f"seq_lens[{i}]: is {int(sl[i])}, expected in [0, {table_cap}] "
+            f"(block table width * block_size)"
+        )
+    bt = block_tables[:num_seqs].to("cpu")
+    for i in range(num_seqs):
+        nb = -(-int(sl[i]) // block_size)
+        row = bt[i, :nb]
+        badb = ((row < 0) | (row >= num_blocks)).nonzero()
+        if badb.numel():
+            j = int(badb[0, 0])
+            raise v.KernelIndexError(
+                f"block_tables[{i}, {j}]: is {int(row[j])}, expected in [0, {num_blocks})"
+            )

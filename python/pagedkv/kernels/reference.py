@@ -1,0 +1,112 @@
+"""Plain PyTorch references for the kernels, computed in float64 by default.
+
+Owns the slow, obviously-correct versions the tests compare against: they walk each sequence's
+block table on the host side of the math (index_select of the used blocks, then dense attention),
+never touch a block-table column past `ceil(seq_len / block_size)`, and return new tensors
+instead of writing in place (except `ref_scatter_kv`/`ref_copy_blocks`, which return updated
+copies of the pool). They are for testing only and make no attempt at speed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = [
+    "ref_scatter_kv",
+    "gather_sequence",
+    "ref_paged_decode",
+    "ref_paged_prefill",
+    "ref_copy_blocks",
+]
+
+
+def ref_scatter_kv(key, value, k_cache, v_cache, slot_mapping):
+    """Returns (k_cache', v_cache'): copies with each non-padding token written to its slot."""
+    kc = k_cache.clone()
+    vc = v_cache.clone()
+    nb, bs = kc.shape[:2]
+    flat_k = kc.view(nb * bs, *kc.shape[2:])
+    flat_v = vc.view(nb * bs, *vc.shape[2:])
+    for i, slot in enumerate(slot_mapping.tolist()):
+        if 0 <= slot < nb * bs:
+            flat_k[slot] = key[i]
+            flat_v[slot] = value[i]
+    return kc, vc
+
+
+def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first `seq_len` tokens of one sequence as a dense `[seq_len, kv_heads, head_dim]`."""
+    bs = cache.shape[1]
+    nblk = -(-seq_len // bs)
+    ids = block_row[:nblk].long().to(cache.device)
+    return cache.index_select(0, ids).reshape(nblk * bs, *cache.shape[2:])[:seq_len]
+
+
+def _attend(q, k, v, scale, q_pos, dtype):
+    """q [n, Hq, D]; k, v [L, Hkv, D]; query i sees keys at positions <= q_pos[i]."""
+    hq, hkv = q.shape[1], k.shape[1]
+    g = hq // hkv
+    q = q.to(dtype)
+    k = k.to(dtype).repeat_interleave(g, dim=1)
+    v = v.to(dtype).repeat_interleave(g, dim=1)
+    if k.shape[0] == 0:
+        return torch.zeros(q.shape, dtype=dtype, device=q.device)
+    s = torch.einsum("nhd,lhd->hnl", q, k) * scale
+    pos = torch.arange(k.shape[0], device=q.device)
+    allowed = pos[None, :] <= q_pos[:, None].to(q.device)
+    s = s.masked_fill(~allowed[None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("hnl,lhd->nhd", p, v)
+
+
+def ref_paged_decode(
+    q, k_cache, v_cache, block_tables, seq_lens, scale: Optional[float] = None,
+    dtype=torch.float64,
+):
+    """`[num_seqs, q_heads, head_dim]` in `dtype`; a zero-length sequence gives zeros."""
+    d = q.shape[-1]
+    scale = 1.0 / d ** 0.5 if scale is None else scale
+    outs = []
+    lens = seq_lens.tolist()
+    for i, n in enumerate(lens):
+        k = gather_sequence(k_cache, block_tables[i], n)
+        vv = gather_sequence(v_cache, block_tables[i], n)
+        outs.append(_attend(q[i : i + 1], k, vv, scale, torch.tensor([n - 1]), dtype)[0])
+    if not outs:
+        return torch.empty(q.shape, dtype=dtype, device=q.device)
+    return torch.stack(outs)
+
+
+def ref_paged_prefill(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+    scale: Optional[float] = None, dtype=torch.float64,
+):
+    """`[total_tokens, q_heads, head_dim]`: sequence i's new tokens are its last q_len positions
+    and attend causally to everything up to and including themselves."""
+    d = q.shape[-1]
+    scale = 1.0 / d ** 0.5 if scale is None else scale
+    out = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    qsl = query_start_loc.tolist()
+    for i, n in enumerate(seq_lens.tolist()):
+        a, b = qsl[i], qsl[i + 1]
+        if b == a:
+            continue
+        k = gather_sequence(k_cache, block_tables[i], n)
+        vv = gather_sequence(v_cache, block_tables[i], n)
+        pos = torch.arange(n - (b - a), n)
+        out[a:b] = _attend(q[a:b], k, vv, scale, pos, dtype)
+    return out
+
+
+def ref_copy_blocks(caches: Sequence[torch.Tensor], block_mapping: torch.Tensor):
+    """Returns copies of `caches` with `dst <- src` applied in order (pairs with a negative id are
+    skipped)."""
+    outs = [c.clone() for c in caches]
+    for src, dst in block_mapping.tolist():
+        if src < 0 or dst < 0:
+            continue
+        for o, c in zip(outs, caches):
+            o[dst] = c[src]
+    return outs
