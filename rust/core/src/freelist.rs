@@ -241,7 +241,11 @@ impl LockFreeFreeList {
             }
         }
         let new = pack(tag_of(cur).wrapping_add(1), node);
-        if self.head.compare_exchange(cur, new, Acquire, Relaxed).is_ok() {
+        if self
+            .head
+            .compare_exchange(cur, new, Acquire, Relaxed)
+            .is_ok()
+        {
             true
         } else {
             out.truncate(start);
@@ -372,7 +376,10 @@ impl FreeList for MutexFreeList {
     fn with_capacity(n: u32) -> Self {
         let n = n.min(MAX_CAPACITY);
         // Reversed, so that popping from the end hands out 0 first.
-        MutexFreeList { ids: Mutex::new((0..n).rev().collect()), capacity: n }
+        MutexFreeList {
+            ids: Mutex::new((0..n).rev().collect()),
+            capacity: n,
+        }
     }
 
     #[inline]
@@ -536,7 +543,14 @@ mod tests {
             }
         };
     }
-    both!(fresh_order, lifo_and_batch, all_or_nothing, ignores_out_of_range_push, empty_list, many_cycles);
+    both!(
+        fresh_order,
+        lifo_and_batch,
+        all_or_nothing,
+        ignores_out_of_range_push,
+        empty_list,
+        many_cycles
+    );
 
     #[test]
     fn packing_round_trips() {

@@ -63,7 +63,10 @@ impl<F: FreeList> BlockPool<F> {
             });
         }
         let counts = (0..num_blocks).map(|_| AtomicU32::new(FREE)).collect();
-        Ok(BlockPool { free: F::with_capacity(num_blocks), counts })
+        Ok(BlockPool {
+            free: F::with_capacity(num_blocks),
+            counts,
+        })
     }
 
     /// Number of blocks in the pool.
@@ -80,16 +83,21 @@ impl<F: FreeList> BlockPool<F> {
 
     #[inline]
     fn word(&self, id: BlockId) -> Result<&AtomicU32> {
-        self.counts
-            .get(id as usize)
-            .ok_or(Error::InvalidBlock { block: id, num_blocks: self.num_blocks() })
+        self.counts.get(id as usize).ok_or(Error::InvalidBlock {
+            block: id,
+            num_blocks: self.num_blocks(),
+        })
     }
 
     /// Marks a block just taken off the free list as referenced once.
     #[inline]
     fn claim(&self, id: BlockId) {
         if let Some(w) = self.counts.get(id as usize) {
-            debug_assert_eq!(w.load(Relaxed), FREE, "block {id} came off the free list but was not free");
+            debug_assert_eq!(
+                w.load(Relaxed),
+                FREE,
+                "block {id} came off the free list but was not free"
+            );
             // Relaxed store: nobody else writes a FREE word (every other transition refuses to
             // start from FREE), and the free list's Release push / Acquire pop already order
             // the release of this block before this store.
@@ -105,7 +113,10 @@ impl<F: FreeList> BlockPool<F> {
                 self.claim(id);
                 Ok(id)
             }
-            None => Err(Error::OutOfBlocks { needed: 1, available: self.free.len() }),
+            None => Err(Error::OutOfBlocks {
+                needed: 1,
+                available: self.free.len(),
+            }),
         }
     }
 
@@ -114,7 +125,10 @@ impl<F: FreeList> BlockPool<F> {
     pub fn allocate_n(&self, k: usize, out: &mut Vec<BlockId>) -> Result<()> {
         let start = out.len();
         if !self.free.try_pop_n(k, out) {
-            return Err(Error::OutOfBlocks { needed: k, available: self.free.len() });
+            return Err(Error::OutOfBlocks {
+                needed: k,
+                available: self.free.len(),
+            });
         }
         for &id in &out[start..] {
             self.claim(id);
@@ -254,7 +268,9 @@ impl<F: FreeList> BlockPool<F> {
                 )));
             };
             if *seen {
-                return Err(Error::InvariantViolation(format!("block {id} is on the free list twice")));
+                return Err(Error::InvariantViolation(format!(
+                    "block {id} is on the free list twice"
+                )));
             }
             *seen = true;
         }
@@ -286,14 +302,20 @@ mod tests {
 
     /// Everything observable about a pool, to compare before and after an error.
     fn state<F: FreeList>(p: &BlockPool<F>) -> (usize, Vec<BlockId>, Vec<u32>) {
-        let counts = (0..p.num_blocks()).map(|b| p.refcount(b).unwrap()).collect();
+        let counts = (0..p.num_blocks())
+            .map(|b| p.refcount(b).unwrap())
+            .collect();
         (p.num_free(), p.free_ids(), counts)
     }
 
     fn new_rejects_bad_sizes<F: FreeList>() {
         for n in [0, u32::MAX] {
             match BlockPool::<F>::new(n) {
-                Err(Error::InvalidConfig { field: "num_blocks", value, .. }) => assert_eq!(value, n as u64),
+                Err(Error::InvalidConfig {
+                    field: "num_blocks",
+                    value,
+                    ..
+                }) => assert_eq!(value, n as u64),
                 other => panic!("new({n}) gave {other:?}"),
             }
         }
@@ -311,7 +333,13 @@ mod tests {
         assert_eq!(p.allocate_n(1, &mut out), Ok(()));
         assert_eq!(out, vec![2]);
         let before = state(&p);
-        assert_eq!(p.allocate(), Err(Error::OutOfBlocks { needed: 1, available: 0 }));
+        assert_eq!(
+            p.allocate(),
+            Err(Error::OutOfBlocks {
+                needed: 1,
+                available: 0
+            })
+        );
         assert_eq!(state(&p), before);
         p.check_invariants().unwrap();
     }
@@ -321,10 +349,22 @@ mod tests {
         p.allocate().unwrap();
         let before = state(&p);
         let mut out = vec![42];
-        assert_eq!(p.allocate_n(4, &mut out), Err(Error::OutOfBlocks { needed: 4, available: 3 }));
+        assert_eq!(
+            p.allocate_n(4, &mut out),
+            Err(Error::OutOfBlocks {
+                needed: 4,
+                available: 3
+            })
+        );
         assert_eq!(out, vec![42]);
         assert_eq!(state(&p), before);
-        assert_eq!(p.allocate_n(usize::MAX, &mut out), Err(Error::OutOfBlocks { needed: usize::MAX, available: 3 }));
+        assert_eq!(
+            p.allocate_n(usize::MAX, &mut out),
+            Err(Error::OutOfBlocks {
+                needed: usize::MAX,
+                available: 3
+            })
+        );
         assert_eq!(state(&p), before);
         assert_eq!(p.allocate_n(0, &mut out), Ok(()));
         assert_eq!(out, vec![42]);
@@ -342,7 +382,10 @@ mod tests {
         p.allocate().unwrap();
         let before = state(&p);
         for bad in [2, 3, u32::MAX] {
-            let e = Error::InvalidBlock { block: bad, num_blocks: 2 };
+            let e = Error::InvalidBlock {
+                block: bad,
+                num_blocks: 2,
+            };
             assert_eq!(p.refcount(bad), Err(e.clone()));
             assert_eq!(p.is_free(bad), Err(e.clone()));
             assert_eq!(p.incref(bad), Err(e.clone()));
@@ -408,7 +451,11 @@ mod tests {
         p.incref(b).unwrap();
         let before = state(&p);
         match p.release(b) {
-            Err(Error::InvalidArgument { what: "block", value, reason }) => {
+            Err(Error::InvalidArgument {
+                what: "block",
+                value,
+                reason,
+            }) => {
                 assert_eq!(value, b as i64);
                 assert!(reason.contains("refcount is 2"), "{reason}");
             }
@@ -420,14 +467,23 @@ mod tests {
     fn incref_refuses_free_and_overflow<F: FreeList>() {
         let p = BlockPool::<F>::new(2).unwrap();
         let before = state(&p);
-        assert!(matches!(p.incref(0), Err(Error::InvalidArgument { what: "block", value: 0, .. })));
+        assert!(matches!(
+            p.incref(0),
+            Err(Error::InvalidArgument {
+                what: "block",
+                value: 0,
+                ..
+            })
+        ));
         assert_eq!(state(&p), before);
         let b = p.allocate().unwrap();
         // Drive the count to the ceiling directly rather than with 4 billion increfs.
         p.counts[b as usize].store(MAX_REFCOUNT, Relaxed);
         let before = state(&p);
         match p.incref(b) {
-            Err(Error::InvalidArgument { reason, .. }) => assert!(reason.contains("exceed"), "{reason}"),
+            Err(Error::InvalidArgument { reason, .. }) => {
+                assert!(reason.contains("exceed"), "{reason}")
+            }
             other => panic!("incref at the ceiling gave {other:?}"),
         }
         assert_eq!(state(&p), before);
@@ -440,12 +496,18 @@ mod tests {
         p.check_invariants().unwrap();
         // A block marked free that is not on the list.
         p.counts[b as usize].store(FREE, Relaxed);
-        assert!(matches!(p.check_invariants(), Err(Error::InvariantViolation(_))));
+        assert!(matches!(
+            p.check_invariants(),
+            Err(Error::InvariantViolation(_))
+        ));
         p.counts[b as usize].store(1, Relaxed);
         p.check_invariants().unwrap();
         // A block on the list that is marked allocated.
         p.counts[1].store(1, Relaxed);
-        assert!(matches!(p.check_invariants(), Err(Error::InvariantViolation(_))));
+        assert!(matches!(
+            p.check_invariants(),
+            Err(Error::InvariantViolation(_))
+        ));
     }
 
     macro_rules! both {
