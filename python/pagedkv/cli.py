@@ -1,0 +1,320 @@
+"""The ``pagedkv`` command line: ``pagedkv plan`` and ``pagedkv simulate``.
+
+Owns argument parsing and the mapping from flags to the planner's and simulator's configuration
+objects; the computing lives in :mod:`pagedkv.plan` and :mod:`pagedkv.simulate`. Subcommands are
+registered in :data:`SUBCOMMANDS` (name → (add-arguments function, handler)), so further ones
+(``bench``, ``demo``) plug in without touching the others.
+
+Invariants: a user error — a bad flag, a bad value, a configuration the pool cannot hold — prints
+exactly one line, ``pagedkv <cmd>: error: <message>``, on stderr and exits with status 2; no
+traceback. Results go to stdout, progress bars to stderr. Heavy imports (numpy, the extension,
+matplotlib) happen inside handlers, so ``pagedkv --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Callable, NoReturn, Optional, Sequence
+
+from .config import (
+    PRESETS,
+    CacheSpec,
+    MemoryBudget,
+    ModelConfig,
+    get_preset,
+    parse_bytes,
+)
+from .errors import InvalidConfigError, PagedKVError
+
+__all__ = ["main", "build_parser", "SUBCOMMANDS"]
+
+
+class UsageError(Exception):
+    """A command-line mistake caught after parsing (conflicting flags and the like)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the message and a pointer to ``--help``, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except InvalidConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+# ------------------------------------------------------------------------------- shared options
+
+def _add_model_args(p: argparse.ArgumentParser, default_model: Optional[str]) -> None:
+    g = p.add_argument_group(
+        "model", "pick the KV cache shape: a preset, a Hugging Face config.json, or explicit sizes"
+    )
+    g.add_argument("--model", metavar="PRESET", default=None,
+                   help=f"model preset: {', '.join(PRESETS)}"
+                        + (f" (default: {default_model})" if default_model else ""))
+    g.add_argument("--hf-config", metavar="PATH",
+                   help="a Hugging Face config.json, or a directory holding one")
+    g.add_argument("--layers", type=_positive_int, help="number of layers (with --kv-heads, --head-dim)")
+    g.add_argument("--kv-heads", type=_positive_int, help="number of KV heads")
+    g.add_argument("--head-dim", type=_positive_int, help="head dimension")
+    g.add_argument("--dtype", default=None,
+                   help="KV cache dtype, e.g. bfloat16, float16, float8_e4m3fn "
+                        "(default: the model's dtype; bfloat16 with explicit sizes)")
+    g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (default: 16)")
+    g.add_argument("--weights", type=_size, metavar="SIZE",
+                   help="weight bytes, e.g. 16GB (default: estimated from the model config; "
+                        "0 with explicit sizes)")
+
+
+def _add_memory_args(p: argparse.ArgumentParser, *, gpu_mem: str, activation: str, graph: str) -> None:
+    g = p.add_argument_group("memory", "sizes accept B, KB/MB/GB/TB (decimal) and KiB/MiB/GiB/TiB (binary)")
+    g.add_argument("--gpu-mem", type=_size, default=parse_bytes(gpu_mem), metavar="SIZE",
+                   help=f"device memory (default: {gpu_mem})")
+    g.add_argument("--utilization", type=_float, default=0.9,
+                   help="fraction of device memory the server may use (default: 0.9)")
+    g.add_argument("--activation-peak", type=_size, default=parse_bytes(activation), metavar="SIZE",
+                   help=f"measured activation peak of a forward pass (default: {activation})")
+    g.add_argument("--graph-reserve", type=_size, default=parse_bytes(graph), metavar="SIZE",
+                   help=f"memory kept for CUDA graphs (default: {graph})")
+
+
+def _resolve_model(args: argparse.Namespace, default_model: Optional[str]
+                   ) -> tuple[str, Optional[ModelConfig], CacheSpec, int, str]:
+    """(label, model config or None, cache spec, weight bytes, where the weight figure came from)."""
+    explicit = [args.layers, args.kv_heads, args.head_dim]
+    routes = sum([args.model is not None, args.hf_config is not None, any(v is not None for v in explicit)])
+    if routes > 1:
+        raise UsageError("use one of --model, --hf-config, or --layers/--kv-heads/--head-dim")
+    model: Optional[ModelConfig] = None
+    if args.hf_config is not None:
+        model = ModelConfig.from_hf_config(args.hf_config)
+    elif any(v is not None for v in explicit):
+        if not all(v is not None for v in explicit):
+            raise UsageError("explicit sizes need all of --layers, --kv-heads and --head-dim")
+    else:
+        name = args.model if args.model is not None else default_model
+        if name is None:
+            raise UsageError("name a model: --model PRESET, --hf-config PATH, or --layers/--kv-heads/--head-dim")
+        model = get_preset(name)
+    if model is not None:
+        spec = model.cache_spec(block_size=args.block_size, dtype=args.dtype)
+        label = model.name
+        if args.weights is not None:
+            weights, source = args.weights, "given"
+        else:
+            weights, source = model.weight_bytes, f"estimated: {model.weight_params / 1e9:.2f}B params × {model.dtype}"
+    else:
+        spec = CacheSpec(args.layers, args.kv_heads, args.head_dim,
+                         args.dtype or "bfloat16", args.block_size)
+        label = "custom"
+        weights, source = (args.weights, "given") if args.weights is not None else (0, "not given")
+    return label, model, spec, weights, source
+
+
+def _budget(args: argparse.Namespace, weights: int) -> MemoryBudget:
+    return MemoryBudget(total_bytes=args.gpu_mem, weights_bytes=weights,
+                        activation_peak_bytes=args.activation_peak,
+                        graph_reserve_bytes=args.graph_reserve, utilization=args.utilization)
+
+
+# ----------------------------------------------------------------------------------------- plan
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p, default_model=None)
+    _add_memory_args(p, gpu_mem="80GiB", activation="0", graph="0")
+    g = p.add_argument_group("report")
+    g.add_argument("--seq-lens", default="1024,4096,32768",
+                   help="comma-separated sequence lengths to compare, 'k' = 1024 (default: 1024,4096,32768)")
+    g.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="contiguous reservation per sequence (default: the longest --seq-lens)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from .plan import format_plan, make_plan, parse_seq_lens, plan_json
+
+    label, _model, spec, weights, source = _resolve_model(args, default_model=None)
+    plan = make_plan(spec, _budget(args, weights), parse_seq_lens(args.seq_lens), args.max_model_len,
+                     model=label, weights_source=source)
+    print(plan_json(plan) if args.json else format_plan(plan))
+    return 0
+
+
+# ------------------------------------------------------------------------------------- simulate
+
+SIM_DEFAULT_MODEL = "llama-3-8b"
+
+
+def _add_simulate_args(p: argparse.ArgumentParser) -> None:
+    from .simulate import SimConfig
+    from .workload import WorkloadConfig
+
+    w, s = WorkloadConfig(), SimConfig(num_blocks=1)
+    _add_model_args(p, default_model=SIM_DEFAULT_MODEL)
+    _add_memory_args(p, gpu_mem="24GiB", activation="1GiB", graph="512MiB")
+    g = p.add_argument_group("pool")
+    g.add_argument("--num-blocks", type=_positive_int, default=None,
+                   help="pool size in blocks; overrides the memory arithmetic")
+    g.add_argument("--watermark-blocks", type=_nonneg_int, default=None,
+                   help="blocks kept back from admissions (default: the manager's)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    g = p.add_argument_group("workload (lengths in tokens, time in scheduler steps)")
+    g.add_argument("--requests", type=_positive_int, default=w.num_requests,
+                   help=f"number of requests (default: {w.num_requests})")
+    g.add_argument("--rate", type=_float, default=w.arrival_rate,
+                   help=f"Poisson arrival rate, requests per step (default: {w.arrival_rate})")
+    g.add_argument("--prompt-median", type=_float, default=w.prompt_median,
+                   help=f"median prompt length, log-normal (default: {w.prompt_median:g})")
+    g.add_argument("--prompt-sigma", type=_float, default=w.prompt_sigma,
+                   help=f"log-normal sigma of prompt lengths (default: {w.prompt_sigma:g})")
+    g.add_argument("--output-median", type=_float, default=w.output_median,
+                   help=f"median output length, log-normal (default: {w.output_median:g})")
+    g.add_argument("--output-sigma", type=_float, default=w.output_sigma,
+                   help=f"log-normal sigma of output lengths (default: {w.output_sigma:g})")
+    g.add_argument("--max-model-len", type=_positive_int, default=w.max_model_len,
+                   help=f"longest sequence; prompts and outputs are capped to fit, and the "
+                        f"contiguous baseline reserves this much per sequence (default: {w.max_model_len})")
+    g.add_argument("--num-prefixes", type=_nonneg_int, default=w.num_prefixes,
+                   help=f"distinct shared system prompts (default: {w.num_prefixes})")
+    g.add_argument("--prefix-len", type=_nonneg_int, default=w.prefix_len,
+                   help=f"tokens per shared system prompt (default: {w.prefix_len})")
+    g.add_argument("--prefix-fraction", type=_float, default=w.prefix_fraction,
+                   help=f"fraction of requests that start with a shared prompt (default: {w.prefix_fraction:g})")
+    g.add_argument("--n-samples", type=_positive_int, default=w.n_samples,
+                   help=f"parallel samples per request, forked after admission (default: {w.n_samples})")
+    g.add_argument("--seed", type=int, default=w.seed, help=f"random seed (default: {w.seed})")
+    g = p.add_argument_group("scheduler")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=s.max_num_seqs,
+                   help=f"most sequences in one batch (default: {s.max_num_seqs})")
+    g.add_argument("--max-prefill-tokens", type=_positive_int, default=s.max_prefill_tokens,
+                   help=f"prompt tokens admitted per step; one request always fits (default: {s.max_prefill_tokens})")
+    g = p.add_argument_group("output")
+    g.add_argument("--check", type=_nonneg_int, default=0, metavar="N",
+                   help="run the manager's invariant check every N steps (default: only at the end)")
+    g.add_argument("--json", action="store_true", help="print one JSON object (implies --quiet)")
+    g.add_argument("--plot", metavar="FILE.png", help="plot utilization and concurrency over time")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from .simulate import SimConfig, format_report, result_json, simulate
+    from .workload import WorkloadConfig
+
+    label, _model, spec, weights, _source = _resolve_model(args, default_model=SIM_DEFAULT_MODEL)
+    if args.num_blocks is not None:
+        num_blocks, memory = args.num_blocks, None
+    else:
+        budget = _budget(args, weights)
+        num_blocks, memory = budget.num_blocks(spec), budget
+    workload = WorkloadConfig(
+        num_requests=args.requests, arrival_rate=args.rate,
+        prompt_median=args.prompt_median, prompt_sigma=args.prompt_sigma,
+        output_median=args.output_median, output_sigma=args.output_sigma,
+        max_model_len=args.max_model_len, num_prefixes=args.num_prefixes,
+        prefix_len=args.prefix_len, prefix_fraction=args.prefix_fraction,
+        n_samples=args.n_samples, seed=args.seed,
+    )
+    sim = SimConfig(num_blocks=num_blocks, block_size=spec.block_size,
+                    watermark_blocks=args.watermark_blocks, max_num_seqs=args.max_num_seqs,
+                    max_prefill_tokens=args.max_prefill_tokens,
+                    enable_prefix_caching=not args.no_prefix_caching, check_every=args.check)
+    started = time.perf_counter()
+    result = simulate(workload, sim, progress=not (args.quiet or args.json),
+                      record_timeline=args.plot is not None)
+    elapsed = time.perf_counter() - started
+    if args.json:
+        print(result_json(result, model=label, spec=spec, memory=memory))
+    else:
+        print(format_report(result, model=label, spec=spec, memory=memory))
+        print(f"simulated in {elapsed:.1f} s")
+    if args.plot:
+        from .simulate import plot_timeline
+
+        plot_timeline(result, args.plot)
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------- dispatch
+
+Handler = Callable[[argparse.Namespace], int]
+
+#: name -> (help, add-arguments function, handler)
+SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Handler]] = {
+    "plan": ("capacity planner: blocks, token capacity and concurrency for a model on a device",
+             _add_plan_args, _run_plan),
+    "simulate": ("run a synthetic serving workload through the block manager; paged vs contiguous",
+                 _add_simulate_args, _run_simulate),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="pagedkv",
+        description="pagedkv: a paged KV cache for LLM serving.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, (help_text, add_args, handler) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_args(p)
+        p.set_defaults(handler=handler)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``pagedkv`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "handler", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    prog = f"pagedkv {args.command}"
+    try:
+        return args.handler(args)
+    except (PagedKVError, UsageError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # `pagedkv simulate | head` closing the pipe is not an error worth a traceback.
+        return 0
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

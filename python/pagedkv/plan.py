@@ -1,0 +1,207 @@
+"""The capacity planner behind ``pagedkv plan``.
+
+Owns the arithmetic that answers "how many sequences fit?" for a model on a device, for paged
+allocation against contiguous max-length reservation:
+
+- the pool: ``num_blocks = floor((memory × utilization − weights − activation peak − graph
+  reserve) / bytes_per_block)`` (:func:`pagedkv.config.num_blocks_for`), token capacity
+  ``num_blocks × block_size``;
+- paged: a sequence of ``L`` tokens holds ``ceil(L / B)`` blocks, so ``floor(num_blocks /
+  ceil(L / B))`` of them fit, each wasting at most ``B − 1`` slots;
+- contiguous: every sequence reserves ``max_model_len`` slots whatever its length, so
+  ``floor(capacity / max_model_len)`` fit, each wasting ``max_model_len − L`` slots.
+
+Both concurrency figures ignore the watermark reserve and prefix sharing: they are the upper
+bounds the memory allows. Nothing here imports torch or the extension.
+
+Invariants: :func:`make_plan` validates everything before computing and raises
+:class:`pagedkv.errors.InvalidConfigError` / :class:`pagedkv.config.CapacityError` with a one-line
+message; a :class:`Plan` it returns is internally consistent (every row uses the same pool).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+from .config import CacheSpec, MemoryBudget, format_bytes
+from .errors import InvalidConfigError
+
+__all__ = ["Plan", "PlanRow", "make_plan", "format_plan", "plan_json", "parse_seq_lens"]
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """Paged against contiguous concurrency for sequences of one length."""
+
+    seq_len: int
+    blocks_per_seq: int
+    paged_max_seqs: int
+    paged_waste_tokens_per_seq: int
+    contiguous_max_seqs: int
+    contiguous_waste_tokens_per_seq: int
+
+    @property
+    def ratio(self) -> Optional[float]:
+        """Paged over contiguous concurrency; ``None`` when contiguous fits none."""
+        if self.contiguous_max_seqs == 0:
+            return None
+        return self.paged_max_seqs / self.contiguous_max_seqs
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything ``pagedkv plan`` prints."""
+
+    model: str
+    spec: CacheSpec
+    budget: MemoryBudget
+    weights_source: str
+    num_blocks: int
+    max_model_len: int
+    rows: tuple[PlanRow, ...]
+
+    @property
+    def token_capacity(self) -> int:
+        return self.num_blocks * self.spec.block_size
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.spec.bytes_per_block
+
+
+def parse_seq_lens(text: str) -> list[int]:
+    """``"1024,4096,32k"`` → ``[1024, 4096, 32768]`` (``k`` = 1024); each ≥ 1."""
+    out = []
+    for part in text.split(","):
+        item = part.strip().lower()
+        if not item:
+            continue
+        scale = 1
+        if item.endswith("k"):
+            item, scale = item[:-1], 1024
+        try:
+            value = int(item) * scale
+        except ValueError:
+            raise InvalidConfigError(f"sequence length {part.strip()!r} is not an integer") from None
+        if value < 1:
+            raise InvalidConfigError(f"sequence length must be >= 1, got {value}")
+        out.append(value)
+    if not out:
+        raise InvalidConfigError(f"no sequence lengths in {text!r}")
+    return out
+
+
+def make_plan(
+    spec: CacheSpec,
+    budget: MemoryBudget,
+    seq_lens: Sequence[int],
+    max_model_len: Optional[int] = None,
+    *,
+    model: str = "custom",
+    weights_source: str = "given",
+) -> Plan:
+    """Compute the pool and the per-length rows.
+
+    ``max_model_len`` defaults to the longest of ``seq_lens``: a contiguous reservation must hold
+    the longest sequence planned for. A length above an explicit ``max_model_len`` is an error.
+    """
+    if not seq_lens:
+        raise InvalidConfigError("seq_lens must name at least one length")
+    for n in seq_lens:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidConfigError(f"sequence length must be an integer >= 1, got {n!r}")
+    if max_model_len is None:
+        max_model_len = max(seq_lens)
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
+        raise InvalidConfigError(f"max_model_len must be an integer >= 1, got {max_model_len!r}")
+    too_long = [n for n in seq_lens if n > max_model_len]
+    if too_long:
+        raise InvalidConfigError(
+            f"sequence length {too_long[0]} exceeds max_model_len {max_model_len}"
+        )
+    num_blocks = budget.num_blocks(spec)
+    capacity = num_blocks * spec.block_size
+    contiguous = capacity // max_model_len
+    rows = []
+    for n in seq_lens:
+        blocks = spec.blocks_for_tokens(n)
+        rows.append(PlanRow(
+            seq_len=n,
+            blocks_per_seq=blocks,
+            paged_max_seqs=num_blocks // blocks,
+            paged_waste_tokens_per_seq=blocks * spec.block_size - n,
+            contiguous_max_seqs=contiguous,
+            contiguous_waste_tokens_per_seq=max_model_len - n,
+        ))
+    return Plan(model=model, spec=spec, budget=budget, weights_source=weights_source,
+                num_blocks=num_blocks, max_model_len=max_model_len, rows=tuple(rows))
+
+
+def _bytes_cell(n: int) -> str:
+    if abs(n) < 1024:
+        return f"{n:,} B"
+    return f"{format_bytes(n)} ({n:,} B)"
+
+
+def format_plan(plan: Plan) -> str:
+    """The human-readable report: pool arithmetic, then one row per sequence length."""
+    s, b = plan.spec, plan.budget
+    lines = [
+        f"model             {plan.model}: {s.num_layers} layers, {s.num_kv_heads} KV heads × "
+        f"head_dim {s.head_dim}, {s.dtype}, block size {s.block_size}",
+        f"bytes per token   {_bytes_cell(s.bytes_per_token)}  = 2 × {s.num_kv_heads} × {s.head_dim} × "
+        f"{s.dtype_bytes} × {s.num_layers}",
+        f"bytes per block   {_bytes_cell(s.bytes_per_block)}",
+        f"memory            {_bytes_cell(b.total_bytes)} × utilization {b.utilization} = "
+        f"{format_bytes(b.usable_bytes)}",
+        f"  − weights       {_bytes_cell(b.weights_bytes)} [{plan.weights_source}]",
+        f"  − activations   {_bytes_cell(b.activation_peak_bytes)}",
+        f"  − graph reserve {_bytes_cell(b.graph_reserve_bytes)}",
+        f"  = KV budget     {_bytes_cell(b.kv_bytes)}",
+        f"blocks            {plan.num_blocks:,}  (pool {format_bytes(plan.pool_bytes)})",
+        f"token capacity    {plan.token_capacity:,}",
+        f"max model len     {plan.max_model_len:,}  (contiguous reservation per sequence)",
+        "",
+    ]
+    header = ("seq len", "blocks/seq", "paged seqs", "paged waste/seq",
+              "contig seqs", "contig waste/seq", "paged/contig")
+    table = [header]
+    for r in plan.rows:
+        ratio = "—" if r.ratio is None else f"{r.ratio:.1f}×"
+        table.append((f"{r.seq_len:,}", f"{r.blocks_per_seq:,}", f"{r.paged_max_seqs:,}",
+                      f"{r.paged_waste_tokens_per_seq:,}", f"{r.contiguous_max_seqs:,}",
+                      f"{r.contiguous_waste_tokens_per_seq:,}", ratio))
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for i, row in enumerate(table):
+        lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan) -> str:
+    """The plan as one JSON object (sizes in bytes)."""
+    s, b = plan.spec, plan.budget
+    obj = {
+        "model": plan.model,
+        "spec": asdict(s),
+        "bytes_per_token": s.bytes_per_token,
+        "bytes_per_block": s.bytes_per_block,
+        "total_bytes": b.total_bytes,
+        "utilization": b.utilization,
+        "usable_bytes": b.usable_bytes,
+        "weights_bytes": b.weights_bytes,
+        "weights_source": plan.weights_source,
+        "activation_peak_bytes": b.activation_peak_bytes,
+        "graph_reserve_bytes": b.graph_reserve_bytes,
+        "kv_budget_bytes": b.kv_bytes,
+        "num_blocks": plan.num_blocks,
+        "pool_bytes": plan.pool_bytes,
+        "token_capacity": plan.token_capacity,
+        "max_model_len": plan.max_model_len,
+        "rows": [dict(asdict(r), ratio=r.ratio) for r in plan.rows],
+    }
+    return json.dumps(obj, indent=2)
+

@@ -1,0 +1,728 @@
+"""The serving simulator behind ``pagedkv simulate``: paged blocks against contiguous reservation.
+
+Owns :func:`simulate`, which replays one seeded workload (:mod:`pagedkv.workload`) twice in the
+same KV memory:
+
+**Paged** — through the real :class:`pagedkv.BlockManager`, step by step, with a
+continuous-batching scheduler:
+
+1. requests that have arrived join the FCFS waiting queue;
+2. admission: from the head of the queue, admit while ``admit`` succeeds, the batch has room
+   (``max_num_seqs``) and the step's prompt budget (``max_prefill_tokens``) lasts — the first
+   admission of a step is always allowed whatever its size. A whole prompt is prefilled in the
+   step it is admitted. ``WatermarkReachedError`` / ``OutOfBlocksError`` ends admission for the
+   step. A request with ``n_samples > 1`` is admitted once and forked ``n − 1`` times;
+3. decode: every running sequence appends one token with one ``append_batch`` call. On
+   ``OutOfBlocksError`` the most recently admitted request is preempted by recompute (its
+   sequences freed, the request put back at the head of the queue with the tokens generated so
+   far, to be re-prefilled — prefix-cache hits soften that) and the call is retried;
+4. sequences that have produced all their tokens are freed.
+
+**Contiguous** — the same arrivals, lengths and scheduler limits, but each sequence reserves
+``max_model_len`` token slots at admission, so at most ``floor(num_blocks × block_size /
+max_model_len)`` sequences run at once; nothing is shared and nothing is preempted.
+
+Measurements, taken every step after the decode (before finished sequences are freed) and
+averaged over every step of the run:
+
+- concurrency: sequences in the batch;
+- KV utilization: token slots holding live KV / pool slots (``num_blocks × block_size``); shared
+  blocks count once;
+- waste per sequence: allocated-but-unused slots — ``ceil(len / B)·B − len`` paged (internal
+  fragmentation), ``max_model_len − len`` contiguous; waste fraction: unused / allocated slots;
+- blocks saved by sharing: ``Σ ceil(len / B)`` over live sequences (what they would hold without
+  sharing) minus blocks actually referenced; reported as the mean over steps and the peak;
+- completion: steps until the last request finishes, tokens and requests per step, and mean
+  queueing delay and latency (arrival to last token) in steps.
+
+Invariants: :func:`simulate` is deterministic for a given (workload, sim) pair; it checks the
+manager's invariants at the end (and every ``check_every`` steps), frees every sequence, and
+raises :class:`pagedkv.errors.InvariantViolationError` if any block is left allocated. Torch is
+not imported; the manager is imported when a simulation starts.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import sys
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from .config import CacheSpec, CapacityError, MemoryBudget, format_bytes
+from .errors import InvalidConfigError, InvariantViolationError, OutOfBlocksError
+from .workload import Request, WorkloadConfig, generate
+
+__all__ = [
+    "SimConfig",
+    "PolicyResult",
+    "SimResult",
+    "simulate",
+    "simulate_contiguous",
+    "format_report",
+    "result_dict",
+    "result_json",
+    "plot_timeline",
+]
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The pool and the scheduler's limits.
+
+    ``watermark_blocks=None`` takes the manager's default reserve.
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    watermark_blocks: Optional[int] = None
+    max_num_seqs: int = 512
+    max_prefill_tokens: int = 16384
+    enable_prefix_caching: bool = True
+    check_every: int = 0
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("num_blocks", 1), ("block_size", 1), ("max_num_seqs", 1),
+                              ("max_prefill_tokens", 1), ("check_every", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise InvalidConfigError(
+                    f"invalid simulation config: {name} = {value!r}: must be an integer >= {minimum}",
+                    field=name, value=value, reason=f"must be an integer >= {minimum}",
+                )
+        wm = self.watermark_blocks
+        if wm is not None and (isinstance(wm, bool) or not isinstance(wm, int) or wm < 0):
+            raise InvalidConfigError(
+                f"invalid simulation config: watermark_blocks = {wm!r}: must be an integer >= 0",
+                field="watermark_blocks", value=wm, reason="must be an integer >= 0",
+            )
+
+
+@dataclass
+class PolicyResult:
+    """What one policy (paged or contiguous) achieved on the workload."""
+
+    policy: str
+    steps: int = 0
+    requests_served: int = 0
+    output_tokens: int = 0
+    peak_concurrency: int = 0
+    mean_concurrency: float = 0.0
+    kv_utilization_mean: float = 0.0
+    kv_utilization_peak: float = 0.0
+    waste_tokens_per_seq: float = 0.0
+    waste_fraction: float = 0.0
+    mean_queue_steps: float = 0.0
+    mean_latency_steps: float = 0.0
+    preemptions: int = 0
+    recomputed_prompt_tokens: int = 0
+    prefix_hit_ratio: float = 0.0
+    blocks_saved_by_sharing_mean: float = 0.0
+    blocks_saved_by_sharing_peak: int = 0
+    cow_copies: int = 0
+    evictions: int = 0
+    max_concurrency_limit: int = 0
+    #: Per-step series for plots: "concurrency", "utilization", "waiting".
+    timeline: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.output_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def requests_per_step(self) -> float:
+        return self.requests_served / self.steps if self.steps else 0.0
+
+
+@dataclass
+class SimResult:
+    workload: WorkloadConfig
+    sim: SimConfig
+    watermark_blocks: int
+    paged: PolicyResult
+    contiguous: PolicyResult
+
+
+# --------------------------------------------------------------------------------- bookkeeping
+
+class _Seq:
+    __slots__ = ("seq_id", "sample", "length", "gen", "out", "out_len")
+
+    def __init__(self, seq_id: int, sample: int, length: int, gen: int, out: list[int]) -> None:
+        self.seq_id = seq_id
+        self.sample = sample
+        self.length = length
+        self.gen = gen
+        self.out = out
+        self.out_len = len(out)
+
+
+class _Group:
+    """A request in flight: its live sequences and, per sample, tokens generated so far."""
+
+    __slots__ = ("req", "gen", "seqs", "first_admit", "remaining")
+
+    def __init__(self, req: Request) -> None:
+        self.req = req
+        self.gen = [0] * len(req.outputs)
+        self.seqs: list[_Seq] = []
+        self.first_admit = -1
+        self.remaining = len(req.outputs)
+
+
+class _Progress:
+    """A tqdm bar on stderr, or nothing."""
+
+    def __init__(self, enabled: bool, total: int, desc: str) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr,
+                            dynamic_ncols=True, mininterval=0.25)
+
+    def update(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def _check_capacity(workload: WorkloadConfig, sim: SimConfig, watermark: int) -> None:
+    """Refuse pools that cannot finish every request; a livelock is worse than an error."""
+    per_seq = _blocks_for(workload.max_model_len, sim.block_size)
+    need = workload.n_samples * per_seq + watermark
+    if need > sim.num_blocks:
+        raise CapacityError(
+            f"pool of {sim.num_blocks} blocks cannot guarantee progress: a request needs up to "
+            f"n_samples {workload.n_samples} × ceil(max_model_len {workload.max_model_len} / "
+            f"block_size {sim.block_size}) = {workload.n_samples * per_seq} blocks, plus the "
+            f"watermark reserve of {watermark}; lower --max-model-len or enlarge the pool"
+        )
+    if sim.max_num_seqs < workload.n_samples:
+        raise InvalidConfigError(
+            f"invalid simulation config: max_num_seqs = {sim.max_num_seqs}: must be >= n_samples "
+            f"({workload.n_samples}) so one request fits in a batch",
+            field="max_num_seqs", value=sim.max_num_seqs, reason="must be >= n_samples",
+        )
+
+
+# ---------------------------------------------------------------------------------------- paged
+
+def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimConfig,
+                    progress: bool) -> tuple[PolicyResult, int]:
+    from .manager import BlockManager
+
+    B = sim.block_size
+    mgr = BlockManager(
+        sim.num_blocks, B,
+        watermark_blocks=sim.watermark_blocks,
+        max_blocks_per_seq=_blocks_for(workload.max_model_len, B),
+        enable_prefix_caching=sim.enable_prefix_caching,
+    )
+    _check_capacity(workload, sim, mgr.watermark_blocks)
+    capacity = sim.num_blocks * B
+    sharing = workload.sharing
+    n_req = len(requests)
+
+    waiting: deque[_Group] = deque()
+    running: list[_Group] = []
+    num_running_seqs = 0
+    next_arrival = 0
+    next_seq_id = 0
+    finished = 0
+    step = 0
+
+    res = PolicyResult(policy="paged", max_concurrency_limit=sim.max_num_seqs)
+    conc_series: list[int] = []
+    util_series: list[float] = []
+    wait_series: list[int] = []
+    sum_util = 0.0
+    seq_steps = 0
+    sum_waste = 0
+    sum_alloc_slots = 0
+    sum_saved = 0
+    sum_queue = 0
+    sum_latency = 0
+    bar = _Progress(progress, n_req, "paged")
+
+    def admit_group(g: _Group) -> bool:
+        """Admit ``g`` (all its unfinished samples) or leave the manager as it was; True on success."""
+        nonlocal next_seq_id
+        req = g.req
+        live = [i for i in range(len(req.outputs)) if g.gen[i] < len(req.outputs[i])]
+        seqs: list[_Seq] = []
+        try:
+            if all(g.gen[i] == 0 for i in live):
+                # Fresh (or preempted before its first token): prefill once, fork the rest.
+                parent = next_seq_id
+                r = mgr.admit(parent, req.prompt)
+                res.recomputed_prompt_tokens += 0 if g.first_admit < 0 else req.prompt_len - r.cached_tokens
+                seqs.append(_Seq(parent, live[0], req.prompt_len, 0, req.outputs[live[0]]))
+                next_seq_id += 1
+                for i in live[1:]:
+                    mgr.fork(parent, next_seq_id)
+                    seqs.append(_Seq(next_seq_id, i, req.prompt_len, 0, req.outputs[i]))
+                    next_seq_id += 1
+            else:
+                # Samples have diverged: each re-prefills its own history; the prompt's full blocks
+                # are shared through the prefix cache.
+                for i in live:
+                    out = req.outputs[i]
+                    tokens = np.concatenate([req.prompt, np.asarray(out[: g.gen[i]], dtype=np.int64)])
+                    r = mgr.admit(next_seq_id, tokens)
+                    res.recomputed_prompt_tokens += len(tokens) - r.cached_tokens
+                    seqs.append(_Seq(next_seq_id, i, len(tokens), g.gen[i], out))
+                    next_seq_id += 1
+        except OutOfBlocksError:
+            for s in seqs:
+                mgr.free(s.seq_id)
+            return False
+        g.seqs = seqs
+        return True
+
+    def preempt_last() -> None:
+        nonlocal num_running_seqs
+        g = running.pop()
+        for s in g.seqs:
+            g.gen[s.sample] = s.gen
+            mgr.free(s.seq_id)
+        num_running_seqs -= len(g.seqs)
+        g.seqs = []
+        waiting.appendleft(g)
+        res.preemptions += 1
+
+    while finished < n_req:
+        while next_arrival < n_req and requests[next_arrival].arrival_step <= step:
+            waiting.append(_Group(requests[next_arrival]))
+            next_arrival += 1
+
+        # Admission, FCFS.
+        budget = sim.max_prefill_tokens
+        admitted_any = False
+        while waiting:
+            g = waiting[0]
+            n_live = g.remaining
+            if num_running_seqs + n_live > sim.max_num_seqs:
+                break
+            cost = sum(g.req.prompt_len + g.gen[i] for i in range(len(g.gen))
+                       if g.gen[i] < len(g.req.outputs[i]))
+            if admitted_any and cost > budget:
+                break
+            if not admit_group(g):
+                break
+            waiting.popleft()
+            running.append(g)
+            num_running_seqs += len(g.seqs)
+            budget -= cost
+            admitted_any = True
+            if g.first_admit < 0:
+                g.first_admit = step
+                sum_queue += step - g.req.arrival_step
+
+        # Decode: one token for every running sequence, in admission order, so the most recently
+        # admitted request's sequences are the tail of the batch.
+        ids = [s.seq_id for g in running for s in g.seqs]
+        toks = [s.out[s.gen] for g in running for s in g.seqs]
+        while ids:
+            try:
+                mgr.append_batch(ids, toks)
+                break
+            except OutOfBlocksError:
+                if len(running) == 1:
+                    raise CapacityError(
+                        f"request {running[0].req.req_id} cannot grow even alone in a pool of "
+                        f"{sim.num_blocks} blocks"
+                    ) from None
+                k = len(running[-1].seqs)
+                preempt_last()
+                del ids[len(ids) - k:]
+                del toks[len(toks) - k:]
+
+        # Measure, then retire finished sequences.
+        n_seqs = 0
+        logical_tokens = 0
+        logical_blocks = 0
+        waste = 0
+        for g in running:
+            for s in g.seqs:
+                s.gen += 1
+                s.length += 1
+                nb = -(-s.length // B)
+                logical_tokens += s.length
+                logical_blocks += nb
+                waste += nb * B - s.length
+                n_seqs += 1
+        used_blocks = sim.num_blocks - mgr.num_free_blocks
+        if sharing:
+            physical_tokens = used_blocks * B
+            tails: dict[int, int] = {}
+            for g in running:
+                for s in g.seqs:
+                    rem = s.length % B
+                    if rem:
+                        tails[mgr.block_table(s.seq_id)[-1]] = rem
+            physical_tokens -= sum(B - rem for rem in tails.values())
+        else:
+            physical_tokens = logical_tokens
+        util = physical_tokens / capacity
+        conc_series.append(n_seqs)
+        util_series.append(util)
+        wait_series.append(len(waiting))
+        sum_util += util
+        seq_steps += n_seqs
+        sum_waste += waste
+        sum_alloc_slots += used_blocks * B
+        saved = logical_blocks - used_blocks
+        sum_saved += saved
+        if saved > res.blocks_saved_by_sharing_peak:
+            res.blocks_saved_by_sharing_peak = saved
+        res.kv_utilization_peak = max(res.kv_utilization_peak, util)
+        res.peak_concurrency = max(res.peak_concurrency, n_seqs)
+
+        if n_seqs:
+            still_running = []
+            for g in running:
+                live = []
+                for s in g.seqs:
+                    if s.gen >= s.out_len:
+                        g.gen[s.sample] = s.gen
+                        mgr.free(s.seq_id)
+                        g.remaining -= 1
+                        res.output_tokens += s.out_len
+                    else:
+                        live.append(s)
+                g.seqs = live
+                if g.remaining:
+                    still_running.append(g)
+                else:
+                    finished += 1
+                    res.requests_served += 1
+                    sum_latency += step + 1 - g.req.arrival_step
+                    bar.update()
+            running = still_running
+            num_running_seqs = sum(len(g.seqs) for g in running)
+
+        step += 1
+        if sim.check_every and step % sim.check_every == 0:
+            mgr.check_invariants()
+
+    bar.close()
+    mgr.check_invariants()
+    stats = mgr.stats()
+    res.steps = step
+    res.mean_concurrency = seq_steps / step
+    res.kv_utilization_mean = sum_util / step
+    res.waste_tokens_per_seq = sum_waste / seq_steps if seq_steps else 0.0
+    res.waste_fraction = 1.0 - (sum_util * capacity) / sum_alloc_slots if sum_alloc_slots else 0.0
+    res.blocks_saved_by_sharing_mean = sum_saved / step
+    res.mean_queue_steps = sum_queue / n_req
+    res.mean_latency_steps = sum_latency / n_req
+    res.prefix_hit_ratio = float(stats.prefix_hit_ratio)
+    res.cow_copies = int(stats.cow_copies)
+    res.evictions = int(stats.evictions)
+    res.timeline = {
+        "concurrency": np.asarray(conc_series, dtype=np.int32),
+        "utilization": np.asarray(util_series, dtype=np.float32),
+        "waiting": np.asarray(wait_series, dtype=np.int32),
+    }
+    if len(mgr) != 0 or mgr.num_free_blocks != sim.num_blocks:
+        raise InvariantViolationError(
+            f"simulation ended with {len(mgr)} live sequences and {mgr.num_free_blocks} of "
+            f"{sim.num_blocks} blocks free: blocks leaked",
+            detail="leak",
+        )
+    return res, mgr.watermark_blocks
+
+
+# ----------------------------------------------------------------------------------- contiguous
+
+def simulate_contiguous(requests: list[Request], workload: WorkloadConfig, sim: SimConfig,
+                        progress: bool = False) -> PolicyResult:
+    """The same workload under contiguous max-length reservation in the same memory.
+
+    Every sequence reserves ``max_model_len`` slots at admission, so ``floor(num_blocks ×
+    block_size / max_model_len)`` run at once (and at most ``max_num_seqs``). Same FCFS order and
+    prompt budget as the paged run; no sharing, no preemption.
+    """
+    capacity = sim.num_blocks * sim.block_size
+    mml = workload.max_model_len
+    slots = min(capacity // mml, sim.max_num_seqs)
+    res = PolicyResult(policy="contiguous", max_concurrency_limit=slots)
+    n_req = len(requests)
+    if slots < workload.n_samples:
+        raise CapacityError(
+            f"contiguous reservation of max_model_len {mml} tokens per sequence fits {slots} "
+            f"sequences in {capacity} token slots; a request needs {workload.n_samples}"
+        )
+    waiting: deque[Request] = deque()
+    # Heap of (last step, req_id, sample's length term): the sample generates on steps
+    # [admit, admit + out_len). Its length after the decode of step t is prompt + t − admit + 1,
+    # so the batch's total length is base + count × t with base = Σ (prompt − admit + 1).
+    finishing: list[tuple[int, int, int]] = []
+    remaining = {}
+    base = 0
+    count = 0
+    next_arrival = 0
+    finished = 0
+    step = 0
+    conc_series: list[int] = []
+    util_series: list[float] = []
+    wait_series: list[int] = []
+    sum_util = 0.0
+    seq_steps = 0
+    sum_tokens = 0
+    sum_queue = 0
+    sum_latency = 0
+    bar = _Progress(progress, n_req, "contiguous")
+    while finished < n_req:
+        while next_arrival < n_req and requests[next_arrival].arrival_step <= step:
+            waiting.append(requests[next_arrival])
+            next_arrival += 1
+        budget = sim.max_prefill_tokens
+        admitted_any = False
+        while waiting:
+            req = waiting[0]
+            n = len(req.outputs)
+            if count + n > slots or (admitted_any and req.prompt_len > budget):
+                break
+            waiting.popleft()
+            budget -= req.prompt_len
+            admitted_any = True
+            sum_queue += step - req.arrival_step
+            remaining[req.req_id] = (n, req.arrival_step)
+            for out in req.outputs:
+                heapq.heappush(finishing, (step + len(out) - 1, req.req_id, req.prompt_len - step + 1))
+                base += req.prompt_len - step + 1
+                count += 1
+                res.output_tokens += len(out)
+        tokens = base + count * step
+        util = tokens / capacity
+        conc_series.append(count)
+        util_series.append(util)
+        wait_series.append(len(waiting))
+        sum_util += util
+        seq_steps += count
+        sum_tokens += tokens
+        res.peak_concurrency = max(res.peak_concurrency, count)
+        res.kv_utilization_peak = max(res.kv_utilization_peak, util)
+        while finishing and finishing[0][0] == step:
+            _, req_id, term = heapq.heappop(finishing)
+            base -= term
+            count -= 1
+            left, arrival = remaining[req_id]
+            if left == 1:
+                del remaining[req_id]
+                finished += 1
+                res.requests_served += 1
+                sum_latency += step + 1 - arrival
+                bar.update()
+            else:
+                remaining[req_id] = (left - 1, arrival)
+        step += 1
+    bar.close()
+    res.steps = step
+    res.mean_concurrency = seq_steps / step
+    res.kv_utilization_mean = sum_util / step
+    reserved = seq_steps * mml
+    res.waste_tokens_per_seq = (reserved - sum_tokens) / seq_steps if seq_steps else 0.0
+    res.waste_fraction = (reserved - sum_tokens) / reserved if reserved else 0.0
+    res.mean_queue_steps = sum_queue / n_req
+    res.mean_latency_steps = sum_latency / n_req
+    res.timeline = {
+        "concurrency": np.asarray(conc_series, dtype=np.int32),
+        "utilization": np.asarray(util_series, dtype=np.float32),
+        "waiting": np.asarray(wait_series, dtype=np.int32),
+    }
+    return res
+
+
+# ------------------------------------------------------------------------------------ front end
+
+def simulate(workload: WorkloadConfig, sim: SimConfig, *, progress: bool = False,
+             record_timeline: bool = True) -> SimResult:
+    """Run ``workload`` paged (through the real manager) and contiguous, in ``sim``'s pool.
+
+    ``progress`` shows tqdm bars on stderr. ``record_timeline=False`` drops the per-step series
+    from the result (they are always gathered; this only frees them).
+    """
+    if not isinstance(workload, WorkloadConfig) or not isinstance(sim, SimConfig):
+        raise InvalidConfigError("simulate() takes a WorkloadConfig and a SimConfig")
+    requests = generate(workload)
+    paged, watermark = _simulate_paged(requests, workload, sim, progress)
+    contiguous = simulate_contiguous(requests, workload, sim, progress)
+    if not record_timeline:
+        paged.timeline, contiguous.timeline = {}, {}
+    return SimResult(workload=workload, sim=sim, watermark_blocks=watermark,
+                     paged=paged, contiguous=contiguous)
+
+
+def _r(x: float) -> float:
+    return round(float(x), 6)
+
+
+def result_dict(result: SimResult, *, model: Optional[str] = None, spec: Optional[CacheSpec] = None,
+                memory: Optional[MemoryBudget] = None) -> dict[str, Any]:
+    """A flat JSON-ready dict: headline keys first, then each policy's figures, then the config."""
+    p, c = result.paged, result.contiguous
+    out: dict[str, Any] = {
+        "requests": result.workload.num_requests,
+        "num_blocks": result.sim.num_blocks,
+        "block_size": result.sim.block_size,
+        "token_capacity": result.sim.num_blocks * result.sim.block_size,
+        "watermark_blocks": result.watermark_blocks,
+        "max_model_len": result.workload.max_model_len,
+        "contiguous_slots": c.max_concurrency_limit,
+        "peak_concurrency_paged": p.peak_concurrency,
+        "peak_concurrency_contiguous": c.peak_concurrency,
+        "mean_concurrency_paged": _r(p.mean_concurrency),
+        "mean_concurrency_contiguous": _r(c.mean_concurrency),
+        "kv_utilization_mean": _r(p.kv_utilization_mean),
+        "kv_utilization_peak": _r(p.kv_utilization_peak),
+        "kv_utilization_mean_contiguous": _r(c.kv_utilization_mean),
+        "kv_utilization_peak_contiguous": _r(c.kv_utilization_peak),
+        "waste_tokens_per_seq_paged": _r(p.waste_tokens_per_seq),
+        "waste_tokens_per_seq_contiguous": _r(c.waste_tokens_per_seq),
+        "waste_fraction_paged": _r(p.waste_fraction),
+        "waste_fraction_contiguous": _r(c.waste_fraction),
+        "preemptions": p.preemptions,
+        "recomputed_prompt_tokens": p.recomputed_prompt_tokens,
+        "prefix_hit_ratio": _r(p.prefix_hit_ratio),
+        "blocks_saved_by_sharing": _r(p.blocks_saved_by_sharing_mean),
+        "blocks_saved_by_sharing_peak": p.blocks_saved_by_sharing_peak,
+        "cow_copies": p.cow_copies,
+        "evictions": p.evictions,
+        "steps_paged": p.steps,
+        "steps_contiguous": c.steps,
+        "output_tokens": p.output_tokens,
+        "tokens_per_step_paged": _r(p.tokens_per_step),
+        "tokens_per_step_contiguous": _r(c.tokens_per_step),
+        "requests_per_step_paged": _r(p.requests_per_step),
+        "requests_per_step_contiguous": _r(c.requests_per_step),
+        "mean_queue_steps_paged": _r(p.mean_queue_steps),
+        "mean_queue_steps_contiguous": _r(c.mean_queue_steps),
+        "mean_latency_steps_paged": _r(p.mean_latency_steps),
+        "mean_latency_steps_contiguous": _r(c.mean_latency_steps),
+        "workload": asdict(result.workload),
+        "sim": asdict(result.sim),
+    }
+    if model is not None:
+        out["model"] = model
+    if spec is not None:
+        out["spec"] = asdict(spec)
+        out["bytes_per_block"] = spec.bytes_per_block
+    if memory is not None:
+        out["memory"] = asdict(memory)
+    return out
+
+
+def result_json(result: SimResult, **kwargs: Any) -> str:
+    """:func:`result_dict` as one JSON object."""
+    return json.dumps(result_dict(result, **kwargs), indent=2)
+
+
+def format_report(result: SimResult, *, model: Optional[str] = None, spec: Optional[CacheSpec] = None,
+                  memory: Optional[MemoryBudget] = None) -> str:
+    """The human-readable report: the setup, then paged and contiguous side by side."""
+    w, s, p, c = result.workload, result.sim, result.paged, result.contiguous
+    lines = []
+    if model is not None and spec is not None:
+        pool = f"{format_bytes(s.num_blocks * spec.bytes_per_block)}, "
+        lines.append(f"model      {model}: {format_bytes(spec.bytes_per_token)}/token, "
+                     f"{format_bytes(spec.bytes_per_block)}/block ({spec.dtype})")
+    else:
+        pool = ""
+    if memory is not None:
+        lines.append(f"memory     {format_bytes(memory.total_bytes)} × {memory.utilization} − weights "
+                     f"{format_bytes(memory.weights_bytes)} − activations "
+                     f"{format_bytes(memory.activation_peak_bytes)} − graphs "
+                     f"{format_bytes(memory.graph_reserve_bytes)}")
+    lines.append(f"pool       {s.num_blocks:,} blocks × {s.block_size} = {s.num_blocks * s.block_size:,} "
+                 f"token slots ({pool}watermark {result.watermark_blocks} blocks)")
+    shape = (f"prompts log-normal median {w.prompt_median:g} σ {w.prompt_sigma:g}, outputs median "
+             f"{w.output_median:g} σ {w.output_sigma:g}, max_model_len {w.max_model_len}")
+    lines.append(f"workload   {w.num_requests} requests, Poisson {w.arrival_rate:g}/step, seed {w.seed}")
+    lines.append(f"           {shape}")
+    if w.num_prefixes:
+        lines.append(f"           {w.num_prefixes} shared prefixes × {w.prefix_len} tokens on "
+                     f"{w.prefix_fraction:.0%} of requests")
+    if w.n_samples > 1:
+        lines.append(f"           {w.n_samples} parallel samples per request")
+    lines.append("")
+    rows = [
+        ("", "paged", "contiguous"),
+        ("concurrency limit", f"{p.max_concurrency_limit} (max_num_seqs)", f"{c.max_concurrency_limit}"),
+        ("peak concurrency", f"{p.peak_concurrency}", f"{c.peak_concurrency}"),
+        ("mean concurrency", f"{p.mean_concurrency:.1f}", f"{c.mean_concurrency:.1f}"),
+        ("KV utilization mean", f"{p.kv_utilization_mean:.1%}", f"{c.kv_utilization_mean:.1%}"),
+        ("KV utilization peak", f"{p.kv_utilization_peak:.1%}", f"{c.kv_utilization_peak:.1%}"),
+        ("waste slots / seq", f"{p.waste_tokens_per_seq:.1f}", f"{c.waste_tokens_per_seq:.1f}"),
+        ("waste fraction", f"{p.waste_fraction:.1%}", f"{c.waste_fraction:.1%}"),
+        ("preemptions", f"{p.preemptions}", "0"),
+        ("steps to finish", f"{p.steps:,}", f"{c.steps:,}"),
+        ("tokens / step", f"{p.tokens_per_step:.2f}", f"{c.tokens_per_step:.2f}"),
+        ("requests / step", f"{p.requests_per_step:.4f}", f"{c.requests_per_step:.4f}"),
+        ("mean queueing (steps)", f"{p.mean_queue_steps:.0f}", f"{c.mean_queue_steps:.0f}"),
+        ("mean latency (steps)", f"{p.mean_latency_steps:.0f}", f"{c.mean_latency_steps:.0f}"),
+    ]
+    if w.sharing or p.prefix_hit_ratio:
+        rows += [
+            ("prefix hit ratio", f"{p.prefix_hit_ratio:.1%}", "—"),
+            ("blocks saved by sharing", f"{p.blocks_saved_by_sharing_mean:.1f} mean, "
+                                        f"{p.blocks_saved_by_sharing_peak} peak", "—"),
+            ("copy-on-write copies", f"{p.cow_copies}", "—"),
+        ]
+    if p.recomputed_prompt_tokens:
+        rows.append(("recomputed prompt tokens", f"{p.recomputed_prompt_tokens:,}", "—"))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for i, r in enumerate(rows):
+        lines.append(f"{r[0].ljust(widths[0])}  {r[1].rjust(widths[1])}  {r[2].rjust(widths[2])}")
+        if i == 0:
+            lines.append("  ".join("-" * wd for wd in widths))
+    if c.steps and p.steps:
+        lines.append("")
+        lines.append(f"paged finishes in {p.steps / c.steps:.2f}× the contiguous steps "
+                     f"({c.steps / p.steps:.1f}× the throughput) in the same memory")
+    return "\n".join(lines)
+
+
+def plot_timeline(result: SimResult, path: str) -> None:
+    """Write a PNG of KV utilization and concurrency over time for both policies."""
+    p, c = result.paged, result.contiguous
+    if not p.timeline or not c.timeline:
+        raise InvalidConfigError("this result holds no timeline; run simulate(record_timeline=True)")
+    # The object-oriented API with an Agg canvas: no pyplot, no global backend switch.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 6.5))
+    FigureCanvasAgg(fig)
+    ax_u, ax_c = fig.subplots(2, 1, sharex=True)
+    for res, color in ((p, "tab:blue"), (c, "tab:orange")):
+        steps = np.arange(len(res.timeline["utilization"]))
+        ax_u.plot(steps, 100 * res.timeline["utilization"], color=color, lw=0.8, label=res.policy)
+        ax_c.plot(steps, res.timeline["concurrency"], color=color, lw=0.8, label=res.policy)
+    ax_u.set_ylabel("KV utilization (%)")
+    ax_u.set_ylim(0, 105)
+    ax_c.set_ylabel("running sequences")
+    ax_c.set_xlabel("scheduler step")
+    ax_u.legend(loc="upper right")
+    ax_u.set_title(f"{result.workload.num_requests} requests, {result.sim.num_blocks} blocks × "
+                   f"{result.sim.block_size} tokens, max_model_len {result.workload.max_model_len}")
+    for ax in (ax_u, ax_c):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise InvalidConfigError(f"cannot write plot {path}: {exc}") from None
