@@ -1,0 +1,1012 @@
+//! The block manager: sequences, their block tables, the prefix cache and the step builder.
+//!
+//! Single owner (`&mut self`): one scheduler thread drives it. It holds the [`BlockPool`] (block
+//! reference counts and the free list), the [`PrefixCache`], and one state record per sequence:
+//! block table, token count, token ids (only with prefix caching on: they are what gets hashed),
+//! the chained hashes of its full blocks, and its hashing keys.
+//!
+//! Every block is in exactly one of four states:
+//! - **free**: on the pool's free list;
+//! - **cached-free**: refcount 0, hashed, in the prefix LRU — reusable by a prefix hit, evictable;
+//! - **owned**: refcount ≥ 1, equal to the number of block tables that contain it;
+//! - **copy source in flight**: refcount 0, unhashed, the `src` of a copy-on-write copy that the
+//!   next step still has to emit; it goes back to the free list once the copy is emitted.
+//!
+//! Rules worth knowing:
+//! - **Registration happens at step time.** A full block is offered to the prefix cache by the
+//!   `build_step` that schedules its last token, not when the token is admitted or appended. A
+//!   later admission can therefore only hit blocks whose KV a step has been built to write, and a
+//!   sequence freed before any step ran leaves nothing stale in the cache.
+//! - **At least one prompt token is computed.** An admission shares at most `(len - 1) / B` cached
+//!   blocks: when the whole prompt is cached, its last block is allocated fresh (and recomputed)
+//!   rather than shared, so the engine never writes into a shared block.
+//! - **Copy-on-write.** Only a partly filled tail block can be shared *and* written (after a
+//!   fork). Appending into one allocates a fresh block and queues a `(src, dst)` copy that the next
+//!   `build_step` emits. The copy list of one step has distinct `dst`s and no `dst` is a `src`.
+//! - **Allocation order.** Never-cached free blocks first, then the least recently freed
+//!   cached-free block (an eviction). A freed sequence's blocks enter the LRU tail first, so its
+//!   tail is evicted before its prefix.
+//! - **Watermark.** Admissions must leave `watermark_blocks` free (cached-free counts as free);
+//!   appends and forks may use the reserve.
+//! - Every error leaves the manager unchanged: operations validate fully before touching state.
+
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::hash::{root_hash, Hasher, SeqKeys};
+use crate::metrics::{hist_bucket, Counters, Stats, HIST_BUCKETS};
+use crate::pool::BlockPool;
+use crate::prefix::{FastMap, PrefixCache};
+use crate::step::{StepBuffers, StepInfo};
+use crate::table::{blocks_for, BlockTable};
+use crate::{BlockId, SeqId, TokenId};
+
+/// Configuration of a [`BlockManager`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ManagerConfig {
+    pub num_blocks: u32,
+    /// Tokens per block (`B`).
+    pub block_size: u32,
+    /// Reserve never handed to admissions, so running sequences can always append (< num_blocks).
+    pub watermark_blocks: u32,
+    /// Width of a block-table row: the most blocks one sequence may hold.
+    pub max_blocks_per_seq: u32,
+    pub enable_prefix_caching: bool,
+    /// Keep each cached block's token ids and compare them on every hit; a mismatch (a hash
+    /// collision) is served as a miss and counted.
+    pub verify_prefix: bool,
+}
+
+impl ManagerConfig {
+    /// Defaults: watermark 1% of the pool (at least 1, but 0 for a one-block pool), rows as wide
+    /// as the pool (capped so `max_blocks_per_seq * block_size` fits an `i32` sequence length),
+    /// prefix caching on, verify off.
+    pub fn new(num_blocks: u32, block_size: u32) -> Self {
+        let watermark_blocks = if num_blocks <= 1 { 0 } else { (num_blocks / 100).max(1) };
+        let cap = if block_size == 0 { num_blocks } else { (i32::MAX as u32) / block_size };
+        Self {
+            num_blocks,
+            block_size,
+            watermark_blocks,
+            max_blocks_per_seq: num_blocks.min(cap),
+            enable_prefix_caching: true,
+            verify_prefix: false,
+        }
+    }
+
+    /// Checks every field; `InvalidConfig` names the first bad one.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &'static str, value: u64, reason: String| Err(Error::InvalidConfig { field, value, reason });
+        if self.block_size == 0 {
+            return bad("block_size", 0, "must be >= 1".into());
+        }
+        if self.num_blocks == 0 {
+            return bad("num_blocks", 0, "must be >= 1".into());
+        }
+        if self.num_blocks > i32::MAX as u32 {
+            return bad(
+                "num_blocks",
+                self.num_blocks as u64,
+                format!("must be <= {} (block ids are written as int32)", i32::MAX),
+            );
+        }
+        if (self.num_blocks as u64) * (self.block_size as u64) > i64::MAX as u64 {
+            return bad(
+                "block_size",
+                self.block_size as u64,
+                "num_blocks * block_size must fit int64 slot ids".into(),
+            );
+        }
+        if self.watermark_blocks >= self.num_blocks {
+            return bad(
+                "watermark_blocks",
+                self.watermark_blocks as u64,
+                format!("must be < num_blocks ({})", self.num_blocks),
+            );
+        }
+        if self.max_blocks_per_seq == 0 {
+            return bad("max_blocks_per_seq", 0, "must be >= 1".into());
+        }
+        if (self.max_blocks_per_seq as u64) * (self.block_size as u64) > i32::MAX as u64 {
+            return bad(
+                "max_blocks_per_seq",
+                self.max_blocks_per_seq as u64,
+                format!(
+                    "max_blocks_per_seq * block_size must fit an int32 sequence length (block_size {})",
+                    self.block_size
+                ),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Outcome of an admission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdmitResult {
+    /// Prompt tokens whose KV is already cached (a multiple of B, at most `len - 1`): the engine
+    /// computes tokens `[cached_tokens, len)`.
+    pub cached_tokens: u32,
+    /// Blocks allocated for this admission (not shared from the cache).
+    pub new_blocks: u32,
+    /// Blocks in the sequence's table, `ceil(len / B)`.
+    pub num_blocks: u32,
+}
+
+/// Per-sequence state, kept in a slab so batch calls index it directly after one lookup.
+#[derive(Debug, Clone, Default)]
+struct Seq {
+    table: BlockTable,
+    /// Token ids (prefix caching only).
+    tokens: Vec<TokenId>,
+    /// Chained hashes of the first `hashes.len()` full blocks (prefix caching only).
+    hashes: Vec<u128>,
+    /// Blocks `[0, registered)` have been offered to the prefix cache.
+    registered: usize,
+    /// `h_{-1}` for this sequence's salt.
+    root: u128,
+    /// Keys adding extra records to block hashes; `None` when there are none.
+    keys: Option<Arc<SeqKeys>>,
+    /// The tail block may be shared (set by fork); cleared once seen unshared.
+    tail_maybe_shared: bool,
+    /// Epoch of the last batch call that visited this sequence (duplicate detection).
+    mark: u64,
+}
+
+/// The block manager. See the module documentation for the rules it keeps.
+#[derive(Debug)]
+pub struct BlockManager {
+    cfg: ManagerConfig,
+    bs: usize,
+    caching: bool,
+    pool: BlockPool,
+    prefix: PrefixCache,
+    index: FastMap<SeqId, u32>,
+    slots: Vec<Seq>,
+    free_slots: Vec<u32>,
+    /// Copy-on-write copies not yet emitted by a step.
+    pending: Vec<(BlockId, BlockId)>,
+    /// Refcount-0 blocks held back because they are the `src` of a pending copy.
+    deferred: Vec<BlockId>,
+    counters: Counters,
+    shared_blocks: u64,
+    used_tokens: u64,
+    epoch: u64,
+    empty_root: u128,
+    hasher: Hasher,
+    scratch_idx: Vec<u32>,
+    scratch_hashes: Vec<u128>,
+    scratch_hits: Vec<BlockId>,
+}
+
+impl BlockManager {
+    /// A manager over a fresh pool; `InvalidConfig` if `cfg` does not validate.
+    pub fn new(cfg: ManagerConfig) -> Result<Self> {
+        cfg.validate()?;
+        let pool = BlockPool::new(cfg.num_blocks)?;
+        let prefix = PrefixCache::new(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching && cfg.verify_prefix);
+        Ok(Self {
+            bs: cfg.block_size as usize,
+            caching: cfg.enable_prefix_caching,
+            pool,
+            prefix,
+            index: FastMap::default(),
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            pending: Vec::new(),
+            deferred: Vec::new(),
+            counters: Counters::default(),
+            shared_blocks: 0,
+            used_tokens: 0,
+            epoch: 0,
+            empty_root: root_hash(&[]),
+            hasher: Hasher::new(),
+            scratch_idx: Vec::new(),
+            scratch_hashes: Vec::new(),
+            scratch_hits: Vec::new(),
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &ManagerConfig {
+        &self.cfg
+    }
+
+    /// Whether an `num_tokens`-token prompt could be admitted now, ignoring possible prefix hits.
+    pub fn can_admit(&self, num_tokens: usize) -> bool {
+        if num_tokens == 0 {
+            return false;
+        }
+        let nb = blocks_for(num_tokens, self.bs);
+        nb <= self.cfg.max_blocks_per_seq as usize
+            && nb.saturating_add(self.cfg.watermark_blocks as usize) <= self.num_free_blocks()
+    }
+
+    /// Admits a sequence with no hashing keys (empty salt).
+    pub fn admit(&mut self, seq: SeqId, tokens: &[TokenId]) -> Result<AdmitResult> {
+        self.admit_inner(seq, tokens, None)
+    }
+
+    /// Admits a sequence whose block hashes include `keys`.
+    pub fn admit_with(&mut self, seq: SeqId, tokens: &[TokenId], keys: &SeqKeys) -> Result<AdmitResult> {
+        self.admit_inner(seq, tokens, Some(keys))
+    }
+
+    fn admit_inner(&mut self, seq: SeqId, tokens: &[TokenId], keys: Option<&SeqKeys>) -> Result<AdmitResult> {
+        let n = tokens.len();
+        if n == 0 {
+            return Err(Error::InvalidArgument {
+                what: "tokens.len",
+                value: 0,
+                reason: "a prompt needs at least one token".into(),
+            });
+        }
+        if self.index.contains_key(&seq) {
+            return Err(Error::DuplicateSequence { seq_id: seq });
+        }
+        if let Some(k) = keys {
+            k.validate(n)?;
+        }
+        let bs = self.bs;
+        let nb = blocks_for(n, bs);
+        if nb > self.cfg.max_blocks_per_seq as usize {
+            return Err(Error::SequenceTooLong {
+                seq_id: seq,
+                needed_blocks: nb,
+                max_blocks_per_seq: self.cfg.max_blocks_per_seq as usize,
+            });
+        }
+
+        // Prefix lookup: the longest run of leading cached blocks, capped so one token remains.
+        let mut hits = std::mem::take(&mut self.scratch_hits);
+        hits.clear();
+        let mut revive = 0usize;
+        let mut collisions = 0u64;
+        let mut root = self.empty_root;
+        let extra_keys = keys.filter(|k| k.has_block_extras());
+        if self.caching {
+            if let Some(k) = keys {
+                if !k.cache_salt.is_empty() {
+                    root = root_hash(&k.cache_salt);
+                }
+            }
+            self.scratch_hashes.clear();
+            self.hasher.extend_chain(root, tokens, bs, extra_keys, &mut self.scratch_hashes);
+            let max_hit = ((n - 1) / bs).min(self.scratch_hashes.len());
+            for i in 0..max_hit {
+                let Some(b) = self.prefix.lookup(self.scratch_hashes[i]) else { break };
+                if !self.prefix.matches(b, &tokens[i * bs..(i + 1) * bs]) {
+                    collisions += 1;
+                    break;
+                }
+                if self.prefix.in_lru(b) {
+                    revive += 1;
+                }
+                hits.push(b);
+            }
+        }
+        let new = nb - hits.len();
+        let needed = new + revive;
+        let avail = self.num_free_blocks();
+        let wm = self.cfg.watermark_blocks as usize;
+        if needed > avail {
+            self.scratch_hits = hits;
+            return Err(Error::OutOfBlocks { needed, available: avail });
+        }
+        if avail - needed < wm {
+            self.scratch_hits = hits;
+            return Err(Error::WatermarkReached { needed, available: avail.saturating_sub(wm), watermark: wm });
+        }
+
+        // Validated: apply.
+        let slot = self.take_slot();
+        let s = &mut self.slots[slot as usize];
+        s.table.clear();
+        for &b in &hits {
+            if self.prefix.in_lru(b) {
+                self.prefix.lru_remove(b);
+                self.pool.incref(b)?;
+            } else if self.pool.incref(b)? == 2 {
+                self.shared_blocks += 1;
+            }
+            s.table.blocks.push(b);
+        }
+        let from_pool = new.min(self.pool.num_free());
+        self.pool.allocate_n(from_pool, &mut s.table.blocks)?;
+        for _ in from_pool..new {
+            let b = evict(&mut self.prefix, &self.pool, &mut self.counters)?;
+            s.table.blocks.push(b);
+        }
+        s.table.num_tokens = n;
+        s.tokens.clear();
+        s.hashes.clear();
+        if self.caching {
+            s.tokens.extend_from_slice(tokens);
+            std::mem::swap(&mut s.hashes, &mut self.scratch_hashes);
+        }
+        s.registered = hits.len();
+        s.root = root;
+        s.keys = extra_keys.map(|k| Arc::new(k.clone()));
+        s.tail_maybe_shared = false;
+        self.index.insert(seq, slot);
+        self.used_tokens += n as u64;
+        let cached = hits.len() * bs;
+        if self.caching {
+            self.counters.prefix_query_tokens += n as u64;
+            self.counters.prefix_hit_tokens += cached as u64;
+            self.counters.prefix_collisions += collisions;
+        }
+        self.scratch_hits = hits;
+        Ok(AdmitResult { cached_tokens: cached as u32, new_blocks: new as u32, num_blocks: nb as u32 })
+    }
+
+    fn take_slot(&mut self) -> u32 {
+        match self.free_slots.pop() {
+            Some(s) => s,
+            None => {
+                self.slots.push(Seq::default());
+                (self.slots.len() - 1) as u32
+            }
+        }
+    }
+
+    #[inline]
+    fn slot_of(&self, seq: SeqId) -> Result<usize> {
+        self.index.get(&seq).map(|&s| s as usize).ok_or(Error::UnknownSequence { seq_id: seq })
+    }
+
+    /// Whether the tail block of `s` is shared and about to be written (so must be copied first).
+    #[inline]
+    fn needs_cow(pool: &BlockPool, s: &Seq, bs: usize) -> Result<bool> {
+        if !s.tail_maybe_shared || s.table.num_tokens % bs == 0 {
+            return Ok(false);
+        }
+        let tail = *s.table.blocks.last().expect("a partial tail block exists");
+        Ok(pool.refcount(tail)? > 1)
+    }
+
+    /// Appends tokens to a sequence. Allocates only when a block boundary is crossed (and for a
+    /// copy-on-write of a shared tail); may use the watermark reserve. All-or-nothing.
+    pub fn append(&mut self, seq: SeqId, tokens: &[TokenId]) -> Result<()> {
+        if tokens.is_empty() {
+            return Err(Error::InvalidArgument { what: "tokens.len", value: 0, reason: "nothing to append".into() });
+        }
+        let slot = self.slot_of(seq)?;
+        let bs = self.bs;
+        let s = &self.slots[slot];
+        let len = s.table.num_tokens;
+        let nb = blocks_for(len + tokens.len(), bs);
+        if nb > self.cfg.max_blocks_per_seq as usize {
+            return Err(Error::SequenceTooLong {
+                seq_id: seq,
+                needed_blocks: nb,
+                max_blocks_per_seq: self.cfg.max_blocks_per_seq as usize,
+            });
+        }
+        let grow = nb - s.table.blocks.len();
+        let cow = Self::needs_cow(&self.pool, s, bs)?;
+        let needed = grow + cow as usize;
+        let avail = self.num_free_blocks();
+        if needed > avail {
+            return Err(Error::OutOfBlocks { needed, available: avail });
+        }
+        if cow {
+            self.cow_tail(slot)?;
+        }
+        // The old tail is ours alone now (copied or unshared) and new blocks are fresh.
+        self.slots[slot].tail_maybe_shared = false;
+        for _ in 0..grow {
+            let b = self.alloc_block()?;
+            self.slots[slot].table.blocks.push(b);
+        }
+        let s = &mut self.slots[slot];
+        s.table.num_tokens += tokens.len();
+        if self.caching {
+            s.tokens.extend_from_slice(tokens);
+        }
+        self.used_tokens += tokens.len() as u64;
+        Ok(())
+    }
+
+    /// Appends one token to each sequence (a decode step). Validates everything first — equal
+    /// lengths, known ids, no id twice, enough blocks for the whole batch — then applies.
+    pub fn append_batch(&mut self, seqs: &[SeqId], tokens: &[TokenId]) -> Result<()> {
+        if seqs.len() != tokens.len() {
+            return Err(Error::InvalidArgument {
+                what: "tokens.len",
+                value: tokens.len() as i64,
+                reason: format!("must equal seqs.len() ({})", seqs.len()),
+            });
+        }
+        let mut idx = std::mem::take(&mut self.scratch_idx);
+        let r = self.check_batch(seqs, &mut idx, true);
+        let needed = match r {
+            Ok(needed) => needed,
+            Err(e) => {
+                self.scratch_idx = idx;
+                return Err(e);
+            }
+        };
+        let avail = self.num_free_blocks();
+        if needed > avail {
+            self.scratch_idx = idx;
+            return Err(Error::OutOfBlocks { needed, available: avail });
+        }
+        let bs = self.bs;
+        let mut result = Ok(());
+        for (k, &i) in idx.iter().enumerate() {
+            let i = i as usize;
+            let s = &self.slots[i];
+            let len = s.table.num_tokens;
+            if len % bs == 0 {
+                match self.alloc_block() {
+                    Ok(b) => self.slots[i].table.blocks.push(b),
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+                self.slots[i].tail_maybe_shared = false;
+            } else if s.tail_maybe_shared {
+                match Self::needs_cow(&self.pool, s, bs) {
+                    Ok(true) => {
+                        if let Err(e) = self.cow_tail(i) {
+                            result = Err(e);
+                            break;
+                        }
+                    }
+                    Ok(false) => self.slots[i].tail_maybe_shared = false,
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            }
+            let s = &mut self.slots[i];
+            s.table.num_tokens += 1;
+            if self.caching {
+                s.tokens.push(tokens[k]);
+            }
+        }
+        self.used_tokens += seqs.len() as u64;
+        self.scratch_idx = idx;
+        result
+    }
+
+    /// Resolves `seqs` to slots in `idx` (one lookup each), rejecting unknown and repeated ids.
+    /// With `count_append`, also checks that one more token fits each row and returns the blocks
+    /// the batch may need (an upper bound: a copy-on-write can make another's unnecessary).
+    fn check_batch(&mut self, seqs: &[SeqId], idx: &mut Vec<u32>, count_append: bool) -> Result<usize> {
+        idx.clear();
+        self.epoch += 1;
+        let epoch = self.epoch;
+        let bs = self.bs;
+        let max = self.cfg.max_blocks_per_seq as usize;
+        let mut needed = 0usize;
+        for &id in seqs {
+            let Some(&i) = self.index.get(&id) else {
+                return Err(Error::UnknownSequence { seq_id: id });
+            };
+            let s = &mut self.slots[i as usize];
+            if s.mark == epoch {
+                return Err(Error::InvalidArgument {
+                    what: "seqs",
+                    value: id as i64,
+                    reason: "sequence id appears twice in one batch".into(),
+                });
+            }
+            s.mark = epoch;
+            if count_append {
+                let len = s.table.num_tokens;
+                if len % bs == 0 {
+                    if len / bs + 1 > max {
+                        return Err(Error::SequenceTooLong {
+                            seq_id: id,
+                            needed_blocks: len / bs + 1,
+                            max_blocks_per_seq: max,
+                        });
+                    }
+                    needed += 1;
+                } else if Self::needs_cow(&self.pool, s, bs)? {
+                    needed += 1;
+                }
+            }
+            idx.push(i);
+        }
+        Ok(needed)
+    }
+
+    /// Allocates one block: the free list first, then the oldest cached-free block.
+    #[inline]
+    fn alloc_block(&mut self) -> Result<BlockId> {
+        match self.pool.allocate() {
+            Ok(b) => Ok(b),
+            Err(_) => evict(&mut self.prefix, &self.pool, &mut self.counters),
+        }
+    }
+
+    /// Replaces the shared tail block of `slot` with a fresh copy and queues the copy.
+    fn cow_tail(&mut self, slot: usize) -> Result<()> {
+        let d = self.alloc_block()?;
+        let s = &mut self.slots[slot];
+        let last = s.table.blocks.len() - 1;
+        let src = std::mem::replace(&mut s.table.blocks[last], d);
+        s.tail_maybe_shared = false;
+        // A src that is itself waiting to be filled by a pending copy has the same content as that
+        // copy's src when the copies run (before any write of the step): copy from there instead,
+        // so no block is both a dst and a src in one step.
+        let origin = self.pending.iter().find(|&&(_, dst)| dst == src).map_or(src, |&(s0, _)| s0);
+        self.pending.push((origin, d));
+        self.counters.cow_copies += 1;
+        self.drop_ref(src)
+    }
+
+    /// Drops one reference to `b`, parking it (free list, LRU or deferred) when none remain.
+    #[inline]
+    fn drop_ref(&mut self, b: BlockId) -> Result<()> {
+        match self.pool.decref(b)? {
+            0 => self.unreferenced(b),
+            1 => {
+                self.shared_blocks -= 1;
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn unreferenced(&mut self, b: BlockId) -> Result<()> {
+        if !self.pending.is_empty() {
+            if let Some(pos) = self.pending.iter().position(|&(_, d)| d == b) {
+                // Nobody will read this dst: the copy is moot. Its src may have been held only for it.
+                let (src, _) = self.pending.remove(pos);
+                if !self.pending.iter().any(|&(s, _)| s == src) {
+                    if let Some(dpos) = self.deferred.iter().position(|&x| x == src) {
+                        self.deferred.swap_remove(dpos);
+                        self.park(src)?;
+                    }
+                }
+            }
+            if self.pending.iter().any(|&(s, _)| s == b) {
+                self.deferred.push(b);
+                return Ok(());
+            }
+        }
+        self.park(b)
+    }
+
+    /// Puts a refcount-0 block where it belongs: the LRU if hashed, else the free list.
+    #[inline]
+    fn park(&mut self, b: BlockId) -> Result<()> {
+        if self.prefix.hash_of(b).is_some() {
+            self.prefix.lru_push(b);
+            Ok(())
+        } else {
+            self.pool.release(b)
+        }
+    }
+
+    /// Starts `child` as a copy of `parent` sharing all its blocks (parallel sampling, beam
+    /// search). No block is allocated; the first write into the shared tail copies it.
+    pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
+        let p = self.slot_of(parent)?;
+        if self.index.contains_key(&child) {
+            return Err(Error::DuplicateSequence { seq_id: child });
+        }
+        for &b in &self.slots[p].table.blocks {
+            if self.pool.refcount(b)? >= crate::pool::MAX_REFCOUNT {
+                return Err(Error::InvalidArgument {
+                    what: "parent",
+                    value: parent as i64,
+                    reason: format!("block {b} is at the maximum reference count"),
+                });
+            }
+        }
+        let c = self.take_slot() as usize;
+        let mut child_state = std::mem::take(&mut self.slots[c]);
+        let ps = &self.slots[p];
+        child_state.table.blocks.clone_from(&ps.table.blocks);
+        child_state.table.num_tokens = ps.table.num_tokens;
+        child_state.tokens.clone_from(&ps.tokens);
+        child_state.hashes.clone_from(&ps.hashes);
+        child_state.registered = ps.registered;
+        child_state.root = ps.root;
+        child_state.keys = ps.keys.clone();
+        let partial = ps.table.num_tokens % self.bs != 0;
+        child_state.tail_maybe_shared = partial;
+        for &b in &child_state.table.blocks {
+            if self.pool.incref(b)? == 2 {
+                self.shared_blocks += 1;
+            }
+        }
+        self.used_tokens += child_state.table.num_tokens as u64;
+        self.slots[c] = child_state;
+        self.slots[p].tail_maybe_shared |= partial;
+        self.index.insert(child, c as u32);
+        Ok(())
+    }
+
+    /// Frees a sequence: drops its references, tail block first, so that cached blocks enter the
+    /// LRU tail-first and the prefix outlives the tail.
+    pub fn free(&mut self, seq: SeqId) -> Result<()> {
+        let slot = self.index.remove(&seq).ok_or(Error::UnknownSequence { seq_id: seq })? as usize;
+        let blocks = std::mem::take(&mut self.slots[slot].table.blocks);
+        let mut result = Ok(());
+        for &b in blocks.iter().rev() {
+            if let Err(e) = self.drop_ref(b) {
+                result = Err(e);
+            }
+        }
+        let s = &mut self.slots[slot];
+        s.table.blocks = blocks;
+        s.table.blocks.clear();
+        self.used_tokens -= s.table.num_tokens as u64;
+        s.table.num_tokens = 0;
+        s.keys = None;
+        self.free_slots.push(slot as u32);
+        result
+    }
+
+    pub fn contains(&self, seq: SeqId) -> bool {
+        self.index.contains_key(&seq)
+    }
+
+    pub fn seq_len(&self, seq: SeqId) -> Result<usize> {
+        Ok(self.slots[self.slot_of(seq)?].table.num_tokens)
+    }
+
+    pub fn block_table(&self, seq: SeqId) -> Result<&[BlockId]> {
+        Ok(&self.slots[self.slot_of(seq)?].table.blocks)
+    }
+
+    pub fn num_seqs(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Blocks available to allocations: free plus cached-free (evictable).
+    #[inline]
+    pub fn num_free_blocks(&self) -> usize {
+        self.pool.num_free() + self.prefix.lru_len()
+    }
+
+    /// Reference count of block `b` (`InvalidBlock` outside the pool).
+    pub fn block_refcount(&self, b: BlockId) -> Result<u32> {
+        self.pool.refcount(b)
+    }
+
+    /// Copy-on-write copies queued for the next step, as `(src, dst)`.
+    pub fn pending_copies(&self) -> &[(BlockId, BlockId)] {
+        &self.pending
+    }
+
+    /// The prefix hash block `b` is cached under, if any.
+    pub fn block_hash(&self, b: BlockId) -> Option<u128> {
+        if (b as usize) < self.cfg.num_blocks as usize {
+            self.prefix.hash_of(b)
+        } else {
+            None
+        }
+    }
+
+    /// Test hook: re-labels hashed block `b` with `hash`, forging a hash collision (the block keeps
+    /// its token ids). Returns false if `b` is not hashed or `hash` is taken.
+    #[doc(hidden)]
+    pub fn debug_relabel_block(&mut self, b: BlockId, hash: u128) -> bool {
+        (b as usize) < self.cfg.num_blocks as usize && self.prefix.relabel(b, hash)
+    }
+
+    /// Fills `out` for one step. Each `(seqs[i], num_new[i])` means "the last `num_new[i]` tokens
+    /// of `seqs[i]` are new this step". Validates everything (lengths, ids, `1 <= n <= len`, every
+    /// buffer's size) before writing anything; then emits and clears the pending copies and offers
+    /// the batch's newly full blocks to the prefix cache.
+    pub fn build_step(&mut self, seqs: &[SeqId], num_new: &[u32], out: &mut StepBuffers<'_>) -> Result<StepInfo> {
+        if seqs.len() != num_new.len() {
+            return Err(Error::InvalidArgument {
+                what: "num_new.len",
+                value: num_new.len() as i64,
+                reason: format!("must equal seqs.len() ({})", seqs.len()),
+            });
+        }
+        let mut idx = std::mem::take(&mut self.scratch_idx);
+        let r = self.check_step(seqs, num_new, out, &mut idx);
+        let (num_tokens, num_kv, max_len) = match r {
+            Ok(v) => v,
+            Err(e) => {
+                self.scratch_idx = idx;
+                return Err(e);
+            }
+        };
+
+        let bs = self.bs;
+        let stride = out.block_table_stride;
+        let mut tok = 0usize;
+        let mut kv = 0usize;
+        out.query_start_loc[0] = 0;
+        out.kv_indptr[0] = 0;
+        for (k, &i) in idx.iter().enumerate() {
+            let s = &self.slots[i as usize];
+            let len = s.table.num_tokens;
+            let n = num_new[k] as usize;
+            let blocks = s.table.blocks_i32();
+            let nb = blocks.len();
+            let dst = &mut out.slot_mapping[tok..tok + n];
+            if n == 1 {
+                let p = len - 1;
+                dst[0] = blocks[p / bs] as i64 * bs as i64 + (p % bs) as i64;
+            } else {
+                let mut p = len - n;
+                let mut w = 0;
+                while p < len {
+                    let off = p % bs;
+                    let run = (bs - off).min(len - p);
+                    let base = blocks[p / bs] as i64 * bs as i64 + off as i64;
+                    for (j, d) in dst[w..w + run].iter_mut().enumerate() {
+                        *d = base + j as i64;
+                    }
+                    w += run;
+                    p += run;
+                }
+            }
+            out.block_tables[k * stride..k * stride + nb].copy_from_slice(blocks);
+            out.kv_indices[kv..kv + nb].copy_from_slice(blocks);
+            tok += n;
+            kv += nb;
+            out.seq_lens[k] = len as i32;
+            out.query_start_loc[k + 1] = tok as i32;
+            out.kv_indptr[k + 1] = kv as i32;
+            out.kv_last_page_len[k] = ((len - 1) % bs + 1) as i32;
+        }
+
+        let num_copies = self.pending.len();
+        for (j, &(src, dst)) in self.pending.iter().enumerate() {
+            out.copies[2 * j] = src as i64;
+            out.copies[2 * j + 1] = dst as i64;
+        }
+        self.pending.clear();
+        let mut result = Ok(());
+        while let Some(b) = self.deferred.pop() {
+            if let Err(e) = self.park(b) {
+                result = Err(e);
+            }
+        }
+
+        if self.caching {
+            for &i in &idx {
+                let s = &mut self.slots[i as usize];
+                let full = s.table.num_tokens / bs;
+                if s.registered < full {
+                    self.hasher.extend_chain(s.root, &s.tokens, bs, s.keys.as_deref(), &mut s.hashes);
+                    for j in s.registered..full {
+                        self.prefix.register(s.table.blocks[j], s.hashes[j], &s.tokens[j * bs..(j + 1) * bs]);
+                    }
+                    s.registered = full;
+                }
+            }
+        }
+        self.scratch_idx = idx;
+        result.map(|_| StepInfo { num_seqs: seqs.len(), num_tokens, num_kv_indices: num_kv, num_copies, max_seq_len: max_len })
+    }
+
+    /// Validation half of `build_step`: returns (new tokens, kv indices, longest sequence).
+    fn check_step(
+        &mut self,
+        seqs: &[SeqId],
+        num_new: &[u32],
+        out: &StepBuffers<'_>,
+        idx: &mut Vec<u32>,
+    ) -> Result<(usize, usize, usize)> {
+        self.check_batch(seqs, idx, false)?;
+        let (mut tokens, mut kv, mut max_len, mut max_blocks) = (0usize, 0usize, 0usize, 0usize);
+        for (k, &i) in idx.iter().enumerate() {
+            let t = &self.slots[i as usize].table;
+            let n = num_new[k] as usize;
+            if n == 0 || n > t.num_tokens {
+                return Err(Error::InvalidArgument {
+                    what: "num_new",
+                    value: n as i64,
+                    reason: format!("must be in 1..={} (length of sequence {})", t.num_tokens, seqs[k]),
+                });
+            }
+            tokens += n;
+            kv += t.blocks.len();
+            max_len = max_len.max(t.num_tokens);
+            max_blocks = max_blocks.max(t.blocks.len());
+        }
+        let b = seqs.len();
+        if tokens > i32::MAX as usize || kv > i32::MAX as usize {
+            return Err(Error::InvalidArgument {
+                what: "seqs.len",
+                value: b as i64,
+                reason: format!("step of {tokens} tokens / {kv} blocks overflows int32 offsets"),
+            });
+        }
+        let small = |buffer: &'static str, needed: usize, capacity: usize| {
+            if capacity < needed {
+                Err(Error::BufferTooSmall { buffer, needed, capacity })
+            } else {
+                Ok(())
+            }
+        };
+        small("seq_lens", b, out.seq_lens.len())?;
+        small("query_start_loc", b + 1, out.query_start_loc.len())?;
+        small("kv_indptr", b + 1, out.kv_indptr.len())?;
+        small("kv_last_page_len", b, out.kv_last_page_len.len())?;
+        small("slot_mapping", tokens, out.slot_mapping.len())?;
+        small("block_table_stride", max_blocks, out.block_table_stride)?;
+        small("block_tables", b.saturating_mul(out.block_table_stride), out.block_tables.len())?;
+        small("kv_indices", kv, out.kv_indices.len())?;
+        small("copies", 2 * self.pending.len(), out.copies.len())?;
+        Ok((tokens, kv, max_len))
+    }
+
+    /// A snapshot of sizes and counters. O(number of sequences) for the histogram.
+    pub fn stats(&self) -> Stats {
+        let nbk = self.cfg.num_blocks as u64;
+        let free = self.pool.num_free() as u64;
+        let cached = self.prefix.lru_len() as u64;
+        let used = nbk - free - cached;
+        let mut hist = [0u64; HIST_BUCKETS];
+        for &i in self.index.values() {
+            hist[hist_bucket(self.slots[i as usize].table.blocks.len())] += 1;
+        }
+        let c = &self.counters;
+        Stats {
+            num_blocks: nbk,
+            block_size: self.bs as u64,
+            free_blocks: free,
+            cached_free_blocks: cached,
+            used_blocks: used,
+            num_seqs: self.index.len() as u64,
+            used_tokens: self.used_tokens,
+            kv_utilization: self.used_tokens as f64 / (nbk as f64 * self.bs as f64),
+            allocated_token_slots: used * self.bs as u64,
+            prefix_query_tokens: c.prefix_query_tokens,
+            prefix_hit_tokens: c.prefix_hit_tokens,
+            prefix_hit_ratio: if c.prefix_query_tokens == 0 {
+                0.0
+            } else {
+                c.prefix_hit_tokens as f64 / c.prefix_query_tokens as f64
+            },
+            evictions: c.evictions,
+            prefix_collisions: c.prefix_collisions,
+            shared_blocks: self.shared_blocks,
+            cow_copies: c.cow_copies,
+            preemptions: 0,
+            blocks_per_seq: hist,
+        }
+    }
+
+    /// Checks every structural invariant; `InvariantViolation` describes the first one broken.
+    /// O(blocks + tokens); meant for tests and debugging.
+    pub fn check_invariants(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvariantViolation(m));
+        let n = self.cfg.num_blocks as usize;
+        let bs = self.bs;
+        let mut occ = vec![0u64; n];
+        let mut used_tokens = 0u64;
+        let mut seen_slots = std::collections::HashSet::new();
+        for (&id, &i) in &self.index {
+            if !seen_slots.insert(i) {
+                return bad(format!("slot {i} used by two sequences"));
+            }
+            let s = &self.slots[i as usize];
+            let t = &s.table;
+            if t.num_tokens == 0 {
+                return bad(format!("sequence {id} is empty"));
+            }
+            if t.blocks.len() != blocks_for(t.num_tokens, bs) {
+                return bad(format!("sequence {id}: {} tokens in {} blocks", t.num_tokens, t.blocks.len()));
+            }
+            if t.blocks.len() > self.cfg.max_blocks_per_seq as usize {
+                return bad(format!("sequence {id}: {} blocks exceed the row width", t.blocks.len()));
+            }
+            if self.caching && s.tokens.len() != t.num_tokens {
+                return bad(format!("sequence {id}: {} token ids for length {}", s.tokens.len(), t.num_tokens));
+            }
+            if s.registered > t.num_tokens / bs || s.hashes.len() > t.num_tokens / bs {
+                return bad(format!("sequence {id}: hashes cover a partial block"));
+            }
+            for (j, &b) in t.blocks.iter().enumerate() {
+                if b as usize >= n {
+                    return bad(format!("sequence {id}: block {b} outside the pool"));
+                }
+                occ[b as usize] += 1;
+                if let Some(h) = self.prefix.hash_of(b) {
+                    if (j + 1) * bs > t.num_tokens {
+                        return bad(format!("sequence {id}: partial block {b} is hashed"));
+                    }
+                    if j < s.hashes.len() && s.hashes[j] != h && !self.prefix.verifies() {
+                        return bad(format!("sequence {id}: block {b} cached under another chain"));
+                    }
+                    if self.prefix.verifies() && self.prefix.stored_tokens(b) != &s.tokens[j * bs..(j + 1) * bs] {
+                        // A relabelled (forged) block keeps its own tokens; only content matters.
+                        return bad(format!("sequence {id}: block {b} content differs from its cached tokens"));
+                    }
+                }
+            }
+            used_tokens += t.num_tokens as u64;
+        }
+        if used_tokens != self.used_tokens {
+            return bad(format!("used_tokens {} but sequences hold {used_tokens}", self.used_tokens));
+        }
+        // Pending copies: distinct dsts, owned; no dst is a src; deferred blocks are srcs.
+        let mut dsts = std::collections::HashSet::new();
+        for &(s, d) in &self.pending {
+            if !dsts.insert(d) {
+                return bad(format!("block {d} is the dst of two pending copies"));
+            }
+            if occ[d as usize] == 0 {
+                return bad(format!("pending copy dst {d} is not in any table"));
+            }
+            if self.prefix.hash_of(s).is_some() {
+                return bad(format!("pending copy src {s} is hashed"));
+            }
+        }
+        for &(s, _) in &self.pending {
+            if dsts.contains(&s) {
+                return bad(format!("block {s} is both a src and a dst of pending copies"));
+            }
+        }
+        let mut free_count = 0usize;
+        let mut shared = 0u64;
+        for b in 0..n as u32 {
+            let rc = self.pool.refcount(b)? as u64;
+            let on_free_list = self.pool.is_free(b)?;
+            let in_lru = self.prefix.in_lru(b);
+            let deferred = self.deferred.contains(&b);
+            if rc != occ[b as usize] {
+                return bad(format!("block {b}: refcount {rc} but in {} tables", occ[b as usize]));
+            }
+            if rc > 1 {
+                shared += 1;
+            }
+            let states = (rc > 0) as u8 + on_free_list as u8 + in_lru as u8 + deferred as u8;
+            if states != 1 {
+                return bad(format!(
+                    "block {b}: refcount {rc}, free list {on_free_list}, LRU {in_lru}, deferred {deferred}"
+                ));
+            }
+            if on_free_list {
+                free_count += 1;
+                if self.prefix.hash_of(b).is_some() {
+                    return bad(format!("free block {b} still hashed"));
+                }
+            }
+            if in_lru && self.prefix.hash_of(b).is_none() {
+                return bad(format!("cached-free block {b} has no hash"));
+            }
+            if deferred && !self.pending.iter().any(|&(s, _)| s == b) {
+                return bad(format!("deferred block {b} is no pending copy's src"));
+            }
+        }
+        if free_count != self.pool.num_free() {
+            return bad(format!("{free_count} blocks free but the pool counts {}", self.pool.num_free()));
+        }
+        if shared != self.shared_blocks {
+            return bad(format!("{shared} shared blocks but the counter says {}", self.shared_blocks));
+        }
+        for (h, b) in self.prefix.entries() {
+            if self.prefix.hash_of(b) != Some(h) {
+                return bad(format!("hash {h:#x} maps to block {b}, which carries {:?}", self.prefix.hash_of(b)));
+            }
+        }
+        let hashed = (0..n as u32).filter(|&b| self.prefix.hash_of(b).is_some()).count();
+        if hashed != self.prefix.num_hashed() {
+            return bad(format!("{hashed} blocks carry a hash but the map holds {}", self.prefix.num_hashed()));
+        }
+        self.prefix.check_links().map_err(Error::InvariantViolation)?;
+        self.pool.check_invariants()
+    }
+}
+
+/// Evicts the least recently freed cached-free block and hands it out with refcount 1.
+#[inline]
+fn evict(prefix: &mut PrefixCache, pool: &BlockPool, counters: &mut Counters) -> Result<BlockId> {
+    match prefix.evict_oldest() {
+        Some(b) => {
+            pool.incref(b)?;
+            counters.evictions += 1;
+            Ok(b)
+        }
+        None => Err(Error::OutOfBlocks { needed: 1, available: 0 }),
+    }
+}

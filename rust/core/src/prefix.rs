@@ -1,0 +1,377 @@
+//! The prefix cache: hash → block map, block → hash, and the LRU of cached-free blocks.
+//!
+//! A block is *hashed* when its (full, immutable) content has been registered under its chained
+//! hash (see [`crate::hash`]). A hashed block whose refcount drops to 0 is not returned to the free
+//! list: it becomes *cached-free* and joins the LRU, still findable by hash, until either a prefix
+//! hit revives it or an allocation evicts it (dropping the hash).
+//!
+//! Invariants (checked by `BlockManager::check_invariants`):
+//! - `map[h] == b` ⇔ `hash_of(b) == Some(h)`: one block per hash, one hash per block. A second block
+//!   with the same content is simply left unhashed.
+//! - A block is in the LRU ⇔ it is hashed and its refcount is 0.
+//! - The LRU is a doubly linked list over `prev`/`next` arrays indexed by block id, oldest at
+//!   `head`; insert, remove and pop-oldest are O(1) and allocation-free.
+//! - In verify mode, `tokens[b*B..(b+1)*B]` holds the token ids of every hashed block `b`.
+//!
+//! This module does no reference counting; the manager decides when a block enters or leaves.
+
+use crate::{BlockId, TokenId};
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+const NIL: u32 = u32::MAX;
+
+/// A one-multiply hasher for keys that are integers: sequence ids (often small and dense) and
+/// prefix hashes (already uniformly distributed). The multiply spreads low-entropy keys into the
+/// high bits the hash table uses for its control bytes; the low bits (bucket index) stay distinct
+/// for distinct small keys.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct FastHasher(u64);
+
+const K: u64 = 0x9E37_79B9_7F4A_7C15;
+
+impl Hasher for FastHasher {
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut w = [0u8; 8];
+            w[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(w));
+        }
+    }
+    #[inline]
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(K);
+    }
+    #[inline]
+    fn write_u128(&mut self, x: u128) {
+        self.write_u64((x as u64) ^ ((x >> 64) as u64));
+    }
+    #[inline]
+    fn write_u32(&mut self, x: u32) {
+        self.write_u64(x as u64);
+    }
+    #[inline]
+    fn write_usize(&mut self, x: usize) {
+        self.write_u64(x as u64);
+    }
+}
+
+/// `BuildHasher` for [`FastHasher`].
+pub type FastBuild = BuildHasherDefault<FastHasher>;
+/// A `HashMap` keyed by integers, hashed with [`FastHasher`].
+pub type FastMap<K, V> = HashMap<K, V, FastBuild>;
+
+/// The prefix cache of one manager.
+#[derive(Debug, Clone)]
+pub struct PrefixCache {
+    map: FastMap<u128, BlockId>,
+    hash_of: Vec<u128>,
+    hashed: Vec<bool>,
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    in_lru: Vec<bool>,
+    head: u32,
+    tail: u32,
+    lru_len: usize,
+    block_size: usize,
+    /// Token ids of hashed blocks, only in verify mode (empty otherwise).
+    tokens: Vec<TokenId>,
+}
+
+impl PrefixCache {
+    /// An empty cache for `num_blocks` blocks of `block_size` tokens; `verify` keeps token ids.
+    pub fn new(num_blocks: u32, block_size: u32, verify: bool) -> Self {
+        let n = num_blocks as usize;
+        Self {
+            map: FastMap::default(),
+            hash_of: vec![0; n],
+            hashed: vec![false; n],
+            prev: vec![NIL; n],
+            next: vec![NIL; n],
+            in_lru: vec![false; n],
+            head: NIL,
+            tail: NIL,
+            lru_len: 0,
+            block_size: block_size as usize,
+            tokens: if verify { vec![0; n * block_size as usize] } else { Vec::new() },
+        }
+    }
+
+    /// True in verify mode.
+    #[inline]
+    pub fn verifies(&self) -> bool {
+        !self.tokens.is_empty()
+    }
+
+    /// The block registered under `h`, if any.
+    #[inline]
+    pub fn lookup(&self, h: u128) -> Option<BlockId> {
+        self.map.get(&h).copied()
+    }
+
+    /// The hash block `b` is registered under, if any.
+    #[inline]
+    pub fn hash_of(&self, b: BlockId) -> Option<u128> {
+        if self.hashed[b as usize] {
+            Some(self.hash_of[b as usize])
+        } else {
+            None
+        }
+    }
+
+    /// Number of hashed blocks.
+    pub fn num_hashed(&self) -> usize {
+        self.map.len()
+    }
+
+    /// All `(hash, block)` entries (for invariant checks).
+    pub fn entries(&self) -> impl Iterator<Item = (u128, BlockId)> + '_ {
+        self.map.iter().map(|(&h, &b)| (h, b))
+    }
+
+    /// Registers block `b` (holding `tokens`) under `h`. Returns false, changing nothing, when `b`
+    /// is already hashed or another block holds `h` (duplicate content stays unhashed).
+    #[inline]
+    pub fn register(&mut self, b: BlockId, h: u128, tokens: &[TokenId]) -> bool {
+        if self.hashed[b as usize] {
+            return false;
+        }
+        match self.map.entry(h) {
+            std::collections::hash_map::Entry::Occupied(_) => return false,
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(b);
+            }
+        }
+        self.hashed[b as usize] = true;
+        self.hash_of[b as usize] = h;
+        if self.verifies() {
+            let bs = self.block_size;
+            self.tokens[b as usize * bs..(b as usize + 1) * bs].copy_from_slice(tokens);
+        }
+        true
+    }
+
+    /// Drops block `b`'s hash (no-op if unhashed). The caller makes sure `b` is not in the LRU.
+    #[inline]
+    pub fn unregister(&mut self, b: BlockId) {
+        if self.hashed[b as usize] {
+            self.hashed[b as usize] = false;
+            let h = self.hash_of[b as usize];
+            if self.map.get(&h) == Some(&b) {
+                self.map.remove(&h);
+            }
+        }
+    }
+
+    /// Verify mode: whether hashed block `b` holds exactly `tokens`. Always true outside verify mode.
+    #[inline]
+    pub fn matches(&self, b: BlockId, tokens: &[TokenId]) -> bool {
+        if !self.verifies() {
+            return true;
+        }
+        let bs = self.block_size;
+        self.tokens[b as usize * bs..(b as usize + 1) * bs] == *tokens
+    }
+
+    /// Verify mode: the stored token ids of block `b` (empty outside verify mode).
+    pub fn stored_tokens(&self, b: BlockId) -> &[TokenId] {
+        if !self.verifies() {
+            return &[];
+        }
+        let bs = self.block_size;
+        &self.tokens[b as usize * bs..(b as usize + 1) * bs]
+    }
+
+    /// Re-labels hashed block `b` with hash `h`, keeping its stored tokens: forges a collision for
+    /// tests. Returns false if `b` is unhashed or `h` is taken.
+    pub fn relabel(&mut self, b: BlockId, h: u128) -> bool {
+        if !self.hashed[b as usize] || self.map.contains_key(&h) {
+            return false;
+        }
+        self.map.remove(&self.hash_of[b as usize]);
+        self.map.insert(h, b);
+        self.hash_of[b as usize] = h;
+        true
+    }
+
+    /// Number of cached-free blocks.
+    #[inline]
+    pub fn lru_len(&self) -> usize {
+        self.lru_len
+    }
+
+    /// Whether `b` is in the LRU.
+    #[inline]
+    pub fn in_lru(&self, b: BlockId) -> bool {
+        self.in_lru[b as usize]
+    }
+
+    /// Appends `b` as the most recently freed block.
+    #[inline]
+    pub fn lru_push(&mut self, b: BlockId) {
+        debug_assert!(!self.in_lru[b as usize]);
+        let i = b as usize;
+        self.in_lru[i] = true;
+        self.prev[i] = self.tail;
+        self.next[i] = NIL;
+        if self.tail == NIL {
+            self.head = b;
+        } else {
+            self.next[self.tail as usize] = b;
+        }
+        self.tail = b;
+        self.lru_len += 1;
+    }
+
+    /// Unlinks `b` from the LRU (no-op if absent).
+    #[inline]
+    pub fn lru_remove(&mut self, b: BlockId) {
+        let i = b as usize;
+        if !self.in_lru[i] {
+            return;
+        }
+        let (p, n) = (self.prev[i], self.next[i]);
+        if p == NIL {
+            self.head = n;
+        } else {
+            self.next[p as usize] = n;
+        }
+        if n == NIL {
+            self.tail = p;
+        } else {
+            self.prev[n as usize] = p;
+        }
+        self.prev[i] = NIL;
+        self.next[i] = NIL;
+        self.in_lru[i] = false;
+        self.lru_len -= 1;
+    }
+
+    /// Removes and returns the least recently freed block, dropping its hash: an eviction.
+    #[inline]
+    pub fn evict_oldest(&mut self) -> Option<BlockId> {
+        let b = self.head;
+        if b == NIL {
+            return None;
+        }
+        self.lru_remove(b);
+        self.unregister(b);
+        Some(b)
+    }
+
+    /// The LRU from oldest to newest (for invariant checks and tests). Stops after `limit` steps so
+    /// a corrupted (cyclic) list cannot hang the caller.
+    pub fn lru_order(&self, limit: usize) -> Vec<BlockId> {
+        let mut out = Vec::new();
+        let mut b = self.head;
+        while b != NIL && out.len() <= limit {
+            out.push(b);
+            b = self.next[b as usize];
+        }
+        out
+    }
+
+    /// Checks the LRU's links: each `prev` mirrors the `next` before it, the tail is the last node.
+    pub fn check_links(&self) -> Result<(), String> {
+        let order = self.lru_order(self.hashed.len());
+        if order.len() != self.lru_len {
+            return Err(format!("LRU walk finds {} blocks, length says {}", order.len(), self.lru_len));
+        }
+        let mut p = NIL;
+        for &b in &order {
+            if self.prev[b as usize] != p {
+                return Err(format!("LRU block {b}: prev is {}, expected {p}", self.prev[b as usize]));
+            }
+            if !self.in_lru[b as usize] {
+                return Err(format!("LRU block {b} not flagged as in the LRU"));
+            }
+            p = b;
+        }
+        if self.tail != p {
+            return Err(format!("LRU tail is {}, walk ends at {p}", self.tail));
+        }
+        let flagged = self.in_lru.iter().filter(|&&x| x).count();
+        if flagged != self.lru_len {
+            return Err(format!("{flagged} blocks flagged in the LRU, length says {}", self.lru_len));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn register_is_one_to_one() {
+        let mut c = PrefixCache::new(4, 2, false);
+        assert!(c.register(0, 10, &[1, 2]));
+        assert!(!c.register(1, 10, &[1, 2]), "second block with the same hash stays unhashed");
+        assert!(!c.register(0, 11, &[1, 2]), "a hashed block keeps its hash");
+        assert_eq!(c.lookup(10), Some(0));
+        assert_eq!(c.hash_of(1), None);
+        c.unregister(0);
+        assert_eq!(c.lookup(10), None);
+        assert!(c.register(1, 10, &[1, 2]));
+        assert_eq!(c.num_hashed(), 1);
+    }
+
+    #[test]
+    fn lru_order_push_remove_evict() {
+        let mut c = PrefixCache::new(5, 1, false);
+        for b in 0..5 {
+            assert!(c.register(b, 100 + b as u128, &[0]));
+        }
+        for b in [3, 1, 4, 0] {
+            c.lru_push(b);
+        }
+        assert_eq!(c.lru_order(10), vec![3, 1, 4, 0]);
+        c.lru_remove(4);
+        c.lru_remove(4);
+        assert_eq!(c.lru_order(10), vec![3, 1, 0]);
+        c.check_links().unwrap();
+        assert_eq!(c.evict_oldest(), Some(3));
+        assert_eq!(c.lookup(103), None);
+        assert_eq!(c.hash_of(3), None);
+        c.lru_remove(0);
+        assert_eq!(c.lru_order(10), vec![1]);
+        c.lru_push(2);
+        assert_eq!(c.lru_order(10), vec![1, 2]);
+        assert_eq!(c.lru_len(), 2);
+        c.check_links().unwrap();
+        assert_eq!(c.evict_oldest(), Some(1));
+        assert_eq!(c.evict_oldest(), Some(2));
+        assert_eq!(c.evict_oldest(), None);
+        c.check_links().unwrap();
+    }
+
+    #[test]
+    fn verify_mode_keeps_tokens() {
+        let mut c = PrefixCache::new(2, 3, true);
+        assert!(c.register(1, 5, &[7, 8, 9]));
+        assert!(c.matches(1, &[7, 8, 9]));
+        assert!(!c.matches(1, &[7, 8, 0]));
+        assert!(c.relabel(1, 6));
+        assert_eq!(c.lookup(5), None);
+        assert_eq!(c.lookup(6), Some(1));
+        assert_eq!(c.stored_tokens(1), &[7, 8, 9]);
+        let off = PrefixCache::new(2, 3, false);
+        assert!(off.matches(0, &[1, 2, 3]));
+    }
+
+    #[test]
+    fn fast_hasher_spreads_small_keys() {
+        let h = |x: u64| {
+            let mut s = FastHasher::default();
+            s.write_u64(x);
+            s.finish()
+        };
+        let tops: std::collections::HashSet<u64> = (0..64).map(|x| h(x) >> 57).collect();
+        assert!(tops.len() > 32, "control bits should vary across small keys");
+    }
+}

@@ -1,0 +1,485 @@
+//! Caller-owned step buffers and what one step writes into them.
+//!
+//! The manager never allocates step output: the caller owns the buffers (pinned host tensors in the
+//! Python layer, plain `Vec`s in Rust) and `BlockManager::build_step` fills them in place. This
+//! module owns the buffer types and their validation:
+//!
+//! - [`StepBuffers`]: borrowed slices, checked for size on every step (cheap length comparisons);
+//!   a buffer too small → `BufferTooSmall` naming it, nothing written.
+//! - [`RegisteredBuffers`]: raw pointers handed over by the binding, validated once (non-null,
+//!   aligned, right dtype, capacity for a declared [`StepLayout`], no two buffers overlapping) and
+//!   turned into a [`StepBuffers`] view per step.
+//!
+//! Copy list guarantee (for a parallel copy kernel): in the `(src, dst)` pairs one step emits, every
+//! `dst` is distinct and no `dst` is also a `src`, so the pairs may be applied in any order or all at
+//! once. They must be applied before the step writes new KV.
+
+use crate::error::{Error, Result};
+
+/// Output buffers of one step, borrowed from the caller.
+///
+/// Row `i` of `block_tables` is `block_tables[i * block_table_stride ..][.. ceil(len_i / B)]`;
+/// entries past a row's block count and rows past the batch are left as they were.
+#[derive(Debug)]
+pub struct StepBuffers<'a> {
+    /// Physical slot of each new token, batch order: `>=` total new tokens.
+    pub slot_mapping: &'a mut [i64],
+    /// `[max_seqs, block_table_stride]`, row-major.
+    pub block_tables: &'a mut [i32],
+    /// Row width of `block_tables`: `>=` the block count of every sequence in the batch.
+    pub block_table_stride: usize,
+    /// Length of each sequence, new tokens included: `>=` batch.
+    pub seq_lens: &'a mut [i32],
+    /// Cumulative new-token counts, starting at 0: `>=` batch + 1.
+    pub query_start_loc: &'a mut [i32],
+    /// FlashInfer CSR row pointers into `kv_indices`: `>=` batch + 1.
+    pub kv_indptr: &'a mut [i32],
+    /// FlashInfer CSR page ids, every sequence's blocks concatenated: `>=` their sum.
+    pub kv_indices: &'a mut [i32],
+    /// Tokens in each sequence's last page, `((len - 1) % B) + 1`: `>=` batch.
+    pub kv_last_page_len: &'a mut [i32],
+    /// Pending copy-on-write copies, flat `(src, dst)` block pairs: `>=` 2 × pending copies.
+    pub copies: &'a mut [i64],
+}
+
+/// What one step wrote: the prefixes of each buffer that are meaningful.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepInfo {
+    pub num_seqs: usize,
+    /// Total new tokens: entries written to `slot_mapping`, and `query_start_loc[num_seqs]`.
+    pub num_tokens: usize,
+    /// Entries written to `kv_indices`, and `kv_indptr[num_seqs]`.
+    pub num_kv_indices: usize,
+    /// `(src, dst)` pairs written to `copies` (so `2 * num_copies` elements).
+    pub num_copies: usize,
+    /// Longest sequence in the batch (0 for an empty batch).
+    pub max_seq_len: usize,
+}
+
+/// Element type of a raw buffer, as the binding reports it. Only `I32` and `I64` are accepted by
+/// step buffers; the others exist so a wrong tensor is reported by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    I32,
+    I64,
+    U8,
+    I8,
+    I16,
+    U32,
+    U64,
+    F16,
+    BF16,
+    F32,
+    F64,
+    Bool,
+    Other,
+}
+
+impl DType {
+    /// Size of one element in bytes (0 for `Other`).
+    pub fn size(self) -> usize {
+        match self {
+            DType::U8 | DType::I8 | DType::Bool => 1,
+            DType::I16 | DType::F16 | DType::BF16 => 2,
+            DType::I32 | DType::U32 | DType::F32 => 4,
+            DType::I64 | DType::U64 | DType::F64 => 8,
+            DType::Other => 0,
+        }
+    }
+
+    /// Lower-case name, as in error messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::I32 => "int32",
+            DType::I64 => "int64",
+            DType::U8 => "uint8",
+            DType::I8 => "int8",
+            DType::I16 => "int16",
+            DType::U32 => "uint32",
+            DType::U64 => "uint64",
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+            DType::F32 => "float32",
+            DType::F64 => "float64",
+            DType::Bool => "bool",
+            DType::Other => "other",
+        }
+    }
+}
+
+/// A caller-owned buffer given by address: `len` elements of `dtype` starting at `ptr`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RawBuffer {
+    pub ptr: usize,
+    pub len: usize,
+    pub dtype: DType,
+}
+
+/// The shape the step buffers are sized for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepLayout {
+    /// Most sequences in one step (rows of `block_tables`).
+    pub max_seqs: usize,
+    /// Most new tokens in one step (length of `slot_mapping`).
+    pub max_tokens: usize,
+    /// Row width of `block_tables`; also bounds each sequence's share of `kv_indices`.
+    pub max_blocks_per_seq: usize,
+    /// Most copy-on-write pairs one step can emit.
+    pub max_copies: usize,
+}
+
+impl StepLayout {
+    /// Element count each buffer needs, in the order of [`RawStepBuffers`]' fields.
+    fn needs(&self) -> Result<[usize; 8]> {
+        let too_big = |what: &'static str, v: usize| Error::InvalidArgument {
+            what,
+            value: v as i64,
+            reason: "layout size overflows".into(),
+        };
+        let table = self
+            .max_seqs
+            .checked_mul(self.max_blocks_per_seq)
+            .ok_or(too_big("max_blocks_per_seq", self.max_blocks_per_seq))?;
+        let seqs1 = self.max_seqs.checked_add(1).ok_or(too_big("max_seqs", self.max_seqs))?;
+        let copies = self.max_copies.checked_mul(2).ok_or(too_big("max_copies", self.max_copies))?;
+        Ok([self.max_tokens, table, self.max_seqs, seqs1, seqs1, table, self.max_seqs, copies])
+    }
+
+    fn validate(&self) -> Result<()> {
+        for (what, v) in [
+            ("max_seqs", self.max_seqs),
+            ("max_tokens", self.max_tokens),
+            ("max_blocks_per_seq", self.max_blocks_per_seq),
+        ] {
+            if v == 0 {
+                return Err(Error::InvalidArgument { what, value: 0, reason: "must be >= 1".into() });
+            }
+            if v > i32::MAX as usize {
+                return Err(Error::InvalidArgument {
+                    what,
+                    value: v as i64,
+                    reason: format!("must be <= {}", i32::MAX),
+                });
+            }
+        }
+        self.needs().map(|_| ())
+    }
+}
+
+/// The eight step buffers by address, as the binding receives them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RawStepBuffers {
+    pub slot_mapping: RawBuffer,
+    pub block_tables: RawBuffer,
+    pub seq_lens: RawBuffer,
+    pub query_start_loc: RawBuffer,
+    pub kv_indptr: RawBuffer,
+    pub kv_indices: RawBuffer,
+    pub kv_last_page_len: RawBuffer,
+    pub copies: RawBuffer,
+}
+
+const NAMES: [&str; 8] = [
+    "slot_mapping",
+    "block_tables",
+    "seq_lens",
+    "query_start_loc",
+    "kv_indptr",
+    "kv_indices",
+    "kv_last_page_len",
+    "copies",
+];
+const DTYPES: [DType; 8] =
+    [DType::I64, DType::I32, DType::I32, DType::I32, DType::I32, DType::I32, DType::I32, DType::I64];
+
+impl RawStepBuffers {
+    fn as_array(&self) -> [RawBuffer; 8] {
+        [
+            self.slot_mapping,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.kv_indptr,
+            self.kv_indices,
+            self.kv_last_page_len,
+            self.copies,
+        ]
+    }
+}
+
+/// Step buffers given by raw address, validated once at registration.
+///
+/// Holding one does not keep the memory alive: whoever registers the buffers must keep them
+/// allocated, unmoved and not accessed by anyone else while [`RegisteredBuffers::as_step_buffers`]
+/// views are in use (see its safety contract).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegisteredBuffers {
+    layout: StepLayout,
+    bufs: RawStepBuffers,
+}
+
+impl RegisteredBuffers {
+    /// Validates every buffer against `layout`:
+    /// - the layout: `max_seqs`, `max_tokens`, `max_blocks_per_seq` in `1..=i32::MAX`
+    ///   (`InvalidArgument`);
+    /// - dtype (`int64` for `slot_mapping` and `copies`, `int32` for the rest), non-null pointer,
+    ///   alignment for the dtype, address range not wrapping, no overlap between two buffers
+    ///   (`BufferInvalid`);
+    /// - capacity for the layout (`BufferTooSmall`): `slot_mapping >= max_tokens`,
+    ///   `block_tables, kv_indices >= max_seqs * max_blocks_per_seq`,
+    ///   `seq_lens, kv_last_page_len >= max_seqs`, `query_start_loc, kv_indptr >= max_seqs + 1`,
+    ///   `copies >= 2 * max_copies`.
+    ///
+    /// A buffer that must hold zero elements (only `copies`, with `max_copies == 0`) may be null.
+    pub fn new(layout: StepLayout, bufs: RawStepBuffers) -> Result<Self> {
+        layout.validate()?;
+        let needs = layout.needs()?;
+        let arr = bufs.as_array();
+        for i in 0..8 {
+            let (b, name, want) = (arr[i], NAMES[i], DTYPES[i]);
+            if b.dtype != want {
+                return Err(Error::BufferInvalid {
+                    buffer: name,
+                    expected: want.name(),
+                    got: b.dtype.name().to_string(),
+                });
+            }
+            if b.ptr == 0 && !(needs[i] == 0 && b.len == 0) {
+                return Err(Error::BufferInvalid {
+                    buffer: name,
+                    expected: "a non-null pointer",
+                    got: "null".into(),
+                });
+            }
+            if b.ptr % want.size() != 0 {
+                return Err(Error::BufferInvalid {
+                    buffer: name,
+                    expected: if want.size() == 8 { "8-byte alignment" } else { "4-byte alignment" },
+                    got: format!("address {:#x}", b.ptr),
+                });
+            }
+            let end = b
+                .len
+                .checked_mul(want.size())
+                .and_then(|bytes| b.ptr.checked_add(bytes))
+                .filter(|&e| e <= isize::MAX as usize);
+            if end.is_none() {
+                return Err(Error::BufferInvalid {
+                    buffer: name,
+                    expected: "an address range inside the address space",
+                    got: format!("{} elements at {:#x}", b.len, b.ptr),
+                });
+            }
+            if b.len < needs[i] {
+                return Err(Error::BufferTooSmall { buffer: name, needed: needs[i], capacity: b.len });
+            }
+        }
+        // Two overlapping buffers would become two aliasing `&mut` slices.
+        for i in 0..8 {
+            for j in i + 1..8 {
+                let (a, b) = (arr[i], arr[j]);
+                let (a0, a1) = (a.ptr, a.ptr + a.len * a.dtype.size());
+                let (b0, b1) = (b.ptr, b.ptr + b.len * b.dtype.size());
+                if a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1 {
+                    return Err(Error::BufferInvalid {
+                        buffer: NAMES[j],
+                        expected: "memory not shared with another step buffer",
+                        got: format!("overlaps `{}`", NAMES[i]),
+                    });
+                }
+            }
+        }
+        Ok(Self { layout, bufs })
+    }
+
+    /// The layout the buffers were validated for.
+    pub fn layout(&self) -> &StepLayout {
+        &self.layout
+    }
+
+    /// The registered buffers.
+    pub fn raw(&self) -> &RawStepBuffers {
+        &self.bufs
+    }
+
+    /// A [`StepBuffers`] view sized to the layout (not to the buffers' full capacity), so
+    /// `build_step` refuses batches the layout does not allow, naming the buffer.
+    ///
+    /// # Safety
+    /// For as long as the returned view lives, the caller guarantees that every registered buffer
+    /// is still allocated at the registered address with at least the registered length, and that
+    /// no other code reads or writes that memory (no other Rust reference, no device copy in
+    /// flight from or to it). `&mut self` makes two views from one registration impossible, but
+    /// registering the same memory twice is not detected.
+    pub unsafe fn as_step_buffers(&mut self) -> StepBuffers<'_> {
+        let l = self.layout;
+        let table = l.max_seqs * l.max_blocks_per_seq;
+        // SAFETY (all below): validated non-null (or zero length), aligned, in range and pairwise
+        // disjoint at registration; liveness and exclusivity are the caller's contract above.
+        unsafe fn sl<'b, T>(b: RawBuffer, len: usize) -> &'b mut [T] {
+            if len == 0 {
+                return &mut [];
+            }
+            unsafe { std::slice::from_raw_parts_mut(b.ptr as *mut T, len) }
+        }
+        let b = self.bufs;
+        unsafe {
+            StepBuffers {
+                slot_mapping: sl(b.slot_mapping, l.max_tokens),
+                block_tables: sl(b.block_tables, table),
+                block_table_stride: l.max_blocks_per_seq,
+                seq_lens: sl(b.seq_lens, l.max_seqs),
+                query_start_loc: sl(b.query_start_loc, l.max_seqs + 1),
+                kv_indptr: sl(b.kv_indptr, l.max_seqs + 1),
+                kv_indices: sl(b.kv_indices, table),
+                kv_last_page_len: sl(b.kv_last_page_len, l.max_seqs),
+                copies: sl(b.copies, 2 * l.max_copies),
+            }
+        }
+    }
+}
+
+/// Owned storage for a [`StepBuffers`] (tests, benches and Rust callers that do not bring their
+/// own memory), sized for a [`StepLayout`].
+#[derive(Debug, Clone, Default)]
+pub struct OwnedStepBuffers {
+    pub slot_mapping: Vec<i64>,
+    pub block_tables: Vec<i32>,
+    pub block_table_stride: usize,
+    pub seq_lens: Vec<i32>,
+    pub query_start_loc: Vec<i32>,
+    pub kv_indptr: Vec<i32>,
+    pub kv_indices: Vec<i32>,
+    pub kv_last_page_len: Vec<i32>,
+    pub copies: Vec<i64>,
+}
+
+impl OwnedStepBuffers {
+    /// Zero-filled buffers exactly as large as `layout` requires.
+    pub fn new(layout: StepLayout) -> Self {
+        let t = layout.max_seqs * layout.max_blocks_per_seq;
+        Self {
+            slot_mapping: vec![0; layout.max_tokens],
+            block_tables: vec![0; t],
+            block_table_stride: layout.max_blocks_per_seq,
+            seq_lens: vec![0; layout.max_seqs],
+            query_start_loc: vec![0; layout.max_seqs + 1],
+            kv_indptr: vec![0; layout.max_seqs + 1],
+            kv_indices: vec![0; t],
+            kv_last_page_len: vec![0; layout.max_seqs],
+            copies: vec![0; 2 * layout.max_copies],
+        }
+    }
+
+    /// A borrowed view for `build_step`.
+    pub fn view(&mut self) -> StepBuffers<'_> {
+        StepBuffers {
+            slot_mapping: &mut self.slot_mapping,
+            block_tables: &mut self.block_tables,
+            block_table_stride: self.block_table_stride,
+            seq_lens: &mut self.seq_lens,
+            query_start_loc: &mut self.query_start_loc,
+            kv_indptr: &mut self.kv_indptr,
+            kv_indices: &mut self.kv_indices,
+            kv_last_page_len: &mut self.kv_last_page_len,
+            copies: &mut self.copies,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> StepLayout {
+        StepLayout { max_seqs: 4, max_tokens: 16, max_blocks_per_seq: 8, max_copies: 2 }
+    }
+
+    struct Mem {
+        i64s: Vec<Vec<i64>>,
+        i32s: Vec<Vec<i32>>,
+    }
+
+    fn mem(l: StepLayout) -> (Mem, RawStepBuffers) {
+        let o = OwnedStepBuffers::new(l);
+        let mut m = Mem {
+            i64s: vec![o.slot_mapping, o.copies],
+            i32s: vec![o.block_tables, o.seq_lens, o.query_start_loc, o.kv_indptr, o.kv_indices, o.kv_last_page_len],
+        };
+        let r64 = |v: &mut Vec<i64>| RawBuffer { ptr: v.as_mut_ptr() as usize, len: v.len(), dtype: DType::I64 };
+        let r32 = |v: &mut Vec<i32>| RawBuffer { ptr: v.as_mut_ptr() as usize, len: v.len(), dtype: DType::I32 };
+        let raw = RawStepBuffers {
+            slot_mapping: r64(&mut m.i64s[0]),
+            block_tables: r32(&mut m.i32s[0]),
+            seq_lens: r32(&mut m.i32s[1]),
+            query_start_loc: r32(&mut m.i32s[2]),
+            kv_indptr: r32(&mut m.i32s[3]),
+            kv_indices: r32(&mut m.i32s[4]),
+            kv_last_page_len: r32(&mut m.i32s[5]),
+            copies: r64(&mut m.i64s[1]),
+        };
+        (m, raw)
+    }
+
+    #[test]
+    fn accepts_valid_and_views_write_through() {
+        let (m, raw) = mem(layout());
+        let mut reg = RegisteredBuffers::new(layout(), raw).unwrap();
+        {
+            let v = unsafe { reg.as_step_buffers() };
+            assert_eq!(v.slot_mapping.len(), 16);
+            assert_eq!(v.block_tables.len(), 32);
+            assert_eq!(v.block_table_stride, 8);
+            assert_eq!(v.query_start_loc.len(), 5);
+            assert_eq!(v.copies.len(), 4);
+            v.seq_lens[3] = 42;
+        }
+        assert_eq!(m.i32s[1][3], 42);
+    }
+
+    #[test]
+    fn rejects_wrong_dtype_null_misaligned_small_and_overlap() {
+        let (_m, raw) = mem(layout());
+        let mut r = raw;
+        r.seq_lens.dtype = DType::I64;
+        assert!(matches!(
+            RegisteredBuffers::new(layout(), r),
+            Err(Error::BufferInvalid { buffer: "seq_lens", expected: "int32", .. })
+        ));
+        let mut r = raw;
+        r.kv_indptr.ptr = 0;
+        assert!(matches!(RegisteredBuffers::new(layout(), r), Err(Error::BufferInvalid { buffer: "kv_indptr", .. })));
+        let mut r = raw;
+        r.slot_mapping.ptr += 4;
+        r.slot_mapping.len -= 1;
+        assert!(matches!(
+            RegisteredBuffers::new(layout(), r),
+            Err(Error::BufferInvalid { buffer: "slot_mapping", .. })
+        ));
+        let mut r = raw;
+        r.kv_indices.len = 31;
+        assert_eq!(
+            RegisteredBuffers::new(layout(), r),
+            Err(Error::BufferTooSmall { buffer: "kv_indices", needed: 32, capacity: 31 })
+        );
+        let mut r = raw;
+        r.kv_last_page_len = r.seq_lens;
+        assert!(matches!(
+            RegisteredBuffers::new(layout(), r),
+            Err(Error::BufferInvalid { buffer: "kv_last_page_len", .. })
+        ));
+        let mut l = layout();
+        l.max_seqs = 0;
+        assert!(matches!(RegisteredBuffers::new(l, raw), Err(Error::InvalidArgument { what: "max_seqs", .. })));
+    }
+
+    #[test]
+    fn null_allowed_only_for_empty_copies() {
+        let mut l = layout();
+        l.max_copies = 0;
+        let (_m, mut raw) = mem(l);
+        raw.copies = RawBuffer { ptr: 0, len: 0, dtype: DType::I64 };
+        let mut reg = RegisteredBuffers::new(l, raw).unwrap();
+        assert!(unsafe { reg.as_step_buffers() }.copies.is_empty());
+    }
+}
