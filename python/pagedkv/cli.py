@@ -288,17 +288,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="pagedkv: a paged KV cache for LLM serving.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    parser.subcommand_parsers = {}  # type: ignore[attr-defined]
     for name, (help_text, add_args, handler) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_args(p)
         p.set_defaults(handler=handler)
+        parser.subcommand_parsers[name] = p  # type: ignore[attr-defined]
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``pagedkv`` console script; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        # Report an unknown flag against the subcommand it was given to, with that one's --help.
+        owner = parser.subcommand_parsers.get(getattr(args, "command", None), parser)  # type: ignore[attr-defined]
+        owner.error(f"unrecognized arguments: {' '.join(extras)}")
     if getattr(args, "handler", None) is None:
         parser.print_help(sys.stderr)
         return 2

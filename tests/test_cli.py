@@ -1,0 +1,101 @@
+"""The command line: help texts, dispatch, and one-line errors with exit status 2."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pagedkv.cli import SUBCOMMANDS, build_parser, main
+
+
+def test_top_level_help_lists_subcommands(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("plan", "simulate"):
+        assert name in out
+
+
+@pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
+def test_subcommand_help(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--json" in out and "--model" in out and "--gpu-mem" in out
+
+
+def test_no_command_prints_help_and_exits_2(capsys):
+    assert main([]) == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["frobnicate"], "invalid choice"),
+        (["plan", "--gpu-mem", "lots"], "cannot parse size"),
+        (["plan", "--block-size", "0"], "expected an integer >= 1"),
+        (["simulate", "--requests", "many"], "expected an integer"),
+        (["simulate", "--rate", "fast"], "expected a number"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+def test_simulate_config_errors_exit_2(capsys):
+    # Rejected while building the workload, before any simulation.
+    assert main(["simulate", "--num-blocks", "64", "--rate", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "arrival_rate" in err and err.count("\n") == 1
+    assert main(["simulate", "--num-blocks", "64", "--prefix-len", "8"]) == 2
+    assert "num_prefixes" in capsys.readouterr().err
+
+
+def test_parser_is_rebuildable():
+    # Each call builds a fresh parser: no state leaks between invocations.
+    a, b = build_parser(), build_parser()
+    assert a is not b
+    assert a.parse_args(["plan", "--model", "llama-3-8b"]).model == "llama-3-8b"
+
+
+def _env():
+    env = dict(os.environ)
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_python_dash_m_runs():
+    proc = subprocess.run([sys.executable, "-m", "pagedkv", "plan", "--model", "mistral-7b",
+                           "--gpu-mem", "40GB", "--seq-lens", "2048"],
+                          capture_output=True, text=True, env=_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "bytes per token   128.00 KiB (131,072 B)" in proc.stdout
+
+
+def test_python_dash_m_bad_flag_exit_2():
+    proc = subprocess.run([sys.executable, "-m", "pagedkv", "plan", "--bogus"],
+                          capture_output=True, text=True, env=_env(), timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("pagedkv plan: error:")
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_does_not_import_torch():
+    code = ("import sys; from pagedkv.cli import main; "
+            "rc = main(['plan', '--model', 'llama-3-8b', '--seq-lens', '1k']); "
+            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
