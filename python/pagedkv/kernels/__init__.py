@@ -22,7 +22,9 @@ from ._validate import (  # noqa: E402
     KernelLayoutError,
     KernelShapeError,
 )
+from .copy import BlockCopier, copy_blocks, swap_blocks  # noqa: E402
 from .decode import DecodeWorkspace, choose_num_splits, paged_decode  # noqa: E402
+from .prefill import paged_prefill  # noqa: E402
 from .scatter import scatter_kv  # noqa: E402
 
 __all__ = [
@@ -32,8 +34,12 @@ __all__ = [
     "KernelIndexError",
     "KernelLayoutError",
     "KernelShapeError",
+    "BlockCopier",
+    "copy_blocks",
+    "swap_blocks",
     "DecodeWorkspace",
     "choose_num_splits",
     "paged_decode",
+    "paged_prefill",
     "scatter_kv",
 ]

@@ -1,0 +1,275 @@
+"""Paged prefill/extend attention over a varlen batch.
+
+Owns `paged_prefill`. Layouts: `q` `[total_new_tokens, q_heads, head_dim]`, sequence i's new
+tokens being rows `query_start_loc[i] .. query_start_loc[i+1]`; `seq_lens[i]` is its total context
+including those tokens, so the new tokens sit at positions `seq_lens[i] - q_len_i .. seq_lens[i]`
+and their K/V must already be in the pool (scatter first). Pool, block tables and GQA mapping as
+for decode. A batch may mix prefill chunks with decode rows (q_len 1): one launch serves both.
+
+Kernel shape. One program per (query tile of `BLOCK_M` rows, query head, sequence). It streams the
+sequence's K/V through the block table in tiles of `BLOCK_N` tokens with an online softmax. Key
+tiles wholly at or before the tile's first query position need no causal mask and run in a first
+loop; the remaining tiles up to the tile's last position run in a second, masked loop, so only
+the diagonal pays for masking. Query tiles past a sequence's q_len do no work.
+
+Invariants: a query at position p sees exactly the keys at positions 0..p of its own sequence;
+only `ceil(seq_len / block_size)` block-table entries are read; masked K/V lanes load zeros so
+stale pool contents cannot leak into the output; every output row of a valid query token is
+written, rows of other sequences are untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _validate as v
+
+__all__ = ["paged_prefill", "prefill_config"]
+
+_LOG2E = 1.4426950408889634
+
+
+def prefill_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> dict:
+    if interpret:
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if head_dim <= 64:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    if head_dim <= 128:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+
+
+@triton.jit
+def _tile_step(
+    q, acc, m_i, l_i, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len, qk_scale,
+    stride_kb, stride_kt, stride_vb, stride_vt,
+    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+):
+    offs_t = n0 + offs_n
+    if MASKED:
+        t_ok = offs_t < seq_len
+        blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + offs_t // BLOCK_SIZE).to(tl.int64)
+    in_blk = offs_t % BLOCK_SIZE
+    k_ptrs = k_head + (blk * stride_kb + in_blk * stride_kt)[:, None] + offs_d[None, :]
+    v_ptrs = v_head + (blk * stride_vb + in_blk * stride_vt)[:, None] + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=t_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        allowed = (offs_t[None, :] <= q_pos[:, None]) & t_ok[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Padding rows past q_len can be fully masked in a tile; keep their arithmetic finite.
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        vv = tl.load(v_ptrs, mask=t_ok[:, None], other=0.0)
+    else:
+        vv = tl.load(v_ptrs)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    out_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bts,
+    stride_ot,
+    stride_oh,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    m_blk = tl.program_id(0)
+    h = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len
+    first = m_blk * BLOCK_M
+    offs_m = first + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_ok = offs_m < q_len
+    q_pos = ctx + offs_m
+    kvh = h // GROUP
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=m_ok[:, None],
+        other=0.0,
+    )
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bts
+    k_head = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+
+    # Tiles before `full_end` lie at or before every row's position: no mask. `hi` ends at the
+    # last row's position; a tile past q_len gets hi = 0 and does nothing.
+    active = first < q_len
+    last_pos = tl.minimum(ctx + first + BLOCK_M, seq_len)
+    hi = tl.where(active, last_pos, 0)
+    full_end = tl.where(active, ((ctx + first + 1) // BLOCK_N) * BLOCK_N, 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _tile_step(
+            q, acc, m_i, l_i, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
+            qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+            BLOCK_SIZE, False, PRECISION,
+        )
+    for n0 in range(full_end, hi, BLOCK_N):
+        acc, m_i, l_i = _tile_step(
+            q, acc, m_i, l_i, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
+            qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+            BLOCK_SIZE, True, PRECISION,
+        )
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=m_ok[:, None],
+    )
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_q_len: int,
+    *,
+    scale: Optional[float] = None,
+    out: Optional[torch.Tensor] = None,
+    check_indices: bool = False,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached prefix and themselves.
+
+    `max_q_len` is a host-side upper bound on the per-sequence new-token counts (it sizes the
+    grid; passing it avoids a device-to-host sync). `scale` defaults to `1/sqrt(head_dim)`.
+    `check_indices=True` validates the index tensors on the host (synchronizes; debugging only).
+    Returns `out` (allocated like `q` when not given).
+    """
+    num_blocks, block_size, kv_heads, head_dim = v.check_cache_pair(k_cache, v_cache)
+    dev = k_cache.device
+    v.check_tensor("q", q, ndim=3, dtypes=(k_cache.dtype,))
+    v.check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
+    v.check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,))
+    v.check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,))
+    v.check_same_device(
+        dev, q=q, block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc
+    )
+    v.ensure_launchable(dev)
+    total, q_heads, _ = q.shape
+    v.check_dim("q", q, 2, head_dim, "head_dim of the pool")
+    if q_heads % kv_heads:
+        raise v.KernelShapeError(
+            f"q: has {q_heads} heads (dim 1), expected a multiple of the pool's kv_heads ({kv_heads})"
+        )
+    num_seqs = seq_lens.shape[0]
+    v.check_dim("query_start_loc", query_start_loc, 0, num_seqs + 1, "num_seqs + 1 offsets")
+    v.check_min_dim("block_tables", block_tables, 0, num_seqs, "one row per sequence")
+    v.check_inner_contiguous("q", q, 1)
+    if block_tables.stride(1) != 1:
+        raise v.KernelLayoutError(
+            f"block_tables: column stride is {block_tables.stride(1)}, expected 1"
+        )
+    v.check_contiguous("seq_lens", seq_lens)
+    v.check_contiguous("query_start_loc", query_start_loc)
+    v.check_int("max_q_len", max_q_len, 0)
+    if out is not None:
+        v.check_tensor("out", out, ndim=3, dtypes=(q.dtype,))
+        v.check_same_device(dev, out=out)
+        if tuple(out.shape) != tuple(q.shape):
+            raise v.KernelShapeError(
+                f"out: shape is {tuple(out.shape)}, expected {tuple(q.shape)} (as q)"
+            )
+        v.check_inner_contiguous("out", out, 1)
+    sc = v.check_scale(scale, head_dim)
+    if check_indices:
+        _check_indices(block_tables, seq_lens, query_start_loc, total, max_q_len,
+                       num_blocks, block_size)
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0 or max_q_len == 0 or total == 0:
+        return out
+    import os
+
+    cfg = prefill_config(head_dim, q.dtype, os.environ.get("TRITON_INTERPRET", "0") == "1")
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    grid = (triton.cdiv(max_q_len, cfg["BLOCK_M"]), q_heads, num_seqs)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        sc * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=q_heads // kv_heads,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PRECISION=precision,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def _check_indices(block_tables, seq_lens, qsl, total, max_q_len, num_blocks, block_size):
+    sl = seq_lens.to("cpu").tolist()
+    qs = qsl.to("cpu").tolist()
+    if qs[0] != 0 or qs[-1] > total:
+        raise v.KernelIndexError(
+            f"query_start_loc: runs from {qs[0]} to {qs[-1]}, expected from 0 to at most {total}"
+        )
+    width = block_tables.shape[1]
+    bt = block_tables.to("cpu")
+    for i, n in enumerate(sl):
+        ql = qs[i + 1] - qs[i]
+        if ql < 0 or ql > max_q_len:
+            raise v.KernelIndexError(
+                f"query_start_loc: sequence {i} has {ql} new tokens, expected in [0, {max_q_len}]"
+            )
+        if n < ql or n > width * block_size:
+            raise v.KernelIndexError(
+                f"seq_lens[{i}]: is {n}, expected in [{ql}, {width * block_size}]"
+            )
+        nb = -(-n // block_size)
+        row = bt[i, :nb]
+        bad = ((row < 0) | (row >= num_blocks)).nonzero()
+        if bad.numel():
+            j = int(bad[0, 0])
+            raise v.KernelIndexError(
+                f"block_tables[{i}, {j}]: is {int(row[j])}, expected in [0, {num_blocks})"
+            )

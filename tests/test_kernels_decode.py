@@ -1,0 +1,286 @@
+"""Paged decode kernel against the float64 PyTorch reference.
+
+CPU runs use Triton's interpreter (export TRITON_INTERPRET=1) on tiny shapes; the `gpu` variants
+run the compiled kernels on CUDA with larger shapes and bf16. Pools and outputs are poisoned with
+NaN and block-table columns past each sequence's blocks hold out-of-range garbage, so an
+unwritten output or a read of a stale column fails.
+"""
+
+import math
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+CUDA = torch.cuda.is_available()
+INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if not CUDA and not INTERP:
+    pytest.skip(
+        "kernel tests need a CUDA device, or TRITON_INTERPRET=1 exported before the run to "
+        "interpret them on the CPU",
+        allow_module_level=True,
+    )
+
+from pagedkv import kernels as K  # noqa: E402
+from pagedkv.kernels import reference as R  # noqa: E402
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERP, reason="CPU runs need TRITON_INTERPRET=1")),
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA, compiled")],
+    ),
+]
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def make_paged(lens, block_size, kv_heads, head_dim, dtype, device, gen, spare=3):
+    """A NaN-poisoned pool with each sequence's tokens in randomly permuted blocks.
+
+    Returns (k_cache, v_cache, block_tables); table columns past a sequence's blocks hold ids far
+    out of range, which a kernel must never follow.
+    """
+    nblk = [-(-n // block_size) for n in lens]
+    num_blocks = sum(nblk) + spare
+    width = max(nblk + [1]) + 2
+    perm = torch.randperm(num_blocks, generator=gen)
+    k = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    vv = torch.full_like(k, float("nan"))
+    bt = torch.randint(1 << 24, 1 << 30, (len(lens), width), generator=gen, dtype=torch.int32)
+    pos = 0
+    for i, n in enumerate(lens):
+        ids = perm[pos : pos + nblk[i]]
+        pos += nblk[i]
+        bt[i, : nblk[i]] = ids.int()
+        for j, b in enumerate(ids.tolist()):
+            cnt = min(block_size, n - j * block_size)
+            k[b, :cnt] = torch.randn(cnt, kv_heads, head_dim, generator=gen).to(dtype)
+            vv[b, :cnt] = torch.randn(cnt, kv_heads, head_dim, generator=gen).to(dtype)
+    return k.to(device), vv.to(device), bt.to(device)
+
+
+def lens_for(block_size, big):
+    base = [1, block_size - 1, 3 * block_size, 2 * block_size + 5]
+    base.append(1500 if big else 5 * block_size + 3)
+    if big:
+        base += [4097, 64]
+    return [max(1, n) for n in base]
+
+
+def run_case(device, dtype, block_size, head_dim, group, kv_heads, seed, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    lens = lens_for(block_size, device == "cuda")
+    kc, vc, bt = make_paged(lens, block_size, kv_heads, head_dim, dtype, device, gen)
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype).to(device)
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = torch.full_like(q, float("nan"))
+    res = K.paged_decode(q, kc, vc, bt, sl, out=out, **kw)
+    assert res is out
+    ref = R.ref_paged_decode(q, kc, vc, bt, sl, scale=kw.get("scale"))
+    assert torch.isfinite(out).all()
+    return rel_err(out, ref)
+
+
+CPU_CASES = [
+    # dtype, block_size, head_dim, group, kv_heads
+    (torch.float32, 16, 64, 1, 2),
+    (torch.float32, 8, 64, 4, 1),
+    (torch.float16, 16, 32, 8, 1),
+    (torch.float32, 32, 16, 4, 2),
+    (torch.float16, 8, 128, 1, 1),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES[:1])
+@pytest.mark.parametrize("dtype,block_size,head_dim,group,kv_heads", CPU_CASES)
+def test_decode_matches_reference_cpu(device, dtype, block_size, head_dim, group, kv_heads):
+    err = run_case(device, dtype, block_size, head_dim, group, kv_heads, seed=block_size + group)
+    assert err < TOL[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES[:1])
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_matches_unsplit_cpu(device, num_splits):
+    gen = torch.Generator().manual_seed(7)
+    lens = [1, 7, 40, 100]
+    kc, vc, bt = make_paged(lens, 8, 2, 32, torch.float32, device, gen)
+    q = torch.randn(4, 8, 32, generator=gen).to(device)
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    a = K.paged_decode(q, kc, vc, bt, sl, num_splits=1)
+    b = K.paged_decode(q, kc, vc, bt, sl, num_splits=num_splits)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    ref = R.ref_paged_decode(q, kc, vc, bt, sl)
+    assert rel_err(b, ref) < 1e-5
+
+
+GPU_CASES = [
+    (dt, bs, hd, g)
+    for dt in (torch.bfloat16, torch.float16)
+    for bs, hd in ((8, 64), (16, 128), (64, 128), (256, 256), (32, 256))
+    for g in (1, 4, 8)
+]
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+@pytest.mark.parametrize("dtype,block_size,head_dim,group", GPU_CASES)
+def test_decode_matches_reference_gpu(device, dtype, block_size, head_dim, group):
+    err = run_case(device, dtype, block_size, head_dim, group, 2, seed=block_size * group)
+    assert err < TOL[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 32])
+def test_decode_splits_gpu(device, num_splits):
+    err = run_case(device, torch.bfloat16, 16, 128, 4, 8, seed=3, num_splits=num_splits)
+    assert err < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+def test_decode_mqa_and_fp32_gpu(device):
+    assert run_case(device, torch.float32, 16, 128, 16, 1, seed=11) < 1e-5
+    assert run_case(device, torch.bfloat16, 16, 64, 32, 1, seed=12) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scale_override_and_empty_sequence(device):
+    gen = torch.Generator().manual_seed(5)
+    lens = [0, 9, 17]
+    kc, vc, bt = make_paged(lens, 8, 1, 32, torch.float32, device, gen)
+    q = torch.randn(3, 2, 32, generator=gen).to(device)
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    for ns in (1, 3):
+        out = K.paged_decode(q, kc, vc, bt, sl, scale=0.3, num_splits=ns)
+        ref = R.ref_paged_decode(q, kc, vc, bt, sl, scale=0.3)
+        assert torch.equal(out[0].cpu(), torch.zeros(2, 32))
+        assert rel_err(out, ref) < 1e-5
+        # A different scale is a different function: the test would notice an ignored override.
+        assert rel_err(K.paged_decode(q, kc, vc, bt, sl, num_splits=ns), ref) > 1e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_workspace_is_reused_without_allocation(device):
+    gen = torch.Generator().manual_seed(9)
+    lens = [30, 61]
+    kc, vc, bt = make_paged(lens, 8, 2, 32, torch.float32, device, gen)
+    q = torch.randn(2, 4, 32, generator=gen).to(device)
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    ws = K.DecodeWorkspace(4, 4, 2, 32, device=device, max_splits=8)
+    ptr = ws.partial_out.data_ptr()
+    out = torch.full_like(q, float("nan"))
+    K.paged_decode(q, kc, vc, bt, sl, out=out, workspace=ws, num_splits=4)
+    assert ws.partial_out.data_ptr() == ptr
+    assert rel_err(out, R.ref_paged_decode(q, kc, vc, bt, sl)) < 1e-5
+    with pytest.raises(K.KernelShapeError, match="capacity"):
+        K.paged_decode(q, kc, vc, bt, sl, workspace=ws, num_splits=ws.max_seq_splits)
+
+
+def test_split_heuristic():
+    sms = 132
+    # Enough (sequence, kv head) programs: no split.
+    assert K.choose_num_splits(256, 8, 1024, sms) == 1
+    assert K.choose_num_splits(128, 8, 2048, sms) == 1
+    # One long sequence: split until the grid has several waves, capped by max_splits.
+    s1 = K.choose_num_splits(1, 8, 32768, sms)
+    assert 1 < s1 <= 64 and 8 * s1 >= sms
+    # Short contexts are not cut into pieces shorter than the minimum.
+    assert K.choose_num_splits(1, 8, 300, sms) == 1
+    # Never more splits for a larger batch.
+    prev = 10**9
+    for n in (1, 2, 4, 8, 16, 32, 64, 128):
+        s = K.choose_num_splits(n, 8, 1 << 20, sms)
+        assert s <= prev
+        prev = s
+    assert K.choose_num_splits(1, 1, 1 << 20, sms, max_splits=5) == 5
+
+
+def _args(device="cpu"):
+    q = torch.randn(2, 4, 32, device=device)
+    kc = torch.randn(10, 8, 2, 32, device=device)
+    vc = torch.randn(10, 8, 2, 32, device=device)
+    bt = torch.zeros(2, 4, dtype=torch.int32, device=device)
+    sl = torch.ones(2, dtype=torch.int32, device=device)
+    return q, kc, vc, bt, sl
+
+
+@pytest.mark.parametrize(
+    "mutate,exc,match",
+    [
+        (lambda a: (a[0].half(),) + a[1:], K.KernelDTypeError, "q: dtype"),
+        (lambda a: (a[0][..., :16],) + a[1:], K.KernelShapeError, "head_dim"),
+        (lambda a: (a[0][:, :3],) + a[1:], K.KernelShapeError, "multiple"),
+        (lambda a: a[:3] + (a[3].long(), a[4]), K.KernelDTypeError, "block_tables"),
+        (lambda a: a[:4] + (a[4][:1],), K.KernelShapeError, "seq_lens"),
+        (lambda a: (a[0], a[1].transpose(1, 2).contiguous().transpose(1, 2)) + a[2:], K.KernelLayoutError, "k_cache"),
+        (lambda a: (a[0], a[1], a[2][:, :4]) + a[3:], K.KernelShapeError, "v_cache"),
+        (lambda a: (a[0], a[1][:, :, :, :24].contiguous(), a[2][:, :, :, :24].contiguous()) + a[3:], K.KernelShapeError, "power of two"),
+        (lambda a: a[:3] + (a[3][:, ::2],) + a[4:], K.KernelLayoutError, "column stride"),
+        (lambda a: (a[0].to("meta"),) + a[1:], K.KernelDeviceError, "q: is on meta"),
+    ],
+)
+def test_validation_errors(mutate, exc, match):
+    args = mutate(_args())
+    with pytest.raises(exc, match=match):
+        K.paged_decode(*args)
+
+
+def test_validation_errors_are_value_and_type_errors():
+    q, kc, vc, bt, sl = _args()
+    with pytest.raises(ValueError):
+        K.paged_decode(q[:, :3], kc, vc, bt, sl)
+    with pytest.raises(TypeError):
+        K.paged_decode(q.double(), kc, vc, bt, sl)
+    with pytest.raises(K.KernelArgumentError, match="scale"):
+        K.paged_decode(q, kc, vc, bt, sl, scale=-1.0)
+    with pytest.raises(K.KernelShapeError, match="out"):
+        K.paged_decode(q, kc, vc, bt, sl, out=torch.empty(2, 4, 16))
+    with pytest.raises(K.KernelShapeError, match="workspace"):
+        K.paged_decode(q, kc, vc, bt, sl, workspace=K.DecodeWorkspace(2, 8, 2, 32, device="cpu"))
+
+
+@pytest.mark.parametrize("device", DEVICES[:1])
+def test_check_indices_rejects_bad_tables(device):
+    q, kc, vc, bt, sl = _args(device)
+    bad = bt.clone()
+    bad[1, 0] = 10
+    with pytest.raises(K.KernelIndexError, match=r"block_tables\[1, 0\]"):
+        K.paged_decode(q, kc, vc, bad, sl, check_indices=True)
+    with pytest.raises(K.KernelIndexError, match=r"seq_lens\[0\]"):
+        K.paged_decode(q, kc, vc, bt, torch.tensor([33, 1], dtype=torch.int32), check_indices=True)
+    # Columns past ceil(seq_len / block_size) are not checked: they may hold anything.
+    ok = bt.clone()
+    ok[:, 1:] = -5
+    K.paged_decode(q, kc, vc, ok, sl, check_indices=True)
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+def test_decode_cuda_graph_capture(device):
+    gen = torch.Generator().manual_seed(21)
+    lens = [700, 3000, 5]
+    kv_heads, group, hd, bs = 4, 4, 128, 16
+    kc, vc, bt = make_paged(lens + [3100], bs, kv_heads, hd, torch.bfloat16, device, gen)
+    bt = bt[:3].contiguous()
+    q = torch.randn(3, kv_heads * group, hd, generator=gen).to(torch.bfloat16).to(device)
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = torch.empty_like(q)
+    ws = K.DecodeWorkspace(8, kv_heads * group, kv_heads, hd, device=device)
+    K.paged_decode(q, kc, vc, bt, sl, out=out, workspace=ws, max_seq_len=4096)  # compile
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        K.paged_decode(q, kc, vc, bt, sl, out=out, workspace=ws, max_seq_len=4096)
+    # New inputs in place, then replay: the graph must read them, not the captured values.
+    for new_lens in ([700, 3000, 5], [1, 2900, 3]):
+        q.copy_(torch.randn(q.shape, generator=gen).to(q.dtype))
+        sl.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = R.ref_paged_decode(q, kc, vc, bt, sl)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) < TOL[torch.bfloat16]

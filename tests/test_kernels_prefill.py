@@ -1,0 +1,188 @@
+"""Paged prefill/extend kernel against the float64 PyTorch reference.
+
+Sequences mix a full prefill (no cached prefix), extends of a cached prefix (chunked prefill),
+decode rows (one new token) and empty rows in one launch, on permuted blocks of a NaN-poisoned
+pool whose unused block-table columns hold out-of-range garbage.
+"""
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+CUDA = torch.cuda.is_available()
+INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if not CUDA and not INTERP:
+    pytest.skip(
+        "kernel tests need a CUDA device, or TRITON_INTERPRET=1 exported before the run to "
+        "interpret them on the CPU",
+        allow_module_level=True,
+    )
+
+from pagedkv import kernels as K  # noqa: E402
+from pagedkv.kernels import reference as R  # noqa: E402
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERP, reason="CPU runs need TRITON_INTERPRET=1")),
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA, compiled")],
+    ),
+]
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def make_batch(seqs, block_size, kv_heads, group, head_dim, dtype, device, gen, spare=2):
+    """`seqs` is a list of (context_len, new_tokens). Returns the kernel's arguments."""
+    lens = [c for c, _ in seqs]
+    qlens = [n for _, n in seqs]
+    nblk = [-(-n // block_size) for n in lens]
+    num_blocks = sum(nblk) + spare
+    width = max(nblk + [1]) + 2
+    perm = torch.randperm(num_blocks, generator=gen)
+    k = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    vv = torch.full_like(k, float("nan"))
+    bt = torch.randint(1 << 24, 1 << 30, (len(seqs), width), generator=gen, dtype=torch.int32)
+    pos = 0
+    for i, n in enumerate(lens):
+        ids = perm[pos : pos + nblk[i]]
+        pos += nblk[i]
+        bt[i, : nblk[i]] = ids.int()
+        for j, b in enumerate(ids.tolist()):
+            cnt = min(block_size, n - j * block_size)
+            k[b, :cnt] = torch.randn(cnt, kv_heads, head_dim, generator=gen).to(dtype)
+            vv[b, :cnt] = torch.randn(cnt, kv_heads, head_dim, generator=gen).to(dtype)
+    qsl = [0]
+    for n in qlens:
+        qsl.append(qsl[-1] + n)
+    q = torch.randn(qsl[-1], kv_heads * group, head_dim, generator=gen).to(dtype)
+    t = lambda x: x.to(device)  # noqa: E731
+    return (
+        t(q), t(k), t(vv), t(bt),
+        torch.tensor(lens, dtype=torch.int32, device=device),
+        torch.tensor(qsl, dtype=torch.int32, device=device),
+        max(qlens + [0]),
+    )
+
+
+def check(args, dtype, **kw):
+    q = args[0]
+    out = torch.full_like(q, float("nan"))
+    res = K.paged_prefill(*args, out=out, **kw)
+    assert res is out
+    ref = R.ref_paged_prefill(*args[:6], scale=kw.get("scale"))
+    assert torch.isfinite(out).all()
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], err
+
+
+def seqs_for(block_size, big):
+    b = block_size
+    s = [
+        (1, 1),                    # a single-token prompt
+        (b - 1, b - 1),            # full prefill, one partial block
+        (3 * b, 3 * b),            # full prefill, exactly k blocks
+        (2 * b + 5, 7),            # extend: cached prefix plus a few new tokens
+        (4 * b + 1, 1),            # decode row in the same launch
+        (b + 3, 0),                # nothing new this step
+    ]
+    if big:
+        s += [(2048 + 300, 300), (1500, 1500), (4096, 1)]
+    return s
+
+
+CPU_CASES = [
+    (torch.float32, 8, 32, 1, 2),
+    (torch.float32, 16, 16, 4, 1),
+    (torch.float16, 8, 64, 2, 1),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES[:1])
+@pytest.mark.parametrize("dtype,block_size,head_dim,group,kv_heads", CPU_CASES)
+def test_prefill_matches_reference_cpu(device, dtype, block_size, head_dim, group, kv_heads):
+    gen = torch.Generator().manual_seed(block_size * 3 + group)
+    args = make_batch(seqs_for(block_size, False), block_size, kv_heads, group, head_dim, dtype, device, gen)
+    check(args, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES[:1])
+def test_prefill_scale_and_decode_consistency_cpu(device):
+    gen = torch.Generator().manual_seed(4)
+    args = make_batch([(20, 1), (9, 1)], 8, 1, 4, 32, torch.float32, device, gen)
+    check(args, torch.float32, scale=0.2)
+    # With one new token per sequence prefill is decode: the two kernels agree.
+    q, kc, vc, bt, sl, qsl, mq = args
+    a = K.paged_prefill(q, kc, vc, bt, sl, qsl, mq)
+    b = K.paged_decode(q, kc, vc, bt, sl)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+GPU_CASES = [
+    (dt, bs, hd, g)
+    for dt in (torch.bfloat16, torch.float16)
+    for bs, hd in ((8, 64), (16, 128), (64, 128), (256, 256), (16, 256))
+    for g in (1, 4, 8)
+]
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+@pytest.mark.parametrize("dtype,block_size,head_dim,group", GPU_CASES)
+def test_prefill_matches_reference_gpu(device, dtype, block_size, head_dim, group):
+    gen = torch.Generator().manual_seed(block_size + group)
+    args = make_batch(seqs_for(block_size, True), block_size, 2, group, head_dim, dtype, device, gen)
+    check(args, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+def test_prefill_fp32_gpu(device):
+    gen = torch.Generator().manual_seed(99)
+    args = make_batch(seqs_for(16, True), 16, 2, 4, 128, torch.float32, device, gen)
+    check(args, torch.float32)
+
+
+def _args():
+    gen = torch.Generator().manual_seed(1)
+    return list(make_batch([(10, 4), (5, 5)], 8, 2, 2, 32, torch.float32, "cpu", gen))
+
+
+@pytest.mark.parametrize(
+    "i,bad,exc,match",
+    [
+        (0, lambda t: t.half(), K.KernelDTypeError, "q: dtype"),
+        (0, lambda t: t[:, :3], K.KernelShapeError, "multiple"),
+        (3, lambda t: t.long(), K.KernelDTypeError, "block_tables"),
+        (5, lambda t: t[:2], K.KernelShapeError, "query_start_loc"),
+        (4, lambda t: t.long(), K.KernelDTypeError, "seq_lens"),
+        (6, lambda t: -1, K.KernelArgumentError, "max_q_len"),
+        (6, lambda t: 4.0, K.KernelDTypeError, "max_q_len"),
+        (1, lambda t: t.to("meta"), K.KernelDeviceError, "v_cache: is on cpu, expected meta"),
+        (0, lambda t: t.to("meta"), K.KernelDeviceError, "q: is on meta"),
+    ],
+)
+def test_validation_errors(i, bad, exc, match):
+    args = _args()
+    args[i] = bad(args[i])
+    with pytest.raises(exc, match=match):
+        K.paged_prefill(*args)
+
+
+@pytest.mark.parametrize("device", DEVICES[:1])
+def test_check_indices(device):
+    args = _args()
+    ok = K.paged_prefill(*args, check_indices=True)
+    assert torch.isfinite(ok).all()
+    bad = list(args)
+    bad[6] = 3  # max_q_len below the real 5
+    with pytest.raises(K.KernelIndexError, match="new tokens"):
+        K.paged_prefill(*bad, check_indices=True)
+    bad = list(args)
+    bad[4] = torch.tensor([3, 5], dtype=torch.int32)  # context shorter than the new tokens
+    with pytest.raises(K.KernelIndexError, match=r"seq_lens\[0\]"):
+        K.paged_prefill(*bad, check_indices=True)
