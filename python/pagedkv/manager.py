@@ -363,7 +363,12 @@ class BlockManager:
             tensors.append(t)
         # The core holds the tensors themselves, not `buffers`: those are what its pointers point into.
         self._core.register_buffers(
-            buffers.max_seqs, buffers.max_blocks_per_seq, *args, keepalive=tuple(tensors)
+            buffers.max_seqs,
+            buffers.max_tokens,
+            buffers.max_blocks_per_seq,
+            buffers.max_copies,
+            *args,
+            keepalive=tuple(tensors),
         )
         self._buffers = buffers
 
@@ -400,7 +405,9 @@ class BlockManager:
 
     def stats(self) -> Stats:
         """A snapshot of the manager's counters."""
-        return Stats(**self._core.stats())
+        d = self._core.stats()
+        d["blocks_per_seq"] = tuple(d["blocks_per_seq"])
+        return Stats(**d)
 
     def check_invariants(self) -> None:
         """Cross-checks refcounts, free list, tables and prefix cache; for tests and debugging.
@@ -427,13 +434,53 @@ def _buffer_invalid(name: str, expected: str, got: str) -> BufferInvalidError:
 
 @dataclass(frozen=True)
 class Stats:
-    """A snapshot of the manager's counters (see the core's ``metrics`` module)."""
+    """A snapshot of the manager's state and counters (the core's ``metrics::Stats``)."""
 
-    # Filled in from the core's Stats; see _core.BlockManager.stats.
+    #: Blocks in the pool.
     num_blocks: int
-    num_free_blocks: int
+    #: Tokens per block.
+    block_size: int
+    #: Blocks on the free list (never cached, or dropped from the cache).
+    free_blocks: int
+    #: Refcount-0 blocks kept for their cached content; reusable (evicted) on demand.
+    cached_free_blocks: int
+    #: Blocks held by a sequence or by a pending copy.
+    used_blocks: int
+    #: Live sequences.
     num_seqs: int
+    #: Sum of sequence lengths (a shared block counts for every sequence holding it).
+    used_tokens: int
+    #: ``used_tokens / (num_blocks * block_size)``; can exceed 1 with sharing.
+    kv_utilization: float
+    #: ``used_blocks * block_size``: slots set aside, partly filled tail blocks included.
+    allocated_token_slots: int
+    #: Prompt tokens looked up in the prefix cache.
+    prefix_query_tokens: int
+    #: Of those, tokens served from cached blocks.
+    prefix_hit_tokens: int
+    #: ``prefix_hit_tokens / prefix_query_tokens`` (0 before any lookup).
+    prefix_hit_ratio: float
+    #: Cached-free blocks evicted to satisfy an allocation.
+    evictions: int
+    #: Verify mode: hash hits whose cached token ids differed (served as misses).
+    prefix_collisions: int
+    #: Blocks with a reference count above one.
+    shared_blocks: int
+    #: Copy-on-write block copies queued so far.
+    cow_copies: int
+    #: Preemptions so far.
+    preemptions: int
+    #: Sequences per block-count bucket: bucket 0 holds 0–1 blocks, bucket ``k >= 1`` holds
+    #: ``(2**(k-1), 2**k]`` blocks, the last bucket everything above.
+    blocks_per_seq: Tuple[int, ...]
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation could take: free plus cached-free."""
+        return self.free_blocks + self.cached_free_blocks
 
     def as_dict(self) -> dict[str, Any]:
-        """The counters as a plain dict."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The snapshot as a plain dict (``blocks_per_seq`` as a list), e.g. for JSON."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["blocks_per_seq"] = list(self.blocks_per_seq)
+        return d

@@ -1,0 +1,236 @@
+//! Argument conversion: Python ints, lists and numpy arrays to the core's id types.
+//!
+//! Owns the rules for what the binding accepts as an id and how it is read:
+//!
+//! - a scalar id is a Python int (or anything with `__index__`) in `[0, MAX]` of its type;
+//! - an id sequence is a list or tuple of such ints, or a 1-D numpy array of any integer dtype.
+//!   An array whose dtype already matches the target's width and whose values are all in range is
+//!   read in place (no copy: `uint32`/`int32` token ids, `uint64`/`int64` sequence ids); anything
+//!   else is converted into a caller-provided scratch vector, so steady-state calls do not allocate.
+//!
+//! Every value is range-checked before the core sees it; a bad one raises `InvalidArgumentError`
+//! naming the argument, the index and the value. Nothing here touches the manager, so a failed
+//! conversion leaves it unchanged by construction.
+
+use numpy::{Element, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::{PyInt, PyList, PyTuple};
+
+use crate::errors::{invalid_arg, invalid_arg_int};
+
+/// A numpy element type the binding can read ids from.
+pub trait Elem: Element + Copy {
+    /// Whether the value lies in `[0, max]`.
+    fn in_range(self, max: u64) -> bool;
+    /// The value as `i128`, for error messages only.
+    fn wide(self) -> i128;
+    /// The value as `u64`; meaningful only after [`Elem::in_range`] held.
+    fn bits(self) -> u64;
+}
+
+macro_rules! elem_signed {
+    ($($t:ty),*) => {$(
+        impl Elem for $t {
+            #[inline(always)]
+            fn in_range(self, max: u64) -> bool { self >= 0 && (self as u64) <= max }
+            fn wide(self) -> i128 { self as i128 }
+            #[inline(always)]
+            fn bits(self) -> u64 { self as u64 }
+        }
+    )*};
+}
+macro_rules! elem_unsigned {
+    ($($t:ty),*) => {$(
+        impl Elem for $t {
+            #[inline(always)]
+            fn in_range(self, max: u64) -> bool { (self as u64) <= max }
+            fn wide(self) -> i128 { self as i128 }
+            #[inline(always)]
+            fn bits(self) -> u64 { self as u64 }
+        }
+    )*};
+}
+elem_signed!(i8, i16, i32, i64);
+elem_unsigned!(u8, u16, u32, u64);
+
+/// A target id type of the core.
+pub trait Id: Copy + Send + Sync + 'static {
+    const MAX: u64;
+    /// Shown in error messages: what the valid range is.
+    const RANGE: &'static str;
+    fn from_bits(v: u64) -> Self;
+}
+
+impl Id for u32 {
+    const MAX: u64 = u32::MAX as u64;
+    const RANGE: &'static str = "must be in [0, 4294967295]";
+    #[inline(always)]
+    fn from_bits(v: u64) -> Self {
+        v as u32
+    }
+}
+
+impl Id for u64 {
+    const MAX: u64 = u64::MAX;
+    const RANGE: &'static str = "must be in [0, 18446744073709551615]";
+    #[inline(always)]
+    fn from_bits(v: u64) -> Self {
+        v
+    }
+}
+
+/// Reads one id from a Python int.
+pub fn scalar<T: Id>(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<T> {
+    if let Ok(v) = obj.extract::<u64>() {
+        if v <= T::MAX {
+            return Ok(T::from_bits(v));
+        }
+    }
+    Err(scalar_error::<T>(what, obj))
+}
+
+fn scalar_error<T: Id>(what: &str, obj: &Bound<'_, PyAny>) -> PyErr {
+    if is_int_like(obj) {
+        invalid_arg(what, obj, T::RANGE)
+    } else {
+        let reason = format!("must be an int, got {}", type_name(obj));
+        invalid_arg(what, obj, reason)
+    }
+}
+
+/// Reads a non-negative count (a token count, a length) as `usize`.
+pub fn count(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    match obj.extract::<u64>() {
+        Ok(v) if v <= usize::MAX as u64 => Ok(v as usize),
+        _ => Err(scalar_error::<u64>(what, obj)),
+    }
+}
+
+/// A Python int, or something `operator.index` accepts (a numpy integer scalar).
+fn is_int_like(obj: &Bound<'_, PyAny>) -> bool {
+    obj.is_instance_of::<PyInt>() || obj.call_method0("__index__").is_ok()
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+}
+
+/// Reads an id sequence and hands `f` a slice of it, borrowed in place where possible and
+/// converted into `scratch` otherwise.
+pub fn with_ids<T: Id, R>(
+    what: &str,
+    obj: &Bound<'_, PyAny>,
+    scratch: &mut Vec<T>,
+    f: impl FnOnce(&[T]) -> PyResult<R>,
+) -> PyResult<R> {
+    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+        if arr.ndim() != 1 {
+            let reason = format!("must be 1-D, got {} dimensions", arr.ndim());
+            return Err(invalid_arg_int(obj.py(), what, arr.ndim() as i128, reason));
+        }
+        let dtype = arr.dtype();
+        // Sizes, not type numbers: numpy has two type numbers for 64-bit ints on most platforms
+        // (long and longlong), and the kind/width pair covers both.
+        return match (dtype.kind(), dtype.itemsize()) {
+            (b'i', 1) => from_array::<i8, T, R>(what, obj, scratch, f),
+            (b'i', 2) => from_array::<i16, T, R>(what, obj, scratch, f),
+            (b'i', 4) => from_array::<i32, T, R>(what, obj, scratch, f),
+            (b'i', 8) => from_array::<i64, T, R>(what, obj, scratch, f),
+            (b'u', 1) => from_array::<u8, T, R>(what, obj, scratch, f),
+            (b'u', 2) => from_array::<u16, T, R>(what, obj, scratch, f),
+            (b'u', 4) => from_array::<u32, T, R>(what, obj, scratch, f),
+            (b'u', 8) => from_array::<u64, T, R>(what, obj, scratch, f),
+            _ => {
+                let shown = dtype.str().map(|s| s.to_string()).unwrap_or_else(|_| "?".into());
+                Err(invalid_arg(
+                    what,
+                    &dtype.into_any(),
+                    format!("an id array must have an integer dtype, got {shown}"),
+                ))
+            }
+        };
+    }
+    if let Ok(list) = obj.cast::<PyList>() {
+        scratch.clear();
+        scratch.reserve(list.len());
+        for (i, item) in list.iter().enumerate() {
+            scratch.push(element::<T>(what, i, &item)?);
+        }
+        return f(scratch);
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        scratch.clear();
+        scratch.reserve(tuple.len());
+        for (i, item) in tuple.iter().enumerate() {
+            scratch.push(element::<T>(what, i, &item)?);
+        }
+        return f(scratch);
+    }
+    let reason = format!(
+        "expected a list or tuple of ints or a 1-D integer numpy array, got {}",
+        type_name(obj)
+    );
+    Err(invalid_arg(what, &obj.get_type().into_any(), reason))
+}
+
+fn element<T: Id>(what: &str, index: usize, item: &Bound<'_, PyAny>) -> PyResult<T> {
+    if let Ok(v) = item.extract::<u64>() {
+        if v <= T::MAX {
+            return Ok(T::from_bits(v));
+        }
+    }
+    let reason = if is_int_like(item) {
+        format!("element {index}: {}", T::RANGE)
+    } else {
+        format!("element {index}: must be an int, got {}", type_name(item))
+    };
+    Err(invalid_arg(what, item, reason))
+}
+
+fn from_array<E: Elem, T: Id, R>(
+    what: &str,
+    obj: &Bound<'_, PyAny>,
+    scratch: &mut Vec<T>,
+    f: impl FnOnce(&[T]) -> PyResult<R>,
+) -> PyResult<R> {
+    let arr = obj.cast::<PyArray1<E>>().map_err(PyErr::from)?;
+    let ro = arr.try_readonly().map_err(|e| {
+        invalid_arg(what, obj, format!("array is mutably borrowed elsewhere ({e})"))
+    })?;
+    if let Ok(src) = ro.as_slice() {
+        // Branch-free fold so the range check vectorises; the slow scan for the culprit runs only
+        // on failure.
+        let ok = src.iter().fold(true, |acc, &v| acc & v.in_range(T::MAX));
+        if !ok {
+            return Err(array_error::<E, T>(obj.py(), what, src.iter().copied()));
+        }
+        if std::mem::size_of::<E>() == std::mem::size_of::<T>() {
+            // SAFETY: `E` and `T` are plain integers of the same size (and thus the same alignment
+            // for the integer types involved), and every value is in `[0, T::MAX]`, where the
+            // two-complement bit patterns of `E` and `T` coincide. The slice lives as long as `ro`.
+            let same: &[T] = unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<T>(), src.len()) };
+            return f(same);
+        }
+        scratch.clear();
+        scratch.extend(src.iter().map(|&v| T::from_bits(v.bits())));
+        return f(scratch);
+    }
+    // Strided (or misaligned) view: read element by element.
+    let view = ro.as_array();
+    if !view.iter().fold(true, |acc, &v| acc & v.in_range(T::MAX)) {
+        return Err(array_error::<E, T>(obj.py(), what, view.iter().copied()));
+    }
+    scratch.clear();
+    scratch.extend(view.iter().map(|&v| T::from_bits(v.bits())));
+    f(scratch)
+}
+
+fn array_error<E: Elem, T: Id>(py: Python<'_>, what: &str, values: impl Iterator<Item = E>) -> PyErr {
+    for (i, v) in values.enumerate() {
+        if !v.in_range(T::MAX) {
+            return invalid_arg_int(py, what, v.wide(), format!("element {i}: {}", T::RANGE));
+        }
+    }
+    // Not reached: callers come here only after the range check failed.
+    invalid_arg_int(py, what, 0, T::RANGE)
+}

@@ -1,0 +1,37 @@
+//! The extension module `pagedkv._core`: thin PyO3 wrappers over the `pagedkv` core crate.
+//!
+//! Owns argument conversion, GIL release and error mapping, and nothing else: every decision about
+//! blocks, tables and hashes is the core's. Modules:
+//! - [`manager`]: the `BlockManager` class and the `hash_blocks` function;
+//! - [`convert`]: Python ints, lists and numpy arrays to the core's id types;
+//! - [`errors`]: core errors to the exception classes of `pagedkv.errors`;
+//! - [`stats`]: the core's counters as a dict.
+//!
+//! The typed, documented API is the Python package's (`pagedkv.BlockManager`); this module's surface
+//! is described by `python/pagedkv/_core.pyi`.
+
+use pyo3::prelude::*;
+
+mod convert;
+mod errors;
+mod manager;
+mod stats;
+
+/// Raises the exception a sample of the named core error variant maps to. Lets tests check the
+/// mapping of variants that no public call can reach (a refcount underflow, a hash collision).
+#[pyfunction]
+fn _raise_core_error(name: &str) -> PyResult<()> {
+    match errors::sample(name) {
+        Some(e) => Err(errors::core_err(e)),
+        None => Err(pyo3::exceptions::PyValueError::new_err(format!("no core error variant named {name:?}"))),
+    }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<manager::PyBlockManager>()?;
+    m.add_function(wrap_pyfunction!(manager::hash_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(_raise_core_error, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,232 @@
+"""StepBuffers: allocation, views, host-to-device copies, and registration with a manager."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pagedkv import BlockManager, StepBuffers, StepInfo
+from pagedkv.errors import (
+    BufferInvalidError,
+    BufferTooSmallError,
+    InvalidArgumentError,
+)
+
+FIELDS = (
+    "slot_mapping",
+    "block_tables",
+    "seq_lens",
+    "query_start_loc",
+    "kv_indptr",
+    "kv_indices",
+    "kv_last_page_len",
+    "copies",
+)
+
+
+def _snapshot(m: BlockManager) -> tuple:
+    return (m.stats(), len(m), m.num_free_blocks)
+
+
+def test_shapes_dtypes_and_defaults() -> None:
+    b = StepBuffers(4, 32, 8, device="cpu")
+    h = b.host
+    assert h.slot_mapping.shape == (32,) and h.slot_mapping.dtype == torch.int64
+    assert h.block_tables.shape == (4, 8) and h.block_tables.dtype == torch.int32
+    assert h.seq_lens.shape == (4,) and h.seq_lens.dtype == torch.int32
+    assert h.query_start_loc.shape == (5,) and h.query_start_loc.dtype == torch.int32
+    assert h.kv_indptr.shape == (5,) and h.kv_indptr.dtype == torch.int32
+    assert h.kv_indices.shape == (32,) and h.kv_indices.dtype == torch.int32
+    assert h.kv_last_page_len.shape == (4,) and h.kv_last_page_len.dtype == torch.int32
+    # max_copies defaults to max_seqs.
+    assert h.copies.shape == (4, 2) and h.copies.dtype == torch.int64
+    assert b.max_copies == 4
+    for name, t in h.items():
+        assert t.device.type == "cpu", name
+        assert t.is_contiguous(), name
+        assert t.data_ptr() % 64 == 0, name
+        assert not t.any(), name
+
+
+def test_fields_do_not_overlap() -> None:
+    b = StepBuffers(3, 7, 5, max_copies=2, device="cpu")
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for _, t in b.host.items()
+    )
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert end <= start
+    # Writing one field leaves the others zero.
+    b.host.seq_lens.fill_(-1)
+    for name, t in b.host.items():
+        if name != "seq_lens":
+            assert not t.any(), name
+
+
+def test_cpu_device_mirrors_are_the_host_tensors() -> None:
+    b = StepBuffers(2, 4, 2, device="cpu")
+    assert not b.has_mirror
+    for name in FIELDS:
+        assert getattr(b.device, name) is getattr(b.host, name)
+    info = StepInfo(num_seqs=1, num_tokens=2, num_kv_indices=1, num_copies=0, max_seq_len=2)
+    v = b.to_device(info)
+    assert v.slot_mapping.data_ptr() == b.host.slot_mapping.data_ptr()
+
+
+def test_views_cut_to_the_step_extent_at_fixed_addresses() -> None:
+    b = StepBuffers(4, 16, 3, max_copies=2, device="cpu")
+    info = StepInfo(num_seqs=2, num_tokens=5, num_kv_indices=4, num_copies=1, max_seq_len=9)
+    v = b.views(info, on_device=False)
+    assert v.slot_mapping.shape == (5,)
+    assert v.block_tables.shape == (2, 3)
+    assert v.seq_lens.shape == (2,)
+    assert v.query_start_loc.shape == (3,)
+    assert v.kv_indptr.shape == (3,)
+    assert v.kv_indices.shape == (4,)
+    assert v.kv_last_page_len.shape == (2,)
+    assert v.copies.shape == (1, 2)
+    for name in FIELDS:
+        assert getattr(v, name).data_ptr() == getattr(b.host, name).data_ptr()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_seqs=0, max_tokens=4, max_blocks_per_seq=2),
+        dict(max_seqs=2, max_tokens=-1, max_blocks_per_seq=2),
+        dict(max_seqs=2, max_tokens=4, max_blocks_per_seq=0),
+        dict(max_seqs=2, max_tokens=4, max_blocks_per_seq=2, max_copies=-1),
+        dict(max_seqs=2.0, max_tokens=4, max_blocks_per_seq=2),
+    ],
+)
+def test_bad_sizes_raise(kwargs: dict) -> None:
+    with pytest.raises(InvalidArgumentError):
+        StepBuffers(device="cpu", **kwargs)
+
+
+def test_zero_copies_allowed_and_registers() -> None:
+    b = StepBuffers(2, 4, 2, max_copies=0, device="cpu")
+    assert b.host.copies.shape == (0, 2)
+    m = BlockManager(8, 2)
+    m.attach_buffers(b)
+    m.admit(1, [1, 2, 3])
+    info = m.step([1], 3)
+    assert info.num_copies == 0
+
+
+def test_attach_then_step_writes_host_buffers() -> None:
+    m = BlockManager(16, 4, watermark_blocks=0)
+    b = StepBuffers(2, 16, 4, device="cpu")
+    m.attach_buffers(b)
+    assert m.buffers is b
+    m.admit(7, list(range(6)))
+    info = m.step([7], 6)
+    assert info == StepInfo(1, 6, 2, 0, 6)
+    table = m.block_table(7)
+    assert b.host.slot_mapping[:6].tolist() == [table[p // 4] * 4 + p % 4 for p in range(6)]
+    assert b.host.block_tables[0, :2].tolist() == table
+    assert b.host.seq_lens[0].item() == 6
+    assert b.host.kv_last_page_len[0].item() == 2
+
+
+def _replace(b: StepBuffers, **tensors: torch.Tensor) -> StepBuffers:
+    b.host = dataclasses.replace(b.host, **tensors)
+    return b
+
+
+@pytest.mark.parametrize(
+    "name, tensor, err, field_value",
+    [
+        ("slot_mapping", torch.zeros(16, dtype=torch.int32), BufferInvalidError, "int32"),
+        ("block_tables", torch.zeros(2, 4, dtype=torch.int64), BufferInvalidError, "int64"),
+        ("seq_lens", torch.zeros(2, dtype=torch.float32), BufferInvalidError, "float32"),
+        ("copies", torch.zeros(2, 2, dtype=torch.int32), BufferInvalidError, "int32"),
+        ("kv_indices", torch.zeros(7, dtype=torch.int32), BufferTooSmallError, 7),
+        ("query_start_loc", torch.zeros(2, dtype=torch.int32), BufferTooSmallError, 2),
+        ("slot_mapping", torch.zeros(15, dtype=torch.int64), BufferTooSmallError, 15),
+        ("seq_lens", torch.zeros(4, dtype=torch.int32)[::2], BufferInvalidError, None),
+        ("block_tables", torch.zeros(4, 2, dtype=torch.int32).t(), BufferInvalidError, None),
+    ],
+)
+def test_bad_buffers_raise_and_leave_manager_unchanged(
+    name: str, tensor: torch.Tensor, err: type, field_value: object
+) -> None:
+    m = BlockManager(16, 4, watermark_blocks=0)
+    good = StepBuffers(2, 16, 4, device="cpu")
+    m.attach_buffers(good)
+    m.admit(1, [1, 2, 3, 4, 5])
+    before = _snapshot(m)
+    bad = _replace(StepBuffers(2, 16, 4, device="cpu"), **{name: tensor})
+    with pytest.raises(err) as info:
+        m.attach_buffers(bad)
+    assert info.value.buffer == name
+    if err is BufferInvalidError and field_value is not None:
+        assert info.value.got == field_value
+    if err is BufferTooSmallError:
+        assert info.value.capacity == field_value
+    assert _snapshot(m) == before
+    m.check_invariants()
+    # The earlier registration is still in place and still works.
+    assert m.buffers is good
+    step = m.step([1], 5)
+    assert step.num_tokens == 5
+    assert good.host.seq_lens[0].item() == 5
+
+
+def test_non_tensor_buffer_is_rejected() -> None:
+    m = BlockManager(8, 4)
+    bad = _replace(StepBuffers(2, 8, 2, device="cpu"), seq_lens=[0, 0])  # type: ignore[arg-type]
+    with pytest.raises(BufferInvalidError):
+        m.attach_buffers(bad)
+    assert m.buffers is None
+
+
+def test_registration_keeps_tensors_alive() -> None:
+    import gc
+    import weakref
+
+    from pagedkv import _core
+
+    m = _core.BlockManager(8, 4, 0)
+    b = StepBuffers(2, 8, 2, device="cpu")
+    tensors = tuple(t for _, t in b.host.items())
+    raw = [(t.data_ptr(), t.numel(), str(t.dtype)) for t in tensors]
+    ref = weakref.ref(b.host.slot_mapping)
+    m.register_buffers(2, 8, 2, b.max_copies, *raw, keepalive=tensors)
+    del b, tensors
+    gc.collect()
+    # Only the extension's reference is left, and it holds.
+    assert ref() is not None
+    m.admit(1, [1, 2, 3])
+    m.step([1], 3)
+    table = m.block_table(1)
+    assert ref()[:3].tolist() == [table[0] * 4 + p for p in range(3)]
+    m.unregister_buffers()
+    gc.collect()
+    assert ref() is None
+
+
+@pytest.mark.gpu
+def test_pinned_host_and_stable_device_mirrors() -> None:
+    m = BlockManager(64, 4, watermark_blocks=0)
+    b = StepBuffers(4, 64, 8, max_copies=4)
+    assert b.has_mirror and b.pinned
+    for name, t in b.host.items():
+        assert t.is_pinned(), name
+    for name, t in b.device.items():
+        assert t.is_cuda, name
+    ptrs = {name: t.data_ptr() for name, t in b.device.items()}
+    m.attach_buffers(b)
+    for s in range(3):
+        m.admit(s, list(range(5 + s)))
+    info = m.step([0, 1, 2], [5, 6, 7])
+    for step in range(6):
+        dev = b.to_device(info)
+        torch.cuda.synchronize()
+        host = b.views(info, on_device=False)
+        for name in FIELDS:
+            assert torch.equal(getattr(dev, name).cpu(), getattr(host, name)), name
+        assert {n: t.data_ptr() for n, t in b.device.items()} == ptrs
+        m.append_batch([0, 1, 2], [step, step, step])
+        info = m.step([0, 1, 2], 1)
