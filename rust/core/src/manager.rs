@@ -658,6 +658,11 @@ impl BlockManager {
         Ok(&self.slots[self.slot_of(seq)?].table.blocks)
     }
 
+    /// The live sequence ids, in no particular order.
+    pub fn seq_ids(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.index.keys().copied()
+    }
+
     pub fn num_seqs(&self) -> usize {
         self.index.len()
     }
