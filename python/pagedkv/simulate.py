@@ -1,44 +1,52 @@
 """The serving simulator behind ``pagedkv simulate``: paged blocks against contiguous reservation.
 
 Owns :func:`simulate`, which replays one seeded workload (:mod:`pagedkv.workload`) twice in the
-same KV memory:
+same KV memory. Time is counted in scheduler steps; in each step every running sequence produces
+one token, and a newly admitted one produces its first token from its prefill.
 
-**Paged** — through the real :class:`pagedkv.BlockManager`, step by step, with a
-continuous-batching scheduler:
+**Paged** — through the real :class:`pagedkv.BlockManager`, with a continuous-batching scheduler
+that each step:
 
-1. requests that have arrived join the FCFS waiting queue;
-2. admission: from the head of the queue, admit while ``admit`` succeeds, the batch has room
-   (``max_num_seqs``) and the step's prompt budget (``max_prefill_tokens``) lasts — the first
-   admission of a step is always allowed whatever its size. A whole prompt is prefilled in the
-   step it is admitted. ``WatermarkReachedError`` / ``OutOfBlocksError`` ends admission for the
-   step. A request with ``n_samples > 1`` is admitted once and forked ``n − 1`` times;
-3. decode: every running sequence appends one token with one ``append_batch`` call. On
-   ``OutOfBlocksError`` the most recently admitted request is preempted by recompute (its
-   sequences freed, the request put back at the head of the queue with the tokens generated so
-   far, to be re-prefilled — prefix-cache hits soften that) and the call is retried;
-4. sequences that have produced all their tokens are freed.
+1. queues the requests that have arrived (FCFS);
+2. decode: every sequence admitted earlier feeds back its last token — one ``append_batch`` call
+   for the batch. On ``OutOfBlocksError`` the most recently admitted request is preempted by
+   recompute (its sequences freed, the request put back at the head of the queue with the tokens
+   it produced) and the call is retried without it;
+3. admission (skipped in a step that preempted): from the head of the queue, admit while
+   ``admit`` succeeds, the batch has room (``max_num_seqs``) and the step's prompt budget
+   (``max_prefill_tokens``) lasts — the first admission of a step is always allowed whatever its
+   size. ``WatermarkReachedError`` (a subclass of ``OutOfBlocksError``) ends admission for the
+   step. A request with ``n_samples > 1`` is admitted once and forked ``n − 1`` times. A
+   preempted request is re-admitted with its prompt plus the tokens each sample produced, so only
+   what the prefix cache no longer holds is recomputed;
+4. builds the step with ``BlockManager.step`` into CPU step buffers, as an engine would before
+   running the model: that emits the copy-on-write list and offers newly full blocks to the
+   prefix cache (the manager registers blocks at step time);
+5. measures, then frees the sequences that produced their last token.
 
-**Contiguous** — the same arrivals, lengths and scheduler limits, but each sequence reserves
-``max_model_len`` token slots at admission, so at most ``floor(num_blocks × block_size /
-max_model_len)`` sequences run at once; nothing is shared and nothing is preempted.
+**Contiguous** — the same arrivals, lengths, timing and scheduler limits, but each sequence
+reserves ``max_model_len`` token slots at admission, so at most ``floor(num_blocks × block_size /
+max_model_len)`` run at once; nothing is shared and nothing is preempted.
 
-Measurements, taken every step after the decode (before finished sequences are freed) and
+Measurements, taken every step after the step is built (before finished sequences are freed) and
 averaged over every step of the run:
 
-- concurrency: sequences in the batch;
-- KV utilization: token slots holding live KV / pool slots (``num_blocks × block_size``); shared
-  blocks count once;
+- concurrency: live sequences;
+- KV utilization: token slots holding live KV / pool slots (``num_blocks × block_size``), a shared
+  block counted once (the manager's own ``Stats.kv_utilization`` counts it once per holder);
 - waste per sequence: allocated-but-unused slots — ``ceil(len / B)·B − len`` paged (internal
   fragmentation), ``max_model_len − len`` contiguous; waste fraction: unused / allocated slots;
-- blocks saved by sharing: ``Σ ceil(len / B)`` over live sequences (what they would hold without
-  sharing) minus blocks actually referenced; reported as the mean over steps and the peak;
-- completion: steps until the last request finishes, tokens and requests per step, and mean
-  queueing delay and latency (arrival to last token) in steps.
+- blocks saved by sharing: ``Σ ceil(len / B)`` over live sequences (the blocks they would hold
+  without sharing) minus the blocks actually held; reported as the mean over steps and the peak;
+- prefix hit ratio: the manager's ``prefix_hit_tokens / prefix_query_tokens`` over all admissions,
+  re-admissions after preemption included;
+- completion: steps until the last request finishes, output tokens and requests per step, mean
+  queueing delay (arrival to first admission) and latency (arrival to last token), in steps.
 
 Invariants: :func:`simulate` is deterministic for a given (workload, sim) pair; it checks the
 manager's invariants at the end (and every ``check_every`` steps), frees every sequence, and
-raises :class:`pagedkv.errors.InvariantViolationError` if any block is left allocated. Torch is
-not imported; the manager is imported when a simulation starts.
+raises :class:`pagedkv.errors.InvariantViolationError` if any block is left allocated. The
+extension and torch (for the step buffers) are imported when a simulation starts, not on import.
 """
 
 from __future__ import annotations
@@ -150,28 +158,44 @@ class SimResult:
 # --------------------------------------------------------------------------------- bookkeeping
 
 class _Seq:
-    __slots__ = ("seq_id", "sample", "length", "gen", "out", "out_len")
+    """One sample's live sequence. ``produced`` counts its output tokens so far, the last of
+    which has been sampled but not yet fed back, so the manager holds ``prompt + produced − 1``
+    tokens for it."""
 
-    def __init__(self, seq_id: int, sample: int, length: int, gen: int, out: list[int]) -> None:
+    __slots__ = ("seq_id", "sample", "length", "produced", "out", "out_len", "new")
+
+    def __init__(self, seq_id: int, sample: int, length: int, produced: int, out: list[int],
+                 new: int) -> None:
         self.seq_id = seq_id
         self.sample = sample
         self.length = length
-        self.gen = gen
+        self.produced = produced
         self.out = out
         self.out_len = len(out)
+        self.new = new  # tokens this step computes for it (0: a fork riding on its parent's prefill)
 
 
 class _Group:
-    """A request in flight: its live sequences and, per sample, tokens generated so far."""
+    """A request in flight: its live sequences and, per sample, output tokens produced so far."""
 
-    __slots__ = ("req", "gen", "seqs", "first_admit", "remaining")
+    __slots__ = ("req", "produced", "seqs", "first_admit", "remaining")
 
     def __init__(self, req: Request) -> None:
         self.req = req
-        self.gen = [0] * len(req.outputs)
+        self.produced = [0] * len(req.outputs)
         self.seqs: list[_Seq] = []
         self.first_admit = -1
         self.remaining = len(req.outputs)
+
+    def live_samples(self) -> list[int]:
+        return [i for i, out in enumerate(self.req.outputs) if self.produced[i] < len(out)]
+
+    def prefill_tokens(self) -> int:
+        """Tokens an admission now would prefill (before prefix-cache hits)."""
+        live = self.live_samples()
+        if all(self.produced[i] == 0 for i in live):
+            return self.req.prompt_len
+        return sum(self.req.prompt_len + self.produced[i] for i in live)
 
 
 class _Progress:
@@ -221,16 +245,23 @@ def _check_capacity(workload: WorkloadConfig, sim: SimConfig, watermark: int) ->
 
 def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimConfig,
                     progress: bool) -> tuple[PolicyResult, int]:
+    from .buffers import StepBuffers
     from .manager import BlockManager
 
     B = sim.block_size
+    max_blocks = _blocks_for(workload.max_model_len, B)
     mgr = BlockManager(
         sim.num_blocks, B,
         watermark_blocks=sim.watermark_blocks,
-        max_blocks_per_seq=_blocks_for(workload.max_model_len, B),
+        max_blocks_per_seq=max_blocks,
         enable_prefix_caching=sim.enable_prefix_caching,
     )
     _check_capacity(workload, sim, mgr.watermark_blocks)
+    # The step buffers a real engine would hand to its kernels. Building each step is what offers
+    # newly full blocks to the prefix cache and drains the copy-on-write queue.
+    max_prefill = max(sim.max_prefill_tokens, workload.n_samples * workload.max_model_len)
+    mgr.attach_buffers(StepBuffers(sim.max_num_seqs, max_prefill + sim.max_num_seqs, max_blocks,
+                                   max_copies=sim.max_num_seqs, device="cpu"))
     capacity = sim.num_blocks * B
     sharing = workload.sharing
     n_req = len(requests)
@@ -254,40 +285,49 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     sum_saved = 0
     sum_queue = 0
     sum_latency = 0
+    step_copies = 0
     bar = _Progress(progress, n_req, "paged")
 
     def admit_group(g: _Group) -> bool:
-        """Admit ``g`` (all its unfinished samples) or leave the manager as it was; True on success."""
+        """Admit ``g``'s unfinished samples, or leave the manager as it was; True on success."""
         nonlocal next_seq_id
         req = g.req
-        live = [i for i in range(len(req.outputs)) if g.gen[i] < len(req.outputs[i])]
+        live = g.live_samples()
         seqs: list[_Seq] = []
+        resumed = g.first_admit >= 0
         try:
-            if all(g.gen[i] == 0 for i in live):
-                # Fresh (or preempted before its first token): prefill once, fork the rest.
+            if all(g.produced[i] == 0 for i in live):
+                # Prefill the prompt once; the other samples fork from it and share its blocks.
                 parent = next_seq_id
                 r = mgr.admit(parent, req.prompt)
-                res.recomputed_prompt_tokens += 0 if g.first_admit < 0 else req.prompt_len - r.cached_tokens
-                seqs.append(_Seq(parent, live[0], req.prompt_len, 0, req.outputs[live[0]]))
+                new = req.prompt_len - r.cached_tokens
+                if resumed:
+                    res.recomputed_prompt_tokens += new
+                seqs.append(_Seq(parent, live[0], req.prompt_len, 0, req.outputs[live[0]], new))
                 next_seq_id += 1
                 for i in live[1:]:
                     mgr.fork(parent, next_seq_id)
-                    seqs.append(_Seq(next_seq_id, i, req.prompt_len, 0, req.outputs[i]))
+                    seqs.append(_Seq(next_seq_id, i, req.prompt_len, 0, req.outputs[i], 0))
                     next_seq_id += 1
             else:
-                # Samples have diverged: each re-prefills its own history; the prompt's full blocks
-                # are shared through the prefix cache.
+                # Recompute after preemption, samples diverged: each re-prefills its prompt and the
+                # tokens it produced; the prompt's full blocks come back through the prefix cache.
                 for i in live:
                     out = req.outputs[i]
-                    tokens = np.concatenate([req.prompt, np.asarray(out[: g.gen[i]], dtype=np.int64)])
+                    k = g.produced[i]
+                    tokens = np.concatenate([req.prompt, np.asarray(out[:k], dtype=np.int64)])
                     r = mgr.admit(next_seq_id, tokens)
-                    res.recomputed_prompt_tokens += len(tokens) - r.cached_tokens
-                    seqs.append(_Seq(next_seq_id, i, len(tokens), g.gen[i], out))
+                    new = len(tokens) - r.cached_tokens
+                    res.recomputed_prompt_tokens += new
+                    seqs.append(_Seq(next_seq_id, i, len(tokens), k, out, new))
                     next_seq_id += 1
         except OutOfBlocksError:
             for s in seqs:
                 mgr.free(s.seq_id)
             return False
+        # The prefill samples each sequence's next token.
+        for s in seqs:
+            s.produced += 1
         g.seqs = seqs
         return True
 
@@ -295,7 +335,7 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
         nonlocal num_running_seqs
         g = running.pop()
         for s in g.seqs:
-            g.gen[s.sample] = s.gen
+            g.produced[s.sample] = s.produced
             mgr.free(s.seq_id)
         num_running_seqs -= len(g.seqs)
         g.seqs = []
@@ -307,16 +347,41 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
             waiting.append(_Group(requests[next_arrival]))
             next_arrival += 1
 
-        # Admission, FCFS.
+        # Decode slots first: every sequence admitted in an earlier step feeds back its last token.
+        # Running groups are in admission order, so the newest request's sequences form the tail.
+        ids = [s.seq_id for g in running for s in g.seqs]
+        toks = [s.out[s.produced - 1] for g in running for s in g.seqs]
+        preempted = False
+        while ids:
+            try:
+                mgr.append_batch(ids, toks)
+                break
+            except OutOfBlocksError:
+                if len(running) == 1:
+                    raise CapacityError(
+                        f"request {running[0].req.req_id} cannot grow even alone in a pool of "
+                        f"{sim.num_blocks} blocks"
+                    ) from None
+                k = len(running[-1].seqs)
+                preempt_last()
+                preempted = True
+                del ids[len(ids) - k:]
+                del toks[len(toks) - k:]
+        for g in running:
+            for s in g.seqs:
+                s.length += 1
+                s.produced += 1
+                s.new = 1
+
+        # Admission, FCFS, with what the decode slots left. None in a step that had to preempt:
+        # the pool is full, and re-admitting the victim at once would only thrash.
         budget = sim.max_prefill_tokens
         admitted_any = False
-        while waiting:
+        while waiting and not preempted:
             g = waiting[0]
-            n_live = g.remaining
-            if num_running_seqs + n_live > sim.max_num_seqs:
+            if num_running_seqs + g.remaining > sim.max_num_seqs:
                 break
-            cost = sum(g.req.prompt_len + g.gen[i] for i in range(len(g.gen))
-                       if g.gen[i] < len(g.req.outputs[i]))
+            cost = g.prefill_tokens()
             if admitted_any and cost > budget:
                 break
             if not admit_group(g):
@@ -330,34 +395,19 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
                 g.first_admit = step
                 sum_queue += step - g.req.arrival_step
 
-        # Decode: one token for every running sequence, in admission order, so the most recently
-        # admitted request's sequences are the tail of the batch.
-        ids = [s.seq_id for g in running for s in g.seqs]
-        toks = [s.out[s.gen] for g in running for s in g.seqs]
-        while ids:
-            try:
-                mgr.append_batch(ids, toks)
-                break
-            except OutOfBlocksError:
-                if len(running) == 1:
-                    raise CapacityError(
-                        f"request {running[0].req.req_id} cannot grow even alone in a pool of "
-                        f"{sim.num_blocks} blocks"
-                    ) from None
-                k = len(running[-1].seqs)
-                preempt_last()
-                del ids[len(ids) - k:]
-                del toks[len(toks) - k:]
+        # Build the step: the batch the model would run.
+        batch_ids = [s.seq_id for g in running for s in g.seqs if s.new]
+        if batch_ids:
+            info = mgr.step(batch_ids, [s.new for g in running for s in g.seqs if s.new])
+            step_copies += info.num_copies
 
-        # Measure, then retire finished sequences.
+        # Measure.
         n_seqs = 0
         logical_tokens = 0
         logical_blocks = 0
         waste = 0
         for g in running:
             for s in g.seqs:
-                s.gen += 1
-                s.length += 1
                 nb = -(-s.length // B)
                 logical_tokens += s.length
                 logical_blocks += nb
@@ -365,14 +415,15 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
                 n_seqs += 1
         used_blocks = sim.num_blocks - mgr.num_free_blocks
         if sharing:
-            physical_tokens = used_blocks * B
+            # Shared full blocks count once via used_blocks; a partly filled tail block can be
+            # shared after a fork, so unused slots are summed per distinct tail block.
             tails: dict[int, int] = {}
             for g in running:
                 for s in g.seqs:
                     rem = s.length % B
                     if rem:
                         tails[mgr.block_table(s.seq_id)[-1]] = rem
-            physical_tokens -= sum(B - rem for rem in tails.values())
+            physical_tokens = used_blocks * B - sum(B - rem for rem in tails.values())
         else:
             physical_tokens = logical_tokens
         util = physical_tokens / capacity
@@ -387,31 +438,33 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
         sum_saved += saved
         if saved > res.blocks_saved_by_sharing_peak:
             res.blocks_saved_by_sharing_peak = saved
-        res.kv_utilization_peak = max(res.kv_utilization_peak, util)
-        res.peak_concurrency = max(res.peak_concurrency, n_seqs)
+        if util > res.kv_utilization_peak:
+            res.kv_utilization_peak = util
+        if n_seqs > res.peak_concurrency:
+            res.peak_concurrency = n_seqs
 
-        if n_seqs:
-            still_running = []
-            for g in running:
-                live = []
-                for s in g.seqs:
-                    if s.gen >= s.out_len:
-                        g.gen[s.sample] = s.gen
-                        mgr.free(s.seq_id)
-                        g.remaining -= 1
-                        res.output_tokens += s.out_len
-                    else:
-                        live.append(s)
-                g.seqs = live
-                if g.remaining:
-                    still_running.append(g)
+        # Retire sequences that produced their last token.
+        still_running = []
+        for g in running:
+            live = []
+            for s in g.seqs:
+                if s.produced >= s.out_len:
+                    g.produced[s.sample] = s.produced
+                    mgr.free(s.seq_id)
+                    g.remaining -= 1
+                    res.output_tokens += s.out_len
                 else:
-                    finished += 1
-                    res.requests_served += 1
-                    sum_latency += step + 1 - g.req.arrival_step
-                    bar.update()
-            running = still_running
-            num_running_seqs = sum(len(g.seqs) for g in running)
+                    live.append(s)
+            g.seqs = live
+            if g.remaining:
+                still_running.append(g)
+            else:
+                finished += 1
+                res.requests_served += 1
+                sum_latency += step + 1 - g.req.arrival_step
+                bar.update()
+        running = still_running
+        num_running_seqs = sum(len(g.seqs) for g in running)
 
         step += 1
         if sim.check_every and step % sim.check_every == 0:
@@ -429,7 +482,7 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     res.mean_queue_steps = sum_queue / n_req
     res.mean_latency_steps = sum_latency / n_req
     res.prefix_hit_ratio = float(stats.prefix_hit_ratio)
-    res.cow_copies = int(stats.cow_copies)
+    res.cow_copies = step_copies
     res.evictions = int(stats.evictions)
     res.timeline = {
         "concurrency": np.asarray(conc_series, dtype=np.int32),
@@ -466,9 +519,9 @@ def simulate_contiguous(requests: list[Request], workload: WorkloadConfig, sim: 
             f"sequences in {capacity} token slots; a request needs {workload.n_samples}"
         )
     waiting: deque[Request] = deque()
-    # Heap of (last step, req_id, sample's length term): the sample generates on steps
-    # [admit, admit + out_len). Its length after the decode of step t is prompt + t − admit + 1,
-    # so the batch's total length is base + count × t with base = Σ (prompt − admit + 1).
+    # Heap of (last step, req_id, sample's length term): the sample runs on steps
+    # [admit, admit + out_len) — prefill, then decodes — and holds prompt + t − admit tokens after
+    # step t, so the batch's total length is base + count × t with base = Σ (prompt − admit).
     finishing: list[tuple[int, int, int]] = []
     remaining = {}
     base = 0
@@ -502,8 +555,8 @@ def simulate_contiguous(requests: list[Request], workload: WorkloadConfig, sim: 
             sum_queue += step - req.arrival_step
             remaining[req.req_id] = (n, req.arrival_step)
             for out in req.outputs:
-                heapq.heappush(finishing, (step + len(out) - 1, req.req_id, req.prompt_len - step + 1))
-                base += req.prompt_len - step + 1
+                heapq.heappush(finishing, (step + len(out) - 1, req.req_id, req.prompt_len - step))
+                base += req.prompt_len - step
                 count += 1
                 res.output_tokens += len(out)
         tokens = base + count * step
