@@ -174,25 +174,26 @@ def _decode_kernel(
     stride_bts,
     stride_os,
     stride_oh,
+    num_splits,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    if NUM_SPLITS == 1:
-        start = 0
-        end = seq_len
-    else:
-        per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
+    if SPLIT:
+        per = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
         start = split * per
         end = tl.minimum(start + per, seq_len)
+    else:
+        start = 0
+        end = seq_len
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -238,15 +239,15 @@ def _decode_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(
             out_ptr + seq64 * stride_os + qh[:, None] * stride_oh + offs_d[None, :],
             o.to(out_ptr.dtype.element_ty),
             mask=g_ok[:, None],
         )
     else:
-        # Partial layout [num_seqs, q_heads, NUM_SPLITS, HEAD_DIM], packed.
-        row = (seq64 * (tl.num_programs(1) * GROUP) + qh) * NUM_SPLITS + split
+        # Partial layout [num_seqs, q_heads, num_splits, HEAD_DIM], packed.
+        row = (seq64 * (tl.num_programs(1) * GROUP) + qh) * num_splits + split
         tl.store(po_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_ok[:, None])
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
         tl.store(pl_ptr + row, lse, mask=g_ok)
@@ -259,16 +260,16 @@ def _merge_kernel(
     out_ptr,
     stride_os,
     stride_oh,
+    num_splits,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_ok = offs_s < NUM_SPLITS
-    base = (seq.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS
+    s_ok = offs_s < num_splits
+    base = (seq.to(tl.int64) * tl.num_programs(1) + h) * num_splits
     lse = tl.load(pl_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
     live = lse > float("-inf")
     mx = tl.max(lse, 0)
@@ -335,6 +336,7 @@ def paged_decode(
     num_splits: Optional[int] = None,
     max_seq_len: Optional[int] = None,
     check_indices: bool = False,
+    config: Optional[dict] = None,
 ) -> torch.Tensor:
     """Decode attention for `q` (one token per sequence) over the paged cache; returns `out`.
 
@@ -343,7 +345,8 @@ def paged_decode(
     block size); `num_splits` overrides the heuristic. Split-K needs scratch: pass a
     `DecodeWorkspace` (and `out`) to keep the call allocation-free and graph-capturable; without
     one a temporary workspace is allocated. `check_indices=True` validates `seq_lens` and the
-    used block-table entries on the host (synchronizes; debugging only).
+    used block-table entries on the host (synchronizes; debugging only). `config` overrides the
+    launch parameters of `decode_config` (keys `TILE_N`, `num_warps`, `num_stages`; for tuning).
     """
     num_blocks, block_size, kv_heads, head_dim = _check_decode_args(
         q, k_cache, v_cache, block_tables, seq_lens, out
@@ -380,6 +383,13 @@ def paged_decode(
     if num_seqs == 0:
         return out
     cfg = decode_config(head_dim, group, q.dtype)
+    if config is not None:
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise v.KernelArgumentError(
+                f"config: unknown keys {sorted(unknown)}, expected some of {sorted(cfg)}"
+            )
+        cfg = {**cfg, **config}
     group_pad = max(16, triton.next_power_of_2(group))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if num_splits > 1:
@@ -390,7 +400,7 @@ def paged_decode(
             )
         po, pl = workspace.views(num_seqs, num_splits)
     else:
-        po = pl = out  # unused by the kernel when NUM_SPLITS == 1
+        po = pl = out  # unused by the kernel when it does not split
     grid = (num_seqs, kv_heads, num_splits)
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, pl,
@@ -400,14 +410,15 @@ def paged_decode(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
+        num_splits,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad,
-        TILE_N=cfg["TILE_N"], NUM_SPLITS=num_splits, PRECISION=precision,
+        TILE_N=cfg["TILE_N"], SPLIT=num_splits > 1, PRECISION=precision,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, q_heads)](
-            po, pl, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            po, pl, out, out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=head_dim,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             num_warps=4 if head_dim * num_splits <= 8192 else 8,
         )

@@ -20,6 +20,7 @@ written, rows of other sequences are untouched.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -175,13 +176,15 @@ def paged_prefill(
     scale: Optional[float] = None,
     out: Optional[torch.Tensor] = None,
     check_indices: bool = False,
+    config: Optional[dict] = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix and themselves.
 
     `max_q_len` is a host-side upper bound on the per-sequence new-token counts (it sizes the
     grid; passing it avoids a device-to-host sync). `scale` defaults to `1/sqrt(head_dim)`.
     `check_indices=True` validates the index tensors on the host (synchronizes; debugging only).
-    Returns `out` (allocated like `q` when not given).
+    `config` overrides the launch parameters of `prefill_config` (keys `BLOCK_M`, `BLOCK_N`,
+    `num_warps`, `num_stages`; for tuning). Returns `out` (allocated like `q` when not given).
     """
     num_blocks, block_size, kv_heads, head_dim = v.check_cache_pair(k_cache, v_cache)
     dev = k_cache.device
@@ -226,9 +229,14 @@ def paged_prefill(
         out = torch.empty_like(q)
     if num_seqs == 0 or max_q_len == 0 or total == 0:
         return out
-    import os
-
     cfg = prefill_config(head_dim, q.dtype, os.environ.get("TRITON_INTERPRET", "0") == "1")
+    if config is not None:
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise v.KernelArgumentError(
+                f"config: unknown keys {sorted(unknown)}, expected some of {sorted(cfg)}"
+            )
+        cfg = {**cfg, **config}
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(max_q_len, cfg["BLOCK_M"]), q_heads, num_seqs)
     _prefill_kernel[grid](

@@ -1,0 +1,395 @@
+"""GPU benchmark of the pagedkv Triton kernels against dense PyTorch baselines.
+
+Prints a table and writes JSON (`--json PATH`). Every kernel is timed eagerly with
+`triton.testing.do_bench` (median, L2 flushed before each call) and as CUDA-graph replays of a
+rotation over several input copies (so the L2 cannot serve a copy from the previous call); the
+graph figure is the anchor. Data is random (never zeros), block tables randomly permuted.
+
+Usage (on a CUDA machine, from the repository root):
+    PYTHONPATH=python python benches/bench_kernels.py --json out.json [--tune] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+
+import torch
+import triton
+import triton.testing
+
+from pagedkv import kernels as K
+from pagedkv.kernels import decode as D
+
+DT = torch.bfloat16
+RESULTS: list = []
+
+
+def graph_time_us(fns, inner=None, reps=30):
+    """Median per-call time (µs) of `fns` (a rotation) captured in one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    if inner is None:
+        inner = max(1, 12 // len(fns))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(inner):
+            for f in fns:
+                f()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / (inner * len(fns)))
+    del g
+    return statistics.median(times)
+
+
+def eager_time_us(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1000.0
+
+
+def record(kind, name, **kw):
+    row = {"kind": kind, "name": name, **kw}
+    RESULTS.append(row)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode
+
+
+def make_decode(batch, ctx, q_heads=32, kv_heads=8, hd=128, bs=16, copies=3, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    nb_seq = triton.cdiv(ctx, bs)
+    num_blocks = batch * nb_seq
+    sets = []
+    for _ in range(copies):
+        kc = torch.randn(num_blocks, bs, kv_heads, hd, device="cuda", dtype=DT, generator=gen)
+        vc = torch.randn(num_blocks, bs, kv_heads, hd, device="cuda", dtype=DT, generator=gen)
+        perm = torch.randperm(num_blocks, device="cuda", generator=gen).int()
+        bt = perm.view(batch, nb_seq).contiguous()
+        q = torch.randn(batch, q_heads, hd, device="cuda", dtype=DT, generator=gen)
+        sets.append((q, kc, vc, bt))
+    sl = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    return sets, sl
+
+
+def dense_from_paged(q, kc, vc, bt, ctx):
+    """Contiguous [batch, heads, ctx, hd] K/V holding the same tokens (for SDPA)."""
+    batch = q.shape[0]
+    k = kc[bt.long()].reshape(batch, -1, kc.shape[2], kc.shape[3])[:, :ctx].transpose(1, 2).contiguous()
+    v = vc[bt.long()].reshape(batch, -1, vc.shape[2], vc.shape[3])[:, :ctx].transpose(1, 2).contiguous()
+    return q.unsqueeze(2).contiguous(), k, v
+
+
+def sdpa_decode(qd, kd, vd):
+    return torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)
+
+
+def bench_decode(shapes, tune):
+    for batch, ctx in shapes:
+        sets, sl = make_decode(batch, ctx)
+        q0, kc0, vc0, bt0 = sets[0]
+        kv_bytes = 2 * batch * ctx * kc0.shape[2] * kc0.shape[3] * kc0.element_size()
+        ws = K.DecodeWorkspace(batch, q0.shape[1], kc0.shape[2], q0.shape[2], device="cuda")
+        outs = [torch.empty_like(s[0]) for s in sets]
+
+        def mk(i, **kw):
+            q, kc, vc, bt = sets[i]
+            return lambda: K.paged_decode(q, kc, vc, bt, sl, out=outs[i], workspace=ws, **kw)
+
+        splits = D.choose_num_splits(batch, kc0.shape[2], bt0.shape[1] * kc0.shape[1], D._num_sms(q0.device))
+        # correctness spot check against dense SDPA on the same tokens
+        qd, kd, vd = dense_from_paged(q0, kc0, vc0, bt0, ctx)
+        ref = sdpa_decode(qd, kd, vd).squeeze(2)
+        mk(0)()
+        err = ((outs[0].float() - ref.float()).norm() / ref.float().norm()).item()
+        g = graph_time_us([mk(i) for i in range(len(sets))])
+        e = eager_time_us(mk(0))
+        row = record("decode", f"paged_decode b={batch} ctx={ctx}", batch=batch, ctx=ctx,
+                     num_splits=splits, graph_us=g, eager_us=e, bytes=kv_bytes,
+                     graph_tbps=kv_bytes / g / 1e6, eager_tbps=kv_bytes / e / 1e6, rel_err_vs_sdpa=err)
+        del qd, kd, vd
+        # dense baseline, rotated copies
+        dense = [dense_from_paged(*s, ctx) for s in sets[:2]]
+        gd = graph_time_us([lambda d=d: sdpa_decode(*d) for d in dense])
+        ed = eager_time_us(lambda: sdpa_decode(*dense[0]))
+        record("decode", f"sdpa dense b={batch} ctx={ctx}", batch=batch, ctx=ctx, graph_us=gd,
+               eager_us=ed, bytes=kv_bytes, graph_tbps=kv_bytes / gd / 1e6, eager_tbps=kv_bytes / ed / 1e6)
+        del dense
+        print(f"decode b={batch:4d} ctx={ctx:6d} splits={splits:3d}: graph {g:8.1f} us "
+              f"{kv_bytes / g / 1e6:5.2f} TB/s | eager {e:8.1f} us | sdpa graph {gd:8.1f} us "
+              f"{kv_bytes / gd / 1e6:5.2f} TB/s | err {err:.2e}", flush=True)
+        if tune:
+            tune_decode(batch, ctx, sets, sl, ws, outs, kv_bytes, splits)
+        del sets, ws, outs
+        torch.cuda.empty_cache()
+
+
+def tune_decode(batch, ctx, sets, sl, ws, outs, kv_bytes, heuristic):
+    best = None
+    cands = sorted({1, 2, 4, 8, 16, 32, 64, heuristic})
+    cands = [s for s in cands if s <= max(4, 4 * heuristic) and (s == 1 or batch * s <= ws.max_seq_splits)]
+    cfgs = [
+        {"TILE_N": t, "num_warps": w, "num_stages": st}
+        for t in (32, 64, 128) for w in (4, 8) for st in (2, 3)
+    ] + [{"TILE_N": 64, "num_warps": 4, "num_stages": 4}, {"TILE_N": 32, "num_warps": 4, "num_stages": 4}]
+    for cfg in cfgs:
+        for s in cands:
+            try:
+                fns = [
+                    (lambda i=i: K.paged_decode(sets[i][0], sets[i][1], sets[i][2], sets[i][3], sl,
+                                                out=outs[i], workspace=ws, num_splits=s, config=cfg))
+                    for i in range(len(sets))
+                ]
+                g = graph_time_us(fns, reps=10)
+            except Exception as exc:  # a config the compiler rejects (e.g. shared memory)
+                print(f"  tune {cfg} splits={s}: failed {type(exc).__name__}: {str(exc)[:80]}")
+                continue
+            record("decode_tune", f"b={batch} ctx={ctx}", batch=batch, ctx=ctx, num_splits=s,
+                   config=cfg, graph_us=g, graph_tbps=kv_bytes / g / 1e6)
+            if best is None or g < best[0]:
+                best = (g, cfg, s)
+    if best:
+        print(f"  best b={batch} ctx={ctx}: {best[0]:.1f} us {kv_bytes / best[0] / 1e6:.2f} TB/s "
+              f"cfg={best[1]} splits={best[2]}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill
+
+
+def causal_pairs(q_len, ctx):
+    # query i (0-based among the new tokens) sees ctx + i + 1 keys
+    return q_len * ctx + q_len * (q_len + 1) // 2
+
+
+def bench_prefill(tune, nseq=8, q_len=2048, prefix=2048, q_heads=32, kv_heads=8, hd=128, bs=16):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ctx = prefix + q_len
+    nb_seq = triton.cdiv(ctx, bs)
+    num_blocks = nseq * nb_seq
+    kc = torch.randn(num_blocks, bs, kv_heads, hd, device="cuda", dtype=DT, generator=gen)
+    vc = torch.randn(num_blocks, bs, kv_heads, hd, device="cuda", dtype=DT, generator=gen)
+    bt = torch.randperm(num_blocks, device="cuda", generator=gen).int().view(nseq, nb_seq).contiguous()
+    q = torch.randn(nseq * q_len, q_heads, hd, device="cuda", dtype=DT, generator=gen)
+    sl = torch.full((nseq,), ctx, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(0, nseq + 1, dtype=torch.int32, device="cuda") * q_len
+    out = torch.empty_like(q)
+    flops = 4 * hd * q_heads * nseq * causal_pairs(q_len, prefix)
+
+    def run(cfg=None):
+        return K.paged_prefill(q, kc, vc, bt, sl, qsl, q_len, out=out, config=cfg)
+
+    # Dense: same tokens, contiguous; lower-right causal alignment (query i at position prefix+i).
+    kd = kc[bt.long()].reshape(nseq, -1, kv_heads, hd)[:, :ctx].transpose(1, 2).contiguous()
+    vd = vc[bt.long()].reshape(nseq, -1, kv_heads, hd)[:, :ctx].transpose(1, 2).contiguous()
+    qd = q.view(nseq, q_len, q_heads, hd).transpose(1, 2).contiguous()
+    from torch.nn.attention.bias import causal_lower_right
+
+    F = torch.nn.functional
+    g_ = q_heads // kv_heads
+    kde = kd.repeat_interleave(g_, dim=1)
+    vde = vd.repeat_interleave(g_, dim=1)
+    bias = causal_lower_right(q_len, ctx)
+
+    def dense_lr():
+        return F.scaled_dot_product_attention(qd, kde, vde, attn_mask=bias)
+
+    # Square causal over the whole sequence (FlashAttention path): more work, counted as such.
+    qsq = torch.randn(nseq, q_heads, ctx, hd, device="cuda", dtype=DT, generator=gen)
+    flops_sq = 4 * hd * q_heads * nseq * causal_pairs(ctx, 0)
+
+    def dense_sq():
+        return F.scaled_dot_product_attention(qsq, kd, vd, is_causal=True, enable_gqa=True)
+
+    run()
+    ref = dense_lr().transpose(1, 2).reshape(nseq * q_len, q_heads, hd)
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    for name, fn, fl in (("paged_prefill", run, flops), ("sdpa lower-right causal", dense_lr, flops),
+                         ("sdpa square causal (FA)", dense_sq, flops_sq)):
+        g = graph_time_us([fn], inner=5, reps=15)
+        e = eager_time_us(fn)
+        record("prefill", name, graph_us=g, eager_us=e, flops=fl, graph_tflops=fl / g / 1e6,
+               eager_tflops=fl / e / 1e6, **({"rel_err_vs_sdpa": err} if fn is run else {}))
+        print(f"prefill {name:26s}: graph {g:9.1f} us {fl / g / 1e6:6.1f} TFLOP/s | eager {e:9.1f} us "
+              f"{fl / e / 1e6:6.1f} TFLOP/s" + (f" | err {err:.2e}" if fn is run else ""), flush=True)
+    if tune:
+        best = None
+        for bm, bn, w, st in ((128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2),
+                              (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 4),
+                              (64, 64, 4, 4), (128, 64, 8, 4)):
+            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+            try:
+                g = graph_time_us([lambda cfg=cfg: run(cfg)], inner=3, reps=8)
+            except Exception as exc:
+                print(f"  tune {cfg}: failed {type(exc).__name__}: {str(exc)[:80]}")
+                continue
+            record("prefill_tune", "paged_prefill", config=cfg, graph_us=g, graph_tflops=flops / g / 1e6)
+            print(f"  tune {cfg}: {g:.1f} us {flops / g / 1e6:.1f} TFLOP/s", flush=True)
+            if best is None or g < best[0]:
+                best = (g, cfg)
+        print(f"  best prefill: {best}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scatter, copy, swap
+
+
+def bench_scatter(kv_heads=8, hd=128, bs=16, num_blocks=8192):
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    kc = torch.randn(num_blocks, bs, kv_heads, hd, device="cuda", dtype=DT, generator=gen)
+    vc = torch.randn_like(kc)
+    for n in (256, 8192):
+        sets = []
+        for _ in range(4):
+            key = torch.randn(n, kv_heads, hd, device="cuda", dtype=DT, generator=gen)
+            val = torch.randn(n, kv_heads, hd, device="cuda", dtype=DT, generator=gen)
+            slots = torch.randperm(num_blocks * bs, device="cuda", generator=gen)[:n]
+            sets.append((key, val, slots))
+        nbytes = 2 * 2 * n * kv_heads * hd * 2 + n * 8  # K and V read + written, slots read
+        fns = [lambda s=s: K.scatter_kv(s[0], s[1], kc, vc, s[2]) for s in sets]
+        g = graph_time_us(fns, reps=30)
+        e = eager_time_us(fns[0])
+        record("scatter", f"scatter_kv n={n}", tokens=n, graph_us=g, eager_us=e, bytes=nbytes,
+               graph_tbps=nbytes / g / 1e6, eager_tbps=nbytes / e / 1e6)
+        print(f"scatter n={n:5d}: graph {g:7.2f} us {nbytes / g / 1e6:5.2f} TB/s | eager {e:7.2f} us "
+              f"{nbytes / e / 1e6:5.2f} TB/s", flush=True)
+
+
+def bench_copy(layers=32, kv_heads=8, hd=128, bs=16, num_blocks=2304, npairs=1024):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    kv = torch.randn(layers, 2, num_blocks, bs, kv_heads, hd, device="cuda", dtype=DT, generator=gen)
+    caches = [kv[l, i] for l in range(layers) for i in range(2)]
+    copier = K.BlockCopier(caches)
+    perm = torch.randperm(num_blocks, device="cuda", generator=gen)
+    pairs = torch.stack([perm[:npairs], perm[npairs : 2 * npairs]], dim=1).contiguous()
+    nbytes = 2 * npairs * 2 * layers * bs * kv_heads * hd * 2
+    raw = kv.view(torch.uint8)
+    src, dst = pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
+
+    def torch_index():
+        raw[:, :, dst] = raw[:, :, src]
+
+    copier(pairs)
+    ref = kv.clone()
+    torch_index()
+    assert torch.equal(kv, ref)
+    for name, fn in (("BlockCopier (triton)", lambda: copier(pairs)), ("torch advanced indexing", torch_index)):
+        g = graph_time_us([fn], inner=3, reps=15)
+        e = eager_time_us(fn)
+        record("copy", name, pairs=npairs, layers=layers, graph_us=g, eager_us=e, bytes=nbytes,
+               graph_tbps=nbytes / g / 1e6, eager_tbps=nbytes / e / 1e6)
+        print(f"copy {npairs} blocks x {layers} layers {name:24s}: graph {g:8.1f} us "
+              f"{nbytes / g / 1e6:5.2f} TB/s | eager {e:8.1f} us", flush=True)
+    # device copy ceiling: one large contiguous copy, bytes read + written
+    a = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    e = eager_time_us(lambda: b.copy_(a))
+    record("ceiling", "device copy 2 GiB", eager_us=e, eager_tbps=2 * a.numel() / e / 1e6)
+    print(f"device copy 2 GiB: {e:.1f} us {2 * a.numel() / e / 1e6:.2f} TB/s", flush=True)
+    del a, b
+    # swap out and in of 256 blocks of every layer to a pinned host pool
+    n = 256
+    host = [torch.empty(n, bs, kv_heads, hd, dtype=DT, pin_memory=True) for _ in caches]
+    staging = torch.empty(n * bs * kv_heads * hd * 2, dtype=torch.uint8, pin_memory=True)
+    out_map = torch.stack([perm[:n].cpu(), torch.arange(n)], dim=1).contiguous()
+    in_map = torch.stack([torch.arange(n), perm[n : 2 * n].cpu()], dim=1).contiguous()
+    sbytes = n * len(caches) * bs * kv_heads * hd * 2
+    import time
+
+    for name, args in (("swap out (D2H)", (caches, host, out_map)), ("swap in (H2D)", (host, caches, in_map))):
+        K.swap_blocks(*args, staging=staging)
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            K.swap_blocks(*args, staging=staging)
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        t = statistics.median(ts)
+        record("swap", name, blocks=n, layers=layers, wall_s=t, bytes=sbytes, gbps=sbytes / t / 1e9)
+        print(f"{name} {n} blocks x {len(caches)} tensors ({sbytes / 1e6:.0f} MB): {t * 1e3:.2f} ms "
+              f"{sbytes / t / 1e9:.1f} GB/s", flush=True)
+    a = torch.empty(sbytes, dtype=torch.uint8, device="cuda")
+    h = torch.empty(sbytes, dtype=torch.uint8, pin_memory=True)
+    for name, fn in (("plain D2H copy", lambda: h.copy_(a)), ("plain H2D copy", lambda: a.copy_(h))):
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        t = statistics.median(ts)
+        record("swap", name, wall_s=t, bytes=sbytes, gbps=sbytes / t / 1e9)
+        print(f"{name} ({sbytes / 1e6:.0f} MB): {t * 1e3:.2f} ms {sbytes / t / 1e9:.1f} GB/s", flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--tune", action="store_true", help="also sweep decode/prefill launch configs")
+    ap.add_argument("--only", default="decode,prefill,scatter,copy")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    props = torch.cuda.get_device_properties(0)
+    meta = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "triton": triton.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "argv": sys.argv}
+    print(meta, flush=True)
+    only = set(args.only.split(","))
+    if "decode" in only:
+        bench_decode([(1, 32768), (8, 8192), (64, 4096), (128, 2048), (256, 1024)], args.tune)
+    if "prefill" in only:
+        bench_prefill(args.tune)
+    if "scatter" in only:
+        bench_scatter()
+    if "copy" in only:
+        bench_copy()
+    print()
+    print(f"{'kind':8s} {'name':40s} {'graph':>10s} {'eager':>10s} {'rate(graph)':>14s}")
+    for r in RESULTS:
+        if r["kind"].endswith("_tune"):
+            continue
+        if "graph_tbps" in r:
+            rate = f"{r['graph_tbps']:.2f} TB/s"
+        elif "graph_tflops" in r:
+            rate = f"{r['graph_tflops']:.1f} TFLOP/s"
+        elif "gbps" in r:
+            rate = f"{r['gbps']:.1f} GB/s"
+        elif "eager_tbps" in r:
+            rate = f"{r['eager_tbps']:.2f} TB/s (eager)"
+        else:
+            rate = ""
+        gus = f"{r['graph_us']:.1f}us" if "graph_us" in r else "-"
+        eus = f"{r['eager_us']:.1f}us" if "eager_us" in r else (f"{r['wall_s'] * 1e3:.2f}ms" if "wall_s" in r else "-")
+        print(f"{r['kind']:8s} {r['name']:40s} {gus:>10s} {eus:>10s} {rate:>14s}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": RESULTS}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
