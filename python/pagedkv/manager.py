@@ -326,13 +326,31 @@ class BlockManager:
         """
         return self._core.block_table(seq_id)
 
-    def block_hashes(self, seq_id: int) -> List[bytes]:
-        """The chained prefix hashes of a sequence's full blocks (16 bytes each).
+    def block_hashes(self, seq_id: int) -> List[Optional[bytes]]:
+        """The prefix-cache hash of each block in a sequence's table.
+
+        Each hash is the chained XXH3-128 value of ``docs/prefix-hash.md`` as 16 little-endian
+        bytes; ``None`` for a block not in the prefix cache: a partly filled tail, a block whose
+        last token no :meth:`step` has scheduled yet (blocks are registered at step time), or any
+        block with prefix caching off.
 
         Raises:
             UnknownSequenceError: ``seq_id`` is not live.
         """
         return self._core.block_hashes(seq_id)
+
+    def block_refcount(self, block_id: int) -> int:
+        """Reference count of a block: the number of block tables holding it.
+
+        Raises:
+            InvalidBlockError: ``block_id`` is outside the pool.
+            InvalidArgumentError: ``block_id`` is negative or not an int.
+        """
+        return self._core.block_refcount(block_id)
+
+    def pending_copies(self) -> List[Tuple[int, int]]:
+        """Copy-on-write ``(src, dst)`` block pairs queued for the next :meth:`step`."""
+        return self._core.pending_copies()
 
     # ------------------------------------------------------------------------------------ steps
 
