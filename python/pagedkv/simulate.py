@@ -729,8 +729,9 @@ def format_report(result: SimResult, *, model: Optional[str] = None, spec: Optio
         ("mean latency (steps)", f"{p.mean_latency_steps:.0f}", f"{c.mean_latency_steps:.0f}"),
     ]
     if w.sharing or p.prefix_hit_ratio:
+        rows.append(("prefix hit ratio", f"{p.prefix_hit_ratio:.1%}", "—"))
+    if w.sharing:
         rows += [
-            ("prefix hit ratio", f"{p.prefix_hit_ratio:.1%}", "—"),
             ("blocks saved by sharing", f"{p.blocks_saved_by_sharing_mean:.1f} mean, "
                                         f"{p.blocks_saved_by_sharing_peak} peak", "—"),
             ("copy-on-write copies", f"{p.cow_copies}", "—"),
@@ -765,11 +766,15 @@ def plot_timeline(result: SimResult, path: str) -> None:
         steps = np.arange(len(res.timeline["utilization"]))
         ax_u.plot(steps, 100 * res.timeline["utilization"], color=color, lw=0.8, label=res.policy)
         ax_c.plot(steps, res.timeline["concurrency"], color=color, lw=0.8, label=res.policy)
+    reserved = c.timeline["concurrency"] * result.workload.max_model_len
+    capacity = result.sim.num_blocks * result.sim.block_size
+    ax_u.plot(np.arange(len(reserved)), 100 * reserved / capacity, color="tab:orange", lw=0.8,
+              ls="--", label="contiguous, reserved")
     ax_u.set_ylabel("KV utilization (%)")
     ax_u.set_ylim(0, 105)
     ax_c.set_ylabel("running sequences")
     ax_c.set_xlabel("scheduler step")
-    ax_u.legend(loc="upper right")
+    ax_u.legend(loc="center right")
     ax_u.set_title(f"{result.workload.num_requests} requests, {result.sim.num_blocks} blocks × "
                    f"{result.sim.block_size} tokens, max_model_len {result.workload.max_model_len}")
     for ax in (ax_u, ax_c):
