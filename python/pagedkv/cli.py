@@ -87,13 +87,15 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: Optional[str]) ->
                         + (f" (default: {default_model})" if default_model else ""))
     g.add_argument("--hf-config", metavar="PATH",
                    help="a Hugging Face config.json, or a directory holding one")
-    g.add_argument("--layers", type=_positive_int, help="number of layers (with --kv-heads, --head-dim)")
-    g.add_argument("--kv-heads", type=_positive_int, help="number of KV heads")
-    g.add_argument("--head-dim", type=_positive_int, help="head dimension")
+    g.add_argument("--layers", type=_positive_int, metavar="N",
+                   help="number of layers (with --kv-heads, --head-dim)")
+    g.add_argument("--kv-heads", type=_positive_int, metavar="N", help="number of KV heads")
+    g.add_argument("--head-dim", type=_positive_int, metavar="N", help="head dimension")
     g.add_argument("--dtype", default=None,
                    help="KV cache dtype, e.g. bfloat16, float16, float8_e4m3fn "
                         "(default: the model's dtype; bfloat16 with explicit sizes)")
-    g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (default: 16)")
+    g.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
+                   help="tokens per block (default: 16)")
     g.add_argument("--weights", type=_size, metavar="SIZE",
                    help="weight bytes, e.g. 16GB (default: estimated from the model config; "
                         "0 with explicit sizes)")
@@ -103,7 +105,7 @@ def _add_memory_args(p: argparse.ArgumentParser, *, gpu_mem: str, activation: st
     g = p.add_argument_group("memory", "sizes accept B, KB/MB/GB/TB (decimal) and KiB/MiB/GiB/TiB (binary)")
     g.add_argument("--gpu-mem", type=_size, default=parse_bytes(gpu_mem), metavar="SIZE",
                    help=f"device memory (default: {gpu_mem})")
-    g.add_argument("--utilization", type=_float, default=0.9,
+    g.add_argument("--utilization", type=_float, default=0.9, metavar="X",
                    help="fraction of device memory the server may use (default: 0.9)")
     g.add_argument("--activation-peak", type=_size, default=parse_bytes(activation), metavar="SIZE",
                    help=f"measured activation peak of a forward pass (default: {activation})")
@@ -158,7 +160,7 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("report")
     g.add_argument("--seq-lens", default="1024,4096,32768",
                    help="comma-separated sequence lengths to compare, 'k' = 1024 (default: 1024,4096,32768)")
-    g.add_argument("--max-model-len", type=_positive_int, default=None,
+    g.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
                    help="contiguous reservation per sequence (default: the longest --seq-lens)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
@@ -186,40 +188,41 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p, default_model=SIM_DEFAULT_MODEL)
     _add_memory_args(p, gpu_mem="24GiB", activation="1GiB", graph="512MiB")
     g = p.add_argument_group("pool")
-    g.add_argument("--num-blocks", type=_positive_int, default=None,
+    g.add_argument("--num-blocks", type=_positive_int, default=None, metavar="N",
                    help="pool size in blocks; overrides the memory arithmetic")
-    g.add_argument("--watermark-blocks", type=_nonneg_int, default=None,
+    g.add_argument("--watermark-blocks", type=_nonneg_int, default=None, metavar="N",
                    help="blocks kept back from admissions (default: the manager's)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g = p.add_argument_group("workload (lengths in tokens, time in scheduler steps)")
-    g.add_argument("--requests", type=_positive_int, default=w.num_requests,
+    g.add_argument("--requests", type=_positive_int, default=w.num_requests, metavar="N",
                    help=f"number of requests (default: {w.num_requests})")
-    g.add_argument("--rate", type=_float, default=w.arrival_rate,
+    g.add_argument("--rate", type=_float, default=w.arrival_rate, metavar="X",
                    help=f"Poisson arrival rate, requests per step (default: {w.arrival_rate})")
-    g.add_argument("--prompt-median", type=_float, default=w.prompt_median,
+    g.add_argument("--prompt-median", type=_float, default=w.prompt_median, metavar="X",
                    help=f"median prompt length, log-normal (default: {w.prompt_median:g})")
-    g.add_argument("--prompt-sigma", type=_float, default=w.prompt_sigma,
+    g.add_argument("--prompt-sigma", type=_float, default=w.prompt_sigma, metavar="X",
                    help=f"log-normal sigma of prompt lengths (default: {w.prompt_sigma:g})")
-    g.add_argument("--output-median", type=_float, default=w.output_median,
+    g.add_argument("--output-median", type=_float, default=w.output_median, metavar="X",
                    help=f"median output length, log-normal (default: {w.output_median:g})")
-    g.add_argument("--output-sigma", type=_float, default=w.output_sigma,
+    g.add_argument("--output-sigma", type=_float, default=w.output_sigma, metavar="X",
                    help=f"log-normal sigma of output lengths (default: {w.output_sigma:g})")
-    g.add_argument("--max-model-len", type=_positive_int, default=w.max_model_len,
+    g.add_argument("--max-model-len", type=_positive_int, default=w.max_model_len, metavar="N",
                    help=f"longest sequence; prompts and outputs are capped to fit, and the "
                         f"contiguous baseline reserves this much per sequence (default: {w.max_model_len})")
-    g.add_argument("--num-prefixes", type=_nonneg_int, default=w.num_prefixes,
+    g.add_argument("--num-prefixes", type=_nonneg_int, default=w.num_prefixes, metavar="N",
                    help=f"distinct shared system prompts (default: {w.num_prefixes})")
-    g.add_argument("--prefix-len", type=_nonneg_int, default=w.prefix_len,
+    g.add_argument("--prefix-len", type=_nonneg_int, default=w.prefix_len, metavar="N",
                    help=f"tokens per shared system prompt (default: {w.prefix_len})")
-    g.add_argument("--prefix-fraction", type=_float, default=w.prefix_fraction,
+    g.add_argument("--prefix-fraction", type=_float, default=w.prefix_fraction, metavar="X",
                    help=f"fraction of requests that start with a shared prompt (default: {w.prefix_fraction:g})")
-    g.add_argument("--n-samples", type=_positive_int, default=w.n_samples,
+    g.add_argument("--n-samples", type=_positive_int, default=w.n_samples, metavar="N",
                    help=f"parallel samples per request, forked after admission (default: {w.n_samples})")
-    g.add_argument("--seed", type=int, default=w.seed, help=f"random seed (default: {w.seed})")
+    g.add_argument("--seed", type=int, default=w.seed, metavar="N",
+                   help=f"random seed (default: {w.seed})")
     g = p.add_argument_group("scheduler")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=s.max_num_seqs,
+    g.add_argument("--max-num-seqs", type=_positive_int, default=s.max_num_seqs, metavar="N",
                    help=f"most sequences in one batch (default: {s.max_num_seqs})")
-    g.add_argument("--max-prefill-tokens", type=_positive_int, default=s.max_prefill_tokens,
+    g.add_argument("--max-prefill-tokens", type=_positive_int, default=s.max_prefill_tokens, metavar="N",
                    help=f"prompt tokens admitted per step; one request always fits (default: {s.max_prefill_tokens})")
     g = p.add_argument_group("output")
     g.add_argument("--check", type=_nonneg_int, default=0, metavar="N",
