@@ -274,3 +274,43 @@ def test_cli_simulate_capacity_error_exits_2(capsys):
     assert main(["simulate", "--num-blocks", "64", "--max-model-len", "4096", "--requests", "5"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pagedkv simulate: error:") and err.count("\n") == 1
+
+
+def _brute_force_physical(mgr, seq_ids):
+    """Slots holding KV, from the block tables: each block's fill, each block once."""
+    B = mgr.block_size
+    fill = {}
+    for sid in seq_ids:
+        n = mgr.seq_len(sid)
+        for j, b in enumerate(mgr.block_table(sid)):
+            fill[b] = max(fill.get(b, 0), min(B, n - j * B))
+    return sum(fill.values()), len(fill)
+
+
+def test_physical_token_count_matches_block_tables():
+    from pagedkv.manager import BlockManager
+    from pagedkv.simulate import _physical_tokens
+
+    mgr = BlockManager(64, 4)
+    prompt = list(range(10))
+    mgr.admit(1, prompt)  # 3 blocks, tail holds 2
+    mgr.fork(1, 2)        # shares all three, tail included
+    mgr.fork(1, 3)
+    live = [1, 2, 3]
+
+    def check():
+        used = mgr.num_blocks - mgr.num_free_blocks
+        expected, distinct = _brute_force_physical(mgr, live)
+        assert distinct == used
+        assert _physical_tokens(mgr, [(s, mgr.seq_len(s)) for s in live], used) == expected
+        return expected
+
+    assert check() == 10                  # one copy of the prompt, however many holders
+    mgr.append_batch([2], [100])          # copy-on-write of the shared tail
+    assert check() == 10 + 3
+    mgr.append_batch([1, 2, 3], [7, 8, 9])
+    # Full blocks shared once; 1 copies the tail it shared with 3, 3 then owns it alone, 2 fills its own.
+    assert check() == 8 + 3 + 3 + 4
+    mgr.admit(4, prompt[:8] + [55, 56, 57])  # shares nothing yet: no step has registered blocks
+    live.append(4)
+    assert check() == 8 + 3 + 3 + 4 + 11

@@ -241,6 +241,22 @@ def _check_capacity(workload: WorkloadConfig, sim: SimConfig, watermark: int) ->
         )
 
 
+def _physical_tokens(mgr: Any, seqs: list[tuple[int, int]], used_blocks: int) -> int:
+    """Token slots holding live KV, each block counted once however many sequences share it.
+
+    ``seqs`` lists every live ``(seq_id, length)`` and ``used_blocks`` is the number of blocks they
+    hold. Every held block is full except a sequence's tail; a partly filled tail can still be
+    shared after a fork, so the unused slots are subtracted once per distinct tail block.
+    """
+    B = mgr.block_size
+    tails: dict[int, int] = {}
+    for seq_id, length in seqs:
+        rem = length % B
+        if rem:
+            tails[mgr.block_table(seq_id)[-1]] = rem
+    return used_blocks * B - sum(B - rem for rem in tails.values())
+
+
 # ---------------------------------------------------------------------------------------- paged
 
 def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimConfig,
@@ -415,15 +431,8 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
                 n_seqs += 1
         used_blocks = sim.num_blocks - mgr.num_free_blocks
         if sharing:
-            # Shared full blocks count once via used_blocks; a partly filled tail block can be
-            # shared after a fork, so unused slots are summed per distinct tail block.
-            tails: dict[int, int] = {}
-            for g in running:
-                for s in g.seqs:
-                    rem = s.length % B
-                    if rem:
-                        tails[mgr.block_table(s.seq_id)[-1]] = rem
-            physical_tokens = used_blocks * B - sum(B - rem for rem in tails.values())
+            physical_tokens = _physical_tokens(
+                mgr, [(s.seq_id, s.length) for g in running for s in g.seqs], used_blocks)
         else:
             physical_tokens = logical_tokens
         util = physical_tokens / capacity
