@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import heapq
 import json
-import math
 import sys
 from collections import deque
 from dataclasses import asdict, dataclass, field
