@@ -146,10 +146,11 @@ def tune_decode(batch, ctx, sets, sl, ws, outs, kv_bytes, heuristic):
     best = None
     cands = sorted({1, 2, 4, 8, 16, 32, 64, heuristic})
     cands = [s for s in cands if s <= max(4, 4 * heuristic) and (s == 1 or batch * s <= ws.max_seq_splits)]
-    cfgs = [
-        {"TILE_N": t, "num_warps": w, "num_stages": st}
-        for t in (32, 64, 128) for w in (4, 8) for st in (2, 3)
-    ] + [{"TILE_N": 64, "num_warps": 4, "num_stages": 4}, {"TILE_N": 32, "num_warps": 4, "num_stages": 4}]
+    # A first sweep (TILE_N 32/64/128, 4/8 warps, 2-4 stages) found TILE_N 64 with 4 warps best
+    # at every shape; keep its neighbourhood.
+    cfgs = [{"TILE_N": 64, "num_warps": 4, "num_stages": st} for st in (2, 3, 4)] + [
+        {"TILE_N": 128, "num_warps": 4, "num_stages": 2}
+    ]
     for cfg in cfgs:
         for s in cands:
             try:
@@ -232,10 +233,13 @@ def bench_prefill(tune, nseq=8, q_len=2048, prefix=2048, q_heads=32, kv_heads=8,
               f"{fl / e / 1e6:6.1f} TFLOP/s" + (f" | err {err:.2e}" if fn is run else ""), flush=True)
     if tune:
         best = None
-        for bm, bn, w, st in ((128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2),
-                              (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 4),
-                              (64, 64, 4, 4), (128, 64, 8, 4)):
-            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+        for pack, bm, bn, w, st in [
+            (pk, *c) for pk in (True, False)
+            for c in ((128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3),
+                      (64, 64, 4, 3), (64, 64, 4, 4), (128, 32, 4, 4), (128, 64, 8, 4),
+                      (64, 128, 4, 2), (256, 64, 8, 3))
+        ]:
+            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "PACK_GQA": pack}
             try:
                 g = graph_time_us([lambda cfg=cfg: run(cfg)], inner=3, reps=8)
             except Exception as exc:

@@ -196,7 +196,14 @@ def test_split_heuristic():
         s = K.choose_num_splits(n, 8, 1 << 20, sms)
         assert s <= prev
         prev = s
-    assert K.choose_num_splits(1, 1, 1 << 20, sms, max_splits=5) == 5
+    assert K.choose_num_splits(1, 1, 1 << 20, sms, max_splits=5) == 4
+    # Powers of two that keep the grid within the target of 4 programs per SM.
+    assert K.choose_num_splits(8, 8, 8192, sms) == 8
+    assert K.choose_num_splits(1, 8, 32768, sms) == 64
+    assert K.choose_num_splits(64, 8, 4096, sms) == 1
+    for n in range(1, 70):
+        s = K.choose_num_splits(n, 8, 1 << 20, sms)
+        assert s & (s - 1) == 0 and (s == 1 or n * 8 * s <= 4 * sms)
 
 
 def _args(device="cpu"):

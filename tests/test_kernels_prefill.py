@@ -124,6 +124,16 @@ def test_prefill_scale_and_decode_consistency_cpu(device):
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES[:1])
+@pytest.mark.parametrize("group,pack", [(3, True), (4, True), (4, False), (5, True)])
+def test_prefill_gqa_packing_variants_cpu(device, group, pack):
+    # BLOCK_M 64 lets groups up to 4 pack; 5 falls back to one head per tile. Group 3 leaves
+    # rows of the tile unused (64 is not a multiple of 3).
+    gen = torch.Generator().manual_seed(40 + group)
+    args = make_batch(seqs_for(8, False), 8, 2, group, 32, torch.float32, device, gen)
+    check(args, torch.float32, config={"BLOCK_M": 64, "PACK_GQA": pack})
+
+
 GPU_CASES = [
     (dt, bs, hd, g)
     for dt in (torch.bfloat16, torch.float16)
@@ -138,6 +148,14 @@ def test_prefill_matches_reference_gpu(device, dtype, block_size, head_dim, grou
     gen = torch.Generator().manual_seed(block_size + group)
     args = make_batch(seqs_for(block_size, True), block_size, 2, group, head_dim, dtype, device, gen)
     check(args, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+@pytest.mark.parametrize("group,pack,block_m", [(4, False, 128), (6, True, 128), (8, True, 64), (16, True, 128)])
+def test_prefill_packing_variants_gpu(device, group, pack, block_m):
+    gen = torch.Generator().manual_seed(60 + group)
+    args = make_batch(seqs_for(16, True), 16, 2, group, 128, torch.bfloat16, device, gen)
+    check(args, torch.bfloat16, config={"BLOCK_M": block_m, "PACK_GQA": pack})
 
 
 @pytest.mark.parametrize("device", DEVICES[1:])

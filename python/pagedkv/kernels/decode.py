@@ -73,19 +73,22 @@ def choose_num_splits(
 ) -> int:
     """Number of splits per sequence for split-K decode.
 
-    `num_seqs * kv_heads` programs run without splitting. If that is below
-    `TARGET_WAVES * num_sms`, each sequence is split so the grid reaches about that many programs
-    (several waves, so uneven sequence lengths even out), but never into pieces shorter than
-    `MIN_TOKENS_PER_SPLIT` tokens of the longest possible sequence (short pieces cost more in
-    per-program setup and merge traffic than they win), and never beyond `max_splits`.
+    Without splitting the grid has `num_seqs * kv_heads` programs. The split count is the
+    largest power of two that keeps the grid within `TARGET_WAVES * num_sms` programs (about four
+    resident programs per SM for the default decode config, so one full wave with room to even
+    out ragged lengths), that leaves every piece of the longest possible sequence at least
+    `MIN_TOKENS_PER_SPLIT` tokens (shorter pieces cost more in setup and merge traffic than they
+    win), and that does not exceed `max_splits`.
     """
     programs = max(1, num_seqs * kv_heads)
     target = TARGET_WAVES * num_sms
-    if programs >= target:
+    splits = min(target // programs, max_seq_len // MIN_TOKENS_PER_SPLIT, max_splits)
+    if splits <= 1:
         return 1
-    splits = triton.cdiv(target, programs)
-    splits = min(splits, max(1, max_seq_len // MIN_TOKENS_PER_SPLIT))
-    return max(1, min(splits, max_splits))
+    # Round down to a power of two: a power-of-two context then splits into equal, tile-aligned
+    # pieces, and the grid stays within the target instead of spilling a ragged extra wave
+    # (measured on the H200: 8 splits beat 9 at batch 8 x 8 kv heads, 70.6 vs 79.1 us).
+    return 1 << (splits.bit_length() - 1)
 
 
 class DecodeWorkspace:

@@ -6,8 +6,12 @@ including those tokens, so the new tokens sit at positions `seq_lens[i] - q_len_
 and their K/V must already be in the pool (scatter first). Pool, block tables and GQA mapping as
 for decode. A batch may mix prefill chunks with decode rows (q_len 1): one launch serves both.
 
-Kernel shape. One program per (query tile of `BLOCK_M` rows, query head, sequence). It streams the
-sequence's K/V through the block table in tiles of `BLOCK_N` tokens with an online softmax. Key
+Kernel shape. One program per (row tile, head slot, sequence). A row tile has `BLOCK_M` rows; with
+GQA packing (the default when a kv group has 2 to BLOCK_M/16 query heads) a row is a
+(token, query head) pair, so a tile holds BLOCK_M/group tokens times all heads of one kv group
+and each K/V tile is fetched once for the whole group; otherwise a tile is BLOCK_M tokens of one
+query head. The program streams the sequence's K/V through the block table in tiles of `BLOCK_N`
+tokens with an online softmax, and the heaviest tiles (latest positions) are launched first. Key
 tiles wholly at or before the tile's first query position need no causal mask and run in a first
 loop; the remaining tiles up to the tile's last position run in a second, masked loop, so only
 the diagonal pays for masking. Query tiles past a sequence's q_len do no work.
@@ -35,13 +39,15 @@ _LOG2E = 1.4426950408889634
 
 
 def prefill_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> dict:
+    """Launch parameters. `PACK_GQA` packs a kv group's query heads into one row tile (used when
+    the group has 2 to BLOCK_M/16 heads)."""
     if interpret:
-        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+        return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PACK_GQA": True}
     if head_dim <= 64:
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PACK_GQA": True}
     if head_dim <= 128:
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
-    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "PACK_GQA": True}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "PACK_GQA": True}
 
 
 @triton.jit
@@ -105,28 +111,36 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
+    HEADS_PER_ROW_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    m_blk = tl.program_id(0)
-    h = tl.program_id(1)
+    # A tile has BLOCK_M rows = (token, head) pairs: HEADS_PER_ROW_TILE consecutive query heads
+    # of one kv group for each of BLOCK_T tokens. With 1 head per tile it is the classic layout;
+    # with the whole group packed, every K/V tile is fetched once for all heads that share it.
+    BLOCK_T: tl.constexpr = BLOCK_M // HEADS_PER_ROW_TILE
+    # Heavy tiles (late positions see more keys) first, so the short ones fill the tail.
+    m_blk = tl.num_programs(0) - 1 - tl.program_id(0)
+    head0 = tl.program_id(1) * HEADS_PER_ROW_TILE
     seq = tl.program_id(2)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len
-    first = m_blk * BLOCK_M
-    offs_m = first + tl.arange(0, BLOCK_M)
+    first = m_blk * BLOCK_T
+    offs_r = tl.arange(0, BLOCK_M)
+    tok = first + offs_r // HEADS_PER_ROW_TILE
+    head = head0 + offs_r % HEADS_PER_ROW_TILE
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    m_ok = offs_m < q_len
-    q_pos = ctx + offs_m
-    kvh = h // GROUP
-    rows = (q_start + offs_m).to(tl.int64)
+    r_ok = (tok < q_len) & (offs_r < BLOCK_T * HEADS_PER_ROW_TILE)
+    q_pos = ctx + tok
+    kvh = head0 // GROUP
+    rows = (q_start + tok).to(tl.int64)
     q = tl.load(
-        q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-        mask=m_ok[:, None],
+        q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=r_ok[:, None],
         other=0.0,
     )
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bts
@@ -136,7 +150,7 @@ def _prefill_kernel(
     # Tiles before `full_end` lie at or before every row's position: no mask. `hi` ends at the
     # last row's position; a tile past q_len gets hi = 0 and does nothing.
     active = first < q_len
-    last_pos = tl.minimum(ctx + first + BLOCK_M, seq_len)
+    last_pos = tl.minimum(ctx + first + BLOCK_T, seq_len)
     hi = tl.where(active, last_pos, 0)
     full_end = tl.where(active, ((ctx + first + 1) // BLOCK_N) * BLOCK_N, 0)
 
@@ -158,9 +172,9 @@ def _prefill_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     tl.store(
-        out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
         o.to(out_ptr.dtype.element_ty),
-        mask=m_ok[:, None],
+        mask=r_ok[:, None],
     )
 
 
@@ -184,7 +198,7 @@ def paged_prefill(
     grid; passing it avoids a device-to-host sync). `scale` defaults to `1/sqrt(head_dim)`.
     `check_indices=True` validates the index tensors on the host (synchronizes; debugging only).
     `config` overrides the launch parameters of `prefill_config` (keys `BLOCK_M`, `BLOCK_N`,
-    `num_warps`, `num_stages`; for tuning). Returns `out` (allocated like `q` when not given).
+    `num_warps`, `num_stages`, `PACK_GQA`; for tuning). Returns `out` (allocated like `q` when not given).
     """
     num_blocks, block_size, kv_heads, head_dim = v.check_cache_pair(k_cache, v_cache)
     dev = k_cache.device
@@ -238,7 +252,11 @@ def paged_prefill(
             )
         cfg = {**cfg, **config}
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    grid = (triton.cdiv(max_q_len, cfg["BLOCK_M"]), q_heads, num_seqs)
+    group = q_heads // kv_heads
+    pack = cfg["PACK_GQA"] and 1 < group <= cfg["BLOCK_M"] // 16
+    per_tile = group if pack else 1
+    block_t = cfg["BLOCK_M"] // per_tile
+    grid = (triton.cdiv(max_q_len, block_t), q_heads // per_tile, num_seqs)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         sc * _LOG2E,
@@ -247,7 +265,7 @@ def paged_prefill(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=q_heads // kv_heads,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, HEADS_PER_ROW_TILE=per_tile,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PRECISION=precision,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -1,0 +1,224 @@
+//! Criterion benches of the block manager, step builder and prefix cache (block size 16).
+//!
+//! - `decode_step_256/*`: one decode step for 256 running sequences: `append_batch` of one token
+//!   each, then `build_step` of the whole batch into preallocated buffers. Contexts start at a
+//!   random 500–2000 tokens. To keep the state steady, every 64 steps (outside the timed region) any
+//!   sequence past 2100 tokens is freed and re-admitted with a fresh random 500–2000-token prompt.
+//! - `admit_4096/*`: admit a 4096-token prompt, then free it (both timed).
+//!   `prefix_off`: caching disabled. `prefix_on_cold`: every prompt is new (its first token is a
+//!   counter), so all 256 blocks miss. `prefix_on_cached` / `prefix_on_cached_verify`: the same
+//!   prompt each time, cached by one earlier step; 255 blocks hit (the last is recomputed), with
+//!   verify mode off / on.
+//! - `hash_4096`: the chained XXH3-128 hash of a 4096-token prompt (256 blocks, no extra keys).
+//! - `evict_4096/*`: only the admission of a new 4096-token prompt is timed. `from_free_list`: its
+//!   256 blocks come off the free list. `evicting`: the free list is empty and the pool is full of
+//!   cached-free blocks, so each of the 256 allocations evicts the oldest one. The untimed cleanup
+//!   (`build_step` to cache the blocks, then `free`) keeps each variant's pool in the same state.
+//!   The difference divided by 256 is the cost of an eviction per block.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use pagedkv::hash::{root_hash, Hasher};
+use pagedkv::manager::{BlockManager, ManagerConfig};
+use pagedkv::step::{OwnedStepBuffers, StepLayout};
+use pagedkv::SeqId;
+
+const B: u32 = 16;
+
+/// xorshift64*: deterministic and dependency-free.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next() % (hi - lo) as u64) as usize
+    }
+    fn tokens(&mut self, n: usize) -> Vec<u32> {
+        (0..n).map(|_| (self.next() % 128_000) as u32).collect()
+    }
+}
+
+fn decode(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decode_step_256");
+    for (name, caching, append, build) in [
+        ("prefix_off", false, true, true),
+        ("prefix_on", true, true, true),
+        ("prefix_off_append_only", false, true, false),
+        ("prefix_off_build_only", false, false, true),
+    ] {
+        g.bench_function(name, |b| {
+            const N: usize = 256;
+            const MAX_CTX: usize = 2100;
+            let mut cfg = ManagerConfig::new((N * (MAX_CTX + 64 + B as usize) / B as usize) as u32 + 64, B);
+            cfg.enable_prefix_caching = caching;
+            let mut m = BlockManager::new(cfg).unwrap();
+            let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+            let seqs: Vec<SeqId> = (0..N as u64).collect();
+            for &s in &seqs {
+                let n = rng.range(5, 20);
+                m.admit(s, &rng.tokens(n)).unwrap();
+            }
+            let layout = StepLayout {
+                max_seqs: N,
+                max_tokens: N * 2048,
+                max_blocks_per_seq: (MAX_CTX + 128) / B as usize + 1,
+                max_copies: 16,
+            };
+            let mut ob = OwnedStepBuffers::new(layout);
+            // Prefill step once so the state looks like a running batch.
+            let lens: Vec<u32> = seqs.iter().map(|&s| m.seq_len(s).unwrap() as u32).collect();
+            m.build_step(&seqs, &lens, &mut ob.view()).unwrap();
+            let ones = vec![1u32; N];
+            let mut toks = vec![0u32; N];
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                let mut done = 0u64;
+                while done < iters {
+                    let chunk = (iters - done).min(64);
+                    for t in toks.iter_mut() {
+                        *t = (rng.next() % 128_000) as u32;
+                    }
+                    let start = Instant::now();
+                    for _ in 0..chunk {
+                        if append {
+                            m.append_batch(black_box(&seqs), black_box(&toks)).unwrap();
+                        }
+                        if build {
+                            black_box(m.build_step(&seqs, &ones, &mut ob.view()).unwrap());
+                        }
+                    }
+                    total += start.elapsed();
+                    done += chunk;
+                    for &s in &seqs {
+                        if m.seq_len(s).unwrap() > MAX_CTX {
+                            m.free(s).unwrap();
+                            let n = rng.range(500, 2000);
+                            m.admit(s, &rng.tokens(n)).unwrap();
+                            m.build_step(&[s], &[n as u32], &mut ob.view()).unwrap();
+                        }
+                    }
+                }
+                total
+            });
+        });
+    }
+    g.finish();
+}
+
+fn admit(c: &mut Criterion) {
+    let mut g = c.benchmark_group("admit_4096");
+    let prompt: Vec<u32> = Rng(7).tokens(4096);
+    let layout = StepLayout { max_seqs: 1, max_tokens: 4096, max_blocks_per_seq: 256, max_copies: 1 };
+
+    g.bench_function("prefix_off", |b| {
+        let mut cfg = ManagerConfig::new(4096, B);
+        cfg.enable_prefix_caching = false;
+        let mut m = BlockManager::new(cfg).unwrap();
+        b.iter(|| {
+            black_box(m.admit(1, black_box(&prompt)).unwrap());
+            m.free(1).unwrap();
+        });
+    });
+
+    g.bench_function("prefix_on_cold", |b| {
+        let mut m = BlockManager::new(ManagerConfig::new(4096, B)).unwrap();
+        let mut p = prompt.clone();
+        let mut i = 0u32;
+        b.iter(|| {
+            i = i.wrapping_add(1);
+            p[0] = i;
+            let r = m.admit(1, black_box(&p)).unwrap();
+            debug_assert_eq!(r.cached_tokens, 0);
+            m.free(1).unwrap();
+        });
+    });
+
+    for verify in [false, true] {
+        let name = if verify { "prefix_on_cached_verify" } else { "prefix_on_cached" };
+        g.bench_function(name, |b| {
+            let mut cfg = ManagerConfig::new(4096, B);
+            cfg.verify_prefix = verify;
+            let mut m = BlockManager::new(cfg).unwrap();
+            let mut ob = OwnedStepBuffers::new(layout);
+            m.admit(1, &prompt).unwrap();
+            m.build_step(&[1], &[4096], &mut ob.view()).unwrap();
+            m.free(1).unwrap();
+            b.iter(|| {
+                let r = m.admit(1, black_box(&prompt)).unwrap();
+                assert_eq!(r.cached_tokens, 4096 - B);
+                m.free(1).unwrap();
+            });
+        });
+    }
+    g.finish();
+}
+
+fn hash(c: &mut Criterion) {
+    let prompt: Vec<u32> = Rng(11).tokens(4096);
+    let root = root_hash(&[]);
+    let mut h = Hasher::new();
+    let mut out = Vec::with_capacity(256);
+    c.bench_function("hash_4096", |b| {
+        b.iter(|| {
+            out.clear();
+            h.extend_chain(root, black_box(&prompt), B as usize, None, &mut out);
+            black_box(out.last().copied())
+        });
+    });
+}
+
+fn evict(c: &mut Criterion) {
+    let mut g = c.benchmark_group("evict_4096");
+    let layout = StepLayout { max_seqs: 1, max_tokens: 4096, max_blocks_per_seq: 256, max_copies: 1 };
+    for evicting in [false, true] {
+        let name = if evicting { "evicting" } else { "from_free_list" };
+        g.bench_function(name, |b| {
+            // 1024 blocks: 4 prompts' worth. Evicting: fill the whole pool with cached-free blocks.
+            let mut cfg = ManagerConfig::new(1024, B);
+            cfg.watermark_blocks = 0;
+            let mut m = BlockManager::new(cfg).unwrap();
+            let mut ob = OwnedStepBuffers::new(layout);
+            let mut rng = Rng(3);
+            if evicting {
+                for s in 0..4 {
+                    m.admit(s, &rng.tokens(4096)).unwrap();
+                    m.build_step(&[s], &[4096], &mut ob.view()).unwrap();
+                }
+                for s in 0..4 {
+                    m.free(s).unwrap();
+                }
+                assert_eq!(m.stats().cached_free_blocks, 1024);
+            }
+            let mut p = rng.tokens(4096);
+            let mut i = 0u32;
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    i = i.wrapping_add(1);
+                    p[0] = i;
+                    let start = Instant::now();
+                    black_box(m.admit(1, black_box(&p)).unwrap());
+                    total += start.elapsed();
+                    if evicting {
+                        m.build_step(&[1], &[4096], &mut ob.view()).unwrap();
+                    }
+                    m.free(1).unwrap();
+                }
+                total
+            });
+            if evicting {
+                assert!(m.stats().evictions > 0);
+            }
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, decode, admit, hash, evict);
+criterion_main!(benches);
