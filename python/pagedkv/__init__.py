@@ -10,9 +10,12 @@ time it is touched.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
+# Not `from typing import TYPE_CHECKING`: importing typing would double the cost of `import pagedkv`.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from .buffers import StepBuffers, StepTensors
     from .config import CacheSpec
     from .errors import (
@@ -89,4 +92,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(__all__) | {n for n in globals() if n.startswith("__")})
