@@ -61,7 +61,7 @@ fn decode(c: &mut Criterion) {
             let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
             let seqs: Vec<SeqId> = (0..N as u64).collect();
             for &s in &seqs {
-                let n = rng.range(5, 20);
+                let n = rng.range(500, 2000);
                 m.admit(s, &rng.tokens(n)).unwrap();
             }
             let layout = StepLayout {

@@ -174,7 +174,12 @@ pub struct BlockManager {
     epoch: u64,
     empty_root: u128,
     hasher: Hasher,
-    scratch_idx: Vec<u32>,
+    /// Bumped whenever the set of sequences changes (admit, fork, free).
+    gen: u64,
+    /// The last batch resolved by `resolve_batch`, its slots, and the `gen` it is valid for.
+    batch_ids: Vec<SeqId>,
+    batch_idx: Vec<u32>,
+    batch_gen: u64,
     scratch_hashes: Vec<u128>,
     scratch_hits: Vec<BlockId>,
 }
@@ -201,7 +206,10 @@ impl BlockManager {
             epoch: 0,
             empty_root: root_hash(&[]),
             hasher: Hasher::new(),
-            scratch_idx: Vec::new(),
+            gen: 0,
+            batch_ids: Vec::new(),
+            batch_idx: Vec::new(),
+            batch_gen: u64::MAX,
             scratch_hashes: Vec::new(),
             scratch_hits: Vec::new(),
             cfg,
@@ -329,6 +337,7 @@ impl BlockManager {
         s.keys = extra_keys.map(|k| Arc::new(k.clone()));
         s.tail_maybe_shared = false;
         self.index.insert(seq, slot);
+        self.gen += 1;
         self.used_tokens += n as u64;
         let cached = hits.len() * bs;
         if self.caching {
@@ -418,20 +427,13 @@ impl BlockManager {
                 reason: format!("must equal seqs.len() ({})", seqs.len()),
             });
         }
-        let mut idx = std::mem::take(&mut self.scratch_idx);
-        let r = self.check_batch(seqs, &mut idx, true);
-        let needed = match r {
-            Ok(needed) => needed,
-            Err(e) => {
-                self.scratch_idx = idx;
-                return Err(e);
-            }
-        };
+        self.resolve_batch(seqs)?;
+        let needed = self.append_needs(seqs)?;
         let avail = self.num_free_blocks();
         if needed > avail {
-            self.scratch_idx = idx;
             return Err(Error::OutOfBlocks { needed, available: avail });
         }
+        let idx = std::mem::take(&mut self.batch_idx);
         let bs = self.bs;
         let mut result = Ok(());
         for (k, &i) in idx.iter().enumerate() {
@@ -469,20 +471,22 @@ impl BlockManager {
             }
         }
         self.used_tokens += seqs.len() as u64;
-        self.scratch_idx = idx;
+        self.batch_idx = idx;
         result
     }
 
-    /// Resolves `seqs` to slots in `idx` (one lookup each), rejecting unknown and repeated ids.
-    /// With `count_append`, also checks that one more token fits each row and returns the blocks
-    /// the batch may need (an upper bound: a copy-on-write can make another's unnecessary).
-    fn check_batch(&mut self, seqs: &[SeqId], idx: &mut Vec<u32>, count_append: bool) -> Result<usize> {
-        idx.clear();
+    /// Resolves `seqs` to slots in `self.batch_idx` (one lookup each), rejecting unknown and
+    /// repeated ids. A decode loop passes the same batch step after step: when `seqs` equals the
+    /// last resolved batch and no sequence was admitted, forked or freed since, the previous
+    /// resolution is reused without any lookup.
+    fn resolve_batch(&mut self, seqs: &[SeqId]) -> Result<()> {
+        if self.batch_gen == self.gen && self.batch_ids.as_slice() == seqs {
+            return Ok(());
+        }
+        self.batch_gen = u64::MAX;
+        self.batch_idx.clear();
         self.epoch += 1;
         let epoch = self.epoch;
-        let bs = self.bs;
-        let max = self.cfg.max_blocks_per_seq as usize;
-        let mut needed = 0usize;
         for &id in seqs {
             let Some(&i) = self.index.get(&id) else {
                 return Err(Error::UnknownSequence { seq_id: id });
@@ -496,22 +500,35 @@ impl BlockManager {
                 });
             }
             s.mark = epoch;
-            if count_append {
-                let len = s.table.num_tokens;
-                if len % bs == 0 {
-                    if len / bs + 1 > max {
-                        return Err(Error::SequenceTooLong {
-                            seq_id: id,
-                            needed_blocks: len / bs + 1,
-                            max_blocks_per_seq: max,
-                        });
-                    }
-                    needed += 1;
-                } else if Self::needs_cow(&self.pool, s, bs)? {
-                    needed += 1;
+            self.batch_idx.push(i);
+        }
+        self.batch_ids.clear();
+        self.batch_ids.extend_from_slice(seqs);
+        self.batch_gen = self.gen;
+        Ok(())
+    }
+
+    /// For the resolved batch: checks that one more token fits each row and returns the blocks
+    /// the batch may need (an upper bound: one copy-on-write can make another's unnecessary).
+    fn append_needs(&self, seqs: &[SeqId]) -> Result<usize> {
+        let bs = self.bs;
+        let max = self.cfg.max_blocks_per_seq as usize;
+        let mut needed = 0usize;
+        for (k, &i) in self.batch_idx.iter().enumerate() {
+            let s = &self.slots[i as usize];
+            let len = s.table.num_tokens;
+            if len % bs == 0 {
+                if len / bs + 1 > max {
+                    return Err(Error::SequenceTooLong {
+                        seq_id: seqs[k],
+                        needed_blocks: len / bs + 1,
+                        max_blocks_per_seq: max,
+                    });
                 }
+                needed += 1;
+            } else if Self::needs_cow(&self.pool, s, bs)? {
+                needed += 1;
             }
-            idx.push(i);
         }
         Ok(needed)
     }
@@ -622,6 +639,7 @@ impl BlockManager {
         self.slots[c] = child_state;
         self.slots[p].tail_maybe_shared |= partial;
         self.index.insert(child, c as u32);
+        self.gen += 1;
         Ok(())
     }
 
@@ -629,6 +647,7 @@ impl BlockManager {
     /// LRU tail-first and the prefix outlives the tail.
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
         let slot = self.index.remove(&seq).ok_or(Error::UnknownSequence { seq_id: seq })? as usize;
+        self.gen += 1;
         let blocks = std::mem::take(&mut self.slots[slot].table.blocks);
         let mut result = Ok(());
         for &b in blocks.iter().rev() {
@@ -711,22 +730,18 @@ impl BlockManager {
                 reason: format!("must equal seqs.len() ({})", seqs.len()),
             });
         }
-        let mut idx = std::mem::take(&mut self.scratch_idx);
-        let r = self.check_step(seqs, num_new, out, &mut idx);
-        let (num_tokens, num_kv, max_len) = match r {
-            Ok(v) => v,
-            Err(e) => {
-                self.scratch_idx = idx;
-                return Err(e);
-            }
-        };
+        self.resolve_batch(seqs)?;
+        let (num_tokens, num_kv, max_len, csr) = self.check_step(seqs, num_new, out)?;
+        let idx = std::mem::take(&mut self.batch_idx);
 
         let bs = self.bs;
         let stride = out.block_table_stride;
         let mut tok = 0usize;
         let mut kv = 0usize;
         out.query_start_loc[0] = 0;
-        out.kv_indptr[0] = 0;
+        if csr {
+            out.kv_indptr[0] = 0;
+        }
         for (k, &i) in idx.iter().enumerate() {
             let s = &self.slots[i as usize];
             let len = s.table.num_tokens;
@@ -752,13 +767,15 @@ impl BlockManager {
                 }
             }
             out.block_tables[k * stride..k * stride + nb].copy_from_slice(blocks);
-            out.kv_indices[kv..kv + nb].copy_from_slice(blocks);
             tok += n;
-            kv += nb;
             out.seq_lens[k] = len as i32;
             out.query_start_loc[k + 1] = tok as i32;
-            out.kv_indptr[k + 1] = kv as i32;
-            out.kv_last_page_len[k] = ((len - 1) % bs + 1) as i32;
+            if csr {
+                out.kv_indices[kv..kv + nb].copy_from_slice(blocks);
+                kv += nb;
+                out.kv_indptr[k + 1] = kv as i32;
+                out.kv_last_page_len[k] = ((len - 1) % bs + 1) as i32;
+            }
         }
 
         let num_copies = self.pending.len();
@@ -787,21 +804,16 @@ impl BlockManager {
                 }
             }
         }
-        self.scratch_idx = idx;
-        result.map(|_| StepInfo { num_seqs: seqs.len(), num_tokens, num_kv_indices: num_kv, num_copies, max_seq_len: max_len })
+        self.batch_idx = idx;
+        let num_kv_indices = if csr { num_kv } else { 0 };
+        result.map(|_| StepInfo { num_seqs: seqs.len(), num_tokens, num_kv_indices, num_copies, max_seq_len: max_len })
     }
 
-    /// Validation half of `build_step`: returns (new tokens, kv indices, longest sequence).
-    fn check_step(
-        &mut self,
-        seqs: &[SeqId],
-        num_new: &[u32],
-        out: &StepBuffers<'_>,
-        idx: &mut Vec<u32>,
-    ) -> Result<(usize, usize, usize)> {
-        self.check_batch(seqs, idx, false)?;
+    /// Validation half of `build_step` (after `resolve_batch`): returns (new tokens, kv indices,
+    /// longest sequence, whether to write the CSR page table).
+    fn check_step(&self, seqs: &[SeqId], num_new: &[u32], out: &StepBuffers<'_>) -> Result<(usize, usize, usize, bool)> {
         let (mut tokens, mut kv, mut max_len, mut max_blocks) = (0usize, 0usize, 0usize, 0usize);
-        for (k, &i) in idx.iter().enumerate() {
+        for (k, &i) in self.batch_idx.iter().enumerate() {
             let t = &self.slots[i as usize].table;
             let n = num_new[k] as usize;
             if n == 0 || n > t.num_tokens {
@@ -831,16 +843,22 @@ impl BlockManager {
                 Ok(())
             }
         };
+        // All three CSR buffers empty: the caller does not want the FlashInfer page table.
+        let csr = !(out.kv_indptr.is_empty() && out.kv_indices.is_empty() && out.kv_last_page_len.is_empty());
         small("seq_lens", b, out.seq_lens.len())?;
         small("query_start_loc", b + 1, out.query_start_loc.len())?;
-        small("kv_indptr", b + 1, out.kv_indptr.len())?;
-        small("kv_last_page_len", b, out.kv_last_page_len.len())?;
+        if csr {
+            small("kv_indptr", b + 1, out.kv_indptr.len())?;
+            small("kv_last_page_len", b, out.kv_last_page_len.len())?;
+        }
         small("slot_mapping", tokens, out.slot_mapping.len())?;
         small("block_table_stride", max_blocks, out.block_table_stride)?;
         small("block_tables", b.saturating_mul(out.block_table_stride), out.block_tables.len())?;
-        small("kv_indices", kv, out.kv_indices.len())?;
+        if csr {
+            small("kv_indices", kv, out.kv_indices.len())?;
+        }
         small("copies", 2 * self.pending.len(), out.copies.len())?;
-        Ok((tokens, kv, max_len))
+        Ok((tokens, kv, max_len, csr))
     }
 
     /// A snapshot of sizes and counters. O(number of sequences) for the histogram.

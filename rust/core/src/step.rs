@@ -10,6 +10,10 @@
 //!   aligned, right dtype, capacity for a declared [`StepLayout`], no two buffers overlapping) and
 //!   turned into a [`StepBuffers`] view per step.
 //!
+//! The FlashInfer CSR page table (`kv_indptr`, `kv_indices`, `kv_last_page_len`) is optional:
+//! when all three buffers are empty, `build_step` skips it (it is half the bytes a decode step
+//! writes) and reports `num_kv_indices == 0`.
+//!
 //! Copy list guarantee (for a parallel copy kernel): in the `(src, dst)` pairs one step emits, every
 //! `dst` is distinct and no `dst` is also a `src`, so the pairs may be applied in any order or all at
 //! once. They must be applied before the step writes new KV.
@@ -17,6 +21,9 @@
 use crate::error::{Error, Result};
 
 /// Output buffers of one step, borrowed from the caller.
+///
+/// Pass all three CSR buffers (`kv_indptr`, `kv_indices`, `kv_last_page_len`) empty to skip the
+/// FlashInfer page table.
 ///
 /// Row `i` of `block_tables` is `block_tables[i * block_table_stride ..][.. ceil(len_i / B)]`;
 /// entries past a row's block count and rows past the batch are left as they were.
@@ -193,6 +200,11 @@ const DTYPES: [DType; 8] =
     [DType::I64, DType::I32, DType::I32, DType::I32, DType::I32, DType::I32, DType::I32, DType::I64];
 
 impl RawStepBuffers {
+    /// False when all three CSR buffers have length 0: no FlashInfer page table wanted.
+    pub fn has_csr(&self) -> bool {
+        !(self.kv_indptr.len == 0 && self.kv_indices.len == 0 && self.kv_last_page_len.len == 0)
+    }
+
     fn as_array(&self) -> [RawBuffer; 8] {
         [
             self.slot_mapping,
@@ -230,10 +242,16 @@ impl RegisteredBuffers {
     ///   `seq_lens, kv_last_page_len >= max_seqs`, `query_start_loc, kv_indptr >= max_seqs + 1`,
     ///   `copies >= 2 * max_copies`.
     ///
-    /// A buffer that must hold zero elements (only `copies`, with `max_copies == 0`) may be null.
+    /// A buffer that must hold zero elements may be null: `copies` with `max_copies == 0`, and the
+    /// three CSR buffers when all three are given with length 0 (no FlashInfer page table).
     pub fn new(layout: StepLayout, bufs: RawStepBuffers) -> Result<Self> {
         layout.validate()?;
-        let needs = layout.needs()?;
+        let mut needs = layout.needs()?;
+        if !bufs.has_csr() {
+            needs[4] = 0;
+            needs[5] = 0;
+            needs[6] = 0;
+        }
         let arr = bufs.as_array();
         for i in 0..8 {
             let (b, name, want) = (arr[i], NAMES[i], DTYPES[i]);
@@ -323,6 +341,7 @@ impl RegisteredBuffers {
             unsafe { std::slice::from_raw_parts_mut(b.ptr as *mut T, len) }
         }
         let b = self.bufs;
+        let (seqs1, seqs, kv) = if b.has_csr() { (l.max_seqs + 1, l.max_seqs, table) } else { (0, 0, 0) };
         unsafe {
             StepBuffers {
                 slot_mapping: sl(b.slot_mapping, l.max_tokens),
@@ -330,9 +349,9 @@ impl RegisteredBuffers {
                 block_table_stride: l.max_blocks_per_seq,
                 seq_lens: sl(b.seq_lens, l.max_seqs),
                 query_start_loc: sl(b.query_start_loc, l.max_seqs + 1),
-                kv_indptr: sl(b.kv_indptr, l.max_seqs + 1),
-                kv_indices: sl(b.kv_indices, table),
-                kv_last_page_len: sl(b.kv_last_page_len, l.max_seqs),
+                kv_indptr: sl(b.kv_indptr, seqs1),
+                kv_indices: sl(b.kv_indices, kv),
+                kv_last_page_len: sl(b.kv_last_page_len, seqs),
                 copies: sl(b.copies, 2 * l.max_copies),
             }
         }
@@ -471,6 +490,20 @@ mod tests {
         let mut l = layout();
         l.max_seqs = 0;
         assert!(matches!(RegisteredBuffers::new(l, raw), Err(Error::InvalidArgument { what: "max_seqs", .. })));
+    }
+
+    #[test]
+    fn csr_buffers_may_all_be_left_out() {
+        let (_m, mut raw) = mem(layout());
+        let empty = RawBuffer { ptr: 0, len: 0, dtype: DType::I32 };
+        raw.kv_indptr = empty;
+        raw.kv_indices = empty;
+        assert!(matches!(RegisteredBuffers::new(layout(), raw), Err(Error::BufferInvalid { buffer: "kv_indptr", .. })));
+        raw.kv_last_page_len = empty;
+        let mut reg = RegisteredBuffers::new(layout(), raw).unwrap();
+        let v = unsafe { reg.as_step_buffers() };
+        assert!(v.kv_indptr.is_empty() && v.kv_indices.is_empty() && v.kv_last_page_len.is_empty());
+        assert_eq!(v.seq_lens.len(), 4);
     }
 
     #[test]

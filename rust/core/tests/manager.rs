@@ -479,3 +479,50 @@ fn check_invariants_holds_through_a_workload() {
         }
     }
 }
+
+#[test]
+fn csr_is_skipped_when_its_buffers_are_empty() {
+    let mut m = mgr(16, 4);
+    m.admit(1, &toks(6, 0)).unwrap();
+    let mut ob = OwnedStepBuffers::new(layout(2, 8, 4));
+    ob.kv_indptr.clear();
+    ob.kv_indices.clear();
+    ob.kv_last_page_len.clear();
+    let info = m.build_step(&[1], &[6], &mut ob.view()).unwrap();
+    assert_eq!((info.num_tokens, info.num_kv_indices), (6, 0));
+    assert_eq!(&ob.query_start_loc[..2], &[0, 6]);
+    // Only some of them empty is a size error, not a skip.
+    let mut ob = OwnedStepBuffers::new(layout(2, 8, 4));
+    ob.kv_indices.clear();
+    expect_err(
+        &mut m,
+        |m| m.build_step(&[1], &[6], &mut ob.view()),
+        |e| matches!(e, Error::BufferTooSmall { buffer: "kv_indices", .. }),
+    );
+}
+
+#[test]
+fn repeated_batches_follow_admissions_and_frees() {
+    // The same batch slice is resolved once and reused; any admit/free/fork must invalidate that.
+    let mut m = mgr(64, 4);
+    let mut ob = OwnedStepBuffers::new(layout(4, 64, 16));
+    m.admit(1, &toks(3, 0)).unwrap();
+    m.admit(2, &toks(5, 0)).unwrap();
+    m.append_batch(&[1, 2], &[0, 0]).unwrap();
+    m.build_step(&[1, 2], &[1, 1], &mut ob.view()).unwrap();
+    assert_eq!(&ob.seq_lens[..2], &[4, 6]);
+    m.free(2).unwrap();
+    expect_err(&mut m, |m| m.append_batch(&[1, 2], &[0, 0]), |e| *e == Error::UnknownSequence { seq_id: 2 });
+    m.admit(3, &toks(9, 0)).unwrap(); // likely reuses seq 2's slot
+    m.admit(2, &toks(1, 0)).unwrap();
+    m.append_batch(&[1, 2], &[0, 0]).unwrap();
+    m.build_step(&[1, 2], &[1, 1], &mut ob.view()).unwrap();
+    assert_eq!(&ob.seq_lens[..2], &[5, 2]);
+    assert_eq!(m.seq_len(3).unwrap(), 9);
+    m.fork(1, 4).unwrap();
+    m.free(1).unwrap();
+    expect_err(&mut m, |m| m.build_step(&[1, 2], &[1, 1], &mut ob.view()), |e| *e == Error::UnknownSequence { seq_id: 1 });
+    m.build_step(&[4, 2], &[1, 1], &mut ob.view()).unwrap();
+    assert_eq!(&ob.seq_lens[..2], &[5, 2]);
+    m.check_invariants().unwrap();
+}
