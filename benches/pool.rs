@@ -28,7 +28,10 @@ const THREADS: u64 = 2;
 fn alloc_free_one(c: &mut Criterion) {
     let mut g = c.benchmark_group("alloc_free_one");
     g.throughput(Throughput::Elements(1));
-    fn run<F: FreeList>(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>, name: &str) {
+    fn run<F: FreeList>(
+        g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+        name: &str,
+    ) {
         let pool = BlockPool::<F>::new(NUM_BLOCKS).unwrap();
         g.bench_function(name, |b| {
             b.iter(|| {
@@ -45,7 +48,10 @@ fn alloc_free_one(c: &mut Criterion) {
 fn alloc_free_256(c: &mut Criterion) {
     let mut g = c.benchmark_group("alloc_free_256");
     g.throughput(Throughput::Elements(BATCH as u64));
-    fn run<F: FreeList>(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>, name: &str) {
+    fn run<F: FreeList>(
+        g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+        name: &str,
+    ) {
         let pool = BlockPool::<F>::new(NUM_BLOCKS).unwrap();
         let mut ids = Vec::with_capacity(BATCH);
         g.bench_function(name, |b| {
@@ -66,7 +72,10 @@ fn alloc_free_256(c: &mut Criterion) {
 fn freelist_pop_push(c: &mut Criterion) {
     let mut g = c.benchmark_group("freelist_pop_push");
     g.throughput(Throughput::Elements(1));
-    fn run<F: FreeList>(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>, name: &str) {
+    fn run<F: FreeList>(
+        g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+        name: &str,
+    ) {
         let list = F::with_capacity(NUM_BLOCKS);
         g.bench_function(name, |b| {
             b.iter(|| {
@@ -110,14 +119,25 @@ fn contended_sample<F: FreeList>(pool: &BlockPool<F>, iters: u64) -> Duration {
 fn contended(c: &mut Criterion) {
     let mut g = c.benchmark_group("contended");
     g.throughput(Throughput::Elements(1));
-    fn run<F: FreeList>(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>, name: &str) {
+    fn run<F: FreeList>(
+        g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+        name: &str,
+    ) {
         let pool = BlockPool::<F>::new(NUM_BLOCKS).unwrap();
-        g.bench_function(name, |b| b.iter_custom(|iters| contended_sample(&pool, iters)));
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| contended_sample(&pool, iters))
+        });
     }
     run::<LockFreeFreeList>(&mut g, "lock_free");
     run::<MutexFreeList>(&mut g, "mutex");
     g.finish();
 }
 
-criterion_group!(benches, alloc_free_one, alloc_free_256, freelist_pop_push, contended);
+criterion_group!(
+    benches,
+    alloc_free_one,
+    alloc_free_256,
+    freelist_pop_push,
+    contended
+);
 criterion_main!(benches);

@@ -545,4 +545,215 @@ mod tests {
         check::<BlockPool>();
         check::<BlockPool<MutexFreeList>>();
     }
+
+    /// Sequential model check: random operation sequences against a plain model (a LIFO stack of
+    /// free ids and a map of reference counts), comparing every result — ids, counts and errors.
+    mod model {
+        use super::super::*;
+        use crate::freelist::{LockFreeFreeList, MutexFreeList};
+        use proptest::prelude::*;
+
+        const N: u32 = 12;
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            Allocate,
+            AllocateN(usize),
+            Refcount(u32),
+            Incref(u32),
+            Decref(u32),
+            Release(u32),
+            Free(u32),
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            // Ids a little past the pool, so the InvalidBlock path is exercised too.
+            let id = 0..N + 2;
+            prop_oneof![
+                3 => Just(Op::Allocate),
+                2 => (0usize..8).prop_map(Op::AllocateN),
+                1 => id.clone().prop_map(Op::Refcount),
+                2 => id.clone().prop_map(Op::Incref),
+                2 => id.clone().prop_map(Op::Decref),
+                2 => id.clone().prop_map(Op::Release),
+                3 => id.prop_map(Op::Free),
+            ]
+        }
+
+        /// `None` = free; `Some(c)` = allocated with count `c` (0 = unreferenced).
+        struct Model {
+            stack: Vec<u32>,
+            state: Vec<Option<u32>>,
+        }
+
+        impl Model {
+            fn new() -> Self {
+                Model {
+                    stack: (0..N).rev().collect(),
+                    state: vec![None; N as usize],
+                }
+            }
+            fn bad(id: u32) -> Option<Error> {
+                (id >= N).then_some(Error::InvalidBlock {
+                    block: id,
+                    num_blocks: N,
+                })
+            }
+        }
+
+        /// Compares a pool result with the model's; `InvalidArgument` is compared by variant and
+        /// offending value only, since its reason text is free-form.
+        fn same<T: PartialEq + std::fmt::Debug>(got: Result<T>, want: Result<T>) {
+            match (&got, &want) {
+                (
+                    Err(Error::InvalidArgument {
+                        what: a, value: x, ..
+                    }),
+                    Err(Error::InvalidArgument {
+                        what: b, value: y, ..
+                    }),
+                ) => assert_eq!((a, x), (b, y)),
+                _ => assert_eq!(got, want),
+            }
+        }
+
+        fn invalid_arg(id: u32) -> Error {
+            Error::InvalidArgument {
+                what: "block",
+                value: id as i64,
+                reason: String::new(),
+            }
+        }
+
+        fn run<F: FreeList>(ops: &[Op]) {
+            let pool = BlockPool::<F>::new(N).unwrap();
+            let mut m = Model::new();
+            for op in ops {
+                match *op {
+                    Op::Allocate => {
+                        let want = match m.stack.pop() {
+                            Some(id) => {
+                                m.state[id as usize] = Some(1);
+                                Ok(id)
+                            }
+                            None => Err(Error::OutOfBlocks {
+                                needed: 1,
+                                available: 0,
+                            }),
+                        };
+                        same(pool.allocate(), want);
+                    }
+                    Op::AllocateN(k) => {
+                        let mut out = vec![u32::MAX];
+                        let got = pool.allocate_n(k, &mut out);
+                        if k > m.stack.len() {
+                            same(
+                                got,
+                                Err(Error::OutOfBlocks {
+                                    needed: k,
+                                    available: m.stack.len(),
+                                }),
+                            );
+                            assert_eq!(out, [u32::MAX]);
+                        } else {
+                            same(got, Ok(()));
+                            let mut want = vec![u32::MAX];
+                            for _ in 0..k {
+                                let id = m.stack.pop().unwrap();
+                                m.state[id as usize] = Some(1);
+                                want.push(id);
+                            }
+                            assert_eq!(out, want);
+                        }
+                    }
+                    Op::Refcount(id) => {
+                        let want = match Model::bad(id) {
+                            Some(e) => Err(e),
+                            None => Ok(m.state[id as usize].unwrap_or(0)),
+                        };
+                        same(pool.refcount(id), want);
+                    }
+                    Op::Incref(id) => {
+                        let want = match Model::bad(id) {
+                            Some(e) => Err(e),
+                            None => match &mut m.state[id as usize] {
+                                None => Err(invalid_arg(id)),
+                                Some(c) => {
+                                    *c += 1;
+                                    Ok(*c)
+                                }
+                            },
+                        };
+                        same(pool.incref(id), want);
+                    }
+                    Op::Decref(id) => {
+                        let want = match Model::bad(id) {
+                            Some(e) => Err(e),
+                            None => match &mut m.state[id as usize] {
+                                None | Some(0) => Err(Error::RefcountUnderflow { block: id }),
+                                Some(c) => {
+                                    *c -= 1;
+                                    Ok(*c)
+                                }
+                            },
+                        };
+                        same(pool.decref(id), want);
+                    }
+                    Op::Release(id) => {
+                        let want = match Model::bad(id) {
+                            Some(e) => Err(e),
+                            None => match m.state[id as usize] {
+                                None => Err(Error::RefcountUnderflow { block: id }),
+                                Some(0) => {
+                                    m.state[id as usize] = None;
+                                    m.stack.push(id);
+                                    Ok(())
+                                }
+                                Some(_) => Err(invalid_arg(id)),
+                            },
+                        };
+                        same(pool.release(id), want);
+                    }
+                    Op::Free(id) => {
+                        let want = match Model::bad(id) {
+                            Some(e) => Err(e),
+                            None => match m.state[id as usize] {
+                                None | Some(0) => Err(Error::RefcountUnderflow { block: id }),
+                                Some(1) => {
+                                    m.state[id as usize] = None;
+                                    m.stack.push(id);
+                                    Ok(true)
+                                }
+                                Some(c) => {
+                                    m.state[id as usize] = Some(c - 1);
+                                    Ok(false)
+                                }
+                            },
+                        };
+                        same(pool.free(id), want);
+                    }
+                }
+                assert_eq!(pool.num_free(), m.stack.len());
+                let listed: Vec<u32> = m.stack.iter().rev().copied().collect();
+                assert_eq!(pool.free_ids(), listed);
+                for b in 0..N {
+                    assert_eq!(pool.is_free(b), Ok(m.state[b as usize].is_none()));
+                }
+                pool.check_invariants().unwrap();
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+            #[test]
+            fn lock_free_matches_model(ops in proptest::collection::vec(op(), 1..200)) {
+                run::<LockFreeFreeList>(&ops);
+            }
+
+            #[test]
+            fn mutex_matches_model(ops in proptest::collection::vec(op(), 1..200)) {
+                run::<MutexFreeList>(&ops);
+            }
+        }
+    }
 }
