@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the kernel GPU tests, then the kernel benchmark, on a CUDA machine.
-# Usage (repository root): OUT=/some/dir bash benches/gpu_run.sh [--tune] [--skip-tests]
+# Usage (repository root): OUT=/some/dir bash benches/gpu_run.sh [--tune | --tune=prefill] [--skip-tests]
 # Logs and JSON go to $OUT (default ./out).
 set -u -o pipefail
 OUT="${OUT:-out}"
@@ -16,6 +16,7 @@ SKIP_TESTS=0
 for a in "$@"; do
   case "$a" in
     --tune) TUNE="--tune" ;;
+    --tune=*) TUNE="--tune --tune-what ${a#--tune=}" ;;
     --skip-tests) SKIP_TESTS=1 ;;
   esac
 done

@@ -12,6 +12,11 @@
 //!   perfectly over two cores would show half its single-thread time. Thread start-up is outside
 //!   the timed region.
 //!
+//! - `atomic_floor`: one uncontended atomic read-modify-write (`fetch_add` on a private counter),
+//!   the unit cost every lock-free or locking operation pays at least once. An allocate+free pair
+//!   on the lock-free pool does five of them (count reserve, head CAS on pop; refcount CAS, head
+//!   CAS, count increment on free), the mutex pool likewise five (lock + unlock twice, refcount).
+//!
 //! Run: `cargo bench -p pagedkv --bench pool -- --warm-up-time 1 --measurement-time 3`
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};

@@ -175,21 +175,22 @@ def test_copy_check_indices(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_swap_roundtrip(device):
+@pytest.mark.parametrize("method", ["kernel", "torch"])
+def test_swap_roundtrip(device, method):
     gen = torch.Generator().manual_seed(6)
     kv, ks, vs = _pool(2, 20, 8, 2, 32, torch.float16, device, gen)
     pin = device == "cuda"
     host = [torch.zeros(7, 8, 2, 32, dtype=torch.float16, pin_memory=pin) for _ in range(4)]
     out_map = torch.tensor([[5, 0], [17, 6], [2, 3]], dtype=torch.int64)
     swap_src = [t.clone() for t in ks + vs]
-    K.swap_blocks(ks + vs, host, out_map)
+    K.swap_blocks(ks + vs, host, out_map, method=method)
     for h, s in zip(host, swap_src):
         for src, dst in out_map.tolist():
             assert torch.equal(h[dst], s[src].cpu())
         assert not h[1].any()  # untouched host block
     staging = torch.empty(3 * 8 * 2 * 32 * 2, dtype=torch.uint8, pin_memory=pin)
     in_map = torch.tensor([[0, 11], [6, 12], [3, 13]], dtype=torch.int64)
-    K.swap_blocks(host, ks + vs, in_map, staging=staging)
+    K.swap_blocks(host, ks + vs, in_map, staging=staging, method=method)
     for d, s, h in zip(ks + vs, swap_src, host):
         assert torch.equal(d[11:14].cpu(), h[[0, 6, 3]])
         assert torch.equal(d[:11].cpu(), s[:11].cpu())
@@ -197,3 +198,33 @@ def test_swap_roundtrip(device):
         K.swap_blocks(ks + vs, host, torch.tensor([[0, 7]]))
     with pytest.raises(K.KernelShapeError, match="staging"):
         K.swap_blocks(host, ks + vs, in_map, staging=staging[:10])
+
+
+def test_swap_validation():
+    dev = [torch.zeros(4, 8, 2, 16) for _ in range(2)]
+    host = [torch.zeros(4, 8, 2, 16) for _ in range(2)]
+    m = torch.tensor([[0, 1]])
+    with pytest.raises(K.KernelArgumentError, match="method"):
+        K.swap_blocks(dev, host, m, method="dma")
+    with pytest.raises(K.KernelShapeError, match="dst_caches: has 1"):
+        K.swap_blocks(dev, host[:1], m)
+    with pytest.raises(K.KernelDTypeError, match="dst_caches: dtype"):
+        K.swap_blocks(dev, [h.half() for h in host], m)
+    with pytest.raises(K.KernelShapeError, match="block shape"):
+        K.swap_blocks(dev, [torch.zeros(4, 8, 2, 8) for _ in range(2)], m)
+    with pytest.raises(K.KernelIndexError, match="src id is -1"):
+        K.swap_blocks(dev, host, torch.tensor([[-1, 1]]))
+    with pytest.raises(K.KernelDTypeError, match="block_mapping"):
+        K.swap_blocks(dev, host, m.int())
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+def test_swap_kernel_needs_pinned_host(device):
+    dev = [torch.zeros(4, 8, 2, 16, device=device)]
+    host = [torch.zeros(4, 8, 2, 16)]  # pageable
+    with pytest.raises(K.KernelDeviceError, match="pinned"):
+        K.swap_blocks(dev, host, torch.tensor([[0, 1]]), method="kernel")
+    # "auto" falls back to staged copies for pageable memory.
+    dev[0][0] = 3.0
+    K.swap_blocks(dev, host, torch.tensor([[0, 1]]))
+    assert torch.equal(host[0][1], torch.full((8, 2, 16), 3.0))

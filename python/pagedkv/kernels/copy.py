@@ -13,9 +13,10 @@ Invariants: pairs with a negative or out-of-range id are skipped (padding); all 
 as it was before the launch only if no destination is also a source and destinations are
 distinct (the manager guarantees this for copy-on-write; overlapping lists are undefined).
 
-`swap_blocks` moves blocks between a device pool and a pinned host pool with PyTorch copies: a
-device-side gather into one contiguous staging tensor, one host<->device transfer, then a scatter
-on the destination side, so the link sees one large transfer per tensor.
+`swap_blocks` moves blocks between a device pool and a pinned host pool. By default one Triton
+launch copies every (block, tensor) pair with the GPU reading or writing the pinned host memory
+directly (zero-copy over the link); the PyTorch fallback gathers into a contiguous staging
+tensor, makes one host<->device transfer per pool tensor and scatters on the other side.
 """
 
 from __future__ import annotations
@@ -53,6 +54,47 @@ def _copy_kernel(
     m = ok & (offs < BLOCK_ELEMS)
     x = tl.load(base + src * BLOCK_ELEMS + offs, mask=m)
     tl.store(base + dst * BLOCK_ELEMS + offs, x, mask=m)
+
+
+@triton.jit
+def _xcopy_kernel(
+    src_base,
+    dst_base,
+    src_offsets_ptr,
+    dst_offsets_ptr,
+    map_ptr,
+    num_src_blocks,
+    num_dst_blocks,
+    BLOCK_ELEMS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    # Same as _copy_kernel but between two sets of tensors: one side may be pinned host memory,
+    # which the GPU reads or writes directly over the link (no staging copies).
+    pair = tl.program_id(0)
+    t = tl.program_id(1)
+    c = tl.program_id(2)
+    src = tl.load(map_ptr + 2 * pair)
+    dst = tl.load(map_ptr + 2 * pair + 1)
+    ok = (src >= 0) & (dst >= 0) & (src < num_src_blocks) & (dst < num_dst_blocks)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    m = ok & (offs < BLOCK_ELEMS)
+    x = tl.load(src_base + tl.load(src_offsets_ptr + t) + src * BLOCK_ELEMS + offs, mask=m)
+    tl.store(dst_base + tl.load(dst_offsets_ptr + t) + dst * BLOCK_ELEMS + offs, x, mask=m)
+
+
+def _element_offsets(caches, int_dtype, name):
+    first = caches[0]
+    esize = first.element_size()
+    offs = []
+    for i, c in enumerate(caches):
+        delta = c.data_ptr() - first.data_ptr()
+        if delta % esize:
+            raise v.KernelLayoutError(
+                f"{name}[{i}]: address is {delta} bytes from {name}[0], expected a multiple of "
+                f"the element size {esize}"
+            )
+        offs.append(delta // esize)
+    return first.view(int_dtype), torch.tensor(offs, dtype=torch.int64)
 
 
 def _check_caches(caches: Sequence[torch.Tensor]):
@@ -173,15 +215,23 @@ def swap_blocks(
     block_mapping: torch.Tensor,
     *,
     staging: Optional[torch.Tensor] = None,
+    method: str = "auto",
 ) -> None:
     """Copies block `src` of each `src_caches[i]` to block `dst` of `dst_caches[i]`.
 
     One side is the device pool and the other a host pool (pinned for full link bandwidth; either
     direction), or both on one device. `block_mapping` is int64 `[n, 2]` on the CPU, ids in range
-    (checked here: the mapping is on the host already, so this costs no sync). `staging`, if
-    given, is a pinned host buffer of at least `n * block_bytes` bytes reused across calls.
-    Returns after the copies are complete (the host side must be read after the transfer).
+    (checked here: the mapping is on the host already, so this costs no sync).
+
+    `method`: `"kernel"` runs one Triton launch that reads/writes the pinned host tensors directly
+    from the GPU (zero-copy; needs every host tensor pinned); `"torch"` gathers into one contiguous
+    staging tensor per pool tensor, moves it with one transfer and scatters on the other side
+    (`staging`, if given, is a pinned host buffer of at least `n * block_bytes` bytes reused
+    across calls); `"auto"` takes the kernel when its conditions hold. Returns after the copies
+    are complete, so host-side data may be read at once.
     """
+    if method not in ("auto", "kernel", "torch"):
+        raise v.KernelArgumentError(f"method: is {method!r}, expected 'auto', 'kernel' or 'torch'")
     src0 = _check_caches(src_caches)
     dst0 = _check_caches(dst_caches)
     if len(src_caches) != len(dst_caches):
@@ -226,6 +276,32 @@ def swap_blocks(
                 f"at least {nbytes}"
             )
         v.check_contiguous("staging", staging)
+    gpu = src0.device if src0.device.type != "cpu" else dst0.device
+    interp = gpu.type == "cpu"  # both on the host: only possible under the interpreter
+    pinned_ok = all(t.is_pinned() for t in (src_caches if src0.device.type == "cpu" else dst_caches)) \
+        if cross else True
+    use_kernel = method == "kernel" or (method == "auto" and cross and pinned_ok)
+    if use_kernel:
+        if cross and not pinned_ok:
+            raise v.KernelDeviceError(
+                "host caches: are not pinned, expected pinned memory for method='kernel'"
+            )
+        v.ensure_launchable(gpu)
+        int_dtype = _INT_OF_SIZE[src0.element_size()]
+        sbase, soffs = _element_offsets(src_caches, int_dtype, "src_caches")
+        dbase, doffs = _element_offsets(dst_caches, int_dtype, "dst_caches")
+        mapping = block_mapping.to(gpu, non_blocking=True)
+        block_elems = src0[0].numel()
+        chunk = min(triton.next_power_of_2(block_elems), 4096)
+        grid = (n, len(src_caches), triton.cdiv(block_elems, chunk))
+        _xcopy_kernel[grid](
+            sbase, dbase, soffs.to(gpu, non_blocking=True), doffs.to(gpu, non_blocking=True),
+            mapping, src0.shape[0], dst0.shape[0],
+            BLOCK_ELEMS=block_elems, CHUNK=chunk, num_warps=4,
+        )
+        if not interp:
+            torch.cuda.current_stream(gpu).synchronize()
+        return
     if cross:
         if staging is not None:
             stage = staging.view(torch.uint8)[:nbytes].view(src0.dtype).view(n, *block_shape)

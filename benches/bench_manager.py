@@ -1,0 +1,217 @@
+"""Time the block manager through Python: the per-step hot path and admissions.
+
+Run:  .venv/bin/python benches/bench_manager.py [--json out.json] [--batches N] [--quick]
+
+Each case runs a batch of calls timed as a whole with ``time.perf_counter_ns`` and reports the mean
+per call within a batch; the figure printed is the median over batches (p10/p90 alongside), so a
+batch disturbed by other work on the machine does not move it. Untimed set-up between batches keeps
+the state comparable (sequences freed and re-admitted so lengths stay bounded). The garbage
+collector is paused while a batch runs.
+
+Cases:
+- ``decode_step_256``: one decode step of 256 sequences — ``append_batch`` of 256 tokens followed
+  by ``step`` into registered host buffers (slot mapping, block tables, CSR page table).
+- ``append_batch_256`` / ``step_256``: the two halves of that step on their own.
+- ``admit_4096``: admission of a 4096-token prompt (int64 numpy array) and its ``free``; no prefix
+  hit (blocks enter the prefix cache only at step time, and none runs here).
+- ``admit_4096_uint32``: the same with a uint32 array (read in place, no conversion).
+- ``admit_4096_cached``: admission of a 4096-token prompt whose blocks are all cached (255 of 256
+  blocks shared from the prefix cache, revived from the cached-free LRU) and its ``free``.
+- ``seq_len``: a trivial query through the Python wrapper (per-call overhead);
+  ``core_seq_len``: the same call on the extension object directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from pagedkv import BlockManager, StepBuffers
+
+BLOCK = 16
+BATCH_SEQS = 256
+PROMPT = 512
+DECODE_ITERS = 128  # per timed batch; 8 block boundaries crossed per sequence
+
+
+def timed(
+    name: str,
+    run: Callable[[int], None],
+    iters: int,
+    batches: int,
+    reset: Optional[Callable[[], None]] = None,
+) -> dict:
+    per_call = []
+    for _ in range(batches):
+        if reset is not None:
+            reset()
+        gc.disable()
+        t0 = time.perf_counter_ns()
+        run(iters)
+        t1 = time.perf_counter_ns()
+        gc.enable()
+        per_call.append((t1 - t0) / iters / 1e3)
+    per_call.sort()
+    q = statistics.quantiles(per_call, n=10) if len(per_call) >= 2 else per_call * 9
+    return {
+        "name": name,
+        "median_us": statistics.median(per_call),
+        "p10_us": q[0],
+        "p90_us": q[-1],
+        "iters_per_batch": iters,
+        "batches": batches,
+    }
+
+
+def bench_decode(batches: int) -> list[dict]:
+    max_blocks = (PROMPT + DECODE_ITERS) // BLOCK + 2
+    m = BlockManager(BATCH_SEQS * max_blocks + 64, BLOCK, max_blocks_per_seq=max_blocks)
+    bufs = StepBuffers(BATCH_SEQS, BATCH_SEQS * 4, max_blocks, device="cpu")
+    m.attach_buffers(bufs)
+    seqs = np.arange(BATCH_SEQS, dtype=np.int64)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, 32000, size=(BATCH_SEQS, PROMPT), dtype=np.int64)
+    toks = rng.integers(0, 32000, size=BATCH_SEQS, dtype=np.int64)
+    epoch = [0]
+
+    def reset() -> None:
+        # Fresh sequences each batch; distinct prompts per batch so no prefix hits at admission.
+        for s in range(BATCH_SEQS):
+            if s in m:
+                m.free(s)
+        epoch[0] += 1
+        for s in range(BATCH_SEQS):
+            m.admit(s, (prompts[s] + epoch[0]) % 32000)
+        m.step(seqs, 1)  # registers the prompts' full blocks, as the prefill step would
+
+    def decode(n: int) -> None:
+        ab, st = m.append_batch, m.step
+        for _ in range(n):
+            ab(seqs, toks)
+            st(seqs, 1)
+
+    def append_only(n: int) -> None:
+        ab = m.append_batch
+        for _ in range(n):
+            ab(seqs, toks)
+
+    def step_only(n: int) -> None:
+        st = m.step
+        for _ in range(n):
+            st(seqs, 1)
+
+    out = [
+        timed("decode_step_256", decode, DECODE_ITERS, batches, reset),
+        timed("append_batch_256", append_only, DECODE_ITERS, batches, reset),
+        timed("step_256", step_only, DECODE_ITERS, batches, reset),
+    ]
+    m.check_invariants()
+    return out
+
+
+def bench_admit(batches: int) -> list[dict]:
+    n_tok = 4096
+    m = BlockManager(4 * n_tok // BLOCK + 64, BLOCK)
+    rng = np.random.default_rng(1)
+    pool = rng.integers(0, 32000, size=(64, n_tok), dtype=np.int64)
+    pool_u32 = pool.astype(np.uint32)
+
+    def admit_free(arrs: np.ndarray) -> Callable[[int], None]:
+        def run(n: int) -> None:
+            a, f = m.admit, m.free
+            for i in range(n):
+                a(1, arrs[i % 64])
+                f(1)
+
+        return run
+
+    out = [
+        timed("admit_4096", admit_free(pool), 200, batches),
+        timed("admit_4096_uint32", admit_free(pool_u32), 200, batches),
+    ]
+
+    # Cached: register one prompt's blocks with a step, free it; every later admission hits.
+    mc = BlockManager(4 * n_tok // BLOCK + 64, BLOCK)
+    mc.attach_buffers(StepBuffers(1, n_tok, mc.max_blocks_per_seq, device="cpu"))
+    prompt = pool[0]
+    mc.admit(1, prompt)
+    mc.step([1], n_tok)
+    mc.free(1)
+    r = mc.admit(1, prompt)
+    assert r.cached_tokens == n_tok - BLOCK, r
+    mc.free(1)
+
+    def cached(n: int) -> None:
+        a, f = mc.admit, mc.free
+        for _ in range(n):
+            a(1, prompt)
+            f(1)
+
+    out.append(timed("admit_4096_cached", cached, 200, batches))
+    mc.check_invariants()
+    m.check_invariants()
+    return out
+
+
+def bench_overhead(batches: int) -> list[dict]:
+    m = BlockManager(64, BLOCK)
+    m.admit(3, [1, 2, 3])
+
+    def wrapper(n: int) -> None:
+        f = m.seq_len
+        for _ in range(n):
+            f(3)
+
+    def core(n: int) -> None:
+        f = m._core.seq_len
+        for _ in range(n):
+            f(3)
+
+    return [
+        timed("seq_len", wrapper, 20000, batches),
+        timed("core_seq_len", core, 20000, batches),
+    ]
+
+
+TARGETS = {"decode_step_256": 10.0, "admit_4096": 5.0}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the results to this file")
+    ap.add_argument("--batches", type=int, default=41, help="timed batches per case (default 41)")
+    ap.add_argument("--quick", action="store_true", help="5 batches per case (a smoke run)")
+    args = ap.parse_args(argv)
+    batches = 5 if args.quick else args.batches
+
+    results = bench_decode(batches) + bench_admit(batches) + bench_overhead(batches)
+    print(f"{'case':<20} {'median µs':>10} {'p10':>8} {'p90':>8} {'target µs':>10}")
+    for r in results:
+        t = TARGETS.get(r["name"])
+        r["target_us"] = t
+        tgt = f"≤ {t:g}" if t is not None else "—"
+        print(
+            f"{r['name']:<20} {r['median_us']:>10.2f} {r['p10_us']:>8.2f} {r['p90_us']:>8.2f} {tgt:>10}"
+        )
+    if args.json:
+        meta = {
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "machine": platform.machine(),
+            "batches": batches,
+        }
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
