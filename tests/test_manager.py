@@ -711,3 +711,40 @@ def test_core_module_version() -> None:
 
     assert isinstance(_core.__version__, str) and _core.__version__.count(".") == 2
     assert pagedkv.__version__ == _core.__version__
+
+
+@pytest.mark.parametrize(
+    "seq_dtype", [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint32, np.uint64]
+)
+def test_seq_id_arrays_of_every_integer_dtype(seq_dtype) -> None:
+    m = BlockManager(64, 4, watermark_blocks=0)
+    for s in (1, 2, 3):
+        m.admit(s, [s])
+    m.append_batch(np.array([3, 1], dtype=seq_dtype), np.array([7, 8], dtype=np.int32))
+    assert (m.seq_len(1), m.seq_len(2), m.seq_len(3)) == (2, 1, 2)
+
+
+@pytest.mark.parametrize(
+    "seqs, toks, value",
+    [
+        (np.array([1, -1], dtype=np.int64), np.array([1, 1], dtype=np.int64), -1),
+        (np.array([1, -2], dtype=np.int8), np.array([1, 1], dtype=np.int64), -2),
+        (np.array([1, 2], dtype=np.int64), np.array([1, -3], dtype=np.int64), -3),
+        (np.array([1, 2], dtype=np.int64), np.array([1, -4], dtype=np.int32), -4),
+        (np.array([1, 2], dtype=np.int64), np.array([2**32, 1], dtype=np.uint64), 2**32),
+        (np.array([1, 2], dtype=np.int64), np.array([1, 2**63], dtype=np.uint64), 2**63),
+        # Strided views (a reversed one, a stepped one) take the element-by-element path.
+        (np.array([1, 2], dtype=np.int64)[::-1], np.array([-5, 0, 7, 0], dtype=np.int64)[::2], -5),
+        (np.array([2, 0, -6, 0], dtype=np.int64)[::2], np.array([1, 1], dtype=np.int64), -6),
+    ],
+)
+def test_out_of_range_array_values_are_named(seqs, toks, value) -> None:
+    m = BlockManager(64, 4, watermark_blocks=0)
+    m.admit(1, [1])
+    m.admit(2, [2])
+    before = snapshot(m, [1, 2])
+    with pytest.raises(InvalidArgumentError) as info:
+        m.append_batch(seqs, toks)
+    assert info.value.value == value
+    assert str(value) in str(info.value)
+    assert snapshot(m, [1, 2]) == before

@@ -20,38 +20,41 @@ use crate::errors::{invalid_arg, invalid_arg_int};
 
 /// A numpy element type the binding can read ids from.
 pub trait Elem: Element + Copy {
-    /// Whether the value lies in `[0, max]`.
-    fn in_range(self, max: u64) -> bool;
+    /// Signed types: a negative value must be rejected even for a `u64` target.
+    const SIGNED: bool;
+    /// The value widened to `u64`, signed types sign-extended (a negative value sets bit 63).
+    fn bits(self) -> u64;
     /// The value as `i128`, for error messages only.
     fn wide(self) -> i128;
-    /// The value as `u64`; meaningful only after [`Elem::in_range`] held.
-    fn bits(self) -> u64;
+    /// Bits that must all be clear in [`Elem::bits`] for the value to lie in `[0, max]`, where
+    /// `max` is `2^k - 1` (every id type's maximum is). A signed value cannot legitimately reach
+    /// `2^63`, so bit 63 flags a negative one.
+    #[inline(always)]
+    fn reject_mask(max: u64) -> u64 {
+        !max | if Self::SIGNED { 1 << 63 } else { 0 }
+    }
+    /// Whether the value lies in `[0, max]`.
+    #[inline(always)]
+    fn in_range(self, max: u64) -> bool {
+        self.bits() & Self::reject_mask(max) == 0
+    }
 }
 
-macro_rules! elem_signed {
-    ($($t:ty),*) => {$(
+macro_rules! elem {
+    ($signed:expr => $($t:ty),*) => {$(
         impl Elem for $t {
+            const SIGNED: bool = $signed;
             #[inline(always)]
-            fn in_range(self, max: u64) -> bool { self >= 0 && (self as u64) <= max }
+            fn bits(self) -> u64 {
+                // `as i64` sign-extends signed types and zero-extends unsigned ones (u64 is a no-op).
+                if $signed { self as i64 as u64 } else { self as u64 }
+            }
             fn wide(self) -> i128 { self as i128 }
-            #[inline(always)]
-            fn bits(self) -> u64 { self as u64 }
         }
     )*};
 }
-macro_rules! elem_unsigned {
-    ($($t:ty),*) => {$(
-        impl Elem for $t {
-            #[inline(always)]
-            fn in_range(self, max: u64) -> bool { (self as u64) <= max }
-            fn wide(self) -> i128 { self as i128 }
-            #[inline(always)]
-            fn bits(self) -> u64 { self as u64 }
-        }
-    )*};
-}
-elem_signed!(i8, i16, i32, i64);
-elem_unsigned!(u8, u16, u32, u64);
+elem!(true => i8, i16, i32, i64);
+elem!(false => u8, u16, u32, u64);
 
 /// A target id type of the core.
 pub trait Id: Copy + Send + Sync + 'static {
@@ -197,27 +200,36 @@ fn from_array<E: Elem, T: Id, R>(
     let ro = arr.try_readonly().map_err(|e| {
         invalid_arg(what, obj, format!("array is mutably borrowed elsewhere ({e})"))
     })?;
+    let mask = E::reject_mask(T::MAX);
     if let Ok(src) = ro.as_slice() {
-        // Branch-free fold so the range check vectorises; the slow scan for the culprit runs only
-        // on failure.
-        let ok = src.iter().fold(true, |acc, &v| acc & v.in_range(T::MAX));
-        if !ok {
-            return Err(array_error::<E, T>(obj.py(), what, src.iter().copied()));
-        }
         if std::mem::size_of::<E>() == std::mem::size_of::<T>() {
-            // SAFETY: `E` and `T` are plain integers of the same size (and thus the same alignment
-            // for the integer types involved), and every value is in `[0, T::MAX]`, where the
-            // two-complement bit patterns of `E` and `T` coincide. The slice lives as long as `ro`.
+            // OR-reduce then test once: vectorises, and the slow scan for the culprit runs only on
+            // failure.
+            if src.iter().fold(0u64, |acc, &v| acc | v.bits()) & mask != 0 {
+                return Err(array_error::<E, T>(obj.py(), what, src.iter().copied()));
+            }
+            // SAFETY: `E` and `T` are plain integers of the same size and alignment, and every
+            // value is in `[0, T::MAX]`, where the two-complement bit patterns of `E` and `T`
+            // coincide. The slice lives as long as `ro`.
             let same: &[T] = unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<T>(), src.len()) };
             return f(same);
         }
+        // Convert and check in one pass.
         scratch.clear();
-        scratch.extend(src.iter().map(|&v| T::from_bits(v.bits())));
+        let mut acc = 0u64;
+        scratch.extend(src.iter().map(|&v| {
+            let b = v.bits();
+            acc |= b;
+            T::from_bits(b)
+        }));
+        if acc & mask != 0 {
+            return Err(array_error::<E, T>(obj.py(), what, src.iter().copied()));
+        }
         return f(scratch);
     }
     // Strided (or misaligned) view: read element by element.
     let view = ro.as_array();
-    if !view.iter().fold(true, |acc, &v| acc & v.in_range(T::MAX)) {
+    if view.iter().fold(0u64, |acc, &v| acc | v.bits()) & mask != 0 {
         return Err(array_error::<E, T>(obj.py(), what, view.iter().copied()));
     }
     scratch.clear();
