@@ -748,3 +748,14 @@ def test_out_of_range_array_values_are_named(seqs, toks, value) -> None:
     assert info.value.value == value
     assert str(value) in str(info.value)
     assert snapshot(m, [1, 2]) == before
+
+
+def test_numpy_integer_scalars_as_single_values() -> None:
+    m, b = manager_with_buffers(block_size=4)
+    m.admit(1, [1, 2])
+    m.append(1, np.int32(3))
+    assert m.seq_len(1) == 3
+    info = m.step(np.array([1]), np.int64(2))
+    assert info.num_tokens == 2
+    info = m.step([1], [3])
+    assert info.num_tokens == 3

@@ -72,7 +72,7 @@ def _ids(x: Any) -> Any:
     """Normalises token or sequence ids to something the extension reads directly.
 
     Lists, tuples and numpy arrays pass through untouched (the extension reads them without a
-    Python-level copy); ints become a one-element list; anything else array-like (a CPU torch tensor,
+    Python-level copy); ints (and numpy integer scalars) become a one-element list; anything else array-like (a CPU torch tensor,
     ``array.array``, ``range``) goes through ``np.asarray``, which shares memory where it can.
     """
     t = type(x)
@@ -80,6 +80,8 @@ def _ids(x: Any) -> Any:
         return x
     if t is int:
         return [x]
+    if isinstance(x, np.integer):
+        return [int(x)]
     try:
         return np.asarray(x)
     except (TypeError, RuntimeError) as exc:
@@ -271,7 +273,13 @@ class BlockManager:
             OutOfBlocksError: The pool cannot supply the blocks the batch needs.
             SequenceTooLongError: A sequence would outgrow its block-table row.
         """
-        self._append_batch(_ids(seq_ids), _ids(token_ids))
+        # Inline type tests: this is called once per decode step, and the call to `_ids` would cost
+        # as much as the test.
+        if type(seq_ids) is not _ndarray:
+            seq_ids = _ids(seq_ids)
+        if type(token_ids) is not _ndarray:
+            token_ids = _ids(token_ids)
+        self._append_batch(seq_ids, token_ids)
 
     def fork(self, parent: int, child: int) -> None:
         """Creates ``child`` sharing all of ``parent``'s blocks (parallel sampling, beam search).
@@ -417,7 +425,15 @@ class BlockManager:
             InvalidArgumentError: Lengths differ, a count exceeds its sequence, or a sequence repeats.
             BufferTooSmallError: The batch does not fit the buffers; nothing was written.
         """
-        return _new_tuple(StepInfo, self._step(_ids(seq_ids), num_new_tokens))
+        if type(seq_ids) is not _ndarray:
+            seq_ids = _ids(seq_ids)
+        t = type(num_new_tokens)
+        if t is not int and t is not _ndarray:
+            if isinstance(num_new_tokens, np.integer):
+                num_new_tokens = int(num_new_tokens)
+            else:
+                num_new_tokens = _ids(num_new_tokens)
+        return _new_tuple(StepInfo, self._step(seq_ids, num_new_tokens))
 
     # ---------------------------------------------------------------------------------- signals
 

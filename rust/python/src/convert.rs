@@ -12,7 +12,9 @@
 //! naming the argument, the index and the value. Nothing here touches the manager, so a failed
 //! conversion leaves it unchanged by construction.
 
-use numpy::{Element, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{
+    Element, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyList, PyTuple};
 
@@ -115,7 +117,10 @@ fn is_int_like(obj: &Bound<'_, PyAny>) -> bool {
 }
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into())
 }
 
 /// Reads an id sequence and hands `f` a slice of it, borrowed in place where possible and
@@ -144,7 +149,10 @@ pub fn with_ids<T: Id, R>(
             (b'u', 4) => from_array::<u32, T, R>(what, obj, scratch, f),
             (b'u', 8) => from_array::<u64, T, R>(what, obj, scratch, f),
             _ => {
-                let shown = dtype.str().map(|s| s.to_string()).unwrap_or_else(|_| "?".into());
+                let shown = dtype
+                    .str()
+                    .map(|s| s.to_string())
+                    .unwrap_or_else(|_| "?".into());
                 Err(invalid_arg(
                     what,
                     &dtype.into_any(),
@@ -198,7 +206,11 @@ fn from_array<E: Elem, T: Id, R>(
 ) -> PyResult<R> {
     let arr = obj.cast::<PyArray1<E>>().map_err(PyErr::from)?;
     let ro = arr.try_readonly().map_err(|e| {
-        invalid_arg(what, obj, format!("array is mutably borrowed elsewhere ({e})"))
+        invalid_arg(
+            what,
+            obj,
+            format!("array is mutably borrowed elsewhere ({e})"),
+        )
     })?;
     let mask = E::reject_mask(T::MAX);
     if let Ok(src) = ro.as_slice() {
@@ -211,7 +223,8 @@ fn from_array<E: Elem, T: Id, R>(
             // SAFETY: `E` and `T` are plain integers of the same size and alignment, and every
             // value is in `[0, T::MAX]`, where the two-complement bit patterns of `E` and `T`
             // coincide. The slice lives as long as `ro`.
-            let same: &[T] = unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<T>(), src.len()) };
+            let same: &[T] =
+                unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<T>(), src.len()) };
             return f(same);
         }
         // Convert and check in one pass.
@@ -237,7 +250,11 @@ fn from_array<E: Elem, T: Id, R>(
     f(scratch)
 }
 
-fn array_error<E: Elem, T: Id>(py: Python<'_>, what: &str, values: impl Iterator<Item = E>) -> PyErr {
+fn array_error<E: Elem, T: Id>(
+    py: Python<'_>,
+    what: &str,
+    values: impl Iterator<Item = E>,
+) -> PyErr {
     for (i, v) in values.enumerate() {
         if !v.in_range(T::MAX) {
             return invalid_arg_int(py, what, v.wide(), format!("element {i}: {}", T::RANGE));

@@ -49,21 +49,29 @@ fn classes(py: Python<'_>) -> PyResult<&'static Classes> {
         for name in CLASS_NAMES {
             out.push(module.getattr(name)?.cast_into::<PyType>()?.unbind());
         }
-        let arr: [Py<PyType>; CLASS_NAMES.len()] =
-            out.try_into().unwrap_or_else(|_| unreachable!("one class per name"));
+        let arr: [Py<PyType>; CLASS_NAMES.len()] = out
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one class per name"));
         Ok(Classes(arr))
     })
 }
 
 /// Builds `cls(message, **fields)`; falls back to `RuntimeError` if `pagedkv.errors` is unusable.
-fn raise(py: Python<'_>, index: usize, message: String, fields: &[(&str, Bound<'_, PyAny>)]) -> PyErr {
+fn raise(
+    py: Python<'_>,
+    index: usize,
+    message: String,
+    fields: &[(&str, Bound<'_, PyAny>)],
+) -> PyErr {
     let build = || -> PyResult<PyErr> {
         let cls = classes(py)?.0[index].bind(py);
         let kwargs = PyDict::new(py);
         for (k, v) in fields {
             kwargs.set_item(*k, v)?;
         }
-        Ok(PyErr::from_value(cls.call((message.as_str(),), Some(&kwargs))?))
+        Ok(PyErr::from_value(
+            cls.call((message.as_str(),), Some(&kwargs))?,
+        ))
     };
     match build() {
         Ok(err) => err,
@@ -89,17 +97,33 @@ pub fn core_err(e: Error) -> PyErr {
 fn core_err_py(py: Python<'_>, e: Error) -> PyErr {
     let message = e.to_string();
     match e {
-        Error::InvalidConfig { field, value, reason } => raise(
+        Error::InvalidConfig {
+            field,
+            value,
+            reason,
+        } => raise(
             py,
             0,
             message,
-            &[("field", obj(py, field)), ("value", obj(py, value)), ("reason", obj(py, reason))],
+            &[
+                ("field", obj(py, field)),
+                ("value", obj(py, value)),
+                ("reason", obj(py, reason)),
+            ],
         ),
-        Error::InvalidArgument { what, value, reason } => raise(
+        Error::InvalidArgument {
+            what,
+            value,
+            reason,
+        } => raise(
             py,
             INVALID_ARGUMENT,
             message,
-            &[("what", obj(py, what)), ("value", obj(py, value)), ("reason", obj(py, reason))],
+            &[
+                ("what", obj(py, what)),
+                ("value", obj(py, value)),
+                ("reason", obj(py, reason)),
+            ],
         ),
         Error::UnknownSequence { seq_id } => raise(py, 2, message, &[("seq_id", obj(py, seq_id))]),
         Error::DuplicateSequence { seq_id } => {
@@ -109,9 +133,16 @@ fn core_err_py(py: Python<'_>, e: Error) -> PyErr {
             py,
             4,
             message,
-            &[("needed", obj(py, needed)), ("available", obj(py, available))],
+            &[
+                ("needed", obj(py, needed)),
+                ("available", obj(py, available)),
+            ],
         ),
-        Error::WatermarkReached { needed, available, watermark } => raise(
+        Error::WatermarkReached {
+            needed,
+            available,
+            watermark,
+        } => raise(
             py,
             5,
             message,
@@ -121,7 +152,11 @@ fn core_err_py(py: Python<'_>, e: Error) -> PyErr {
                 ("watermark", obj(py, watermark)),
             ],
         ),
-        Error::SequenceTooLong { seq_id, needed_blocks, max_blocks_per_seq } => raise(
+        Error::SequenceTooLong {
+            seq_id,
+            needed_blocks,
+            max_blocks_per_seq,
+        } => raise(
             py,
             6,
             message,
@@ -131,7 +166,11 @@ fn core_err_py(py: Python<'_>, e: Error) -> PyErr {
                 ("max_blocks_per_seq", obj(py, max_blocks_per_seq)),
             ],
         ),
-        Error::BufferTooSmall { buffer, needed, capacity } => raise(
+        Error::BufferTooSmall {
+            buffer,
+            needed,
+            capacity,
+        } => raise(
             py,
             7,
             message,
@@ -141,24 +180,33 @@ fn core_err_py(py: Python<'_>, e: Error) -> PyErr {
                 ("capacity", obj(py, capacity)),
             ],
         ),
-        Error::BufferInvalid { buffer, expected, got } => raise(
+        Error::BufferInvalid {
+            buffer,
+            expected,
+            got,
+        } => raise(
             py,
             8,
             message,
-            &[("buffer", obj(py, buffer)), ("expected", obj(py, expected)), ("got", obj(py, got))],
+            &[
+                ("buffer", obj(py, buffer)),
+                ("expected", obj(py, expected)),
+                ("got", obj(py, got)),
+            ],
         ),
         Error::BuffersNotRegistered => raise(py, 9, message, &[]),
         Error::InvalidBlock { block, num_blocks } => raise(
             py,
             10,
             message,
-            &[("block", obj(py, block)), ("num_blocks", obj(py, num_blocks))],
+            &[
+                ("block", obj(py, block)),
+                ("num_blocks", obj(py, num_blocks)),
+            ],
         ),
         Error::RefcountUnderflow { block } => raise(py, 11, message, &[("block", obj(py, block))]),
         Error::PrefixCollision { block } => raise(py, 12, message, &[("block", obj(py, block))]),
-        Error::InvariantViolation(detail) => {
-            raise(py, 13, message, &[("detail", obj(py, detail))])
-        }
+        Error::InvariantViolation(detail) => raise(py, 13, message, &[("detail", obj(py, detail))]),
     }
 }
 
@@ -179,18 +227,30 @@ impl<T> CoreResultExt<T> for pagedkv::Result<T> {
 pub fn invalid_arg(what: &str, value: &Bound<'_, PyAny>, reason: impl Into<String>) -> PyErr {
     let py = value.py();
     let reason = reason.into();
-    let shown = value.str().map(|s| s.to_string()).unwrap_or_else(|_| "?".into());
+    let shown = value
+        .str()
+        .map(|s| s.to_string())
+        .unwrap_or_else(|_| "?".into());
     let message = format!("invalid argument: {what} = {shown}: {reason}");
     raise(
         py,
         INVALID_ARGUMENT,
         message,
-        &[("what", obj(py, what)), ("value", value.clone()), ("reason", obj(py, reason))],
+        &[
+            ("what", obj(py, what)),
+            ("value", value.clone()),
+            ("reason", obj(py, reason)),
+        ],
     )
 }
 
 /// [`invalid_arg`] for a value the binding holds as a Rust integer.
-pub fn invalid_arg_int(py: Python<'_>, what: &str, value: i128, reason: impl Into<String>) -> PyErr {
+pub fn invalid_arg_int(
+    py: Python<'_>,
+    what: &str,
+    value: i128,
+    reason: impl Into<String>,
+) -> PyErr {
     invalid_arg(what, &obj(py, value), reason)
 }
 
@@ -210,17 +270,35 @@ pub fn sample(name: &str) -> Option<Error> {
         },
         "UnknownSequence" => Error::UnknownSequence { seq_id: 7 },
         "DuplicateSequence" => Error::DuplicateSequence { seq_id: 7 },
-        "OutOfBlocks" => Error::OutOfBlocks { needed: 3, available: 1 },
-        "WatermarkReached" => Error::WatermarkReached { needed: 3, available: 1, watermark: 2 },
-        "SequenceTooLong" => {
-            Error::SequenceTooLong { seq_id: 7, needed_blocks: 9, max_blocks_per_seq: 8 }
-        }
-        "BufferTooSmall" => Error::BufferTooSmall { buffer: "slot_mapping", needed: 9, capacity: 8 },
-        "BufferInvalid" => {
-            Error::BufferInvalid { buffer: "seq_lens", expected: "int32", got: "int64".into() }
-        }
+        "OutOfBlocks" => Error::OutOfBlocks {
+            needed: 3,
+            available: 1,
+        },
+        "WatermarkReached" => Error::WatermarkReached {
+            needed: 3,
+            available: 1,
+            watermark: 2,
+        },
+        "SequenceTooLong" => Error::SequenceTooLong {
+            seq_id: 7,
+            needed_blocks: 9,
+            max_blocks_per_seq: 8,
+        },
+        "BufferTooSmall" => Error::BufferTooSmall {
+            buffer: "slot_mapping",
+            needed: 9,
+            capacity: 8,
+        },
+        "BufferInvalid" => Error::BufferInvalid {
+            buffer: "seq_lens",
+            expected: "int32",
+            got: "int64".into(),
+        },
         "BuffersNotRegistered" => Error::BuffersNotRegistered,
-        "InvalidBlock" => Error::InvalidBlock { block: 12, num_blocks: 10 },
+        "InvalidBlock" => Error::InvalidBlock {
+            block: 12,
+            num_blocks: 10,
+        },
         "RefcountUnderflow" => Error::RefcountUnderflow { block: 3 },
         "PrefixCollision" => Error::PrefixCollision { block: 4 },
         "InvariantViolation" => Error::InvariantViolation("free list holds block 2 twice".into()),

@@ -23,7 +23,9 @@ mod stats;
 fn _raise_core_error(name: &str) -> PyResult<()> {
     match errors::sample(name) {
         Some(e) => Err(errors::core_err(e)),
-        None => Err(pyo3::exceptions::PyValueError::new_err(format!("no core error variant named {name:?}"))),
+        None => Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "no core error variant named {name:?}"
+        ))),
     }
 }
 

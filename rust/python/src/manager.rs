@@ -17,7 +17,7 @@ use pagedkv::metrics::Stats;
 use pagedkv::step::{DType, RawBuffer, RawStepBuffers, RegisteredBuffers, StepLayout};
 use pagedkv::{Error, SeqId};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyByteArray, PyDict, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
 use crate::convert::{count, scalar, with_ids};
 use crate::errors::{invalid_arg, CoreResultExt};
@@ -66,7 +66,11 @@ fn bytes_of(what: &str, obj: &Bound<'_, PyAny>, allow_str: bool) -> PyResult<Vec
         }
     }
     let want = if allow_str { "bytes or str" } else { "bytes" };
-    let got = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+    let got = obj
+        .get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_default();
     Err(invalid_arg(what, obj, format!("must be {want}, got {got}")))
 }
 
@@ -78,8 +82,12 @@ fn seq_keys(
     mm_inputs: Option<Bound<'_, PyAny>>,
     extra_keys: Option<Bound<'_, PyAny>>,
 ) -> PyResult<Option<SeqKeys>> {
-    let (salt, adapter, mm, extra) =
-        (opt(&cache_salt), opt(&adapter_id), opt(&mm_inputs), opt(&extra_keys));
+    let (salt, adapter, mm, extra) = (
+        opt(&cache_salt),
+        opt(&adapter_id),
+        opt(&mm_inputs),
+        opt(&extra_keys),
+    );
     if salt.is_none() && adapter.is_none() && mm.is_none() && extra.is_none() {
         return Ok(None);
     }
@@ -92,7 +100,11 @@ fn seq_keys(
     }
     if let Some(list) = mm {
         let bad = |o: &Bound<'_, PyAny>| {
-            invalid_arg("mm_inputs", o, "must be a list of (start, end, hash: bytes) tuples")
+            invalid_arg(
+                "mm_inputs",
+                o,
+                "must be a list of (start, end, hash: bytes) tuples",
+            )
         };
         let items: Vec<Bound<'_, PyAny>> = if let Ok(l) = list.cast::<PyList>() {
             l.iter().collect()
@@ -138,7 +150,13 @@ fn dtype(name: &str) -> DType {
 }
 
 fn raw_buffer(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<RawBuffer> {
-    let bad = || invalid_arg(what, obj, "must be a (data_ptr: int, numel: int, dtype: str) tuple");
+    let bad = || {
+        invalid_arg(
+            what,
+            obj,
+            "must be a (data_ptr: int, numel: int, dtype: str) tuple",
+        )
+    };
     let t = obj.cast::<PyTuple>().map_err(|_| bad())?;
     if t.len() != 3 {
         return Err(bad());
@@ -147,7 +165,11 @@ fn raw_buffer(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<RawBuffer> {
     let len = count(what, &t.get_item(1)?)?;
     let name = t.get_item(2)?;
     let name = name.cast::<PyString>().map_err(|_| bad())?;
-    Ok(RawBuffer { ptr, len, dtype: dtype(&name.to_cow()?) })
+    Ok(RawBuffer {
+        ptr,
+        len,
+        dtype: dtype(&name.to_cow()?),
+    })
 }
 
 fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
@@ -232,6 +254,7 @@ impl PyBlockManager {
 
     /// Admits `seq_id` with its prompt; returns `(cached_tokens, new_blocks, num_blocks)`.
     #[pyo3(signature = (seq_id, token_ids, cache_salt=None, adapter_id=None, mm_inputs=None, extra_keys=None))]
+    #[allow(clippy::too_many_arguments)]
     fn admit(
         &mut self,
         py: Python<'_>,
@@ -250,7 +273,12 @@ impl PyBlockManager {
                 None => inner.admit(id, toks),
                 Some(k) => inner.admit_with(id, toks, k),
             };
-            let r = if toks.len() >= DETACH_MIN { py.detach(run) } else { run() }.py()?;
+            let r = if toks.len() >= DETACH_MIN {
+                py.detach(run)
+            } else {
+                run()
+            }
+            .py()?;
             Ok((r.cached_tokens, r.new_blocks, r.num_blocks))
         })
     }
@@ -266,7 +294,12 @@ impl PyBlockManager {
         let inner = &mut self.inner;
         with_ids("token_ids", token_ids, &mut self.tokens, |toks| {
             let mut run = move || inner.append(id, toks);
-            if toks.len() >= DETACH_MIN { py.detach(run) } else { run() }.py()
+            if toks.len() >= DETACH_MIN {
+                py.detach(run)
+            } else {
+                run()
+            }
+            .py()
         })
     }
 
@@ -281,7 +314,12 @@ impl PyBlockManager {
         with_ids("seq_ids", seq_ids, &mut self.seqs, |seqs| {
             with_ids("token_ids", token_ids, tokens, |toks| {
                 let mut run = move || inner.append_batch(seqs, toks);
-                if seqs.len() >= DETACH_MIN { py.detach(run) } else { run() }.py()
+                if seqs.len() >= DETACH_MIN {
+                    py.detach(run)
+                } else {
+                    run()
+                }
+                .py()
             })
         })
     }
@@ -297,7 +335,10 @@ impl PyBlockManager {
         let id = seq("seq_id", seq_id)?;
         let inner = &mut self.inner;
         // Freeing walks the whole table, so a long sequence is worth releasing the GIL for.
-        let long = inner.block_table(id).map(|t| t.len() >= DETACH_MIN).unwrap_or(false);
+        let long = inner
+            .block_table(id)
+            .map(|t| t.len() >= DETACH_MIN)
+            .unwrap_or(false);
         let mut run = move || inner.free(id);
         if long { py.detach(run) } else { run() }.py()
     }
@@ -324,7 +365,11 @@ impl PyBlockManager {
     }
 
     /// A live sequence's block table, as a list of block ids.
-    fn block_table<'py>(&self, py: Python<'py>, seq_id: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
+    fn block_table<'py>(
+        &self,
+        py: Python<'py>,
+        seq_id: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
         let table = self.inner.block_table(seq("seq_id", seq_id)?).py()?;
         PyList::new(py, table)
     }
@@ -388,7 +433,10 @@ impl PyBlockManager {
             copies: raw_buffer("copies", copies)?,
         };
         let bufs = RegisteredBuffers::new(layout, raw).py()?;
-        self.registered = Some(Registered { bufs, _keepalive: keepalive.unbind() });
+        self.registered = Some(Registered {
+            bufs,
+            _keepalive: keepalive.unbind(),
+        });
         Ok(())
     }
 
@@ -418,8 +466,19 @@ impl PyBlockManager {
                 // `StepBuffers` (do not refill while a copy from it is in flight).
                 let mut out = unsafe { reg.bufs.as_step_buffers() };
                 let mut run = move || inner.build_step(seqs, n, &mut out);
-                let info = if seqs.len() >= DETACH_MIN { py.detach(run) } else { run() }.py()?;
-                Ok((info.num_seqs, info.num_tokens, info.num_kv_indices, info.num_copies, info.max_seq_len))
+                let info = if seqs.len() >= DETACH_MIN {
+                    py.detach(run)
+                } else {
+                    run()
+                }
+                .py()?;
+                Ok((
+                    info.num_seqs,
+                    info.num_tokens,
+                    info.num_kv_indices,
+                    info.num_copies,
+                    info.max_seq_len,
+                ))
             };
             if num_new_tokens.is_instance_of::<PyInt>() {
                 // One count for every sequence (a decode step): broadcast it.
@@ -429,7 +488,9 @@ impl PyBlockManager {
                 run_with(py, counts)
             } else {
                 let mut local = std::mem::take(counts);
-                let r = with_ids("num_new_tokens", num_new_tokens, &mut local, |n| run_with(py, n));
+                let r = with_ids("num_new_tokens", num_new_tokens, &mut local, |n| {
+                    run_with(py, n)
+                });
                 *counts = local;
                 r
             }
@@ -439,18 +500,28 @@ impl PyBlockManager {
     /// The prefix hash of each block of a live sequence's table, 16 little-endian bytes, or None
     /// for a block not (yet) in the prefix cache (a partial tail, or before the step that
     /// registers it).
-    fn block_hashes<'py>(&self, py: Python<'py>, seq_id: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
+    fn block_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        seq_id: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
         let table = self.inner.block_table(seq("seq_id", seq_id)?).py()?;
         let items: Vec<Option<Bound<'py, PyBytes>>> = table
             .iter()
-            .map(|&b| self.inner.block_hash(b).map(|h| PyBytes::new(py, &h.to_le_bytes())))
+            .map(|&b| {
+                self.inner
+                    .block_hash(b)
+                    .map(|h| PyBytes::new(py, &h.to_le_bytes()))
+            })
             .collect();
         PyList::new(py, items)
     }
 
     /// Reference count of a block (InvalidBlockError outside the pool).
     fn block_refcount(&self, block: &Bound<'_, PyAny>) -> PyResult<u32> {
-        self.inner.block_refcount(scalar::<u32>("block", block)?).py()
+        self.inner
+            .block_refcount(scalar::<u32>("block", block)?)
+            .py()
     }
 
     /// Copy-on-write copies queued for the next step, as `(src, dst)` block pairs.
@@ -493,5 +564,8 @@ pub fn hash_blocks<'py>(
         keys.validate(toks.len()).py()?;
         Ok(py.detach(|| pagedkv::hash::prompt_hashes(toks, b as usize, &keys)))
     })?;
-    PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, &h.to_le_bytes())))
+    PyList::new(
+        py,
+        hashes.iter().map(|h| PyBytes::new(py, &h.to_le_bytes())),
+    )
 }
