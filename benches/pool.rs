@@ -138,8 +138,19 @@ fn contended(c: &mut Criterion) {
     g.finish();
 }
 
+fn atomic_floor(c: &mut Criterion) {
+    let mut g = c.benchmark_group("atomic_floor");
+    g.throughput(Throughput::Elements(1));
+    let word = std::sync::atomic::AtomicU64::new(0);
+    g.bench_function("fetch_add", |b| {
+        b.iter(|| black_box(&word).fetch_add(1, std::sync::atomic::Ordering::AcqRel))
+    });
+    g.finish();
+}
+
 criterion_group!(
     benches,
+    atomic_floor,
     alloc_free_one,
     alloc_free_256,
     freelist_pop_push,
