@@ -1,0 +1,334 @@
+//! Random operation sequences against a plain model (sequence id → token ids).
+//!
+//! Besides the manager's own invariants after every operation, the test simulates the KV memory
+//! the manager describes: every step applies the emitted copies, then writes each new token's
+//! "KV" (a fingerprint of the sequence's salt and tokens up to that position) to the slot the step
+//! mapped it to. After every step, each computed position of every sequence must read back its own
+//! fingerprint through the sequence's block table. That checks, end to end, that prefix hits hand
+//! out blocks holding exactly the right content, that copy-on-write keeps forks apart, and that no
+//! write ever lands in a block another sequence still reads.
+
+use std::collections::HashMap;
+
+use pagedkv::manager::{BlockManager, ManagerConfig};
+use pagedkv::step::{OwnedStepBuffers, StepLayout};
+use pagedkv::table::blocks_for;
+use pagedkv::{hash::SeqKeys, Error, SeqId};
+use proptest::prelude::*;
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Prompt: the first `len` tokens of family `family` (shared prefixes), with position `fork_at`
+    /// changed when `fork_at < len` so families also diverge mid-block.
+    Admit { seq: SeqId, family: u32, len: usize, fork_at: usize, salt: u8 },
+    Append { seq: SeqId, toks: Vec<u32> },
+    AppendBatch { seqs: Vec<SeqId>, tok: u32 },
+    Free { seq: SeqId },
+    Fork { parent: SeqId, child: SeqId },
+    /// Step the live sequences whose bit is set and that have uncomputed tokens.
+    Step { mask: u16 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let seq = 0u64..6;
+    prop_oneof![
+        4 => (seq.clone(), 0u32..3, 1usize..24, 0usize..40, 0u8..2)
+            .prop_map(|(seq, family, len, fork_at, salt)| Op::Admit { seq, family, len, fork_at, salt }),
+        3 => (seq.clone(), prop::collection::vec(0u32..5, 1..7)).prop_map(|(seq, toks)| Op::Append { seq, toks }),
+        3 => (prop::collection::vec(0u64..6, 0..5), 0u32..5).prop_map(|(seqs, tok)| Op::AppendBatch { seqs, tok }),
+        2 => seq.clone().prop_map(|seq| Op::Free { seq }),
+        3 => (seq.clone(), seq).prop_map(|(parent, child)| Op::Fork { parent, child }),
+        4 => any::<u16>().prop_map(|mask| Op::Step { mask }),
+    ]
+}
+
+#[derive(Debug, Clone)]
+struct ModelSeq {
+    tokens: Vec<u32>,
+    salt: u8,
+    /// Tokens whose KV has been written (or was served from the cache).
+    computed: usize,
+}
+
+/// Fingerprint of "the KV of position `p`": depends on the salt and tokens `0..=p`.
+fn fingerprints(s: &ModelSeq) -> Vec<u64> {
+    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ s.salt as u64;
+    s.tokens
+        .iter()
+        .map(|&t| {
+            h = (h ^ t as u64).wrapping_mul(0x0100_0000_01b3).rotate_left(17);
+            h
+        })
+        .collect()
+}
+
+struct Harness {
+    m: BlockManager,
+    model: HashMap<SeqId, ModelSeq>,
+    kv: Vec<Option<u64>>,
+    bs: usize,
+    ob: OwnedStepBuffers,
+}
+
+type Snap = (Vec<(SeqId, usize, Vec<u32>)>, usize, Vec<(u32, u32)>, Vec<u32>);
+
+impl Harness {
+    fn snapshot(&self) -> Snap {
+        let mut seqs: Vec<_> = self
+            .m
+            .seq_ids()
+            .map(|s| (s, self.m.seq_len(s).unwrap(), self.m.block_table(s).unwrap().to_vec()))
+            .collect();
+        seqs.sort();
+        let rc = (0..self.m.config().num_blocks).map(|b| self.m.block_refcount(b).unwrap()).collect();
+        (seqs, self.m.num_free_blocks(), self.m.pending_copies().to_vec(), rc)
+    }
+
+    fn check_tables(&self) {
+        assert_eq!(self.m.num_seqs(), self.model.len());
+        for (&id, ms) in &self.model {
+            assert_eq!(self.m.seq_len(id).unwrap(), ms.tokens.len());
+            let t = self.m.block_table(id).unwrap();
+            assert_eq!(t.len(), blocks_for(ms.tokens.len(), self.bs));
+            let mut sorted = t.to_vec();
+            sorted.sort();
+            sorted.dedup();
+            assert_eq!(sorted.len(), t.len(), "a table maps two positions to one slot");
+            for &b in t {
+                assert!(self.m.block_refcount(b).unwrap() >= 1, "table holds unowned block {b}");
+            }
+        }
+    }
+
+    fn check_kv(&self) {
+        for (&id, ms) in &self.model {
+            let t = self.m.block_table(id).unwrap();
+            let fp = fingerprints(ms);
+            for p in 0..ms.computed {
+                let slot = t[p / self.bs] as usize * self.bs + p % self.bs;
+                assert_eq!(self.kv[slot], Some(fp[p]), "seq {id} position {p} reads the wrong KV");
+            }
+        }
+    }
+
+    fn apply(&mut self, op: &Op) {
+        let before = self.snapshot();
+        let res: Result<(), Error> = match op.clone() {
+            Op::Admit { seq, family, len, fork_at, salt } => {
+                let mut toks: Vec<u32> = (0..len as u32).map(|i| 100 + family * 1000 + i).collect();
+                if fork_at < len {
+                    toks[fork_at] = 7;
+                }
+                let keys = SeqKeys { cache_salt: vec![salt; salt as usize], ..Default::default() };
+                let could = self.m.can_admit(len);
+                let dup = self.model.contains_key(&seq);
+                match self.m.admit_with(seq, &toks, &keys) {
+                    Ok(r) => {
+                        assert!(!dup);
+                        let nb = blocks_for(len, self.bs) as u32;
+                        assert_eq!(r.num_blocks, nb);
+                        assert_eq!(r.cached_tokens as usize % self.bs, 0);
+                        assert!((r.cached_tokens as usize) < len);
+                        assert_eq!(r.new_blocks + r.cached_tokens / self.bs as u32, nb);
+                        if !self.m.config().enable_prefix_caching {
+                            assert_eq!(r.cached_tokens, 0);
+                        }
+                        self.model.insert(seq, ModelSeq { tokens: toks, salt, computed: r.cached_tokens as usize });
+                        Ok(())
+                    }
+                    Err(e) => {
+                        assert!(!could || dup, "can_admit said yes, admit said {e:?}");
+                        if dup {
+                            assert_eq!(e, Error::DuplicateSequence { seq_id: seq });
+                        } else {
+                            assert!(matches!(
+                                e,
+                                Error::OutOfBlocks { .. } | Error::WatermarkReached { .. } | Error::SequenceTooLong { .. }
+                            ));
+                        }
+                        Err(e)
+                    }
+                }
+            }
+            Op::Append { seq, toks } => {
+                let expect = self.model.get(&seq).map(|ms| {
+                    let len = ms.tokens.len();
+                    let t = self.m.block_table(seq).unwrap();
+                    let grow = blocks_for(len + toks.len(), self.bs) - t.len();
+                    let cow = len % self.bs != 0 && self.m.block_refcount(*t.last().unwrap()).unwrap() > 1;
+                    let fits = blocks_for(len + toks.len(), self.bs) <= self.m.config().max_blocks_per_seq as usize;
+                    fits && grow + cow as usize <= self.m.num_free_blocks()
+                });
+                let r = self.m.append(seq, &toks);
+                match expect {
+                    None => assert_eq!(r, Err(Error::UnknownSequence { seq_id: seq })),
+                    Some(ok) => assert_eq!(r.is_ok(), ok, "append predicted {ok}, got {r:?}"),
+                }
+                if r.is_ok() {
+                    self.model.get_mut(&seq).unwrap().tokens.extend_from_slice(&toks);
+                }
+                r
+            }
+            Op::AppendBatch { seqs, tok } => {
+                let toks = vec![tok; seqs.len()];
+                let r = self.m.append_batch(&seqs, &toks);
+                let mut uniq = seqs.clone();
+                uniq.sort();
+                uniq.dedup();
+                let all_known = seqs.iter().all(|s| self.model.contains_key(s));
+                match &r {
+                    Ok(()) => {
+                        assert!(all_known && uniq.len() == seqs.len());
+                        for s in &seqs {
+                            self.model.get_mut(s).unwrap().tokens.push(tok);
+                        }
+                    }
+                    Err(Error::UnknownSequence { seq_id }) => assert!(!self.model.contains_key(seq_id)),
+                    Err(Error::InvalidArgument { what: "seqs", .. }) => assert!(uniq.len() < seqs.len()),
+                    Err(e) => assert!(
+                        matches!(e, Error::OutOfBlocks { .. } | Error::SequenceTooLong { .. }),
+                        "unexpected {e:?}"
+                    ),
+                }
+                r
+            }
+            Op::Free { seq } => {
+                let r = self.m.free(seq);
+                assert_eq!(r.is_ok(), self.model.remove(&seq).is_some());
+                r
+            }
+            Op::Fork { parent, child } => {
+                let r = self.m.fork(parent, child);
+                match (self.model.get(&parent).cloned(), self.model.contains_key(&child)) {
+                    (None, _) => assert_eq!(r, Err(Error::UnknownSequence { seq_id: parent })),
+                    (Some(_), true) => assert_eq!(r, Err(Error::DuplicateSequence { seq_id: child })),
+                    (Some(p), false) => {
+                        assert_eq!(r, Ok(()));
+                        self.model.insert(child, p);
+                    }
+                }
+                r
+            }
+            Op::Step { mask } => {
+                let mut seqs: Vec<SeqId> = self
+                    .model
+                    .iter()
+                    .filter(|(&s, ms)| mask & (1 << s) != 0 && ms.computed < ms.tokens.len())
+                    .map(|(&s, _)| s)
+                    .collect();
+                seqs.sort();
+                let n: Vec<u32> = seqs.iter().map(|s| (self.model[s].tokens.len() - self.model[s].computed) as u32).collect();
+                let copies_before = self.m.pending_copies().to_vec();
+                let info = self.m.build_step(&seqs, &n, &mut self.ob.view()).unwrap();
+                self.check_step_output(&seqs, &n, &info, &copies_before);
+                Ok(())
+            }
+        };
+        if res.is_err() {
+            assert_eq!(self.snapshot(), before, "{op:?} failed but changed the state");
+        }
+        self.m.check_invariants().unwrap();
+        self.check_tables();
+    }
+
+    fn check_step_output(&mut self, seqs: &[SeqId], n: &[u32], info: &pagedkv::step::StepInfo, copies: &[(u32, u32)]) {
+        let bs = self.bs;
+        let ob = &self.ob;
+        assert_eq!(info.num_seqs, seqs.len());
+        assert_eq!(info.num_copies, copies.len());
+        assert!(self.m.pending_copies().is_empty());
+        // Copies: distinct dsts, no dst is a src; applied together, before any write.
+        let dsts: std::collections::HashSet<u32> = copies.iter().map(|c| c.1).collect();
+        assert_eq!(dsts.len(), copies.len());
+        assert!(copies.iter().all(|c| !dsts.contains(&c.0)));
+        for (j, &(s, d)) in copies.iter().enumerate() {
+            assert_eq!((ob.copies[2 * j], ob.copies[2 * j + 1]), (s as i64, d as i64));
+        }
+        let snapshot = self.kv.clone();
+        for &(s, d) in copies {
+            for o in 0..bs {
+                self.kv[d as usize * bs + o] = snapshot[s as usize * bs + o];
+            }
+        }
+        let (mut tok, mut kv) = (0usize, 0usize);
+        assert_eq!(ob.query_start_loc[0], 0);
+        assert_eq!(ob.kv_indptr[0], 0);
+        let mut max_len = 0;
+        for (k, &s) in seqs.iter().enumerate() {
+            let ms = &self.model[&s];
+            let len = ms.tokens.len();
+            max_len = max_len.max(len);
+            let t = self.m.block_table(s).unwrap();
+            let fp = fingerprints(ms);
+            for (j, p) in (len - n[k] as usize..len).enumerate() {
+                let slot = ob.slot_mapping[tok + j];
+                assert_eq!(slot, t[p / bs] as i64 * bs as i64 + (p % bs) as i64);
+                self.kv[slot as usize] = Some(fp[p]);
+            }
+            tok += n[k] as usize;
+            assert_eq!(ob.query_start_loc[k + 1] as usize, tok);
+            assert_eq!(ob.seq_lens[k] as usize, len);
+            let stride = ob.block_table_stride;
+            let row: Vec<u32> = ob.block_tables[k * stride..k * stride + t.len()].iter().map(|&x| x as u32).collect();
+            assert_eq!(row, t);
+            let csr: Vec<u32> = ob.kv_indices[kv..kv + t.len()].iter().map(|&x| x as u32).collect();
+            assert_eq!(csr, t);
+            kv += t.len();
+            assert_eq!(ob.kv_indptr[k + 1] as usize, kv);
+            assert_eq!(ob.kv_last_page_len[k] as usize, (len - 1) % bs + 1);
+        }
+        assert_eq!((info.num_tokens, info.num_kv_indices, info.max_seq_len), (tok, kv, max_len));
+        for s in seqs {
+            let ms = self.model.get_mut(s).unwrap();
+            ms.computed = ms.tokens.len();
+        }
+        self.check_kv();
+    }
+}
+
+fn config() -> impl Strategy<Value = ManagerConfig> {
+    (4u32..40, 1u32..5, 0u32..3, any::<bool>(), any::<bool>(), 2u32..12).prop_map(
+        |(num_blocks, bs, wm, caching, verify, max_row)| {
+            let mut c = ManagerConfig::new(num_blocks, bs);
+            c.watermark_blocks = wm.min(num_blocks - 1);
+            c.enable_prefix_caching = caching;
+            c.verify_prefix = verify;
+            c.max_blocks_per_seq = max_row;
+            c
+        },
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn manager_matches_model(cfg in config(), ops in prop::collection::vec(op(), 1..100)) {
+        let bs = cfg.block_size as usize;
+        let layout = StepLayout {
+            max_seqs: 16,
+            max_tokens: 4096,
+            max_blocks_per_seq: cfg.max_blocks_per_seq as usize,
+            max_copies: 128,
+        };
+        let mut h = Harness {
+            kv: vec![None; cfg.num_blocks as usize * bs],
+            m: BlockManager::new(cfg).unwrap(),
+            model: HashMap::new(),
+            bs,
+            ob: OwnedStepBuffers::new(layout),
+        };
+        for op in &ops {
+            h.apply(op);
+        }
+        // Drain: step everything, free everything; nothing leaks.
+        let live: Vec<SeqId> = h.model.keys().copied().collect();
+        h.apply(&Op::Step { mask: live.iter().fold(0u16, |m, &s| m | 1 << s) });
+        for s in live {
+            h.apply(&Op::Free { seq: s });
+        }
+        h.apply(&Op::Step { mask: 0 });
+        prop_assert_eq!(h.m.num_free_blocks(), h.m.config().num_blocks as usize);
+        prop_assert_eq!(h.m.stats().used_blocks, 0);
+    }
+}
