@@ -252,6 +252,23 @@ mod tests {
         assert_eq!(h, vec![h0, xxh3_128(&m1)]);
     }
 
+    /// The worked examples of `docs/prefix-hash.md`.
+    #[test]
+    fn documented_examples() {
+        let toks: Vec<u32> = (0..32).collect();
+        assert_eq!(root_hash(b""), 0x17373e8bb86c0e3fa80fa12f801fdaa3);
+        assert_eq!(
+            prompt_hashes(&toks, 16, &SeqKeys::default()),
+            vec![0x846f03c33adbc3a09a21aa7a96a70675, 0xd6ca3f8c2714a7a70b43cfc3ce61e5b9]
+        );
+        let k = keys_full();
+        assert_eq!(root_hash(&k.cache_salt), 0x88bc3c45fdf78605820dbb52b727d4f8);
+        assert_eq!(
+            prompt_hashes(&toks, 16, &k),
+            vec![0x7983b125e65bbfcae8a9f779c2dcf3bd, 0xf8882f07985ce1ea3e0a947cf3861037]
+        );
+    }
+
     #[test]
     fn extra_records_layout() {
         let k = keys_full();
