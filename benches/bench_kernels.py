@@ -233,7 +233,7 @@ def bench_prefill(tune, nseq=8, q_len=2048, prefix=2048, q_heads=32, kv_heads=8,
               f"{fl / e / 1e6:6.1f} TFLOP/s" + (f" | err {err:.2e}" if fn is run else ""), flush=True)
     if tune:
         best = None
-        # The earlier sweep (docs/kernels.md) settled on packed 256x64, 8 warps, 3 stages; recheck
+        # Earlier sweeps (docs/kernels.md) settled on packed 256x128, 8 warps, 2 stages; recheck
         # its neighbourhood.
         for pack, bm, bn, w, st in [
             (True, 256, 64, 8, 3), (True, 256, 64, 8, 2), (True, 256, 32, 8, 3),
