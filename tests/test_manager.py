@@ -759,3 +759,41 @@ def test_numpy_integer_scalars_as_single_values() -> None:
     assert info.num_tokens == 2
     info = m.step([1], [3])
     assert info.num_tokens == 3
+
+
+def test_one_manager_shared_by_threads_stays_consistent() -> None:
+    """Batch calls release the GIL; a second thread entering the same manager meanwhile must get
+    a clean RuntimeError (the object is borrowed), never a corrupted state."""
+    import threading
+
+    m, _ = manager_with_buffers(
+        num_blocks=4096, block_size=16, max_seqs=64, max_tokens=64, max_blocks_per_seq=64
+    )
+    seqs = np.arange(64, dtype=np.int64)
+    for s in seqs:
+        m.admit(int(s), [1])
+    ok = [0, 0]
+    refused = [0, 0]
+
+    def worker(k: int) -> None:
+        toks = np.full(64, k, dtype=np.int64)
+        for _ in range(300):
+            try:
+                m.append_batch(seqs, toks)
+                ok[k] += 1
+            except RuntimeError as e:
+                assert "borrow" in str(e).lower(), e
+                refused[k] += 1
+            try:
+                m.step(seqs, 1)
+            except RuntimeError as e:
+                assert "borrow" in str(e).lower(), e
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    m.check_invariants()
+    assert all(m.seq_len(int(s)) == 1 + sum(ok) for s in seqs)
+    assert sum(ok) + sum(refused) == 600

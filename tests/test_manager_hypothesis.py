@@ -244,11 +244,11 @@ class ManagerMachine(RuleBasedStateMachine):
             err = E.InvalidArgumentError
         else:
             needed = 0
-            for sid in seqs:
-                s = self.seqs.get(sid)
-                if s is None:
-                    err = E.UnknownSequenceError
-                    break
+            # Every id is resolved before any length is looked at.
+            if any(sid not in self.seqs for sid in seqs):
+                err = E.UnknownSequenceError
+            for sid in seqs if err is None else ():
+                s = self.seqs[sid]
                 if len(s.tokens) % self.B == 0:
                     if len(s.tokens) // self.B + 1 > self.maxb:
                         err = E.SequenceTooLongError

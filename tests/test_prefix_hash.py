@@ -1,7 +1,7 @@
 """The chained prefix hash, reimplemented in Python from its written specification.
 
 An independent implementation with the ``xxhash`` package must reproduce the core's hashes bit for
-bit (``docs/prefix-hash.md``; the same layout is summarised in ``rust/core/src/hash.rs``):
+bit, including the worked examples of ``docs/prefix-hash.md``, which specifies it:
 
     h_{-1} = XXH3-128( b"pagedkv/prefix/v1" ‖ u32le(len(salt)) ‖ salt )
     h_i    = XXH3-128( u128le(h_{i-1}) ‖ u32le(token) × B ‖ extra_i )
@@ -53,6 +53,22 @@ def reference_hashes(
         prev = xxhash.xxh3_128_intdigest(bytes(msg))
         out.append(prev.to_bytes(16, "little"))
     return out
+
+
+# The worked examples of docs/prefix-hash.md, as u128le bytes: block size 16, tokens 0..31.
+DOC_NO_KEYS = ["7506a7967aaa219aa0c3db3ac3036f84", "b9e561cec3cf430ba7a714278c3fcad6"]
+DOC_ALL_KEYS = ["bdf3dcc279f7a9e8cabf5be625b18379", "371086f37c940a3eeae15c98072f88f8"]
+DOC_KEYS = dict(
+    cache_salt=b"tenant-a", adapter_id=7, mm_inputs=[(4, 20, b"\xab" * 16)], extra_keys=b"x"
+)
+
+
+def test_documented_examples() -> None:
+    toks = list(range(32))
+    for got in (reference_hashes(toks, 16), _core.hash_blocks(toks, 16)):
+        assert [h.hex() for h in got] == DOC_NO_KEYS
+    for got in (reference_hashes(toks, 16, **DOC_KEYS), _core.hash_blocks(toks, 16, **DOC_KEYS)):
+        assert [h.hex() for h in got] == DOC_ALL_KEYS
 
 
 def test_plain_chain() -> None:
