@@ -12,11 +12,16 @@ Cases:
 - ``decode_step_256``: one decode step of 256 sequences — ``append_batch`` of 256 tokens followed
   by ``step`` into registered host buffers (slot mapping, block tables, CSR page table).
 - ``append_batch_256`` / ``step_256``: the two halves of that step on their own.
+- ``decode_step_256_nocsr``: the decode step with buffers that skip the FlashInfer CSR page table
+  (``StepBuffers(..., csr=False)``).
 - ``admit_4096``: admission of a 4096-token prompt (int64 numpy array) and its ``free``; no prefix
   hit (blocks enter the prefix cache only at step time, and none runs here).
 - ``admit_4096_uint32``: the same with a uint32 array (read in place, no conversion).
 - ``admit_4096_cached``: admission of a 4096-token prompt whose blocks are all cached (255 of 256
   blocks shared from the prefix cache, revived from the cached-free LRU) and its ``free``.
+- ``to_device_256`` (only with CUDA): ``StepBuffers.to_device`` after a 256-sequence decode step —
+  the used prefix of each pinned host tensor copied asynchronously into its device mirror; a
+  batch ends with one ``torch.cuda.synchronize()``.
 - ``seq_len``: a trivial query through the Python wrapper (per-call overhead);
   ``core_seq_len``: the same call on the extension object directly.
 """
@@ -71,10 +76,10 @@ def timed(
     }
 
 
-def bench_decode(batches: int) -> list[dict]:
+def bench_decode(batches: int, csr: bool = True) -> list[dict]:
     max_blocks = (PROMPT + DECODE_ITERS) // BLOCK + 2
     m = BlockManager(BATCH_SEQS * max_blocks + 64, BLOCK, max_blocks_per_seq=max_blocks)
-    bufs = StepBuffers(BATCH_SEQS, BATCH_SEQS * 4, max_blocks, device="cpu")
+    bufs = StepBuffers(BATCH_SEQS, BATCH_SEQS * 4, max_blocks, device="cpu", csr=csr)
     m.attach_buffers(bufs)
     seqs = np.arange(BATCH_SEQS, dtype=np.int64)
     rng = np.random.default_rng(0)
@@ -108,6 +113,10 @@ def bench_decode(batches: int) -> list[dict]:
         for _ in range(n):
             st(seqs, 1)
 
+    if not csr:
+        out = [timed("decode_step_256_nocsr", decode, DECODE_ITERS, batches, reset)]
+        m.check_invariants()
+        return out
     out = [
         timed("decode_step_256", decode, DECODE_ITERS, batches, reset),
         timed("append_batch_256", append_only, DECODE_ITERS, batches, reset),
@@ -115,6 +124,30 @@ def bench_decode(batches: int) -> list[dict]:
     ]
     m.check_invariants()
     return out
+
+
+def bench_to_device(batches: int) -> list[dict]:
+    """Host-side cost of `StepBuffers.to_device` after a 256-sequence decode step (CUDA only)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    max_blocks = PROMPT // BLOCK + 2
+    m = BlockManager(BATCH_SEQS * max_blocks + 64, BLOCK, max_blocks_per_seq=max_blocks)
+    bufs = StepBuffers(BATCH_SEQS, BATCH_SEQS * 4, max_blocks)
+    m.attach_buffers(bufs)
+    seqs = np.arange(BATCH_SEQS, dtype=np.int64)
+    for s in range(BATCH_SEQS):
+        m.admit(s, np.arange(PROMPT, dtype=np.int64) + s * PROMPT)
+    info = m.step(seqs, 1)
+
+    def copy(n: int) -> None:
+        td = bufs.to_device
+        for _ in range(n):
+            td(info)
+        torch.cuda.synchronize()
+
+    return [timed("to_device_256", copy, 200, batches)]
 
 
 def bench_admit(batches: int) -> list[dict]:
@@ -181,7 +214,7 @@ def bench_overhead(batches: int) -> list[dict]:
     ]
 
 
-TARGETS = {"decode_step_256": 10.0, "admit_4096": 5.0}
+TARGETS = {"decode_step_256": 10.0, "decode_step_256_nocsr": 10.0, "admit_4096": 5.0}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -192,7 +225,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     batches = 5 if args.quick else args.batches
 
-    results = bench_decode(batches) + bench_admit(batches) + bench_overhead(batches)
+    results = (
+        bench_decode(batches)
+        + bench_decode(batches, csr=False)
+        + bench_admit(batches)
+        + bench_overhead(batches)
+        + bench_to_device(batches)
+    )
     print(f"{'case':<20} {'median µs':>10} {'p10':>8} {'p90':>8} {'target µs':>10}")
     for r in results:
         t = TARGETS.get(r["name"])

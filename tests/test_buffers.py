@@ -230,3 +230,19 @@ def test_pinned_host_and_stable_device_mirrors() -> None:
         assert {n: t.data_ptr() for n, t in b.device.items()} == ptrs
         m.append_batch([0, 1, 2], [step, step, step])
         info = m.step([0, 1, 2], 1)
+
+
+def test_without_csr_the_page_table_is_skipped() -> None:
+    m = BlockManager(32, 4, watermark_blocks=0)
+    b = StepBuffers(2, 16, m.max_blocks_per_seq, device="cpu", csr=False)
+    for name in ("kv_indptr", "kv_indices", "kv_last_page_len"):
+        assert getattr(b.host, name).numel() == 0
+    m.attach_buffers(b)
+    m.admit(1, list(range(6)))
+    info = m.step([1], 6)
+    assert info.num_kv_indices == 0 and info.num_tokens == 6
+    table = m.block_table(1)
+    assert b.host.slot_mapping[:6].tolist() == [table[p // 4] * 4 + p % 4 for p in range(6)]
+    assert b.host.block_tables[0, :2].tolist() == table
+    v = b.to_device(info)
+    assert v.kv_indices.numel() == 0 and v.kv_indptr.numel() == 0

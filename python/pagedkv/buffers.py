@@ -1,19 +1,15 @@
 """Step buffers: the host tensors the manager fills each step, and their device mirrors.
 
-Owns the memory that carries one scheduler step's bookkeeping to the GPU:
+Owns the memory that carries one scheduler step's bookkeeping to the GPU (``B`` is the block size):
 
-===================  =======  ===============================  =======================================
-field                dtype    shape                            meaning
-===================  =======  ===============================  =======================================
-``slot_mapping``     int64    ``[max_tokens]``                 ``table[p // B] * B + p % B`` per new token
-``block_tables``     int32    ``[max_seqs, max_blocks_per_seq]``  one row per sequence, batch order
-``seq_lens``         int32    ``[max_seqs]``                   tokens per sequence, new ones included
-``query_start_loc``  int32    ``[max_seqs + 1]``               prefix sums of new tokens per sequence
-``kv_indptr``        int32    ``[max_seqs + 1]``               FlashInfer CSR page table: row offsets
-``kv_indices``       int32    ``[max_seqs * max_blocks_per_seq]``  FlashInfer CSR page table: block ids
-``kv_last_page_len`` int32    ``[max_seqs]``                   tokens in each sequence's last block
-``copies``           int64    ``[max_copies, 2]``              pending copy-on-write ``(src, dst)`` pairs
-===================  =======  ===============================  =======================================
+- ``slot_mapping`` int64 ``[max_tokens]``: ``table[p // B] * B + p % B`` for each new token ``p``;
+- ``block_tables`` int32 ``[max_seqs, max_blocks_per_seq]``: one row per sequence, batch order;
+- ``seq_lens`` int32 ``[max_seqs]``: tokens per sequence, new ones included;
+- ``query_start_loc`` int32 ``[max_seqs + 1]``: prefix sums of the new tokens per sequence;
+- ``kv_indptr`` int32 ``[max_seqs + 1]``, ``kv_indices`` int32 ``[max_seqs * max_blocks_per_seq]``,
+  ``kv_last_page_len`` int32 ``[max_seqs]``: the FlashInfer CSR page table (row offsets, block ids,
+  tokens in each last block); optional (``csr=False`` leaves the three empty and unwritten);
+- ``copies`` int64 ``[max_copies, 2]``: pending copy-on-write ``(src, dst)`` block pairs.
 
 Invariants:
 
@@ -116,6 +112,10 @@ class StepBuffers:
             (each sequence copies at most its tail block per step).
         device: Where the mirrors live. ``None`` picks ``"cuda"`` when available and otherwise keeps
             no mirror; ``"cpu"`` also keeps none (the mirrors are the host tensors).
+        csr: Allocate the FlashInfer CSR page table (``kv_indptr``, ``kv_indices``,
+            ``kv_last_page_len``). Without it those three tensors are empty and each step skips
+            writing them (about half of what a decode step writes); kernels that read the block
+            tables do not need them.
 
     Raises:
         InvalidArgumentError: A size is not a positive int (``max_copies`` may be 0).
@@ -129,6 +129,7 @@ class StepBuffers:
         *,
         max_copies: Optional[int] = None,
         device: Union[str, torch.device, None] = None,
+        csr: bool = True,
     ) -> None:
         self.max_seqs = _check_dim("max_seqs", max_seqs, 1)
         self.max_tokens = _check_dim("max_tokens", max_tokens, 1)
@@ -136,6 +137,7 @@ class StepBuffers:
         self.max_copies = _check_dim(
             "max_copies", max_seqs if max_copies is None else max_copies, 0
         )
+        self.csr = bool(csr)
 
         cuda = torch.cuda.is_available()
         if device is None:
@@ -170,14 +172,15 @@ class StepBuffers:
 
     def _shapes(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         s, b = self.max_seqs, self.max_blocks_per_seq
+        c = 1 if self.csr else 0
         return {
             "slot_mapping": (torch.int64, (self.max_tokens,)),
             "block_tables": (torch.int32, (s, b)),
             "seq_lens": (torch.int32, (s,)),
             "query_start_loc": (torch.int32, (s + 1,)),
-            "kv_indptr": (torch.int32, (s + 1,)),
-            "kv_indices": (torch.int32, (s * b,)),
-            "kv_last_page_len": (torch.int32, (s,)),
+            "kv_indptr": (torch.int32, (c * (s + 1),)),
+            "kv_indices": (torch.int32, (c * s * b,)),
+            "kv_last_page_len": (torch.int32, (c * s,)),
             "copies": (torch.int64, (self.max_copies, 2)),
         }
 
@@ -248,6 +251,6 @@ class StepBuffers:
         return (
             f"StepBuffers(max_seqs={self.max_seqs}, max_tokens={self.max_tokens}, "
             f"max_blocks_per_seq={self.max_blocks_per_seq}, max_copies={self.max_copies}, "
-            f"device={str(self.mirror_device)!r}, pinned={self.pinned})"
+            f"device={str(self.mirror_device)!r}, pinned={self.pinned}, csr={self.csr})"
         )
 
