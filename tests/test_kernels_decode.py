@@ -6,7 +6,6 @@ NaN and block-table columns past each sequence's blocks hold out-of-range garbag
 unwritten output or a read of a stale column fails.
 """
 
-import math
 import os
 
 import pytest

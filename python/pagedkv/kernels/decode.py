@@ -27,7 +27,6 @@ configuration depends only on shapes and host integers, so it can be captured in
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
