@@ -367,7 +367,7 @@ impl BlockManager {
     /// Whether the tail block of `s` is shared and about to be written (so must be copied first).
     #[inline]
     fn needs_cow(pool: &BlockPool, s: &Seq, bs: usize) -> Result<bool> {
-        if !s.tail_maybe_shared || s.table.num_tokens % bs == 0 {
+        if !s.tail_maybe_shared || s.table.num_tokens == s.table.blocks.len() * bs {
             return Ok(false);
         }
         let tail = *s.table.blocks.last().expect("a partial tail block exists");
@@ -439,8 +439,8 @@ impl BlockManager {
         for (k, &i) in idx.iter().enumerate() {
             let i = i as usize;
             let s = &self.slots[i];
-            let len = s.table.num_tokens;
-            if len % bs == 0 {
+            // Full tail (no division on the per-token path): a new block is needed.
+            if s.table.num_tokens == s.table.blocks.len() * bs {
                 match self.alloc_block() {
                     Ok(b) => self.slots[i].table.blocks.push(b),
                     Err(e) => {
@@ -516,12 +516,12 @@ impl BlockManager {
         let mut needed = 0usize;
         for (k, &i) in self.batch_idx.iter().enumerate() {
             let s = &self.slots[i as usize];
-            let len = s.table.num_tokens;
-            if len % bs == 0 {
-                if len / bs + 1 > max {
+            let nb = s.table.blocks.len();
+            if s.table.num_tokens == nb * bs {
+                if nb + 1 > max {
                     return Err(Error::SequenceTooLong {
                         seq_id: seqs[k],
-                        needed_blocks: len / bs + 1,
+                        needed_blocks: nb + 1,
                         max_blocks_per_seq: max,
                     });
                 }
@@ -561,6 +561,14 @@ impl BlockManager {
     /// Drops one reference to `b`, parking it (free list, LRU or deferred) when none remain.
     #[inline]
     fn drop_ref(&mut self, b: BlockId) -> Result<()> {
+        if self.pending.is_empty() && self.prefix.hash_of(b).is_none() {
+            // Not cached and no copy in flight: the pool decrements and releases in one step
+            // (one atomic read-modify-write fewer per block on the free path).
+            if !self.pool.free(b)? && self.pool.refcount(b)? == 1 {
+                self.shared_blocks -= 1;
+            }
+            return Ok(());
+        }
         match self.pool.decref(b)? {
             0 => self.unreferenced(b),
             1 => {
@@ -749,9 +757,11 @@ impl BlockManager {
             let blocks = s.table.blocks_i32();
             let nb = blocks.len();
             let dst = &mut out.slot_mapping[tok..tok + n];
+            // Tokens in the last block; the table holds exactly ceil(len / B) blocks, so this needs
+            // no division (a runtime-divisor `div` per sequence shows up in decode profiles).
+            let last_page = len - (nb - 1) * bs;
             if n == 1 {
-                let p = len - 1;
-                dst[0] = blocks[p / bs] as i64 * bs as i64 + (p % bs) as i64;
+                dst[0] = blocks[nb - 1] as i64 * bs as i64 + (last_page - 1) as i64;
             } else {
                 let mut p = len - n;
                 let mut w = 0;
@@ -774,7 +784,7 @@ impl BlockManager {
                 out.kv_indices[kv..kv + nb].copy_from_slice(blocks);
                 kv += nb;
                 out.kv_indptr[k + 1] = kv as i32;
-                out.kv_last_page_len[k] = ((len - 1) % bs + 1) as i32;
+                out.kv_last_page_len[k] = last_page as i32;
             }
         }
 
@@ -794,7 +804,8 @@ impl BlockManager {
         if self.caching {
             for &i in &idx {
                 let s = &mut self.slots[i as usize];
-                let full = s.table.num_tokens / bs;
+                let nb = s.table.blocks.len();
+                let full = if s.table.num_tokens == nb * bs { nb } else { nb - 1 };
                 if s.registered < full {
                     self.hasher.extend_chain(s.root, &s.tokens, bs, s.keys.as_deref(), &mut s.hashes);
                     for j in s.registered..full {
