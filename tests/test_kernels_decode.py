@@ -236,6 +236,11 @@ def test_validation_errors(mutate, exc, match):
 
 
 def test_validation_errors_are_value_and_type_errors():
+    from pagedkv.errors import PagedKVError
+
+    for cls in (K.KernelShapeError, K.KernelDeviceError, K.KernelLayoutError, K.KernelIndexError):
+        assert issubclass(cls, ValueError) and issubclass(cls, PagedKVError)
+    assert issubclass(K.KernelDTypeError, TypeError) and issubclass(K.KernelDTypeError, PagedKVError)
     q, kc, vc, bt, sl = _args()
     with pytest.raises(ValueError):
         K.paged_decode(q[:, :3], kc, vc, bt, sl)

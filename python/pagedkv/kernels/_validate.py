@@ -1,7 +1,8 @@
 """Argument checks shared by the kernel entry points.
 
-Owns the kernel error classes and the helpers that check a tensor's dtype, rank, shape, device and
-layout before anything is launched. Invariant: every public kernel function calls these first, so a
+Owns the kernel error classes (subclasses of `pagedkv.errors.PagedKVError` and of `ValueError` or
+`TypeError`) and the helpers that check a tensor's dtype, rank, shape, device and layout before
+anything is launched. Invariant: every public kernel function calls these first, so a
 bad argument raises here (naming the argument, the value found and the value expected) and no
 kernel ever runs on it; nothing is written before the checks pass.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+
+from ..errors import PagedKVError
 
 __all__ = [
     "KernelArgumentError",
@@ -25,7 +28,7 @@ __all__ = [
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-class KernelArgumentError(ValueError):
+class KernelArgumentError(PagedKVError, ValueError):
     """Base class: a kernel argument does not meet the function's contract."""
 
 
@@ -45,7 +48,7 @@ class KernelIndexError(KernelArgumentError):
     """An index (slot, block id, sequence length) is out of range (only raised by debug checks)."""
 
 
-class KernelDTypeError(TypeError):
+class KernelDTypeError(PagedKVError, TypeError):
     """A tensor has a dtype the kernel does not accept."""
 
 
