@@ -1,8 +1,11 @@
 //! Criterion benches of the block pool: the lock-free free list against the mutex baseline.
 //!
 //! Groups:
-//! - `alloc_free_one`: one thread, `allocate` then `free` of one block, per iteration.
-//! - `alloc_free_256`: one thread, `allocate_n(256)` then `free` of each of the 256 blocks.
+//! - `alloc_free_one`: one thread, `allocate` then `free` of one block, per iteration. The
+//!   `*_exclusive` entries use `allocate_mut` / `free_mut`, the `&mut self` variants a single
+//!   owner (the block manager) can call, which need no atomic read-modify-writes.
+//! - `alloc_free_256`: one thread, `allocate_n(256)` then `free` of each of the 256 blocks
+//!   (likewise with `_exclusive` entries).
 //! - `freelist_pop_push`: the free list alone (no reference counts), `pop` then `push`.
 //! - `contended`: two threads sharing one pool, each looping `allocate` + `free`.
 //!   Measured with `iter_custom`: for a sample of `iters` iterations, two threads are spawned,
@@ -45,8 +48,22 @@ fn alloc_free_one(c: &mut Criterion) {
             })
         });
     }
+    fn run_mut<F: FreeList>(
+        g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+        name: &str,
+    ) {
+        let mut pool = BlockPool::<F>::new(NUM_BLOCKS).unwrap();
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                let id = pool.allocate_mut().unwrap();
+                black_box(pool.free_mut(black_box(id)).unwrap())
+            })
+        });
+    }
     run::<LockFreeFreeList>(&mut g, "lock_free");
     run::<MutexFreeList>(&mut g, "mutex");
+    run_mut::<LockFreeFreeList>(&mut g, "lock_free_exclusive");
+    run_mut::<MutexFreeList>(&mut g, "mutex_exclusive");
     g.finish();
 }
 
@@ -69,8 +86,26 @@ fn alloc_free_256(c: &mut Criterion) {
             })
         });
     }
+    fn run_mut<F: FreeList>(
+        g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+        name: &str,
+    ) {
+        let mut pool = BlockPool::<F>::new(NUM_BLOCKS).unwrap();
+        let mut ids = Vec::with_capacity(BATCH);
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                ids.clear();
+                pool.allocate_n_mut(BATCH, &mut ids).unwrap();
+                for &id in black_box(&ids) {
+                    pool.free_mut(id).unwrap();
+                }
+            })
+        });
+    }
     run::<LockFreeFreeList>(&mut g, "lock_free");
     run::<MutexFreeList>(&mut g, "mutex");
+    run_mut::<LockFreeFreeList>(&mut g, "lock_free_exclusive");
+    run_mut::<MutexFreeList>(&mut g, "mutex_exclusive");
     g.finish();
 }
 

@@ -76,6 +76,25 @@ pub trait FreeList: Send + Sync {
     /// even a corrupted list cannot make it loop forever; the result may then hold duplicates or
     /// be cut short, which is exactly what an invariant check wants to see.
     fn free_ids(&self) -> Vec<BlockId>;
+
+    /// [`pop`](Self::pop) with exclusive access: `&mut self` proves no other thread is using
+    /// the list, so an implementation may use plain memory operations. Same result as `pop`.
+    #[inline]
+    fn pop_mut(&mut self) -> Option<BlockId> {
+        self.pop()
+    }
+
+    /// [`try_pop_n`](Self::try_pop_n) with exclusive access; same result.
+    #[inline]
+    fn try_pop_n_mut(&mut self, k: usize, out: &mut Vec<BlockId>) -> bool {
+        self.try_pop_n(k, out)
+    }
+
+    /// [`push`](Self::push) with exclusive access; same effect.
+    #[inline]
+    fn push_mut(&mut self, id: BlockId) {
+        self.push(id)
+    }
 }
 
 /// Index value meaning "no node": the empty stack, or the end of the chain.
@@ -378,6 +397,65 @@ impl FreeList for LockFreeFreeList {
         self.hot.count.fetch_add(1, Release);
     }
 
+    // The exclusive variants run the same protocol with plain loads and stores (loom's atomics
+    // have no `get_mut`, so under loom the trait's defaults take the atomic path). The tag still
+    // moves on every change, keeping "every change moves the tag" true for later shared use.
+
+    #[cfg(not(loom))]
+    #[inline]
+    fn pop_mut(&mut self) -> Option<BlockId> {
+        let count = self.hot.count.get_mut();
+        if *count == 0 {
+            return None;
+        }
+        let head = self.hot.head.get_mut();
+        let top = index_of(*head);
+        let below = *self.next.get_mut(top as usize)?.get_mut();
+        *head = pack(tag_of(*head).wrapping_add(1), below);
+        *count -= 1;
+        Some(top)
+    }
+
+    #[cfg(not(loom))]
+    fn try_pop_n_mut(&mut self, k: usize, out: &mut Vec<BlockId>) -> bool {
+        let count = self.hot.count.get_mut();
+        if k > *count {
+            return false;
+        }
+        out.reserve(k);
+        let head = self.hot.head.get_mut();
+        let mut node = index_of(*head);
+        let start = out.len();
+        for _ in 0..k {
+            match self.next.get_mut(node as usize) {
+                Some(n) => {
+                    out.push(node);
+                    node = *n.get_mut();
+                }
+                None => {
+                    // Unreachable while the count is exact; refuse rather than hand out less.
+                    out.truncate(start);
+                    return false;
+                }
+            }
+        }
+        *head = pack(tag_of(*head).wrapping_add(1), node);
+        *count -= k;
+        true
+    }
+
+    #[cfg(not(loom))]
+    #[inline]
+    fn push_mut(&mut self, id: BlockId) {
+        let Some(slot) = self.next.get_mut(id as usize) else {
+            return;
+        };
+        let head = self.hot.head.get_mut();
+        *slot.get_mut() = index_of(*head);
+        *head = pack(tag_of(*head).wrapping_add(1), id);
+        *self.hot.count.get_mut() += 1;
+    }
+
     fn free_ids(&self) -> Vec<BlockId> {
         let mut ids = Vec::with_capacity(self.len());
         let mut node = index_of(self.hot.head.load(Acquire));
@@ -407,6 +485,13 @@ impl MutexFreeList {
     #[inline]
     fn guard(&self) -> impl std::ops::DerefMut<Target = Vec<u32>> + '_ {
         self.ids.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The vector without locking: `&mut self` already excludes every other user.
+    #[cfg(not(loom))]
+    #[inline]
+    fn ids_mut(&mut self) -> &mut Vec<u32> {
+        self.ids.get_mut().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -455,6 +540,31 @@ impl FreeList for MutexFreeList {
 
     fn free_ids(&self) -> Vec<BlockId> {
         self.guard().iter().rev().copied().collect()
+    }
+
+    #[cfg(not(loom))]
+    #[inline]
+    fn pop_mut(&mut self) -> Option<BlockId> {
+        self.ids_mut().pop()
+    }
+
+    #[cfg(not(loom))]
+    fn try_pop_n_mut(&mut self, k: usize, out: &mut Vec<BlockId>) -> bool {
+        let ids = self.ids_mut();
+        if k > ids.len() {
+            return false;
+        }
+        let split = ids.len() - k;
+        out.extend(ids.drain(split..).rev());
+        true
+    }
+
+    #[cfg(not(loom))]
+    #[inline]
+    fn push_mut(&mut self, id: BlockId) {
+        if id < self.capacity {
+            self.ids_mut().push(id);
+        }
     }
 }
 
@@ -571,6 +681,71 @@ mod tests {
         assert_eq!(free.len() + held.len(), n as usize);
     }
 
+    /// The exclusive (`&mut`) operations give exactly what the shared ones give: two lists fed
+    /// the same random sequence, one through each, agree at every step, and mixing the two on
+    /// one list keeps it consistent.
+    fn exclusive_matches_shared<F: FreeList>() {
+        let n = 32u32;
+        let shared = F::with_capacity(n);
+        let mut excl = F::with_capacity(n);
+        let mut mixed = F::with_capacity(n);
+        let (mut held_s, mut held_e, mut held_m) = (Vec::new(), Vec::new(), Vec::new());
+        let mut state = 0x2545_f491_u32;
+        for step in 0..5_000 {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            let use_mut = step % 3 == 0;
+            match state % 3 {
+                0 => {
+                    let (a, b) = (shared.pop(), excl.pop_mut());
+                    let c = if use_mut {
+                        mixed.pop_mut()
+                    } else {
+                        mixed.pop()
+                    };
+                    assert_eq!(a, b);
+                    assert_eq!(a, c);
+                    held_s.extend(a);
+                    held_e.extend(b);
+                    held_m.extend(c);
+                }
+                1 => {
+                    let k = (state >> 8) as usize % 5;
+                    let a = shared.try_pop_n(k, &mut held_s);
+                    let b = excl.try_pop_n_mut(k, &mut held_e);
+                    let c = if use_mut {
+                        mixed.try_pop_n_mut(k, &mut held_m)
+                    } else {
+                        mixed.try_pop_n(k, &mut held_m)
+                    };
+                    assert_eq!((a, a), (b, c));
+                }
+                _ => {
+                    if !held_s.is_empty() {
+                        let i = (state >> 4) as usize % held_s.len();
+                        shared.push(held_s.swap_remove(i));
+                        excl.push_mut(held_e.swap_remove(i));
+                        let id = held_m.swap_remove(i);
+                        if use_mut {
+                            mixed.push_mut(id)
+                        } else {
+                            mixed.push(id)
+                        }
+                    }
+                }
+            }
+            assert_eq!(held_s, held_e);
+            assert_eq!(held_s, held_m);
+            assert_eq!(shared.len(), excl.len());
+            assert_eq!(shared.len(), mixed.len());
+        }
+        assert_eq!(shared.free_ids(), excl.free_ids());
+        assert_eq!(shared.free_ids(), mixed.free_ids());
+        excl.push_mut(n);
+        assert_eq!(excl.len(), shared.len());
+    }
+
     macro_rules! both {
         ($($name:ident),*) => {
             mod lock_free {
@@ -587,7 +762,8 @@ mod tests {
         all_or_nothing,
         ignores_out_of_range_push,
         empty_list,
-        many_cycles
+        many_cycles,
+        exclusive_matches_shared
     );
 
     #[test]

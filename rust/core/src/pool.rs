@@ -27,12 +27,79 @@ use loom::sync::atomic::AtomicU32;
 #[cfg(not(loom))]
 use std::sync::atomic::AtomicU32;
 
-use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed};
+use std::sync::atomic::Ordering::{self, AcqRel, Acquire, Relaxed};
 
 /// Count word of a block that is on the free list.
 const FREE: u32 = u32::MAX;
 /// Largest reference count a block can reach; one more `incref` is refused.
 pub const MAX_REFCOUNT: u32 = u32::MAX - 1;
+
+// The state transitions, one pure function each: given a block's current count word, the word
+// it moves to, or the error that refuses the move. The shared (`&self`, CAS loop) and the
+// exclusive (`&mut self`, plain store) methods both apply these, so they cannot drift apart.
+
+#[inline]
+fn incref_step(id: BlockId, c: u32) -> Result<u32> {
+    match c {
+        FREE => Err(invalid_block_state(
+            id,
+            "block is on the free list; allocate it instead".into(),
+        )),
+        MAX_REFCOUNT => Err(invalid_block_state(
+            id,
+            format!("refcount would exceed {MAX_REFCOUNT}"),
+        )),
+        c => Ok(c + 1),
+    }
+}
+
+#[inline]
+fn decref_step(id: BlockId, c: u32) -> Result<u32> {
+    match c {
+        0 | FREE => Err(Error::RefcountUnderflow { block: id }),
+        c => Ok(c - 1),
+    }
+}
+
+/// Like [`decref_step`], but the last reference goes straight to [`FREE`].
+#[inline]
+fn free_step(id: BlockId, c: u32) -> Result<u32> {
+    match c {
+        0 | FREE => Err(Error::RefcountUnderflow { block: id }),
+        1 => Ok(FREE),
+        c => Ok(c - 1),
+    }
+}
+
+#[inline]
+fn release_step(id: BlockId, c: u32) -> Result<u32> {
+    match c {
+        0 => Ok(FREE),
+        FREE => Err(Error::RefcountUnderflow { block: id }),
+        c => Err(invalid_block_state(
+            id,
+            format!("refcount is {c}; only a refcount-0 block can be released"),
+        )),
+    }
+}
+
+// Error construction is kept out of line, so the hot paths stay small.
+
+#[cold]
+#[inline(never)]
+fn invalid_block_state(id: BlockId, reason: String) -> Error {
+    Error::InvalidArgument {
+        what: "block",
+        value: id as i64,
+        reason,
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn out_of_blocks(needed: usize, available: usize) -> Error {
+    Error::OutOfBlocks { needed, available }
+}
 
 /// A fixed set of `num_blocks` blocks with per-block reference counts. `&self` everywhere;
 /// safe to share between threads.
@@ -83,10 +150,32 @@ impl<F: FreeList> BlockPool<F> {
 
     #[inline]
     fn word(&self, id: BlockId) -> Result<&AtomicU32> {
+        let num_blocks = self.num_blocks();
         self.counts.get(id as usize).ok_or(Error::InvalidBlock {
             block: id,
-            num_blocks: self.num_blocks(),
+            num_blocks,
         })
+    }
+
+    /// Applies `step` to the count word of `id` atomically (a CAS loop): the word changes only
+    /// if `step` accepts its current value, so a refused transition leaves it untouched.
+    /// Returns the new word. `success` is the ordering of the winning CAS.
+    #[inline]
+    fn update(
+        &self,
+        id: BlockId,
+        success: Ordering,
+        step: impl Fn(BlockId, u32) -> Result<u32>,
+    ) -> Result<u32> {
+        let w = self.word(id)?;
+        let mut c = w.load(Relaxed);
+        loop {
+            let new = step(id, c)?;
+            match w.compare_exchange_weak(c, new, success, Relaxed) {
+                Ok(_) => return Ok(new),
+                Err(actual) => c = actual,
+            }
+        }
     }
 
     /// Marks a block just taken off the free list as referenced once.
@@ -96,7 +185,7 @@ impl<F: FreeList> BlockPool<F> {
             debug_assert_eq!(
                 w.load(Relaxed),
                 FREE,
-                "block {id} came off the free list but was not free"
+                "block {id} left the free list while not free"
             );
             // Relaxed store: nobody else writes a FREE word (every other transition refuses to
             // start from FREE), and the free list's Release push / Acquire pop already order
@@ -113,10 +202,7 @@ impl<F: FreeList> BlockPool<F> {
                 self.claim(id);
                 Ok(id)
             }
-            None => Err(Error::OutOfBlocks {
-                needed: 1,
-                available: self.free.len(),
-            }),
+            None => Err(out_of_blocks(1, self.free.len())),
         }
     }
 
@@ -125,10 +211,7 @@ impl<F: FreeList> BlockPool<F> {
     pub fn allocate_n(&self, k: usize, out: &mut Vec<BlockId>) -> Result<()> {
         let start = out.len();
         if !self.free.try_pop_n(k, out) {
-            return Err(Error::OutOfBlocks {
-                needed: k,
-                available: self.free.len(),
-            });
+            return Err(out_of_blocks(k, self.free.len()));
         }
         for &id in &out[start..] {
             self.claim(id);
@@ -154,69 +237,29 @@ impl<F: FreeList> BlockPool<F> {
     /// at the same time) → `InvalidArgument`; so does a count already at [`MAX_REFCOUNT`].
     #[inline]
     pub fn incref(&self, id: BlockId) -> Result<u32> {
-        let w = self.word(id)?;
-        let mut c = w.load(Relaxed);
-        loop {
-            if c == FREE {
-                return Err(Error::InvalidArgument {
-                    what: "block",
-                    value: id as i64,
-                    reason: "block is on the free list; allocate it instead of incref".into(),
-                });
-            }
-            if c == MAX_REFCOUNT {
-                return Err(Error::InvalidArgument {
-                    what: "block",
-                    value: id as i64,
-                    reason: format!("refcount would exceed {MAX_REFCOUNT}"),
-                });
-            }
-            // Acquire on success: a revive (0 → 1) must see what the last holder wrote before
-            // its Release decref. For c ≥ 1 it is free on the platforms we target.
-            match w.compare_exchange_weak(c, c + 1, Acquire, Relaxed) {
-                Ok(_) => return Ok(c + 1),
-                Err(actual) => c = actual,
-            }
-        }
+        // Acquire: a revive (0 → 1) must see what the last holder wrote before its Release
+        // decref. For counts ≥ 1 it costs nothing extra on the platforms we target.
+        self.update(id, Acquire, incref_step)
     }
 
     /// Drops a reference and returns the new count; the block stays allocated even at 0.
     /// `RefcountUnderflow` if the count is already 0 or the block is free (a double free).
     #[inline]
     pub fn decref(&self, id: BlockId) -> Result<u32> {
-        let w = self.word(id)?;
-        let mut c = w.load(Relaxed);
-        loop {
-            if c == 0 || c == FREE {
-                return Err(Error::RefcountUnderflow { block: id });
-            }
-            // AcqRel: Release so this holder's writes are ordered before the drop; Acquire so
-            // the holder that reaches 0 (and may release next) sees every earlier holder's.
-            match w.compare_exchange_weak(c, c - 1, AcqRel, Relaxed) {
-                Ok(_) => return Ok(c - 1),
-                Err(actual) => c = actual,
-            }
-        }
+        // AcqRel: Release so this holder's writes are ordered before the drop; Acquire so the
+        // holder that reaches 0 (and may release next) sees every earlier holder's.
+        self.update(id, AcqRel, decref_step)
     }
 
     /// Puts an unreferenced (refcount-0) block back on the free list.
     /// `InvalidArgument` if it still has references; `RefcountUnderflow` if it is already free.
     #[inline]
     pub fn release(&self, id: BlockId) -> Result<()> {
-        let w = self.word(id)?;
-        // One CAS decides the race against a concurrent revive (incref 0 → 1): exactly one wins.
-        match w.compare_exchange(0, FREE, AcqRel, Relaxed) {
-            Ok(_) => {
-                self.free.push(id);
-                Ok(())
-            }
-            Err(FREE) => Err(Error::RefcountUnderflow { block: id }),
-            Err(c) => Err(Error::InvalidArgument {
-                what: "block",
-                value: id as i64,
-                reason: format!("refcount is {c}; only a refcount-0 block can be released"),
-            }),
-        }
+        // The CAS 0 → FREE decides the race against a concurrent revive (incref 0 → 1): exactly
+        // one of them wins. AcqRel as in `decref`; the push then publishes the block onwards.
+        self.update(id, AcqRel, release_step)?;
+        self.free.push(id);
+        Ok(())
     }
 
     /// Drops a reference and, if it was the last, puts the block back on the free list.
@@ -227,25 +270,120 @@ impl<F: FreeList> BlockPool<F> {
     /// between the decrement and the release.
     #[inline]
     pub fn free(&self, id: BlockId) -> Result<bool> {
-        let w = self.word(id)?;
-        let mut c = w.load(Relaxed);
-        loop {
-            if c == 0 || c == FREE {
-                return Err(Error::RefcountUnderflow { block: id });
-            }
-            let new = if c == 1 { FREE } else { c - 1 };
-            // AcqRel: as in `decref`; the push below then publishes the block to its next owner.
-            match w.compare_exchange_weak(c, new, AcqRel, Relaxed) {
-                Ok(_) => {
-                    if new == FREE {
-                        self.free.push(id);
-                        return Ok(true);
-                    }
-                    return Ok(false);
-                }
-                Err(actual) => c = actual,
-            }
+        // AcqRel: as in `decref`; the push below then publishes the block to its next owner.
+        let released = self.update(id, AcqRel, free_step)? == FREE;
+        if released {
+            self.free.push(id);
         }
+        Ok(released)
+    }
+
+    // Exclusive-access variants. `&mut self` proves no other thread can touch the pool, so
+    // these read and write the count words and the free list with plain memory operations
+    // instead of atomic read-modify-writes — the same transitions (the `*_step` functions), the
+    // same results and errors, several times cheaper. A single-owner caller such as the block
+    // manager should use them; the `&self` methods are for sharing the pool between threads.
+
+    /// [`allocate`](Self::allocate) with exclusive access.
+    #[inline]
+    pub fn allocate_mut(&mut self) -> Result<BlockId> {
+        match self.free.pop_mut() {
+            Some(id) => {
+                self.claim_mut(id);
+                Ok(id)
+            }
+            None => Err(out_of_blocks(1, self.free.len())),
+        }
+    }
+
+    /// [`allocate_n`](Self::allocate_n) with exclusive access.
+    pub fn allocate_n_mut(&mut self, k: usize, out: &mut Vec<BlockId>) -> Result<()> {
+        let start = out.len();
+        if !self.free.try_pop_n_mut(k, out) {
+            return Err(out_of_blocks(k, self.free.len()));
+        }
+        for &id in &out[start..] {
+            self.claim_mut(id);
+        }
+        Ok(())
+    }
+
+    /// [`incref`](Self::incref) with exclusive access.
+    #[inline]
+    pub fn incref_mut(&mut self, id: BlockId) -> Result<u32> {
+        self.update_mut(id, incref_step)
+    }
+
+    /// [`decref`](Self::decref) with exclusive access.
+    #[inline]
+    pub fn decref_mut(&mut self, id: BlockId) -> Result<u32> {
+        self.update_mut(id, decref_step)
+    }
+
+    /// [`release`](Self::release) with exclusive access.
+    #[inline]
+    pub fn release_mut(&mut self, id: BlockId) -> Result<()> {
+        self.update_mut(id, release_step)?;
+        self.free.push_mut(id);
+        Ok(())
+    }
+
+    /// [`free`](Self::free) with exclusive access.
+    #[inline]
+    pub fn free_mut(&mut self, id: BlockId) -> Result<bool> {
+        let released = self.update_mut(id, free_step)? == FREE;
+        if released {
+            self.free.push_mut(id);
+        }
+        Ok(released)
+    }
+
+    #[cfg(not(loom))]
+    #[inline]
+    fn update_mut(
+        &mut self,
+        id: BlockId,
+        step: impl Fn(BlockId, u32) -> Result<u32>,
+    ) -> Result<u32> {
+        let num_blocks = self.num_blocks();
+        let w = self
+            .counts
+            .get_mut(id as usize)
+            .ok_or(Error::InvalidBlock {
+                block: id,
+                num_blocks,
+            })?
+            .get_mut();
+        *w = step(id, *w)?;
+        Ok(*w)
+    }
+
+    #[cfg(not(loom))]
+    #[inline]
+    fn claim_mut(&mut self, id: BlockId) {
+        if let Some(w) = self.counts.get_mut(id as usize) {
+            debug_assert_eq!(
+                *w.get_mut(),
+                FREE,
+                "block {id} left the free list while not free"
+            );
+            *w.get_mut() = 1;
+        }
+    }
+
+    // loom's atomics have no `get_mut`; under loom the exclusive variants take the atomic path.
+    #[cfg(loom)]
+    fn update_mut(
+        &mut self,
+        id: BlockId,
+        step: impl Fn(BlockId, u32) -> Result<u32>,
+    ) -> Result<u32> {
+        self.update(id, AcqRel, step)
+    }
+
+    #[cfg(loom)]
+    fn claim_mut(&mut self, id: BlockId) {
+        self.claim(id)
     }
 
     /// Snapshot of the free list, in the order it would hand blocks out. Exact only when no
@@ -510,6 +648,63 @@ mod tests {
         ));
     }
 
+    fn exclusive_variants<F: FreeList>() {
+        let mut p = BlockPool::<F>::new(3).unwrap();
+        assert_eq!(p.allocate_mut(), Ok(0));
+        let mut out = vec![9];
+        let before = state(&p);
+        assert_eq!(
+            p.allocate_n_mut(3, &mut out),
+            Err(Error::OutOfBlocks {
+                needed: 3,
+                available: 2
+            })
+        );
+        assert_eq!(out, vec![9]);
+        assert_eq!(state(&p), before);
+        assert_eq!(p.allocate_n_mut(2, &mut out), Ok(()));
+        assert_eq!(out, vec![9, 1, 2]);
+        let before = state(&p);
+        assert_eq!(
+            p.allocate_mut(),
+            Err(Error::OutOfBlocks {
+                needed: 1,
+                available: 0
+            })
+        );
+        let bad = Error::InvalidBlock {
+            block: 3,
+            num_blocks: 3,
+        };
+        assert_eq!(p.incref_mut(3), Err(bad.clone()));
+        assert_eq!(p.decref_mut(3), Err(bad.clone()));
+        assert_eq!(p.release_mut(3), Err(bad.clone()));
+        assert_eq!(p.free_mut(3), Err(bad));
+        assert!(matches!(
+            p.release_mut(0),
+            Err(Error::InvalidArgument { .. })
+        ));
+        assert_eq!(state(&p), before);
+        assert_eq!(p.incref_mut(0), Ok(2));
+        assert_eq!(p.free_mut(0), Ok(false));
+        assert_eq!(p.decref_mut(0), Ok(0));
+        assert_eq!(p.decref_mut(0), Err(Error::RefcountUnderflow { block: 0 }));
+        assert_eq!(p.release_mut(0), Ok(()));
+        let before = state(&p);
+        assert_eq!(p.release_mut(0), Err(Error::RefcountUnderflow { block: 0 }));
+        assert_eq!(p.free_mut(0), Err(Error::RefcountUnderflow { block: 0 }));
+        assert!(matches!(
+            p.incref_mut(0),
+            Err(Error::InvalidArgument { .. })
+        ));
+        assert_eq!(state(&p), before);
+        assert_eq!(p.free_mut(1), Ok(true));
+        // Exclusive and shared calls interleave on one pool: LIFO order carries across.
+        assert_eq!(p.allocate(), Ok(1));
+        assert_eq!(p.allocate_mut(), Ok(0));
+        p.check_invariants().unwrap();
+    }
+
     macro_rules! both {
         ($($name:ident),*) => {
             mod lock_free {
@@ -529,7 +724,8 @@ mod tests {
         underflow_and_double_free,
         release_refuses_referenced,
         incref_refuses_free_and_overflow,
-        invariants_catch_corruption
+        invariants_catch_corruption,
+        exclusive_variants
     );
 
     #[test]
@@ -625,10 +821,13 @@ mod tests {
             }
         }
 
-        fn run<F: FreeList>(ops: &[Op]) {
-            let pool = BlockPool::<F>::new(N).unwrap();
+        /// Each op runs through the shared (`&self`) method or, when its flag is set, the
+        /// exclusive (`&mut self`) one; both must match the model, interleaved on one pool.
+        fn run<F: FreeList>(ops: &[(Op, bool)]) {
+            let mut pool = BlockPool::<F>::new(N).unwrap();
             let mut m = Model::new();
-            for op in ops {
+            for (op, exclusive) in ops {
+                let ex = *exclusive;
                 match *op {
                     Op::Allocate => {
                         let want = match m.stack.pop() {
@@ -641,11 +840,22 @@ mod tests {
                                 available: 0,
                             }),
                         };
-                        same(pool.allocate(), want);
+                        same(
+                            if ex {
+                                pool.allocate_mut()
+                            } else {
+                                pool.allocate()
+                            },
+                            want,
+                        );
                     }
                     Op::AllocateN(k) => {
                         let mut out = vec![u32::MAX];
-                        let got = pool.allocate_n(k, &mut out);
+                        let got = if ex {
+                            pool.allocate_n_mut(k, &mut out)
+                        } else {
+                            pool.allocate_n(k, &mut out)
+                        };
                         if k > m.stack.len() {
                             same(
                                 got,
@@ -684,7 +894,14 @@ mod tests {
                                 }
                             },
                         };
-                        same(pool.incref(id), want);
+                        same(
+                            if ex {
+                                pool.incref_mut(id)
+                            } else {
+                                pool.incref(id)
+                            },
+                            want,
+                        );
                     }
                     Op::Decref(id) => {
                         let want = match Model::bad(id) {
@@ -697,7 +914,14 @@ mod tests {
                                 }
                             },
                         };
-                        same(pool.decref(id), want);
+                        same(
+                            if ex {
+                                pool.decref_mut(id)
+                            } else {
+                                pool.decref(id)
+                            },
+                            want,
+                        );
                     }
                     Op::Release(id) => {
                         let want = match Model::bad(id) {
@@ -712,7 +936,14 @@ mod tests {
                                 Some(_) => Err(invalid_arg(id)),
                             },
                         };
-                        same(pool.release(id), want);
+                        same(
+                            if ex {
+                                pool.release_mut(id)
+                            } else {
+                                pool.release(id)
+                            },
+                            want,
+                        );
                     }
                     Op::Free(id) => {
                         let want = match Model::bad(id) {
@@ -730,7 +961,7 @@ mod tests {
                                 }
                             },
                         };
-                        same(pool.free(id), want);
+                        same(if ex { pool.free_mut(id) } else { pool.free(id) }, want);
                     }
                 }
                 assert_eq!(pool.num_free(), m.stack.len());
@@ -746,12 +977,12 @@ mod tests {
         proptest! {
             #![proptest_config(ProptestConfig::with_cases(256))]
             #[test]
-            fn lock_free_matches_model(ops in proptest::collection::vec(op(), 1..200)) {
+            fn lock_free_matches_model(ops in proptest::collection::vec((op(), any::<bool>()), 1..200)) {
                 run::<LockFreeFreeList>(&ops);
             }
 
             #[test]
-            fn mutex_matches_model(ops in proptest::collection::vec(op(), 1..200)) {
+            fn mutex_matches_model(ops in proptest::collection::vec((op(), any::<bool>()), 1..200)) {
                 run::<MutexFreeList>(&ops);
             }
         }
