@@ -797,3 +797,15 @@ def test_one_manager_shared_by_threads_stays_consistent() -> None:
     m.check_invariants()
     assert all(m.seq_len(int(s)) == 1 + sum(ok) for s in seqs)
     assert sum(ok) + sum(refused) == 600
+
+
+@pytest.mark.gpu
+def test_cuda_token_tensor_is_rejected_cleanly() -> None:
+    m = BlockManager(16, 4)
+    with pytest.raises(InvalidArgumentError) as info:
+        m.admit(1, torch.tensor([1, 2, 3], device="cuda"))
+    assert "host" in str(info.value)
+    assert 1 not in m
+    # The same ids on the host are fine.
+    m.admit(1, torch.tensor([1, 2, 3], device="cuda").cpu())
+    assert m.seq_len(1) == 3
