@@ -198,7 +198,7 @@ fn stress<F: FreeList + 'static>() -> Tally {
     std::thread::scope(|s| {
         for t in 0..THREADS {
             let sh = &sh;
-            let seed = 0x9e37_79b9_7f4a_7c15 ^ (t as u64 + 1) * 0x1234_5678_9abc;
+            let seed = 0x9e37_79b9_7f4a_7c15 ^ ((t as u64 + 1) * 0x1234_5678_9abc);
             s.spawn(move || worker(sh, seed));
         }
     });
