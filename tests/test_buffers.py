@@ -246,3 +246,31 @@ def test_without_csr_the_page_table_is_skipped() -> None:
     assert b.host.block_tables[0, :2].tolist() == table
     v = b.to_device(info)
     assert v.kv_indices.numel() == 0 and v.kv_indptr.numel() == 0
+
+
+def test_copy_spans_cover_every_used_byte() -> None:
+    b = StepBuffers(64, 256, 512, max_copies=8, device="cpu")
+    info = StepInfo(num_seqs=3, num_tokens=40, num_kv_indices=17, num_copies=2, max_seq_len=99)
+    spans = b.copy_spans(info)
+    base = b.host.slot_mapping.untyped_storage().data_ptr()
+
+    def covered(t: torch.Tensor) -> bool:
+        if t.numel() == 0:
+            return True
+        start = t.data_ptr() - base
+        end = start + t.numel() * t.element_size()
+        return any(a <= start and end <= z for a, z in spans)
+
+    for name, t in b.views(info, on_device=False).items():
+        assert covered(t), name
+    # Spans are disjoint, ordered, and inside the arena.
+    for (a, z), (a2, _) in zip(spans, spans[1:]):
+        assert z < a2
+    assert spans[0][0] >= 0 and spans[-1][1] <= b.nbytes
+    # The small fields and slot mapping coalesce; the 64x512 block table rows lie 128 KiB on.
+    assert len(spans) <= 3
+    # An empty batch still has query_start_loc[0] and kv_indptr[0]: one short span.
+    spans = b.copy_spans(StepInfo(0, 0, 0, 0, 0))
+    assert len(spans) == 1 and spans[0][1] - spans[0][0] < 1024
+    for name, t in b.views(StepInfo(0, 0, 0, 0, 0), on_device=False).items():
+        assert covered(t), name

@@ -46,6 +46,23 @@ __all__ = ["StepBuffers", "StepTensors"]
 # core writes back to back from sharing a line.
 _ALIGN = 64
 
+# Arena order: the small per-sequence fields first, the large tables last, so that the used parts of
+# one step lie close together and `to_device` can move them in one or two copies.
+_ARENA_ORDER = (
+    "seq_lens",
+    "query_start_loc",
+    "kv_indptr",
+    "kv_last_page_len",
+    "copies",
+    "slot_mapping",
+    "block_tables",
+    "kv_indices",
+)
+
+# Used parts separated by at most this many unused bytes are moved in one copy: a host-to-device
+# copy costs several microseconds to issue, the time to move about this many bytes more.
+_COALESCE_GAP = 128 * 1024
+
 
 @dataclass(frozen=True)
 class StepTensors:
@@ -148,7 +165,8 @@ class StepBuffers:
         shapes = self._shapes()
         self._offsets: dict[str, int] = {}
         total = 0
-        for name, (dtype, shape) in shapes.items():
+        for name in _ARENA_ORDER:
+            dtype, shape = shapes[name]
             total = -(-total // _ALIGN) * _ALIGN
             self._offsets[name] = total
             n = 1
@@ -222,13 +240,44 @@ class StepBuffers:
             copies=t.copies[: info.num_copies],
         )
 
+    def copy_spans(self, info: StepInfo) -> list[tuple[int, int]]:
+        """Byte ranges of the arena that :meth:`to_device` copies for this step.
+
+        The used part of each field, as ``[start, end)`` offsets, with neighbours separated by at
+        most 128 KiB merged into one range.
+        """
+        o, s = self._offsets, info.num_seqs
+        c = 1 if self.csr else 0
+        used = (
+            ("seq_lens", 4 * s),
+            ("query_start_loc", 4 * (s + 1)),
+            ("kv_indptr", 4 * c * (s + 1)),
+            ("kv_last_page_len", 4 * c * s),
+            ("copies", 16 * info.num_copies),
+            ("slot_mapping", 8 * info.num_tokens),
+            ("block_tables", 4 * s * self.max_blocks_per_seq),
+            ("kv_indices", 4 * info.num_kv_indices),
+        )
+        spans: list[tuple[int, int]] = []
+        for name, nbytes in used:
+            if not nbytes:
+                continue
+            start, end = o[name], o[name] + nbytes
+            if spans and start - spans[-1][1] <= _COALESCE_GAP:
+                spans[-1] = (spans[-1][0], end)
+            else:
+                spans.append((start, end))
+        return spans
+
     def to_device(self, info: StepInfo, non_blocking: bool = True) -> StepTensors:
         """Copies the step's used part of every host tensor into its device mirror, in place.
 
         Never reallocates: the device tensors keep their addresses. Elements past the step's extent
-        are not copied and keep their earlier contents (see the module doc on stale data). With
-        ``non_blocking`` the copies are asynchronous on the current stream (the host side is pinned);
-        do not refill the host buffers (call ``step`` again) before that stream has consumed them.
+        keep their earlier contents or receive equally stale host bytes (see the module doc on
+        stale data): the used parts are moved in as few copies as possible (:meth:`copy_spans`),
+        so short unused stretches between them travel too. With ``non_blocking`` the copies are
+        asynchronous on the current stream (the host side is pinned); do not refill the host
+        buffers (call ``step`` again) before that stream has consumed them.
 
         Args:
             info: What :meth:`pagedkv.BlockManager.step` returned for this step.
@@ -238,13 +287,9 @@ class StepBuffers:
             The device views for this step, as :meth:`views` gives them.
         """
         if self.has_mirror:
-            src = self.views(info, on_device=False)
-            dst = self.views(info, on_device=True)
-            for name in _FIELD_NAMES:
-                d = getattr(dst, name)
-                if d.numel():
-                    d.copy_(getattr(src, name), non_blocking=non_blocking)
-            return dst
+            host, dev = self._host_arena, self._device_arena
+            for a, b in self.copy_spans(info):
+                dev[a:b].copy_(host[a:b], non_blocking=non_blocking)
         return self.views(info, on_device=True)
 
     def __repr__(self) -> str:
