@@ -4,6 +4,9 @@
 //!   each, then `build_step` of the whole batch into preallocated buffers. Contexts start at a
 //!   random 500–2000 tokens. To keep the state steady, every 64 steps (outside the timed region) any
 //!   sequence past 2100 tokens is freed and re-admitted with a fresh random 500–2000-token prompt.
+//!   Variants: `prefix_on_no_csr` leaves out the optional FlashInfer CSR page table;
+//!   `*_append_only` / `*_build_only` time one half; `memcpy_floor` copies the same rows' worth of
+//!   block ids into the two output buffers with no bookkeeping, the floor memory traffic sets.
 //! - `admit_4096/*`: admit a 4096-token prompt, then free it (both timed).
 //!   `prefix_off`: caching disabled. `prefix_on_cold`: every prompt is new (its first token is a
 //!   counter), so all 256 blocks miss. `prefix_on_cached` / `prefix_on_cached_verify`: the same
@@ -46,11 +49,12 @@ impl Rng {
 
 fn decode(c: &mut Criterion) {
     let mut g = c.benchmark_group("decode_step_256");
-    for (name, caching, append, build) in [
-        ("prefix_off", false, true, true),
-        ("prefix_on", true, true, true),
-        ("prefix_off_append_only", false, true, false),
-        ("prefix_off_build_only", false, false, true),
+    for (name, caching, append, build, csr) in [
+        ("prefix_off", false, true, true, true),
+        ("prefix_on", true, true, true, true),
+        ("prefix_on_no_csr", true, true, true, false),
+        ("prefix_off_append_only", false, true, false, true),
+        ("prefix_off_build_only", false, false, true, true),
     ] {
         g.bench_function(name, |b| {
             const N: usize = 256;
@@ -71,6 +75,11 @@ fn decode(c: &mut Criterion) {
                 max_copies: 16,
             };
             let mut ob = OwnedStepBuffers::new(layout);
+            if !csr {
+                ob.kv_indptr.clear();
+                ob.kv_indices.clear();
+                ob.kv_last_page_len.clear();
+            }
             // Prefill step once so the state looks like a running batch.
             let lens: Vec<u32> = seqs.iter().map(|&s| m.seq_len(s).unwrap() as u32).collect();
             m.build_step(&seqs, &lens, &mut ob.view()).unwrap();
@@ -108,6 +117,25 @@ fn decode(c: &mut Criterion) {
             });
         });
     }
+    // The floor set by memory traffic alone: copy the same block-table rows (as i32) into a
+    // block-table buffer and a CSR index buffer, with no bookkeeping at all.
+    g.bench_function("memcpy_floor", |b| {
+        const N: usize = 256;
+        let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+        let rows: Vec<Vec<i32>> = (0..N).map(|_| vec![1; rng.range(500, 2000).div_ceil(B as usize)]).collect();
+        let stride = (2100 + 128) / B as usize + 1;
+        let mut bt = vec![0i32; N * stride];
+        let mut kv = vec![0i32; N * stride];
+        b.iter(|| {
+            let mut off = 0;
+            for (k, r) in rows.iter().enumerate() {
+                bt[k * stride..k * stride + r.len()].copy_from_slice(r);
+                kv[off..off + r.len()].copy_from_slice(r);
+                off += r.len();
+            }
+            black_box((&mut bt, &mut kv));
+        });
+    });
     g.finish();
 }
 
