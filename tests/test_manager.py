@@ -374,8 +374,8 @@ def test_free_returns_blocks_and_unknown_raises() -> None:
 def test_contains_is_total() -> None:
     m = BlockManager(8, 4)
     m.admit(3, [1])
-    assert 3 in m
-    for x in (-3, "3", 3.0, None, 2**70, [3]):
+    assert 3 in m and np.int64(3) in m and np.uint8(3) in m
+    for x in (-3, "3", 3.0, None, 2**70, [3], np.int64(-3)):
         assert x not in m
 
 

@@ -310,8 +310,6 @@ class BlockManager:
 
     def __contains__(self, seq_id: object) -> bool:
         """Whether ``seq_id`` is a live sequence (False for anything that is not a valid id)."""
-        if type(seq_id) is not int or seq_id < 0:
-            return False
         return self._core.contains(seq_id)
 
     def __len__(self) -> int:
