@@ -5,17 +5,22 @@
 //! holds blocks through the counts kept here.
 //!
 //! Each block is in exactly one of three states, encoded in its count word:
-//! - **free** ([`FREE`] internally): on the free list, owned by nobody. Reported as refcount 0.
+//! - **free** (the word `FREE = u32::MAX` internally): on the free list, owned by nobody. Reported as refcount 0.
 //! - **referenced** (count ≥ 1): handed out; `allocate` starts it at 1, `incref`/`decref` move it.
 //! - **unreferenced** (count 0): allocated but holding no references — e.g. a block kept by a
 //!   prefix cache for reuse. It can be revived with `incref` (0 → 1) or given back with `release`.
 //!
 //! Invariants:
-//! - A block is on the free list iff its word is [`FREE`]; so no block is ever handed out twice,
+//! - A block is on the free list iff its word is `FREE`; so no block is ever handed out twice,
 //!   and no block is released twice (a second release or free fails instead of corrupting the
 //!   list).
 //! - Every state change is a single atomic compare-and-swap on the count word, so concurrent
-//!   `incref`/`decref`/`free`/`release` calls on one block serialize without a lock.
+//!   `incref`/`decref`/`free`/`release` calls on one block serialize without a lock. The last
+//!   reference goes from 1 straight to free in one step, so a revive cannot slip in between.
+//! - The transitions are written once, as pure functions of the current word; the `&self`
+//!   methods apply them in CAS loops, and the `*_mut` methods (exclusive access, for a single
+//!   owner such as the block manager) apply them with plain loads and stores. Both give the same
+//!   results and errors and can be mixed on one pool.
 //! - Every method validates its input first and returns a typed [`Error`] with the pool unchanged;
 //!   nothing here panics on any input.
 
@@ -61,7 +66,7 @@ fn decref_step(id: BlockId, c: u32) -> Result<u32> {
     }
 }
 
-/// Like [`decref_step`], but the last reference goes straight to [`FREE`].
+/// Like [`decref_step`], but the last reference goes straight to `FREE`.
 #[inline]
 fn free_step(id: BlockId, c: u32) -> Result<u32> {
     match c {
