@@ -63,7 +63,7 @@ impl ManagerConfig {
     /// prefix caching on, verify off.
     pub fn new(num_blocks: u32, block_size: u32) -> Self {
         let watermark_blocks = if num_blocks <= 1 { 0 } else { (num_blocks / 100).max(1) };
-        let cap = if block_size == 0 { num_blocks } else { (i32::MAX as u32) / block_size };
+        let cap = (i32::MAX as u32).checked_div(block_size).unwrap_or(num_blocks);
         Self {
             num_blocks,
             block_size,
