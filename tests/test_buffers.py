@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -131,7 +130,7 @@ def test_attach_then_step_writes_host_buffers() -> None:
 
 
 def _replace(b: StepBuffers, **tensors: torch.Tensor) -> StepBuffers:
-    b.host = dataclasses.replace(b.host, **tensors)
+    b.host = b.host._replace(**tensors)
     return b
 
 
@@ -274,3 +273,17 @@ def test_copy_spans_cover_every_used_byte() -> None:
     assert len(spans) == 1 and spans[0][1] - spans[0][0] < 1024
     for name, t in b.views(StepInfo(0, 0, 0, 0, 0), on_device=False).items():
         assert covered(t), name
+
+
+def test_views_follow_changing_extents() -> None:
+    b = StepBuffers(8, 32, 4, max_copies=3, device="cpu")
+    for s, t, k, c in [(2, 5, 3, 0), (2, 5, 4, 1), (3, 9, 4, 1), (2, 5, 3, 0), (8, 32, 32, 3)]:
+        v = b.views(StepInfo(s, t, k, c, 1), on_device=False)
+        assert v.slot_mapping.shape == (t,)
+        assert v.block_tables.shape == (s, 4)
+        assert v.query_start_loc.shape == (s + 1,) and v.kv_indptr.shape == (s + 1,)
+        assert v.kv_indices.shape == (k,)
+        assert v.copies.shape == (c, 2)
+    # Replacing a host tensor (as the registration tests do) is seen by the next cut.
+    b.host = b.host._replace(seq_lens=torch.arange(8, dtype=torch.int32))
+    assert b.views(StepInfo(2, 5, 3, 0, 1), on_device=False).seq_lens.tolist() == [0, 1]

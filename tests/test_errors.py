@@ -218,13 +218,12 @@ def _buffer_too_small() -> None:
 
 
 def _buffer_invalid() -> None:
-    import dataclasses
 
     import torch
 
     m = pagedkv.BlockManager(16, 2)
     bufs = _step_buffers()
-    bufs.host = dataclasses.replace(bufs.host, seq_lens=torch.zeros(2, dtype=torch.int64))
+    bufs.host = bufs.host._replace(seq_lens=torch.zeros(2, dtype=torch.int64))
     m.attach_buffers(bufs)
 
 

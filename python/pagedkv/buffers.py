@@ -32,8 +32,7 @@ data past the step's extent — padding rows of a CUDA graph captured at a large
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional, Union
 
 import torch
 
@@ -64,9 +63,12 @@ _ARENA_ORDER = (
 _COALESCE_GAP = 128 * 1024
 
 
-@dataclass(frozen=True)
-class StepTensors:
-    """The eight step tensors, all on one device (host, or the device mirror)."""
+class StepTensors(NamedTuple):
+    """The eight step tensors, all on one device (host, or the device mirror).
+
+    A named tuple rather than a dataclass: one is built per step by :meth:`StepBuffers.views`, and
+    a tuple is several times cheaper to build.
+    """
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
@@ -79,20 +81,9 @@ class StepTensors:
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields ``(name, tensor)`` for every field, in declaration order."""
-        for name in _FIELD_NAMES:
-            yield name, getattr(self, name)
+        return zip(self._fields, self)
 
 
-_FIELD_NAMES = (
-    "slot_mapping",
-    "block_tables",
-    "seq_lens",
-    "query_start_loc",
-    "kv_indptr",
-    "kv_indices",
-    "kv_last_page_len",
-    "copies",
-)
 
 
 def _check_dim(name: str, value: int, minimum: int) -> int:
@@ -187,6 +178,8 @@ class StepBuffers:
             self.device = self._carve(self._device_arena, shapes)
             self.has_mirror = True
         self.mirror_device = dev
+        # Per field, the last (length, full tensor, view) that `views` cut, for host and device.
+        self._cuts: dict[bool, list] = {False: [None] * 8, True: [None] * 8}
 
     def _shapes(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         s, b = self.max_seqs, self.max_blocks_per_seq
@@ -225,20 +218,36 @@ class StepBuffers:
             ``slot_mapping[:num_tokens]``, ``block_tables[:num_seqs]`` (full rows: columns past a
             sequence's block count are stale), ``seq_lens[:num_seqs]``,
             ``query_start_loc[:num_seqs + 1]``, ``kv_indptr[:num_seqs + 1]``,
-            ``kv_indices[:num_kv_indices]``, ``kv_last_page_len[:num_seqs]``, ``copies[:num_copies]``.
+            ``kv_indices[:num_kv_indices]``, ``kv_last_page_len[:num_seqs]``, ``copies[:num_copies]``
+            (the CSR three empty without ``csr``).
         """
-        t = self.device if on_device else self.host
+        full = self.device if on_device else self.host
+        cache = self._cuts[on_device]
         s = info.num_seqs
-        return StepTensors(
-            slot_mapping=t.slot_mapping[: info.num_tokens],
-            block_tables=t.block_tables[:s],
-            seq_lens=t.seq_lens[:s],
-            query_start_loc=t.query_start_loc[: s + 1],
-            kv_indptr=t.kv_indptr[: s + 1],
-            kv_indices=t.kv_indices[: info.num_kv_indices],
-            kv_last_page_len=t.kv_last_page_len[:s],
-            copies=t.copies[: info.num_copies],
+        c = 1 if self.csr else 0
+        lengths = (
+            info.num_tokens,
+            s,
+            s,
+            s + 1,
+            c * (s + 1),
+            info.num_kv_indices,
+            c * s,
+            info.num_copies,
         )
+        out = []
+        # Slicing a tensor costs about a microsecond; consecutive steps mostly cut the same
+        # lengths, so each field keeps its last cut.
+        for i, n in enumerate(lengths):
+            base = full[i]
+            hit = cache[i]
+            if hit is not None and hit[0] == n and hit[1] is base:
+                out.append(hit[2])
+            else:
+                v = base[:n]
+                cache[i] = (n, base, v)
+                out.append(v)
+        return StepTensors._make(out)
 
     def copy_spans(self, info: StepInfo) -> list[tuple[int, int]]:
         """Byte ranges of the arena that :meth:`to_device` copies for this step.
