@@ -106,8 +106,11 @@ fn out_of_blocks(needed: usize, available: usize) -> Error {
     Error::OutOfBlocks { needed, available }
 }
 
-/// A fixed set of `num_blocks` blocks with per-block reference counts. `&self` everywhere;
-/// safe to share between threads.
+/// A fixed set of `num_blocks` blocks with per-block reference counts.
+///
+/// The `&self` methods are safe to call from many threads at once (share the pool behind an
+/// `Arc` or a reference). A single owner should prefer the `*_mut` methods: same semantics,
+/// no atomic read-modify-writes.
 pub struct BlockPool<F: FreeList = LockFreeFreeList> {
     free: F,
     counts: Box<[AtomicU32]>,
