@@ -59,7 +59,10 @@ fn decode(c: &mut Criterion) {
         g.bench_function(name, |b| {
             const N: usize = 256;
             const MAX_CTX: usize = 2100;
-            let mut cfg = ManagerConfig::new((N * (MAX_CTX + 64 + B as usize) / B as usize) as u32 + 64, B);
+            let mut cfg = ManagerConfig::new(
+                (N * (MAX_CTX + 64 + B as usize) / B as usize) as u32 + 64,
+                B,
+            );
             cfg.enable_prefix_caching = caching;
             let mut m = BlockManager::new(cfg).unwrap();
             let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
@@ -122,7 +125,9 @@ fn decode(c: &mut Criterion) {
     g.bench_function("memcpy_floor", |b| {
         const N: usize = 256;
         let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
-        let rows: Vec<Vec<i32>> = (0..N).map(|_| vec![1; rng.range(500, 2000).div_ceil(B as usize)]).collect();
+        let rows: Vec<Vec<i32>> = (0..N)
+            .map(|_| vec![1; rng.range(500, 2000).div_ceil(B as usize)])
+            .collect();
         let stride = (2100 + 128) / B as usize + 1;
         let mut bt = vec![0i32; N * stride];
         let mut kv = vec![0i32; N * stride];
@@ -142,7 +147,12 @@ fn decode(c: &mut Criterion) {
 fn admit(c: &mut Criterion) {
     let mut g = c.benchmark_group("admit_4096");
     let prompt: Vec<u32> = Rng(7).tokens(4096);
-    let layout = StepLayout { max_seqs: 1, max_tokens: 4096, max_blocks_per_seq: 256, max_copies: 1 };
+    let layout = StepLayout {
+        max_seqs: 1,
+        max_tokens: 4096,
+        max_blocks_per_seq: 256,
+        max_copies: 1,
+    };
 
     g.bench_function("prefix_off", |b| {
         let mut cfg = ManagerConfig::new(4096, B);
@@ -168,7 +178,11 @@ fn admit(c: &mut Criterion) {
     });
 
     for verify in [false, true] {
-        let name = if verify { "prefix_on_cached_verify" } else { "prefix_on_cached" };
+        let name = if verify {
+            "prefix_on_cached_verify"
+        } else {
+            "prefix_on_cached"
+        };
         g.bench_function(name, |b| {
             let mut cfg = ManagerConfig::new(4096, B);
             cfg.verify_prefix = verify;
@@ -203,9 +217,18 @@ fn hash(c: &mut Criterion) {
 
 fn evict(c: &mut Criterion) {
     let mut g = c.benchmark_group("evict_4096");
-    let layout = StepLayout { max_seqs: 1, max_tokens: 4096, max_blocks_per_seq: 256, max_copies: 1 };
+    let layout = StepLayout {
+        max_seqs: 1,
+        max_tokens: 4096,
+        max_blocks_per_seq: 256,
+        max_copies: 1,
+    };
     for evicting in [false, true] {
-        let name = if evicting { "evicting" } else { "from_free_list" };
+        let name = if evicting {
+            "evicting"
+        } else {
+            "from_free_list"
+        };
         g.bench_function(name, |b| {
             // 1024 blocks: 4 prompts' worth. Evicting: fill the whole pool with cached-free blocks.
             let mut cfg = ManagerConfig::new(1024, B);

@@ -215,7 +215,13 @@ pub fn prompt_hashes(tokens: &[TokenId], block_size: usize, keys: &SeqKeys) -> V
     if block_size == 0 {
         return out;
     }
-    Hasher::new().extend_chain(root_hash(&keys.cache_salt), tokens, block_size, Some(keys), &mut out);
+    Hasher::new().extend_chain(
+        root_hash(&keys.cache_salt),
+        tokens,
+        block_size,
+        Some(keys),
+        &mut out,
+    );
     out
 }
 
@@ -227,7 +233,11 @@ mod tests {
         SeqKeys {
             cache_salt: b"tenant-a".to_vec(),
             adapter_id: Some(7),
-            mm_inputs: vec![MmInput { start: 4, end: 20, hash: vec![0xAB; 16] }],
+            mm_inputs: vec![MmInput {
+                start: 4,
+                end: 20,
+                hash: vec![0xAB; 16],
+            }],
             extra: b"x".to_vec(),
         }
     }
@@ -259,13 +269,19 @@ mod tests {
         assert_eq!(root_hash(b""), 0x17373e8bb86c0e3fa80fa12f801fdaa3);
         assert_eq!(
             prompt_hashes(&toks, 16, &SeqKeys::default()),
-            vec![0x846f03c33adbc3a09a21aa7a96a70675, 0xd6ca3f8c2714a7a70b43cfc3ce61e5b9]
+            vec![
+                0x846f03c33adbc3a09a21aa7a96a70675,
+                0xd6ca3f8c2714a7a70b43cfc3ce61e5b9
+            ]
         );
         let k = keys_full();
         assert_eq!(root_hash(&k.cache_salt), 0x88bc3c45fdf78605820dbb52b727d4f8);
         assert_eq!(
             prompt_hashes(&toks, 16, &k),
-            vec![0x7983b125e65bbfcae8a9f779c2dcf3bd, 0xf8882f07985ce1ea3e0a947cf3861037]
+            vec![
+                0x7983b125e65bbfcae8a9f779c2dcf3bd,
+                0xf8882f07985ce1ea3e0a947cf3861037
+            ]
         );
     }
 
@@ -297,13 +313,41 @@ mod tests {
     fn every_key_changes_every_affected_hash() {
         let toks: Vec<u32> = (0..48).map(|i| i * 3 + 1).collect();
         let base = prompt_hashes(&toks, 16, &SeqKeys::default());
-        let salted = prompt_hashes(&toks, 16, &SeqKeys { cache_salt: b"s".to_vec(), ..Default::default() });
-        let adapter = prompt_hashes(&toks, 16, &SeqKeys { adapter_id: Some(0), ..Default::default() });
-        let extra = prompt_hashes(&toks, 16, &SeqKeys { extra: vec![0], ..Default::default() });
+        let salted = prompt_hashes(
+            &toks,
+            16,
+            &SeqKeys {
+                cache_salt: b"s".to_vec(),
+                ..Default::default()
+            },
+        );
+        let adapter = prompt_hashes(
+            &toks,
+            16,
+            &SeqKeys {
+                adapter_id: Some(0),
+                ..Default::default()
+            },
+        );
+        let extra = prompt_hashes(
+            &toks,
+            16,
+            &SeqKeys {
+                extra: vec![0],
+                ..Default::default()
+            },
+        );
         let mm = prompt_hashes(
             &toks,
             16,
-            &SeqKeys { mm_inputs: vec![MmInput { start: 20, end: 30, hash: vec![1] }], ..Default::default() },
+            &SeqKeys {
+                mm_inputs: vec![MmInput {
+                    start: 20,
+                    end: 30,
+                    hash: vec![1],
+                }],
+                ..Default::default()
+            },
         );
         for i in 0..3 {
             assert_ne!(base[i], salted[i]);
@@ -350,10 +394,30 @@ mod tests {
     #[test]
     fn validate_rejects_bad_mm_ranges() {
         let mut k = SeqKeys::default();
-        k.mm_inputs.push(MmInput { start: 5, end: 5, hash: vec![] });
-        assert!(matches!(k.validate(10), Err(Error::InvalidArgument { what: "mm_input.start", .. })));
-        k.mm_inputs[0] = MmInput { start: 5, end: 11, hash: vec![] };
-        assert!(matches!(k.validate(10), Err(Error::InvalidArgument { what: "mm_input.end", .. })));
+        k.mm_inputs.push(MmInput {
+            start: 5,
+            end: 5,
+            hash: vec![],
+        });
+        assert!(matches!(
+            k.validate(10),
+            Err(Error::InvalidArgument {
+                what: "mm_input.start",
+                ..
+            })
+        ));
+        k.mm_inputs[0] = MmInput {
+            start: 5,
+            end: 11,
+            hash: vec![],
+        };
+        assert!(matches!(
+            k.validate(10),
+            Err(Error::InvalidArgument {
+                what: "mm_input.end",
+                ..
+            })
+        ));
         k.mm_inputs[0].end = 10;
         assert!(k.validate(10).is_ok());
     }

@@ -62,8 +62,14 @@ impl ManagerConfig {
     /// as the pool (capped so `max_blocks_per_seq * block_size` fits an `i32` sequence length),
     /// prefix caching on, verify off.
     pub fn new(num_blocks: u32, block_size: u32) -> Self {
-        let watermark_blocks = if num_blocks <= 1 { 0 } else { (num_blocks / 100).max(1) };
-        let cap = (i32::MAX as u32).checked_div(block_size).unwrap_or(num_blocks);
+        let watermark_blocks = if num_blocks <= 1 {
+            0
+        } else {
+            (num_blocks / 100).max(1)
+        };
+        let cap = (i32::MAX as u32)
+            .checked_div(block_size)
+            .unwrap_or(num_blocks);
         Self {
             num_blocks,
             block_size,
@@ -76,7 +82,13 @@ impl ManagerConfig {
 
     /// Checks every field; `InvalidConfig` names the first bad one.
     pub fn validate(&self) -> Result<()> {
-        let bad = |field: &'static str, value: u64, reason: String| Err(Error::InvalidConfig { field, value, reason });
+        let bad = |field: &'static str, value: u64, reason: String| {
+            Err(Error::InvalidConfig {
+                field,
+                value,
+                reason,
+            })
+        };
         if self.block_size == 0 {
             return bad("block_size", 0, "must be >= 1".into());
         }
@@ -189,7 +201,11 @@ impl BlockManager {
     pub fn new(cfg: ManagerConfig) -> Result<Self> {
         cfg.validate()?;
         let pool = BlockPool::new(cfg.num_blocks)?;
-        let prefix = PrefixCache::new(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching && cfg.verify_prefix);
+        let prefix = PrefixCache::new(
+            cfg.num_blocks,
+            cfg.block_size,
+            cfg.enable_prefix_caching && cfg.verify_prefix,
+        );
         Ok(Self {
             bs: cfg.block_size as usize,
             caching: cfg.enable_prefix_caching,
@@ -236,11 +252,21 @@ impl BlockManager {
     }
 
     /// Admits a sequence whose block hashes include `keys`.
-    pub fn admit_with(&mut self, seq: SeqId, tokens: &[TokenId], keys: &SeqKeys) -> Result<AdmitResult> {
+    pub fn admit_with(
+        &mut self,
+        seq: SeqId,
+        tokens: &[TokenId],
+        keys: &SeqKeys,
+    ) -> Result<AdmitResult> {
         self.admit_inner(seq, tokens, Some(keys))
     }
 
-    fn admit_inner(&mut self, seq: SeqId, tokens: &[TokenId], keys: Option<&SeqKeys>) -> Result<AdmitResult> {
+    fn admit_inner(
+        &mut self,
+        seq: SeqId,
+        tokens: &[TokenId],
+        keys: Option<&SeqKeys>,
+    ) -> Result<AdmitResult> {
         let n = tokens.len();
         if n == 0 {
             return Err(Error::InvalidArgument {
@@ -279,10 +305,13 @@ impl BlockManager {
                 }
             }
             self.scratch_hashes.clear();
-            self.hasher.extend_chain(root, tokens, bs, extra_keys, &mut self.scratch_hashes);
+            self.hasher
+                .extend_chain(root, tokens, bs, extra_keys, &mut self.scratch_hashes);
             let max_hit = ((n - 1) / bs).min(self.scratch_hashes.len());
             for i in 0..max_hit {
-                let Some(b) = self.prefix.lookup(self.scratch_hashes[i]) else { break };
+                let Some(b) = self.prefix.lookup(self.scratch_hashes[i]) else {
+                    break;
+                };
                 if !self.prefix.matches(b, &tokens[i * bs..(i + 1) * bs]) {
                     collisions += 1;
                     break;
@@ -299,11 +328,18 @@ impl BlockManager {
         let wm = self.cfg.watermark_blocks as usize;
         if needed > avail {
             self.scratch_hits = hits;
-            return Err(Error::OutOfBlocks { needed, available: avail });
+            return Err(Error::OutOfBlocks {
+                needed,
+                available: avail,
+            });
         }
         if avail - needed < wm {
             self.scratch_hits = hits;
-            return Err(Error::WatermarkReached { needed, available: avail.saturating_sub(wm), watermark: wm });
+            return Err(Error::WatermarkReached {
+                needed,
+                available: avail.saturating_sub(wm),
+                watermark: wm,
+            });
         }
 
         // Validated: apply.
@@ -346,7 +382,11 @@ impl BlockManager {
             self.counters.prefix_collisions += collisions;
         }
         self.scratch_hits = hits;
-        Ok(AdmitResult { cached_tokens: cached as u32, new_blocks: new as u32, num_blocks: nb as u32 })
+        Ok(AdmitResult {
+            cached_tokens: cached as u32,
+            new_blocks: new as u32,
+            num_blocks: nb as u32,
+        })
     }
 
     fn take_slot(&mut self) -> u32 {
@@ -361,7 +401,10 @@ impl BlockManager {
 
     #[inline]
     fn slot_of(&self, seq: SeqId) -> Result<usize> {
-        self.index.get(&seq).map(|&s| s as usize).ok_or(Error::UnknownSequence { seq_id: seq })
+        self.index
+            .get(&seq)
+            .map(|&s| s as usize)
+            .ok_or(Error::UnknownSequence { seq_id: seq })
     }
 
     /// Whether the tail block of `s` is shared and about to be written (so must be copied first).
@@ -378,7 +421,11 @@ impl BlockManager {
     /// copy-on-write of a shared tail); may use the watermark reserve. All-or-nothing.
     pub fn append(&mut self, seq: SeqId, tokens: &[TokenId]) -> Result<()> {
         if tokens.is_empty() {
-            return Err(Error::InvalidArgument { what: "tokens.len", value: 0, reason: "nothing to append".into() });
+            return Err(Error::InvalidArgument {
+                what: "tokens.len",
+                value: 0,
+                reason: "nothing to append".into(),
+            });
         }
         let slot = self.slot_of(seq)?;
         let bs = self.bs;
@@ -397,7 +444,10 @@ impl BlockManager {
         let needed = grow + cow as usize;
         let avail = self.num_free_blocks();
         if needed > avail {
-            return Err(Error::OutOfBlocks { needed, available: avail });
+            return Err(Error::OutOfBlocks {
+                needed,
+                available: avail,
+            });
         }
         if cow {
             self.cow_tail(slot)?;
@@ -431,7 +481,10 @@ impl BlockManager {
         let needed = self.append_needs(seqs)?;
         let avail = self.num_free_blocks();
         if needed > avail {
-            return Err(Error::OutOfBlocks { needed, available: avail });
+            return Err(Error::OutOfBlocks {
+                needed,
+                available: avail,
+            });
         }
         let idx = std::mem::take(&mut self.batch_idx);
         let bs = self.bs;
@@ -552,7 +605,11 @@ impl BlockManager {
         // A src that is itself waiting to be filled by a pending copy has the same content as that
         // copy's src when the copies run (before any write of the step): copy from there instead,
         // so no block is both a dst and a src in one step.
-        let origin = self.pending.iter().find(|&&(_, dst)| dst == src).map_or(src, |&(s0, _)| s0);
+        let origin = self
+            .pending
+            .iter()
+            .find(|&&(_, dst)| dst == src)
+            .map_or(src, |&(s0, _)| s0);
         self.pending.push((origin, d));
         self.counters.cow_copies += 1;
         self.drop_ref(src)
@@ -654,7 +711,10 @@ impl BlockManager {
     /// Frees a sequence: drops its references, tail block first, so that cached blocks enter the
     /// LRU tail-first and the prefix outlives the tail.
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
-        let slot = self.index.remove(&seq).ok_or(Error::UnknownSequence { seq_id: seq })? as usize;
+        let slot = self
+            .index
+            .remove(&seq)
+            .ok_or(Error::UnknownSequence { seq_id: seq })? as usize;
         self.gen += 1;
         let blocks = std::mem::take(&mut self.slots[slot].table.blocks);
         let mut result = Ok(());
@@ -730,7 +790,12 @@ impl BlockManager {
     /// of `seqs[i]` are new this step". Validates everything (lengths, ids, `1 <= n <= len`, every
     /// buffer's size) before writing anything; then emits and clears the pending copies and offers
     /// the batch's newly full blocks to the prefix cache.
-    pub fn build_step(&mut self, seqs: &[SeqId], num_new: &[u32], out: &mut StepBuffers<'_>) -> Result<StepInfo> {
+    pub fn build_step(
+        &mut self,
+        seqs: &[SeqId],
+        num_new: &[u32],
+        out: &mut StepBuffers<'_>,
+    ) -> Result<StepInfo> {
         if seqs.len() != num_new.len() {
             return Err(Error::InvalidArgument {
                 what: "num_new.len",
@@ -805,11 +870,25 @@ impl BlockManager {
             for &i in &idx {
                 let s = &mut self.slots[i as usize];
                 let nb = s.table.blocks.len();
-                let full = if s.table.num_tokens == nb * bs { nb } else { nb - 1 };
+                let full = if s.table.num_tokens == nb * bs {
+                    nb
+                } else {
+                    nb - 1
+                };
                 if s.registered < full {
-                    self.hasher.extend_chain(s.root, &s.tokens, bs, s.keys.as_deref(), &mut s.hashes);
+                    self.hasher.extend_chain(
+                        s.root,
+                        &s.tokens,
+                        bs,
+                        s.keys.as_deref(),
+                        &mut s.hashes,
+                    );
                     for j in s.registered..full {
-                        self.prefix.register(s.table.blocks[j], s.hashes[j], &s.tokens[j * bs..(j + 1) * bs]);
+                        self.prefix.register(
+                            s.table.blocks[j],
+                            s.hashes[j],
+                            &s.tokens[j * bs..(j + 1) * bs],
+                        );
                     }
                     s.registered = full;
                 }
@@ -817,12 +896,23 @@ impl BlockManager {
         }
         self.batch_idx = idx;
         let num_kv_indices = if csr { num_kv } else { 0 };
-        result.map(|_| StepInfo { num_seqs: seqs.len(), num_tokens, num_kv_indices, num_copies, max_seq_len: max_len })
+        result.map(|_| StepInfo {
+            num_seqs: seqs.len(),
+            num_tokens,
+            num_kv_indices,
+            num_copies,
+            max_seq_len: max_len,
+        })
     }
 
     /// Validation half of `build_step` (after `resolve_batch`): returns (new tokens, kv indices,
     /// longest sequence, whether to write the CSR page table).
-    fn check_step(&self, seqs: &[SeqId], num_new: &[u32], out: &StepBuffers<'_>) -> Result<(usize, usize, usize, bool)> {
+    fn check_step(
+        &self,
+        seqs: &[SeqId],
+        num_new: &[u32],
+        out: &StepBuffers<'_>,
+    ) -> Result<(usize, usize, usize, bool)> {
         let (mut tokens, mut kv, mut max_len, mut max_blocks) = (0usize, 0usize, 0usize, 0usize);
         for (k, &i) in self.batch_idx.iter().enumerate() {
             let t = &self.slots[i as usize].table;
@@ -831,7 +921,10 @@ impl BlockManager {
                 return Err(Error::InvalidArgument {
                     what: "num_new",
                     value: n as i64,
-                    reason: format!("must be in 1..={} (length of sequence {})", t.num_tokens, seqs[k]),
+                    reason: format!(
+                        "must be in 1..={} (length of sequence {})",
+                        t.num_tokens, seqs[k]
+                    ),
                 });
             }
             tokens += n;
@@ -849,13 +942,19 @@ impl BlockManager {
         }
         let small = |buffer: &'static str, needed: usize, capacity: usize| {
             if capacity < needed {
-                Err(Error::BufferTooSmall { buffer, needed, capacity })
+                Err(Error::BufferTooSmall {
+                    buffer,
+                    needed,
+                    capacity,
+                })
             } else {
                 Ok(())
             }
         };
         // All three CSR buffers empty: the caller does not want the FlashInfer page table.
-        let csr = !(out.kv_indptr.is_empty() && out.kv_indices.is_empty() && out.kv_last_page_len.is_empty());
+        let csr = !(out.kv_indptr.is_empty()
+            && out.kv_indices.is_empty()
+            && out.kv_last_page_len.is_empty());
         small("seq_lens", b, out.seq_lens.len())?;
         small("query_start_loc", b + 1, out.query_start_loc.len())?;
         if csr {
@@ -864,7 +963,11 @@ impl BlockManager {
         }
         small("slot_mapping", tokens, out.slot_mapping.len())?;
         small("block_table_stride", max_blocks, out.block_table_stride)?;
-        small("block_tables", b.saturating_mul(out.block_table_stride), out.block_tables.len())?;
+        small(
+            "block_tables",
+            b.saturating_mul(out.block_table_stride),
+            out.block_tables.len(),
+        )?;
         if csr {
             small("kv_indices", kv, out.kv_indices.len())?;
         }
@@ -928,13 +1031,24 @@ impl BlockManager {
                 return bad(format!("sequence {id} is empty"));
             }
             if t.blocks.len() != blocks_for(t.num_tokens, bs) {
-                return bad(format!("sequence {id}: {} tokens in {} blocks", t.num_tokens, t.blocks.len()));
+                return bad(format!(
+                    "sequence {id}: {} tokens in {} blocks",
+                    t.num_tokens,
+                    t.blocks.len()
+                ));
             }
             if t.blocks.len() > self.cfg.max_blocks_per_seq as usize {
-                return bad(format!("sequence {id}: {} blocks exceed the row width", t.blocks.len()));
+                return bad(format!(
+                    "sequence {id}: {} blocks exceed the row width",
+                    t.blocks.len()
+                ));
             }
             if self.caching && s.tokens.len() != t.num_tokens {
-                return bad(format!("sequence {id}: {} token ids for length {}", s.tokens.len(), t.num_tokens));
+                return bad(format!(
+                    "sequence {id}: {} token ids for length {}",
+                    s.tokens.len(),
+                    t.num_tokens
+                ));
             }
             if s.registered > t.num_tokens / bs || s.hashes.len() > t.num_tokens / bs {
                 return bad(format!("sequence {id}: hashes cover a partial block"));
@@ -949,18 +1063,27 @@ impl BlockManager {
                         return bad(format!("sequence {id}: partial block {b} is hashed"));
                     }
                     if j < s.hashes.len() && s.hashes[j] != h && !self.prefix.verifies() {
-                        return bad(format!("sequence {id}: block {b} cached under another chain"));
+                        return bad(format!(
+                            "sequence {id}: block {b} cached under another chain"
+                        ));
                     }
-                    if self.prefix.verifies() && self.prefix.stored_tokens(b) != &s.tokens[j * bs..(j + 1) * bs] {
+                    if self.prefix.verifies()
+                        && self.prefix.stored_tokens(b) != &s.tokens[j * bs..(j + 1) * bs]
+                    {
                         // A relabelled (forged) block keeps its own tokens; only content matters.
-                        return bad(format!("sequence {id}: block {b} content differs from its cached tokens"));
+                        return bad(format!(
+                            "sequence {id}: block {b} content differs from its cached tokens"
+                        ));
                     }
                 }
             }
             used_tokens += t.num_tokens as u64;
         }
         if used_tokens != self.used_tokens {
-            return bad(format!("used_tokens {} but sequences hold {used_tokens}", self.used_tokens));
+            return bad(format!(
+                "used_tokens {} but sequences hold {used_tokens}",
+                self.used_tokens
+            ));
         }
         // Pending copies: distinct dsts, owned; no dst is a src; deferred blocks are srcs.
         let mut dsts = std::collections::HashSet::new();
@@ -977,7 +1100,9 @@ impl BlockManager {
         }
         for &(s, _) in &self.pending {
             if dsts.contains(&s) {
-                return bad(format!("block {s} is both a src and a dst of pending copies"));
+                return bad(format!(
+                    "block {s} is both a src and a dst of pending copies"
+                ));
             }
         }
         let mut free_count = 0usize;
@@ -988,7 +1113,10 @@ impl BlockManager {
             let in_lru = self.prefix.in_lru(b);
             let deferred = self.deferred.contains(&b);
             if rc != occ[b as usize] {
-                return bad(format!("block {b}: refcount {rc} but in {} tables", occ[b as usize]));
+                return bad(format!(
+                    "block {b}: refcount {rc} but in {} tables",
+                    occ[b as usize]
+                ));
             }
             if rc > 1 {
                 shared += 1;
@@ -1013,21 +1141,37 @@ impl BlockManager {
             }
         }
         if free_count != self.pool.num_free() {
-            return bad(format!("{free_count} blocks free but the pool counts {}", self.pool.num_free()));
+            return bad(format!(
+                "{free_count} blocks free but the pool counts {}",
+                self.pool.num_free()
+            ));
         }
         if shared != self.shared_blocks {
-            return bad(format!("{shared} shared blocks but the counter says {}", self.shared_blocks));
+            return bad(format!(
+                "{shared} shared blocks but the counter says {}",
+                self.shared_blocks
+            ));
         }
         for (h, b) in self.prefix.entries() {
             if self.prefix.hash_of(b) != Some(h) {
-                return bad(format!("hash {h:#x} maps to block {b}, which carries {:?}", self.prefix.hash_of(b)));
+                return bad(format!(
+                    "hash {h:#x} maps to block {b}, which carries {:?}",
+                    self.prefix.hash_of(b)
+                ));
             }
         }
-        let hashed = (0..n as u32).filter(|&b| self.prefix.hash_of(b).is_some()).count();
+        let hashed = (0..n as u32)
+            .filter(|&b| self.prefix.hash_of(b).is_some())
+            .count();
         if hashed != self.prefix.num_hashed() {
-            return bad(format!("{hashed} blocks carry a hash but the map holds {}", self.prefix.num_hashed()));
+            return bad(format!(
+                "{hashed} blocks carry a hash but the map holds {}",
+                self.prefix.num_hashed()
+            ));
         }
-        self.prefix.check_links().map_err(Error::InvariantViolation)?;
+        self.prefix
+            .check_links()
+            .map_err(Error::InvariantViolation)?;
         self.pool.check_invariants()
     }
 }
@@ -1041,6 +1185,9 @@ fn evict(prefix: &mut PrefixCache, pool: &BlockPool, counters: &mut Counters) ->
             counters.evictions += 1;
             Ok(b)
         }
-        None => Err(Error::OutOfBlocks { needed: 1, available: 0 }),
+        None => Err(Error::OutOfBlocks {
+            needed: 1,
+            available: 0,
+        }),
     }
 }

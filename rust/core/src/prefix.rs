@@ -98,7 +98,11 @@ impl PrefixCache {
             tail: NIL,
             lru_len: 0,
             block_size: block_size as usize,
-            tokens: if verify { vec![0; n * block_size as usize] } else { Vec::new() },
+            tokens: if verify {
+                vec![0; n * block_size as usize]
+            } else {
+                Vec::new()
+            },
         }
     }
 
@@ -280,12 +284,19 @@ impl PrefixCache {
     pub fn check_links(&self) -> Result<(), String> {
         let order = self.lru_order(self.hashed.len());
         if order.len() != self.lru_len {
-            return Err(format!("LRU walk finds {} blocks, length says {}", order.len(), self.lru_len));
+            return Err(format!(
+                "LRU walk finds {} blocks, length says {}",
+                order.len(),
+                self.lru_len
+            ));
         }
         let mut p = NIL;
         for &b in &order {
             if self.prev[b as usize] != p {
-                return Err(format!("LRU block {b}: prev is {}, expected {p}", self.prev[b as usize]));
+                return Err(format!(
+                    "LRU block {b}: prev is {}, expected {p}",
+                    self.prev[b as usize]
+                ));
             }
             if !self.in_lru[b as usize] {
                 return Err(format!("LRU block {b} not flagged as in the LRU"));
@@ -297,7 +308,10 @@ impl PrefixCache {
         }
         let flagged = self.in_lru.iter().filter(|&&x| x).count();
         if flagged != self.lru_len {
-            return Err(format!("{flagged} blocks flagged in the LRU, length says {}", self.lru_len));
+            return Err(format!(
+                "{flagged} blocks flagged in the LRU, length says {}",
+                self.lru_len
+            ));
         }
         Ok(())
     }
@@ -311,7 +325,10 @@ mod tests {
     fn register_is_one_to_one() {
         let mut c = PrefixCache::new(4, 2, false);
         assert!(c.register(0, 10, &[1, 2]));
-        assert!(!c.register(1, 10, &[1, 2]), "second block with the same hash stays unhashed");
+        assert!(
+            !c.register(1, 10, &[1, 2]),
+            "second block with the same hash stays unhashed"
+        );
         assert!(!c.register(0, 11, &[1, 2]), "a hashed block keeps its hash");
         assert_eq!(c.lookup(10), Some(0));
         assert_eq!(c.hash_of(1), None);
@@ -372,6 +389,9 @@ mod tests {
             s.finish()
         };
         let tops: std::collections::HashSet<u64> = (0..64).map(|x| h(x) >> 57).collect();
-        assert!(tops.len() > 32, "control bits should vary across small keys");
+        assert!(
+            tops.len() > 32,
+            "control bits should vary across small keys"
+        );
     }
 }

@@ -147,9 +147,24 @@ impl StepLayout {
             .max_seqs
             .checked_mul(self.max_blocks_per_seq)
             .ok_or(too_big("max_blocks_per_seq", self.max_blocks_per_seq))?;
-        let seqs1 = self.max_seqs.checked_add(1).ok_or(too_big("max_seqs", self.max_seqs))?;
-        let copies = self.max_copies.checked_mul(2).ok_or(too_big("max_copies", self.max_copies))?;
-        Ok([self.max_tokens, table, self.max_seqs, seqs1, seqs1, table, self.max_seqs, copies])
+        let seqs1 = self
+            .max_seqs
+            .checked_add(1)
+            .ok_or(too_big("max_seqs", self.max_seqs))?;
+        let copies = self
+            .max_copies
+            .checked_mul(2)
+            .ok_or(too_big("max_copies", self.max_copies))?;
+        Ok([
+            self.max_tokens,
+            table,
+            self.max_seqs,
+            seqs1,
+            seqs1,
+            table,
+            self.max_seqs,
+            copies,
+        ])
     }
 
     fn validate(&self) -> Result<()> {
@@ -159,7 +174,11 @@ impl StepLayout {
             ("max_blocks_per_seq", self.max_blocks_per_seq),
         ] {
             if v == 0 {
-                return Err(Error::InvalidArgument { what, value: 0, reason: "must be >= 1".into() });
+                return Err(Error::InvalidArgument {
+                    what,
+                    value: 0,
+                    reason: "must be >= 1".into(),
+                });
             }
             if v > i32::MAX as usize {
                 return Err(Error::InvalidArgument {
@@ -196,8 +215,16 @@ const NAMES: [&str; 8] = [
     "kv_last_page_len",
     "copies",
 ];
-const DTYPES: [DType; 8] =
-    [DType::I64, DType::I32, DType::I32, DType::I32, DType::I32, DType::I32, DType::I32, DType::I64];
+const DTYPES: [DType; 8] = [
+    DType::I64,
+    DType::I32,
+    DType::I32,
+    DType::I32,
+    DType::I32,
+    DType::I32,
+    DType::I32,
+    DType::I64,
+];
 
 impl RawStepBuffers {
     /// False when all three CSR buffers have length 0: no FlashInfer page table wanted.
@@ -272,7 +299,11 @@ impl RegisteredBuffers {
             if b.ptr % want.size() != 0 {
                 return Err(Error::BufferInvalid {
                     buffer: name,
-                    expected: if want.size() == 8 { "8-byte alignment" } else { "4-byte alignment" },
+                    expected: if want.size() == 8 {
+                        "8-byte alignment"
+                    } else {
+                        "4-byte alignment"
+                    },
                     got: format!("address {:#x}", b.ptr),
                 });
             }
@@ -289,7 +320,11 @@ impl RegisteredBuffers {
                 });
             }
             if b.len < needs[i] {
-                return Err(Error::BufferTooSmall { buffer: name, needed: needs[i], capacity: b.len });
+                return Err(Error::BufferTooSmall {
+                    buffer: name,
+                    needed: needs[i],
+                    capacity: b.len,
+                });
             }
         }
         // Two overlapping buffers would become two aliasing `&mut` slices.
@@ -341,7 +376,11 @@ impl RegisteredBuffers {
             unsafe { std::slice::from_raw_parts_mut(b.ptr as *mut T, len) }
         }
         let b = self.bufs;
-        let (seqs1, seqs, kv) = if b.has_csr() { (l.max_seqs + 1, l.max_seqs, table) } else { (0, 0, 0) };
+        let (seqs1, seqs, kv) = if b.has_csr() {
+            (l.max_seqs + 1, l.max_seqs, table)
+        } else {
+            (0, 0, 0)
+        };
         unsafe {
             StepBuffers {
                 slot_mapping: sl(b.slot_mapping, l.max_tokens),
@@ -411,7 +450,12 @@ mod tests {
     use super::*;
 
     fn layout() -> StepLayout {
-        StepLayout { max_seqs: 4, max_tokens: 16, max_blocks_per_seq: 8, max_copies: 2 }
+        StepLayout {
+            max_seqs: 4,
+            max_tokens: 16,
+            max_blocks_per_seq: 8,
+            max_copies: 2,
+        }
     }
 
     struct Mem {
@@ -423,10 +467,25 @@ mod tests {
         let o = OwnedStepBuffers::new(l);
         let mut m = Mem {
             i64s: vec![o.slot_mapping, o.copies],
-            i32s: vec![o.block_tables, o.seq_lens, o.query_start_loc, o.kv_indptr, o.kv_indices, o.kv_last_page_len],
+            i32s: vec![
+                o.block_tables,
+                o.seq_lens,
+                o.query_start_loc,
+                o.kv_indptr,
+                o.kv_indices,
+                o.kv_last_page_len,
+            ],
         };
-        let r64 = |v: &mut Vec<i64>| RawBuffer { ptr: v.as_mut_ptr() as usize, len: v.len(), dtype: DType::I64 };
-        let r32 = |v: &mut Vec<i32>| RawBuffer { ptr: v.as_mut_ptr() as usize, len: v.len(), dtype: DType::I32 };
+        let r64 = |v: &mut Vec<i64>| RawBuffer {
+            ptr: v.as_mut_ptr() as usize,
+            len: v.len(),
+            dtype: DType::I64,
+        };
+        let r32 = |v: &mut Vec<i32>| RawBuffer {
+            ptr: v.as_mut_ptr() as usize,
+            len: v.len(),
+            dtype: DType::I32,
+        };
         let raw = RawStepBuffers {
             slot_mapping: r64(&mut m.i64s[0]),
             block_tables: r32(&mut m.i32s[0]),
@@ -463,42 +522,78 @@ mod tests {
         r.seq_lens.dtype = DType::I64;
         assert!(matches!(
             RegisteredBuffers::new(layout(), r),
-            Err(Error::BufferInvalid { buffer: "seq_lens", expected: "int32", .. })
+            Err(Error::BufferInvalid {
+                buffer: "seq_lens",
+                expected: "int32",
+                ..
+            })
         ));
         let mut r = raw;
         r.kv_indptr.ptr = 0;
-        assert!(matches!(RegisteredBuffers::new(layout(), r), Err(Error::BufferInvalid { buffer: "kv_indptr", .. })));
+        assert!(matches!(
+            RegisteredBuffers::new(layout(), r),
+            Err(Error::BufferInvalid {
+                buffer: "kv_indptr",
+                ..
+            })
+        ));
         let mut r = raw;
         r.slot_mapping.ptr += 4;
         r.slot_mapping.len -= 1;
         assert!(matches!(
             RegisteredBuffers::new(layout(), r),
-            Err(Error::BufferInvalid { buffer: "slot_mapping", .. })
+            Err(Error::BufferInvalid {
+                buffer: "slot_mapping",
+                ..
+            })
         ));
         let mut r = raw;
         r.kv_indices.len = 31;
         assert_eq!(
             RegisteredBuffers::new(layout(), r),
-            Err(Error::BufferTooSmall { buffer: "kv_indices", needed: 32, capacity: 31 })
+            Err(Error::BufferTooSmall {
+                buffer: "kv_indices",
+                needed: 32,
+                capacity: 31
+            })
         );
         let mut r = raw;
         r.kv_last_page_len = r.seq_lens;
         assert!(matches!(
             RegisteredBuffers::new(layout(), r),
-            Err(Error::BufferInvalid { buffer: "kv_last_page_len", .. })
+            Err(Error::BufferInvalid {
+                buffer: "kv_last_page_len",
+                ..
+            })
         ));
         let mut l = layout();
         l.max_seqs = 0;
-        assert!(matches!(RegisteredBuffers::new(l, raw), Err(Error::InvalidArgument { what: "max_seqs", .. })));
+        assert!(matches!(
+            RegisteredBuffers::new(l, raw),
+            Err(Error::InvalidArgument {
+                what: "max_seqs",
+                ..
+            })
+        ));
     }
 
     #[test]
     fn csr_buffers_may_all_be_left_out() {
         let (_m, mut raw) = mem(layout());
-        let empty = RawBuffer { ptr: 0, len: 0, dtype: DType::I32 };
+        let empty = RawBuffer {
+            ptr: 0,
+            len: 0,
+            dtype: DType::I32,
+        };
         raw.kv_indptr = empty;
         raw.kv_indices = empty;
-        assert!(matches!(RegisteredBuffers::new(layout(), raw), Err(Error::BufferInvalid { buffer: "kv_indptr", .. })));
+        assert!(matches!(
+            RegisteredBuffers::new(layout(), raw),
+            Err(Error::BufferInvalid {
+                buffer: "kv_indptr",
+                ..
+            })
+        ));
         raw.kv_last_page_len = empty;
         let mut reg = RegisteredBuffers::new(layout(), raw).unwrap();
         let v = unsafe { reg.as_step_buffers() };
@@ -511,7 +606,11 @@ mod tests {
         let mut l = layout();
         l.max_copies = 0;
         let (_m, mut raw) = mem(l);
-        raw.copies = RawBuffer { ptr: 0, len: 0, dtype: DType::I64 };
+        raw.copies = RawBuffer {
+            ptr: 0,
+            len: 0,
+            dtype: DType::I64,
+        };
         let mut reg = RegisteredBuffers::new(l, raw).unwrap();
         assert!(unsafe { reg.as_step_buffers() }.copies.is_empty());
     }

@@ -99,7 +99,10 @@ mod tests {
 
     #[test]
     fn slots_and_last_page() {
-        let t = BlockTable { blocks: vec![7, 2, 9], num_tokens: 33 };
+        let t = BlockTable {
+            blocks: vec![7, 2, 9],
+            num_tokens: 33,
+        };
         assert_eq!(t.slot(0, 16), 7 * 16);
         assert_eq!(t.slot(15, 16), 7 * 16 + 15);
         assert_eq!(t.slot(16, 16), 2 * 16);
@@ -108,7 +111,10 @@ mod tests {
         assert_eq!(t.blocks_to_grow(15, 16), 0);
         assert_eq!(t.blocks_to_grow(16, 16), 1);
         assert_eq!(t.blocks_i32(), &[7, 2, 9]);
-        let full = BlockTable { blocks: vec![1, 2], num_tokens: 32 };
+        let full = BlockTable {
+            blocks: vec![1, 2],
+            num_tokens: 32,
+        };
         assert_eq!(full.last_page_len(16), 16);
         assert_eq!(full.blocks_to_grow(1, 16), 1);
         assert_eq!(BlockTable::default().last_page_len(16), 0);

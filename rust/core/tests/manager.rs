@@ -26,7 +26,9 @@ fn snap(m: &BlockManager) -> Snap {
     seqs.sort();
     Snap {
         seqs,
-        refcounts: (0..m.config().num_blocks).map(|b| m.block_refcount(b).unwrap()).collect(),
+        refcounts: (0..m.config().num_blocks)
+            .map(|b| m.block_refcount(b).unwrap())
+            .collect(),
         free: m.num_free_blocks(),
         stats: m.stats(),
         pending: m.pending_copies().to_vec(),
@@ -45,7 +47,11 @@ fn expect_err<T: std::fmt::Debug>(
         Err(e) if check(e) => {}
         other => panic!("unexpected result {other:?}"),
     }
-    assert_eq!(snap(m), before, "state changed by a failed operation ({r:?})");
+    assert_eq!(
+        snap(m),
+        before,
+        "state changed by a failed operation ({r:?})"
+    );
     m.check_invariants().unwrap();
 }
 
@@ -61,11 +67,18 @@ fn mgr(num_blocks: u32, bs: u32) -> BlockManager {
 }
 
 fn toks(n: usize, seed: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| i.wrapping_mul(2654435761).wrapping_add(seed)).collect()
+    (0..n as u32)
+        .map(|i| i.wrapping_mul(2654435761).wrapping_add(seed))
+        .collect()
 }
 
 fn layout(seqs: usize, tokens: usize, blocks: usize) -> StepLayout {
-    StepLayout { max_seqs: seqs, max_tokens: tokens, max_blocks_per_seq: blocks, max_copies: 8 }
+    StepLayout {
+        max_seqs: seqs,
+        max_tokens: tokens,
+        max_blocks_per_seq: blocks,
+        max_copies: 8,
+    }
 }
 
 // ---------------------------------------------------------------- config
@@ -84,7 +97,10 @@ fn config_defaults() {
     one.validate().unwrap();
     // Default rows are capped so a full row's length fits an int32.
     let wide = ManagerConfig::new(1 << 30, 16);
-    assert_eq!(wide.max_blocks_per_seq as u64 * 16, (i32::MAX as u64 / 16) * 16);
+    assert_eq!(
+        wide.max_blocks_per_seq as u64 * 16,
+        (i32::MAX as u64 / 16) * 16
+    );
     wide.validate().unwrap();
 }
 
@@ -96,14 +112,35 @@ fn config_validation_names_the_field() {
     };
     assert_eq!(field(ManagerConfig::new(10, 0)), "block_size");
     assert_eq!(field(ManagerConfig::new(0, 16)), "num_blocks");
-    assert_eq!(field(ManagerConfig::new(i32::MAX as u32 + 1, 1)), "num_blocks");
-    assert_eq!(field(ManagerConfig { watermark_blocks: 10, ..ManagerConfig::new(10, 16) }), "watermark_blocks");
-    assert_eq!(field(ManagerConfig { max_blocks_per_seq: 0, ..ManagerConfig::new(10, 16) }), "max_blocks_per_seq");
     assert_eq!(
-        field(ManagerConfig { max_blocks_per_seq: i32::MAX as u32, ..ManagerConfig::new(10, 16) }),
+        field(ManagerConfig::new(i32::MAX as u32 + 1, 1)),
+        "num_blocks"
+    );
+    assert_eq!(
+        field(ManagerConfig {
+            watermark_blocks: 10,
+            ..ManagerConfig::new(10, 16)
+        }),
+        "watermark_blocks"
+    );
+    assert_eq!(
+        field(ManagerConfig {
+            max_blocks_per_seq: 0,
+            ..ManagerConfig::new(10, 16)
+        }),
         "max_blocks_per_seq"
     );
-    assert!(matches!(BlockManager::new(ManagerConfig::new(0, 16)), Err(Error::InvalidConfig { .. })));
+    assert_eq!(
+        field(ManagerConfig {
+            max_blocks_per_seq: i32::MAX as u32,
+            ..ManagerConfig::new(10, 16)
+        }),
+        "max_blocks_per_seq"
+    );
+    assert!(matches!(
+        BlockManager::new(ManagerConfig::new(0, 16)),
+        Err(Error::InvalidConfig { .. })
+    ));
 }
 
 // ---------------------------------------------------------------- admit
@@ -111,7 +148,14 @@ fn config_validation_names_the_field() {
 #[test]
 fn admit_allocates_ceil_blocks() {
     let mut m = mgr(10, 4);
-    assert_eq!(m.admit(1, &toks(9, 0)).unwrap(), AdmitResult { cached_tokens: 0, new_blocks: 3, num_blocks: 3 });
+    assert_eq!(
+        m.admit(1, &toks(9, 0)).unwrap(),
+        AdmitResult {
+            cached_tokens: 0,
+            new_blocks: 3,
+            num_blocks: 3
+        }
+    );
     assert_eq!(m.admit(2, &toks(4, 0)).unwrap().num_blocks, 1);
     assert_eq!(m.admit(3, &toks(1, 0)).unwrap().num_blocks, 1);
     assert_eq!(m.num_free_blocks(), 5);
@@ -129,14 +173,41 @@ fn admit_allocates_ceil_blocks() {
 
 #[test]
 fn admit_errors_leave_state_unchanged() {
-    let mut m = BlockManager::new(ManagerConfig { watermark_blocks: 2, max_blocks_per_seq: 4, ..cfg(8, 4) }).unwrap();
+    let mut m = BlockManager::new(ManagerConfig {
+        watermark_blocks: 2,
+        max_blocks_per_seq: 4,
+        ..cfg(8, 4)
+    })
+    .unwrap();
     m.admit(1, &toks(8, 0)).unwrap();
-    expect_err(&mut m, |m| m.admit(2, &[]), |e| matches!(e, Error::InvalidArgument { what: "tokens.len", .. }));
-    expect_err(&mut m, |m| m.admit(1, &toks(3, 0)), |e| *e == Error::DuplicateSequence { seq_id: 1 });
+    expect_err(
+        &mut m,
+        |m| m.admit(2, &[]),
+        |e| {
+            matches!(
+                e,
+                Error::InvalidArgument {
+                    what: "tokens.len",
+                    ..
+                }
+            )
+        },
+    );
+    expect_err(
+        &mut m,
+        |m| m.admit(1, &toks(3, 0)),
+        |e| *e == Error::DuplicateSequence { seq_id: 1 },
+    );
     expect_err(
         &mut m,
         |m| m.admit(2, &toks(17, 0)),
-        |e| *e == Error::SequenceTooLong { seq_id: 2, needed_blocks: 5, max_blocks_per_seq: 4 },
+        |e| {
+            *e == Error::SequenceTooLong {
+                seq_id: 2,
+                needed_blocks: 5,
+                max_blocks_per_seq: 4,
+            }
+        },
     );
     // A row holds 4 blocks; 5 are refused before any accounting.
     expect_err(
@@ -148,20 +219,44 @@ fn admit_errors_leave_state_unchanged() {
     expect_err(
         &mut m,
         |m| m.admit(3, &toks(8, 0)),
-        |e| *e == Error::WatermarkReached { needed: 2, available: 1, watermark: 2 },
+        |e| {
+            *e == Error::WatermarkReached {
+                needed: 2,
+                available: 1,
+                watermark: 2,
+            }
+        },
     );
     m.admit(3, &toks(4, 0)).unwrap(); // exactly down to the reserve
     assert_eq!(m.num_free_blocks(), 2);
-    expect_err(&mut m, |m| m.admit(4, &toks(1, 0)), |e| matches!(e, Error::WatermarkReached { .. }));
+    expect_err(
+        &mut m,
+        |m| m.admit(4, &toks(1, 0)),
+        |e| matches!(e, Error::WatermarkReached { .. }),
+    );
 
     let mut m = mgr(3, 4);
     m.admit(1, &toks(8, 0)).unwrap();
-    expect_err(&mut m, |m| m.admit(2, &toks(5, 0)), |e| *e == Error::OutOfBlocks { needed: 2, available: 1 });
+    expect_err(
+        &mut m,
+        |m| m.admit(2, &toks(5, 0)),
+        |e| {
+            *e == Error::OutOfBlocks {
+                needed: 2,
+                available: 1,
+            }
+        },
+    );
 }
 
 #[test]
 fn can_admit_matches_admit() {
-    let mut m = BlockManager::new(ManagerConfig { watermark_blocks: 1, max_blocks_per_seq: 3, ..cfg(6, 4) }).unwrap();
+    let mut m = BlockManager::new(ManagerConfig {
+        watermark_blocks: 1,
+        max_blocks_per_seq: 3,
+        ..cfg(6, 4)
+    })
+    .unwrap();
     assert!(!m.can_admit(0));
     assert!(m.can_admit(12));
     assert!(!m.can_admit(13), "row too narrow");
@@ -195,7 +290,11 @@ fn append_allocates_only_on_block_boundaries() {
 
 #[test]
 fn append_may_use_the_reserve() {
-    let mut m = BlockManager::new(ManagerConfig { watermark_blocks: 2, ..cfg(4, 4) }).unwrap();
+    let mut m = BlockManager::new(ManagerConfig {
+        watermark_blocks: 2,
+        ..cfg(4, 4)
+    })
+    .unwrap();
     m.admit(1, &toks(8, 0)).unwrap();
     assert_eq!(m.num_free_blocks(), 2);
     m.append(1, &toks(8, 0)).unwrap();
@@ -205,20 +304,47 @@ fn append_may_use_the_reserve() {
 
 #[test]
 fn append_errors_leave_state_unchanged() {
-    let mut m = BlockManager::new(ManagerConfig { max_blocks_per_seq: 3, ..cfg(4, 4) }).unwrap();
+    let mut m = BlockManager::new(ManagerConfig {
+        max_blocks_per_seq: 3,
+        ..cfg(4, 4)
+    })
+    .unwrap();
     m.admit(1, &toks(5, 0)).unwrap();
     m.admit(2, &toks(4, 0)).unwrap();
-    expect_err(&mut m, |m| m.append(1, &[]), |e| matches!(e, Error::InvalidArgument { .. }));
-    expect_err(&mut m, |m| m.append(9, &[1]), |e| *e == Error::UnknownSequence { seq_id: 9 });
+    expect_err(
+        &mut m,
+        |m| m.append(1, &[]),
+        |e| matches!(e, Error::InvalidArgument { .. }),
+    );
+    expect_err(
+        &mut m,
+        |m| m.append(9, &[1]),
+        |e| *e == Error::UnknownSequence { seq_id: 9 },
+    );
     expect_err(
         &mut m,
         |m| m.append(1, &toks(8, 0)),
-        |e| *e == Error::SequenceTooLong { seq_id: 1, needed_blocks: 4, max_blocks_per_seq: 3 },
+        |e| {
+            *e == Error::SequenceTooLong {
+                seq_id: 1,
+                needed_blocks: 4,
+                max_blocks_per_seq: 3,
+            }
+        },
     );
     m.append(2, &[1]).unwrap(); // pool now empty
     assert_eq!(m.num_free_blocks(), 0);
     m.append(1, &toks(3, 0)).unwrap(); // fills block 2 of seq 1 without allocating
-    expect_err(&mut m, |m| m.append(1, &[1]), |e| *e == Error::OutOfBlocks { needed: 1, available: 0 });
+    expect_err(
+        &mut m,
+        |m| m.append(1, &[1]),
+        |e| {
+            *e == Error::OutOfBlocks {
+                needed: 1,
+                available: 0,
+            }
+        },
+    );
 }
 
 // ---------------------------------------------------------------- append_batch
@@ -234,27 +360,79 @@ fn append_batch_one_token_each() {
     assert_eq!(m.seq_len(1).unwrap(), 5);
     assert_eq!(m.seq_len(2).unwrap(), 3);
     assert_eq!(m.seq_len(3).unwrap(), 8);
-    assert_eq!(m.num_free_blocks(), free - 1, "only seq 1 crossed a boundary");
+    assert_eq!(
+        m.num_free_blocks(),
+        free - 1,
+        "only seq 1 crossed a boundary"
+    );
     m.append_batch(&[], &[]).unwrap();
     m.check_invariants().unwrap();
 }
 
 #[test]
 fn append_batch_is_all_or_nothing() {
-    let mut m = BlockManager::new(ManagerConfig { max_blocks_per_seq: 2, ..cfg(5, 4) }).unwrap();
+    let mut m = BlockManager::new(ManagerConfig {
+        max_blocks_per_seq: 2,
+        ..cfg(5, 4)
+    })
+    .unwrap();
     m.admit(1, &toks(4, 0)).unwrap();
     m.admit(2, &toks(4, 0)).unwrap();
     m.admit(3, &toks(8, 0)).unwrap();
-    expect_err(&mut m, |m| m.append_batch(&[1, 2], &[0]), |e| matches!(e, Error::InvalidArgument { what: "tokens.len", .. }));
-    expect_err(&mut m, |m| m.append_batch(&[1, 7], &[0, 0]), |e| *e == Error::UnknownSequence { seq_id: 7 });
-    expect_err(&mut m, |m| m.append_batch(&[1, 2, 1], &[0, 0, 0]), |e| matches!(e, Error::InvalidArgument { what: "seqs", value: 1, .. }));
+    expect_err(
+        &mut m,
+        |m| m.append_batch(&[1, 2], &[0]),
+        |e| {
+            matches!(
+                e,
+                Error::InvalidArgument {
+                    what: "tokens.len",
+                    ..
+                }
+            )
+        },
+    );
+    expect_err(
+        &mut m,
+        |m| m.append_batch(&[1, 7], &[0, 0]),
+        |e| *e == Error::UnknownSequence { seq_id: 7 },
+    );
+    expect_err(
+        &mut m,
+        |m| m.append_batch(&[1, 2, 1], &[0, 0, 0]),
+        |e| {
+            matches!(
+                e,
+                Error::InvalidArgument {
+                    what: "seqs",
+                    value: 1,
+                    ..
+                }
+            )
+        },
+    );
     expect_err(
         &mut m,
         |m| m.append_batch(&[1, 3], &[0, 0]),
-        |e| *e == Error::SequenceTooLong { seq_id: 3, needed_blocks: 3, max_blocks_per_seq: 2 },
+        |e| {
+            *e == Error::SequenceTooLong {
+                seq_id: 3,
+                needed_blocks: 3,
+                max_blocks_per_seq: 2,
+            }
+        },
     );
     // 1 free block, 2 sequences at a boundary: neither grows.
-    expect_err(&mut m, |m| m.append_batch(&[1, 2], &[0, 0]), |e| *e == Error::OutOfBlocks { needed: 2, available: 1 });
+    expect_err(
+        &mut m,
+        |m| m.append_batch(&[1, 2], &[0, 0]),
+        |e| {
+            *e == Error::OutOfBlocks {
+                needed: 2,
+                available: 1,
+            }
+        },
+    );
     m.append_batch(&[2], &[0]).unwrap();
 }
 
@@ -269,9 +447,21 @@ fn free_returns_blocks() {
     assert_eq!(m.num_free_blocks(), 9);
     assert!(!m.contains(1));
     assert_eq!(m.stats().used_tokens, 3);
-    expect_err(&mut m, |m| m.free(1), |e| *e == Error::UnknownSequence { seq_id: 1 });
-    expect_err(&mut m, |m| m.seq_len(1), |e| *e == Error::UnknownSequence { seq_id: 1 });
-    expect_err(&mut m, |m| m.block_table(1).map(|t| t.to_vec()), |e| *e == Error::UnknownSequence { seq_id: 1 });
+    expect_err(
+        &mut m,
+        |m| m.free(1),
+        |e| *e == Error::UnknownSequence { seq_id: 1 },
+    );
+    expect_err(
+        &mut m,
+        |m| m.seq_len(1),
+        |e| *e == Error::UnknownSequence { seq_id: 1 },
+    );
+    expect_err(
+        &mut m,
+        |m| m.block_table(1).map(|t| t.to_vec()),
+        |e| *e == Error::UnknownSequence { seq_id: 1 },
+    );
     // The id can be reused.
     m.admit(1, &toks(2, 0)).unwrap();
     m.free(2).unwrap();
@@ -293,17 +483,36 @@ fn build_step_prefill_then_decode() {
     let mut ob = OwnedStepBuffers::new(layout(4, 32, 4));
     ob.block_tables.fill(-1);
     let info = m.build_step(&[2, 1], &[3, 6], &mut ob.view()).unwrap();
-    assert_eq!(info, StepInfo { num_seqs: 2, num_tokens: 9, num_kv_indices: 3, num_copies: 0, max_seq_len: 6 });
+    assert_eq!(
+        info,
+        StepInfo {
+            num_seqs: 2,
+            num_tokens: 9,
+            num_kv_indices: 3,
+            num_copies: 0,
+            max_seq_len: 6
+        }
+    );
     let slot = |t: &[u32], p: usize| (t[p / 4] * 4 + (p % 4) as u32) as i64;
-    let want: Vec<i64> = (0..3).map(|p| slot(&t2, p)).chain((0..6).map(|p| slot(&t1, p))).collect();
+    let want: Vec<i64> = (0..3)
+        .map(|p| slot(&t2, p))
+        .chain((0..6).map(|p| slot(&t1, p)))
+        .collect();
     assert_eq!(&ob.slot_mapping[..9], &want[..]);
     assert_eq!(&ob.block_tables[0..1], &[t2[0] as i32]);
-    assert_eq!(&ob.block_tables[1..4], &[-1, -1, -1], "columns past a row's blocks are untouched");
+    assert_eq!(
+        &ob.block_tables[1..4],
+        &[-1, -1, -1],
+        "columns past a row's blocks are untouched"
+    );
     assert_eq!(&ob.block_tables[4..6], &[t1[0] as i32, t1[1] as i32]);
     assert_eq!(&ob.seq_lens[..2], &[3, 6]);
     assert_eq!(&ob.query_start_loc[..3], &[0, 3, 9]);
     assert_eq!(&ob.kv_indptr[..3], &[0, 1, 3]);
-    assert_eq!(&ob.kv_indices[..3], &[t2[0] as i32, t1[0] as i32, t1[1] as i32]);
+    assert_eq!(
+        &ob.kv_indices[..3],
+        &[t2[0] as i32, t1[0] as i32, t1[1] as i32]
+    );
     assert_eq!(&ob.kv_last_page_len[..2], &[3, 2]);
 
     // Decode: one token each, seq 2 crosses into a new block.
@@ -332,7 +541,9 @@ fn build_step_partial_new_tokens_span_blocks() {
     let t = m.block_table(1).unwrap().to_vec();
     let mut ob = OwnedStepBuffers::new(layout(2, 16, 8));
     m.build_step(&[1], &[10], &mut ob.view()).unwrap();
-    let want: Vec<i64> = (3..13).map(|p| (t[p / 4] * 4) as i64 + (p % 4) as i64).collect();
+    let want: Vec<i64> = (3..13)
+        .map(|p| (t[p / 4] * 4) as i64 + (p % 4) as i64)
+        .collect();
     assert_eq!(&ob.slot_mapping[..10], &want[..]);
 }
 
@@ -363,11 +574,39 @@ fn build_step_errors_write_nothing() {
     };
     type Case = (Vec<SeqId>, Vec<u32>, fn(&Error) -> bool);
     let cases: Vec<Case> = vec![
-        (vec![1, 2], vec![1], |e| matches!(e, Error::InvalidArgument { what: "num_new.len", .. })),
-        (vec![1, 5], vec![1, 1], |e| *e == Error::UnknownSequence { seq_id: 5 }),
-        (vec![1, 1], vec![1, 1], |e| matches!(e, Error::InvalidArgument { what: "seqs", .. })),
-        (vec![1, 2], vec![0, 1], |e| matches!(e, Error::InvalidArgument { what: "num_new", .. })),
-        (vec![1, 2], vec![1, 5], |e| matches!(e, Error::InvalidArgument { what: "num_new", .. })),
+        (vec![1, 2], vec![1], |e| {
+            matches!(
+                e,
+                Error::InvalidArgument {
+                    what: "num_new.len",
+                    ..
+                }
+            )
+        }),
+        (vec![1, 5], vec![1, 1], |e| {
+            *e == Error::UnknownSequence { seq_id: 5 }
+        }),
+        (vec![1, 1], vec![1, 1], |e| {
+            matches!(e, Error::InvalidArgument { what: "seqs", .. })
+        }),
+        (vec![1, 2], vec![0, 1], |e| {
+            matches!(
+                e,
+                Error::InvalidArgument {
+                    what: "num_new",
+                    ..
+                }
+            )
+        }),
+        (vec![1, 2], vec![1, 5], |e| {
+            matches!(
+                e,
+                Error::InvalidArgument {
+                    what: "num_new",
+                    ..
+                }
+            )
+        }),
     ];
     for (seqs, nn, check) in cases {
         sentinel(&mut ob);
@@ -407,8 +646,16 @@ fn registered_buffers_enforce_the_layout() {
     }
     let l = layout(2, 16, 4);
     let mut ob = OwnedStepBuffers::new(l);
-    let r64 = |v: &mut Vec<i64>| RawBuffer { ptr: v.as_mut_ptr() as usize, len: v.len(), dtype: DType::I64 };
-    let r32 = |v: &mut Vec<i32>| RawBuffer { ptr: v.as_mut_ptr() as usize, len: v.len(), dtype: DType::I32 };
+    let r64 = |v: &mut Vec<i64>| RawBuffer {
+        ptr: v.as_mut_ptr() as usize,
+        len: v.len(),
+        dtype: DType::I64,
+    };
+    let r32 = |v: &mut Vec<i32>| RawBuffer {
+        ptr: v.as_mut_ptr() as usize,
+        len: v.len(),
+        dtype: DType::I32,
+    };
     let raw = RawStepBuffers {
         slot_mapping: r64(&mut ob.slot_mapping),
         block_tables: r32(&mut ob.block_tables),
@@ -422,10 +669,23 @@ fn registered_buffers_enforce_the_layout() {
     let mut reg = RegisteredBuffers::new(l, raw).unwrap();
     // Three sequences do not fit a two-row layout.
     let before = snap(&m);
-    let err = m.build_step(&[0, 1, 2], &[1, 1, 1], &mut unsafe { reg.as_step_buffers() }).unwrap_err();
-    assert_eq!(err, Error::BufferTooSmall { buffer: "seq_lens", needed: 3, capacity: 2 });
+    let err = m
+        .build_step(&[0, 1, 2], &[1, 1, 1], &mut unsafe {
+            reg.as_step_buffers()
+        })
+        .unwrap_err();
+    assert_eq!(
+        err,
+        Error::BufferTooSmall {
+            buffer: "seq_lens",
+            needed: 3,
+            capacity: 2
+        }
+    );
     assert_eq!(snap(&m), before);
-    let info = m.build_step(&[2, 0], &[5, 5], &mut unsafe { reg.as_step_buffers() }).unwrap();
+    let info = m
+        .build_step(&[2, 0], &[5, 5], &mut unsafe { reg.as_step_buffers() })
+        .unwrap();
     assert_eq!(info.num_tokens, 10);
     // No view is alive any more: read the memory back through its owner.
     assert_eq!(&ob.seq_lens[..2], &[5, 5]);
@@ -455,7 +715,10 @@ fn stats_track_usage_and_histogram() {
     assert_eq!(s.blocks_per_seq[hist_bucket(1)], 1);
     assert_eq!(s.blocks_per_seq[hist_bucket(2)], 1);
     assert_eq!(s.blocks_per_seq[hist_bucket(5)], 2);
-    assert_eq!((s.shared_blocks, s.cow_copies, s.preemptions, s.evictions), (0, 0, 0, 0));
+    assert_eq!(
+        (s.shared_blocks, s.cow_copies, s.preemptions, s.evictions),
+        (0, 0, 0, 0)
+    );
     assert_eq!(s.prefix_hit_ratio, 0.0);
 }
 
@@ -471,7 +734,8 @@ fn check_invariants_holds_through_a_workload() {
         let live: Vec<SeqId> = m.seq_ids().collect();
         let toks_: Vec<u32> = live.iter().map(|&s| s as u32 + round).collect();
         m.append_batch(&live, &toks_).unwrap();
-        m.build_step(&live, &vec![1; live.len()], &mut ob.view()).unwrap();
+        m.build_step(&live, &vec![1; live.len()], &mut ob.view())
+            .unwrap();
         m.check_invariants().unwrap();
         if round % 5 == 4 {
             m.free(live[0]).unwrap();
@@ -497,7 +761,15 @@ fn csr_is_skipped_when_its_buffers_are_empty() {
     expect_err(
         &mut m,
         |m| m.build_step(&[1], &[6], &mut ob.view()),
-        |e| matches!(e, Error::BufferTooSmall { buffer: "kv_indices", .. }),
+        |e| {
+            matches!(
+                e,
+                Error::BufferTooSmall {
+                    buffer: "kv_indices",
+                    ..
+                }
+            )
+        },
     );
 }
 
@@ -512,7 +784,11 @@ fn repeated_batches_follow_admissions_and_frees() {
     m.build_step(&[1, 2], &[1, 1], &mut ob.view()).unwrap();
     assert_eq!(&ob.seq_lens[..2], &[4, 6]);
     m.free(2).unwrap();
-    expect_err(&mut m, |m| m.append_batch(&[1, 2], &[0, 0]), |e| *e == Error::UnknownSequence { seq_id: 2 });
+    expect_err(
+        &mut m,
+        |m| m.append_batch(&[1, 2], &[0, 0]),
+        |e| *e == Error::UnknownSequence { seq_id: 2 },
+    );
     m.admit(3, &toks(9, 0)).unwrap(); // likely reuses seq 2's slot
     m.admit(2, &toks(1, 0)).unwrap();
     m.append_batch(&[1, 2], &[0, 0]).unwrap();
@@ -521,7 +797,11 @@ fn repeated_batches_follow_admissions_and_frees() {
     assert_eq!(m.seq_len(3).unwrap(), 9);
     m.fork(1, 4).unwrap();
     m.free(1).unwrap();
-    expect_err(&mut m, |m| m.build_step(&[1, 2], &[1, 1], &mut ob.view()), |e| *e == Error::UnknownSequence { seq_id: 1 });
+    expect_err(
+        &mut m,
+        |m| m.build_step(&[1, 2], &[1, 1], &mut ob.view()),
+        |e| *e == Error::UnknownSequence { seq_id: 1 },
+    );
     m.build_step(&[4, 2], &[1, 1], &mut ob.view()).unwrap();
     assert_eq!(&ob.seq_lens[..2], &[5, 2]);
     m.check_invariants().unwrap();

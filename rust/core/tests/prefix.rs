@@ -15,7 +15,12 @@ fn mgr(num_blocks: u32, watermark: u32) -> BlockManager {
 }
 
 fn bufs() -> OwnedStepBuffers {
-    OwnedStepBuffers::new(StepLayout { max_seqs: 16, max_tokens: 1024, max_blocks_per_seq: 64, max_copies: 16 })
+    OwnedStepBuffers::new(StepLayout {
+        max_seqs: 16,
+        max_tokens: 1024,
+        max_blocks_per_seq: 64,
+        max_copies: 16,
+    })
 }
 
 /// Runs a step computing every given sequence's whole length (a prefill of uncached tokens).
@@ -51,7 +56,10 @@ fn hit_after_step_and_free() {
     m.free(1).unwrap();
     m.check_invariants().unwrap();
     let s = m.stats();
-    assert_eq!(s.cached_free_blocks, 2, "full blocks stay cached, the partial one is freed");
+    assert_eq!(
+        s.cached_free_blocks, 2,
+        "full blocks stay cached, the partial one is freed"
+    );
     assert_eq!(s.free_blocks, 14);
     assert_eq!(m.num_free_blocks(), 16);
 
@@ -83,7 +91,11 @@ fn nothing_is_cached_before_a_step_schedules_it() {
     let p = prompt(12, 2);
     m.admit(1, &p).unwrap();
     m.free(1).unwrap();
-    assert_eq!(m.stats().cached_free_blocks, 0, "never computed, so never cached");
+    assert_eq!(
+        m.stats().cached_free_blocks,
+        0,
+        "never computed, so never cached"
+    );
     assert_eq!(m.admit(2, &p).unwrap().cached_tokens, 0);
     // Tokens appended but not yet stepped are not cached either.
     m.append(2, &prompt(4, 3)).unwrap();
@@ -103,13 +115,28 @@ fn fully_cached_prompt_recomputes_its_last_block() {
     let ta = table(&m, 1);
     m.free(1).unwrap();
     let r = m.admit(2, &p).unwrap();
-    assert_eq!((r.cached_tokens, r.new_blocks), (4, 1), "at least one token is computed");
+    assert_eq!(
+        (r.cached_tokens, r.new_blocks),
+        (4, 1),
+        "at least one token is computed"
+    );
     let tb = table(&m, 2);
     assert_eq!(tb[0], ta[0]);
-    assert_ne!(tb[1], ta[1], "the last block is fresh, never written while shared");
-    assert_eq!(m.stats().cached_free_blocks, 1, "the old copy of the last block stays cached");
+    assert_ne!(
+        tb[1], ta[1],
+        "the last block is fresh, never written while shared"
+    );
+    assert_eq!(
+        m.stats().cached_free_blocks,
+        1,
+        "the old copy of the last block stays cached"
+    );
     step_all(&mut m, &[2]);
-    assert_eq!(m.block_hash(tb[1]), None, "duplicate content stays unhashed");
+    assert_eq!(
+        m.block_hash(tb[1]),
+        None,
+        "duplicate content stays unhashed"
+    );
     m.free(2).unwrap();
     m.check_invariants().unwrap();
     let s = m.stats();
@@ -146,7 +173,11 @@ fn duplicate_content_never_corrupts_the_map() {
     assert!(m.block_hash(ta[0]).is_some() && m.block_hash(ta[1]).is_some());
     assert_eq!((m.block_hash(tb[0]), m.block_hash(tb[1])), (None, None));
     m.free(2).unwrap();
-    assert_eq!(m.stats().cached_free_blocks, 0, "unhashed duplicates go to the free list");
+    assert_eq!(
+        m.stats().cached_free_blocks,
+        0,
+        "unhashed duplicates go to the free list"
+    );
     m.free(1).unwrap();
     assert_eq!(m.stats().cached_free_blocks, 2);
     m.check_invariants().unwrap();
@@ -158,29 +189,73 @@ fn keys_separate_cache_entries() {
     let p = prompt(12, 7);
     let base = SeqKeys::default();
     let variants = [
-        SeqKeys { cache_salt: b"tenant".to_vec(), ..Default::default() },
-        SeqKeys { adapter_id: Some(3), ..Default::default() },
-        SeqKeys { extra: b"v2".to_vec(), ..Default::default() },
-        SeqKeys { mm_inputs: vec![MmInput { start: 0, end: 2, hash: vec![1; 16] }], ..Default::default() },
+        SeqKeys {
+            cache_salt: b"tenant".to_vec(),
+            ..Default::default()
+        },
+        SeqKeys {
+            adapter_id: Some(3),
+            ..Default::default()
+        },
+        SeqKeys {
+            extra: b"v2".to_vec(),
+            ..Default::default()
+        },
+        SeqKeys {
+            mm_inputs: vec![MmInput {
+                start: 0,
+                end: 2,
+                hash: vec![1; 16],
+            }],
+            ..Default::default()
+        },
     ];
     m.admit_with(100, &p, &base).unwrap();
     step_all(&mut m, &[100]);
     for (i, k) in variants.iter().enumerate() {
         let id = i as SeqId;
-        assert_eq!(m.admit_with(id, &p, k).unwrap().cached_tokens, 0, "keys {k:?} must not hit");
+        assert_eq!(
+            m.admit_with(id, &p, k).unwrap().cached_tokens,
+            0,
+            "keys {k:?} must not hit"
+        );
         step_all(&mut m, &[id]);
-        assert_eq!(m.admit_with(10 + id, &p, k).unwrap().cached_tokens, 8, "same keys {k:?} must hit");
+        assert_eq!(
+            m.admit_with(10 + id, &p, k).unwrap().cached_tokens,
+            8,
+            "same keys {k:?} must hit"
+        );
     }
     // An mm input in block 1 only: block 0 is still shared with the plain prompt.
-    let mm1 = SeqKeys { mm_inputs: vec![MmInput { start: 5, end: 7, hash: vec![2; 16] }], ..Default::default() };
+    let mm1 = SeqKeys {
+        mm_inputs: vec![MmInput {
+            start: 5,
+            end: 7,
+            hash: vec![2; 16],
+        }],
+        ..Default::default()
+    };
     assert_eq!(m.admit_with(50, &p, &mm1).unwrap().cached_tokens, 4);
     // `admit` is `admit_with` default keys.
     assert_eq!(m.admit(51, &p).unwrap().cached_tokens, 8);
     m.check_invariants().unwrap();
     // Bad keys are rejected before anything changes.
-    let bad = SeqKeys { mm_inputs: vec![MmInput { start: 4, end: 13, hash: vec![] }], ..Default::default() };
+    let bad = SeqKeys {
+        mm_inputs: vec![MmInput {
+            start: 4,
+            end: 13,
+            hash: vec![],
+        }],
+        ..Default::default()
+    };
     let free = m.num_free_blocks();
-    assert!(matches!(m.admit_with(52, &p, &bad), Err(Error::InvalidArgument { what: "mm_input.end", .. })));
+    assert!(matches!(
+        m.admit_with(52, &p, &bad),
+        Err(Error::InvalidArgument {
+            what: "mm_input.end",
+            ..
+        })
+    ));
     assert_eq!(m.num_free_blocks(), free);
     assert!(!m.contains(52));
 }
@@ -248,7 +323,14 @@ fn revived_blocks_count_against_the_watermark() {
             assert_eq!(r.unwrap().cached_tokens, 8);
             assert_eq!(m.num_free_blocks(), 1);
         } else {
-            assert_eq!(r.unwrap_err(), Error::WatermarkReached { needed: 3, available: 2, watermark: 2 });
+            assert_eq!(
+                r.unwrap_err(),
+                Error::WatermarkReached {
+                    needed: 3,
+                    available: 2,
+                    watermark: 2
+                }
+            );
             assert_eq!((m.stats(), m.num_free_blocks()), before);
         }
         m.check_invariants().unwrap();
@@ -279,7 +361,10 @@ fn verify_mode_rejects_a_forged_collision() {
     let (_, cached) = forged(false);
     assert_eq!(cached, 4);
     let (m, cached) = forged(true);
-    assert_eq!(cached, 0, "verify mode must not serve a block whose tokens differ");
+    assert_eq!(
+        cached, 0,
+        "verify mode must not serve a block whose tokens differ"
+    );
     assert_eq!(m.stats().prefix_collisions, 1);
     m.check_invariants().unwrap();
 }
@@ -303,23 +388,39 @@ fn parallel_samples_cost_prompt_blocks_plus_one_tail_each() {
         assert_eq!(m.block_refcount(tail).unwrap(), n as u32 + 1);
         m.append_batch(&kids, &vec![7; n]).unwrap();
         m.check_invariants().unwrap();
-        assert_eq!(used(&m), 3 + n as u64, "the parent keeps its tail, each sample copies it once");
+        assert_eq!(
+            used(&m),
+            3 + n as u64,
+            "the parent keeps its tail, each sample copies it once"
+        );
         assert_eq!(m.stats().cow_copies, n as u64);
         let copies = m.pending_copies().to_vec();
         assert_eq!(copies.len(), n);
         assert!(copies.iter().all(|&(s, _)| s == tail));
         for (&k, &(_, d)) in kids.iter().zip(&copies) {
             assert_eq!(*table(&m, k).last().unwrap(), d);
-            assert_eq!(&table(&m, k)[..2], &table(&m, 0)[..2], "full blocks stay shared");
+            assert_eq!(
+                &table(&m, k)[..2],
+                &table(&m, 0)[..2],
+                "full blocks stay shared"
+            );
         }
         // The step emits the copies once.
         let mut ob = bufs();
         let info = m.build_step(&kids, &vec![1; n], &mut ob.view()).unwrap();
         assert_eq!(info.num_copies, n);
-        let flat: Vec<i64> = copies.iter().flat_map(|&(s, d)| [s as i64, d as i64]).collect();
+        let flat: Vec<i64> = copies
+            .iter()
+            .flat_map(|&(s, d)| [s as i64, d as i64])
+            .collect();
         assert_eq!(&ob.copies[..2 * n], &flat[..]);
         assert!(m.pending_copies().is_empty());
-        assert_eq!(m.build_step(&kids, &vec![1; n], &mut ob.view()).unwrap().num_copies, 0);
+        assert_eq!(
+            m.build_step(&kids, &vec![1; n], &mut ob.view())
+                .unwrap()
+                .num_copies,
+            0
+        );
         m.check_invariants().unwrap();
     }
 }
@@ -375,10 +476,35 @@ fn append_copies_a_shared_tail_and_fails_cleanly_without_a_block() {
     m.append(1, &[5]).unwrap(); // copy-on-write takes the last free block
     assert_eq!(m.num_free_blocks(), 0);
     m.fork(1, 2).unwrap();
-    let before = (table(&m, 1), table(&m, 2), m.pending_copies().to_vec(), m.stats());
-    assert_eq!(m.append(2, &[6]).unwrap_err(), Error::OutOfBlocks { needed: 1, available: 0 });
-    assert_eq!(m.append_batch(&[2], &[6]).unwrap_err(), Error::OutOfBlocks { needed: 1, available: 0 });
-    assert_eq!((table(&m, 1), table(&m, 2), m.pending_copies().to_vec(), m.stats()), before);
+    let before = (
+        table(&m, 1),
+        table(&m, 2),
+        m.pending_copies().to_vec(),
+        m.stats(),
+    );
+    assert_eq!(
+        m.append(2, &[6]).unwrap_err(),
+        Error::OutOfBlocks {
+            needed: 1,
+            available: 0
+        }
+    );
+    assert_eq!(
+        m.append_batch(&[2], &[6]).unwrap_err(),
+        Error::OutOfBlocks {
+            needed: 1,
+            available: 0
+        }
+    );
+    assert_eq!(
+        (
+            table(&m, 1),
+            table(&m, 2),
+            m.pending_copies().to_vec(),
+            m.stats()
+        ),
+        before
+    );
     m.check_invariants().unwrap();
 }
 
@@ -439,10 +565,22 @@ fn copies_that_do_not_fit_stay_pending() {
     m.fork(0, 1).unwrap();
     m.fork(0, 2).unwrap();
     m.append_batch(&[1, 2], &[1, 1]).unwrap();
-    let mut ob = OwnedStepBuffers::new(StepLayout { max_seqs: 4, max_tokens: 8, max_blocks_per_seq: 4, max_copies: 1 });
+    let mut ob = OwnedStepBuffers::new(StepLayout {
+        max_seqs: 4,
+        max_tokens: 8,
+        max_blocks_per_seq: 4,
+        max_copies: 1,
+    });
     ob.copies.fill(-1);
     let err = m.build_step(&[1, 2], &[1, 1], &mut ob.view()).unwrap_err();
-    assert_eq!(err, Error::BufferTooSmall { buffer: "copies", needed: 4, capacity: 2 });
+    assert_eq!(
+        err,
+        Error::BufferTooSmall {
+            buffer: "copies",
+            needed: 4,
+            capacity: 2
+        }
+    );
     assert_eq!(ob.copies, vec![-1, -1]);
     assert_eq!(m.pending_copies().len(), 2);
     m.check_invariants().unwrap();
@@ -454,9 +592,18 @@ fn fork_errors() {
     m.admit(0, &prompt(6, 22)).unwrap();
     m.admit(1, &prompt(3, 22)).unwrap();
     let before = (m.stats(), table(&m, 0));
-    assert_eq!(m.fork(9, 2).unwrap_err(), Error::UnknownSequence { seq_id: 9 });
-    assert_eq!(m.fork(0, 1).unwrap_err(), Error::DuplicateSequence { seq_id: 1 });
-    assert_eq!(m.fork(0, 0).unwrap_err(), Error::DuplicateSequence { seq_id: 0 });
+    assert_eq!(
+        m.fork(9, 2).unwrap_err(),
+        Error::UnknownSequence { seq_id: 9 }
+    );
+    assert_eq!(
+        m.fork(0, 1).unwrap_err(),
+        Error::DuplicateSequence { seq_id: 1 }
+    );
+    assert_eq!(
+        m.fork(0, 0).unwrap_err(),
+        Error::DuplicateSequence { seq_id: 0 }
+    );
     assert_eq!((m.stats(), table(&m, 0)), before);
     m.check_invariants().unwrap();
 }
@@ -488,8 +635,20 @@ fn free_in_any_order_after_forks_leaks_nothing() {
                 step_all(&mut m, &[]);
             }
             let st = m.stats();
-            assert_eq!(m.num_free_blocks(), 32, "order {order:?}, stepped {stepped}");
-            assert_eq!((st.used_blocks, st.shared_blocks, st.used_tokens, st.num_seqs), (0, 0, 0, 0));
+            assert_eq!(
+                m.num_free_blocks(),
+                32,
+                "order {order:?}, stepped {stepped}"
+            );
+            assert_eq!(
+                (
+                    st.used_blocks,
+                    st.shared_blocks,
+                    st.used_tokens,
+                    st.num_seqs
+                ),
+                (0, 0, 0, 0)
+            );
             assert!(m.pending_copies().is_empty());
         }
     }

@@ -20,13 +20,32 @@ use proptest::prelude::*;
 enum Op {
     /// Prompt: the first `len` tokens of family `family` (shared prefixes), with position `fork_at`
     /// changed when `fork_at < len` so families also diverge mid-block.
-    Admit { seq: SeqId, family: u32, len: usize, fork_at: usize, salt: u8 },
-    Append { seq: SeqId, toks: Vec<u32> },
-    AppendBatch { seqs: Vec<SeqId>, tok: u32 },
-    Free { seq: SeqId },
-    Fork { parent: SeqId, child: SeqId },
+    Admit {
+        seq: SeqId,
+        family: u32,
+        len: usize,
+        fork_at: usize,
+        salt: u8,
+    },
+    Append {
+        seq: SeqId,
+        toks: Vec<u32>,
+    },
+    AppendBatch {
+        seqs: Vec<SeqId>,
+        tok: u32,
+    },
+    Free {
+        seq: SeqId,
+    },
+    Fork {
+        parent: SeqId,
+        child: SeqId,
+    },
     /// Step the live sequences whose bit is set and that have uncomputed tokens.
-    Step { mask: u16 },
+    Step {
+        mask: u16,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -56,7 +75,9 @@ fn fingerprints(s: &ModelSeq) -> Vec<u64> {
     s.tokens
         .iter()
         .map(|&t| {
-            h = (h ^ t as u64).wrapping_mul(0x0100_0000_01b3).rotate_left(17);
+            h = (h ^ t as u64)
+                .wrapping_mul(0x0100_0000_01b3)
+                .rotate_left(17);
             h
         })
         .collect()
@@ -70,18 +91,36 @@ struct Harness {
     ob: OwnedStepBuffers,
 }
 
-type Snap = (Vec<(SeqId, usize, Vec<u32>)>, usize, Vec<(u32, u32)>, Vec<u32>);
+type Snap = (
+    Vec<(SeqId, usize, Vec<u32>)>,
+    usize,
+    Vec<(u32, u32)>,
+    Vec<u32>,
+);
 
 impl Harness {
     fn snapshot(&self) -> Snap {
         let mut seqs: Vec<_> = self
             .m
             .seq_ids()
-            .map(|s| (s, self.m.seq_len(s).unwrap(), self.m.block_table(s).unwrap().to_vec()))
+            .map(|s| {
+                (
+                    s,
+                    self.m.seq_len(s).unwrap(),
+                    self.m.block_table(s).unwrap().to_vec(),
+                )
+            })
             .collect();
         seqs.sort();
-        let rc = (0..self.m.config().num_blocks).map(|b| self.m.block_refcount(b).unwrap()).collect();
-        (seqs, self.m.num_free_blocks(), self.m.pending_copies().to_vec(), rc)
+        let rc = (0..self.m.config().num_blocks)
+            .map(|b| self.m.block_refcount(b).unwrap())
+            .collect();
+        (
+            seqs,
+            self.m.num_free_blocks(),
+            self.m.pending_copies().to_vec(),
+            rc,
+        )
     }
 
     fn check_tables(&self) {
@@ -93,9 +132,16 @@ impl Harness {
             let mut sorted = t.to_vec();
             sorted.sort();
             sorted.dedup();
-            assert_eq!(sorted.len(), t.len(), "a table maps two positions to one slot");
+            assert_eq!(
+                sorted.len(),
+                t.len(),
+                "a table maps two positions to one slot"
+            );
             for &b in t {
-                assert!(self.m.block_refcount(b).unwrap() >= 1, "table holds unowned block {b}");
+                assert!(
+                    self.m.block_refcount(b).unwrap() >= 1,
+                    "table holds unowned block {b}"
+                );
             }
         }
     }
@@ -106,7 +152,11 @@ impl Harness {
             let fp = fingerprints(ms);
             for p in 0..ms.computed {
                 let slot = t[p / self.bs] as usize * self.bs + p % self.bs;
-                assert_eq!(self.kv[slot], Some(fp[p]), "seq {id} position {p} reads the wrong KV");
+                assert_eq!(
+                    self.kv[slot],
+                    Some(fp[p]),
+                    "seq {id} position {p} reads the wrong KV"
+                );
             }
         }
     }
@@ -114,12 +164,21 @@ impl Harness {
     fn apply(&mut self, op: &Op) {
         let before = self.snapshot();
         let res: Result<(), Error> = match op.clone() {
-            Op::Admit { seq, family, len, fork_at, salt } => {
+            Op::Admit {
+                seq,
+                family,
+                len,
+                fork_at,
+                salt,
+            } => {
                 let mut toks: Vec<u32> = (0..len as u32).map(|i| 100 + family * 1000 + i).collect();
                 if fork_at < len {
                     toks[fork_at] = 7;
                 }
-                let keys = SeqKeys { cache_salt: vec![salt; salt as usize], ..Default::default() };
+                let keys = SeqKeys {
+                    cache_salt: vec![salt; salt as usize],
+                    ..Default::default()
+                };
                 let could = self.m.can_admit(len);
                 let dup = self.model.contains_key(&seq);
                 match self.m.admit_with(seq, &toks, &keys) {
@@ -133,7 +192,14 @@ impl Harness {
                         if !self.m.config().enable_prefix_caching {
                             assert_eq!(r.cached_tokens, 0);
                         }
-                        self.model.insert(seq, ModelSeq { tokens: toks, salt, computed: r.cached_tokens as usize });
+                        self.model.insert(
+                            seq,
+                            ModelSeq {
+                                tokens: toks,
+                                salt,
+                                computed: r.cached_tokens as usize,
+                            },
+                        );
                         Ok(())
                     }
                     Err(e) => {
@@ -143,7 +209,9 @@ impl Harness {
                         } else {
                             assert!(matches!(
                                 e,
-                                Error::OutOfBlocks { .. } | Error::WatermarkReached { .. } | Error::SequenceTooLong { .. }
+                                Error::OutOfBlocks { .. }
+                                    | Error::WatermarkReached { .. }
+                                    | Error::SequenceTooLong { .. }
                             ));
                         }
                         Err(e)
@@ -155,8 +223,10 @@ impl Harness {
                     let len = ms.tokens.len();
                     let t = self.m.block_table(seq).unwrap();
                     let grow = blocks_for(len + toks.len(), self.bs) - t.len();
-                    let cow = len % self.bs != 0 && self.m.block_refcount(*t.last().unwrap()).unwrap() > 1;
-                    let fits = blocks_for(len + toks.len(), self.bs) <= self.m.config().max_blocks_per_seq as usize;
+                    let cow = len % self.bs != 0
+                        && self.m.block_refcount(*t.last().unwrap()).unwrap() > 1;
+                    let fits = blocks_for(len + toks.len(), self.bs)
+                        <= self.m.config().max_blocks_per_seq as usize;
                     fits && grow + cow as usize <= self.m.num_free_blocks()
                 });
                 let r = self.m.append(seq, &toks);
@@ -165,7 +235,11 @@ impl Harness {
                     Some(ok) => assert_eq!(r.is_ok(), ok, "append predicted {ok}, got {r:?}"),
                 }
                 if r.is_ok() {
-                    self.model.get_mut(&seq).unwrap().tokens.extend_from_slice(&toks);
+                    self.model
+                        .get_mut(&seq)
+                        .unwrap()
+                        .tokens
+                        .extend_from_slice(&toks);
                 }
                 r
             }
@@ -183,8 +257,12 @@ impl Harness {
                             self.model.get_mut(s).unwrap().tokens.push(tok);
                         }
                     }
-                    Err(Error::UnknownSequence { seq_id }) => assert!(!self.model.contains_key(seq_id)),
-                    Err(Error::InvalidArgument { what: "seqs", .. }) => assert!(uniq.len() < seqs.len()),
+                    Err(Error::UnknownSequence { seq_id }) => {
+                        assert!(!self.model.contains_key(seq_id))
+                    }
+                    Err(Error::InvalidArgument { what: "seqs", .. }) => {
+                        assert!(uniq.len() < seqs.len())
+                    }
                     Err(e) => assert!(
                         matches!(e, Error::OutOfBlocks { .. } | Error::SequenceTooLong { .. }),
                         "unexpected {e:?}"
@@ -199,9 +277,14 @@ impl Harness {
             }
             Op::Fork { parent, child } => {
                 let r = self.m.fork(parent, child);
-                match (self.model.get(&parent).cloned(), self.model.contains_key(&child)) {
+                match (
+                    self.model.get(&parent).cloned(),
+                    self.model.contains_key(&child),
+                ) {
                     (None, _) => assert_eq!(r, Err(Error::UnknownSequence { seq_id: parent })),
-                    (Some(_), true) => assert_eq!(r, Err(Error::DuplicateSequence { seq_id: child })),
+                    (Some(_), true) => {
+                        assert_eq!(r, Err(Error::DuplicateSequence { seq_id: child }))
+                    }
                     (Some(p), false) => {
                         assert_eq!(r, Ok(()));
                         self.model.insert(child, p);
@@ -217,7 +300,10 @@ impl Harness {
                     .map(|(&s, _)| s)
                     .collect();
                 seqs.sort();
-                let n: Vec<u32> = seqs.iter().map(|s| (self.model[s].tokens.len() - self.model[s].computed) as u32).collect();
+                let n: Vec<u32> = seqs
+                    .iter()
+                    .map(|s| (self.model[s].tokens.len() - self.model[s].computed) as u32)
+                    .collect();
                 let copies_before = self.m.pending_copies().to_vec();
                 let info = self.m.build_step(&seqs, &n, &mut self.ob.view()).unwrap();
                 self.check_step_output(&seqs, &n, &info, &copies_before);
@@ -225,13 +311,23 @@ impl Harness {
             }
         };
         if res.is_err() {
-            assert_eq!(self.snapshot(), before, "{op:?} failed but changed the state");
+            assert_eq!(
+                self.snapshot(),
+                before,
+                "{op:?} failed but changed the state"
+            );
         }
         self.m.check_invariants().unwrap();
         self.check_tables();
     }
 
-    fn check_step_output(&mut self, seqs: &[SeqId], n: &[u32], info: &pagedkv::step::StepInfo, copies: &[(u32, u32)]) {
+    fn check_step_output(
+        &mut self,
+        seqs: &[SeqId],
+        n: &[u32],
+        info: &pagedkv::step::StepInfo,
+        copies: &[(u32, u32)],
+    ) {
         let bs = self.bs;
         let ob = &self.ob;
         assert_eq!(info.num_seqs, seqs.len());
@@ -242,7 +338,10 @@ impl Harness {
         assert_eq!(dsts.len(), copies.len());
         assert!(copies.iter().all(|c| !dsts.contains(&c.0)));
         for (j, &(s, d)) in copies.iter().enumerate() {
-            assert_eq!((ob.copies[2 * j], ob.copies[2 * j + 1]), (s as i64, d as i64));
+            assert_eq!(
+                (ob.copies[2 * j], ob.copies[2 * j + 1]),
+                (s as i64, d as i64)
+            );
         }
         let snapshot = self.kv.clone();
         for &(s, d) in copies {
@@ -269,15 +368,24 @@ impl Harness {
             assert_eq!(ob.query_start_loc[k + 1] as usize, tok);
             assert_eq!(ob.seq_lens[k] as usize, len);
             let stride = ob.block_table_stride;
-            let row: Vec<u32> = ob.block_tables[k * stride..k * stride + t.len()].iter().map(|&x| x as u32).collect();
+            let row: Vec<u32> = ob.block_tables[k * stride..k * stride + t.len()]
+                .iter()
+                .map(|&x| x as u32)
+                .collect();
             assert_eq!(row, t);
-            let csr: Vec<u32> = ob.kv_indices[kv..kv + t.len()].iter().map(|&x| x as u32).collect();
+            let csr: Vec<u32> = ob.kv_indices[kv..kv + t.len()]
+                .iter()
+                .map(|&x| x as u32)
+                .collect();
             assert_eq!(csr, t);
             kv += t.len();
             assert_eq!(ob.kv_indptr[k + 1] as usize, kv);
             assert_eq!(ob.kv_last_page_len[k] as usize, (len - 1) % bs + 1);
         }
-        assert_eq!((info.num_tokens, info.num_kv_indices, info.max_seq_len), (tok, kv, max_len));
+        assert_eq!(
+            (info.num_tokens, info.num_kv_indices, info.max_seq_len),
+            (tok, kv, max_len)
+        );
         for s in seqs {
             let ms = self.model.get_mut(s).unwrap();
             ms.computed = ms.tokens.len();
@@ -287,16 +395,22 @@ impl Harness {
 }
 
 fn config() -> impl Strategy<Value = ManagerConfig> {
-    (4u32..40, 1u32..5, 0u32..3, any::<bool>(), any::<bool>(), 2u32..12).prop_map(
-        |(num_blocks, bs, wm, caching, verify, max_row)| {
+    (
+        4u32..40,
+        1u32..5,
+        0u32..3,
+        any::<bool>(),
+        any::<bool>(),
+        2u32..12,
+    )
+        .prop_map(|(num_blocks, bs, wm, caching, verify, max_row)| {
             let mut c = ManagerConfig::new(num_blocks, bs);
             c.watermark_blocks = wm.min(num_blocks - 1);
             c.enable_prefix_caching = caching;
             c.verify_prefix = verify;
             c.max_blocks_per_seq = max_row;
             c
-        },
-    )
+        })
 }
 
 proptest! {
