@@ -6,7 +6,7 @@ Python ints or 1-D integer numpy arrays / lists; out-of-range values raise
 :mod:`pagedkv.errors` class.
 """
 
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union, final
 
 import numpy as np
 import numpy.typing as npt
@@ -15,18 +15,20 @@ _Ids = Union[Sequence[int], npt.NDArray[np.integer[Any]]]
 _Raw = Tuple[int, int, str]
 _Keys = Union[bytes, bytearray]
 
+__all__ = ["__version__", "BlockManager", "hash_blocks", "_raise_core_error"]
 __version__: str
 
+@final
 class BlockManager:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         num_blocks: int,
         block_size: Optional[int] = ...,
         watermark_blocks: Optional[int] = ...,
         max_blocks_per_seq: Optional[int] = ...,
         enable_prefix_caching: bool = ...,
         verify_prefix: bool = ...,
-    ) -> None: ...
+    ) -> BlockManager: ...
     @property
     def num_blocks(self) -> int: ...
     @property
@@ -57,7 +59,7 @@ class BlockManager:
     def fork(self, parent: int, child: int) -> None: ...
     def free(self, seq_id: int) -> None: ...
     def contains(self, seq_id: object) -> bool: ...
-    def __contains__(self, seq_id: object) -> bool: ...
+    def __contains__(self, seq_id: object, /) -> bool: ...
     def __len__(self) -> int: ...
     def seq_len(self, seq_id: int) -> int: ...
     def block_table(self, seq_id: int) -> list[int]: ...

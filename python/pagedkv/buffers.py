@@ -179,7 +179,10 @@ class StepBuffers:
             self.has_mirror = True
         self.mirror_device = dev
         # Per field, the last (length, full tensor, view) that `views` cut, for host and device.
-        self._cuts: dict[bool, list] = {False: [None] * 8, True: [None] * 8}
+        self._cuts: dict[bool, list[Optional[tuple[int, torch.Tensor, torch.Tensor]]]] = {
+            False: [None] * 8,
+            True: [None] * 8,
+        }
 
     def _shapes(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         s, b = self.max_seqs, self.max_blocks_per_seq

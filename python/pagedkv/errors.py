@@ -19,7 +19,7 @@ generic handlers treat it as fatal, whereas a full block pool is an ordinary sch
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Tuple
 
 __all__ = [
     "PagedKVError",
@@ -49,7 +49,7 @@ class PagedKVError(Exception):
     """
 
     #: Names of the structured fields this class carries, in the core's order.
-    field_names: tuple[str, ...] = ()
+    field_names: Tuple[str, ...] = ()
 
     def __init__(self, message: str = "", **fields: Any) -> None:
         super().__init__(message)
@@ -109,7 +109,7 @@ class OutOfBlocksError(PagedKVError):
     Attributes: ``needed``, ``available``.
     """
 
-    field_names = ("needed", "available")
+    field_names: Tuple[str, ...] = ("needed", "available")
 
 
 class WatermarkReachedError(OutOfBlocksError):
