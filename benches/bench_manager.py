@@ -24,6 +24,9 @@ Cases:
   batch ends with one ``torch.cuda.synchronize()``.
 - ``seq_len``: a trivial query through the Python wrapper (per-call overhead);
   ``core_seq_len``: the same call on the extension object directly.
+- ``append_batch_0`` / ``core_append_batch_0``: ``append_batch`` with two empty int64 arrays, through
+  the wrapper and on the extension object: the fixed cost of a batch call (argument dispatch, two
+  array borrows, the core call) with no work in it.
 """
 
 from __future__ import annotations
@@ -208,9 +211,23 @@ def bench_overhead(batches: int) -> list[dict]:
         for _ in range(n):
             f(3)
 
+    empty = np.zeros(0, dtype=np.int64)
+
+    def batch_floor(n: int) -> None:
+        f = m.append_batch
+        for _ in range(n):
+            f(empty, empty)
+
+    def core_batch_floor(n: int) -> None:
+        f = m._core.append_batch
+        for _ in range(n):
+            f(empty, empty)
+
     return [
         timed("seq_len", wrapper, 20000, batches),
         timed("core_seq_len", core, 20000, batches),
+        timed("append_batch_0", batch_floor, 20000, batches),
+        timed("core_append_batch_0", core_batch_floor, 20000, batches),
     ]
 
 
