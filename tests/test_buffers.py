@@ -173,6 +173,19 @@ def test_bad_buffers_raise_and_leave_manager_unchanged(
     assert good.host.seq_lens[0].item() == 5
 
 
+def test_non_host_buffer_is_rejected() -> None:
+    # A tensor that is not in host memory (here on the meta device; a CUDA tensor takes the same
+    # path) must never reach the core, which would write through its pointer.
+    m = BlockManager(8, 4)
+    bad = _replace(
+        StepBuffers(2, 8, 2, device="cpu"), seq_lens=torch.zeros(2, dtype=torch.int32, device="meta")
+    )
+    with pytest.raises(BufferInvalidError) as info:
+        m.attach_buffers(bad)
+    assert info.value.buffer == "seq_lens" and "meta" in info.value.got
+    assert m.buffers is None
+
+
 def test_non_tensor_buffer_is_rejected() -> None:
     m = BlockManager(8, 4)
     bad = _replace(StepBuffers(2, 8, 2, device="cpu"), seq_lens=[0, 0])  # type: ignore[arg-type]
