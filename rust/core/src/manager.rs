@@ -205,6 +205,7 @@ impl BlockManager {
             cfg.num_blocks,
             cfg.block_size,
             cfg.enable_prefix_caching && cfg.verify_prefix,
+            cfg.enable_prefix_caching,
         );
         Ok(Self {
             bs: cfg.block_size as usize,

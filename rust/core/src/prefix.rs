@@ -84,11 +84,13 @@ pub struct PrefixCache {
 }
 
 impl PrefixCache {
-    /// An empty cache for `num_blocks` blocks of `block_size` tokens; `verify` keeps token ids.
-    pub fn new(num_blocks: u32, block_size: u32, verify: bool) -> Self {
+    /// An empty cache for `num_blocks` blocks of `block_size` tokens; `verify` keeps token ids;
+    /// `presize` reserves the hash map for every block up front (off when caching is disabled).
+    pub fn new(num_blocks: u32, block_size: u32, verify: bool, presize: bool) -> Self {
         let n = num_blocks as usize;
         Self {
-            map: FastMap::default(),
+            // At most one hash per block: sized once, the map never grows on the hot path.
+            map: FastMap::with_capacity_and_hasher(if presize { n } else { 0 }, Default::default()),
             hash_of: vec![0; n],
             hashed: vec![false; n],
             prev: vec![NIL; n],
@@ -323,7 +325,7 @@ mod tests {
 
     #[test]
     fn register_is_one_to_one() {
-        let mut c = PrefixCache::new(4, 2, false);
+        let mut c = PrefixCache::new(4, 2, false, true);
         assert!(c.register(0, 10, &[1, 2]));
         assert!(
             !c.register(1, 10, &[1, 2]),
@@ -340,7 +342,7 @@ mod tests {
 
     #[test]
     fn lru_order_push_remove_evict() {
-        let mut c = PrefixCache::new(5, 1, false);
+        let mut c = PrefixCache::new(5, 1, false, true);
         for b in 0..5 {
             assert!(c.register(b, 100 + b as u128, &[0]));
         }
@@ -369,7 +371,7 @@ mod tests {
 
     #[test]
     fn verify_mode_keeps_tokens() {
-        let mut c = PrefixCache::new(2, 3, true);
+        let mut c = PrefixCache::new(2, 3, true, true);
         assert!(c.register(1, 5, &[7, 8, 9]));
         assert!(c.matches(1, &[7, 8, 9]));
         assert!(!c.matches(1, &[7, 8, 0]));
@@ -377,7 +379,7 @@ mod tests {
         assert_eq!(c.lookup(5), None);
         assert_eq!(c.lookup(6), Some(1));
         assert_eq!(c.stored_tokens(1), &[7, 8, 9]);
-        let off = PrefixCache::new(2, 3, false);
+        let off = PrefixCache::new(2, 3, false, false);
         assert!(off.matches(0, &[1, 2, 3]));
     }
 
