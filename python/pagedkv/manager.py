@@ -56,7 +56,7 @@ class StepInfo(NamedTuple):
     num_seqs: int
     #: New tokens in the batch (entries of ``slot_mapping`` written).
     num_tokens: int
-    #: Entries of ``kv_indices`` written (sum of the batch's block counts).
+    #: Entries of ``kv_indices`` written (sum of the batch's block counts; 0 without the CSR table).
     num_kv_indices: int
     #: Copy-on-write ``(src, dst)`` pairs written to ``copies``; the queue is drained.
     num_copies: int
@@ -72,8 +72,9 @@ def _ids(x: Any) -> Any:
     """Normalises token or sequence ids to something the extension reads directly.
 
     Lists, tuples and numpy arrays pass through untouched (the extension reads them without a
-    Python-level copy); ints (and numpy integer scalars) become a one-element list; anything else array-like (a CPU torch tensor,
-    ``array.array``, ``range``) goes through ``np.asarray``, which shares memory where it can.
+    Python-level copy); ints and numpy integer scalars become a one-element list; anything else
+    array-like (a CPU torch tensor, ``array.array``, ``range``) goes through ``np.asarray``, which
+    shares memory where it can.
     """
     t = type(x)
     if t is _ndarray or t is list or t is tuple:
@@ -99,17 +100,20 @@ class BlockManager:
     """Paged KV cache block manager: block tables, prefix cache and step output.
 
     Args:
-        num_blocks: Blocks in the pool (``1 <= num_blocks < 2**32 - 1``).
+        num_blocks: Blocks in the pool (``1 <= num_blocks <= 2**31 - 1``: block ids are written
+            as int32).
         block_size: Tokens per block.
         watermark_blocks: Blocks kept back from admissions so running sequences can always append;
-            must be below ``num_blocks``. ``None`` takes the core's default.
-        max_blocks_per_seq: Width of a block-table row (longest sequence, in blocks). ``None`` takes
-            the core's default.
+            must be below ``num_blocks``. ``None``: 1% of the pool, at least 1 (0 for a one-block
+            pool).
+        max_blocks_per_seq: Width of a block-table row (longest sequence, in blocks). ``None``: as
+            wide as the pool, capped so that ``max_blocks_per_seq * block_size`` fits an int32.
         enable_prefix_caching: Share full blocks between sequences with the same token prefix
             (and the same extra keys), and keep freed full blocks cached until their space is needed.
-        verify_prefix: On a prefix-cache hit, also compare token ids, raising
-            :class:`~pagedkv.errors.PrefixCollisionError` on a mismatch (guards against a hash
-            collision at the price of a memory compare).
+        verify_prefix: Keep each cached block's token ids and compare them on every prefix-cache
+            hit; a mismatch (an XXH3-128 collision) is served as a miss and counted in
+            :attr:`Stats.prefix_collisions`. Guards against collisions at the price of a copy and a
+            compare per cached block.
 
     Raises:
         InvalidConfigError: A value is out of range (no blocks, block size 0, watermark ≥ pool, ...).
@@ -210,9 +214,14 @@ class BlockManager:
     ) -> AdmitResult:
         """Admits a new sequence with its prompt, reusing cached prefix blocks where possible.
 
-        Allocates ``ceil(len(token_ids) / block_size)`` blocks, fewer on a prefix-cache hit. The
-        keyword arguments are the extra keys mixed into the prefix hash: two prompts share blocks
-        only when their token ids *and* these keys agree.
+        Allocates ``ceil(len(token_ids) / block_size)`` blocks, fewer on a prefix-cache hit: the
+        longest run of leading full blocks already cached is shared, at most
+        ``(len(token_ids) - 1) // block_size`` of them, so at least one prompt token is always
+        computed. Blocks enter the cache when a :meth:`step` schedules their last token, so only
+        prefixes some step has written can hit. The keyword arguments are the extra keys mixed into
+        the prefix hash (``docs/prefix-hash.md``): two prompts share blocks only when their token
+        ids *and* these keys agree. Cached-free blocks a hit revives count against the watermark
+        like new ones.
 
         Args:
             seq_id: A new sequence id (``0 <= seq_id < 2**64``).
@@ -233,7 +242,7 @@ class BlockManager:
                 is malformed.
             WatermarkReachedError: The new blocks would dip into the watermark reserve.
             SequenceTooLongError: The prompt needs more than ``max_blocks_per_seq`` blocks.
-            PrefixCollisionError: ``verify_prefix`` found a hash collision.
+            OutOfBlocksError: The pool cannot supply the blocks even with the reserve.
         """
         return _new_tuple(
             AdmitResult,
