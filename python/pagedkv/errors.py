@@ -174,7 +174,10 @@ class RefcountUnderflowError(PagedKVError, RuntimeError):
 
 
 class PrefixCollisionError(PagedKVError, RuntimeError):
-    """Verify mode found a cached block whose token ids differ from the request's.
+    """A cached block's token ids differ from the request's (a hash collision).
+
+    The manager's verify mode currently serves such a hit as a miss and counts it
+    (``Stats.prefix_collisions``) instead of raising; the class exists for the core's variant.
 
     Attributes: ``block``.
     """
