@@ -1,9 +1,11 @@
 //! The block manager: sequences, their block tables, the prefix cache and the step builder.
 //!
 //! Single owner (`&mut self`): one scheduler thread drives it. It holds the [`BlockPool`] (block
-//! reference counts and the free list), the [`PrefixCache`], and one state record per sequence:
-//! block table, token count, token ids (only with prefix caching on: they are what gets hashed),
-//! the chained hashes of its full blocks, and its hashing keys.
+//! reference counts and the free list) and, owning it exclusively, uses the pool's `*_mut`
+//! operations (plain loads and stores, no atomic read-modify-writes). It also holds the
+//! [`PrefixCache`] and one state record per sequence: block table, token count, token ids (only
+//! with prefix caching on: they are what gets hashed), the chained hashes of its full blocks, and
+//! its hashing keys.
 //!
 //! Every block is in exactly one of four states:
 //! - **free**: on the pool's free list;
@@ -350,16 +352,16 @@ impl BlockManager {
         for &b in &hits {
             if self.prefix.in_lru(b) {
                 self.prefix.lru_remove(b);
-                self.pool.incref(b)?;
-            } else if self.pool.incref(b)? == 2 {
+                self.pool.incref_mut(b)?;
+            } else if self.pool.incref_mut(b)? == 2 {
                 self.shared_blocks += 1;
             }
             s.table.blocks.push(b);
         }
         let from_pool = new.min(self.pool.num_free());
-        self.pool.allocate_n(from_pool, &mut s.table.blocks)?;
+        self.pool.allocate_n_mut(from_pool, &mut s.table.blocks)?;
         for _ in from_pool..new {
-            let b = evict(&mut self.prefix, &self.pool, &mut self.counters)?;
+            let b = evict(&mut self.prefix, &mut self.pool, &mut self.counters)?;
             s.table.blocks.push(b);
         }
         s.table.num_tokens = n;
@@ -590,9 +592,9 @@ impl BlockManager {
     /// Allocates one block: the free list first, then the oldest cached-free block.
     #[inline]
     fn alloc_block(&mut self) -> Result<BlockId> {
-        match self.pool.allocate() {
+        match self.pool.allocate_mut() {
             Ok(b) => Ok(b),
-            Err(_) => evict(&mut self.prefix, &self.pool, &mut self.counters),
+            Err(_) => evict(&mut self.prefix, &mut self.pool, &mut self.counters),
         }
     }
 
@@ -622,12 +624,12 @@ impl BlockManager {
         if self.pending.is_empty() && self.prefix.hash_of(b).is_none() {
             // Not cached and no copy in flight: the pool decrements and releases in one step
             // (one atomic read-modify-write fewer per block on the free path).
-            if !self.pool.free(b)? && self.pool.refcount(b)? == 1 {
+            if !self.pool.free_mut(b)? && self.pool.refcount(b)? == 1 {
                 self.shared_blocks -= 1;
             }
             return Ok(());
         }
-        match self.pool.decref(b)? {
+        match self.pool.decref_mut(b)? {
             0 => self.unreferenced(b),
             1 => {
                 self.shared_blocks -= 1;
@@ -664,7 +666,7 @@ impl BlockManager {
             self.prefix.lru_push(b);
             Ok(())
         } else {
-            self.pool.release(b)
+            self.pool.release_mut(b)
         }
     }
 
@@ -697,7 +699,7 @@ impl BlockManager {
         let partial = ps.table.num_tokens % self.bs != 0;
         child_state.tail_maybe_shared = partial;
         for &b in &child_state.table.blocks {
-            if self.pool.incref(b)? == 2 {
+            if self.pool.incref_mut(b)? == 2 {
                 self.shared_blocks += 1;
             }
         }
@@ -1179,10 +1181,14 @@ impl BlockManager {
 
 /// Evicts the least recently freed cached-free block and hands it out with refcount 1.
 #[inline]
-fn evict(prefix: &mut PrefixCache, pool: &BlockPool, counters: &mut Counters) -> Result<BlockId> {
+fn evict(
+    prefix: &mut PrefixCache,
+    pool: &mut BlockPool,
+    counters: &mut Counters,
+) -> Result<BlockId> {
     match prefix.evict_oldest() {
         Some(b) => {
-            pool.incref(b)?;
+            pool.incref_mut(b)?;
             counters.evictions += 1;
             Ok(b)
         }
