@@ -623,7 +623,7 @@ impl BlockManager {
     fn drop_ref(&mut self, b: BlockId) -> Result<()> {
         if self.pending.is_empty() && self.prefix.hash_of(b).is_none() {
             // Not cached and no copy in flight: the pool decrements and releases in one step
-            // (one atomic read-modify-write fewer per block on the free path).
+            // (one pool update per block on the free path instead of two).
             if !self.pool.free_mut(b)? && self.pool.refcount(b)? == 1 {
                 self.shared_blocks -= 1;
             }
