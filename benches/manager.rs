@@ -12,7 +12,8 @@
 //!   counter), so all 256 blocks miss. `prefix_on_cached` / `prefix_on_cached_verify`: the same
 //!   prompt each time, cached by one earlier step; 255 blocks hit (the last is recomputed), with
 //!   verify mode off / on.
-//! - `hash_4096`: the chained XXH3-128 hash of a 4096-token prompt (256 blocks, no extra keys).
+//! - `hash_4096`: the chained XXH3-128 hash of a 4096-token prompt (256 blocks, no extra keys);
+//!   `xxh3_128_80B`: one 80-byte block message alone, the per-block floor.
 //! - `evict_4096/*`: only the admission of a new 4096-token prompt is timed. `from_free_list`: its
 //!   256 blocks come off the free list. `evicting`: the free list is empty and the pool is full of
 //!   cached-free blocks, so each of the 256 allocations evicts the oldest one. The untimed cleanup
@@ -206,6 +207,11 @@ fn hash(c: &mut Criterion) {
     let root = root_hash(&[]);
     let mut h = Hasher::new();
     let mut out = Vec::with_capacity(256);
+    // One block message on its own (16-byte previous hash + 16 tokens): the floor per block.
+    let msg: Vec<u8> = (0..80u8).collect();
+    c.bench_function("xxh3_128_80B", |b| {
+        b.iter(|| xxhash_rust::xxh3::xxh3_128(black_box(&msg)))
+    });
     c.bench_function("hash_4096", |b| {
         b.iter(|| {
             out.clear();
