@@ -669,3 +669,26 @@ fn permutations(xs: &[SeqId]) -> Vec<Vec<SeqId>> {
     }
     out
 }
+
+#[test]
+fn check_invariants_reports_a_block_cached_under_a_foreign_chain() {
+    let mut m = mgr(16, 0);
+    m.admit(1, &prompt(8, 24)).unwrap();
+    step_all(&mut m, &[1]);
+    let b0 = table(&m, 1)[0];
+    // The live sequence computed another hash for this block than the one it now carries.
+    assert!(m.debug_relabel_block(b0, 12345));
+    assert!(
+        matches!(m.check_invariants(), Err(Error::InvariantViolation(msg)) if msg.contains("another chain"))
+    );
+    // Out-of-range block ids are typed errors, not panics.
+    assert_eq!(
+        m.block_refcount(16),
+        Err(Error::InvalidBlock {
+            block: 16,
+            num_blocks: 16
+        })
+    );
+    assert_eq!(m.block_hash(16), None);
+    assert!(!m.debug_relabel_block(16, 1));
+}
