@@ -414,7 +414,7 @@ fn config() -> impl Strategy<Value = ManagerConfig> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 3000, ..ProptestConfig::default() })]
 
     #[test]
     fn manager_matches_model(cfg in config(), ops in prop::collection::vec(op(), 1..100)) {
