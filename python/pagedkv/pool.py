@@ -41,8 +41,9 @@ class KVPool:
         spec: The cache spec (layers, KV heads, head size, dtype, block size).
         num_blocks: Number of blocks, ≥ 1 (what :func:`pagedkv.config.num_blocks_for` returns).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a :class:`torch.device`.
-        zero: Zero-fill the pool (default). Unwritten slots are masked by the kernels, but masked
-            values that are NaN garbage still poison ``0 × NaN`` products; zeroing costs one memset.
+        zero: Zero-fill the pool (default), so a freshly allocated pool holds no garbage that a
+            debugging read could mistake for data. The kernels never read unwritten slots (they
+            mask by sequence length), so ``zero=False`` is safe and saves one memset.
     """
 
     def __init__(self, spec: CacheSpec, num_blocks: int, device: Union[str, torch.device] = "cpu",
@@ -70,6 +71,7 @@ class KVPool:
         # Copies move raw bytes: float8 has no CPU index kernels, and a byte copy is exact for
         # every dtype (no NaN canonicalisation, no rounding).
         self._raw = self.kv.view(torch.uint8)
+        self._copier = None  # the Triton block copier, built on the first CUDA copy
 
     @property
     def block_size(self) -> int:
@@ -121,8 +123,16 @@ class KVPool:
         src, dst = self._validate_pairs(pairs)
         if src.numel() == 0:
             return 0
-        src = src.to(self.device, non_blocking=True)
-        dst = dst.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            # One Triton launch over every layer's K and V; measured ~15x faster on an H200 than
+            # the advanced-indexing path below (docs/performance.md, block copy).
+            if self._copier is None:
+                from .kernels.copy import BlockCopier
+
+                self._copier = BlockCopier(self.k_caches + self.v_caches)
+            mapping = torch.stack((src, dst), dim=1).to(self.device, non_blocking=True)
+            self._copier(mapping)
+            return int(src.numel())
         # Advanced indexing gathers every source before the scatter writes, for all layers at once.
         self._raw[:, :, dst] = self._raw[:, :, src]
         return int(src.numel())
