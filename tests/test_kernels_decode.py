@@ -6,37 +6,13 @@ NaN and block-table columns past each sequence's blocks hold out-of-range garbag
 unwritten output or a read of a stale column fails.
 """
 
-import os
-
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
+# kernel_common skips this module where kernels cannot run.
+from kernel_common import DEVICES, TOL, rel_err, torch
 
-CUDA = torch.cuda.is_available()
-INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if not CUDA and not INTERP:
-    pytest.skip(
-        "kernel tests need a CUDA device, or TRITON_INTERPRET=1 exported before the run to "
-        "interpret them on the CPU",
-        allow_module_level=True,
-    )
-
-from pagedkv import kernels as K  # noqa: E402
-from pagedkv.kernels import reference as R  # noqa: E402
-
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERP, reason="CPU runs need TRITON_INTERPRET=1")),
-    pytest.param(
-        "cuda",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA, compiled")],
-    ),
-]
-TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+from pagedkv import kernels as K
+from pagedkv.kernels import reference as R
 
 
 def make_paged(lens, block_size, kv_heads, head_dim, dtype, device, gen, spare=3):

@@ -1,31 +1,12 @@
 """Scatter (write path), block copy (copy-on-write over all layers) and swap (device <-> host)."""
 
-import os
-
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
+# kernel_common skips this module where kernels cannot run.
+from kernel_common import DEVICES, torch
 
-CUDA = torch.cuda.is_available()
-INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if not CUDA and not INTERP:
-    pytest.skip(
-        "kernel tests need a CUDA device, or TRITON_INTERPRET=1 exported before the run to "
-        "interpret them on the CPU",
-        allow_module_level=True,
-    )
-
-from pagedkv import kernels as K  # noqa: E402
-from pagedkv.kernels import reference as R  # noqa: E402
-
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERP, reason="CPU runs need TRITON_INTERPRET=1")),
-    pytest.param(
-        "cuda",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA, compiled")],
-    ),
-]
+from pagedkv import kernels as K
+from pagedkv.kernels import reference as R
 
 
 def dtypes_for(device):

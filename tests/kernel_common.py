@@ -1,0 +1,40 @@
+"""Shared set-up of the kernel test modules: where kernels can run, and how close is close enough.
+
+Imported first thing by each `test_kernels_*` module. Without CUDA the kernels run under Triton's
+interpreter, which must be switched on (TRITON_INTERPRET=1) before triton is first imported; when
+neither is available the importing module is skipped as a whole, with the reason.
+"""
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+CUDA = torch.cuda.is_available()
+INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if not CUDA and not INTERP:
+    pytest.skip(
+        "kernel tests need a CUDA device, or TRITON_INTERPRET=1 exported before the run to "
+        "interpret them on the CPU",
+        allow_module_level=True,
+    )
+
+# The CPU variant runs interpreted; the `gpu` variant runs compiled, and is skipped under the
+# interpreter even where CUDA exists (the interpreter would run it on host copies).
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERP, reason="CPU runs need TRITON_INTERPRET=1")),
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA, compiled")],
+    ),
+]
+
+# Relative-error bounds against the float64 reference, per input dtype.
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def rel_err(out, ref):
+    """‖out − ref‖ / ‖ref‖ in float64."""
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
