@@ -9,7 +9,7 @@ unwritten output or a read of a stale column fails.
 import pytest
 
 # kernel_common skips this module where kernels cannot run.
-from kernel_common import DEVICES, TOL, rel_err, torch
+from kernel_common import DEVICES, host_tensors_only, TOL, rel_err, torch
 
 from pagedkv import kernels as K
 from pagedkv.kernels import reference as R
@@ -190,6 +190,7 @@ def _args(device="cpu"):
     return q, kc, vc, bt, sl
 
 
+@host_tensors_only
 @pytest.mark.parametrize(
     "mutate,exc,match",
     [
@@ -211,6 +212,7 @@ def test_validation_errors(mutate, exc, match):
         K.paged_decode(*args)
 
 
+@host_tensors_only
 def test_validation_errors_are_value_and_type_errors():
     from pagedkv.errors import PagedKVError
 

@@ -8,7 +8,7 @@ pool whose unused block-table columns hold out-of-range garbage.
 import pytest
 
 # kernel_common skips this module where kernels cannot run.
-from kernel_common import DEVICES, TOL, rel_err, torch
+from kernel_common import DEVICES, host_tensors_only, TOL, rel_err, torch
 
 from pagedkv import kernels as K
 from pagedkv.kernels import reference as R
@@ -146,6 +146,7 @@ def _args():
     return list(make_batch([(10, 4), (5, 5)], 8, 2, 2, 32, torch.float32, "cpu", gen))
 
 
+@host_tensors_only
 @pytest.mark.parametrize(
     "i,bad,exc,match",
     [

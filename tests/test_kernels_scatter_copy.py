@@ -3,7 +3,7 @@
 import pytest
 
 # kernel_common skips this module where kernels cannot run.
-from kernel_common import DEVICES, torch
+from kernel_common import DEVICES, host_tensors_only, torch
 
 from pagedkv import kernels as K
 from pagedkv.kernels import reference as R
@@ -59,6 +59,7 @@ def test_scatter_then_decode_reads_what_was_written(device):
     assert torch.allclose(out[0].cpu(), ref, atol=1e-5)
 
 
+@host_tensors_only
 def test_scatter_validation():
     kc = torch.zeros(4, 8, 2, 16)
     vc = torch.zeros(4, 8, 2, 16)
@@ -127,6 +128,7 @@ def test_block_copier_separate_tensors_and_reuse(device):
     copier(torch.empty(0, 2, dtype=torch.int64, device=device))  # nothing to do
 
 
+@host_tensors_only
 def test_copy_validation():
     c = [torch.zeros(4, 8, 2, 16) for _ in range(2)]
     with pytest.raises(K.KernelDTypeError, match="block_mapping: dtype"):
@@ -181,6 +183,7 @@ def test_swap_roundtrip(device, method):
         K.swap_blocks(host, ks + vs, in_map, staging=staging[:10])
 
 
+@host_tensors_only
 def test_swap_validation():
     dev = [torch.zeros(4, 8, 2, 16) for _ in range(2)]
     host = [torch.zeros(4, 8, 2, 16) for _ in range(2)]
