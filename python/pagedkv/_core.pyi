@@ -91,6 +91,7 @@ class BlockManager:
         """Each buffer is ``(data_ptr, numel, dtype_name)`` of contiguous host memory that
         ``keepalive`` owns."""
     def unregister_buffers(self) -> None: ...
+    def invalidate_step_cache(self) -> None: ...
     def step(
         self, seq_ids: _Ids, num_new_tokens: Union[_Ids, int]
     ) -> Tuple[int, int, int, int, int]:

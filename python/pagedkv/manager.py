@@ -410,6 +410,15 @@ class BlockManager:
         """The attached step buffers, if any."""
         return self._buffers
 
+    def invalidate_step_cache(self) -> None:
+        """Makes the next :meth:`step` write every block-table row of its batch in full.
+
+        :meth:`step` writes block-table rows incrementally: a row that already holds the same
+        sequence's unchanged blocks gets only the new ones. The host ``block_tables`` tensor therefore
+        belongs to the manager between steps; call this after writing into it yourself.
+        """
+        self._core.invalidate_step_cache()
+
     def step(self, seq_ids: SeqIds, num_new_tokens: Union[SeqIds, int]) -> StepInfo:
         """Fills the attached host buffers for one step of the given batch.
 
@@ -417,7 +426,8 @@ class BlockManager:
         this step" (they must already have been added with :meth:`admit` / :meth:`append`). Writes
         slot mapping, block-table rows in batch order, sequence lengths, query start offsets, the
         FlashInfer CSR page table and the pending copy-on-write list (draining it). Follow with
-        :meth:`StepBuffers.to_device`.
+        :meth:`StepBuffers.to_device`. Block-table rows are written incrementally (see
+        :meth:`invalidate_step_cache`).
 
         Args:
             seq_ids: The batch, in order.

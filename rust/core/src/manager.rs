@@ -39,7 +39,7 @@ use crate::hash::{root_hash, Hasher, SeqKeys};
 use crate::metrics::{hist_bucket, Counters, Stats, HIST_BUCKETS};
 use crate::pool::BlockPool;
 use crate::prefix::{FastMap, PrefixCache};
-use crate::step::{StepBuffers, StepInfo};
+use crate::step::{StepBuffers, StepCache, StepInfo};
 use crate::table::{blocks_for, BlockTable};
 use crate::{BlockId, SeqId, TokenId};
 
@@ -165,6 +165,12 @@ struct Seq {
     tail_maybe_shared: bool,
     /// Epoch of the last batch call that visited this sequence (duplicate detection).
     mark: u64,
+    /// Identity of this sequence for the manager's whole life: fresh on admit and fork, never
+    /// reused, so a step-cache row mark cannot match a later sequence in the same slot or id.
+    uid: u64,
+    /// Bumped whenever an existing entry of `table.blocks` is replaced in place (copy-on-write of
+    /// the tail). Growth by push does not bump it: entries already written stay valid.
+    version: u64,
 }
 
 /// The block manager. See the module documentation for the rules it keeps.
@@ -196,6 +202,10 @@ pub struct BlockManager {
     batch_gen: u64,
     scratch_hashes: Vec<u128>,
     scratch_hits: Vec<BlockId>,
+    /// Last uid handed out (uids start at 1; 0 marks a row as unknown).
+    last_uid: u64,
+    /// What `build_step` last wrote into the block-table buffer it last wrote.
+    step_cache: StepCache,
 }
 
 impl BlockManager {
@@ -231,6 +241,8 @@ impl BlockManager {
             batch_gen: u64::MAX,
             scratch_hashes: Vec::new(),
             scratch_hits: Vec::new(),
+            last_uid: 0,
+            step_cache: StepCache::default(),
             cfg,
         })
     }
@@ -375,6 +387,9 @@ impl BlockManager {
         s.root = root;
         s.keys = extra_keys.map(|k| Arc::new(k.clone()));
         s.tail_maybe_shared = false;
+        self.last_uid += 1;
+        s.uid = self.last_uid;
+        s.version = 0;
         self.index.insert(seq, slot);
         self.gen += 1;
         self.used_tokens += n as u64;
@@ -604,6 +619,8 @@ impl BlockManager {
         let s = &mut self.slots[slot];
         let last = s.table.blocks.len() - 1;
         let src = std::mem::replace(&mut s.table.blocks[last], d);
+        // An entry changed in place: block-table rows written before now are stale.
+        s.version += 1;
         s.tail_maybe_shared = false;
         // A src that is itself waiting to be filled by a pending copy has the same content as that
         // copy's src when the copies run (before any write of the step): copy from there instead,
@@ -698,6 +715,9 @@ impl BlockManager {
         child_state.keys = ps.keys.clone();
         let partial = ps.table.num_tokens % self.bs != 0;
         child_state.tail_maybe_shared = partial;
+        self.last_uid += 1;
+        child_state.uid = self.last_uid;
+        child_state.version = 0;
         for &b in &child_state.table.blocks {
             if self.pool.incref_mut(b)? == 2 {
                 self.shared_blocks += 1;
@@ -789,10 +809,26 @@ impl BlockManager {
         (b as usize) < self.cfg.num_blocks as usize && self.prefix.relabel(b, hash)
     }
 
+    /// Forgets what the manager remembers about the block-table buffer it last wrote, so the next
+    /// `build_step` writes every row of its batch in full. Call it after writing into that buffer
+    /// yourself (or after handing the manager new memory that reuses the old address, length and
+    /// stride); see [`StepBuffers`] for the ownership contract.
+    pub fn invalidate_step_cache(&mut self) {
+        self.step_cache.invalidate();
+    }
+
     /// Fills `out` for one step. Each `(seqs[i], num_new[i])` means "the last `num_new[i]` tokens
     /// of `seqs[i]` are new this step". Validates everything (lengths, ids, `1 <= n <= len`, every
     /// buffer's size) before writing anything; then emits and clears the pending copies and offers
     /// the batch's newly full blocks to the prefix cache.
+    ///
+    /// Block-table rows are written incrementally: the manager remembers, for the buffer it last
+    /// wrote (identified by address, length and stride), which sequence each row holds and how many
+    /// of its entries. A row that still holds a prefix of the same sequence's unchanged table gets
+    /// only the entries past that prefix; any other row is written in full, and a different buffer
+    /// resets the memory. So between steps the block-table buffer belongs to the manager: whoever
+    /// writes into it must call [`BlockManager::invalidate_step_cache`] before the next step. The
+    /// CSR page table, when requested, is packed and rewritten in full every step.
     pub fn build_step(
         &mut self,
         seqs: &[SeqId],
@@ -812,6 +848,9 @@ impl BlockManager {
 
         let bs = self.bs;
         let stride = out.block_table_stride;
+        let marks = self
+            .step_cache
+            .rows_for(out.block_tables, stride, seqs.len());
         let mut tok = 0usize;
         let mut kv = 0usize;
         out.query_start_loc[0] = 0;
@@ -844,7 +883,10 @@ impl BlockManager {
                     p += run;
                 }
             }
-            out.block_tables[k * stride..k * stride + nb].copy_from_slice(blocks);
+            // Only entries the row does not already hold: in a decode step that is at most one.
+            let from = marks[k].valid_prefix(s.uid, s.version, nb);
+            out.block_tables[k * stride + from..k * stride + nb].copy_from_slice(&blocks[from..]);
+            marks[k].set(s.uid, s.version, nb);
             tok += n;
             out.seq_lens[k] = len as i32;
             out.query_start_loc[k + 1] = tok as i32;

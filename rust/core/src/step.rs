@@ -10,6 +10,9 @@
 //!   aligned, right dtype, capacity for a declared [`StepLayout`], no two buffers overlapping) and
 //!   turned into a [`StepBuffers`] view per step.
 //!
+//! - [`StepCache`] (crate-private): what the manager last wrote into a block-table buffer, so a
+//!   step rewrites only the entries that changed (see "Incremental block tables" below).
+//!
 //! The FlashInfer CSR page table (`kv_indptr`, `kv_indices`, `kv_last_page_len`) is optional:
 //! when all three buffers are empty, `build_step` skips it (it is half the bytes a decode step
 //! writes) and reports `num_kv_indices == 0`.
@@ -17,6 +20,16 @@
 //! Copy list guarantee (for a parallel copy kernel): in the `(src, dst)` pairs one step emits, every
 //! `dst` is distinct and no `dst` is also a `src`, so the pairs may be applied in any order or all at
 //! once. They must be applied before the step writes new KV.
+//!
+//! Incremental block tables: `build_step` remembers, per row of the block-table buffer it last
+//! wrote, a mark `(sequence uid, table version, entries written)`. Uids are unique for the manager's
+//! life (a freed and readmitted id, or a reused slot, gets a new one) and the version changes
+//! whenever an entry already in the table is replaced, so a matching mark proves the row's first
+//! `written` entries still equal the table and only `[written, blocks)` need writing. The buffer is
+//! identified by address, length and stride; any other buffer resets every mark. Invariant: for
+//! every row with a mark `(uid, version, w)`, the row's first `w` entries are what the sequence
+//! `uid` held at `version` — true as long as nobody but the manager writes the buffer between
+//! steps, which is the caller's side of the contract (`BlockManager::invalidate_step_cache`).
 
 use crate::error::{Error, Result};
 
@@ -27,6 +40,12 @@ use crate::error::{Error, Result};
 ///
 /// Row `i` of `block_tables` is `block_tables[i * block_table_stride ..][.. ceil(len_i / B)]`;
 /// entries past a row's block count and rows past the batch are left as they were.
+///
+/// Ownership between steps: the manager writes block-table rows incrementally, trusting that the
+/// `block_tables` memory it wrote last step (same address, length and stride) still holds what it
+/// wrote. Reading it freely is fine; writing into it (or reusing its address for new memory) must
+/// be followed by `BlockManager::invalidate_step_cache` before the next `build_step`. The other
+/// buffers are rewritten in full for the batch every step.
 #[derive(Debug)]
 pub struct StepBuffers<'a> {
     /// Physical slot of each new token, batch order: `>=` total new tokens.
@@ -61,6 +80,71 @@ pub struct StepInfo {
     pub num_copies: usize,
     /// Longest sequence in the batch (0 for an empty batch).
     pub max_seq_len: usize,
+}
+
+/// What a block-table row holds: the first `written` entries of the table of sequence `uid` at
+/// `version`. `uid == 0` (never handed out) means "unknown".
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct RowMark {
+    uid: u64,
+    version: u64,
+    written: usize,
+}
+
+impl RowMark {
+    /// How many leading entries of a row for sequence `uid` at `version`, now `nb` blocks long,
+    /// are already in place: `written` when the mark matches, else 0.
+    #[inline]
+    pub(crate) fn valid_prefix(&self, uid: u64, version: u64, nb: usize) -> usize {
+        if self.uid == uid && self.version == version && self.written <= nb {
+            self.written
+        } else {
+            0
+        }
+    }
+
+    #[inline]
+    pub(crate) fn set(&mut self, uid: u64, version: u64, nb: usize) {
+        *self = RowMark {
+            uid,
+            version,
+            written: nb,
+        };
+    }
+}
+
+/// The manager's memory of the block-table buffer it last wrote: its identity and one mark per
+/// row. Only `build_step` (after validation) and `invalidate` change it.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct StepCache {
+    ptr: usize,
+    len: usize,
+    stride: usize,
+    marks: Vec<RowMark>,
+}
+
+impl StepCache {
+    /// The marks of the first `rows` rows of `buf` (with `stride`), about to be written. A buffer
+    /// other than the last one written resets every mark first.
+    #[inline]
+    pub(crate) fn rows_for(&mut self, buf: &[i32], stride: usize, rows: usize) -> &mut [RowMark] {
+        let (ptr, len) = (buf.as_ptr() as usize, buf.len());
+        if (ptr, len, stride) != (self.ptr, self.len, self.stride) {
+            self.ptr = ptr;
+            self.len = len;
+            self.stride = stride;
+            self.marks.clear();
+        }
+        if self.marks.len() < rows {
+            self.marks.resize(rows, RowMark::default());
+        }
+        &mut self.marks[..rows]
+    }
+
+    /// Forgets every row: the next step writes its rows in full.
+    pub(crate) fn invalidate(&mut self) {
+        self.marks.clear();
+    }
 }
 
 /// Element type of a raw buffer, as the binding reports it. Only `I32` and `I64` are accepted by

@@ -433,6 +433,8 @@ impl PyBlockManager {
             copies: raw_buffer("copies", copies)?,
         };
         let bufs = RegisteredBuffers::new(layout, raw).py()?;
+        // New memory may sit at the old address: rows written into the old buffers prove nothing.
+        self.inner.invalidate_step_cache();
         self.registered = Some(Registered {
             bufs,
             _keepalive: keepalive.unbind(),
@@ -443,6 +445,12 @@ impl PyBlockManager {
     /// Drops the registered step buffers (and the references keeping them alive).
     fn unregister_buffers(&mut self) {
         self.registered = None;
+    }
+
+    /// Makes the next step write every block-table row of its batch in full; call it after
+    /// writing into the registered `block_tables` yourself.
+    fn invalidate_step_cache(&mut self) {
+        self.inner.invalidate_step_cache();
     }
 
     /// Fills the registered buffers for one step; returns
