@@ -54,6 +54,7 @@ fn decode(c: &mut Criterion) {
         ("prefix_off", false, true, true, true),
         ("prefix_on", true, true, true, true),
         ("prefix_on_no_csr", true, true, true, false),
+        ("prefix_off_no_csr", false, true, true, false),
         ("prefix_off_append_only", false, true, false, true),
         ("prefix_off_build_only", false, false, true, true),
     ] {

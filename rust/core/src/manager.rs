@@ -206,6 +206,8 @@ pub struct BlockManager {
     last_uid: u64,
     /// What `build_step` last wrote into the block-table buffer it last wrote.
     step_cache: StepCache,
+    /// Slots of the step's batch with full blocks not yet offered to the prefix cache.
+    scratch_register: Vec<u32>,
 }
 
 impl BlockManager {
@@ -243,6 +245,7 @@ impl BlockManager {
             scratch_hits: Vec::new(),
             last_uid: 0,
             step_cache: StepCache::default(),
+            scratch_register: Vec::new(),
             cfg,
         })
     }
@@ -851,6 +854,8 @@ impl BlockManager {
         let marks = self
             .step_cache
             .rows_for(out.block_tables, stride, seqs.len());
+        let caching = self.caching;
+        self.scratch_register.clear();
         let mut tok = 0usize;
         let mut kv = 0usize;
         out.query_start_loc[0] = 0;
@@ -887,6 +892,11 @@ impl BlockManager {
             let from = marks[k].valid_prefix(s.uid, s.version, nb);
             out.block_tables[k * stride + from..k * stride + nb].copy_from_slice(&blocks[from..]);
             marks[k].set(s.uid, s.version, nb);
+            // Noted here, while the sequence's state is in cache, rather than in another pass.
+            let full = nb - (last_page < bs) as usize;
+            if caching && s.registered < full {
+                self.scratch_register.push(i);
+            }
             tok += n;
             out.seq_lens[k] = len as i32;
             out.query_start_loc[k + 1] = tok as i32;
@@ -911,33 +921,24 @@ impl BlockManager {
             }
         }
 
-        if self.caching {
-            for &i in &idx {
-                let s = &mut self.slots[i as usize];
-                let nb = s.table.blocks.len();
-                let full = if s.table.num_tokens == nb * bs {
-                    nb
-                } else {
-                    nb - 1
-                };
-                if s.registered < full {
-                    self.hasher.extend_chain(
-                        s.root,
-                        &s.tokens,
-                        bs,
-                        s.keys.as_deref(),
-                        &mut s.hashes,
-                    );
-                    for j in s.registered..full {
-                        self.prefix.register(
-                            s.table.blocks[j],
-                            s.hashes[j],
-                            &s.tokens[j * bs..(j + 1) * bs],
-                        );
-                    }
-                    s.registered = full;
-                }
+        for &i in &self.scratch_register {
+            let s = &mut self.slots[i as usize];
+            let nb = s.table.blocks.len();
+            let full = if s.table.num_tokens == nb * bs {
+                nb
+            } else {
+                nb - 1
+            };
+            self.hasher
+                .extend_chain(s.root, &s.tokens, bs, s.keys.as_deref(), &mut s.hashes);
+            for j in s.registered..full {
+                self.prefix.register(
+                    s.table.blocks[j],
+                    s.hashes[j],
+                    &s.tokens[j * bs..(j + 1) * bs],
+                );
             }
+            s.registered = full;
         }
         self.batch_idx = idx;
         let num_kv_indices = if csr { num_kv } else { 0 };

@@ -168,8 +168,11 @@ impl PrefixCache {
         if self.hashed[b as usize] {
             self.hashed[b as usize] = false;
             let h = self.hash_of[b as usize];
-            if self.map.get(&h) == Some(&b) {
-                self.map.remove(&h);
+            // One probe: on the eviction path each probe of a pool-sized map is a cache miss.
+            if let std::collections::hash_map::Entry::Occupied(e) = self.map.entry(h) {
+                if *e.get() == b {
+                    e.remove();
+                }
             }
         }
     }
