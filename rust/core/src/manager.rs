@@ -890,7 +890,13 @@ impl BlockManager {
             }
             // Only entries the row does not already hold: in a decode step that is at most one.
             let from = marks[k].valid_prefix(s.uid, s.version, nb);
-            out.block_tables[k * stride + from..k * stride + nb].copy_from_slice(&blocks[from..]);
+            let row = &mut out.block_tables[k * stride + from..k * stride + nb];
+            // Zero or one new entry is the decode case: a `memcpy` call per row would cost more.
+            match row.len() {
+                0 => {}
+                1 => row[0] = blocks[nb - 1],
+                _ => row.copy_from_slice(&blocks[from..]),
+            }
             marks[k].set(s.uid, s.version, nb);
             // Noted here, while the sequence's state is in cache, rather than in another pass.
             let full = nb - (last_page < bs) as usize;
