@@ -4,7 +4,8 @@
 //!   each, then `build_step` of the whole batch into preallocated buffers. Contexts start at a
 //!   random 500–2000 tokens. To keep the state steady, every 64 steps (outside the timed region) any
 //!   sequence past 2100 tokens is freed and re-admitted with a fresh random 500–2000-token prompt.
-//!   Variants: `prefix_on_no_csr` leaves out the optional FlashInfer CSR page table;
+//!   Variants: `prefix_on_no_csr` and `prefix_off_no_csr` leave out the optional FlashInfer CSR
+//!   page table (the decode target counts slot mapping and block tables only);
 //!   `*_append_only` / `*_build_only` time one half; `memcpy_floor` copies the same rows' worth of
 //!   block ids into the two output buffers with no bookkeeping, the floor memory traffic sets.
 //! - `admit_4096/*`: admit a 4096-token prompt, then free it (both timed).
