@@ -483,6 +483,30 @@ def test_step_matches_python_model_and_keeps_stale_columns() -> None:
     assert info3 == info2
 
 
+def test_incremental_rows_and_invalidate_step_cache() -> None:
+    # Rows are written incrementally: a row that already holds the same sequence gets only its new
+    # entries. A caller that scribbles over the host table must invalidate; then every row of the
+    # next step is rewritten in full.
+    m, b = manager_with_buffers(num_blocks=128, block_size=4, max_seqs=4, max_tokens=64)
+    seqs = [1, 2, 3]
+    for s in seqs:
+        m.admit(s, list(range(4 * s + 2)))
+    check_step(m, b, m.step(seqs, [1, 1, 1]), expected_step(m, seqs, [1, 1, 1], []))
+    for _ in range(3):  # crosses a block boundary for every sequence
+        m.append_batch(seqs, [7, 8, 9])
+        check_step(m, b, m.step(seqs, 1), expected_step(m, seqs, [1, 1, 1], []))
+
+    b.host.block_tables.fill_(SENTINEL)
+    m.invalidate_step_cache()
+    m.append_batch(seqs, [7, 8, 9])
+    check_step(m, b, m.step(seqs, 1), expected_step(m, seqs, [1, 1, 1], []))
+
+    # Reordered batch: rows move, and each moved row is written in full.
+    order = [3, 1, 2]
+    m.append_batch(order, [4, 5, 6])
+    check_step(m, b, m.step(order, 1), expected_step(m, order, [1, 1, 1], []))
+
+
 def test_step_views_match_info() -> None:
     m, b = manager_with_buffers(block_size=4)
     m.admit(1, list(range(7)))
