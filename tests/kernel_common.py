@@ -39,6 +39,32 @@ def rel_err(out, ref):
     """‖out − ref‖ / ‖ref‖ in float64."""
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
+
+def make_paged(lens, block_size, kv_heads, head_dim, dtype, device, gen, spare=3):
+    """A NaN-poisoned pool with each sequence's tokens in randomly permuted blocks.
+
+    Returns (k_cache, v_cache, block_tables); table columns past a sequence's blocks hold ids far
+    out of range, which a kernel must never follow.
+    """
+    nblk = [-(-n // block_size) for n in lens]
+    num_blocks = sum(nblk) + spare
+    width = max(nblk + [1]) + 2
+    perm = torch.randperm(num_blocks, generator=gen)
+    k = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    vv = torch.full_like(k, float("nan"))
+    bt = torch.randint(1 << 24, 1 << 30, (len(lens), width), generator=gen, dtype=torch.int32)
+    pos = 0
+    for i, n in enumerate(lens):
+        ids = perm[pos : pos + nblk[i]]
+        pos += nblk[i]
+        bt[i, : nblk[i]] = ids.int()
+        for j, b in enumerate(ids.tolist()):
+            cnt = min(block_size, n - j * block_size)
+            k[b, :cnt] = torch.randn(cnt, kv_heads, head_dim, generator=gen).to(dtype)
+            vv[b, :cnt] = torch.randn(cnt, kv_heads, head_dim, generator=gen).to(dtype)
+    return k.to(device), vv.to(device), bt.to(device)
+
+
 # Argument-check tests build CPU tensors: only the interpreter launches on those, and compiled
 # runs reject them for their device before reaching the check under test.
 host_tensors_only = pytest.mark.skipif(

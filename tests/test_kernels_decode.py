@@ -9,35 +9,10 @@ unwritten output or a read of a stale column fails.
 import pytest
 
 # kernel_common skips this module where kernels cannot run.
-from kernel_common import DEVICES, host_tensors_only, TOL, rel_err, torch
+from kernel_common import DEVICES, TOL, host_tensors_only, make_paged, rel_err, torch
 
 from pagedkv import kernels as K
 from pagedkv.kernels import reference as R
-
-
-def make_paged(lens, block_size, kv_heads, head_dim, dtype, device, gen, spare=3):
-    """A NaN-poisoned pool with each sequence's tokens in randomly permuted blocks.
-
-    Returns (k_cache, v_cache, block_tables); table columns past a sequence's blocks hold ids far
-    out of range, which a kernel must never follow.
-    """
-    nblk = [-(-n // block_size) for n in lens]
-    num_blocks = sum(nblk) + spare
-    width = max(nblk + [1]) + 2
-    perm = torch.randperm(num_blocks, generator=gen)
-    k = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
-    vv = torch.full_like(k, float("nan"))
-    bt = torch.randint(1 << 24, 1 << 30, (len(lens), width), generator=gen, dtype=torch.int32)
-    pos = 0
-    for i, n in enumerate(lens):
-        ids = perm[pos : pos + nblk[i]]
-        pos += nblk[i]
-        bt[i, : nblk[i]] = ids.int()
-        for j, b in enumerate(ids.tolist()):
-            cnt = min(block_size, n - j * block_size)
-            k[b, :cnt] = torch.randn(cnt, kv_heads, head_dim, generator=gen).to(dtype)
-            vv[b, :cnt] = torch.randn(cnt, kv_heads, head_dim, generator=gen).to(dtype)
-    return k.to(device), vv.to(device), bt.to(device)
 
 
 def lens_for(block_size, big):

@@ -8,7 +8,7 @@ pool whose unused block-table columns hold out-of-range garbage.
 import pytest
 
 # kernel_common skips this module where kernels cannot run.
-from kernel_common import DEVICES, host_tensors_only, TOL, rel_err, torch
+from kernel_common import DEVICES, TOL, host_tensors_only, make_paged, rel_err, torch
 
 from pagedkv import kernels as K
 from pagedkv.kernels import reference as R
@@ -18,22 +18,7 @@ def make_batch(seqs, block_size, kv_heads, group, head_dim, dtype, device, gen, 
     """`seqs` is a list of (context_len, new_tokens). Returns the kernel's arguments."""
     lens = [c for c, _ in seqs]
     qlens = [n for _, n in seqs]
-    nblk = [-(-n // block_size) for n in lens]
-    num_blocks = sum(nblk) + spare
-    width = max(nblk + [1]) + 2
-    perm = torch.randperm(num_blocks, generator=gen)
-    k = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
-    vv = torch.full_like(k, float("nan"))
-    bt = torch.randint(1 << 24, 1 << 30, (len(seqs), width), generator=gen, dtype=torch.int32)
-    pos = 0
-    for i, n in enumerate(lens):
-        ids = perm[pos : pos + nblk[i]]
-        pos += nblk[i]
-        bt[i, : nblk[i]] = ids.int()
-        for j, b in enumerate(ids.tolist()):
-            cnt = min(block_size, n - j * block_size)
-            k[b, :cnt] = torch.randn(cnt, kv_heads, head_dim, generator=gen).to(dtype)
-            vv[b, :cnt] = torch.randn(cnt, kv_heads, head_dim, generator=gen).to(dtype)
+    k, vv, bt = make_paged(lens, block_size, kv_heads, head_dim, dtype, "cpu", gen, spare)
     qsl = [0]
     for n in qlens:
         qsl.append(qsl[-1] + n)
