@@ -33,7 +33,12 @@ if [ ! -f "$stamp" ]; then
 fi
 
 echo "setup: building the extension pagedkv._core (release)"
-VIRTUAL_ENV="$(cd "$VENV" && pwd)" PATH="$(cd "$VENV" && pwd)/bin:$PATH" \
-    "$VENV/bin/maturin" develop --release --quiet 2>&1 | grep -v -E '^(📦|🔗|🐍|💻|🛠|✏️|📖|🔨)' || true
-"$VENV/bin/python" -c 'import pagedkv._core' || die "the extension did not build; see the cargo output above"
+log=$(mktemp)
+if ! VIRTUAL_ENV="$(cd "$VENV" && pwd)" PATH="$(cd "$VENV" && pwd)/bin:$PATH" \
+        "$VENV/bin/maturin" develop --release --quiet >"$log" 2>&1; then
+    cat "$log" >&2; rm -f "$log"
+    die "the extension did not build; see the cargo output above"
+fi
+rm -f "$log"
+"$VENV/bin/python" -c 'import pagedkv._core' || die "the extension does not import"
 echo "setup: ready ($VENV)"
