@@ -18,11 +18,19 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Error {
     /// A configuration value is out of range (block size 0, no blocks, watermark ≥ pool, …).
     #[error("invalid config: {field} = {value}: {reason}")]
-    InvalidConfig { field: &'static str, value: u64, reason: String },
+    InvalidConfig {
+        field: &'static str,
+        value: u64,
+        reason: String,
+    },
 
     /// An argument is out of range (a zero or negative count, a length mismatch, …).
     #[error("invalid argument: {what} = {value}: {reason}")]
-    InvalidArgument { what: &'static str, value: i64, reason: String },
+    InvalidArgument {
+        what: &'static str,
+        value: i64,
+        reason: String,
+    },
 
     /// The sequence id is not known to the manager.
     #[error("unknown sequence id {seq_id}")]
@@ -38,19 +46,35 @@ pub enum Error {
 
     /// An admission would dip into the watermark reserve kept for running sequences.
     #[error("admission needs {needed} blocks but only {available} are free above the watermark reserve of {watermark}")]
-    WatermarkReached { needed: usize, available: usize, watermark: usize },
+    WatermarkReached {
+        needed: usize,
+        available: usize,
+        watermark: usize,
+    },
 
     /// A sequence would need more blocks than a block-table row holds.
     #[error("sequence {seq_id} would need {needed_blocks} blocks; a block-table row holds {max_blocks_per_seq}")]
-    SequenceTooLong { seq_id: SeqId, needed_blocks: usize, max_blocks_per_seq: usize },
+    SequenceTooLong {
+        seq_id: SeqId,
+        needed_blocks: usize,
+        max_blocks_per_seq: usize,
+    },
 
     /// A caller-owned step buffer is too small for this step.
     #[error("buffer `{buffer}` too small: need {needed} elements, capacity {capacity}")]
-    BufferTooSmall { buffer: &'static str, needed: usize, capacity: usize },
+    BufferTooSmall {
+        buffer: &'static str,
+        needed: usize,
+        capacity: usize,
+    },
 
     /// A caller-owned step buffer has the wrong element type, or a null / misaligned pointer.
     #[error("buffer `{buffer}`: expected {expected}, got {got}")]
-    BufferInvalid { buffer: &'static str, expected: &'static str, got: String },
+    BufferInvalid {
+        buffer: &'static str,
+        expected: &'static str,
+        got: String,
+    },
 
     /// A step was requested before step buffers were registered.
     #[error("no step buffers registered")]
