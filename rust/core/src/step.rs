@@ -513,6 +513,28 @@ impl OwnedStepBuffers {
         }
     }
 
+    /// These buffers described by address, for [`RegisteredBuffers::new`]. The addresses stay
+    /// valid while `self` is neither dropped nor resized.
+    pub fn raw(&mut self) -> RawStepBuffers {
+        fn r<T>(v: &mut [T], dtype: DType) -> RawBuffer {
+            RawBuffer {
+                ptr: v.as_mut_ptr() as usize,
+                len: v.len(),
+                dtype,
+            }
+        }
+        RawStepBuffers {
+            slot_mapping: r(&mut self.slot_mapping, DType::I64),
+            block_tables: r(&mut self.block_tables, DType::I32),
+            seq_lens: r(&mut self.seq_lens, DType::I32),
+            query_start_loc: r(&mut self.query_start_loc, DType::I32),
+            kv_indptr: r(&mut self.kv_indptr, DType::I32),
+            kv_indices: r(&mut self.kv_indices, DType::I32),
+            kv_last_page_len: r(&mut self.kv_last_page_len, DType::I32),
+            copies: r(&mut self.copies, DType::I64),
+        }
+    }
+
     /// A borrowed view for `build_step`.
     pub fn view(&mut self) -> StepBuffers<'_> {
         StepBuffers {
@@ -542,45 +564,10 @@ mod tests {
         }
     }
 
-    struct Mem {
-        i64s: Vec<Vec<i64>>,
-        i32s: Vec<Vec<i32>>,
-    }
-
-    fn mem(l: StepLayout) -> (Mem, RawStepBuffers) {
-        let o = OwnedStepBuffers::new(l);
-        let mut m = Mem {
-            i64s: vec![o.slot_mapping, o.copies],
-            i32s: vec![
-                o.block_tables,
-                o.seq_lens,
-                o.query_start_loc,
-                o.kv_indptr,
-                o.kv_indices,
-                o.kv_last_page_len,
-            ],
-        };
-        let r64 = |v: &mut Vec<i64>| RawBuffer {
-            ptr: v.as_mut_ptr() as usize,
-            len: v.len(),
-            dtype: DType::I64,
-        };
-        let r32 = |v: &mut Vec<i32>| RawBuffer {
-            ptr: v.as_mut_ptr() as usize,
-            len: v.len(),
-            dtype: DType::I32,
-        };
-        let raw = RawStepBuffers {
-            slot_mapping: r64(&mut m.i64s[0]),
-            block_tables: r32(&mut m.i32s[0]),
-            seq_lens: r32(&mut m.i32s[1]),
-            query_start_loc: r32(&mut m.i32s[2]),
-            kv_indptr: r32(&mut m.i32s[3]),
-            kv_indices: r32(&mut m.i32s[4]),
-            kv_last_page_len: r32(&mut m.i32s[5]),
-            copies: r64(&mut m.i64s[1]),
-        };
-        (m, raw)
+    fn mem(l: StepLayout) -> (OwnedStepBuffers, RawStepBuffers) {
+        let mut o = OwnedStepBuffers::new(l);
+        let raw = o.raw();
+        (o, raw)
     }
 
     #[test]
@@ -596,7 +583,7 @@ mod tests {
             assert_eq!(v.copies.len(), 4);
             v.seq_lens[3] = 42;
         }
-        assert_eq!(m.i32s[1][3], 42);
+        assert_eq!(m.seq_lens[3], 42);
     }
 
     #[test]

@@ -4,9 +4,7 @@
 
 use pagedkv::manager::{AdmitResult, BlockManager, ManagerConfig};
 use pagedkv::metrics::hist_bucket;
-use pagedkv::step::{
-    DType, OwnedStepBuffers, RawBuffer, RawStepBuffers, RegisteredBuffers, StepInfo, StepLayout,
-};
+use pagedkv::step::{OwnedStepBuffers, RegisteredBuffers, StepInfo, StepLayout};
 use pagedkv::{BlockId, Error, SeqId};
 
 #[derive(Debug, PartialEq)]
@@ -646,26 +644,7 @@ fn registered_buffers_enforce_the_layout() {
     }
     let l = layout(2, 16, 4);
     let mut ob = OwnedStepBuffers::new(l);
-    let r64 = |v: &mut Vec<i64>| RawBuffer {
-        ptr: v.as_mut_ptr() as usize,
-        len: v.len(),
-        dtype: DType::I64,
-    };
-    let r32 = |v: &mut Vec<i32>| RawBuffer {
-        ptr: v.as_mut_ptr() as usize,
-        len: v.len(),
-        dtype: DType::I32,
-    };
-    let raw = RawStepBuffers {
-        slot_mapping: r64(&mut ob.slot_mapping),
-        block_tables: r32(&mut ob.block_tables),
-        seq_lens: r32(&mut ob.seq_lens),
-        query_start_loc: r32(&mut ob.query_start_loc),
-        kv_indptr: r32(&mut ob.kv_indptr),
-        kv_indices: r32(&mut ob.kv_indices),
-        kv_last_page_len: r32(&mut ob.kv_last_page_len),
-        copies: r64(&mut ob.copies),
-    };
+    let raw = ob.raw();
     let mut reg = RegisteredBuffers::new(l, raw).unwrap();
     // Three sequences do not fit a two-row layout.
     let before = snap(&m);
