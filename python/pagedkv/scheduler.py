@@ -108,7 +108,7 @@ class Sequence:
             raise InvalidArgumentError(
                 f"invalid argument: seq_id = {seq_id!r}: must be a non-negative integer",
                 what="seq_id", value=seq_id, reason="must be a non-negative integer")
-        tokens = [int(t) for t in token_ids]
+        tokens = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(map(int, token_ids))
         if not tokens:
             raise InvalidArgumentError(
                 f"invalid argument: token_ids of sequence {seq_id}: a prompt needs at least one token",
@@ -403,7 +403,7 @@ class Scheduler:
 
         # 1. Decodes, one append_batch for all; preempt the newest until the appends fit.
         while True:
-            decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+            decodes = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]
             if len(decodes) > self.max_num_seqs:
                 decodes = decodes[:self.max_num_seqs]
             if not decodes:

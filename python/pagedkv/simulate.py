@@ -313,6 +313,7 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
             if smp.index == 0 and s.num_output_tokens == 0 and len(smp.group.req.outputs) > 1:
                 forks.append(s)
         sched.postprocess(batch, sampled)
+        children: list[Sequence] = []
         for parent in forks:
             g = parent.data.group
             for i in range(1, len(g.req.outputs)):
@@ -321,6 +322,7 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
                 child.data = _Sample(g, i, g.req.outputs[i])
                 sched.fork(parent, child)
                 child.append_token(g.req.outputs[i][0])
+                children.append(child)
 
         # Measure: every running sequence's manager length is its computed token count.
         n_seqs = 0
@@ -357,8 +359,10 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
         if n_seqs > res.peak_concurrency:
             res.peak_concurrency = n_seqs
 
-        # Retire sequences that produced their last token.
-        done = [s for s in sched.running if s.num_output_tokens >= len(s.data.out)]
+        # Retire sequences that produced their last token (only a sampled or forked one can have).
+        done = [s for s, t in zip(batch.seqs, sampled)
+                if t is not None and s.num_output_tokens >= len(s.data.out)]
+        done += [c for c in children if c.num_output_tokens >= len(c.data.out)]
         if done:
             sched.finish_many(done)
             for s in done:
