@@ -330,6 +330,9 @@ def _load_config_dict(source: Union[str, os.PathLike, Mapping[str, Any]]) -> tup
         raise InvalidConfigError(f"{path}: cannot read: {exc}") from None
     except json.JSONDecodeError as exc:
         raise InvalidConfigError(f"{path}: not valid JSON: {exc}") from None
+    except RecursionError:
+        # json's decoder recurses once per nesting level; no config.json nests more than a few.
+        raise InvalidConfigError(f"{path}: not a usable config: JSON nested too deeply") from None
     if not isinstance(data, Mapping):
         raise InvalidConfigError(f"{path}: expected a JSON object at the top level")
     return data, path
