@@ -372,3 +372,24 @@ def test_arena_is_pinned_with_cuda() -> None:
     dev = b.to_device(info)
     torch.cuda.synchronize()
     assert dev.slot_mapping.cpu().tolist() == b.views(info, on_device=False).slot_mapping.tolist()
+
+
+@pytest.mark.gpu
+def test_pinned_arena_is_unpinned_before_it_is_freed() -> None:
+    # The allocator hands freed ranges out again; a range still registered with CUDA would make
+    # the next cudaHostRegister fail (and the pin raise AllocationFailedError).
+    m = BlockManager(4096, 16, watermark_blocks=0)
+    m.admit(1, list(range(100)))
+    addresses = set()
+    for _ in range(20):
+        b = StepBuffers(256, 8192, 512)
+        assert b.pinned
+        addresses.add(b._arena.address)
+        m.attach_buffers(b)
+        info = m.step([1], 100)
+        b.to_device(info, non_blocking=True)
+        m.detach_buffers()
+        del b
+        gc.collect()
+    torch.cuda.synchronize()
+    assert len(addresses) < 20  # ranges were reused, so unregistering was exercised

@@ -37,6 +37,7 @@ data past the step's extent — padding rows of a CUDA graph captured at a large
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional, Union
 
 import torch
@@ -103,7 +104,8 @@ class StepBuffers:
 
     Attach to a manager with :meth:`pagedkv.BlockManager.attach_buffers`; each
     :meth:`pagedkv.BlockManager.step` then fills :attr:`host`, and :meth:`to_device` moves the used
-    part to :attr:`device`.
+    part to :attr:`device`. One buffer set belongs to one manager at a time. Do not read or write
+    :attr:`host` while a step on another thread is filling it.
 
     Args:
         max_seqs: Most sequences in one step (rows of ``block_tables``).
@@ -160,8 +162,10 @@ class StepBuffers:
             name: off for name, (off, _) in self._arena.fields().items()
         }
         if cuda:
-            # Page-locked, so host-to-device copies can be asynchronous; unpinned when freed.
-            self._arena.pin(torch.cuda.cudart())
+            # Page-locked, so host-to-device copies can be asynchronous. Unpinned when freed, after
+            # the mirror's device has finished any copy still reading it.
+            sync_dev = dev if dev.type == "cuda" else None
+            self._arena.pin(torch.cuda.cudart(), functools.partial(torch.cuda.synchronize, sync_dev))
         self.pinned = self._arena.pinned
         shapes = self._shapes()
         # Zeroed by the extension: stale data is then at least deterministic before the first step.

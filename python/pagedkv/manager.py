@@ -128,7 +128,8 @@ class BlockManager:
 
     Raises:
         InvalidConfigError: A value is out of range (no blocks, block size 0, watermark ≥ pool, ...).
-        InvalidArgumentError: A value is negative or not an int.
+        InvalidArgumentError: A size is negative or not an int (a bool is not one), or a flag is
+            not a bool.
     """
 
     __slots__ = ("_core", "_buffers", "_append_batch", "_step")

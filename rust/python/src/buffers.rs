@@ -105,8 +105,10 @@ pub struct PyStepArena {
     nbytes: usize,
     /// The id of the manager the arena is attached to; 0 when none.
     owner: AtomicU64,
-    /// `cudaHostUnregister` when the arena is pinned, called before the memory is freed.
-    unpin: Mutex<Option<Py<PyAny>>>,
+    /// When the arena is pinned: `cudaHostUnregister`, and what to call before it (a device
+    /// synchronize, so no asynchronous copy still reads the memory); both run before the memory
+    /// is freed.
+    unpin: Mutex<Option<(Py<PyAny>, Option<Py<PyAny>>)>>,
 }
 
 impl PyStepArena {
@@ -302,9 +304,17 @@ impl PyStepArena {
     }
 
     /// Pins the arena with `cudart.cudaHostRegister` (torch's `torch.cuda.cudart()` module) so
-    /// host-to-device copies from it can be asynchronous; it is unregistered before the memory
-    /// is freed. A second call does nothing. Raises AllocationFailedError if CUDA refuses.
-    fn pin(&self, py: Python<'_>, cudart: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// host-to-device copies from it can be asynchronous. Before the memory is freed, the arena
+    /// calls `synchronize()` (if given: it should wait for every copy that may read the arena)
+    /// and then `cudart.cudaHostUnregister`. A second call does nothing. Raises
+    /// AllocationFailedError if CUDA refuses.
+    #[pyo3(signature = (cudart, synchronize=None))]
+    fn pin(
+        &self,
+        py: Python<'_>,
+        cudart: &Bound<'_, PyAny>,
+        synchronize: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let mut slot = self.unpin.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_some() {
             return Ok(());
@@ -320,7 +330,10 @@ impl PyStepArena {
                 size as u128,
             ));
         }
-        *slot = Some(unregister.unbind());
+        *slot = Some((
+            unregister.unbind(),
+            synchronize.filter(|s| !s.is_none()).map(Bound::unbind),
+        ));
         Ok(())
     }
 
@@ -345,11 +358,14 @@ impl Drop for PyStepArena {
             .get_mut()
             .unwrap_or_else(|p| p.into_inner())
             .take();
-        if let Some(unregister) = unpin {
+        if let Some((unregister, synchronize)) = unpin {
             let addr = self.mem.ptr.as_ptr() as usize;
             // The memory is freed right after this (field drop); an error here (CUDA already
             // torn down at exit) leaves nothing to undo.
             Python::attach(|py| {
+                if let Some(sync) = synchronize {
+                    let _ = sync.bind(py).call0();
+                }
                 let _ = unregister.bind(py).call1((addr,));
             });
         }
