@@ -142,6 +142,21 @@ def test_simulation_flag_takes_bools_only() -> None:
         SimConfig(num_blocks=16, enable_prefix_caching="false")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("field", ["tie_word_embeddings", "attention_bias"])
+def test_model_config_flags_take_bools_only(field: str) -> None:
+    from pagedkv.config import ModelConfig
+
+    cfg = {
+        "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 100,
+        "torch_dtype": "bfloat16", field: "false",
+    }
+    with pytest.raises(InvalidConfigError, match="must be a bool"):
+        ModelConfig.from_hf_config(cfg)
+    cfg[field] = False
+    assert getattr(ModelConfig.from_hf_config(cfg), field) is False
+
+
 # ------------------------------------------------------------------------------- numpy arrays
 
 

@@ -331,7 +331,8 @@ class BlockManager:
         self._core.free(seq_id)
 
     def __contains__(self, seq_id: object) -> bool:
-        """Whether ``seq_id`` is a live sequence (False for anything that is not a valid id)."""
+        """Whether ``seq_id`` is a live sequence (False for anything that is not a valid id, a bool
+        included: ``True in m`` does not ask about sequence 1)."""
         return self._core.contains(seq_id)
 
     def __len__(self) -> int:
