@@ -91,6 +91,13 @@ impl Drop for Memory {
     }
 }
 
+/// What a pinned arena calls before its memory is freed: `cudaHostUnregister`, and the
+/// synchronize to run first.
+struct PinRelease {
+    unregister: Py<PyAny>,
+    synchronize: Option<Py<PyAny>>,
+}
+
 /// Host memory for the step buffers of one [`StepLayout`]; see the module doc.
 #[pyclass(frozen, weakref, module = "pagedkv._core", name = "StepArena")]
 pub struct PyStepArena {
@@ -108,7 +115,7 @@ pub struct PyStepArena {
     /// When the arena is pinned: `cudaHostUnregister`, and what to call before it (a device
     /// synchronize, so no asynchronous copy still reads the memory); both run before the memory
     /// is freed.
-    unpin: Mutex<Option<(Py<PyAny>, Option<Py<PyAny>>)>>,
+    unpin: Mutex<Option<PinRelease>>,
 }
 
 impl PyStepArena {
@@ -330,10 +337,10 @@ impl PyStepArena {
                 size as u128,
             ));
         }
-        *slot = Some((
-            unregister.unbind(),
-            synchronize.filter(|s| !s.is_none()).map(Bound::unbind),
-        ));
+        *slot = Some(PinRelease {
+            unregister: unregister.unbind(),
+            synchronize: synchronize.filter(|s| !s.is_none()).map(Bound::unbind),
+        });
         Ok(())
     }
 
@@ -358,7 +365,11 @@ impl Drop for PyStepArena {
             .get_mut()
             .unwrap_or_else(|p| p.into_inner())
             .take();
-        if let Some((unregister, synchronize)) = unpin {
+        if let Some(PinRelease {
+            unregister,
+            synchronize,
+        }) = unpin
+        {
             let addr = self.mem.ptr.as_ptr() as usize;
             // The memory is freed right after this (field drop); an error here (CUDA already
             // torn down at exit) leaves nothing to undo.

@@ -91,6 +91,8 @@ struct Registered {
 
 impl Drop for Registered {
     fn drop(&mut self) {
+        // Usually released already, under the manager's lock; this covers the manager's own end.
+        // Releasing twice is harmless: it only clears the owner if it is still ours.
         self.arena.get().release(self.owner);
     }
 }
@@ -542,6 +544,10 @@ impl PyBlockManager {
                 arena,
                 owner: id,
             });
+            // Give the old arena back now (an atomic store), not when `old` is dropped later.
+            if let Some(o) = &old {
+                o.arena.get().release(id);
+            }
             Ok((old, None))
         });
         match replaced {
@@ -559,7 +565,13 @@ impl PyBlockManager {
     /// Drops the registered step buffers (and the reference keeping their arena alive), giving
     /// the arena back so another manager may attach it.
     fn detach_buffers(&self, py: Python<'_>) {
-        let old = self.with(py, |st| st.registered.take());
+        let old = self.with(py, |st| {
+            let old = st.registered.take();
+            if let Some(o) = &old {
+                o.arena.get().release(o.owner);
+            }
+            old
+        });
         drop(old);
     }
 
@@ -581,8 +593,8 @@ impl PyBlockManager {
             with_ids("seq_ids", seq_ids, sbuf, |seqs| {
                 let detach = seqs.len() >= DETACH_MIN;
                 scratch(&COUNTS, |counts| {
-                    if num_new_tokens.is_exact_instance_of::<PyInt>() {
-                        // One count for every sequence (a decode step): broadcast it.
+                    if num_new_tokens.is_instance_of::<PyInt>() {
+                        // One count for every sequence (a decode step): broadcast it (`scalar` refuses a bool).
                         let n = scalar::<u32>("num_new_tokens", num_new_tokens)?;
                         counts.clear();
                         counts.resize(seqs.len(), n);
