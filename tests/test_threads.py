@@ -19,7 +19,6 @@ import numpy as np
 from pagedkv import BlockManager, StepBuffers
 from pagedkv.errors import (
     OutOfBlocksError,
-    PagedKVError,
     SequenceTooLongError,
     UnknownSequenceError,
 )
