@@ -13,7 +13,8 @@ Cases:
   by ``step`` into registered host buffers (slot mapping, block tables, CSR page table).
 - ``append_batch_256`` / ``step_256``: the two halves of that step on their own.
 - ``decode_step_256_nocsr``: the decode step with buffers that skip the FlashInfer CSR page table
-  (``StepBuffers(..., csr=False)``).
+  (``StepBuffers(..., csr=False)``); ``core_decode_step_256_nocsr``: the same on the extension
+  object, without the Python wrapper.
 - ``admit_4096``: admission of a 4096-token prompt (int64 numpy array) and its ``free``; no prefix
   hit (blocks enter the prefix cache only at step time, and none runs here).
 - ``admit_4096_uint32``: the same with a uint32 array (read in place, no conversion).
@@ -122,8 +123,19 @@ def bench_decode(batches: int, csr: bool = True) -> list[dict]:
         for _ in range(n):
             st(seqs, 1)
 
+    def core_decode(n: int) -> None:
+        # The same on the extension object: the binding's share without the wrapper's.
+        core = m._core
+        ab, st = core.append_batch, core.step
+        for _ in range(n):
+            ab(seqs, toks)
+            st(seqs, 1)
+
     if not csr:
-        out = [timed("decode_step_256_nocsr", decode, DECODE_ITERS, batches, reset)]
+        out = [
+            timed("decode_step_256_nocsr", decode, DECODE_ITERS, batches, reset),
+            timed("core_decode_step_256_nocsr", core_decode, DECODE_ITERS, batches, reset),
+        ]
         m.check_invariants()
         return out
     out = [

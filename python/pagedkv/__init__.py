@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .buffers import StepBuffers, StepTensors
     from .config import CacheSpec
     from .errors import (
+        AllocationFailedError,
         BufferInvalidError,
         BuffersNotRegisteredError,
         BufferTooSmallError,
@@ -63,6 +64,7 @@ _EXPORTS = {
     "RefcountUnderflowError": "errors",
     "PrefixCollisionError": "errors",
     "InvariantViolationError": "errors",
+    "AllocationFailedError": "errors",
 }
 
 __all__ = ["__version__", *_EXPORTS]

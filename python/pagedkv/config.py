@@ -205,6 +205,14 @@ class ModelConfig:
             )
         if self.max_position_embeddings is not None:
             _check_int("max_position_embeddings", self.max_position_embeddings, 1)
+        for field_name in ("tie_word_embeddings", "attention_bias"):
+            value = getattr(self, field_name)
+            if not isinstance(value, bool):
+                # `bool("false")` is True: a flag must be a bool (a JSON true/false).
+                raise InvalidConfigError(
+                    f"{field_name} must be a bool, got {value!r}",
+                    field=field_name, value=value, reason="must be a bool",
+                )
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
 
     def cache_spec(self, *, block_size: int = 16, dtype: str | None = None) -> CacheSpec:
@@ -304,8 +312,8 @@ class ModelConfig:
                 head_dim=head_dim,
                 vocab_size=need("vocab_size"),
                 dtype=dtype,
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(attention_bias),
+                tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+                attention_bias=attention_bias,
                 num_experts=experts,
                 max_position_embeddings=cfg.get("max_position_embeddings"),
             )
@@ -330,6 +338,9 @@ def _load_config_dict(source: Union[str, os.PathLike, Mapping[str, Any]]) -> tup
         raise InvalidConfigError(f"{path}: cannot read: {exc}") from None
     except json.JSONDecodeError as exc:
         raise InvalidConfigError(f"{path}: not valid JSON: {exc}") from None
+    except RecursionError:
+        # json's decoder recurses once per nesting level; no config.json nests more than a few.
+        raise InvalidConfigError(f"{path}: not a usable config: JSON nested too deeply") from None
     if not isinstance(data, Mapping):
         raise InvalidConfigError(f"{path}: expected a JSON object at the top level")
     return data, path

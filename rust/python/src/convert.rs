@@ -2,11 +2,16 @@
 //!
 //! Owns the rules for what the binding accepts as an id and how it is read:
 //!
-//! - a scalar id is a Python int (or anything with `__index__`) in `[0, MAX]` of its type;
+//! - a scalar id is a Python int (or anything with `__index__`) in `[0, MAX]` of its type, but
+//!   never a `bool`: `True` is an int to Python, and taking it as id 1 turns a bug in the caller
+//!   (a flag passed where an id belongs) into an operation on the wrong sequence;
 //! - an id sequence is a list or tuple of such ints, or a 1-D numpy array of any integer dtype.
 //!   An array whose dtype already matches the target's width and whose values are all in range is
 //!   read in place (no copy: `uint32`/`int32` token ids, `uint64`/`int64` sequence ids); anything
 //!   else is converted into a caller-provided scratch vector, so steady-state calls do not allocate.
+//!   A non-native byte order (a big-endian array on a little-endian machine) is converted to native
+//!   first, by value;
+//! - a flag is a `bool` and nothing else ([`flag`]): `"false"` is truthy.
 //!
 //! Every value is range-checked before the core sees it; a bad one raises `InvalidArgumentError`
 //! naming the argument, the index and the value. Nothing here touches the manager, so a failed
@@ -16,7 +21,7 @@ use numpy::{
     Element, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyInt, PyList, PyTuple};
+use pyo3::types::{PyBool, PyInt, PyList, PyTuple};
 
 use crate::errors::{invalid_arg, invalid_arg_int};
 
@@ -86,16 +91,33 @@ impl Id for u64 {
 
 /// Reads one id from a Python int.
 pub fn scalar<T: Id>(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<T> {
-    if let Ok(v) = obj.extract::<u64>() {
-        if v <= T::MAX {
-            return Ok(T::from_bits(v));
+    if !obj.is_instance_of::<PyBool>() {
+        if let Ok(v) = obj.extract::<u64>() {
+            if v <= T::MAX {
+                return Ok(T::from_bits(v));
+            }
         }
     }
     Err(scalar_error::<T>(what, obj))
 }
 
+/// Reads a flag: a Python `bool` only (not an int, not a string, not `None`).
+pub fn flag(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    match obj.cast::<PyBool>() {
+        Ok(b) => Ok(b.is_true()),
+        Err(_) => {
+            let reason = format!("must be a bool, got {}", type_name(obj));
+            Err(invalid_arg(what, obj, reason))
+        }
+    }
+}
+
+const NOT_BOOL: &str = "must be an int, got bool";
+
 fn scalar_error<T: Id>(what: &str, obj: &Bound<'_, PyAny>) -> PyErr {
-    if is_int_like(obj) {
+    if obj.is_instance_of::<PyBool>() {
+        invalid_arg(what, obj, NOT_BOOL)
+    } else if is_int_like(obj) {
         invalid_arg(what, obj, T::RANGE)
     } else {
         let reason = format!("must be an int, got {}", type_name(obj));
@@ -105,6 +127,9 @@ fn scalar_error<T: Id>(what: &str, obj: &Bound<'_, PyAny>) -> PyErr {
 
 /// Reads a non-negative count (a token count, a length) as `usize`.
 pub fn count(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    if obj.is_instance_of::<PyBool>() {
+        return Err(scalar_error::<u64>(what, obj));
+    }
     match obj.extract::<u64>() {
         Ok(v) if v <= usize::MAX as u64 => Ok(v as usize),
         _ => Err(scalar_error::<u64>(what, obj)),
@@ -137,6 +162,13 @@ pub fn with_ids<T: Id, R>(
             return Err(invalid_arg_int(obj.py(), what, arr.ndim() as i128, reason));
         }
         let dtype = arr.dtype();
+        if !dtype.is_native_byteorder().unwrap_or(true) {
+            // numpy's typed views require native byte order; convert by value (one copy), then
+            // read the converted array the usual way.
+            let native = dtype.call_method1("newbyteorder", ("=",))?;
+            let converted = obj.call_method1("astype", (native,))?;
+            return with_ids(what, &converted, scratch, f);
+        }
         // Sizes, not type numbers: numpy has two type numbers for 64-bit ints on most platforms
         // (long and longlong), and the kind/width pair covers both.
         return match (dtype.kind(), dtype.itemsize()) {
@@ -198,13 +230,19 @@ pub fn ids_into<T: Id>(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<T>> {
     with_ids(what, obj, &mut scratch, |ids| Ok(ids.to_vec()))
 }
 
+#[inline]
 fn element<T: Id>(what: &str, index: usize, item: &Bound<'_, PyAny>) -> PyResult<T> {
-    if let Ok(v) = item.extract::<u64>() {
-        if v <= T::MAX {
-            return Ok(T::from_bits(v));
+    // An exact int is the common case; the bool test (a type comparison) only runs for others.
+    if item.is_exact_instance_of::<PyInt>() || !item.is_instance_of::<PyBool>() {
+        if let Ok(v) = item.extract::<u64>() {
+            if v <= T::MAX {
+                return Ok(T::from_bits(v));
+            }
         }
     }
-    let reason = if is_int_like(item) {
+    let reason = if item.is_instance_of::<PyBool>() {
+        format!("element {index}: {NOT_BOOL}")
+    } else if is_int_like(item) {
         format!("element {index}: {}", T::RANGE)
     } else {
         format!("element {index}: must be an int, got {}", type_name(item))
@@ -218,7 +256,17 @@ fn from_array<E: Elem, T: Id, R>(
     scratch: &mut Vec<T>,
     f: impl FnOnce(&[T]) -> PyResult<R>,
 ) -> PyResult<R> {
-    let arr = obj.cast::<PyArray1<E>>().map_err(PyErr::from)?;
+    let arr = obj.cast::<PyArray1<E>>().map_err(|_| {
+        let shown = obj
+            .getattr("dtype")
+            .and_then(|d| d.str().map(|s| s.to_string()))
+            .unwrap_or_else(|_| "?".into());
+        invalid_arg(
+            what,
+            obj,
+            format!("cannot be read as a 1-D integer array (dtype {shown})"),
+        )
+    })?;
     let ro = arr.try_readonly().map_err(|e| {
         invalid_arg(
             what,
