@@ -4,25 +4,17 @@ Owns :func:`simulate`, which replays one seeded workload (:mod:`pagedkv.workload
 same KV memory. Time is counted in scheduler steps; in each step every running sequence produces
 one token, and a newly admitted one produces its first token from its prefill.
 
-**Paged** — through the real :class:`pagedkv.BlockManager`, with a continuous-batching scheduler
-that each step:
-
-1. queues the requests that have arrived (FCFS);
-2. decode: every sequence admitted earlier feeds back its last token — one ``append_batch`` call
-   for the batch. On ``OutOfBlocksError`` the most recently admitted request is preempted by
-   recompute (its sequences freed, the request put back at the head of the queue with the tokens
-   it produced) and the call is retried without it;
-3. admission (skipped in a step that preempted): from the head of the queue, admit while
-   ``admit`` succeeds, the batch has room (``max_num_seqs``) and the step's prompt budget
-   (``max_prefill_tokens``) lasts — the first admission of a step is always allowed whatever its
-   size. ``WatermarkReachedError`` (a subclass of ``OutOfBlocksError``) ends admission for the
-   step. A request with ``n_samples > 1`` is admitted once and forked ``n − 1`` times. A
-   preempted request is re-admitted with its prompt plus the tokens each sample produced, so only
-   what the prefix cache no longer holds is recomputed;
-4. builds the step with ``BlockManager.step`` into CPU step buffers, as an engine would before
-   running the model: that emits the copy-on-write list and offers newly full blocks to the
-   prefix cache (the manager registers blocks at step time);
-5. measures, then frees the sequences that produced their last token.
+**Paged** — through the real :class:`pagedkv.BlockManager` and the engine's own
+:class:`pagedkv.scheduler.Scheduler` (continuous batching, decodes first, chunked prefill, preemption
+of the most recently admitted sequence by recompute), with a simulated executor in place of the model:
+each sequence whose known tokens a step completes "samples" the next token of its predetermined
+output. The step's token budget is ``max_prefill_tokens`` plus one decode per sequence the batch can
+hold (``max_num_seqs``), so decodes never crowd prompts out. A request with ``n_samples > 1`` is
+admitted once and forks its other samples when its prompt is computed (copy-on-write), as the
+engine does. Every step is built with ``BlockManager.step`` into CPU step buffers, as an engine
+would before running the model: that emits the copy-on-write list and offers newly full blocks to
+the prefix cache. ``preemptions`` counts preempted sequences (a forked request's samples are
+preempted one by one, newest first).
 
 **Contiguous** — the same arrivals, lengths, timing and scheduler limits, but each sequence
 reserves ``max_model_len`` token slots at admission, so at most ``floor(num_blocks × block_size /
@@ -156,45 +148,26 @@ class SimResult:
 
 # --------------------------------------------------------------------------------- bookkeeping
 
-class _Seq:
-    """One sample's live sequence. ``produced`` counts its output tokens so far, the last of
-    which has been sampled but not yet fed back, so the manager holds ``prompt + produced − 1``
-    tokens for it."""
+class _Sample:
+    """The simulated executor's view of one sample: its request and the output it will produce."""
 
-    __slots__ = ("seq_id", "sample", "length", "produced", "out", "out_len", "new")
+    __slots__ = ("group", "index", "out")
 
-    def __init__(self, seq_id: int, sample: int, length: int, produced: int, out: list[int],
-                 new: int) -> None:
-        self.seq_id = seq_id
-        self.sample = sample
-        self.length = length
-        self.produced = produced
+    def __init__(self, group: "_Group", index: int, out: list[int]) -> None:
+        self.group = group
+        self.index = index
         self.out = out
-        self.out_len = len(out)
-        self.new = new  # tokens this step computes for it (0: a fork riding on its parent's prefill)
 
 
 class _Group:
-    """A request in flight: its live sequences and, per sample, output tokens produced so far."""
+    """A request in flight: how many of its samples are still running."""
 
-    __slots__ = ("req", "produced", "seqs", "first_admit", "remaining")
+    __slots__ = ("req", "remaining", "first_admit")
 
     def __init__(self, req: Request) -> None:
         self.req = req
-        self.produced = [0] * len(req.outputs)
-        self.seqs: list[_Seq] = []
-        self.first_admit = -1
         self.remaining = len(req.outputs)
-
-    def live_samples(self) -> list[int]:
-        return [i for i, out in enumerate(self.req.outputs) if self.produced[i] < len(out)]
-
-    def prefill_tokens(self) -> int:
-        """Tokens an admission now would prefill (before prefix-cache hits)."""
-        live = self.live_samples()
-        if all(self.produced[i] == 0 for i in live):
-            return self.req.prompt_len
-        return sum(self.req.prompt_len + self.produced[i] for i in live)
+        self.first_admit = -1
 
 
 class _Progress:
@@ -260,8 +233,15 @@ def _physical_tokens(mgr: Any, seqs: list[tuple[int, int]], used_blocks: int) ->
 
 def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimConfig,
                     progress: bool) -> tuple[PolicyResult, int]:
+    """The paged run: the engine's scheduler with a simulated executor in place of a model.
+
+    The executor "samples" each sequence's next token from the workload's predetermined outputs;
+    a request with ``n_samples > 1`` forks its other samples once its prompt is computed, exactly
+    as the engine does.
+    """
     from .buffers import StepBuffers
     from .manager import BlockManager
+    from .scheduler import Scheduler, Sequence
 
     B = sim.block_size
     max_blocks = _blocks_for(workload.max_model_len, B)
@@ -272,18 +252,18 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
         enable_prefix_caching=sim.enable_prefix_caching,
     )
     _check_capacity(workload, sim, mgr.watermark_blocks)
+    # Prompt tokens of one step, plus one decode for every sequence the batch can hold: the same
+    # prefill budget the contiguous run gets, with decodes never crowding it out.
+    budget = sim.max_prefill_tokens + sim.max_num_seqs
     # The step buffers a real engine would hand to its kernels. Building each step is what offers
     # newly full blocks to the prefix cache and drains the copy-on-write queue.
-    max_prefill = max(sim.max_prefill_tokens, workload.n_samples * workload.max_model_len)
-    mgr.attach_buffers(StepBuffers(sim.max_num_seqs, max_prefill + sim.max_num_seqs, max_blocks,
+    mgr.attach_buffers(StepBuffers(sim.max_num_seqs, max(budget, workload.max_model_len), max_blocks,
                                    max_copies=sim.max_num_seqs, device="cpu"))
+    sched = Scheduler(mgr, max_num_seqs=sim.max_num_seqs, max_num_batched_tokens=budget)
     capacity = sim.num_blocks * B
     sharing = workload.sharing
     n_req = len(requests)
 
-    waiting: deque[_Group] = deque()
-    running: list[_Group] = []
-    num_running_seqs = 0
     next_arrival = 0
     next_seq_id = 0
     finished = 0
@@ -303,141 +283,69 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     step_copies = 0
     bar = _Progress(progress, n_req, "paged")
 
-    def admit_group(g: _Group) -> bool:
-        """Admit ``g``'s unfinished samples, or leave the manager as it was; True on success."""
-        nonlocal next_seq_id
-        req = g.req
-        live = g.live_samples()
-        seqs: list[_Seq] = []
-        resumed = g.first_admit >= 0
-        try:
-            if all(g.produced[i] == 0 for i in live):
-                # Prefill the prompt once; the other samples fork from it and share its blocks.
-                parent = next_seq_id
-                r = mgr.admit(parent, req.prompt)
-                new = req.prompt_len - r.cached_tokens
-                if resumed:
-                    res.recomputed_prompt_tokens += new
-                seqs.append(_Seq(parent, live[0], req.prompt_len, 0, req.outputs[live[0]], new))
-                next_seq_id += 1
-                for i in live[1:]:
-                    mgr.fork(parent, next_seq_id)
-                    seqs.append(_Seq(next_seq_id, i, req.prompt_len, 0, req.outputs[i], 0))
-                    next_seq_id += 1
-            else:
-                # Recompute after preemption, samples diverged: each re-prefills its prompt and the
-                # tokens it produced; the prompt's full blocks come back through the prefix cache.
-                for i in live:
-                    out = req.outputs[i]
-                    k = g.produced[i]
-                    tokens = np.concatenate([req.prompt, np.asarray(out[:k], dtype=np.int64)])
-                    r = mgr.admit(next_seq_id, tokens)
-                    new = len(tokens) - r.cached_tokens
-                    res.recomputed_prompt_tokens += new
-                    seqs.append(_Seq(next_seq_id, i, len(tokens), k, out, new))
-                    next_seq_id += 1
-        except OutOfBlocksError:
-            for s in seqs:
-                mgr.free(s.seq_id)
-            return False
-        # The prefill samples each sequence's next token.
-        for s in seqs:
-            s.produced += 1
-        g.seqs = seqs
-        return True
-
-    def preempt_last() -> None:
-        nonlocal num_running_seqs
-        g = running.pop()
-        for s in g.seqs:
-            g.produced[s.sample] = s.produced
-            mgr.free(s.seq_id)
-        num_running_seqs -= len(g.seqs)
-        g.seqs = []
-        waiting.appendleft(g)
-        res.preemptions += 1
-
     while finished < n_req:
         while next_arrival < n_req and requests[next_arrival].arrival_step <= step:
-            waiting.append(_Group(requests[next_arrival]))
+            req = requests[next_arrival]
+            g = _Group(req)
+            seq = Sequence(next_seq_id, req.prompt.tolist(), request_id=str(req.req_id))
+            seq.n = len(req.outputs)
+            seq.data = _Sample(g, 0, req.outputs[0])
+            next_seq_id += 1
+            sched.add(seq)
             next_arrival += 1
 
-        # Decode slots first: every sequence admitted in an earlier step feeds back its last token.
-        # Running groups are in admission order, so the newest request's sequences form the tail.
-        ids = [s.seq_id for g in running for s in g.seqs]
-        toks = [s.out[s.produced - 1] for g in running for s in g.seqs]
-        preempted = False
-        while ids:
-            try:
-                mgr.append_batch(ids, toks)
-                break
-            except OutOfBlocksError:
-                if len(running) == 1:
-                    raise CapacityError(
-                        f"request {running[0].req.req_id} cannot grow even alone in a pool of "
-                        f"{sim.num_blocks} blocks"
-                    ) from None
-                k = len(running[-1].seqs)
-                preempt_last()
-                preempted = True
-                del ids[len(ids) - k:]
-                del toks[len(toks) - k:]
-        for g in running:
-            for s in g.seqs:
-                s.length += 1
-                s.produced += 1
-                s.new = 1
+        batch = sched.schedule()
+        if batch.step is not None:
+            step_copies += batch.step.num_copies
+        # The simulated executor: each sequence whose known tokens are all computed now emits the
+        # next token of its predetermined output.
+        sampled: list[Optional[int]] = []
+        forks: list[Sequence] = []
+        for s, done in zip(batch.seqs, batch.sample_mask()):
+            smp = s.data
+            if smp.group.first_admit < 0:
+                smp.group.first_admit = step
+                sum_queue += step - smp.group.req.arrival_step
+            if not done:
+                sampled.append(None)
+                continue
+            sampled.append(smp.out[s.num_output_tokens])
+            if smp.index == 0 and s.num_output_tokens == 0 and len(smp.group.req.outputs) > 1:
+                forks.append(s)
+        sched.postprocess(batch, sampled)
+        children: list[Sequence] = []
+        for parent in forks:
+            g = parent.data.group
+            for i in range(1, len(g.req.outputs)):
+                child = Sequence(next_seq_id, [0])
+                next_seq_id += 1
+                child.data = _Sample(g, i, g.req.outputs[i])
+                sched.fork(parent, child)
+                child.append_token(g.req.outputs[i][0])
+                children.append(child)
 
-        # Admission, FCFS, with what the decode slots left. None in a step that had to preempt:
-        # the pool is full, and re-admitting the victim at once would only thrash.
-        budget = sim.max_prefill_tokens
-        admitted_any = False
-        while waiting and not preempted:
-            g = waiting[0]
-            if num_running_seqs + g.remaining > sim.max_num_seqs:
-                break
-            cost = g.prefill_tokens()
-            if admitted_any and cost > budget:
-                break
-            if not admit_group(g):
-                break
-            waiting.popleft()
-            running.append(g)
-            num_running_seqs += len(g.seqs)
-            budget -= cost
-            admitted_any = True
-            if g.first_admit < 0:
-                g.first_admit = step
-                sum_queue += step - g.req.arrival_step
-
-        # Build the step: the batch the model would run.
-        batch_ids = [s.seq_id for g in running for s in g.seqs if s.new]
-        if batch_ids:
-            info = mgr.step(batch_ids, [s.new for g in running for s in g.seqs if s.new])
-            step_copies += info.num_copies
-
-        # Measure.
+        # Measure: every running sequence's manager length is its computed token count.
         n_seqs = 0
         logical_tokens = 0
         logical_blocks = 0
         waste = 0
-        for g in running:
-            for s in g.seqs:
-                nb = -(-s.length // B)
-                logical_tokens += s.length
-                logical_blocks += nb
-                waste += nb * B - s.length
-                n_seqs += 1
+        for s in sched.running:
+            length = s.num_computed_tokens
+            nb = -(-length // B)
+            logical_tokens += length
+            logical_blocks += nb
+            waste += nb * B - length
+            n_seqs += 1
         used_blocks = sim.num_blocks - mgr.num_free_blocks
         if sharing:
             physical_tokens = _physical_tokens(
-                mgr, [(s.seq_id, s.length) for g in running for s in g.seqs], used_blocks)
+                mgr, [(s.seq_id, s.num_computed_tokens) for s in sched.running], used_blocks)
         else:
             physical_tokens = logical_tokens
         util = physical_tokens / capacity
         conc_series.append(n_seqs)
         util_series.append(util)
-        wait_series.append(len(waiting))
+        wait_series.append(sched.num_waiting)
         sum_util += util
         seq_steps += n_seqs
         sum_waste += waste
@@ -451,28 +359,21 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
         if n_seqs > res.peak_concurrency:
             res.peak_concurrency = n_seqs
 
-        # Retire sequences that produced their last token.
-        still_running = []
-        for g in running:
-            live = []
-            for s in g.seqs:
-                if s.produced >= s.out_len:
-                    g.produced[s.sample] = s.produced
-                    mgr.free(s.seq_id)
-                    g.remaining -= 1
-                    res.output_tokens += s.out_len
-                else:
-                    live.append(s)
-            g.seqs = live
-            if g.remaining:
-                still_running.append(g)
-            else:
-                finished += 1
-                res.requests_served += 1
-                sum_latency += step + 1 - g.req.arrival_step
-                bar.update()
-        running = still_running
-        num_running_seqs = sum(len(g.seqs) for g in running)
+        # Retire sequences that produced their last token (only a sampled or forked one can have).
+        done = [s for s, t in zip(batch.seqs, sampled)
+                if t is not None and s.num_output_tokens >= len(s.data.out)]
+        done += [c for c in children if c.num_output_tokens >= len(c.data.out)]
+        if done:
+            sched.finish_many(done)
+            for s in done:
+                g = s.data.group
+                g.remaining -= 1
+                res.output_tokens += len(s.data.out)
+                if g.remaining == 0:
+                    finished += 1
+                    res.requests_served += 1
+                    sum_latency += step + 1 - g.req.arrival_step
+                    bar.update()
 
         step += 1
         if sim.check_every and step % sim.check_every == 0:
@@ -482,6 +383,8 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     mgr.check_invariants()
     stats = mgr.stats()
     res.steps = step
+    res.preemptions = sched.num_preemptions
+    res.recomputed_prompt_tokens = sched.num_recomputed_tokens
     res.mean_concurrency = seq_steps / step
     res.kv_utilization_mean = sum_util / step
     res.waste_tokens_per_seq = sum_waste / seq_steps if seq_steps else 0.0
