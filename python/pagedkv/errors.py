@@ -192,3 +192,15 @@ class InvariantViolationError(PagedKVError, RuntimeError):
     """
 
     field_names = ("detail",)
+
+
+# Raised by the Python engine, not the core: it is no variant of the core's enum, so it stays out of
+# `__all__` (which lists exactly the core's variants and the base class).
+class ModelLoadError(PagedKVError, ValueError):
+    """A model cannot be loaded: the path does not exist, holds no model, or its architecture is not
+    one the engine supports (the Llama family: Llama 2/3, Mistral, Qwen2, SmolLM2).
+
+    Attributes: ``path``, ``reason``.
+    """
+
+    field_names = ("path", "reason")
