@@ -174,7 +174,6 @@ class LLMEngine:
         import torch
 
         from ..errors import InvalidConfigError
-        from ..manager import BlockManager
         from ..scheduler import Scheduler
         from .loader import default_model_path, load_model
         from .model_runner import ModelRunner
@@ -203,12 +202,10 @@ class LLMEngine:
                 max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=cuda_graphs,
             )
             bar.update(1)
-            self.manager = BlockManager(
-                self.runner.num_blocks, block_size, watermark_blocks=watermark_blocks,
-                max_blocks_per_seq=self.runner.buffers.max_blocks_per_seq,
-                enable_prefix_caching=enable_prefix_caching,
+            # The runner's pool and step buffers fix the manager's shape; it attaches the buffers.
+            self.manager = self.runner.new_block_manager(
+                watermark_blocks=watermark_blocks, enable_prefix_caching=enable_prefix_caching,
             )
-            self.manager.attach_buffers(self.runner.buffers)
             self.scheduler = Scheduler(
                 self.manager, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -233,7 +230,6 @@ class LLMEngine:
         self.vocab_size = int(getattr(self.loaded.config, "vocab_size", 0) or 0)
 
         self._requests: Dict[str, _Request] = {}
-        self._seq_owner: Dict[int, Tuple[_Request, int]] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._seed_rng = __import__("random").Random()
@@ -345,6 +341,8 @@ class LLMEngine:
         req = _Request(request_id, text, ids, params, salt, seed,
                        time.perf_counter() if arrival_time is None else arrival_time)
         seq = self._new_sequence(req, 0, list(ids))
+        # Admission keeps room under max_num_seqs for the samples forked from this sequence.
+        seq.n = params.n
         self._requests[request_id] = req
         self.scheduler.add(seq)
         self._counters["num_requests"] += 1
@@ -353,10 +351,10 @@ class LLMEngine:
     def _new_sequence(self, req: _Request, index: int, token_ids: List[int]) -> Any:
         from ..scheduler import Sequence
 
-        seq_id = next(self._seq_ids)
-        seq = Sequence(seq_id, req.request_id, token_ids, cache_salt=req.cache_salt)
+        seq = Sequence(next(self._seq_ids), token_ids, request_id=req.request_id,
+                       cache_salt=req.cache_salt, arrival=req.metrics.arrival_time)
+        seq.data = (req, index)
         req.seqs[index] = seq
-        self._seq_owner[seq_id] = (req, index)
         return seq
 
     def abort_request(self, request_id: str) -> None:
@@ -368,11 +366,8 @@ class LLMEngine:
         req = self._requests.get(request_id)
         if req is None:
             raise _bad("request_id", request_id, "no unfinished request has this id")
-        for i, seq in enumerate(req.seqs):
-            if seq is not None and req.finish[i] is None:
-                self.scheduler.finish(seq)
-            if seq is not None:
-                self._seq_owner.pop(seq.seq_id, None)
+        live = [seq for i, seq in enumerate(req.seqs) if seq is not None and req.finish[i] is None]
+        self.scheduler.finish_many(live)
         del self._requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
@@ -403,9 +398,7 @@ class LLMEngine:
         if batch.preempted:
             self._counters["num_preemptions"] += len(batch.preempted)
             for seq in batch.preempted:
-                owner = self._seq_owner.get(seq.seq_id)
-                if owner is not None:
-                    owner[0].metrics.num_preemptions += 1
+                seq.data[0].metrics.num_preemptions += 1
         if not batch.seqs:
             if self._requests:
                 self._unschedulable()
@@ -427,7 +420,7 @@ class LLMEngine:
         fork_rows: List[int] = []
         for r, i in enumerate(rows):
             seq = batch.seqs[i]
-            req, index = self._seq_owner[seq.seq_id]
+            req, index = seq.data
             params.append(req.params)
             seeds.append(req.seq_seeds[index])
             positions.append(len(seq.token_ids) - seq.num_prompt_tokens)
@@ -451,15 +444,19 @@ class LLMEngine:
 
         now = time.perf_counter()
         touched: Dict[str, _Request] = {}
+        done: List[Any] = []
+        # Forks first: a parent that finishes on its first token must still be running to be forked.
         for (req, child, parent), tok in zip(forks, tokens[len(rows):]):
             child_seq = self._new_sequence(req, child, list(req.prompt_token_ids))
             self.scheduler.fork(parent, child_seq)
             child_seq.append_token(tok)
-            self._after_token(req, child, child_seq, tok, now, touched)
+            self._after_token(req, child, child_seq, tok, now, touched, done)
         for i in rows:
             seq = batch.seqs[i]
-            req, index = self._seq_owner[seq.seq_id]
-            self._after_token(req, index, seq, sampled[i], now, touched)
+            req, index = seq.data
+            self._after_token(req, index, seq, sampled[i], now, touched, done)
+        if done:
+            self.scheduler.finish_many(done)
 
         outputs = [self._output(req) for req in touched.values()]
         for req in touched.values():
@@ -470,7 +467,7 @@ class LLMEngine:
         return outputs
 
     def _after_token(self, req: _Request, index: int, seq: Any, token: int, now: float,
-                     touched: Dict[str, _Request]) -> None:
+                     touched: Dict[str, _Request], done: List[Any]) -> None:
         touched[req.request_id] = req
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
@@ -488,12 +485,9 @@ class LLMEngine:
             reason = ("length", None)
         if reason is not None:
             req.finish[index] = reason
-            self.scheduler.finish(seq)
+            done.append(seq)
 
     def _finished_request(self, req: _Request) -> None:
-        for seq in req.seqs:
-            if seq is not None:
-                self._seq_owner.pop(seq.seq_id, None)
         self._requests.pop(req.request_id, None)
         self._counters["num_finished_requests"] += 1
         ttft = req.metrics.time_to_first_token
