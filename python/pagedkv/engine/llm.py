@@ -317,6 +317,9 @@ class LLMEngine:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise _bad("params", type(params).__name__, "must be a SamplingParams")
+        if params.n > self.scheduler.max_num_seqs:
+            raise _bad("n", params.n, f"more samples than max_num_seqs "
+                                      f"({self.scheduler.max_num_seqs}) can run together")
         if request_id is None:
             request_id = f"req-{next(self._request_ids)}"
             while request_id in self._requests:
