@@ -265,6 +265,33 @@ def test_model_still_generates_densely_after_runner_steps(loaded):
     assert torch.isfinite(ref).all()
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
+                    reason="the kernel path on the CPU needs TRITON_INTERPRET=1")
+def test_kernel_path_interpreted_matches_dense(loaded):
+    # The CUDA path's attention (scatter_kv, paged_prefill for mixed steps, paged_decode for
+    # pure decode steps), run by Triton's interpreter on CPU tensors.
+    d = Driver(_runner(loaded, attention_backend="triton"))
+    assert d.runner.use_kernels
+    prompts = _prompts(7, [6, 11])
+    d.admit(0, prompts[0])
+    d.admit(1, prompts[1][:4])
+    logits, _ = d.step([0, 1])
+    check_against_dense(loaded, d, [0, 1], logits)
+    d.append(0, [int(logits[0].argmax())])
+    d.append(1, prompts[1][4:])
+    logits, _ = d.step([0, 1])  # mixed: a decode row and a prefill chunk
+    check_against_dense(loaded, d, [0, 1], logits)
+    d.fork(1, 2)
+    for _ in range(2):  # pure decode, with a copy-on-write on the first
+        for k, s in enumerate((0, 1)):
+            d.append(s, [int(logits[k].argmax())])
+        d.append(2, [int(logits[1].argmax() + 1) % 128])
+        logits, info = d.step([0, 1, 2])
+        assert info.num_tokens == 3
+        check_against_dense(loaded, d, [0, 1, 2], logits)
+        logits = logits[:2]
+
+
 # ------------------------------------------------------------------------------- bad input
 
 

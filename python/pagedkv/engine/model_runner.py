@@ -87,6 +87,9 @@ class ModelRunner:
         max_num_seqs: Most sequences in one step (block-table rows; largest graph batch).
         max_num_batched_tokens: Most new tokens in one step (raised to ``max_num_seqs`` if below).
         cuda_graphs: Capture decode steps in CUDA graphs (CUDA only).
+        attention_backend: ``"auto"`` (the Triton kernels on CUDA, plain PyTorch on the CPU),
+            ``"torch"`` or ``"triton"`` (on the CPU only under ``TRITON_INTERPRET=1``: how CI checks
+            the kernel path end to end).
 
     Attributes:
         num_blocks, spec, pool, buffers (attach to the manager with
@@ -101,7 +104,8 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, *, block_size: int = 16,
                  num_blocks: Optional[int] = None,
                  kv_cache_memory: Union[int, str, None] = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, cuda_graphs: bool = True) -> None:
+                 max_num_batched_tokens: int = 2048, cuda_graphs: bool = True,
+                 attention_backend: str = "auto") -> None:
         for name, val in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                           ("max_num_batched_tokens", max_num_batched_tokens)):
             _check_pos_int(name, val)
@@ -131,6 +135,15 @@ class ModelRunner:
         self.buffers = StepBuffers(max_num_seqs, self.max_num_batched_tokens,
                                    self.max_blocks_per_seq, device=self.device, csr=False)
         self.is_cuda = self.device.type == "cuda"
+        if attention_backend not in ("auto", "torch", "triton"):
+            raise InvalidArgumentError(
+                f"invalid argument: attention_backend = {attention_backend!r}",
+                what="attention_backend", value=attention_backend,
+                reason="must be 'auto', 'torch' or 'triton'")
+        if attention_backend == "auto":
+            attention_backend = "triton" if self.is_cuda else "torch"
+        self.attention_backend = attention_backend
+        self.use_kernels = attention_backend == "triton"
         _attention.register()
         t = self.max_num_batched_tokens
         if self.is_cuda:
@@ -139,15 +152,16 @@ class ModelRunner:
             self._pos_host = torch.zeros(t, dtype=torch.int64, pin_memory=True)
             self._ids_dev = torch.zeros(t, dtype=torch.int64, device=self.device)
             self._pos_dev = torch.zeros(t, dtype=torch.int64, device=self.device)
+
+        self.workspace = None
+        if self.use_kernels:
             from ..kernels import DecodeWorkspace
 
             self.workspace = DecodeWorkspace(max_num_seqs, self.num_q_heads, self.spec.num_kv_heads,
                                              self.spec.head_dim, device=self.device)
-        else:
-            self.workspace = None
         self.graph_sizes: list[int] = []
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
-        if self.is_cuda and cuda_graphs:
+        if self.is_cuda and self.use_kernels and cuda_graphs:
             self.capture_graphs()
 
     # ------------------------------------------------------------------------------ set-up
@@ -247,10 +261,13 @@ class ModelRunner:
         dev = self.buffers.to_device(step)
         decode = t == n
 
-        if not self.is_cuda:
+        if not self.use_kernels:
             return self._run_cpu(ids, pos, dev, n, qsl, last)
         graph_bs = self._graph_size(n) if decode else None
-        ids_d, pos_d = self._stage(ids, pos, t)
+        if self.is_cuda:
+            ids_d, pos_d = self._stage(ids, pos, t)
+        else:
+            ids_d, pos_d = torch.from_numpy(ids), torch.from_numpy(pos)
         if graph_bs is not None:
             return self._replay(graph_bs, n, ids_d, pos_d, last)
         if decode:
@@ -310,7 +327,7 @@ class ModelRunner:
         capture from ``max_model_len`` (each sequence's own split length is computed in the
         kernel). Graphs share one memory pool, captured largest first.
         """
-        if not self.is_cuda:
+        if not (self.is_cuda and self.use_kernels):
             return
         sizes = sorted(set(sizes or graph_batch_sizes(self.max_num_seqs)), reverse=True)
         dev = self.buffers.device
