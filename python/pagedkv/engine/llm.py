@@ -133,6 +133,8 @@ class LLMEngine:
     Args:
         model: A Hugging Face model directory (``config.json`` + safetensors [+ tokenizer]) or a
             ``.gguf`` file; ``None`` loads the embedded SmolLM2-135M-Instruct GGUF. Loaded offline.
+            A :class:`~pagedkv.engine.loader.LoadedModel` is used as it is (``device`` and
+            ``dtype`` are then its own).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``; ``None``: CUDA when available, else the CPU.
         dtype: Weights and KV dtype (``torch.dtype`` or its name); ``None``: the loader's default
             (float32 on the CPU, the checkpoint's dtype on a GPU).
@@ -175,7 +177,7 @@ class LLMEngine:
 
         from ..errors import InvalidConfigError
         from ..scheduler import Scheduler
-        from .loader import default_model_path, load_model
+        from .loader import LoadedModel, default_model_path, load_model
         from .model_runner import ModelRunner
 
         if kv_cache_memory is not None and num_blocks is not None:
@@ -188,13 +190,18 @@ class LLMEngine:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidConfigError(f"{name} must be an integer >= 1, got {value!r}",
                                          field=name, value=value, reason="must be >= 1")
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        path = default_model_path() if model is None else str(model)
+        preloaded = model if isinstance(model, LoadedModel) else None
+        if preloaded is not None:
+            device = preloaded.device
+            path = preloaded.path
+        else:
+            if device is None:
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            path = default_model_path() if model is None else model
 
         bar = _stage_bar(progress, total=3, desc="loading model")
         try:
-            self.loaded = load_model(path, device=device, dtype=dtype)
+            self.loaded = preloaded or load_model(path, device=device, dtype=dtype)
             bar.update(1)
             self.runner = ModelRunner(
                 self.loaded, block_size=block_size, num_blocks=num_blocks,
@@ -216,7 +223,7 @@ class LLMEngine:
             bar.close()
 
         self.device = torch.device(device)
-        self.model_path = path
+        self.model_path = str(path)
         self.tokenizer = self.loaded.tokenizer
         self.block_size = block_size
         self.max_model_len = int(self.loaded.max_model_len)
