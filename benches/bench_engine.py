@@ -13,6 +13,8 @@ chunked prefill of every prompt, then greedy decode of the whole batch). Prints 
   positions, CUDA events), kernels (``scatter_kv`` + ``paged_decode`` for all layers at the same
   shapes, CUDA events over a replayed graph of just those launches), the rest of the model (graph
   replay time minus kernels);
+  (the rest is split further into the linear layers alone, timed as a graph of just those GEMMs,
+  and everything else: norms, RoPE, activations, residual adds, embedding);
 - the memory-roofline fraction: (weight bytes read per step + the batch's KV bytes) / 4.24 TB/s
   over the measured step time (the GPU replay, and the whole step);
 - optionally (``--contiguous``) the same engine limited to the batch that a contiguous
@@ -174,10 +176,25 @@ def measure_breakdown(runner, info, toks, pos):
     with torch.cuda.graph(g):
         kernels()
     kernels_ms = _events_ms(g.replay)
+    # Every linear layer (the weight-streaming part of "the rest"), at the graph's batch.
+    lins = [m for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = {f: torch.randn(bs, f, device="cuda", dtype=runner.dtype)
+          for f in {lin.in_features for lin in lins}}
+
+    def gemms():
+        for lin in lins:
+            torch.nn.functional.linear(xs[lin.in_features], lin.weight, lin.bias)
+
+    gemms()
+    g2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g2):
+        gemms()
+    gemms_ms = _events_ms(g2.replay)
     seq_lens = dev.seq_lens[:n].to(torch.int64)
     kv_bytes = int(seq_lens.sum()) * spec.bytes_per_token
     return {"graph_batch": bs, "h2d_ms": h2d_ms, "replay_ms": replay_ms, "kernels_ms": kernels_ms,
-            "rest_ms": replay_ms - kernels_ms, "kv_bytes": kv_bytes}
+            "rest_ms": replay_ms - kernels_ms, "gemms_ms": gemms_ms,
+            "other_ms": replay_ms - kernels_ms - gemms_ms, "kv_bytes": kv_bytes}
 
 
 def main(argv=None) -> int:
@@ -272,6 +289,8 @@ def print_table(r):
             ("graph replay (GPU)", f"{bd['replay_ms']:.3f} ms (batch {bd['graph_batch']})"),
             ("  attention kernels (scatter+decode)", f"{bd['kernels_ms']:.3f} ms"),
             ("  rest of the model", f"{bd['rest_ms']:.3f} ms"),
+            ("    linear layers (GEMMs alone)", f"{bd['gemms_ms']:.3f} ms"),
+            ("    norms, RoPE, activations, ...", f"{bd['other_ms']:.3f} ms"),
             ("roofline (weights + KV)", f"{r['roofline_ms']:.3f} ms"),
             ("roofline fraction (replay)", f"{100 * r['roofline_fraction_replay']:.1f}%"),
         ]

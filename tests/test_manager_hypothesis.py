@@ -194,7 +194,7 @@ class ManagerMachine(RuleBasedStateMachine):
         new = nb - len(hits)
         if hits:
             event("admit: prefix hit")
-        assert tuple(res) == (len(hits) * self.B, new, nb)
+        assert tuple(res) == (len(hits) * self.B, new, nb, n)
         table = self.m.block_table(sid)
         assert table[: len(hits)] == hits
         for b in hits:

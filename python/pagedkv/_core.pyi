@@ -43,7 +43,16 @@ class BlockManager:
     def verify_prefix(self) -> bool: ...
     @property
     def has_buffers(self) -> bool: ...
-    def can_admit(self, num_tokens: int) -> bool: ...
+    def can_admit(
+        self,
+        prompt: Union[_Ids, int],
+        cache_salt: Union[bytes, bytearray, str, None] = ...,
+        adapter_id: Optional[int] = ...,
+        mm_inputs: Optional[Sequence[Tuple[int, int, _Keys]]] = ...,
+        extra_keys: Optional[_Keys] = ...,
+        max_new_tokens: Optional[int] = ...,
+    ) -> bool:
+        """Token ids: prefix-cache hits counted; an int: a length, no hit assumed."""
     def admit(
         self,
         seq_id: int,
@@ -52,8 +61,19 @@ class BlockManager:
         adapter_id: Optional[int] = ...,
         mm_inputs: Optional[Sequence[Tuple[int, int, _Keys]]] = ...,
         extra_keys: Optional[_Keys] = ...,
-    ) -> Tuple[int, int, int]:
-        """Returns ``(cached_tokens, new_blocks, num_blocks)``."""
+        max_new_tokens: Optional[int] = ...,
+    ) -> Tuple[int, int, int, int]:
+        """Returns ``(cached_tokens, new_blocks, num_blocks, num_tokens)``."""
+    def admit_batch(
+        self,
+        seq_ids: _Ids,
+        prompts: Sequence[_Ids],
+        cache_salts: Optional[Sequence[Union[bytes, bytearray, str, None]]] = ...,
+        max_new_tokens: Union[int, Sequence[Optional[int]], None] = ...,
+    ) -> list[Tuple[int, int, int, int]]:
+        """The admitted prefix's ``(cached_tokens, new_blocks, num_blocks, num_tokens)``."""
+    def free_batch(self, seq_ids: _Ids) -> None: ...
+    def reset_prefix_cache(self) -> int: ...
     def append(self, seq_id: int, token_ids: _Ids) -> None: ...
     def append_batch(self, seq_ids: _Ids, token_ids: _Ids) -> None: ...
     def fork(self, parent: int, child: int) -> None: ...

@@ -47,6 +47,10 @@ class AdmitResult(NamedTuple):
     new_blocks: int
     #: Blocks in the sequence's table after admission (cached ones included).
     num_blocks: int
+    #: Tokens the sequence holds after admission: ``cached_tokens + min(max_new_tokens,
+    #: len(prompt) - cached_tokens)``, the whole prompt without ``max_new_tokens``. The first step
+    #: computes ``[cached_tokens, num_tokens)``; the rest of the prompt is fed with :meth:`append`.
+    num_tokens: int
 
 
 class StepInfo(NamedTuple):
@@ -189,18 +193,47 @@ class BlockManager:
 
     # ------------------------------------------------------------------------------- sequences
 
-    def can_admit(self, num_tokens: int) -> bool:
-        """Whether a prompt of ``num_tokens`` tokens fits above the watermark reserve right now.
+    def can_admit(
+        self,
+        prompt: Union[TokenIds, int],
+        *,
+        cache_salt: Union[bytes, str, None] = None,
+        adapter_id: Optional[int] = None,
+        mm_inputs: Optional[List[Tuple[int, int, bytes]]] = None,
+        extra_keys: Optional[bytes] = None,
+        max_new_tokens: Optional[int] = None,
+    ) -> bool:
+        """Whether :meth:`admit` of this prompt would fit above the watermark reserve right now.
 
-        Conservative: ignores prefix-cache hits, which can only make an admission cheaper.
+        With token ids (a list, tuple or integer array) the answer is exact for a new sequence
+        id: it runs the same prefix-cache lookup as :meth:`admit` (read-only), so a prompt with
+        4080 of its 4096 tokens cached needs one block, and a hit on a cached-free block counts as
+        taking a free block (it leaves the evictable pool). The keys must be those the admission
+        will use. With an int (a prompt length) no hit is assumed: for a whole prompt ``True`` is
+        a promise (hits only make an admission cheaper), for a chunk (``max_new_tokens``) it is
+        an estimate, since a chunked admission holds its cached prefix plus the chunk.
 
         Args:
-            num_tokens: Prompt length.
+            prompt: The prompt's token ids, or its length.
+            cache_salt: As in :meth:`admit` (ignored with a length).
+            adapter_id: As in :meth:`admit` (ignored with a length).
+            mm_inputs: As in :meth:`admit` (ignored with a length).
+            extra_keys: As in :meth:`admit` (ignored with a length).
+            max_new_tokens: Hold at most this many tokens past the cached prefix (chunked
+                prefill), as in :meth:`admit`.
+
+        Returns:
+            False also for an empty prompt and one longer than a block-table row.
 
         Raises:
-            InvalidArgumentError: ``num_tokens`` is negative or not an int.
+            InvalidArgumentError: An id or count is negative or not an int, ``max_new_tokens`` is
+                0, or a key is malformed.
         """
-        return self._core.can_admit(num_tokens)
+        if type(prompt) is int or isinstance(prompt, np.integer):
+            return self._core.can_admit(int(prompt), max_new_tokens=max_new_tokens)
+        return self._core.can_admit(
+            _ids(prompt), cache_salt, adapter_id, mm_inputs, extra_keys, max_new_tokens
+        )
 
     def admit(
         self,
@@ -211,43 +244,107 @@ class BlockManager:
         adapter_id: Optional[int] = None,
         mm_inputs: Optional[List[Tuple[int, int, bytes]]] = None,
         extra_keys: Optional[bytes] = None,
+        max_new_tokens: Optional[int] = None,
     ) -> AdmitResult:
         """Admits a new sequence with its prompt, reusing cached prefix blocks where possible.
 
-        Allocates ``ceil(len(token_ids) / block_size)`` blocks, fewer on a prefix-cache hit: the
-        longest run of leading full blocks already cached is shared, at most
-        ``(len(token_ids) - 1) // block_size`` of them, so at least one prompt token is always
-        computed. Blocks enter the cache when a :meth:`step` schedules their last token, so only
-        prefixes some step has written can hit. The keyword arguments are the extra keys mixed into
-        the prefix hash (``docs/prefix-hash.md``): two prompts share blocks only when their token
-        ids *and* these keys agree. Cached-free blocks a hit revives count against the watermark
-        like new ones.
+        The prefix-cache lookup covers all of ``token_ids``: the longest run of leading full
+        blocks already cached is shared, at most ``(len(token_ids) - 1) // block_size`` of them, so
+        at least one prompt token is always computed. The sequence then holds
+        ``cached_tokens + min(max_new_tokens, len(token_ids) - cached_tokens)`` tokens (all of them
+        when ``max_new_tokens`` is None) and blocks are allocated for those only; feed the rest
+        of the prompt later with :meth:`append`, chunk by chunk (chunked prefill). Blocks enter
+        the cache when a :meth:`step` schedules their last token, so only prefixes some step has
+        written can hit — across chunks too. The keyword arguments besides ``max_new_tokens`` are
+        the extra keys mixed into the prefix hash (``docs/prefix-hash.md``): two prompts share
+        blocks only when their token ids *and* these keys agree. Cached-free blocks a hit revives
+        count against the watermark like new ones.
 
         Args:
             seq_id: A new sequence id (``0 <= seq_id < 2**64``).
-            token_ids: The prompt (at least one token).
+            token_ids: The whole prompt (at least one token).
             cache_salt: Per-tenant salt; prompts with different salts never share blocks.
             adapter_id: LoRA adapter id; blocks are shared only within one adapter.
             mm_inputs: Multimodal inputs as ``(start, end, content_hash)``: token positions
                 ``[start, end)`` hold placeholder tokens for an input whose content hash is given;
                 blocks overlapping the range are keyed by the hash too.
             extra_keys: Any further bytes that change the KV values, applied to every block.
+            max_new_tokens: Hold at most this many prompt tokens past the cached prefix (the first
+                chunk of a chunked prefill); at least 1. None: the whole prompt.
 
         Returns:
             The :class:`AdmitResult`.
 
         Raises:
             DuplicateSequenceError: ``seq_id`` is already admitted.
-            InvalidArgumentError: An id is negative or too large, the prompt is empty, or a key
-                is malformed.
+            InvalidArgumentError: An id is negative or too large, the prompt is empty,
+                ``max_new_tokens`` is 0, or a key is malformed.
             WatermarkReachedError: The new blocks would dip into the watermark reserve.
-            SequenceTooLongError: The prompt needs more than ``max_blocks_per_seq`` blocks.
+            SequenceTooLongError: The whole prompt needs more than ``max_blocks_per_seq`` blocks.
             OutOfBlocksError: The pool cannot supply the blocks even with the reserve.
         """
         return _new_tuple(
             AdmitResult,
-            self._core.admit(seq_id, _ids(token_ids), cache_salt, adapter_id, mm_inputs, extra_keys),
+            self._core.admit(
+                seq_id,
+                _ids(token_ids),
+                cache_salt,
+                adapter_id,
+                mm_inputs,
+                extra_keys,
+                max_new_tokens,
+            ),
         )
+
+    def admit_batch(
+        self,
+        seq_ids: SeqIds,
+        prompts: Sequence[TokenIds],
+        *,
+        cache_salts: Optional[Sequence[Union[bytes, str, None]]] = None,
+        max_new_tokens: Union[int, Sequence[Optional[int]], None] = None,
+    ) -> List[AdmitResult]:
+        """Admits many sequences with one call, in order, until one does not fit.
+
+        Every argument is validated first — ids new and distinct, prompts non-empty and within a
+        block-table row, salts and ``max_new_tokens`` well formed, lengths equal — and on any
+        failure the error is raised with nothing admitted. Then each prompt is admitted as
+        :meth:`admit` would; at the first that does not fit (out of blocks, or it would dip into
+        the watermark) admission stops. A prompt cannot hit blocks of an earlier one in the same
+        batch: blocks enter the prefix cache at step time.
+
+        Args:
+            seq_ids: New sequence ids.
+            prompts: One prompt per id (lists, tuples or integer arrays).
+            cache_salts: One salt (or None) per id; None: no salts.
+            max_new_tokens: One int for all, one int-or-None per id, or None (whole prompts).
+
+        Returns:
+            The :class:`AdmitResult` of each admitted sequence: a prefix of the input, possibly
+            empty.
+
+        Raises:
+            DuplicateSequenceError: An id is live or repeats.
+            InvalidArgumentError: A length differs, a prompt is empty, an id or count is out of
+                range, ``max_new_tokens`` is 0.
+            SequenceTooLongError: A prompt needs more than ``max_blocks_per_seq`` blocks.
+        """
+        if type(seq_ids) is not _ndarray:
+            seq_ids = _ids(seq_ids)
+        if type(prompts) is not list and type(prompts) is not tuple:
+            prompts = list(prompts)
+        prompts = [p if type(p) is list or type(p) is _ndarray else _ids(p) for p in prompts]
+        if max_new_tokens is not None and type(max_new_tokens) is not int:
+            if isinstance(max_new_tokens, np.integer):
+                max_new_tokens = int(max_new_tokens)
+            else:
+                max_new_tokens = list(max_new_tokens)
+        if cache_salts is not None:
+            cache_salts = list(cache_salts)
+        return [
+            _new_tuple(AdmitResult, r)
+            for r in self._core.admit_batch(seq_ids, prompts, cache_salts, max_new_tokens)
+        ]
 
     def append(self, seq_id: int, token_ids: TokenIds) -> None:
         """Appends tokens to a sequence, allocating a block only when a boundary is crossed.
@@ -316,6 +413,31 @@ class BlockManager:
             UnknownSequenceError: ``seq_id`` is not live.
         """
         self._core.free(seq_id)
+
+    def free_batch(self, seq_ids: SeqIds) -> None:
+        """Releases many sequences with one call; all or nothing.
+
+        Validates first (every id live, none twice), then frees each as :meth:`free` does.
+
+        Raises:
+            UnknownSequenceError: A sequence is not live.
+            InvalidArgumentError: A sequence repeats, or an id is out of range.
+        """
+        if type(seq_ids) is not _ndarray:
+            seq_ids = _ids(seq_ids)
+        self._core.free_batch(seq_ids)
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every prefix-cache entry, e.g. after the model's weights change.
+
+        Cached-free blocks return to the free list; blocks still held by sequences lose their hash
+        (they stay in their tables and are not offered to the cache again). Later admissions hit
+        nothing until new steps register blocks.
+
+        Returns:
+            The number of blocks dropped from the cache (cached-free and held ones).
+        """
+        return self._core.reset_prefix_cache()
 
     def __contains__(self, seq_id: object) -> bool:
         """Whether ``seq_id`` is a live sequence (False for anything that is not a valid id)."""

@@ -19,10 +19,11 @@ One :meth:`ModelRunner.execute`:
 
 Invariants: the pool, the step buffers, the graphs' static inputs and outputs are allocated once
 and keep their addresses (the graphs read the device mirrors in place); a step's host-side work
-reads only host tensors, so nothing inside a step waits for the GPU until the caller reads the
-logits. The host step buffers must not be refilled (``manager.step``) before the logits of the
-previous step have been read (any read of them synchronizes), because the copy to the mirrors is
-asynchronous. Bad input raises :mod:`pagedkv.errors` before the pool is touched.
+reads only host tensors and launches everything asynchronously. The copies to the mirrors read the
+pinned host buffers asynchronously, so before returning, ``execute`` waits on an event recorded
+right after those copies (not on the forward): the caller may then refill the host buffers with the
+next ``manager.step`` at once, while the GPU is still running this step's model. Bad input raises
+:mod:`pagedkv.errors` before the pool is touched.
 """
 
 from __future__ import annotations
@@ -152,6 +153,9 @@ class ModelRunner:
             self._pos_host = torch.zeros(t, dtype=torch.int64, pin_memory=True)
             self._ids_dev = torch.zeros(t, dtype=torch.int64, device=self.device)
             self._pos_dev = torch.zeros(t, dtype=torch.int64, device=self.device)
+            # Recorded after a step's host-to-device copies; `execute` waits on it before
+            # returning, so the caller may refill the host buffers (manager.step) at once.
+            self._inputs_copied = torch.cuda.Event()
 
         self.workspace = None
         if self.use_kernels:
@@ -269,7 +273,9 @@ class ModelRunner:
         else:
             ids_d, pos_d = torch.from_numpy(ids), torch.from_numpy(pos)
         if graph_bs is not None:
-            return self._replay(graph_bs, n, ids_d, pos_d, last)
+            out = self._replay(graph_bs, n, ids_d, pos_d, last)
+            self._inputs_copied.synchronize()
+            return out
         if decode:
             meta = self._cuda_meta("decode", dev.slot_mapping, dev.block_tables, dev.seq_lens,
                                    dev.query_start_loc, max_seq_len=int(step.max_seq_len))
@@ -277,7 +283,10 @@ class ModelRunner:
             meta = self._cuda_meta("prefill", dev.slot_mapping, dev.block_tables, dev.seq_lens,
                                    dev.query_start_loc, max_q_len=int(np.diff(qsl).max()))
         last_d = torch.from_numpy(last).to(self.device, non_blocking=True)
-        return self._forward(meta, ids_d[None], pos_d[None], last_d)[0].float()
+        out = self._forward(meta, ids_d[None], pos_d[None], last_d)[0].float()
+        if self.is_cuda:
+            self._inputs_copied.synchronize()
+        return out
 
     def _run_cpu(self, ids, pos, dev, n, qsl, last) -> torch.Tensor:
         q_lens = torch.from_numpy(np.diff(qsl).astype(np.int64))
@@ -304,6 +313,7 @@ class ModelRunner:
         self._pos_host[:t].numpy()[:] = pos
         self._ids_dev[:t].copy_(self._ids_host[:t], non_blocking=True)
         self._pos_dev[:t].copy_(self._pos_host[:t], non_blocking=True)
+        self._inputs_copied.record()
         return self._ids_dev[:t], self._pos_dev[:t]
 
     def _cuda_meta(self, mode, slot_mapping, block_tables, seq_lens, qsl, *, max_q_len=0,

@@ -20,8 +20,14 @@
 //!   later admission can therefore only hit blocks whose KV a step has been built to write, and a
 //!   sequence freed before any step ran leaves nothing stale in the cache.
 //! - **At least one prompt token is computed.** An admission shares at most `(len - 1) / B` cached
-//!   blocks: when the whole prompt is cached, its last block is allocated fresh (and recomputed)
-//!   rather than shared, so the engine never writes into a shared block.
+//!   blocks, `len` being the whole prompt's length: when the whole prompt is cached, its last block
+//!   is allocated fresh (and recomputed) rather than shared, so the engine never writes into a
+//!   shared block.
+//! - **Chunked admission.** The lookup covers the whole prompt, but with `max_new_tokens = k` the
+//!   sequence holds only `cached + min(k, len - cached)` tokens; the caller appends the rest chunk
+//!   by chunk. Each chunk's full blocks enter the cache when the step computing them is built.
+//! - **Batch calls** (`admit_batch`, `free_batch`) validate every argument before touching state;
+//!   `admit_batch` then admits in order and stops at the first request that does not fit.
 //! - **Copy-on-write.** Only a partly filled tail block can be shared *and* written (after a
 //!   fork). Appending into one allocates a fresh block and queues a `(src, dst)` copy that the next
 //!   `build_step` emits. The copy list of one step has distinct `dst`s and no `dst` is a `src`.
@@ -143,8 +149,66 @@ pub struct AdmitResult {
     pub cached_tokens: u32,
     /// Blocks allocated for this admission (not shared from the cache).
     pub new_blocks: u32,
-    /// Blocks in the sequence's table, `ceil(len / B)`.
+    /// Blocks in the sequence's table, `ceil(num_tokens / B)`.
     pub num_blocks: u32,
+    /// Tokens the sequence holds after admission: `cached_tokens + min(max_new_tokens, len -
+    /// cached_tokens)`, the whole prompt when no `max_new_tokens` was given. The engine computes
+    /// `[cached_tokens, num_tokens)` in the first step and appends the rest of the prompt later.
+    pub num_tokens: u32,
+}
+
+/// One admission of [`BlockManager::admit_batch`].
+#[derive(Debug, Clone, Copy)]
+pub struct AdmitRequest<'a> {
+    pub seq: SeqId,
+    /// The whole prompt (the prefix-cache lookup covers all of it).
+    pub tokens: &'a [TokenId],
+    /// Hashing keys (salt, adapter, multimodal inputs, extra bytes); `None` for none.
+    pub keys: Option<&'a SeqKeys>,
+    /// Hold at most this many tokens past the cached prefix (chunked prefill); `None`: all.
+    pub max_new_tokens: Option<usize>,
+}
+
+impl<'a> AdmitRequest<'a> {
+    /// A request holding the whole prompt, with no keys.
+    pub fn new(seq: SeqId, tokens: &'a [TokenId]) -> Self {
+        Self {
+            seq,
+            tokens,
+            keys: None,
+            max_new_tokens: None,
+        }
+    }
+}
+
+/// What a prefix-cache lookup found.
+#[derive(Debug, Clone, Copy, Default)]
+struct Lookup {
+    /// `h_{-1}` for the request's salt.
+    root: u128,
+    /// Leading tokens cached: `hits.len() * B`.
+    cached: usize,
+    /// Hits on cached-free blocks: each takes a block off the free count when revived.
+    revive: usize,
+    /// Verify-mode mismatches (served as misses).
+    collisions: u64,
+}
+
+/// Tokens an admission holds: the cached prefix plus up to `max_new` more (the rest when `None`).
+#[inline]
+fn held_tokens(len: usize, cached: usize, max_new: Option<usize>) -> usize {
+    cached + max_new.map_or(len - cached, |k| k.min(len - cached))
+}
+
+fn check_max_new(max_new: Option<usize>) -> Result<()> {
+    if max_new == Some(0) {
+        return Err(Error::InvalidArgument {
+            what: "max_new_tokens",
+            value: 0,
+            reason: "must be >= 1 (at least one prompt token is computed)".into(),
+        });
+    }
+    Ok(())
 }
 
 /// Per-sequence state, kept in a slab so batch calls index it directly after one lookup.
@@ -254,37 +318,132 @@ impl BlockManager {
         &self.cfg
     }
 
-    /// Whether an `num_tokens`-token prompt could be admitted now, ignoring possible prefix hits.
+    /// Whether an `num_tokens`-token prompt could be admitted now, ignoring possible prefix hits
+    /// (the whole prompt held at once; see [`BlockManager::can_admit_len`] for chunked admission).
     pub fn can_admit(&self, num_tokens: usize) -> bool {
-        if num_tokens == 0 {
-            return false;
+        self.can_admit_len(num_tokens, None).unwrap_or(false)
+    }
+
+    /// Whether a prompt of `num_tokens` tokens, admitted holding `min(max_new_tokens, num_tokens)`
+    /// of them (all when `None`), fits now if none of it is cached. False for an empty prompt or
+    /// one longer than a block-table row; `InvalidArgument` for `max_new_tokens == 0`.
+    ///
+    /// For a whole prompt (`None`) a `true` is a promise: hits only make an admission cheaper.
+    /// For a chunk it is not: a chunked admission holds its cached prefix *plus* the chunk, and a
+    /// hit on a cached-free block takes a block off the free count. Pass the token ids to
+    /// [`BlockManager::can_admit_tokens`] for the exact answer.
+    pub fn can_admit_len(&self, num_tokens: usize, max_new_tokens: Option<usize>) -> Result<bool> {
+        check_max_new(max_new_tokens)?;
+        if num_tokens == 0 || blocks_for(num_tokens, self.bs) > self.cfg.max_blocks_per_seq as usize
+        {
+            return Ok(false);
         }
-        let nb = blocks_for(num_tokens, self.bs);
-        nb <= self.cfg.max_blocks_per_seq as usize
-            && nb.saturating_add(self.cfg.watermark_blocks as usize) <= self.num_free_blocks()
+        let held = max_new_tokens.map_or(num_tokens, |k| k.min(num_tokens));
+        Ok(self.fits(blocks_for(held, self.bs)))
     }
 
-    /// Admits a sequence with no hashing keys (empty salt).
+    /// Whether `admit_opts(_, tokens, keys, max_new_tokens)` would succeed now (for a new id),
+    /// counting prefix-cache hits: a prompt whose leading blocks are cached needs blocks only for
+    /// the rest, and a hit on a cached-free block still takes one block off the free count. False
+    /// for an empty prompt or one longer than a block-table row; `InvalidArgument` for malformed
+    /// keys or `max_new_tokens == 0`. Read-only: nothing is hashed into the manager's state.
+    pub fn can_admit_tokens(
+        &self,
+        tokens: &[TokenId],
+        keys: Option<&SeqKeys>,
+        max_new_tokens: Option<usize>,
+    ) -> Result<bool> {
+        check_max_new(max_new_tokens)?;
+        let n = tokens.len();
+        if let Some(k) = keys {
+            k.validate(n)?;
+        }
+        if n == 0 || blocks_for(n, self.bs) > self.cfg.max_blocks_per_seq as usize {
+            return Ok(false);
+        }
+        let (mut hashes, mut hits) = (Vec::new(), Vec::new());
+        let look = self.lookup(&mut Hasher::new(), tokens, keys, &mut hashes, &mut hits);
+        let held = held_tokens(n, look.cached, max_new_tokens);
+        let needed = blocks_for(held, self.bs) - hits.len() + look.revive;
+        Ok(self.fits(needed))
+    }
+
+    /// Whether `needed` blocks can be taken by an admission without dipping into the watermark.
+    #[inline]
+    fn fits(&self, needed: usize) -> bool {
+        needed.saturating_add(self.cfg.watermark_blocks as usize) <= self.num_free_blocks()
+    }
+
+    /// Admits a sequence with no hashing keys (empty salt), holding the whole prompt.
     pub fn admit(&mut self, seq: SeqId, tokens: &[TokenId]) -> Result<AdmitResult> {
-        self.admit_inner(seq, tokens, None)
+        self.admit_opts(seq, tokens, None, None)
     }
 
-    /// Admits a sequence whose block hashes include `keys`.
+    /// Admits a sequence whose block hashes include `keys`, holding the whole prompt.
     pub fn admit_with(
         &mut self,
         seq: SeqId,
         tokens: &[TokenId],
         keys: &SeqKeys,
     ) -> Result<AdmitResult> {
-        self.admit_inner(seq, tokens, Some(keys))
+        self.admit_opts(seq, tokens, Some(keys), None)
     }
 
-    fn admit_inner(
+    /// Admits a sequence, possibly holding only the first chunk of its prompt (chunked prefill).
+    ///
+    /// The prefix-cache lookup covers all of `tokens`: the leading run of cached full blocks is
+    /// shared, capped at `(len - 1) / B` blocks so at least one prompt token is computed. The
+    /// sequence then holds `cached + min(max_new_tokens, len - cached)` tokens (all of them when
+    /// `None`); the caller feeds the rest later with [`BlockManager::append`], chunk by chunk.
+    /// Blocks are allocated for the held tokens only, and the watermark applies to those.
+    /// `SequenceTooLong` is judged on the whole prompt, which the sequence will eventually hold.
+    pub fn admit_opts(
         &mut self,
         seq: SeqId,
         tokens: &[TokenId],
         keys: Option<&SeqKeys>,
+        max_new_tokens: Option<usize>,
     ) -> Result<AdmitResult> {
+        self.check_admit(seq, tokens, keys, max_new_tokens)?;
+        self.admit_checked(seq, tokens, keys, max_new_tokens)
+    }
+
+    /// Admits several sequences in order, with one call.
+    ///
+    /// Validates every request first — non-empty prompts, valid keys and `max_new_tokens`, each
+    /// prompt within a block-table row, ids new and distinct — and on any failure returns the
+    /// error with nothing admitted. Then admits in order until one request does not fit (out of
+    /// blocks, or it would dip into the watermark) and returns the results of those admitted: a
+    /// prefix of `reqs`, possibly empty. A request in the batch cannot hit blocks of an earlier
+    /// one: blocks enter the prefix cache when a step is built.
+    pub fn admit_batch(&mut self, reqs: &[AdmitRequest<'_>]) -> Result<Vec<AdmitResult>> {
+        let mut seen: std::collections::HashSet<SeqId, crate::prefix::FastBuild> =
+            std::collections::HashSet::with_capacity_and_hasher(reqs.len(), Default::default());
+        for r in reqs {
+            self.check_admit(r.seq, r.tokens, r.keys, r.max_new_tokens)?;
+            if !seen.insert(r.seq) {
+                return Err(Error::DuplicateSequence { seq_id: r.seq });
+            }
+        }
+        let mut out = Vec::with_capacity(reqs.len());
+        for r in reqs {
+            match self.admit_checked(r.seq, r.tokens, r.keys, r.max_new_tokens) {
+                Ok(a) => out.push(a),
+                Err(Error::OutOfBlocks { .. } | Error::WatermarkReached { .. }) => break,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Checks of an admission that do not depend on free blocks (the id included).
+    fn check_admit(
+        &self,
+        seq: SeqId,
+        tokens: &[TokenId],
+        keys: Option<&SeqKeys>,
+        max_new_tokens: Option<usize>,
+    ) -> Result<()> {
         let n = tokens.len();
         if n == 0 {
             return Err(Error::InvalidArgument {
@@ -296,11 +455,11 @@ impl BlockManager {
         if self.index.contains_key(&seq) {
             return Err(Error::DuplicateSequence { seq_id: seq });
         }
+        check_max_new(max_new_tokens)?;
         if let Some(k) = keys {
             k.validate(n)?;
         }
-        let bs = self.bs;
-        let nb = blocks_for(n, bs);
+        let nb = blocks_for(n, self.bs);
         if nb > self.cfg.max_blocks_per_seq as usize {
             return Err(Error::SequenceTooLong {
                 seq_id: seq,
@@ -308,56 +467,99 @@ impl BlockManager {
                 max_blocks_per_seq: self.cfg.max_blocks_per_seq as usize,
             });
         }
+        Ok(())
+    }
 
-        // Prefix lookup: the longest run of leading cached blocks, capped so one token remains.
-        let mut hits = std::mem::take(&mut self.scratch_hits);
+    /// The prefix-cache lookup of an admission: fills `hits` with the leading run of cached
+    /// blocks (at most `(len - 1) / B`) and `hashes` with at least their chain. The chain is
+    /// computed in groups, stopping after the group of the first miss: blocks past it are hashed
+    /// when a step registers them, so a cold prompt is not hashed twice.
+    fn lookup(
+        &self,
+        hasher: &mut Hasher,
+        tokens: &[TokenId],
+        keys: Option<&SeqKeys>,
+        hashes: &mut Vec<u128>,
+        hits: &mut Vec<BlockId>,
+    ) -> Lookup {
+        const GROUP: usize = 16;
+        let bs = self.bs;
+        let mut look = Lookup {
+            root: self.empty_root,
+            ..Lookup::default()
+        };
+        hashes.clear();
         hits.clear();
-        let mut revive = 0usize;
-        let mut collisions = 0u64;
-        let mut root = self.empty_root;
-        let extra_keys = keys.filter(|k| k.has_block_extras());
-        if self.caching {
-            if let Some(k) = keys {
-                if !k.cache_salt.is_empty() {
-                    root = root_hash(&k.cache_salt);
-                }
-            }
-            self.scratch_hashes.clear();
-            self.hasher
-                .extend_chain(root, tokens, bs, extra_keys, &mut self.scratch_hashes);
-            let max_hit = ((n - 1) / bs).min(self.scratch_hashes.len());
-            for i in 0..max_hit {
-                let Some(b) = self.prefix.lookup(self.scratch_hashes[i]) else {
-                    break;
-                };
-                if !self.prefix.matches(b, &tokens[i * bs..(i + 1) * bs]) {
-                    collisions += 1;
-                    break;
-                }
-                if self.prefix.in_lru(b) {
-                    revive += 1;
-                }
-                hits.push(b);
+        if !self.caching {
+            return look;
+        }
+        if let Some(k) = keys {
+            if !k.cache_salt.is_empty() {
+                look.root = root_hash(&k.cache_salt);
             }
         }
+        let extra = keys.filter(|k| k.has_block_extras());
+        let max_hit = (tokens.len() - 1) / bs;
+        for i in 0..max_hit {
+            if i == hashes.len() {
+                let upto = (i + GROUP).min(max_hit);
+                hasher.extend_chain(look.root, &tokens[..upto * bs], bs, extra, hashes);
+            }
+            let Some(b) = self.prefix.lookup(hashes[i]) else {
+                break;
+            };
+            if !self.prefix.matches(b, &tokens[i * bs..(i + 1) * bs]) {
+                look.collisions += 1;
+                break;
+            }
+            if self.prefix.in_lru(b) {
+                look.revive += 1;
+            }
+            hits.push(b);
+        }
+        look.cached = hits.len() * bs;
+        look
+    }
+
+    /// Admission after `check_admit` and the duplicate check: lookup, fit, apply.
+    fn admit_checked(
+        &mut self,
+        seq: SeqId,
+        tokens: &[TokenId],
+        keys: Option<&SeqKeys>,
+        max_new_tokens: Option<usize>,
+    ) -> Result<AdmitResult> {
+        let n = tokens.len();
+        let bs = self.bs;
+        let mut hits = std::mem::take(&mut self.scratch_hits);
+        let mut hashes = std::mem::take(&mut self.scratch_hashes);
+        let mut hasher = std::mem::take(&mut self.hasher);
+        let look = self.lookup(&mut hasher, tokens, keys, &mut hashes, &mut hits);
+        self.hasher = hasher;
+        let held = held_tokens(n, look.cached, max_new_tokens);
+        let nb = blocks_for(held, bs);
         let new = nb - hits.len();
-        let needed = new + revive;
+        let needed = new + look.revive;
         let avail = self.num_free_blocks();
         let wm = self.cfg.watermark_blocks as usize;
-        if needed > avail {
-            self.scratch_hits = hits;
-            return Err(Error::OutOfBlocks {
+        let err = if needed > avail {
+            Some(Error::OutOfBlocks {
                 needed,
                 available: avail,
-            });
-        }
-        if avail - needed < wm {
-            self.scratch_hits = hits;
-            return Err(Error::WatermarkReached {
+            })
+        } else if avail - needed < wm {
+            Some(Error::WatermarkReached {
                 needed,
                 available: avail.saturating_sub(wm),
                 watermark: wm,
-            });
+            })
+        } else {
+            None
+        };
+        if let Some(e) = err {
+            self.scratch_hits = hits;
+            self.scratch_hashes = hashes;
+            return Err(e);
         }
 
         // Validated: apply.
@@ -379,35 +581,92 @@ impl BlockManager {
             let b = evict(&mut self.prefix, &mut self.pool, &mut self.counters)?;
             s.table.blocks.push(b);
         }
-        s.table.num_tokens = n;
+        s.table.num_tokens = held;
         s.tokens.clear();
         s.hashes.clear();
         if self.caching {
-            s.tokens.extend_from_slice(tokens);
-            std::mem::swap(&mut s.hashes, &mut self.scratch_hashes);
+            s.tokens.extend_from_slice(&tokens[..held]);
+            // Only hashes of blocks the sequence holds in full; the step extends the chain.
+            hashes.truncate(held / bs);
+            std::mem::swap(&mut s.hashes, &mut hashes);
         }
         s.registered = hits.len();
-        s.root = root;
-        s.keys = extra_keys.map(|k| Arc::new(k.clone()));
+        s.root = look.root;
+        s.keys = keys
+            .filter(|k| k.has_block_extras())
+            .map(|k| Arc::new(k.clone()));
         s.tail_maybe_shared = false;
         self.last_uid += 1;
         s.uid = self.last_uid;
         s.version = 0;
         self.index.insert(seq, slot);
         self.gen += 1;
-        self.used_tokens += n as u64;
-        let cached = hits.len() * bs;
+        self.used_tokens += held as u64;
         if self.caching {
             self.counters.prefix_query_tokens += n as u64;
-            self.counters.prefix_hit_tokens += cached as u64;
-            self.counters.prefix_collisions += collisions;
+            self.counters.prefix_hit_tokens += look.cached as u64;
+            self.counters.prefix_collisions += look.collisions;
         }
         self.scratch_hits = hits;
+        self.scratch_hashes = hashes;
         Ok(AdmitResult {
-            cached_tokens: cached as u32,
+            cached_tokens: look.cached as u32,
             new_blocks: new as u32,
             num_blocks: nb as u32,
+            num_tokens: held as u32,
         })
+    }
+
+    /// Frees several sequences with one call. Validates first — every id live, none twice — and
+    /// on failure returns the error with nothing freed; then frees each in order, as
+    /// [`BlockManager::free`] does.
+    pub fn free_batch(&mut self, seqs: &[SeqId]) -> Result<()> {
+        self.epoch += 1;
+        let epoch = self.epoch;
+        for &id in seqs {
+            let Some(&i) = self.index.get(&id) else {
+                return Err(Error::UnknownSequence { seq_id: id });
+            };
+            let s = &mut self.slots[i as usize];
+            if s.mark == epoch {
+                return Err(Error::InvalidArgument {
+                    what: "seqs",
+                    value: id as i64,
+                    reason: "sequence id appears twice in one batch".into(),
+                });
+            }
+            s.mark = epoch;
+        }
+        let mut result = Ok(());
+        for &id in seqs {
+            if let Err(e) = self.free(id) {
+                result = Err(e);
+            }
+        }
+        result
+    }
+
+    /// Forgets every prefix-cache entry: cached-free blocks go back to the free list and blocks
+    /// still held by sequences lose their hash (they stay in their tables, and are not offered
+    /// to the cache again). Later admissions hit nothing until new steps register blocks. Returns
+    /// the number of blocks dropped from the cache (hashed blocks, cached-free or held).
+    ///
+    /// Use it when cached KV is no longer valid (new weights, a changed model config).
+    pub fn reset_prefix_cache(&mut self) -> Result<usize> {
+        let dropped = self.prefix.num_hashed();
+        let mut result = Ok(dropped);
+        while let Some(b) = self.prefix.evict_oldest() {
+            // Refcount 0 (a cached-free block): released to the free list.
+            if let Err(e) = self.pool.release_mut(b) {
+                result = Err(e);
+            }
+        }
+        if self.prefix.num_hashed() > 0 {
+            for b in 0..self.cfg.num_blocks {
+                self.prefix.unregister(b);
+            }
+        }
+        result
     }
 
     fn take_slot(&mut self) -> u32 {

@@ -151,7 +151,8 @@ fn admit_allocates_ceil_blocks() {
         AdmitResult {
             cached_tokens: 0,
             new_blocks: 3,
-            num_blocks: 3
+            num_blocks: 3,
+            num_tokens: 9
         }
     );
     assert_eq!(m.admit(2, &toks(4, 0)).unwrap().num_blocks, 1);

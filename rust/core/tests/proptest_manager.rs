@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 
-use pagedkv::manager::{BlockManager, ManagerConfig};
+use pagedkv::manager::{AdmitRequest, BlockManager, ManagerConfig};
 use pagedkv::step::{OwnedStepBuffers, StepLayout};
 use pagedkv::table::blocks_for;
 use pagedkv::{hash::SeqKeys, Error, SeqId};
@@ -26,7 +26,24 @@ enum Op {
         len: usize,
         fork_at: usize,
         salt: u8,
+        /// Hold at most this many tokens past the cached prefix (chunked prefill).
+        chunk: Option<usize>,
     },
+    /// Feed up to `k` more prompt tokens of a chunked admission.
+    Chunk {
+        seq: SeqId,
+        k: usize,
+    },
+    AdmitBatch {
+        seqs: Vec<SeqId>,
+        family: u32,
+        len: usize,
+        chunk: Option<usize>,
+    },
+    FreeBatch {
+        seqs: Vec<SeqId>,
+    },
+    ResetPrefixCache,
     Append {
         seq: SeqId,
         toks: Vec<u32>,
@@ -51,8 +68,13 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     let seq = 0u64..6;
     prop_oneof![
-        4 => (seq.clone(), 0u32..3, 1usize..24, 0usize..40, 0u8..2)
-            .prop_map(|(seq, family, len, fork_at, salt)| Op::Admit { seq, family, len, fork_at, salt }),
+        4 => (seq.clone(), 0u32..3, 1usize..24, 0usize..40, 0u8..2, prop::option::of(1usize..9))
+            .prop_map(|(seq, family, len, fork_at, salt, chunk)| Op::Admit { seq, family, len, fork_at, salt, chunk }),
+        2 => (seq.clone(), 1usize..9).prop_map(|(seq, k)| Op::Chunk { seq, k }),
+        1 => (prop::collection::vec(0u64..6, 0..4), 0u32..3, 1usize..24, prop::option::of(1usize..9))
+            .prop_map(|(seqs, family, len, chunk)| Op::AdmitBatch { seqs, family, len, chunk }),
+        1 => prop::collection::vec(0u64..6, 0..4).prop_map(|seqs| Op::FreeBatch { seqs }),
+        1 => Just(Op::ResetPrefixCache),
         3 => (seq.clone(), prop::collection::vec(0u32..5, 1..7)).prop_map(|(seq, toks)| Op::Append { seq, toks }),
         3 => (prop::collection::vec(0u64..6, 0..5), 0u32..5).prop_map(|(seqs, tok)| Op::AppendBatch { seqs, tok }),
         2 => seq.clone().prop_map(|seq| Op::Free { seq }),
@@ -64,6 +86,8 @@ fn op() -> impl Strategy<Value = Op> {
 #[derive(Debug, Clone)]
 struct ModelSeq {
     tokens: Vec<u32>,
+    /// Prompt tokens not yet held (chunked admission): fed by `Op::Chunk`.
+    rest: Vec<u32>,
     salt: u8,
     /// Tokens whose KV has been written (or was served from the cache).
     computed: usize,
@@ -123,6 +147,39 @@ impl Harness {
         )
     }
 
+    /// Records a successful admission of `toks` in the model and checks its result.
+    fn admitted(
+        &mut self,
+        seq: SeqId,
+        toks: Vec<u32>,
+        salt: u8,
+        chunk: Option<usize>,
+        r: pagedkv::manager::AdmitResult,
+    ) {
+        let len = toks.len();
+        let bs = self.bs;
+        let cached = r.cached_tokens as usize;
+        assert_eq!(cached % bs, 0);
+        assert!(cached < len, "at least one prompt token is computed");
+        let held = cached + chunk.map_or(len - cached, |k| k.min(len - cached));
+        assert_eq!(r.num_tokens as usize, held);
+        let nb = blocks_for(held, bs) as u32;
+        assert_eq!(r.num_blocks, nb);
+        assert_eq!(r.new_blocks + r.cached_tokens / bs as u32, nb);
+        if !self.m.config().enable_prefix_caching {
+            assert_eq!(r.cached_tokens, 0);
+        }
+        self.model.insert(
+            seq,
+            ModelSeq {
+                tokens: toks[..held].to_vec(),
+                rest: toks[held..].to_vec(),
+                salt,
+                computed: cached,
+            },
+        );
+    }
+
     fn check_tables(&self) {
         assert_eq!(self.m.num_seqs(), self.model.len());
         for (&id, ms) in &self.model {
@@ -170,6 +227,7 @@ impl Harness {
                 len,
                 fork_at,
                 salt,
+                chunk,
             } => {
                 let mut toks: Vec<u32> = (0..len as u32).map(|i| 100 + family * 1000 + i).collect();
                 if fork_at < len {
@@ -179,31 +237,24 @@ impl Harness {
                     cache_salt: vec![salt; salt as usize],
                     ..Default::default()
                 };
-                let could = self.m.can_admit(len);
+                let could = self.m.can_admit_tokens(&toks, Some(&keys), chunk).unwrap();
+                let by_len = self.m.can_admit_len(len, chunk).unwrap();
                 let dup = self.model.contains_key(&seq);
-                match self.m.admit_with(seq, &toks, &keys) {
+                match self.m.admit_opts(seq, &toks, Some(&keys), chunk) {
                     Ok(r) => {
                         assert!(!dup);
-                        let nb = blocks_for(len, self.bs) as u32;
-                        assert_eq!(r.num_blocks, nb);
-                        assert_eq!(r.cached_tokens as usize % self.bs, 0);
-                        assert!((r.cached_tokens as usize) < len);
-                        assert_eq!(r.new_blocks + r.cached_tokens / self.bs as u32, nb);
-                        if !self.m.config().enable_prefix_caching {
-                            assert_eq!(r.cached_tokens, 0);
-                        }
-                        self.model.insert(
-                            seq,
-                            ModelSeq {
-                                tokens: toks,
-                                salt,
-                                computed: r.cached_tokens as usize,
-                            },
-                        );
+                        assert!(could, "can_admit_tokens said no, admit succeeded");
+                        self.admitted(seq, toks, salt, chunk, r);
                         Ok(())
                     }
                     Err(e) => {
-                        assert!(!could || dup, "can_admit said yes, admit said {e:?}");
+                        assert!(!could || dup, "can_admit_tokens said yes, admit said {e:?}");
+                        // By length it is a bound only for whole prompts: a chunked one that
+                        // hits cached-free blocks revives them on top of its chunk.
+                        assert!(
+                            !by_len || dup || chunk.is_some(),
+                            "can_admit_len said yes, admit said {e:?}"
+                        );
                         if dup {
                             assert_eq!(e, Error::DuplicateSequence { seq_id: seq });
                         } else {
@@ -217,6 +268,94 @@ impl Harness {
                         Err(e)
                     }
                 }
+            }
+            Op::Chunk { seq, k } => match self.model.get(&seq) {
+                Some(ms) if !ms.rest.is_empty() => {
+                    let k = k.min(ms.rest.len());
+                    let part = ms.rest[..k].to_vec();
+                    let r = self.m.append(seq, &part);
+                    if r.is_ok() {
+                        let ms = self.model.get_mut(&seq).unwrap();
+                        ms.rest.drain(..k);
+                        ms.tokens.extend_from_slice(&part);
+                    }
+                    r
+                }
+                _ => Ok(()),
+            },
+            Op::AdmitBatch {
+                seqs,
+                family,
+                len,
+                chunk,
+            } => {
+                let prompts: Vec<Vec<u32>> = seqs
+                    .iter()
+                    .map(|&s| {
+                        (0..len as u32)
+                            .map(|i| 100 + family * 1000 + i + (i >= s as u32) as u32)
+                            .collect()
+                    })
+                    .collect();
+                let reqs: Vec<AdmitRequest<'_>> = seqs
+                    .iter()
+                    .zip(&prompts)
+                    .map(|(&s, p)| AdmitRequest {
+                        max_new_tokens: chunk,
+                        ..AdmitRequest::new(s, p)
+                    })
+                    .collect();
+                let mut uniq = seqs.clone();
+                uniq.sort();
+                uniq.dedup();
+                let valid = uniq.len() == seqs.len()
+                    && seqs.iter().all(|s| !self.model.contains_key(s))
+                    && (seqs.is_empty()
+                        || blocks_for(len, self.bs) <= self.m.config().max_blocks_per_seq as usize);
+                let first_fits = prompts
+                    .first()
+                    .map(|p| self.m.can_admit_tokens(p, None, chunk).unwrap());
+                match self.m.admit_batch(&reqs) {
+                    Ok(rs) => {
+                        assert!(valid);
+                        assert_eq!(rs.is_empty(), first_fits == Some(false) || seqs.is_empty());
+                        let n = rs.len();
+                        for (k, r) in rs.into_iter().enumerate() {
+                            self.admitted(seqs[k], prompts[k].clone(), 0, chunk, r);
+                        }
+                        for &s in &seqs[n..] {
+                            assert!(!self.m.contains(s), "admitted past the first misfit");
+                        }
+                        Ok(())
+                    }
+                    Err(e) => {
+                        assert!(!valid, "valid batch rejected: {e:?}");
+                        Err(e)
+                    }
+                }
+            }
+            Op::FreeBatch { seqs } => {
+                let mut uniq = seqs.clone();
+                uniq.sort();
+                uniq.dedup();
+                let valid =
+                    uniq.len() == seqs.len() && seqs.iter().all(|s| self.model.contains_key(s));
+                let r = self.m.free_batch(&seqs);
+                assert_eq!(r.is_ok(), valid, "{r:?}");
+                if r.is_ok() {
+                    for s in &seqs {
+                        self.model.remove(s);
+                    }
+                }
+                r
+            }
+            Op::ResetPrefixCache => {
+                let hashed = (0..self.m.config().num_blocks)
+                    .filter(|&b| self.m.block_hash(b).is_some())
+                    .count();
+                assert_eq!(self.m.reset_prefix_cache(), Ok(hashed));
+                assert_eq!(self.m.stats().cached_free_blocks, 0);
+                Ok(())
             }
             Op::Append { seq, toks } => {
                 let expect = self.model.get(&seq).map(|ms| {

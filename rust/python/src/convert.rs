@@ -184,6 +184,12 @@ pub fn with_ids<T: Id, R>(
     Err(invalid_arg(what, &obj.get_type().into_any(), reason))
 }
 
+/// Reads an id sequence into a new vector, for callers that need several sequences at once.
+pub fn ids_into<T: Id>(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<T>> {
+    let mut scratch = Vec::new();
+    with_ids(what, obj, &mut scratch, |ids| Ok(ids.to_vec()))
+}
+
 fn element<T: Id>(what: &str, index: usize, item: &Bound<'_, PyAny>) -> PyResult<T> {
     if let Ok(v) = item.extract::<u64>() {
         if v <= T::MAX {

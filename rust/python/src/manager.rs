@@ -12,14 +12,14 @@
 //! manager at once: the second gets a `RuntimeError` ("already borrowed") instead of a data race.
 
 use pagedkv::hash::{MmInput, SeqKeys};
-use pagedkv::manager::{BlockManager, ManagerConfig};
+use pagedkv::manager::{AdmitRequest, BlockManager, ManagerConfig};
 use pagedkv::metrics::Stats;
 use pagedkv::step::{DType, RawBuffer, RawStepBuffers, RegisteredBuffers, StepLayout};
 use pagedkv::{Error, SeqId};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
-use crate::convert::{count, scalar, with_ids};
+use crate::convert::{count, ids_into, scalar, with_ids};
 use crate::errors::{invalid_arg, CoreResultExt};
 
 /// Inputs with at least this many elements are processed with the GIL released. Below it the
@@ -247,13 +247,45 @@ impl PyBlockManager {
         self.registered.is_some()
     }
 
-    /// Whether a prompt of `num_tokens` tokens fits above the watermark (prefix hits ignored).
-    fn can_admit(&self, num_tokens: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(self.inner.can_admit(count("num_tokens", num_tokens)?))
+    /// Whether a prompt fits above the watermark now. With token ids, prefix-cache hits are
+    /// counted (the same lookup as `admit`, read-only); with a count, none are assumed.
+    #[pyo3(signature = (prompt, cache_salt=None, adapter_id=None, mm_inputs=None, extra_keys=None, max_new_tokens=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn can_admit(
+        &mut self,
+        py: Python<'_>,
+        prompt: &Bound<'_, PyAny>,
+        cache_salt: Option<Bound<'_, PyAny>>,
+        adapter_id: Option<Bound<'_, PyAny>>,
+        mm_inputs: Option<Bound<'_, PyAny>>,
+        extra_keys: Option<Bound<'_, PyAny>>,
+        max_new_tokens: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let k = opt(&max_new_tokens)
+            .map(|k| count("max_new_tokens", k))
+            .transpose()?;
+        if prompt.is_instance_of::<PyInt>() {
+            return self
+                .inner
+                .can_admit_len(count("num_tokens", prompt)?, k)
+                .py();
+        }
+        let keys = seq_keys(cache_salt, adapter_id, mm_inputs, extra_keys)?;
+        let inner = &self.inner;
+        with_ids("token_ids", prompt, &mut self.tokens, |toks| {
+            let run = move || inner.can_admit_tokens(toks, keys.as_ref(), k);
+            if toks.len() >= DETACH_MIN {
+                py.detach(run)
+            } else {
+                run()
+            }
+            .py()
+        })
     }
 
-    /// Admits `seq_id` with its prompt; returns `(cached_tokens, new_blocks, num_blocks)`.
-    #[pyo3(signature = (seq_id, token_ids, cache_salt=None, adapter_id=None, mm_inputs=None, extra_keys=None))]
+    /// Admits `seq_id` with its prompt, holding at most `max_new_tokens` tokens past the cached
+    /// prefix; returns `(cached_tokens, new_blocks, num_blocks, num_tokens)`.
+    #[pyo3(signature = (seq_id, token_ids, cache_salt=None, adapter_id=None, mm_inputs=None, extra_keys=None, max_new_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn admit(
         &mut self,
@@ -264,23 +296,104 @@ impl PyBlockManager {
         adapter_id: Option<Bound<'_, PyAny>>,
         mm_inputs: Option<Bound<'_, PyAny>>,
         extra_keys: Option<Bound<'_, PyAny>>,
-    ) -> PyResult<(u32, u32, u32)> {
+        max_new_tokens: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<(u32, u32, u32, u32)> {
         let id = seq("seq_id", seq_id)?;
         let keys = seq_keys(cache_salt, adapter_id, mm_inputs, extra_keys)?;
+        let k = opt(&max_new_tokens)
+            .map(|k| count("max_new_tokens", k))
+            .transpose()?;
         let inner = &mut self.inner;
         with_ids("token_ids", token_ids, &mut self.tokens, |toks| {
-            let mut run = move || match &keys {
-                None => inner.admit(id, toks),
-                Some(k) => inner.admit_with(id, toks, k),
-            };
+            let mut run = move || inner.admit_opts(id, toks, keys.as_ref(), k);
             let r = if toks.len() >= DETACH_MIN {
                 py.detach(run)
             } else {
                 run()
             }
             .py()?;
-            Ok((r.cached_tokens, r.new_blocks, r.num_blocks))
+            Ok((r.cached_tokens, r.new_blocks, r.num_blocks, r.num_tokens))
         })
+    }
+
+    /// Admits many sequences in order until one does not fit; every argument is validated first
+    /// (nothing admitted on error). Returns the admitted prefix's
+    /// `(cached_tokens, new_blocks, num_blocks, num_tokens)` tuples.
+    #[pyo3(signature = (seq_ids, prompts, cache_salts=None, max_new_tokens=None))]
+    fn admit_batch<'py>(
+        &mut self,
+        py: Python<'py>,
+        seq_ids: &Bound<'py, PyAny>,
+        prompts: &Bound<'py, PyAny>,
+        cache_salts: Option<Bound<'py, PyAny>>,
+        max_new_tokens: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Vec<(u32, u32, u32, u32)>> {
+        let ids = ids_into::<u64>("seq_ids", seq_ids)?;
+        let b = ids.len();
+        let items = |what: &str, obj: &Bound<'py, PyAny>| -> PyResult<Vec<Bound<'py, PyAny>>> {
+            let v: Vec<Bound<'_, PyAny>> = if let Ok(l) = obj.cast::<PyList>() {
+                l.iter().collect()
+            } else if let Ok(t) = obj.cast::<PyTuple>() {
+                t.iter().collect()
+            } else {
+                return Err(invalid_arg(what, obj, "must be a list or tuple"));
+            };
+            if v.len() != b {
+                let reason = format!("has {} items, seq_ids has {b}", v.len());
+                return Err(invalid_arg(what, obj, reason));
+            }
+            Ok(v)
+        };
+        let mut toks: Vec<Vec<u32>> = Vec::with_capacity(b);
+        for p in items("prompts", prompts)? {
+            toks.push(ids_into::<u32>("prompts", &p)?);
+        }
+        let mut keys: Vec<Option<SeqKeys>> = Vec::new();
+        if let Some(salts) = opt(&cache_salts) {
+            for s in items("cache_salts", salts)? {
+                keys.push(if s.is_none() {
+                    None
+                } else {
+                    Some(SeqKeys {
+                        cache_salt: bytes_of("cache_salts", &s, true)?,
+                        ..SeqKeys::default()
+                    })
+                });
+            }
+        }
+        let mut chunks: Vec<Option<usize>> = vec![None; b];
+        if let Some(k) = opt(&max_new_tokens) {
+            if k.is_instance_of::<PyInt>() {
+                chunks.fill(Some(count("max_new_tokens", k)?));
+            } else {
+                for (i, x) in items("max_new_tokens", k)?.iter().enumerate() {
+                    if !x.is_none() {
+                        chunks[i] = Some(count("max_new_tokens", x)?);
+                    }
+                }
+            }
+        }
+        let reqs: Vec<AdmitRequest<'_>> = (0..b)
+            .map(|i| AdmitRequest {
+                seq: ids[i],
+                tokens: &toks[i],
+                keys: keys.get(i).and_then(|k| k.as_ref()),
+                max_new_tokens: chunks[i],
+            })
+            .collect();
+        let total: usize = reqs.iter().map(|r| r.tokens.len()).sum();
+        let inner = &mut self.inner;
+        let mut run = move || inner.admit_batch(&reqs);
+        let out = if total >= DETACH_MIN {
+            py.detach(run)
+        } else {
+            run()
+        }
+        .py()?;
+        Ok(out
+            .iter()
+            .map(|r| (r.cached_tokens, r.new_blocks, r.num_blocks, r.num_tokens))
+            .collect())
     }
 
     /// Appends tokens to a live sequence.
@@ -341,6 +454,26 @@ impl PyBlockManager {
             .unwrap_or(false);
         let mut run = move || inner.free(id);
         if long { py.detach(run) } else { run() }.py()
+    }
+
+    /// Releases many sequences: validates (known, distinct) first, then frees all.
+    fn free_batch(&mut self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let inner = &mut self.inner;
+        with_ids("seq_ids", seq_ids, &mut self.seqs, |seqs| {
+            let mut run = move || inner.free_batch(seqs);
+            if seqs.len() >= DETACH_MIN {
+                py.detach(run)
+            } else {
+                run()
+            }
+            .py()
+        })
+    }
+
+    /// Forgets every prefix-cache entry; returns the number of blocks dropped from the cache.
+    fn reset_prefix_cache(&mut self, py: Python<'_>) -> PyResult<usize> {
+        let inner = &mut self.inner;
+        py.detach(move || inner.reset_prefix_cache()).py()
     }
 
     /// Whether `seq_id` is live; False for anything that is not a valid id.
