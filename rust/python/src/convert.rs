@@ -163,17 +163,25 @@ pub fn with_ids<T: Id, R>(
     }
     if let Ok(list) = obj.cast::<PyList>() {
         scratch.clear();
-        scratch.reserve(list.len());
-        for (i, item) in list.iter().enumerate() {
-            scratch.push(element::<T>(what, i, &item)?);
+        let n = list.len();
+        scratch.reserve(n);
+        // SAFETY: `list` is a live list and the GIL is held; `fill` runs no Python code, so the
+        // list cannot change while its items are read.
+        let done = unsafe { fast::fill::<T>(obj.py(), list.as_ptr(), fast::Seq::List, n, scratch) };
+        for i in done..n {
+            scratch.push(element::<T>(what, i, &list.get_item(i)?)?);
         }
         return f(scratch);
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
         scratch.clear();
-        scratch.reserve(tuple.len());
-        for (i, item) in tuple.iter().enumerate() {
-            scratch.push(element::<T>(what, i, &item)?);
+        let n = tuple.len();
+        scratch.reserve(n);
+        // SAFETY: as for the list; a tuple is immutable anyway.
+        let done =
+            unsafe { fast::fill::<T>(obj.py(), tuple.as_ptr(), fast::Seq::Tuple, n, scratch) };
+        for i in done..n {
+            scratch.push(element::<T>(what, i, &tuple.get_item(i)?)?);
         }
         return f(scratch);
     }
@@ -268,4 +276,207 @@ fn array_error<E: Elem, T: Id>(
     }
     // Not reached: callers come here only after the range check failed.
     invalid_arg_int(py, what, 0, T::RANGE)
+}
+
+/// Reading the items of a list or tuple of small non-negative ints without a call per item.
+///
+/// Under the stable ABI every item would cost a `PyList_GetItem` and a `PyLong_As*` call plus
+/// error checks (~11 ns each through PyO3's `extract`). Token ids are small ints in a list, so
+/// this reads the object layouts directly: the item array of a list (`ob_item`, as the full API's
+/// `PyList_GET_ITEM` macro does) or tuple, and the one or two 30-bit digits of an exact `int`.
+/// The int layout changed in CPython 3.12 (a tag word replaced the signed size), so the reader is
+/// chosen by the running interpreter's version, and only after a self-test at first use: known
+/// ints and a probe list and tuple are read both ways and must agree, or the fast path stays off
+/// for the process. Any item it does not handle (a subclass such as `bool`, a negative or large
+/// int, anything else) ends the fast loop; the caller converts the rest through the API, so
+/// results and errors are exactly those of the slow path.
+mod fast {
+    use std::sync::OnceLock;
+
+    use pyo3::ffi;
+    use pyo3::Python;
+
+    use super::Id;
+
+    /// Which container's item array to read.
+    #[derive(Clone, Copy)]
+    pub enum Seq {
+        List,
+        Tuple,
+    }
+
+    #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+    enum IntLayout {
+        /// CPython <= 3.11: `ob_size` holds the signed digit count.
+        Size,
+        /// CPython 3.12+: `lv_tag` holds the sign (bits 0-1) and digit count (bits 3+).
+        Tag,
+    }
+
+    /// The int layout, and whether the tuple item layout passed its test too (CPython 3.14 moved
+    /// tuple items behind a cached hash, for one).
+    static LAYOUT: OnceLock<Option<(IntLayout, bool)>> = OnceLock::new();
+
+    /// Offset of the word after `PyObject_HEAD` (`ob_size` / `lv_tag`), the digits, and a list's
+    /// `ob_item` pointer / a tuple's inline items, on 64-bit builds.
+    const SIZE_OFF: usize = 16;
+    const ITEMS_OFF: usize = 24;
+
+    #[inline(always)]
+    unsafe fn read_int(layout: IntLayout, o: *mut ffi::PyObject) -> Option<u64> {
+        let base = o.cast::<u8>();
+        let word = base.add(SIZE_OFF).cast::<usize>().read();
+        let digits = base.add(ITEMS_OFF).cast::<u32>();
+        let n = match layout {
+            IntLayout::Size => {
+                let size = word as isize;
+                if size < 0 {
+                    return None;
+                }
+                size as usize
+            }
+            IntLayout::Tag => match word & 3 {
+                0 => word >> 3,
+                1 => return Some(0),
+                _ => return None,
+            },
+        };
+        match n {
+            0 => Some(0),
+            1 => Some(digits.read() as u64),
+            2 => Some(digits.read() as u64 | (digits.add(1).read() as u64) << 30),
+            _ => None,
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn items(seq: Seq, o: *mut ffi::PyObject) -> *const *mut ffi::PyObject {
+        let at = o.cast::<u8>().add(ITEMS_OFF);
+        match seq {
+            Seq::List => at.cast::<*const *mut ffi::PyObject>().read(),
+            Seq::Tuple => at.cast::<*mut ffi::PyObject>(),
+        }
+    }
+
+    fn detect(py: Python<'_>) -> Option<(IntLayout, bool)> {
+        if cfg!(not(target_pointer_width = "64")) {
+            return None;
+        }
+        let v = py.version_info();
+        let layout = match (v.major, v.minor) {
+            (3, 9..=11) => IntLayout::Size,
+            (3, 12..=14) => IntLayout::Tag,
+            _ => return None,
+        };
+        // SAFETY: the GIL is held (`py`); every object created here is released before return.
+        unsafe { self_test(layout) }
+    }
+
+    unsafe fn self_test(layout: IntLayout) -> Option<(IntLayout, bool)> {
+        let values: [u64; 12] = [
+            0,
+            1,
+            5,
+            255,
+            256,
+            32_000,
+            (1 << 30) - 1,
+            1 << 30,
+            1 << 31,
+            u32::MAX as u64,
+            1 << 32,
+            (1 << 60) - 1,
+        ];
+        let mut ok = true;
+        let list = ffi::PyList_New(0);
+        if list.is_null() {
+            ffi::PyErr_Clear();
+            return None;
+        }
+        for &v in &values {
+            let o = ffi::PyLong_FromUnsignedLongLong(v);
+            if o.is_null() {
+                ffi::PyErr_Clear();
+                ok = false;
+                break;
+            }
+            ok &= read_int(layout, o) == Some(v);
+            ok &= ffi::PyList_Append(list, o) == 0;
+            ffi::Py_DecRef(o);
+        }
+        for v in [-1i64, -(1 << 40)] {
+            let o = ffi::PyLong_FromLongLong(v);
+            if !o.is_null() {
+                ok &= read_int(layout, o).is_none();
+                ffi::Py_DecRef(o);
+            }
+        }
+        let big = ffi::PyLong_FromUnsignedLongLong(u64::MAX);
+        if !big.is_null() {
+            ok &= read_int(layout, big).is_none();
+            ffi::Py_DecRef(big);
+        }
+        let mut tuple_ok = false;
+        if ok {
+            let li = items(Seq::List, list);
+            for i in 0..values.len() {
+                ok &= *li.add(i) == ffi::PyList_GetItem(list, i as ffi::Py_ssize_t);
+            }
+            let tuple = ffi::PyList_AsTuple(list);
+            if !tuple.is_null() {
+                let ti = items(Seq::Tuple, tuple);
+                tuple_ok = (0..values.len())
+                    .all(|i| *ti.add(i) == ffi::PyTuple_GetItem(tuple, i as ffi::Py_ssize_t));
+                ffi::Py_DecRef(tuple);
+            }
+        }
+        ffi::Py_DecRef(list);
+        if !ffi::PyErr_Occurred().is_null() {
+            ffi::PyErr_Clear();
+            ok = false;
+        }
+        ok.then_some((layout, tuple_ok))
+    }
+
+    /// Converts the leading items of list or tuple `o` (of length `n`) that are exact ints in
+    /// `[0, min(2^60, T::MAX)]`, appending them to `out` (capacity for `n` reserved by the
+    /// caller); returns how many it converted.
+    ///
+    /// # Safety
+    /// `o` is a live list (`Seq::List`) or tuple (`Seq::Tuple`) of length `n`, the GIL is held,
+    /// and `out` has room for `n` more elements.
+    #[inline]
+    pub unsafe fn fill<T: Id>(
+        py: Python<'_>,
+        o: *mut ffi::PyObject,
+        seq: Seq,
+        n: usize,
+        out: &mut Vec<T>,
+    ) -> usize {
+        let Some((layout, tuple_ok)) = *LAYOUT.get_or_init(|| detect(py)) else {
+            return 0;
+        };
+        if matches!(seq, Seq::Tuple) && !tuple_ok {
+            return 0;
+        }
+        debug_assert!(out.capacity() - out.len() >= n);
+        let src = items(seq, o);
+        let long = &raw mut ffi::PyLong_Type;
+        let base = out.len();
+        let dst = out.as_mut_ptr().add(base);
+        let mut i = 0;
+        while i < n {
+            let it = *src.add(i);
+            if (*it).ob_type != long {
+                break;
+            }
+            match read_int(layout, it) {
+                Some(v) if v <= T::MAX => dst.add(i).write(T::from_bits(v)),
+                _ => break,
+            }
+            i += 1;
+        }
+        out.set_len(base + i);
+        i
+    }
 }
