@@ -302,6 +302,10 @@ def _run_demo(args: argparse.Namespace) -> int:
     # Nothing may touch a model hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # OpenMP threads that spin while waiting for work take the cores other processes need, and on
+    # a busy 2-core machine made each CPU matmul about 5x slower than one thread; passive waiting
+    # keeps two threads at least as fast as one. Read once, when torch first loads (below).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from .demo import format_report, report_json, run_demo
 
     started = time.perf_counter()
