@@ -535,7 +535,9 @@ class LLMEngine:
             return ""
         if stop is not None and ids and ids[-1] == stop:
             ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        # No clean-up pass: it strips spaces before punctuation, which corrupts BPE text.
+        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     # --------------------------------------------------------------------------------- stats
 
@@ -609,7 +611,9 @@ class LLM:
     """Offline batch generation through the paged KV cache, shaped like ``vllm.LLM``.
 
     ``LLM(model, ...)`` takes :class:`LLMEngine`'s arguments (``model=None`` loads the embedded
-    SmolLM2-135M-Instruct); :meth:`generate` runs prompts to completion with continuous batching.
+    SmolLM2-135M-Instruct; further keywords such as ``watermark_blocks``, ``cuda_graphs`` or
+    ``enable_chunked_prefill`` go to the engine); :meth:`generate` runs prompts to completion with
+    continuous batching. ``progress`` shows a bar while loading.
 
     Example::
 
@@ -618,8 +622,27 @@ class LLM:
         print(outs[0].outputs[0].text)
     """
 
-    def __init__(self, model: Optional[str] = None, *, progress: bool = True, **engine_args: Any) -> None:
-        self.llm_engine = LLMEngine(model, progress=progress, **engine_args)
+    def __init__(
+        self,
+        model: Optional[str] = None,
+        *,
+        device: Optional[str] = None,
+        dtype: Any = None,
+        kv_cache_memory: Optional[int] = None,
+        num_blocks: Optional[int] = None,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        progress: bool = True,
+        **engine_args: Any,
+    ) -> None:
+        self.llm_engine = LLMEngine(
+            model, device=device, dtype=dtype, kv_cache_memory=kv_cache_memory,
+            num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, progress=progress, **engine_args,
+        )
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (``None`` if it has none)."""
@@ -653,7 +676,9 @@ class LLM:
             OutOfBlocksError: A prompt cannot fit the KV pool (the batch is dropped).
         """
         engine = self.llm_engine
-        if isinstance(prompts, (str, dict)) or (
+        if getattr(prompts, "ndim", None) == 1:
+            prompts = [prompts]  # one prompt as a 1-D array or tensor of token ids
+        elif isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompts)
         ):
@@ -675,21 +700,21 @@ class LLM:
         results: Dict[str, RequestOutput] = {}
         pending = set(ids)
         bar = tqdm(total=n, desc="generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
-        gen_tokens = 0
+        gen_before = engine._counters["num_generated_tokens"]
         try:
             while pending:
                 for out in engine.step():
                     if out.request_id in pending and out.finished:
                         results[out.request_id] = out
                         pending.discard(out.request_id)
-                        gen_tokens += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)
                 if use_tqdm:
-                    elapsed = time.perf_counter() - start
-                    bar.set_postfix_str(f"{engine._counters['num_generated_tokens'] / max(elapsed, 1e-9):.1f} tok/s",
-                                        refresh=False)
-                if not engine.has_unfinished_requests() and pending:
-                    break  # pragma: no cover - a request vanished (aborted from another thread)
+                    done = engine._counters["num_generated_tokens"] - gen_before
+                    rate = done / max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
+                if pending and not engine.has_unfinished_requests():
+                    raise RuntimeError(  # pragma: no cover - aborted from elsewhere mid-generate
+                        f"requests {sorted(pending)} were aborted before they finished")
         except BaseException:
             for request_id in pending:
                 if request_id in engine._requests:
