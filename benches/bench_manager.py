@@ -24,6 +24,10 @@ Cases:
 - ``to_device_256`` (only with CUDA): ``StepBuffers.to_device`` after a 256-sequence decode step —
   the used prefix of each pinned host tensor copied asynchronously into its device mirror; a
   batch ends with one ``torch.cuda.synchronize()``.
+- ``serve_decode_256_{lists,numpy,lists_csr}``: the serving trace (see ``bench_serve``): 256
+  live sequences with churn and eviction, one decode step (``append_batch`` + ``step``) with the
+  ids as an engine holds them.
+- ``admit_4096_{list,bigint_list,uint32}_nocache``: list conversion, see ``bench_convert``.
 - ``seq_len``: a trivial query through the Python wrapper (per-call overhead);
   ``core_seq_len``: the same call on the extension object directly.
 - ``append_batch_0`` / ``core_append_batch_0``: ``append_batch`` with two empty int64 arrays, through
@@ -247,7 +251,10 @@ def bench_serve(batches: int) -> list[dict]:
     prefilled by a step), so the batch changes as it does in an engine. Timed per decode step:
     ``append_batch(seq_ids, tokens)`` + ``step(seq_ids, 1)``, the ids and tokens passed as
     Python lists (``lists``) or int64 numpy arrays (``numpy``); admissions, frees and prefill
-    steps are untimed. The figure is the median over batches of the mean per step.
+    steps are untimed. The figure is the median over batches of the mean per step. The step
+    buffers are those pagedkv's own kernels read (slot mapping, block tables, lengths, query
+    offsets: ``csr=False``); ``_csr`` adds the FlashInfer CSR page table, a packed full rewrite
+    of every block id of the batch each step (~17 000 ids at these lengths).
     """
     rng = np.random.default_rng(7)
     n_seqs = BATCH_SEQS
@@ -259,9 +266,9 @@ def bench_serve(batches: int) -> list[dict]:
         return system + rng.integers(0, 32000, size=max(n - 512, 1)).tolist()
 
     out = []
-    for kind in ("lists", "numpy"):
+    for kind, csr in (("lists", False), ("numpy", False), ("lists", True)):
         m = BlockManager(24000, BLOCK, max_blocks_per_seq=max_blocks)
-        bufs = StepBuffers(n_seqs, 4096, max_blocks, device="cpu")
+        bufs = StepBuffers(n_seqs, 4096, max_blocks, device="cpu", csr=csr)
         m.attach_buffers(bufs)
         live: list[int] = []
         next_id = [0]
@@ -322,7 +329,7 @@ def bench_serve(batches: int) -> list[dict]:
         q = statistics.quantiles(per_batch, n=10) if len(per_batch) >= 2 else per_batch * 9
         out.append(
             {
-                "name": f"serve_decode_256_{kind}",
+                "name": f"serve_decode_256_{kind}" + ("_csr" if csr else ""),
                 "median_us": statistics.median(per_batch),
                 "p10_us": q[0],
                 "p90_us": q[-1],
