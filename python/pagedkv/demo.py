@@ -167,7 +167,8 @@ def run_demo(model: Optional[str] = None, *, device: Optional[str] = None,
 
     started = time.perf_counter()
     # Load once to size the pool from the real prompt lengths, then build the engine on that model.
-    loaded = load_model(path, device=device)
+    with _ticking(f"loading {_model_label(path)} (weights, tokenizer)", progress):
+        loaded = load_model(path, device=device)
     tokenizer = loaded.tokenizer
     vocab = int(loaded.config.vocab_size)
     prompts = [_chat_prompt(tokenizer, r.question, vocab) for r in requests]
@@ -176,7 +177,7 @@ def run_demo(model: Optional[str] = None, *, device: Optional[str] = None,
         num_blocks = demo_num_blocks([len(p) for p in prompts], [r.n for r in requests],
                                      max_tokens, block_size, shared)
     llm = LLM(loaded, device=device, num_blocks=num_blocks, block_size=block_size,
-              max_num_seqs=16, max_num_batched_tokens=512, progress=progress)
+              max_num_seqs=16, max_num_batched_tokens=512, progress=False)
     engine = llm.llm_engine
     load_time = time.perf_counter() - started
 
@@ -240,6 +241,38 @@ def run_demo(model: Optional[str] = None, *, device: Optional[str] = None,
         greedy_matches_transformers=(matching == len(refs)) if refs else None,
         outputs=rows,
     )
+
+
+class _ticking:
+    """A progress line whose elapsed time keeps ticking through one long call (model loading
+    reports nothing for tens of seconds while the GGUF is parsed)."""
+
+    def __init__(self, desc: str, enabled: bool) -> None:
+        self.desc, self.enabled = desc, enabled
+
+    def __enter__(self) -> "_ticking":
+        if not self.enabled:
+            return self
+        import threading
+
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=1, desc=self.desc, bar_format="{desc} [{elapsed}]", leave=False)
+        self.stop = threading.Event()
+
+        def tick() -> None:
+            while not self.stop.wait(0.5):
+                self.bar.refresh()
+
+        self.thread = threading.Thread(target=tick, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.enabled:
+            self.stop.set()
+            self.thread.join()
+            self.bar.close()
 
 
 def _serve(engine: Any, prompts: List[List[int]], params: List[Any], progress: bool) -> List[Any]:
