@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..errors import InvalidArgumentError, OutOfBlocksError
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -152,8 +153,10 @@ class LLMEngine:
         progress: Show a progress bar while loading.
 
     Raises:
-        InvalidConfigError: A configuration value is out of range, or ``model`` does not exist or is
-            not a model the loader understands.
+        ModelLoadError: ``model`` does not exist, is not a model directory or ``.gguf`` file, or is
+            not a Llama-family architecture.
+        InvalidConfigError: A configuration value is out of range (or both pool sizes are given).
+        InvalidArgumentError: ``device`` or ``dtype`` is not understood.
     """
 
     def __init__(
@@ -239,7 +242,9 @@ class LLMEngine:
         self._requests: Dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
-        self._seed_rng = __import__("random").Random()
+        # Seeds for requests that give none: drawn once per request, so even an unseeded request
+        # resumes unchanged after a preemption.
+        self._seed_rng = random.Random()
         self.reset_stats()
 
     # ------------------------------------------------------------------------------ requests
