@@ -37,6 +37,9 @@ if TYPE_CHECKING:
         WatermarkReachedError,
     )
     from .manager import AdmitResult, BlockManager, Stats, StepInfo
+    from .engine.llm import LLM, LLMEngine
+    from .engine.outputs import CompletionOutput, RequestOutput
+    from .engine.sampling_params import SamplingParams
     from .pool import KVPool
 
 # Public name -> submodule defining it.
@@ -65,6 +68,11 @@ _EXPORTS = {
     "PrefixCollisionError": "errors",
     "InvariantViolationError": "errors",
     "AllocationFailedError": "errors",
+    "LLM": "engine.llm",
+    "LLMEngine": "engine.llm",
+    "SamplingParams": "engine.sampling_params",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
 }
 
 __all__ = ["__version__", *_EXPORTS]
