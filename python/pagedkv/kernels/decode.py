@@ -44,6 +44,9 @@ TARGET_WAVES = 4
 MIN_TOKENS_PER_SPLIT = 256
 DEFAULT_MAX_SPLITS = 64
 
+#: Longest context the kernels serve (token indices stay in int32 with room for a tile).
+MAX_SEQ_CAP = 1 << 30
+
 _SM_COUNT: dict = {}
 
 
@@ -154,7 +157,7 @@ class DecodeWorkspace:
         return po, pl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks", "seq_cap"])
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -177,6 +180,8 @@ def _decode_kernel(
     stride_os,
     stride_oh,
     num_splits,
+    num_blocks,
+    seq_cap,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
@@ -188,7 +193,10 @@ def _decode_kernel(
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # Bounds by construction: a length outside [0, seq_cap] (seq_cap = table width * block size)
+    # is clamped, so no table column past the row's width is ever read.
     seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.minimum(tl.maximum(seq_len, 0), seq_cap)
     if SPLIT:
         per = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
         start = split * per
@@ -218,22 +226,28 @@ def _decode_kernel(
     for t0 in range(start, end, TILE_N):
         offs_t = t0 + offs_n
         t_ok = offs_t < end
-        blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+        blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_ok, other=0)
+        # A table entry outside [0, num_blocks) masks its tokens: nothing is loaded from it and
+        # it scores -inf, so it contributes nothing (no read outside the pool, no other block).
+        ok = t_ok & (blk >= 0) & (blk < num_blocks)
+        blk = blk.to(tl.int64)
         in_blk = offs_t % BLOCK_SIZE
         k = tl.load(
             k_head + (blk * stride_kb + in_blk * stride_kt)[:, None] + offs_d[None, :],
-            mask=t_ok[:, None],
+            mask=ok[:, None],
             other=0.0,
         )
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(t_ok[None, :], s, float("-inf"))
+        s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        # A tile whose every block is masked leaves the max at -inf: keep the arithmetic finite.
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         vv = tl.load(
             v_head + (blk * stride_vb + in_blk * stride_vt)[:, None] + offs_d[None, :],
-            mask=t_ok[:, None],
+            mask=ok[:, None],
             other=0.0,
         )
         acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
@@ -357,11 +371,13 @@ def paged_decode(
     num_seqs, q_heads, _ = q.shape
     group = q_heads // kv_heads
     table_cap = block_tables.shape[1] * block_size
+    # The kernel clamps every length to this; the cap on it keeps token indices in int32.
+    seq_cap = min(table_cap, MAX_SEQ_CAP)
     if max_seq_len is None:
         max_seq_len = table_cap
     v.check_int("max_seq_len", max_seq_len, 0)
     if check_indices:
-        _check_indices(block_tables, seq_lens, num_seqs, num_blocks, block_size, table_cap)
+        _check_indices(block_tables, seq_lens, num_seqs, num_blocks, block_size, seq_cap)
     if workspace is not None:
         if not isinstance(workspace, DecodeWorkspace):
             raise v.KernelDTypeError(
@@ -412,7 +428,7 @@ def paged_decode(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        num_splits,
+        num_splits, num_blocks, seq_cap,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad,
         TILE_N=cfg["TILE_N"], SPLIT=num_splits > 1, PRECISION=precision,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -427,13 +443,13 @@ def paged_decode(
     return out
 
 
-def _check_indices(block_tables, seq_lens, num_seqs, num_blocks, block_size, table_cap):
+def _check_indices(block_tables, seq_lens, num_seqs, num_blocks, block_size, seq_cap):
     sl = seq_lens[:num_seqs].to("cpu")
-    bad = ((sl < 0) | (sl > table_cap)).nonzero()
+    bad = ((sl < 0) | (sl > seq_cap)).nonzero()
     if bad.numel():
         i = int(bad[0, 0])
         raise v.KernelIndexError(
-            f"seq_lens[{i}]: is {int(sl[i])}, expected in [0, {table_cap}] "
+            f"seq_lens[{i}]: is {int(sl[i])}, expected in [0, {seq_cap}] "
             f"(block table width * block_size)"
         )
     bt = block_tables[:num_seqs].to("cpu")

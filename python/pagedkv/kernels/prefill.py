@@ -37,6 +37,9 @@ __all__ = ["paged_prefill", "prefill_config"]
 
 _LOG2E = 1.4426950408889634
 
+#: Longest context the kernels serve (as in decode: token indices stay in int32).
+MAX_SEQ_CAP = 1 << 30
+
 
 def prefill_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> dict:
     """Launch parameters. `PACK_GQA` packs a kv group's query heads into one row tile (used when
@@ -58,42 +61,46 @@ def prefill_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> dict:
 
 @triton.jit
 def _tile_step(
-    q, acc, m_i, l_i, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len, qk_scale,
-    stride_kb, stride_kt, stride_vb, stride_vt,
+    q, acc, m_i, l_i, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len, num_blocks,
+    qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
 ):
     offs_t = n0 + offs_n
     if MASKED:
         t_ok = offs_t < seq_len
-        blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+        blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_ok, other=0)
+        # An entry outside [0, num_blocks) masks its tokens (no load, score -inf).
+        ok = t_ok & (blk >= 0) & (blk < num_blocks)
     else:
-        blk = tl.load(bt_row + offs_t // BLOCK_SIZE).to(tl.int64)
+        # offs_t < full_end <= seq_len <= table width * block size: the column is in the row.
+        blk = tl.load(bt_row + offs_t // BLOCK_SIZE)
+        ok = (blk >= 0) & (blk < num_blocks)
+    blk = blk.to(tl.int64)
     in_blk = offs_t % BLOCK_SIZE
     k_ptrs = k_head + (blk * stride_kb + in_blk * stride_kt)[:, None] + offs_d[None, :]
     v_ptrs = v_head + (blk * stride_vb + in_blk * stride_vt)[:, None] + offs_d[None, :]
+    k = tl.load(k_ptrs, mask=ok[:, None], other=0.0)
     if MASKED:
-        k = tl.load(k_ptrs, mask=t_ok[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    if MASKED:
-        allowed = (offs_t[None, :] <= q_pos[:, None]) & t_ok[None, :]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        allowed = (offs_t[None, :] <= q_pos[:, None]) & ok[None, :]
         s = tl.where(allowed, s, float("-inf"))
+    else:
+        # The out-of-pool mask as an additive -inf bias per key: it folds into the scale's
+        # multiply (one FMA), so the unmasked loop pays no extra select per score.
+        bias = tl.where(ok, 0.0, float("-inf"))
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale + bias[None, :]
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # Padding rows past q_len can be fully masked in a tile; keep their arithmetic finite.
     m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
     p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        vv = tl.load(v_ptrs, mask=t_ok[:, None], other=0.0)
-    else:
-        vv = tl.load(v_ptrs)
+    vv = tl.load(v_ptrs, mask=ok[:, None], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total", "num_blocks", "seq_cap", "max_q_len"])
 def _prefill_kernel(
     q_ptr,
     k_ptr,
@@ -114,6 +121,10 @@ def _prefill_kernel(
     stride_bts,
     stride_ot,
     stride_oh,
+    total,
+    num_blocks,
+    seq_cap,
+    max_q_len,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
@@ -130,20 +141,29 @@ def _prefill_kernel(
     m_blk = tl.num_programs(0) - 1 - tl.program_id(0)
     head0 = tl.program_id(1) * HEADS_PER_ROW_TILE
     seq = tl.program_id(2)
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + seq)
+    # Bounds by construction. The row range is clamped to [0, total) (q's and out's rows), so
+    # no row outside them is read or written; a decreasing pair gives no rows. The length is
+    # clamped to [0, seq_cap] (the table row's width times the block size), so no column past
+    # the row is read. A sequence with fewer tokens than new rows has no valid positions: its
+    # rows are written as zeros.
+    q_start = tl.minimum(tl.maximum(tl.load(qsl_ptr + seq), 0), total)
+    q_end = tl.minimum(tl.maximum(tl.load(qsl_ptr + seq + 1), q_start), total)
+    q_len = q_end - q_start
+    seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + seq), 0), seq_cap)
     ctx = seq_len - q_len
+    # The grid covers max_q_len tokens per sequence: rows past it are zero-filled below.
+    q_run = tl.minimum(q_len, max_q_len)
     first = m_blk * BLOCK_T
     offs_r = tl.arange(0, BLOCK_M)
     tok = first + offs_r // HEADS_PER_ROW_TILE
     head = head0 + offs_r % HEADS_PER_ROW_TILE
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    r_ok = (tok < q_len) & (offs_r < BLOCK_T * HEADS_PER_ROW_TILE)
+    lane_ok = offs_r < BLOCK_T * HEADS_PER_ROW_TILE
+    r_ok = (tok < q_run) & lane_ok
     q_pos = ctx + tok
     kvh = head0 // GROUP
-    rows = (q_start + tok).to(tl.int64)
+    rows = q_start.to(tl.int64) + tok
     q = tl.load(
         q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
         mask=r_ok[:, None],
@@ -155,7 +175,7 @@ def _prefill_kernel(
 
     # Tiles before `full_end` lie at or before every row's position: no mask. `hi` ends at the
     # last row's position; a tile past q_len gets hi = 0 and does nothing.
-    active = first < q_len
+    active = (first < q_run) & (ctx >= 0)
     last_pos = tl.minimum(ctx + first + BLOCK_T, seq_len)
     hi = tl.where(active, last_pos, 0)
     full_end = tl.where(active, ((ctx + first + 1) // BLOCK_N) * BLOCK_N, 0)
@@ -166,13 +186,13 @@ def _prefill_kernel(
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _tile_step(
             q, acc, m_i, l_i, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
-            qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+            num_blocks, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
             BLOCK_SIZE, False, PRECISION,
         )
     for n0 in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _tile_step(
             q, acc, m_i, l_i, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
-            qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+            num_blocks, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
             BLOCK_SIZE, True, PRECISION,
         )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -182,6 +202,17 @@ def _prefill_kernel(
         o.to(out_ptr.dtype.element_ty),
         mask=r_ok[:, None],
     )
+    # Rows past max_q_len (a host bound the caller got wrong) get zeros, never stale memory.
+    # Each row tile takes every grid-th stripe; with a right bound the loop is empty.
+    zero = tl.zeros([BLOCK_M, HEAD_DIM], dtype=out_ptr.dtype.element_ty)
+    for z0 in range(max_q_len + first, q_len, tl.num_programs(0) * BLOCK_T):
+        ztok = z0 + offs_r // HEADS_PER_ROW_TILE
+        zrows = q_start.to(tl.int64) + ztok
+        tl.store(
+            out_ptr + zrows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            zero,
+            mask=((ztok < q_len) & lane_ok)[:, None],
+        )
 
 
 def paged_prefill(
@@ -247,7 +278,7 @@ def paged_prefill(
                        num_blocks, block_size)
     if out is None:
         out = torch.empty_like(q)
-    if num_seqs == 0 or max_q_len == 0 or total == 0:
+    if num_seqs == 0 or total == 0:
         return out
     cfg = prefill_config(head_dim, q.dtype, os.environ.get("TRITON_INTERPRET", "0") == "1")
     if config is not None:
@@ -262,7 +293,9 @@ def paged_prefill(
     pack = cfg["PACK_GQA"] and 1 < group <= cfg["BLOCK_M"] // 16
     per_tile = group if pack else 1
     block_t = cfg["BLOCK_M"] // per_tile
-    grid = (triton.cdiv(max_q_len, block_t), q_heads // per_tile, num_seqs)
+    # At least one row tile, so rows a wrong max_q_len of 0 leaves out are still zero-filled.
+    grid = (max(1, triton.cdiv(max_q_len, block_t)), q_heads // per_tile, num_seqs)
+    seq_cap = min(block_tables.shape[1] * block_size, MAX_SEQ_CAP)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         sc * _LOG2E,
@@ -271,6 +304,7 @@ def paged_prefill(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
+        total, num_blocks, seq_cap, max_q_len,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, HEADS_PER_ROW_TILE=per_tile,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PRECISION=precision,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -5,6 +5,13 @@ block table on the host side of the math (index_select of the used blocks, then 
 never touch a block-table column past `ceil(seq_len / block_size)`, and return new tensors
 instead of writing in place (except `ref_scatter_kv`/`ref_copy_blocks`, which return updated
 copies of the pool). They are for testing only and make no attempt at speed.
+
+They also define what the kernels return for index tensors that break the layout contract (the
+bounds contract in docs/kernels.md): a length is clamped to `[0, table width * block_size]`; a
+block-table entry outside `[0, num_blocks)` masks its tokens (they contribute nothing; a query
+that sees no unmasked key gets zeros); a query row range is clamped to the rows of `q`; a
+sequence with fewer tokens than new rows, and rows past `max_q_len`, give zeros. For valid
+inputs these rules change nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import torch
 __all__ = [
     "ref_scatter_kv",
     "gather_sequence",
+    "gather_sequence_masked",
     "ref_paged_decode",
     "ref_paged_prefill",
     "ref_copy_blocks",
@@ -37,15 +45,33 @@ def ref_scatter_kv(key, value, k_cache, v_cache, slot_mapping):
 
 
 def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first `seq_len` tokens of one sequence as a dense `[seq_len, kv_heads, head_dim]`."""
+    """The first `seq_len` tokens of one sequence as a dense `[seq_len, kv_heads, head_dim]`.
+
+    Every used entry of `block_row` must name a block of `cache`."""
     bs = cache.shape[1]
     nblk = -(-seq_len // bs)
     ids = block_row[:nblk].long().to(cache.device)
     return cache.index_select(0, ids).reshape(nblk * bs, *cache.shape[2:])[:seq_len]
 
 
-def _attend(q, k, v, scale, q_pos, dtype):
-    """q [n, Hq, D]; k, v [L, Hkv, D]; query i sees keys at positions <= q_pos[i]."""
+def gather_sequence_masked(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int):
+    """`(tokens, valid)`: like `gather_sequence`, but a length past the row is clamped to the
+    row's width times the block size, and a token whose block id lies outside the pool is zero
+    with `valid` False (the kernels' bounds contract)."""
+    nb, bs = cache.shape[:2]
+    seq_len = max(0, min(seq_len, block_row.shape[0] * bs))
+    nblk = -(-seq_len // bs)
+    ids = block_row[:nblk].long().to(cache.device)
+    ok = (ids >= 0) & (ids < nb)
+    toks = cache.index_select(0, torch.where(ok, ids, 0)).clone()
+    toks[~ok] = 0
+    tok_ok = ok.repeat_interleave(bs)[:seq_len]
+    return toks.reshape(nblk * bs, *cache.shape[2:])[:seq_len], tok_ok
+
+
+def _attend(q, k, v, scale, q_pos, dtype, key_ok=None):
+    """q [n, Hq, D]; k, v [L, Hkv, D]; query i sees keys at positions <= q_pos[i] (and, when
+    given, only keys with `key_ok`); a query that sees no key gets zeros."""
     hq, hkv = q.shape[1], k.shape[1]
     g = hq // hkv
     q = q.to(dtype)
@@ -56,8 +82,10 @@ def _attend(q, k, v, scale, q_pos, dtype):
     s = torch.einsum("nhd,lhd->hnl", q, k) * scale
     pos = torch.arange(k.shape[0], device=q.device)
     allowed = pos[None, :] <= q_pos[:, None].to(q.device)
+    if key_ok is not None:
+        allowed = allowed & key_ok[None, :].to(q.device)
     s = s.masked_fill(~allowed[None], float("-inf"))
-    p = torch.softmax(s, dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # all -inf rows: no key seen, zeros
     return torch.einsum("hnl,lhd->nhd", p, v)
 
 
@@ -65,15 +93,17 @@ def ref_paged_decode(
     q, k_cache, v_cache, block_tables, seq_lens, scale: Optional[float] = None,
     dtype=torch.float64,
 ):
-    """`[num_seqs, q_heads, head_dim]` in `dtype`; a zero-length sequence gives zeros."""
+    """`[num_seqs, q_heads, head_dim]` in `dtype`; a zero-length sequence gives zeros. Index
+    values outside the layout contract follow the bounds contract (module docstring)."""
     d = q.shape[-1]
     scale = 1.0 / d ** 0.5 if scale is None else scale
     outs = []
     lens = seq_lens.tolist()
     for i, n in enumerate(lens):
-        k = gather_sequence(k_cache, block_tables[i], n)
-        vv = gather_sequence(v_cache, block_tables[i], n)
-        outs.append(_attend(q[i : i + 1], k, vv, scale, torch.tensor([n - 1]), dtype)[0])
+        k, ok = gather_sequence_masked(k_cache, block_tables[i], n)
+        vv, _ = gather_sequence_masked(v_cache, block_tables[i], n)
+        last = torch.tensor([k.shape[0] - 1])
+        outs.append(_attend(q[i : i + 1], k, vv, scale, last, dtype, ok)[0])
     if not outs:
         return torch.empty(q.shape, dtype=dtype, device=q.device)
     return torch.stack(outs)
@@ -81,31 +111,39 @@ def ref_paged_decode(
 
 def ref_paged_prefill(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-    scale: Optional[float] = None, dtype=torch.float64,
+    scale: Optional[float] = None, dtype=torch.float64, max_q_len: Optional[int] = None,
 ):
     """`[total_tokens, q_heads, head_dim]`: sequence i's new tokens are its last q_len positions
-    and attend causally to everything up to and including themselves."""
+    and attend causally to everything up to and including themselves. Rows no sequence claims
+    are zero here (the kernel leaves them untouched). Index values outside the layout contract
+    follow the bounds contract (module docstring), `max_q_len` included when given."""
     d = q.shape[-1]
     scale = 1.0 / d ** 0.5 if scale is None else scale
+    total = q.shape[0]
+    bs = k_cache.shape[1]
     out = torch.zeros(q.shape, dtype=dtype, device=q.device)
     qsl = query_start_loc.tolist()
     for i, n in enumerate(seq_lens.tolist()):
-        a, b = qsl[i], qsl[i + 1]
-        if b == a:
+        a = max(0, min(qsl[i], total))
+        b = max(a, min(qsl[i + 1], total))
+        n = max(0, min(n, block_tables.shape[1] * bs))
+        if b == a or n < b - a:
             continue
-        k = gather_sequence(k_cache, block_tables[i], n)
-        vv = gather_sequence(v_cache, block_tables[i], n)
+        k, ok = gather_sequence_masked(k_cache, block_tables[i], n)
+        vv, _ = gather_sequence_masked(v_cache, block_tables[i], n)
         pos = torch.arange(n - (b - a), n)
-        out[a:b] = _attend(q[a:b], k, vv, scale, pos, dtype)
+        run = b - a if max_q_len is None else min(b - a, max_q_len)
+        out[a : a + run] = _attend(q[a : a + run], k, vv, scale, pos[:run], dtype, ok)
     return out
 
 
 def ref_copy_blocks(caches: Sequence[torch.Tensor], block_mapping: torch.Tensor):
-    """Returns copies of `caches` with `dst <- src` applied in order (pairs with a negative id are
-    skipped)."""
+    """Returns copies of `caches` with `dst <- src` applied in order (pairs with an id outside
+    `[0, num_blocks)` are skipped)."""
     outs = [c.clone() for c in caches]
+    nb = caches[0].shape[0]
     for src, dst in block_mapping.tolist():
-        if src < 0 or dst < 0:
+        if not (0 <= src < nb and 0 <= dst < nb):
             continue
         for o, c in zip(outs, caches):
             o[dst] = c[src]
