@@ -223,38 +223,39 @@ def _decode_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    bad = tl.zeros([TILE_N], dtype=tl.int32)
     for t0 in range(start, end, TILE_N):
         offs_t = t0 + offs_n
         t_ok = offs_t < end
         blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_ok, other=0)
-        # A table entry outside [0, num_blocks) masks its tokens: nothing is loaded from it and
-        # it scores -inf, so it contributes nothing (no read outside the pool, no other block).
-        ok = t_ok & (blk >= 0) & (blk < num_blocks)
-        blk = blk.to(tl.int64)
+        # An id outside [0, num_blocks) is clamped into the pool (so every load stays inside it)
+        # and flagged; a flagged sequence's output is replaced by zeros below. Clamping instead
+        # of masking the loads keeps the loop's registers (and so its occupancy) as they were.
+        bad = bad | ((blk < 0) | (blk >= num_blocks)).to(tl.int32)
+        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
         in_blk = offs_t % BLOCK_SIZE
         k = tl.load(
             k_head + (blk * stride_kb + in_blk * stride_kt)[:, None] + offs_d[None, :],
-            mask=ok[:, None],
+            mask=t_ok[:, None],
             other=0.0,
         )
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(ok[None, :], s, float("-inf"))
+        s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A tile whose every block is masked leaves the max at -inf: keep the arithmetic finite.
-        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         vv = tl.load(
             v_head + (blk * stride_vb + in_blk * stride_vt)[:, None] + offs_d[None, :],
-            mask=ok[:, None],
+            mask=t_ok[:, None],
             other=0.0,
         )
         acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
         m_i = m_new
 
+    seq_bad = tl.max(bad, 0) > 0
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    o = tl.where(seq_bad, 0.0, acc / l_safe[:, None])
     if not SPLIT:
         tl.store(
             out_ptr + seq64 * stride_os + qh[:, None] * stride_oh + offs_d[None, :],
@@ -266,6 +267,9 @@ def _decode_kernel(
         row = (seq64 * (tl.num_programs(1) * GROUP) + qh) * num_splits + split
         tl.store(po_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_ok[:, None])
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+        # +inf marks a split that met an out-of-pool id: the merge then zeroes the sequence, so
+        # the result does not depend on how the sequence was split.
+        lse = tl.where(seq_bad, float("inf"), lse)
         tl.store(pl_ptr + row, lse, mask=g_ok)
 
 
@@ -287,6 +291,9 @@ def _merge_kernel(
     s_ok = offs_s < num_splits
     base = (seq.to(tl.int64) * tl.num_programs(1) + h) * num_splits
     lse = tl.load(pl_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+    # A split marked +inf met an out-of-pool block id: the sequence's output is zeros.
+    poisoned = tl.max(tl.where(lse == float("inf"), 1, 0), 0) > 0
+    lse = tl.where(poisoned, float("-inf"), lse)
     live = lse > float("-inf")
     mx = tl.max(lse, 0)
     mx = tl.where(mx > float("-inf"), mx, 0.0)

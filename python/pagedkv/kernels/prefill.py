@@ -40,6 +40,12 @@ _LOG2E = 1.4426950408889634
 #: Longest context the kernels serve (as in decode: token indices stay in int32).
 MAX_SEQ_CAP = 1 << 30
 
+#: Rows of q (new tokens in one call) the kernel indexes in int32.
+MAX_ROWS = 1 << 30
+
+#: Block-table entries checked per step of the prologue's id scan.
+_SCAN = tl.constexpr(256)
+
 
 def prefill_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> dict:
     """Launch parameters. `PACK_GQA` packs a kv group's query heads into one row tile (used when
@@ -61,41 +67,37 @@ def prefill_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> dict:
 
 @triton.jit
 def _tile_step(
-    q, acc, m_i, l_i, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len, num_blocks,
-    qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+    q, acc, m_i, l_i, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len, qk_scale,
+    stride_kb, stride_kt, stride_vb, stride_vt,
     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
 ):
     offs_t = n0 + offs_n
     if MASKED:
         t_ok = offs_t < seq_len
-        blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_ok, other=0)
-        # An entry outside [0, num_blocks) masks its tokens (no load, score -inf).
-        ok = t_ok & (blk >= 0) & (blk < num_blocks)
+        blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
     else:
-        # offs_t < full_end <= seq_len <= table width * block size: the column is in the row.
-        blk = tl.load(bt_row + offs_t // BLOCK_SIZE)
-        ok = (blk >= 0) & (blk < num_blocks)
-    blk = blk.to(tl.int64)
+        blk = tl.load(bt_row + offs_t // BLOCK_SIZE).to(tl.int64)
     in_blk = offs_t % BLOCK_SIZE
     k_ptrs = k_head + (blk * stride_kb + in_blk * stride_kt)[:, None] + offs_d[None, :]
     v_ptrs = v_head + (blk * stride_vb + in_blk * stride_vt)[:, None] + offs_d[None, :]
-    k = tl.load(k_ptrs, mask=ok[:, None], other=0.0)
     if MASKED:
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        allowed = (offs_t[None, :] <= q_pos[:, None]) & ok[None, :]
-        s = tl.where(allowed, s, float("-inf"))
+        k = tl.load(k_ptrs, mask=t_ok[:, None], other=0.0)
     else:
-        # The out-of-pool mask as an additive -inf bias per key: it folds into the scale's
-        # multiply (one FMA), so the unmasked loop pays no extra select per score.
-        bias = tl.where(ok, 0.0, float("-inf"))
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale + bias[None, :]
+        k = tl.load(k_ptrs)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        allowed = (offs_t[None, :] <= q_pos[:, None]) & t_ok[None, :]
+        s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # Padding rows past q_len can be fully masked in a tile; keep their arithmetic finite.
     m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
     p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
-    vv = tl.load(v_ptrs, mask=ok[:, None], other=0.0)
+    if MASKED:
+        vv = tl.load(v_ptrs, mask=t_ok[:, None], other=0.0)
+    else:
+        vv = tl.load(v_ptrs)
     acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
     return acc, m_new, l_i
 
@@ -132,6 +134,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    ZERO_T: tl.constexpr,
 ):
     # A tile has BLOCK_M rows = (token, head) pairs: HEADS_PER_ROW_TILE consecutive query heads
     # of one kv group for each of BLOCK_T tokens. With 1 head per tile it is the classic layout;
@@ -159,11 +162,12 @@ def _prefill_kernel(
     head = head0 + offs_r % HEADS_PER_ROW_TILE
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    lane_ok = offs_r < BLOCK_T * HEADS_PER_ROW_TILE
-    r_ok = (tok < q_run) & lane_ok
+    r_ok = (tok < q_run) & (offs_r < BLOCK_T * HEADS_PER_ROW_TILE)
     q_pos = ctx + tok
     kvh = head0 // GROUP
-    rows = q_start.to(tl.int64) + tok
+    # int32 sums (an int64 row vector live across the key loops costs spills): the host keeps
+    # total below 2^30 and the grid within total + BLOCK_T rows, so they cannot overflow.
+    rows = (q_start + tok).to(tl.int64)
     q = tl.load(
         q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
         mask=r_ok[:, None],
@@ -173,9 +177,35 @@ def _prefill_kernel(
     k_head = k_ptr + kvh.to(tl.int64) * stride_kh
     v_head = v_ptr + kvh.to(tl.int64) * stride_vh
 
+    # Rows past max_q_len (a host bound the caller got wrong) get zeros, never stale memory.
+    # Each row tile takes every grid-th stripe of BLOCK_T tokens; with a right bound the loop is
+    # empty. It runs before the key loops and in its own layout: after them, or sharing the
+    # row tile's index vectors, its operands stay live across the loops and the 256x128 config
+    # spills more (seen in the SASS).
+    offs_zt = tl.arange(0, ZERO_T)
+    zero = tl.zeros([ZERO_T, HEAD_DIM], dtype=out_ptr.dtype.element_ty)
+    for z0 in range(max_q_len + first, q_len, tl.num_programs(0) * BLOCK_T):
+        zt = z0 + offs_zt
+        z_ok = (zt < q_len) & (offs_zt < BLOCK_T)
+        zp = out_ptr + (q_start + zt).to(tl.int64)[:, None] * stride_ot + offs_d[None, :]
+        for hh in tl.static_range(HEADS_PER_ROW_TILE):
+            tl.store(zp + (head0 + hh) * stride_oh, zero, mask=z_ok[:, None])
+
+    # Every block id the sequence uses is checked before any K/V is read: one with an id outside
+    # [0, num_blocks) computes nothing and its rows are written as zeros. The check is a pass
+    # over ceil(seq_len / block_size) int32 entries per program, so the key loops below stay
+    # exactly as they are for valid tables.
+    n_used = tl.cdiv(seq_len, BLOCK_SIZE)
+    offs_c = tl.arange(0, _SCAN)
+    bad = 0
+    for c0 in range(0, n_used, _SCAN):
+        cols = c0 + offs_c
+        ids = tl.load(bt_row + cols, mask=cols < n_used, other=0)
+        bad = tl.maximum(bad, tl.max(((ids < 0) | (ids >= num_blocks)).to(tl.int32), 0))
+
     # Tiles before `full_end` lie at or before every row's position: no mask. `hi` ends at the
     # last row's position; a tile past q_len gets hi = 0 and does nothing.
-    active = (first < q_run) & (ctx >= 0)
+    active = (first < q_run) & (ctx >= 0) & (bad == 0)
     last_pos = tl.minimum(ctx + first + BLOCK_T, seq_len)
     hi = tl.where(active, last_pos, 0)
     full_end = tl.where(active, ((ctx + first + 1) // BLOCK_N) * BLOCK_N, 0)
@@ -186,13 +216,13 @@ def _prefill_kernel(
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _tile_step(
             q, acc, m_i, l_i, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
-            num_blocks, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+            qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
             BLOCK_SIZE, False, PRECISION,
         )
     for n0 in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _tile_step(
             q, acc, m_i, l_i, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
-            num_blocks, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+            qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
             BLOCK_SIZE, True, PRECISION,
         )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -202,17 +232,6 @@ def _prefill_kernel(
         o.to(out_ptr.dtype.element_ty),
         mask=r_ok[:, None],
     )
-    # Rows past max_q_len (a host bound the caller got wrong) get zeros, never stale memory.
-    # Each row tile takes every grid-th stripe; with a right bound the loop is empty.
-    zero = tl.zeros([BLOCK_M, HEAD_DIM], dtype=out_ptr.dtype.element_ty)
-    for z0 in range(max_q_len + first, q_len, tl.num_programs(0) * BLOCK_T):
-        ztok = z0 + offs_r // HEADS_PER_ROW_TILE
-        zrows = q_start.to(tl.int64) + ztok
-        tl.store(
-            out_ptr + zrows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-            zero,
-            mask=((ztok < q_len) & lane_ok)[:, None],
-        )
 
 
 def paged_prefill(
@@ -248,6 +267,9 @@ def paged_prefill(
     )
     v.ensure_launchable(dev)
     total, q_heads, _ = q.shape
+    if total >= MAX_ROWS:
+        # Row indices are int32 sums in the kernel (see there); 2^30 rows is far past any batch.
+        raise v.KernelShapeError(f"q: has {total} rows (dim 0), expected fewer than {MAX_ROWS}")
     v.check_dim("q", q, 2, head_dim, "head_dim of the pool")
     if q_heads % kv_heads:
         raise v.KernelShapeError(
@@ -275,7 +297,7 @@ def paged_prefill(
     sc = v.check_scale(scale, head_dim)
     if check_indices:
         _check_indices(block_tables, seq_lens, query_start_loc, total, max_q_len,
-                       num_blocks, block_size)
+                       num_blocks, block_size, min(block_tables.shape[1] * block_size, MAX_SEQ_CAP))
     if out is None:
         out = torch.empty_like(q)
     if num_seqs == 0 or total == 0:
@@ -293,7 +315,9 @@ def paged_prefill(
     pack = cfg["PACK_GQA"] and 1 < group <= cfg["BLOCK_M"] // 16
     per_tile = group if pack else 1
     block_t = cfg["BLOCK_M"] // per_tile
-    # At least one row tile, so rows a wrong max_q_len of 0 leaves out are still zero-filled.
+    # No sequence has more rows than q, so a larger bound only sizes an idle grid: cap it. At
+    # least one row tile, so rows that a wrong max_q_len of 0 leaves out are still zero-filled.
+    max_q_len = min(max_q_len, total)
     grid = (max(1, triton.cdiv(max_q_len, block_t)), q_heads // per_tile, num_seqs)
     seq_cap = min(block_tables.shape[1] * block_size, MAX_SEQ_CAP)
     _prefill_kernel[grid](
@@ -307,19 +331,19 @@ def paged_prefill(
         total, num_blocks, seq_cap, max_q_len,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, HEADS_PER_ROW_TILE=per_tile,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PRECISION=precision,
+        ZERO_T=triton.next_power_of_2(block_t),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 
 
-def _check_indices(block_tables, seq_lens, qsl, total, max_q_len, num_blocks, block_size):
+def _check_indices(block_tables, seq_lens, qsl, total, max_q_len, num_blocks, block_size, seq_cap):
     sl = seq_lens.to("cpu").tolist()
     qs = qsl.to("cpu").tolist()
     if qs[0] != 0 or qs[-1] > total:
         raise v.KernelIndexError(
             f"query_start_loc: runs from {qs[0]} to {qs[-1]}, expected from 0 to at most {total}"
         )
-    width = block_tables.shape[1]
     bt = block_tables.to("cpu")
     for i, n in enumerate(sl):
         ql = qs[i + 1] - qs[i]
@@ -327,10 +351,8 @@ def _check_indices(block_tables, seq_lens, qsl, total, max_q_len, num_blocks, bl
             raise v.KernelIndexError(
                 f"query_start_loc: sequence {i} has {ql} new tokens, expected in [0, {max_q_len}]"
             )
-        if n < ql or n > width * block_size:
-            raise v.KernelIndexError(
-                f"seq_lens[{i}]: is {n}, expected in [{ql}, {width * block_size}]"
-            )
+        if n < ql or n > seq_cap:
+            raise v.KernelIndexError(f"seq_lens[{i}]: is {n}, expected in [{ql}, {seq_cap}]")
         nb = -(-n // block_size)
         row = bt[i, :nb]
         bad = ((row < 0) | (row >= num_blocks)).nonzero()

@@ -8,10 +8,10 @@ copies of the pool). They are for testing only and make no attempt at speed.
 
 They also define what the kernels return for index tensors that break the layout contract (the
 bounds contract in docs/kernels.md): a length is clamped to `[0, table width * block_size]`; a
-block-table entry outside `[0, num_blocks)` masks its tokens (they contribute nothing; a query
-that sees no unmasked key gets zeros); a query row range is clamped to the rows of `q`; a
-sequence with fewer tokens than new rows, and rows past `max_q_len`, give zeros. For valid
-inputs these rules change nothing.
+sequence whose used block-table entries (the first `ceil(clamped length / block_size)`) include
+an id outside `[0, num_blocks)` gives zeros; a query row range is clamped to the rows of `q`; a
+sequence with fewer tokens than new rows, and rows past `max_q_len`, give zeros. For valid inputs
+these rules change nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 __all__ = [
     "ref_scatter_kv",
     "gather_sequence",
-    "gather_sequence_masked",
+    "usable_length",
     "ref_paged_decode",
     "ref_paged_prefill",
     "ref_copy_blocks",
@@ -54,24 +54,18 @@ def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) 
     return cache.index_select(0, ids).reshape(nblk * bs, *cache.shape[2:])[:seq_len]
 
 
-def gather_sequence_masked(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int):
-    """`(tokens, valid)`: like `gather_sequence`, but a length past the row is clamped to the
-    row's width times the block size, and a token whose block id lies outside the pool is zero
-    with `valid` False (the kernels' bounds contract)."""
+def usable_length(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> int:
+    """The length the kernels work with (bounds contract): `seq_len` clamped to the row's width
+    times the block size; -1 when any entry the clamped length uses lies outside the pool (the
+    sequence then gives zeros)."""
     nb, bs = cache.shape[:2]
     seq_len = max(0, min(seq_len, block_row.shape[0] * bs))
-    nblk = -(-seq_len // bs)
-    ids = block_row[:nblk].long().to(cache.device)
-    ok = (ids >= 0) & (ids < nb)
-    toks = cache.index_select(0, torch.where(ok, ids, 0)).clone()
-    toks[~ok] = 0
-    tok_ok = ok.repeat_interleave(bs)[:seq_len]
-    return toks.reshape(nblk * bs, *cache.shape[2:])[:seq_len], tok_ok
+    ids = block_row[: -(-seq_len // bs)].long()
+    return seq_len if bool(((ids >= 0) & (ids < nb)).all()) else -1
 
 
-def _attend(q, k, v, scale, q_pos, dtype, key_ok=None):
-    """q [n, Hq, D]; k, v [L, Hkv, D]; query i sees keys at positions <= q_pos[i] (and, when
-    given, only keys with `key_ok`); a query that sees no key gets zeros."""
+def _attend(q, k, v, scale, q_pos, dtype):
+    """q [n, Hq, D]; k, v [L, Hkv, D]; query i sees keys at positions <= q_pos[i]."""
     hq, hkv = q.shape[1], k.shape[1]
     g = hq // hkv
     q = q.to(dtype)
@@ -82,10 +76,8 @@ def _attend(q, k, v, scale, q_pos, dtype, key_ok=None):
     s = torch.einsum("nhd,lhd->hnl", q, k) * scale
     pos = torch.arange(k.shape[0], device=q.device)
     allowed = pos[None, :] <= q_pos[:, None].to(q.device)
-    if key_ok is not None:
-        allowed = allowed & key_ok[None, :].to(q.device)
     s = s.masked_fill(~allowed[None], float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # all -inf rows: no key seen, zeros
+    p = torch.softmax(s, dim=-1)
     return torch.einsum("hnl,lhd->nhd", p, v)
 
 
@@ -100,10 +92,13 @@ def ref_paged_decode(
     outs = []
     lens = seq_lens.tolist()
     for i, n in enumerate(lens):
-        k, ok = gather_sequence_masked(k_cache, block_tables[i], n)
-        vv, _ = gather_sequence_masked(v_cache, block_tables[i], n)
-        last = torch.tensor([k.shape[0] - 1])
-        outs.append(_attend(q[i : i + 1], k, vv, scale, last, dtype, ok)[0])
+        n = usable_length(k_cache, block_tables[i], n)
+        if n < 0:  # an out-of-pool id among the used entries: zeros
+            outs.append(torch.zeros(q.shape[1:], dtype=dtype, device=q.device))
+            continue
+        k = gather_sequence(k_cache, block_tables[i], n)
+        vv = gather_sequence(v_cache, block_tables[i], n)
+        outs.append(_attend(q[i : i + 1], k, vv, scale, torch.tensor([n - 1]), dtype)[0])
     if not outs:
         return torch.empty(q.shape, dtype=dtype, device=q.device)
     return torch.stack(outs)
@@ -120,20 +115,19 @@ def ref_paged_prefill(
     d = q.shape[-1]
     scale = 1.0 / d ** 0.5 if scale is None else scale
     total = q.shape[0]
-    bs = k_cache.shape[1]
     out = torch.zeros(q.shape, dtype=dtype, device=q.device)
     qsl = query_start_loc.tolist()
     for i, n in enumerate(seq_lens.tolist()):
         a = max(0, min(qsl[i], total))
         b = max(a, min(qsl[i + 1], total))
-        n = max(0, min(n, block_tables.shape[1] * bs))
-        if b == a or n < b - a:
+        n = usable_length(k_cache, block_tables[i], n)
+        if b == a or n < b - a:  # no rows, an out-of-pool id, or too short: zeros
             continue
-        k, ok = gather_sequence_masked(k_cache, block_tables[i], n)
-        vv, _ = gather_sequence_masked(v_cache, block_tables[i], n)
+        k = gather_sequence(k_cache, block_tables[i], n)
+        vv = gather_sequence(v_cache, block_tables[i], n)
         pos = torch.arange(n - (b - a), n)
         run = b - a if max_q_len is None else min(b - a, max_q_len)
-        out[a : a + run] = _attend(q[a : a + run], k, vv, scale, pos[:run], dtype, ok)
+        out[a : a + run] = _attend(q[a : a + run], k, vv, scale, pos[:run], dtype)
     return out
 
 
