@@ -428,9 +428,9 @@ def ab_time(kind, name, old_fn, new_fn, rounds=4, **meta):
     return rec
 
 
-def compare_old(old):
+def compare_old(old, what=("decode", "prefill", "scatter")):
     # Decode: the five benchmark shapes.
-    for batch, ctx in [(1, 32768), (8, 8192), (64, 4096), (128, 2048), (256, 1024)]:
+    for batch, ctx in [(1, 32768), (8, 8192), (64, 4096), (128, 2048), (256, 1024)] * ("decode" in what):
         sets, sl = make_decode(batch, ctx, copies=1)
         q, kc, vc, bt = sets[0]
         ws_new = K.DecodeWorkspace(batch, q.shape[1], kc.shape[2], q.shape[2], device="cuda")
@@ -451,7 +451,7 @@ def compare_old(old):
         torch.cuda.empty_cache()
     # Prefill: the benchmark shape, and a short chunk on a long cached prefix (mostly the
     # unmasked key loop; its programs also scan the longest block-table rows for bad ids).
-    for nseq, q_len, prefix in [(8, 2048, 2048), (2, 512, 15872)]:
+    for nseq, q_len, prefix in [(8, 2048, 2048), (2, 512, 15872)] * ("prefill" in what):
         gen = torch.Generator(device="cuda").manual_seed(1)
         hq, hkv, hd, bs = 32, 8, 128, 16
         ctx = prefix + q_len
@@ -479,7 +479,7 @@ def compare_old(old):
     gen = torch.Generator(device="cuda").manual_seed(2)
     kc = torch.randn(8192, 16, 8, 128, device="cuda", dtype=DT, generator=gen)
     vc = torch.randn_like(kc)
-    for n in (256, 8192):
+    for n in (256, 8192) * ("scatter" in what):
         key = torch.randn(n, 8, 128, device="cuda", dtype=DT, generator=gen)
         val = torch.randn_like(key)
         slots = torch.randperm(8192 * 16, device="cuda", generator=gen)[:n]
@@ -503,6 +503,8 @@ def main(argv=None):
     ap.add_argument("--only", default="decode,prefill,scatter,copy")
     ap.add_argument("--compare-old", default=None, metavar="DIR",
                     help="time the kernels against an older copy of the package in DIR")
+    ap.add_argument("--compare-what", default="decode,prefill,scatter",
+                    help="which kernels --compare-old times")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -514,7 +516,7 @@ def main(argv=None):
             "argv": sys.argv}
     print(meta, flush=True)
     if args.compare_old:
-        compare_old(load_old_kernels(args.compare_old))
+        compare_old(load_old_kernels(args.compare_old), args.compare_what.split(","))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "results": RESULTS}, f, indent=1)

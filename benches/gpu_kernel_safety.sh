@@ -9,7 +9,8 @@
 #   OUT=dir bash benches/gpu_kernel_safety.sh           # on the GPU machine (repository root)
 #   bash benches/gpu_kernel_safety.sh --clean           # here, afterwards: remove the copy
 # Logs and JSON go to $OUT (default ./out): bench_bounds.log, bounds.json, gpu_tests.log,
-# memcheck.log.
+# memcheck.log. COMPARE (default decode,prefill,scatter) picks the timed kernels, SUITES (default
+# all) the test groups: decode_ref decode_rest prefill_ref prefill_rest scatter_copy bounds memcheck.
 set -u -o pipefail
 OLD=benches/_old_kernels
 case "${1:-}" in
@@ -36,13 +37,16 @@ TEST_TIMEOUT="${TEST_TIMEOUT:-150}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv 2>&1 | tee "$OUT/bench_bounds.log"
 
 # 1. Timings first, alone on the GPU.
-timeout 240 "$PY" benches/bench_kernels.py --compare-old "$OLD" --json "$OUT/bounds.json" 2>&1 | tee -a "$OUT/bench_bounds.log"
+timeout 240 "$PY" benches/bench_kernels.py --compare-old "$OLD" \
+  --compare-what "${COMPARE:-decode,prefill,scatter}" --json "$OUT/bounds.json" 2>&1 | tee -a "$OUT/bench_bounds.log"
 brc=$?
 
 # 2. Tests, in parallel processes (compilation is the long part and runs on the CPU).
 mkdir -p "$OUT/t"
+SUITES="${SUITES:-decode_ref decode_rest prefill_ref prefill_rest scatter_copy bounds memcheck}"
 run() {  # name, then the pytest arguments
   local name=$1; shift
+  case " $SUITES " in *" $name "*) ;; *) return 0 ;; esac
   timeout "$TEST_TIMEOUT" "$PY" -m pytest -m gpu -q -p no:cacheprovider "$@" > "$OUT/t/$name.log" 2>&1
   echo $? > "$OUT/t/$name.rc"
 }
@@ -52,7 +56,7 @@ run prefill_ref tests/test_kernels_prefill.py -k "matches_reference_gpu" &
 run prefill_rest tests/test_kernels_prefill.py -k "not matches_reference_gpu" &
 run scatter_copy tests/test_kernels_scatter_copy.py &
 run bounds tests/test_kernels_bounds.py &
-if command -v compute-sanitizer > /dev/null; then
+if command -v compute-sanitizer > /dev/null && [[ " $SUITES " == *" memcheck "* ]]; then
   # One cudaMalloc per tensor, so memcheck sees each tensor's own bounds.
   ( PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$TEST_TIMEOUT" compute-sanitizer --tool memcheck \
       --error-exitcode 99 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels_bounds.py \

@@ -3,8 +3,9 @@ outside the pool, the block-table rows, `q` or `out` (docs/kernels.md, "Bounds c
 
 Each case feeds one kind of bad index with `check_indices=False` (the default) and checks the
 output against `pagedkv.kernels.reference`, which spells the contract out: a length is clamped
-to the table row, a sequence that uses a block id outside the pool gets zeros, a query row range
-is clamped to `q`'s rows, rows a too-small `max_q_len` leaves out are zeros. Valid sequences in the same batch
+to the table row, a query row that would attend to a token of a block id outside the pool gets
+zeros, a query row range is clamped to `q`'s rows, rows a too-small `max_q_len` leaves out are
+zeros. Valid sequences in the same batch
 must come out exactly as in a run without the bad entries (and match the reference). Tensors
 that a stray access would hit are views into larger buffers whose guard rows hold a sentinel.
 
@@ -205,26 +206,34 @@ def prefill_rows_past_q(device):
 def prefill_out_of_pool_entries(device, kind):
     gen = torch.Generator().manual_seed(22)
     f = 1 if device == "cpu" else 8  # compiled tiles are larger: longer contexts reach both loops
-    seqs = [(64 * f, 8), (30 * f, 30 * f), (20, 5), (40 * f, 40 * f)]
+    seqs = [(64 * f, 8), (30 * f, 30 * f), (20, 5), (40 * f, 40 * f), (40 * f, 40 * f)]
     q, kc, vc, bt, sl, qsl = _prefill_setup(device, gen, seqs, head_dim=32 if f == 1 else 64)
-    num_blocks = kc.shape[0]
+    num_blocks, bs = kc.shape[:2]
     mq = max(n for _, n in seqs)
     clean = _prefill(q, kc, vc, bt, sl, qsl, mq)
     assert rel_err(clean.cpu(), _prefill_ref(q, kc, vc, bt, sl, qsl)) < TOL[q.dtype]
     values = {"big": [num_blocks, 1 << 30], "negative": [-1, -(1 << 31)]}[kind]
     rows = lambda i: slice(int(qsl[i]), int(qsl[i + 1]))  # noqa: E731
-    last_col = -(-int(sl[3]) // kc.shape[1])
+    zero = lambda t: torch.equal(t.cpu(), torch.zeros_like(t.cpu()))  # noqa: E731
+    last4 = int(sl[4]) // bs - 1
     for val in values:
         bad = bt.clone()
         bad[0, 1] = val  # far before the new tokens (the unmasked key loop)
-        bad[1, int(sl[1]) // kc.shape[1] - 1] = val  # on the diagonal (the masked loop)
+        bad[1, 1] = val  # inside the first row tile's diagonal: rows 0..bs-1 stay exact
         bad[2, :] = val  # every block
-        bad[3, last_col] = val  # a column past sequence 3's blocks: never used, no effect
+        bad[3, -(-int(sl[3]) // bs)] = val  # a column past sequence 3's blocks: never used
+        bad[4, last4] = val  # on the last tile's diagonal
         out = _prefill(q, kc, vc, bt=bad, sl=sl, qsl=qsl, max_q_len=mq)
+        assert torch.isfinite(out).all(), val
         assert torch.equal(out[rows(3)], clean[rows(3)]), val
-        # Every row of a sequence that uses an out-of-pool id is zero.
-        a, b = int(qsl[0]), int(qsl[3])
-        assert torch.equal(out[a:b].cpu(), torch.zeros_like(out[a:b].cpu())), val
+        # A row that would attend to a token of an out-of-pool block is zero; rows before
+        # that block's first position are exactly what the clean table gives.
+        assert zero(out[rows(0)]) and zero(out[rows(2)]), val
+        a1, a4 = int(qsl[1]), int(qsl[4])
+        assert torch.equal(out[a1 : a1 + bs], clean[a1 : a1 + bs]), val
+        assert zero(out[a1 + bs : int(qsl[2])]), val
+        assert torch.equal(out[a4 : a4 + last4 * bs], clean[a4 : a4 + last4 * bs]), val
+        assert zero(out[a4 + last4 * bs : int(qsl[5])]), val
         ref = _prefill_ref(q, kc, vc, bad, sl, qsl)
         assert rel_err(out.cpu(), ref) < TOL[q.dtype], val
 

@@ -43,9 +43,6 @@ MAX_SEQ_CAP = 1 << 30
 #: Rows of q (new tokens in one call) the kernel indexes in int32.
 MAX_ROWS = 1 << 30
 
-#: Block-table entries checked per step of the prologue's id scan.
-_SCAN = tl.constexpr(256)
-
 
 def prefill_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> dict:
     """Launch parameters. `PACK_GQA` packs a kv group's query heads into one row tile (used when
@@ -67,16 +64,20 @@ def prefill_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> dict:
 
 @triton.jit
 def _tile_step(
-    q, acc, m_i, l_i, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len, qk_scale,
-    stride_kb, stride_kt, stride_vb, stride_vt,
+    q, acc, m_i, l_i, first_bad, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
+    last_blk, blk0, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
 ):
     offs_t = n0 + offs_n
     if MASKED:
         t_ok = offs_t < seq_len
-        blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+        bu = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.uint32, bitcast=True)
     else:
-        blk = tl.load(bt_row + offs_t // BLOCK_SIZE).to(tl.int64)
+        bu = tl.load(bt_row + offs_t // BLOCK_SIZE).to(tl.uint32, bitcast=True)
+    # Out-of-pool ids: note the position, read the row's first block instead (see the kernel).
+    oob = bu > last_blk
+    first_bad = tl.minimum(first_bad, tl.where(oob, offs_t, 0x7FFFFFFF))
+    blk = tl.where(oob, blk0, bu).to(tl.int64)
     in_blk = offs_t % BLOCK_SIZE
     k_ptrs = k_head + (blk * stride_kb + in_blk * stride_kt)[:, None] + offs_d[None, :]
     v_ptrs = v_head + (blk * stride_vb + in_blk * stride_vt)[:, None] + offs_d[None, :]
@@ -99,7 +100,7 @@ def _tile_step(
     else:
         vv = tl.load(v_ptrs)
     acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
-    return acc, m_new, l_i
+    return acc, m_new, l_i, first_bad
 
 
 @triton.jit(do_not_specialize=["total", "num_blocks", "seq_cap", "max_q_len"])
@@ -191,21 +192,21 @@ def _prefill_kernel(
         for hh in tl.static_range(HEADS_PER_ROW_TILE):
             tl.store(zp + (head0 + hh) * stride_oh, zero, mask=z_ok[:, None])
 
-    # Every block id the sequence uses is checked before any K/V is read: one with an id outside
-    # [0, num_blocks) computes nothing and its rows are written as zeros. The check is a pass
-    # over ceil(seq_len / block_size) int32 entries per program, so the key loops below stay
-    # exactly as they are for valid tables.
-    n_used = tl.cdiv(seq_len, BLOCK_SIZE)
-    offs_c = tl.arange(0, _SCAN)
-    bad = 0
-    for c0 in range(0, n_used, _SCAN):
-        cols = c0 + offs_c
-        ids = tl.load(bt_row + cols, mask=cols < n_used, other=0)
-        bad = tl.maximum(bad, tl.max(((ids < 0) | (ids >= num_blocks)).to(tl.int32), 0))
-
     # Tiles before `full_end` lie at or before every row's position: no mask. `hi` ends at the
     # last row's position; a tile past q_len gets hi = 0 and does nothing.
-    active = (first < q_run) & (ctx >= 0) & (bad == 0)
+    active = (first < q_run) & (ctx >= 0)
+    # Block ids outside [0, num_blocks) (negative ones read as huge unsigned values) are never
+    # followed: the key loops redirect them to the row's first block (clamped into the pool),
+    # so every load stays inside the pool, and keep the first key position that had one
+    # (`first_bad`, per lane). A query row that may see that position gets zeros at the end;
+    # rows before it see only redirected lanes they mask anyway, and the first block's
+    # contents are finite whenever a later column is used (it is then full), so they are
+    # exact. One compare, one min and one select per id lane: the loops keep their registers,
+    # where masking the K/V loads on each loaded id would not (more spills, measured in SASS).
+    first_bad = tl.full([BLOCK_N], 0x7FFFFFFF, dtype=tl.int32)
+    last_blk = (num_blocks - 1).to(tl.uint32)
+    blk0 = tl.load(bt_row, mask=seq_cap > 0, other=0).to(tl.uint32, bitcast=True)
+    blk0 = tl.minimum(blk0, last_blk)
     last_pos = tl.minimum(ctx + first + BLOCK_T, seq_len)
     hi = tl.where(active, last_pos, 0)
     full_end = tl.where(active, ((ctx + first + 1) // BLOCK_N) * BLOCK_N, 0)
@@ -214,19 +215,20 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _tile_step(
-            q, acc, m_i, l_i, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
-            qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+        acc, m_i, l_i, first_bad = _tile_step(
+            q, acc, m_i, l_i, first_bad, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
+            last_blk, blk0, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
             BLOCK_SIZE, False, PRECISION,
         )
     for n0 in range(full_end, hi, BLOCK_N):
-        acc, m_i, l_i = _tile_step(
-            q, acc, m_i, l_i, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
-            qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+        acc, m_i, l_i, first_bad = _tile_step(
+            q, acc, m_i, l_i, first_bad, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
+            last_blk, blk0, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
             BLOCK_SIZE, True, PRECISION,
         )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
+    o = tl.where((q_pos >= tl.min(first_bad, 0))[:, None], 0.0, o)
     tl.store(
         out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
         o.to(out_ptr.dtype.element_ty),

@@ -8,10 +8,11 @@ copies of the pool). They are for testing only and make no attempt at speed.
 
 They also define what the kernels return for index tensors that break the layout contract (the
 bounds contract in docs/kernels.md): a length is clamped to `[0, table width * block_size]`; a
-sequence whose used block-table entries (the first `ceil(clamped length / block_size)`) include
-an id outside `[0, num_blocks)` gives zeros; a query row range is clamped to the rows of `q`; a
-sequence with fewer tokens than new rows, and rows past `max_q_len`, give zeros. For valid inputs
-these rules change nothing.
+query row that would attend to a token whose block-table entry lies outside `[0, num_blocks)`
+gives zeros (a decode query sees its whole sequence, so any such entry among the used ones
+zeroes it; a prefill row at position p only when the entry's block starts at or before p); a
+query row range is clamped to the rows of `q`; a sequence with fewer tokens than new rows, and
+rows past `max_q_len`, give zeros. For valid inputs these rules change nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 __all__ = [
     "ref_scatter_kv",
     "gather_sequence",
-    "usable_length",
+    "bounded_length",
     "ref_paged_decode",
     "ref_paged_prefill",
     "ref_copy_blocks",
@@ -54,14 +55,15 @@ def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) 
     return cache.index_select(0, ids).reshape(nblk * bs, *cache.shape[2:])[:seq_len]
 
 
-def usable_length(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> int:
-    """The length the kernels work with (bounds contract): `seq_len` clamped to the row's width
-    times the block size; -1 when any entry the clamped length uses lies outside the pool (the
-    sequence then gives zeros)."""
+def bounded_length(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int):
+    """`(length, first_bad)` as the kernels see a sequence (bounds contract): `seq_len` clamped to
+    the row's width times the block size, and the first token position whose block id (among the
+    entries that length uses) lies outside the pool, or None."""
     nb, bs = cache.shape[:2]
     seq_len = max(0, min(seq_len, block_row.shape[0] * bs))
     ids = block_row[: -(-seq_len // bs)].long()
-    return seq_len if bool(((ids >= 0) & (ids < nb)).all()) else -1
+    bad = ((ids < 0) | (ids >= nb)).nonzero()
+    return seq_len, (int(bad[0, 0]) * bs if bad.numel() else None)
 
 
 def _attend(q, k, v, scale, q_pos, dtype):
@@ -92,8 +94,8 @@ def ref_paged_decode(
     outs = []
     lens = seq_lens.tolist()
     for i, n in enumerate(lens):
-        n = usable_length(k_cache, block_tables[i], n)
-        if n < 0:  # an out-of-pool id among the used entries: zeros
+        n, bad = bounded_length(k_cache, block_tables[i], n)
+        if bad is not None:  # the query (position n - 1) sees an out-of-pool block: zeros
             outs.append(torch.zeros(q.shape[1:], dtype=dtype, device=q.device))
             continue
         k = gather_sequence(k_cache, block_tables[i], n)
@@ -120,13 +122,18 @@ def ref_paged_prefill(
     for i, n in enumerate(seq_lens.tolist()):
         a = max(0, min(qsl[i], total))
         b = max(a, min(qsl[i + 1], total))
-        n = usable_length(k_cache, block_tables[i], n)
-        if b == a or n < b - a:  # no rows, an out-of-pool id, or too short: zeros
+        n, bad = bounded_length(k_cache, block_tables[i], n)
+        if b == a or n < b - a:  # no rows, or fewer tokens than new rows: zeros
+            continue
+        pos = torch.arange(n - (b - a), n)
+        run = b - a if max_q_len is None else min(b - a, max_q_len)
+        if bad is not None:  # rows at or past the first out-of-pool block's start: zeros
+            run = min(run, max(0, bad - (n - (b - a))))
+            n = min(n, bad)
+        if run == 0:
             continue
         k = gather_sequence(k_cache, block_tables[i], n)
         vv = gather_sequence(v_cache, block_tables[i], n)
-        pos = torch.arange(n - (b - a), n)
-        run = b - a if max_q_len is None else min(b - a, max_q_len)
         out[a : a + run] = _attend(q[a : a + run], k, vv, scale, pos[:run], dtype)
     return out
 
