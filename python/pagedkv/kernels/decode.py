@@ -20,7 +20,11 @@ partial output and its log-sum-exp into the workspace, and a second small kernel
 
 Invariants: only `ceil(seq_len / block_size)` block-table entries of a row are read (stale
 columns past them never are); masked K/V lanes load zeros, so stale or NaN pool contents past a
-sequence's end cannot reach the output; a sequence of length 0 yields zeros. The call performs
+sequence's end cannot reach the output; a sequence of length 0 yields zeros. Bounds by
+construction (docs/kernels.md, "Bounds contract"): whatever `seq_lens` and the table hold, no
+access leaves the pool, the table rows, `q`, `out` or the workspace: a length is clamped to
+`[0, width * block_size]`, and a sequence whose used entries include an id outside
+`[0, num_blocks)` reads only in-pool blocks and yields zeros (split or not). The call performs
 no host synchronization and, given `out` and a `DecodeWorkspace`, no allocation: the launch
 configuration depends only on shapes and host integers, so it can be captured in a CUDA graph.
 """
@@ -368,7 +372,9 @@ def paged_decode(
     block size); `num_splits` overrides the heuristic. Split-K needs scratch: pass a
     `DecodeWorkspace` (and `out`) to keep the call allocation-free and graph-capturable; without
     one a temporary workspace is allocated. `check_indices=True` validates `seq_lens` and the
-    used block-table entries on the host (synchronizes; debugging only). `config` overrides the
+    used block-table entries on the host (synchronizes; debugging only) and raises
+    `KernelIndexError` before launching; without it, bad values follow the bounds contract (no
+    access outside the tensors; docs/kernels.md). `config` overrides the
     launch parameters of `decode_config` (keys `TILE_N`, `num_warps`, `num_stages`; for tuning).
     """
     num_blocks, block_size, kv_heads, head_dim = _check_decode_args(

@@ -19,7 +19,11 @@ the diagonal pays for masking. Query tiles past a sequence's q_len do no work.
 Invariants: a query at position p sees exactly the keys at positions 0..p of its own sequence;
 only `ceil(seq_len / block_size)` block-table entries are read; masked K/V lanes load zeros so
 stale pool contents cannot leak into the output; every output row of a valid query token is
-written, rows of other sequences are untouched.
+written, rows no sequence claims are untouched. Bounds by construction (docs/kernels.md,
+"Bounds contract"): whatever the index tensors and `max_q_len` say, no access leaves the pool,
+the table rows, `q` or `out`: row ranges are clamped to `q`'s rows, lengths to the table row;
+a row that would see a token of an out-of-pool block id, a sequence with fewer tokens than new
+rows, and rows past `max_q_len` are written as zeros.
 """
 
 from __future__ import annotations
@@ -253,7 +257,9 @@ def paged_prefill(
     """Causal attention of each sequence's new tokens over its cached prefix and themselves.
 
     `max_q_len` is a host-side upper bound on the per-sequence new-token counts (it sizes the
-    grid; passing it avoids a device-to-host sync). `scale` defaults to `1/sqrt(head_dim)`.
+    grid; passing it avoids a device-to-host sync); rows past it are written as zeros, so a
+    wrong bound shows up as zero rows, never as stale memory. `scale` defaults to
+    `1/sqrt(head_dim)`.
     `check_indices=True` validates the index tensors on the host (synchronizes; debugging only).
     `config` overrides the launch parameters of `prefill_config` (keys `BLOCK_M`, `BLOCK_N`,
     `num_warps`, `num_stages`, `PACK_GQA`; for tuning). Returns `out` (allocated like `q` when not given).
