@@ -294,6 +294,9 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
+    g.add_argument("--metrics-port", type=_nonneg_int, default=None, metavar="N",
+                   help="serve Prometheus metrics (pagedkv_*) on 127.0.0.1:N while the demo runs "
+                        "(0: a free port); needs the pagedkv[metrics] extra")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -311,7 +314,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     report = run_demo(args.model, device=args.device, max_tokens=args.max_tokens,
                       num_blocks=args.num_blocks, block_size=args.block_size,
-                      check=not args.no_check, progress=not args.quiet)
+                      check=not args.no_check, progress=not args.quiet,
+                      metrics_port=args.metrics_port)
     if args.json:
         print(report_json(report))
     else:

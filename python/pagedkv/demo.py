@@ -141,7 +141,7 @@ def _common_prefix(a: List[int], b: List[int]) -> int:
 def run_demo(model: Optional[str] = None, *, device: Optional[str] = None,
              max_tokens: int = 40, num_blocks: Optional[int] = None, block_size: int = 16,
              check: bool = True, progress: bool = True,
-             requests: Any = DEMO_REQUESTS) -> DemoReport:
+             requests: Any = DEMO_REQUESTS, metrics_port: Optional[int] = None) -> DemoReport:
     """Runs the demo workload; returns the report.
 
     Args:
@@ -153,6 +153,8 @@ def run_demo(model: Optional[str] = None, *, device: Optional[str] = None,
         check: Regenerate the greedy answers with transformers' dense ``generate`` and compare.
         progress: Progress bars on stderr.
         requests: The :class:`DemoRequest` list.
+        metrics_port: Serve the cache's Prometheus metrics (:mod:`pagedkv.metrics`) on this port
+            of 127.0.0.1 while the demo runs (0: a free port; the URL is logged and printed).
     """
     import torch
     from tqdm.auto import tqdm
@@ -180,11 +182,26 @@ def run_demo(model: Optional[str] = None, *, device: Optional[str] = None,
               max_num_seqs=16, max_num_batched_tokens=512, progress=False)
     engine = llm.llm_engine
     load_time = time.perf_counter() - started
+    server = None
+    if metrics_port is not None:
+        from .metrics import start_metrics_server
+
+        server, _thread, _ = start_metrics_server(
+            metrics_port, engine.manager, engine.scheduler,
+            bytes_per_block=engine.runner.spec.bytes_per_block)
+        import sys
+
+        print(f"metrics: http://127.0.0.1:{server.server_port}/metrics", file=sys.stderr)
 
     params = [SamplingParams(n=r.n, temperature=r.temperature, seed=r.seed, max_tokens=max_tokens)
               for r in requests]
     t0 = time.perf_counter()
-    outs = _serve(engine, prompts, params, progress)
+    try:
+        outs = _serve(engine, prompts, params, progress)
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
     gen_time = time.perf_counter() - t0
     stats = llm.stats()
 

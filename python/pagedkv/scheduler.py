@@ -41,6 +41,7 @@ Invariants, between steps:
 from __future__ import annotations
 
 import enum
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Deque, List, Optional, Sequence as SequenceT, Union
@@ -51,6 +52,8 @@ from .errors import InvalidArgumentError, InvalidConfigError, OutOfBlocksError
 
 if TYPE_CHECKING:
     from .manager import BlockManager, StepInfo
+
+logger = logging.getLogger("pagedkv")
 
 __all__ = [
     "SequenceStatus",
@@ -250,8 +253,9 @@ class Scheduler:
         self._admissions = 0
         #: Ids of the sequences queued or running.
         self._ids: set[int] = set()
-        #: Sequences preempted over the scheduler's life.
+        #: Sequences preempted over the scheduler's life, and by reclamation mode.
         self.num_preemptions = 0
+        self.num_preemptions_by_mode = {"swap": 0, "recompute": 0}
         #: Prompt tokens recomputed after preemption (re-admission misses).
         self.num_recomputed_tokens = 0
         self.num_steps = 0
@@ -360,7 +364,10 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.num_preemptions_by_mode["recompute"] += 1
         self.waiting.appendleft(seq)
+        logger.info("preempted sequence %d (%d tokens) by recompute", seq.seq_id,
+                    len(seq.token_ids))
 
     # ------------------------------------------------------------------------------ one step
 
