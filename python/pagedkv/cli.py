@@ -193,6 +193,17 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--watermark-blocks", type=_nonneg_int, default=None, metavar="N",
                    help="blocks kept back from admissions (default: the manager's)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    g.add_argument("--num-host-blocks", type=_nonneg_int, default=0, metavar="N",
+                   help="host KV blocks for swapped-out sequences (default: 0, no swap)")
+    g.add_argument("--preemption-mode", choices=("auto", "swap", "recompute"), default="auto",
+                   help="reclaim preempted sequences by the cost model (auto), by swap, or by "
+                        "recompute (default: auto; recompute without host blocks)")
+    g.add_argument("--host-link-gbps", type=_float, default=s.host_link_bytes_per_s / 1e9,
+                   metavar="X", help="cost model: host-link bandwidth, GB/s (default: "
+                                     f"{s.host_link_bytes_per_s / 1e9:g}, assumed)")
+    g.add_argument("--prefill-tps", type=_float, default=s.prefill_tokens_per_s, metavar="X",
+                   help="cost model: prefill throughput, tokens/s (default: "
+                        f"{s.prefill_tokens_per_s:g}, assumed)")
     g = p.add_argument_group("workload (lengths in tokens, time in scheduler steps)")
     g.add_argument("--requests", type=_positive_int, default=w.num_requests, metavar="N",
                    help=f"number of requests (default: {w.num_requests})")
@@ -253,7 +264,10 @@ def _run_simulate(args: argparse.Namespace) -> int:
     sim = SimConfig(num_blocks=num_blocks, block_size=spec.block_size,
                     watermark_blocks=args.watermark_blocks, max_num_seqs=args.max_num_seqs,
                     max_prefill_tokens=args.max_prefill_tokens,
-                    enable_prefix_caching=not args.no_prefix_caching, check_every=args.check)
+                    enable_prefix_caching=not args.no_prefix_caching, check_every=args.check,
+                    num_host_blocks=args.num_host_blocks, preemption_mode=args.preemption_mode,
+                    host_link_bytes_per_s=args.host_link_gbps * 1e9,
+                    prefill_tokens_per_s=args.prefill_tps, kv_bytes_per_token=spec.bytes_per_token)
     started = time.perf_counter()
     result = simulate(workload, sim, progress=not (args.quiet or args.json),
                       record_timeline=args.plot is not None)
@@ -289,6 +303,11 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
                         "so requests get preempted)")
     g.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
                    help="tokens per block (default: 16)")
+    g.add_argument("--preemption-mode", choices=("auto", "swap", "recompute"), default="auto",
+                   help="reclaim preempted sequences by the cost model (auto, default), by swap to "
+                        "host memory, or by recompute")
+    g.add_argument("--num-host-blocks", type=_nonneg_int, default=None, metavar="N",
+                   help="host KV blocks for swapped-out sequences (default: as many as the pool)")
     g.add_argument("--no-check", action="store_true",
                    help="skip the comparison with transformers' dense-cache generate")
     g = p.add_argument_group("output")
@@ -315,7 +334,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     report = run_demo(args.model, device=args.device, max_tokens=args.max_tokens,
                       num_blocks=args.num_blocks, block_size=args.block_size,
                       check=not args.no_check, progress=not args.quiet,
-                      metrics_port=args.metrics_port)
+                      metrics_port=args.metrics_port, preemption_mode=args.preemption_mode,
+                      num_host_blocks=args.num_host_blocks)
     if args.json:
         print(report_json(report))
     else:
