@@ -109,8 +109,8 @@ def test_runs_coalesce_consecutive_ids():
 def test_bad_pairs_change_nothing():
     pool = _filled_pool(_spec(), 8)
     eng = SwapEngine(pool, 4)
-    host_before = eng.host.kv.clone()
-    dev_before = pool.kv.clone()
+    host_before = eng.host.kv.view(torch.uint8).clone()  # bytes: the host pool starts uninitialised
+    dev_before = pool.kv.view(torch.uint8).clone()
     for bad, err in (([(0, 4)], InvalidBlockError),        # host id out of range
                      ([(8, 0)], InvalidBlockError),        # device id out of range
                      ([(-1, 0)], InvalidBlockError),
@@ -123,7 +123,8 @@ def test_bad_pairs_change_nothing():
         eng.swap_in([(4, 0)])
     with pytest.raises(InvalidArgumentError):
         eng.swap_in([(0, 3), (1, 3)])
-    assert torch.equal(eng.host.kv, host_before) and torch.equal(pool.kv, dev_before)
+    assert torch.equal(eng.host.kv.view(torch.uint8), host_before)
+    assert torch.equal(pool.kv.view(torch.uint8), dev_before)
     assert eng.swap_out([]) == 0 and eng.swap_in(np.zeros(0, dtype=np.int64)) == 0
     # The step buffers' flat layout: src, dst, src, dst, ...
     assert eng.swap_out(torch.tensor([1, 0, 2, 1], dtype=torch.int32)) == 2
@@ -147,7 +148,7 @@ def test_cuda_ordering_without_host_sync():
     eng = SwapEngine(pool, 128, staging_blocks=8)
     assert eng.host.pinned
     dev = list(range(0, 120, 3))
-    host = list(range(100, 100 + len(dev)))
+    host = list(range(80, 80 + len(dev)))
     before = pool.kv[:, :, dev].clone()
     torch.cuda.synchronize()
     # A long kernel on the compute stream first, so the swap-out really must wait for it.

@@ -15,13 +15,15 @@ layers side by side::
 so one host block is one contiguous ``spec.bytes_per_block`` region, and a run of consecutive host
 block ids is one contiguous region too. That is what makes the copies large: on CUDA a swap gathers
 its device blocks (wherever they lie in the pool) into a device staging buffer in host-block order
-with one ``index_select`` (device bandwidth, ~1% of the transfer time), then moves each run of
+with one ``index_select`` (over 8-byte elements, at device bandwidth), then moves each run of
 consecutive host blocks with one ``copy_`` (one DMA transfer). A swap-in is the mirror image: one
-transfer per host run into staging, then one ``index_copy_`` scatter into the pool. Swaps larger
-than the staging buffer go through it in chunks, in order, on the same stream.
+transfer per host run into staging, then one ``index_copy_`` scatter into the pool. The staging
+buffer has two halves: a swap larger than one half goes through them in chunks, the gather
+(scatter) of one chunk overlapping the transfer of the other.
 
-**Streams and events (CUDA).** Swap-outs run on one side stream and swap-ins on another (the two
-directions use separate copy engines). Each swap first waits (on the GPU, never the host) for the
+**Streams and events (CUDA).** Swap-outs gather on one side stream and transfer on a second;
+swap-ins transfer on a third and scatter on a fourth (the two directions use separate copy
+engines; chunks are ordered between their two streams by events). Each swap first waits (on the GPU, never the host) for the
 work already queued on the caller's stream, since that work wrote (or still reads) the blocks it
 moves. It then records an event at the point where the device pool is safe for the caller: for a
 swap-out, after the last gather — the device blocks may then be reused while the transfer to host
@@ -153,10 +155,19 @@ class SwapEngine:
         self.device = pool.device
         self.is_cuda = self.device.type == "cuda"
         bpb = spec.bytes_per_block
-        # [num_blocks, layers, 2, block_size, heads, head_dim * itemsize] bytes: block-major view
-        # of the device pool (not contiguous); a gather from it yields host-layout blocks.
-        self._dev_blocks = pool.kv.view(torch.uint8).permute(2, 0, 1, 3, 4, 5)
-        self._host_blocks = host.kv.view(torch.uint8)
+        # One block of one layer's K (or V) is a contiguous `chunk` bytes. Copies index whole
+        # blocks, so they read the pool as [layers, 2, blocks, chunk] of the widest integer type
+        # dividing `chunk`: an indexed copy moves elements, and 8-byte elements cost an eighth of
+        # the index arithmetic of bytes (measured: bytes held swaps to 84% of the link's rate).
+        chunk = spec.block_size * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes
+        word = next(w for w, dt in ((8, torch.int64), (4, torch.int32), (2, torch.int16),
+                                    (1, torch.uint8)) if chunk % w == 0)
+        wdt = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
+        L, N = spec.num_layers, pool.num_blocks
+        # Block-major view of the device pool (not contiguous): a gather from it yields blocks in
+        # the host layout.
+        self._dev_blocks = pool.kv.view(torch.uint8).view(L, 2, N, chunk).view(wdt).permute(2, 0, 1, 3)
+        self._host_blocks = host.kv.view(torch.uint8).view(host.num_blocks, L, 2, chunk).view(wdt)
         self.num_swapped_out = 0
         self.num_swapped_in = 0
         if staging_blocks is None:
@@ -168,12 +179,20 @@ class SwapEngine:
                 field="staging_blocks", value=staging_blocks, reason="must be >= 1")
         self.staging_blocks = staging_blocks
         if self.is_cuda:
-            shape = (staging_blocks,) + tuple(self._host_blocks.shape[1:])
-            self._stage_out = allocate("swap-out staging", staging_blocks * bpb,
-                                       lambda: torch.empty(shape, dtype=torch.uint8, device=self.device))
-            self._stage_in = allocate("swap-in staging", staging_blocks * bpb,
-                                      lambda: torch.empty(shape, dtype=torch.uint8, device=self.device))
+            # Two halves per direction: the gather (scatter) of one chunk overlaps the transfer
+            # of the other, so a long swap runs at the link's rate.
+            self._half = max(1, staging_blocks // 2)
+            shape = (2, self._half) + tuple(self._host_blocks.shape[1:])
+            nbytes = 2 * self._half * bpb
+            self._stage_out = allocate("swap-out staging", nbytes,
+                                       lambda: torch.empty(shape, dtype=wdt, device=self.device))
+            self._stage_in = allocate("swap-in staging", nbytes,
+                                      lambda: torch.empty(shape, dtype=wdt, device=self.device))
+            # Swap-out: gathers on one stream, device-to-host transfers on another; swap-in:
+            # host-to-device transfers, then scatters. `out_stream` / `in_stream` end each one.
+            self._gather_stream = torch.cuda.Stream(self.device)
             self.out_stream = torch.cuda.Stream(self.device)
+            self._load_stream = torch.cuda.Stream(self.device)
             self.in_stream = torch.cuda.Stream(self.device)
             # Host pool safe (after the last transfer of each direction).
             self._out_done: Optional[torch.cuda.Event] = None
@@ -246,25 +265,34 @@ class SwapEngine:
             self.num_swapped_out += n
             return n
         caller = torch.cuda.current_stream(self.device)
-        s = self.out_stream
-        s.wait_stream(caller)  # the blocks hold what the caller's queued forwards wrote
+        g, c = self._gather_stream, self.out_stream
+        g.wait_stream(caller)  # the blocks hold what the caller's queued forwards wrote
+        g.wait_stream(c)  # the staging halves may still feed an earlier swap-out's transfers
         if self._in_done is not None:
-            s.wait_event(self._in_done)  # a host block may still be read by an earlier swap-in
-        stage = self._stage_out
-        with torch.cuda.stream(s):
+            c.wait_event(self._in_done)  # a host block may still be read by an earlier swap-in
+        stage, half = self._stage_out, self._half
+        with torch.cuda.stream(g):
             dev_idx = torch.from_numpy(dev).to(self.device, non_blocking=True)
-            gathered = torch.cuda.Event()
-            for c0 in range(0, n, self.staging_blocks):
-                c1 = min(n, c0 + self.staging_blocks)
-                torch.index_select(self._dev_blocks, 0, dev_idx[c0:c1], out=stage[: c1 - c0])
-                if c1 == n:
-                    gathered.record(s)
+        copied: list = []
+        gathered = None
+        for i, c0 in enumerate(range(0, n, half)):
+            c1 = min(n, c0 + half)
+            buf = stage[i % 2]
+            if i >= 2:
+                g.wait_event(copied[i - 2])  # this half's previous chunk has left for the host
+            with torch.cuda.stream(g):
+                torch.index_select(self._dev_blocks, 0, dev_idx[c0:c1], out=buf[: c1 - c0])
+                gathered = torch.cuda.Event()
+                gathered.record(g)
+            c.wait_event(gathered)
+            with torch.cuda.stream(c):
                 for a, b in _runs(host[c0:c1]):
                     h = int(host[c0 + a])
-                    self._host_blocks[h:h + (b - a)].copy_(stage[a:b], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(s)
-        self._out_done = done
+                    self._host_blocks[h:h + (b - a)].copy_(buf[a:b], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(c)
+            copied.append(ev)
+        self._out_done = copied[-1]
         self._pending.append(gathered)
         self.num_swapped_out += n
         return n
@@ -290,24 +318,36 @@ class SwapEngine:
             self.num_swapped_in += n
             return n
         caller = torch.cuda.current_stream(self.device)
-        s = self.in_stream
+        ld, sc = self._load_stream, self.in_stream
         # Queued forwards may still read a device block this overwrites (freed, then reallocated).
-        s.wait_stream(caller)
+        sc.wait_stream(caller)
+        ld.wait_stream(sc)  # the staging halves may still feed an earlier swap-in's scatters
         if self._out_done is not None:
-            s.wait_event(self._out_done)  # the host blocks may be an earlier swap-out's output
-        stage = self._stage_in
-        with torch.cuda.stream(s):
+            ld.wait_event(self._out_done)  # the host blocks may be an earlier swap-out's output
+        stage, half = self._stage_in, self._half
+        with torch.cuda.stream(sc):
             dev_idx = torch.from_numpy(dev).to(self.device, non_blocking=True)
-            for c0 in range(0, n, self.staging_blocks):
-                c1 = min(n, c0 + self.staging_blocks)
+        scattered: list = []
+        loaded = None
+        for i, c0 in enumerate(range(0, n, half)):
+            c1 = min(n, c0 + half)
+            buf = stage[i % 2]
+            if i >= 2:
+                ld.wait_event(scattered[i - 2])  # this half's previous chunk is in the pool
+            with torch.cuda.stream(ld):
                 for a, b in _runs(host[c0:c1]):
                     h = int(host[c0 + a])
-                    stage[a:b].copy_(self._host_blocks[h:h + (b - a)], non_blocking=True)
-                self._dev_blocks.index_copy_(0, dev_idx[c0:c1], stage[: c1 - c0])
-            ready = torch.cuda.Event()
-            ready.record(s)
-        self._in_done = ready
-        self._pending.append(ready)
+                    buf[a:b].copy_(self._host_blocks[h:h + (b - a)], non_blocking=True)
+                loaded = torch.cuda.Event()
+                loaded.record(ld)
+            sc.wait_event(loaded)
+            with torch.cuda.stream(sc):
+                self._dev_blocks.index_copy_(0, dev_idx[c0:c1], buf[: c1 - c0])
+                ev = torch.cuda.Event()
+                ev.record(sc)
+            scattered.append(ev)
+        self._in_done = loaded
+        self._pending.append(scattered[-1])
         self.num_swapped_in += n
         return n
 
@@ -325,8 +365,8 @@ class SwapEngine:
     def synchronize(self) -> None:
         """Blocks the host until every queued swap, host transfers included, has finished."""
         if self.is_cuda:
-            self.out_stream.synchronize()
-            self.in_stream.synchronize()
+            for st in (self._gather_stream, self.out_stream, self._load_stream, self.in_stream):
+                st.synchronize()
 
     def __repr__(self) -> str:
         return (f"SwapEngine(device={self.device}, host_blocks={self.host.num_blocks}, "
