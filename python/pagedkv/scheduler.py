@@ -20,11 +20,26 @@ Each step, in this order:
    No admission in a step that had to preempt: the pool is full, and re-admitting the victim at
    once would only thrash.
 
-**Preemption** is by recompute: the victim's blocks are freed and it goes back to the head of the
-waiting queue with all its token ids (prompt and output so far); re-admission recomputes only what
-the prefix cache no longer holds, and the output continues where it stopped. The victim is chosen by
-:meth:`Scheduler.choose_victim` and reclaimed by :meth:`Scheduler.preempt` — the seam where a
-cost-model policy (swap vs recompute) plugs in.
+**Preemption** reclaims the victim :meth:`Scheduler.choose_victim` names — the most recently
+admitted running sequence with its forked group (the core's ``choose_victim`` when the manager has
+it) — in one of two ways, chosen per victim by :meth:`Scheduler.decide`: ``preemption_mode``
+``"swap"`` / ``"recompute"`` forces one, ``"auto"`` asks the manager's cost model (2 x KV bytes
+over the host link against the prefill of what the prefix cache no longer holds, per branch).
+
+- *Swap* (needs a manager with a host pool): :meth:`BlockManager.swap_out` moves the group's
+  blocks to host blocks; the copy pairs go out with the next step (the runner copies them before
+  that step's forward writes anything) and the sequences wait in :attr:`Scheduler.swapped`. They
+  come back first — before any new admission, in a step that did not preempt — through
+  :meth:`BlockManager.swap_in`, and continue exactly where they stopped. A full host pool falls
+  back to recompute.
+- *Recompute*: the blocks are freed and the sequences go back to the head of the waiting queue with
+  all their token ids (prompt and output so far); re-admission recomputes only what the prefix
+  cache no longer holds, and the output continues where it stopped.
+
+A forked group that is all that runs gives up its newest member alone, by recompute. No step holds
+both a swap-out and a swap-in (swap-ins are skipped in a step that preempted), so a step's two swap
+lists never touch the same host block. Each preemption is logged on the ``pagedkv`` logger with its
+mode and both cost estimates.
 
 Invariants, between steps:
 
@@ -32,7 +47,7 @@ Invariants, between steps:
   ``token_ids[num_computed_tokens:]`` are what the next steps compute;
 - ``running`` is in admission order (a fork sits right after its parent), so its tail is the
   most recently admitted sequence;
-- a waiting sequence holds no blocks;
+- a waiting sequence holds no blocks; a swapped one holds host blocks only;
 - the tokens of one step never exceed ``max_num_batched_tokens`` and its sequences
   ``max_num_seqs``, except that the first admission of an otherwise empty step always gets at least
   one chunk, so no request starves.
@@ -233,7 +248,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Continuous batching with chunked prefill and preemption by recompute (module docs).
+    """Continuous batching with chunked prefill and preemption by swap or recompute (module docs).
 
     Args:
         manager: The block manager; step buffers must be attached before the first step.
@@ -241,6 +256,8 @@ class Scheduler:
         max_num_batched_tokens: Token budget of one step (decodes count one each).
         enable_chunked_prefill: Split prompts longer than the remaining budget into chunks. When
             off, a prompt runs whole, in a step of its own if it exceeds the budget.
+        preemption_mode: ``"auto"`` (the manager's cost model per victim), ``"swap"`` or
+            ``"recompute"``; without a host pool every preemption recomputes.
     """
 
     def __init__(self, manager: "BlockManager", *, max_num_seqs: int = 256,
