@@ -35,7 +35,7 @@
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::hash::{root_hash, Hasher, SeqKeys};
+use crate::hash::{random_key, root_hash, Hasher, SeqKeys};
 use crate::metrics::{hist_bucket, Counters, Stats, HIST_BUCKETS};
 use crate::pool::BlockPool;
 use crate::prefix::{FastMap, PrefixCache};
@@ -57,12 +57,18 @@ pub struct ManagerConfig {
     /// Keep each cached block's token ids and compare them on every hit; a mismatch (a hash
     /// collision) is served as a miss and counted.
     pub verify_prefix: bool,
+    /// Key of the prefix hash (the XXH3-128 seed of every block hash and of the chain root).
+    /// `None` (the default): a fresh key from the OS for each manager, so nobody outside the
+    /// process can predict or steer a hash. `Some(k)`: hashes are reproducible across processes
+    /// and machines that share `k` — which also lets anyone who learns `k` compute them (see
+    /// `docs/prefix-hash.md`, threat model).
+    pub hash_seed: Option<u64>,
 }
 
 impl ManagerConfig {
     /// Defaults: watermark 1% of the pool (at least 1, but 0 for a one-block pool), rows as wide
     /// as the pool (capped so `max_blocks_per_seq * block_size` fits an `i32` sequence length),
-    /// prefix caching on, verify off.
+    /// prefix caching on, verify on, a random hash key.
     pub fn new(num_blocks: u32, block_size: u32) -> Self {
         let watermark_blocks = if num_blocks <= 1 {
             0
@@ -78,7 +84,8 @@ impl ManagerConfig {
             watermark_blocks,
             max_blocks_per_seq: num_blocks.min(cap),
             enable_prefix_caching: true,
-            verify_prefix: false,
+            verify_prefix: true,
+            hash_seed: None,
         }
     }
 
@@ -192,6 +199,8 @@ pub struct BlockManager {
     shared_blocks: u64,
     used_tokens: u64,
     epoch: u64,
+    /// The prefix-hash key in use (`cfg.hash_seed` or one drawn from the OS).
+    hash_key: u64,
     empty_root: u128,
     hasher: Hasher,
     /// Bumped whenever the set of sequences changes (admit, fork, free).
@@ -214,6 +223,10 @@ impl BlockManager {
     /// A manager over a fresh pool; `InvalidConfig` if `cfg` does not validate.
     pub fn new(cfg: ManagerConfig) -> Result<Self> {
         cfg.validate()?;
+        let hash_key = match cfg.hash_seed {
+            Some(k) => k,
+            None => random_key()?,
+        };
         let pool = BlockPool::new(cfg.num_blocks)?;
         let prefix = PrefixCache::new(
             cfg.num_blocks,
@@ -235,8 +248,9 @@ impl BlockManager {
             shared_blocks: 0,
             used_tokens: 0,
             epoch: 0,
-            empty_root: root_hash(&[]),
-            hasher: Hasher::new(),
+            hash_key,
+            empty_root: root_hash(hash_key, &[]),
+            hasher: Hasher::new(hash_key),
             gen: 0,
             batch_ids: Vec::new(),
             batch_idx: Vec::new(),
@@ -319,7 +333,7 @@ impl BlockManager {
         if self.caching {
             if let Some(k) = keys {
                 if !k.cache_salt.is_empty() {
-                    root = root_hash(&k.cache_salt);
+                    root = root_hash(self.hash_key, &k.cache_salt);
                 }
             }
             self.scratch_hashes.clear();

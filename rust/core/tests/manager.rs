@@ -87,7 +87,8 @@ fn config_defaults() {
     assert_eq!(c.watermark_blocks, 10);
     assert_eq!(c.max_blocks_per_seq, 1000);
     assert!(c.enable_prefix_caching);
-    assert!(!c.verify_prefix);
+    assert!(c.verify_prefix);
+    assert_eq!(c.hash_seed, None);
     c.validate().unwrap();
     assert_eq!(ManagerConfig::new(50, 16).watermark_blocks, 1);
     let one = ManagerConfig::new(1, 16);
