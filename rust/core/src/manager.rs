@@ -819,6 +819,16 @@ impl BlockManager {
         }
     }
 
+    /// [`crate::prefix::probe_cost`] of the sequence-id index and of the prefix-hash map, each
+    /// under its own hasher: about 1 group per key unless the keys cluster. For tests and
+    /// diagnostics (O(sequences + hashed blocks)).
+    pub fn map_probe_costs(&self) -> (f64, f64) {
+        (
+            crate::prefix::probe_cost(self.index.hasher(), self.index.keys()),
+            self.prefix.map_probe_cost(),
+        )
+    }
+
     /// Test hook: re-labels hashed block `b` with `hash`, forging a hash collision (the block keeps
     /// its token ids). Returns false if `b` is not hashed or `hash` is taken.
     #[doc(hidden)]

@@ -786,3 +786,45 @@ fn repeated_batches_follow_admissions_and_frees() {
     assert_eq!(&ob.seq_lens[..2], &[5, 2]);
     m.check_invariants().unwrap();
 }
+
+// ---------------------------------------------------------------- hash maps under structured keys
+
+/// Sequence ids that pack a request id above a sample index (`i << 32`) keep the id index at
+/// about one probe group per key (counted by replaying the table's probes, not timed); the
+/// previous one-multiply hasher sent every such id to one bucket.
+#[test]
+fn structured_seq_ids_keep_the_index_flat() {
+    let n = 80_000u64;
+    let mut c = ManagerConfig::new(n as u32 + 1, 16);
+    c.watermark_blocks = 0;
+    let mut m = BlockManager::new(c).unwrap();
+    for i in 0..n {
+        m.admit(i << 32, &[i as u32]).unwrap();
+    }
+    let (index, _) = m.map_probe_costs();
+    assert!(index < 1.5, "{index} probe groups per sequence id");
+    // A decode step over 256 of them resolves every id once.
+    let batch: Vec<SeqId> = (0..256u64).map(|i| i << 32).collect();
+    m.append_batch(&batch, &[1; 256]).unwrap();
+    m.check_invariants().unwrap();
+}
+
+/// Block hashes crafted to defeat a weak integer hash (halves that cancel, zero low bits) keep
+/// the prefix map flat too.
+#[test]
+fn crafted_block_hashes_keep_the_prefix_map_flat() {
+    use pagedkv::prefix::PrefixCache;
+    let n = 48_000u32;
+    for craft in [
+        (|i: u128| (i << 64) | i) as fn(u128) -> u128,
+        |i| i << 40,
+        |i| i << 96,
+    ] {
+        let mut p = PrefixCache::new(n, 1, false, true);
+        for b in 0..n {
+            assert!(p.register(b, craft(b as u128), &[0]));
+        }
+        let cost = p.map_probe_cost();
+        assert!(cost < 1.5, "{cost} probe groups per block hash");
+    }
+}
