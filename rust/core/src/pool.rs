@@ -266,8 +266,7 @@ impl<F: FreeList> BlockPool<F> {
         // The CAS 0 → FREE decides the race against a concurrent revive (incref 0 → 1): exactly
         // one of them wins. AcqRel as in `decref`; the push then publishes the block onwards.
         self.update(id, AcqRel, release_step)?;
-        self.free.push(id);
-        Ok(())
+        self.free.push(id)
     }
 
     /// Drops a reference and, if it was the last, puts the block back on the free list.
@@ -281,7 +280,7 @@ impl<F: FreeList> BlockPool<F> {
         // AcqRel: as in `decref`; the push below then publishes the block to its next owner.
         let released = self.update(id, AcqRel, free_step)? == FREE;
         if released {
-            self.free.push(id);
+            self.free.push(id)?;
         }
         Ok(released)
     }
@@ -332,8 +331,7 @@ impl<F: FreeList> BlockPool<F> {
     #[inline]
     pub fn release_mut(&mut self, id: BlockId) -> Result<()> {
         self.update_mut(id, release_step)?;
-        self.free.push_mut(id);
-        Ok(())
+        self.free.push_mut(id)
     }
 
     /// [`free`](Self::free) with exclusive access.
@@ -341,7 +339,7 @@ impl<F: FreeList> BlockPool<F> {
     pub fn free_mut(&mut self, id: BlockId) -> Result<bool> {
         let released = self.update_mut(id, free_step)? == FREE;
         if released {
-            self.free.push_mut(id);
+            self.free.push_mut(id)?;
         }
         Ok(released)
     }
