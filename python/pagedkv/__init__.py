@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .buffers import StepBuffers, StepTensors
     from .config import CacheSpec
     from .errors import (
+        AllocationFailedError,
         BufferInvalidError,
         BuffersNotRegisteredError,
         BufferTooSmallError,
@@ -50,6 +51,7 @@ _EXPORTS = {
     "KVPool": "pool",
     "PagedKVError": "errors",
     "InvalidConfigError": "errors",
+    "AllocationFailedError": "errors",
     "InvalidArgumentError": "errors",
     "UnknownSequenceError": "errors",
     "DuplicateSequenceError": "errors",

@@ -37,6 +37,7 @@ __all__ = [
     "RefcountUnderflowError",
     "PrefixCollisionError",
     "InvariantViolationError",
+    "AllocationFailedError",
 ]
 
 
@@ -192,3 +193,14 @@ class InvariantViolationError(PagedKVError, RuntimeError):
     """
 
     field_names = ("detail",)
+
+
+class AllocationFailedError(PagedKVError, MemoryError):
+    """The host could not allocate memory the core needs (a pool or cache too large for this
+    machine). Unlike a full block pool this *is* the process running out of memory, for one
+    request: nothing was built, and the interpreter keeps running.
+
+    Attributes: ``what`` (the array), ``bytes`` (the size asked for).
+    """
+
+    field_names = ("what", "bytes")

@@ -54,6 +54,15 @@ pub trait FreeList: Send + Sync {
     where
         Self: Sized;
 
+    /// [`with_capacity`](Self::with_capacity), with the allocation made fallibly:
+    /// `AllocationFailed` instead of an abort when the host cannot hold the list.
+    fn try_with_capacity(n: u32) -> Result<Self>
+    where
+        Self: Sized,
+    {
+        Ok(Self::with_capacity(n))
+    }
+
     /// Number of ids this list was built over.
     fn capacity(&self) -> u32;
 
@@ -338,20 +347,30 @@ impl LockFreeFreeList {
 
 impl FreeList for LockFreeFreeList {
     fn with_capacity(n: u32) -> Self {
+        match Self::try_with_capacity(n) {
+            Ok(l) => l,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    fn try_with_capacity(n: u32) -> Result<Self> {
         let n = n.min(MAX_CAPACITY);
         // Initial chain 0 -> 1 -> … -> n-1 -> NIL, so a fresh list pops 0 first.
-        let next: Box<[AtomicU32]> = (0..n)
-            .map(|i| AtomicU32::new(if i + 1 < n { i + 1 } else { NIL }))
-            .collect();
+        let next = crate::error::alloc::collect_exact(
+            n as usize,
+            (0..n).map(|i| AtomicU32::new(if i + 1 < n { i + 1 } else { NIL })),
+            "free list links",
+        )?
+        .into_boxed_slice();
         let top = if n == 0 { NIL } else { 0 };
-        LockFreeFreeList {
+        Ok(LockFreeFreeList {
             hot: Hot {
                 head: AtomicU64::new(pack(0, top)),
                 count: AtomicUsize::new(n as usize),
             },
             next,
             capacity: n,
-        }
+        })
     }
 
     #[inline]
@@ -594,15 +613,23 @@ impl MutexFreeList {
 
 impl FreeList for MutexFreeList {
     fn with_capacity(n: u32) -> Self {
+        match Self::try_with_capacity(n) {
+            Ok(l) => l,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    fn try_with_capacity(n: u32) -> Result<Self> {
+        use crate::error::alloc::{collect_exact, filled_vec};
         let n = n.min(MAX_CAPACITY);
         // Reversed, so that popping from the end hands out 0 first.
-        MutexFreeList {
+        Ok(MutexFreeList {
             ids: Mutex::new(Stack {
-                ids: (0..n).rev().collect(),
-                free: vec![true; n as usize],
+                ids: collect_exact(n as usize, (0..n).rev(), "free list ids")?,
+                free: filled_vec(n as usize, true, "free list flags")?,
             }),
             capacity: n,
-        }
+        })
     }
 
     #[inline]

@@ -220,20 +220,24 @@ pub struct BlockManager {
 }
 
 impl BlockManager {
-    /// A manager over a fresh pool; `InvalidConfig` if `cfg` does not validate.
+    /// A manager over a fresh pool; `InvalidConfig` if `cfg` does not validate,
+    /// `AllocationFailed` (naming the array and its bytes) if the host cannot hold the pool's or
+    /// the prefix cache's arrays.
     pub fn new(cfg: ManagerConfig) -> Result<Self> {
         cfg.validate()?;
         let hash_key = match cfg.hash_seed {
             Some(k) => k,
             None => random_key()?,
         };
-        let pool = BlockPool::new(cfg.num_blocks)?;
-        let prefix = PrefixCache::new(
+        // The prefix cache first: its arrays are the largest, and mostly committed lazily, so a
+        // pool too large for the host fails before the pool's arrays are written.
+        let prefix = PrefixCache::try_new(
             cfg.num_blocks,
             cfg.block_size,
             cfg.enable_prefix_caching && cfg.verify_prefix,
             cfg.enable_prefix_caching,
-        );
+        )?;
+        let pool = BlockPool::new(cfg.num_blocks)?;
         Ok(Self {
             bs: cfg.block_size as usize,
             caching: cfg.enable_prefix_caching,

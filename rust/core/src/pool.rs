@@ -129,6 +129,7 @@ impl<F: FreeList> BlockPool<F> {
     /// A pool of `num_blocks` free blocks, ids `0..num_blocks`.
     ///
     /// `InvalidConfig` for 0 blocks, or for `u32::MAX` (that id is the free list's sentinel).
+    /// `AllocationFailed` when the host cannot hold its arrays.
     pub fn new(num_blocks: u32) -> Result<Self> {
         if num_blocks == 0 || num_blocks == u32::MAX {
             return Err(Error::InvalidConfig {
@@ -137,9 +138,14 @@ impl<F: FreeList> BlockPool<F> {
                 reason: format!("must be in 1..={}", u32::MAX - 1),
             });
         }
-        let counts = (0..num_blocks).map(|_| AtomicU32::new(FREE)).collect();
+        let counts = crate::error::alloc::collect_exact(
+            num_blocks as usize,
+            (0..num_blocks).map(|_| AtomicU32::new(FREE)),
+            "block reference counts",
+        )?
+        .into_boxed_slice();
         Ok(BlockPool {
-            free: F::with_capacity(num_blocks),
+            free: F::try_with_capacity(num_blocks)?,
             counts,
         })
     }

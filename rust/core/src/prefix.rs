@@ -177,26 +177,59 @@ pub struct PrefixCache {
 impl PrefixCache {
     /// An empty cache for `num_blocks` blocks of `block_size` tokens; `verify` keeps token ids;
     /// `presize` reserves the hash map for every block up front (off when caching is disabled).
+    /// Panics if the host cannot allocate it; [`PrefixCache::try_new`] returns an error instead.
     pub fn new(num_blocks: u32, block_size: u32, verify: bool, presize: bool) -> Self {
+        match Self::try_new(num_blocks, block_size, verify, presize) {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`PrefixCache::new`] with every allocation made fallibly: `AllocationFailed` names the
+    /// array that did not fit and the bytes it asked for.
+    pub fn try_new(
+        num_blocks: u32,
+        block_size: u32,
+        verify: bool,
+        presize: bool,
+    ) -> crate::Result<Self> {
+        use crate::error::alloc::{failure, filled_vec, zeroed_vec};
         let n = num_blocks as usize;
-        Self {
+        // The verify copy first: the largest array, and lazily committed, so an impossible
+        // size fails before anything else is allocated.
+        let tokens = if verify {
+            let what = "prefix cache token ids (verify_prefix)";
+            let len = n
+                .checked_mul(block_size as usize)
+                .ok_or_else(|| failure(what, n as u128 * block_size as u128 * 4))?;
+            zeroed_vec(len, what)?
+        } else {
+            Vec::new()
+        };
+        let mut map = FastMap::default();
+        if presize {
             // At most one hash per block: sized once, the map never grows on the hot path.
-            map: FastMap::with_capacity_and_hasher(if presize { n } else { 0 }, Default::default()),
-            hash_of: vec![0; n],
-            hashed: vec![false; n],
-            prev: vec![NIL; n],
-            next: vec![NIL; n],
-            in_lru: vec![false; n],
+            map.try_reserve(n).map_err(|_| {
+                // What the SwissTable asks for: a power-of-two bucket count at a 7/8 load, each
+                // bucket an entry and a control byte, plus one group of trailing control bytes.
+                let buckets = (n as u128 * 8 / 7).max(4).next_power_of_two();
+                let per = (std::mem::size_of::<(u128, BlockId)>() + 1) as u128;
+                failure("prefix hash map", buckets * per + 16)
+            })?;
+        }
+        Ok(Self {
+            map,
+            hash_of: zeroed_vec(n, "prefix cache block hashes")?,
+            hashed: zeroed_vec(n, "prefix cache hashed flags")?,
+            prev: filled_vec(n, NIL, "prefix LRU links")?,
+            next: filled_vec(n, NIL, "prefix LRU links")?,
+            in_lru: zeroed_vec(n, "prefix LRU flags")?,
             head: NIL,
             tail: NIL,
             lru_len: 0,
             block_size: block_size as usize,
-            tokens: if verify {
-                vec![0; n * block_size as usize]
-            } else {
-                Vec::new()
-            },
-        }
+            tokens,
+        })
     }
 
     /// True in verify mode.

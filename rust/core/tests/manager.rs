@@ -828,3 +828,38 @@ fn crafted_block_hashes_keep_the_prefix_map_flat() {
         assert!(cost < 1.5, "{cost} probe groups per block hash");
     }
 }
+
+// ---------------------------------------------------------------- allocation failures
+
+/// A pool whose verify copy cannot exist on any 64-bit host (2^64 bytes of token ids) is a typed
+/// error naming the array and the bytes asked for, not an abort; nothing is left allocated.
+#[test]
+fn impossible_allocation_is_a_typed_error() {
+    let mut c = ManagerConfig::new(i32::MAX as u32, i32::MAX as u32);
+    c.max_blocks_per_seq = 1;
+    c.validate().unwrap();
+    assert!(c.verify_prefix);
+    match BlockManager::new(c) {
+        Err(Error::AllocationFailed { what, bytes }) => {
+            assert!(what.contains("verify_prefix"), "{what}");
+            assert_eq!(bytes, (i32::MAX as u64).pow(2) * 4);
+            let msg = Error::AllocationFailed { what, bytes }.to_string();
+            assert!(msg.contains(&bytes.to_string()), "{msg}");
+        }
+        other => panic!("expected AllocationFailed, got {:?}", other.map(|_| ())),
+    }
+}
+
+/// 2^26 blocks with verify on (4 GiB of token ids, committed lazily): builds, or fails with
+/// `AllocationFailed` on a host too small for it; never aborts. (The documented maximum,
+/// 2^31 - 1 one-token blocks, is left out: on a large host it would build and write tens of GiB.)
+#[test]
+fn large_pools_build_or_fail_typed() {
+    for (n, bs) in [(1u32 << 26, 16u32)] {
+        match BlockManager::new(ManagerConfig::new(n, bs)) {
+            Ok(m) => assert_eq!(m.num_free_blocks(), n as usize),
+            Err(Error::AllocationFailed { bytes, .. }) => assert!(bytes > 0),
+            Err(e) => panic!("unexpected error {e}"),
+        }
+    }
+}
