@@ -23,8 +23,10 @@
 //!   blocks: when the whole prompt is cached, its last block is allocated fresh (and recomputed)
 //!   rather than shared, so the engine never writes into a shared block.
 //! - **Copy-on-write.** Only a partly filled tail block can be shared *and* written (after a
-//!   fork). Appending into one allocates a fresh block and queues a `(src, dst)` copy that the next
-//!   `build_step` emits. The copy list of one step has distinct `dst`s and no `dst` is a `src`.
+//!   fork). Appending into one allocates a fresh block and queues a `(src, dst)` copy that a
+//!   `build_step` emits: the next one with room in its copy buffer, and at the latest the first
+//!   one that schedules a sequence holding the copy's `dst` or `src`. The copy list of one step has distinct `dst`s and no `dst` is a
+//!   `src`.
 //! - **Allocation order.** Never-cached free blocks first, then the least recently freed
 //!   cached-free block (an eviction). A freed sequence's blocks enter the LRU tail first, so its
 //!   tail is evicted before its prefix.
@@ -850,8 +852,13 @@ impl BlockManager {
 
     /// Fills `out` for one step. Each `(seqs[i], num_new[i])` means "the last `num_new[i]` tokens
     /// of `seqs[i]` are new this step". Validates everything (lengths, ids, `1 <= n <= len`, every
-    /// buffer's size) before writing anything; then emits and clears the pending copies and offers
-    /// the batch's newly full blocks to the prefix cache.
+    /// buffer's size) before writing anything; then emits pending copies and offers the batch's newly
+    /// full blocks to the prefix cache.
+    ///
+    /// Copies: all pending copies when they fit in `copies`. Otherwise every pending copy whose
+    /// `dst` or `src` a scheduled sequence holds is emitted (`BufferTooSmall` on `copies` only if
+    /// those alone do not fit), then others while `copies` has room; the rest stay queued for a
+    /// later step, so a burst of forks never blocks stepping.
     ///
     /// Block-table rows are written incrementally: the manager remembers, for the buffer it last
     /// wrote (identified by address, length and stride), which sequence each row holds and how many
@@ -874,7 +881,7 @@ impl BlockManager {
             });
         }
         self.resolve_batch(seqs)?;
-        let (num_tokens, num_kv, max_len, csr) = self.check_step(seqs, num_new, out)?;
+        let (num_tokens, num_kv, max_len, csr, needed) = self.check_step(seqs, num_new, out)?;
         let idx = std::mem::take(&mut self.batch_idx);
 
         let bs = self.bs;
@@ -942,16 +949,27 @@ impl BlockManager {
             }
         }
 
-        let num_copies = self.pending.len();
-        for (j, &(src, dst)) in self.pending.iter().enumerate() {
-            out.copies[2 * j] = src as i64;
-            out.copies[2 * j + 1] = dst as i64;
-        }
-        self.pending.clear();
+        let num_copies = self.emit_copies(&needed, out.copies);
         let mut result = Ok(());
-        while let Some(b) = self.deferred.pop() {
-            if let Err(e) = self.park(b) {
-                result = Err(e);
+        if self.pending.is_empty() {
+            while let Some(b) = self.deferred.pop() {
+                if let Err(e) = self.park(b) {
+                    result = Err(e);
+                }
+            }
+        } else {
+            // Some copies stay queued: only the srcs none of them needs are released.
+            let mut j = 0;
+            while j < self.deferred.len() {
+                let b = self.deferred[j];
+                if self.pending.iter().any(|&(src, _)| src == b) {
+                    j += 1;
+                } else {
+                    self.deferred.swap_remove(j);
+                    if let Err(e) = self.park(b) {
+                        result = Err(e);
+                    }
+                }
             }
         }
 
@@ -985,14 +1003,79 @@ impl BlockManager {
         })
     }
 
+    /// Writes pending copies into `copies` (room for `copies.len() / 2`), in queue order. When
+    /// all fit (`needed` empty) all are written; otherwise every copy the batch needs
+    /// (`needed[j]` for `pending[j]`; `check_step` made sure they fit) and others while room
+    /// remains, the rest staying queued, in order, for a later step. Returns the number written.
+    fn emit_copies(&mut self, needed: &[bool], copies: &mut [i64]) -> usize {
+        if needed.is_empty() {
+            for (j, &(src, dst)) in self.pending.iter().enumerate() {
+                copies[2 * j] = src as i64;
+                copies[2 * j + 1] = dst as i64;
+            }
+            let n = self.pending.len();
+            self.pending.clear();
+            return n;
+        }
+        let room = copies.len() / 2;
+        // A copy the batch does not need goes only where it leaves room for every needed copy
+        // after it.
+        let mut needed_left = needed.iter().filter(|&&x| x).count();
+        let mut n = 0;
+        let mut keep = Vec::new();
+        for (j, &(src, dst)) in self.pending.iter().enumerate() {
+            if needed[j] {
+                needed_left -= 1;
+            } else if n + needed_left >= room {
+                keep.push((src, dst));
+                continue;
+            }
+            copies[2 * n] = src as i64;
+            copies[2 * n + 1] = dst as i64;
+            n += 1;
+        }
+        self.pending = keep;
+        n
+    }
+
+    /// When more copies are pending than `room`: which of them the batch (`self.batch_idx`)
+    /// needs this step — those whose `dst` or `src` a scheduled table holds. A scheduled holder
+    /// of `dst` reads and writes it, so its copy must run first; a scheduled holder of `src` may
+    /// fill it and have it registered in the prefix cache, and a cached block must not be a
+    /// pending src (it could be evicted and reused before the copy runs). Copies of sequences
+    /// that are not scheduled may wait. Empty (emit everything) when all pending copies fit.
+    /// O(blocks of the batch), paid only in that overflow case.
+    fn copies_needed(&self, room: usize) -> Vec<bool> {
+        if self.pending.len() <= room {
+            return Vec::new();
+        }
+        let mut at: FastMap<BlockId, Vec<usize>> = FastMap::default();
+        for (j, &(src, dst)) in self.pending.iter().enumerate() {
+            at.entry(src).or_default().push(j);
+            at.entry(dst).or_default().push(j);
+        }
+        let mut needed = vec![false; self.pending.len()];
+        for &i in &self.batch_idx {
+            for b in &self.slots[i as usize].table.blocks {
+                if let Some(js) = at.get(b) {
+                    for &j in js {
+                        needed[j] = true;
+                    }
+                }
+            }
+        }
+        needed
+    }
+
     /// Validation half of `build_step` (after `resolve_batch`): returns (new tokens, kv indices,
-    /// longest sequence, whether to write the CSR page table).
+    /// longest sequence, whether to write the CSR page table, which pending copies the batch
+    /// needs).
     fn check_step(
         &self,
         seqs: &[SeqId],
         num_new: &[u32],
         out: &StepBuffers<'_>,
-    ) -> Result<(usize, usize, usize, bool)> {
+    ) -> Result<(usize, usize, usize, bool, Vec<bool>)> {
         let (mut tokens, mut kv, mut max_len, mut max_blocks) = (0usize, 0usize, 0usize, 0usize);
         for (k, &i) in self.batch_idx.iter().enumerate() {
             let t = &self.slots[i as usize].table;
@@ -1051,8 +1134,15 @@ impl BlockManager {
         if csr {
             small("kv_indices", kv, out.kv_indices.len())?;
         }
-        small("copies", 2 * self.pending.len(), out.copies.len())?;
-        Ok((tokens, kv, max_len, csr))
+        // Only the copies this batch reads must fit; the rest wait for a later step, so more
+        // pending copies than the buffer holds never blocks a step.
+        let needed = self.copies_needed(out.copies.len() / 2);
+        small(
+            "copies",
+            2 * needed.iter().filter(|&&x| x).count(),
+            out.copies.len(),
+        )?;
+        Ok((tokens, kv, max_len, csr, needed))
     }
 
     /// A snapshot of sizes and counters. O(number of sequences) for the histogram.

@@ -785,3 +785,93 @@ fn check_invariants_reports_a_block_cached_under_a_foreign_chain() {
     assert_eq!(m.block_hash(16), None);
     assert!(!m.debug_relabel_block(16, 1));
 }
+
+/// More pending copies than the copy buffer holds: every step still runs. An empty step emits
+/// what fits (queue order) and keeps the rest queued; a step that schedules a sequence emits that
+/// sequence's copy first; only a batch whose own copies do not fit is refused, changing nothing.
+/// Before, every step failed with `BufferTooSmall` once the queue outgrew the buffer.
+#[test]
+fn copies_beyond_the_buffer_stay_queued() {
+    let mut m = mgr(64, 0);
+    m.admit(0, &prompt(6, 5)).unwrap(); // one full block and a 2-token tail
+    step_all(&mut m, &[0]);
+    for k in 1..=4 {
+        m.fork(0, k).unwrap();
+    }
+    m.append_batch(&[1, 2, 3, 4], &[7, 7, 7, 7]).unwrap();
+    let queued = m.pending_copies().to_vec();
+    assert_eq!(queued.len(), 4);
+    let mut ob = OwnedStepBuffers::new(StepLayout {
+        max_seqs: 16,
+        max_tokens: 1024,
+        max_blocks_per_seq: 64,
+        max_copies: 1,
+    });
+    // An empty step: the oldest copy goes out, three stay.
+    let info = m.build_step(&[], &[], &mut ob.view()).unwrap();
+    assert_eq!(info.num_copies, 1);
+    assert_eq!(
+        (ob.copies[0], ob.copies[1]),
+        (queued[0].0 as i64, queued[0].1 as i64)
+    );
+    assert_eq!(m.pending_copies(), &queued[1..]);
+    m.check_invariants().unwrap();
+    // Scheduling sequence 4 emits its own copy (the newest), not the oldest.
+    let info = m.build_step(&[4], &[1], &mut ob.view()).unwrap();
+    assert_eq!(info.num_copies, 1);
+    assert_eq!(
+        (ob.copies[0], ob.copies[1]),
+        (queued[3].0 as i64, queued[3].1 as i64)
+    );
+    assert_eq!(m.pending_copies(), &queued[1..3]);
+    m.check_invariants().unwrap();
+    // Two scheduled sequences each needing a copy do not fit one slot: refused, unchanged.
+    let before = (m.pending_copies().to_vec(), m.stats());
+    assert_eq!(
+        m.build_step(&[2, 3], &[1, 1], &mut ob.view()),
+        Err(Error::BufferTooSmall {
+            buffer: "copies",
+            needed: 4,
+            capacity: 2
+        })
+    );
+    assert_eq!((m.pending_copies().to_vec(), m.stats()), before);
+    // The parent holds every copy's src: scheduling it needs both remaining copies too.
+    assert!(m.build_step(&[0], &[1], &mut ob.view()).is_err());
+    // One at a time they go through; then the queue is empty.
+    assert_eq!(
+        m.build_step(&[2], &[1], &mut ob.view()).unwrap().num_copies,
+        1
+    );
+    assert_eq!(
+        m.build_step(&[3], &[1], &mut ob.view()).unwrap().num_copies,
+        1
+    );
+    assert!(m.pending_copies().is_empty());
+    assert_eq!(
+        m.build_step(&[0], &[6], &mut ob.view()).unwrap().num_copies,
+        0
+    );
+    m.check_invariants().unwrap();
+    // Freeing the parent while its tail is still a queued src keeps that block until the copy
+    // goes out, then releases it.
+    for k in 1..=4 {
+        m.free(k).unwrap();
+    }
+    m.fork(0, 5).unwrap();
+    m.fork(0, 6).unwrap();
+    m.append_batch(&[5, 6], &[1, 1]).unwrap();
+    m.free(0).unwrap();
+    m.check_invariants().unwrap();
+    assert_eq!(
+        m.build_step(&[], &[], &mut ob.view()).unwrap().num_copies,
+        1
+    );
+    m.check_invariants().unwrap();
+    assert_eq!(
+        m.build_step(&[6], &[1], &mut ob.view()).unwrap().num_copies,
+        1
+    );
+    assert!(m.pending_copies().is_empty());
+    m.check_invariants().unwrap();
+}
