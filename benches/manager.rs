@@ -92,6 +92,7 @@ fn decode(c: &mut Criterion) {
                 max_tokens: N * 2048,
                 max_blocks_per_seq: (MAX_CTX + 128) / B as usize + 1,
                 max_copies: 16,
+                max_swaps: 4,
             };
             let mut ob = OwnedStepBuffers::new(layout);
             if !csr {
@@ -168,6 +169,7 @@ fn admit(c: &mut Criterion) {
         max_tokens: 4096,
         max_blocks_per_seq: 256,
         max_copies: 1,
+        max_swaps: 4,
     };
 
     g.bench_function("prefix_off", |b| {
@@ -257,6 +259,7 @@ fn evict(c: &mut Criterion) {
         max_tokens: 4096,
         max_blocks_per_seq: 256,
         max_copies: 1,
+        max_swaps: 4,
     };
     for evicting in [false, true] {
         let name = if evicting {
@@ -315,6 +318,7 @@ fn sched(c: &mut Criterion) {
         max_tokens: 4096,
         max_blocks_per_seq: 256,
         max_copies: 1,
+        max_swaps: 4,
     });
     m.admit(1, &prompt).unwrap();
     m.build_step(&[1], &[4096], &mut ob.view()).unwrap();

@@ -52,6 +52,20 @@ pub enum Error {
         watermark: usize,
     },
 
+    /// The host block pool does not hold enough free blocks for a swap-out (always the case with
+    /// `num_host_blocks == 0`: swap disabled).
+    #[error("out of host blocks: need {needed}, {available} available")]
+    OutOfHostBlocks { needed: usize, available: usize },
+
+    /// The sequence is not in the state the call needs (stepping a swapped-out sequence, swapping
+    /// in a running one, resuming one that was not preempted by recompute, ...).
+    #[error("sequence {seq_id} is {state}; this call needs it {expected}")]
+    InvalidSequenceState {
+        seq_id: SeqId,
+        state: &'static str,
+        expected: &'static str,
+    },
+
     /// A sequence would need more blocks than a block-table row holds.
     #[error("sequence {seq_id} would need {needed_blocks} blocks; a block-table row holds {max_blocks_per_seq}")]
     SequenceTooLong {

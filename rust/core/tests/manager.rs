@@ -76,6 +76,7 @@ fn layout(seqs: usize, tokens: usize, blocks: usize) -> StepLayout {
         max_tokens: tokens,
         max_blocks_per_seq: blocks,
         max_copies: 8,
+        max_swaps: 4,
     }
 }
 
@@ -490,7 +491,9 @@ fn build_step_prefill_then_decode() {
             num_tokens: 9,
             num_kv_indices: 3,
             num_copies: 0,
-            max_seq_len: 6
+            max_seq_len: 6,
+            num_swap_out: 0,
+            num_swap_in: 0,
         }
     );
     let slot = |t: &[u32], p: usize| (t[p / 4] * 4 + (p % 4) as u32) as i64;

@@ -20,6 +20,7 @@ fn bufs() -> OwnedStepBuffers {
         max_tokens: 1024,
         max_blocks_per_seq: 64,
         max_copies: 16,
+        max_swaps: 4,
     })
 }
 
@@ -659,6 +660,7 @@ fn copies_that_do_not_fit_stay_pending() {
         max_tokens: 8,
         max_blocks_per_seq: 4,
         max_copies: 1,
+        max_swaps: 4,
     });
     ob.copies.fill(-1);
     let err = m.build_step(&[1, 2], &[1, 1], &mut ob.view()).unwrap_err();
@@ -806,6 +808,7 @@ fn copies_beyond_the_buffer_stay_queued() {
         max_tokens: 1024,
         max_blocks_per_seq: 64,
         max_copies: 1,
+        max_swaps: 4,
     });
     // An empty step: the oldest copy goes out, three stay.
     let info = m.build_step(&[], &[], &mut ob.view()).unwrap();

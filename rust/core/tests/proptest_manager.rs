@@ -637,6 +637,7 @@ proptest! {
             max_tokens: 4096,
             max_blocks_per_seq: cfg.max_blocks_per_seq as usize,
             max_copies,
+            max_swaps: 4,
         };
         let mut h = Harness {
             kv: vec![None; cfg.num_blocks as usize * bs],

@@ -21,7 +21,7 @@ use pyo3::BoundObject;
 /// The exception classes, in the order of [`CLASS_NAMES`].
 struct Classes([Py<PyType>; CLASS_NAMES.len()]);
 
-const CLASS_NAMES: [&str; 15] = [
+const CLASS_NAMES: [&str; 17] = [
     "InvalidConfigError",
     "InvalidArgumentError",
     "UnknownSequenceError",
@@ -37,6 +37,8 @@ const CLASS_NAMES: [&str; 15] = [
     "PrefixCollisionError",
     "InvariantViolationError",
     "AllocationFailedError",
+    "OutOfHostBlocksError",
+    "InvalidSequenceStateError",
 ];
 
 const INVALID_ARGUMENT: usize = 1;
@@ -214,6 +216,29 @@ fn core_err_py(py: Python<'_>, e: Error) -> PyErr {
             message,
             &[("what", obj(py, what)), ("bytes", obj(py, bytes))],
         ),
+        Error::OutOfHostBlocks { needed, available } => raise(
+            py,
+            15,
+            message,
+            &[
+                ("needed", obj(py, needed)),
+                ("available", obj(py, available)),
+            ],
+        ),
+        Error::InvalidSequenceState {
+            seq_id,
+            state,
+            expected,
+        } => raise(
+            py,
+            16,
+            message,
+            &[
+                ("seq_id", obj(py, seq_id)),
+                ("state", obj(py, state)),
+                ("expected", obj(py, expected)),
+            ],
+        ),
     }
 }
 
@@ -341,6 +366,15 @@ pub fn sample(name: &str) -> Option<Error> {
         "AllocationFailed" => Error::AllocationFailed {
             what: "prefix hash map",
             bytes: 1 << 40,
+        },
+        "OutOfHostBlocks" => Error::OutOfHostBlocks {
+            needed: 4,
+            available: 1,
+        },
+        "InvalidSequenceState" => Error::InvalidSequenceState {
+            seq_id: 9,
+            state: "swapped",
+            expected: "running",
         },
         _ => return None,
     })
