@@ -106,8 +106,20 @@ SAMPLES = {
     "AllocationFailed": (
         errors.AllocationFailedError,
         MemoryError,
-        "allocation failed: step buffers (host arena) needs 1099511627776 bytes",
-        {"what": "step buffers (host arena)", "bytes": 1 << 40},
+        "allocation failed: prefix hash map needs 1099511627776 bytes",
+        {"what": "prefix hash map", "bytes": 1 << 40},
+    ),
+    "OutOfHostBlocks": (
+        errors.OutOfHostBlocksError,
+        errors.PagedKVError,
+        "out of host blocks: need 4, 1 available",
+        {"needed": 4, "available": 1},
+    ),
+    "InvalidSequenceState": (
+        errors.InvalidSequenceStateError,
+        ValueError,
+        "sequence 9 is swapped; this call needs it running",
+        {"seq_id": 9, "state": "swapped", "expected": "running"},
     ),
 }
 
@@ -247,6 +259,19 @@ def _invalid_block() -> None:
     pagedkv.BlockManager(8, 4).block_refcount(8)
 
 
+def _out_of_host_blocks() -> None:
+    m = pagedkv.BlockManager(16, 2, watermark_blocks=0)  # num_host_blocks=0: swap disabled
+    m.admit(1, [1, 2, 3])
+    m.swap_out([1])
+
+
+def _invalid_sequence_state() -> None:
+    m = pagedkv.BlockManager(16, 2, watermark_blocks=0, num_host_blocks=4)
+    m.admit(1, [1, 2, 3])
+    m.swap_out([1])
+    m.append(1, [4])
+
+
 REAL = {
     "InvalidConfig": _invalid_config,
     "InvalidArgument": _invalid_argument,
@@ -260,6 +285,8 @@ REAL = {
     "BuffersNotRegistered": _buffers_not_registered,
     "InvalidBlock": _invalid_block,
     "AllocationFailed": _allocation_failed,
+    "OutOfHostBlocks": _out_of_host_blocks,
+    "InvalidSequenceState": _invalid_sequence_state,
 }
 # Not reachable through a public call, so covered by the samples above only: RefcountUnderflow (the
 # manager never over-frees), PrefixCollision (verify mode serves a collision as a miss) and
@@ -299,3 +326,14 @@ def test_token_id_above_u32_names_the_value() -> None:
     assert info.value.value == 2**32
     assert str(2**32) in str(info.value)
     assert 1 not in m
+
+
+def test_impossible_pool_raises_allocation_failed() -> None:
+    """2**31 - 1 blocks of 2**31 - 1 tokens with verify on would need 2**64 bytes of token ids:
+    a typed error naming the bytes, not an aborted interpreter."""
+    n = 2**31 - 1
+    with pytest.raises(errors.AllocationFailedError) as info:
+        pagedkv.BlockManager(n, n, max_blocks_per_seq=1)
+    assert info.value.bytes == n * n * 4
+    assert "verify_prefix" in info.value.what
+    assert str(n * n * 4) in str(info.value)

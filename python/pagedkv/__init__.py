@@ -28,7 +28,9 @@ if TYPE_CHECKING:
         InvalidBlockError,
         InvalidConfigError,
         InvariantViolationError,
+        InvalidSequenceStateError,
         OutOfBlocksError,
+        OutOfHostBlocksError,
         PagedKVError,
         PrefixCollisionError,
         RefcountUnderflowError,
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
         UnknownSequenceError,
         WatermarkReachedError,
     )
-    from .manager import AdmitResult, BlockManager, Stats, StepInfo
+    from .manager import AdmitResult, BlockManager, CostModel, Decision, Stats, StepInfo
     from .engine.llm import LLM, LLMEngine
     from .engine.outputs import CompletionOutput, RequestOutput
     from .engine.sampling_params import SamplingParams
@@ -48,12 +50,15 @@ _EXPORTS = {
     "AdmitResult": "manager",
     "StepInfo": "manager",
     "Stats": "manager",
+    "CostModel": "manager",
+    "Decision": "manager",
     "StepBuffers": "buffers",
     "StepTensors": "buffers",
     "CacheSpec": "config",
     "KVPool": "pool",
     "PagedKVError": "errors",
     "InvalidConfigError": "errors",
+    "AllocationFailedError": "errors",
     "InvalidArgumentError": "errors",
     "UnknownSequenceError": "errors",
     "DuplicateSequenceError": "errors",
@@ -67,6 +72,8 @@ _EXPORTS = {
     "RefcountUnderflowError": "errors",
     "PrefixCollisionError": "errors",
     "InvariantViolationError": "errors",
+    "OutOfHostBlocksError": "errors",
+    "InvalidSequenceStateError": "errors",
     "AllocationFailedError": "errors",
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm",

@@ -30,6 +30,8 @@ class BlockManager:
         max_blocks_per_seq: Optional[int] = ...,
         enable_prefix_caching: Optional[bool] = ...,
         verify_prefix: Optional[bool] = ...,
+        hash_seed: Optional[int] = ...,
+        num_host_blocks: Optional[int] = ...,
     ) -> BlockManager: ...
     @property
     def num_blocks(self) -> int: ...
@@ -43,6 +45,8 @@ class BlockManager:
     def enable_prefix_caching(self) -> bool: ...
     @property
     def verify_prefix(self) -> bool: ...
+    @property
+    def num_host_blocks(self) -> int: ...
     @property
     def has_buffers(self) -> bool: ...
     def can_admit(
@@ -100,8 +104,33 @@ class BlockManager:
     def invalidate_step_cache(self) -> None: ...
     def step(
         self, seq_ids: _Ids, num_new_tokens: Union[_Ids, int]
-    ) -> Tuple[int, int, int, int, int]:
-        """Returns ``(num_seqs, num_tokens, num_kv_indices, num_copies, max_seq_len)``."""
+    ) -> Tuple[int, int, int, int, int, int, int]:
+        """Returns ``(num_seqs, num_tokens, num_kv_indices, num_copies, max_seq_len,
+        num_swap_out, num_swap_in)``."""
+    def swap_out(self, seq_ids: _Ids) -> list[Tuple[int, int]]:
+        """``(device_block, host_block)`` copies; also queued for the next step."""
+    def swap_in(self, seq_ids: _Ids) -> list[Tuple[int, int]]:
+        """``(host_block, device_block)`` copies; also queued for the next step."""
+    def recompute(self, seq_id: int) -> None: ...
+    def resume(
+        self, seq_id: int, max_new_tokens: Optional[int] = ...
+    ) -> Tuple[int, int, int, int]:
+        """Returns ``(cached_tokens, new_blocks, num_blocks, num_tokens)``."""
+    def choose_victim(self) -> Optional[list[int]]: ...
+    def decide(
+        self,
+        seq_ids: _Ids,
+        host_link_bytes_per_s: float,
+        prefill_tokens_per_s: float,
+        kv_bytes_per_token: float,
+    ) -> Tuple[str, float, float, bool, int, int]:
+        """``(mode, swap_cost_s, recompute_cost_s, swap_possible, swap_blocks, recompute_tokens)``."""
+    def seq_state(self, seq_id: int) -> str:
+        """``"running"``, ``"swapped"`` or ``"recompute"``."""
+    def pending_swap_out(self) -> list[Tuple[int, int]]: ...
+    def pending_swap_in(self) -> list[Tuple[int, int]]: ...
+    def num_free_host_blocks(self) -> int: ...
+    def host_block_refcount(self, block: int) -> int: ...
 
 @final
 class StepArena:
@@ -114,6 +143,7 @@ class StepArena:
         max_blocks_per_seq: int,
         max_copies: int,
         csr: bool,
+        max_swaps: Optional[int] = ...,
     ) -> StepArena: ...
     @property
     def nbytes(self) -> int: ...
@@ -140,8 +170,11 @@ def hash_blocks(
     adapter_id: Optional[int] = ...,
     mm_inputs: Optional[Sequence[Tuple[int, int, _Keys]]] = ...,
     extra_keys: Optional[_Keys] = ...,
+    *,
+    hash_seed: int,
 ) -> list[bytes]:
-    """Chained prefix hashes of every full block, 16 little-endian bytes each."""
+    """Chained prefix hashes of every full block under key ``hash_seed``, 16 little-endian bytes
+    each."""
 
 def _raise_core_error(name: str) -> None:
     """Raises the mapped exception for a sample of the named core error variant (tests only)."""

@@ -9,7 +9,11 @@ Owns the memory that carries one scheduler step's bookkeeping to the GPU (``B`` 
 - ``kv_indptr`` int32 ``[max_seqs + 1]``, ``kv_indices`` int32 ``[max_seqs * max_blocks_per_seq]``,
   ``kv_last_page_len`` int32 ``[max_seqs]``: the FlashInfer CSR page table (row offsets, block ids,
   tokens in each last block); optional (``csr=False`` leaves the three empty and unwritten);
-- ``copies`` int64 ``[max_copies, 2]``: pending copy-on-write ``(src, dst)`` block pairs.
+- ``copies`` int64 ``[max_copies, 2]``: pending copy-on-write ``(src, dst)`` block pairs;
+- ``swap_out`` int64 ``[max_swaps, 2]``: queued ``(device_block, host_block)`` swap-out copies;
+- ``swap_in`` int64 ``[max_swaps, 2]``: queued ``(host_block, device_block)`` swap-in copies.
+
+An engine runs a step's lists in the order swap-out, swap-in, copy-on-write, before its forward.
 
 Invariants:
 
@@ -59,7 +63,7 @@ _COALESCE_GAP = 128 * 1024
 
 
 class StepTensors(NamedTuple):
-    """The eight step tensors, all on one device (host, or the device mirror).
+    """The ten step tensors, all on one device (host, or the device mirror).
 
     A named tuple rather than a dataclass: one is built per step by :meth:`StepBuffers.views`, and
     a tuple is several times cheaper to build.
@@ -73,6 +77,8 @@ class StepTensors(NamedTuple):
     kv_indices: torch.Tensor
     kv_last_page_len: torch.Tensor
     copies: torch.Tensor
+    swap_out: torch.Tensor
+    swap_in: torch.Tensor
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields ``(name, tensor)`` for every field, in declaration order."""
@@ -114,6 +120,9 @@ class StepBuffers:
             ``max_blocks_per_seq`` for every sequence to fit.
         max_copies: Most pending copy-on-write pairs one step can carry; defaults to ``max_seqs``
             (each sequence copies at most its tail block per step).
+        max_swaps: Most pairs of each swap list (``swap_out``, ``swap_in``) one step can carry;
+            more stay queued for later steps. Defaults to ``2 * max_blocks_per_seq`` (two whole
+            sequences each way per step).
         device: Where the mirrors live. ``None`` picks ``"cuda"`` when available and otherwise keeps
             no mirror; ``"cpu"`` also keeps none (the mirrors are the host tensors).
         csr: Allocate the FlashInfer CSR page table (``kv_indptr``, ``kv_indices``,
@@ -134,6 +143,7 @@ class StepBuffers:
         max_blocks_per_seq: int,
         *,
         max_copies: Optional[int] = None,
+        max_swaps: Optional[int] = None,
         device: Union[str, torch.device, None] = None,
         csr: bool = True,
     ) -> None:
@@ -142,6 +152,9 @@ class StepBuffers:
         self.max_blocks_per_seq = _check_dim("max_blocks_per_seq", max_blocks_per_seq, 1)
         self.max_copies = _check_dim(
             "max_copies", max_seqs if max_copies is None else max_copies, 0
+        )
+        self.max_swaps = _check_dim(
+            "max_swaps", 2 * self.max_blocks_per_seq if max_swaps is None else max_swaps, 0
         )
         self.csr = check_flag("csr", csr)
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device is None else (
@@ -155,7 +168,12 @@ class StepBuffers:
         # torch refuses to resize); every view, and every manager it is attached to, keeps the
         # arena alive.
         self._arena = _core.StepArena(
-            self.max_seqs, self.max_tokens, self.max_blocks_per_seq, self.max_copies, self.csr
+            self.max_seqs,
+            self.max_tokens,
+            self.max_blocks_per_seq,
+            self.max_copies,
+            self.csr,
+            self.max_swaps,
         )
         self.nbytes = self._arena.nbytes
         self._offsets: dict[str, int] = {
@@ -187,8 +205,8 @@ class StepBuffers:
         self.mirror_device = dev
         # Per field, the last (length, full tensor, view) that `views` cut, for host and device.
         self._cuts: dict[bool, list[Optional[tuple[int, torch.Tensor, torch.Tensor]]]] = {
-            False: [None] * 8,
-            True: [None] * 8,
+            False: [None] * 10,
+            True: [None] * 10,
         }
 
     def _shapes(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -203,6 +221,8 @@ class StepBuffers:
             "kv_indices": (torch.int32, (c * s * b,)),
             "kv_last_page_len": (torch.int32, (c * s,)),
             "copies": (torch.int64, (self.max_copies, 2)),
+            "swap_out": (torch.int64, (self.max_swaps, 2)),
+            "swap_in": (torch.int64, (self.max_swaps, 2)),
         }
 
     def _carve(
@@ -228,8 +248,9 @@ class StepBuffers:
             ``slot_mapping[:num_tokens]``, ``block_tables[:num_seqs]`` (full rows: columns past a
             sequence's block count are stale), ``seq_lens[:num_seqs]``,
             ``query_start_loc[:num_seqs + 1]``, ``kv_indptr[:num_seqs + 1]``,
-            ``kv_indices[:num_kv_indices]``, ``kv_last_page_len[:num_seqs]``, ``copies[:num_copies]``
-            (the CSR three empty without ``csr``).
+            ``kv_indices[:num_kv_indices]``, ``kv_last_page_len[:num_seqs]``, ``copies[:num_copies]``,
+            ``swap_out[:num_swap_out]``, ``swap_in[:num_swap_in]`` (the CSR three empty without
+            ``csr``).
         """
         if on_device is not True and on_device is not False:
             check_flag("on_device", on_device)
@@ -246,6 +267,8 @@ class StepBuffers:
             info.num_kv_indices,
             c * s,
             info.num_copies,
+            info.num_swap_out,
+            info.num_swap_in,
         )
         out = []
         # Slicing a tensor costs about a microsecond; consecutive steps mostly cut the same
@@ -275,6 +298,8 @@ class StepBuffers:
             ("kv_indptr", 4 * c * (s + 1)),
             ("kv_last_page_len", 4 * c * s),
             ("copies", 16 * info.num_copies),
+            ("swap_out", 16 * info.num_swap_out),
+            ("swap_in", 16 * info.num_swap_in),
             ("slot_mapping", 8 * info.num_tokens),
             ("block_tables", 4 * s * self.max_blocks_per_seq),
             ("kv_indices", 4 * info.num_kv_indices),
@@ -319,6 +344,7 @@ class StepBuffers:
         return (
             f"StepBuffers(max_seqs={self.max_seqs}, max_tokens={self.max_tokens}, "
             f"max_blocks_per_seq={self.max_blocks_per_seq}, max_copies={self.max_copies}, "
+            f"max_swaps={self.max_swaps}, "
             f"device={str(self.mirror_device)!r}, pinned={self.pinned}, csr={self.csr})"
         )
 

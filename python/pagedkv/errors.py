@@ -39,6 +39,8 @@ __all__ = [
     "PrefixCollisionError",
     "InvariantViolationError",
     "AllocationFailedError",
+    "OutOfHostBlocksError",
+    "InvalidSequenceStateError",
 ]
 
 
@@ -207,6 +209,30 @@ class AllocationFailedError(PagedKVError, MemoryError):
     """
 
     field_names = ("what", "bytes")
+
+
+class OutOfHostBlocksError(PagedKVError):
+    """The host block pool lacks the free blocks a swap-out needs (always, with
+    ``num_host_blocks=0``: swap disabled). A scheduler falls back to recompute.
+
+    Not an :class:`OutOfBlocksError`: the device pool is not what ran out.
+
+    Attributes: ``needed``, ``available``.
+    """
+
+    field_names: Tuple[str, ...] = ("needed", "available")
+
+
+class InvalidSequenceStateError(PagedKVError, ValueError):
+    """The sequence is not in the state the call needs: stepping, appending to or forking a
+    swapped-out or recompute-preempted sequence, swapping in a running one, resuming one that was
+    not preempted by recompute.
+
+    Attributes: ``seq_id``, ``state`` (``"running"``, ``"swapped"`` or ``"recompute"``),
+    ``expected`` (what the call needs).
+    """
+
+    field_names = ("seq_id", "state", "expected")
 
 
 # Raised by the Python engine, not the core: it is no variant of the core's enum, so it stays out of

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     TokenIds = Union[Sequence[int], npt.NDArray[np.integer], int, Any]
     SeqIds = Union[Sequence[int], npt.NDArray[np.integer]]
 
-__all__ = ["BlockManager", "AdmitResult", "StepInfo", "Stats"]
+__all__ = ["BlockManager", "AdmitResult", "StepInfo", "Stats", "CostModel", "Decision"]
 
 logger = logging.getLogger("pagedkv")
 
@@ -74,6 +74,44 @@ class StepInfo(NamedTuple):
     num_copies: int
     #: Longest sequence in the batch, in tokens.
     max_seq_len: int
+    #: Swap-out ``(device_block, host_block)`` pairs written to ``swap_out`` (run first).
+    num_swap_out: int = 0
+    #: Swap-in ``(host_block, device_block)`` pairs written to ``swap_in`` (run after the
+    #: swap-outs, before the copy-on-write list).
+    num_swap_in: int = 0
+
+
+class CostModel(NamedTuple):
+    """Rates the swap-or-recompute choice is made from (measured on the device, or given).
+
+    Swap cost = 2 × the victim's KV bytes / ``host_link_bytes_per_s``; recompute cost = tokens to
+    recompute after surviving prefix hits (summed over a forked group's branches) /
+    ``prefill_tokens_per_s``. See :meth:`BlockManager.decide`.
+    """
+
+    #: Host <-> device copy bandwidth, bytes per second, one direction.
+    host_link_bytes_per_s: float
+    #: Prefill throughput, tokens per second.
+    prefill_tokens_per_s: float
+    #: KV bytes per token over all layers (``2 * kv_heads * head_dim * dtype_bytes * layers``).
+    kv_bytes_per_token: float
+
+
+class Decision(NamedTuple):
+    """What :meth:`BlockManager.decide` chose, and why."""
+
+    #: ``"swap"`` or ``"recompute"``.
+    mode: str
+    #: Estimated seconds to swap the victim out and back in.
+    swap_cost_s: float
+    #: Estimated seconds to recompute it.
+    recompute_cost_s: float
+    #: Whether the host pool has room for the swap now (when not, the mode is recompute).
+    swap_possible: bool
+    #: Distinct device blocks a swap would copy.
+    swap_blocks: int
+    #: Tokens a recompute would re-run.
+    recompute_tokens: int
 
 
 _new_tuple = tuple.__new__
@@ -129,9 +167,20 @@ class BlockManager:
         enable_prefix_caching: Share full blocks between sequences with the same token prefix
             (and the same extra keys), and keep freed full blocks cached until their space is needed.
         verify_prefix: Keep each cached block's token ids and compare them on every prefix-cache
-            hit; a mismatch (an XXH3-128 collision) is served as a miss and counted in
-            :attr:`Stats.prefix_collisions`. Guards against collisions at the price of a copy and a
-            compare per cached block.
+            hit (the default); a mismatch (a hash collision) is served as a miss and counted in
+            :attr:`Stats.prefix_collisions`. Costs a copy and a compare per cached block and
+            ``4 * block_size`` bytes per block; ``False`` turns it off.
+        hash_seed: Key of the prefix hash (an int in ``[0, 2**64)``). ``None`` (the default): a
+            fresh secret from the OS per manager, so callers cannot predict or forge hashes.
+            An explicit value makes hashes reproducible across processes, and computable by
+            anyone who knows it (see ``docs/prefix-hash.md``). Without a ``cache_salt`` all callers
+            share one cache, and ``cached_tokens`` tells a caller which prompts others sent: a
+            multi-tenant deployment gives each tenant its own secret salt.
+        num_host_blocks: Blocks of the host pool swapped-out sequences live in (``0``, the
+            default: swap disabled, :meth:`swap_out` raises
+            :class:`~pagedkv.errors.OutOfHostBlocksError`). The host memory itself is the
+            engine's; the manager hands out host block ids.
+        cost_model: Default :class:`CostModel` for :meth:`decide`.
 
     Raises:
         InvalidConfigError: A value is out of range (no blocks, block size 0, watermark ≥ pool, ...).
@@ -139,7 +188,7 @@ class BlockManager:
             not a bool.
     """
 
-    __slots__ = ("_core", "_buffers", "_append_batch", "_step")
+    __slots__ = ("_core", "_buffers", "_append_batch", "_step", "cost_model")
 
     def __init__(
         self,
@@ -149,7 +198,10 @@ class BlockManager:
         watermark_blocks: Optional[int] = None,
         max_blocks_per_seq: Optional[int] = None,
         enable_prefix_caching: bool = True,
-        verify_prefix: bool = False,
+        verify_prefix: bool = True,
+        hash_seed: Optional[int] = None,
+        num_host_blocks: int = 0,
+        cost_model: Optional[CostModel] = None,
     ) -> None:
         # Flags are bools only: `bool("false")` is True.
         self._core = _core.BlockManager(
@@ -159,7 +211,11 @@ class BlockManager:
             max_blocks_per_seq,
             check_flag("enable_prefix_caching", enable_prefix_caching),
             check_flag("verify_prefix", verify_prefix),
+            hash_seed,
+            num_host_blocks,
         )
+        #: Default :class:`CostModel` of :meth:`decide` (settable).
+        self.cost_model: Optional[CostModel] = cost_model
         self._buffers: Optional[StepBuffers] = None
         # Bound once: the hot path then skips two attribute lookups per call.
         self._append_batch = self._core.append_batch
@@ -198,9 +254,19 @@ class BlockManager:
         return self._core.verify_prefix
 
     @property
+    def num_host_blocks(self) -> int:
+        """Blocks of the host pool (0: swap disabled)."""
+        return self._core.num_host_blocks
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation could take now: free ones plus cached-free (evictable) ones."""
         return self._core.num_free_blocks()
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        """Free blocks of the host pool."""
+        return self._core.num_free_host_blocks()
 
     @property
     def num_seqs(self) -> int:
@@ -280,6 +346,9 @@ class BlockManager:
             seq_id: A new sequence id (``0 <= seq_id < 2**64``).
             token_ids: The whole prompt (at least one token).
             cache_salt: Per-tenant salt; prompts with different salts never share blocks.
+                Without one, every caller shares one cache and ``cached_tokens`` (and the time
+                an admission takes) reveals whether someone else sent the same prefix; give each
+                tenant (or user) its own unguessable salt to close that probe.
             adapter_id: LoRA adapter id; blocks are shared only within one adapter.
             mm_inputs: Multimodal inputs as ``(start, end, content_hash)``: token positions
                 ``[start, end)`` hold placeholder tokens for an input whose content hash is given;
@@ -565,7 +634,12 @@ class BlockManager:
         Each ``(seq_ids[i], num_new_tokens[i])`` means "the last ``n`` tokens of the sequence are new
         this step" (they must already have been added with :meth:`admit` / :meth:`append`). Writes
         slot mapping, block-table rows in batch order, sequence lengths, query start offsets, the
-        FlashInfer CSR page table and the pending copy-on-write list (draining it). Follow with
+        FlashInfer CSR page table, the pending copy-on-write list, and the queued swap-out and
+        swap-in lists (draining each as far as its buffer holds; pairs that do not fit stay queued
+        for a later step, except those this step needs: a swap-out whose device block was handed out
+        again, a swap-in whose block a scheduled sequence holds — if those alone do not fit,
+        :class:`~pagedkv.errors.BufferTooSmallError`). Run the lists in the order swap-out, swap-in,
+        copy-on-write, before the forward pass. Follow with
         :meth:`StepBuffers.to_device`. Block-table rows are written incrementally (see
         :meth:`invalidate_step_cache`).
 
@@ -579,6 +653,7 @@ class BlockManager:
         Raises:
             BuffersNotRegisteredError: No buffers attached.
             UnknownSequenceError: A sequence is not live.
+            InvalidSequenceStateError: A sequence is swapped out or preempted by recompute.
             InvalidArgumentError: Lengths differ, a count exceeds its sequence, or a sequence repeats.
             BufferTooSmallError: The batch does not fit the buffers; nothing was written.
         """
@@ -591,6 +666,137 @@ class BlockManager:
             else:
                 num_new_tokens = _ids(num_new_tokens)
         return _new_tuple(StepInfo, self._step(seq_ids, num_new_tokens))
+
+    # ------------------------------------------------------------------------------ reclamation
+
+    def swap_out(self, seq_ids: SeqIds) -> List[Tuple[int, int]]:
+        """Moves running sequences to the host pool and frees their device blocks.
+
+        Pass a forked group together (as :meth:`choose_victim` returns it): a block several of
+        them share is copied once, to one host block they all hold. A block shared with a sequence
+        left running is copied too and stays on the device for it. Device blocks that lose their
+        last holder are freed at once and may be handed out again before the next step; hashed
+        ones leave the prefix cache first, so a swapped-out block is not findable by prefix
+        lookups until it is swapped back in (when it is registered again). The sequences become
+        ``"swapped"``: not schedulable (:meth:`step`, :meth:`append`, :meth:`fork` raise
+        :class:`~pagedkv.errors.InvalidSequenceStateError`), still known (``seq_id in manager``,
+        :meth:`free` works, :meth:`block_table` lists their host blocks).
+
+        The copies are also queued and written by the next :meth:`step` into the ``swap_out``
+        step buffer; the engine must run them before anything else of that step (a freed device
+        block may be reused in the same step). Each copy carries the KV that steps already run
+        wrote. Counts one swap preemption per sequence.
+
+        Args:
+            seq_ids: Running sequences, distinct, at least one.
+
+        Returns:
+            The ``(device_block, host_block)`` copies to make.
+
+        Raises:
+            UnknownSequenceError, InvalidSequenceStateError (one is not running),
+            InvalidArgumentError (empty, repeated id), OutOfHostBlocksError (the host pool lacks
+            the blocks). Nothing changed on error.
+        """
+        return self._core.swap_out(_ids(seq_ids))
+
+    def swap_in(self, seq_ids: SeqIds) -> List[Tuple[int, int]]:
+        """Brings swapped-out sequences back to the device.
+
+        Allocates a device block per distinct host block (a block the group shares on the host is
+        shared again on the device); like an admission, it must leave the watermark reserve free.
+        The copies are queued and written by the next :meth:`step` into ``swap_in``; each host block
+        is released once the step emitting its copy has been built. The sequences run again with
+        their admission order and fork group unchanged.
+
+        Returns:
+            The ``(host_block, device_block)`` copies to make.
+
+        Raises:
+            UnknownSequenceError, InvalidSequenceStateError (one is not swapped out),
+            InvalidArgumentError, OutOfBlocksError, WatermarkReachedError. Nothing changed on
+            error.
+        """
+        return self._core.swap_in(_ids(seq_ids))
+
+    def recompute(self, seq_id: int) -> None:
+        """Preempts a sequence by recompute: frees its blocks (hashed full blocks stay cached, so
+        :meth:`resume` can hit them), keeps its length and token ids. A swapped-out sequence may
+        be dropped to this state too (its host blocks are freed). Counts one recompute preemption
+        for a running sequence.
+
+        Raises:
+            UnknownSequenceError, InvalidSequenceStateError (already preempted by recompute).
+        """
+        self._core.recompute(seq_id)
+
+    def resume(self, seq_id: int, max_new_tokens: Optional[int] = None) -> AdmitResult:
+        """Re-admits a sequence preempted by :meth:`recompute` from its kept tokens, exactly as
+        :meth:`admit` of those tokens would (prefix-cache lookup over all of them; with
+        ``max_new_tokens`` it holds ``cached + min(max_new_tokens, len - cached)`` and the rest is
+        appended later). Keeps its id, admission order and fork group.
+
+        Raises:
+            UnknownSequenceError, InvalidSequenceStateError (not preempted by recompute),
+            InvalidArgumentError (``max_new_tokens`` 0 or not an int), OutOfBlocksError,
+            WatermarkReachedError. Nothing changed on error.
+        """
+        return _new_tuple(AdmitResult, self._core.resume(seq_id, max_new_tokens))
+
+    def choose_victim(self) -> Optional[List[int]]:
+        """The next preemption victim: the running members of the most recently admitted fork
+        group (a forked child counts as admitted with its parent; swap and recompute keep the
+        order), in creation order. ``None`` when nothing runs."""
+        return self._core.choose_victim()
+
+    def decide(self, seq_ids: SeqIds, cost_model: Optional[CostModel] = None) -> Decision:
+        """The cost model's choice for preempting the running ``seq_ids`` together.
+
+        Swap: 2 × the KV bytes of their distinct device blocks over the host link. Recompute: per
+        sequence, the tokens past the leading full blocks that stay cached after the preemption
+        (blocks other sequences also hold), at least one, summed over the sequences (× branches for
+        a forked group), over the prefill throughput. Swap is chosen when the host pool has room
+        and it is strictly cheaper. Read-only.
+
+        Args:
+            seq_ids: Running sequences, distinct.
+            cost_model: The rates; defaults to :attr:`cost_model`.
+
+        Raises:
+            InvalidArgumentError: No cost model, or a rate that is not finite and > 0; as
+                :meth:`swap_out` for the ids.
+        """
+        cm = self.cost_model if cost_model is None else cost_model
+        if cm is None:
+            reason = "no cost model given and none set on the manager"
+            raise InvalidArgumentError(
+                f"invalid argument: cost_model = None: {reason}",
+                what="cost_model",
+                value=None,
+                reason=reason,
+            )
+        link, prefill, kv = (float(x) for x in cm)
+        return _new_tuple(Decision, self._core.decide(_ids(seq_ids), link, prefill, kv))
+
+    def seq_state(self, seq_id: int) -> str:
+        """``"running"``, ``"swapped"`` or ``"recompute"``."""
+        return self._core.seq_state(seq_id)
+
+    def pending_swap_out(self) -> List[Tuple[int, int]]:
+        """Swap-out ``(device, host)`` copies queued for the next steps."""
+        return self._core.pending_swap_out()
+
+    def pending_swap_in(self) -> List[Tuple[int, int]]:
+        """Swap-in ``(host, device)`` copies queued for the next steps."""
+        return self._core.pending_swap_in()
+
+    def host_block_refcount(self, block_id: int) -> int:
+        """Reference count of a host block (swapped tables holding it plus queued swap-ins).
+
+        Raises:
+            InvalidBlockError: ``block_id`` is outside the host pool.
+        """
+        return self._core.host_block_refcount(block_id)
 
     # ---------------------------------------------------------------------------------- signals
 
@@ -653,8 +859,25 @@ class Stats:
     shared_blocks: int
     #: Copy-on-write block copies queued so far.
     cow_copies: int
-    #: Preemptions so far.
+    #: Preemptions so far, both modes, counted per sequence.
     preemptions: int
+    #: Sequences swapped out so far.
+    preemptions_swap: int
+    #: Running sequences preempted by recompute so far.
+    preemptions_recompute: int
+    #: Device -> host block copies queued so far (a block shared in a group once).
+    swapped_out_blocks: int
+    #: Host -> device block copies queued so far.
+    swapped_in_blocks: int
+    #: Blocks of the host pool.
+    num_host_blocks: int
+    #: Free blocks of the host pool.
+    host_free_blocks: int
+    #: Sequences swapped out now.
+    swapped_seqs: int
+    #: ``used_blocks / num_blocks`` with cached-free blocks counted as free (vLLM's KV cache
+    #: usage; unlike :attr:`kv_utilization` it never exceeds 1).
+    kv_cache_usage: float
     #: Sequences per block-count bucket: bucket 0 holds 0–1 blocks, bucket ``k >= 1`` holds
     #: ``(2**(k-1), 2**k]`` blocks, the last bucket everything above.
     blocks_per_seq: Tuple[int, ...]

@@ -15,6 +15,7 @@
 //! - [`prefix`]: the prefix cache — hash → block map and the LRU of cached-free blocks.
 //! - [`step`]: caller-owned step buffers and what one step writes into them.
 //! - [`metrics`]: cheap counters readable at any time.
+//! - [`swap`]: reclamation — the host block pool, sequence states, the swap-or-recompute cost model.
 //! - [`manager`]: the block manager tying them together.
 
 pub mod error;
@@ -25,6 +26,7 @@ pub mod metrics;
 pub mod pool;
 pub mod prefix;
 pub mod step;
+pub mod swap;
 pub mod table;
 
 pub use error::{Error, Result};

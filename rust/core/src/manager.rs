@@ -29,8 +29,10 @@
 //! - **Batch calls** (`admit_batch`, `free_batch`) validate every argument before touching state;
 //!   `admit_batch` then admits in order and stops at the first request that does not fit.
 //! - **Copy-on-write.** Only a partly filled tail block can be shared *and* written (after a
-//!   fork). Appending into one allocates a fresh block and queues a `(src, dst)` copy that the next
-//!   `build_step` emits. The copy list of one step has distinct `dst`s and no `dst` is a `src`.
+//!   fork). Appending into one allocates a fresh block and queues a `(src, dst)` copy that a
+//!   `build_step` emits: the next one with room in its copy buffer, and at the latest the first
+//!   one that schedules a sequence holding the copy's `dst` or `src`. The copy list of one step
+//!   has distinct `dst`s and no `dst` is a `src`.
 //! - **Allocation order.** Never-cached free blocks first, then the least recently freed
 //!   cached-free block (an eviction). A freed sequence's blocks enter the LRU tail first, so its
 //!   tail is evicted before its prefix.
@@ -41,11 +43,12 @@
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::hash::{root_hash, Hasher, SeqKeys};
+use crate::hash::{random_key, root_hash, Hasher, SeqKeys};
 use crate::metrics::{hist_bucket, Counters, Stats, HIST_BUCKETS};
 use crate::pool::BlockPool;
 use crate::prefix::{FastMap, PrefixCache};
 use crate::step::{StepBuffers, StepCache, StepInfo};
+use crate::swap::{CostModel, Decision, HostBlockId, HostPool, PreemptMode, SeqState};
 use crate::table::{blocks_for, BlockTable};
 use crate::{BlockId, SeqId, TokenId};
 
@@ -63,12 +66,21 @@ pub struct ManagerConfig {
     /// Keep each cached block's token ids and compare them on every hit; a mismatch (a hash
     /// collision) is served as a miss and counted.
     pub verify_prefix: bool,
+    /// Key of the prefix hash (the XXH3-128 seed of every block hash and of the chain root).
+    /// `None` (the default): a fresh key from the OS for each manager, so nobody outside the
+    /// process can predict or steer a hash. `Some(k)`: hashes are reproducible across processes
+    /// and machines that share `k` — which also lets anyone who learns `k` compute them (see
+    /// `docs/prefix-hash.md`, threat model).
+    pub hash_seed: Option<u64>,
+    /// Blocks of the host pool that swapped-out sequences live in (0: swap disabled). The host
+    /// memory is the engine's; the core hands out its block ids.
+    pub num_host_blocks: u32,
 }
 
 impl ManagerConfig {
     /// Defaults: watermark 1% of the pool (at least 1, but 0 for a one-block pool), rows as wide
     /// as the pool (capped so `max_blocks_per_seq * block_size` fits an `i32` sequence length),
-    /// prefix caching on, verify off.
+    /// prefix caching on, verify on, a random hash key.
     pub fn new(num_blocks: u32, block_size: u32) -> Self {
         let watermark_blocks = if num_blocks <= 1 {
             0
@@ -84,7 +96,9 @@ impl ManagerConfig {
             watermark_blocks,
             max_blocks_per_seq: num_blocks.min(cap),
             enable_prefix_caching: true,
-            verify_prefix: false,
+            verify_prefix: true,
+            hash_seed: None,
+            num_host_blocks: 0,
         }
     }
 
@@ -102,6 +116,16 @@ impl ManagerConfig {
         }
         if self.num_blocks == 0 {
             return bad("num_blocks", 0, "must be >= 1".into());
+        }
+        if self.num_host_blocks > i32::MAX as u32 {
+            return bad(
+                "num_host_blocks",
+                self.num_host_blocks as u64,
+                format!(
+                    "must be <= {} (block ids are written as int64 pairs of int32 ids)",
+                    i32::MAX
+                ),
+            );
         }
         if self.num_blocks > i32::MAX as u32 {
             return bad(
@@ -211,6 +235,13 @@ fn check_max_new(max_new: Option<usize>) -> Result<()> {
     Ok(())
 }
 
+/// Which queued swap copies a step emits (see `BlockManager::plan_swaps`).
+#[derive(Debug)]
+struct SwapPlan {
+    emit_out: Vec<bool>,
+    emit_in: Vec<bool>,
+}
+
 /// Per-sequence state, kept in a slab so batch calls index it directly after one lookup.
 #[derive(Debug, Clone, Default)]
 struct Seq {
@@ -233,8 +264,18 @@ struct Seq {
     /// reused, so a step-cache row mark cannot match a later sequence in the same slot or id.
     uid: u64,
     /// Bumped whenever an existing entry of `table.blocks` is replaced in place (copy-on-write of
-    /// the tail). Growth by push does not bump it: entries already written stay valid.
+    /// the tail, a swap). Growth by push does not bump it: entries already written stay valid.
     version: u64,
+    /// Running, swapped out (the table holds host block ids) or preempted by recompute (no blocks).
+    state: SeqState,
+    /// Admission order (victims are taken from the highest); a forked child inherits its parent's,
+    /// and a swap or recompute keeps it.
+    order: u64,
+    /// Fork group: the uid of the admission the sequence descends from.
+    group: u64,
+    /// `cache_epoch` when it was swapped out: its hashes are re-registered on swap-in only if the
+    /// prefix cache was not reset since.
+    swap_epoch: u64,
 }
 
 /// The block manager. See the module documentation for the rules it keeps.
@@ -256,6 +297,8 @@ pub struct BlockManager {
     shared_blocks: u64,
     used_tokens: u64,
     epoch: u64,
+    /// The prefix-hash key in use (`cfg.hash_seed` or one drawn from the OS).
+    hash_key: u64,
     empty_root: u128,
     hasher: Hasher,
     /// Bumped whenever the set of sequences changes (admit, fork, free).
@@ -272,19 +315,38 @@ pub struct BlockManager {
     step_cache: StepCache,
     /// Slots of the step's batch with full blocks not yet offered to the prefix cache.
     scratch_register: Vec<u32>,
+    /// The host block pool.
+    host: HostPool,
+    /// Swap-out copies `(device, host)` not yet emitted by a step.
+    swap_out_q: Vec<(BlockId, HostBlockId)>,
+    /// Swap-in copies `(host, device)` not yet emitted by a step; each holds a host reference.
+    swap_in_q: Vec<(HostBlockId, BlockId)>,
+    /// Last admission order handed out.
+    last_order: u64,
+    /// Bumped by `reset_prefix_cache`.
+    cache_epoch: u64,
 }
 
 impl BlockManager {
-    /// A manager over a fresh pool; `InvalidConfig` if `cfg` does not validate.
+    /// A manager over a fresh pool; `InvalidConfig` if `cfg` does not validate,
+    /// `AllocationFailed` (naming the array and its bytes) if the host cannot hold the pool's or
+    /// the prefix cache's arrays.
     pub fn new(cfg: ManagerConfig) -> Result<Self> {
         cfg.validate()?;
-        let pool = BlockPool::new(cfg.num_blocks)?;
-        let prefix = PrefixCache::new(
+        let hash_key = match cfg.hash_seed {
+            Some(k) => k,
+            None => random_key()?,
+        };
+        // The prefix cache first: its arrays are the largest, and mostly committed lazily, so a
+        // pool too large for the host fails before the pool's arrays are written.
+        let prefix = PrefixCache::try_new(
             cfg.num_blocks,
             cfg.block_size,
             cfg.enable_prefix_caching && cfg.verify_prefix,
             cfg.enable_prefix_caching,
-        );
+        )?;
+        let pool = BlockPool::new(cfg.num_blocks)?;
+        let host = HostPool::new(cfg.num_host_blocks)?;
         Ok(Self {
             bs: cfg.block_size as usize,
             caching: cfg.enable_prefix_caching,
@@ -299,8 +361,9 @@ impl BlockManager {
             shared_blocks: 0,
             used_tokens: 0,
             epoch: 0,
-            empty_root: root_hash(&[]),
-            hasher: Hasher::new(),
+            hash_key,
+            empty_root: root_hash(hash_key, &[]),
+            hasher: Hasher::new(hash_key),
             gen: 0,
             batch_ids: Vec::new(),
             batch_idx: Vec::new(),
@@ -310,6 +373,11 @@ impl BlockManager {
             last_uid: 0,
             step_cache: StepCache::default(),
             scratch_register: Vec::new(),
+            host,
+            swap_out_q: Vec::new(),
+            swap_in_q: Vec::new(),
+            last_order: 0,
+            cache_epoch: 0,
             cfg,
         })
     }
@@ -362,7 +430,13 @@ impl BlockManager {
             return Ok(false);
         }
         let (mut hashes, mut hits) = (Vec::new(), Vec::new());
-        let look = self.lookup(&mut Hasher::new(), tokens, keys, &mut hashes, &mut hits);
+        let look = self.lookup(
+            &mut Hasher::new(self.hash_key),
+            tokens,
+            keys,
+            &mut hashes,
+            &mut hits,
+        );
         let held = held_tokens(n, look.cached, max_new_tokens);
         let needed = blocks_for(held, self.bs) - hits.len() + look.revive;
         Ok(self.fits(needed))
@@ -482,10 +556,36 @@ impl BlockManager {
         hashes: &mut Vec<u128>,
         hits: &mut Vec<BlockId>,
     ) -> Lookup {
+        let root = self.root_for(keys);
+        let extra = keys.filter(|k| k.has_block_extras());
+        self.lookup_root(hasher, tokens, root, extra, hashes, hits)
+    }
+
+    /// `h_{-1}` for the keys' salt.
+    #[inline]
+    fn root_for(&self, keys: Option<&SeqKeys>) -> u128 {
+        match keys {
+            Some(k) if self.caching && !k.cache_salt.is_empty() => {
+                root_hash(self.hash_key, &k.cache_salt)
+            }
+            _ => self.empty_root,
+        }
+    }
+
+    /// [`Self::lookup`] with the chain root and the block-extra keys already known.
+    fn lookup_root(
+        &self,
+        hasher: &mut Hasher,
+        tokens: &[TokenId],
+        root: u128,
+        extra: Option<&SeqKeys>,
+        hashes: &mut Vec<u128>,
+        hits: &mut Vec<BlockId>,
+    ) -> Lookup {
         const GROUP: usize = 16;
         let bs = self.bs;
         let mut look = Lookup {
-            root: self.empty_root,
+            root,
             ..Lookup::default()
         };
         hashes.clear();
@@ -493,12 +593,6 @@ impl BlockManager {
         if !self.caching {
             return look;
         }
-        if let Some(k) = keys {
-            if !k.cache_salt.is_empty() {
-                look.root = root_hash(&k.cache_salt);
-            }
-        }
-        let extra = keys.filter(|k| k.has_block_extras());
         let max_hit = (tokens.len() - 1) / bs;
         for i in 0..max_hit {
             if i == hashes.len() {
@@ -529,12 +623,41 @@ impl BlockManager {
         keys: Option<&SeqKeys>,
         max_new_tokens: Option<usize>,
     ) -> Result<AdmitResult> {
-        let n = tokens.len();
+        let root = self.root_for(keys);
+        let extra = keys.filter(|k| k.has_block_extras());
+        self.admit_core(
+            seq,
+            tokens,
+            tokens.len(),
+            root,
+            extra,
+            None,
+            max_new_tokens,
+            None,
+        )
+    }
+
+    /// Lookup, fit and apply of an admission. `n` is the prompt's length (`tokens` holds its ids,
+    /// or nothing when prefix caching is off and this is a resume). `shared` is the sequence's own
+    /// keys on a resume (reused instead of cloning `extra`), and `resume` its slot: then its
+    /// admission order, fork group and slot are kept.
+    #[allow(clippy::too_many_arguments)]
+    fn admit_core(
+        &mut self,
+        seq: SeqId,
+        tokens: &[TokenId],
+        n: usize,
+        root: u128,
+        extra: Option<&SeqKeys>,
+        shared: Option<Arc<SeqKeys>>,
+        max_new_tokens: Option<usize>,
+        resume: Option<usize>,
+    ) -> Result<AdmitResult> {
         let bs = self.bs;
         let mut hits = std::mem::take(&mut self.scratch_hits);
         let mut hashes = std::mem::take(&mut self.scratch_hashes);
         let mut hasher = std::mem::take(&mut self.hasher);
-        let look = self.lookup(&mut hasher, tokens, keys, &mut hashes, &mut hits);
+        let look = self.lookup_root(&mut hasher, tokens, root, extra, &mut hashes, &mut hits);
         self.hasher = hasher;
         let held = held_tokens(n, look.cached, max_new_tokens);
         let nb = blocks_for(held, bs);
@@ -563,7 +686,19 @@ impl BlockManager {
         }
 
         // Validated: apply.
-        let slot = self.take_slot();
+        let slot = match resume {
+            Some(i) => i as u32,
+            None => self.take_slot(),
+        };
+        self.last_uid += 1;
+        let uid = self.last_uid;
+        let (order, group) = match resume {
+            Some(i) => (self.slots[i].order, self.slots[i].group),
+            None => {
+                self.last_order += 1;
+                (self.last_order, uid)
+            }
+        };
         let s = &mut self.slots[slot as usize];
         s.table.clear();
         for &b in &hits {
@@ -592,13 +727,16 @@ impl BlockManager {
         }
         s.registered = hits.len();
         s.root = look.root;
-        s.keys = keys
-            .filter(|k| k.has_block_extras())
-            .map(|k| Arc::new(k.clone()));
+        s.keys = match shared {
+            Some(k) => Some(k),
+            None => extra.map(|k| Arc::new(k.clone())),
+        };
         s.tail_maybe_shared = false;
-        self.last_uid += 1;
-        s.uid = self.last_uid;
+        s.uid = uid;
         s.version = 0;
+        s.state = SeqState::Running;
+        s.order = order;
+        s.group = group;
         self.index.insert(seq, slot);
         self.gen += 1;
         self.used_tokens += held as u64;
@@ -653,6 +791,8 @@ impl BlockManager {
     ///
     /// Use it when cached KV is no longer valid (new weights, a changed model config).
     pub fn reset_prefix_cache(&mut self) -> Result<usize> {
+        // Swapped-out sequences do not re-register their blocks on swap-in after a reset.
+        self.cache_epoch += 1;
         let dropped = self.prefix.num_hashed();
         let mut result = Ok(dropped);
         while let Some(b) = self.prefix.evict_oldest() {
@@ -710,6 +850,9 @@ impl BlockManager {
         let slot = self.slot_of(seq)?;
         let bs = self.bs;
         let s = &self.slots[slot];
+        if s.state != SeqState::Running {
+            return Err(not_running(seq, s.state));
+        }
         let len = s.table.num_tokens;
         let nb = blocks_for(len + tokens.len(), bs);
         if nb > self.cfg.max_blocks_per_seq as usize {
@@ -832,6 +975,9 @@ impl BlockManager {
                     reason: "sequence id appears twice in one batch".into(),
                 });
             }
+            if s.state != SeqState::Running {
+                return Err(not_running(id, s.state));
+            }
             s.mark = epoch;
             self.batch_idx.push(i);
         }
@@ -900,7 +1046,8 @@ impl BlockManager {
     /// Drops one reference to `b`, parking it (free list, LRU or deferred) when none remain.
     #[inline]
     fn drop_ref(&mut self, b: BlockId) -> Result<()> {
-        if self.pending.is_empty() && self.prefix.hash_of(b).is_none() {
+        if self.pending.is_empty() && self.swap_in_q.is_empty() && self.prefix.hash_of(b).is_none()
+        {
             // Not cached and no copy in flight: the pool decrements and releases in one step
             // (one pool update per block on the free path instead of two).
             if !self.pool.free_mut(b)? && self.pool.refcount(b)? == 1 {
@@ -919,6 +1066,14 @@ impl BlockManager {
     }
 
     fn unreferenced(&mut self, b: BlockId) -> Result<()> {
+        if !self.swap_in_q.is_empty() {
+            if let Some(pos) = self.swap_in_q.iter().position(|&(_, d)| d == b) {
+                // Nobody will read this swap-in destination: the copy is moot, and its host block
+                // loses the reference the queued copy held.
+                let (h, _) = self.swap_in_q.remove(pos);
+                self.host_drop(h)?;
+            }
+        }
         if !self.pending.is_empty() {
             if let Some(pos) = self.pending.iter().position(|&(_, d)| d == b) {
                 // Nobody will read this dst: the copy is moot. Its src may have been held only for it.
@@ -953,6 +1108,9 @@ impl BlockManager {
     /// search). No block is allocated; the first write into the shared tail copies it.
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
         let p = self.slot_of(parent)?;
+        if self.slots[p].state != SeqState::Running {
+            return Err(not_running(parent, self.slots[p].state));
+        }
         if self.index.contains_key(&child) {
             return Err(Error::DuplicateSequence { seq_id: child });
         }
@@ -980,6 +1138,9 @@ impl BlockManager {
         self.last_uid += 1;
         child_state.uid = self.last_uid;
         child_state.version = 0;
+        child_state.state = SeqState::Running;
+        child_state.order = ps.order;
+        child_state.group = ps.group;
         for &b in &child_state.table.blocks {
             if self.pool.incref_mut(b)? == 2 {
                 self.shared_blocks += 1;
@@ -1002,20 +1163,499 @@ impl BlockManager {
             .ok_or(Error::UnknownSequence { seq_id: seq })? as usize;
         self.gen += 1;
         let blocks = std::mem::take(&mut self.slots[slot].table.blocks);
+        let state = self.slots[slot].state;
         let mut result = Ok(());
         for &b in blocks.iter().rev() {
-            if let Err(e) = self.drop_ref(b) {
+            let r = match state {
+                SeqState::Running => self.drop_ref(b),
+                // A swapped-out table holds host blocks.
+                _ => self.host_drop(b),
+            };
+            if let Err(e) = r {
                 result = Err(e);
             }
         }
         let s = &mut self.slots[slot];
         s.table.blocks = blocks;
         s.table.blocks.clear();
-        self.used_tokens -= s.table.num_tokens as u64;
+        if state == SeqState::Running {
+            self.used_tokens -= s.table.num_tokens as u64;
+        }
         s.table.num_tokens = 0;
+        s.state = SeqState::Running;
         s.keys = None;
         self.free_slots.push(slot as u32);
         result
+    }
+
+    // ------------------------------------------------------------------------------ reclamation
+
+    /// Resolves `seqs` (known, distinct, each in `want`) to slots, in order.
+    fn resolve_in_state(
+        &mut self,
+        seqs: &[SeqId],
+        want: SeqState,
+        expected: &'static str,
+    ) -> Result<Vec<usize>> {
+        if seqs.is_empty() {
+            return Err(Error::InvalidArgument {
+                what: "seqs.len",
+                value: 0,
+                reason: "needs at least one sequence".into(),
+            });
+        }
+        self.epoch += 1;
+        let epoch = self.epoch;
+        let mut out = Vec::with_capacity(seqs.len());
+        for &id in seqs {
+            let i = self.slot_of(id)?;
+            let s = &mut self.slots[i];
+            if s.mark == epoch {
+                return Err(Error::InvalidArgument {
+                    what: "seqs",
+                    value: id as i64,
+                    reason: "sequence id appears twice in one batch".into(),
+                });
+            }
+            if s.state != want {
+                return Err(Error::InvalidSequenceState {
+                    seq_id: id,
+                    state: s.state.name(),
+                    expected,
+                });
+            }
+            s.mark = epoch;
+            out.push(i);
+        }
+        Ok(out)
+    }
+
+    /// Where the current content of device block `b` will be when the queued copies run: the host
+    /// block of a queued swap-in filling `b` (directly, or through the copy-on-write that fills
+    /// it), else the device block to read (`b`, or the source of the copy-on-write filling it).
+    fn content_origin(&self, b: BlockId) -> std::result::Result<HostBlockId, BlockId> {
+        let src = if self.pending.is_empty() {
+            b
+        } else {
+            self.pending
+                .iter()
+                .find(|&&(_, d)| d == b)
+                .map_or(b, |&(s0, _)| s0)
+        };
+        match self.swap_in_q.iter().find(|&&(_, d)| d == src) {
+            Some(&(h, _)) => Ok(h),
+            None => Err(src),
+        }
+    }
+
+    /// Moves running sequences to the host pool and frees their device blocks; returns the
+    /// device → host copies to make, `(device_block, host_block)`.
+    ///
+    /// A block shared by several of `seqs` (a forked group) is copied once, to one host block they
+    /// all hold. A block shared with a sequence not in `seqs` is copied too and stays on the
+    /// device for its other holders. Device blocks that lose their last holder are freed at once
+    /// (and may be handed out again before the next step), hashed ones dropped from the prefix
+    /// cache first: a swapped-out block is not findable by prefix lookups until it is swapped back
+    /// in, when it is registered again (unless its hash was taken meanwhile, or the cache reset).
+    ///
+    /// The same pairs are queued and emitted by the next `build_step` into `swap_out`; the engine
+    /// runs them before anything else of that step (see `step` for the order). A block whose
+    /// content is still to arrive by a queued swap-in is not copied: the sequence takes that host
+    /// block back. The sequences become `Swapped` (block tables of host ids; not schedulable) and
+    /// count as swap preemptions.
+    ///
+    /// Errors, with nothing changed: `UnknownSequence`; `InvalidSequenceState` for one not
+    /// running; `InvalidArgument` for an empty list or a repeated id; `OutOfHostBlocks` when the
+    /// host pool lacks the blocks (always with `num_host_blocks == 0`).
+    pub fn swap_out(&mut self, seqs: &[SeqId]) -> Result<Vec<(BlockId, HostBlockId)>> {
+        let slots = self.resolve_in_state(seqs, SeqState::Running, "running")?;
+        // Host blocks needed: one per distinct device block whose content is not already on the host.
+        let mut seen: FastMap<BlockId, ()> = FastMap::default();
+        let mut needed = 0usize;
+        for &i in &slots {
+            for &b in &self.slots[i].table.blocks {
+                if seen.insert(b, ()).is_none() && self.content_origin(b).is_err() {
+                    needed += 1;
+                }
+            }
+        }
+        if needed > self.host.num_free() {
+            return Err(Error::OutOfHostBlocks {
+                needed,
+                available: self.host.num_free(),
+            });
+        }
+        // Apply. First map every device block to its host block (queueing the copies) for all
+        // sequences, while the pending copies the mapping consults are all still there; then drop
+        // the device references.
+        let mut map: FastMap<BlockId, HostBlockId> = FastMap::default();
+        let mut pairs = Vec::with_capacity(needed);
+        let mut device_tables = Vec::with_capacity(slots.len());
+        for &i in &slots {
+            let mut hosts = Vec::with_capacity(self.slots[i].table.blocks.len());
+            for j in 0..self.slots[i].table.blocks.len() {
+                let b = self.slots[i].table.blocks[j];
+                let h = match map.get(&b) {
+                    Some(&h) => {
+                        self.host.incref(h);
+                        h
+                    }
+                    None => {
+                        let h = match self.content_origin(b) {
+                            Ok(h0) => {
+                                self.host.incref(h0);
+                                h0
+                            }
+                            Err(src) => {
+                                let h = self.host.allocate()?;
+                                pairs.push((src, h));
+                                h
+                            }
+                        };
+                        map.insert(b, h);
+                        h
+                    }
+                };
+                hosts.push(h);
+            }
+            // The table now names host blocks only.
+            device_tables.push(std::mem::replace(&mut self.slots[i].table.blocks, hosts));
+        }
+        let mut result = Ok(());
+        for (&i, device) in slots.iter().zip(&device_tables) {
+            // Tail first, as `free` does.
+            for &b in device.iter().rev() {
+                if let Err(e) = self.drop_device_unhashed(b) {
+                    result = Err(e);
+                }
+            }
+            let epoch = self.cache_epoch;
+            let s = &mut self.slots[i];
+            s.state = SeqState::Swapped;
+            s.version += 1;
+            s.tail_maybe_shared = false;
+            s.swap_epoch = epoch;
+            self.used_tokens -= s.table.num_tokens as u64;
+        }
+        self.swap_out_q.extend_from_slice(&pairs);
+        self.counters.swapped_out_blocks += pairs.len() as u64;
+        self.counters.preemptions_swap += slots.len() as u64;
+        self.gen += 1;
+        result.map(|_| pairs)
+    }
+
+    /// Drops one reference to device block `b` for a swap-out: a block left unreferenced loses
+    /// its hash (so it is not findable while its content is on the host) and is freed.
+    fn drop_device_unhashed(&mut self, b: BlockId) -> Result<()> {
+        match self.pool.decref_mut(b)? {
+            0 => {
+                self.prefix.unregister(b);
+                self.unreferenced(b)
+            }
+            1 => {
+                self.shared_blocks -= 1;
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Drops one reference to host block `h`, releasing it at zero (and forgetting a queued
+    /// swap-out into it: nobody will read it).
+    fn host_drop(&mut self, h: HostBlockId) -> Result<()> {
+        if self.host.decref(h)? == 0 {
+            if let Some(pos) = self.swap_out_q.iter().position(|&(_, x)| x == h) {
+                self.swap_out_q.remove(pos);
+            }
+            self.host.release(h);
+        }
+        Ok(())
+    }
+
+    /// Brings swapped-out sequences back to the device; returns the host → device copies to
+    /// make, `(host_block, device_block)`.
+    ///
+    /// Allocates one device block per distinct host block of `seqs` (a block the group shares on
+    /// the host is shared on the device again). Like an admission it must leave the watermark
+    /// free. The pairs are queued and emitted by the next `build_step` into `swap_in`; each host
+    /// block is released once the step that emits its copy has been built. Full blocks are
+    /// offered to the prefix cache again under their hashes. The sequences become `Running`,
+    /// with their admission order and fork group unchanged.
+    ///
+    /// Errors, with nothing changed: `UnknownSequence`; `InvalidSequenceState` for one not
+    /// swapped out; `InvalidArgument` for an empty list or a repeated id; `OutOfBlocks` or
+    /// `WatermarkReached`.
+    pub fn swap_in(&mut self, seqs: &[SeqId]) -> Result<Vec<(HostBlockId, BlockId)>> {
+        let slots = self.resolve_in_state(seqs, SeqState::Swapped, "swapped")?;
+        let mut seen: FastMap<HostBlockId, ()> = FastMap::default();
+        for &i in &slots {
+            for &h in &self.slots[i].table.blocks {
+                seen.insert(h, ());
+            }
+        }
+        let needed = seen.len();
+        let avail = self.num_free_blocks();
+        let wm = self.cfg.watermark_blocks as usize;
+        if needed > avail {
+            return Err(Error::OutOfBlocks {
+                needed,
+                available: avail,
+            });
+        }
+        if avail - needed < wm {
+            return Err(Error::WatermarkReached {
+                needed,
+                available: avail.saturating_sub(wm),
+                watermark: wm,
+            });
+        }
+        let mut map: FastMap<HostBlockId, BlockId> = FastMap::default();
+        let mut pairs = Vec::with_capacity(needed);
+        let bs = self.bs;
+        let mut result = Ok(());
+        for &i in &slots {
+            let hosts = std::mem::take(&mut self.slots[i].table.blocks);
+            let mut device = Vec::with_capacity(hosts.len());
+            for &h in &hosts {
+                let b = match map.get(&h) {
+                    Some(&b) => {
+                        if self.pool.incref_mut(b)? == 2 {
+                            self.shared_blocks += 1;
+                        }
+                        b
+                    }
+                    None => {
+                        let b = self.alloc_block()?;
+                        // The queued copy holds the host block until a step emits it.
+                        self.host.incref(h);
+                        pairs.push((h, b));
+                        map.insert(h, b);
+                        b
+                    }
+                };
+                device.push(b);
+            }
+            for &h in &hosts {
+                if let Err(e) = self.host_drop(h) {
+                    result = Err(e);
+                }
+            }
+            let epoch = self.cache_epoch;
+            let s = &mut self.slots[i];
+            s.table.blocks = device;
+            if self.caching && s.swap_epoch == epoch {
+                let upto = s.registered.min(s.hashes.len());
+                for j in 0..upto {
+                    self.prefix.register(
+                        s.table.blocks[j],
+                        s.hashes[j],
+                        &s.tokens[j * bs..(j + 1) * bs],
+                    );
+                }
+            }
+            s.state = SeqState::Running;
+            s.version += 1;
+            // Another member of the group may hold the same tail again.
+            s.tail_maybe_shared = s.table.num_tokens % bs != 0;
+            self.used_tokens += s.table.num_tokens as u64;
+        }
+        self.swap_in_q.extend_from_slice(&pairs);
+        self.counters.swapped_in_blocks += pairs.len() as u64;
+        self.gen += 1;
+        result.map(|_| pairs)
+    }
+
+    /// Preempts a sequence by recompute: frees its blocks (hashed full blocks stay cached-free,
+    /// so a later [`BlockManager::resume`] can hit them) but keeps its length and, with prefix
+    /// caching on, its token ids. A swapped-out sequence may be dropped to this state too (its
+    /// host blocks are freed; counted as a swap preemption already, not again). Errors
+    /// (`UnknownSequence`, `InvalidSequenceState` when already preempted by recompute) change
+    /// nothing.
+    pub fn recompute(&mut self, seq: SeqId) -> Result<()> {
+        let i = self.slot_of(seq)?;
+        let state = self.slots[i].state;
+        if state == SeqState::Recompute {
+            return Err(Error::InvalidSequenceState {
+                seq_id: seq,
+                state: state.name(),
+                expected: "running or swapped",
+            });
+        }
+        let blocks = std::mem::take(&mut self.slots[i].table.blocks);
+        let mut result = Ok(());
+        for &b in blocks.iter().rev() {
+            let r = if state == SeqState::Running {
+                self.drop_ref(b)
+            } else {
+                self.host_drop(b)
+            };
+            if let Err(e) = r {
+                result = Err(e);
+            }
+        }
+        let s = &mut self.slots[i];
+        s.table.blocks = blocks;
+        s.table.blocks.clear();
+        if state == SeqState::Running {
+            self.used_tokens -= s.table.num_tokens as u64;
+            self.counters.preemptions_recompute += 1;
+        }
+        s.state = SeqState::Recompute;
+        s.version += 1;
+        s.tail_maybe_shared = false;
+        self.gen += 1;
+        result
+    }
+
+    /// Re-admits a sequence preempted by recompute from its kept tokens, as
+    /// [`BlockManager::admit_opts`] would with the same prompt and keys: the prefix-cache lookup
+    /// covers all kept tokens, and the sequence holds `cached + min(max_new_tokens, len - cached)`
+    /// of them (the rest is appended later, chunk by chunk). Keeps its id, admission order and fork
+    /// group. Errors change nothing: `UnknownSequence`, `InvalidSequenceState` (not preempted by
+    /// recompute), `InvalidArgument` (`max_new_tokens == 0`), `OutOfBlocks`, `WatermarkReached`.
+    pub fn resume(&mut self, seq: SeqId, max_new_tokens: Option<usize>) -> Result<AdmitResult> {
+        let i = self.slot_of(seq)?;
+        let s = &self.slots[i];
+        if s.state != SeqState::Recompute {
+            return Err(Error::InvalidSequenceState {
+                seq_id: seq,
+                state: s.state.name(),
+                expected: "preempted by recompute",
+            });
+        }
+        check_max_new(max_new_tokens)?;
+        let n = s.table.num_tokens;
+        let root = s.root;
+        let keys = s.keys.clone();
+        let tokens = std::mem::take(&mut self.slots[i].tokens);
+        let r = self.admit_core(
+            seq,
+            &tokens,
+            n,
+            root,
+            keys.as_deref(),
+            keys.clone(),
+            max_new_tokens,
+            Some(i),
+        );
+        if r.is_err() {
+            // Nothing was applied: the sequence keeps its tokens and state.
+            self.slots[i].tokens = tokens;
+        }
+        r
+    }
+
+    /// The next victim: the running sequences of the most recently admitted fork group (a
+    /// forked child counts as admitted with its parent; swap and recompute keep the order), in
+    /// creation order. `None` when nothing runs. O(sequences).
+    pub fn choose_victim(&self) -> Option<Vec<SeqId>> {
+        let mut best: Option<(u64, u64)> = None;
+        for &i in self.index.values() {
+            let s = &self.slots[i as usize];
+            if s.state == SeqState::Running && best.is_none_or(|(o, _)| s.order > o) {
+                best = Some((s.order, s.group));
+            }
+        }
+        let (_, group) = best?;
+        let mut members: Vec<(u64, SeqId)> = self
+            .index
+            .iter()
+            .filter(|&(_, &i)| {
+                let s = &self.slots[i as usize];
+                s.state == SeqState::Running && s.group == group
+            })
+            .map(|(&id, &i)| (self.slots[i as usize].uid, id))
+            .collect();
+        members.sort_unstable();
+        Some(members.into_iter().map(|(_, id)| id).collect())
+    }
+
+    /// The cost model's choice for preempting the running `seqs` together (usually what
+    /// [`BlockManager::choose_victim`] returned), with both estimates.
+    ///
+    /// Swap: 2 × the KV bytes of their distinct device blocks (whole blocks) over the host link.
+    /// Recompute: for each sequence, the tokens past the leading full blocks that would stay
+    /// cached after the preemption (blocks also held by sequences outside `seqs`), at least one
+    /// token, summed over the sequences (so × branches for a forked group), over the prefill
+    /// throughput. The mode is swap when the host pool has room for it and it is strictly
+    /// cheaper. Read-only. Errors: as [`BlockManager::swap_out`]'s checks, and `InvalidArgument`
+    /// for a rate that is not finite and > 0.
+    pub fn decide(&mut self, seqs: &[SeqId], model: &CostModel) -> Result<Decision> {
+        model.validate()?;
+        let slots = self.resolve_in_state(seqs, SeqState::Running, "running")?;
+        let bs = self.bs;
+        // References the victims hold per block: a block survives if others hold it too.
+        let mut held: FastMap<BlockId, u32> = FastMap::default();
+        let mut host_needed = 0u64;
+        for &i in &slots {
+            for &b in &self.slots[i].table.blocks {
+                let c = held.entry(b).or_insert(0);
+                if *c == 0 && self.content_origin(b).is_err() {
+                    host_needed += 1;
+                }
+                *c += 1;
+            }
+        }
+        let mut tokens = 0u64;
+        for &i in &slots {
+            let t = &self.slots[i].table;
+            let len = t.num_tokens;
+            let max_hit = (len - 1) / bs;
+            let mut hits = 0usize;
+            if self.caching {
+                for &b in t.blocks.iter().take(max_hit) {
+                    let survives = self.prefix.hash_of(b).is_some()
+                        && self.pool.refcount(b)? > held.get(&b).copied().unwrap_or(0);
+                    if !survives {
+                        break;
+                    }
+                    hits += 1;
+                }
+            }
+            tokens += (len - hits * bs) as u64;
+        }
+        let swap_blocks = held.len() as u64;
+        let swap_cost_s = model.swap_cost(swap_blocks, bs as u64);
+        let recompute_cost_s = model.recompute_cost(tokens);
+        let swap_possible = host_needed as usize <= self.host.num_free();
+        let mode = if swap_possible && swap_cost_s < recompute_cost_s {
+            PreemptMode::Swap
+        } else {
+            PreemptMode::Recompute
+        };
+        Ok(Decision {
+            mode,
+            swap_cost_s,
+            recompute_cost_s,
+            swap_possible,
+            swap_blocks,
+            recompute_tokens: tokens,
+        })
+    }
+
+    /// A sequence's state.
+    pub fn seq_state(&self, seq: SeqId) -> Result<SeqState> {
+        Ok(self.slots[self.slot_of(seq)?].state)
+    }
+
+    /// Swap-out copies `(device, host)` queued for the next steps.
+    pub fn pending_swap_out(&self) -> &[(BlockId, HostBlockId)] {
+        &self.swap_out_q
+    }
+
+    /// Swap-in copies `(host, device)` queued for the next steps.
+    pub fn pending_swap_in(&self) -> &[(HostBlockId, BlockId)] {
+        &self.swap_in_q
+    }
+
+    /// Free blocks of the host pool.
+    pub fn num_free_host_blocks(&self) -> usize {
+        self.host.num_free()
+    }
+
+    /// Reference count of host block `h` (`InvalidBlock` outside the host pool).
+    pub fn host_block_refcount(&self, h: HostBlockId) -> Result<u32> {
+        self.host.refcount(h)
     }
 
     pub fn contains(&self, seq: SeqId) -> bool {
@@ -1064,6 +1704,16 @@ impl BlockManager {
         }
     }
 
+    /// [`crate::prefix::probe_cost`] of the sequence-id index and of the prefix-hash map, each
+    /// under its own hasher: about 1 group per key unless the keys cluster. For tests and
+    /// diagnostics (O(sequences + hashed blocks)).
+    pub fn map_probe_costs(&self) -> (f64, f64) {
+        (
+            crate::prefix::probe_cost(self.index.hasher(), self.index.keys()),
+            self.prefix.map_probe_cost(),
+        )
+    }
+
     /// Test hook: re-labels hashed block `b` with `hash`, forging a hash collision (the block keeps
     /// its token ids). Returns false if `b` is not hashed or `hash` is taken.
     #[doc(hidden)]
@@ -1081,8 +1731,13 @@ impl BlockManager {
 
     /// Fills `out` for one step. Each `(seqs[i], num_new[i])` means "the last `num_new[i]` tokens
     /// of `seqs[i]` are new this step". Validates everything (lengths, ids, `1 <= n <= len`, every
-    /// buffer's size) before writing anything; then emits and clears the pending copies and offers
-    /// the batch's newly full blocks to the prefix cache.
+    /// buffer's size) before writing anything; then emits pending copies and offers the batch's newly
+    /// full blocks to the prefix cache.
+    ///
+    /// Copies: all pending copies when they fit in `copies`. Otherwise every pending copy whose
+    /// `dst` or `src` a scheduled sequence holds is emitted (`BufferTooSmall` on `copies` only if
+    /// those alone do not fit), then others while `copies` has room; the rest stay queued for a
+    /// later step, so a burst of forks never blocks stepping.
     ///
     /// Block-table rows are written incrementally: the manager remembers, for the buffer it last
     /// wrote (identified by address, length and stride), which sequence each row holds and how many
@@ -1105,7 +1760,8 @@ impl BlockManager {
             });
         }
         self.resolve_batch(seqs)?;
-        let (num_tokens, num_kv, max_len, csr) = self.check_step(seqs, num_new, out)?;
+        let (num_tokens, num_kv, max_len, csr, needed) = self.check_step(seqs, num_new, out)?;
+        let swaps = self.plan_swaps(out.swap_out.len() / 2, out.swap_in.len() / 2)?;
         let idx = std::mem::take(&mut self.batch_idx);
 
         let bs = self.bs;
@@ -1173,16 +1829,29 @@ impl BlockManager {
             }
         }
 
-        let num_copies = self.pending.len();
-        for (j, &(src, dst)) in self.pending.iter().enumerate() {
-            out.copies[2 * j] = src as i64;
-            out.copies[2 * j + 1] = dst as i64;
-        }
-        self.pending.clear();
-        let mut result = Ok(());
-        while let Some(b) = self.deferred.pop() {
-            if let Err(e) = self.park(b) {
-                result = Err(e);
+        let num_copies = self.emit_copies(&needed, out.copies);
+        let (num_swap_out, num_swap_in, swap_result) =
+            self.emit_swaps(swaps, out.swap_out, out.swap_in);
+        let mut result = swap_result;
+        if self.pending.is_empty() {
+            while let Some(b) = self.deferred.pop() {
+                if let Err(e) = self.park(b) {
+                    result = Err(e);
+                }
+            }
+        } else {
+            // Some copies stay queued: only the srcs none of them needs are released.
+            let mut j = 0;
+            while j < self.deferred.len() {
+                let b = self.deferred[j];
+                if self.pending.iter().any(|&(src, _)| src == b) {
+                    j += 1;
+                } else {
+                    self.deferred.swap_remove(j);
+                    if let Err(e) = self.park(b) {
+                        result = Err(e);
+                    }
+                }
             }
         }
 
@@ -1213,17 +1882,224 @@ impl BlockManager {
             num_kv_indices,
             num_copies,
             max_seq_len: max_len,
+            num_swap_out,
+            num_swap_in,
         })
     }
 
+    /// Which queued swap copies this step emits, when they do not all fit (`None`: all of them).
+    ///
+    /// Each step's lists run swap-out, then swap-in, then copy-on-write, before its forward. What
+    /// this step writes is the blocks of the scheduled sequences (its forward), the destinations
+    /// of its copies and of its swap-ins; so a queued swap-out must be emitted by the first step
+    /// that writes its device block, and before (or with) a swap-in of its host block. A swap-in
+    /// must be emitted by the first step that schedules a holder of its device block or may copy
+    /// from it. Those copies must fit (`BufferTooSmall` on `swap_out` / `swap_in` otherwise,
+    /// nothing written); the rest fill the remaining room in queue order, a swap-in only when no
+    /// queued swap-out reads its device block or writes its host block. A step of no sequences
+    /// therefore always makes progress: an engine refused for a full swap list can drain the
+    /// queues with empty steps.
+    fn plan_swaps(&self, room_out: usize, room_in: usize) -> Result<Option<SwapPlan>> {
+        if self.swap_out_q.len() <= room_out && self.swap_in_q.len() <= room_in {
+            return Ok(None);
+        }
+        let small = |buffer: &'static str, needed: usize, room: usize| Error::BufferTooSmall {
+            buffer,
+            needed: 2 * needed,
+            capacity: 2 * room,
+        };
+        // Device blocks this step's forward writes: every block of a scheduled table.
+        let mut scheduled: FastMap<BlockId, ()> = FastMap::default();
+        for &i in &self.batch_idx {
+            for &b in &self.slots[i as usize].table.blocks {
+                scheduled.insert(b, ());
+            }
+        }
+        let out_src: FastMap<BlockId, ()> = self.swap_out_q.iter().map(|&(d, _)| (d, ())).collect();
+        let out_dst: FastMap<HostBlockId, ()> =
+            self.swap_out_q.iter().map(|&(_, h)| (h, ())).collect();
+        let mut emit_in = vec![true; self.swap_in_q.len()];
+        if self.swap_in_q.len() > room_in {
+            let cow_src: FastMap<BlockId, ()> =
+                self.pending.iter().map(|&(s0, _)| (s0, ())).collect();
+            let mut n = 0;
+            for (j, &(_, d)) in self.swap_in_q.iter().enumerate() {
+                emit_in[j] = scheduled.contains_key(&d) || cow_src.contains_key(&d);
+                n += emit_in[j] as usize;
+            }
+            if n > room_in {
+                return Err(small("swap_in", n, room_in));
+            }
+            for (j, &(h, d)) in self.swap_in_q.iter().enumerate() {
+                if n == room_in {
+                    break;
+                }
+                if !emit_in[j] && !out_dst.contains_key(&h) && !out_src.contains_key(&d) {
+                    emit_in[j] = true;
+                    n += 1;
+                }
+            }
+        }
+        let mut emit_out = vec![true; self.swap_out_q.len()];
+        if self.swap_out_q.len() > room_out {
+            let mut written: FastMap<BlockId, ()> = FastMap::default();
+            let mut read: FastMap<HostBlockId, ()> = FastMap::default();
+            for (&(h, d), _) in self.swap_in_q.iter().zip(&emit_in).filter(|&(_, &e)| e) {
+                written.insert(d, ());
+                read.insert(h, ());
+            }
+            for &(_, d) in &self.pending {
+                written.insert(d, ());
+            }
+            let mut n = 0;
+            for (j, &(d, h)) in self.swap_out_q.iter().enumerate() {
+                emit_out[j] =
+                    scheduled.contains_key(&d) || written.contains_key(&d) || read.contains_key(&h);
+                n += emit_out[j] as usize;
+            }
+            if n > room_out {
+                return Err(small("swap_out", n, room_out));
+            }
+            for e in emit_out.iter_mut() {
+                if n == room_out {
+                    break;
+                }
+                if !*e {
+                    *e = true;
+                    n += 1;
+                }
+            }
+        }
+        Ok(Some(SwapPlan { emit_out, emit_in }))
+    }
+
+    /// Writes the planned swap copies (all when `plan` is `None`) into the step's lists, removes
+    /// them from the queues, and drops the host reference each emitted swap-in held. Returns the
+    /// pairs written to each list.
+    fn emit_swaps(
+        &mut self,
+        plan: Option<SwapPlan>,
+        out: &mut [i64],
+        inn: &mut [i64],
+    ) -> (usize, usize, Result<()>) {
+        if self.swap_out_q.is_empty() && self.swap_in_q.is_empty() {
+            return (0, 0, Ok(()));
+        }
+        let (emit_out, emit_in) = match plan {
+            Some(p) => (p.emit_out, p.emit_in),
+            None => (
+                vec![true; self.swap_out_q.len()],
+                vec![true; self.swap_in_q.len()],
+            ),
+        };
+        let mut n_out = 0;
+        let mut keep = Vec::new();
+        for (j, &(d, h)) in self.swap_out_q.iter().enumerate() {
+            if emit_out[j] {
+                out[2 * n_out] = d as i64;
+                out[2 * n_out + 1] = h as i64;
+                n_out += 1;
+            } else {
+                keep.push((d, h));
+            }
+        }
+        self.swap_out_q = keep;
+        let mut n_in = 0;
+        let mut keep = Vec::new();
+        let mut released = Vec::new();
+        for (j, &(h, d)) in self.swap_in_q.iter().enumerate() {
+            if emit_in[j] {
+                inn[2 * n_in] = h as i64;
+                inn[2 * n_in + 1] = d as i64;
+                n_in += 1;
+                released.push(h);
+            } else {
+                keep.push((h, d));
+            }
+        }
+        self.swap_in_q = keep;
+        let mut result = Ok(());
+        for h in released {
+            if let Err(e) = self.host_drop(h) {
+                result = Err(e);
+            }
+        }
+        (n_out, n_in, result)
+    }
+
+    /// Writes pending copies into `copies` (room for `copies.len() / 2`), in queue order. When
+    /// all fit (`needed` empty) all are written; otherwise every copy the batch needs
+    /// (`needed[j]` for `pending[j]`; `check_step` made sure they fit) and others while room
+    /// remains, the rest staying queued, in order, for a later step. Returns the number written.
+    fn emit_copies(&mut self, needed: &[bool], copies: &mut [i64]) -> usize {
+        if needed.is_empty() {
+            for (j, &(src, dst)) in self.pending.iter().enumerate() {
+                copies[2 * j] = src as i64;
+                copies[2 * j + 1] = dst as i64;
+            }
+            let n = self.pending.len();
+            self.pending.clear();
+            return n;
+        }
+        let room = copies.len() / 2;
+        // A copy the batch does not need goes only where it leaves room for every needed copy
+        // after it.
+        let mut needed_left = needed.iter().filter(|&&x| x).count();
+        let mut n = 0;
+        let mut keep = Vec::new();
+        for (j, &(src, dst)) in self.pending.iter().enumerate() {
+            if needed[j] {
+                needed_left -= 1;
+            } else if n + needed_left >= room {
+                keep.push((src, dst));
+                continue;
+            }
+            copies[2 * n] = src as i64;
+            copies[2 * n + 1] = dst as i64;
+            n += 1;
+        }
+        self.pending = keep;
+        n
+    }
+
+    /// When more copies are pending than `room`: which of them the batch (`self.batch_idx`)
+    /// needs this step — those whose `dst` or `src` a scheduled table holds. A scheduled holder
+    /// of `dst` reads and writes it, so its copy must run first; a scheduled holder of `src` may
+    /// fill it and have it registered in the prefix cache, and a cached block must not be a
+    /// pending src (it could be evicted and reused before the copy runs). Copies of sequences
+    /// that are not scheduled may wait. Empty (emit everything) when all pending copies fit.
+    /// O(blocks of the batch), paid only in that overflow case.
+    fn copies_needed(&self, room: usize) -> Vec<bool> {
+        if self.pending.len() <= room {
+            return Vec::new();
+        }
+        let mut at: FastMap<BlockId, Vec<usize>> = FastMap::default();
+        for (j, &(src, dst)) in self.pending.iter().enumerate() {
+            at.entry(src).or_default().push(j);
+            at.entry(dst).or_default().push(j);
+        }
+        let mut needed = vec![false; self.pending.len()];
+        for &i in &self.batch_idx {
+            for b in &self.slots[i as usize].table.blocks {
+                if let Some(js) = at.get(b) {
+                    for &j in js {
+                        needed[j] = true;
+                    }
+                }
+            }
+        }
+        needed
+    }
+
     /// Validation half of `build_step` (after `resolve_batch`): returns (new tokens, kv indices,
-    /// longest sequence, whether to write the CSR page table).
+    /// longest sequence, whether to write the CSR page table, which pending copies the batch
+    /// needs).
     fn check_step(
         &self,
         seqs: &[SeqId],
         num_new: &[u32],
         out: &StepBuffers<'_>,
-    ) -> Result<(usize, usize, usize, bool)> {
+    ) -> Result<(usize, usize, usize, bool, Vec<bool>)> {
         let (mut tokens, mut kv, mut max_len, mut max_blocks) = (0usize, 0usize, 0usize, 0usize);
         for (k, &i) in self.batch_idx.iter().enumerate() {
             let t = &self.slots[i as usize].table;
@@ -1282,8 +2158,15 @@ impl BlockManager {
         if csr {
             small("kv_indices", kv, out.kv_indices.len())?;
         }
-        small("copies", 2 * self.pending.len(), out.copies.len())?;
-        Ok((tokens, kv, max_len, csr))
+        // Only the copies this batch reads must fit; the rest wait for a later step, so more
+        // pending copies than the buffer holds never blocks a step.
+        let needed = self.copies_needed(out.copies.len() / 2);
+        small(
+            "copies",
+            2 * needed.iter().filter(|&&x| x).count(),
+            out.copies.len(),
+        )?;
+        Ok((tokens, kv, max_len, csr, needed))
     }
 
     /// A snapshot of sizes and counters. O(number of sequences) for the histogram.
@@ -1293,8 +2176,14 @@ impl BlockManager {
         let cached = self.prefix.lru_len() as u64;
         let used = nbk - free - cached;
         let mut hist = [0u64; HIST_BUCKETS];
+        let mut swapped = 0u64;
         for &i in self.index.values() {
-            hist[hist_bucket(self.slots[i as usize].table.blocks.len())] += 1;
+            let s = &self.slots[i as usize];
+            match s.state {
+                SeqState::Running => hist[hist_bucket(s.table.blocks.len())] += 1,
+                SeqState::Swapped => swapped += 1,
+                SeqState::Recompute => {}
+            }
         }
         let c = &self.counters;
         Stats {
@@ -1318,7 +2207,15 @@ impl BlockManager {
             prefix_collisions: c.prefix_collisions,
             shared_blocks: self.shared_blocks,
             cow_copies: c.cow_copies,
-            preemptions: 0,
+            preemptions: c.preemptions_swap + c.preemptions_recompute,
+            preemptions_swap: c.preemptions_swap,
+            preemptions_recompute: c.preemptions_recompute,
+            swapped_out_blocks: c.swapped_out_blocks,
+            swapped_in_blocks: c.swapped_in_blocks,
+            num_host_blocks: self.host.num_blocks() as u64,
+            host_free_blocks: self.host.num_free() as u64,
+            swapped_seqs: swapped,
+            kv_cache_usage: used as f64 / nbk as f64,
             blocks_per_seq: hist,
         }
     }
@@ -1330,6 +2227,8 @@ impl BlockManager {
         let n = self.cfg.num_blocks as usize;
         let bs = self.bs;
         let mut occ = vec![0u64; n];
+        let nh = self.host.num_blocks() as usize;
+        let mut host_occ = vec![0u64; nh];
         let mut used_tokens = 0u64;
         let mut seen_slots = std::collections::HashSet::new();
         for (&id, &i) in &self.index {
@@ -1340,6 +2239,44 @@ impl BlockManager {
             let t = &s.table;
             if t.num_tokens == 0 {
                 return bad(format!("sequence {id} is empty"));
+            }
+            if self.caching && s.tokens.len() != t.num_tokens {
+                return bad(format!(
+                    "sequence {id}: {} token ids for length {}",
+                    s.tokens.len(),
+                    t.num_tokens
+                ));
+            }
+            match s.state {
+                SeqState::Running => {}
+                SeqState::Recompute => {
+                    if !t.blocks.is_empty() {
+                        return bad(format!(
+                            "sequence {id} preempted by recompute holds {} blocks",
+                            t.blocks.len()
+                        ));
+                    }
+                    continue;
+                }
+                SeqState::Swapped => {
+                    // All on the host, never a mix: every entry is a host block id it holds.
+                    if t.blocks.len() != blocks_for(t.num_tokens, bs) {
+                        return bad(format!(
+                            "swapped sequence {id}: {} tokens in {} host blocks",
+                            t.num_tokens,
+                            t.blocks.len()
+                        ));
+                    }
+                    for &h in &t.blocks {
+                        if h as usize >= nh {
+                            return bad(format!(
+                                "swapped sequence {id}: host block {h} outside the host pool"
+                            ));
+                        }
+                        host_occ[h as usize] += 1;
+                    }
+                    continue;
+                }
             }
             if t.blocks.len() != blocks_for(t.num_tokens, bs) {
                 return bad(format!(
@@ -1352,13 +2289,6 @@ impl BlockManager {
                 return bad(format!(
                     "sequence {id}: {} blocks exceed the row width",
                     t.blocks.len()
-                ));
-            }
-            if self.caching && s.tokens.len() != t.num_tokens {
-                return bad(format!(
-                    "sequence {id}: {} token ids for length {}",
-                    s.tokens.len(),
-                    t.num_tokens
                 ));
             }
             if s.registered > t.num_tokens / bs || s.hashes.len() > t.num_tokens / bs {
@@ -1396,6 +2326,49 @@ impl BlockManager {
                 self.used_tokens
             ));
         }
+        // Host pool: refcount = swapped tables holding the block + queued swap-ins reading it;
+        // queued swap-outs write distinct, owned host blocks; swap-ins fill distinct, owned
+        // device blocks.
+        for &(h, d) in &self.swap_in_q {
+            if h as usize >= nh || d as usize >= n {
+                return bad(format!("swap-in ({h}, {d}) outside a pool"));
+            }
+            host_occ[h as usize] += 1;
+            if occ[d as usize] == 0 {
+                return bad(format!("swap-in destination {d} is in no running table"));
+            }
+        }
+        let mut in_dsts = std::collections::HashSet::new();
+        for &(_, d) in &self.swap_in_q {
+            if !in_dsts.insert(d) {
+                return bad(format!(
+                    "device block {d} is the destination of two swap-ins"
+                ));
+            }
+        }
+        let mut out_dsts = std::collections::HashSet::new();
+        for &(d, h) in &self.swap_out_q {
+            if h as usize >= nh || d as usize >= n {
+                return bad(format!("swap-out ({d}, {h}) outside a pool"));
+            }
+            if !out_dsts.insert(h) {
+                return bad(format!(
+                    "host block {h} is the destination of two swap-outs"
+                ));
+            }
+            if host_occ[h as usize] == 0 {
+                return bad(format!("swap-out destination {h} is held by no one"));
+            }
+        }
+        for (h, &o) in host_occ.iter().enumerate() {
+            let rc = self.host.refcount(h as u32)? as u64;
+            if rc != o {
+                return bad(format!("host block {h}: refcount {rc} but {o} holders"));
+            }
+        }
+        self.host
+            .check_invariants()
+            .map_err(Error::InvariantViolation)?;
         // Pending copies: distinct dsts, owned; no dst is a src; deferred blocks are srcs.
         let mut dsts = std::collections::HashSet::new();
         for &(s, d) in &self.pending {
@@ -1504,5 +2477,15 @@ fn evict(
             needed: 1,
             available: 0,
         }),
+    }
+}
+
+/// The error for a call that needs a running sequence.
+#[cold]
+fn not_running(seq_id: SeqId, state: SeqState) -> Error {
+    Error::InvalidSequenceState {
+        seq_id,
+        state: state.name(),
+        expected: "running",
     }
 }

@@ -32,6 +32,14 @@ pub struct Counters {
     pub cow_copies: u64,
     /// Verify mode: hash hits whose cached token ids differed (served as misses).
     pub prefix_collisions: u64,
+    /// Sequences preempted by swap-out.
+    pub preemptions_swap: u64,
+    /// Running sequences preempted by recompute.
+    pub preemptions_recompute: u64,
+    /// Device → host block copies queued by swap-outs.
+    pub swapped_out_blocks: u64,
+    /// Host → device block copies queued by swap-ins.
+    pub swapped_in_blocks: u64,
 }
 
 /// A snapshot of the manager's state and counters.
@@ -61,8 +69,25 @@ pub struct Stats {
     /// Blocks with refcount > 1.
     pub shared_blocks: u64,
     pub cow_copies: u64,
-    /// Reserved for preemption; always 0 in this version.
+    /// Preemptions of either mode (`preemptions_swap + preemptions_recompute`), counted per
+    /// sequence (a forked group of three preempted together counts three).
     pub preemptions: u64,
+    /// Sequences swapped out.
+    pub preemptions_swap: u64,
+    /// Running sequences preempted by recompute.
+    pub preemptions_recompute: u64,
+    /// Device → host block copies queued so far (one per block, a block shared in a group once).
+    pub swapped_out_blocks: u64,
+    /// Host → device block copies queued so far.
+    pub swapped_in_blocks: u64,
+    /// Blocks of the host pool.
+    pub num_host_blocks: u64,
+    /// Free blocks of the host pool.
+    pub host_free_blocks: u64,
+    /// Sequences swapped out now.
+    pub swapped_seqs: u64,
+    /// `used_blocks / num_blocks`, cached-free blocks counted as free (vLLM's KV cache usage).
+    pub kv_cache_usage: f64,
     /// Sequences per block-count bucket; see [`hist_bucket`].
     pub blocks_per_seq: [u64; HIST_BUCKETS],
 }

@@ -21,6 +21,14 @@
 //! `dst` is distinct and no `dst` is also a `src`, so the pairs may be applied in any order or all at
 //! once. They must be applied before the step writes new KV.
 //!
+//! Swap lists: `swap_out` holds `(device_block, host_block)` pairs (device → host copies queued by
+//! `BlockManager::swap_out`), `swap_in` holds `(host_block, device_block)` pairs (host → device,
+//! queued by `swap_in`). An engine applies one step's lists in this order, before the step's
+//! forward writes anything: swap-out, then swap-in, then the copy-on-write list. (A device block
+//! freed by a swap-out may already be handed out again, as a swap-in or copy destination; a
+//! copy-on-write source may be a block a swap-in fills.) Host destinations of one swap-out list
+//! are distinct, device destinations of one swap-in list are distinct; sources may repeat.
+//!
 //! Incremental block tables: `build_step` remembers, per row of the block-table buffer it last
 //! wrote, a mark `(sequence uid, table version, entries written)`. Uids are unique for the manager's
 //! life (a freed and readmitted id, or a reused slot, gets a new one) and the version changes
@@ -64,8 +72,13 @@ pub struct StepBuffers<'a> {
     pub kv_indices: &'a mut [i32],
     /// Tokens in each sequence's last page, `((len - 1) % B) + 1`: `>=` batch.
     pub kv_last_page_len: &'a mut [i32],
-    /// Pending copy-on-write copies, flat `(src, dst)` block pairs: `>=` 2 × pending copies.
+    /// Copy-on-write copies, flat `(src, dst)` block pairs. A step writes as many pending copies
+    /// as fit (at least those its own batch needs); the rest wait for a later step.
     pub copies: &'a mut [i64],
+    /// Queued swap-out copies, flat `(device_block, host_block)` pairs.
+    pub swap_out: &'a mut [i64],
+    /// Queued swap-in copies, flat `(host_block, device_block)` pairs.
+    pub swap_in: &'a mut [i64],
 }
 
 /// What one step wrote: the prefixes of each buffer that are meaningful.
@@ -80,6 +93,10 @@ pub struct StepInfo {
     pub num_copies: usize,
     /// Longest sequence in the batch (0 for an empty batch).
     pub max_seq_len: usize,
+    /// `(device, host)` pairs written to `swap_out`.
+    pub num_swap_out: usize,
+    /// `(host, device)` pairs written to `swap_in`.
+    pub num_swap_in: usize,
 }
 
 /// What a block-table row holds: the first `written` entries of the table of sequence `uid` at
@@ -217,11 +234,13 @@ pub struct StepLayout {
     pub max_blocks_per_seq: usize,
     /// Most copy-on-write pairs one step can emit.
     pub max_copies: usize,
+    /// Most pairs of each swap list (`swap_out`, `swap_in`) one step can emit; more stay queued.
+    pub max_swaps: usize,
 }
 
 impl StepLayout {
     /// Element count each buffer needs, in the order of [`RawStepBuffers`]' fields.
-    fn needs(&self) -> Result<[usize; 8]> {
+    fn needs(&self) -> Result<[usize; NBUF]> {
         let too_big = |what: &'static str, v: usize| Error::InvalidArgument {
             what,
             value: v as i64,
@@ -239,6 +258,10 @@ impl StepLayout {
             .max_copies
             .checked_mul(2)
             .ok_or(too_big("max_copies", self.max_copies))?;
+        let swaps = self
+            .max_swaps
+            .checked_mul(2)
+            .ok_or(too_big("max_swaps", self.max_swaps))?;
         Ok([
             self.max_tokens,
             table,
@@ -248,6 +271,8 @@ impl StepLayout {
             table,
             self.max_seqs,
             copies,
+            swaps,
+            swaps,
         ])
     }
 
@@ -276,7 +301,10 @@ impl StepLayout {
     }
 }
 
-/// The eight step buffers by address, as the binding receives them.
+/// Number of step buffers.
+pub const NBUF: usize = 10;
+
+/// The ten step buffers by address, as the binding receives them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RawStepBuffers {
     pub slot_mapping: RawBuffer,
@@ -287,9 +315,11 @@ pub struct RawStepBuffers {
     pub kv_indices: RawBuffer,
     pub kv_last_page_len: RawBuffer,
     pub copies: RawBuffer,
+    pub swap_out: RawBuffer,
+    pub swap_in: RawBuffer,
 }
 
-const NAMES: [&str; 8] = [
+const NAMES: [&str; NBUF] = [
     "slot_mapping",
     "block_tables",
     "seq_lens",
@@ -298,8 +328,10 @@ const NAMES: [&str; 8] = [
     "kv_indices",
     "kv_last_page_len",
     "copies",
+    "swap_out",
+    "swap_in",
 ];
-const DTYPES: [DType; 8] = [
+const DTYPES: [DType; NBUF] = [
     DType::I64,
     DType::I32,
     DType::I32,
@@ -307,6 +339,8 @@ const DTYPES: [DType; 8] = [
     DType::I32,
     DType::I32,
     DType::I32,
+    DType::I64,
+    DType::I64,
     DType::I64,
 ];
 
@@ -316,7 +350,7 @@ impl RawStepBuffers {
         !(self.kv_indptr.len == 0 && self.kv_indices.len == 0 && self.kv_last_page_len.len == 0)
     }
 
-    fn as_array(&self) -> [RawBuffer; 8] {
+    fn as_array(&self) -> [RawBuffer; NBUF] {
         [
             self.slot_mapping,
             self.block_tables,
@@ -326,6 +360,8 @@ impl RawStepBuffers {
             self.kv_indices,
             self.kv_last_page_len,
             self.copies,
+            self.swap_out,
+            self.swap_in,
         ]
     }
 }
@@ -351,9 +387,10 @@ impl RegisteredBuffers {
     /// - capacity for the layout (`BufferTooSmall`): `slot_mapping >= max_tokens`,
     ///   `block_tables, kv_indices >= max_seqs * max_blocks_per_seq`,
     ///   `seq_lens, kv_last_page_len >= max_seqs`, `query_start_loc, kv_indptr >= max_seqs + 1`,
-    ///   `copies >= 2 * max_copies`.
+    ///   `copies >= 2 * max_copies`, `swap_out, swap_in >= 2 * max_swaps`.
     ///
-    /// A buffer that must hold zero elements may be null: `copies` with `max_copies == 0`, and the
+    /// A buffer that must hold zero elements may be null: `copies` with `max_copies == 0`, the swap
+    /// lists with `max_swaps == 0`, and the
     /// three CSR buffers when all three are given with length 0 (no FlashInfer page table).
     pub fn new(layout: StepLayout, bufs: RawStepBuffers) -> Result<Self> {
         layout.validate()?;
@@ -364,7 +401,7 @@ impl RegisteredBuffers {
             needs[6] = 0;
         }
         let arr = bufs.as_array();
-        for i in 0..8 {
+        for i in 0..NBUF {
             let (b, name, want) = (arr[i], NAMES[i], DTYPES[i]);
             if b.dtype != want {
                 return Err(Error::BufferInvalid {
@@ -412,8 +449,8 @@ impl RegisteredBuffers {
             }
         }
         // Two overlapping buffers would become two aliasing `&mut` slices.
-        for i in 0..8 {
-            for j in i + 1..8 {
+        for i in 0..NBUF {
+            for j in i + 1..NBUF {
                 let (a, b) = (arr[i], arr[j]);
                 let (a0, a1) = (a.ptr, a.ptr + a.len * a.dtype.size());
                 let (b0, b1) = (b.ptr, b.ptr + b.len * b.dtype.size());
@@ -476,6 +513,8 @@ impl RegisteredBuffers {
                 kv_indices: sl(b.kv_indices, kv),
                 kv_last_page_len: sl(b.kv_last_page_len, seqs),
                 copies: sl(b.copies, 2 * l.max_copies),
+                swap_out: sl(b.swap_out, 2 * l.max_swaps),
+                swap_in: sl(b.swap_in, 2 * l.max_swaps),
             }
         }
     }
@@ -494,6 +533,8 @@ pub struct OwnedStepBuffers {
     pub kv_indices: Vec<i32>,
     pub kv_last_page_len: Vec<i32>,
     pub copies: Vec<i64>,
+    pub swap_out: Vec<i64>,
+    pub swap_in: Vec<i64>,
 }
 
 impl OwnedStepBuffers {
@@ -510,6 +551,8 @@ impl OwnedStepBuffers {
             kv_indices: vec![0; t],
             kv_last_page_len: vec![0; layout.max_seqs],
             copies: vec![0; 2 * layout.max_copies],
+            swap_out: vec![0; 2 * layout.max_swaps],
+            swap_in: vec![0; 2 * layout.max_swaps],
         }
     }
 
@@ -532,6 +575,8 @@ impl OwnedStepBuffers {
             kv_indices: r(&mut self.kv_indices, DType::I32),
             kv_last_page_len: r(&mut self.kv_last_page_len, DType::I32),
             copies: r(&mut self.copies, DType::I64),
+            swap_out: r(&mut self.swap_out, DType::I64),
+            swap_in: r(&mut self.swap_in, DType::I64),
         }
     }
 
@@ -547,6 +592,8 @@ impl OwnedStepBuffers {
             kv_indices: &mut self.kv_indices,
             kv_last_page_len: &mut self.kv_last_page_len,
             copies: &mut self.copies,
+            swap_out: &mut self.swap_out,
+            swap_in: &mut self.swap_in,
         }
     }
 }
@@ -561,6 +608,7 @@ mod tests {
             max_tokens: 16,
             max_blocks_per_seq: 8,
             max_copies: 2,
+            max_swaps: 3,
         }
     }
 

@@ -69,6 +69,7 @@ fn bufs(seqs: usize, tokens: usize, blocks: usize) -> OwnedStepBuffers {
         max_tokens: tokens,
         max_blocks_per_seq: blocks,
         max_copies: 8,
+        max_swaps: 4,
     })
 }
 

@@ -23,6 +23,7 @@ fn layout() -> StepLayout {
         max_tokens: ROWS * WIDTH * B as usize,
         max_blocks_per_seq: WIDTH,
         max_copies: 64,
+        max_swaps: 4,
     }
 }
 

@@ -11,7 +11,7 @@
 //!
 //! Invariants:
 //! - the allocation, its address and its size never change for the arena's life;
-//! - the eight fields lie at fixed, 64-byte aligned, pairwise disjoint offsets inside it (arena
+//! - the ten fields lie at fixed, 64-byte aligned, pairwise disjoint offsets inside it (arena
 //!   order below), sized exactly for the [`StepLayout`] it was built for;
 //! - at most one manager holds it at a time ([`PyStepArena::claim`] / [`PyStepArena::release`]):
 //!   two managers writing block-table rows into one buffer would each trust incremental rows the
@@ -26,7 +26,7 @@ use std::sync::Mutex;
 
 use numpy::ndarray::ArrayView1;
 use numpy::PyArray1;
-use pagedkv::step::{DType, RawBuffer, RawStepBuffers, RegisteredBuffers, StepLayout};
+use pagedkv::step::{DType, RawBuffer, RawStepBuffers, RegisteredBuffers, StepLayout, NBUF};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -34,7 +34,7 @@ use crate::convert::{count, flag};
 use crate::errors::{alloc_failed, invalid_arg, CoreResultExt};
 
 /// Field names, in the order of [`RawStepBuffers`]' fields.
-pub const FIELDS: [&str; 8] = [
+pub const FIELDS: [&str; NBUF] = [
     "slot_mapping",
     "block_tables",
     "seq_lens",
@@ -43,15 +43,18 @@ pub const FIELDS: [&str; 8] = [
     "kv_indices",
     "kv_last_page_len",
     "copies",
+    "swap_out",
+    "swap_in",
 ];
 
-/// Element size of each field (int64 for the slot mapping and the copy list, int32 elsewhere).
-const ELEM: [usize; 8] = [8, 4, 4, 4, 4, 4, 4, 8];
+/// Element size of each field (int64 for the slot mapping and the copy and swap lists, int32
+/// elsewhere).
+const ELEM: [usize; NBUF] = [8, 4, 4, 4, 4, 4, 4, 8, 8, 8];
 
 /// Arena order, as indices into [`FIELDS`]: the small per-sequence fields first, the large tables
 /// last, so the used parts of one step lie close together and a host-to-device copy can move them
 /// in one or two spans.
-const ARENA_ORDER: [usize; 8] = [2, 3, 4, 6, 7, 0, 1, 5];
+const ARENA_ORDER: [usize; NBUF] = [2, 3, 4, 6, 7, 8, 9, 0, 1, 5];
 
 /// Each field starts on its own cache line: keeps every dtype aligned and stops two fields written
 /// back to back from sharing a line.
@@ -105,9 +108,9 @@ pub struct PyStepArena {
     layout: StepLayout,
     csr: bool,
     /// Byte offset of each field, in [`FIELDS`] order.
-    offsets: [usize; 8],
+    offsets: [usize; NBUF],
     /// Element count of each field, in [`FIELDS`] order.
-    lens: [usize; 8],
+    lens: [usize; NBUF],
     /// Bytes the fields span (the allocation is this, rounded up to whole pages).
     nbytes: usize,
     /// The id of the manager the arena is attached to; 0 when none.
@@ -146,6 +149,8 @@ impl PyStepArena {
             kv_indices: f(5),
             kv_last_page_len: f(6),
             copies: f(7),
+            swap_out: f(8),
+            swap_in: f(9),
         }
     }
 
@@ -172,8 +177,8 @@ impl PyStepArena {
 
 /// Byte offsets (arena order, 64-byte aligned) and total span of fields with element counts
 /// `lens`; computed in `u128`, so no layout the caller can ask for overflows.
-fn place(lens: &[u128; 8]) -> ([u128; 8], u128) {
-    let mut offsets = [0u128; 8];
+fn place(lens: &[u128; NBUF]) -> ([u128; NBUF], u128) {
+    let mut offsets = [0u128; NBUF];
     let mut total = 0u128;
     for &i in &ARENA_ORDER {
         total = total.div_ceil(FIELD_ALIGN) * FIELD_ALIGN;
@@ -189,7 +194,7 @@ impl PyStepArena {
     /// refused); `max_seqs`, `max_tokens`, `max_blocks_per_seq` must be in `1..=2**31 - 1`.
     /// Raises AllocationFailedError when the memory cannot be had.
     #[new]
-    #[pyo3(signature = (max_seqs, max_tokens, max_blocks_per_seq, max_copies, csr))]
+    #[pyo3(signature = (max_seqs, max_tokens, max_blocks_per_seq, max_copies, csr, max_swaps=None))]
     fn new(
         py: Python<'_>,
         max_seqs: &Bound<'_, PyAny>,
@@ -197,12 +202,17 @@ impl PyStepArena {
         max_blocks_per_seq: &Bound<'_, PyAny>,
         max_copies: &Bound<'_, PyAny>,
         csr: &Bound<'_, PyAny>,
+        max_swaps: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let layout = StepLayout {
             max_seqs: count("max_seqs", max_seqs)?,
             max_tokens: count("max_tokens", max_tokens)?,
             max_blocks_per_seq: count("max_blocks_per_seq", max_blocks_per_seq)?,
             max_copies: count("max_copies", max_copies)?,
+            max_swaps: match max_swaps.as_ref().filter(|o| !o.is_none()) {
+                Some(m) => count("max_swaps", m)?,
+                None => 0,
+            },
         };
         let csr = flag("csr", csr)?;
         for (what, obj, v) in [
@@ -232,6 +242,8 @@ impl PyStepArena {
             c * s * b,
             c * s,
             2 * layout.max_copies as u128,
+            2 * layout.max_swaps as u128,
+            2 * layout.max_swaps as u128,
         ];
         let (offsets, total) = place(&lens);
         let what = "step buffers (host arena)";
@@ -288,7 +300,7 @@ impl PyStepArena {
         self.owner.load(Ordering::Acquire) != 0
     }
 
-    /// `{field: (byte_offset, numel)}` for the eight fields.
+    /// `{field: (byte_offset, numel)}` for the ten fields.
     fn fields<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         for (i, name) in FIELDS.iter().enumerate() {
@@ -347,11 +359,12 @@ impl PyStepArena {
     fn __repr__(&self) -> String {
         let l = self.layout;
         format!(
-            "StepArena(max_seqs={}, max_tokens={}, max_blocks_per_seq={}, max_copies={}, csr={}, nbytes={})",
+            "StepArena(max_seqs={}, max_tokens={}, max_blocks_per_seq={}, max_copies={}, max_swaps={}, csr={}, nbytes={})",
             l.max_seqs,
             l.max_tokens,
             l.max_blocks_per_seq,
             l.max_copies,
+            l.max_swaps,
             if self.csr { "True" } else { "False" },
             self.nbytes
         )

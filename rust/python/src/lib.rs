@@ -22,15 +22,7 @@ mod stats;
 /// Raises the exception a sample of the named core error variant maps to. Lets tests check the
 /// mapping of variants that no public call can reach (a refcount underflow, a hash collision).
 #[pyfunction]
-fn _raise_core_error(py: Python<'_>, name: &str) -> PyResult<()> {
-    if name == "AllocationFailed" {
-        // Raised by the binding itself (its own allocations), so sampled here.
-        return Err(errors::alloc_failed(
-            py,
-            "step buffers (host arena)",
-            1 << 40,
-        ));
-    }
+fn _raise_core_error(_py: Python<'_>, name: &str) -> PyResult<()> {
     match errors::sample(name) {
         Some(e) => Err(errors::core_err(e)),
         None => Err(pyo3::exceptions::PyValueError::new_err(format!(

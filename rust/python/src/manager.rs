@@ -44,6 +44,7 @@ use pagedkv::hash::{MmInput, SeqKeys};
 use pagedkv::manager::{AdmitRequest, BlockManager, ManagerConfig};
 use pagedkv::metrics::Stats;
 use pagedkv::step::{RegisteredBuffers, StepInfo};
+use pagedkv::swap::CostModel;
 use pagedkv::{BlockId, Error, SeqId};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
@@ -271,7 +272,8 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
 #[pymethods]
 impl PyBlockManager {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size=None, watermark_blocks=None, max_blocks_per_seq=None, enable_prefix_caching=None, verify_prefix=None))]
+    #[pyo3(signature = (num_blocks, block_size=None, watermark_blocks=None, max_blocks_per_seq=None, enable_prefix_caching=None, verify_prefix=None, hash_seed=None, num_host_blocks=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
         block_size: Option<Bound<'_, PyAny>>,
@@ -279,6 +281,8 @@ impl PyBlockManager {
         max_blocks_per_seq: Option<Bound<'_, PyAny>>,
         enable_prefix_caching: Option<Bound<'_, PyAny>>,
         verify_prefix: Option<Bound<'_, PyAny>>,
+        hash_seed: Option<Bound<'_, PyAny>>,
+        num_host_blocks: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let num_blocks = scalar::<u32>("num_blocks", num_blocks)?;
         let block_size = match opt(&block_size) {
@@ -298,6 +302,12 @@ impl PyBlockManager {
         }
         if let Some(f) = &verify_prefix {
             cfg.verify_prefix = flag("verify_prefix", f)?;
+        }
+        if let Some(k) = opt(&hash_seed) {
+            cfg.hash_seed = Some(scalar::<u64>("hash_seed", k)?);
+        }
+        if let Some(h) = opt(&num_host_blocks) {
+            cfg.num_host_blocks = scalar::<u32>("num_host_blocks", h)?;
         }
         let inner = BlockManager::new(cfg).py()?;
         Ok(Self {
@@ -338,6 +348,11 @@ impl PyBlockManager {
     #[getter]
     fn verify_prefix(&self) -> bool {
         self.cfg.verify_prefix
+    }
+
+    #[getter]
+    fn num_host_blocks(&self) -> u32 {
+        self.cfg.num_host_blocks
     }
 
     /// Whether step buffers are registered.
@@ -701,14 +716,14 @@ impl PyBlockManager {
         self.with(py, |st| st.inner.invalidate_step_cache());
     }
 
-    /// Fills the registered buffers for one step; returns
-    /// `(num_seqs, num_tokens, num_kv_indices, num_copies, max_seq_len)`.
+    /// Fills the registered buffers for one step; returns `(num_seqs, num_tokens,
+    /// num_kv_indices, num_copies, max_seq_len, num_swap_out, num_swap_in)`.
     fn step(
         &self,
         py: Python<'_>,
         seq_ids: &Bound<'_, PyAny>,
         num_new_tokens: &Bound<'_, PyAny>,
-    ) -> PyResult<(usize, usize, usize, usize, usize)> {
+    ) -> PyResult<(usize, usize, usize, usize, usize, usize, usize)> {
         let info = scratch(&SEQS, |sbuf| {
             with_ids("seq_ids", seq_ids, sbuf, |seqs| {
                 let detach = seqs.len() >= DETACH_MIN;
@@ -735,7 +750,123 @@ impl PyBlockManager {
             info.num_kv_indices,
             info.num_copies,
             info.max_seq_len,
+            info.num_swap_out,
+            info.num_swap_in,
         ))
+    }
+
+    // ------------------------------------------------------------------------- reclamation
+
+    /// Moves running sequences (a forked group together) to host blocks; returns the
+    /// `(device_block, host_block)` copies to make (also queued for the next step).
+    fn swap_out(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<Vec<(u32, u32)>> {
+        scratch(&SEQS, |buf| {
+            with_ids("seq_ids", seq_ids, buf, |seqs| {
+                Ok(self.run(py, seqs.len() >= DETACH_MIN, |st| st.inner.swap_out(seqs)))
+            })
+        })?
+        .py()
+    }
+
+    /// Brings swapped-out sequences back; returns the `(host_block, device_block)` copies to make
+    /// (also queued for the next step).
+    fn swap_in(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<Vec<(u32, u32)>> {
+        scratch(&SEQS, |buf| {
+            with_ids("seq_ids", seq_ids, buf, |seqs| {
+                Ok(self.run(py, seqs.len() >= DETACH_MIN, |st| st.inner.swap_in(seqs)))
+            })
+        })?
+        .py()
+    }
+
+    /// Preempts by recompute: frees the blocks, keeps the length and token ids.
+    fn recompute(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = seq("seq_id", seq_id)?;
+        self.run(py, true, |st| st.inner.recompute(id)).py()
+    }
+
+    /// Re-admits a sequence preempted by recompute from its kept tokens; returns
+    /// `(cached_tokens, new_blocks, num_blocks, num_tokens)`.
+    #[pyo3(signature = (seq_id, max_new_tokens=None))]
+    fn resume(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        max_new_tokens: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<(u32, u32, u32, u32)> {
+        let id = seq("seq_id", seq_id)?;
+        let k = opt(&max_new_tokens)
+            .map(|k| count("max_new_tokens", k))
+            .transpose()?;
+        let r = self.run(py, true, |st| st.inner.resume(id, k)).py()?;
+        Ok((r.cached_tokens, r.new_blocks, r.num_blocks, r.num_tokens))
+    }
+
+    /// The running members of the most recently admitted fork group, or None.
+    fn choose_victim(&self, py: Python<'_>) -> Option<Vec<u64>> {
+        self.run(py, true, |st| st.inner.choose_victim())
+    }
+
+    /// The cost model's choice for preempting `seq_ids` together: `(mode, swap_cost_s,
+    /// recompute_cost_s, swap_possible, swap_blocks, recompute_tokens)`.
+    #[allow(clippy::type_complexity)]
+    fn decide(
+        &self,
+        py: Python<'_>,
+        seq_ids: &Bound<'_, PyAny>,
+        host_link_bytes_per_s: f64,
+        prefill_tokens_per_s: f64,
+        kv_bytes_per_token: f64,
+    ) -> PyResult<(&'static str, f64, f64, bool, u64, u64)> {
+        let model = CostModel {
+            host_link_bytes_per_s,
+            prefill_tokens_per_s,
+            kv_bytes_per_token,
+        };
+        let d = scratch(&SEQS, |buf| {
+            with_ids("seq_ids", seq_ids, buf, |seqs| {
+                Ok(self.run(py, seqs.len() >= DETACH_MIN, |st| {
+                    st.inner.decide(seqs, &model)
+                }))
+            })
+        })?
+        .py()?;
+        Ok((
+            d.mode.name(),
+            d.swap_cost_s,
+            d.recompute_cost_s,
+            d.swap_possible,
+            d.swap_blocks,
+            d.recompute_tokens,
+        ))
+    }
+
+    /// `"running"`, `"swapped"` or `"recompute"`.
+    fn seq_state(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<&'static str> {
+        let id = seq("seq_id", seq_id)?;
+        self.with(py, |st| st.inner.seq_state(id).map(|s| s.name()))
+            .py()
+    }
+
+    /// Swap-out copies `(device, host)` queued for the next steps.
+    fn pending_swap_out(&self, py: Python<'_>) -> Vec<(u32, u32)> {
+        self.with(py, |st| st.inner.pending_swap_out().to_vec())
+    }
+
+    /// Swap-in copies `(host, device)` queued for the next steps.
+    fn pending_swap_in(&self, py: Python<'_>) -> Vec<(u32, u32)> {
+        self.with(py, |st| st.inner.pending_swap_in().to_vec())
+    }
+
+    /// Free blocks of the host pool.
+    fn num_free_host_blocks(&self, py: Python<'_>) -> usize {
+        self.with(py, |st| st.inner.num_free_host_blocks())
+    }
+
+    /// Reference count of a host block (InvalidBlockError outside the host pool).
+    fn host_block_refcount(&self, py: Python<'_>, block: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let b = scalar::<u32>("block", block)?;
+        self.with(py, |st| st.inner.host_block_refcount(b)).py()
     }
 
     /// The prefix hash of each block of a live sequence's table, 16 little-endian bytes, or None
@@ -780,10 +911,12 @@ impl PyBlockManager {
     }
 }
 
-/// The chained prefix hashes of every full block of `token_ids`, 16 little-endian bytes each
-/// (the `u128le` encoding the chain itself uses); the same keys as `BlockManager.admit`.
+/// The chained prefix hashes of every full block of `token_ids` under hash key `hash_seed` (a
+/// manager's `hash_seed`), 16 little-endian bytes each (the `u128le` encoding the chain itself
+/// uses); the same keys as `BlockManager.admit`.
 #[pyfunction]
-#[pyo3(signature = (token_ids, block_size, cache_salt=None, adapter_id=None, mm_inputs=None, extra_keys=None))]
+#[pyo3(signature = (token_ids, block_size, cache_salt=None, adapter_id=None, mm_inputs=None, extra_keys=None, *, hash_seed))]
+#[allow(clippy::too_many_arguments)]
 pub fn hash_blocks<'py>(
     py: Python<'py>,
     token_ids: &Bound<'py, PyAny>,
@@ -792,7 +925,9 @@ pub fn hash_blocks<'py>(
     adapter_id: Option<Bound<'py, PyAny>>,
     mm_inputs: Option<Bound<'py, PyAny>>,
     extra_keys: Option<Bound<'py, PyAny>>,
+    hash_seed: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyList>> {
+    let key = scalar::<u64>("hash_seed", hash_seed)?;
     let b = scalar::<u32>("block_size", block_size)?;
     if b == 0 {
         return Err(invalid_arg("block_size", block_size, "must be >= 1"));
@@ -801,7 +936,7 @@ pub fn hash_blocks<'py>(
     let mut scratch = Vec::new();
     let hashes = with_ids("token_ids", token_ids, &mut scratch, |toks| {
         keys.validate(toks.len()).py()?;
-        Ok(py.detach(|| pagedkv::hash::prompt_hashes(toks, b as usize, &keys)))
+        Ok(py.detach(|| pagedkv::hash::prompt_hashes(key, toks, b as usize, &keys)))
     })?;
     PyList::new(
         py,

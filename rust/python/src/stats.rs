@@ -27,6 +27,14 @@ pub fn to_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> 
         shared_blocks,
         cow_copies,
         preemptions,
+        preemptions_swap,
+        preemptions_recompute,
+        swapped_out_blocks,
+        swapped_in_blocks,
+        num_host_blocks,
+        host_free_blocks,
+        swapped_seqs,
+        kv_cache_usage,
         blocks_per_seq,
     } = *s;
     let d = PyDict::new(py);
@@ -47,6 +55,14 @@ pub fn to_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> 
     d.set_item("shared_blocks", shared_blocks)?;
     d.set_item("cow_copies", cow_copies)?;
     d.set_item("preemptions", preemptions)?;
+    d.set_item("preemptions_swap", preemptions_swap)?;
+    d.set_item("preemptions_recompute", preemptions_recompute)?;
+    d.set_item("swapped_out_blocks", swapped_out_blocks)?;
+    d.set_item("swapped_in_blocks", swapped_in_blocks)?;
+    d.set_item("num_host_blocks", num_host_blocks)?;
+    d.set_item("host_free_blocks", host_free_blocks)?;
+    d.set_item("swapped_seqs", swapped_seqs)?;
+    d.set_item("kv_cache_usage", kv_cache_usage)?;
     d.set_item("blocks_per_seq", blocks_per_seq.to_vec())?;
     Ok(d)
 }
