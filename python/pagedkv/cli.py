@@ -7,7 +7,8 @@ registered in :data:`SUBCOMMANDS` (name → (add-arguments function, handler)), 
 
 Invariants: a user error — a bad flag, a bad value, a configuration the pool cannot hold — prints
 exactly one line, ``pagedkv <cmd>: error: <message>``, on stderr and exits with status 2; no
-traceback. Results go to stdout, progress bars to stderr. Heavy imports (numpy, the extension,
+traceback; so does a missing optional dependency (torch, matplotlib, ...), naming the
+``pagedkv[extra]`` that installs it. Results go to stdout, progress bars to stderr. Heavy imports (numpy, the extension,
 matplotlib) happen inside handlers, so ``pagedkv --help`` stays fast.
 """
 
@@ -232,6 +233,11 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
+    if args.plot:
+        # Before simulating: finding out after a whole run that the plot cannot be drawn wastes it.
+        from ._optional import check_available
+
+        check_available("matplotlib", "--plot")
     from .simulate import SimConfig, format_report, result_json, simulate
     from .workload import WorkloadConfig
 
@@ -284,11 +290,45 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Han
 }
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: resolved only when asked for, so building the parser imports nothing."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: Optional[str] = None) -> None:
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: Optional[str] = None) -> None:
+        print(f"pagedkv {version_string()}")  # stdout, as argparse's own version action does
+        parser.exit(0)
+
+
+def version_string() -> str:
+    """The installed distribution's version, plus the extension's when it was built from another."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        from ._core import __version__ as core_version
+    except ImportError:
+        core_version = None
+    try:
+        dist_version: Optional[str] = version("pagedkv")
+    except PackageNotFoundError:
+        dist_version = None
+    if dist_version is None:
+        return core_version or "0+unknown"
+    if core_version is not None and core_version != dist_version:
+        return f"{dist_version} (extension {core_version})"
+    return dist_version
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="pagedkv",
         description="pagedkv: a paged KV cache for LLM serving.",
     )
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the package version (and the extension's, when they differ) and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     parser.subcommand_parsers = {}  # type: ignore[attr-defined]
     for name, (help_text, add_args, handler) in SUBCOMMANDS.items():
@@ -315,6 +355,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return args.handler(args)
     except (PagedKVError, UsageError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        # An optional dependency (torch, matplotlib, ...) is absent: one line naming the extra.
+        from ._optional import from_import_error
+
+        missing = from_import_error(exc)
+        if missing is None:
+            raise
+        print(f"{prog}: error: {missing}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # `pagedkv simulate | head` closing the pipe is not an error worth a traceback.

@@ -67,6 +67,20 @@ class PagedKVError(Exception):
         return self.message
 
 
+# Raised by the Python package, not the core: no variant of the core's enum, so it stays out of
+# `__all__` (which lists exactly the core's variants and the base class).
+class MissingDependencyError(PagedKVError, ImportError):
+    """An optional dependency is not installed; the message names the extra that installs it.
+
+    ``str(err)`` is one line, e.g. ``--plot needs matplotlib, which is not installed: pip install
+    'pagedkv[plot]'``.
+
+    Attributes: ``module`` (the top-level module missing), ``extra`` (the ``pagedkv[...]`` extra).
+    """
+
+    field_names = ("module", "extra")
+
+
 class InvalidConfigError(PagedKVError, ValueError):
     """A configuration value is out of range (block size 0, no blocks, watermark ≥ pool, ...).
 
