@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), then run every test: the Rust core's unit, property, stress and loom
-# tests, a compile check of the benches, and the Python suite. Without a CUDA device the Triton
+# Set up (scripts/setup.sh), then run every check: rustfmt and clippy, the Rust core's unit,
+# property, stress and loom tests, a compile check of the benches, and the Python suite (which
+# includes the typing checks: mypy --strict on user code and the README, stubtest of the extension). Without a CUDA device the Triton
 # kernels run under TRITON_INTERPRET=1 and the `gpu`-marked tests skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,6 +9,10 @@ bash scripts/setup.sh
 
 VENV=${PAGEDKV_VENV:-.venv}
 PY="$VENV/bin/python"
+
+echo "== lint: rustfmt, clippy (warnings are errors)"
+cargo fmt --all --check
+cargo clippy --workspace --release -- -D warnings
 
 echo "== cargo test (core, release)"
 cargo test -p pagedkv --release

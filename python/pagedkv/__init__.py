@@ -16,27 +16,35 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-    from .buffers import StepBuffers, StepTensors
-    from .config import CacheSpec
+    # `X as X`: an explicit re-export, which a user's `mypy --strict` (no implicit re-exports)
+    # requires before it lets `pagedkv.X` through.
+    from .buffers import StepBuffers as StepBuffers
+    from .buffers import StepTensors as StepTensors
+    from .config import CacheSpec as CacheSpec
     from .errors import (
-        BufferInvalidError,
-        BuffersNotRegisteredError,
-        BufferTooSmallError,
-        DuplicateSequenceError,
-        InvalidArgumentError,
-        InvalidBlockError,
-        InvalidConfigError,
-        InvariantViolationError,
-        OutOfBlocksError,
-        PagedKVError,
-        PrefixCollisionError,
-        RefcountUnderflowError,
-        SequenceTooLongError,
-        UnknownSequenceError,
-        WatermarkReachedError,
+        BufferInvalidError as BufferInvalidError,
+        BuffersNotRegisteredError as BuffersNotRegisteredError,
+        BufferTooSmallError as BufferTooSmallError,
+        DuplicateSequenceError as DuplicateSequenceError,
+        InvalidArgumentError as InvalidArgumentError,
+        InvalidBlockError as InvalidBlockError,
+        InvalidConfigError as InvalidConfigError,
+        InvariantViolationError as InvariantViolationError,
+        OutOfBlocksError as OutOfBlocksError,
+        PagedKVError as PagedKVError,
+        PrefixCollisionError as PrefixCollisionError,
+        RefcountUnderflowError as RefcountUnderflowError,
+        SequenceTooLongError as SequenceTooLongError,
+        UnknownSequenceError as UnknownSequenceError,
+        WatermarkReachedError as WatermarkReachedError,
     )
-    from .manager import AdmitResult, BlockManager, Stats, StepInfo
-    from .pool import KVPool
+    from .manager import AdmitResult as AdmitResult
+    from .manager import BlockManager as BlockManager
+    from .manager import Stats as Stats
+    from .manager import StepInfo as StepInfo
+    from .pool import KVPool as KVPool
+
+    __version__: str
 
 # Public name -> submodule defining it.
 _EXPORTS = {

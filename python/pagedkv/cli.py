@@ -316,6 +316,7 @@ def version_string() -> str:
     """The installed distribution's version, plus the extension's when it was built from another."""
     from importlib.metadata import PackageNotFoundError, version
 
+    core_version: Optional[str]
     try:
         from ._core import __version__ as core_version
     except ImportError:
@@ -361,7 +362,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     prog = f"pagedkv {args.command}"
     try:
-        return args.handler(args)
+        handler: Handler = args.handler
+        return handler(args)
     except (PagedKVError, UsageError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

@@ -175,7 +175,7 @@ class CacheSpec:
     @classmethod
     def from_hf_config(
         cls,
-        source: Union[str, os.PathLike, Mapping[str, Any]],
+        source: Union[str, "os.PathLike[str]", Mapping[str, Any]],
         *,
         block_size: int = 16,
         dtype: str | None = None,
@@ -384,7 +384,7 @@ class ModelConfig:
     @classmethod
     def from_hf_config(
         cls,
-        source: Union[str, os.PathLike, Mapping[str, Any]],
+        source: Union[str, "os.PathLike[str]", Mapping[str, Any]],
         *,
         dtype: str | None = None,
         name: str | None = None,
@@ -557,7 +557,7 @@ def _parse_moe(cfg: Mapping[str, Any], num_layers: int) -> Optional[MoEConfig]:
                      shared_intermediate_size=shared, shared_expert_gate=gate)
 
 
-def _load_config_dict(source: Union[str, os.PathLike, Mapping[str, Any]]) -> tuple[Mapping[str, Any], str]:
+def _load_config_dict(source: Union[str, "os.PathLike[str]", Mapping[str, Any]]) -> tuple[Mapping[str, Any], str]:
     if isinstance(source, Mapping):
         return source, "config"
     if not isinstance(source, (str, os.PathLike)):

@@ -19,7 +19,7 @@ generic handlers treat it as fatal, whereas a full block pool is an ordinary sch
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, ClassVar, Optional, Tuple
 
 __all__ = [
     "PagedKVError",
@@ -48,12 +48,20 @@ class PagedKVError(Exception):
         **fields: The variant's structured fields; each becomes an attribute.
     """
 
-    #: Names of the structured fields this class carries, in the core's order.
-    field_names: Tuple[str, ...] = ()
+    #: Names of the structured fields this class carries, in the core's order. Each subclass also
+    #: declares them as class-level annotations, so type checkers see ``err.seq_id`` and its type.
+    field_names: ClassVar[Tuple[str, ...]] = ()
+    #: The fields the error was raised with (a subset of :attr:`field_names`, or extra ones).
+    fields: dict[str, Any]
 
     def __init__(self, message: str = "", **fields: Any) -> None:
         super().__init__(message)
-        self.fields: dict[str, Any] = dict(fields)
+        self.fields = dict(fields)
+        # A declared field the raiser did not give reads as None rather than AttributeError (the
+        # Python sizing code raises InvalidConfigError with a message alone, for example).
+        for name in self.field_names:
+            if name not in fields:
+                setattr(self, name, None)
         for name, value in fields.items():
             setattr(self, name, value)
 
@@ -78,6 +86,9 @@ class MissingDependencyError(PagedKVError, ImportError):
     Attributes: ``module`` (the top-level module missing), ``extra`` (the ``pagedkv[...]`` extra).
     """
 
+    module: str
+    extra: Optional[str]
+
     field_names = ("module", "extra")
 
 
@@ -86,6 +97,10 @@ class InvalidConfigError(PagedKVError, ValueError):
 
     Attributes: ``field`` (name), ``value``, ``reason``.
     """
+
+    field: Optional[str]
+    value: object
+    reason: Optional[str]
 
     field_names = ("field", "value", "reason")
 
@@ -96,6 +111,10 @@ class InvalidArgumentError(PagedKVError, ValueError):
     Attributes: ``what`` (argument name), ``value``, ``reason``.
     """
 
+    what: str
+    value: object
+    reason: str
+
     field_names = ("what", "value", "reason")
 
 
@@ -104,6 +123,8 @@ class UnknownSequenceError(PagedKVError, KeyError):
 
     Attributes: ``seq_id``.
     """
+
+    seq_id: int
 
     field_names = ("seq_id",)
 
@@ -114,6 +135,8 @@ class DuplicateSequenceError(PagedKVError, ValueError):
     Attributes: ``seq_id``.
     """
 
+    seq_id: int
+
     field_names = ("seq_id",)
 
 
@@ -123,7 +146,10 @@ class OutOfBlocksError(PagedKVError):
     Attributes: ``needed``, ``available``.
     """
 
-    field_names: Tuple[str, ...] = ("needed", "available")
+    needed: int
+    available: int
+
+    field_names: ClassVar[Tuple[str, ...]] = ("needed", "available")
 
 
 class WatermarkReachedError(OutOfBlocksError):
@@ -135,6 +161,8 @@ class WatermarkReachedError(OutOfBlocksError):
     Attributes: ``needed``, ``available`` (free blocks above the reserve), ``watermark``.
     """
 
+    watermark: int
+
     field_names = ("needed", "available", "watermark")
 
 
@@ -143,6 +171,10 @@ class SequenceTooLongError(PagedKVError, ValueError):
 
     Attributes: ``seq_id``, ``needed_blocks``, ``max_blocks_per_seq``.
     """
+
+    seq_id: int
+    needed_blocks: int
+    max_blocks_per_seq: int
 
     field_names = ("seq_id", "needed_blocks", "max_blocks_per_seq")
 
@@ -153,6 +185,10 @@ class BufferTooSmallError(PagedKVError, ValueError):
     Attributes: ``buffer`` (name), ``needed``, ``capacity`` (in elements).
     """
 
+    buffer: str
+    needed: int
+    capacity: int
+
     field_names = ("buffer", "needed", "capacity")
 
 
@@ -161,6 +197,10 @@ class BufferInvalidError(PagedKVError, ValueError):
 
     Attributes: ``buffer`` (name), ``expected``, ``got``.
     """
+
+    buffer: str
+    expected: str
+    got: str
 
     field_names = ("buffer", "expected", "got")
 
@@ -175,6 +215,9 @@ class InvalidBlockError(PagedKVError, IndexError):
     Attributes: ``block``, ``num_blocks``.
     """
 
+    block: int
+    num_blocks: int
+
     field_names = ("block", "num_blocks")
 
 
@@ -183,6 +226,8 @@ class RefcountUnderflowError(PagedKVError, RuntimeError):
 
     Attributes: ``block``.
     """
+
+    block: int
 
     field_names = ("block",)
 
@@ -196,6 +241,8 @@ class PrefixCollisionError(PagedKVError, RuntimeError):
     Attributes: ``block``.
     """
 
+    block: int
+
     field_names = ("block",)
 
 
@@ -204,5 +251,7 @@ class InvariantViolationError(PagedKVError, RuntimeError):
 
     Attributes: ``detail`` (the core's description).
     """
+
+    detail: str
 
     field_names = ("detail",)
