@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh), then run every check: rustfmt and clippy, the Rust core's unit,
 # property, stress and loom tests, a compile check of the benches, and the Python suite (which
-# includes the typing checks: mypy --strict on user code and the README, stubtest of the extension). Without a CUDA device the Triton
-# kernels run under TRITON_INTERPRET=1 and the `gpu`-marked tests skip.
+# includes the typing checks: mypy --strict on user code and the README, stubtest of the
+# extension). Without a CUDA device the Triton kernels run under TRITON_INTERPRET=1 and the
+# `gpu`-marked tests skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
