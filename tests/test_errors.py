@@ -103,6 +103,12 @@ SAMPLES = {
         "invariant violated: free list holds block 2 twice",
         {"detail": "free list holds block 2 twice"},
     ),
+    "AllocationFailed": (
+        errors.AllocationFailedError,
+        MemoryError,
+        "allocation failed: step buffers (host arena) needs 1099511627776 bytes",
+        {"what": "step buffers (host arena)", "bytes": 1 << 40},
+    ),
 }
 
 
@@ -218,13 +224,17 @@ def _buffer_too_small() -> None:
 
 
 def _buffer_invalid() -> None:
-
-    import torch
-
-    m = pagedkv.BlockManager(16, 2)
+    # One buffer set, two managers: the second may not take it while the first holds it.
     bufs = _step_buffers()
-    bufs.host = bufs.host._replace(seq_lens=torch.zeros(2, dtype=torch.int64))
-    m.attach_buffers(bufs)
+    m1, m2 = pagedkv.BlockManager(16, 2), pagedkv.BlockManager(16, 2)
+    m1.attach_buffers(bufs)
+    m2.attach_buffers(bufs)
+
+
+def _allocation_failed() -> None:
+    from pagedkv import StepBuffers
+
+    StepBuffers(2**20, 16, 2**25, device="cpu", csr=False)
 
 
 def _buffers_not_registered() -> None:
@@ -249,6 +259,7 @@ REAL = {
     "BufferInvalid": _buffer_invalid,
     "BuffersNotRegistered": _buffers_not_registered,
     "InvalidBlock": _invalid_block,
+    "AllocationFailed": _allocation_failed,
 }
 # Not reachable through a public call, so covered by the samples above only: RefcountUnderflow (the
 # manager never over-frees), PrefixCollision (verify mode serves a collision as a miss) and

@@ -264,3 +264,54 @@ def test_reset_prefix_cache() -> None:
     assert m.admit(4, b).cached_tokens == 0
     assert m.reset_prefix_cache() == 0
     m.check_invariants()
+
+
+# ------------------------------------------------------------------------ list conversion
+
+
+EDGE = [0, 1, 255, 256, 2**15, 2**30 - 1, 2**30, 2**31, 2**32 - 1]
+
+
+@pytest.mark.parametrize("container", [list, tuple])
+def test_list_fast_path_reads_every_value_exactly(container) -> None:
+    from pagedkv._core import hash_blocks
+
+    toks = EDGE * 200  # crosses every digit boundary the reader handles
+    want = hash_blocks(np.array(toks, dtype=np.uint32), 4)
+    assert hash_blocks(container(toks), 4) == want
+    # Items the fast reader hands to the slow path mid-list: numpy ints are read by value...
+    mixed = list(toks)
+    mixed[700] = np.int64(mixed[700])
+    assert hash_blocks(container(mixed), 4) == want
+    # ... and a bool is refused with the element named, never read as 0 or 1.
+    mixed[5] = True
+    with pytest.raises(InvalidArgumentError, match="element 5"):
+        hash_blocks(container(mixed), 4)
+
+
+@pytest.mark.parametrize(
+    "bad, index",
+    [(-1, 3000), (2**32, 17), (2**70, 0), (-(2**40), 4095), ("x", 9), (1.0, 100)],
+)
+def test_list_fast_path_errors_name_the_element(bad, index) -> None:
+    m = make(512, watermark=0)
+    toks = prompt(4096, 9)
+    toks[index] = bad
+    before = snapshot(m, [1])
+    with pytest.raises(InvalidArgumentError, match=f"element {index}"):
+        m.admit(1, toks)
+    assert snapshot(m, [1]) == before
+
+
+def test_large_sequence_ids_in_lists() -> None:
+    m = make(64, block_size=4, watermark=0)
+    ids = [2**60 - 1, 2**60, 2**64 - 1, 2**30]
+    m.admit_batch(ids, [[1, 2]] * 4)
+    assert all(i in m for i in ids)
+    m.append_batch(ids, [3, 4, 5, 6])
+    assert [m.seq_len(i) for i in ids] == [3, 3, 3, 3]
+    with pytest.raises(InvalidArgumentError):
+        m.free_batch([2**64])
+    m.free_batch(ids)
+    assert len(m) == 0
+    m.check_invariants()

@@ -134,10 +134,10 @@ def test_constructor_and_view_errors():
         KVPool(small_spec(), num_blocks=2.0)
     with pytest.raises(InvalidConfigError):
         KVPool("spec", num_blocks=2)
-    with pytest.raises(InvalidConfigError):
+    with pytest.raises(InvalidArgumentError):
         KVPool(small_spec(), num_blocks=2, device="not-a-device")
     if not torch.cuda.is_available():
-        with pytest.raises(InvalidConfigError, match="CUDA"):
+        with pytest.raises(InvalidArgumentError, match="CUDA"):
             KVPool(small_spec(), num_blocks=2, device="cuda")
     pool = KVPool(small_spec(), num_blocks=2)
     with pytest.raises(InvalidBlockError):

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .buffers import StepTensors as StepTensors
     from .config import CacheSpec as CacheSpec
     from .errors import (
+        AllocationFailedError as AllocationFailedError,
         BufferInvalidError as BufferInvalidError,
         BuffersNotRegisteredError as BuffersNotRegisteredError,
         BufferTooSmallError as BufferTooSmallError,
@@ -42,6 +43,11 @@ if TYPE_CHECKING:
     from .manager import BlockManager as BlockManager
     from .manager import Stats as Stats
     from .manager import StepInfo as StepInfo
+    from .engine.llm import LLM as LLM
+    from .engine.llm import LLMEngine as LLMEngine
+    from .engine.outputs import CompletionOutput as CompletionOutput
+    from .engine.outputs import RequestOutput as RequestOutput
+    from .engine.sampling_params import SamplingParams as SamplingParams
     from .pool import KVPool as KVPool
 
     __version__: str
@@ -71,6 +77,12 @@ _EXPORTS = {
     "RefcountUnderflowError": "errors",
     "PrefixCollisionError": "errors",
     "InvariantViolationError": "errors",
+    "AllocationFailedError": "errors",
+    "LLM": "engine.llm",
+    "LLMEngine": "engine.llm",
+    "SamplingParams": "engine.sampling_params",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -1,21 +1,23 @@
 """Type stubs for the extension module ``pagedkv._core`` (built from ``rust/python``).
 
 The documented API is :class:`pagedkv.BlockManager`; this module is its thin Rust layer. Ids are
-Python ints or 1-D integer numpy arrays / lists; out-of-range values raise
-:class:`pagedkv.errors.InvalidArgumentError`, and every core error raises its own
-:mod:`pagedkv.errors` class.
+Python ints (never bools) or 1-D integer numpy arrays (any byte order) / lists; out-of-range or
+ill-typed values raise :class:`pagedkv.errors.InvalidArgumentError`, and every core error raises its
+own :mod:`pagedkv.errors` class. Flags take bools only.
+
+A ``BlockManager`` may be called from many threads: calls are serialized by a lock the extension
+waits for with the GIL released, never refused.
 """
 
-from typing import Any, Optional, Sequence, Tuple, Union, final
+from typing import Any, Callable, Optional, Sequence, Tuple, Union, final
 
 import numpy as np
 import numpy.typing as npt
 
 _Ids = Union[Sequence[int], npt.NDArray[np.integer[Any]]]
-_Raw = Tuple[int, int, str]
 _Keys = Union[bytes, bytearray]
 
-__all__ = ["__version__", "BlockManager", "hash_blocks", "_raise_core_error"]
+__all__ = ["__version__", "BlockManager", "StepArena", "hash_blocks", "_raise_core_error"]
 __version__: str
 
 @final
@@ -26,8 +28,8 @@ class BlockManager:
         block_size: Optional[int] = ...,
         watermark_blocks: Optional[int] = ...,
         max_blocks_per_seq: Optional[int] = ...,
-        enable_prefix_caching: bool = ...,
-        verify_prefix: bool = ...,
+        enable_prefix_caching: Optional[bool] = ...,
+        verify_prefix: Optional[bool] = ...,
     ) -> BlockManager: ...
     @property
     def num_blocks(self) -> int: ...
@@ -91,31 +93,45 @@ class BlockManager:
     def num_free_blocks(self) -> int: ...
     def stats(self) -> dict[str, Any]: ...
     def check_invariants(self) -> None: ...
-    def register_buffers(
-        self,
-        max_seqs: int,
-        max_tokens: int,
-        max_blocks_per_seq: int,
-        max_copies: int,
-        slot_mapping: _Raw,
-        block_tables: _Raw,
-        seq_lens: _Raw,
-        query_start_loc: _Raw,
-        kv_indptr: _Raw,
-        kv_indices: _Raw,
-        kv_last_page_len: _Raw,
-        copies: _Raw,
-        *,
-        keepalive: object,
-    ) -> None:
-        """Each buffer is ``(data_ptr, numel, dtype_name)`` of contiguous host memory that
-        ``keepalive`` owns."""
-    def unregister_buffers(self) -> None: ...
+    def attach_buffers(self, arena: StepArena) -> None:
+        """Attaches the step buffers whose memory ``arena`` owns; an arena belongs to one manager at
+        a time (BufferInvalidError otherwise). Nothing takes an address."""
+    def detach_buffers(self) -> None: ...
     def invalidate_step_cache(self) -> None: ...
     def step(
         self, seq_ids: _Ids, num_new_tokens: Union[_Ids, int]
     ) -> Tuple[int, int, int, int, int]:
         """Returns ``(num_seqs, num_tokens, num_kv_indices, num_copies, max_seq_len)``."""
+
+@final
+class StepArena:
+    """Host memory of one set of step buffers, allocated, zeroed and owned by the extension."""
+
+    def __new__(
+        cls,
+        max_seqs: int,
+        max_tokens: int,
+        max_blocks_per_seq: int,
+        max_copies: int,
+        csr: bool,
+    ) -> StepArena: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def address(self) -> int: ...
+    @property
+    def csr(self) -> bool: ...
+    @property
+    def pinned(self) -> bool: ...
+    @property
+    def attached(self) -> bool: ...
+    def fields(self) -> dict[str, Tuple[int, int]]:
+        """``{field: (byte_offset, numel)}``."""
+    def array(self) -> npt.NDArray[np.uint8]:
+        """The arena as a writable uint8 array whose base is the arena (not resizable)."""
+    def pin(self, cudart: Any, synchronize: Optional[Callable[[], Any]] = ...) -> None:
+        """Pins with ``cudart.cudaHostRegister`` (``torch.cuda.cudart()``); when freed, calls
+        ``synchronize()`` then ``cudart.cudaHostUnregister``."""
 
 def hash_blocks(
     token_ids: _Ids,

@@ -15,8 +15,13 @@ Invariants:
 
 * Everything is allocated once, in :class:`StepBuffers`'s constructor, and never reallocated: every
   tensor's ``data_ptr()`` is fixed for the object's lifetime, which is what CUDA graphs need.
-* The host tensors live in one contiguous arena (pinned when CUDA is available, so host-to-device
-  copies can be asynchronous); each field starts on a 64-byte boundary.
+* The host tensors live in one contiguous arena that the extension allocates and owns
+  (``_core.StepArena``), pinned with ``cudaHostRegister`` when CUDA is available so host-to-device
+  copies can be asynchronous; each field starts on a 64-byte boundary. Python holds only views of it
+  (numpy arrays whose base is the arena, and tensors over them): their storage cannot be freed or
+  resized (``resize_`` raises), and the arena lives while any view or any manager refers to it.
+  That is what makes it safe for the manager to write it with the GIL released.
+* One buffer set belongs to one manager at a time (:meth:`pagedkv.BlockManager.attach_buffers`).
 * The device mirrors have the same shapes and dtypes, in one arena on ``device``. Without a device
   (no CUDA, or ``device="cpu"``) the device mirrors *are* the host tensors and
   :meth:`StepBuffers.to_device` copies nothing.
@@ -32,31 +37,21 @@ data past the step's extent — padding rows of a CUDA graph captured at a large
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional, Union
 
 import torch
+
+from . import _core
+from ._checks import allocate, check_flag, parse_device
 
 if TYPE_CHECKING:
     from .manager import StepInfo
 
 __all__ = ["StepBuffers", "StepTensors"]
 
-# Each field starts on its own cache line: keeps every dtype aligned and stops two fields that the
-# core writes back to back from sharing a line.
-_ALIGN = 64
-
-# Arena order: the small per-sequence fields first, the large tables last, so that the used parts of
-# one step lie close together and `to_device` can move them in one or two copies.
-_ARENA_ORDER = (
-    "seq_lens",
-    "query_start_loc",
-    "kv_indptr",
-    "kv_last_page_len",
-    "copies",
-    "slot_mapping",
-    "block_tables",
-    "kv_indices",
-)
+# Field placement (arena order: the small per-sequence fields first, the large tables last, each on
+# its own 64-byte line) is the extension's (`_core.StepArena.fields()`), so the two never disagree.
 
 # Used parts separated by at most this many unused bytes are moved in one copy: a host-to-device
 # copy costs several microseconds to issue, the time to move about this many bytes more.
@@ -109,7 +104,8 @@ class StepBuffers:
 
     Attach to a manager with :meth:`pagedkv.BlockManager.attach_buffers`; each
     :meth:`pagedkv.BlockManager.step` then fills :attr:`host`, and :meth:`to_device` moves the used
-    part to :attr:`device`.
+    part to :attr:`device`. One buffer set belongs to one manager at a time. Do not read or write
+    :attr:`host` while a step on another thread is filling it.
 
     Args:
         max_seqs: Most sequences in one step (rows of ``block_tables``).
@@ -126,7 +122,9 @@ class StepBuffers:
             tables do not need them.
 
     Raises:
-        InvalidArgumentError: A size is not a positive int (``max_copies`` may be 0).
+        InvalidArgumentError: A size is not a positive int (``max_copies`` may be 0), ``csr`` is not
+            a bool, or ``device`` is not ``cpu`` or an available CUDA device.
+        AllocationFailedError: The host arena, its pinning or the device mirror could not be had.
     """
 
     def __init__(
@@ -145,36 +143,45 @@ class StepBuffers:
         self.max_copies = _check_dim(
             "max_copies", max_seqs if max_copies is None else max_copies, 0
         )
-        self.csr = bool(csr)
-
+        self.csr = check_flag("csr", csr)
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device is None else (
+            parse_device(device)
+        )
         cuda = torch.cuda.is_available()
-        if device is None:
-            device = "cuda" if cuda else "cpu"
-        dev = torch.device(device)
-        self.pinned = cuda
 
+        # The host memory is the extension's (`_core.StepArena`): the manager writes it with the
+        # GIL released, so Python must not be able to free, move or resize it. Python sees it only
+        # through a numpy array whose base is the arena, wrapped by `torch.from_numpy` (a storage
+        # torch refuses to resize); every view, and every manager it is attached to, keeps the
+        # arena alive.
+        self._arena = _core.StepArena(
+            self.max_seqs, self.max_tokens, self.max_blocks_per_seq, self.max_copies, self.csr
+        )
+        self.nbytes = self._arena.nbytes
+        self._offsets: dict[str, int] = {
+            name: off for name, (off, _) in self._arena.fields().items()
+        }
+        if cuda:
+            # Page-locked, so host-to-device copies can be asynchronous. Unpinned when freed, after
+            # the mirror's device has finished any copy still reading it.
+            sync_dev = dev if dev.type == "cuda" else None
+            self._arena.pin(torch.cuda.cudart(), functools.partial(torch.cuda.synchronize, sync_dev))
+        self.pinned = self._arena.pinned
         shapes = self._shapes()
-        self._offsets: dict[str, int] = {}
-        total = 0
-        for name in _ARENA_ORDER:
-            dtype, shape = shapes[name]
-            total = -(-total // _ALIGN) * _ALIGN
-            self._offsets[name] = total
-            n = 1
-            for d in shape:
-                n *= d
-            total += n * dtype.itemsize
-        self.nbytes = total
-
-        # Zeroed rather than empty: stale data is then at least deterministic before the first step.
-        self._host_arena = torch.zeros(total, dtype=torch.uint8, pin_memory=self.pinned)
+        # Zeroed by the extension: stale data is then at least deterministic before the first step.
+        self._host_arena = torch.from_numpy(self._arena.array())
         self.host = self._carve(self._host_arena, shapes)
         if dev.type == "cpu":
             self._device_arena = self._host_arena
             self.device = self.host
             self.has_mirror = False
         else:
-            self._device_arena = torch.zeros(total, dtype=torch.uint8, device=dev)
+            total = self.nbytes
+            self._device_arena = allocate(
+                f"step buffers (device mirror on {dev})",
+                total,
+                lambda: torch.zeros(total, dtype=torch.uint8, device=dev),
+            )
             self.device = self._carve(self._device_arena, shapes)
             self.has_mirror = True
         self.mirror_device = dev
@@ -224,6 +231,8 @@ class StepBuffers:
             ``kv_indices[:num_kv_indices]``, ``kv_last_page_len[:num_seqs]``, ``copies[:num_copies]``
             (the CSR three empty without ``csr``).
         """
+        if on_device is not True and on_device is not False:
+            check_flag("on_device", on_device)
         full = self.device if on_device else self.host
         cache = self._cuts[on_device]
         s = info.num_seqs
@@ -298,6 +307,8 @@ class StepBuffers:
         Returns:
             The device views for this step, as :meth:`views` gives them.
         """
+        if non_blocking is not True and non_blocking is not False:
+            check_flag("non_blocking", non_blocking)
         if self.has_mirror:
             host, dev = self._host_arena, self._device_arena
             for a, b in self.copy_spans(info):

@@ -1,7 +1,8 @@
-"""The ``pagedkv`` command line: ``pagedkv plan`` and ``pagedkv simulate``.
+"""The ``pagedkv`` command line: ``pagedkv demo``, ``pagedkv plan`` and ``pagedkv simulate``.
 
-Owns argument parsing and the mapping from flags to the planner's and simulator's configuration
-objects; the computing lives in :mod:`pagedkv.plan` and :mod:`pagedkv.simulate`. Subcommands are
+Owns argument parsing and the mapping from flags to the demo's, planner's and simulator's
+configuration objects; the computing lives in :mod:`pagedkv.demo`, :mod:`pagedkv.plan` and
+:mod:`pagedkv.simulate`. Subcommands are
 registered in :data:`SUBCOMMANDS` (name → (add-arguments function, handler)), so further ones
 (``bench``, ``demo``) plug in without touching the others.
 
@@ -286,12 +287,62 @@ def _run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------------- demo
+
+def _add_demo_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", metavar="DIR|FILE", default=None,
+                   help="a Hugging Face model directory or a .gguf file "
+                        "(default: the embedded SmolLM2-135M-Instruct GGUF)")
+    g.add_argument("--device", default="cpu", metavar="DEVICE",
+                   help="cpu (default) or cuda")
+    g = p.add_argument_group("workload")
+    g.add_argument("--max-tokens", type=_positive_int, default=40, metavar="N",
+                   help="most tokens per answer (default: 40)")
+    g.add_argument("--num-blocks", type=_positive_int, default=None, metavar="N",
+                   help="KV pool size in blocks (default: about 60%% of the workload's peak, "
+                        "so requests get preempted)")
+    g.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
+                   help="tokens per block (default: 16)")
+    g.add_argument("--no-check", action="store_true",
+                   help="skip the comparison with transformers' dense-cache generate")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    import os
+
+    # Nothing may touch a model hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # OpenMP threads that spin while waiting for work take the cores other processes need, and on
+    # a busy 2-core machine made each CPU matmul about 5x slower than one thread; passive waiting
+    # keeps two threads at least as fast as one. Read once, when torch first loads (below).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from .demo import format_report, report_json, run_demo
+
+    started = time.perf_counter()
+    report = run_demo(args.model, device=args.device, max_tokens=args.max_tokens,
+                      num_blocks=args.num_blocks, block_size=args.block_size,
+                      check=not args.no_check, progress=not args.quiet)
+    if args.json:
+        print(report_json(report))
+    else:
+        print(format_report(report))
+        print(f"demo ran in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
 # ------------------------------------------------------------------------------------- dispatch
 
 Handler = Callable[[argparse.Namespace], int]
 
 #: name -> (help, add-arguments function, handler)
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Handler]] = {
+    "demo": ("serve a small chat workload with a real model through the paged KV cache, offline, "
+             "and check it against transformers", _add_demo_args, _run_demo),
     "plan": ("capacity planner: blocks, token capacity and concurrency for a model on a device",
              _add_plan_args, _run_plan),
     "simulate": ("run a synthetic serving workload through the block manager; paged vs contiguous",

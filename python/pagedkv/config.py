@@ -319,6 +319,14 @@ class ModelConfig:
             )
         if self.max_position_embeddings is not None:
             _check_int("max_position_embeddings", self.max_position_embeddings, 1)
+        for field_name in ("tie_word_embeddings", "attention_bias"):
+            value = getattr(self, field_name)
+            if not isinstance(value, bool):
+                # `bool("false")` is True: a flag must be a bool (a JSON true/false).
+                raise InvalidConfigError(
+                    f"{field_name} must be a bool, got {value!r}",
+                    field=field_name, value=value, reason="must be a bool",
+                )
         if self.mla is not None and not isinstance(self.mla, MLAConfig):
             raise InvalidConfigError(f"mla must be an MLAConfig, got {type(self.mla).__name__}")
         if self.moe is not None:
@@ -461,8 +469,8 @@ class ModelConfig:
                 head_dim=head_dim,
                 vocab_size=need("vocab_size"),
                 dtype=dtype,
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(attention_bias),
+                tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+                attention_bias=attention_bias,
                 max_position_embeddings=cfg.get("max_position_embeddings"),
                 # Qwen3 (dense and MoE) normalises each head's Q and K.
                 qk_norm=mla is None and model_type.startswith("qwen3"),
@@ -574,6 +582,9 @@ def _load_config_dict(source: Union[str, "os.PathLike[str]", Mapping[str, Any]])
         raise InvalidConfigError(f"{path}: cannot read: {exc}") from None
     except json.JSONDecodeError as exc:
         raise InvalidConfigError(f"{path}: not valid JSON: {exc}") from None
+    except RecursionError:
+        # json's decoder recurses once per nesting level; no config.json nests more than a few.
+        raise InvalidConfigError(f"{path}: not a usable config: JSON nested too deeply") from None
     if not isinstance(data, Mapping):
         raise InvalidConfigError(f"{path}: expected a JSON object at the top level")
     return data, path

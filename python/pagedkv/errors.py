@@ -12,7 +12,8 @@ the extension module raises these classes, never a bare ``RuntimeError``. Invari
 
 The second base of each class is the built-in a caller would naturally catch: ``ValueError`` for bad
 values, ``KeyError`` for an unknown sequence id, ``IndexError`` for a block id outside the pool,
-``RuntimeError`` for states that are not the caller's input. Running out of KV blocks deliberately
+``RuntimeError`` for states that are not the caller's input, ``MemoryError`` for an allocation the
+system refused (:class:`AllocationFailedError`). Running out of KV blocks deliberately
 does *not* derive from ``MemoryError``: that one means the interpreter itself is out of memory and
 generic handlers treat it as fatal, whereas a full block pool is an ordinary scheduling outcome.
 """
@@ -37,6 +38,7 @@ __all__ = [
     "RefcountUnderflowError",
     "PrefixCollisionError",
     "InvariantViolationError",
+    "AllocationFailedError",
 ]
 
 
@@ -255,3 +257,28 @@ class InvariantViolationError(PagedKVError, RuntimeError):
     detail: str
 
     field_names = ("detail",)
+
+
+class AllocationFailedError(PagedKVError, MemoryError):
+    """An allocation was refused: a block pool, step buffers, or their pinned or device copies.
+
+    Raised instead of aborting the process or leaking the allocator's own exception (torch's
+    ``RuntimeError`` / ``OutOfMemoryError``). Derives from ``MemoryError`` because it is one: the
+    request did not fit the memory there is; nothing was allocated and nothing changed.
+
+    Attributes: ``what`` (what was being allocated), ``bytes`` (the size asked for).
+    """
+
+    field_names = ("what", "bytes")
+
+
+# Raised by the Python engine, not the core: it is no variant of the core's enum, so it stays out of
+# `__all__` (which lists exactly the core's variants and the base class).
+class ModelLoadError(PagedKVError, ValueError):
+    """A model cannot be loaded: the path does not exist, holds no model, or its architecture is not
+    one the engine supports (the Llama family: Llama 2/3, Mistral, Qwen2, SmolLM2).
+
+    Attributes: ``path``, ``reason``.
+    """
+
+    field_names = ("path", "reason")

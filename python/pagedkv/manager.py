@@ -9,8 +9,12 @@ the core's:
   exactly as it was;
 * a block is allocated when a token first needs it, never ahead of time; admissions never take
   blocks from the watermark reserve, appends may;
-* step buffers attached with :meth:`BlockManager.attach_buffers` are kept alive by the manager until
-  replaced, so the raw pointers the core writes through stay valid.
+* the core writes only into step buffers whose memory the extension owns (a
+  :class:`~pagedkv.StepBuffers` arena, which Python cannot free or resize); the manager keeps it
+  alive until detached or replaced, and one buffer set belongs to one manager at a time;
+* a manager may be called from many threads: calls are serialized by a lock inside the extension
+  (waited for with the GIL released), never refused, and read-only queries such as :meth:`stats`
+  simply wait for a running :meth:`step` to finish.
 
 Token ids may be a list or tuple of ints, a 1-D integer numpy array (int32/int64/uint32/...), a
 CPU torch tensor, or a single int. Arrays and tensors are read in place (``np.asarray`` makes no copy
@@ -25,7 +29,8 @@ from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional, Sequence, Tup
 import numpy as np
 
 from . import _core
-from .errors import BufferInvalidError, InvalidArgumentError
+from ._checks import check_flag
+from .errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -85,6 +90,12 @@ def _ids(x: Any) -> Any:
         return x
     if t is int:
         return [x]
+    if t is bool:
+        # An int to Python, but never an id: `append(seq, True)` is a bug, not token 1.
+        reason = "must be an int, got bool"
+        raise InvalidArgumentError(
+            f"invalid argument: ids = {x!r}: {reason}", what="ids", value=x, reason=reason
+        )
     if isinstance(x, np.integer):
         return [int(x)]
     try:
@@ -121,7 +132,8 @@ class BlockManager:
 
     Raises:
         InvalidConfigError: A value is out of range (no blocks, block size 0, watermark ≥ pool, ...).
-        InvalidArgumentError: A value is negative or not an int.
+        InvalidArgumentError: A size is negative or not an int (a bool is not one), or a flag is
+            not a bool.
     """
 
     __slots__ = ("_core", "_buffers", "_append_batch", "_step")
@@ -136,13 +148,14 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         verify_prefix: bool = False,
     ) -> None:
+        # Flags are bools only: `bool("false")` is True.
         self._core = _core.BlockManager(
             num_blocks,
             block_size,
             watermark_blocks,
             max_blocks_per_seq,
-            bool(enable_prefix_caching),
-            bool(verify_prefix),
+            check_flag("enable_prefix_caching", enable_prefix_caching),
+            check_flag("verify_prefix", verify_prefix),
         )
         self._buffers: Optional[StepBuffers] = None
         # Bound once: the hot path then skips two attribute lookups per call.
@@ -440,7 +453,8 @@ class BlockManager:
         return self._core.reset_prefix_cache()
 
     def __contains__(self, seq_id: object) -> bool:
-        """Whether ``seq_id`` is a live sequence (False for anything that is not a valid id)."""
+        """Whether ``seq_id`` is a live sequence (False for anything that is not a valid id, a bool
+        included: ``True in m`` does not ask about sequence 1)."""
         return self._core.contains(seq_id)
 
     def __len__(self) -> int:
@@ -492,40 +506,39 @@ class BlockManager:
     # ------------------------------------------------------------------------------------ steps
 
     def attach_buffers(self, buffers: StepBuffers) -> None:
-        """Registers the step buffers that :meth:`step` fills; replaces any earlier registration.
+        """Attaches the step buffers that :meth:`step` fills; replaces any earlier ones.
 
-        The core validates every pointer, dtype and capacity once here. The manager keeps
-        ``buffers`` alive until replaced, so the memory outlives the registration. On error the
-        earlier registration (if any) stays in place.
+        The core writes into the buffers' host arena, memory the extension allocated and owns (see
+        :class:`~pagedkv.StepBuffers`); nothing here reads an address from Python, so rebinding or
+        resizing ``buffers.host`` cannot redirect the core. The manager keeps the arena alive until
+        :meth:`detach_buffers`, a later attach, or its own end.
+
+        One buffer set belongs to one manager at a time: two managers writing block-table rows
+        into one buffer would each trust incremental rows the other overwrote. Attaching the set a
+        manager already holds is allowed and makes the next step write its rows in full. On error
+        the earlier attachment (if any) stays in place.
 
         Raises:
-            BufferInvalidError: A host tensor is not contiguous CPU memory or has the wrong dtype.
-            BufferTooSmallError: A host tensor is smaller than the layout needs.
+            InvalidArgumentError: ``buffers`` is not a :class:`~pagedkv.StepBuffers`.
+            BufferInvalidError: Another manager holds ``buffers`` (detach it there first).
         """
-        host = buffers.host
-        args = []
-        tensors = []
-        for name, t in host.items():
-            if not hasattr(t, "data_ptr"):
-                raise _buffer_invalid(name, "a torch.Tensor", type(t).__name__)
-            if t.device.type != "cpu":
-                raise _buffer_invalid(name, "host (CPU) memory", f"device {t.device}")
-            if not t.is_contiguous():
-                raise _buffer_invalid(
-                    name, "contiguous memory", f"strides {tuple(t.stride())}"
-                )
-            args.append((t.data_ptr(), t.numel(), str(t.dtype).rpartition(".")[2]))
-            tensors.append(t)
-        # The core holds the tensors themselves, not `buffers`: those are what its pointers point into.
-        self._core.register_buffers(
-            buffers.max_seqs,
-            buffers.max_tokens,
-            buffers.max_blocks_per_seq,
-            buffers.max_copies,
-            *args,
-            keepalive=tuple(tensors),
-        )
+        arena = getattr(buffers, "_arena", None)
+        if type(arena) is not _core.StepArena:
+            reason = "must be a pagedkv.StepBuffers"
+            raise InvalidArgumentError(
+                f"invalid argument: buffers = {type(buffers).__name__}: {reason}",
+                what="buffers",
+                value=type(buffers).__name__,
+                reason=reason,
+            )
+        self._core.attach_buffers(arena)
         self._buffers = buffers
+
+    def detach_buffers(self) -> None:
+        """Detaches the step buffers, so another manager may attach them; :meth:`step` then
+        raises :class:`~pagedkv.errors.BuffersNotRegisteredError` until buffers are attached."""
+        self._core.detach_buffers()
+        self._buffers = None
 
     @property
     def buffers(self) -> Optional[StepBuffers]:
@@ -597,12 +610,6 @@ class BlockManager:
             f"max_blocks_per_seq={self.max_blocks_per_seq}, seqs={len(self)}, "
             f"free_blocks={self.num_free_blocks})"
         )
-
-
-def _buffer_invalid(name: str, expected: str, got: str) -> BufferInvalidError:
-    return BufferInvalidError(
-        f"buffer `{name}`: expected {expected}, got {got}", buffer=name, expected=expected, got=got
-    )
 
 
 @dataclass(frozen=True)

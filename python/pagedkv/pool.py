@@ -26,6 +26,7 @@ from typing import Iterable, Sequence, Union
 
 import torch
 
+from ._checks import allocate, check_flag, parse_device
 from .config import CacheSpec
 from .errors import InvalidArgumentError, InvalidBlockError, InvalidConfigError
 
@@ -44,6 +45,12 @@ class KVPool:
         zero: Zero-fill the pool (default), so a freshly allocated pool holds no garbage that a
             debugging read could mistake for data. The kernels never read unwritten slots (they
             mask by sequence length), so ``zero=False`` is safe and saves one memset.
+
+    Raises:
+        InvalidConfigError: ``spec`` is not a CacheSpec or ``num_blocks`` is not an int >= 1.
+        InvalidArgumentError: ``device`` is not ``cpu`` or an available CUDA device, or ``zero``
+            is not a bool.
+        AllocationFailedError: The pool does not fit the device's memory.
     """
 
     def __init__(self, spec: CacheSpec, num_blocks: int, device: Union[str, torch.device] = "cpu",
@@ -53,18 +60,18 @@ class KVPool:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise InvalidConfigError(f"num_blocks must be an integer >= 1, got {num_blocks!r}",
                                      field="num_blocks", value=num_blocks, reason="must be >= 1")
-        try:
-            dev = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise InvalidConfigError(f"invalid device {device!r}: {exc}") from None
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidConfigError(f"device {device!r} requested but CUDA is not available")
+        dev = parse_device(device)
+        zero = check_flag("zero", zero)
         self.spec = spec
         self.num_blocks = num_blocks
         self.dtype: torch.dtype = getattr(torch, spec.dtype)
         shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         alloc = torch.zeros if zero else torch.empty
-        self.kv: torch.Tensor = alloc(shape, dtype=self.dtype, device=dev)
+        self.kv: torch.Tensor = allocate(
+            f"KV pool ({num_blocks} blocks on {dev})",
+            num_blocks * spec.bytes_per_block,
+            lambda: alloc(shape, dtype=self.dtype, device=dev),
+        )
         self.device: torch.device = self.kv.device
         self.k_caches: list[torch.Tensor] = [self.kv[layer, 0] for layer in range(spec.num_layers)]
         self.v_caches: list[torch.Tensor] = [self.kv[layer, 1] for layer in range(spec.num_layers)]

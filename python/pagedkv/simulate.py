@@ -93,6 +93,13 @@ class SimConfig:
                     f"invalid simulation config: {name} = {value!r}: must be an integer >= {minimum}",
                     field=name, value=value, reason=f"must be an integer >= {minimum}",
                 )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise InvalidConfigError(
+                f"invalid simulation config: enable_prefix_caching = {self.enable_prefix_caching!r}: "
+                "must be a bool",
+                field="enable_prefix_caching", value=self.enable_prefix_caching,
+                reason="must be a bool",
+            )
         wm = self.watermark_blocks
         if wm is not None and (isinstance(wm, bool) or not isinstance(wm, int) or wm < 0):
             raise InvalidConfigError(

@@ -20,13 +20,17 @@
 //!   cached-free blocks, so each of the 256 allocations evicts the oldest one. The untimed cleanup
 //!   (`build_step` to cache the blocks, then `free`) keeps each variant's pool in the same state.
 //!   The difference divided by 256 is the cost of an eviction per block.
+//! - `sched_4096/*`: scheduler-facing calls on a cached 4096-token prompt (its blocks held by a
+//!   running sequence). `can_admit_tokens`: the read-only lookup (255 hits). `admit_chunked_512`:
+//!   admit with `max_new_tokens = 512` (255 blocks shared, 1 new) and free. `admit_batch_8`:
+//!   eight 512-token prompts admitted in one `admit_batch`, then `free_batch`.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use pagedkv::hash::{root_hash, Hasher};
-use pagedkv::manager::{BlockManager, ManagerConfig};
+use pagedkv::manager::{AdmitRequest, BlockManager, ManagerConfig};
 use pagedkv::step::{OwnedStepBuffers, StepLayout};
 use pagedkv::SeqId;
 
@@ -279,5 +283,45 @@ fn evict(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, decode, admit, hash, evict);
+fn sched(c: &mut Criterion) {
+    let mut g = c.benchmark_group("sched_4096");
+    let prompt: Vec<u32> = Rng(11).tokens(4096);
+    let mut m = BlockManager::new(ManagerConfig::new(8192, B)).unwrap();
+    let mut ob = OwnedStepBuffers::new(StepLayout {
+        max_seqs: 1,
+        max_tokens: 4096,
+        max_blocks_per_seq: 256,
+        max_copies: 1,
+    });
+    m.admit(1, &prompt).unwrap();
+    m.build_step(&[1], &[4096], &mut ob.view()).unwrap();
+    g.bench_function("can_admit_tokens", |b| {
+        b.iter(|| black_box(m.can_admit_tokens(black_box(&prompt), None, None).unwrap()));
+    });
+    g.bench_function("admit_chunked_512", |b| {
+        b.iter(|| {
+            let r = m
+                .admit_opts(2, black_box(&prompt), None, Some(512))
+                .unwrap();
+            debug_assert_eq!(r.cached_tokens, 4080);
+            m.free(2).unwrap();
+        });
+    });
+    let prompts: Vec<Vec<u32>> = (0..8).map(|i| Rng(100 + i).tokens(512)).collect();
+    let ids: Vec<SeqId> = (10..18).collect();
+    g.bench_function("admit_batch_8", |b| {
+        b.iter(|| {
+            let reqs: Vec<AdmitRequest<'_>> = ids
+                .iter()
+                .zip(&prompts)
+                .map(|(&s, p)| AdmitRequest::new(s, p))
+                .collect();
+            black_box(m.admit_batch(&reqs).unwrap());
+            m.free_batch(&ids).unwrap();
+        });
+    });
+    g.finish();
+}
+
+criterion_group!(benches, decode, admit, hash, evict, sched);
 criterion_main!(benches);

@@ -2,11 +2,16 @@
 //!
 //! Owns the rules for what the binding accepts as an id and how it is read:
 //!
-//! - a scalar id is a Python int (or anything with `__index__`) in `[0, MAX]` of its type;
+//! - a scalar id is a Python int (or anything with `__index__`) in `[0, MAX]` of its type, but
+//!   never a `bool`: `True` is an int to Python, and taking it as id 1 turns a bug in the caller
+//!   (a flag passed where an id belongs) into an operation on the wrong sequence;
 //! - an id sequence is a list or tuple of such ints, or a 1-D numpy array of any integer dtype.
 //!   An array whose dtype already matches the target's width and whose values are all in range is
 //!   read in place (no copy: `uint32`/`int32` token ids, `uint64`/`int64` sequence ids); anything
 //!   else is converted into a caller-provided scratch vector, so steady-state calls do not allocate.
+//!   A non-native byte order (a big-endian array on a little-endian machine) is converted to native
+//!   first, by value;
+//! - a flag is a `bool` and nothing else ([`flag`]): `"false"` is truthy.
 //!
 //! Every value is range-checked before the core sees it; a bad one raises `InvalidArgumentError`
 //! naming the argument, the index and the value. Nothing here touches the manager, so a failed
@@ -16,7 +21,7 @@ use numpy::{
     Element, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyInt, PyList, PyTuple};
+use pyo3::types::{PyBool, PyInt, PyList, PyTuple};
 
 use crate::errors::{invalid_arg, invalid_arg_int};
 
@@ -86,16 +91,33 @@ impl Id for u64 {
 
 /// Reads one id from a Python int.
 pub fn scalar<T: Id>(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<T> {
-    if let Ok(v) = obj.extract::<u64>() {
-        if v <= T::MAX {
-            return Ok(T::from_bits(v));
+    if !obj.is_instance_of::<PyBool>() {
+        if let Ok(v) = obj.extract::<u64>() {
+            if v <= T::MAX {
+                return Ok(T::from_bits(v));
+            }
         }
     }
     Err(scalar_error::<T>(what, obj))
 }
 
+/// Reads a flag: a Python `bool` only (not an int, not a string, not `None`).
+pub fn flag(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    match obj.cast::<PyBool>() {
+        Ok(b) => Ok(b.is_true()),
+        Err(_) => {
+            let reason = format!("must be a bool, got {}", type_name(obj));
+            Err(invalid_arg(what, obj, reason))
+        }
+    }
+}
+
+const NOT_BOOL: &str = "must be an int, got bool";
+
 fn scalar_error<T: Id>(what: &str, obj: &Bound<'_, PyAny>) -> PyErr {
-    if is_int_like(obj) {
+    if obj.is_instance_of::<PyBool>() {
+        invalid_arg(what, obj, NOT_BOOL)
+    } else if is_int_like(obj) {
         invalid_arg(what, obj, T::RANGE)
     } else {
         let reason = format!("must be an int, got {}", type_name(obj));
@@ -105,6 +127,9 @@ fn scalar_error<T: Id>(what: &str, obj: &Bound<'_, PyAny>) -> PyErr {
 
 /// Reads a non-negative count (a token count, a length) as `usize`.
 pub fn count(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    if obj.is_instance_of::<PyBool>() {
+        return Err(scalar_error::<u64>(what, obj));
+    }
     match obj.extract::<u64>() {
         Ok(v) if v <= usize::MAX as u64 => Ok(v as usize),
         _ => Err(scalar_error::<u64>(what, obj)),
@@ -137,6 +162,13 @@ pub fn with_ids<T: Id, R>(
             return Err(invalid_arg_int(obj.py(), what, arr.ndim() as i128, reason));
         }
         let dtype = arr.dtype();
+        if !dtype.is_native_byteorder().unwrap_or(true) {
+            // numpy's typed views require native byte order; convert by value (one copy), then
+            // read the converted array the usual way.
+            let native = dtype.call_method1("newbyteorder", ("=",))?;
+            let converted = obj.call_method1("astype", (native,))?;
+            return with_ids(what, &converted, scratch, f);
+        }
         // Sizes, not type numbers: numpy has two type numbers for 64-bit ints on most platforms
         // (long and longlong), and the kind/width pair covers both.
         return match (dtype.kind(), dtype.itemsize()) {
@@ -163,17 +195,25 @@ pub fn with_ids<T: Id, R>(
     }
     if let Ok(list) = obj.cast::<PyList>() {
         scratch.clear();
-        scratch.reserve(list.len());
-        for (i, item) in list.iter().enumerate() {
-            scratch.push(element::<T>(what, i, &item)?);
+        let n = list.len();
+        scratch.reserve(n);
+        // SAFETY: `list` is a live list and the GIL is held; `fill` runs no Python code, so the
+        // list cannot change while its items are read.
+        let done = unsafe { fast::fill::<T>(obj.py(), list.as_ptr(), fast::Seq::List, n, scratch) };
+        for i in done..n {
+            scratch.push(element::<T>(what, i, &list.get_item(i)?)?);
         }
         return f(scratch);
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
         scratch.clear();
-        scratch.reserve(tuple.len());
-        for (i, item) in tuple.iter().enumerate() {
-            scratch.push(element::<T>(what, i, &item)?);
+        let n = tuple.len();
+        scratch.reserve(n);
+        // SAFETY: as for the list; a tuple is immutable anyway.
+        let done =
+            unsafe { fast::fill::<T>(obj.py(), tuple.as_ptr(), fast::Seq::Tuple, n, scratch) };
+        for i in done..n {
+            scratch.push(element::<T>(what, i, &tuple.get_item(i)?)?);
         }
         return f(scratch);
     }
@@ -190,13 +230,19 @@ pub fn ids_into<T: Id>(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<T>> {
     with_ids(what, obj, &mut scratch, |ids| Ok(ids.to_vec()))
 }
 
+#[inline]
 fn element<T: Id>(what: &str, index: usize, item: &Bound<'_, PyAny>) -> PyResult<T> {
-    if let Ok(v) = item.extract::<u64>() {
-        if v <= T::MAX {
-            return Ok(T::from_bits(v));
+    // An exact int is the common case; the bool test (a type comparison) only runs for others.
+    if item.is_exact_instance_of::<PyInt>() || !item.is_instance_of::<PyBool>() {
+        if let Ok(v) = item.extract::<u64>() {
+            if v <= T::MAX {
+                return Ok(T::from_bits(v));
+            }
         }
     }
-    let reason = if is_int_like(item) {
+    let reason = if item.is_instance_of::<PyBool>() {
+        format!("element {index}: {NOT_BOOL}")
+    } else if is_int_like(item) {
         format!("element {index}: {}", T::RANGE)
     } else {
         format!("element {index}: must be an int, got {}", type_name(item))
@@ -210,7 +256,17 @@ fn from_array<E: Elem, T: Id, R>(
     scratch: &mut Vec<T>,
     f: impl FnOnce(&[T]) -> PyResult<R>,
 ) -> PyResult<R> {
-    let arr = obj.cast::<PyArray1<E>>().map_err(PyErr::from)?;
+    let arr = obj.cast::<PyArray1<E>>().map_err(|_| {
+        let shown = obj
+            .getattr("dtype")
+            .and_then(|d| d.str().map(|s| s.to_string()))
+            .unwrap_or_else(|_| "?".into());
+        invalid_arg(
+            what,
+            obj,
+            format!("cannot be read as a 1-D integer array (dtype {shown})"),
+        )
+    })?;
     let ro = arr.try_readonly().map_err(|e| {
         invalid_arg(
             what,
@@ -268,4 +324,207 @@ fn array_error<E: Elem, T: Id>(
     }
     // Not reached: callers come here only after the range check failed.
     invalid_arg_int(py, what, 0, T::RANGE)
+}
+
+/// Reading the items of a list or tuple of small non-negative ints without a call per item.
+///
+/// Under the stable ABI every item would cost a `PyList_GetItem` and a `PyLong_As*` call plus
+/// error checks (~11 ns each through PyO3's `extract`). Token ids are small ints in a list, so
+/// this reads the object layouts directly: the item array of a list (`ob_item`, as the full API's
+/// `PyList_GET_ITEM` macro does) or tuple, and the one or two 30-bit digits of an exact `int`.
+/// The int layout changed in CPython 3.12 (a tag word replaced the signed size), so the reader is
+/// chosen by the running interpreter's version, and only after a self-test at first use: known
+/// ints and a probe list and tuple are read both ways and must agree, or the fast path stays off
+/// for the process. Any item it does not handle (a subclass such as `bool`, a negative or large
+/// int, anything else) ends the fast loop; the caller converts the rest through the API, so
+/// results and errors are exactly those of the slow path.
+mod fast {
+    use std::sync::OnceLock;
+
+    use pyo3::ffi;
+    use pyo3::Python;
+
+    use super::Id;
+
+    /// Which container's item array to read.
+    #[derive(Clone, Copy)]
+    pub enum Seq {
+        List,
+        Tuple,
+    }
+
+    #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+    enum IntLayout {
+        /// CPython <= 3.11: `ob_size` holds the signed digit count.
+        Size,
+        /// CPython 3.12+: `lv_tag` holds the sign (bits 0-1) and digit count (bits 3+).
+        Tag,
+    }
+
+    /// The int layout, and whether the tuple item layout passed its test too (CPython 3.14 moved
+    /// tuple items behind a cached hash, for one).
+    static LAYOUT: OnceLock<Option<(IntLayout, bool)>> = OnceLock::new();
+
+    /// Offset of the word after `PyObject_HEAD` (`ob_size` / `lv_tag`), the digits, and a list's
+    /// `ob_item` pointer / a tuple's inline items, on 64-bit builds.
+    const SIZE_OFF: usize = 16;
+    const ITEMS_OFF: usize = 24;
+
+    #[inline(always)]
+    unsafe fn read_int(layout: IntLayout, o: *mut ffi::PyObject) -> Option<u64> {
+        let base = o.cast::<u8>();
+        let word = base.add(SIZE_OFF).cast::<usize>().read();
+        let digits = base.add(ITEMS_OFF).cast::<u32>();
+        let n = match layout {
+            IntLayout::Size => {
+                let size = word as isize;
+                if size < 0 {
+                    return None;
+                }
+                size as usize
+            }
+            IntLayout::Tag => match word & 3 {
+                0 => word >> 3,
+                1 => return Some(0),
+                _ => return None,
+            },
+        };
+        match n {
+            0 => Some(0),
+            1 => Some(digits.read() as u64),
+            2 => Some(digits.read() as u64 | (digits.add(1).read() as u64) << 30),
+            _ => None,
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn items(seq: Seq, o: *mut ffi::PyObject) -> *const *mut ffi::PyObject {
+        let at = o.cast::<u8>().add(ITEMS_OFF);
+        match seq {
+            Seq::List => at.cast::<*const *mut ffi::PyObject>().read(),
+            Seq::Tuple => at.cast::<*mut ffi::PyObject>(),
+        }
+    }
+
+    fn detect(py: Python<'_>) -> Option<(IntLayout, bool)> {
+        if cfg!(not(target_pointer_width = "64")) {
+            return None;
+        }
+        let v = py.version_info();
+        let layout = match (v.major, v.minor) {
+            (3, 9..=11) => IntLayout::Size,
+            (3, 12..=14) => IntLayout::Tag,
+            _ => return None,
+        };
+        // SAFETY: the GIL is held (`py`); every object created here is released before return.
+        unsafe { self_test(layout) }
+    }
+
+    unsafe fn self_test(layout: IntLayout) -> Option<(IntLayout, bool)> {
+        let values: [u64; 12] = [
+            0,
+            1,
+            5,
+            255,
+            256,
+            32_000,
+            (1 << 30) - 1,
+            1 << 30,
+            1 << 31,
+            u32::MAX as u64,
+            1 << 32,
+            (1 << 60) - 1,
+        ];
+        let mut ok = true;
+        let list = ffi::PyList_New(0);
+        if list.is_null() {
+            ffi::PyErr_Clear();
+            return None;
+        }
+        for &v in &values {
+            let o = ffi::PyLong_FromUnsignedLongLong(v);
+            if o.is_null() {
+                ffi::PyErr_Clear();
+                ok = false;
+                break;
+            }
+            ok &= read_int(layout, o) == Some(v);
+            ok &= ffi::PyList_Append(list, o) == 0;
+            ffi::Py_DecRef(o);
+        }
+        for v in [-1i64, -(1 << 40)] {
+            let o = ffi::PyLong_FromLongLong(v);
+            if !o.is_null() {
+                ok &= read_int(layout, o).is_none();
+                ffi::Py_DecRef(o);
+            }
+        }
+        let big = ffi::PyLong_FromUnsignedLongLong(u64::MAX);
+        if !big.is_null() {
+            ok &= read_int(layout, big).is_none();
+            ffi::Py_DecRef(big);
+        }
+        let mut tuple_ok = false;
+        if ok {
+            let li = items(Seq::List, list);
+            for i in 0..values.len() {
+                ok &= *li.add(i) == ffi::PyList_GetItem(list, i as ffi::Py_ssize_t);
+            }
+            let tuple = ffi::PyList_AsTuple(list);
+            if !tuple.is_null() {
+                let ti = items(Seq::Tuple, tuple);
+                tuple_ok = (0..values.len())
+                    .all(|i| *ti.add(i) == ffi::PyTuple_GetItem(tuple, i as ffi::Py_ssize_t));
+                ffi::Py_DecRef(tuple);
+            }
+        }
+        ffi::Py_DecRef(list);
+        if !ffi::PyErr_Occurred().is_null() {
+            ffi::PyErr_Clear();
+            ok = false;
+        }
+        ok.then_some((layout, tuple_ok))
+    }
+
+    /// Converts the leading items of list or tuple `o` (of length `n`) that are exact ints in
+    /// `[0, min(2^60, T::MAX)]`, appending them to `out` (capacity for `n` reserved by the
+    /// caller); returns how many it converted.
+    ///
+    /// # Safety
+    /// `o` is a live list (`Seq::List`) or tuple (`Seq::Tuple`) of length `n`, the GIL is held,
+    /// and `out` has room for `n` more elements.
+    #[inline]
+    pub unsafe fn fill<T: Id>(
+        py: Python<'_>,
+        o: *mut ffi::PyObject,
+        seq: Seq,
+        n: usize,
+        out: &mut Vec<T>,
+    ) -> usize {
+        let Some((layout, tuple_ok)) = *LAYOUT.get_or_init(|| detect(py)) else {
+            return 0;
+        };
+        if matches!(seq, Seq::Tuple) && !tuple_ok {
+            return 0;
+        }
+        debug_assert!(out.capacity() - out.len() >= n);
+        let src = items(seq, o);
+        let long = &raw mut ffi::PyLong_Type;
+        let base = out.len();
+        let dst = out.as_mut_ptr().add(base);
+        let mut i = 0;
+        while i < n {
+            let it = *src.add(i);
+            if (*it).ob_type != long {
+                break;
+            }
+            match read_int(layout, it) {
+                Some(v) if v <= T::MAX => dst.add(i).write(T::from_bits(v)),
+                _ => break,
+            }
+            i += 1;
+        }
+        out.set_len(base + i);
+        i
+    }
 }

@@ -12,7 +12,7 @@
 //! `InvalidArgument` so callers cannot tell where a check ran.
 
 use pagedkv::Error;
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyMemoryError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyType};
@@ -252,6 +252,35 @@ pub fn invalid_arg_int(
     reason: impl Into<String>,
 ) -> PyErr {
     invalid_arg(what, &obj(py, value), reason)
+}
+
+static ALLOCATION_FAILED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// `AllocationFailedError(message, what=, bytes=)`: the binding could not allocate `bytes` bytes
+/// for `what`. Falls back to `MemoryError` if `pagedkv.errors` is unusable.
+pub fn alloc_failed(py: Python<'_>, what: &str, bytes: u128) -> PyErr {
+    let message = format!("allocation failed: {what} needs {bytes} bytes");
+    let build = || -> PyResult<PyErr> {
+        let cls = ALLOCATION_FAILED.get_or_try_init(py, || {
+            Ok::<_, PyErr>(
+                py.import("pagedkv.errors")?
+                    .getattr("AllocationFailedError")?
+                    .cast_into::<PyType>()?
+                    .unbind(),
+            )
+        })?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("what", what)?;
+        kwargs.set_item("bytes", bytes)?;
+        Ok(PyErr::from_value(
+            cls.bind(py).call((message.as_str(),), Some(&kwargs))?,
+        ))
+    };
+    build().unwrap_or_else(|cause| {
+        PyMemoryError::new_err(format!(
+            "{message} (pagedkv.errors could not be used: {cause})"
+        ))
+    })
 }
 
 /// Builds a sample of every core variant; lets tests check the mapping of variants that no public

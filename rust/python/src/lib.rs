@@ -3,6 +3,7 @@
 //! Owns argument conversion, GIL release and error mapping, and nothing else: every decision about
 //! blocks, tables and hashes is the core's. Modules:
 //! - [`manager`]: the `BlockManager` class and the `hash_blocks` function;
+//! - [`buffers`]: the `StepArena` class, the extension-owned host memory of the step buffers;
 //! - [`convert`]: Python ints, lists and numpy arrays to the core's id types;
 //! - [`errors`]: core errors to the exception classes of `pagedkv.errors`;
 //! - [`stats`]: the core's counters as a dict.
@@ -12,6 +13,7 @@
 
 use pyo3::prelude::*;
 
+mod buffers;
 mod convert;
 mod errors;
 mod manager;
@@ -20,7 +22,15 @@ mod stats;
 /// Raises the exception a sample of the named core error variant maps to. Lets tests check the
 /// mapping of variants that no public call can reach (a refcount underflow, a hash collision).
 #[pyfunction]
-fn _raise_core_error(name: &str) -> PyResult<()> {
+fn _raise_core_error(py: Python<'_>, name: &str) -> PyResult<()> {
+    if name == "AllocationFailed" {
+        // Raised by the binding itself (its own allocations), so sampled here.
+        return Err(errors::alloc_failed(
+            py,
+            "step buffers (host arena)",
+            1 << 40,
+        ));
+    }
     match errors::sample(name) {
         Some(e) => Err(errors::core_err(e)),
         None => Err(pyo3::exceptions::PyValueError::new_err(format!(
@@ -33,6 +43,7 @@ fn _raise_core_error(name: &str) -> PyResult<()> {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<manager::PyBlockManager>()?;
+    m.add_class::<buffers::PyStepArena>()?;
     m.add_function(wrap_pyfunction!(manager::hash_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(_raise_core_error, m)?)?;
     Ok(())

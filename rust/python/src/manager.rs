@@ -1,48 +1,173 @@
 //! `_core.BlockManager`: the core's block manager behind a Python class.
 //!
-//! Owns nothing but the wrapped [`pagedkv::manager::BlockManager`], the registered step buffers
-//! (with strong references to the objects owning their memory) and scratch vectors for argument
-//! conversion. Every method converts its arguments (see [`crate::convert`]), calls the core once and
-//! maps the result; the core makes every call all-or-nothing, and argument conversion happens
-//! before the core is touched, so a raised exception always leaves the manager unchanged.
+//! Owns the wrapped [`pagedkv::manager::BlockManager`] and the registered step buffers (with a
+//! strong reference to the [`PyStepArena`] that owns their memory), behind one `Mutex`. The class
+//! is `frozen`: Python never borrows it mutably, so two threads calling one manager are serialized
+//! by the lock instead of one getting `RuntimeError("Already borrowed")`.
 //!
-//! The GIL is released around calls whose work grows with their input (admission, batched appends,
-//! steps); constant-time queries keep it, since releasing and re-taking it would cost more than the
-//! query. Python's borrow rules on the object (`PyRefMut`) keep two threads from entering the same
-//! manager at once: the second gets a `RuntimeError` ("already borrowed") instead of a data race.
+//! # The pattern every method follows (new methods too)
+//!
+//! 1. **Convert every argument first**, with the GIL held and the lock *not* held. Conversion may
+//!    run Python code (`__index__`, numpy), and that code may call this same manager; it must find
+//!    the lock free. Id sequences go through [`with_ids`] into a thread-local scratch vector
+//!    ([`scratch`] with [`TOKENS`] / [`SEQS`] / [`COUNTS`]), so steady-state calls do not allocate
+//!    and concurrent or re-entrant calls never share a buffer.
+//! 2. **Run the core under the lock** with [`PyBlockManager::with`] (small, constant-time work:
+//!    the GIL stays held when the lock is free) or [`PyBlockManager::run`] with `detach = true`
+//!    (work that grows with the input, at least [`DETACH_MIN`] ids: the GIL is released for it).
+//!    Both wait for a contended lock with the GIL released, so a thread holding the lock can
+//!    always get the GIL back: no deadlock. The closure is `Send`, which makes touching a
+//!    Python object under the lock a compile error; it returns the core's `pagedkv::Result`, or
+//!    plain data copied out of the state (a `Stats`, a `Vec` of block ids).
+//! 3. **Build Python results and map errors (`.py()`) after the lock is released**: creating
+//!    Python objects can run arbitrary code (the cyclic GC, `__del__`) that may re-enter.
+//!
+//! So a method looks like:
+//!
+//! ```ignore
+//! fn free(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
+//!     let id = seq("seq_id", seq_id)?;                      // 1. convert
+//!     self.with(py, |st| st.inner.free(id)).py()           // 2. core under the lock, 3. map
+//! }
+//! ```
+//!
+//! The core makes every call all-or-nothing and conversion happens before it is touched, so a
+//! raised exception always leaves the manager unchanged. Configuration getters read an immutable
+//! copy of the config without locking.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
+use std::thread::LocalKey;
 
 use pagedkv::hash::{MmInput, SeqKeys};
 use pagedkv::manager::{AdmitRequest, BlockManager, ManagerConfig};
 use pagedkv::metrics::Stats;
-use pagedkv::step::{DType, RawBuffer, RawStepBuffers, RegisteredBuffers, StepLayout};
-use pagedkv::{Error, SeqId};
+use pagedkv::step::{RegisteredBuffers, StepInfo};
+use pagedkv::{BlockId, Error, SeqId};
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
-use crate::convert::{count, ids_into, scalar, with_ids};
+use crate::buffers::PyStepArena;
+use crate::convert::{count, flag, ids_into, scalar, with_ids};
 use crate::errors::{invalid_arg, CoreResultExt};
 
 /// Inputs with at least this many elements are processed with the GIL released. Below it the
 /// release/re-acquire pair (~0.1 µs) costs about as much as the work itself.
 const DETACH_MIN: usize = 32;
 
-/// Step buffers registered with the core, and the objects that own their memory.
+thread_local! {
+    /// Token-id scratch (admit, append, append_batch).
+    static TOKENS: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    /// Sequence-id scratch (append_batch, step).
+    static SEQS: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
+    /// Per-sequence count scratch (step).
+    static COUNTS: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with this thread's scratch vector `key`, or with a fresh one when the thread's vector
+/// is in use (a call re-entered from Python code run during argument conversion).
+fn scratch<T: 'static, R>(
+    key: &'static LocalKey<RefCell<Vec<T>>>,
+    f: impl FnOnce(&mut Vec<T>) -> R,
+) -> R {
+    key.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut v) => f(&mut v),
+        Err(_) => f(&mut Vec::new()),
+    })
+}
+
+/// Ids for [`PyStepArena`] ownership: unique per manager for the life of the process.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Step buffers registered with the core, and the arena that owns their memory.
 struct Registered {
     bufs: RegisteredBuffers,
-    /// Strong references to the tensors the raw pointers point into; dropping the registration is
-    /// the only thing that lets them go.
-    _keepalive: Py<PyAny>,
+    /// The arena the raw pointers point into; this strong reference keeps it allocated.
+    arena: Py<PyStepArena>,
+    /// The manager id that claimed the arena; given back when the registration goes.
+    owner: u64,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        // Usually released already, under the manager's lock; this covers the manager's own end.
+        // Releasing twice is harmless: it only clears the owner if it is still ours.
+        self.arena.get().release(self.owner);
+    }
+}
+
+/// Everything the lock protects.
+struct State {
+    inner: BlockManager,
+    registered: Option<Registered>,
+}
+
+impl State {
+    fn step(&mut self, seqs: &[SeqId], counts: &[u32]) -> pagedkv::Result<StepInfo> {
+        let Some(reg) = self.registered.as_mut() else {
+            return Err(Error::BuffersNotRegistered);
+        };
+        // SAFETY: the registered memory is the arena `reg.arena` owns; that strong reference
+        // keeps it allocated at a fixed address for as long as the registration exists, and
+        // Python can neither free nor resize it (it only ever sees non-owning, non-resizable
+        // views). The lock held by our caller excludes a second view from this manager, and the
+        // arena's single-owner claim excludes other managers. That no Python code reads or
+        // writes the host buffers while a step fills them is the documented contract of
+        // `StepBuffers` (do not touch them, or copy from them, during a step).
+        let mut out = unsafe { reg.bufs.as_step_buffers() };
+        self.inner.build_step(seqs, counts, &mut out)
+    }
 }
 
 /// Paged KV cache block manager (the core's `BlockManager`); see `pagedkv.BlockManager` for the
 /// documented Python API.
-#[pyclass(module = "pagedkv._core", name = "BlockManager")]
+#[pyclass(frozen, module = "pagedkv._core", name = "BlockManager")]
 pub struct PyBlockManager {
-    inner: BlockManager,
-    registered: Option<Registered>,
-    tokens: Vec<u32>,
-    seqs: Vec<u64>,
-    counts: Vec<u32>,
+    /// A copy of the core's configuration, which never changes: read without the lock.
+    cfg: ManagerConfig,
+    /// This manager's id for arena ownership.
+    id: u64,
+    state: Mutex<State>,
+}
+
+impl PyBlockManager {
+    #[inline]
+    fn lock_blocking(&self) -> MutexGuard<'_, State> {
+        // A panic inside the core while locked is a bug; the state is still the core's
+        // all-or-nothing result of the calls before it, so later calls go on rather than fail.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `f` on the locked state: with the GIL held when the lock is free (the common,
+    /// single-threaded case costs one uncontended lock), otherwise waiting for the lock and
+    /// running `f` with the GIL released.
+    #[inline]
+    fn with<R, F>(&self, py: Python<'_>, f: F) -> R
+    where
+        F: Send + FnOnce(&mut State) -> R,
+        R: Send,
+    {
+        match self.state.try_lock() {
+            Ok(mut g) => f(&mut g),
+            Err(TryLockError::Poisoned(p)) => f(&mut p.into_inner()),
+            Err(TryLockError::WouldBlock) => py.detach(|| f(&mut self.lock_blocking())),
+        }
+    }
+
+    /// [`Self::with`], or, when `detach`, takes the lock and runs `f` with the GIL released.
+    #[inline]
+    fn run<R, F>(&self, py: Python<'_>, detach: bool, f: F) -> R
+    where
+        F: Send + FnOnce(&mut State) -> R,
+        R: Send,
+    {
+        if detach {
+            py.detach(|| f(&mut self.lock_blocking()))
+        } else {
+            self.with(py, f)
+        }
+    }
 }
 
 fn seq(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<SeqId> {
@@ -62,7 +187,15 @@ fn bytes_of(what: &str, obj: &Bound<'_, PyAny>, allow_str: bool) -> PyResult<Vec
     }
     if allow_str {
         if let Ok(s) = obj.cast::<PyString>() {
-            return Ok(s.to_cow()?.as_bytes().to_vec());
+            // A str salt is its UTF-8 bytes; a lone surrogate has none.
+            return match s.to_cow() {
+                Ok(text) => Ok(text.as_bytes().to_vec()),
+                Err(_) => Err(invalid_arg(
+                    what,
+                    obj,
+                    "a str salt must be encodable as UTF-8 (it holds a lone surrogate)",
+                )),
+            };
         }
     }
     let want = if allow_str { "bytes or str" } else { "bytes" };
@@ -131,47 +264,6 @@ fn seq_keys(
     Ok(Some(keys))
 }
 
-fn dtype(name: &str) -> DType {
-    match name.strip_prefix("torch.").unwrap_or(name) {
-        "int32" | "int" => DType::I32,
-        "int64" | "long" => DType::I64,
-        "uint8" => DType::U8,
-        "int8" => DType::I8,
-        "int16" | "short" => DType::I16,
-        "uint32" => DType::U32,
-        "uint64" => DType::U64,
-        "float16" | "half" => DType::F16,
-        "bfloat16" => DType::BF16,
-        "float32" | "float" => DType::F32,
-        "float64" | "double" => DType::F64,
-        "bool" => DType::Bool,
-        _ => DType::Other,
-    }
-}
-
-fn raw_buffer(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<RawBuffer> {
-    let bad = || {
-        invalid_arg(
-            what,
-            obj,
-            "must be a (data_ptr: int, numel: int, dtype: str) tuple",
-        )
-    };
-    let t = obj.cast::<PyTuple>().map_err(|_| bad())?;
-    if t.len() != 3 {
-        return Err(bad());
-    }
-    let ptr = count(what, &t.get_item(0)?)?;
-    let len = count(what, &t.get_item(1)?)?;
-    let name = t.get_item(2)?;
-    let name = name.cast::<PyString>().map_err(|_| bad())?;
-    Ok(RawBuffer {
-        ptr,
-        len,
-        dtype: dtype(&name.to_cow()?),
-    })
-}
-
 fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
     crate::stats::to_dict(py, s)
 }
@@ -179,14 +271,14 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
 #[pymethods]
 impl PyBlockManager {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size=None, watermark_blocks=None, max_blocks_per_seq=None, enable_prefix_caching=true, verify_prefix=false))]
+    #[pyo3(signature = (num_blocks, block_size=None, watermark_blocks=None, max_blocks_per_seq=None, enable_prefix_caching=None, verify_prefix=None))]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
         block_size: Option<Bound<'_, PyAny>>,
         watermark_blocks: Option<Bound<'_, PyAny>>,
         max_blocks_per_seq: Option<Bound<'_, PyAny>>,
-        enable_prefix_caching: bool,
-        verify_prefix: bool,
+        enable_prefix_caching: Option<Bound<'_, PyAny>>,
+        verify_prefix: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let num_blocks = scalar::<u32>("num_blocks", num_blocks)?;
         let block_size = match opt(&block_size) {
@@ -200,51 +292,58 @@ impl PyBlockManager {
         if let Some(m) = opt(&max_blocks_per_seq) {
             cfg.max_blocks_per_seq = scalar::<u32>("max_blocks_per_seq", m)?;
         }
-        cfg.enable_prefix_caching = enable_prefix_caching;
-        cfg.verify_prefix = verify_prefix;
+        // Flags are bools only: `bool("false")` is True. None (not given) keeps the default.
+        if let Some(f) = &enable_prefix_caching {
+            cfg.enable_prefix_caching = flag("enable_prefix_caching", f)?;
+        }
+        if let Some(f) = &verify_prefix {
+            cfg.verify_prefix = flag("verify_prefix", f)?;
+        }
+        let inner = BlockManager::new(cfg).py()?;
         Ok(Self {
-            inner: BlockManager::new(cfg).py()?,
-            registered: None,
-            tokens: Vec::new(),
-            seqs: Vec::new(),
-            counts: Vec::new(),
+            cfg: inner.config().clone(),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            state: Mutex::new(State {
+                inner,
+                registered: None,
+            }),
         })
     }
 
     #[getter]
     fn num_blocks(&self) -> u32 {
-        self.inner.config().num_blocks
+        self.cfg.num_blocks
     }
 
     #[getter]
     fn block_size(&self) -> u32 {
-        self.inner.config().block_size
+        self.cfg.block_size
     }
 
     #[getter]
     fn watermark_blocks(&self) -> u32 {
-        self.inner.config().watermark_blocks
+        self.cfg.watermark_blocks
     }
 
     #[getter]
     fn max_blocks_per_seq(&self) -> u32 {
-        self.inner.config().max_blocks_per_seq
+        self.cfg.max_blocks_per_seq
     }
 
     #[getter]
     fn enable_prefix_caching(&self) -> bool {
-        self.inner.config().enable_prefix_caching
+        self.cfg.enable_prefix_caching
     }
 
     #[getter]
     fn verify_prefix(&self) -> bool {
-        self.inner.config().verify_prefix
+        self.cfg.verify_prefix
     }
 
     /// Whether step buffers are registered.
     #[getter]
-    fn has_buffers(&self) -> bool {
-        self.registered.is_some()
+    fn has_buffers(&self, py: Python<'_>) -> bool {
+        self.with(py, |st| st.registered.is_some())
     }
 
     /// Whether a prompt fits above the watermark now. With token ids, prefix-cache hits are
@@ -252,7 +351,7 @@ impl PyBlockManager {
     #[pyo3(signature = (prompt, cache_salt=None, adapter_id=None, mm_inputs=None, extra_keys=None, max_new_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn can_admit(
-        &mut self,
+        &self,
         py: Python<'_>,
         prompt: &Bound<'_, PyAny>,
         cache_salt: Option<Bound<'_, PyAny>>,
@@ -265,22 +364,18 @@ impl PyBlockManager {
             .map(|k| count("max_new_tokens", k))
             .transpose()?;
         if prompt.is_instance_of::<PyInt>() {
-            return self
-                .inner
-                .can_admit_len(count("num_tokens", prompt)?, k)
-                .py();
+            let n = count("num_tokens", prompt)?;
+            return self.with(py, |st| st.inner.can_admit_len(n, k)).py();
         }
         let keys = seq_keys(cache_salt, adapter_id, mm_inputs, extra_keys)?;
-        let inner = &self.inner;
-        with_ids("token_ids", prompt, &mut self.tokens, |toks| {
-            let run = move || inner.can_admit_tokens(toks, keys.as_ref(), k);
-            if toks.len() >= DETACH_MIN {
-                py.detach(run)
-            } else {
-                run()
-            }
-            .py()
-        })
+        scratch(&TOKENS, |buf| {
+            with_ids("token_ids", prompt, buf, |toks| {
+                Ok(self.run(py, toks.len() >= DETACH_MIN, |st| {
+                    st.inner.can_admit_tokens(toks, keys.as_ref(), k)
+                }))
+            })
+        })?
+        .py()
     }
 
     /// Admits `seq_id` with its prompt, holding at most `max_new_tokens` tokens past the cached
@@ -288,7 +383,7 @@ impl PyBlockManager {
     #[pyo3(signature = (seq_id, token_ids, cache_salt=None, adapter_id=None, mm_inputs=None, extra_keys=None, max_new_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn admit(
-        &mut self,
+        &self,
         py: Python<'_>,
         seq_id: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
@@ -303,17 +398,15 @@ impl PyBlockManager {
         let k = opt(&max_new_tokens)
             .map(|k| count("max_new_tokens", k))
             .transpose()?;
-        let inner = &mut self.inner;
-        with_ids("token_ids", token_ids, &mut self.tokens, |toks| {
-            let mut run = move || inner.admit_opts(id, toks, keys.as_ref(), k);
-            let r = if toks.len() >= DETACH_MIN {
-                py.detach(run)
-            } else {
-                run()
-            }
-            .py()?;
-            Ok((r.cached_tokens, r.new_blocks, r.num_blocks, r.num_tokens))
-        })
+        let r = scratch(&TOKENS, |buf| {
+            with_ids("token_ids", token_ids, buf, |toks| {
+                Ok(self.run(py, toks.len() >= DETACH_MIN, |st| {
+                    st.inner.admit_opts(id, toks, keys.as_ref(), k)
+                }))
+            })
+        })?
+        .py()?;
+        Ok((r.cached_tokens, r.new_blocks, r.num_blocks, r.num_tokens))
     }
 
     /// Admits many sequences in order until one does not fit; every argument is validated first
@@ -321,7 +414,7 @@ impl PyBlockManager {
     /// `(cached_tokens, new_blocks, num_blocks, num_tokens)` tuples.
     #[pyo3(signature = (seq_ids, prompts, cache_salts=None, max_new_tokens=None))]
     fn admit_batch<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         seq_ids: &Bound<'py, PyAny>,
         prompts: &Bound<'py, PyAny>,
@@ -382,14 +475,9 @@ impl PyBlockManager {
             })
             .collect();
         let total: usize = reqs.iter().map(|r| r.tokens.len()).sum();
-        let inner = &mut self.inner;
-        let mut run = move || inner.admit_batch(&reqs);
-        let out = if total >= DETACH_MIN {
-            py.detach(run)
-        } else {
-            run()
-        }
-        .py()?;
+        let out = self
+            .run(py, total >= DETACH_MIN, |st| st.inner.admit_batch(&reqs))
+            .py()?;
         Ok(out
             .iter()
             .map(|r| (r.cached_tokens, r.new_blocks, r.num_blocks, r.num_tokens))
@@ -398,103 +486,104 @@ impl PyBlockManager {
 
     /// Appends tokens to a live sequence.
     fn append(
-        &mut self,
+        &self,
         py: Python<'_>,
         seq_id: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let id = seq("seq_id", seq_id)?;
-        let inner = &mut self.inner;
-        with_ids("token_ids", token_ids, &mut self.tokens, |toks| {
-            let mut run = move || inner.append(id, toks);
-            if toks.len() >= DETACH_MIN {
-                py.detach(run)
-            } else {
-                run()
-            }
-            .py()
-        })
+        scratch(&TOKENS, |buf| {
+            with_ids("token_ids", token_ids, buf, |toks| {
+                Ok(self.run(py, toks.len() >= DETACH_MIN, |st| st.inner.append(id, toks)))
+            })
+        })?
+        .py()
     }
 
     /// Appends one token to each sequence; all or nothing.
     fn append_batch(
-        &mut self,
+        &self,
         py: Python<'_>,
         seq_ids: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let (inner, tokens) = (&mut self.inner, &mut self.tokens);
-        with_ids("seq_ids", seq_ids, &mut self.seqs, |seqs| {
-            with_ids("token_ids", token_ids, tokens, |toks| {
-                let mut run = move || inner.append_batch(seqs, toks);
-                if seqs.len() >= DETACH_MIN {
-                    py.detach(run)
-                } else {
-                    run()
-                }
-                .py()
+        scratch(&SEQS, |sbuf| {
+            with_ids("seq_ids", seq_ids, sbuf, |seqs| {
+                scratch(&TOKENS, |tbuf| {
+                    with_ids("token_ids", token_ids, tbuf, |toks| {
+                        Ok(self.run(py, seqs.len() >= DETACH_MIN, |st| {
+                            st.inner.append_batch(seqs, toks)
+                        }))
+                    })
+                })
             })
-        })
+        })?
+        .py()
     }
 
     /// Creates `child` sharing all of `parent`'s blocks.
-    fn fork(&mut self, parent: &Bound<'_, PyAny>, child: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn fork(
+        &self,
+        py: Python<'_>,
+        parent: &Bound<'_, PyAny>,
+        child: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let (p, c) = (seq("parent", parent)?, seq("child", child)?);
-        self.inner.fork(p, c).py()
+        self.with(py, |st| st.inner.fork(p, c)).py()
     }
 
     /// Releases a sequence.
-    fn free(&mut self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn free(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = seq("seq_id", seq_id)?;
-        let inner = &mut self.inner;
-        // Freeing walks the whole table, so a long sequence is worth releasing the GIL for.
-        let long = inner
-            .block_table(id)
-            .map(|t| t.len() >= DETACH_MIN)
-            .unwrap_or(false);
-        let mut run = move || inner.free(id);
-        if long { py.detach(run) } else { run() }.py()
+        // Freeing walks the whole table, so a long sequence is worth releasing the GIL for. The
+        // length is only a hint: another thread may change it before `run` takes the lock.
+        let long = self.with(py, |st| {
+            st.inner
+                .block_table(id)
+                .map(|t| t.len() >= DETACH_MIN)
+                .unwrap_or(false)
+        });
+        self.run(py, long, |st| st.inner.free(id)).py()
     }
 
     /// Releases many sequences: validates (known, distinct) first, then frees all.
-    fn free_batch(&mut self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<()> {
-        let inner = &mut self.inner;
-        with_ids("seq_ids", seq_ids, &mut self.seqs, |seqs| {
-            let mut run = move || inner.free_batch(seqs);
-            if seqs.len() >= DETACH_MIN {
-                py.detach(run)
-            } else {
-                run()
-            }
-            .py()
-        })
+    fn free_batch(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        scratch(&SEQS, |buf| {
+            with_ids("seq_ids", seq_ids, buf, |seqs| {
+                Ok(self.run(py, seqs.len() >= DETACH_MIN, |st| st.inner.free_batch(seqs)))
+            })
+        })?
+        .py()
     }
 
     /// Forgets every prefix-cache entry; returns the number of blocks dropped from the cache.
-    fn reset_prefix_cache(&mut self, py: Python<'_>) -> PyResult<usize> {
-        let inner = &mut self.inner;
-        py.detach(move || inner.reset_prefix_cache()).py()
+    fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<usize> {
+        self.run(py, true, |st| st.inner.reset_prefix_cache()).py()
     }
 
-    /// Whether `seq_id` is live; False for anything that is not a valid id.
-    fn contains(&self, seq_id: &Bound<'_, PyAny>) -> bool {
+    /// Whether `seq_id` is live; False for anything that is not a valid id (a bool included).
+    fn contains(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> bool {
+        if seq_id.is_instance_of::<PyBool>() {
+            return false;
+        }
         match seq_id.extract::<u64>() {
-            Ok(id) => self.inner.contains(id),
+            Ok(id) => self.with(py, |st| st.inner.contains(id)),
             Err(_) => false,
         }
     }
 
-    fn __contains__(&self, seq_id: &Bound<'_, PyAny>) -> bool {
-        self.contains(seq_id)
+    fn __contains__(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> bool {
+        self.contains(py, seq_id)
     }
 
-    fn __len__(&self) -> usize {
-        self.inner.num_seqs()
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.with(py, |st| st.inner.num_seqs())
     }
 
     /// Tokens in a live sequence.
-    fn seq_len(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
-        self.inner.seq_len(seq("seq_id", seq_id)?).py()
+    fn seq_len(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let id = seq("seq_id", seq_id)?;
+        self.with(py, |st| st.inner.seq_len(id)).py()
     }
 
     /// A live sequence's block table, as a list of block ids.
@@ -503,139 +592,150 @@ impl PyBlockManager {
         py: Python<'py>,
         seq_id: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let table = self.inner.block_table(seq("seq_id", seq_id)?).py()?;
+        let id = seq("seq_id", seq_id)?;
+        let table = self
+            .with(py, |st| st.inner.block_table(id).map(<[BlockId]>::to_vec))
+            .py()?;
         PyList::new(py, table)
     }
 
     /// Live sequences.
-    fn num_seqs(&self) -> usize {
-        self.inner.num_seqs()
+    fn num_seqs(&self, py: Python<'_>) -> usize {
+        self.with(py, |st| st.inner.num_seqs())
     }
 
     /// Free plus cached-free (evictable) blocks.
-    fn num_free_blocks(&self) -> usize {
-        self.inner.num_free_blocks()
+    fn num_free_blocks(&self, py: Python<'_>) -> usize {
+        self.with(py, |st| st.inner.num_free_blocks())
     }
 
     /// The core's counters as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        stats_dict(py, &self.inner.stats())
+        let s = self.with(py, |st| st.inner.stats());
+        stats_dict(py, &s)
     }
 
     /// Cross-checks the manager's state; raises InvariantViolationError on inconsistency.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        let inner = &self.inner;
-        py.detach(move || inner.check_invariants()).py()
+        self.run(py, true, |st| st.inner.check_invariants()).py()
     }
 
-    /// Registers the step buffers by address; each buffer is `(data_ptr, numel, dtype_name)`.
-    /// `keepalive` is held until the next registration, so the memory outlives it. On error the
-    /// earlier registration stays.
-    #[pyo3(signature = (max_seqs, max_tokens, max_blocks_per_seq, max_copies, slot_mapping, block_tables, seq_lens, query_start_loc, kv_indptr, kv_indices, kv_last_page_len, copies, *, keepalive))]
-    #[allow(clippy::too_many_arguments)]
-    fn register_buffers(
-        &mut self,
-        max_seqs: &Bound<'_, PyAny>,
-        max_tokens: &Bound<'_, PyAny>,
-        max_blocks_per_seq: &Bound<'_, PyAny>,
-        max_copies: &Bound<'_, PyAny>,
-        slot_mapping: &Bound<'_, PyAny>,
-        block_tables: &Bound<'_, PyAny>,
-        seq_lens: &Bound<'_, PyAny>,
-        query_start_loc: &Bound<'_, PyAny>,
-        kv_indptr: &Bound<'_, PyAny>,
-        kv_indices: &Bound<'_, PyAny>,
-        kv_last_page_len: &Bound<'_, PyAny>,
-        copies: &Bound<'_, PyAny>,
-        keepalive: Bound<'_, PyAny>,
-    ) -> PyResult<()> {
-        let layout = StepLayout {
-            max_seqs: count("max_seqs", max_seqs)?,
-            max_tokens: count("max_tokens", max_tokens)?,
-            max_blocks_per_seq: count("max_blocks_per_seq", max_blocks_per_seq)?,
-            max_copies: count("max_copies", max_copies)?,
-        };
-        let raw = RawStepBuffers {
-            slot_mapping: raw_buffer("slot_mapping", slot_mapping)?,
-            block_tables: raw_buffer("block_tables", block_tables)?,
-            seq_lens: raw_buffer("seq_lens", seq_lens)?,
-            query_start_loc: raw_buffer("query_start_loc", query_start_loc)?,
-            kv_indptr: raw_buffer("kv_indptr", kv_indptr)?,
-            kv_indices: raw_buffer("kv_indices", kv_indices)?,
-            kv_last_page_len: raw_buffer("kv_last_page_len", kv_last_page_len)?,
-            copies: raw_buffer("copies", copies)?,
-        };
-        let bufs = RegisteredBuffers::new(layout, raw).py()?;
-        // New memory may sit at the old address: rows written into the old buffers prove nothing.
-        self.inner.invalidate_step_cache();
-        self.registered = Some(Registered {
-            bufs,
-            _keepalive: keepalive.unbind(),
+    /// Attaches the step buffers whose memory `arena` owns (a `StepArena`, never an address).
+    /// The manager holds the arena until detached, replaced or dropped; an arena belongs to one
+    /// manager at a time (BufferInvalidError naming the other manager otherwise). Attaching
+    /// resets the incremental block-table rows, so the next step writes its rows in full. On
+    /// error the earlier registration stays.
+    fn attach_buffers(&self, py: Python<'_>, arena: &Bound<'_, PyAny>) -> PyResult<()> {
+        let arena = arena.cast::<PyStepArena>().map_err(|_| {
+            invalid_arg(
+                "buffers",
+                arena,
+                "must be the StepArena of a pagedkv.StepBuffers (memory the extension owns)",
+            )
+        })?;
+        let a = arena.get();
+        let bufs = RegisteredBuffers::new(a.layout(), a.raw()).py()?;
+        let arena = arena.clone().unbind();
+        let id = self.id;
+        // The replaced registration is dropped after the lock is released (dropping the last
+        // reference to an arena runs its destructor, which may call into CUDA through Python).
+        let replaced = self.with(py, move |st| {
+            if let Some(reg) = &st.registered {
+                if reg.arena.as_ptr() == arena.as_ptr() {
+                    // Already ours: only forget what the rows held.
+                    st.inner.invalidate_step_cache();
+                    return Ok((None, Some(arena)));
+                }
+            }
+            if arena.get().claim(id).is_err() {
+                return Err((
+                    Error::BufferInvalid {
+                        buffer: "step buffers",
+                        expected: "a buffer set no other manager holds",
+                        got: "attached to another BlockManager (detach it there first)".into(),
+                    },
+                    arena,
+                ));
+            }
+            // Other memory may now sit at an address the old rows were written to.
+            st.inner.invalidate_step_cache();
+            let old = st.registered.replace(Registered {
+                bufs,
+                arena,
+                owner: id,
+            });
+            // Give the old arena back now (an atomic store), not when `old` is dropped later.
+            if let Some(o) = &old {
+                o.arena.get().release(id);
+            }
+            Ok((old, None))
         });
-        Ok(())
+        match replaced {
+            Ok(dropped) => {
+                drop(dropped);
+                Ok(())
+            }
+            Err((e, arena)) => {
+                drop(arena);
+                Err(e).py()
+            }
+        }
     }
 
-    /// Drops the registered step buffers (and the references keeping them alive).
-    fn unregister_buffers(&mut self) {
-        self.registered = None;
+    /// Drops the registered step buffers (and the reference keeping their arena alive), giving
+    /// the arena back so another manager may attach it.
+    fn detach_buffers(&self, py: Python<'_>) {
+        let old = self.with(py, |st| {
+            let old = st.registered.take();
+            if let Some(o) = &old {
+                o.arena.get().release(o.owner);
+            }
+            old
+        });
+        drop(old);
     }
 
     /// Makes the next step write every block-table row of its batch in full; call it after
     /// writing into the registered `block_tables` yourself.
-    fn invalidate_step_cache(&mut self) {
-        self.inner.invalidate_step_cache();
+    fn invalidate_step_cache(&self, py: Python<'_>) {
+        self.with(py, |st| st.inner.invalidate_step_cache());
     }
 
     /// Fills the registered buffers for one step; returns
     /// `(num_seqs, num_tokens, num_kv_indices, num_copies, max_seq_len)`.
     fn step(
-        &mut self,
+        &self,
         py: Python<'_>,
         seq_ids: &Bound<'_, PyAny>,
         num_new_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<(usize, usize, usize, usize, usize)> {
-        let Some(reg) = self.registered.as_mut() else {
-            return Err(Error::BuffersNotRegistered).py();
-        };
-        let (inner, counts) = (&mut self.inner, &mut self.counts);
-        with_ids("seq_ids", seq_ids, &mut self.seqs, |seqs| {
-            let run_with = |py: Python<'_>, n: &[u32]| {
-                // SAFETY: the registered memory is owned by the objects in `reg._keepalive`, which
-                // this registration keeps alive; it is host memory (the Python side checks the
-                // device before registering), and `&mut self` excludes a second view. That no
-                // other code touches the memory during the step is the documented contract of
-                // `StepBuffers` (do not refill while a copy from it is in flight).
-                let mut out = unsafe { reg.bufs.as_step_buffers() };
-                let mut run = move || inner.build_step(seqs, n, &mut out);
-                let info = if seqs.len() >= DETACH_MIN {
-                    py.detach(run)
-                } else {
-                    run()
-                }
-                .py()?;
-                Ok((
-                    info.num_seqs,
-                    info.num_tokens,
-                    info.num_kv_indices,
-                    info.num_copies,
-                    info.max_seq_len,
-                ))
-            };
-            if num_new_tokens.is_instance_of::<PyInt>() {
-                // One count for every sequence (a decode step): broadcast it.
-                let n = scalar::<u32>("num_new_tokens", num_new_tokens)?;
-                counts.clear();
-                counts.resize(seqs.len(), n);
-                run_with(py, counts)
-            } else {
-                let mut local = std::mem::take(counts);
-                let r = with_ids("num_new_tokens", num_new_tokens, &mut local, |n| {
-                    run_with(py, n)
-                });
-                *counts = local;
-                r
-            }
-        })
+        let info = scratch(&SEQS, |sbuf| {
+            with_ids("seq_ids", seq_ids, sbuf, |seqs| {
+                let detach = seqs.len() >= DETACH_MIN;
+                scratch(&COUNTS, |counts| {
+                    if num_new_tokens.is_instance_of::<PyInt>() {
+                        // One count for every sequence (a decode step): broadcast it (`scalar` refuses a bool).
+                        let n = scalar::<u32>("num_new_tokens", num_new_tokens)?;
+                        counts.clear();
+                        counts.resize(seqs.len(), n);
+                        let counts = &counts[..];
+                        Ok(self.run(py, detach, |st| st.step(seqs, counts)))
+                    } else {
+                        with_ids("num_new_tokens", num_new_tokens, counts, |n| {
+                            Ok(self.run(py, detach, |st| st.step(seqs, n)))
+                        })
+                    }
+                })
+            })
+        })?
+        .py()?;
+        Ok((
+            info.num_seqs,
+            info.num_tokens,
+            info.num_kv_indices,
+            info.num_copies,
+            info.max_seq_len,
+        ))
     }
 
     /// The prefix hash of each block of a live sequence's table, 16 little-endian bytes, or None
@@ -646,38 +746,36 @@ impl PyBlockManager {
         py: Python<'py>,
         seq_id: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let table = self.inner.block_table(seq("seq_id", seq_id)?).py()?;
-        let items: Vec<Option<Bound<'py, PyBytes>>> = table
-            .iter()
-            .map(|&b| {
-                self.inner
-                    .block_hash(b)
-                    .map(|h| PyBytes::new(py, &h.to_le_bytes()))
+        let id = seq("seq_id", seq_id)?;
+        let hashes: Vec<Option<u128>> = self
+            .with(py, |st| {
+                let table = st.inner.block_table(id)?;
+                Ok(table.iter().map(|&b| st.inner.block_hash(b)).collect())
             })
+            .py()?;
+        let items: Vec<Option<Bound<'py, PyBytes>>> = hashes
+            .iter()
+            .map(|h| h.map(|h| PyBytes::new(py, &h.to_le_bytes())))
             .collect();
         PyList::new(py, items)
     }
 
     /// Reference count of a block (InvalidBlockError outside the pool).
-    fn block_refcount(&self, block: &Bound<'_, PyAny>) -> PyResult<u32> {
-        self.inner
-            .block_refcount(scalar::<u32>("block", block)?)
-            .py()
+    fn block_refcount(&self, py: Python<'_>, block: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let b = scalar::<u32>("block", block)?;
+        self.with(py, |st| st.inner.block_refcount(b)).py()
     }
 
     /// Copy-on-write copies queued for the next step, as `(src, dst)` block pairs.
-    fn pending_copies(&self) -> Vec<(u32, u32)> {
-        self.inner.pending_copies().to_vec()
+    fn pending_copies(&self, py: Python<'_>) -> Vec<(u32, u32)> {
+        self.with(py, |st| st.inner.pending_copies().to_vec())
     }
 
-    fn __repr__(&self) -> String {
-        let c = self.inner.config();
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let (seqs, free) = self.with(py, |st| (st.inner.num_seqs(), st.inner.num_free_blocks()));
         format!(
             "BlockManager(num_blocks={}, block_size={}, seqs={}, free_blocks={})",
-            c.num_blocks,
-            c.block_size,
-            self.inner.num_seqs(),
-            self.inner.num_free_blocks()
+            self.cfg.num_blocks, self.cfg.block_size, seqs, free
         )
     }
 }

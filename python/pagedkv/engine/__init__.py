@@ -1,0 +1,52 @@
+"""The reference engine: a real model served through the paged KV cache.
+
+Layout (who owns what):
+
+* :mod:`.sampling_params` — :class:`SamplingParams`, validated on construction;
+* :mod:`.outputs` — :class:`RequestOutput` / :class:`CompletionOutput` snapshots;
+* :mod:`.sampler` — logits to tokens (greedy, temperature / top-k / top-p, reproducible seeding);
+* :mod:`.llm` — :class:`LLMEngine` (add_request / step) and :class:`LLM` (``generate``), which tie the
+  scheduler (:mod:`pagedkv.scheduler`), the block manager and the model runner together;
+* :mod:`.loader`, :mod:`.model_runner`, :mod:`.attention` — loading a transformers model and running
+  one scheduler step through it with pagedkv's attention.
+
+Names resolve lazily (like :mod:`pagedkv`): ``import pagedkv.engine`` imports neither torch nor
+transformers until a class is touched.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    from .llm import LLM, EngineStats, LLMEngine
+    from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from .sampling_params import SamplingParams
+
+_EXPORTS = {
+    "LLM": "llm",
+    "LLMEngine": "llm",
+    "EngineStats": "llm",
+    "SamplingParams": "sampling_params",
+    "RequestOutput": "outputs",
+    "CompletionOutput": "outputs",
+    "RequestMetrics": "outputs",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> "Any":
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedkv.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> "list[str]":
+    return sorted(set(__all__) | {n for n in globals() if n.startswith("__")})

@@ -1,0 +1,145 @@
+"""pagedkv's attention, plugged into transformers' attention-function registry.
+
+Owns :func:`pagedkv_attention` (registered as ``"pagedkv"`` in ``transformers.AttentionInterface``
+by :func:`register`) and :func:`build_cpu_metadata`, the per-step index tensors of the CPU path.
+
+How it plugs in. transformers' Llama-family attention modules project Q/K/V, apply RoPE, then call
+``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, mask, scaling=..., ...)``
+with ``q`` ``[1, Hq, T, D]`` and ``k``/``v`` ``[1, Hkv, T, D]``: the runner feeds the whole step
+as one packed row (``[1, T]`` input ids, per-token ``position_ids``) with ``use_cache=False``.
+``"pagedkv"`` is registered in the attention registry only, not in the mask registry, so
+``create_causal_mask`` returns ``None`` without building a dense mask: causality comes from the
+paged metadata instead. Per layer (``module.layer_idx``) the function
+
+1. writes the new K/V into the layer's pool views through the slot mapping, then
+2. attends each sequence's new tokens over its whole context through its block-table row:
+   full over the cached prefix, causal within the new tokens.
+
+It returns ``[1, T, Hq, D]``, the layout transformers' own functions return.
+
+CPU path (plain PyTorch): ``index_copy_`` into the flattened pool, one gather of every sequence's
+K/V padded to the batch's longest context (``gather_slots``), one batched SDPA call with GQA and a
+boolean mask, and one gather back to packed rows. The index tensors are built once per step
+(:func:`build_cpu_metadata`) and shared by every layer.
+
+CUDA path: ``scatter_kv``, then ``paged_decode`` when every sequence has exactly one new token
+(the CUDA-graph path) or ``paged_prefill`` otherwise (prefill and mixed batches in one launch).
+Neither synchronizes with the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .forward_context import AttentionMetadata, current_metadata
+
+__all__ = ["pagedkv_attention", "register", "build_cpu_metadata", "ATTN_IMPLEMENTATION"]
+
+#: The name under which the function is registered.
+ATTN_IMPLEMENTATION = "pagedkv"
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """Registers :func:`pagedkv_attention` with transformers (idempotent)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, pagedkv_attention)
+    _REGISTERED = True
+
+
+def pagedkv_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The registered attention function: write K/V to the pool, attend through the block tables."""
+    meta = current_metadata()
+    layer = module.layer_idx
+    k_cache = meta.k_caches[layer]
+    v_cache = meta.v_caches[layer]
+    # [1, H, T, D] -> [T, H, D]. After RoPE transformers' tensors are [1, T, H, D] in memory, so
+    # these transposes are already packed and `.contiguous()` copies nothing.
+    q = query[0].transpose(0, 1).contiguous()
+    k = key[0].transpose(0, 1).contiguous()
+    v = value[0].transpose(0, 1).contiguous()
+    if meta.mode == "cpu":
+        out = _cpu_attention(q, k, v, k_cache, v_cache, meta, scaling)
+    else:
+        out = _cuda_attention(q, k, v, k_cache, v_cache, meta, scaling)
+    return out.unsqueeze(0), None
+
+
+def _cpu_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scaling):
+    nb, bs, hkv, d = k_cache.shape
+    flat_k = k_cache.view(nb * bs, hkv, d)
+    flat_v = v_cache.view(nb * bs, hkv, d)
+    flat_k.index_copy_(0, meta.slot_mapping, k)
+    flat_v.index_copy_(0, meta.slot_mapping, v)
+    n, length = meta.gather_slots.shape
+    # [n, L, Hkv, D] -> [n, Hkv, L, D]
+    keys = flat_k[meta.gather_slots].transpose(1, 2)
+    values = flat_v[meta.gather_slots].transpose(1, 2)
+    qp = q[meta.q_index].transpose(1, 2)  # [n, Hq, Q, D]
+    o = F.scaled_dot_product_attention(
+        qp, keys, values, attn_mask=meta.attn_mask, scale=scaling,
+        enable_gqa=qp.shape[1] != keys.shape[1],
+    )
+    hq = q.shape[1]
+    # [n, Hq, Q, D] -> [n * Q, Hq, D] -> the packed rows
+    return o.transpose(1, 2).reshape(-1, hq, d)[meta.out_index]
+
+
+def _cuda_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scaling):
+    from ..kernels import paged_decode, paged_prefill, scatter_kv
+
+    scatter_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.mode == "decode":
+        return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale=scaling,
+                            workspace=meta.workspace, max_seq_len=meta.max_seq_len)
+    return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                         meta.query_start_loc, meta.max_q_len, scale=scaling)
+
+
+def build_cpu_metadata(meta: AttentionMetadata, block_size: int, q_lens: torch.Tensor,
+                       seq_lens: torch.Tensor) -> AttentionMetadata:
+    """Fills the CPU path's index tensors of ``meta`` from the step's host-side lengths.
+
+    ``q_lens``/``seq_lens`` are int64 CPU tensors ``[n]`` (new tokens and total tokens per
+    sequence). Sequence ``i``'s ``j``-th new token sits at position ``seq_lens[i] - q_lens[i] + j``
+    and may see keys at positions ``<=`` its own; padding query rows see key 0 only (their output
+    is dropped; a row with no allowed key would make SDPA produce NaN).
+    """
+    n = int(seq_lens.shape[0])
+    max_len = int(seq_lens.max())
+    max_q = int(q_lens.max())
+    width = -(-max_len // block_size)
+    tables = meta.block_tables[:, :width].to(torch.int64)
+    key_pos = torch.arange(max_len)
+    slots = tables[:, key_pos // block_size] * block_size + key_pos % block_size
+    valid_key = key_pos[None, :] < seq_lens[:, None]
+    meta.gather_slots = torch.where(valid_key, slots, torch.zeros((), dtype=torch.int64))
+    qsl = meta.query_start_loc.to(torch.int64)
+    j = torch.arange(max_q)
+    valid_q = j[None, :] < q_lens[:, None]
+    meta.q_index = torch.where(valid_q, qsl[:n, None] + j[None, :], torch.zeros((), dtype=torch.int64))
+    q_pos = (seq_lens - q_lens)[:, None] + j[None, :]  # [n, Q]
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [n, Q, L]
+    mask &= valid_key[:, None, :]
+    mask[:, :, 0] |= ~valid_q
+    meta.attn_mask = mask.unsqueeze(1)
+    rows = (torch.arange(n)[:, None] * max_q + j[None, :])
+    meta.out_index = rows[valid_q]
+    return meta

@@ -1,0 +1,96 @@
+"""The per-step attention metadata, and the context that hands it to every layer.
+
+Owns :class:`AttentionMetadata` (what the paged attention of one step needs besides Q/K/V: the
+pool's per-layer views, the slot mapping, block tables, sequence lengths, query offsets, and the
+path-specific extras) and :func:`forward_context`, which makes one metadata object current while
+the model runs.
+
+Why a context rather than an argument: transformers calls the registered attention function with
+``(module, query, key, value, attention_mask, **kwargs)`` from inside its own model code; the step's
+paged metadata has no slot in that call. The runner sets it here for the duration of one forward
+(or one CUDA-graph capture), and each layer reads it. Invariants: exactly one metadata object is
+current during a runner forward, none outside one (an attention call with none raises, rather than
+silently attending without the cache); the tensors it refers to are built once per step (CPU) or
+live at fixed addresses (CUDA), never per layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+
+__all__ = ["AttentionMetadata", "forward_context", "current_metadata"]
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything a layer's paged attention needs for one step (all on the pool's device).
+
+    Common fields: ``k_caches``/``v_caches`` (the pool's per-layer views), ``slot_mapping`` int64
+    ``[T]`` (negative = padding, skipped), ``block_tables`` int32 ``[n, W]``, ``seq_lens`` int32
+    ``[n]``, ``query_start_loc`` int32 ``[n + 1]``.
+
+    ``mode``: ``"cpu"`` (plain PyTorch), ``"decode"`` (CUDA, one new token per sequence:
+    ``paged_decode``), ``"prefill"`` (CUDA, any mix: ``paged_prefill``).
+
+    CPU extras (built once per step, shared by all layers): ``gather_slots`` int64 ``[n, L]`` pool
+    slot of each sequence's key position (0 past its end), ``q_index`` int64 ``[n, Q]`` new-token
+    row of each padded query (0 for padding), ``attn_mask`` bool ``[n, 1, Q, L]``, ``out_index``
+    int64 ``[T]`` position of each new token in the flattened ``[n * Q]`` padded output.
+
+    CUDA extras: ``max_q_len`` (host bound for the prefill grid), ``max_seq_len`` (host bound for the
+    decode split heuristic), ``workspace`` (the split-K scratch).
+    """
+
+    mode: str
+    k_caches: list
+    v_caches: list
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    gather_slots: Optional[torch.Tensor] = None
+    q_index: Optional[torch.Tensor] = None
+    attn_mask: Optional[torch.Tensor] = None
+    out_index: Optional[torch.Tensor] = None
+    max_q_len: int = 0
+    max_seq_len: int = 0
+    workspace: Any = None
+
+
+_CURRENT: Optional[AttentionMetadata] = None
+
+
+def current_metadata() -> AttentionMetadata:
+    """The metadata of the step being run; :class:`RuntimeError` outside a runner forward."""
+    if _CURRENT is None:
+        raise RuntimeError(
+            "pagedkv attention called outside a ModelRunner step: no paged metadata is current "
+            "(run the model through ModelRunner.execute, or use another attn_implementation)"
+        )
+    return _CURRENT
+
+
+@contextlib.contextmanager
+def forward_context(meta: AttentionMetadata, model: Any) -> Iterator[None]:
+    """Makes ``meta`` current and routes ``model``'s attention to pagedkv for the block's duration.
+
+    The model's attention implementation is switched to ``"pagedkv"`` on entry and restored on
+    exit, so the same model object still runs transformers' own attention (e.g. ``generate``)
+    outside a runner step. The internal attribute is set directly: the public setter re-validates
+    the name and walks sub-configs on every call, which is per-step overhead for nothing.
+    """
+    global _CURRENT
+    cfg = model.config
+    prev_impl = cfg._attn_implementation_internal
+    prev_meta = _CURRENT
+    _CURRENT = meta
+    cfg._attn_implementation_internal = "pagedkv"
+    try:
+        yield
+    finally:
+        cfg._attn_implementation_internal = prev_impl
+        _CURRENT = prev_meta

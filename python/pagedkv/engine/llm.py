@@ -1,0 +1,740 @@
+"""The engine: requests in, tokens out, every KV read and write through the paged cache.
+
+Owns :class:`LLMEngine` (``add_request`` / ``step`` / ``has_unfinished_requests``, one scheduler step
+per call) and :class:`LLM` (``generate``: a batch of prompts to completion, outputs in input order),
+shaped like vLLM's offline API. The pieces it ties together, each owning its own invariants:
+
+* :class:`pagedkv.scheduler.Scheduler` decides who runs each step (decodes first, then chunked
+  prefill; preemption by recompute when appends would dip into the watermark);
+* :class:`pagedkv.BlockManager` owns block tables, the prefix cache and copy-on-write, and fills the
+  step buffers the model runner reads;
+* :class:`pagedkv.engine.model_runner.ModelRunner` runs one step of the model through the pool;
+* :mod:`pagedkv.engine.sampler` turns logits into tokens.
+
+Invariants of this module:
+
+* a request is validated completely (prompt, parameters, salt, fit) before anything is queued: bad
+  input raises a :mod:`pagedkv.errors` class and leaves the engine unchanged;
+* a request with ``n > 1`` is queued as one sequence; when its prompt's prefill completes, the same
+  logits seed all ``n`` samples and the other ``n - 1`` sequences are forked from it, sharing its
+  KV blocks copy-on-write (the prompt is computed once);
+* a completion finishes with ``"stop"`` on an end-of-sequence token (unless ``ignore_eos``) or a
+  ``stop_token_ids`` entry, and with ``"length"`` at ``max_tokens`` or when the sequence fills the
+  model's context (or the most the KV pool can hold for one sequence);
+* a preempted sequence keeps its tokens and is recomputed; since draws depend only on the sample's
+  seed and position (:mod:`.sampler`), its output is what it would have been without preemption.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from ..errors import InvalidArgumentError, OutOfBlocksError
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineStats"]
+
+Prompt = Union[str, Sequence[int], Dict[str, Any]]
+
+
+def _bad(what: str, value: Any, reason: str) -> InvalidArgumentError:
+    shown = value if not isinstance(value, (list, tuple)) or len(value) <= 8 else f"<{len(value)} items>"
+    return InvalidArgumentError(
+        f"invalid argument: {what} = {shown!r}: {reason}", what=what, value=shown, reason=reason
+    )
+
+
+@dataclass
+class EngineStats:
+    """Counters of an engine since it was created (or since :meth:`LLMEngine.reset_stats`)."""
+
+    #: Requests added / finished.
+    num_requests: int
+    num_finished_requests: int
+    #: Prompt tokens of the requests added (each prompt once, whatever its ``n``).
+    num_prompt_tokens: int
+    #: Tokens generated, over all samples.
+    num_generated_tokens: int
+    #: Tokens the model computed in prefill chunks (prompt tokens not served by the prefix cache,
+    #: plus whatever preemption made it recompute).
+    num_prefill_tokens: int
+    #: Scheduler steps run, and the seconds spent inside :meth:`LLMEngine.step`.
+    num_steps: int
+    busy_time_s: float
+    #: ``num_generated_tokens / busy_time_s``.
+    generation_tokens_per_s: float
+    #: ``(prefill + generated tokens) / busy_time_s``.
+    total_tokens_per_s: float
+    #: Time to first token over finished requests: mean and max, seconds.
+    mean_ttft_s: Optional[float]
+    max_ttft_s: Optional[float]
+    #: KV blocks in use after each step, as a fraction of the pool: peak and mean over steps.
+    peak_kv_utilization: float
+    mean_kv_utilization: float
+    #: Most sequences running in one step.
+    peak_running_seqs: int
+    #: The manager's prefix cache: hit ratio and hit tokens (over every admission, recomputes too).
+    prefix_hit_ratio: float
+    prefix_hit_tokens: int
+    #: Prompt tokens of the added requests served from the prefix cache at their first admission,
+    #: over all their prompt tokens.
+    request_prefix_hit_ratio: float
+    #: Sequences preempted (and recomputed), copy-on-write block copies, cache evictions.
+    num_preemptions: int
+    cow_copies: int
+    evictions: int
+    #: The pool.
+    num_blocks: int
+    block_size: int
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The counters as a plain dict (for JSON)."""
+        return asdict(self)
+
+
+class _Request:
+    """Engine-side state of one request: its samples' sequences and how each ended."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "cache_salt", "seed", "seqs",
+                 "finish", "metrics", "forked", "seq_seeds")
+
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: List[int],
+                 params: SamplingParams, cache_salt: Optional[bytes], seed: int,
+                 arrival_time: float) -> None:
+        from .sampler import sample_seed
+
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.cache_salt = cache_salt
+        self.seed = seed
+        #: One slot per sample; samples 1.. are filled when sample 0's prefill completes.
+        self.seqs: List[Any] = [None] * params.n
+        #: (finish_reason, stop_token) per sample, ``None`` while running.
+        self.finish: List[Optional[Tuple[str, Optional[int]]]] = [None] * params.n
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.forked = params.n == 1
+        self.seq_seeds = [sample_seed(seed, i) for i in range(params.n)]
+
+    @property
+    def finished(self) -> bool:
+        return all(f is not None for f in self.finish)
+
+
+class LLMEngine:
+    """One model served through the paged KV cache, one scheduler step per :meth:`step` call.
+
+    Args:
+        model: A Hugging Face model directory (``config.json`` + safetensors [+ tokenizer]) or a
+            ``.gguf`` file; ``None`` loads the embedded SmolLM2-135M-Instruct GGUF. Loaded offline.
+            A :class:`~pagedkv.engine.loader.LoadedModel` is used as it is (``device`` and
+            ``dtype`` are then its own).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``; ``None``: CUDA when available, else the CPU.
+        dtype: Weights and KV dtype (``torch.dtype`` or its name); ``None``: the loader's default
+            (float32 on the CPU, the checkpoint's dtype on a GPU).
+        kv_cache_memory: Bytes of KV pool (the runner sizes the pool from it); exclusive with
+            ``num_blocks``. Neither: the runner's default sizing.
+        num_blocks: Blocks in the KV pool.
+        block_size: Tokens per block.
+        max_num_seqs: Most sequences in one step.
+        max_num_batched_tokens: Token budget of one step (decodes plus prefill chunks); prompts
+            longer than this are prefilled in chunks.
+        enable_prefix_caching: Share and cache full KV blocks by prefix hash.
+        enable_chunked_prefill: Split prompts over steps to fit ``max_num_batched_tokens``.
+        watermark_blocks: Blocks kept back from admissions (``None``: the manager's default).
+        cuda_graphs: Capture decode steps in CUDA graphs (CUDA only).
+        progress: Show a progress bar while loading.
+
+    Raises:
+        ModelLoadError: ``model`` does not exist, is not a model directory or ``.gguf`` file, or is
+            not a Llama-family architecture.
+        InvalidConfigError: A configuration value is out of range (or both pool sizes are given).
+        InvalidArgumentError: ``device`` or ``dtype`` is not understood.
+    """
+
+    def __init__(
+        self,
+        model: Optional[str] = None,
+        *,
+        device: Optional[str] = None,
+        dtype: Any = None,
+        kv_cache_memory: Optional[int] = None,
+        num_blocks: Optional[int] = None,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        watermark_blocks: Optional[int] = None,
+        cuda_graphs: bool = True,
+        progress: bool = False,
+    ) -> None:
+        import torch
+
+        from ..errors import InvalidConfigError
+        from ..scheduler import Scheduler
+        from .loader import LoadedModel, default_model_path, load_model
+        from .model_runner import ModelRunner
+
+        if kv_cache_memory is not None and num_blocks is not None:
+            raise InvalidConfigError(
+                "give at most one of kv_cache_memory and num_blocks",
+                field="num_blocks", value=num_blocks, reason="exclusive with kv_cache_memory",
+            )
+        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidConfigError(f"{name} must be an integer >= 1, got {value!r}",
+                                         field=name, value=value, reason="must be >= 1")
+        preloaded = model if isinstance(model, LoadedModel) else None
+        if preloaded is not None:
+            device = preloaded.device
+            path = preloaded.path
+        else:
+            if device is None:
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            path = default_model_path() if model is None else model
+
+        bar = _stage_bar(progress, total=3, desc="loading model")
+        try:
+            self.loaded = preloaded or load_model(path, device=device, dtype=dtype)
+            bar.update(1)
+            self.runner = ModelRunner(
+                self.loaded, block_size=block_size, num_blocks=num_blocks,
+                kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=cuda_graphs,
+            )
+            bar.update(1)
+            # The runner's pool and step buffers fix the manager's shape; it attaches the buffers.
+            self.manager = self.runner.new_block_manager(
+                watermark_blocks=watermark_blocks, enable_prefix_caching=enable_prefix_caching,
+            )
+            self.scheduler = Scheduler(
+                self.manager, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill,
+            )
+            bar.update(1)
+        finally:
+            bar.close()
+
+        self.device = torch.device(device)
+        self.model_path = str(path)
+        self.tokenizer = self.loaded.tokenizer
+        self.block_size = block_size
+        self.max_model_len = int(self.loaded.max_model_len)
+        # The longest sequence the engine lets grow: the model's context, and what the pool can hold
+        # for one sequence above the watermark (so a preempted sequence can always be re-admitted
+        # into an otherwise empty pool).
+        room = (self.manager.num_blocks - self.manager.watermark_blocks) * block_size
+        self.max_seq_len = min(self.max_model_len, room,
+                               self.manager.max_blocks_per_seq * block_size)
+        self.eos_token_ids = frozenset(int(t) for t in (self.loaded.eos_token_ids or ()))
+        self.vocab_size = int(getattr(self.loaded.config, "vocab_size", 0) or 0)
+
+        self._requests: Dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        # Seeds for requests that give none: drawn once per request, so even an unseeded request
+        # resumes unchanged after a preemption.
+        self._seed_rng = random.Random()
+        self.reset_stats()
+
+    # ------------------------------------------------------------------------------ requests
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (``None`` for a model directory without one)."""
+        return self.tokenizer
+
+    def tokenize(self, prompt: Prompt) -> Tuple[Optional[str], List[int]]:
+        """``(text or None, token ids)`` of a prompt, validated against the model.
+
+        A prompt is a string (encoded with the tokenizer, special tokens as the tokenizer adds
+        them), a sequence of token ids, or a dict with ``"prompt"`` or ``"prompt_token_ids"``.
+
+        Raises:
+            InvalidArgumentError: The prompt is empty, of the wrong type, holds an id outside the
+                vocabulary, is a string for a model without a tokenizer, or leaves no room in the
+                model's context (or the KV pool) for a generated token.
+        """
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise _bad("prompt", prompt, "a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        text: Optional[str] = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise _bad("prompt", prompt, "the model has no tokenizer: give token ids")
+            text = prompt
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        elif isinstance(prompt, (bytes, bytearray)) or not hasattr(prompt, "__len__"):
+            raise _bad("prompt", prompt, "must be a string or a sequence of token ids")
+        else:
+            ids = []
+            for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt):
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise _bad("prompt", t, "token ids must be ints")
+                if t < 0 or (self.vocab_size and t >= self.vocab_size):
+                    raise _bad("prompt", t, f"token id outside the vocabulary [0, {self.vocab_size})")
+                ids.append(int(t))
+        if not ids:
+            raise _bad("prompt", text if text is not None else ids, "the prompt is empty")
+        if len(ids) >= self.max_seq_len:
+            limit = ("the model's context" if self.max_seq_len == self.max_model_len
+                     else "what the KV pool holds for one sequence")
+            raise _bad("prompt", ids, f"{len(ids)} tokens leave no room for a generated token in "
+                                      f"{limit} ({self.max_seq_len} tokens)")
+        return text, ids
+
+    def add_request(
+        self,
+        request_id: Optional[str],
+        prompt: Prompt,
+        params: Optional[SamplingParams] = None,
+        *,
+        cache_salt: Union[str, bytes, None] = None,
+        arrival_time: Optional[float] = None,
+    ) -> str:
+        """Queues a request; returns its id.
+
+        Args:
+            request_id: A new id (``None``: one is generated).
+            prompt: A string, a sequence of token ids, or ``{"prompt": ...}`` /
+                ``{"prompt_token_ids": ...}``.
+            params: Sampling parameters (default ``SamplingParams()``).
+            cache_salt: Per-tenant salt: requests with different salts never share KV blocks.
+            arrival_time: ``time.perf_counter()`` of arrival (default: now), for time to first token.
+
+        Raises:
+            InvalidArgumentError: Bad prompt, parameters, salt, or a request id already in use.
+        """
+        request_id, text, ids, params, salt = self._validate(request_id, prompt, params, cache_salt)
+        self._enqueue(request_id, text, ids, params, salt, arrival_time)
+        return request_id
+
+    def _validate(self, request_id: Optional[str], prompt: Prompt, params: Optional[SamplingParams],
+                  cache_salt: Union[str, bytes, None]
+                  ) -> Tuple[str, Optional[str], List[int], SamplingParams, Optional[bytes]]:
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise _bad("params", type(params).__name__, "must be a SamplingParams")
+        if params.n > self.scheduler.max_num_seqs:
+            raise _bad("n", params.n, f"more samples than max_num_seqs "
+                                      f"({self.scheduler.max_num_seqs}) can run together")
+        if request_id is None:
+            request_id = f"req-{next(self._request_ids)}"
+            while request_id in self._requests:
+                request_id = f"req-{next(self._request_ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise _bad("request_id", request_id, "must be a non-empty string")
+        elif request_id in self._requests:
+            raise _bad("request_id", request_id, "already in use by an unfinished request")
+        if cache_salt is not None:
+            if isinstance(cache_salt, str):
+                cache_salt = cache_salt.encode()
+            elif not isinstance(cache_salt, (bytes, bytearray)):
+                raise _bad("cache_salt", cache_salt, "must be str or bytes")
+            cache_salt = bytes(cache_salt)
+        text, ids = self.tokenize(prompt)
+        return request_id, text, ids, params, cache_salt
+
+    def _enqueue(self, request_id: str, text: Optional[str], ids: List[int],
+                 params: SamplingParams, salt: Optional[bytes],
+                 arrival_time: Optional[float]) -> None:
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        req = _Request(request_id, text, ids, params, salt, seed,
+                       time.perf_counter() if arrival_time is None else arrival_time)
+        seq = self._new_sequence(req, 0, list(ids))
+        # Admission keeps room under max_num_seqs for the samples forked from this sequence.
+        seq.n = params.n
+        self._requests[request_id] = req
+        self.scheduler.add(seq)
+        self._counters["num_requests"] += 1
+        self._counters["num_prompt_tokens"] += len(ids)
+
+    def _new_sequence(self, req: _Request, index: int, token_ids: List[int]) -> Any:
+        from ..scheduler import Sequence
+
+        seq = Sequence(next(self._seq_ids), token_ids, request_id=req.request_id,
+                       cache_salt=req.cache_salt, arrival=req.metrics.arrival_time)
+        seq.data = (req, index)
+        req.seqs[index] = seq
+        return seq
+
+    def abort_request(self, request_id: str) -> None:
+        """Drops a request: its sequences stop and their blocks are freed (cached ones stay cached).
+
+        Raises:
+            InvalidArgumentError: No unfinished request has this id.
+        """
+        req = self._requests.get(request_id)
+        if req is None:
+            raise _bad("request_id", request_id, "no unfinished request has this id")
+        live = [seq for i, seq in enumerate(req.seqs) if seq is not None and req.finish[i] is None]
+        self.scheduler.finish_many(live)
+        del self._requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is still queued or running."""
+        return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests still queued or running."""
+        return len(self._requests)
+
+    # ---------------------------------------------------------------------------------- step
+
+    def step(self) -> List[RequestOutput]:
+        """Runs one scheduler step: schedule, run the model, sample, advance, finish.
+
+        Returns:
+            A :class:`RequestOutput` for every request that produced a token or finished this step
+            (finished ones for the last time: they are forgotten afterwards).
+
+        Raises:
+            OutOfBlocksError: Nothing can run although requests are waiting (a prompt that cannot
+                fit the pool even when it is empty; such a request is dropped first).
+        """
+        from .sampler import sample
+
+        started = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch.preempted:
+            self._counters["num_preemptions"] += len(batch.preempted)
+            for seq in batch.preempted:
+                seq.data[0].metrics.num_preemptions += 1
+        if not batch.seqs:
+            if self._requests:
+                self._unschedulable()
+            return []
+
+        mask = batch.sample_mask()
+        rows = [i for i, m in enumerate(mask) if m]
+        logits = self.runner.execute(batch.input_ids(), batch.positions(), batch.step, rows)
+        for seq, n_new in zip(batch.seqs, batch.num_new_tokens):
+            # A sequence that is not sampling (prefill chunks) or whose step covers more than the one
+            # decode token is computing prompt (or recomputed) tokens.
+            if n_new > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
+                self._counters["num_prefill_tokens"] += n_new
+
+        # One draw per sampled row; a prompt whose n > 1 samples are not yet forked also draws its
+        # other samples' first tokens from the same logits row (appended after the rows).
+        params, seeds, positions = [], [], []
+        forks: List[Tuple[_Request, int, Any]] = []
+        fork_rows: List[int] = []
+        for r, i in enumerate(rows):
+            seq = batch.seqs[i]
+            req, index = seq.data
+            params.append(req.params)
+            seeds.append(req.seq_seeds[index])
+            positions.append(len(seq.token_ids) - seq.num_prompt_tokens)
+            if not req.forked:
+                req.forked = True
+                for child in range(1, req.params.n):
+                    forks.append((req, child, seq))
+                    fork_rows.append(r)
+        for (req, child, _parent) in forks:
+            params.append(req.params)
+            seeds.append(req.seq_seeds[child])
+            positions.append(0)
+        if forks:
+            logits = logits[list(range(len(rows))) + fork_rows]
+        tokens = sample(logits, params, seeds, positions)
+
+        sampled: List[Optional[int]] = [None] * len(batch.seqs)
+        for r, i in enumerate(rows):
+            sampled[i] = tokens[r]
+        self.scheduler.postprocess(batch, sampled)
+
+        now = time.perf_counter()
+        touched: Dict[str, _Request] = {}
+        done: List[Any] = []
+        # Forks first: a parent that finishes on its first token must still be running to be forked.
+        for (req, child, parent), tok in zip(forks, tokens[len(rows):]):
+            child_seq = self._new_sequence(req, child, list(req.prompt_token_ids))
+            self.scheduler.fork(parent, child_seq)
+            child_seq.append_token(tok)
+            self._after_token(req, child, child_seq, tok, now, touched, done)
+        for i in rows:
+            seq = batch.seqs[i]
+            req, index = seq.data
+            self._after_token(req, index, seq, sampled[i], now, touched, done)
+        if done:
+            self.scheduler.finish_many(done)
+
+        outputs = [self._output(req) for req in touched.values()]
+        for req in touched.values():
+            if req.finished:
+                req.metrics.finished_time = now
+                self._finished_request(req)
+        self._record_step(batch, time.perf_counter() - started)
+        return outputs
+
+    def _after_token(self, req: _Request, index: int, seq: Any, token: int, now: float,
+                     touched: Dict[str, _Request], done: List[Any]) -> None:
+        touched[req.request_id] = req
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+            req.metrics.num_cached_tokens = int(getattr(req.seqs[0], "num_cached_tokens", 0) or 0)
+            self._counters["request_hit_tokens"] += req.metrics.num_cached_tokens
+            self._counters["request_prompt_tokens"] += len(req.prompt_token_ids)
+        self._counters["num_generated_tokens"] += 1
+        params = req.params
+        reason: Optional[Tuple[str, Optional[int]]] = None
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params._stop_set:
+            reason = ("stop", token)
+        elif len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens:
+            reason = ("length", None)
+        elif len(seq.token_ids) >= self.max_seq_len:
+            reason = ("length", None)
+        if reason is not None:
+            req.finish[index] = reason
+            done.append(seq)
+
+    def _finished_request(self, req: _Request) -> None:
+        self._requests.pop(req.request_id, None)
+        self._counters["num_finished_requests"] += 1
+        ttft = req.metrics.time_to_first_token
+        if ttft is not None:
+            self._ttfts.append(ttft)
+
+    def _unschedulable(self) -> None:
+        # Nothing runs and nothing will free blocks: the head of the queue can never be admitted.
+        stuck = next(iter(self._requests.values()))
+        needed = math.ceil(len(stuck.seqs[0].token_ids) / self.block_size)
+        self.abort_request(stuck.request_id)
+        raise OutOfBlocksError(
+            f"request {stuck.request_id!r} needs {needed} KV blocks and cannot be scheduled in a pool "
+            f"of {self.manager.num_blocks} blocks ({self.manager.watermark_blocks} held back); "
+            f"it was dropped",
+            needed=needed, available=self.manager.num_blocks - self.manager.watermark_blocks,
+        )
+
+    def _output(self, req: _Request) -> RequestOutput:
+        completions = []
+        for i, seq in enumerate(req.seqs):
+            if seq is None:
+                completions.append(CompletionOutput(i, "", [], None, None))
+                continue
+            ids = list(seq.token_ids[seq.num_prompt_tokens:])
+            fin = req.finish[i]
+            reason, stop = (fin if fin is not None else (None, None))
+            completions.append(CompletionOutput(i, self._detokenize(ids, req.params, stop), ids,
+                                                reason, stop))
+        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), completions,
+                             finished=req.finished, metrics=req.metrics)
+
+    def _detokenize(self, ids: List[int], params: SamplingParams, stop: Optional[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        if stop is not None and ids and ids[-1] == stop:
+            ids = ids[:-1]
+        # No clean-up pass: it strips spaces before punctuation, which corrupts BPE text.
+        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    # --------------------------------------------------------------------------------- stats
+
+    def reset_stats(self) -> None:
+        """Zeroes the engine's own counters (the manager's cumulative counters are snapshotted, so
+        :meth:`stats` reports what happened since)."""
+        self._counters = dict.fromkeys(
+            ("num_requests", "num_finished_requests", "num_prompt_tokens", "num_generated_tokens",
+             "num_prefill_tokens", "num_steps", "num_preemptions", "peak_running_seqs",
+             "request_hit_tokens", "request_prompt_tokens"), 0)
+        self._busy = 0.0
+        self._util_sum = 0.0
+        self._util_peak = 0.0
+        self._ttfts: List[float] = []
+        s = self.manager.stats()
+        self._base = (s.prefix_query_tokens, s.prefix_hit_tokens, s.cow_copies, s.evictions)
+
+    def _record_step(self, batch: Any, elapsed: float) -> None:
+        c = self._counters
+        c["num_steps"] += 1
+        c["peak_running_seqs"] = max(c["peak_running_seqs"], len(batch.seqs))
+        self._busy += elapsed
+        s = self.manager.stats()
+        util = s.used_blocks / s.num_blocks
+        self._util_sum += util
+        self._util_peak = max(self._util_peak, util)
+
+    def stats(self) -> EngineStats:
+        """What the engine has done since it was created (or :meth:`reset_stats`)."""
+        c = self._counters
+        s = self.manager.stats()
+        query = s.prefix_query_tokens - self._base[0]
+        hits = s.prefix_hit_tokens - self._base[1]
+        busy = self._busy
+        gen = c["num_generated_tokens"]
+        return EngineStats(
+            num_requests=c["num_requests"],
+            num_finished_requests=c["num_finished_requests"],
+            num_prompt_tokens=c["num_prompt_tokens"],
+            num_generated_tokens=gen,
+            num_prefill_tokens=c["num_prefill_tokens"],
+            num_steps=c["num_steps"],
+            busy_time_s=busy,
+            generation_tokens_per_s=gen / busy if busy > 0 else 0.0,
+            total_tokens_per_s=(gen + c["num_prefill_tokens"]) / busy if busy > 0 else 0.0,
+            mean_ttft_s=sum(self._ttfts) / len(self._ttfts) if self._ttfts else None,
+            max_ttft_s=max(self._ttfts) if self._ttfts else None,
+            peak_kv_utilization=self._util_peak,
+            mean_kv_utilization=self._util_sum / c["num_steps"] if c["num_steps"] else 0.0,
+            peak_running_seqs=c["peak_running_seqs"],
+            prefix_hit_ratio=hits / query if query else 0.0,
+            prefix_hit_tokens=hits,
+            request_prefix_hit_ratio=(c["request_hit_tokens"] / c["request_prompt_tokens"]
+                                      if c["request_prompt_tokens"] else 0.0),
+            num_preemptions=c["num_preemptions"],
+            cow_copies=s.cow_copies - self._base[2],
+            evictions=s.evictions - self._base[3],
+            num_blocks=s.num_blocks,
+            block_size=s.block_size,
+        )
+
+
+def _stage_bar(enabled: bool, total: int, desc: str) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, leave=False,
+                bar_format="{desc}: {n}/{total} stages [{elapsed}]")
+
+
+class LLM:
+    """Offline batch generation through the paged KV cache, shaped like ``vllm.LLM``.
+
+    ``LLM(model, ...)`` takes :class:`LLMEngine`'s arguments (``model=None`` loads the embedded
+    SmolLM2-135M-Instruct; further keywords such as ``watermark_blocks``, ``cuda_graphs`` or
+    ``enable_chunked_prefill`` go to the engine); :meth:`generate` runs prompts to completion with
+    continuous batching. ``progress`` shows a bar while loading.
+
+    Example::
+
+        llm = pagedkv.LLM("path/to/model", num_blocks=512)
+        outs = llm.generate(["Hello", [1, 2, 3]], pagedkv.SamplingParams(temperature=0, max_tokens=8))
+        print(outs[0].outputs[0].text)
+    """
+
+    def __init__(
+        self,
+        model: Optional[str] = None,
+        *,
+        device: Optional[str] = None,
+        dtype: Any = None,
+        kv_cache_memory: Optional[int] = None,
+        num_blocks: Optional[int] = None,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        progress: bool = True,
+        **engine_args: Any,
+    ) -> None:
+        self.llm_engine = LLMEngine(
+            model, device=device, dtype=dtype, kv_cache_memory=kv_cache_memory,
+            num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, progress=progress, **engine_args,
+        )
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (``None`` if it has none)."""
+        return self.llm_engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        """The engine's counters (:class:`EngineStats`)."""
+        return self.llm_engine.stats()
+
+    def generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        use_tqdm: bool = True,
+        cache_salt: Union[str, bytes, None, Sequence[Union[str, bytes, None]]] = None,
+    ) -> List[RequestOutput]:
+        """Generates completions for every prompt; returns one :class:`RequestOutput` each, in input
+        order.
+
+        Args:
+            prompts: One prompt or a list of them; a prompt is a string, a list of token ids, or a
+                dict with ``"prompt"`` / ``"prompt_token_ids"``. (A flat list of ints is one prompt.)
+            sampling_params: One for all prompts, or one per prompt (default ``SamplingParams()``).
+            use_tqdm: Show a progress bar (requests done, tokens/s).
+            cache_salt: One salt for all prompts, or one per prompt.
+
+        Raises:
+            InvalidArgumentError: A prompt, parameter or salt is bad (nothing was queued), or the
+                lists' lengths differ from the prompts'.
+            OutOfBlocksError: A prompt cannot fit the KV pool (the batch is dropped).
+        """
+        engine = self.llm_engine
+        if getattr(prompts, "ndim", None) == 1:
+            prompts = [prompts]  # one prompt as a 1-D array or tensor of token ids
+        elif isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        n = len(prompts)
+        params_list = self._per_prompt("sampling_params", sampling_params, n, SamplingParams)
+        salts = self._per_prompt("cache_salt", cache_salt, n, (str, bytes))
+        # Validate everything before queuing anything: a bad prompt leaves the engine unchanged.
+        validated = [engine._validate(None, p, sp, s) for p, sp, s in zip(prompts, params_list, salts)]
+        ids = []
+        start = time.perf_counter()
+        for request_id, text, tokens, params, salt in validated:
+            engine._enqueue(request_id, text, tokens, params, salt, start)
+            ids.append(request_id)
+
+        from tqdm.auto import tqdm
+
+        results: Dict[str, RequestOutput] = {}
+        pending = set(ids)
+        bar = tqdm(total=n, desc="generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        gen_before = engine._counters["num_generated_tokens"]
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.request_id in pending and out.finished:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+                if use_tqdm:
+                    done = engine._counters["num_generated_tokens"] - gen_before
+                    rate = done / max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
+                if pending and not engine.has_unfinished_requests():
+                    raise RuntimeError(  # pragma: no cover - aborted from elsewhere mid-generate
+                        f"requests {sorted(pending)} were aborted before they finished")
+        except BaseException:
+            for request_id in pending:
+                if request_id in engine._requests:
+                    engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return [results[r] for r in ids]
+
+    @staticmethod
+    def _per_prompt(what: str, value: Any, n: int, kind: Any) -> List[Any]:
+        if value is None or isinstance(value, kind):
+            return [value] * n
+        if isinstance(value, (list, tuple)):
+            if len(value) != n:
+                raise _bad(what, f"<{len(value)} items>", f"needs one entry per prompt ({n})")
+            return list(value)
+        raise _bad(what, type(value).__name__, "must be one value or one per prompt")

