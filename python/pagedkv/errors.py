@@ -269,6 +269,9 @@ class AllocationFailedError(PagedKVError, MemoryError):
     Attributes: ``what`` (what was being allocated), ``bytes`` (the size asked for).
     """
 
+    what: str
+    bytes: int  # an annotation only: the builtin is not shadowed in the class body
+
     field_names = ("what", "bytes")
 
 
@@ -280,5 +283,8 @@ class ModelLoadError(PagedKVError, ValueError):
 
     Attributes: ``path``, ``reason``.
     """
+
+    path: str
+    reason: str
 
     field_names = ("path", "reason")

@@ -7,6 +7,7 @@ re-export regression shows up as a mypy error here rather than in someone's CI.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import numpy as np
@@ -126,6 +127,37 @@ def error_classes() -> list[type[pagedkv.PagedKVError]]:
     return classes
 
 
+def engine_flow(model: Optional[str] = None) -> list[str]:
+    """The README's engine example. Type-checked always; run only on request (it loads a model)."""
+    llm = pagedkv.LLM(model, device="cpu", num_blocks=256, progress=False)
+    params = pagedkv.SamplingParams(temperature=0.8, top_p=0.95, max_tokens=4, n=2, seed=0)
+    outs: list[pagedkv.RequestOutput] = llm.generate(["The capital of France is", [1, 4093, 198]],
+                                                      params, use_tqdm=False)
+    texts: list[str] = []
+    for out in outs:
+        request_id: str = out.request_id
+        for c in out.outputs:
+            completion: pagedkv.CompletionOutput = c
+            reason: Optional[str] = completion.finish_reason
+            texts.append(f"{request_id} {completion.index} {reason} {completion.text!r}")
+    engine = pagedkv.LLMEngine(model, device="cpu", num_blocks=256)
+    engine.add_request("r0", [1, 2, 3], pagedkv.SamplingParams(temperature=0.0, max_tokens=2))
+    while engine.has_unfinished_requests():
+        for done in engine.step():
+            texts.append(done.request_id)
+    try:
+        pagedkv.LLM("/nonexistent/model")
+    except pagedkv.PagedKVError as err:
+        texts.append(err.message)
+    return texts
+
+
+def allocation_failure(err: pagedkv.AllocationFailedError) -> str:
+    what: str = err.what
+    size: int = err.bytes
+    return f"{what}: {size} bytes"
+
+
 def main() -> None:
     version: str = pagedkv.__version__
     assert version
@@ -135,6 +167,9 @@ def main() -> None:
     seen = errors_flow()
     assert len(seen) == 7, seen
     assert len(error_classes()) == 6
+    assert allocation_failure(pagedkv.AllocationFailedError("x", what="pool", bytes=8)) == "pool: 8 bytes"
+    if os.environ.get("PAGEDKV_USER_CHECK_ENGINE"):
+        assert len(engine_flow()) >= 5
 
 
 if __name__ == "__main__":
