@@ -7,6 +7,12 @@ graph figure is the anchor. Data is random (never zeros), block tables randomly 
 
 Usage (on a CUDA machine, from the repository root):
     PYTHONPATH=python python benches/bench_kernels.py --json out.json [--tune] [--quick]
+
+`--compare-old DIR` instead times the current decode, prefill and scatter kernels against an
+older copy of the `pagedkv.kernels` package in DIR (benches/gpu_kernel_safety.sh makes one from
+git), side by side in one process: each variant as a CUDA-graph replay and eagerly, through
+`triton.testing.do_bench` (median, L2 flushed before every call), in rounds that alternate
+the order (ABBA), after checking that both give the same output on valid inputs.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 
@@ -358,12 +365,146 @@ def bench_copy(layers=32, kv_heads=8, hd=128, bs=16, num_blocks=2304, npairs=102
         print(f"{name} ({sbytes / 1e6:.0f} MB): {t * 1e3:.2f} ms {sbytes / t / 1e9:.1f} GB/s", flush=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# Old kernels against current ones (bounds checks), side by side
+
+
+def load_old_kernels(path):
+    """Imports the kernel package copy in `path` under the name `_old_kernels`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_old_kernels", os.path.join(path, "__init__.py"), submodule_search_locations=[path]
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["_old_kernels"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _graphed(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return g
+
+
+def _bench_ms(fn):
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def ab_time(kind, name, old_fn, new_fn, rounds=4, **meta):
+    """Medians (µs) of old and new, graph-replayed and eager, alternating ABBA over `rounds`."""
+    graphs = {"old": _graphed(old_fn), "new": _graphed(new_fn)}
+    eager = {"old": old_fn, "new": new_fn}
+    t = {(v, m): [] for v in ("old", "new") for m in ("graph", "eager")}
+    for r in range(rounds):
+        for v in (("old", "new") if r % 2 == 0 else ("new", "old")):
+            t[(v, "graph")].append(_bench_ms(graphs[v].replay) * 1e3)
+            t[(v, "eager")].append(_bench_ms(eager[v]) * 1e3)
+    row = {"rounds": rounds, **meta}
+    for m in ("graph", "eager"):
+        o = statistics.median(t[("old", m)])
+        n = statistics.median(t[("new", m)])
+        per_round = [b / a for a, b in zip(t[("old", m)], t[("new", m)])]
+        row.update({f"{m}_old_us": o, f"{m}_new_us": n, f"{m}_ratio": n / o,
+                    f"{m}_ratio_min": min(per_round), f"{m}_ratio_max": max(per_round),
+                    f"{m}_old_all": t[("old", m)], f"{m}_new_all": t[("new", m)]})
+    del graphs
+    rec = record(kind, name, **row)
+    print(f"{kind:7s} {name:34s} graph {row['graph_old_us']:9.2f} -> {row['graph_new_us']:9.2f} us "
+          f"x{row['graph_ratio']:.4f} [{row['graph_ratio_min']:.3f}, {row['graph_ratio_max']:.3f}] | "
+          f"eager {row['eager_old_us']:9.2f} -> {row['eager_new_us']:9.2f} us x{row['eager_ratio']:.4f}",
+          flush=True)
+    return rec
+
+
+def compare_old(old, what=("decode", "prefill", "scatter")):
+    # Decode: the five benchmark shapes.
+    for batch, ctx in [(1, 32768), (8, 8192), (64, 4096), (128, 2048), (256, 1024)] * ("decode" in what):
+        sets, sl = make_decode(batch, ctx, copies=1)
+        q, kc, vc, bt = sets[0]
+        ws_new = K.DecodeWorkspace(batch, q.shape[1], kc.shape[2], q.shape[2], device="cuda")
+        ws_old = old.DecodeWorkspace(batch, q.shape[1], kc.shape[2], q.shape[2], device="cuda")
+        o_new, o_old = torch.empty_like(q), torch.empty_like(q)
+        new_fn = lambda: K.paged_decode(q, kc, vc, bt, sl, out=o_new, workspace=ws_new)  # noqa: E731
+        old_fn = lambda: old.paged_decode(q, kc, vc, bt, sl, out=o_old, workspace=ws_old)  # noqa: E731
+        new_fn()
+        old_fn()
+        same = bool(torch.equal(o_new, o_old))
+        splits = D.choose_num_splits(batch, kc.shape[2], bt.shape[1] * kc.shape[1], D._num_sms(q.device))
+        if not same:
+            print(f"  decode b={batch} ctx={ctx}: outputs differ, max |diff| "
+                  f"{(o_new.float() - o_old.float()).abs().max().item():.3e}", flush=True)
+        ab_time("decode", f"paged_decode b={batch} ctx={ctx}", old_fn, new_fn,
+                batch=batch, ctx=ctx, num_splits=splits, identical_output=same)
+        del sets, ws_new, ws_old
+        torch.cuda.empty_cache()
+    # Prefill: the benchmark shape, and a short chunk on a long cached prefix (mostly the
+    # unmasked key loop; its programs also scan the longest block-table rows for bad ids).
+    for nseq, q_len, prefix in [(8, 2048, 2048), (2, 512, 15872)] * ("prefill" in what):
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        hq, hkv, hd, bs = 32, 8, 128, 16
+        ctx = prefix + q_len
+        nb_seq = triton.cdiv(ctx, bs)
+        kc = torch.randn(nseq * nb_seq, bs, hkv, hd, device="cuda", dtype=DT, generator=gen)
+        vc = torch.randn_like(kc)
+        bt = torch.randperm(nseq * nb_seq, device="cuda", generator=gen).int().view(nseq, nb_seq).contiguous()
+        q = torch.randn(nseq * q_len, hq, hd, device="cuda", dtype=DT, generator=gen)
+        sl = torch.full((nseq,), ctx, dtype=torch.int32, device="cuda")
+        qsl = torch.arange(0, nseq + 1, dtype=torch.int32, device="cuda") * q_len
+        o_new, o_old = torch.empty_like(q), torch.empty_like(q)
+        new_fn = lambda: K.paged_prefill(q, kc, vc, bt, sl, qsl, q_len, out=o_new)  # noqa: E731
+        old_fn = lambda: old.paged_prefill(q, kc, vc, bt, sl, qsl, q_len, out=o_old)  # noqa: E731
+        new_fn()
+        old_fn()
+        same = bool(torch.equal(o_new, o_old))
+        if not same:
+            print(f"  prefill {nseq}x{q_len}+{prefix}: outputs differ, max |diff| "
+                  f"{(o_new.float() - o_old.float()).abs().max().item():.3e}", flush=True)
+        ab_time("prefill", f"paged_prefill {nseq}x{q_len} on {prefix}", old_fn, new_fn, rounds=4,
+                nseq=nseq, q_len=q_len, prefix=prefix, identical_output=same)
+        del kc, vc, q, o_new, o_old
+        torch.cuda.empty_cache()
+    # Scatter (the kernel is unchanged: the pair measures the noise floor of the method).
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    kc = torch.randn(8192, 16, 8, 128, device="cuda", dtype=DT, generator=gen)
+    vc = torch.randn_like(kc)
+    for n in (256, 8192) * ("scatter" in what):
+        key = torch.randn(n, 8, 128, device="cuda", dtype=DT, generator=gen)
+        val = torch.randn_like(key)
+        slots = torch.randperm(8192 * 16, device="cuda", generator=gen)[:n]
+        ab_time("scatter", f"scatter_kv n={n}",
+                lambda: old.scatter_kv(key, val, kc, vc, slots),
+                lambda: K.scatter_kv(key, val, kc, vc, slots), tokens=n)
+    print()
+    print(f"{'kind':8s} {'name':34s} {'graph old':>10s} {'graph new':>10s} {'ratio':>7s} "
+          f"{'eager old':>10s} {'eager new':>10s} {'ratio':>7s}")
+    for r in RESULTS:
+        print(f"{r['kind']:8s} {r['name']:34s} {r['graph_old_us']:10.2f} {r['graph_new_us']:10.2f} "
+              f"{r['graph_ratio']:7.4f} {r['eager_old_us']:10.2f} {r['eager_new_us']:10.2f} "
+              f"{r['eager_ratio']:7.4f}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--tune", action="store_true", help="also sweep decode/prefill launch configs")
     ap.add_argument("--tune-what", default="decode,prefill", help="which sweeps --tune runs")
     ap.add_argument("--only", default="decode,prefill,scatter,copy")
+    ap.add_argument("--compare-old", default=None, metavar="DIR",
+                    help="time the kernels against an older copy of the package in DIR")
+    ap.add_argument("--compare-what", default="decode,prefill,scatter",
+                    help="which kernels --compare-old times")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -374,6 +515,12 @@ def main(argv=None):
             "triton": triton.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "argv": sys.argv}
     print(meta, flush=True)
+    if args.compare_old:
+        compare_old(load_old_kernels(args.compare_old), args.compare_what.split(","))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "results": RESULTS}, f, indent=1)
+        return 0
     only = set(args.only.split(","))
     if "decode" in only:
         bench_decode([(1, 32768), (8, 8192), (64, 4096), (128, 2048), (256, 1024)],

@@ -70,3 +70,26 @@ def make_paged(lens, block_size, kv_heads, head_dim, dtype, device, gen, spare=3
 host_tensors_only = pytest.mark.skipif(
     not INTERP, reason="builds CPU tensors, which only the interpreter (TRITON_INTERPRET=1) accepts"
 )
+
+
+def run_isolated(module: str, case: str, *args, timeout: float = 300.0) -> None:
+    """Runs `module.case("cpu", *args)` interpreted in a fresh Python process.
+
+    For cases that, on kernels without bounds, read or write outside their tensors: under the
+    interpreter that is a segfault or heap corruption, which must fail this one test (with the
+    child's exit status and output) rather than end the whole run. `args` must be literals.
+    """
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
+    call = f"import {module} as m; m.{case}('cpu', *{args!r})"
+    r = subprocess.run(
+        [sys.executable, "-c", call], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if r.returncode != 0:
+        how = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
+        tail = (r.stdout + r.stderr)[-3000:]
+        raise AssertionError(f"{case}{args!r} failed in the child process ({how}):\n{tail}")

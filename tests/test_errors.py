@@ -299,3 +299,14 @@ def test_token_id_above_u32_names_the_value() -> None:
     assert info.value.value == 2**32
     assert str(2**32) in str(info.value)
     assert 1 not in m
+
+
+def test_impossible_pool_raises_allocation_failed() -> None:
+    """2**31 - 1 blocks of 2**31 - 1 tokens with verify on would need 2**64 bytes of token ids:
+    a typed error naming the bytes, not an aborted interpreter."""
+    n = 2**31 - 1
+    with pytest.raises(errors.AllocationFailedError) as info:
+        pagedkv.BlockManager(n, n, max_blocks_per_seq=1)
+    assert info.value.bytes == n * n * 4
+    assert "verify_prefix" in info.value.what
+    assert str(n * n * 4) in str(info.value)

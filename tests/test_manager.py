@@ -100,17 +100,17 @@ def test_config_defaults_and_getters() -> None:
     assert m.watermark_blocks == 10  # 1% of the pool
     assert m.max_blocks_per_seq == 1000
     assert m.enable_prefix_caching is True
-    assert m.verify_prefix is False
+    assert m.verify_prefix is True
     assert m.num_free_blocks == 1000
     assert len(m) == 0 and m.num_seqs == 0
     assert m.buffers is None
     assert "num_blocks=1000" in repr(m)
 
     m = BlockManager(
-        64, 8, watermark_blocks=3, max_blocks_per_seq=5, enable_prefix_caching=False, verify_prefix=True
+        64, 8, watermark_blocks=3, max_blocks_per_seq=5, enable_prefix_caching=False, verify_prefix=False
     )
     assert (m.num_blocks, m.block_size, m.watermark_blocks, m.max_blocks_per_seq) == (64, 8, 3, 5)
-    assert m.enable_prefix_caching is False and m.verify_prefix is True
+    assert m.enable_prefix_caching is False and m.verify_prefix is False
 
 
 @pytest.mark.parametrize(
@@ -183,8 +183,8 @@ TOKENS = [5, 0, 7, 2**32 - 1, 3, 9, 11, 13, 1]
     ],
 )
 def test_token_id_inputs_are_read_exactly(make) -> None:
-    want = _core.hash_blocks(TOKENS, 4)
-    m, b = manager_with_buffers(block_size=4)
+    want = _core.hash_blocks(TOKENS, 4, hash_seed=7)
+    m, b = manager_with_buffers(block_size=4, hash_seed=7)
     m.admit(1, make())
     assert m.seq_len(1) == len(TOKENS)
     m.step([1], len(TOKENS))
@@ -197,7 +197,9 @@ def test_token_id_inputs_are_read_exactly(make) -> None:
 )
 def test_narrow_integer_dtypes(dtype) -> None:
     toks = np.array([1, 2, 3, 4, 5, 6, 7, 8], dtype=dtype)
-    assert _core.hash_blocks(toks, 4) == _core.hash_blocks(list(range(1, 9)), 4)
+    assert _core.hash_blocks(toks, 4, hash_seed=7) == _core.hash_blocks(
+        list(range(1, 9)), 4, hash_seed=7
+    )
 
 
 @pytest.mark.parametrize(
@@ -699,10 +701,11 @@ def test_freed_blocks_stay_cached_then_get_evicted() -> None:
 
 
 def test_verify_prefix_still_hits_on_equal_tokens() -> None:
-    m, _ = manager_with_buffers(block_size=4, verify_prefix=True)
-    _stepped(m, 1, list(range(9)))
-    assert m.admit(2, list(range(9))).cached_tokens == 8
-    assert m.stats().prefix_collisions == 0
+    for kw in ({}, {"verify_prefix": True}, {"verify_prefix": False}):
+        m, _ = manager_with_buffers(block_size=4, **kw)
+        _stepped(m, 1, list(range(9)))
+        assert m.admit(2, list(range(9))).cached_tokens == 8
+        assert m.stats().prefix_collisions == 0
 
 
 # -------------------------------------------------------------------------------- stats, misc

@@ -50,6 +50,7 @@ class ManagerMachine(RuleBasedStateMachine):
             watermark_blocks=watermark,
             max_blocks_per_seq=max_blocks,
             enable_prefix_caching=caching,
+            hash_seed=0x5EED,
         )
         self.N, self.B, self.W = num_blocks, block_size, watermark
         self.maxb = self.m.max_blocks_per_seq
@@ -357,7 +358,7 @@ class ManagerMachine(RuleBasedStateMachine):
             hashes = m.block_hashes(sid)
             assert [h is not None for h in hashes] == [b in self.hashed for b in s.table]
             if any(h is not None for h in hashes):
-                chain = _core.hash_blocks(s.tokens, self.B, cache_salt=s.salt)
+                chain = _core.hash_blocks(s.tokens, self.B, cache_salt=s.salt, hash_seed=0x5EED)
                 for j, h in enumerate(hashes):
                     if h is not None:
                         assert h == chain[j]

@@ -64,6 +64,7 @@ _EXPORTS = {
     "KVPool": "pool",
     "PagedKVError": "errors",
     "InvalidConfigError": "errors",
+    "AllocationFailedError": "errors",
     "InvalidArgumentError": "errors",
     "UnknownSequenceError": "errors",
     "DuplicateSequenceError": "errors",

@@ -30,6 +30,7 @@ class BlockManager:
         max_blocks_per_seq: Optional[int] = ...,
         enable_prefix_caching: Optional[bool] = ...,
         verify_prefix: Optional[bool] = ...,
+        hash_seed: Optional[int] = ...,
     ) -> BlockManager: ...
     @property
     def num_blocks(self) -> int: ...
@@ -140,8 +141,11 @@ def hash_blocks(
     adapter_id: Optional[int] = ...,
     mm_inputs: Optional[Sequence[Tuple[int, int, _Keys]]] = ...,
     extra_keys: Optional[_Keys] = ...,
+    *,
+    hash_seed: int,
 ) -> list[bytes]:
-    """Chained prefix hashes of every full block, 16 little-endian bytes each."""
+    """Chained prefix hashes of every full block under key ``hash_seed``, 16 little-endian bytes
+    each."""
 
 def _raise_core_error(name: str) -> None:
     """Raises the mapped exception for a sample of the named core error variant (tests only)."""

@@ -126,9 +126,15 @@ class BlockManager:
         enable_prefix_caching: Share full blocks between sequences with the same token prefix
             (and the same extra keys), and keep freed full blocks cached until their space is needed.
         verify_prefix: Keep each cached block's token ids and compare them on every prefix-cache
-            hit; a mismatch (an XXH3-128 collision) is served as a miss and counted in
-            :attr:`Stats.prefix_collisions`. Guards against collisions at the price of a copy and a
-            compare per cached block.
+            hit (the default); a mismatch (a hash collision) is served as a miss and counted in
+            :attr:`Stats.prefix_collisions`. Costs a copy and a compare per cached block and
+            ``4 * block_size`` bytes per block; ``False`` turns it off.
+        hash_seed: Key of the prefix hash (an int in ``[0, 2**64)``). ``None`` (the default): a
+            fresh secret from the OS per manager, so callers cannot predict or forge hashes.
+            An explicit value makes hashes reproducible across processes, and computable by
+            anyone who knows it (see ``docs/prefix-hash.md``). Without a ``cache_salt`` all callers
+            share one cache, and ``cached_tokens`` tells a caller which prompts others sent: a
+            multi-tenant deployment gives each tenant its own secret salt.
 
     Raises:
         InvalidConfigError: A value is out of range (no blocks, block size 0, watermark ≥ pool, ...).
@@ -146,7 +152,8 @@ class BlockManager:
         watermark_blocks: Optional[int] = None,
         max_blocks_per_seq: Optional[int] = None,
         enable_prefix_caching: bool = True,
-        verify_prefix: bool = False,
+        verify_prefix: bool = True,
+        hash_seed: Optional[int] = None,
     ) -> None:
         # Flags are bools only: `bool("false")` is True.
         self._core = _core.BlockManager(
@@ -156,6 +163,7 @@ class BlockManager:
             max_blocks_per_seq,
             check_flag("enable_prefix_caching", enable_prefix_caching),
             check_flag("verify_prefix", verify_prefix),
+            hash_seed,
         )
         self._buffers: Optional[StepBuffers] = None
         # Bound once: the hot path then skips two attribute lookups per call.
@@ -277,6 +285,9 @@ class BlockManager:
             seq_id: A new sequence id (``0 <= seq_id < 2**64``).
             token_ids: The whole prompt (at least one token).
             cache_salt: Per-tenant salt; prompts with different salts never share blocks.
+                Without one, every caller shares one cache and ``cached_tokens`` (and the time
+                an admission takes) reveals whether someone else sent the same prefix; give each
+                tenant (or user) its own unguessable salt to close that probe.
             adapter_id: LoRA adapter id; blocks are shared only within one adapter.
             mm_inputs: Multimodal inputs as ``(start, end, content_hash)``: token positions
                 ``[start, end)`` hold placeholder tokens for an input whose content hash is given;

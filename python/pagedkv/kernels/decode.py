@@ -20,7 +20,11 @@ partial output and its log-sum-exp into the workspace, and a second small kernel
 
 Invariants: only `ceil(seq_len / block_size)` block-table entries of a row are read (stale
 columns past them never are); masked K/V lanes load zeros, so stale or NaN pool contents past a
-sequence's end cannot reach the output; a sequence of length 0 yields zeros. The call performs
+sequence's end cannot reach the output; a sequence of length 0 yields zeros. Bounds by
+construction (docs/kernels.md, "Bounds contract"): whatever `seq_lens` and the table hold, no
+access leaves the pool, the table rows, `q`, `out` or the workspace: a length is clamped to
+`[0, width * block_size]`, and a sequence whose used entries include an id outside
+`[0, num_blocks)` reads only in-pool blocks and yields zeros (split or not). The call performs
 no host synchronization and, given `out` and a `DecodeWorkspace`, no allocation: the launch
 configuration depends only on shapes and host integers, so it can be captured in a CUDA graph.
 """
@@ -43,6 +47,9 @@ _LOG2E = 1.4426950408889634
 TARGET_WAVES = 4
 MIN_TOKENS_PER_SPLIT = 256
 DEFAULT_MAX_SPLITS = 64
+
+#: Longest context the kernels serve (token indices stay in int32 with room for a tile).
+MAX_SEQ_CAP = 1 << 30
 
 _SM_COUNT: dict = {}
 
@@ -154,7 +161,7 @@ class DecodeWorkspace:
         return po, pl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks", "seq_cap"])
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -177,6 +184,8 @@ def _decode_kernel(
     stride_os,
     stride_oh,
     num_splits,
+    num_blocks,
+    seq_cap,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
@@ -188,7 +197,10 @@ def _decode_kernel(
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # Bounds by construction: a length outside [0, seq_cap] (seq_cap = table width * block size)
+    # is clamped, so no table column past the row's width is ever read.
     seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.minimum(tl.maximum(seq_len, 0), seq_cap)
     if SPLIT:
         per = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
         start = split * per
@@ -215,10 +227,16 @@ def _decode_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    bad = tl.zeros([TILE_N], dtype=tl.int32)
     for t0 in range(start, end, TILE_N):
         offs_t = t0 + offs_n
         t_ok = offs_t < end
-        blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+        blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_ok, other=0)
+        # An id outside [0, num_blocks) is clamped into the pool (so every load stays inside it)
+        # and flagged; a flagged sequence's output is replaced by zeros below. Clamping instead
+        # of masking the loads keeps the loop's registers (and so its occupancy) as they were.
+        bad = bad | ((blk < 0) | (blk >= num_blocks)).to(tl.int32)
+        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
         in_blk = offs_t % BLOCK_SIZE
         k = tl.load(
             k_head + (blk * stride_kb + in_blk * stride_kt)[:, None] + offs_d[None, :],
@@ -239,8 +257,9 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
         m_i = m_new
 
+    seq_bad = tl.max(bad, 0) > 0
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    o = tl.where(seq_bad, 0.0, acc / l_safe[:, None])
     if not SPLIT:
         tl.store(
             out_ptr + seq64 * stride_os + qh[:, None] * stride_oh + offs_d[None, :],
@@ -252,6 +271,9 @@ def _decode_kernel(
         row = (seq64 * (tl.num_programs(1) * GROUP) + qh) * num_splits + split
         tl.store(po_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_ok[:, None])
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+        # +inf marks a split that met an out-of-pool id: the merge then zeroes the sequence, so
+        # the result does not depend on how the sequence was split.
+        lse = tl.where(seq_bad, float("inf"), lse)
         tl.store(pl_ptr + row, lse, mask=g_ok)
 
 
@@ -273,6 +295,9 @@ def _merge_kernel(
     s_ok = offs_s < num_splits
     base = (seq.to(tl.int64) * tl.num_programs(1) + h) * num_splits
     lse = tl.load(pl_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+    # A split marked +inf met an out-of-pool block id: the sequence's output is zeros.
+    poisoned = tl.max(tl.where(lse == float("inf"), 1, 0), 0) > 0
+    lse = tl.where(poisoned, float("-inf"), lse)
     live = lse > float("-inf")
     mx = tl.max(lse, 0)
     mx = tl.where(mx > float("-inf"), mx, 0.0)
@@ -347,7 +372,9 @@ def paged_decode(
     block size); `num_splits` overrides the heuristic. Split-K needs scratch: pass a
     `DecodeWorkspace` (and `out`) to keep the call allocation-free and graph-capturable; without
     one a temporary workspace is allocated. `check_indices=True` validates `seq_lens` and the
-    used block-table entries on the host (synchronizes; debugging only). `config` overrides the
+    used block-table entries on the host (synchronizes; debugging only) and raises
+    `KernelIndexError` before launching; without it, bad values follow the bounds contract (no
+    access outside the tensors; docs/kernels.md). `config` overrides the
     launch parameters of `decode_config` (keys `TILE_N`, `num_warps`, `num_stages`; for tuning).
     """
     num_blocks, block_size, kv_heads, head_dim = _check_decode_args(
@@ -357,11 +384,13 @@ def paged_decode(
     num_seqs, q_heads, _ = q.shape
     group = q_heads // kv_heads
     table_cap = block_tables.shape[1] * block_size
+    # The kernel clamps every length to this; the cap on it keeps token indices in int32.
+    seq_cap = min(table_cap, MAX_SEQ_CAP)
     if max_seq_len is None:
         max_seq_len = table_cap
     v.check_int("max_seq_len", max_seq_len, 0)
     if check_indices:
-        _check_indices(block_tables, seq_lens, num_seqs, num_blocks, block_size, table_cap)
+        _check_indices(block_tables, seq_lens, num_seqs, num_blocks, block_size, seq_cap)
     if workspace is not None:
         if not isinstance(workspace, DecodeWorkspace):
             raise v.KernelDTypeError(
@@ -412,7 +441,7 @@ def paged_decode(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        num_splits,
+        num_splits, num_blocks, seq_cap,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad,
         TILE_N=cfg["TILE_N"], SPLIT=num_splits > 1, PRECISION=precision,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -427,13 +456,13 @@ def paged_decode(
     return out
 
 
-def _check_indices(block_tables, seq_lens, num_seqs, num_blocks, block_size, table_cap):
+def _check_indices(block_tables, seq_lens, num_seqs, num_blocks, block_size, seq_cap):
     sl = seq_lens[:num_seqs].to("cpu")
-    bad = ((sl < 0) | (sl > table_cap)).nonzero()
+    bad = ((sl < 0) | (sl > seq_cap)).nonzero()
     if bad.numel():
         i = int(bad[0, 0])
         raise v.KernelIndexError(
-            f"seq_lens[{i}]: is {int(sl[i])}, expected in [0, {table_cap}] "
+            f"seq_lens[{i}]: is {int(sl[i])}, expected in [0, {seq_cap}] "
             f"(block table width * block_size)"
         )
     bt = block_tables[:num_seqs].to("cpu")

@@ -19,7 +19,11 @@ the diagonal pays for masking. Query tiles past a sequence's q_len do no work.
 Invariants: a query at position p sees exactly the keys at positions 0..p of its own sequence;
 only `ceil(seq_len / block_size)` block-table entries are read; masked K/V lanes load zeros so
 stale pool contents cannot leak into the output; every output row of a valid query token is
-written, rows of other sequences are untouched.
+written, rows no sequence claims are untouched. Bounds by construction (docs/kernels.md,
+"Bounds contract"): whatever the index tensors and `max_q_len` say, no access leaves the pool,
+the table rows, `q` or `out`: row ranges are clamped to `q`'s rows, lengths to the table row;
+a row that would see a token of an out-of-pool block id, a sequence with fewer tokens than new
+rows, and rows past `max_q_len` are written as zeros.
 """
 
 from __future__ import annotations
@@ -36,6 +40,12 @@ from . import _validate as v
 __all__ = ["paged_prefill", "prefill_config"]
 
 _LOG2E = 1.4426950408889634
+
+#: Longest context the kernels serve (as in decode: token indices stay in int32).
+MAX_SEQ_CAP = 1 << 30
+
+#: Rows of q (new tokens in one call) the kernel indexes in int32.
+MAX_ROWS = 1 << 30
 
 
 def prefill_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> dict:
@@ -58,16 +68,20 @@ def prefill_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> dict:
 
 @triton.jit
 def _tile_step(
-    q, acc, m_i, l_i, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len, qk_scale,
-    stride_kb, stride_kt, stride_vb, stride_vt,
+    q, acc, m_i, l_i, first_bad, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
+    last_blk, blk0, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
 ):
     offs_t = n0 + offs_n
     if MASKED:
         t_ok = offs_t < seq_len
-        blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+        bu = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.uint32, bitcast=True)
     else:
-        blk = tl.load(bt_row + offs_t // BLOCK_SIZE).to(tl.int64)
+        bu = tl.load(bt_row + offs_t // BLOCK_SIZE).to(tl.uint32, bitcast=True)
+    # Out-of-pool ids: note the position, read the row's first block instead (see the kernel).
+    oob = bu > last_blk
+    first_bad = tl.minimum(first_bad, tl.where(oob, offs_t, 0x7FFFFFFF))
+    blk = tl.where(oob, blk0, bu).to(tl.int64)
     in_blk = offs_t % BLOCK_SIZE
     k_ptrs = k_head + (blk * stride_kb + in_blk * stride_kt)[:, None] + offs_d[None, :]
     v_ptrs = v_head + (blk * stride_vb + in_blk * stride_vt)[:, None] + offs_d[None, :]
@@ -90,10 +104,10 @@ def _tile_step(
     else:
         vv = tl.load(v_ptrs)
     acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
-    return acc, m_new, l_i
+    return acc, m_new, l_i, first_bad
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total", "num_blocks", "seq_cap", "max_q_len"])
 def _prefill_kernel(
     q_ptr,
     k_ptr,
@@ -114,6 +128,10 @@ def _prefill_kernel(
     stride_bts,
     stride_ot,
     stride_oh,
+    total,
+    num_blocks,
+    seq_cap,
+    max_q_len,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
@@ -121,6 +139,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    ZERO_T: tl.constexpr,
 ):
     # A tile has BLOCK_M rows = (token, head) pairs: HEADS_PER_ROW_TILE consecutive query heads
     # of one kv group for each of BLOCK_T tokens. With 1 head per tile it is the classic layout;
@@ -130,19 +149,29 @@ def _prefill_kernel(
     m_blk = tl.num_programs(0) - 1 - tl.program_id(0)
     head0 = tl.program_id(1) * HEADS_PER_ROW_TILE
     seq = tl.program_id(2)
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + seq)
+    # Bounds by construction. The row range is clamped to [0, total) (q's and out's rows), so
+    # no row outside them is read or written; a decreasing pair gives no rows. The length is
+    # clamped to [0, seq_cap] (the table row's width times the block size), so no column past
+    # the row is read. A sequence with fewer tokens than new rows has no valid positions: its
+    # rows are written as zeros.
+    q_start = tl.minimum(tl.maximum(tl.load(qsl_ptr + seq), 0), total)
+    q_end = tl.minimum(tl.maximum(tl.load(qsl_ptr + seq + 1), q_start), total)
+    q_len = q_end - q_start
+    seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + seq), 0), seq_cap)
     ctx = seq_len - q_len
+    # The grid covers max_q_len tokens per sequence: rows past it are zero-filled below.
+    q_run = tl.minimum(q_len, max_q_len)
     first = m_blk * BLOCK_T
     offs_r = tl.arange(0, BLOCK_M)
     tok = first + offs_r // HEADS_PER_ROW_TILE
     head = head0 + offs_r % HEADS_PER_ROW_TILE
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    r_ok = (tok < q_len) & (offs_r < BLOCK_T * HEADS_PER_ROW_TILE)
+    r_ok = (tok < q_run) & (offs_r < BLOCK_T * HEADS_PER_ROW_TILE)
     q_pos = ctx + tok
     kvh = head0 // GROUP
+    # int32 sums (an int64 row vector live across the key loops costs spills): the host keeps
+    # total below 2^30 and the grid within total + BLOCK_T rows, so they cannot overflow.
     rows = (q_start + tok).to(tl.int64)
     q = tl.load(
         q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
@@ -153,9 +182,35 @@ def _prefill_kernel(
     k_head = k_ptr + kvh.to(tl.int64) * stride_kh
     v_head = v_ptr + kvh.to(tl.int64) * stride_vh
 
+    # Rows past max_q_len (a host bound the caller got wrong) get zeros, never stale memory.
+    # Each row tile takes every grid-th stripe of BLOCK_T tokens; with a right bound the loop is
+    # empty. It runs before the key loops and in its own layout: after them, or sharing the
+    # row tile's index vectors, its operands stay live across the loops and the 256x128 config
+    # spills more (seen in the SASS).
+    offs_zt = tl.arange(0, ZERO_T)
+    zero = tl.zeros([ZERO_T, HEAD_DIM], dtype=out_ptr.dtype.element_ty)
+    for z0 in range(max_q_len + first, q_len, tl.num_programs(0) * BLOCK_T):
+        zt = z0 + offs_zt
+        z_ok = (zt < q_len) & (offs_zt < BLOCK_T)
+        zp = out_ptr + (q_start + zt).to(tl.int64)[:, None] * stride_ot + offs_d[None, :]
+        for hh in tl.static_range(HEADS_PER_ROW_TILE):
+            tl.store(zp + (head0 + hh) * stride_oh, zero, mask=z_ok[:, None])
+
     # Tiles before `full_end` lie at or before every row's position: no mask. `hi` ends at the
     # last row's position; a tile past q_len gets hi = 0 and does nothing.
-    active = first < q_len
+    active = (first < q_run) & (ctx >= 0)
+    # Block ids outside [0, num_blocks) (negative ones read as huge unsigned values) are never
+    # followed: the key loops redirect them to the row's first block (clamped into the pool),
+    # so every load stays inside the pool, and keep the first key position that had one
+    # (`first_bad`, per lane). A query row that may see that position gets zeros at the end;
+    # rows before it see only redirected lanes they mask anyway, and the first block's
+    # contents are finite whenever a later column is used (it is then full), so they are
+    # exact. One compare, one min and one select per id lane: the loops keep their registers,
+    # where masking the K/V loads on each loaded id would not (more spills, measured in SASS).
+    first_bad = tl.full([BLOCK_N], 0x7FFFFFFF, dtype=tl.int32)
+    last_blk = (num_blocks - 1).to(tl.uint32)
+    blk0 = tl.load(bt_row, mask=seq_cap > 0, other=0).to(tl.uint32, bitcast=True)
+    blk0 = tl.minimum(blk0, last_blk)
     last_pos = tl.minimum(ctx + first + BLOCK_T, seq_len)
     hi = tl.where(active, last_pos, 0)
     full_end = tl.where(active, ((ctx + first + 1) // BLOCK_N) * BLOCK_N, 0)
@@ -164,19 +219,20 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _tile_step(
-            q, acc, m_i, l_i, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
-            qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+        acc, m_i, l_i, first_bad = _tile_step(
+            q, acc, m_i, l_i, first_bad, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
+            last_blk, blk0, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
             BLOCK_SIZE, False, PRECISION,
         )
     for n0 in range(full_end, hi, BLOCK_N):
-        acc, m_i, l_i = _tile_step(
-            q, acc, m_i, l_i, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
-            qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+        acc, m_i, l_i, first_bad = _tile_step(
+            q, acc, m_i, l_i, first_bad, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
+            last_blk, blk0, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
             BLOCK_SIZE, True, PRECISION,
         )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
+    o = tl.where((q_pos >= tl.min(first_bad, 0))[:, None], 0.0, o)
     tl.store(
         out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
         o.to(out_ptr.dtype.element_ty),
@@ -201,7 +257,9 @@ def paged_prefill(
     """Causal attention of each sequence's new tokens over its cached prefix and themselves.
 
     `max_q_len` is a host-side upper bound on the per-sequence new-token counts (it sizes the
-    grid; passing it avoids a device-to-host sync). `scale` defaults to `1/sqrt(head_dim)`.
+    grid; passing it avoids a device-to-host sync); rows past it are written as zeros, so a
+    wrong bound shows up as zero rows, never as stale memory. `scale` defaults to
+    `1/sqrt(head_dim)`.
     `check_indices=True` validates the index tensors on the host (synchronizes; debugging only).
     `config` overrides the launch parameters of `prefill_config` (keys `BLOCK_M`, `BLOCK_N`,
     `num_warps`, `num_stages`, `PACK_GQA`; for tuning). Returns `out` (allocated like `q` when not given).
@@ -217,6 +275,9 @@ def paged_prefill(
     )
     v.ensure_launchable(dev)
     total, q_heads, _ = q.shape
+    if total >= MAX_ROWS:
+        # Row indices are int32 sums in the kernel (see there); 2^30 rows is far past any batch.
+        raise v.KernelShapeError(f"q: has {total} rows (dim 0), expected fewer than {MAX_ROWS}")
     v.check_dim("q", q, 2, head_dim, "head_dim of the pool")
     if q_heads % kv_heads:
         raise v.KernelShapeError(
@@ -244,10 +305,10 @@ def paged_prefill(
     sc = v.check_scale(scale, head_dim)
     if check_indices:
         _check_indices(block_tables, seq_lens, query_start_loc, total, max_q_len,
-                       num_blocks, block_size)
+                       num_blocks, block_size, min(block_tables.shape[1] * block_size, MAX_SEQ_CAP))
     if out is None:
         out = torch.empty_like(q)
-    if num_seqs == 0 or max_q_len == 0 or total == 0:
+    if num_seqs == 0 or total == 0:
         return out
     cfg = prefill_config(head_dim, q.dtype, os.environ.get("TRITON_INTERPRET", "0") == "1")
     if config is not None:
@@ -262,7 +323,11 @@ def paged_prefill(
     pack = cfg["PACK_GQA"] and 1 < group <= cfg["BLOCK_M"] // 16
     per_tile = group if pack else 1
     block_t = cfg["BLOCK_M"] // per_tile
-    grid = (triton.cdiv(max_q_len, block_t), q_heads // per_tile, num_seqs)
+    # No sequence has more rows than q, so a larger bound only sizes an idle grid: cap it. At
+    # least one row tile, so rows that a wrong max_q_len of 0 leaves out are still zero-filled.
+    max_q_len = min(max_q_len, total)
+    grid = (max(1, triton.cdiv(max_q_len, block_t)), q_heads // per_tile, num_seqs)
+    seq_cap = min(block_tables.shape[1] * block_size, MAX_SEQ_CAP)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         sc * _LOG2E,
@@ -271,21 +336,22 @@ def paged_prefill(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
+        total, num_blocks, seq_cap, max_q_len,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, HEADS_PER_ROW_TILE=per_tile,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PRECISION=precision,
+        ZERO_T=triton.next_power_of_2(block_t),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 
 
-def _check_indices(block_tables, seq_lens, qsl, total, max_q_len, num_blocks, block_size):
+def _check_indices(block_tables, seq_lens, qsl, total, max_q_len, num_blocks, block_size, seq_cap):
     sl = seq_lens.to("cpu").tolist()
     qs = qsl.to("cpu").tolist()
     if qs[0] != 0 or qs[-1] > total:
         raise v.KernelIndexError(
             f"query_start_loc: runs from {qs[0]} to {qs[-1]}, expected from 0 to at most {total}"
         )
-    width = block_tables.shape[1]
     bt = block_tables.to("cpu")
     for i, n in enumerate(sl):
         ql = qs[i + 1] - qs[i]
@@ -293,10 +359,8 @@ def _check_indices(block_tables, seq_lens, qsl, total, max_q_len, num_blocks, bl
             raise v.KernelIndexError(
                 f"query_start_loc: sequence {i} has {ql} new tokens, expected in [0, {max_q_len}]"
             )
-        if n < ql or n > width * block_size:
-            raise v.KernelIndexError(
-                f"seq_lens[{i}]: is {n}, expected in [{ql}, {width * block_size}]"
-            )
+        if n < ql or n > seq_cap:
+            raise v.KernelIndexError(f"seq_lens[{i}]: is {n}, expected in [{ql}, {seq_cap}]")
         nb = -(-n // block_size)
         row = bt[i, :nb]
         bad = ((row < 0) | (row >= num_blocks)).nonzero()

@@ -5,6 +5,14 @@ block table on the host side of the math (index_select of the used blocks, then 
 never touch a block-table column past `ceil(seq_len / block_size)`, and return new tensors
 instead of writing in place (except `ref_scatter_kv`/`ref_copy_blocks`, which return updated
 copies of the pool). They are for testing only and make no attempt at speed.
+
+They also define what the kernels return for index tensors that break the layout contract (the
+bounds contract in docs/kernels.md): a length is clamped to `[0, table width * block_size]`; a
+query row that would attend to a token whose block-table entry lies outside `[0, num_blocks)`
+gives zeros (a decode query sees its whole sequence, so any such entry among the used ones
+zeroes it; a prefill row at position p only when the entry's block starts at or before p); a
+query row range is clamped to the rows of `q`; a sequence with fewer tokens than new rows, and
+rows past `max_q_len`, give zeros. For valid inputs these rules change nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import torch
 __all__ = [
     "ref_scatter_kv",
     "gather_sequence",
+    "bounded_length",
     "ref_paged_decode",
     "ref_paged_prefill",
     "ref_copy_blocks",
@@ -37,11 +46,24 @@ def ref_scatter_kv(key, value, k_cache, v_cache, slot_mapping):
 
 
 def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first `seq_len` tokens of one sequence as a dense `[seq_len, kv_heads, head_dim]`."""
+    """The first `seq_len` tokens of one sequence as a dense `[seq_len, kv_heads, head_dim]`.
+
+    Every used entry of `block_row` must name a block of `cache`."""
     bs = cache.shape[1]
     nblk = -(-seq_len // bs)
     ids = block_row[:nblk].long().to(cache.device)
     return cache.index_select(0, ids).reshape(nblk * bs, *cache.shape[2:])[:seq_len]
+
+
+def bounded_length(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int):
+    """`(length, first_bad)` as the kernels see a sequence (bounds contract): `seq_len` clamped to
+    the row's width times the block size, and the first token position whose block id (among the
+    entries that length uses) lies outside the pool, or None."""
+    nb, bs = cache.shape[:2]
+    seq_len = max(0, min(seq_len, block_row.shape[0] * bs))
+    ids = block_row[: -(-seq_len // bs)].long()
+    bad = ((ids < 0) | (ids >= nb)).nonzero()
+    return seq_len, (int(bad[0, 0]) * bs if bad.numel() else None)
 
 
 def _attend(q, k, v, scale, q_pos, dtype):
@@ -65,12 +87,17 @@ def ref_paged_decode(
     q, k_cache, v_cache, block_tables, seq_lens, scale: Optional[float] = None,
     dtype=torch.float64,
 ):
-    """`[num_seqs, q_heads, head_dim]` in `dtype`; a zero-length sequence gives zeros."""
+    """`[num_seqs, q_heads, head_dim]` in `dtype`; a zero-length sequence gives zeros. Index
+    values outside the layout contract follow the bounds contract (module docstring)."""
     d = q.shape[-1]
     scale = 1.0 / d ** 0.5 if scale is None else scale
     outs = []
     lens = seq_lens.tolist()
     for i, n in enumerate(lens):
+        n, bad = bounded_length(k_cache, block_tables[i], n)
+        if bad is not None:  # the query (position n - 1) sees an out-of-pool block: zeros
+            outs.append(torch.zeros(q.shape[1:], dtype=dtype, device=q.device))
+            continue
         k = gather_sequence(k_cache, block_tables[i], n)
         vv = gather_sequence(v_cache, block_tables[i], n)
         outs.append(_attend(q[i : i + 1], k, vv, scale, torch.tensor([n - 1]), dtype)[0])
@@ -81,31 +108,43 @@ def ref_paged_decode(
 
 def ref_paged_prefill(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-    scale: Optional[float] = None, dtype=torch.float64,
+    scale: Optional[float] = None, dtype=torch.float64, max_q_len: Optional[int] = None,
 ):
     """`[total_tokens, q_heads, head_dim]`: sequence i's new tokens are its last q_len positions
-    and attend causally to everything up to and including themselves."""
+    and attend causally to everything up to and including themselves. Rows no sequence claims
+    are zero here (the kernel leaves them untouched). Index values outside the layout contract
+    follow the bounds contract (module docstring), `max_q_len` included when given."""
     d = q.shape[-1]
     scale = 1.0 / d ** 0.5 if scale is None else scale
+    total = q.shape[0]
     out = torch.zeros(q.shape, dtype=dtype, device=q.device)
     qsl = query_start_loc.tolist()
     for i, n in enumerate(seq_lens.tolist()):
-        a, b = qsl[i], qsl[i + 1]
-        if b == a:
+        a = max(0, min(qsl[i], total))
+        b = max(a, min(qsl[i + 1], total))
+        n, bad = bounded_length(k_cache, block_tables[i], n)
+        if b == a or n < b - a:  # no rows, or fewer tokens than new rows: zeros
+            continue
+        pos = torch.arange(n - (b - a), n)
+        run = b - a if max_q_len is None else min(b - a, max_q_len)
+        if bad is not None:  # rows at or past the first out-of-pool block's start: zeros
+            run = min(run, max(0, bad - (n - (b - a))))
+            n = min(n, bad)
+        if run == 0:
             continue
         k = gather_sequence(k_cache, block_tables[i], n)
         vv = gather_sequence(v_cache, block_tables[i], n)
-        pos = torch.arange(n - (b - a), n)
-        out[a:b] = _attend(q[a:b], k, vv, scale, pos, dtype)
+        out[a : a + run] = _attend(q[a : a + run], k, vv, scale, pos[:run], dtype)
     return out
 
 
 def ref_copy_blocks(caches: Sequence[torch.Tensor], block_mapping: torch.Tensor):
-    """Returns copies of `caches` with `dst <- src` applied in order (pairs with a negative id are
-    skipped)."""
+    """Returns copies of `caches` with `dst <- src` applied in order (pairs with an id outside
+    `[0, num_blocks)` are skipped)."""
     outs = [c.clone() for c in caches]
+    nb = caches[0].shape[0]
     for src, dst in block_mapping.tolist():
-        if src < 0 or dst < 0:
+        if not (0 <= src < nb and 0 <= dst < nb):
             continue
         for o, c in zip(outs, caches):
             o[dst] = c[src]

@@ -8,13 +8,21 @@
 //!   page table (the decode target counts slot mapping and block tables only);
 //!   `*_append_only` / `*_build_only` time one half; `memcpy_floor` copies the same rows' worth of
 //!   block ids into the two output buffers with no bookkeeping, the floor memory traffic sets.
+//!   `prefix_off_ids_shifted`: `prefix_off` with sequence ids `i << 32` (packed request/sample
+//!   ids), which a weak integer hash sends to one bucket.
 //! - `admit_4096/*`: admit a 4096-token prompt, then free it (both timed).
-//!   `prefix_off`: caching disabled. `prefix_on_cold`: every prompt is new (its first token is a
-//!   counter), so all 256 blocks miss. `prefix_on_cached` / `prefix_on_cached_verify`: the same
-//!   prompt each time, cached by one earlier step; 255 blocks hit (the last is recomputed), with
-//!   verify mode off / on.
-//! - `hash_4096`: the chained XXH3-128 hash of a 4096-token prompt (256 blocks, no extra keys);
-//!   `xxh3_128_80B`: one 80-byte block message alone, the per-block floor.
+//!   `prefix_off`: caching disabled. `prefix_on_cold` / `prefix_on_cold_verify`: every prompt is
+//!   new (its first token is a counter), so all 256 blocks miss, verify mode off / on.
+//!   `prefix_on_cached` / `prefix_on_cached_verify`: the same prompt each time, cached by one
+//!   earlier step; 255 blocks hit (the last is recomputed), with verify mode off / on.
+//!   Other benches use `ManagerConfig::new`'s defaults: verify on, a random hash key.
+//! - `hash_4096`: the chained, keyed XXH3-128 hash of a 4096-token prompt (256 blocks, no extra
+//!   keys); `xxh3_128_80B` / `xxh3_128_80B_seeded`: one 80-byte block message alone, unkeyed /
+//!   keyed, the per-block floor.
+//! - `hash_maps/*`: the keyed map hasher. `register_48k/*`: register 48k block hashes into a fresh
+//!   prefix cache — random hashes, and two crafted families (`lo ^ hi` equal for all, low 40 bits
+//!   zero). `admit_free_80k/*`: admit then free 80k one-token sequences (caching off) with random,
+//!   dense (`0..n`) and shifted (`i << 32`) ids.
 //! - `evict_4096/*`: only the admission of a new 4096-token prompt is timed. `from_free_list`: its
 //!   256 blocks come off the free list. `evicting`: the free list is empty and the pool is full of
 //!   cached-free blocks, so each of the 256 allocations evicts the oldest one. The untimed cleanup
@@ -55,13 +63,14 @@ impl Rng {
 
 fn decode(c: &mut Criterion) {
     let mut g = c.benchmark_group("decode_step_256");
-    for (name, caching, append, build, csr) in [
-        ("prefix_off", false, true, true, true),
-        ("prefix_on", true, true, true, true),
-        ("prefix_on_no_csr", true, true, true, false),
-        ("prefix_off_no_csr", false, true, true, false),
-        ("prefix_off_append_only", false, true, false, true),
-        ("prefix_off_build_only", false, false, true, true),
+    for (name, caching, append, build, csr, shift) in [
+        ("prefix_off", false, true, true, true, 0),
+        ("prefix_on", true, true, true, true, 0),
+        ("prefix_on_no_csr", true, true, true, false, 0),
+        ("prefix_off_no_csr", false, true, true, false, 0),
+        ("prefix_off_append_only", false, true, false, true, 0),
+        ("prefix_off_build_only", false, false, true, true, 0),
+        ("prefix_off_ids_shifted", false, true, true, true, 32),
     ] {
         g.bench_function(name, |b| {
             const N: usize = 256;
@@ -73,7 +82,7 @@ fn decode(c: &mut Criterion) {
             cfg.enable_prefix_caching = caching;
             let mut m = BlockManager::new(cfg).unwrap();
             let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
-            let seqs: Vec<SeqId> = (0..N as u64).collect();
+            let seqs: Vec<SeqId> = (0..N as u64).map(|i| i << shift).collect();
             for &s in &seqs {
                 let n = rng.range(500, 2000);
                 m.admit(s, &rng.tokens(n)).unwrap();
@@ -171,18 +180,27 @@ fn admit(c: &mut Criterion) {
         });
     });
 
-    g.bench_function("prefix_on_cold", |b| {
-        let mut m = BlockManager::new(ManagerConfig::new(4096, B)).unwrap();
-        let mut p = prompt.clone();
-        let mut i = 0u32;
-        b.iter(|| {
-            i = i.wrapping_add(1);
-            p[0] = i;
-            let r = m.admit(1, black_box(&p)).unwrap();
-            debug_assert_eq!(r.cached_tokens, 0);
-            m.free(1).unwrap();
+    for verify in [false, true] {
+        let name = if verify {
+            "prefix_on_cold_verify"
+        } else {
+            "prefix_on_cold"
+        };
+        g.bench_function(name, |b| {
+            let mut cfg = ManagerConfig::new(4096, B);
+            cfg.verify_prefix = verify;
+            let mut m = BlockManager::new(cfg).unwrap();
+            let mut p = prompt.clone();
+            let mut i = 0u32;
+            b.iter(|| {
+                i = i.wrapping_add(1);
+                p[0] = i;
+                let r = m.admit(1, black_box(&p)).unwrap();
+                debug_assert_eq!(r.cached_tokens, 0);
+                m.free(1).unwrap();
+            });
         });
-    });
+    }
 
     for verify in [false, true] {
         let name = if verify {
@@ -210,13 +228,18 @@ fn admit(c: &mut Criterion) {
 
 fn hash(c: &mut Criterion) {
     let prompt: Vec<u32> = Rng(11).tokens(4096);
-    let root = root_hash(&[]);
-    let mut h = Hasher::new();
+    // Any key: the cost does not depend on its value (the manager's is drawn from the OS).
+    let key = 0x243f_6a88_85a3_08d3;
+    let root = root_hash(key, &[]);
+    let mut h = Hasher::new(key);
     let mut out = Vec::with_capacity(256);
     // One block message on its own (16-byte previous hash + 16 tokens): the floor per block.
     let msg: Vec<u8> = (0..80u8).collect();
     c.bench_function("xxh3_128_80B", |b| {
         b.iter(|| xxhash_rust::xxh3::xxh3_128(black_box(&msg)))
+    });
+    c.bench_function("xxh3_128_80B_seeded", |b| {
+        b.iter(|| xxhash_rust::xxh3::xxh3_128_with_seed(black_box(&msg), black_box(key)))
     });
     c.bench_function("hash_4096", |b| {
         b.iter(|| {
@@ -323,5 +346,63 @@ fn sched(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, decode, admit, hash, evict, sched);
+/// The keyed map hasher on structured and crafted keys against random ones: registering 48k
+/// block hashes into a fresh prefix cache, and admitting then freeing 80k one-token sequences.
+fn hash_maps(c: &mut Criterion) {
+    use pagedkv::prefix::PrefixCache;
+    let mut g = c.benchmark_group("hash_maps");
+    g.sample_size(10);
+    const NB: u32 = 48_000;
+    let mut rng = Rng(5);
+    let random: Vec<u128> = (0..NB)
+        .map(|_| ((rng.next() as u128) << 64) | rng.next() as u128)
+        .collect();
+    let cancel: Vec<u128> = (0..NB as u128).map(|i| (i << 64) | i).collect();
+    let low_zero: Vec<u128> = (0..NB as u128).map(|i| i << 40).collect();
+    for (name, keys) in [
+        ("register_48k/random", &random),
+        ("register_48k/crafted_halves_cancel", &cancel),
+        ("register_48k/crafted_low_bits_zero", &low_zero),
+    ] {
+        g.bench_function(name, |b| {
+            b.iter_batched(
+                || PrefixCache::new(NB, 1, false, true),
+                |mut p| {
+                    for (blk, &h) in keys.iter().enumerate() {
+                        p.register(blk as u32, h, &[0]);
+                    }
+                    p
+                },
+                criterion::BatchSize::LargeInput,
+            )
+        });
+    }
+    const NS: u64 = 80_000;
+    let rand_ids: Vec<SeqId> = (0..NS).map(|_| rng.next()).collect();
+    let dense: Vec<SeqId> = (0..NS).collect();
+    let shifted: Vec<SeqId> = (0..NS).map(|i| i << 32).collect();
+    for (name, ids) in [
+        ("admit_free_80k/random_ids", &rand_ids),
+        ("admit_free_80k/dense_ids", &dense),
+        ("admit_free_80k/ids_shifted_32", &shifted),
+    ] {
+        g.bench_function(name, |b| {
+            let mut cfg = ManagerConfig::new(NS as u32 + 1, B);
+            cfg.enable_prefix_caching = false;
+            cfg.watermark_blocks = 0;
+            let mut m = BlockManager::new(cfg).unwrap();
+            b.iter(|| {
+                for &s in ids.iter() {
+                    m.admit(s, &[1]).unwrap();
+                }
+                for &s in ids.iter() {
+                    m.free(s).unwrap();
+                }
+            });
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, decode, admit, hash, evict, sched, hash_maps);
 criterion_main!(benches);

@@ -120,7 +120,7 @@ fn freelist_pop_push(c: &mut Criterion) {
         g.bench_function(name, |b| {
             b.iter(|| {
                 let id = list.pop().unwrap();
-                list.push(black_box(id));
+                list.push(black_box(id)).unwrap();
             })
         });
     }

@@ -132,7 +132,89 @@ pub enum Error {
         block: BlockId,
     },
 
+    /// The host could not allocate memory the core needs (a pool or cache too large for this
+    /// machine): reserved fallibly, so the process keeps running and nothing was built.
+    #[error("allocation failed: {what} needs {bytes} bytes")]
+    AllocationFailed {
+        /// The array being allocated, e.g. `"block reference counts"`.
+        what: &'static str,
+        /// The size asked for, in bytes.
+        bytes: u64,
+    },
+
     /// `check_invariants` found the state inconsistent. Never expected; a bug if seen.
     #[error("invariant violated: {0}")]
     InvariantViolation(String),
+}
+
+/// Fallible allocation of the core's large arrays: a failure is [`Error::AllocationFailed`]
+/// naming the array and the bytes asked for, never an abort.
+pub(crate) mod alloc {
+    use super::{Error, Result};
+    use std::alloc::Layout;
+
+    #[cold]
+    #[inline(never)]
+    fn failed(what: &'static str, bytes: u128) -> Error {
+        Error::AllocationFailed {
+            what,
+            bytes: bytes.min(u64::MAX as u128) as u64,
+        }
+    }
+
+    /// Types for which all-zero bytes are a valid value.
+    ///
+    /// # Safety
+    /// Implement only for types whose every field is an integer, `bool` or atomic integer.
+    pub(crate) unsafe trait Zeroable: Sized {}
+    // SAFETY: zero is a valid value of each of these.
+    unsafe impl Zeroable for u32 {}
+    unsafe impl Zeroable for u128 {}
+    unsafe impl Zeroable for bool {}
+
+    /// `n` zeroes, allocated fallibly. Zeroed memory comes from `alloc_zeroed`, so a large array
+    /// is committed page by page as it is first written (as `vec![0; n]` would be), not up front.
+    pub(crate) fn zeroed_vec<T: Zeroable>(n: usize, what: &'static str) -> Result<Vec<T>> {
+        let bytes = n as u128 * std::mem::size_of::<T>() as u128;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let layout = Layout::array::<T>(n).map_err(|_| failed(what, bytes))?;
+        // SAFETY: `layout` has a non-zero size (n > 0 and T is not zero-sized: every Zeroable
+        // type has a size).
+        let p = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<T>();
+        if p.is_null() {
+            return Err(failed(what, bytes));
+        }
+        // SAFETY: `p` was allocated by the global allocator with the layout of `[T; n]`, so
+        // capacity `n` matches; all `n` elements are initialised (zero bytes are a valid `T`).
+        Ok(unsafe { Vec::from_raw_parts(p, n, n) })
+    }
+
+    /// `n` copies of `value`, allocated fallibly (the memory is written, hence committed).
+    pub(crate) fn filled_vec<T: Clone>(n: usize, value: T, what: &'static str) -> Result<Vec<T>> {
+        let mut v = Vec::new();
+        v.try_reserve_exact(n)
+            .map_err(|_| failed(what, n as u128 * std::mem::size_of::<T>() as u128))?;
+        v.resize(n, value);
+        Ok(v)
+    }
+
+    /// The items of `it` (exactly `n` of them), allocated fallibly.
+    pub(crate) fn collect_exact<T>(
+        n: usize,
+        it: impl Iterator<Item = T>,
+        what: &'static str,
+    ) -> Result<Vec<T>> {
+        let mut v = Vec::new();
+        v.try_reserve_exact(n)
+            .map_err(|_| failed(what, n as u128 * std::mem::size_of::<T>() as u128))?;
+        v.extend(it.take(n));
+        Ok(v)
+    }
+
+    /// `bytes` for an error naming an allocation the caller could not make (a hash map's).
+    pub(crate) fn failure(what: &'static str, bytes: u128) -> Error {
+        failed(what, bytes)
+    }
 }

@@ -12,8 +12,9 @@
 //! - [`MutexFreeList`]: a `Mutex<Vec<u32>>`, the baseline the benches compare against.
 //!
 //! Invariants, for both:
-//! - Every id in `0..capacity` is either on the list exactly once or held by exactly one caller
-//!   (the caller promises never to push an id that is already free).
+//! - Every id in `0..capacity` is either on the list exactly once or held by exactly one caller.
+//!   `push` checks it: pushing an id that is already free (or outside the list) is a typed error
+//!   that leaves the list unchanged, so a caller's double free cannot corrupt it.
 //! - `len()` is authoritative: it is exact whenever no operation is in flight, and `try_pop_n(k)`
 //!   succeeds iff it could reserve `k` from it.
 //! - A fresh list hands out ids in increasing order (0, 1, 2, …), and a batch pop hands out the
@@ -26,7 +27,7 @@
 //! The lock-free list is written against `loom`'s atomics when built with `--cfg loom`, so the
 //! very code below is model-checked by `tests/loom_freelist.rs`.
 
-use crate::BlockId;
+use crate::{BlockId, Error, Result};
 
 #[cfg(loom)]
 use loom::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize};
@@ -53,6 +54,15 @@ pub trait FreeList: Send + Sync {
     where
         Self: Sized;
 
+    /// [`with_capacity`](Self::with_capacity), with the allocation made fallibly:
+    /// `AllocationFailed` instead of an abort when the host cannot hold the list.
+    fn try_with_capacity(n: u32) -> Result<Self>
+    where
+        Self: Sized,
+    {
+        Ok(Self::with_capacity(n))
+    }
+
     /// Number of ids this list was built over.
     fn capacity(&self) -> u32;
 
@@ -72,9 +82,10 @@ pub trait FreeList: Send + Sync {
     /// and the list untouched and returns `false` when fewer than `k` are free.
     fn try_pop_n(&self, k: usize, out: &mut Vec<BlockId>) -> bool;
 
-    /// Returns `id` to the list. The caller guarantees that `id` is not already free; an id
-    /// outside `0..capacity` is ignored.
-    fn push(&self, id: BlockId);
+    /// Returns `id` to the list. `InvalidBlock` for an id outside `0..capacity`;
+    /// `RefcountUnderflow` (a double free) for an id that is already free (or that a concurrent
+    /// `push` is returning). Either error leaves the list unchanged.
+    fn push(&self, id: BlockId) -> Result<()>;
 
     /// A snapshot of the free ids, top of the list first (the order they would be popped in).
     ///
@@ -96,9 +107,9 @@ pub trait FreeList: Send + Sync {
         self.try_pop_n(k, out)
     }
 
-    /// [`push`](Self::push) with exclusive access; same effect.
+    /// [`push`](Self::push) with exclusive access; same effect and errors.
     #[inline]
-    fn push_mut(&mut self, id: BlockId) {
+    fn push_mut(&mut self, id: BlockId) -> Result<()> {
         self.push(id)
     }
 }
@@ -106,8 +117,27 @@ pub trait FreeList: Send + Sync {
 /// Index value meaning "no node": the empty stack, or the end of the chain.
 const NIL: u32 = u32::MAX;
 
-/// Largest capacity: every valid id must differ from [`NIL`].
+/// `next` value of a node that is not on the list (handed out). Never a valid id or `NIL`, and
+/// outside every list (ids are below [`MAX_CAPACITY`]), so a stale reader that follows it finds
+/// no node. `push` only links a node whose `next` is `TAKEN`, which is how it recognises an id
+/// that is already free in O(1) and without extra memory.
+const TAKEN: u32 = u32::MAX - 1;
+
+/// Largest capacity: every valid id must differ from [`NIL`] and [`TAKEN`].
 const MAX_CAPACITY: u32 = u32::MAX - 1;
+
+#[cold]
+#[inline(never)]
+fn push_error(id: BlockId, capacity: u32) -> Error {
+    if id >= capacity {
+        Error::InvalidBlock {
+            block: id,
+            num_blocks: capacity,
+        }
+    } else {
+        Error::RefcountUnderflow { block: id }
+    }
+}
 
 /// How many times a batch pop tries to take its whole reservation with one CAS before it
 /// falls back to popping node by node (which always makes progress).
@@ -256,7 +286,13 @@ impl LockFreeFreeList {
                 .head
                 .compare_exchange_weak(cur, new, Acquire, Acquire)
             {
-                Ok(_) => return top,
+                Ok(_) => {
+                    // The node is ours: mark it handed out, so only its owner can push it back.
+                    // Relaxed: the owner's later push is ordered after this by program order or
+                    // by whatever hand-off gave another thread the id.
+                    self.next[top as usize].store(TAKEN, Relaxed);
+                    return top;
+                }
                 Err(actual) => {
                     cur = actual;
                     backoff.snooze();
@@ -298,6 +334,9 @@ impl LockFreeFreeList {
             .compare_exchange(cur, new, Acquire, Relaxed)
             .is_ok()
         {
+            for &id in &out[start..] {
+                self.next[id as usize].store(TAKEN, Relaxed);
+            }
             true
         } else {
             out.truncate(start);
@@ -308,20 +347,30 @@ impl LockFreeFreeList {
 
 impl FreeList for LockFreeFreeList {
     fn with_capacity(n: u32) -> Self {
+        match Self::try_with_capacity(n) {
+            Ok(l) => l,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    fn try_with_capacity(n: u32) -> Result<Self> {
         let n = n.min(MAX_CAPACITY);
         // Initial chain 0 -> 1 -> … -> n-1 -> NIL, so a fresh list pops 0 first.
-        let next: Box<[AtomicU32]> = (0..n)
-            .map(|i| AtomicU32::new(if i + 1 < n { i + 1 } else { NIL }))
-            .collect();
+        let next = crate::error::alloc::collect_exact(
+            n as usize,
+            (0..n).map(|i| AtomicU32::new(if i + 1 < n { i + 1 } else { NIL })),
+            "free list links",
+        )?
+        .into_boxed_slice();
         let top = if n == 0 { NIL } else { 0 };
-        LockFreeFreeList {
+        Ok(LockFreeFreeList {
             hot: Hot {
                 head: AtomicU64::new(pack(0, top)),
                 count: AtomicUsize::new(n as usize),
             },
             next,
             capacity: n,
-        }
+        })
     }
 
     #[inline]
@@ -373,16 +422,22 @@ impl FreeList for LockFreeFreeList {
     }
 
     #[inline]
-    fn push(&self, id: BlockId) {
+    fn push(&self, id: BlockId) -> Result<()> {
         let Some(slot) = self.next.get(id as usize) else {
-            return;
+            return Err(push_error(id, self.capacity));
         };
         // Relaxed load: the value only seeds the CAS, which validates it.
         let mut cur = self.hot.head.load(Relaxed);
+        // Claim the node: only a handed-out one (`TAKEN`) may be linked, and of two concurrent
+        // pushes of one id exactly one wins this CAS. Relaxed: published by the head CAS below.
+        if slot
+            .compare_exchange(TAKEN, index_of(cur), Relaxed, Relaxed)
+            .is_err()
+        {
+            return Err(push_error(id, self.capacity));
+        }
         let mut backoff = Backoff::new();
         loop {
-            // Relaxed: published by the Release CAS below.
-            slot.store(index_of(cur), Relaxed);
             let new = pack(tag_of(cur).wrapping_add(1), id);
             // Release: makes the `next[id]` store above — and the caller's writes to the block
             // before handing it back — visible to the thread that pops `id`.
@@ -394,6 +449,8 @@ impl FreeList for LockFreeFreeList {
                 Ok(_) => break,
                 Err(actual) => {
                     cur = actual;
+                    // Relaxed: published by the Release CAS that links the node.
+                    slot.store(index_of(cur), Relaxed);
                     backoff.snooze();
                 }
             }
@@ -401,6 +458,7 @@ impl FreeList for LockFreeFreeList {
         // Count only after the node is linked (see the type's docs). Release: a reserver that
         // acquires this increment also sees the link above.
         self.hot.count.fetch_add(1, Release);
+        Ok(())
     }
 
     // The exclusive variants run the same protocol with plain loads and stores (loom's atomics
@@ -416,7 +474,8 @@ impl FreeList for LockFreeFreeList {
         }
         let head = self.hot.head.get_mut();
         let top = index_of(*head);
-        let below = *self.next.get_mut(top as usize)?.get_mut();
+        let slot = self.next.get_mut(top as usize)?.get_mut();
+        let below = std::mem::replace(slot, TAKEN);
         *head = pack(tag_of(*head).wrapping_add(1), below);
         *count -= 1;
         Some(top)
@@ -445,6 +504,9 @@ impl FreeList for LockFreeFreeList {
                 }
             }
         }
+        for &id in &out[start..] {
+            *self.next[id as usize].get_mut() = TAKEN;
+        }
         *head = pack(tag_of(*head).wrapping_add(1), node);
         *count -= k;
         true
@@ -452,14 +514,20 @@ impl FreeList for LockFreeFreeList {
 
     #[cfg(not(loom))]
     #[inline]
-    fn push_mut(&mut self, id: BlockId) {
+    fn push_mut(&mut self, id: BlockId) -> Result<()> {
+        let capacity = self.capacity;
         let Some(slot) = self.next.get_mut(id as usize) else {
-            return;
+            return Err(push_error(id, capacity));
         };
+        let slot = slot.get_mut();
+        if *slot != TAKEN {
+            return Err(push_error(id, capacity));
+        }
         let head = self.hot.head.get_mut();
-        *slot.get_mut() = index_of(*head);
+        *slot = index_of(*head);
         *head = pack(tag_of(*head).wrapping_add(1), id);
         *self.hot.count.get_mut() += 1;
+        Ok(())
     }
 
     fn free_ids(&self) -> Vec<BlockId> {
@@ -478,37 +546,90 @@ impl FreeList for LockFreeFreeList {
     }
 }
 
-/// The baseline: a `Vec<u32>` behind a mutex, used as a stack (top = end of the vector).
+/// The baseline: a `Vec<u32>` behind a mutex, used as a stack (top = end of the vector), with
+/// one "is free" flag per id so `push` can refuse a double free.
 #[derive(Debug)]
 pub struct MutexFreeList {
-    ids: Mutex<Vec<u32>>,
+    ids: Mutex<Stack>,
     capacity: u32,
 }
 
-impl MutexFreeList {
-    /// Locks the vector. A poisoned lock is still usable: every critical section below leaves
-    /// the vector consistent before anything in it could panic.
+#[derive(Debug)]
+struct Stack {
+    ids: Vec<u32>,
+    free: Vec<bool>,
+}
+
+impl Stack {
     #[inline]
-    fn guard(&self) -> impl std::ops::DerefMut<Target = Vec<u32>> + '_ {
+    fn pop(&mut self) -> Option<BlockId> {
+        let id = self.ids.pop()?;
+        self.free[id as usize] = false;
+        Some(id)
+    }
+
+    #[inline]
+    fn pop_n(&mut self, k: usize, out: &mut Vec<BlockId>) -> bool {
+        if k > self.ids.len() {
+            return false;
+        }
+        let split = self.ids.len() - k;
+        // Same order as `k` single pops: top (end of the vector) first.
+        for id in self.ids.drain(split..).rev() {
+            self.free[id as usize] = false;
+            out.push(id);
+        }
+        true
+    }
+
+    #[inline]
+    fn push(&mut self, id: BlockId, capacity: u32) -> Result<()> {
+        match self.free.get_mut(id as usize) {
+            Some(f) if !*f => {
+                *f = true;
+                self.ids.push(id);
+                Ok(())
+            }
+            _ => Err(push_error(id, capacity)),
+        }
+    }
+}
+
+impl MutexFreeList {
+    /// Locks the stack. A poisoned lock is still usable: every critical section below leaves
+    /// the stack consistent before anything in it could panic.
+    #[inline]
+    fn guard(&self) -> impl std::ops::DerefMut<Target = Stack> + '_ {
         self.ids.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The vector without locking: `&mut self` already excludes every other user.
+    /// The stack without locking: `&mut self` already excludes every other user.
     #[cfg(not(loom))]
     #[inline]
-    fn ids_mut(&mut self) -> &mut Vec<u32> {
+    fn ids_mut(&mut self) -> &mut Stack {
         self.ids.get_mut().unwrap_or_else(|e| e.into_inner())
     }
 }
 
 impl FreeList for MutexFreeList {
     fn with_capacity(n: u32) -> Self {
+        match Self::try_with_capacity(n) {
+            Ok(l) => l,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    fn try_with_capacity(n: u32) -> Result<Self> {
+        use crate::error::alloc::{collect_exact, filled_vec};
         let n = n.min(MAX_CAPACITY);
         // Reversed, so that popping from the end hands out 0 first.
-        MutexFreeList {
-            ids: Mutex::new((0..n).rev().collect()),
+        Ok(MutexFreeList {
+            ids: Mutex::new(Stack {
+                ids: collect_exact(n as usize, (0..n).rev(), "free list ids")?,
+                free: filled_vec(n as usize, true, "free list flags")?,
+            }),
             capacity: n,
-        }
+        })
     }
 
     #[inline]
@@ -518,7 +639,7 @@ impl FreeList for MutexFreeList {
 
     #[inline]
     fn len(&self) -> usize {
-        self.guard().len()
+        self.guard().ids.len()
     }
 
     #[inline]
@@ -527,25 +648,16 @@ impl FreeList for MutexFreeList {
     }
 
     fn try_pop_n(&self, k: usize, out: &mut Vec<BlockId>) -> bool {
-        let mut ids = self.guard();
-        if k > ids.len() {
-            return false;
-        }
-        let split = ids.len() - k;
-        // Same order as `k` single pops: top (end of the vector) first.
-        out.extend(ids.drain(split..).rev());
-        true
+        self.guard().pop_n(k, out)
     }
 
     #[inline]
-    fn push(&self, id: BlockId) {
-        if id < self.capacity {
-            self.guard().push(id);
-        }
+    fn push(&self, id: BlockId) -> Result<()> {
+        self.guard().push(id, self.capacity)
     }
 
     fn free_ids(&self) -> Vec<BlockId> {
-        self.guard().iter().rev().copied().collect()
+        self.guard().ids.iter().rev().copied().collect()
     }
 
     #[cfg(not(loom))]
@@ -556,21 +668,14 @@ impl FreeList for MutexFreeList {
 
     #[cfg(not(loom))]
     fn try_pop_n_mut(&mut self, k: usize, out: &mut Vec<BlockId>) -> bool {
-        let ids = self.ids_mut();
-        if k > ids.len() {
-            return false;
-        }
-        let split = ids.len() - k;
-        out.extend(ids.drain(split..).rev());
-        true
+        self.ids_mut().pop_n(k, out)
     }
 
     #[cfg(not(loom))]
     #[inline]
-    fn push_mut(&mut self, id: BlockId) {
-        if id < self.capacity {
-            self.ids_mut().push(id);
-        }
+    fn push_mut(&mut self, id: BlockId) -> Result<()> {
+        let capacity = self.capacity;
+        self.ids_mut().push(id, capacity)
     }
 }
 
@@ -596,8 +701,8 @@ mod tests {
         let mut out = vec![99];
         assert!(l.try_pop_n(3, &mut out));
         assert_eq!(out, vec![99, 0, 1, 2]);
-        l.push(1);
-        l.push(0);
+        l.push(1).unwrap();
+        l.push(0).unwrap();
         assert_eq!(l.len(), 7);
         // Batch pop sees the same order as single pops would: 0, 1, 3, 4, …
         assert_eq!(l.free_ids(), vec![0, 1, 3, 4, 5, 6, 7]);
@@ -627,12 +732,52 @@ mod tests {
         assert_eq!(l.pop(), None);
     }
 
-    fn ignores_out_of_range_push<F: FreeList>() {
-        let l = F::with_capacity(2);
-        l.push(2);
-        l.push(u32::MAX);
+    fn rejects_out_of_range_push<F: FreeList>() {
+        let mut l = F::with_capacity(2);
+        let oob = |b| {
+            Err(Error::InvalidBlock {
+                block: b,
+                num_blocks: 2,
+            })
+        };
+        assert_eq!(l.push(2), oob(2));
+        assert_eq!(l.push(u32::MAX), oob(u32::MAX));
+        assert_eq!(l.push_mut(u32::MAX - 1), oob(u32::MAX - 1));
         assert_eq!(l.len(), 2);
         assert_eq!(l.free_ids(), vec![0, 1]);
+    }
+
+    /// Pushing an id that is already free is a typed error and changes nothing; before the
+    /// check, the lock-free list linked the node to itself and handed the id out forever.
+    fn rejects_double_push<F: FreeList>() {
+        let mut l = F::with_capacity(4);
+        let dbl = |b| Err(Error::RefcountUnderflow { block: b });
+        // Never handed out.
+        assert_eq!(l.push(3), dbl(3));
+        assert_eq!(l.push_mut(0), dbl(0));
+        assert_eq!(l.free_ids(), vec![0, 1, 2, 3]);
+        let a = l.pop().unwrap();
+        let b = l.pop_mut().unwrap();
+        let mut out = Vec::new();
+        assert!(l.try_pop_n(1, &mut out));
+        assert!(l.try_pop_n_mut(1, &mut out));
+        assert_eq!((a, b, &out[..]), (0, 1, &[2, 3][..]));
+        l.push(a).unwrap();
+        assert_eq!(l.push(a), dbl(a));
+        assert_eq!(l.push_mut(a), dbl(a));
+        l.push_mut(out[0]).unwrap();
+        assert_eq!(l.push(out[0]), dbl(out[0]));
+        assert_eq!(l.len(), 2);
+        assert_eq!(l.free_ids(), vec![2, 0]);
+        // The list still hands out each free id once.
+        let mut got = vec![l.pop().unwrap(), l.pop().unwrap()];
+        got.sort();
+        assert_eq!(got, vec![0, 2]);
+        assert_eq!(l.pop(), None);
+        for id in [0, 1, 2, 3] {
+            l.push(id).unwrap();
+        }
+        assert_eq!(l.len(), 4);
     }
 
     fn empty_list<F: FreeList>() {
@@ -643,7 +788,7 @@ mod tests {
         let mut out = Vec::new();
         assert!(!l.try_pop_n(1, &mut out));
         assert!(l.try_pop_n(0, &mut out));
-        l.push(0);
+        assert!(l.push(0).is_err());
         assert!(l.is_empty());
         assert!(l.free_ids().is_empty());
     }
@@ -673,7 +818,7 @@ mod tests {
                 _ => {
                     if !held.is_empty() {
                         let i = (state >> 4) as usize % held.len();
-                        l.push(held.swap_remove(i));
+                        l.push(held.swap_remove(i)).unwrap();
                     }
                 }
             }
@@ -730,13 +875,13 @@ mod tests {
                 _ => {
                     if !held_s.is_empty() {
                         let i = (state >> 4) as usize % held_s.len();
-                        shared.push(held_s.swap_remove(i));
-                        excl.push_mut(held_e.swap_remove(i));
+                        shared.push(held_s.swap_remove(i)).unwrap();
+                        excl.push_mut(held_e.swap_remove(i)).unwrap();
                         let id = held_m.swap_remove(i);
                         if use_mut {
-                            mixed.push_mut(id)
+                            mixed.push_mut(id).unwrap()
                         } else {
-                            mixed.push(id)
+                            mixed.push(id).unwrap()
                         }
                     }
                 }
@@ -748,7 +893,7 @@ mod tests {
         }
         assert_eq!(shared.free_ids(), excl.free_ids());
         assert_eq!(shared.free_ids(), mixed.free_ids());
-        excl.push_mut(n);
+        assert!(excl.push_mut(n).is_err());
         assert_eq!(excl.len(), shared.len());
     }
 
@@ -766,7 +911,8 @@ mod tests {
         fresh_order,
         lifo_and_batch,
         all_or_nothing,
-        ignores_out_of_range_push,
+        rejects_out_of_range_push,
+        rejects_double_push,
         empty_list,
         many_cycles,
         exclusive_matches_shared
@@ -786,7 +932,7 @@ mod tests {
         let t0 = tag_of(l.hot.head.load(Relaxed));
         let id = l.pop().unwrap();
         let t1 = tag_of(l.hot.head.load(Relaxed));
-        l.push(id);
+        l.push(id).unwrap();
         let t2 = tag_of(l.hot.head.load(Relaxed));
         let mut out = Vec::new();
         assert!(l.try_pop_n(2, &mut out));

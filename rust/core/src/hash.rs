@@ -6,9 +6,16 @@
 //! salt enters once, through the root of the chain.
 //!
 //! ```text
-//! h_{-1} = XXH3-128( b"pagedkv/prefix/v1" ‖ u32le(len(salt)) ‖ salt )
-//! h_i    = XXH3-128( u128le(h_{i-1}) ‖ u32le(token) × B ‖ extra_i )
+//! h_{-1} = XXH3-128_k( b"pagedkv/prefix/v1" ‖ u32le(len(salt)) ‖ salt )
+//! h_i    = XXH3-128_k( u128le(h_{i-1}) ‖ u32le(token) × B ‖ extra_i )
 //! ```
+//!
+//! `XXH3-128_k` is XXH3-128 seeded with the manager's 64-bit hash key `k`. The key is drawn from
+//! the OS ([`random_key`]) unless the deployment configures one to get reproducible hashes across
+//! processes. Keying every call — the root included — is what makes the chain unforgeable by a
+//! caller: the published closed-form second preimages of XXH3 need the secret the hash runs
+//! with, and a chosen salt can no longer be solved for a root equal to someone's intermediate
+//! `h_i`. Key 0 is plain unseeded XXH3-128 (the public scheme, no protection).
 //!
 //! `extra_i` is a sequence of tagged records (adapter, each multimodal input overlapping block `i`,
 //! caller bytes), each either fixed-size or length-prefixed, so the record stream decodes one way
@@ -16,11 +23,24 @@
 //! `docs/prefix-hash.md` so other implementations can reproduce the hashes; it is versioned by the
 //! domain tag, and any change to it must change the tag.
 //!
-//! Invariant: for a fixed block size, `h_i` is a function of (salt, tokens `0..(i+1)·B`, keys) only.
+//! Invariant: for a fixed block size and hash key, `h_i` is a function of (salt, tokens
+//! `0..(i+1)·B`, keys) only.
 
 use crate::error::{Error, Result};
 use crate::TokenId;
-use xxhash_rust::xxh3::xxh3_128;
+use xxhash_rust::xxh3::xxh3_128_with_seed;
+
+/// A hash key drawn from the operating system's random source: unpredictable to anyone outside
+/// the process. `InvalidConfig` (field `hash_seed`) if the OS has no randomness to give.
+pub fn random_key() -> Result<u64> {
+    let mut b = [0u8; 8];
+    getrandom::fill(&mut b).map_err(|e| Error::InvalidConfig {
+        field: "hash_seed",
+        value: 0,
+        reason: format!("the OS random source failed ({e}); pass an explicit hash_seed"),
+    })?;
+    Ok(u64::from_le_bytes(b))
+}
 
 /// Domain tag hashed into the root; bump the version whenever the layout changes.
 pub const DOMAIN_TAG: &[u8] = b"pagedkv/prefix/v1";
@@ -134,13 +154,13 @@ impl SeqKeys {
     }
 }
 
-/// The root of the chain, `h_{-1}`, for a cache salt.
-pub fn root_hash(salt: &[u8]) -> u128 {
+/// The root of the chain, `h_{-1}`, for a cache salt under hash key `key`.
+pub fn root_hash(key: u64, salt: &[u8]) -> u128 {
     let mut buf = Vec::with_capacity(DOMAIN_TAG.len() + 4 + salt.len());
     buf.extend_from_slice(DOMAIN_TAG);
     buf.extend_from_slice(&(salt.len() as u32).to_le_bytes());
     buf.extend_from_slice(salt);
-    xxh3_128(&buf)
+    xxh3_128_with_seed(&buf, key)
 }
 
 /// Appends `tokens` as little-endian `u32`s.
@@ -161,33 +181,49 @@ fn push_tokens(out: &mut Vec<u8>, tokens: &[TokenId]) {
     }
 }
 
-/// Hashes one block given the previous hash, its tokens and its extra-record bytes.
-/// `scratch` is reused between calls to keep allocation out of the hot path.
+/// Hashes one block under hash key `key` given the previous hash, its tokens and its
+/// extra-record bytes. `scratch` is reused between calls to keep allocation out of the hot path.
 #[inline]
-pub fn block_hash(prev: u128, tokens: &[TokenId], extra: &[u8], scratch: &mut Vec<u8>) -> u128 {
+pub fn block_hash(
+    key: u64,
+    prev: u128,
+    tokens: &[TokenId],
+    extra: &[u8],
+    scratch: &mut Vec<u8>,
+) -> u128 {
     scratch.clear();
     scratch.extend_from_slice(&prev.to_le_bytes());
     push_tokens(scratch, tokens);
     scratch.extend_from_slice(extra);
-    xxh3_128(scratch)
+    xxh3_128_with_seed(scratch, key)
 }
 
-/// Reusable state for hashing many blocks without allocating: the message buffer and the
-/// extra-record buffer.
+/// Reusable state for hashing many blocks under one hash key without allocating: the key, the
+/// message buffer and the extra-record buffer.
 #[derive(Debug, Default, Clone)]
 pub struct Hasher {
+    key: u64,
     msg: Vec<u8>,
     extra: Vec<u8>,
 }
 
 impl Hasher {
-    /// A hasher with empty scratch buffers (they grow to the largest message once).
-    pub fn new() -> Self {
-        Self::default()
+    /// A hasher for chains under hash key `key`.
+    pub fn new(key: u64) -> Self {
+        Self {
+            key,
+            ..Self::default()
+        }
+    }
+
+    /// The hash key every block hash of this hasher is seeded with.
+    pub fn key(&self) -> u64 {
+        self.key
     }
 
     /// Extends `hashes` (the chain of the first `hashes.len()` full blocks of `tokens`) to cover
-    /// every full block of `tokens`. `root` is `h_{-1}` for the sequence's salt; `keys` adds extra
+    /// every full block of `tokens`. `root` is `h_{-1}` for the sequence's salt (under the same
+    /// hash key, [`root_hash`]); `keys` adds extra
     /// records (`None` means none).
     pub fn extend_chain(
         &mut self,
@@ -206,9 +242,9 @@ impl Hasher {
             // calls between two hashes of the chain, which is latency-bound.
             let todo = &tokens[hashes.len() * block_size..full * block_size];
             match block_size {
-                8 => return chain_fixed::<8, 48>(prev, todo, hashes),
-                16 => return chain_fixed::<16, 80>(prev, todo, hashes),
-                32 => return chain_fixed::<32, 144>(prev, todo, hashes),
+                8 => return chain_fixed::<8, 48>(self.key, prev, todo, hashes),
+                16 => return chain_fixed::<16, 80>(self.key, prev, todo, hashes),
+                32 => return chain_fixed::<32, 144>(self.key, prev, todo, hashes),
                 _ => {}
             }
         }
@@ -218,7 +254,7 @@ impl Hasher {
             if let Some(k) = keys {
                 k.write_block_extra(i, block_size, &mut self.extra);
             }
-            prev = block_hash(prev, blk, &self.extra, &mut self.msg);
+            prev = block_hash(self.key, prev, blk, &self.extra, &mut self.msg);
             hashes.push(prev);
         }
     }
@@ -228,6 +264,7 @@ impl Hasher {
 /// `prev`; `M` is the message size `16 + 4 * B`. Same bytes as [`block_hash`].
 #[inline]
 fn chain_fixed<const B: usize, const M: usize>(
+    key: u64,
     mut prev: u128,
     tokens: &[TokenId],
     hashes: &mut Vec<u128>,
@@ -241,19 +278,20 @@ fn chain_fixed<const B: usize, const M: usize>(
         for (d, t) in msg[16..].chunks_exact_mut(4).zip(blk) {
             d.copy_from_slice(&t.to_le_bytes());
         }
-        prev = xxh3_128(&msg);
+        prev = xxh3_128_with_seed(&msg, key);
         hashes.push(prev);
     }
 }
 
-/// The chain of every full block of a prompt, from scratch (a convenience over [`Hasher`]).
-pub fn prompt_hashes(tokens: &[TokenId], block_size: usize, keys: &SeqKeys) -> Vec<u128> {
+/// The chain of every full block of a prompt under hash key `key`, from scratch (a convenience
+/// over [`Hasher`]).
+pub fn prompt_hashes(key: u64, tokens: &[TokenId], block_size: usize, keys: &SeqKeys) -> Vec<u128> {
     let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));
     if block_size == 0 {
         return out;
     }
-    Hasher::new().extend_chain(
-        root_hash(&keys.cache_salt),
+    Hasher::new(key).extend_chain(
+        root_hash(key, &keys.cache_salt),
         tokens,
         block_size,
         Some(keys),
@@ -265,6 +303,7 @@ pub fn prompt_hashes(tokens: &[TokenId], block_size: usize, keys: &SeqKeys) -> V
 #[cfg(test)]
 mod tests {
     use super::*;
+    use xxhash_rust::xxh3::xxh3_128;
 
     fn keys_full() -> SeqKeys {
         SeqKeys {
@@ -282,7 +321,7 @@ mod tests {
     #[test]
     fn chain_matches_manual_layout() {
         let toks: Vec<u32> = (0..32).collect();
-        let h = prompt_hashes(&toks, 16, &SeqKeys::default());
+        let h = prompt_hashes(0, &toks, 16, &SeqKeys::default());
         assert_eq!(h.len(), 2);
         let mut root_msg = b"pagedkv/prefix/v1".to_vec();
         root_msg.extend_from_slice(&0u32.to_le_bytes());
@@ -303,23 +342,90 @@ mod tests {
     #[test]
     fn documented_examples() {
         let toks: Vec<u32> = (0..32).collect();
-        assert_eq!(root_hash(b""), 0x17373e8bb86c0e3fa80fa12f801fdaa3);
+        assert_eq!(root_hash(0, b""), 0x17373e8bb86c0e3fa80fa12f801fdaa3);
         assert_eq!(
-            prompt_hashes(&toks, 16, &SeqKeys::default()),
+            prompt_hashes(0, &toks, 16, &SeqKeys::default()),
             vec![
                 0x846f03c33adbc3a09a21aa7a96a70675,
                 0xd6ca3f8c2714a7a70b43cfc3ce61e5b9
             ]
         );
         let k = keys_full();
-        assert_eq!(root_hash(&k.cache_salt), 0x88bc3c45fdf78605820dbb52b727d4f8);
         assert_eq!(
-            prompt_hashes(&toks, 16, &k),
+            root_hash(0, &k.cache_salt),
+            0x88bc3c45fdf78605820dbb52b727d4f8
+        );
+        assert_eq!(
+            prompt_hashes(0, &toks, 16, &k),
             vec![
                 0x7983b125e65bbfcae8a9f779c2dcf3bd,
                 0xf8882f07985ce1ea3e0a947cf3861037
             ]
         );
+    }
+
+    /// A keyed chain is the same message bytes hashed with XXH3-128 seeded by the key, root
+    /// included; key 0 is the unseeded (public) hash.
+    #[test]
+    fn keyed_chain_is_seeded_xxh3_of_the_same_bytes() {
+        use xxhash_rust::xxh3::xxh3_128_with_seed;
+        let key = 0x0123_4567_89ab_cdef_u64;
+        let toks: Vec<u32> = (0..32).collect();
+        let k = keys_full();
+        let mut root_msg = b"pagedkv/prefix/v1".to_vec();
+        root_msg.extend_from_slice(&8u32.to_le_bytes());
+        root_msg.extend_from_slice(b"tenant-a");
+        let root = xxh3_128_with_seed(&root_msg, key);
+        assert_eq!(root_hash(key, b"tenant-a"), root);
+        assert_eq!(xxh3_128_with_seed(&root_msg, 0), xxh3_128(&root_msg));
+        let mut want = Vec::new();
+        let mut prev = root;
+        for i in 0..2usize {
+            let mut m = prev.to_le_bytes().to_vec();
+            for t in &toks[i * 16..(i + 1) * 16] {
+                m.extend_from_slice(&t.to_le_bytes());
+            }
+            k.write_block_extra(i, 16, &mut m);
+            prev = xxh3_128_with_seed(&m, key);
+            want.push(prev);
+        }
+        assert_eq!(prompt_hashes(key, &toks, 16, &k), want);
+        // The worked example of `docs/prefix-hash.md` under this key (values computed with the
+        // Python `xxhash` package from the documented layout).
+        assert_eq!(root, 0x27fd41f082f2bcfb17ccb6fde9627e5b);
+        assert_eq!(
+            want,
+            vec![
+                0x509cc82c5b645726f68b0065fa2c6075,
+                0x95982fdccf5f2208e4e1a58bb76964c2
+            ]
+        );
+        let plain: Vec<u32> = (0..32).collect();
+        assert_eq!(root_hash(key, b""), 0xc2d75439272acbc7a0dfd22fc5a379d4);
+        assert_eq!(
+            prompt_hashes(key, &plain, 16, &SeqKeys::default()),
+            vec![
+                0x4a9c1072b7aeba3c031c91ff9c2fa6af,
+                0x058bef18bb7200ca5904da6720b2fe0c
+            ]
+        );
+    }
+
+    /// Every hash of a chain, the root included, changes with the key.
+    #[test]
+    fn key_changes_every_hash() {
+        let toks: Vec<u32> = (0..64).map(|i| i * 5 + 2).collect();
+        for salt in [&b""[..], b"s"] {
+            assert_ne!(root_hash(1, salt), root_hash(2, salt));
+            let keys = SeqKeys {
+                cache_salt: salt.to_vec(),
+                ..Default::default()
+            };
+            let a = prompt_hashes(1, &toks, 16, &keys);
+            let b = prompt_hashes(2, &toks, 16, &keys);
+            assert!(a.iter().zip(&b).all(|(x, y)| x != y));
+        }
+        assert_ne!(random_key().unwrap(), random_key().unwrap());
     }
 
     #[test]
@@ -349,8 +455,9 @@ mod tests {
     #[test]
     fn every_key_changes_every_affected_hash() {
         let toks: Vec<u32> = (0..48).map(|i| i * 3 + 1).collect();
-        let base = prompt_hashes(&toks, 16, &SeqKeys::default());
+        let base = prompt_hashes(0, &toks, 16, &SeqKeys::default());
         let salted = prompt_hashes(
+            0,
             &toks,
             16,
             &SeqKeys {
@@ -359,6 +466,7 @@ mod tests {
             },
         );
         let adapter = prompt_hashes(
+            0,
             &toks,
             16,
             &SeqKeys {
@@ -367,6 +475,7 @@ mod tests {
             },
         );
         let extra = prompt_hashes(
+            0,
             &toks,
             16,
             &SeqKeys {
@@ -375,6 +484,7 @@ mod tests {
             },
         );
         let mm = prompt_hashes(
+            0,
             &toks,
             16,
             &SeqKeys {
@@ -402,14 +512,14 @@ mod tests {
         let a: Vec<u32> = (0..32).collect();
         let mut b = a.clone();
         b.swap(20, 21);
-        let ha = prompt_hashes(&a, 16, &SeqKeys::default());
-        let hb = prompt_hashes(&b, 16, &SeqKeys::default());
+        let ha = prompt_hashes(0, &a, 16, &SeqKeys::default());
+        let hb = prompt_hashes(0, &b, 16, &SeqKeys::default());
         assert_eq!(ha[0], hb[0]);
         assert_ne!(ha[1], hb[1]);
         // Same second block content after a different first block: the chain separates them.
         let mut c = a.clone();
         c[0] = 99;
-        let hc = prompt_hashes(&c, 16, &SeqKeys::default());
+        let hc = prompt_hashes(0, &c, 16, &SeqKeys::default());
         assert_ne!(ha[1], hc[1]);
     }
 
@@ -417,9 +527,9 @@ mod tests {
     fn incremental_extension_equals_from_scratch() {
         let toks: Vec<u32> = (0..100).map(|i| i * 7 % 13).collect();
         let k = keys_full();
-        let full = prompt_hashes(&toks, 8, &k);
-        let root = root_hash(&k.cache_salt);
-        let mut h = Hasher::new();
+        let full = prompt_hashes(0, &toks, 8, &k);
+        let root = root_hash(0, &k.cache_salt);
+        let mut h = Hasher::new(0);
         let mut acc = Vec::new();
         for end in [3usize, 8, 9, 40, 41, 100] {
             h.extend_chain(root, &toks[..end], 8, Some(&k), &mut acc);
@@ -433,17 +543,17 @@ mod tests {
     #[test]
     fn fixed_size_path_equals_block_hash() {
         let toks: Vec<u32> = (0..200u32).map(|i| i.wrapping_mul(2_654_435_761)).collect();
-        let root = root_hash(b"salt");
+        let root = root_hash(0, b"salt");
         for bs in [1usize, 8, 16, 32, 5] {
             let mut want = Vec::new();
             let mut prev = root;
             let mut scratch = Vec::new();
             for blk in toks.chunks_exact(bs) {
-                prev = block_hash(prev, blk, &[], &mut scratch);
+                prev = block_hash(0, prev, blk, &[], &mut scratch);
                 want.push(prev);
             }
             let mut got = Vec::new();
-            let mut h = Hasher::new();
+            let mut h = Hasher::new(0);
             for end in [bs - 1, bs, 3 * bs + 1, toks.len()] {
                 h.extend_chain(root, &toks[..end], bs, None, &mut got);
             }

@@ -29,8 +29,10 @@
 //! - **Batch calls** (`admit_batch`, `free_batch`) validate every argument before touching state;
 //!   `admit_batch` then admits in order and stops at the first request that does not fit.
 //! - **Copy-on-write.** Only a partly filled tail block can be shared *and* written (after a
-//!   fork). Appending into one allocates a fresh block and queues a `(src, dst)` copy that the next
-//!   `build_step` emits. The copy list of one step has distinct `dst`s and no `dst` is a `src`.
+//!   fork). Appending into one allocates a fresh block and queues a `(src, dst)` copy that a
+//!   `build_step` emits: the next one with room in its copy buffer, and at the latest the first
+//!   one that schedules a sequence holding the copy's `dst` or `src`. The copy list of one step has distinct `dst`s and no `dst` is a
+//!   `src`.
 //! - **Allocation order.** Never-cached free blocks first, then the least recently freed
 //!   cached-free block (an eviction). A freed sequence's blocks enter the LRU tail first, so its
 //!   tail is evicted before its prefix.
@@ -41,7 +43,7 @@
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::hash::{root_hash, Hasher, SeqKeys};
+use crate::hash::{random_key, root_hash, Hasher, SeqKeys};
 use crate::metrics::{hist_bucket, Counters, Stats, HIST_BUCKETS};
 use crate::pool::BlockPool;
 use crate::prefix::{FastMap, PrefixCache};
@@ -66,12 +68,18 @@ pub struct ManagerConfig {
     /// Keep each cached block's token ids and compare them on every hit; a mismatch (a hash
     /// collision) is served as a miss and counted.
     pub verify_prefix: bool,
+    /// Key of the prefix hash (the XXH3-128 seed of every block hash and of the chain root).
+    /// `None` (the default): a fresh key from the OS for each manager, so nobody outside the
+    /// process can predict or steer a hash. `Some(k)`: hashes are reproducible across processes
+    /// and machines that share `k` — which also lets anyone who learns `k` compute them (see
+    /// `docs/prefix-hash.md`, threat model).
+    pub hash_seed: Option<u64>,
 }
 
 impl ManagerConfig {
     /// Defaults: watermark 1% of the pool (at least 1, but 0 for a one-block pool), rows as wide
     /// as the pool (capped so `max_blocks_per_seq * block_size` fits an `i32` sequence length),
-    /// prefix caching on, verify off.
+    /// prefix caching on, verify on, a random hash key.
     pub fn new(num_blocks: u32, block_size: u32) -> Self {
         let watermark_blocks = if num_blocks <= 1 {
             0
@@ -87,7 +95,8 @@ impl ManagerConfig {
             watermark_blocks,
             max_blocks_per_seq: num_blocks.min(cap),
             enable_prefix_caching: true,
-            verify_prefix: false,
+            verify_prefix: true,
+            hash_seed: None,
         }
     }
 
@@ -260,6 +269,8 @@ pub struct BlockManager {
     shared_blocks: u64,
     used_tokens: u64,
     epoch: u64,
+    /// The prefix-hash key in use (`cfg.hash_seed` or one drawn from the OS).
+    hash_key: u64,
     empty_root: u128,
     hasher: Hasher,
     /// Bumped whenever the set of sequences changes (admit, fork, free).
@@ -279,16 +290,24 @@ pub struct BlockManager {
 }
 
 impl BlockManager {
-    /// A manager over a fresh pool; `InvalidConfig` if `cfg` does not validate.
+    /// A manager over a fresh pool; `InvalidConfig` if `cfg` does not validate,
+    /// `AllocationFailed` (naming the array and its bytes) if the host cannot hold the pool's or
+    /// the prefix cache's arrays.
     pub fn new(cfg: ManagerConfig) -> Result<Self> {
         cfg.validate()?;
-        let pool = BlockPool::new(cfg.num_blocks)?;
-        let prefix = PrefixCache::new(
+        let hash_key = match cfg.hash_seed {
+            Some(k) => k,
+            None => random_key()?,
+        };
+        // The prefix cache first: its arrays are the largest, and mostly committed lazily, so a
+        // pool too large for the host fails before the pool's arrays are written.
+        let prefix = PrefixCache::try_new(
             cfg.num_blocks,
             cfg.block_size,
             cfg.enable_prefix_caching && cfg.verify_prefix,
             cfg.enable_prefix_caching,
-        );
+        )?;
+        let pool = BlockPool::new(cfg.num_blocks)?;
         Ok(Self {
             bs: cfg.block_size as usize,
             caching: cfg.enable_prefix_caching,
@@ -303,8 +322,9 @@ impl BlockManager {
             shared_blocks: 0,
             used_tokens: 0,
             epoch: 0,
-            empty_root: root_hash(&[]),
-            hasher: Hasher::new(),
+            hash_key,
+            empty_root: root_hash(hash_key, &[]),
+            hasher: Hasher::new(hash_key),
             gen: 0,
             batch_ids: Vec::new(),
             batch_idx: Vec::new(),
@@ -367,7 +387,13 @@ impl BlockManager {
             return Ok(false);
         }
         let (mut hashes, mut hits) = (Vec::new(), Vec::new());
-        let look = self.lookup(&mut Hasher::new(), tokens, keys, &mut hashes, &mut hits);
+        let look = self.lookup(
+            &mut Hasher::new(self.hash_key),
+            tokens,
+            keys,
+            &mut hashes,
+            &mut hits,
+        );
         let held = held_tokens(n, look.cached, max_new_tokens);
         let needed = blocks_for(held, self.bs) - hits.len() + look.revive;
         Ok(self.fits(needed))
@@ -500,7 +526,7 @@ impl BlockManager {
         }
         if let Some(k) = keys {
             if !k.cache_salt.is_empty() {
-                look.root = root_hash(&k.cache_salt);
+                look.root = root_hash(self.hash_key, &k.cache_salt);
             }
         }
         let extra = keys.filter(|k| k.has_block_extras());
@@ -1073,6 +1099,16 @@ impl BlockManager {
         }
     }
 
+    /// [`crate::prefix::probe_cost`] of the sequence-id index and of the prefix-hash map, each
+    /// under its own hasher: about 1 group per key unless the keys cluster. For tests and
+    /// diagnostics (O(sequences + hashed blocks)).
+    pub fn map_probe_costs(&self) -> (f64, f64) {
+        (
+            crate::prefix::probe_cost(self.index.hasher(), self.index.keys()),
+            self.prefix.map_probe_cost(),
+        )
+    }
+
     /// Test hook: re-labels hashed block `b` with `hash`, forging a hash collision (the block keeps
     /// its token ids). Returns false if `b` is not hashed or `hash` is taken.
     #[doc(hidden)]
@@ -1090,8 +1126,13 @@ impl BlockManager {
 
     /// Fills `out` for one step. Each `(seqs[i], num_new[i])` means "the last `num_new[i]` tokens
     /// of `seqs[i]` are new this step". Validates everything (lengths, ids, `1 <= n <= len`, every
-    /// buffer's size) before writing anything; then emits and clears the pending copies and offers
-    /// the batch's newly full blocks to the prefix cache.
+    /// buffer's size) before writing anything; then emits pending copies and offers the batch's newly
+    /// full blocks to the prefix cache.
+    ///
+    /// Copies: all pending copies when they fit in `copies`. Otherwise every pending copy whose
+    /// `dst` or `src` a scheduled sequence holds is emitted (`BufferTooSmall` on `copies` only if
+    /// those alone do not fit), then others while `copies` has room; the rest stay queued for a
+    /// later step, so a burst of forks never blocks stepping.
     ///
     /// Block-table rows are written incrementally: the manager remembers, for the buffer it last
     /// wrote (identified by address, length and stride), which sequence each row holds and how many
@@ -1114,7 +1155,7 @@ impl BlockManager {
             });
         }
         self.resolve_batch(seqs)?;
-        let (num_tokens, num_kv, max_len, csr) = self.check_step(seqs, num_new, out)?;
+        let (num_tokens, num_kv, max_len, csr, needed) = self.check_step(seqs, num_new, out)?;
         let idx = std::mem::take(&mut self.batch_idx);
 
         let bs = self.bs;
@@ -1182,16 +1223,27 @@ impl BlockManager {
             }
         }
 
-        let num_copies = self.pending.len();
-        for (j, &(src, dst)) in self.pending.iter().enumerate() {
-            out.copies[2 * j] = src as i64;
-            out.copies[2 * j + 1] = dst as i64;
-        }
-        self.pending.clear();
+        let num_copies = self.emit_copies(&needed, out.copies);
         let mut result = Ok(());
-        while let Some(b) = self.deferred.pop() {
-            if let Err(e) = self.park(b) {
-                result = Err(e);
+        if self.pending.is_empty() {
+            while let Some(b) = self.deferred.pop() {
+                if let Err(e) = self.park(b) {
+                    result = Err(e);
+                }
+            }
+        } else {
+            // Some copies stay queued: only the srcs none of them needs are released.
+            let mut j = 0;
+            while j < self.deferred.len() {
+                let b = self.deferred[j];
+                if self.pending.iter().any(|&(src, _)| src == b) {
+                    j += 1;
+                } else {
+                    self.deferred.swap_remove(j);
+                    if let Err(e) = self.park(b) {
+                        result = Err(e);
+                    }
+                }
             }
         }
 
@@ -1225,14 +1277,79 @@ impl BlockManager {
         })
     }
 
+    /// Writes pending copies into `copies` (room for `copies.len() / 2`), in queue order. When
+    /// all fit (`needed` empty) all are written; otherwise every copy the batch needs
+    /// (`needed[j]` for `pending[j]`; `check_step` made sure they fit) and others while room
+    /// remains, the rest staying queued, in order, for a later step. Returns the number written.
+    fn emit_copies(&mut self, needed: &[bool], copies: &mut [i64]) -> usize {
+        if needed.is_empty() {
+            for (j, &(src, dst)) in self.pending.iter().enumerate() {
+                copies[2 * j] = src as i64;
+                copies[2 * j + 1] = dst as i64;
+            }
+            let n = self.pending.len();
+            self.pending.clear();
+            return n;
+        }
+        let room = copies.len() / 2;
+        // A copy the batch does not need goes only where it leaves room for every needed copy
+        // after it.
+        let mut needed_left = needed.iter().filter(|&&x| x).count();
+        let mut n = 0;
+        let mut keep = Vec::new();
+        for (j, &(src, dst)) in self.pending.iter().enumerate() {
+            if needed[j] {
+                needed_left -= 1;
+            } else if n + needed_left >= room {
+                keep.push((src, dst));
+                continue;
+            }
+            copies[2 * n] = src as i64;
+            copies[2 * n + 1] = dst as i64;
+            n += 1;
+        }
+        self.pending = keep;
+        n
+    }
+
+    /// When more copies are pending than `room`: which of them the batch (`self.batch_idx`)
+    /// needs this step — those whose `dst` or `src` a scheduled table holds. A scheduled holder
+    /// of `dst` reads and writes it, so its copy must run first; a scheduled holder of `src` may
+    /// fill it and have it registered in the prefix cache, and a cached block must not be a
+    /// pending src (it could be evicted and reused before the copy runs). Copies of sequences
+    /// that are not scheduled may wait. Empty (emit everything) when all pending copies fit.
+    /// O(blocks of the batch), paid only in that overflow case.
+    fn copies_needed(&self, room: usize) -> Vec<bool> {
+        if self.pending.len() <= room {
+            return Vec::new();
+        }
+        let mut at: FastMap<BlockId, Vec<usize>> = FastMap::default();
+        for (j, &(src, dst)) in self.pending.iter().enumerate() {
+            at.entry(src).or_default().push(j);
+            at.entry(dst).or_default().push(j);
+        }
+        let mut needed = vec![false; self.pending.len()];
+        for &i in &self.batch_idx {
+            for b in &self.slots[i as usize].table.blocks {
+                if let Some(js) = at.get(b) {
+                    for &j in js {
+                        needed[j] = true;
+                    }
+                }
+            }
+        }
+        needed
+    }
+
     /// Validation half of `build_step` (after `resolve_batch`): returns (new tokens, kv indices,
-    /// longest sequence, whether to write the CSR page table).
+    /// longest sequence, whether to write the CSR page table, which pending copies the batch
+    /// needs).
     fn check_step(
         &self,
         seqs: &[SeqId],
         num_new: &[u32],
         out: &StepBuffers<'_>,
-    ) -> Result<(usize, usize, usize, bool)> {
+    ) -> Result<(usize, usize, usize, bool, Vec<bool>)> {
         let (mut tokens, mut kv, mut max_len, mut max_blocks) = (0usize, 0usize, 0usize, 0usize);
         for (k, &i) in self.batch_idx.iter().enumerate() {
             let t = &self.slots[i as usize].table;
@@ -1291,8 +1408,15 @@ impl BlockManager {
         if csr {
             small("kv_indices", kv, out.kv_indices.len())?;
         }
-        small("copies", 2 * self.pending.len(), out.copies.len())?;
-        Ok((tokens, kv, max_len, csr))
+        // Only the copies this batch reads must fit; the rest wait for a later step, so more
+        // pending copies than the buffer holds never blocks a step.
+        let needed = self.copies_needed(out.copies.len() / 2);
+        small(
+            "copies",
+            2 * needed.iter().filter(|&&x| x).count(),
+            out.copies.len(),
+        )?;
+        Ok((tokens, kv, max_len, csr, needed))
     }
 
     /// A snapshot of sizes and counters. O(number of sequences) for the histogram.

@@ -129,6 +129,7 @@ impl<F: FreeList> BlockPool<F> {
     /// A pool of `num_blocks` free blocks, ids `0..num_blocks`.
     ///
     /// `InvalidConfig` for 0 blocks, or for `u32::MAX` (that id is the free list's sentinel).
+    /// `AllocationFailed` when the host cannot hold its arrays.
     pub fn new(num_blocks: u32) -> Result<Self> {
         if num_blocks == 0 || num_blocks == u32::MAX {
             return Err(Error::InvalidConfig {
@@ -137,9 +138,14 @@ impl<F: FreeList> BlockPool<F> {
                 reason: format!("must be in 1..={}", u32::MAX - 1),
             });
         }
-        let counts = (0..num_blocks).map(|_| AtomicU32::new(FREE)).collect();
+        let counts = crate::error::alloc::collect_exact(
+            num_blocks as usize,
+            (0..num_blocks).map(|_| AtomicU32::new(FREE)),
+            "block reference counts",
+        )?
+        .into_boxed_slice();
         Ok(BlockPool {
-            free: F::with_capacity(num_blocks),
+            free: F::try_with_capacity(num_blocks)?,
             counts,
         })
     }
@@ -266,8 +272,7 @@ impl<F: FreeList> BlockPool<F> {
         // The CAS 0 → FREE decides the race against a concurrent revive (incref 0 → 1): exactly
         // one of them wins. AcqRel as in `decref`; the push then publishes the block onwards.
         self.update(id, AcqRel, release_step)?;
-        self.free.push(id);
-        Ok(())
+        self.free.push(id)
     }
 
     /// Drops a reference and, if it was the last, puts the block back on the free list.
@@ -281,7 +286,7 @@ impl<F: FreeList> BlockPool<F> {
         // AcqRel: as in `decref`; the push below then publishes the block to its next owner.
         let released = self.update(id, AcqRel, free_step)? == FREE;
         if released {
-            self.free.push(id);
+            self.free.push(id)?;
         }
         Ok(released)
     }
@@ -332,8 +337,7 @@ impl<F: FreeList> BlockPool<F> {
     #[inline]
     pub fn release_mut(&mut self, id: BlockId) -> Result<()> {
         self.update_mut(id, release_step)?;
-        self.free.push_mut(id);
-        Ok(())
+        self.free.push_mut(id)
     }
 
     /// [`free`](Self::free) with exclusive access.
@@ -341,7 +345,7 @@ impl<F: FreeList> BlockPool<F> {
     pub fn free_mut(&mut self, id: BlockId) -> Result<bool> {
         let released = self.update_mut(id, free_step)? == FREE;
         if released {
-            self.free.push_mut(id);
+            self.free.push_mut(id)?;
         }
         Ok(released)
     }

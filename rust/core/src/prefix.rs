@@ -17,23 +17,44 @@
 
 use crate::{BlockId, TokenId};
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::{BuildHasher, Hasher};
 
 const NIL: u32 = u32::MAX;
 
-/// A one-multiply hasher for keys that are integers: sequence ids (often small and dense) and
-/// prefix hashes (already uniformly distributed). The multiply spreads low-entropy keys into the
-/// high bits the hash table uses for its control bytes; the low bits (bucket index) stay distinct
-/// for distinct small keys.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct FastHasher(u64);
+/// A keyed hasher for integer keys: sequence ids and prefix hashes.
+///
+/// Both kinds of key can be structured or chosen by someone else: sequence ids often pack a
+/// request id above a sample index (`i << 32`), and a deployment with a published `hash_seed`
+/// lets anyone compute block hashes. A hash table degrades to quadratic time when many keys
+/// share the bits it indexes with, so the hash must spread every key bit into every output bit,
+/// under a key the key-chooser does not know. Each word goes through a *folded multiply*
+/// (the 128-bit product of two 64-bit values, high half XOR low half) with a per-map random key
+/// on both sides: every input bit reaches every output bit, low (bucket index) and high (the
+/// table's control bits) alike, and without the key the product is not predictable, so keys
+/// cannot be chosen to collide. `finish` folds once more so a single-word key is mixed twice.
+/// This is the construction of `foldhash`/`ahash`'s fallback, at two multiplies per key.
+#[derive(Debug, Clone, Copy)]
+pub struct FastHasher {
+    acc: u64,
+    k1: u64,
+    k2: u64,
+}
 
-const K: u64 = 0x9E37_79B9_7F4A_7C15;
+/// The 128-bit product of `a` and `b`, high half XOR low half.
+#[inline(always)]
+fn folded_multiply(a: u64, b: u64) -> u64 {
+    let r = (a as u128).wrapping_mul(b as u128);
+    (r as u64) ^ ((r >> 64) as u64)
+}
+
+/// Constants (digits of pi) that keep a zero key from zeroing a product.
+const P0: u64 = 0x243f_6a88_85a3_08d3;
+const P1: u64 = 0x1319_8a2e_0370_7344;
 
 impl Hasher for FastHasher {
     #[inline]
     fn finish(&self) -> u64 {
-        self.0
+        folded_multiply(self.acc ^ self.k2, P1 ^ self.k1)
     }
     #[inline]
     fn write(&mut self, bytes: &[u8]) {
@@ -45,11 +66,12 @@ impl Hasher for FastHasher {
     }
     #[inline]
     fn write_u64(&mut self, x: u64) {
-        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(K);
+        self.acc = folded_multiply(self.acc ^ x, self.k1);
     }
     #[inline]
     fn write_u128(&mut self, x: u128) {
-        self.write_u64((x as u64) ^ ((x >> 64) as u64));
+        // Both halves enter one product, each XORed with its own key word.
+        self.acc = folded_multiply(self.acc ^ x as u64, self.k1 ^ (x >> 64) as u64);
     }
     #[inline]
     fn write_u32(&mut self, x: u32) {
@@ -61,10 +83,79 @@ impl Hasher for FastHasher {
     }
 }
 
-/// `BuildHasher` for [`FastHasher`].
-pub type FastBuild = BuildHasherDefault<FastHasher>;
-/// A `HashMap` keyed by integers, hashed with [`FastHasher`].
+/// `BuildHasher` for [`FastHasher`]: holds one map's random key. `Default` draws a fresh key
+/// from std's `RandomState` (seeded from the OS once per thread, distinct for every instance),
+/// so two maps never share a key and no process can predict another's.
+#[derive(Debug, Clone, Copy)]
+pub struct FastBuild {
+    k0: u64,
+    k1: u64,
+    k2: u64,
+}
+
+impl Default for FastBuild {
+    fn default() -> Self {
+        let rs = std::collections::hash_map::RandomState::new();
+        Self {
+            k0: rs.hash_one(0u8),
+            // Odd, so the multiplier never has low zero bits however the key falls.
+            k1: rs.hash_one(1u8) | 1,
+            k2: rs.hash_one(2u8),
+        }
+    }
+}
+
+impl BuildHasher for FastBuild {
+    type Hasher = FastHasher;
+    #[inline]
+    fn build_hasher(&self) -> FastHasher {
+        FastHasher {
+            acc: self.k0 ^ P0,
+            k1: self.k1,
+            k2: self.k2,
+        }
+    }
+}
+
+/// A `HashMap` keyed by integers, hashed with [`FastHasher`] under a per-map random key.
 pub type FastMap<K, V> = HashMap<K, V, FastBuild>;
+
+/// Probes a SwissTable-style map (hashbrown, behind `std::collections::HashMap`) would spend
+/// inserting `keys` hashed by `build`, as groups visited per key on average. It replays
+/// hashbrown's layout: the smallest power-of-two bucket count holding the keys at a 7/8 load,
+/// the start bucket from the hash's low bits, 16-slot groups probed in triangular order. A
+/// well-spread hash visits about one group per key at any size; keys whose hashes share their
+/// low bits visit a number growing with the key count — the quadratic blowup, detected by
+/// counting rather than by timing. For tests and diagnostics.
+pub fn probe_cost<K: std::hash::Hash>(
+    build: &impl BuildHasher,
+    keys: impl IntoIterator<Item = K>,
+) -> f64 {
+    const GROUP: usize = 16;
+    let hashes: Vec<u64> = keys.into_iter().map(|k| build.hash_one(k)).collect();
+    let n = hashes.len();
+    if n == 0 {
+        return 0.0;
+    }
+    let buckets = (n * 8).div_ceil(7).next_power_of_two().max(GROUP);
+    let mask = buckets - 1;
+    let mut used = vec![false; buckets];
+    let mut groups = 0u64;
+    for h in hashes {
+        let mut pos = h as usize & mask;
+        let mut stride = 0;
+        loop {
+            groups += 1;
+            if let Some(j) = (0..GROUP).find(|&j| !used[(pos + j) & mask]) {
+                used[(pos + j) & mask] = true;
+                break;
+            }
+            stride += GROUP;
+            pos = (pos + stride) & mask;
+        }
+    }
+    groups as f64 / n as f64
+}
 
 /// The prefix cache of one manager.
 #[derive(Debug, Clone)]
@@ -86,26 +177,59 @@ pub struct PrefixCache {
 impl PrefixCache {
     /// An empty cache for `num_blocks` blocks of `block_size` tokens; `verify` keeps token ids;
     /// `presize` reserves the hash map for every block up front (off when caching is disabled).
+    /// Panics if the host cannot allocate it; [`PrefixCache::try_new`] returns an error instead.
     pub fn new(num_blocks: u32, block_size: u32, verify: bool, presize: bool) -> Self {
+        match Self::try_new(num_blocks, block_size, verify, presize) {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`PrefixCache::new`] with every allocation made fallibly: `AllocationFailed` names the
+    /// array that did not fit and the bytes it asked for.
+    pub fn try_new(
+        num_blocks: u32,
+        block_size: u32,
+        verify: bool,
+        presize: bool,
+    ) -> crate::Result<Self> {
+        use crate::error::alloc::{failure, filled_vec, zeroed_vec};
         let n = num_blocks as usize;
-        Self {
+        // The verify copy first: the largest array, and lazily committed, so an impossible
+        // size fails before anything else is allocated.
+        let tokens = if verify {
+            let what = "prefix cache token ids (verify_prefix)";
+            let len = n
+                .checked_mul(block_size as usize)
+                .ok_or_else(|| failure(what, n as u128 * block_size as u128 * 4))?;
+            zeroed_vec(len, what)?
+        } else {
+            Vec::new()
+        };
+        let mut map = FastMap::default();
+        if presize {
             // At most one hash per block: sized once, the map never grows on the hot path.
-            map: FastMap::with_capacity_and_hasher(if presize { n } else { 0 }, Default::default()),
-            hash_of: vec![0; n],
-            hashed: vec![false; n],
-            prev: vec![NIL; n],
-            next: vec![NIL; n],
-            in_lru: vec![false; n],
+            map.try_reserve(n).map_err(|_| {
+                // What the SwissTable asks for: a power-of-two bucket count at a 7/8 load, each
+                // bucket an entry and a control byte, plus one group of trailing control bytes.
+                let buckets = (n as u128 * 8 / 7).max(4).next_power_of_two();
+                let per = (std::mem::size_of::<(u128, BlockId)>() + 1) as u128;
+                failure("prefix hash map", buckets * per + 16)
+            })?;
+        }
+        Ok(Self {
+            map,
+            hash_of: zeroed_vec(n, "prefix cache block hashes")?,
+            hashed: zeroed_vec(n, "prefix cache hashed flags")?,
+            prev: filled_vec(n, NIL, "prefix LRU links")?,
+            next: filled_vec(n, NIL, "prefix LRU links")?,
+            in_lru: zeroed_vec(n, "prefix LRU flags")?,
             head: NIL,
             tail: NIL,
             lru_len: 0,
             block_size: block_size as usize,
-            tokens: if verify {
-                vec![0; n * block_size as usize]
-            } else {
-                Vec::new()
-            },
-        }
+            tokens,
+        })
     }
 
     /// True in verify mode.
@@ -128,6 +252,12 @@ impl PrefixCache {
         } else {
             None
         }
+    }
+
+    /// [`probe_cost`] of the hash map's current keys under its own hasher: about 1 unless the
+    /// keys cluster (for tests and diagnostics; O(number of hashed blocks)).
+    pub fn map_probe_cost(&self) -> f64 {
+        probe_cost(self.map.hasher(), self.map.keys())
     }
 
     /// Number of hashed blocks.
@@ -388,15 +518,68 @@ mod tests {
 
     #[test]
     fn fast_hasher_spreads_small_keys() {
-        let h = |x: u64| {
-            let mut s = FastHasher::default();
-            s.write_u64(x);
-            s.finish()
-        };
-        let tops: std::collections::HashSet<u64> = (0..64).map(|x| h(x) >> 57).collect();
+        let b = FastBuild::default();
+        let tops: std::collections::HashSet<u64> =
+            (0..64u64).map(|x| b.hash_one(x) >> 57).collect();
         assert!(
             tops.len() > 32,
             "control bits should vary across small keys"
         );
+    }
+
+    /// Structured and crafted keys cost the same probes as random ones: the counts of a replayed
+    /// SwissTable stay near one group per key, where the previous one-multiply hasher sent every
+    /// such key to one bucket (tens of thousands of groups per key at these sizes).
+    #[test]
+    fn adversarial_keys_probe_like_random_ones() {
+        let n = 48_000u64;
+        let b = FastBuild::default();
+        let seq_ids = probe_cost(&b, (0..n).map(|i| i << 32));
+        let packed = probe_cost(&b, (0..n).map(|i| (i << 32) | 3));
+        let dense = probe_cost(&b, 0..n);
+        // Block hashes whose halves cancel (`lo ^ hi` constant) or whose low bits are zero.
+        let cancel = probe_cost(&b, (0..n as u128).map(|i| (i << 64) | i));
+        let high = probe_cost(&b, (0..n as u128).map(|i| i << 40));
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let random = probe_cost(
+            &b,
+            (0..n).map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                ((x as u128) << 64) | x.rotate_left(21) as u128
+            }),
+        );
+        for (name, c) in [
+            ("i << 32", seq_ids),
+            ("(i << 32) | 3", packed),
+            ("0..n", dense),
+            ("lo ^ hi = 0", cancel),
+            ("i << 40", high),
+            ("random", random),
+        ] {
+            assert!(c < 1.5, "{name}: {c} groups per key");
+        }
+    }
+
+    /// The replay really detects the blowup: a hasher that ignores its key's low bits costs a
+    /// number of groups per key that grows with the key count.
+    #[test]
+    fn probe_cost_detects_clustered_hashes() {
+        #[derive(Default)]
+        struct Shift(u64);
+        impl Hasher for Shift {
+            fn finish(&self) -> u64 {
+                self.0
+            }
+            fn write(&mut self, _: &[u8]) {}
+            fn write_u64(&mut self, x: u64) {
+                self.0 = x.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            }
+        }
+        let b = std::hash::BuildHasherDefault::<Shift>::default();
+        let small = probe_cost(&b, (0..2_000u64).map(|i| i << 32));
+        let large = probe_cost(&b, (0..8_000u64).map(|i| i << 32));
+        assert!(small > 20.0 && large > 3.0 * small, "{small} {large}");
     }
 }

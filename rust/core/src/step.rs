@@ -64,7 +64,8 @@ pub struct StepBuffers<'a> {
     pub kv_indices: &'a mut [i32],
     /// Tokens in each sequence's last page, `((len - 1) % B) + 1`: `>=` batch.
     pub kv_last_page_len: &'a mut [i32],
-    /// Pending copy-on-write copies, flat `(src, dst)` block pairs: `>=` 2 × pending copies.
+    /// Copy-on-write copies, flat `(src, dst)` block pairs. A step writes as many pending copies
+    /// as fit (at least those its own batch needs); the rest wait for a later step.
     pub copies: &'a mut [i64],
 }
 

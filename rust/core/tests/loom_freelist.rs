@@ -37,7 +37,7 @@ impl Shared {
     fn give(&self, id: BlockId) {
         let was = self.owned[id as usize].swap(false, Ordering::Relaxed);
         assert!(was, "id {id} pushed while not held");
-        self.list.push(id);
+        self.list.push(id).unwrap();
     }
 
     fn pop(&self) -> Option<BlockId> {

@@ -87,7 +87,8 @@ fn config_defaults() {
     assert_eq!(c.watermark_blocks, 10);
     assert_eq!(c.max_blocks_per_seq, 1000);
     assert!(c.enable_prefix_caching);
-    assert!(!c.verify_prefix);
+    assert!(c.verify_prefix);
+    assert_eq!(c.hash_seed, None);
     c.validate().unwrap();
     assert_eq!(ManagerConfig::new(50, 16).watermark_blocks, 1);
     let one = ManagerConfig::new(1, 16);
@@ -785,4 +786,81 @@ fn repeated_batches_follow_admissions_and_frees() {
     m.build_step(&[4, 2], &[1, 1], &mut ob.view()).unwrap();
     assert_eq!(&ob.seq_lens[..2], &[5, 2]);
     m.check_invariants().unwrap();
+}
+
+// ---------------------------------------------------------------- hash maps under structured keys
+
+/// Sequence ids that pack a request id above a sample index (`i << 32`) keep the id index at
+/// about one probe group per key (counted by replaying the table's probes, not timed); the
+/// previous one-multiply hasher sent every such id to one bucket.
+#[test]
+fn structured_seq_ids_keep_the_index_flat() {
+    let n = 80_000u64;
+    let mut c = ManagerConfig::new(n as u32 + 1, 16);
+    c.watermark_blocks = 0;
+    let mut m = BlockManager::new(c).unwrap();
+    for i in 0..n {
+        m.admit(i << 32, &[i as u32]).unwrap();
+    }
+    let (index, _) = m.map_probe_costs();
+    assert!(index < 1.5, "{index} probe groups per sequence id");
+    // A decode step over 256 of them resolves every id once.
+    let batch: Vec<SeqId> = (0..256u64).map(|i| i << 32).collect();
+    m.append_batch(&batch, &[1; 256]).unwrap();
+    m.check_invariants().unwrap();
+}
+
+/// Block hashes crafted to defeat a weak integer hash (halves that cancel, zero low bits) keep
+/// the prefix map flat too.
+#[test]
+fn crafted_block_hashes_keep_the_prefix_map_flat() {
+    use pagedkv::prefix::PrefixCache;
+    let n = 48_000u32;
+    for craft in [
+        (|i: u128| (i << 64) | i) as fn(u128) -> u128,
+        |i| i << 40,
+        |i| i << 96,
+    ] {
+        let mut p = PrefixCache::new(n, 1, false, true);
+        for b in 0..n {
+            assert!(p.register(b, craft(b as u128), &[0]));
+        }
+        let cost = p.map_probe_cost();
+        assert!(cost < 1.5, "{cost} probe groups per block hash");
+    }
+}
+
+// ---------------------------------------------------------------- allocation failures
+
+/// A pool whose verify copy cannot exist on any 64-bit host (2^64 bytes of token ids) is a typed
+/// error naming the array and the bytes asked for, not an abort; nothing is left allocated.
+#[test]
+fn impossible_allocation_is_a_typed_error() {
+    let mut c = ManagerConfig::new(i32::MAX as u32, i32::MAX as u32);
+    c.max_blocks_per_seq = 1;
+    c.validate().unwrap();
+    assert!(c.verify_prefix);
+    match BlockManager::new(c) {
+        Err(Error::AllocationFailed { what, bytes }) => {
+            assert!(what.contains("verify_prefix"), "{what}");
+            assert_eq!(bytes, (i32::MAX as u64).pow(2) * 4);
+            let msg = Error::AllocationFailed { what, bytes }.to_string();
+            assert!(msg.contains(&bytes.to_string()), "{msg}");
+        }
+        other => panic!("expected AllocationFailed, got {:?}", other.map(|_| ())),
+    }
+}
+
+/// 2^26 blocks with verify on (4 GiB of token ids, committed lazily): builds, or fails with
+/// `AllocationFailed` on a host too small for it; never aborts. (The documented maximum,
+/// 2^31 - 1 one-token blocks, is left out: on a large host it would build and write tens of GiB.)
+#[test]
+fn large_pools_build_or_fail_typed() {
+    for (n, bs) in [(1u32 << 26, 16u32)] {
+        match BlockManager::new(ManagerConfig::new(n, bs)) {
+            Ok(m) => assert_eq!(m.num_free_blocks(), n as usize),
+            Err(Error::AllocationFailed { bytes, .. }) => assert!(bytes > 0),
+            Err(e) => panic!("unexpected error {e}"),
+        }
+    }
 }

@@ -339,17 +339,20 @@ fn revived_blocks_count_against_the_watermark() {
 
 // ---------------------------------------------------------------- verify mode
 
+const SEED: u64 = 0x5eed_1234_abcd_0001;
+
 fn forged(verify: bool) -> (BlockManager, u32) {
     let mut c = ManagerConfig::new(16, B);
     c.watermark_blocks = 0;
     c.verify_prefix = verify;
+    c.hash_seed = Some(SEED);
     let mut m = BlockManager::new(c).unwrap();
     m.admit(1, &[1, 2, 3, 4, 5]).unwrap();
     step_all(&mut m, &[1]);
     let a0 = table(&m, 1)[0];
     m.free(1).unwrap();
     // Make block a0 (tokens 1,2,3,4) claim the hash of a different first block (9,9,9,9).
-    let forged = prompt_hashes(&[9, 9, 9, 9, 5], B as usize, &SeqKeys::default())[0];
+    let forged = prompt_hashes(SEED, &[9, 9, 9, 9, 5], B as usize, &SeqKeys::default())[0];
     assert!(m.debug_relabel_block(a0, forged));
     let r = m.admit(2, &[9, 9, 9, 9, 5]).unwrap();
     (m, r.cached_tokens)
@@ -367,6 +370,92 @@ fn verify_mode_rejects_a_forged_collision() {
     );
     assert_eq!(m.stats().prefix_collisions, 1);
     m.check_invariants().unwrap();
+}
+
+/// Verify mode is the default: a forged collision on a default-configured manager is a miss,
+/// counted, and the forged block is not served.
+#[test]
+fn verify_is_on_by_default() {
+    let c = ManagerConfig::new(16, B);
+    assert!(c.verify_prefix);
+    let mut c = c;
+    c.watermark_blocks = 0;
+    c.hash_seed = Some(SEED);
+    let mut m = BlockManager::new(c).unwrap();
+    m.admit(1, &[1, 2, 3, 4, 5]).unwrap();
+    step_all(&mut m, &[1]);
+    let a0 = table(&m, 1)[0];
+    m.free(1).unwrap();
+    let h = prompt_hashes(SEED, &[9, 9, 9, 9, 5], B as usize, &SeqKeys::default())[0];
+    assert!(m.debug_relabel_block(a0, h));
+    assert_eq!(m.admit(2, &[9, 9, 9, 9, 5]).unwrap().cached_tokens, 0);
+    assert_eq!(m.stats().prefix_collisions, 1);
+    assert_ne!(
+        table(&m, 2)[0],
+        a0,
+        "the forged block is not handed out as a hit"
+    );
+    m.check_invariants().unwrap();
+}
+
+// ---------------------------------------------------------------- hash keys
+
+/// The block hashes of a one-sequence run of `p` on a manager with `seed`.
+fn hashes_of(seed: Option<u64>, p: &[u32], salt: &[u8]) -> Vec<Option<u128>> {
+    let mut c = ManagerConfig::new(16, B);
+    c.watermark_blocks = 0;
+    c.hash_seed = seed;
+    let mut m = BlockManager::new(c).unwrap();
+    let keys = SeqKeys {
+        cache_salt: salt.to_vec(),
+        ..Default::default()
+    };
+    m.admit_with(1, p, &keys).unwrap();
+    step_all(&mut m, &[1]);
+    table(&m, 1).iter().map(|&b| m.block_hash(b)).collect()
+}
+
+/// Without a configured key every manager draws its own: the same prompt is cached under
+/// different, unpredictable hashes (none equals the public unkeyed chain), salt or not.
+#[test]
+fn default_hash_key_is_random_per_manager() {
+    let p = prompt(9, 3);
+    for salt in [&b""[..], b"tenant"] {
+        let a = hashes_of(None, &p, salt);
+        let b = hashes_of(None, &p, salt);
+        assert!(a[0].is_some() && a[1].is_some() && a[2].is_none());
+        assert_ne!(a[0], b[0]);
+        assert_ne!(a[1], b[1]);
+        let keys = SeqKeys {
+            cache_salt: salt.to_vec(),
+            ..Default::default()
+        };
+        let public = prompt_hashes(0, &p, B as usize, &keys);
+        assert_ne!(a[0], Some(public[0]));
+        assert_ne!(a[1], Some(public[1]));
+    }
+}
+
+/// An explicit key reproduces the same hashes in every manager, equal to `prompt_hashes` under
+/// that key; another key changes every hash, the root included.
+#[test]
+fn explicit_hash_seed_is_reproducible() {
+    let p = prompt(9, 3);
+    let a = hashes_of(Some(SEED), &p, b"s");
+    assert_eq!(a, hashes_of(Some(SEED), &p, b"s"));
+    let keys = SeqKeys {
+        cache_salt: b"s".to_vec(),
+        ..Default::default()
+    };
+    let want = prompt_hashes(SEED, &p, B as usize, &keys);
+    assert_eq!(a, vec![Some(want[0]), Some(want[1]), None]);
+    let other = hashes_of(Some(SEED ^ 1), &p, b"s");
+    assert_ne!(a[0], other[0]);
+    assert_ne!(a[1], other[1]);
+    assert_ne!(
+        pagedkv::hash::root_hash(SEED, b"s"),
+        pagedkv::hash::root_hash(SEED ^ 1, b"s")
+    );
 }
 
 // ---------------------------------------------------------------- fork and copy-on-write
@@ -672,7 +761,11 @@ fn permutations(xs: &[SeqId]) -> Vec<Vec<SeqId>> {
 
 #[test]
 fn check_invariants_reports_a_block_cached_under_a_foreign_chain() {
-    let mut m = mgr(16, 0);
+    // Verify off: in verify mode a block's content, not its chain, is what the check compares.
+    let mut c = ManagerConfig::new(16, B);
+    c.watermark_blocks = 0;
+    c.verify_prefix = false;
+    let mut m = BlockManager::new(c).unwrap();
     m.admit(1, &prompt(8, 24)).unwrap();
     step_all(&mut m, &[1]);
     let b0 = table(&m, 1)[0];
@@ -691,4 +784,94 @@ fn check_invariants_reports_a_block_cached_under_a_foreign_chain() {
     );
     assert_eq!(m.block_hash(16), None);
     assert!(!m.debug_relabel_block(16, 1));
+}
+
+/// More pending copies than the copy buffer holds: every step still runs. An empty step emits
+/// what fits (queue order) and keeps the rest queued; a step that schedules a sequence emits that
+/// sequence's copy first; only a batch whose own copies do not fit is refused, changing nothing.
+/// Before, every step failed with `BufferTooSmall` once the queue outgrew the buffer.
+#[test]
+fn copies_beyond_the_buffer_stay_queued() {
+    let mut m = mgr(64, 0);
+    m.admit(0, &prompt(6, 5)).unwrap(); // one full block and a 2-token tail
+    step_all(&mut m, &[0]);
+    for k in 1..=4 {
+        m.fork(0, k).unwrap();
+    }
+    m.append_batch(&[1, 2, 3, 4], &[7, 7, 7, 7]).unwrap();
+    let queued = m.pending_copies().to_vec();
+    assert_eq!(queued.len(), 4);
+    let mut ob = OwnedStepBuffers::new(StepLayout {
+        max_seqs: 16,
+        max_tokens: 1024,
+        max_blocks_per_seq: 64,
+        max_copies: 1,
+    });
+    // An empty step: the oldest copy goes out, three stay.
+    let info = m.build_step(&[], &[], &mut ob.view()).unwrap();
+    assert_eq!(info.num_copies, 1);
+    assert_eq!(
+        (ob.copies[0], ob.copies[1]),
+        (queued[0].0 as i64, queued[0].1 as i64)
+    );
+    assert_eq!(m.pending_copies(), &queued[1..]);
+    m.check_invariants().unwrap();
+    // Scheduling sequence 4 emits its own copy (the newest), not the oldest.
+    let info = m.build_step(&[4], &[1], &mut ob.view()).unwrap();
+    assert_eq!(info.num_copies, 1);
+    assert_eq!(
+        (ob.copies[0], ob.copies[1]),
+        (queued[3].0 as i64, queued[3].1 as i64)
+    );
+    assert_eq!(m.pending_copies(), &queued[1..3]);
+    m.check_invariants().unwrap();
+    // Two scheduled sequences each needing a copy do not fit one slot: refused, unchanged.
+    let before = (m.pending_copies().to_vec(), m.stats());
+    assert_eq!(
+        m.build_step(&[2, 3], &[1, 1], &mut ob.view()),
+        Err(Error::BufferTooSmall {
+            buffer: "copies",
+            needed: 4,
+            capacity: 2
+        })
+    );
+    assert_eq!((m.pending_copies().to_vec(), m.stats()), before);
+    // The parent holds every copy's src: scheduling it needs both remaining copies too.
+    assert!(m.build_step(&[0], &[1], &mut ob.view()).is_err());
+    // One at a time they go through; then the queue is empty.
+    assert_eq!(
+        m.build_step(&[2], &[1], &mut ob.view()).unwrap().num_copies,
+        1
+    );
+    assert_eq!(
+        m.build_step(&[3], &[1], &mut ob.view()).unwrap().num_copies,
+        1
+    );
+    assert!(m.pending_copies().is_empty());
+    assert_eq!(
+        m.build_step(&[0], &[6], &mut ob.view()).unwrap().num_copies,
+        0
+    );
+    m.check_invariants().unwrap();
+    // Freeing the parent while its tail is still a queued src keeps that block until the copy
+    // goes out, then releases it.
+    for k in 1..=4 {
+        m.free(k).unwrap();
+    }
+    m.fork(0, 5).unwrap();
+    m.fork(0, 6).unwrap();
+    m.append_batch(&[5, 6], &[1, 1]).unwrap();
+    m.free(0).unwrap();
+    m.check_invariants().unwrap();
+    assert_eq!(
+        m.build_step(&[], &[], &mut ob.view()).unwrap().num_copies,
+        1
+    );
+    m.check_invariants().unwrap();
+    assert_eq!(
+        m.build_step(&[6], &[1], &mut ob.view()).unwrap().num_copies,
+        1
+    );
+    assert!(m.pending_copies().is_empty());
+    m.check_invariants().unwrap();
 }

@@ -207,8 +207,16 @@ impl Harness {
         for (&id, ms) in &self.model {
             let t = self.m.block_table(id).unwrap();
             let fp = fingerprints(ms);
+            let pending = self.m.pending_copies();
             for p in 0..ms.computed {
-                let slot = t[p / self.bs] as usize * self.bs + p % self.bs;
+                // A block whose copy is still queued gets its content from the copy's src when
+                // the copy runs: that src must still hold the right KV.
+                let b = t[p / self.bs];
+                let b = pending
+                    .iter()
+                    .find(|&&(_, d)| d == b)
+                    .map_or(b, |&(src, _)| src);
+                let slot = b as usize * self.bs + p % self.bs;
                 assert_eq!(
                     self.kv[slot],
                     Some(fp[p]),
@@ -444,9 +452,42 @@ impl Harness {
                     .map(|s| (self.model[s].tokens.len() - self.model[s].computed) as u32)
                     .collect();
                 let copies_before = self.m.pending_copies().to_vec();
-                let info = self.m.build_step(&seqs, &n, &mut self.ob.view()).unwrap();
-                self.check_step_output(&seqs, &n, &info, &copies_before);
-                Ok(())
+                // The copies the batch needs when not all fit: those whose dst or src a scheduled
+                // table holds.
+                let room = self.ob.copies.len() / 2;
+                let needed = if copies_before.len() <= room {
+                    0
+                } else {
+                    copies_before
+                        .iter()
+                        .filter(|&&(src, d)| {
+                            seqs.iter().any(|&q| {
+                                let t = self.m.block_table(q).unwrap();
+                                t.contains(&d) || t.contains(&src)
+                            })
+                        })
+                        .count()
+                };
+                match self.m.build_step(&seqs, &n, &mut self.ob.view()) {
+                    Ok(info) => {
+                        assert!(needed <= room);
+                        self.check_step_output(&seqs, &n, &info, &copies_before);
+                        Ok(())
+                    }
+                    Err(e) => {
+                        // Only a batch whose own copies do not fit may be refused.
+                        assert!(needed > room, "{e}");
+                        assert_eq!(
+                            e,
+                            Error::BufferTooSmall {
+                                buffer: "copies",
+                                needed: 2 * needed,
+                                capacity: 2 * room
+                            }
+                        );
+                        Err(e)
+                    }
+                }
             }
         };
         if res.is_err() {
@@ -470,8 +511,37 @@ impl Harness {
         let bs = self.bs;
         let ob = &self.ob;
         assert_eq!(info.num_seqs, seqs.len());
-        assert_eq!(info.num_copies, copies.len());
-        assert!(self.m.pending_copies().is_empty());
+        // The emitted copies are the queue minus what stays pending, in queue order; all of
+        // them fit, and none still pending is one a scheduled table holds.
+        let emitted: Vec<(u32, u32)> = (0..info.num_copies)
+            .map(|j| (ob.copies[2 * j] as u32, ob.copies[2 * j + 1] as u32))
+            .collect();
+        let left = self.m.pending_copies().to_vec();
+        let mut merged: Vec<(u32, u32)> = copies
+            .iter()
+            .copied()
+            .filter(|c| emitted.contains(c) || left.contains(c))
+            .collect();
+        assert_eq!(merged.len(), copies.len());
+        merged.retain(|c| emitted.contains(c));
+        assert_eq!(merged, emitted);
+        assert_eq!(
+            copies
+                .iter()
+                .copied()
+                .filter(|c| left.contains(c))
+                .collect::<Vec<_>>(),
+            left
+        );
+        assert!(info.num_copies <= ob.copies.len() / 2);
+        assert!(left.is_empty() || info.num_copies == ob.copies.len() / 2);
+        for &(src, d) in &left {
+            for &q in seqs {
+                let t = self.m.block_table(q).unwrap();
+                assert!(!t.contains(&d) && !t.contains(&src));
+            }
+        }
+        let copies = &emitted[..];
         // Copies: distinct dsts, no dst is a src; applied together, before any write.
         let dsts: std::collections::HashSet<u32> = copies.iter().map(|c| c.1).collect();
         assert_eq!(dsts.len(), copies.len());
@@ -556,13 +626,17 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 3000, ..ProptestConfig::default() })]
 
     #[test]
-    fn manager_matches_model(cfg in config(), ops in prop::collection::vec(op(), 1..100)) {
+    fn manager_matches_model(
+        cfg in config(),
+        max_copies in prop::sample::select(vec![1usize, 2, 128]),
+        ops in prop::collection::vec(op(), 1..100),
+    ) {
         let bs = cfg.block_size as usize;
         let layout = StepLayout {
             max_seqs: 16,
             max_tokens: 4096,
             max_blocks_per_seq: cfg.max_blocks_per_seq as usize,
-            max_copies: 128,
+            max_copies,
         };
         let mut h = Harness {
             kv: vec![None; cfg.num_blocks as usize * bs],

@@ -21,7 +21,7 @@ use pyo3::BoundObject;
 /// The exception classes, in the order of [`CLASS_NAMES`].
 struct Classes([Py<PyType>; CLASS_NAMES.len()]);
 
-const CLASS_NAMES: [&str; 14] = [
+const CLASS_NAMES: [&str; 15] = [
     "InvalidConfigError",
     "InvalidArgumentError",
     "UnknownSequenceError",
@@ -36,6 +36,7 @@ const CLASS_NAMES: [&str; 14] = [
     "RefcountUnderflowError",
     "PrefixCollisionError",
     "InvariantViolationError",
+    "AllocationFailedError",
 ];
 
 const INVALID_ARGUMENT: usize = 1;
@@ -207,6 +208,12 @@ fn core_err_py(py: Python<'_>, e: Error) -> PyErr {
         Error::RefcountUnderflow { block } => raise(py, 11, message, &[("block", obj(py, block))]),
         Error::PrefixCollision { block } => raise(py, 12, message, &[("block", obj(py, block))]),
         Error::InvariantViolation(detail) => raise(py, 13, message, &[("detail", obj(py, detail))]),
+        Error::AllocationFailed { what, bytes } => raise(
+            py,
+            14,
+            message,
+            &[("what", obj(py, what)), ("bytes", obj(py, bytes))],
+        ),
     }
 }
 
@@ -331,6 +338,10 @@ pub fn sample(name: &str) -> Option<Error> {
         "RefcountUnderflow" => Error::RefcountUnderflow { block: 3 },
         "PrefixCollision" => Error::PrefixCollision { block: 4 },
         "InvariantViolation" => Error::InvariantViolation("free list holds block 2 twice".into()),
+        "AllocationFailed" => Error::AllocationFailed {
+            what: "prefix hash map",
+            bytes: 1 << 40,
+        },
         _ => return None,
     })
 }

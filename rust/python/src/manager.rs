@@ -271,7 +271,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
 #[pymethods]
 impl PyBlockManager {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size=None, watermark_blocks=None, max_blocks_per_seq=None, enable_prefix_caching=None, verify_prefix=None))]
+    #[pyo3(signature = (num_blocks, block_size=None, watermark_blocks=None, max_blocks_per_seq=None, enable_prefix_caching=None, verify_prefix=None, hash_seed=None))]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
         block_size: Option<Bound<'_, PyAny>>,
@@ -279,6 +279,7 @@ impl PyBlockManager {
         max_blocks_per_seq: Option<Bound<'_, PyAny>>,
         enable_prefix_caching: Option<Bound<'_, PyAny>>,
         verify_prefix: Option<Bound<'_, PyAny>>,
+        hash_seed: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let num_blocks = scalar::<u32>("num_blocks", num_blocks)?;
         let block_size = match opt(&block_size) {
@@ -298,6 +299,9 @@ impl PyBlockManager {
         }
         if let Some(f) = &verify_prefix {
             cfg.verify_prefix = flag("verify_prefix", f)?;
+        }
+        if let Some(k) = opt(&hash_seed) {
+            cfg.hash_seed = Some(scalar::<u64>("hash_seed", k)?);
         }
         let inner = BlockManager::new(cfg).py()?;
         Ok(Self {
@@ -780,10 +784,12 @@ impl PyBlockManager {
     }
 }
 
-/// The chained prefix hashes of every full block of `token_ids`, 16 little-endian bytes each
-/// (the `u128le` encoding the chain itself uses); the same keys as `BlockManager.admit`.
+/// The chained prefix hashes of every full block of `token_ids` under hash key `hash_seed` (a
+/// manager's `hash_seed`), 16 little-endian bytes each (the `u128le` encoding the chain itself
+/// uses); the same keys as `BlockManager.admit`.
 #[pyfunction]
-#[pyo3(signature = (token_ids, block_size, cache_salt=None, adapter_id=None, mm_inputs=None, extra_keys=None))]
+#[pyo3(signature = (token_ids, block_size, cache_salt=None, adapter_id=None, mm_inputs=None, extra_keys=None, *, hash_seed))]
+#[allow(clippy::too_many_arguments)]
 pub fn hash_blocks<'py>(
     py: Python<'py>,
     token_ids: &Bound<'py, PyAny>,
@@ -792,7 +798,9 @@ pub fn hash_blocks<'py>(
     adapter_id: Option<Bound<'py, PyAny>>,
     mm_inputs: Option<Bound<'py, PyAny>>,
     extra_keys: Option<Bound<'py, PyAny>>,
+    hash_seed: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyList>> {
+    let key = scalar::<u64>("hash_seed", hash_seed)?;
     let b = scalar::<u32>("block_size", block_size)?;
     if b == 0 {
         return Err(invalid_arg("block_size", block_size, "must be >= 1"));
@@ -801,7 +809,7 @@ pub fn hash_blocks<'py>(
     let mut scratch = Vec::new();
     let hashes = with_ids("token_ids", token_ids, &mut scratch, |toks| {
         keys.validate(toks.len()).py()?;
-        Ok(py.detach(|| pagedkv::hash::prompt_hashes(toks, b as usize, &keys)))
+        Ok(py.detach(|| pagedkv::hash::prompt_hashes(key, toks, b as usize, &keys)))
     })?;
     PyList::new(
         py,
