@@ -719,6 +719,9 @@ def plot_timeline(result: SimResult, path: str) -> None:
     p, c = result.paged, result.contiguous
     if not p.timeline or not c.timeline:
         raise InvalidConfigError("this result holds no timeline; run simulate(record_timeline=True)")
+    from ._optional import require
+
+    require("matplotlib", "plot_timeline")  # one-line error naming pagedkv[plot] when absent
     # The object-oriented API with an Agg canvas: no pyplot, no global backend switch.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

@@ -34,7 +34,7 @@ import math
 import random
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, overload
 
 from ..errors import InvalidArgumentError, OutOfBlocksError
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -747,6 +747,28 @@ class LLM:
     def stats(self) -> EngineStats:
         """The engine's counters (:class:`EngineStats`)."""
         return self.llm_engine.stats()
+
+    # The overloads exist for type checkers: with the union alone, mypy infers a mixed list literal
+    # (`["text", [1, 2]]`) as `list[Sequence[object]]` and rejects the README's own call.
+    @overload
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        use_tqdm: bool = True,
+        cache_salt: Union[str, bytes, None, Sequence[Union[str, bytes, None]]] = None,
+    ) -> List[RequestOutput]: ...
+
+    @overload
+    def generate(
+        self,
+        prompts: Prompt,
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        use_tqdm: bool = True,
+        cache_salt: Union[str, bytes, None, Sequence[Union[str, bytes, None]]] = None,
+    ) -> List[RequestOutput]: ...
 
     def generate(
         self,

@@ -55,6 +55,7 @@ use crate::{BlockId, SeqId, TokenId};
 /// Configuration of a [`BlockManager`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ManagerConfig {
+    /// Blocks in the pool; ids are `0..num_blocks`.
     pub num_blocks: u32,
     /// Tokens per block (`B`).
     pub block_size: u32,
@@ -62,6 +63,8 @@ pub struct ManagerConfig {
     pub watermark_blocks: u32,
     /// Width of a block-table row: the most blocks one sequence may hold.
     pub max_blocks_per_seq: u32,
+    /// Share full blocks between sequences with the same prefix (and keys), and keep freed full
+    /// blocks cached until their space is needed.
     pub enable_prefix_caching: bool,
     /// Keep each cached block's token ids and compare them on every hit; a mismatch (a hash
     /// collision) is served as a miss and counted.
@@ -184,6 +187,7 @@ pub struct AdmitResult {
 /// One admission of [`BlockManager::admit_batch`].
 #[derive(Debug, Clone, Copy)]
 pub struct AdmitRequest<'a> {
+    /// A new sequence id.
     pub seq: SeqId,
     /// The whole prompt (the prefix-cache lookup covers all of it).
     pub tokens: &'a [TokenId],
@@ -382,6 +386,7 @@ impl BlockManager {
         })
     }
 
+    /// The configuration the manager was built with.
     pub fn config(&self) -> &ManagerConfig {
         &self.cfg
     }
@@ -1658,14 +1663,17 @@ impl BlockManager {
         self.host.refcount(h)
     }
 
+    /// Whether `seq` is a live sequence.
     pub fn contains(&self, seq: SeqId) -> bool {
         self.index.contains_key(&seq)
     }
 
+    /// Tokens `seq` holds; `UnknownSequence` if it is not live.
     pub fn seq_len(&self, seq: SeqId) -> Result<usize> {
         Ok(self.slots[self.slot_of(seq)?].table.num_tokens)
     }
 
+    /// Physical blocks of `seq`, in logical order; `UnknownSequence` if it is not live.
     pub fn block_table(&self, seq: SeqId) -> Result<&[BlockId]> {
         Ok(&self.slots[self.slot_of(seq)?].table.blocks)
     }
@@ -1675,6 +1683,7 @@ impl BlockManager {
         self.index.keys().copied()
     }
 
+    /// Live sequences.
     pub fn num_seqs(&self) -> usize {
         self.index.len()
     }
