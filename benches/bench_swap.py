@@ -209,8 +209,8 @@ def crossover(args) -> dict:
     if core_decide:
         from pagedkv.manager import CostModel
 
-        mgr.set_cost_model(CostModel(host_link_bytes_per_s=link, prefill_tokens_per_s=tps,
-                                     kv_bytes_per_token=kvb))
+        mgr.cost_model = CostModel(host_link_bytes_per_s=link, prefill_tokens_per_s=tps,
+                                   kv_bytes_per_token=float(kvb))
     res["cost_model"] = "core BlockManager.decide" if core_decide else "contract formula (Python)"
 
     # The decode batch for the marginal view: prefilled once, grown one token per measured step.
@@ -286,7 +286,7 @@ def crossover(args) -> dict:
 
         row["swap_ms"] = _wall_ms(round_trip, args.reps)
         if core_decide:
-            mode, s_est, r_est = mgr.decide([sid])
+            mode, s_est, r_est = mgr.decide([sid])[:3]
         else:
             s_est = 2 * L * kvb / link
             r_est = L / tps

@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Deque, List, Optional, Sequence as SequenceT, 
 
 import numpy as np
 
-from .errors import InvalidArgumentError, InvalidConfigError, OutOfBlocksError
+from .errors import InvalidArgumentError, InvalidConfigError, OutOfBlocksError, OutOfHostBlocksError
 
 if TYPE_CHECKING:
     from .manager import BlockManager, StepInfo
@@ -433,10 +433,11 @@ class Scheduler:
         whole = all(s in group for s in self.running if s.admitted_order == order)
         if not self.can_swap or not whole:
             return ("recompute", None, None)
-        if self.preemption_mode != "auto":
-            return (self.preemption_mode, None, None)
-        mode, swap_s, rec_s = self.manager.decide([s.seq_id for s in group])
-        return (str(mode), float(swap_s), float(rec_s))
+        if self.preemption_mode != "auto" or getattr(self.manager, "cost_model", None) is None:
+            # Forced, or "auto" with no rates to decide by: swap (the KV is kept, nothing redone).
+            return ("swap" if self.preemption_mode == "auto" else self.preemption_mode, None, None)
+        d = self.manager.decide([s.seq_id for s in group])
+        return (d.mode, d.swap_cost_s, d.recompute_cost_s)
 
     def preempt(self, group: Union[Sequence, SequenceT[Sequence]]) -> str:
         """Reclaims ``group`` (a sequence or a forked group) by swap or recompute; returns the mode.
@@ -455,7 +456,7 @@ class Scheduler:
         if mode == "swap":
             try:
                 self.manager.swap_out([s.seq_id for s in group])
-            except OutOfBlocksError:
+            except OutOfHostBlocksError:
                 mode = "recompute"  # the host pool is full: the state is unchanged, recompute
         gone = set(map(id, group))
         self.running = [s for s in self.running if id(s) not in gone]

@@ -293,9 +293,9 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     if sim.num_host_blocks and sim.preemption_mode == "auto":
         from .manager import CostModel
 
-        mgr.set_cost_model(CostModel(host_link_bytes_per_s=sim.host_link_bytes_per_s,
-                                     prefill_tokens_per_s=sim.prefill_tokens_per_s,
-                                     kv_bytes_per_token=sim.kv_bytes_per_token))
+        mgr.cost_model = CostModel(host_link_bytes_per_s=sim.host_link_bytes_per_s,
+                                   prefill_tokens_per_s=sim.prefill_tokens_per_s,
+                                   kv_bytes_per_token=float(sim.kv_bytes_per_token))
     _check_capacity(workload, sim, mgr.watermark_blocks)
     # Prompt tokens of one step, plus one decode for every sequence the batch can hold: the same
     # prefill budget the contiguous run gets, with decodes never crowding it out.

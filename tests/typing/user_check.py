@@ -158,6 +158,27 @@ def allocation_failure(err: pagedkv.AllocationFailedError) -> str:
     return f"{what}: {size} bytes"
 
 
+def swap_flow() -> list[str]:
+    m = pagedkv.BlockManager(num_blocks=16, block_size=4, watermark_blocks=0, num_host_blocks=2)
+    m.cost_model = pagedkv.CostModel(host_link_bytes_per_s=50e9, prefill_tokens_per_s=20e3,
+                                     kv_bytes_per_token=1024.0)
+    m.admit(1, list(range(12)))
+    d: pagedkv.Decision = m.decide([1])
+    seen = [d.mode]
+    try:
+        m.swap_out([1])
+    except pagedkv.OutOfHostBlocksError as err:
+        needed: int = err.needed
+        seen.append(f"host {needed}>{err.available}")
+    m.recompute(1)
+    try:
+        m.recompute(1)
+    except pagedkv.InvalidSequenceStateError as err:
+        state: str = err.state
+        seen.append(f"{err.seq_id} {state} {err.expected}")
+    return seen
+
+
 def main() -> None:
     version: str = pagedkv.__version__
     assert version
@@ -168,6 +189,7 @@ def main() -> None:
     assert len(seen) == 7, seen
     assert len(error_classes()) == 6
     assert allocation_failure(pagedkv.AllocationFailedError("x", what="pool", bytes=8)) == "pool: 8 bytes"
+    assert len(swap_flow()) == 3
     if os.environ.get("PAGEDKV_USER_CHECK_ENGINE"):
         assert len(engine_flow()) >= 5
 

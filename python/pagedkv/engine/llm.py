@@ -692,8 +692,8 @@ def _set_cost_model(manager: Any, rates: Tuple[float, float], kv_bytes_per_token
     """Gives the manager's cost model its rates: ``(host link bytes/s, prefill tokens/s)``."""
     from ..manager import CostModel
 
-    manager.set_cost_model(CostModel(host_link_bytes_per_s=rates[0], prefill_tokens_per_s=rates[1],
-                                     kv_bytes_per_token=kv_bytes_per_token))
+    manager.cost_model = CostModel(host_link_bytes_per_s=rates[0], prefill_tokens_per_s=rates[1],
+                                   kv_bytes_per_token=float(kv_bytes_per_token))
 
 
 def _stage_bar(enabled: bool, total: int, desc: str) -> Any:
