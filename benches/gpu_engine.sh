@@ -3,6 +3,7 @@
 # Usage (repository root): OUT=/some/dir bash benches/gpu_engine.sh [bench_engine.py args...]
 set -u -o pipefail
 OUT="${OUT:-out}"
+unset TRITON_INTERPRET
 TESTS="tests/test_engine_runner.py tests/test_engine.py" bash "$(dirname "$0")/gpu_validate.sh"
 rc=$?
 PYTHONPATH=python HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 \
