@@ -764,22 +764,8 @@ impl BlockManager {
     /// on failure returns the error with nothing freed; then frees each in order, as
     /// [`BlockManager::free`] does.
     pub fn free_batch(&mut self, seqs: &[SeqId]) -> Result<()> {
-        self.epoch += 1;
-        let epoch = self.epoch;
-        for &id in seqs {
-            let Some(&i) = self.index.get(&id) else {
-                return Err(Error::UnknownSequence { seq_id: id });
-            };
-            let s = &mut self.slots[i as usize];
-            if s.mark == epoch {
-                return Err(Error::InvalidArgument {
-                    what: "seqs",
-                    value: id as i64,
-                    reason: "sequence id appears twice in one batch".into(),
-                });
-            }
-            s.mark = epoch;
-        }
+        // The same validation as a step's batch: known ids, none twice.
+        self.resolve_batch(seqs)?;
         let mut result = Ok(());
         for &id in seqs {
             if let Err(e) = self.free(id) {
