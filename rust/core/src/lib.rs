@@ -40,6 +40,7 @@
 //!     max_tokens: 256,
 //!     max_blocks_per_seq: 16,
 //!     max_copies: 8,
+//!     max_swaps: 0,
 //! });
 //!
 //! // A 100-token prompt: 7 blocks, nothing cached yet.
