@@ -792,11 +792,8 @@ impl BlockManager {
                 result = Err(e);
             }
         }
-        if self.prefix.num_hashed() > 0 {
-            for b in 0..self.cfg.num_blocks {
-                self.prefix.unregister(b);
-            }
-        }
+        // Blocks still held lose their hash too; stale map entries go with them.
+        self.prefix.clear_hashes();
         result
     }
 
@@ -1764,65 +1761,18 @@ impl BlockManager {
         let marks = self
             .step_cache
             .rows_for(out.block_tables, stride, seqs.len());
-        let caching = self.caching;
         self.scratch_register.clear();
-        let mut tok = 0usize;
-        let mut kv = 0usize;
-        out.query_start_loc[0] = 0;
-        if csr {
-            out.kv_indptr[0] = 0;
-        }
-        for (k, &i) in idx.iter().enumerate() {
-            let s = &self.slots[i as usize];
-            let len = s.table.num_tokens;
-            let n = num_new[k] as usize;
-            let blocks = s.table.blocks_i32();
-            let nb = blocks.len();
-            let dst = &mut out.slot_mapping[tok..tok + n];
-            // Tokens in the last block; the table holds exactly ceil(len / B) blocks, so this needs
-            // no division (a runtime-divisor `div` per sequence shows up in decode profiles).
-            let last_page = len - (nb - 1) * bs;
-            if n == 1 {
-                dst[0] = blocks[nb - 1] as i64 * bs as i64 + (last_page - 1) as i64;
-            } else {
-                let mut p = len - n;
-                let mut w = 0;
-                while p < len {
-                    let off = p % bs;
-                    let run = (bs - off).min(len - p);
-                    let base = blocks[p / bs] as i64 * bs as i64 + off as i64;
-                    for (j, d) in dst[w..w + run].iter_mut().enumerate() {
-                        *d = base + j as i64;
-                    }
-                    w += run;
-                    p += run;
-                }
-            }
-            // Only entries the row does not already hold: in a decode step that is at most one.
-            let from = marks[k].valid_prefix(s.uid, s.version, nb);
-            let row = &mut out.block_tables[k * stride + from..k * stride + nb];
-            // Zero or one new entry is the decode case: a `memcpy` call per row would cost more.
-            match row.len() {
-                0 => {}
-                1 => row[0] = blocks[nb - 1],
-                _ => row.copy_from_slice(&blocks[from..]),
-            }
-            marks[k].set(s.uid, s.version, nb);
-            // Noted here, while the sequence's state is in cache, rather than in another pass.
-            let full = nb - (last_page < bs) as usize;
-            if caching && s.registered < full {
-                self.scratch_register.push(i);
-            }
-            tok += n;
-            out.seq_lens[k] = len as i32;
-            out.query_start_loc[k + 1] = tok as i32;
-            if csr {
-                out.kv_indices[kv..kv + nb].copy_from_slice(blocks);
-                kv += nb;
-                out.kv_indptr[k + 1] = kv as i32;
-                out.kv_last_page_len[k] = last_page as i32;
-            }
-        }
+        write_batch(
+            &self.slots,
+            &idx,
+            num_new,
+            bs,
+            self.caching,
+            csr,
+            out,
+            marks,
+            &mut self.scratch_register,
+        );
 
         let num_copies = self.emit_copies(&needed, out.copies);
         let (num_swap_out, num_swap_in, swap_result) =
@@ -2089,6 +2039,8 @@ impl BlockManager {
     /// Validation half of `build_step` (after `resolve_batch`): returns (new tokens, kv indices,
     /// longest sequence, whether to write the CSR page table, which pending copies the batch
     /// needs).
+    // Out of line: inlined into `build_step`, its loop spilled its values to the stack.
+    #[inline(never)]
     fn check_step(
         &self,
         seqs: &[SeqId],
@@ -2451,7 +2403,96 @@ impl BlockManager {
         self.prefix
             .check_links()
             .map_err(Error::InvariantViolation)?;
+        self.prefix.check_map().map_err(Error::InvariantViolation)?;
         self.pool.check_invariants()
+    }
+}
+
+/// The per-sequence half of [`BlockManager::build_step`], after validation: slot mapping, the
+/// block-table entries each row lacks, lengths, query offsets and (with `csr`) the page table,
+/// for the batch `idx` (slots); pushes onto `register` the slots with full blocks not yet offered
+/// to the prefix cache. Out of line, with the batch-length slices cut once up front, so the loop
+/// keeps its values in registers and indexes without bounds checks (inlined into `build_step`,
+/// it spilled most of them to the stack).
+#[allow(clippy::too_many_arguments)]
+#[inline(never)]
+fn write_batch(
+    slots: &[Seq],
+    idx: &[u32],
+    num_new: &[u32],
+    bs: usize,
+    caching: bool,
+    csr: bool,
+    out: &mut StepBuffers<'_>,
+    marks: &mut [crate::step::RowMark],
+    register: &mut Vec<u32>,
+) {
+    let b = idx.len();
+    let stride = out.block_table_stride;
+    let num_new = &num_new[..b];
+    let marks = &mut marks[..b];
+    let seq_lens = &mut out.seq_lens[..b];
+    let qsl = &mut out.query_start_loc[..b + 1];
+    qsl[0] = 0;
+    if csr {
+        out.kv_indptr[0] = 0;
+    }
+    let (mut tok, mut kv) = (0usize, 0usize);
+    let rows = idx
+        .iter()
+        .zip(num_new)
+        .zip(marks.iter_mut())
+        .zip(seq_lens.iter_mut().zip(qsl[1..].iter_mut()));
+    for (k, (((&i, &n), mark), (seq_len, q))) in rows.enumerate() {
+        let s = &slots[i as usize];
+        let len = s.table.num_tokens;
+        let n = n as usize;
+        let blocks = s.table.blocks_i32();
+        let nb = blocks.len();
+        // Tokens in the last block; the table holds exactly ceil(len / B) blocks, so this needs
+        // no division (a runtime-divisor `div` per sequence shows up in decode profiles).
+        let last_page = len - (nb - 1) * bs;
+        if n == 1 {
+            out.slot_mapping[tok] = blocks[nb - 1] as i64 * bs as i64 + (last_page - 1) as i64;
+        } else {
+            let dst = &mut out.slot_mapping[tok..tok + n];
+            let mut p = len - n;
+            let mut w = 0;
+            while p < len {
+                let off = p % bs;
+                let run = (bs - off).min(len - p);
+                let base = blocks[p / bs] as i64 * bs as i64 + off as i64;
+                for (j, d) in dst[w..w + run].iter_mut().enumerate() {
+                    *d = base + j as i64;
+                }
+                w += run;
+                p += run;
+            }
+        }
+        // Only entries the row does not already hold: in a decode step that is at most one.
+        let from = mark.valid_prefix(s.uid, s.version, nb);
+        let row = &mut out.block_tables[k * stride + from..k * stride + nb];
+        // Zero or one new entry is the decode case: a `memcpy` call per row would cost more.
+        match row.len() {
+            0 => {}
+            1 => row[0] = blocks[nb - 1],
+            _ => row.copy_from_slice(&blocks[from..]),
+        }
+        mark.set(s.uid, s.version, nb);
+        // Noted here, while the sequence's state is in cache, rather than in another pass.
+        let full = nb - (last_page < bs) as usize;
+        if caching && s.registered < full {
+            register.push(i);
+        }
+        tok += n;
+        *seq_len = len as i32;
+        *q = tok as i32;
+        if csr {
+            out.kv_indices[kv..kv + nb].copy_from_slice(blocks);
+            kv += nb;
+            out.kv_indptr[k + 1] = kv as i32;
+            out.kv_last_page_len[k] = last_page as i32;
+        }
     }
 }
 
