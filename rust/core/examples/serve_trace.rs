@@ -71,6 +71,7 @@ impl Trace {
             max_tokens: 4096,
             max_blocks_per_seq: MAX_BLOCKS,
             max_copies: 16,
+            max_swaps: 0,
         });
         bufs.kv_indptr.clear();
         bufs.kv_indices.clear();

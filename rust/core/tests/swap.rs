@@ -75,8 +75,8 @@ impl Sim {
         let mut k = 0;
         for (&sid, &n) in seqs.iter().zip(new) {
             let t = &self.tokens[&sid];
-            for p in t.len() - n as usize..t.len() {
-                self.dev[self.ob.slot_mapping[k] as usize] = t[p] as i64;
+            for &tok in &t[t.len() - n as usize..] {
+                self.dev[self.ob.slot_mapping[k] as usize] = tok as i64;
                 k += 1;
             }
         }
@@ -119,12 +119,15 @@ fn toks(n: u32, base: u32) -> Vec<TokenId> {
     (base..base + n).collect()
 }
 
+/// Pending copies, swap-outs and swap-ins, each as (src, dst) pairs.
+type Queues = (Vec<(u32, u32)>, Vec<(u32, u32)>, Vec<(u32, u32)>);
+
 #[derive(Debug, PartialEq)]
 struct Snap {
     seqs: Vec<(SeqId, SeqState, usize, Vec<BlockId>)>,
     refs: Vec<u32>,
     host_refs: Vec<u32>,
-    queues: (Vec<(u32, u32)>, Vec<(u32, u32)>, Vec<(u32, u32)>),
+    queues: Queues,
     stats: pagedkv::metrics::Stats,
 }
 
