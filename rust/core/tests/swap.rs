@@ -75,8 +75,8 @@ impl Sim {
         let mut k = 0;
         for (&sid, &n) in seqs.iter().zip(new) {
             let t = &self.tokens[&sid];
-            for p in t.len() - n as usize..t.len() {
-                self.dev[self.ob.slot_mapping[k] as usize] = t[p] as i64;
+            for &tok in &t[t.len() - n as usize..] {
+                self.dev[self.ob.slot_mapping[k] as usize] = tok as i64;
                 k += 1;
             }
         }
@@ -124,7 +124,7 @@ struct Snap {
     seqs: Vec<(SeqId, SeqState, usize, Vec<BlockId>)>,
     refs: Vec<u32>,
     host_refs: Vec<u32>,
-    queues: (Vec<(u32, u32)>, Vec<(u32, u32)>, Vec<(u32, u32)>),
+    queues: [Vec<(u32, u32)>; 3],
     stats: pagedkv::metrics::Stats,
 }
 
@@ -149,11 +149,11 @@ fn snap(m: &BlockManager) -> Snap {
         host_refs: (0..m.config().num_host_blocks)
             .map(|h| m.host_block_refcount(h).unwrap())
             .collect(),
-        queues: (
+        queues: [
             m.pending_copies().to_vec(),
             m.pending_swap_out().to_vec(),
             m.pending_swap_in().to_vec(),
-        ),
+        ],
         stats: m.stats(),
     }
 }
