@@ -18,7 +18,12 @@ chunked prefill of every prompt, then greedy decode of the whole batch). Prints 
 - the memory-roofline fraction: (weight bytes read per step + the batch's KV bytes) / 4.24 TB/s
   over the measured step time (the GPU replay, and the whole step);
 - optionally (``--contiguous``) the same engine limited to the batch that a contiguous
-  max-length (``max_model_len``) reservation per sequence fits in the same KV memory.
+  max-length (``max_model_len``) reservation per sequence fits in the same KV memory;
+- optionally (``--llm``) the user-facing path end to end: ``pagedkv.LLM.generate`` (scheduler,
+  sampler, detokenization off) on the same model and prompts, generated tokens over wall time;
+- optionally (``--transformers``) transformers' own ``generate`` (greedy, static cache, no
+  ``torch.compile``) on the same model and prompts, in batches of ``--batch``, generated tokens
+  over wall time — side by side with the engine's end-to-end rate (prefill included) in one run.
 
 Usage (on the GPU machine, repository root): ``PYTHONPATH=python python3 benches/bench_engine.py
 [--batch 128 --prompt 512 --new 128] [--contiguous] [--json out.json]``.
@@ -122,12 +127,61 @@ def run_batch(runner, batch, prompt_len, new_tokens, chunk, seed=0, breakdown=Fa
         "decode_tok_s_mean": batch * len(step_times) / sum(step_times),
         "bookkeeping_us_median": 1e6 * statistics.median(book_times),
         "mean_context": prompt_len + new_tokens / 2,
+        # Generated tokens over the whole run, prefill included: comparable to generate's rate.
+        "end_to_end_tok_s": batch * new_tokens / (prefill_s + sum(step_times)),
     }
     if mid is not None:
         out["breakdown"] = mid
     for s in range(batch):
         mgr.free(s)
     return out
+
+
+def _prompts(args, vocab, seed=0):
+    g = np.random.default_rng(seed)
+    return [g.integers(0, vocab, args.prompt).tolist() for _ in range(args.batch)]
+
+
+def run_llm(loaded, num_blocks, args):
+    """``pagedkv.LLM.generate`` end to end: what a user of the offline API gets."""
+    import pagedkv
+
+    torch.cuda.empty_cache()
+    llm = pagedkv.LLM(loaded, device="cuda", num_blocks=num_blocks, block_size=args.block_size,
+                      max_num_seqs=args.batch, max_num_batched_tokens=args.chunk,
+                      enable_prefix_caching=False, progress=False)
+    prompts = _prompts(args, loaded.config.vocab_size)
+    sp = pagedkv.SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
+    llm.generate(prompts[:2], pagedkv.SamplingParams(temperature=0.0, max_tokens=4,
+                                                       ignore_eos=True), use_tqdm=False)  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    del llm
+    torch.cuda.empty_cache()
+    return {"generated_tokens": n, "wall_s": dt, "tok_s": n / dt}
+
+
+def run_transformers(model, args):
+    """transformers' ``generate``: greedy, static cache, eager (no ``torch.compile``)."""
+    torch.cuda.empty_cache()
+    ids = torch.tensor(_prompts(args, model.config.vocab_size), device="cuda")
+    mask = torch.ones_like(ids)
+    kw = dict(do_sample=False, cache_implementation="static", disable_compile=True,
+              eos_token_id=None, pad_token_id=0, attention_mask=mask)
+    with torch.no_grad():
+        model.generate(ids[:, :16], max_new_tokens=4, **{**kw, "attention_mask": mask[:, :16]})
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new, **kw)
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return {"generated_tokens": int(n), "wall_s": dt, "tok_s": n / dt,
+            "note": "static cache, greedy, disable_compile=True"}
 
 
 def _events_ms(fn, reps=20, warmup=3):
@@ -213,6 +267,10 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--contiguous", action="store_true",
                     help="also run the batch a max-length contiguous reservation fits")
+    ap.add_argument("--llm", action="store_true",
+                    help="also time pagedkv.LLM.generate end to end on the same prompts")
+    ap.add_argument("--transformers", action="store_true",
+                    help="also time transformers' generate with its static cache")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from pagedkv.engine.model_runner import ModelRunner
@@ -260,6 +318,19 @@ def main(argv=None) -> int:
                 f"{runner.num_blocks * args.block_size} token slots")
             report["paged_over_contiguous"] = (res["decode_tok_s"] /
                                                report["contiguous"]["decode_tok_s"])
+    # Each comparison runs on its own: one that fails is reported, not fatal to the others.
+    if args.llm:
+        nb = runner.num_blocks
+        del runner  # its pool and graphs; the LLM builds its own
+        try:
+            report["llm"] = run_llm(loaded, nb, args)
+        except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
+            report["llm_error"] = repr(e)
+    if args.transformers:
+        try:
+            report["transformers"] = run_transformers(loaded.model, args)
+        except Exception as e:  # noqa: BLE001
+            report["transformers_error"] = repr(e)
     print_table(report)
     if args.json:
         with open(args.json, "w") as fh:
@@ -280,6 +351,7 @@ def print_table(r):
         ("decode step (median, wall)", f"{e['decode_step_ms_median']:.2f} ms"),
         ("decode tokens/s (median step)", f"{e['decode_tok_s']:,.0f}"),
         ("decode tokens/s (mean step)", f"{e['decode_tok_s_mean']:,.0f}"),
+        ("end to end tokens/s (prefill incl.)", f"{e['end_to_end_tok_s']:,.0f}"),
         ("bookkeeping (append_batch+step)", f"{e['bookkeeping_us_median']:.1f} us "
                                             f"({100 * r.get('bookkeeping_fraction', 0):.2f}% of step)"),
     ]
@@ -300,6 +372,17 @@ def print_table(r):
         rows.append(("contiguous max-length reservation", f"{c['decode_tok_s']:,.0f} tok/s at batch "
                                                           f"{c['batch']}"))
         rows.append(("paged / contiguous", f"{r['paged_over_contiguous']:.1f}x"))
+    if "llm" in r:
+        rows.append(("pagedkv.LLM.generate end to end", f"{r['llm']['tok_s']:,.0f} tok/s "
+                                                       f"({r['llm']['wall_s']:.2f} s)"))
+    if "transformers" in r:
+        t = r["transformers"]
+        rows.append(("transformers generate (static)", f"{t['tok_s']:,.0f} tok/s ({t['wall_s']:.2f} s)"))
+        if "llm" in r:
+            rows.append(("LLM.generate / transformers", f"{r['llm']['tok_s'] / t['tok_s']:.1f}x"))
+    for key in ("llm_error", "transformers_error"):
+        if key in r:
+            rows.append((key, r[key][:200]))
     w = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")

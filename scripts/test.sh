@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), then run every test: the Rust core's unit, property, stress and loom
-# tests, a compile check of the benches, and the Python suite. Without a CUDA device the Triton
-# kernels run under TRITON_INTERPRET=1 and the `gpu`-marked tests skip.
+# Set up (scripts/setup.sh), then run every check: rustfmt and clippy, the Rust core's unit,
+# property, stress and loom tests, a compile check of the benches, the release wheel's build and
+# install smoke test (scripts/wheel_smoke.sh), and the Python suite, which includes the typing
+# checks (mypy --strict on user code and the README, stubtest of the extension). Without a CUDA
+# device the Triton kernels run under TRITON_INTERPRET=1 and the `gpu`-marked tests skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 
 VENV=${PAGEDKV_VENV:-.venv}
 PY="$VENV/bin/python"
+
+echo "== lint: rustfmt, clippy (warnings are errors)"
+cargo fmt --all --check
+cargo clippy --workspace --release -- -D warnings
 
 echo "== cargo test (core, release)"
 cargo test -p pagedkv --release
@@ -17,6 +23,9 @@ RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p pagedkv --rele
 
 echo "== benches compile"
 cargo bench -p pagedkv --no-run
+
+echo "== release wheel: build (manylinux_2_28, abi3), install into a fresh venv, smoke-test"
+PYTHON="${PYTHON:-python3}" bash scripts/wheel_smoke.sh
 
 echo "== pytest"
 if ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then

@@ -260,3 +260,144 @@ def test_normalize_dtype():
     assert normalize_dtype("BF16") == "bfloat16"
     with pytest.raises(InvalidConfigError):
         normalize_dtype(16)
+
+
+# ---------------------------------------------------------------- MLA and mixture-of-experts configs
+# Literal config.json contents (the fields that matter, as published). The expected parameter
+# counts are what the Hugging Face implementations of these architectures instantiate from the
+# same dicts (counted on the meta device with transformers 5.17), which also match the published
+# sizes: 15.7B, 671B, 46.7B, 14.3B, 30.5B.
+
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "torch_dtype": "bfloat16",
+    "hidden_size": 2048, "intermediate_size": 10944, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 102400,
+    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "attention_bias": False, "max_position_embeddings": 163840,
+    "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+    "moe_intermediate_size": 1408, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    "tie_word_embeddings": False,
+}
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "torch_dtype": "bfloat16", "hidden_size": 7168,
+    "intermediate_size": 18432, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "vocab_size": 129280, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "attention_bias": False,
+    "n_routed_experts": 256, "n_shared_experts": 1, "moe_intermediate_size": 2048,
+    "first_k_dense_replace": 3, "moe_layer_freq": 1, "num_nextn_predict_layers": 1,
+    "max_position_embeddings": 163840, "tie_word_embeddings": False,
+}
+MIXTRAL_8X7B = {
+    "model_type": "mixtral", "torch_dtype": "bfloat16", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 32768,
+    "tie_word_embeddings": False,
+}
+QWEN15_MOE_A27B = {
+    "model_type": "qwen2_moe", "torch_dtype": "bfloat16", "hidden_size": 2048, "intermediate_size": 5632,
+    "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 151936,
+    "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "max_position_embeddings": 8192, "tie_word_embeddings": False,
+}
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "torch_dtype": "bfloat16", "hidden_size": 2048, "intermediate_size": 6144,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
+    "max_position_embeddings": 40960, "tie_word_embeddings": False,
+}
+
+
+def test_mla_caches_one_latent_per_token_per_layer():
+    m = ModelConfig.from_hf_config(DEEPSEEK_V2_LITE)
+    assert m.mla is not None and m.mla.latent_dim == 512 + 64
+    spec = m.cache_spec()
+    assert spec.mla and (spec.num_kv_heads, spec.head_dim, spec.num_layers) == (1, 576, 27)
+    # (kv_lora_rank + qk_rope_head_dim) × bf16 × layers: about 30 KiB, not the 216 KiB that plain
+    # attention with 16 KV heads of 128 would claim.
+    assert spec.bytes_per_token == 576 * 2 * 27 == 31104
+    assert spec.bytes_per_token != 2 * 16 * 128 * 2 * 27 == 216 * 1024
+    assert spec.bytes_per_block == 31104 * 16
+    assert m.cache_spec(dtype="fp8").bytes_per_token == 576 * 27
+    v3 = ModelConfig.from_hf_config(DEEPSEEK_V3).cache_spec()
+    assert v3.bytes_per_token == 576 * 2 * 61
+
+
+def test_mla_weight_formula_by_hand():
+    h, heads, layers, vocab = 2048, 16, 27, 102400
+    rank, rope, nope, v = 512, 64, 128, 128
+    attn = (h * heads * (nope + rope)              # q_proj (no q_lora_rank)
+            + h * (rank + rope) + rank             # kv_a_proj_with_mqa, kv_a_layernorm
+            + rank * heads * (nope + v)            # kv_b_proj
+            + heads * v * h)                       # o_proj
+    dense_mlp = 3 * h * 10944
+    moe_mlp = 3 * h * 1408 * 64 + h * 64 + 3 * h * 1408 * 2   # routed experts, router, 2 shared
+    total = 2 * vocab * h + layers * (attn + 2 * h) + 1 * dense_mlp + 26 * moe_mlp + h
+    assert ModelConfig.from_hf_config(DEEPSEEK_V2_LITE).weight_params == total == 15_706_484_224
+
+
+@pytest.mark.parametrize(
+    "cfg, params, experts, moe_layers",
+    [
+        (DEEPSEEK_V2_LITE, 15_706_484_224, 64, 26),   # first_k_dense_replace = 1
+        (DEEPSEEK_V3, 671_026_404_352, 256, 58),      # first 3 layers dense; MTP head not counted
+        (MIXTRAL_8X7B, 46_702_792_704, 8, 32),
+        (QWEN15_MOE_A27B, 14_315_784_192, 60, 24),    # gated shared expert, Q/K/V biases
+        (QWEN3_30B_A3B, 30_532_122_624, 128, 48),     # per-head Q/K norms
+    ],
+)
+def test_moe_counts_every_expert(cfg, params, experts, moe_layers):
+    m = ModelConfig.from_hf_config(cfg)
+    assert m.moe is not None
+    assert (m.num_experts, m.moe.num_moe_layers) == (experts, moe_layers)
+    assert m.weight_params == params
+    assert m.weight_bytes == 2 * params
+    assert m.max_position_embeddings == cfg["max_position_embeddings"]
+
+
+def test_moe_dense_layer_placement():
+    # Qwen-MoE: experts where (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers.
+    m = ModelConfig.from_hf_config(dict(QWEN15_MOE_A27B, decoder_sparse_step=2, mlp_only_layers=[1, 2]))
+    assert m.moe is not None and m.moe.num_moe_layers == 12 - 1   # odd layers, minus layer 1
+    # DeepSeek: dense below first_k_dense_replace, experts every moe_layer_freq layers after.
+    m = ModelConfig.from_hf_config(dict(DEEPSEEK_V2_LITE, first_k_dense_replace=3, moe_layer_freq=2))
+    assert m.moe is not None and m.moe.num_moe_layers == len([i for i in range(3, 27) if i % 2 == 0])
+    # One expert is a dense model.
+    assert ModelConfig.from_hf_config(dict(MIXTRAL_8X7B, num_local_experts=1)).moe is None
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda c: c.pop("qk_rope_head_dim"), "qk_rope_head_dim"),
+        (lambda c: c.pop("v_head_dim"), "v_head_dim"),
+        (lambda c: c.update(kv_lora_rank=0), "kv_lora_rank"),
+        (lambda c: c.update(n_routed_experts=0), "num_experts"),
+        (lambda c: c.update(first_k_dense_replace=-1), "first_k_dense_replace"),
+        (lambda c: c.update(layer_types=["full_attention", "linear_attention"] * 13 + ["full_attention"]),
+         "cannot size"),
+        (lambda c: c.update(hybrid_override_pattern="M-M*"), "cannot size"),
+        (lambda c: c.update(is_encoder_decoder=True), "encoder-decoder"),
+        (lambda c: c.update(ffn_config={"moe_num_experts": 16}), "ffn_config"),
+    ],
+)
+def test_unsizable_configs_are_refused(mutate, message):
+    cfg = dict(DEEPSEEK_V2_LITE)
+    mutate(cfg)
+    with pytest.raises(InvalidConfigError, match=message) as info:
+        ModelConfig.from_hf_config(cfg)
+    assert "\n" not in str(info.value)
+
+
+def test_sliding_window_layers_are_sized_in_full():
+    cfg = _llama_like(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=128)
+    assert ModelConfig.from_hf_config(cfg).cache_spec() == CacheSpec(4, 2, 64, "bfloat16")
+
+
+def test_mla_spec_validation():
+    assert CacheSpec(2, 1, 576, "bf16", mla=True).bytes_per_token == 576 * 2 * 2
+    with pytest.raises(InvalidConfigError, match="num_kv_heads must be 1"):
+        CacheSpec(2, 2, 576, "bf16", mla=True)
+    with pytest.raises(InvalidConfigError, match="mla"):
+        CacheSpec(2, 1, 576, "bf16", mla=1)  # type: ignore[arg-type]

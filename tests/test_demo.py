@@ -91,6 +91,43 @@ def test_demo_text_report(tiny_model, capsys):
         assert needle in out
 
 
+def test_demo_serves_metrics(tiny_model, capsys, monkeypatch):
+    """``--metrics-port 0``: the endpoint is up while the demo serves, and reports its figures."""
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    import pagedkv.demo as demo
+    import pagedkv.metrics as metrics
+
+    servers, scraped = [], []
+    real_start, real_serve = metrics.start_metrics_server, demo._serve
+
+    def start(*a, **kw):
+        servers.append(real_start(*a, **kw))
+        return servers[-1]
+
+    def serve(*a, **kw):
+        out = real_serve(*a, **kw)
+        port = servers[0][0].server_port
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            scraped.append(r.read().decode())
+        return out
+
+    monkeypatch.setattr(metrics, "start_metrics_server", start)
+    monkeypatch.setattr(demo, "_serve", serve)
+    assert main(["demo", "--model", tiny_model, "--json", "--quiet", "--max-tokens", "8",
+                 "--no-check", "--metrics-port", "0"]) == 0
+    cap = capsys.readouterr()
+    r = json.loads(cap.out)
+    assert f"metrics: http://127.0.0.1:{servers[0][0].server_port}/metrics" in cap.err
+    text = scraped[0]
+    assert "pagedkv_kv_cache_usage_ratio" in text
+    assert f"pagedkv_num_blocks {float(r['num_blocks'])}" in text
+    total = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("pagedkv_preemptions_total{"))
+    assert total == r["preemptions"]
+
+
 def test_demo_bad_model_is_one_line_error(tmp_path, capsys):
     assert main(["demo", "--model", str(tmp_path / "missing"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -377,3 +377,52 @@ def test_bad_engine_config(model_dir):
         LLM(model_dir, num_blocks=8, kv_cache_memory=2**20, progress=False, device="cpu")
     with pytest.raises(PagedKVError):
         LLM(model_dir, block_size=0, progress=False, device="cpu")
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+#: A greedy token chosen by the engine in bf16 must be the dense bf16 model's argmax up to bf16
+#: noise: its dense log-prob may trail the dense maximum by at most this much.
+GPU_GREEDY_MARGIN = 0.15
+
+
+@pytest.mark.gpu
+def test_gpu_llm_greedy_is_dense_argmax_with_forks_hits_and_preemption(tmp_path):
+    """The whole engine on CUDA (Triton kernels, CUDA-graph decode): ragged prompts with a shared
+    prefix, n=2 forks and a pool small enough to preempt. Every greedy token is the dense model's
+    argmax (teacher forcing over the engine's own output, bf16 tolerance above)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(7)
+    cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1024,
+                                   num_hidden_layers=4, num_attention_heads=8,
+                                   num_key_value_heads=2, max_position_embeddings=1024,
+                                   initializer_range=0.05, eos_token_id=None, bos_token_id=None,
+                                   pad_token_id=None)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
+    g = np.random.default_rng(3)
+    shared = g.integers(0, 1024, 40).tolist()
+    prompts = [shared + g.integers(0, 1024, n).tolist() for n in (5, 60, 17, 1, 90, 33)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, n=2 if i % 3 == 0 else 1,
+                             ignore_eos=True) for i in range(len(prompts))]
+    llm = LLM(str(tmp_path), device="cuda", dtype=torch.bfloat16, block_size=16, num_blocks=24,
+              max_num_seqs=8, max_num_batched_tokens=128, progress=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    st = llm.stats()
+    assert st.num_preemptions > 0
+    dense = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), dtype=torch.bfloat16).to("cuda").eval()
+    worst = 0.0
+    for p, o in zip(prompts, outs):
+        for c in o.outputs:
+            assert len(c.token_ids) == 24
+            ids = torch.tensor([p + c.token_ids], device="cuda")
+            with torch.no_grad():
+                lp = torch.log_softmax(dense(ids).logits[0].float(), -1)
+            pos = torch.arange(len(p) - 1, len(p) - 1 + len(c.token_ids), device="cuda")
+            chosen = lp[pos, torch.tensor(c.token_ids, device="cuda")]
+            gap = (lp[pos].max(-1).values - chosen).max().item()
+            worst = max(worst, gap)
+    print(f"engine on CUDA: {st.num_preemptions} preemptions; worst greedy log-prob gap to the "
+          f"dense bf16 argmax {worst:.4f}")
+    assert worst <= GPU_GREEDY_MARGIN

@@ -128,3 +128,65 @@ def test_cli_plan_user_errors_exit_2_with_one_line(argv, message, capsys):
     err = capsys.readouterr().err
     assert message in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_context_defaults_to_max_position_embeddings(capsys):
+    # Llama-3-8B's config says 8192: that is the contiguous reservation, and the default lengths
+    # stop there (they used to run to 32k, past the model's context).
+    assert main(["plan", "--model", "llama-3-8b", "--json"]) == 0
+    captured = capsys.readouterr()
+    obj = json.loads(captured.out)
+    assert obj["max_model_len"] == obj["model_max_len"] == 8192
+    assert [r["seq_len"] for r in obj["rows"]] == [1024, 4096, 8192]
+    assert obj["warnings"] == [] and captured.err == ""
+    # A model with a longer context keeps all default lengths and adds its own.
+    assert main(["plan", "--model", "llama-3.1-8b", "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert [r["seq_len"] for r in obj["rows"]] == [1024, 4096, 32768, 131072]
+
+
+def test_shorter_seq_lens_keep_the_model_context():
+    spec = PRESETS["llama-3-8b"].cache_spec()
+    budget = MemoryBudget(total_bytes=80 * GiB, weights_bytes=PRESETS["llama-3-8b"].weight_bytes)
+    plan = make_plan(spec, budget, [1024], model_max_len=8192)
+    assert plan.max_model_len == 8192 and plan.warnings == ()
+    assert plan.rows[0].contiguous_max_seqs == plan.token_capacity // 8192
+
+
+@pytest.mark.parametrize("argv", [["--seq-lens", "1024,32k"], ["--max-model-len", "32768"]])
+def test_planning_beyond_the_context_warns(argv, capsys):
+    assert main(["plan", "--model", "llama-3-8b", *argv]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ("pagedkv plan: warning: max_model_len 32,768 exceeds the model's "
+                            "max_position_embeddings 8,192: positions past it were not trained "
+                            "(unless rope scaling extends them)\n")
+    assert "max model len     32,768" in captured.out
+
+
+def test_mla_and_moe_plan_from_hf_config(tmp_path, capsys):
+    from test_config import DEEPSEEK_V2_LITE
+
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V2_LITE))
+    assert main(["plan", "--hf-config", str(tmp_path), "--gpu-mem", "80GiB", "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["bytes_per_token"] == 31104 and obj["spec"]["mla"] is True
+    assert obj["weights_bytes"] == 2 * 15_706_484_224
+    assert obj["num_blocks"] == (int(80 * GiB * 0.9) - 2 * 15_706_484_224) // (31104 * 16)
+    assert obj["max_model_len"] == 163840
+    assert main(["plan", "--hf-config", str(tmp_path), "--seq-lens", "4k"]) == 0
+    text = capsys.readouterr().out
+    assert "MLA, one latent of 576 per token per layer" in text
+    assert "= 1 latent × 576 × 2 × 27" in text
+    assert "estimated: 15.71B params" in text
+
+
+def test_unsizable_config_is_one_line(tmp_path, capsys):
+    cfg = {"model_type": "qwen3_next", "hidden_size": 2048, "intermediate_size": 5120,
+           "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 2,
+           "vocab_size": 151936, "torch_dtype": "bfloat16",
+           "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["plan", "--hf-config", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot size this model's KV cache" in err and "'linear_attention'" in err
+    assert err.count("\n") == 1

@@ -16,33 +16,45 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-    from .buffers import StepBuffers, StepTensors
-    from .config import CacheSpec
+    # `X as X`: an explicit re-export, which a user's `mypy --strict` (no implicit re-exports)
+    # requires before it lets `pagedkv.X` through.
+    from .buffers import StepBuffers as StepBuffers
+    from .buffers import StepTensors as StepTensors
+    from .config import CacheSpec as CacheSpec
     from .errors import (
-        AllocationFailedError,
-        BufferInvalidError,
-        BuffersNotRegisteredError,
-        BufferTooSmallError,
-        DuplicateSequenceError,
-        InvalidArgumentError,
-        InvalidBlockError,
-        InvalidConfigError,
-        InvariantViolationError,
-        InvalidSequenceStateError,
-        OutOfBlocksError,
-        OutOfHostBlocksError,
-        PagedKVError,
-        PrefixCollisionError,
-        RefcountUnderflowError,
-        SequenceTooLongError,
-        UnknownSequenceError,
-        WatermarkReachedError,
+        AllocationFailedError as AllocationFailedError,
+        BufferInvalidError as BufferInvalidError,
+        BuffersNotRegisteredError as BuffersNotRegisteredError,
+        BufferTooSmallError as BufferTooSmallError,
+        DuplicateSequenceError as DuplicateSequenceError,
+        InvalidArgumentError as InvalidArgumentError,
+        InvalidBlockError as InvalidBlockError,
+        InvalidConfigError as InvalidConfigError,
+        InvariantViolationError as InvariantViolationError,
+        InvalidSequenceStateError as InvalidSequenceStateError,
+        OutOfBlocksError as OutOfBlocksError,
+        OutOfHostBlocksError as OutOfHostBlocksError,
+        PagedKVError as PagedKVError,
+        PrefixCollisionError as PrefixCollisionError,
+        RefcountUnderflowError as RefcountUnderflowError,
+        SequenceTooLongError as SequenceTooLongError,
+        UnknownSequenceError as UnknownSequenceError,
+        WatermarkReachedError as WatermarkReachedError,
     )
-    from .manager import AdmitResult, BlockManager, CostModel, Decision, Stats, StepInfo
-    from .engine.llm import LLM, LLMEngine
-    from .engine.outputs import CompletionOutput, RequestOutput
-    from .engine.sampling_params import SamplingParams
-    from .pool import KVPool
+    from .manager import AdmitResult as AdmitResult
+    from .manager import BlockManager as BlockManager
+    from .manager import CostModel as CostModel
+    from .manager import Decision as Decision
+    from .manager import Stats as Stats
+    from .manager import StepInfo as StepInfo
+    from .engine.llm import LLM as LLM
+    from .engine.llm import LLMEngine as LLMEngine
+    from .engine.outputs import CompletionOutput as CompletionOutput
+    from .engine.outputs import RequestOutput as RequestOutput
+    from .engine.sampling_params import SamplingParams as SamplingParams
+    from .pool import KVPool as KVPool
+
+    __version__: str
 
 # Public name -> submodule defining it.
 _EXPORTS = {
@@ -74,7 +86,6 @@ _EXPORTS = {
     "InvariantViolationError": "errors",
     "OutOfHostBlocksError": "errors",
     "InvalidSequenceStateError": "errors",
-    "AllocationFailedError": "errors",
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm",
     "SamplingParams": "engine.sampling_params",

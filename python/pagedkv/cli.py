@@ -8,7 +8,8 @@ registered in :data:`SUBCOMMANDS` (name → (add-arguments function, handler)), 
 
 Invariants: a user error — a bad flag, a bad value, a configuration the pool cannot hold — prints
 exactly one line, ``pagedkv <cmd>: error: <message>``, on stderr and exits with status 2; no
-traceback. Results go to stdout, progress bars to stderr. Heavy imports (numpy, the extension,
+traceback; so does a missing optional dependency (torch, matplotlib, ...), naming the
+``pagedkv[extra]`` that installs it. Results go to stdout, progress bars to stderr. Heavy imports (numpy, the extension,
 matplotlib) happen inside handlers, so ``pagedkv --help`` stays fast.
 """
 
@@ -158,19 +159,28 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p, default_model=None)
     _add_memory_args(p, gpu_mem="80GiB", activation="0", graph="0")
     g = p.add_argument_group("report")
-    g.add_argument("--seq-lens", default="1024,4096,32768",
-                   help="comma-separated sequence lengths to compare, 'k' = 1024 (default: 1024,4096,32768)")
+    g.add_argument("--seq-lens", default=None,
+                   help="comma-separated sequence lengths to compare, 'k' = 1024 (default: those of "
+                        "1024,4096,32768 below the context, then the context)")
     g.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
-                   help="contiguous reservation per sequence (default: the longest --seq-lens)")
+                   help="contiguous reservation per sequence (default: the model's "
+                        "max_position_embeddings, or the longest --seq-lens when longer or unknown)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from .plan import format_plan, make_plan, parse_seq_lens, plan_json
+    from .plan import default_seq_lens, format_plan, make_plan, parse_seq_lens, plan_json
 
-    label, _model, spec, weights, source = _resolve_model(args, default_model=None)
-    plan = make_plan(spec, _budget(args, weights), parse_seq_lens(args.seq_lens), args.max_model_len,
-                     model=label, weights_source=source)
+    label, model, spec, weights, source = _resolve_model(args, default_model=None)
+    model_max_len = None if model is None else model.max_position_embeddings
+    if args.seq_lens is not None:
+        seq_lens = parse_seq_lens(args.seq_lens)
+    else:
+        seq_lens = default_seq_lens(args.max_model_len or model_max_len)
+    plan = make_plan(spec, _budget(args, weights), seq_lens, args.max_model_len,
+                     model=label, weights_source=source, model_max_len=model_max_len)
+    for warning in plan.warnings:
+        print(f"pagedkv plan: warning: {warning}", file=sys.stderr)
     print(plan_json(plan) if args.json else format_plan(plan))
     return 0
 
@@ -193,6 +203,17 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--watermark-blocks", type=_nonneg_int, default=None, metavar="N",
                    help="blocks kept back from admissions (default: the manager's)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    g.add_argument("--num-host-blocks", type=_nonneg_int, default=0, metavar="N",
+                   help="host KV blocks for swapped-out sequences (default: 0, no swap)")
+    g.add_argument("--preemption-mode", choices=("auto", "swap", "recompute"), default="auto",
+                   help="reclaim preempted sequences by the cost model (auto), by swap, or by "
+                        "recompute (default: auto; recompute without host blocks)")
+    g.add_argument("--host-link-gbps", type=_float, default=s.host_link_bytes_per_s / 1e9,
+                   metavar="X", help="cost model: host-link bandwidth, GB/s (default: "
+                                     f"{s.host_link_bytes_per_s / 1e9:g}, assumed)")
+    g.add_argument("--prefill-tps", type=_float, default=s.prefill_tokens_per_s, metavar="X",
+                   help="cost model: prefill throughput, tokens/s (default: "
+                        f"{s.prefill_tokens_per_s:g}, assumed)")
     g = p.add_argument_group("workload (lengths in tokens, time in scheduler steps)")
     g.add_argument("--requests", type=_positive_int, default=w.num_requests, metavar="N",
                    help=f"number of requests (default: {w.num_requests})")
@@ -233,6 +254,11 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
+    if args.plot:
+        # Before simulating: finding out after a whole run that the plot cannot be drawn wastes it.
+        from ._optional import check_available
+
+        check_available("matplotlib", "--plot")
     from .simulate import SimConfig, format_report, result_json, simulate
     from .workload import WorkloadConfig
 
@@ -253,7 +279,10 @@ def _run_simulate(args: argparse.Namespace) -> int:
     sim = SimConfig(num_blocks=num_blocks, block_size=spec.block_size,
                     watermark_blocks=args.watermark_blocks, max_num_seqs=args.max_num_seqs,
                     max_prefill_tokens=args.max_prefill_tokens,
-                    enable_prefix_caching=not args.no_prefix_caching, check_every=args.check)
+                    enable_prefix_caching=not args.no_prefix_caching, check_every=args.check,
+                    num_host_blocks=args.num_host_blocks, preemption_mode=args.preemption_mode,
+                    host_link_bytes_per_s=args.host_link_gbps * 1e9,
+                    prefill_tokens_per_s=args.prefill_tps, kv_bytes_per_token=spec.bytes_per_token)
     started = time.perf_counter()
     result = simulate(workload, sim, progress=not (args.quiet or args.json),
                       record_timeline=args.plot is not None)
@@ -289,11 +318,19 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
                         "so requests get preempted)")
     g.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
                    help="tokens per block (default: 16)")
+    g.add_argument("--preemption-mode", choices=("auto", "swap", "recompute"), default="auto",
+                   help="reclaim preempted sequences by the cost model (auto, default), by swap to "
+                        "host memory, or by recompute")
+    g.add_argument("--num-host-blocks", type=_nonneg_int, default=None, metavar="N",
+                   help="host KV blocks for swapped-out sequences (default: as many as the pool)")
     g.add_argument("--no-check", action="store_true",
                    help="skip the comparison with transformers' dense-cache generate")
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
+    g.add_argument("--metrics-port", type=_nonneg_int, default=None, metavar="N",
+                   help="serve Prometheus metrics (pagedkv_*) on 127.0.0.1:N while the demo runs "
+                        "(0: a free port); needs the pagedkv[metrics] extra")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -311,7 +348,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     report = run_demo(args.model, device=args.device, max_tokens=args.max_tokens,
                       num_blocks=args.num_blocks, block_size=args.block_size,
-                      check=not args.no_check, progress=not args.quiet)
+                      check=not args.no_check, progress=not args.quiet,
+                      metrics_port=args.metrics_port, preemption_mode=args.preemption_mode,
+                      num_host_blocks=args.num_host_blocks)
     if args.json:
         print(report_json(report))
     else:
@@ -335,11 +374,46 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Han
 }
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: resolved only when asked for, so building the parser imports nothing."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: Optional[str] = None) -> None:
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: Optional[str] = None) -> None:
+        print(f"pagedkv {version_string()}")  # stdout, as argparse's own version action does
+        parser.exit(0)
+
+
+def version_string() -> str:
+    """The installed distribution's version, plus the extension's when it was built from another."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    core_version: Optional[str]
+    try:
+        from ._core import __version__ as core_version
+    except ImportError:
+        core_version = None
+    try:
+        dist_version: Optional[str] = version("pagedkv")
+    except PackageNotFoundError:
+        dist_version = None
+    if dist_version is None:
+        return core_version or "0+unknown"
+    if core_version is not None and core_version != dist_version:
+        return f"{dist_version} (extension {core_version})"
+    return dist_version
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="pagedkv",
         description="pagedkv: a paged KV cache for LLM serving.",
     )
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the package version (and the extension's, when they differ) and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     parser.subcommand_parsers = {}  # type: ignore[attr-defined]
     for name, (help_text, add_args, handler) in SUBCOMMANDS.items():
@@ -363,9 +437,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     prog = f"pagedkv {args.command}"
     try:
-        return args.handler(args)
+        handler: Handler = args.handler
+        return handler(args)
     except (PagedKVError, UsageError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        # An optional dependency (torch, matplotlib, ...) is absent: one line naming the extra.
+        from ._optional import from_import_error
+
+        missing = from_import_error(exc)
+        if missing is None:
+            raise
+        print(f"{prog}: error: {missing}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # `pagedkv simulate | head` closing the pipe is not an error worth a traceback.

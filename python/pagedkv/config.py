@@ -4,9 +4,12 @@ This module owns the arithmetic that turns a model and a memory size into a numb
 
 - :class:`CacheSpec` — what one KV block holds: layers, KV heads, head size, element type and
   block size. ``bytes_per_token = 2 × kv_heads × head_dim × dtype_bytes × layers`` (the 2 is K and
-  V); ``bytes_per_block = bytes_per_token × block_size``.
+  V); ``bytes_per_block = bytes_per_token × block_size``. An MLA spec caches one latent per token
+  per layer instead of a K and a V per KV head.
 - :class:`ModelConfig` — the handful of Hugging Face ``config.json`` fields needed to derive a
-  :class:`CacheSpec` and to estimate the weights' size (:attr:`ModelConfig.weight_params`).
+  :class:`CacheSpec` and to estimate the weights' size (:attr:`ModelConfig.weight_params`), with
+  :class:`MLAConfig` (DeepSeek's latent attention) and :class:`MoEConfig` (every expert counted).
+  A config it cannot size is refused with the reason, never sized as something else.
 - :class:`MemoryBudget` / :func:`num_blocks_for` — ``floor((total × utilization − weights −
   activation peak − graph reserve) / bytes_per_block)``.
 - :data:`PRESETS` — a few common models, transcribed from their published ``config.json`` files.
@@ -28,7 +31,7 @@ import os
 import re
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 from .errors import InvalidConfigError, PagedKVError
 
@@ -36,7 +39,9 @@ __all__ = [
     "CacheSpec",
     "CapacityError",
     "DTYPE_BYTES",
+    "MLAConfig",
     "MemoryBudget",
+    "MoEConfig",
     "ModelConfig",
     "PRESETS",
     "format_bytes",
@@ -107,6 +112,11 @@ class CacheSpec:
 
     ``block_size`` must be a power of two: the Triton kernels tile a block with ``tl.arange``, whose
     length must be a power of two, and slot arithmetic (``block * B + offset``) stays a shift.
+
+    ``mla`` marks multi-head latent attention (DeepSeek-V2/V3): each token stores, per layer, one
+    latent vector of ``head_dim`` elements (``kv_lora_rank + qk_rope_head_dim``) shared by every
+    head, instead of a K and a V per KV head; ``num_kv_heads`` is then 1. The pool and kernels of
+    this package implement the K/V layout only; an MLA spec serves sizing (``pagedkv plan``).
     """
 
     num_layers: int
@@ -114,6 +124,7 @@ class CacheSpec:
     head_dim: int
     dtype: str = "bfloat16"
     block_size: int = 16
+    mla: bool = False
 
     def __post_init__(self) -> None:
         _check_int("num_layers", self.num_layers, 1)
@@ -122,6 +133,13 @@ class CacheSpec:
         _check_int("block_size", self.block_size, 1)
         if self.block_size & (self.block_size - 1):
             raise InvalidConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if not isinstance(self.mla, bool):
+            raise InvalidConfigError(f"mla must be a bool, got {self.mla!r}")
+        if self.mla and self.num_kv_heads != 1:
+            raise InvalidConfigError(
+                f"an MLA cache holds one latent per token per layer: num_kv_heads must be 1, "
+                f"got {self.num_kv_heads}"
+            )
         # Frozen dataclass: normalising the dtype spelling needs object.__setattr__.
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
 
@@ -131,9 +149,18 @@ class CacheSpec:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def vectors_per_token(self) -> int:
+        """Cached vectors per token per KV head and layer: 2 (K and V), or 1 (the MLA latent)."""
+        return 1 if self.mla else 2
+
+    @property
     def bytes_per_token(self) -> int:
-        """KV bytes one token occupies across all layers: ``2 × kv_heads × head_dim × dtype_bytes × layers``."""
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes * self.num_layers
+        """KV bytes one token occupies across all layers.
+
+        ``2 × kv_heads × head_dim × dtype_bytes × layers``; for MLA ``1 × 1 × latent_dim ×
+        dtype_bytes × layers``.
+        """
+        return self.vectors_per_token * self.num_kv_heads * self.head_dim * self.dtype_bytes * self.num_layers
 
     @property
     def bytes_per_block(self) -> int:
@@ -148,7 +175,7 @@ class CacheSpec:
     @classmethod
     def from_hf_config(
         cls,
-        source: Union[str, os.PathLike, Mapping[str, Any]],
+        source: Union[str, "os.PathLike[str]", Mapping[str, Any]],
         *,
         block_size: int = 16,
         dtype: str | None = None,
@@ -161,23 +188,108 @@ class CacheSpec:
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): the projections around a compressed KV latent.
+
+    Per layer and token the cache holds :attr:`latent_dim` = ``kv_lora_rank + qk_rope_head_dim``
+    elements: the compressed K/V latent and the shared rotary key. Weights per layer:
+    ``q_proj`` (``hidden × heads·(nope + rope)``) or, with ``q_lora_rank``, ``q_a_proj`` (``hidden ×
+    q_lora_rank``) + its norm + ``q_b_proj`` (``q_lora_rank × heads·(nope + rope)``);
+    ``kv_a_proj_with_mqa`` (``hidden × latent_dim``) + a ``kv_lora_rank`` norm; ``kv_b_proj``
+    (``kv_lora_rank × heads·(nope + v_head_dim)``); ``o_proj`` (``heads·v_head_dim × hidden``).
+    """
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            _check_int(name, getattr(self, name), 1)
+        _check_int("qk_nope_head_dim", self.qk_nope_head_dim, 0)
+        if self.q_lora_rank is not None:
+            _check_int("q_lora_rank", self.q_lora_rank, 1)
+
+    @property
+    def latent_dim(self) -> int:
+        """Elements cached per token per layer: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key size: ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def params(self, hidden: int, heads: int, bias: bool) -> int:
+        """Attention weights of one layer (formula in the class docstring)."""
+        if self.q_lora_rank is None:
+            q = hidden * heads * self.qk_head_dim
+        else:
+            q = hidden * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * self.qk_head_dim
+            q += self.q_lora_rank if bias else 0
+        kv = hidden * self.latent_dim + self.kv_lora_rank
+        kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        kv += self.latent_dim if bias else 0
+        o = heads * self.v_head_dim * hidden + (hidden if bias else 0)
+        return q + kv + o
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: which layers have one, and how large its experts are.
+
+    Per MoE layer: ``num_experts`` routed experts of ``3 × hidden × expert_intermediate_size``
+    (gated), a ``hidden × num_experts`` router, and shared experts that every token passes through
+    (``3 × hidden × shared_intermediate_size``; DeepSeek's ``n_shared_experts × moe_intermediate_size``,
+    Qwen-MoE's ``shared_expert_intermediate_size`` plus a ``hidden × 1`` gate). The other
+    ``num_layers − num_moe_layers`` layers (DeepSeek's ``first_k_dense_replace``, Qwen-MoE's
+    ``mlp_only_layers``) have a dense MLP of the model's ``intermediate_size``. Every expert is
+    counted: all of them sit in device memory, however few a token is routed to.
+    """
+
+    num_experts: int
+    expert_intermediate_size: int
+    num_moe_layers: int
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("num_experts", self.num_experts, 1)
+        _check_int("expert_intermediate_size", self.expert_intermediate_size, 1)
+        _check_int("num_moe_layers", self.num_moe_layers, 0)
+        _check_int("shared_intermediate_size", self.shared_intermediate_size, 0)
+
+    def params(self, hidden: int) -> int:
+        """MLP weights of one MoE layer (formula in the class docstring)."""
+        n = 3 * hidden * self.expert_intermediate_size * self.num_experts + hidden * self.num_experts
+        n += 3 * hidden * self.shared_intermediate_size
+        if self.shared_expert_gate:
+            n += hidden
+        return n
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The fields of a decoder-only transformer's config that sizing needs.
 
     :attr:`weight_params` estimates the parameter count of a Llama-style model (the shape shared by
-    Llama, Mistral, Qwen2 and most current open models):
+    Llama, Mistral, Qwen2 and most current open models), with MLA and MoE variants:
 
     - embedding: ``vocab × hidden``
     - per layer, attention: ``hidden × heads·head_dim`` (Q) + ``2 × hidden × kv_heads·head_dim``
       (K, V) + ``heads·head_dim × hidden`` (O), plus ``heads·head_dim + 2·kv_heads·head_dim`` bias
-      terms when ``attention_bias`` is set (Qwen2 has Q/K/V biases)
-    - per layer, MLP: ``3 × hidden × intermediate`` (gated: gate, up and down projections), times
-      ``num_experts`` plus a ``hidden × num_experts`` router for a mixture of experts
+      terms when ``attention_bias`` is set (Qwen2 has Q/K/V biases), plus ``2 × head_dim`` for
+      per-head Q/K norms (``qk_norm``, Qwen3); with :attr:`mla`, :meth:`MLAConfig.params` instead
+    - per layer, MLP: ``3 × hidden × intermediate`` (gated: gate, up and down projections); in the
+      layers of a mixture of experts (:attr:`moe`), :meth:`MoEConfig.params` instead
     - per layer, two RMSNorm weight vectors (``2 × hidden``), plus one final norm (``hidden``)
     - LM head: ``vocab × hidden``, left out when ``tie_word_embeddings`` shares it with the embedding
 
     :attr:`weight_bytes` is that count times the dtype's size. It ignores quantization schemes,
-    vision towers and rotary tables; pass the real figure (``--weights``) when it is known.
+    vision towers, multi-token-prediction heads and rotary tables; pass the real figure
+    (``--weights``) when it is known.
     """
 
     name: str
@@ -191,12 +303,14 @@ class ModelConfig:
     dtype: str = "bfloat16"
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    num_experts: int = 1
-    max_position_embeddings: int | None = None
+    max_position_embeddings: Optional[int] = None
+    qk_norm: bool = False
+    mla: Optional[MLAConfig] = None
+    moe: Optional[MoEConfig] = None
 
     def __post_init__(self) -> None:
         for field_name in ("hidden_size", "intermediate_size", "num_layers", "num_attention_heads",
-                           "num_kv_heads", "head_dim", "vocab_size", "num_experts"):
+                           "num_kv_heads", "head_dim", "vocab_size"):
             _check_int(field_name, getattr(self, field_name), 1)
         if self.num_attention_heads % self.num_kv_heads:
             raise InvalidConfigError(
@@ -213,10 +327,31 @@ class ModelConfig:
                     f"{field_name} must be a bool, got {value!r}",
                     field=field_name, value=value, reason="must be a bool",
                 )
+        if self.mla is not None and not isinstance(self.mla, MLAConfig):
+            raise InvalidConfigError(f"mla must be an MLAConfig, got {type(self.mla).__name__}")
+        if self.moe is not None:
+            if not isinstance(self.moe, MoEConfig):
+                raise InvalidConfigError(f"moe must be a MoEConfig, got {type(self.moe).__name__}")
+            if self.moe.num_moe_layers > self.num_layers:
+                raise InvalidConfigError(
+                    f"num_moe_layers ({self.moe.num_moe_layers}) exceeds num_layers ({self.num_layers})"
+                )
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
 
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer; 1 for a dense model."""
+        return 1 if self.moe is None else self.moe.num_experts
+
     def cache_spec(self, *, block_size: int = 16, dtype: str | None = None) -> CacheSpec:
-        """The KV cache spec of this model; ``dtype`` overrides the weight dtype for the cache."""
+        """The KV cache spec of this model; ``dtype`` overrides the weight dtype for the cache.
+
+        For MLA: one latent of ``kv_lora_rank + qk_rope_head_dim`` elements per token per layer.
+        """
+        if self.mla is not None:
+            return CacheSpec(num_layers=self.num_layers, num_kv_heads=1, head_dim=self.mla.latent_dim,
+                             dtype=self.dtype if dtype is None else dtype, block_size=block_size,
+                             mla=True)
         return CacheSpec(
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,
@@ -229,19 +364,25 @@ class ModelConfig:
     def weight_params(self) -> int:
         """Estimated parameter count (formula in the class docstring)."""
         h = self.hidden_size
-        q_dim = self.num_attention_heads * self.head_dim
-        kv_dim = self.num_kv_heads * self.head_dim
-        attn = h * q_dim + 2 * h * kv_dim + q_dim * h
-        if self.attention_bias:
-            attn += q_dim + 2 * kv_dim
-        mlp = 3 * h * self.intermediate_size * self.num_experts
-        if self.num_experts > 1:
-            mlp += h * self.num_experts
+        if self.mla is not None:
+            attn = self.mla.params(h, self.num_attention_heads, self.attention_bias)
+        else:
+            q_dim = self.num_attention_heads * self.head_dim
+            kv_dim = self.num_kv_heads * self.head_dim
+            attn = h * q_dim + 2 * h * kv_dim + q_dim * h
+            if self.attention_bias:
+                attn += q_dim + 2 * kv_dim
+            if self.qk_norm:
+                attn += 2 * self.head_dim
+        dense_mlp = 3 * h * self.intermediate_size
         norms = 2 * h
-        per_layer = attn + mlp + norms
+        num_moe = 0 if self.moe is None else self.moe.num_moe_layers
+        layers = self.num_layers * (attn + norms) + (self.num_layers - num_moe) * dense_mlp
+        if self.moe is not None:
+            layers += num_moe * self.moe.params(h)
         embed = self.vocab_size * h
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return embed + self.num_layers * per_layer + h + lm_head
+        return embed + layers + h + lm_head
 
     @property
     def weight_bytes(self) -> int:
@@ -251,7 +392,7 @@ class ModelConfig:
     @classmethod
     def from_hf_config(
         cls,
-        source: Union[str, os.PathLike, Mapping[str, Any]],
+        source: Union[str, "os.PathLike[str]", Mapping[str, Any]],
         *,
         dtype: str | None = None,
         name: str | None = None,
@@ -261,9 +402,19 @@ class ModelConfig:
         Reads ``num_hidden_layers``, ``num_key_value_heads`` (falling back to
         ``num_attention_heads``: plain multi-head attention), ``head_dim`` (falling back to
         ``hidden_size / num_attention_heads``), ``torch_dtype`` or ``dtype``, ``hidden_size``,
-        ``intermediate_size``, ``vocab_size``, ``tie_word_embeddings``, ``attention_bias`` and
-        ``num_local_experts``. Multimodal configs that nest the language model under
-        ``text_config`` are read from there.
+        ``intermediate_size``, ``vocab_size``, ``tie_word_embeddings``, ``attention_bias`` (or
+        ``qkv_bias``) and ``max_position_embeddings``. Multimodal configs that nest the language
+        model under ``text_config`` are read from there.
+
+        MLA (``kv_lora_rank`` set): ``qk_rope_head_dim``, ``qk_nope_head_dim``, ``v_head_dim``,
+        ``q_lora_rank``. MoE (``n_routed_experts``, ``num_local_experts`` or ``num_experts``):
+        ``moe_intermediate_size`` (else ``intermediate_size``), ``n_shared_experts`` or
+        ``shared_expert_intermediate_size``, and which layers are dense: ``first_k_dense_replace``
+        and ``moe_layer_freq`` (DeepSeek), ``decoder_sparse_step`` and ``mlp_only_layers`` (Qwen).
+
+        A config this cannot size — layers without a KV cache (state-space or linear-attention
+        hybrids), an encoder-decoder, an MoE or MLA block missing its sizes — raises
+        :class:`InvalidConfigError` saying why, rather than returning a wrong figure.
         """
         cfg, origin = _load_config_dict(source)
         if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), Mapping):
@@ -278,19 +429,12 @@ class ModelConfig:
                 raise InvalidConfigError(f"{origin}: missing required field {key!r}")
             return value
 
+        _refuse_unsizable(cfg, origin)
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
         kv_heads = cfg.get("num_key_value_heads")
         if kv_heads is None:
             kv_heads = heads
-        head_dim = cfg.get("head_dim")
-        if head_dim is None:
-            if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0 or hidden % heads:
-                raise InvalidConfigError(
-                    f"{origin}: no head_dim, and hidden_size ({hidden!r}) is not a multiple of "
-                    f"num_attention_heads ({heads!r})"
-                )
-            head_dim = hidden // heads
         if dtype is None:
             dtype = cfg.get("torch_dtype") or cfg.get("dtype")
             if dtype is None:
@@ -298,15 +442,28 @@ class ModelConfig:
         model_type = str(cfg.get("model_type", ""))
         attention_bias = cfg.get("attention_bias")
         if attention_bias is None:
-            # Qwen2 configs do not spell out their Q/K/V biases.
-            attention_bias = model_type.startswith("qwen2") and "moe" not in model_type
-        experts = cfg.get("num_local_experts") or 1
+            attention_bias = cfg.get("qkv_bias")
+        if attention_bias is None:
+            # Qwen2 and Qwen2-MoE configs do not spell out their Q/K/V biases (on by default).
+            attention_bias = model_type.startswith("qwen2")
+        num_layers = need("num_hidden_layers")
         try:
+            mla = _parse_mla(cfg, need)
+            head_dim = cfg.get("head_dim")
+            if mla is not None:
+                head_dim = mla.qk_head_dim
+            elif head_dim is None:
+                if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0 or hidden % heads:
+                    raise InvalidConfigError(
+                        f"no head_dim, and hidden_size ({hidden!r}) is not a multiple of "
+                        f"num_attention_heads ({heads!r})"
+                    )
+                head_dim = hidden // heads
             return cls(
                 name=name or str(cfg.get("_name_or_path") or model_type or origin),
                 hidden_size=hidden,
                 intermediate_size=need("intermediate_size"),
-                num_layers=need("num_hidden_layers"),
+                num_layers=num_layers,
                 num_attention_heads=heads,
                 num_kv_heads=kv_heads,
                 head_dim=head_dim,
@@ -314,14 +471,101 @@ class ModelConfig:
                 dtype=dtype,
                 tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                 attention_bias=attention_bias,
-                num_experts=experts,
                 max_position_embeddings=cfg.get("max_position_embeddings"),
+                # Qwen3 (dense and MoE) normalises each head's Q and K.
+                qk_norm=mla is None and model_type.startswith("qwen3"),
+                mla=mla,
+                moe=_parse_moe(cfg, num_layers),
             )
         except InvalidConfigError as exc:
+            if str(exc).startswith(origin):
+                raise
             raise InvalidConfigError(f"{origin}: {exc}") from None
 
 
-def _load_config_dict(source: Union[str, os.PathLike, Mapping[str, Any]]) -> tuple[Mapping[str, Any], str]:
+# Keys whose presence means some layers keep no (or not only a) per-token KV cache: state-space and
+# linear-attention hybrids. Sizing them as attention everywhere would overstate the cache.
+_UNSIZABLE_KEYS = ("hybrid_override_pattern", "layers_block_type", "attn_layer_indices", "mamba_d_state",
+                   "ssm_state_size", "linear_num_value_heads", "attn_type_list")
+# Per-layer kinds in ``layer_types`` that keep a KV cache for every token (a sliding window is
+# cached in full here: the manager does not drop blocks that leave the window).
+_KV_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "chunked_attention"}
+
+
+def _refuse_unsizable(cfg: Mapping[str, Any], origin: str) -> None:
+    def refuse(why: str) -> None:
+        raise InvalidConfigError(f"{origin}: cannot size this model's KV cache: {why}")
+
+    if cfg.get("is_encoder_decoder"):
+        refuse("it is an encoder-decoder model; only decoder-only models are supported")
+    for key in _UNSIZABLE_KEYS:
+        if cfg.get(key) is not None:
+            refuse(f"'{key}' marks layers that are not attention (a state-space or linear-attention "
+                   "hybrid); their state is not a per-token paged cache")
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, (list, tuple)):
+        other = sorted({str(t) for t in layer_types} - _KV_LAYER_TYPES)
+        if other:
+            refuse(f"layer_types holds {', '.join(repr(t) for t in other)}, which keep no per-token KV cache")
+    if isinstance(cfg.get("ffn_config"), Mapping):
+        refuse("its MLP sizes are nested in 'ffn_config' (DBRX layout), which is not read")
+
+
+def _parse_mla(cfg: Mapping[str, Any], need: Any) -> Optional[MLAConfig]:
+    if cfg.get("kv_lora_rank") is None:
+        return None
+    return MLAConfig(
+        kv_lora_rank=cfg["kv_lora_rank"],
+        qk_rope_head_dim=need("qk_rope_head_dim"),
+        qk_nope_head_dim=need("qk_nope_head_dim"),
+        v_head_dim=need("v_head_dim"),
+        q_lora_rank=cfg.get("q_lora_rank"),
+    )
+
+
+def _parse_moe(cfg: Mapping[str, Any], num_layers: int) -> Optional[MoEConfig]:
+    experts = None
+    for key in ("n_routed_experts", "num_local_experts", "num_experts"):
+        if cfg.get(key) is not None:
+            experts = cfg[key]
+            break
+    if experts is None or experts == 1:
+        return None
+    _check_int("num_experts", experts, 1)
+    _check_int("num_hidden_layers", num_layers, 1)
+    size = cfg.get("moe_intermediate_size")
+    if size is None:
+        size = cfg.get("intermediate_size")
+    if size is None:
+        raise InvalidConfigError("an MoE config needs 'moe_intermediate_size' or 'intermediate_size'")
+    # Which layers route to experts: DeepSeek keeps the first `first_k_dense_replace` dense and puts
+    # experts every `moe_layer_freq` layers; Qwen-MoE puts them where (i + 1) % decoder_sparse_step
+    # == 0, outside `mlp_only_layers`. Each model sets only its own keys; the defaults are neutral.
+    first_dense = cfg.get("first_k_dense_replace") or 0
+    freq = cfg.get("moe_layer_freq") or 1
+    step = cfg.get("decoder_sparse_step") or 1
+    mlp_only = cfg.get("mlp_only_layers") or []
+    for key, value, lo in (("first_k_dense_replace", first_dense, 0), ("moe_layer_freq", freq, 1),
+                           ("decoder_sparse_step", step, 1)):
+        _check_int(key, value, lo)
+    if not isinstance(mlp_only, (list, tuple)) or not all(isinstance(i, int) for i in mlp_only):
+        raise InvalidConfigError(f"mlp_only_layers must be a list of layer indices, got {mlp_only!r}")
+    dense = set(mlp_only)
+    moe_layers = sum(1 for i in range(num_layers)
+                     if i >= first_dense and i % freq == 0 and (i + 1) % step == 0 and i not in dense)
+    shared = 0
+    gate = False
+    if cfg.get("n_shared_experts"):
+        _check_int("n_shared_experts", cfg["n_shared_experts"], 0)
+        shared = cfg["n_shared_experts"] * size
+    elif cfg.get("shared_expert_intermediate_size"):
+        shared = cfg["shared_expert_intermediate_size"]
+        gate = True  # Qwen-MoE scales its shared expert by a learned sigmoid gate
+    return MoEConfig(num_experts=experts, expert_intermediate_size=size, num_moe_layers=moe_layers,
+                     shared_intermediate_size=shared, shared_expert_gate=gate)
+
+
+def _load_config_dict(source: Union[str, "os.PathLike[str]", Mapping[str, Any]]) -> tuple[Mapping[str, Any], str]:
     if isinstance(source, Mapping):
         return source, "config"
     if not isinstance(source, (str, os.PathLike)):

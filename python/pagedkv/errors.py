@@ -20,7 +20,7 @@ generic handlers treat it as fatal, whereas a full block pool is an ordinary sch
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, ClassVar, Optional, Tuple
 
 __all__ = [
     "PagedKVError",
@@ -52,12 +52,20 @@ class PagedKVError(Exception):
         **fields: The variant's structured fields; each becomes an attribute.
     """
 
-    #: Names of the structured fields this class carries, in the core's order.
-    field_names: Tuple[str, ...] = ()
+    #: Names of the structured fields this class carries, in the core's order. Each subclass also
+    #: declares them as class-level annotations, so type checkers see ``err.seq_id`` and its type.
+    field_names: ClassVar[Tuple[str, ...]] = ()
+    #: The fields the error was raised with (a subset of :attr:`field_names`, or extra ones).
+    fields: dict[str, Any]
 
     def __init__(self, message: str = "", **fields: Any) -> None:
         super().__init__(message)
-        self.fields: dict[str, Any] = dict(fields)
+        self.fields = dict(fields)
+        # A declared field the raiser did not give reads as None rather than AttributeError (the
+        # Python sizing code raises InvalidConfigError with a message alone, for example).
+        for name in self.field_names:
+            if name not in fields:
+                setattr(self, name, None)
         for name, value in fields.items():
             setattr(self, name, value)
 
@@ -71,11 +79,32 @@ class PagedKVError(Exception):
         return self.message
 
 
+# Raised by the Python package, not the core: no variant of the core's enum, so it stays out of
+# `__all__` (which lists exactly the core's variants and the base class).
+class MissingDependencyError(PagedKVError, ImportError):
+    """An optional dependency is not installed; the message names the extra that installs it.
+
+    ``str(err)`` is one line, e.g. ``--plot needs matplotlib, which is not installed: pip install
+    'pagedkv[plot]'``.
+
+    Attributes: ``module`` (the top-level module missing), ``extra`` (the ``pagedkv[...]`` extra).
+    """
+
+    module: str
+    extra: Optional[str]
+
+    field_names = ("module", "extra")
+
+
 class InvalidConfigError(PagedKVError, ValueError):
     """A configuration value is out of range (block size 0, no blocks, watermark ≥ pool, ...).
 
     Attributes: ``field`` (name), ``value``, ``reason``.
     """
+
+    field: Optional[str]
+    value: object
+    reason: Optional[str]
 
     field_names = ("field", "value", "reason")
 
@@ -86,6 +115,10 @@ class InvalidArgumentError(PagedKVError, ValueError):
     Attributes: ``what`` (argument name), ``value``, ``reason``.
     """
 
+    what: str
+    value: object
+    reason: str
+
     field_names = ("what", "value", "reason")
 
 
@@ -94,6 +127,8 @@ class UnknownSequenceError(PagedKVError, KeyError):
 
     Attributes: ``seq_id``.
     """
+
+    seq_id: int
 
     field_names = ("seq_id",)
 
@@ -104,6 +139,8 @@ class DuplicateSequenceError(PagedKVError, ValueError):
     Attributes: ``seq_id``.
     """
 
+    seq_id: int
+
     field_names = ("seq_id",)
 
 
@@ -113,7 +150,10 @@ class OutOfBlocksError(PagedKVError):
     Attributes: ``needed``, ``available``.
     """
 
-    field_names: Tuple[str, ...] = ("needed", "available")
+    needed: int
+    available: int
+
+    field_names: ClassVar[Tuple[str, ...]] = ("needed", "available")
 
 
 class WatermarkReachedError(OutOfBlocksError):
@@ -125,6 +165,8 @@ class WatermarkReachedError(OutOfBlocksError):
     Attributes: ``needed``, ``available`` (free blocks above the reserve), ``watermark``.
     """
 
+    watermark: int
+
     field_names = ("needed", "available", "watermark")
 
 
@@ -133,6 +175,10 @@ class SequenceTooLongError(PagedKVError, ValueError):
 
     Attributes: ``seq_id``, ``needed_blocks``, ``max_blocks_per_seq``.
     """
+
+    seq_id: int
+    needed_blocks: int
+    max_blocks_per_seq: int
 
     field_names = ("seq_id", "needed_blocks", "max_blocks_per_seq")
 
@@ -143,6 +189,10 @@ class BufferTooSmallError(PagedKVError, ValueError):
     Attributes: ``buffer`` (name), ``needed``, ``capacity`` (in elements).
     """
 
+    buffer: str
+    needed: int
+    capacity: int
+
     field_names = ("buffer", "needed", "capacity")
 
 
@@ -151,6 +201,10 @@ class BufferInvalidError(PagedKVError, ValueError):
 
     Attributes: ``buffer`` (name), ``expected``, ``got``.
     """
+
+    buffer: str
+    expected: str
+    got: str
 
     field_names = ("buffer", "expected", "got")
 
@@ -165,6 +219,9 @@ class InvalidBlockError(PagedKVError, IndexError):
     Attributes: ``block``, ``num_blocks``.
     """
 
+    block: int
+    num_blocks: int
+
     field_names = ("block", "num_blocks")
 
 
@@ -173,6 +230,8 @@ class RefcountUnderflowError(PagedKVError, RuntimeError):
 
     Attributes: ``block``.
     """
+
+    block: int
 
     field_names = ("block",)
 
@@ -186,6 +245,8 @@ class PrefixCollisionError(PagedKVError, RuntimeError):
     Attributes: ``block``.
     """
 
+    block: int
+
     field_names = ("block",)
 
 
@@ -194,6 +255,8 @@ class InvariantViolationError(PagedKVError, RuntimeError):
 
     Attributes: ``detail`` (the core's description).
     """
+
+    detail: str
 
     field_names = ("detail",)
 
@@ -208,6 +271,9 @@ class AllocationFailedError(PagedKVError, MemoryError):
     Attributes: ``what`` (what was being allocated), ``bytes`` (the size asked for).
     """
 
+    what: str
+    bytes: int  # an annotation only: the builtin is not shadowed in the class body
+
     field_names = ("what", "bytes")
 
 
@@ -220,7 +286,10 @@ class OutOfHostBlocksError(PagedKVError):
     Attributes: ``needed``, ``available``.
     """
 
-    field_names: Tuple[str, ...] = ("needed", "available")
+    needed: int
+    available: int
+
+    field_names = ("needed", "available")
 
 
 class InvalidSequenceStateError(PagedKVError, ValueError):
@@ -231,6 +300,10 @@ class InvalidSequenceStateError(PagedKVError, ValueError):
     Attributes: ``seq_id``, ``state`` (``"running"``, ``"swapped"`` or ``"recompute"``),
     ``expected`` (what the call needs).
     """
+
+    seq_id: int
+    state: str
+    expected: str
 
     field_names = ("seq_id", "state", "expected")
 
@@ -243,5 +316,8 @@ class ModelLoadError(PagedKVError, ValueError):
 
     Attributes: ``path``, ``reason``.
     """
+
+    path: str
+    reason: str
 
     field_names = ("path", "reason")

@@ -23,6 +23,7 @@ of a numpy array or a CPU tensor); the core converts to ``u32`` while checking t
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
     SeqIds = Union[Sequence[int], npt.NDArray[np.integer]]
 
 __all__ = ["BlockManager", "AdmitResult", "StepInfo", "Stats", "CostModel", "Decision"]
+
+logger = logging.getLogger("pagedkv")
 
 
 class AdmitResult(NamedTuple):
@@ -519,7 +522,9 @@ class BlockManager:
         Returns:
             The number of blocks dropped from the cache (cached-free and held ones).
         """
-        return self._core.reset_prefix_cache()
+        dropped = self._core.reset_prefix_cache()
+        logger.info("prefix cache reset: %d blocks dropped", dropped)
+        return dropped
 
     def __contains__(self, seq_id: object) -> bool:
         """Whether ``seq_id`` is a live sequence (False for anything that is not a valid id, a bool

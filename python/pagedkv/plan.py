@@ -14,6 +14,10 @@ allocation against contiguous max-length reservation:
 Both concurrency figures ignore the watermark reserve and prefix sharing: they are the upper
 bounds the memory allows. Nothing here imports torch or the extension.
 
+The context: ``max_model_len`` defaults to the model's own ``max_position_embeddings`` (what a server
+reserves per sequence), or to the longest planned length when that is longer or the model's is not
+known. Planning beyond the model's context is allowed but recorded in :attr:`Plan.warnings`.
+
 Invariants: :func:`make_plan` validates everything before computing and raises
 :class:`pagedkv.errors.InvalidConfigError` / :class:`pagedkv.config.CapacityError` with a one-line
 message; a :class:`Plan` it returns is internally consistent (every row uses the same pool).
@@ -28,7 +32,11 @@ from typing import Optional, Sequence
 from .config import CacheSpec, MemoryBudget, format_bytes
 from .errors import InvalidConfigError
 
-__all__ = ["Plan", "PlanRow", "make_plan", "format_plan", "plan_json", "parse_seq_lens"]
+__all__ = ["Plan", "PlanRow", "make_plan", "format_plan", "plan_json", "parse_seq_lens",
+           "default_seq_lens", "DEFAULT_SEQ_LENS"]
+
+#: Lengths compared when none are given (those shorter than the context, then the context itself).
+DEFAULT_SEQ_LENS = (1024, 4096, 32768)
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,10 @@ class Plan:
     num_blocks: int
     max_model_len: int
     rows: tuple[PlanRow, ...]
+    #: The model's trained context (``max_position_embeddings``), when known.
+    model_max_len: Optional[int] = None
+    #: Things the plan does although they are likely mistakes (one line each).
+    warnings: tuple[str, ...] = ()
 
     @property
     def token_capacity(self) -> int:
@@ -93,6 +105,14 @@ def parse_seq_lens(text: str) -> list[int]:
     return out
 
 
+def default_seq_lens(context: Optional[int]) -> list[int]:
+    """The lengths ``pagedkv plan`` compares by default: :data:`DEFAULT_SEQ_LENS` below ``context``,
+    then ``context`` itself (where paged and contiguous meet); all of them when it is unknown."""
+    if context is None:
+        return list(DEFAULT_SEQ_LENS)
+    return [n for n in DEFAULT_SEQ_LENS if n < context] + [context]
+
+
 def make_plan(
     spec: CacheSpec,
     budget: MemoryBudget,
@@ -101,25 +121,38 @@ def make_plan(
     *,
     model: str = "custom",
     weights_source: str = "given",
+    model_max_len: Optional[int] = None,
 ) -> Plan:
     """Compute the pool and the per-length rows.
 
-    ``max_model_len`` defaults to the longest of ``seq_lens``: a contiguous reservation must hold
-    the longest sequence planned for. A length above an explicit ``max_model_len`` is an error.
+    ``max_model_len`` (the contiguous reservation per sequence) defaults to ``model_max_len`` — the
+    model's ``max_position_embeddings`` — or to the longest of ``seq_lens`` when that is longer or
+    the model's context is unknown: a contiguous reservation must hold the longest sequence planned
+    for. A length above an explicit ``max_model_len`` is an error; a ``max_model_len`` above
+    ``model_max_len`` is planned, with a line in :attr:`Plan.warnings`.
     """
     if not seq_lens:
         raise InvalidConfigError("seq_lens must name at least one length")
     for n in seq_lens:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidConfigError(f"sequence length must be an integer >= 1, got {n!r}")
+    if model_max_len is not None and (
+            isinstance(model_max_len, bool) or not isinstance(model_max_len, int) or model_max_len < 1):
+        raise InvalidConfigError(f"model_max_len must be an integer >= 1, got {model_max_len!r}")
     if max_model_len is None:
-        max_model_len = max(seq_lens)
+        max_model_len = max(seq_lens) if model_max_len is None else max(model_max_len, max(seq_lens))
     if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
         raise InvalidConfigError(f"max_model_len must be an integer >= 1, got {max_model_len!r}")
     too_long = [n for n in seq_lens if n > max_model_len]
     if too_long:
         raise InvalidConfigError(
             f"sequence length {too_long[0]} exceeds max_model_len {max_model_len}"
+        )
+    warnings = []
+    if model_max_len is not None and max_model_len > model_max_len:
+        warnings.append(
+            f"max_model_len {max_model_len:,} exceeds the model's max_position_embeddings "
+            f"{model_max_len:,}: positions past it were not trained (unless rope scaling extends them)"
         )
     num_blocks = budget.num_blocks(spec)
     capacity = num_blocks * spec.block_size
@@ -136,7 +169,8 @@ def make_plan(
             contiguous_waste_tokens_per_seq=max_model_len - n,
         ))
     return Plan(model=model, spec=spec, budget=budget, weights_source=weights_source,
-                num_blocks=num_blocks, max_model_len=max_model_len, rows=tuple(rows))
+                num_blocks=num_blocks, max_model_len=max_model_len, rows=tuple(rows),
+                model_max_len=model_max_len, warnings=tuple(warnings))
 
 
 def _bytes_cell(n: int) -> str:
@@ -148,11 +182,17 @@ def _bytes_cell(n: int) -> str:
 def format_plan(plan: Plan) -> str:
     """The human-readable report: pool arithmetic, then one row per sequence length."""
     s, b = plan.spec, plan.budget
+    if s.mla:
+        shape = f"MLA, one latent of {s.head_dim} per token per layer"
+        formula = f"1 latent × {s.head_dim} × {s.dtype_bytes} × {s.num_layers}"
+    else:
+        shape = f"{s.num_kv_heads} KV heads × head_dim {s.head_dim}"
+        formula = f"2 × {s.num_kv_heads} × {s.head_dim} × {s.dtype_bytes} × {s.num_layers}"
+    context = "" if plan.model_max_len is None else f"; model context {plan.model_max_len:,}"
     lines = [
-        f"model             {plan.model}: {s.num_layers} layers, {s.num_kv_heads} KV heads × "
-        f"head_dim {s.head_dim}, {s.dtype}, block size {s.block_size}",
-        f"bytes per token   {_bytes_cell(s.bytes_per_token)}  = 2 × {s.num_kv_heads} × {s.head_dim} × "
-        f"{s.dtype_bytes} × {s.num_layers}",
+        f"model             {plan.model}: {s.num_layers} layers, {shape}, {s.dtype}, "
+        f"block size {s.block_size}",
+        f"bytes per token   {_bytes_cell(s.bytes_per_token)}  = {formula}",
         f"bytes per block   {_bytes_cell(s.bytes_per_block)}",
         f"memory            {_bytes_cell(b.total_bytes)} × utilization {b.utilization} = "
         f"{format_bytes(b.usable_bytes)}",
@@ -162,7 +202,7 @@ def format_plan(plan: Plan) -> str:
         f"  = KV budget     {_bytes_cell(b.kv_bytes)}",
         f"blocks            {plan.num_blocks:,}  (pool {format_bytes(plan.pool_bytes)})",
         f"token capacity    {plan.token_capacity:,}",
-        f"max model len     {plan.max_model_len:,}  (contiguous reservation per sequence)",
+        f"max model len     {plan.max_model_len:,}  (contiguous reservation per sequence{context})",
         "",
     ]
     header = ("seq len", "blocks/seq", "paged seqs", "paged waste/seq",
@@ -201,6 +241,8 @@ def plan_json(plan: Plan) -> str:
         "pool_bytes": plan.pool_bytes,
         "token_capacity": plan.token_capacity,
         "max_model_len": plan.max_model_len,
+        "model_max_len": plan.model_max_len,
+        "warnings": list(plan.warnings),
         "rows": [dict(asdict(r), ratio=r.ratio) for r in plan.rows],
     }
     return json.dumps(obj, indent=2)

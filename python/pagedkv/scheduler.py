@@ -20,11 +20,26 @@ Each step, in this order:
    No admission in a step that had to preempt: the pool is full, and re-admitting the victim at
    once would only thrash.
 
-**Preemption** is by recompute: the victim's blocks are freed and it goes back to the head of the
-waiting queue with all its token ids (prompt and output so far); re-admission recomputes only what
-the prefix cache no longer holds, and the output continues where it stopped. The victim is chosen by
-:meth:`Scheduler.choose_victim` and reclaimed by :meth:`Scheduler.preempt` — the seam where a
-cost-model policy (swap vs recompute) plugs in.
+**Preemption** reclaims the victim :meth:`Scheduler.choose_victim` names — the most recently
+admitted running sequence with its forked group (the core's ``choose_victim`` when the manager has
+it) — in one of two ways, chosen per victim by :meth:`Scheduler.decide`: ``preemption_mode``
+``"swap"`` / ``"recompute"`` forces one, ``"auto"`` asks the manager's cost model (2 x KV bytes
+over the host link against the prefill of what the prefix cache no longer holds, per branch).
+
+- *Swap* (needs a manager with a host pool): :meth:`BlockManager.swap_out` moves the group's
+  blocks to host blocks; the copy pairs go out with the next step (the runner copies them before
+  that step's forward writes anything) and the sequences wait in :attr:`Scheduler.swapped`. They
+  come back first — before any new admission, in a step that did not preempt — through
+  :meth:`BlockManager.swap_in`, and continue exactly where they stopped. A full host pool falls
+  back to recompute.
+- *Recompute*: the blocks are freed and the sequences go back to the head of the waiting queue with
+  all their token ids (prompt and output so far); re-admission recomputes only what the prefix
+  cache no longer holds, and the output continues where it stopped.
+
+A forked group that is all that runs gives up its newest member alone, by recompute. No step holds
+both a swap-out and a swap-in (swap-ins are skipped in a step that preempted), so a step's two swap
+lists never touch the same host block. Each preemption is logged on the ``pagedkv`` logger with its
+mode and both cost estimates.
 
 Invariants, between steps:
 
@@ -32,7 +47,7 @@ Invariants, between steps:
   ``token_ids[num_computed_tokens:]`` are what the next steps compute;
 - ``running`` is in admission order (a fork sits right after its parent), so its tail is the
   most recently admitted sequence;
-- a waiting sequence holds no blocks;
+- a waiting sequence holds no blocks; a swapped one holds host blocks only;
 - the tokens of one step never exceed ``max_num_batched_tokens`` and its sequences
   ``max_num_seqs``, except that the first admission of an otherwise empty step always gets at least
   one chunk, so no request starves.
@@ -41,16 +56,19 @@ Invariants, between steps:
 from __future__ import annotations
 
 import enum
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Deque, List, Optional, Sequence as SequenceT, Union
 
 import numpy as np
 
-from .errors import InvalidArgumentError, InvalidConfigError, OutOfBlocksError
+from .errors import InvalidArgumentError, InvalidConfigError, OutOfBlocksError, OutOfHostBlocksError
 
 if TYPE_CHECKING:
     from .manager import BlockManager, StepInfo
+
+logger = logging.getLogger("pagedkv")
 
 __all__ = [
     "SequenceStatus",
@@ -75,11 +93,17 @@ class SchedulerCapacityError(OutOfBlocksError):
 
 
 class SequenceStatus(enum.Enum):
-    """Where a sequence is: queued (no blocks), running (blocks held), or done (freed)."""
+    """Where a sequence is: queued (no blocks), running (blocks held), swapped out (its blocks in
+    host memory, resumed by a swap-in), or done (freed)."""
 
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"
     FINISHED = "finished"
+
+
+#: How :class:`Scheduler` reclaims a victim: by the cost model, or always one way.
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -224,7 +248,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Continuous batching with chunked prefill and preemption by recompute (module docs).
+    """Continuous batching with chunked prefill and preemption by swap or recompute (module docs).
 
     Args:
         manager: The block manager; step buffers must be attached before the first step.
@@ -232,11 +256,22 @@ class Scheduler:
         max_num_batched_tokens: Token budget of one step (decodes count one each).
         enable_chunked_prefill: Split prompts longer than the remaining budget into chunks. When
             off, a prompt runs whole, in a step of its own if it exceeds the budget.
+        preemption_mode: ``"auto"`` (the manager's cost model per victim), ``"swap"`` or
+            ``"recompute"``; without a host pool every preemption recomputes.
     """
 
     def __init__(self, manager: "BlockManager", *, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True) -> None:
+                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
+                 preemption_mode: str = "auto") -> None:
         self.manager = manager
+        if preemption_mode not in PREEMPTION_MODES:
+            raise InvalidConfigError(
+                f"invalid scheduler config: preemption_mode = {preemption_mode!r}: must be one of "
+                f"{', '.join(PREEMPTION_MODES)}", field="preemption_mode", value=preemption_mode,
+                reason="must be 'auto', 'swap' or 'recompute'")
+        #: Swap needs a manager with a host pool; without one every preemption is a recompute.
+        self.can_swap = bool(getattr(manager, "num_host_blocks", 0)) and hasattr(manager, "swap_out")
+        self.preemption_mode = preemption_mode
         self.max_num_seqs = _check_int("max_num_seqs", max_num_seqs, 1)
         self.max_num_batched_tokens = _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         if not isinstance(enable_chunked_prefill, bool):
@@ -247,11 +282,20 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: Deque[Sequence] = deque()
         self.running: List[Sequence] = []
+        #: Swapped-out sequences, in admission order (a forked group together); resumed oldest
+        #: first, before any new admission.
+        self.swapped: List[Sequence] = []
         self._admissions = 0
         #: Ids of the sequences queued or running.
         self._ids: set[int] = set()
-        #: Sequences preempted over the scheduler's life.
+        #: Sequences preempted over the scheduler's life, and by reclamation mode.
         self.num_preemptions = 0
+        self.num_preemptions_by_mode = {"swap": 0, "recompute": 0}
+        #: Sequences swapped back in.
+        self.num_swap_ins = 0
+        #: The latest preemption decision: ``(mode, swap_cost_s, recompute_cost_s)``; costs are
+        #: ``None`` where no cost model was asked.
+        self.last_decision: Optional[tuple] = None
         #: Prompt tokens recomputed after preemption (re-admission misses).
         self.num_recomputed_tokens = 0
         self.num_steps = 0
@@ -266,8 +310,12 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def add(self, seq: Sequence) -> None:
         """Queues a new sequence (FCFS)."""
@@ -318,10 +366,13 @@ class Scheduler:
         self.running.insert(i, child)
 
     def finish(self, seq: Sequence) -> None:
-        """Frees a running (or waiting) sequence's blocks; it leaves the scheduler."""
+        """Frees a running, swapped (or waiting) sequence's blocks; it leaves the scheduler."""
         if seq.status is SequenceStatus.RUNNING:
             self.manager.free(seq.seq_id)
             self.running.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.manager.free(seq.seq_id)
+            self.swapped.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self._ids.discard(seq.seq_id)
@@ -329,7 +380,7 @@ class Scheduler:
 
     def finish_many(self, seqs: SequenceT[Sequence]) -> None:
         """:meth:`finish` for several sequences with one manager call."""
-        run = [s for s in seqs if s.status is SequenceStatus.RUNNING]
+        run = [s for s in seqs if s.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED)]
         if run:
             ids = [s.seq_id for s in run]
             free_batch = getattr(self.manager, "free_batch", None)
@@ -340,6 +391,8 @@ class Scheduler:
                     self.manager.free(i)
             gone = set(map(id, run))
             self.running = [s for s in self.running if id(s) not in gone]
+            if self.swapped:
+                self.swapped = [s for s in self.swapped if id(s) not in gone]
         for s in seqs:
             if s.status is SequenceStatus.WAITING:
                 self.waiting.remove(s)
@@ -348,19 +401,120 @@ class Scheduler:
 
     # ---------------------------------------------------------------------------- preemption
 
-    def choose_victim(self) -> Sequence:
-        """The sequence to reclaim when the pool runs dry: the most recently admitted one."""
-        return self.running[-1]
+    def choose_victim(self) -> List[Sequence]:
+        """The sequences to reclaim when the pool runs dry: the most recently admitted running
+        one, with the forked group it belongs to (its blocks are shared: freeing one member alone
+        frees little).
 
-    def preempt(self, seq: Sequence) -> None:
-        """Reclaims ``seq`` by recompute: frees its blocks and queues it first, tokens kept."""
-        self.manager.free(seq.seq_id)
-        self.running.remove(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        The core's :meth:`BlockManager.choose_victim` decides when the manager has it (so a Rust
+        scheduler gets the same policy); its answer is used when every id in it is running here.
+        """
+        pick = getattr(self.manager, "choose_victim", None)
+        if pick is not None:
+            ids = pick()
+            if ids:
+                by_id = {s.seq_id: s for s in self.running}
+                group = [by_id.get(int(i)) for i in ids]
+                if all(g is not None for g in group):
+                    return group  # type: ignore[return-value]
+        last = self.running[-1]
+        return [s for s in self.running if s.admitted_order == last.admitted_order]
+
+    def decide(self, group: SequenceT[Sequence]) -> tuple:
+        """``(mode, swap_cost_s, recompute_cost_s)`` for reclaiming ``group``.
+
+        ``preemption_mode`` ``"swap"`` / ``"recompute"`` forces the mode (costs ``None``); ``"auto"``
+        asks the manager's cost model (:meth:`BlockManager.decide`: swap = 2 x the group's KV bytes
+        over the host link, recompute = the tokens a re-admission would recompute after prefix
+        hits, per branch, over the prefill throughput); ``"auto"`` on a manager with no
+        ``cost_model`` set swaps. Without a host pool, or for part of a forked group (swap moves
+        whole groups), it is always ``"recompute"``.
+        """
+        order = group[0].admitted_order
+        whole = all(s in group for s in self.running if s.admitted_order == order)
+        if not self.can_swap or not whole:
+            return ("recompute", None, None)
+        if self.preemption_mode != "auto" or getattr(self.manager, "cost_model", None) is None:
+            # Forced, or "auto" with no rates to decide by: swap (the KV is kept, nothing redone).
+            return ("swap" if self.preemption_mode == "auto" else self.preemption_mode, None, None)
+        d = self.manager.decide([s.seq_id for s in group])
+        return (d.mode, d.swap_cost_s, d.recompute_cost_s)
+
+    def preempt(self, group: Union[Sequence, SequenceT[Sequence]]) -> str:
+        """Reclaims ``group`` (a sequence or a forked group) by swap or recompute; returns the mode.
+
+        Swap: the manager moves the group's blocks to host blocks (the copy pairs go out with the
+        next step) and the sequences wait in :attr:`swapped` with their KV intact. Recompute (also
+        the fallback when the host pool is full): their blocks are freed and they go back to the
+        head of the waiting queue with all their token ids; re-admission recomputes what the prefix
+        cache no longer holds.
+        """
+        if isinstance(group, Sequence):
+            group = [group]
+        group = list(group)
+        mode, swap_s, rec_s = self.decide(group)
+        self.last_decision = (mode, swap_s, rec_s)
+        if mode == "swap":
+            try:
+                self.manager.swap_out([s.seq_id for s in group])
+            except OutOfHostBlocksError:
+                mode = "recompute"  # the host pool is full: the state is unchanged, recompute
+        gone = set(map(id, group))
+        self.running = [s for s in self.running if id(s) not in gone]
+        for s in group:
+            s.num_preemptions += 1
+        self.num_preemptions += len(group)
+        self.num_preemptions_by_mode[mode] += len(group)
+        if mode == "swap":
+            for s in group:
+                s.status = SequenceStatus.SWAPPED
+            self.swapped.extend(group)
+            self.swapped.sort(key=lambda q: q.admitted_order)
+        else:
+            free_batch = getattr(self.manager, "free_batch", None)
+            ids = [s.seq_id for s in group]
+            if free_batch is not None:
+                free_batch(ids)
+            else:
+                for i in ids:
+                    self.manager.free(i)
+            for s in reversed(group):
+                s.status = SequenceStatus.WAITING
+                s.num_computed_tokens = 0
+                self.waiting.appendleft(s)
+        if logger.isEnabledFor(logging.INFO):
+            costs = ("" if swap_s is None else
+                     f" (estimates: swap {1e3 * swap_s:.3f} ms, recompute {1e3 * rec_s:.3f} ms)")
+            logger.info("preempted sequence%s %s (%d tokens) by %s%s",
+                        "s" if len(group) > 1 else "", ", ".join(str(s.seq_id) for s in group),
+                        sum(len(s.token_ids) for s in group), mode, costs)
+        return mode
+
+    def _swap_in(self, batch: ScheduledBatch, room: int) -> List[Sequence]:
+        """Swaps groups back in, oldest first, while the pool (above the watermark) and ``room``
+        (free batch rows) allow; returns the sequences resumed."""
+        back: List[Sequence] = []
+        while self.swapped:
+            order = self.swapped[0].admitted_order
+            group = [s for s in self.swapped if s.admitted_order == order]
+            if sum(s.n for s in group) > room:
+                break
+            try:
+                self.manager.swap_in([s.seq_id for s in group])
+            except OutOfBlocksError:
+                break
+            room -= sum(s.n for s in group)
+            self.swapped = self.swapped[len(group):]
+            for s in group:
+                s.status = SequenceStatus.RUNNING
+            # Back into admission order: the tail of `running` stays the most recent admission.
+            i = len(self.running)
+            while i > 0 and self.running[i - 1].admitted_order > order:
+                i -= 1
+            self.running[i:i] = group
+            self.num_swap_ins += len(group)
+            back.extend(group)
+        return back
 
     # ------------------------------------------------------------------------------ one step
 
@@ -391,9 +545,13 @@ class Scheduler:
                 f"alone: the pool of {self.manager.num_blocks} blocks (rows of "
                 f"{self.manager.max_blocks_per_seq}) is too small for it",
                 seq_id=stuck.seq_id, available=self.manager.num_free_blocks)
-        victim = self.choose_victim()
-        self.preempt(victim)
-        batch.preempted.append(victim)
+        victims = self.choose_victim()
+        if len(victims) == len(self.running):
+            # The group is all that runs: reclaim its newest member alone (by recompute: a swap
+            # moves whole groups), so the others can go on.
+            victims = [self.running[-1]]
+        self.preempt(victims)
+        batch.preempted.extend(victims)
 
     def _schedule_into(self, batch: ScheduledBatch) -> None:
         m = self.manager
@@ -418,6 +576,22 @@ class Scheduler:
         budget -= len(decodes)
         batch.num_decodes = len(decodes)
 
+        # 1b. Swapped-out groups come back, oldest first, unless this step had to preempt; those
+        # whose next token is a decode join this step's decodes (the swap-in pairs go out with
+        # this step, and the runner copies them in before the forward reads them).
+        if self.swapped and not batch.preempted:
+            back = self._swap_in(batch, self.max_num_seqs - sum(q.n for q in self.running))
+            dec = [q for q in back if q.num_uncomputed_tokens == 1][: self.max_num_seqs - len(seqs)]
+            if dec:
+                try:
+                    m.append_batch([q.seq_id for q in dec], [q.token_ids[-1] for q in dec])
+                except OutOfBlocksError:
+                    dec = []  # they decode next step
+                seqs.extend(dec)
+                news.extend([1] * len(dec))
+                budget -= len(dec)
+                batch.num_decodes += len(dec)
+
         # 2. Chunks of prompts already admitted, oldest first.
         for s in self.running:
             if budget <= 0 or len(seqs) >= self.max_num_seqs:
@@ -440,10 +614,11 @@ class Scheduler:
             news.append(k)
             budget -= k
 
-        # 3. Admissions, FCFS; none in a step that preempted. `occupied` counts the sequences the
-        # running ones will become once their pending forks are made.
+        # 3. Admissions, FCFS; none in a step that preempted, nor while a swapped-out group waits to
+        # come back (it goes first). `occupied` counts the sequences the running ones will become
+        # once their pending forks are made.
         occupied = sum(q.n for q in self.running)
-        while self.waiting and not batch.preempted and budget > 0 \
+        while self.waiting and not batch.preempted and not self.swapped and budget > 0 \
                 and len(seqs) < self.max_num_seqs:
             s = self.waiting[0]
             if occupied + s.n > self.max_num_seqs:

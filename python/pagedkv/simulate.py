@@ -6,15 +6,19 @@ one token, and a newly admitted one produces its first token from its prefill.
 
 **Paged** — through the real :class:`pagedkv.BlockManager` and the engine's own
 :class:`pagedkv.scheduler.Scheduler` (continuous batching, decodes first, chunked prefill, preemption
-of the most recently admitted sequence by recompute), with a simulated executor in place of the model:
+of the most recently admitted sequence or forked group, reclaimed by recompute or — with
+``num_host_blocks`` — by swap, as ``preemption_mode`` and the manager's cost model decide; the
+cost model's rates are given, not measured, here), with a simulated executor in place of the model:
 each sequence whose known tokens a step completes "samples" the next token of its predetermined
 output. The step's token budget is ``max_prefill_tokens`` plus one decode per sequence the batch can
 hold (``max_num_seqs``), so decodes never crowd prompts out. A request with ``n_samples > 1`` is
 admitted once and forks its other samples when its prompt is computed (copy-on-write), as the
 engine does. Every step is built with ``BlockManager.step`` into CPU step buffers, as an engine
 would before running the model: that emits the copy-on-write list and offers newly full blocks to
-the prefix cache. ``preemptions`` counts preempted sequences (a forked request's samples are
-preempted one by one, newest first).
+the prefix cache. ``preemptions`` counts preempted sequences (a forked group is preempted together,
+unless it is all that runs: then its newest sample alone), split by mode into
+``preemptions_swap`` and ``preemptions_recompute``. The simulated executor moves no bytes, so a
+swap costs nothing here but host blocks.
 
 **Contiguous** — the same arrivals, lengths, timing and scheduler limits, but each sequence
 reserves ``max_model_len`` token slots at admission, so at most ``floor(num_blocks × block_size /
@@ -83,10 +87,20 @@ class SimConfig:
     max_prefill_tokens: int = 16384
     enable_prefix_caching: bool = True
     check_every: int = 0
+    #: Host KV blocks for swapped-out sequences (0: every preemption recomputes).
+    num_host_blocks: int = 0
+    #: ``"auto"`` (the manager's cost model per victim), ``"swap"`` or ``"recompute"``.
+    preemption_mode: str = "auto"
+    #: The cost model's rates (``"auto"`` with a host pool): assumed, not measured, in a simulation.
+    host_link_bytes_per_s: float = 50e9
+    prefill_tokens_per_s: float = 20_000.0
+    #: KV bytes per token, for the cost model (the model's ``CacheSpec.bytes_per_token``).
+    kv_bytes_per_token: int = 131_072
 
     def __post_init__(self) -> None:
         for name, minimum in (("num_blocks", 1), ("block_size", 1), ("max_num_seqs", 1),
-                              ("max_prefill_tokens", 1), ("check_every", 0)):
+                              ("max_prefill_tokens", 1), ("check_every", 0),
+                              ("num_host_blocks", 0), ("kv_bytes_per_token", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise InvalidConfigError(
@@ -100,6 +114,17 @@ class SimConfig:
                 field="enable_prefix_caching", value=self.enable_prefix_caching,
                 reason="must be a bool",
             )
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise InvalidConfigError(
+                f"invalid simulation config: preemption_mode = {self.preemption_mode!r}: must be "
+                "'auto', 'swap' or 'recompute'", field="preemption_mode",
+                value=self.preemption_mode, reason="unknown mode")
+        for name in ("host_link_bytes_per_s", "prefill_tokens_per_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise InvalidConfigError(
+                    f"invalid simulation config: {name} = {v!r}: must be a positive number",
+                    field=name, value=v, reason="must be > 0")
         wm = self.watermark_blocks
         if wm is not None and (isinstance(wm, bool) or not isinstance(wm, int) or wm < 0):
             raise InvalidConfigError(
@@ -125,6 +150,11 @@ class PolicyResult:
     mean_queue_steps: float = 0.0
     mean_latency_steps: float = 0.0
     preemptions: int = 0
+    #: Of ``preemptions``: sequences swapped out to the host pool / freed and recomputed.
+    preemptions_swap: int = 0
+    preemptions_recompute: int = 0
+    #: Sequences swapped back in.
+    swap_ins: int = 0
     recomputed_prompt_tokens: int = 0
     prefix_hit_ratio: float = 0.0
     blocks_saved_by_sharing_mean: float = 0.0
@@ -252,12 +282,20 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
 
     B = sim.block_size
     max_blocks = _blocks_for(workload.max_model_len, B)
+    extra = {"num_host_blocks": sim.num_host_blocks} if sim.num_host_blocks else {}
     mgr = BlockManager(
         sim.num_blocks, B,
         watermark_blocks=sim.watermark_blocks,
         max_blocks_per_seq=max_blocks,
         enable_prefix_caching=sim.enable_prefix_caching,
+        **extra,
     )
+    if sim.num_host_blocks and sim.preemption_mode == "auto":
+        from .manager import CostModel
+
+        mgr.cost_model = CostModel(host_link_bytes_per_s=sim.host_link_bytes_per_s,
+                                   prefill_tokens_per_s=sim.prefill_tokens_per_s,
+                                   kv_bytes_per_token=float(sim.kv_bytes_per_token))
     _check_capacity(workload, sim, mgr.watermark_blocks)
     # Prompt tokens of one step, plus one decode for every sequence the batch can hold: the same
     # prefill budget the contiguous run gets, with decodes never crowding it out.
@@ -266,7 +304,8 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     # newly full blocks to the prefix cache and drains the copy-on-write queue.
     mgr.attach_buffers(StepBuffers(sim.max_num_seqs, max(budget, workload.max_model_len), max_blocks,
                                    max_copies=sim.max_num_seqs, device="cpu"))
-    sched = Scheduler(mgr, max_num_seqs=sim.max_num_seqs, max_num_batched_tokens=budget)
+    sched = Scheduler(mgr, max_num_seqs=sim.max_num_seqs, max_num_batched_tokens=budget,
+                      preemption_mode=sim.preemption_mode)
     capacity = sim.num_blocks * B
     sharing = workload.sharing
     n_req = len(requests)
@@ -391,6 +430,9 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     stats = mgr.stats()
     res.steps = step
     res.preemptions = sched.num_preemptions
+    res.preemptions_swap = sched.num_preemptions_by_mode["swap"]
+    res.preemptions_recompute = sched.num_preemptions_by_mode["recompute"]
+    res.swap_ins = sched.num_swap_ins
     res.recomputed_prompt_tokens = sched.num_recomputed_tokens
     res.mean_concurrency = seq_steps / step
     res.kv_utilization_mean = sum_util / step
@@ -567,6 +609,9 @@ def result_dict(result: SimResult, *, model: Optional[str] = None, spec: Optiona
         "waste_fraction_paged": _r(p.waste_fraction),
         "waste_fraction_contiguous": _r(c.waste_fraction),
         "preemptions": p.preemptions,
+        "preemptions_swap": p.preemptions_swap,
+        "preemptions_recompute": p.preemptions_recompute,
+        "swap_ins": p.swap_ins,
         "recomputed_prompt_tokens": p.recomputed_prompt_tokens,
         "prefix_hit_ratio": _r(p.prefix_hit_ratio),
         "blocks_saved_by_sharing": _r(p.blocks_saved_by_sharing_mean),
@@ -639,7 +684,8 @@ def format_report(result: SimResult, *, model: Optional[str] = None, spec: Optio
         ("KV utilization peak", f"{p.kv_utilization_peak:.1%}", f"{c.kv_utilization_peak:.1%}"),
         ("waste slots / seq", f"{p.waste_tokens_per_seq:.1f}", f"{c.waste_tokens_per_seq:.1f}"),
         ("waste fraction", f"{p.waste_fraction:.1%}", f"{c.waste_fraction:.1%}"),
-        ("preemptions", f"{p.preemptions}", "0"),
+        ("preemptions", f"{p.preemptions} (swap {p.preemptions_swap}, recompute "
+                        f"{p.preemptions_recompute})", "0"),
         ("steps to finish", f"{p.steps:,}", f"{c.steps:,}"),
         ("tokens / step", f"{p.tokens_per_step:.2f}", f"{c.tokens_per_step:.2f}"),
         ("requests / step", f"{p.requests_per_step:.4f}", f"{c.requests_per_step:.4f}"),
@@ -673,6 +719,9 @@ def plot_timeline(result: SimResult, path: str) -> None:
     p, c = result.paged, result.contiguous
     if not p.timeline or not c.timeline:
         raise InvalidConfigError("this result holds no timeline; run simulate(record_timeline=True)")
+    from ._optional import require
+
+    require("matplotlib", "plot_timeline")  # one-line error naming pagedkv[plot] when absent
     # The object-oriented API with an Agg canvas: no pyplot, no global backend switch.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

@@ -21,8 +21,10 @@ Invariants of this module:
 * a completion finishes with ``"stop"`` on an end-of-sequence token (unless ``ignore_eos``) or a
   ``stop_token_ids`` entry, and with ``"length"`` at ``max_tokens`` or when the sequence fills the
   model's context (or the most the KV pool can hold for one sequence);
-* a preempted sequence keeps its tokens and is recomputed; since draws depend only on the sample's
-  seed and position (:mod:`.sampler`), its output is what it would have been without preemption.
+* a preempted sequence keeps its tokens and is either swapped out to the host KV pool (its blocks
+  copied back before it runs again) or recomputed, per the cost model (``preemption_mode``); since
+  draws depend only on the sample's seed and position (:mod:`.sampler`), its output is what it
+  would have been without preemption, whichever mode reclaimed it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import math
 import random
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, overload
 
 from ..errors import InvalidArgumentError, OutOfBlocksError
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -85,13 +87,19 @@ class EngineStats:
     #: Prompt tokens of the added requests served from the prefix cache at their first admission,
     #: over all their prompt tokens.
     request_prefix_hit_ratio: float
-    #: Sequences preempted (and recomputed), copy-on-write block copies, cache evictions.
+    #: Sequences preempted, copy-on-write block copies, cache evictions.
     num_preemptions: int
     cow_copies: int
     evictions: int
     #: The pool.
     num_blocks: int
     block_size: int
+    #: Preempted sequences by how they were reclaimed (they add up to ``num_preemptions``).
+    num_preemptions_swap: int = 0
+    num_preemptions_recompute: int = 0
+    #: KV blocks copied to the host pool and back (the swap engine's counts).
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
 
     def as_dict(self) -> Dict[str, Any]:
         """The counters as a plain dict (for JSON)."""
@@ -151,6 +159,14 @@ class LLMEngine:
         watermark_blocks: Blocks kept back from admissions (``None``: the manager's default).
         cuda_graphs: Capture decode steps in CUDA graphs (CUDA only).
         progress: Show a progress bar while loading.
+        swap_space: Bytes of host (pinned) memory for swapped-out KV blocks (int or ``"4GiB"``);
+            exclusive with ``num_host_blocks``. Neither: no host pool, every preemption recomputes.
+        num_host_blocks: Blocks in the host KV pool.
+        preemption_mode: ``"auto"`` (the cost model picks swap or recompute per victim),
+            ``"swap"`` (swap whenever the host pool has room) or ``"recompute"``.
+        host_link_bytes_per_s: Host-link bandwidth for the cost model; ``None``: measured at
+            start-up (with a host pool and ``preemption_mode="auto"``).
+        prefill_tokens_per_s: Prefill throughput for the cost model; ``None``: measured likewise.
 
     Raises:
         ModelLoadError: ``model`` does not exist, is not a model directory or ``.gguf`` file, or is
@@ -175,6 +191,11 @@ class LLMEngine:
         watermark_blocks: Optional[int] = None,
         cuda_graphs: bool = True,
         progress: bool = False,
+        swap_space: Union[int, str, None] = None,
+        num_host_blocks: Optional[int] = None,
+        preemption_mode: str = "auto",
+        host_link_bytes_per_s: Optional[float] = None,
+        prefill_tokens_per_s: Optional[float] = None,
     ) -> None:
         import torch
 
@@ -188,6 +209,26 @@ class LLMEngine:
                 "give at most one of kv_cache_memory and num_blocks",
                 field="num_blocks", value=num_blocks, reason="exclusive with kv_cache_memory",
             )
+        if swap_space is not None and num_host_blocks is not None:
+            raise InvalidConfigError(
+                "give at most one of swap_space and num_host_blocks",
+                field="num_host_blocks", value=num_host_blocks, reason="exclusive with swap_space")
+        if num_host_blocks is not None and (isinstance(num_host_blocks, bool)
+                                            or not isinstance(num_host_blocks, int)
+                                            or num_host_blocks < 0):
+            raise InvalidConfigError(f"num_host_blocks must be an integer >= 0, got {num_host_blocks!r}",
+                                     field="num_host_blocks", value=num_host_blocks,
+                                     reason="must be >= 0")
+        if preemption_mode not in ("auto", "swap", "recompute"):
+            raise InvalidConfigError(
+                f"preemption_mode must be 'auto', 'swap' or 'recompute', got {preemption_mode!r}",
+                field="preemption_mode", value=preemption_mode, reason="unknown mode")
+        for name, rate in (("host_link_bytes_per_s", host_link_bytes_per_s),
+                           ("prefill_tokens_per_s", prefill_tokens_per_s)):
+            if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                                     or not rate > 0 or rate == float("inf")):
+                raise InvalidConfigError(f"{name} must be a positive number, got {rate!r}",
+                                         field=name, value=rate, reason="must be > 0")
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -212,14 +253,30 @@ class LLMEngine:
                 max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=cuda_graphs,
             )
             bar.update(1)
+            host_blocks = self._host_blocks(swap_space, num_host_blocks)
+            extra: Dict[str, Any] = {}
+            self.cost_rates: Optional[Tuple[float, float]] = None
+            if host_blocks:
+                self.runner.enable_swap(host_blocks)
+                extra["num_host_blocks"] = host_blocks
+                if preemption_mode == "auto":
+                    link, tps = host_link_bytes_per_s, prefill_tokens_per_s
+                    if link is None or tps is None:
+                        measured = self.runner.measure_rates()
+                        link = link if link is not None else measured[0]
+                        tps = tps if tps is not None else measured[1]
+                    self.cost_rates = (float(link), float(tps))
             # The runner's pool and step buffers fix the manager's shape; it attaches the buffers.
             self.manager = self.runner.new_block_manager(
                 watermark_blocks=watermark_blocks, enable_prefix_caching=enable_prefix_caching,
+                **extra,
             )
+            if self.cost_rates is not None:
+                _set_cost_model(self.manager, self.cost_rates, self.runner.spec.bytes_per_token)
             self.scheduler = Scheduler(
                 self.manager, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=enable_chunked_prefill,
+                enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode,
             )
             bar.update(1)
         finally:
@@ -246,6 +303,21 @@ class LLMEngine:
         # resumes unchanged after a preemption.
         self._seed_rng = random.Random()
         self.reset_stats()
+
+    def _host_blocks(self, swap_space: Union[int, str, None], num_host_blocks: Optional[int]) -> int:
+        if num_host_blocks is not None:
+            return num_host_blocks
+        if swap_space is None:
+            return 0
+        from ..config import parse_bytes
+        from ..errors import InvalidConfigError
+
+        try:
+            nbytes = parse_bytes(swap_space)
+        except InvalidConfigError as exc:
+            raise InvalidConfigError(f"swap_space = {swap_space!r}: {exc}", field="swap_space",
+                                     value=swap_space, reason=str(exc)) from None
+        return nbytes // self.runner.spec.bytes_per_block
 
     # ------------------------------------------------------------------------------ requests
 
@@ -406,6 +478,7 @@ class LLMEngine:
             OutOfBlocksError: Nothing can run although requests are waiting (a prompt that cannot
                 fit the pool even when it is empty; such a request is dropped first).
         """
+        from ..scheduler import SequenceStatus
         from .sampler import sample
 
         started = time.perf_counter()
@@ -414,6 +487,8 @@ class LLMEngine:
             self._counters["num_preemptions"] += len(batch.preempted)
             for seq in batch.preempted:
                 seq.data[0].metrics.num_preemptions += 1
+                swapped = seq.status is SequenceStatus.SWAPPED
+                self._counters["num_preemptions_swap" if swapped else "num_preemptions_recompute"] += 1
         if not batch.seqs:
             if self._requests:
                 self._unschedulable()
@@ -552,6 +627,7 @@ class LLMEngine:
         self._counters = dict.fromkeys(
             ("num_requests", "num_finished_requests", "num_prompt_tokens", "num_generated_tokens",
              "num_prefill_tokens", "num_steps", "num_preemptions", "peak_running_seqs",
+             "num_preemptions_swap", "num_preemptions_recompute",
              "request_hit_tokens", "request_prompt_tokens"), 0)
         self._busy = 0.0
         self._util_sum = 0.0
@@ -559,6 +635,8 @@ class LLMEngine:
         self._ttfts: List[float] = []
         s = self.manager.stats()
         self._base = (s.prefix_query_tokens, s.prefix_hit_tokens, s.cow_copies, s.evictions)
+        swap = self.runner.swap
+        self._swap_base = (swap.num_swapped_out, swap.num_swapped_in) if swap else (0, 0)
 
     def _record_step(self, batch: Any, elapsed: float) -> None:
         c = self._counters
@@ -574,6 +652,7 @@ class LLMEngine:
         """What the engine has done since it was created (or :meth:`reset_stats`)."""
         c = self._counters
         s = self.manager.stats()
+        swap = self.runner.swap
         query = s.prefix_query_tokens - self._base[0]
         hits = s.prefix_hit_tokens - self._base[1]
         busy = self._busy
@@ -598,11 +677,23 @@ class LLMEngine:
             request_prefix_hit_ratio=(c["request_hit_tokens"] / c["request_prompt_tokens"]
                                       if c["request_prompt_tokens"] else 0.0),
             num_preemptions=c["num_preemptions"],
+            num_preemptions_swap=c["num_preemptions_swap"],
+            num_preemptions_recompute=c["num_preemptions_recompute"],
+            swapped_out_blocks=(swap.num_swapped_out - self._swap_base[0]) if swap else 0,
+            swapped_in_blocks=(swap.num_swapped_in - self._swap_base[1]) if swap else 0,
             cow_copies=s.cow_copies - self._base[2],
             evictions=s.evictions - self._base[3],
             num_blocks=s.num_blocks,
             block_size=s.block_size,
         )
+
+
+def _set_cost_model(manager: Any, rates: Tuple[float, float], kv_bytes_per_token: int) -> None:
+    """Gives the manager's cost model its rates: ``(host link bytes/s, prefill tokens/s)``."""
+    from ..manager import CostModel
+
+    manager.cost_model = CostModel(host_link_bytes_per_s=rates[0], prefill_tokens_per_s=rates[1],
+                                   kv_bytes_per_token=float(kv_bytes_per_token))
 
 
 def _stage_bar(enabled: bool, total: int, desc: str) -> Any:
@@ -656,6 +747,28 @@ class LLM:
     def stats(self) -> EngineStats:
         """The engine's counters (:class:`EngineStats`)."""
         return self.llm_engine.stats()
+
+    # The overloads exist for type checkers: with the union alone, mypy infers a mixed list literal
+    # (`["text", [1, 2]]`) as `list[Sequence[object]]` and rejects the README's own call.
+    @overload
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        use_tqdm: bool = True,
+        cache_salt: Union[str, bytes, None, Sequence[Union[str, bytes, None]]] = None,
+    ) -> List[RequestOutput]: ...
+
+    @overload
+    def generate(
+        self,
+        prompts: Prompt,
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        use_tqdm: bool = True,
+        cache_salt: Union[str, bytes, None, Sequence[Union[str, bytes, None]]] = None,
+    ) -> List[RequestOutput]: ...
 
     def generate(
         self,

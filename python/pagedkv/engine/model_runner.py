@@ -7,8 +7,10 @@ CUDA the captured decode graphs.
 
 One :meth:`ModelRunner.execute`:
 
-1. applies the step's copy list (copy-on-write pairs the manager emitted) to the pool, before any
-   layer reads or writes it;
+1. applies the step's swap lists (with a host pool: :class:`~pagedkv.swap.SwapEngine`, swap-outs
+   then swap-ins, on side streams; the forward's stream waits for them only in a step that has
+   swaps) and its copy list (copy-on-write pairs the manager emitted) to the pool, before any
+   layer reads or writes it — a block a swap-out frees may be written by this very step;
 2. moves the used part of the step buffers to their device mirrors (one or two non-blocking copies;
    nothing on the CPU, where the mirrors are the host tensors);
 3. runs the model on the packed batch (``[1, T]`` ids and positions, ``use_cache=False``) with
@@ -163,6 +165,8 @@ class ModelRunner:
 
             self.workspace = DecodeWorkspace(max_num_seqs, self.num_q_heads, self.spec.num_kv_heads,
                                              self.spec.head_dim, device=self.device)
+        #: The host tier (:meth:`enable_swap`); None: no swapping.
+        self.swap = None
         self.graph_sizes: list[int] = []
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         if self.is_cuda and self.use_kernels and cuda_graphs:
@@ -191,6 +195,69 @@ class ModelRunner:
         if blocks < 1:
             raise CapacityError(f"a KV budget of {budget} bytes holds no block of {per_block} bytes")
         return int(blocks)
+
+    def enable_swap(self, num_host_blocks: int, *, staging_blocks: Optional[int] = None):
+        """Allocates the host KV pool (pinned on CUDA) and the swap engine; returns it.
+
+        Raises:
+            InvalidConfigError: ``num_host_blocks`` is not an int >= 1.
+            AllocationFailedError: The host memory (or the device staging) cannot be allocated.
+        """
+        from ..swap import SwapEngine
+
+        self.swap = SwapEngine(self.pool, num_host_blocks, staging_blocks=staging_blocks)
+        return self.swap
+
+    def measure_rates(self, *, tokens: Optional[int] = None) -> tuple[float, float]:
+        """``(host_link_bytes_per_s, prefill_tokens_per_s)`` measured on this device: the cost
+        model's two rates.
+
+        The link rate is a swap-out plus swap-in round trip of as many blocks as the staging holds
+        (at most 32 MiB each way after one warm-up); the prefill rate is one prefill of ``tokens``
+        tokens (default ``min(max_num_batched_tokens, max_model_len - 1, 1024)``) after one warm-up,
+        through a scratch manager on this runner's buffers. Run it before the engine's manager
+        attaches the buffers: it overwrites pool and host blocks (all free at start-up).
+        """
+        import time
+
+        from ..manager import BlockManager
+
+        sync = torch.cuda.synchronize if self.is_cuda else (lambda *a: None)
+        link = float("nan")
+        if self.swap is not None:
+            n = max(1, min(self.swap.staging_blocks, self.num_blocks, self.swap.host.num_blocks,
+                           (32 << 20) // self.spec.bytes_per_block))
+            pairs = np.stack([np.arange(n), np.arange(n)], axis=1)
+            best = float("inf")
+            for _ in range(3):  # the first is a warm-up
+                sync()
+                t0 = time.perf_counter()
+                self.swap.swap_out(pairs)
+                self.swap.swap_in(pairs)
+                self.swap.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            link = 2 * n * self.spec.bytes_per_block / best
+        t = tokens or min(self.max_num_batched_tokens, self.max_model_len - 1, 1024)
+        t = max(1, min(t, (self.num_blocks - 1) * self.block_size))
+        mgr = BlockManager(self.num_blocks, self.block_size, watermark_blocks=0,
+                           max_blocks_per_seq=self.max_blocks_per_seq, enable_prefix_caching=False)
+        mgr.attach_buffers(self.buffers)
+        try:
+            vocab = int(self.config.vocab_size)
+            ids = (np.arange(t, dtype=np.int64) * 7919) % vocab
+            best = float("inf")
+            for i in range(2):
+                mgr.admit(i, ids.tolist())
+                step = mgr.step([i], [t])
+                sync()
+                t0 = time.perf_counter()
+                self.execute(ids, np.arange(t, dtype=np.int64), step, [0])
+                sync()
+                best = min(best, time.perf_counter() - t0)
+                mgr.free(i)
+        finally:
+            mgr.detach_buffers()
+        return link, t / best
 
     def new_block_manager(self, **kwargs: Any):
         """A :class:`pagedkv.BlockManager` matching this runner's pool, buffers attached.
@@ -258,6 +325,10 @@ class ModelRunner:
         qsl = host.query_start_loc[: n + 1].numpy()
         last = qsl[1:][rows] - 1 if rows.size else np.zeros(0, dtype=np.int64)
 
+        n_out = getattr(step, "num_swap_out", 0)
+        n_in = getattr(step, "num_swap_in", 0)
+        if n_out or n_in:
+            self._apply_swaps(host, n_out, n_in)
         if step.num_copies:
             # Copy-on-write before any layer writes: the copies carry the shared prefix of a block
             # into its private copy, and this step's new tokens land in the copy.
@@ -287,6 +358,20 @@ class ModelRunner:
         if self.is_cuda:
             self._inputs_copied.synchronize()
         return out
+
+    def _apply_swaps(self, host: Any, n_out: int, n_in: int) -> None:
+        if self.swap is None:
+            raise InvalidConfigError(
+                "the step carries swaps but the runner has no host pool (call enable_swap with the "
+                "manager's num_host_blocks)", field="num_host_blocks", value=0,
+                reason="no host pool")
+        # Swap-outs first: a device block a swap-out frees may be a swap-in's destination.
+        if n_out:
+            self.swap.swap_out(host.swap_out[:n_out])
+        if n_in:
+            self.swap.swap_in(host.swap_in[:n_in])
+        # Only this step's forward waits (on the GPU) for the device side of its swaps.
+        self.swap.wait()
 
     def _run_cpu(self, ids, pos, dev, n, qsl, last) -> torch.Tensor:
         q_lens = torch.from_numpy(np.diff(qsl).astype(np.int64))

@@ -19,74 +19,111 @@ pub enum Error {
     /// A configuration value is out of range (block size 0, no blocks, watermark ≥ pool, …).
     #[error("invalid config: {field} = {value}: {reason}")]
     InvalidConfig {
+        /// The configuration field, e.g. `"block_size"`.
         field: &'static str,
+        /// The value it was given.
         value: u64,
+        /// The rule it broke, e.g. `"must be at least 1"`.
         reason: String,
     },
 
     /// An argument is out of range (a zero or negative count, a length mismatch, …).
     #[error("invalid argument: {what} = {value}: {reason}")]
     InvalidArgument {
+        /// The argument, e.g. `"num_tokens"`.
         what: &'static str,
+        /// The offending value (a length where the argument is a slice).
         value: i64,
+        /// The rule it broke.
         reason: String,
     },
 
     /// The sequence id is not known to the manager.
     #[error("unknown sequence id {seq_id}")]
-    UnknownSequence { seq_id: SeqId },
+    UnknownSequence {
+        /// The id asked for.
+        seq_id: SeqId,
+    },
 
     /// The sequence id is already in use.
     #[error("sequence id {seq_id} already exists")]
-    DuplicateSequence { seq_id: SeqId },
+    DuplicateSequence {
+        /// The id already held by a live sequence.
+        seq_id: SeqId,
+    },
 
     /// The pool does not hold enough free blocks, reserve included.
     #[error("out of blocks: need {needed}, {available} available")]
-    OutOfBlocks { needed: usize, available: usize },
+    OutOfBlocks {
+        /// Blocks the operation needs.
+        needed: usize,
+        /// Blocks it could take (free plus evictable cached ones).
+        available: usize,
+    },
 
     /// An admission would dip into the watermark reserve kept for running sequences.
     #[error("admission needs {needed} blocks but only {available} are free above the watermark reserve of {watermark}")]
     WatermarkReached {
+        /// Blocks the admission needs.
         needed: usize,
+        /// Free blocks above the reserve.
         available: usize,
+        /// Blocks kept back for running sequences.
         watermark: usize,
     },
 
     /// The host block pool does not hold enough free blocks for a swap-out (always the case with
     /// `num_host_blocks == 0`: swap disabled).
     #[error("out of host blocks: need {needed}, {available} available")]
-    OutOfHostBlocks { needed: usize, available: usize },
+    OutOfHostBlocks {
+        /// Host blocks the swap-out needs.
+        needed: usize,
+        /// Free host blocks.
+        available: usize,
+    },
 
     /// The sequence is not in the state the call needs (stepping a swapped-out sequence, swapping
     /// in a running one, resuming one that was not preempted by recompute, ...).
     #[error("sequence {seq_id} is {state}; this call needs it {expected}")]
     InvalidSequenceState {
+        /// The sequence.
         seq_id: SeqId,
+        /// Its state: `"running"`, `"swapped"` or `"recompute"`.
         state: &'static str,
+        /// The state the call needs.
         expected: &'static str,
     },
 
     /// A sequence would need more blocks than a block-table row holds.
     #[error("sequence {seq_id} would need {needed_blocks} blocks; a block-table row holds {max_blocks_per_seq}")]
     SequenceTooLong {
+        /// The sequence that would grow too long.
         seq_id: SeqId,
+        /// Blocks it would need.
         needed_blocks: usize,
+        /// Width of a block-table row ([`crate::manager::ManagerConfig::max_blocks_per_seq`]).
         max_blocks_per_seq: usize,
     },
 
     /// A caller-owned step buffer is too small for this step.
     #[error("buffer `{buffer}` too small: need {needed} elements, capacity {capacity}")]
     BufferTooSmall {
+        /// The buffer's name, e.g. `"slot_mapping"`.
         buffer: &'static str,
+        /// Elements this step writes.
         needed: usize,
+        /// Elements the buffer holds.
         capacity: usize,
     },
 
     /// A caller-owned step buffer has the wrong element type, or a null / misaligned pointer.
     #[error("buffer `{buffer}`: expected {expected}, got {got}")]
     BufferInvalid {
+        /// The buffer's name.
         buffer: &'static str,
+        /// What the core requires, e.g. `"int32"`.
         expected: &'static str,
+        /// What it was given.
         got: String,
     },
 
@@ -96,20 +133,36 @@ pub enum Error {
 
     /// A block id outside the pool.
     #[error("block id {block} out of range: the pool holds {num_blocks} blocks")]
-    InvalidBlock { block: BlockId, num_blocks: u32 },
+    InvalidBlock {
+        /// The block id given.
+        block: BlockId,
+        /// Blocks in the pool (valid ids are `0..num_blocks`).
+        num_blocks: u32,
+    },
 
     /// A block's reference count would drop below zero (a double free).
     #[error("refcount underflow on block {block} (double free)")]
-    RefcountUnderflow { block: BlockId },
+    RefcountUnderflow {
+        /// The block freed once too often.
+        block: BlockId,
+    },
 
     /// Verify mode found a cached block whose token ids differ from the request's (a hash collision).
     #[error("prefix hash collision on block {block}: cached token ids differ from the request's")]
-    PrefixCollision { block: BlockId },
+    PrefixCollision {
+        /// The cached block whose hash matched.
+        block: BlockId,
+    },
 
     /// The host could not allocate memory the core needs (a pool or cache too large for this
     /// machine): reserved fallibly, so the process keeps running and nothing was built.
     #[error("allocation failed: {what} needs {bytes} bytes")]
-    AllocationFailed { what: &'static str, bytes: u64 },
+    AllocationFailed {
+        /// The array being allocated, e.g. `"block reference counts"`.
+        what: &'static str,
+        /// The size asked for, in bytes.
+        bytes: u64,
+    },
 
     /// `check_invariants` found the state inconsistent. Never expected; a bug if seen.
     #[error("invariant violated: {0}")]

@@ -57,7 +57,9 @@ pub const TAG_EXTRA: u8 = 0x03;
 /// same placeholder tokens with a different image never share KV.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct MmInput {
+    /// First token position the input's embeddings occupy.
     pub start: u32,
+    /// One past the last position.
     pub end: u32,
     /// Content hash of the input, any length (typically 16 or 32 bytes).
     pub hash: Vec<u8>,

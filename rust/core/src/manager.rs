@@ -55,6 +55,7 @@ use crate::{BlockId, SeqId, TokenId};
 /// Configuration of a [`BlockManager`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ManagerConfig {
+    /// Blocks in the pool; ids are `0..num_blocks`.
     pub num_blocks: u32,
     /// Tokens per block (`B`).
     pub block_size: u32,
@@ -62,6 +63,8 @@ pub struct ManagerConfig {
     pub watermark_blocks: u32,
     /// Width of a block-table row: the most blocks one sequence may hold.
     pub max_blocks_per_seq: u32,
+    /// Share full blocks between sequences with the same prefix (and keys), and keep freed full
+    /// blocks cached until their space is needed.
     pub enable_prefix_caching: bool,
     /// Keep each cached block's token ids and compare them on every hit; a mismatch (a hash
     /// collision) is served as a miss and counted.
@@ -184,6 +187,7 @@ pub struct AdmitResult {
 /// One admission of [`BlockManager::admit_batch`].
 #[derive(Debug, Clone, Copy)]
 pub struct AdmitRequest<'a> {
+    /// A new sequence id.
     pub seq: SeqId,
     /// The whole prompt (the prefix-cache lookup covers all of it).
     pub tokens: &'a [TokenId],
@@ -384,6 +388,7 @@ impl BlockManager {
         })
     }
 
+    /// The configuration the manager was built with.
     pub fn config(&self) -> &ManagerConfig {
         &self.cfg
     }
@@ -761,13 +766,13 @@ impl BlockManager {
     /// on failure returns the error with nothing freed; then frees each in order, as
     /// [`BlockManager::free`] does.
     pub fn free_batch(&mut self, seqs: &[SeqId]) -> Result<()> {
+        // Known ids, none twice; any state (a swapped-out or recompute-preempted sequence is
+        // freed too, so not through `resolve_batch`, which wants running sequences).
         self.epoch += 1;
         let epoch = self.epoch;
         for &id in seqs {
-            let Some(&i) = self.index.get(&id) else {
-                return Err(Error::UnknownSequence { seq_id: id });
-            };
-            let s = &mut self.slots[i as usize];
+            let i = self.slot_of(id)?;
+            let s = &mut self.slots[i];
             if s.mark == epoch {
                 return Err(Error::InvalidArgument {
                     what: "seqs",
@@ -803,11 +808,8 @@ impl BlockManager {
                 result = Err(e);
             }
         }
-        if self.prefix.num_hashed() > 0 {
-            for b in 0..self.cfg.num_blocks {
-                self.prefix.unregister(b);
-            }
-        }
+        // Blocks still held lose their hash too; stale map entries go with them.
+        self.prefix.clear_hashes();
         result
     }
 
@@ -1663,14 +1665,17 @@ impl BlockManager {
         self.host.refcount(h)
     }
 
+    /// Whether `seq` is a live sequence.
     pub fn contains(&self, seq: SeqId) -> bool {
         self.index.contains_key(&seq)
     }
 
+    /// Tokens `seq` holds; `UnknownSequence` if it is not live.
     pub fn seq_len(&self, seq: SeqId) -> Result<usize> {
         Ok(self.slots[self.slot_of(seq)?].table.num_tokens)
     }
 
+    /// Physical blocks of `seq`, in logical order; `UnknownSequence` if it is not live.
     pub fn block_table(&self, seq: SeqId) -> Result<&[BlockId]> {
         Ok(&self.slots[self.slot_of(seq)?].table.blocks)
     }
@@ -1680,6 +1685,7 @@ impl BlockManager {
         self.index.keys().copied()
     }
 
+    /// Live sequences.
     pub fn num_seqs(&self) -> usize {
         self.index.len()
     }
@@ -1778,65 +1784,18 @@ impl BlockManager {
         let marks = self
             .step_cache
             .rows_for(out.block_tables, stride, seqs.len());
-        let caching = self.caching;
         self.scratch_register.clear();
-        let mut tok = 0usize;
-        let mut kv = 0usize;
-        out.query_start_loc[0] = 0;
-        if csr {
-            out.kv_indptr[0] = 0;
-        }
-        for (k, &i) in idx.iter().enumerate() {
-            let s = &self.slots[i as usize];
-            let len = s.table.num_tokens;
-            let n = num_new[k] as usize;
-            let blocks = s.table.blocks_i32();
-            let nb = blocks.len();
-            let dst = &mut out.slot_mapping[tok..tok + n];
-            // Tokens in the last block; the table holds exactly ceil(len / B) blocks, so this needs
-            // no division (a runtime-divisor `div` per sequence shows up in decode profiles).
-            let last_page = len - (nb - 1) * bs;
-            if n == 1 {
-                dst[0] = blocks[nb - 1] as i64 * bs as i64 + (last_page - 1) as i64;
-            } else {
-                let mut p = len - n;
-                let mut w = 0;
-                while p < len {
-                    let off = p % bs;
-                    let run = (bs - off).min(len - p);
-                    let base = blocks[p / bs] as i64 * bs as i64 + off as i64;
-                    for (j, d) in dst[w..w + run].iter_mut().enumerate() {
-                        *d = base + j as i64;
-                    }
-                    w += run;
-                    p += run;
-                }
-            }
-            // Only entries the row does not already hold: in a decode step that is at most one.
-            let from = marks[k].valid_prefix(s.uid, s.version, nb);
-            let row = &mut out.block_tables[k * stride + from..k * stride + nb];
-            // Zero or one new entry is the decode case: a `memcpy` call per row would cost more.
-            match row.len() {
-                0 => {}
-                1 => row[0] = blocks[nb - 1],
-                _ => row.copy_from_slice(&blocks[from..]),
-            }
-            marks[k].set(s.uid, s.version, nb);
-            // Noted here, while the sequence's state is in cache, rather than in another pass.
-            let full = nb - (last_page < bs) as usize;
-            if caching && s.registered < full {
-                self.scratch_register.push(i);
-            }
-            tok += n;
-            out.seq_lens[k] = len as i32;
-            out.query_start_loc[k + 1] = tok as i32;
-            if csr {
-                out.kv_indices[kv..kv + nb].copy_from_slice(blocks);
-                kv += nb;
-                out.kv_indptr[k + 1] = kv as i32;
-                out.kv_last_page_len[k] = last_page as i32;
-            }
-        }
+        write_batch(
+            &self.slots,
+            &idx,
+            num_new,
+            bs,
+            self.caching,
+            csr,
+            out,
+            marks,
+            &mut self.scratch_register,
+        );
 
         let num_copies = match &swaps {
             Some(plan) => self.emit_copies_masked(&plan.emit_cow, out.copies),
@@ -2173,6 +2132,8 @@ impl BlockManager {
     /// Validation half of `build_step` (after `resolve_batch`): returns (new tokens, kv indices,
     /// longest sequence, whether to write the CSR page table, which pending copies the batch
     /// needs).
+    // Out of line: inlined into `build_step`, its loop spilled its values to the stack.
+    #[inline(never)]
     fn check_step(
         &self,
         seqs: &[SeqId],
@@ -2538,7 +2499,96 @@ impl BlockManager {
         self.prefix
             .check_links()
             .map_err(Error::InvariantViolation)?;
+        self.prefix.check_map().map_err(Error::InvariantViolation)?;
         self.pool.check_invariants()
+    }
+}
+
+/// The per-sequence half of [`BlockManager::build_step`], after validation: slot mapping, the
+/// block-table entries each row lacks, lengths, query offsets and (with `csr`) the page table,
+/// for the batch `idx` (slots); pushes onto `register` the slots with full blocks not yet offered
+/// to the prefix cache. Out of line, with the batch-length slices cut once up front, so the loop
+/// keeps its values in registers and indexes without bounds checks (inlined into `build_step`,
+/// it spilled most of them to the stack).
+#[allow(clippy::too_many_arguments)]
+#[inline(never)]
+fn write_batch(
+    slots: &[Seq],
+    idx: &[u32],
+    num_new: &[u32],
+    bs: usize,
+    caching: bool,
+    csr: bool,
+    out: &mut StepBuffers<'_>,
+    marks: &mut [crate::step::RowMark],
+    register: &mut Vec<u32>,
+) {
+    let b = idx.len();
+    let stride = out.block_table_stride;
+    let num_new = &num_new[..b];
+    let marks = &mut marks[..b];
+    let seq_lens = &mut out.seq_lens[..b];
+    let qsl = &mut out.query_start_loc[..b + 1];
+    qsl[0] = 0;
+    if csr {
+        out.kv_indptr[0] = 0;
+    }
+    let (mut tok, mut kv) = (0usize, 0usize);
+    let rows = idx
+        .iter()
+        .zip(num_new)
+        .zip(marks.iter_mut())
+        .zip(seq_lens.iter_mut().zip(qsl[1..].iter_mut()));
+    for (k, (((&i, &n), mark), (seq_len, q))) in rows.enumerate() {
+        let s = &slots[i as usize];
+        let len = s.table.num_tokens;
+        let n = n as usize;
+        let blocks = s.table.blocks_i32();
+        let nb = blocks.len();
+        // Tokens in the last block; the table holds exactly ceil(len / B) blocks, so this needs
+        // no division (a runtime-divisor `div` per sequence shows up in decode profiles).
+        let last_page = len - (nb - 1) * bs;
+        if n == 1 {
+            out.slot_mapping[tok] = blocks[nb - 1] as i64 * bs as i64 + (last_page - 1) as i64;
+        } else {
+            let dst = &mut out.slot_mapping[tok..tok + n];
+            let mut p = len - n;
+            let mut w = 0;
+            while p < len {
+                let off = p % bs;
+                let run = (bs - off).min(len - p);
+                let base = blocks[p / bs] as i64 * bs as i64 + off as i64;
+                for (j, d) in dst[w..w + run].iter_mut().enumerate() {
+                    *d = base + j as i64;
+                }
+                w += run;
+                p += run;
+            }
+        }
+        // Only entries the row does not already hold: in a decode step that is at most one.
+        let from = mark.valid_prefix(s.uid, s.version, nb);
+        let row = &mut out.block_tables[k * stride + from..k * stride + nb];
+        // Zero or one new entry is the decode case: a `memcpy` call per row would cost more.
+        match row.len() {
+            0 => {}
+            1 => row[0] = blocks[nb - 1],
+            _ => row.copy_from_slice(&blocks[from..]),
+        }
+        mark.set(s.uid, s.version, nb);
+        // Noted here, while the sequence's state is in cache, rather than in another pass.
+        let full = nb - (last_page < bs) as usize;
+        if caching && s.registered < full {
+            register.push(i);
+        }
+        tok += n;
+        *seq_len = len as i32;
+        *q = tok as i32;
+        if csr {
+            out.kv_indices[kv..kv + nb].copy_from_slice(blocks);
+            kv += nb;
+            out.kv_indptr[k + 1] = kv as i32;
+            out.kv_last_page_len[k] = last_page as i32;
+        }
     }
 }
 

@@ -45,7 +45,9 @@ pub struct Counters {
 /// A snapshot of the manager's state and counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Stats {
+    /// Blocks in the pool.
     pub num_blocks: u64,
+    /// Tokens per block.
     pub block_size: u64,
     /// Blocks on the free list (never cached or dropped from the cache).
     pub free_blocks: u64,
@@ -53,6 +55,7 @@ pub struct Stats {
     pub cached_free_blocks: u64,
     /// Blocks neither free nor cached-free: held by a sequence, or by a pending copy.
     pub used_blocks: u64,
+    /// Live sequences.
     pub num_seqs: u64,
     /// Sum of sequence lengths (a shared block counts for every sequence holding it).
     pub used_tokens: u64,
@@ -60,14 +63,19 @@ pub struct Stats {
     pub kv_utilization: f64,
     /// `used_blocks * block_size`: slots set aside, partly filled tail blocks included.
     pub allocated_token_slots: u64,
+    /// Prompt tokens looked up in the prefix cache (every admission with caching on).
     pub prefix_query_tokens: u64,
+    /// Of those, tokens served from cached blocks.
     pub prefix_hit_tokens: u64,
     /// `prefix_hit_tokens / prefix_query_tokens` (0 before any query).
     pub prefix_hit_ratio: f64,
+    /// Cached-free blocks evicted to satisfy an allocation.
     pub evictions: u64,
+    /// Verify mode: hash hits whose cached token ids differed (served as misses).
     pub prefix_collisions: u64,
     /// Blocks with refcount > 1.
     pub shared_blocks: u64,
+    /// Copy-on-write block copies queued.
     pub cow_copies: u64,
     /// Preemptions of either mode (`preemptions_swap + preemptions_recompute`), counted per
     /// sequence (a forked group of three preempted together counts three).

@@ -5,9 +5,18 @@
 //! list: it becomes *cached-free* and joins the LRU, still findable by hash, until either a prefix
 //! hit revives it or an allocation evicts it (dropping the hash).
 //!
-//! Invariants (checked by `BlockManager::check_invariants`):
-//! - `map[h] == b` ⇔ `hash_of(b) == Some(h)`: one block per hash, one hash per block. A second block
-//!   with the same content is simply left unhashed.
+//! Invariants (checked by `BlockManager::check_invariants` and [`PrefixCache::check_map`]):
+//! - `lookup(h) == Some(b)` ⇔ `hash_of(b) == Some(h)`: one block per hash, one hash per block. A
+//!   second block with the same content is simply left unhashed.
+//! - **Lazy deletion.** The map may also hold *stale* entries `h → b` with `hash_of(b) != Some(h)`:
+//!   dropping a hash (an eviction) clears the block's flag and queues `(h, b)`; the queued entries
+//!   are removed together once [`DROP_BATCH`] have gathered, so the eviction path does not stall
+//!   on a probe of the pool-sized map (each a cache miss) and the probes of a batch overlap. A
+//!   lookup checks the block's current hash, so a stale entry reads as a miss; a registration
+//!   under a stale key takes it over. Every hashed block's entry is live (`map[hash_of(b)] == b`)
+//!   and every stale entry is queued, so there are fewer than `DROP_BATCH`. The map is presized
+//!   for twice every block (plus the batch), so it never grows on the hot path: tombstones left
+//!   by removals are cleared by in-place rehashes.
 //! - A block is in the LRU ⇔ it is hashed and its refcount is 0.
 //! - The LRU is a doubly linked list over `prev`/`next` arrays indexed by block id, oldest at
 //!   `head`; insert, remove and pop-oldest are O(1) and allocation-free.
@@ -20,6 +29,11 @@ use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 
 const NIL: u32 = u32::MAX;
+
+/// Dropped hashes whose map entries are removed in one batch. The removals of a batch are
+/// independent probes of a pool-sized map, so their cache misses overlap instead of each stalling
+/// the eviction that caused it; the batch also bounds the stale entries.
+pub const DROP_BATCH: usize = 32;
 
 /// A keyed hasher for integer keys: sequence ids and prefix hashes.
 ///
@@ -160,9 +174,16 @@ pub fn probe_cost<K: std::hash::Hash>(
 /// The prefix cache of one manager.
 #[derive(Debug, Clone)]
 pub struct PrefixCache {
+    /// Hash → block, live and stale entries (see "Lazy deletion" above).
     map: FastMap<u128, BlockId>,
+    /// The hash of each block: current when `hashed[b]`, else the last one (a stale key, or 0).
     hash_of: Vec<u128>,
     hashed: Vec<bool>,
+    /// Number of hashed blocks (the map's live entries).
+    live: usize,
+    /// Dropped `(hash, block)` pairs whose map entry may still be there (stale), removed together
+    /// when [`DROP_BATCH`] have gathered.
+    dropped: Vec<(u128, BlockId)>,
     prev: Vec<u32>,
     next: Vec<u32>,
     in_lru: Vec<bool>,
@@ -208,7 +229,12 @@ impl PrefixCache {
         };
         let mut map = FastMap::default();
         if presize {
-            // At most one hash per block: sized once, the map never grows on the hot path.
+            // At most one live hash per block plus the stale ones, in a table twice that: removed
+            // entries leave tombstones, and when they use up the free slots the table rehashes,
+            // in place only while at most half full. Sized so, the map never grows on the hot
+            // path (sized for the blocks alone, it grew to this size after a few thousand
+            // evictions anyway).
+            let n = 2 * (n + DROP_BATCH);
             map.try_reserve(n).map_err(|_| {
                 // What the SwissTable asks for: a power-of-two bucket count at a 7/8 load, each
                 // bucket an entry and a control byte, plus one group of trailing control bytes.
@@ -221,6 +247,8 @@ impl PrefixCache {
             map,
             hash_of: zeroed_vec(n, "prefix cache block hashes")?,
             hashed: zeroed_vec(n, "prefix cache hashed flags")?,
+            live: 0,
+            dropped: Vec::with_capacity(DROP_BATCH),
             prev: filled_vec(n, NIL, "prefix LRU links")?,
             next: filled_vec(n, NIL, "prefix LRU links")?,
             in_lru: zeroed_vec(n, "prefix LRU flags")?,
@@ -238,10 +266,19 @@ impl PrefixCache {
         !self.tokens.is_empty()
     }
 
+    /// Whether the map entry `h → b` is live (not left behind by a dropped hash).
+    #[inline]
+    fn is_live(&self, h: u128, b: BlockId) -> bool {
+        self.hashed[b as usize] && self.hash_of[b as usize] == h
+    }
+
     /// The block registered under `h`, if any.
     #[inline]
     pub fn lookup(&self, h: u128) -> Option<BlockId> {
-        self.map.get(&h).copied()
+        match self.map.get(&h) {
+            Some(&b) if self.is_live(h, b) => Some(b),
+            _ => None,
+        }
     }
 
     /// The hash block `b` is registered under, if any.
@@ -261,50 +298,144 @@ impl PrefixCache {
     }
 
     /// Number of hashed blocks.
+    #[inline]
     pub fn num_hashed(&self) -> usize {
-        self.map.len()
+        self.live
     }
 
-    /// All `(hash, block)` entries (for invariant checks).
+    /// Stale map entries (dropped hashes not swept yet).
+    pub fn num_stale(&self) -> usize {
+        self.map.len() - self.live
+    }
+
+    /// All live `(hash, block)` entries (for invariant checks).
     pub fn entries(&self) -> impl Iterator<Item = (u128, BlockId)> + '_ {
-        self.map.iter().map(|(&h, &b)| (h, b))
+        self.map
+            .iter()
+            .map(|(&h, &b)| (h, b))
+            .filter(|&(h, b)| self.is_live(h, b))
+    }
+
+    /// Checks the map against the per-block hashes: every hashed block's entry is in the map and
+    /// points back at it, the live count matches, stale entries stay within their bound.
+    pub fn check_map(&self) -> Result<(), String> {
+        let mut live = 0usize;
+        for (b, &hashed) in self.hashed.iter().enumerate() {
+            if !hashed {
+                continue;
+            }
+            live += 1;
+            let h = self.hash_of[b];
+            if self.map.get(&h) != Some(&(b as BlockId)) {
+                return Err(format!(
+                    "hashed block {b} (hash {h:#x}) is not what the map holds: {:?}",
+                    self.map.get(&h)
+                ));
+            }
+        }
+        if live != self.live {
+            return Err(format!(
+                "{live} blocks hashed, the count says {}",
+                self.live
+            ));
+        }
+        for (&h, &b) in &self.map {
+            if !self.is_live(h, b) && !self.dropped.contains(&(h, b)) {
+                return Err(format!(
+                    "stale map entry {h:#x} -> {b} is not queued for removal"
+                ));
+            }
+        }
+        if self.dropped.len() >= DROP_BATCH {
+            return Err(format!("{} dropped hashes queued", self.dropped.len()));
+        }
+        if self.map.values().any(|&b| b as usize >= self.hashed.len()) {
+            return Err("a map entry names a block outside the pool".into());
+        }
+        Ok(())
+    }
+
+    /// Removes the map entries of the queued dropped hashes, unless registered again since
+    /// (the same block under the same hash, or another block that took the key over).
+    #[inline(never)]
+    fn flush_dropped(&mut self) {
+        use std::collections::hash_map::Entry;
+        let mut dropped = std::mem::take(&mut self.dropped);
+        for &(h, b) in &dropped {
+            if let Entry::Occupied(e) = self.map.entry(h) {
+                let cur = *e.get();
+                if cur == b && !(self.hashed[b as usize] && self.hash_of[b as usize] == h) {
+                    e.remove();
+                }
+            }
+        }
+        dropped.clear();
+        self.dropped = dropped;
     }
 
     /// Registers block `b` (holding `tokens`) under `h`. Returns false, changing nothing, when `b`
     /// is already hashed or another block holds `h` (duplicate content stays unhashed).
     #[inline]
     pub fn register(&mut self, b: BlockId, h: u128, tokens: &[TokenId]) -> bool {
+        use std::collections::hash_map::Entry;
         if self.hashed[b as usize] {
             return false;
         }
         match self.map.entry(h) {
-            std::collections::hash_map::Entry::Occupied(_) => return false,
-            std::collections::hash_map::Entry::Vacant(v) => {
+            Entry::Occupied(mut e) => {
+                let old = *e.get();
+                if self.hashed[old as usize] && self.hash_of[old as usize] == h {
+                    return false;
+                }
+                // A stale entry under this key: it becomes the new block's.
+                e.insert(b);
+            }
+            Entry::Vacant(v) => {
                 v.insert(b);
             }
         }
         self.hashed[b as usize] = true;
         self.hash_of[b as usize] = h;
+        self.live += 1;
         if self.verifies() {
             let bs = self.block_size;
-            self.tokens[b as usize * bs..(b as usize + 1) * bs].copy_from_slice(tokens);
+            let dst = &mut self.tokens[b as usize * bs..(b as usize + 1) * bs];
+            // The common block size as a fixed-size copy: no `memcpy` call per registration.
+            match (
+                <&mut [TokenId; 16]>::try_from(&mut *dst),
+                <&[TokenId; 16]>::try_from(tokens),
+            ) {
+                (Ok(d), Ok(t)) => *d = *t,
+                _ => dst.copy_from_slice(tokens),
+            }
         }
         true
     }
 
     /// Drops block `b`'s hash (no-op if unhashed). The caller makes sure `b` is not in the LRU.
+    ///
+    /// The map entry is left for now (lazy deletion): it reads as stale, since `b` is no longer
+    /// hashed, and is removed with the next batch of [`DROP_BATCH`] dropped hashes (unless a
+    /// registration under the same key took it over).
     #[inline]
     pub fn unregister(&mut self, b: BlockId) {
         if self.hashed[b as usize] {
             self.hashed[b as usize] = false;
-            let h = self.hash_of[b as usize];
-            // One probe: on the eviction path each probe of a pool-sized map is a cache miss.
-            if let std::collections::hash_map::Entry::Occupied(e) = self.map.entry(h) {
-                if *e.get() == b {
-                    e.remove();
-                }
+            self.live -= 1;
+            self.dropped.push((self.hash_of[b as usize], b));
+            if self.dropped.len() == DROP_BATCH {
+                self.flush_dropped();
             }
         }
+    }
+
+    /// Drops every hash at once, stale entries included (`reset_prefix_cache`). The caller makes
+    /// sure no block is in the LRU.
+    pub fn clear_hashes(&mut self) {
+        self.map.clear();
+        self.dropped.clear();
+        self.hashed.fill(false);
+        self.live = 0;
     }
 
     /// Verify mode: whether hashed block `b` holds exactly `tokens`. Always true outside verify mode.
@@ -329,7 +460,7 @@ impl PrefixCache {
     /// Re-labels hashed block `b` with hash `h`, keeping its stored tokens: forges a collision for
     /// tests. Returns false if `b` is unhashed or `h` is taken.
     pub fn relabel(&mut self, b: BlockId, h: u128) -> bool {
-        if !self.hashed[b as usize] || self.map.contains_key(&h) {
+        if !self.hashed[b as usize] || self.lookup(h).is_some() {
             return false;
         }
         self.map.remove(&self.hash_of[b as usize]);
@@ -398,7 +529,18 @@ impl PrefixCache {
         if b == NIL {
             return None;
         }
-        self.lru_remove(b);
+        // The head has no `prev`: unlinking it touches only its successor.
+        let i = b as usize;
+        let n = self.next[i];
+        self.head = n;
+        if n == NIL {
+            self.tail = NIL;
+        } else {
+            self.prev[n as usize] = NIL;
+        }
+        self.next[i] = NIL;
+        self.in_lru[i] = false;
+        self.lru_len -= 1;
         self.unregister(b);
         Some(b)
     }
@@ -500,6 +642,48 @@ mod tests {
         assert_eq!(c.evict_oldest(), Some(2));
         assert_eq!(c.evict_oldest(), None);
         c.check_links().unwrap();
+    }
+
+    /// Dropped hashes leave stale map entries that read as misses, are overwritten by a later
+    /// registration under the same key, and are swept before they pass their bound.
+    #[test]
+    fn lazy_deletion_reads_stale_entries_as_misses() {
+        let n = 1024u32;
+        let mut c = PrefixCache::new(n, 2, true, true);
+        assert!(c.register(0, 10, &[1, 2]));
+        c.lru_push(0);
+        assert_eq!(c.evict_oldest(), Some(0));
+        assert_eq!((c.lookup(10), c.num_hashed(), c.num_stale()), (None, 0, 1));
+        c.check_map().unwrap();
+        // The same key on another block takes the stale entry over; the old block gets a new key.
+        assert!(c.register(1, 10, &[1, 2]));
+        assert_eq!((c.lookup(10), c.num_stale()), (Some(1), 0));
+        assert!(c.register(0, 11, &[3, 4]));
+        assert!(!c.register(2, 10, &[1, 2]), "a live key stays its block's");
+        c.unregister(0);
+        assert_eq!(c.lookup(11), None);
+        assert_eq!(c.entries().collect::<Vec<_>>(), vec![(10, 1)]);
+        c.check_map().unwrap();
+        // Churn through every block many times: stale entries never exceed the bound and the map
+        // never grows past its presized capacity.
+        let cap = c.map.capacity();
+        let mut h = 100u128;
+        for round in 0..20 {
+            for b in 2..n {
+                h += 1;
+                assert!(c.register(b, h, &[b, round]));
+                c.lru_push(b);
+            }
+            while c.lru_len() > 0 {
+                c.evict_oldest();
+            }
+            assert!(c.num_stale() < DROP_BATCH, "{}", c.num_stale());
+            c.check_map().unwrap();
+        }
+        assert_eq!(c.map.capacity(), cap);
+        assert_eq!(c.lookup(10), Some(1));
+        c.clear_hashes();
+        assert_eq!((c.lookup(10), c.num_hashed(), c.num_stale()), (None, 0, 0));
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //!   aligned, right dtype, capacity for a declared [`StepLayout`], no two buffers overlapping) and
 //!   turned into a [`StepBuffers`] view per step.
 //!
-//! - [`StepCache`] (crate-private): what the manager last wrote into a block-table buffer, so a
+//! - `StepCache` (crate-private): what the manager last wrote into a block-table buffer, so a
 //!   step rewrites only the entries that changed (see "Incremental block tables" below).
 //!
 //! The FlashInfer CSR page table (`kv_indptr`, `kv_indices`, `kv_last_page_len`) is optional:
@@ -84,6 +84,7 @@ pub struct StepBuffers<'a> {
 /// What one step wrote: the prefixes of each buffer that are meaningful.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepInfo {
+    /// Sequences in the batch: rows written to `block_tables`, `seq_lens`, `kv_last_page_len`.
     pub num_seqs: usize,
     /// Total new tokens: entries written to `slot_mapping`, and `query_start_loc[num_seqs]`.
     pub num_tokens: usize,
@@ -168,18 +169,31 @@ impl StepCache {
 /// step buffers; the others exist so a wrong tensor is reported by name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// 32-bit signed integer.
     I32,
+    /// 64-bit signed integer.
     I64,
+    /// 8-bit unsigned integer.
     U8,
+    /// 8-bit signed integer.
     I8,
+    /// 16-bit signed integer.
     I16,
+    /// 32-bit unsigned integer.
     U32,
+    /// 64-bit unsigned integer.
     U64,
+    /// IEEE half precision.
     F16,
+    /// bfloat16.
     BF16,
+    /// IEEE single precision.
     F32,
+    /// IEEE double precision.
     F64,
+    /// Boolean (one byte).
     Bool,
+    /// Anything else the binding cannot name.
     Other,
 }
 
@@ -218,8 +232,11 @@ impl DType {
 /// A caller-owned buffer given by address: `len` elements of `dtype` starting at `ptr`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RawBuffer {
+    /// Address of the first element.
     pub ptr: usize,
+    /// Length in elements.
     pub len: usize,
+    /// Element type.
     pub dtype: DType,
 }
 
@@ -307,15 +324,25 @@ pub const NBUF: usize = 10;
 /// The ten step buffers by address, as the binding receives them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RawStepBuffers {
+    /// Physical slot of each new token (`i64`); see [`StepBuffers::slot_mapping`].
     pub slot_mapping: RawBuffer,
+    /// Block tables, `[max_seqs, stride]` row-major (`i32`); see [`StepBuffers::block_tables`].
     pub block_tables: RawBuffer,
+    /// Length of each sequence (`i32`).
     pub seq_lens: RawBuffer,
+    /// Cumulative new-token counts (`i32`).
     pub query_start_loc: RawBuffer,
+    /// FlashInfer CSR row pointers (`i32`).
     pub kv_indptr: RawBuffer,
+    /// FlashInfer CSR page ids (`i32`).
     pub kv_indices: RawBuffer,
+    /// Tokens in each sequence's last page (`i32`).
     pub kv_last_page_len: RawBuffer,
+    /// Pending copy-on-write `(src, dst)` pairs, flat (`i64`).
     pub copies: RawBuffer,
+    /// Queued swap-out `(device, host)` pairs, flat (`i64`); run before the step's forward.
     pub swap_out: RawBuffer,
+    /// Queued swap-in `(host, device)` pairs, flat (`i64`); run before the step's forward.
     pub swap_in: RawBuffer,
 }
 
@@ -524,16 +551,27 @@ impl RegisteredBuffers {
 /// own memory), sized for a [`StepLayout`].
 #[derive(Debug, Clone, Default)]
 pub struct OwnedStepBuffers {
+    /// Physical slot of each new token; see [`StepBuffers::slot_mapping`].
     pub slot_mapping: Vec<i64>,
+    /// `[max_seqs, block_table_stride]`, row-major; see [`StepBuffers::block_tables`].
     pub block_tables: Vec<i32>,
+    /// Row width of `block_tables` (the layout's `max_blocks_per_seq`).
     pub block_table_stride: usize,
+    /// Length of each sequence, new tokens included.
     pub seq_lens: Vec<i32>,
+    /// Cumulative new-token counts, starting at 0.
     pub query_start_loc: Vec<i32>,
+    /// FlashInfer CSR row pointers into `kv_indices`.
     pub kv_indptr: Vec<i32>,
+    /// FlashInfer CSR page ids, every sequence's blocks concatenated.
     pub kv_indices: Vec<i32>,
+    /// Tokens in each sequence's last page, `((len - 1) % B) + 1`.
     pub kv_last_page_len: Vec<i32>,
+    /// Pending copy-on-write copies, flat `(src, dst)` block pairs.
     pub copies: Vec<i64>,
+    /// Queued swap-out copies, flat `(device, host)` block pairs.
     pub swap_out: Vec<i64>,
+    /// Queued swap-in copies, flat `(host, device)` block pairs.
     pub swap_in: Vec<i64>,
 }
 

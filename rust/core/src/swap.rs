@@ -70,10 +70,12 @@ impl HostPool {
         Ok(Self { refcount, free })
     }
 
+    /// Blocks in the host pool; ids are `0..num_blocks`.
     pub fn num_blocks(&self) -> u32 {
         self.refcount.len() as u32
     }
 
+    /// Free host blocks.
     pub fn num_free(&self) -> usize {
         self.free.len()
     }
@@ -150,11 +152,14 @@ impl HostPool {
 /// How a preempted sequence (or forked group) is reclaimed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PreemptMode {
+    /// Copy the KV to host blocks and back.
     Swap,
+    /// Free the blocks and recompute the KV from the kept token ids.
     Recompute,
 }
 
 impl PreemptMode {
+    /// `"swap"` or `"recompute"`.
     pub fn name(self) -> &'static str {
         match self {
             PreemptMode::Swap => "swap",
@@ -208,6 +213,7 @@ impl CostModel {
 /// The cost model's verdict for one victim, with both estimates so a scheduler can log why.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Decision {
+    /// The cheaper mode (recompute when the host pool has no room for a swap).
     pub mode: PreemptMode,
     /// 2 × the victim's KV bytes (distinct device blocks, whole blocks) / host-link bandwidth.
     pub swap_cost_s: f64,

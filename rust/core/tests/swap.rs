@@ -654,3 +654,23 @@ fn cost_model_crossover() {
     let one = m.decide(&[2], &model).unwrap();
     assert_eq!(one.recompute_tokens, 100 - 96);
 }
+
+#[test]
+fn free_batch_frees_every_state() {
+    let mut s = Sim::new(16, 8, 8);
+    s.admit(1, toks(5, 1));
+    s.admit(2, toks(5, 20));
+    s.admit(3, toks(5, 40));
+    s.m.swap_out(&[1]).unwrap();
+    s.m.recompute(2).unwrap();
+    unchanged(
+        &mut s.m,
+        |m| m.free_batch(&[1, 2, 1]),
+        |e| matches!(e, Error::InvalidArgument { .. }),
+    );
+    s.m.free_batch(&[1, 2, 3]).unwrap();
+    assert_eq!(s.m.num_seqs(), 0);
+    assert_eq!(s.m.num_free_host_blocks(), 8);
+    assert_eq!(s.m.num_free_blocks(), 16);
+    s.m.check_invariants().unwrap();
+}

@@ -156,6 +156,20 @@ pub fn with_ids<T: Id, R>(
     scratch: &mut Vec<T>,
     f: impl FnOnce(&[T]) -> PyResult<R>,
 ) -> PyResult<R> {
+    // Lists first: the engine's usual argument, and a list test is one type-flag check where the
+    // array test goes through numpy's C API (a list is never an array, so the order is free).
+    if let Ok(list) = obj.cast::<PyList>() {
+        scratch.clear();
+        let n = list.len();
+        scratch.reserve(n);
+        // SAFETY: `list` is a live list and the GIL is held; `fill` runs no Python code, so the
+        // list cannot change while its items are read.
+        let done = unsafe { fast::fill::<T>(obj.py(), list.as_ptr(), fast::Seq::List, n, scratch) };
+        for i in done..n {
+            scratch.push(element::<T>(what, i, &list.get_item(i)?)?);
+        }
+        return f(scratch);
+    }
     if let Ok(arr) = obj.cast::<PyUntypedArray>() {
         if arr.ndim() != 1 {
             let reason = format!("must be 1-D, got {} dimensions", arr.ndim());
@@ -192,18 +206,6 @@ pub fn with_ids<T: Id, R>(
                 ))
             }
         };
-    }
-    if let Ok(list) = obj.cast::<PyList>() {
-        scratch.clear();
-        let n = list.len();
-        scratch.reserve(n);
-        // SAFETY: `list` is a live list and the GIL is held; `fill` runs no Python code, so the
-        // list cannot change while its items are read.
-        let done = unsafe { fast::fill::<T>(obj.py(), list.as_ptr(), fast::Seq::List, n, scratch) };
-        for i in done..n {
-            scratch.push(element::<T>(what, i, &list.get_item(i)?)?);
-        }
-        return f(scratch);
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
         scratch.clear();

@@ -1,0 +1,198 @@
+"""A user's program touching every public name of ``pagedkv``, the way the README does.
+
+``tests/test_typing.py`` runs ``mypy --strict`` on this file (it must type-check without a single
+``type: ignore``) and then runs it. Each annotation below is the type a user would write; a stub or
+re-export regression shows up as a mypy error here rather than in someone's CI.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+
+import pagedkv
+from pagedkv import errors
+
+
+def manager_flow() -> pagedkv.Stats:
+    m = pagedkv.BlockManager(num_blocks=64, block_size=16, watermark_blocks=0)
+    bufs = pagedkv.StepBuffers(max_seqs=8, max_tokens=512, max_blocks_per_seq=m.max_blocks_per_seq,
+                               device="cpu")
+    m.attach_buffers(bufs)
+
+    r: pagedkv.AdmitResult = m.admit(1, np.arange(100), cache_salt=b"tenant-a")
+    cached: int = r.cached_tokens
+    held: int = r.num_tokens
+    assert held == 100
+    info: pagedkv.StepInfo = m.step([1], [100 - cached])
+    assert info.num_tokens == 100 - cached and info.max_seq_len == 100
+    m.fork(1, 2)
+    m.append_batch([1, 2], [7, 8])
+    info = m.step([1, 2], 1)
+    tensors: pagedkv.StepTensors = bufs.to_device(info)
+    slots = tensors.slot_mapping[: info.num_tokens].tolist()
+    assert len(slots) == 2
+    table: list[int] = m.block_table(1)
+    assert len(table) == 7 and m.seq_len(2) == 101
+    stats = m.stats()
+    ratio: float = stats.prefix_hit_ratio
+    assert 0.0 <= ratio <= 1.0
+    m.free_batch([1, 2])
+    m.check_invariants()
+    return stats
+
+
+def pool_flow() -> int:
+    spec = pagedkv.CacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=16)
+    per_token: int = spec.bytes_per_token
+    pool = pagedkv.KVPool(spec, num_blocks=4)
+    k, v = pool.block_view(0, 1)
+    assert tuple(k.shape) == tuple(v.shape) == (16, 2, 8)
+    copied: int = pool.copy_blocks([(1, 2)])
+    assert copied == 1
+    return per_token
+
+
+def errors_flow() -> list[str]:
+    m = pagedkv.BlockManager(num_blocks=4, block_size=16, watermark_blocks=0)
+    seen: list[str] = []
+    try:
+        m.free(99)
+    except pagedkv.UnknownSequenceError as err:
+        seq: int = err.seq_id
+        seen.append(f"{type(err).__name__}({seq})")
+    m.admit(1, [1, 2, 3])
+    try:
+        m.admit(1, [4])
+    except pagedkv.DuplicateSequenceError as err:
+        seen.append(f"{type(err).__name__}({err.seq_id})")
+    try:
+        m.admit(2, list(range(16 * 4)))  # 4 blocks; 3 are free
+    except pagedkv.WatermarkReachedError as err:
+        seen.append(f"{type(err).__name__}({err.needed}, {err.available}, {err.watermark})")
+    except pagedkv.OutOfBlocksError as err:
+        needed: int = err.needed
+        available: int = err.available
+        seen.append(f"{type(err).__name__}({needed}, {available})")
+    try:
+        m.block_refcount(1000)
+    except pagedkv.InvalidBlockError as err:
+        block: int = err.block
+        seen.append(f"{type(err).__name__}({block} of {err.num_blocks})")
+    try:
+        pagedkv.BlockManager(num_blocks=0)
+    except pagedkv.InvalidConfigError as err:
+        name: Optional[str] = err.field
+        seen.append(f"{type(err).__name__}({name})")
+    try:
+        m.admit(3, [-1])
+    except pagedkv.InvalidArgumentError as err:
+        what: str = err.what
+        reason: str = err.reason
+        seen.append(f"{type(err).__name__}({what}: {reason})")
+    try:
+        pagedkv.BlockManager(num_blocks=4).step([], [])
+    except pagedkv.BuffersNotRegisteredError as err:
+        seen.append(type(err).__name__)
+    except pagedkv.PagedKVError as err:
+        seen.append(f"unexpected {err!r}")
+    return seen
+
+
+def error_classes() -> list[type[pagedkv.PagedKVError]]:
+    # The rest are raised on paths a user cannot provoke cheaply; a handler for each still has to
+    # type-check, fields included.
+    def describe(err: pagedkv.PagedKVError) -> str:
+        if isinstance(err, pagedkv.SequenceTooLongError):
+            return f"{err.seq_id} {err.needed_blocks} {err.max_blocks_per_seq}"
+        if isinstance(err, pagedkv.BufferTooSmallError):
+            return f"{err.buffer} {err.needed} {err.capacity}"
+        if isinstance(err, pagedkv.BufferInvalidError):
+            return f"{err.buffer} {err.expected} {err.got}"
+        if isinstance(err, (pagedkv.RefcountUnderflowError, pagedkv.PrefixCollisionError)):
+            return str(err.block)
+        if isinstance(err, pagedkv.InvariantViolationError):
+            return err.detail
+        if isinstance(err, errors.MissingDependencyError):
+            return f"{err.module} {err.extra}"
+        return err.message
+
+    classes: list[type[pagedkv.PagedKVError]] = [
+        pagedkv.SequenceTooLongError, pagedkv.BufferTooSmallError, pagedkv.BufferInvalidError,
+        pagedkv.RefcountUnderflowError, pagedkv.PrefixCollisionError, pagedkv.InvariantViolationError,
+    ]
+    assert describe(pagedkv.InvariantViolationError("x", detail="d")) == "d"
+    return classes
+
+
+def engine_flow(model: Optional[str] = None) -> list[str]:
+    """The README's engine example. Type-checked always; run only on request (it loads a model)."""
+    llm = pagedkv.LLM(model, device="cpu", num_blocks=256, progress=False)
+    params = pagedkv.SamplingParams(temperature=0.8, top_p=0.95, max_tokens=4, n=2, seed=0)
+    outs: list[pagedkv.RequestOutput] = llm.generate(["The capital of France is", [1, 4093, 198]],
+                                                      params, use_tqdm=False)
+    texts: list[str] = []
+    for out in outs:
+        request_id: str = out.request_id
+        for c in out.outputs:
+            completion: pagedkv.CompletionOutput = c
+            reason: Optional[str] = completion.finish_reason
+            texts.append(f"{request_id} {completion.index} {reason} {completion.text!r}")
+    engine = pagedkv.LLMEngine(model, device="cpu", num_blocks=256)
+    engine.add_request("r0", [1, 2, 3], pagedkv.SamplingParams(temperature=0.0, max_tokens=2))
+    while engine.has_unfinished_requests():
+        for done in engine.step():
+            texts.append(done.request_id)
+    try:
+        pagedkv.LLM("/nonexistent/model")
+    except pagedkv.PagedKVError as err:
+        texts.append(err.message)
+    return texts
+
+
+def allocation_failure(err: pagedkv.AllocationFailedError) -> str:
+    what: str = err.what
+    size: int = err.bytes
+    return f"{what}: {size} bytes"
+
+
+def swap_flow() -> list[str]:
+    m = pagedkv.BlockManager(num_blocks=16, block_size=4, watermark_blocks=0, num_host_blocks=2)
+    m.cost_model = pagedkv.CostModel(host_link_bytes_per_s=50e9, prefill_tokens_per_s=20e3,
+                                     kv_bytes_per_token=1024.0)
+    m.admit(1, list(range(12)))
+    d: pagedkv.Decision = m.decide([1])
+    seen = [d.mode]
+    try:
+        m.swap_out([1])
+    except pagedkv.OutOfHostBlocksError as err:
+        needed: int = err.needed
+        seen.append(f"host {needed}>{err.available}")
+    m.recompute(1)
+    try:
+        m.recompute(1)
+    except pagedkv.InvalidSequenceStateError as err:
+        state: str = err.state
+        seen.append(f"{err.seq_id} {state} {err.expected}")
+    return seen
+
+
+def main() -> None:
+    version: str = pagedkv.__version__
+    assert version
+    stats = manager_flow()
+    assert stats.num_blocks == 64
+    assert pool_flow() == 2 * 2 * 8 * 4 * 2
+    seen = errors_flow()
+    assert len(seen) == 7, seen
+    assert len(error_classes()) == 6
+    assert allocation_failure(pagedkv.AllocationFailedError("x", what="pool", bytes=8)) == "pool: 8 bytes"
+    assert len(swap_flow()) == 3
+    if os.environ.get("PAGEDKV_USER_CHECK_ENGINE"):
+        assert len(engine_flow()) >= 5
+
+
+if __name__ == "__main__":
+    main()
