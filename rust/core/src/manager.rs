@@ -244,6 +244,8 @@ fn check_max_new(max_new: Option<usize>) -> Result<()> {
 struct SwapPlan {
     emit_out: Vec<bool>,
     emit_in: Vec<bool>,
+    /// Which pending copy-on-write copies to emit (in queue order).
+    emit_cow: Vec<bool>,
 }
 
 /// Per-sequence state, kept in a slab so batch calls index it directly after one lookup.
@@ -764,8 +766,22 @@ impl BlockManager {
     /// on failure returns the error with nothing freed; then frees each in order, as
     /// [`BlockManager::free`] does.
     pub fn free_batch(&mut self, seqs: &[SeqId]) -> Result<()> {
-        // The same validation as a step's batch: known ids, none twice.
-        self.resolve_batch(seqs)?;
+        // Known ids, none twice; any state (a swapped-out or recompute-preempted sequence is
+        // freed too, so not through `resolve_batch`, which wants running sequences).
+        self.epoch += 1;
+        let epoch = self.epoch;
+        for &id in seqs {
+            let i = self.slot_of(id)?;
+            let s = &mut self.slots[i];
+            if s.mark == epoch {
+                return Err(Error::InvalidArgument {
+                    what: "seqs",
+                    value: id as i64,
+                    reason: "sequence id appears twice in one batch".into(),
+                });
+            }
+            s.mark = epoch;
+        }
         let mut result = Ok(());
         for &id in seqs {
             if let Err(e) = self.free(id) {
@@ -1054,14 +1070,6 @@ impl BlockManager {
     }
 
     fn unreferenced(&mut self, b: BlockId) -> Result<()> {
-        if !self.swap_in_q.is_empty() {
-            if let Some(pos) = self.swap_in_q.iter().position(|&(_, d)| d == b) {
-                // Nobody will read this swap-in destination: the copy is moot, and its host block
-                // loses the reference the queued copy held.
-                let (h, _) = self.swap_in_q.remove(pos);
-                self.host_drop(h)?;
-            }
-        }
         if !self.pending.is_empty() {
             if let Some(pos) = self.pending.iter().position(|&(_, d)| d == b) {
                 // Nobody will read this dst: the copy is moot. Its src may have been held only for it.
@@ -1084,6 +1092,17 @@ impl BlockManager {
     /// Puts a refcount-0 block where it belongs: the LRU if hashed, else the free list.
     #[inline]
     fn park(&mut self, b: BlockId) -> Result<()> {
+        if !self.swap_in_q.is_empty() {
+            if let Some(pos) = self.swap_in_q.iter().position(|&(_, d)| d == b) {
+                // Nobody will read this swap-in destination (no holder, no pending copy from it):
+                // the copy is moot, and its host block loses the reference the queued copy held.
+                // The block never received its content, so it must not stay findable under the
+                // hash `swap_in` gave it.
+                let (h, _) = self.swap_in_q.remove(pos);
+                self.prefix.unregister(b);
+                self.host_drop(h)?;
+            }
+        }
         if self.prefix.hash_of(b).is_some() {
             self.prefix.lru_push(b);
             Ok(())
@@ -1753,7 +1772,11 @@ impl BlockManager {
         }
         self.resolve_batch(seqs)?;
         let (num_tokens, num_kv, max_len, csr, needed) = self.check_step(seqs, num_new, out)?;
-        let swaps = self.plan_swaps(out.swap_out.len() / 2, out.swap_in.len() / 2)?;
+        let swaps = self.plan_swaps(
+            out.swap_out.len() / 2,
+            out.swap_in.len() / 2,
+            out.copies.len() / 2,
+        )?;
         let idx = std::mem::take(&mut self.batch_idx);
 
         let bs = self.bs;
@@ -1774,7 +1797,10 @@ impl BlockManager {
             &mut self.scratch_register,
         );
 
-        let num_copies = self.emit_copies(&needed, out.copies);
+        let num_copies = match &swaps {
+            Some(plan) => self.emit_copies_masked(&plan.emit_cow, out.copies),
+            None => self.emit_copies(&needed, out.copies),
+        };
         let (num_swap_out, num_swap_in, swap_result) =
             self.emit_swaps(swaps, out.swap_out, out.swap_in);
         let mut result = swap_result;
@@ -1840,12 +1866,22 @@ impl BlockManager {
     /// that writes its device block, and before (or with) a swap-in of its host block. A swap-in
     /// must be emitted by the first step that schedules a holder of its device block or may copy
     /// from it. Those copies must fit (`BufferTooSmall` on `swap_out` / `swap_in` otherwise,
-    /// nothing written); the rest fill the remaining room in queue order, a swap-in only when no
-    /// queued swap-out reads its device block or writes its host block. A step of no sequences
-    /// therefore always makes progress: an engine refused for a full swap list can drain the
-    /// queues with empty steps.
-    fn plan_swaps(&self, room_out: usize, room_in: usize) -> Result<Option<SwapPlan>> {
-        if self.swap_out_q.len() <= room_out && self.swap_in_q.len() <= room_in {
+    /// nothing written); the rest fill the remaining room in queue order, a swap-in only when every
+    /// swap-out reading its device block or writing its host block is emitted too. A step of no
+    /// sequences (and no queued copy-on-write) therefore always makes progress: an engine refused
+    /// for a full swap list can drain the queues with empty steps.
+    fn plan_swaps(
+        &self,
+        room_out: usize,
+        room_in: usize,
+        room_cow: usize,
+    ) -> Result<Option<SwapPlan>> {
+        let swaps_fit = self.swap_out_q.len() <= room_out && self.swap_in_q.len() <= room_in;
+        if swaps_fit
+            && (self.pending.len() <= room_cow
+                || (self.swap_out_q.is_empty() && self.swap_in_q.is_empty()))
+        {
+            // Everything is emitted, or only copy-on-write overflows (`emit_copies` plans it).
             return Ok(None);
         }
         let small = |buffer: &'static str, needed: usize, room: usize| Error::BufferTooSmall {
@@ -1860,62 +1896,119 @@ impl BlockManager {
                 scheduled.insert(b, ());
             }
         }
-        let out_src: FastMap<BlockId, ()> = self.swap_out_q.iter().map(|&(d, _)| (d, ())).collect();
-        let out_dst: FastMap<HostBlockId, ()> =
-            self.swap_out_q.iter().map(|&(_, h)| (h, ())).collect();
-        let mut emit_in = vec![true; self.swap_in_q.len()];
-        if self.swap_in_q.len() > room_in {
-            let cow_src: FastMap<BlockId, ()> =
-                self.pending.iter().map(|&(s0, _)| (s0, ())).collect();
-            let mut n = 0;
-            for (j, &(_, d)) in self.swap_in_q.iter().enumerate() {
-                emit_in[j] = scheduled.contains_key(&d) || cow_src.contains_key(&d);
-                n += emit_in[j] as usize;
+        // What the step cannot do without: the copies whose destination or source a scheduled
+        // table holds (as `check_step` already made sure fit), the swap-ins such a table or such a
+        // copy reads, and the swap-outs of blocks any of those write, or of host blocks those
+        // swap-ins read.
+        let mut emit_cow: Vec<bool> = self
+            .pending
+            .iter()
+            .map(|&(s0, d)| scheduled.contains_key(&s0) || scheduled.contains_key(&d))
+            .collect();
+        let cow_src: FastMap<BlockId, ()> = self
+            .pending
+            .iter()
+            .zip(&emit_cow)
+            .filter(|&(_, &e)| e)
+            .map(|(&(s0, _), _)| (s0, ()))
+            .collect();
+        let mut emit_in: Vec<bool> = self
+            .swap_in_q
+            .iter()
+            .map(|&(_, d)| scheduled.contains_key(&d) || cow_src.contains_key(&d))
+            .collect();
+        let mut n_in = emit_in.iter().filter(|&&x| x).count();
+        if n_in > room_in {
+            return Err(small("swap_in", n_in, room_in));
+        }
+        let mut written: FastMap<BlockId, ()> = FastMap::default();
+        let mut read: FastMap<HostBlockId, ()> = FastMap::default();
+        for (&(h, d), _) in self.swap_in_q.iter().zip(&emit_in).filter(|&(_, &e)| e) {
+            written.insert(d, ());
+            read.insert(h, ());
+        }
+        for (&(_, d), _) in self.pending.iter().zip(&emit_cow).filter(|&(_, &e)| e) {
+            written.insert(d, ());
+        }
+        let mut emit_out: Vec<bool> = self
+            .swap_out_q
+            .iter()
+            .map(|&(d, h)| {
+                scheduled.contains_key(&d) || written.contains_key(&d) || read.contains_key(&h)
+            })
+            .collect();
+        let mut n_out = emit_out.iter().filter(|&&x| x).count();
+        if n_out > room_out {
+            return Err(small("swap_out", n_out, room_out));
+        }
+        // Then the rest, in queue order while there is room: swap-outs first; a swap-in once
+        // every swap-out reading its device block or filling its host block is emitted; a copy
+        // once no swap-out still queued reads its destination and no swap-in still queued fills
+        // its source.
+        for e in emit_out.iter_mut() {
+            if n_out == room_out {
+                break;
             }
-            if n > room_in {
-                return Err(small("swap_in", n, room_in));
-            }
-            for (j, &(h, d)) in self.swap_in_q.iter().enumerate() {
-                if n == room_in {
-                    break;
-                }
-                if !emit_in[j] && !out_dst.contains_key(&h) && !out_src.contains_key(&d) {
-                    emit_in[j] = true;
-                    n += 1;
-                }
+            if !*e {
+                *e = true;
+                n_out += 1;
             }
         }
-        let mut emit_out = vec![true; self.swap_out_q.len()];
-        if self.swap_out_q.len() > room_out {
-            let mut written: FastMap<BlockId, ()> = FastMap::default();
-            let mut read: FastMap<HostBlockId, ()> = FastMap::default();
-            for (&(h, d), _) in self.swap_in_q.iter().zip(&emit_in).filter(|&(_, &e)| e) {
-                written.insert(d, ());
-                read.insert(h, ());
+        let mut waiting_src: FastMap<BlockId, ()> = FastMap::default();
+        let mut waiting_dst: FastMap<HostBlockId, ()> = FastMap::default();
+        for (&(d, h), _) in self.swap_out_q.iter().zip(&emit_out).filter(|&(_, &e)| !e) {
+            waiting_src.insert(d, ());
+            waiting_dst.insert(h, ());
+        }
+        for (j, &(h, d)) in self.swap_in_q.iter().enumerate() {
+            if n_in == room_in {
+                break;
             }
-            for &(_, d) in &self.pending {
-                written.insert(d, ());
-            }
-            let mut n = 0;
-            for (j, &(d, h)) in self.swap_out_q.iter().enumerate() {
-                emit_out[j] =
-                    scheduled.contains_key(&d) || written.contains_key(&d) || read.contains_key(&h);
-                n += emit_out[j] as usize;
-            }
-            if n > room_out {
-                return Err(small("swap_out", n, room_out));
-            }
-            for e in emit_out.iter_mut() {
-                if n == room_out {
-                    break;
-                }
-                if !*e {
-                    *e = true;
-                    n += 1;
-                }
+            if !emit_in[j] && !waiting_dst.contains_key(&h) && !waiting_src.contains_key(&d) {
+                emit_in[j] = true;
+                n_in += 1;
             }
         }
-        Ok(Some(SwapPlan { emit_out, emit_in }))
+        let unfilled: FastMap<BlockId, ()> = self
+            .swap_in_q
+            .iter()
+            .zip(&emit_in)
+            .filter(|&(_, &e)| !e)
+            .map(|(&(_, d), _)| (d, ()))
+            .collect();
+        let mut n_cow = emit_cow.iter().filter(|&&x| x).count();
+        for (j, &(s0, d)) in self.pending.iter().enumerate() {
+            if n_cow == room_cow {
+                break;
+            }
+            if !emit_cow[j] && !waiting_src.contains_key(&d) && !unfilled.contains_key(&s0) {
+                emit_cow[j] = true;
+                n_cow += 1;
+            }
+        }
+        Ok(Some(SwapPlan {
+            emit_out,
+            emit_in,
+            emit_cow,
+        }))
+    }
+
+    /// Writes the pending copies `mask` selects into `copies`, in queue order; the rest stay
+    /// queued, in order. Returns the number written.
+    fn emit_copies_masked(&mut self, mask: &[bool], copies: &mut [i64]) -> usize {
+        let mut n = 0;
+        let mut keep = Vec::new();
+        for (j, &(src, dst)) in self.pending.iter().enumerate() {
+            if mask[j] {
+                copies[2 * n] = src as i64;
+                copies[2 * n + 1] = dst as i64;
+                n += 1;
+            } else {
+                keep.push((src, dst));
+            }
+        }
+        self.pending = keep;
+        n
     }
 
     /// Writes the planned swap copies (all when `plan` is `None`) into the step's lists, removes
@@ -2281,8 +2374,11 @@ impl BlockManager {
                 return bad(format!("swap-in ({h}, {d}) outside a pool"));
             }
             host_occ[h as usize] += 1;
-            if occ[d as usize] == 0 {
-                return bad(format!("swap-in destination {d} is in no running table"));
+            // Held by a running table, or the source of a pending copy-on-write (deferred).
+            if occ[d as usize] == 0 && !self.deferred.contains(&d) {
+                return bad(format!(
+                    "swap-in destination {d} is in no running table and no copy's source"
+                ));
             }
         }
         let mut in_dsts = std::collections::HashSet::new();

@@ -7,11 +7,18 @@
 //! fingerprint through the sequence's block table. That checks, end to end, that prefix hits hand
 //! out blocks holding exactly the right content, that copy-on-write keeps forks apart, and that no
 //! write ever lands in a block another sequence still reads.
+//!
+//! Swap and recompute are in the mix: `SwapOut` (of the chosen victim group or of one sequence),
+//! `SwapIn`, `Recompute`, `Resume`. A step applies its swap-out list (device → simulated host KV),
+//! its swap-in list (host → device), then its copies, then its writes; a swapped sequence's
+//! computed positions must read back their fingerprints from the host blocks its table names, and a
+//! running one's through any copies still queued for its blocks.
 
 use std::collections::HashMap;
 
 use pagedkv::manager::{AdmitRequest, BlockManager, ManagerConfig};
 use pagedkv::step::{OwnedStepBuffers, StepLayout};
+use pagedkv::swap::SeqState;
 use pagedkv::table::blocks_for;
 use pagedkv::{hash::SeqKeys, Error, SeqId};
 use proptest::prelude::*;
@@ -63,6 +70,21 @@ enum Op {
     Step {
         mask: u16,
     },
+    /// Swap out the victim group (`victim`) or `seq` alone.
+    SwapOut {
+        seq: SeqId,
+        victim: bool,
+    },
+    SwapIn {
+        seq: SeqId,
+    },
+    Recompute {
+        seq: SeqId,
+    },
+    Resume {
+        seq: SeqId,
+        chunk: Option<usize>,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -78,8 +100,12 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (seq.clone(), prop::collection::vec(0u32..5, 1..7)).prop_map(|(seq, toks)| Op::Append { seq, toks }),
         3 => (prop::collection::vec(0u64..6, 0..5), 0u32..5).prop_map(|(seqs, tok)| Op::AppendBatch { seqs, tok }),
         2 => seq.clone().prop_map(|seq| Op::Free { seq }),
-        3 => (seq.clone(), seq).prop_map(|(parent, child)| Op::Fork { parent, child }),
+        3 => (seq.clone(), seq.clone()).prop_map(|(parent, child)| Op::Fork { parent, child }),
         4 => any::<u16>().prop_map(|mask| Op::Step { mask }),
+        2 => (seq.clone(), any::<bool>()).prop_map(|(seq, victim)| Op::SwapOut { seq, victim }),
+        2 => seq.clone().prop_map(|seq| Op::SwapIn { seq }),
+        1 => seq.clone().prop_map(|seq| Op::Recompute { seq }),
+        2 => (seq.clone(), prop::option::of(1usize..9)).prop_map(|(seq, chunk)| Op::Resume { seq, chunk }),
     ]
 }
 
@@ -91,6 +117,7 @@ struct ModelSeq {
     salt: u8,
     /// Tokens whose KV has been written (or was served from the cache).
     computed: usize,
+    state: SeqState,
 }
 
 /// Fingerprint of "the KV of position `p`": depends on the salt and tokens `0..=p`.
@@ -111,15 +138,17 @@ struct Harness {
     m: BlockManager,
     model: HashMap<SeqId, ModelSeq>,
     kv: Vec<Option<u64>>,
+    host_kv: Vec<Option<u64>>,
     bs: usize,
     ob: OwnedStepBuffers,
 }
 
 type Snap = (
-    Vec<(SeqId, usize, Vec<u32>)>,
+    Vec<(SeqId, usize, Vec<u32>, SeqState)>,
     usize,
     Vec<(u32, u32)>,
     Vec<u32>,
+    (Vec<(u32, u32)>, Vec<(u32, u32)>, Vec<u32>),
 );
 
 impl Harness {
@@ -132,18 +161,27 @@ impl Harness {
                     s,
                     self.m.seq_len(s).unwrap(),
                     self.m.block_table(s).unwrap().to_vec(),
+                    self.m.seq_state(s).unwrap(),
                 )
             })
             .collect();
-        seqs.sort();
+        seqs.sort_by_key(|x| x.0);
         let rc = (0..self.m.config().num_blocks)
             .map(|b| self.m.block_refcount(b).unwrap())
+            .collect();
+        let hrc = (0..self.m.config().num_host_blocks)
+            .map(|h| self.m.host_block_refcount(h).unwrap())
             .collect();
         (
             seqs,
             self.m.num_free_blocks(),
             self.m.pending_copies().to_vec(),
             rc,
+            (
+                self.m.pending_swap_out().to_vec(),
+                self.m.pending_swap_in().to_vec(),
+                hrc,
+            ),
         )
     }
 
@@ -176,6 +214,7 @@ impl Harness {
                 rest: toks[held..].to_vec(),
                 salt,
                 computed: cached,
+                state: SeqState::Running,
             },
         );
     }
@@ -184,7 +223,22 @@ impl Harness {
         assert_eq!(self.m.num_seqs(), self.model.len());
         for (&id, ms) in &self.model {
             assert_eq!(self.m.seq_len(id).unwrap(), ms.tokens.len());
+            assert_eq!(self.m.seq_state(id).unwrap(), ms.state);
             let t = self.m.block_table(id).unwrap();
+            match ms.state {
+                SeqState::Running => {}
+                SeqState::Recompute => {
+                    assert!(t.is_empty());
+                    continue;
+                }
+                SeqState::Swapped => {
+                    assert_eq!(t.len(), blocks_for(ms.tokens.len(), self.bs));
+                    for &h in t {
+                        assert!(self.m.host_block_refcount(h).unwrap() >= 1);
+                    }
+                    continue;
+                }
+            }
             assert_eq!(t.len(), blocks_for(ms.tokens.len(), self.bs));
             let mut sorted = t.to_vec();
             sorted.sort();
@@ -203,24 +257,48 @@ impl Harness {
         }
     }
 
+    /// The KV offset `o` of host block `h` will hold once the queued copies have run: a queued
+    /// swap-out into `h` runs first in a step and reads its device block as it is now.
+    fn host_value(&self, h: u32, o: usize) -> Option<u64> {
+        match self.m.pending_swap_out().iter().find(|&&(_, x)| x == h) {
+            Some(&(d, _)) => self.kv[d as usize * self.bs + o],
+            None => self.host_kv[h as usize * self.bs + o],
+        }
+    }
+
+    /// The same for device block `b`: a queued copy-on-write into it copies from its source
+    /// (after the swap-ins), a queued swap-in into it reads its host block.
+    fn device_value(&self, b: u32, o: usize) -> Option<u64> {
+        let b = self
+            .m
+            .pending_copies()
+            .iter()
+            .find(|&&(_, d)| d == b)
+            .map_or(b, |&(src, _)| src);
+        match self.m.pending_swap_in().iter().find(|&&(_, d)| d == b) {
+            Some(&(h, _)) => self.host_value(h, o),
+            None => self.kv[b as usize * self.bs + o],
+        }
+    }
+
     fn check_kv(&self) {
         for (&id, ms) in &self.model {
             let t = self.m.block_table(id).unwrap();
             let fp = fingerprints(ms);
-            let pending = self.m.pending_copies();
             for p in 0..ms.computed {
-                // A block whose copy is still queued gets its content from the copy's src when
-                // the copy runs: that src must still hold the right KV.
-                let b = t[p / self.bs];
-                let b = pending
-                    .iter()
-                    .find(|&&(_, d)| d == b)
-                    .map_or(b, |&(src, _)| src);
-                let slot = b as usize * self.bs + p % self.bs;
+                let (b, o) = (t[p / self.bs], p % self.bs);
+                let v = match ms.state {
+                    SeqState::Running => self.device_value(b, o),
+                    SeqState::Swapped => self.host_value(b, o),
+                    SeqState::Recompute => {
+                        unreachable!("a recompute sequence has nothing computed")
+                    }
+                };
                 assert_eq!(
-                    self.kv[slot],
+                    v,
                     Some(fp[p]),
-                    "seq {id} position {p} reads the wrong KV"
+                    "seq {id} ({:?}) position {p} reads the wrong KV",
+                    ms.state
                 );
             }
         }
@@ -367,6 +445,9 @@ impl Harness {
             }
             Op::Append { seq, toks } => {
                 let expect = self.model.get(&seq).map(|ms| {
+                    if ms.state != SeqState::Running {
+                        return false;
+                    }
                     let len = ms.tokens.len();
                     let t = self.m.block_table(seq).unwrap();
                     let grow = blocks_for(len + toks.len(), self.bs) - t.len();
@@ -410,6 +491,9 @@ impl Harness {
                     Err(Error::InvalidArgument { what: "seqs", .. }) => {
                         assert!(uniq.len() < seqs.len())
                     }
+                    Err(Error::InvalidSequenceState { seq_id, .. }) => {
+                        assert_ne!(self.model[seq_id].state, SeqState::Running)
+                    }
                     Err(e) => assert!(
                         matches!(e, Error::OutOfBlocks { .. } | Error::SequenceTooLong { .. }),
                         "unexpected {e:?}"
@@ -429,6 +513,9 @@ impl Harness {
                     self.model.contains_key(&child),
                 ) {
                     (None, _) => assert_eq!(r, Err(Error::UnknownSequence { seq_id: parent })),
+                    (Some(p), _) if p.state != SeqState::Running => {
+                        assert!(matches!(r, Err(Error::InvalidSequenceState { .. })))
+                    }
                     (Some(_), true) => {
                         assert_eq!(r, Err(Error::DuplicateSequence { seq_id: child }))
                     }
@@ -443,7 +530,11 @@ impl Harness {
                 let mut seqs: Vec<SeqId> = self
                     .model
                     .iter()
-                    .filter(|(&s, ms)| mask & (1 << s) != 0 && ms.computed < ms.tokens.len())
+                    .filter(|(&s, ms)| {
+                        mask & (1 << s) != 0
+                            && ms.state == SeqState::Running
+                            && ms.computed < ms.tokens.len()
+                    })
                     .map(|(&s, _)| s)
                     .collect();
                 seqs.sort();
@@ -452,6 +543,8 @@ impl Harness {
                     .map(|s| (self.model[s].tokens.len() - self.model[s].computed) as u32)
                     .collect();
                 let copies_before = self.m.pending_copies().to_vec();
+                let swaps_queued =
+                    !self.m.pending_swap_out().is_empty() || !self.m.pending_swap_in().is_empty();
                 // The copies the batch needs when not all fit: those whose dst or src a scheduled
                 // table holds.
                 let room = self.ob.copies.len() / 2;
@@ -471,8 +564,18 @@ impl Harness {
                 match self.m.build_step(&seqs, &n, &mut self.ob.view()) {
                     Ok(info) => {
                         assert!(needed <= room);
-                        self.check_step_output(&seqs, &n, &info, &copies_before);
+                        self.check_step_output(&seqs, &n, &info, &copies_before, swaps_queued);
                         Ok(())
+                    }
+                    Err(
+                        e @ Error::BufferTooSmall {
+                            buffer: "swap_out" | "swap_in",
+                            ..
+                        },
+                    ) => {
+                        // The swap lists are planned after the copies fit.
+                        assert!(needed <= room);
+                        Err(e)
                     }
                     Err(e) => {
                         // Only a batch whose own copies do not fit may be refused.
@@ -488,6 +591,101 @@ impl Harness {
                         Err(e)
                     }
                 }
+            }
+            Op::SwapOut { seq, victim } => {
+                let seqs = if victim {
+                    self.m.choose_victim().unwrap_or_default()
+                } else {
+                    vec![seq]
+                };
+                if victim {
+                    // The most recently admitted running group, whole.
+                    let running: Vec<SeqId> = self
+                        .model
+                        .iter()
+                        .filter(|(_, ms)| ms.state == SeqState::Running)
+                        .map(|(&s, _)| s)
+                        .collect();
+                    assert_eq!(seqs.is_empty(), running.is_empty());
+                }
+                let r = self.m.swap_out(&seqs);
+                match &r {
+                    Ok(_) => {
+                        for s in &seqs {
+                            let ms = self.model.get_mut(s).unwrap();
+                            assert_eq!(ms.state, SeqState::Running);
+                            ms.state = SeqState::Swapped;
+                        }
+                    }
+                    Err(Error::UnknownSequence { seq_id }) => {
+                        assert!(!self.model.contains_key(seq_id))
+                    }
+                    Err(Error::InvalidSequenceState { seq_id, .. }) => {
+                        assert_ne!(self.model[seq_id].state, SeqState::Running)
+                    }
+                    Err(e) => assert!(
+                        matches!(e, Error::OutOfHostBlocks { .. })
+                            || (seqs.is_empty() && matches!(e, Error::InvalidArgument { .. })),
+                        "unexpected {e:?}"
+                    ),
+                }
+                r.map(|_| ())
+            }
+            Op::SwapIn { seq } => {
+                let r = self.m.swap_in(&[seq]);
+                match (&r, self.model.get_mut(&seq)) {
+                    (Ok(_), Some(ms)) => {
+                        assert_eq!(ms.state, SeqState::Swapped);
+                        ms.state = SeqState::Running;
+                    }
+                    (Err(Error::UnknownSequence { .. }), None) => {}
+                    (Err(Error::InvalidSequenceState { .. }), Some(ms)) => {
+                        assert_ne!(ms.state, SeqState::Swapped)
+                    }
+                    (Err(Error::OutOfBlocks { .. } | Error::WatermarkReached { .. }), Some(ms)) => {
+                        assert_eq!(ms.state, SeqState::Swapped)
+                    }
+                    (r, _) => panic!("swap_in: unexpected {r:?}"),
+                }
+                r.map(|_| ())
+            }
+            Op::Recompute { seq } => {
+                let r = self.m.recompute(seq);
+                match (&r, self.model.get_mut(&seq)) {
+                    (Ok(()), Some(ms)) => {
+                        assert_ne!(ms.state, SeqState::Recompute);
+                        ms.state = SeqState::Recompute;
+                        ms.computed = 0;
+                    }
+                    (Err(Error::UnknownSequence { .. }), None) => {}
+                    (Err(Error::InvalidSequenceState { .. }), Some(ms)) => {
+                        assert_eq!(ms.state, SeqState::Recompute)
+                    }
+                    (r, _) => panic!("recompute: unexpected {r:?}"),
+                }
+                r
+            }
+            Op::Resume { seq, chunk } => {
+                let r = self.m.resume(seq, chunk);
+                match (&r, self.model.get(&seq).cloned()) {
+                    (Ok(res), Some(ms)) => {
+                        assert_eq!(ms.state, SeqState::Recompute);
+                        // Re-admitted from the kept tokens; what it does not hold yet is fed
+                        // before the rest of the prompt.
+                        let rest = ms.rest.clone();
+                        self.admitted(seq, ms.tokens.clone(), ms.salt, chunk, *res);
+                        self.model.get_mut(&seq).unwrap().rest.extend(rest);
+                    }
+                    (Err(Error::UnknownSequence { .. }), None) => {}
+                    (Err(Error::InvalidSequenceState { .. }), Some(ms)) => {
+                        assert_ne!(ms.state, SeqState::Recompute)
+                    }
+                    (Err(Error::OutOfBlocks { .. } | Error::WatermarkReached { .. }), Some(ms)) => {
+                        assert_eq!(ms.state, SeqState::Recompute)
+                    }
+                    (r, _) => panic!("resume: unexpected {r:?}"),
+                }
+                r.map(|_| ())
             }
         };
         if res.is_err() {
@@ -507,6 +705,7 @@ impl Harness {
         n: &[u32],
         info: &pagedkv::step::StepInfo,
         copies: &[(u32, u32)],
+        swaps_queued: bool,
     ) {
         let bs = self.bs;
         let ob = &self.ob;
@@ -534,7 +733,9 @@ impl Harness {
             left
         );
         assert!(info.num_copies <= ob.copies.len() / 2);
-        assert!(left.is_empty() || info.num_copies == ob.copies.len() / 2);
+        // A copy may also wait (with room left) for a swap-out of its destination or a swap-in
+        // of its source that did not fit this step.
+        assert!(left.is_empty() || info.num_copies == ob.copies.len() / 2 || swaps_queued);
         for &(src, d) in &left {
             for &q in seqs {
                 let t = self.m.block_table(q).unwrap();
@@ -551,6 +752,28 @@ impl Harness {
                 (ob.copies[2 * j], ob.copies[2 * j + 1]),
                 (s as i64, d as i64)
             );
+        }
+        // Swap lists: host destinations distinct, device destinations distinct; applied in order
+        // swap-out, swap-in, then the copies.
+        let outs: Vec<(usize, usize)> = (0..info.num_swap_out)
+            .map(|j| (ob.swap_out[2 * j] as usize, ob.swap_out[2 * j + 1] as usize))
+            .collect();
+        let ins: Vec<(usize, usize)> = (0..info.num_swap_in)
+            .map(|j| (ob.swap_in[2 * j] as usize, ob.swap_in[2 * j + 1] as usize))
+            .collect();
+        let hd: std::collections::HashSet<usize> = outs.iter().map(|c| c.1).collect();
+        assert_eq!(hd.len(), outs.len());
+        let dd: std::collections::HashSet<usize> = ins.iter().map(|c| c.1).collect();
+        assert_eq!(dd.len(), ins.len());
+        for &(d, h) in &outs {
+            for o in 0..bs {
+                self.host_kv[h * bs + o] = self.kv[d * bs + o];
+            }
+        }
+        for &(h, d) in &ins {
+            for o in 0..bs {
+                self.kv[d * bs + o] = self.host_kv[h * bs + o];
+            }
         }
         let snapshot = self.kv.clone();
         for &(s, d) in copies {
@@ -611,9 +834,11 @@ fn config() -> impl Strategy<Value = ManagerConfig> {
         any::<bool>(),
         any::<bool>(),
         2u32..12,
+        prop::sample::select(vec![0u32, 3, 40]),
     )
-        .prop_map(|(num_blocks, bs, wm, caching, verify, max_row)| {
+        .prop_map(|(num_blocks, bs, wm, caching, verify, max_row, host)| {
             let mut c = ManagerConfig::new(num_blocks, bs);
+            c.num_host_blocks = host;
             c.watermark_blocks = wm.min(num_blocks - 1);
             c.enable_prefix_caching = caching;
             c.verify_prefix = verify;
@@ -629,6 +854,7 @@ proptest! {
     fn manager_matches_model(
         cfg in config(),
         max_copies in prop::sample::select(vec![1usize, 2, 128]),
+        max_swaps in prop::sample::select(vec![1usize, 3, 256]),
         ops in prop::collection::vec(op(), 1..100),
     ) {
         let bs = cfg.block_size as usize;
@@ -637,10 +863,11 @@ proptest! {
             max_tokens: 4096,
             max_blocks_per_seq: cfg.max_blocks_per_seq as usize,
             max_copies,
-            max_swaps: 4,
+            max_swaps,
         };
         let mut h = Harness {
             kv: vec![None; cfg.num_blocks as usize * bs],
+            host_kv: vec![None; cfg.num_host_blocks as usize * bs],
             m: BlockManager::new(cfg).unwrap(),
             model: HashMap::new(),
             bs,
@@ -649,7 +876,15 @@ proptest! {
         for op in &ops {
             h.apply(op);
         }
-        // Drain: step everything, free everything; nothing leaks.
+        // Drain: empty steps until the swap queues are empty, step everything, free everything;
+        // nothing leaks.
+        for _ in 0..64 {
+            if h.m.pending_swap_out().is_empty() && h.m.pending_swap_in().is_empty() {
+                break;
+            }
+            h.apply(&Op::Step { mask: 0 });
+        }
+        prop_assert!(h.m.pending_swap_out().is_empty() && h.m.pending_swap_in().is_empty());
         let live: Vec<SeqId> = h.model.keys().copied().collect();
         h.apply(&Op::Step { mask: live.iter().fold(0u16, |m, &s| m | 1 << s) });
         for s in live {
@@ -658,5 +893,6 @@ proptest! {
         h.apply(&Op::Step { mask: 0 });
         prop_assert_eq!(h.m.num_free_blocks(), h.m.config().num_blocks as usize);
         prop_assert_eq!(h.m.stats().used_blocks, 0);
+        prop_assert_eq!(h.m.num_free_host_blocks(), h.m.config().num_host_blocks as usize);
     }
 }

@@ -119,15 +119,12 @@ fn toks(n: u32, base: u32) -> Vec<TokenId> {
     (base..base + n).collect()
 }
 
-/// Pending copies, swap-outs and swap-ins, each as (src, dst) pairs.
-type Queues = (Vec<(u32, u32)>, Vec<(u32, u32)>, Vec<(u32, u32)>);
-
 #[derive(Debug, PartialEq)]
 struct Snap {
     seqs: Vec<(SeqId, SeqState, usize, Vec<BlockId>)>,
     refs: Vec<u32>,
     host_refs: Vec<u32>,
-    queues: Queues,
+    queues: [Vec<(u32, u32)>; 3],
     stats: pagedkv::metrics::Stats,
 }
 
@@ -152,11 +149,11 @@ fn snap(m: &BlockManager) -> Snap {
         host_refs: (0..m.config().num_host_blocks)
             .map(|h| m.host_block_refcount(h).unwrap())
             .collect(),
-        queues: (
+        queues: [
             m.pending_copies().to_vec(),
             m.pending_swap_out().to_vec(),
             m.pending_swap_in().to_vec(),
-        ),
+        ],
         stats: m.stats(),
     }
 }
@@ -656,4 +653,24 @@ fn cost_model_crossover() {
     // One branch alone: its blocks survive in its sibling, so only the tail is recomputed.
     let one = m.decide(&[2], &model).unwrap();
     assert_eq!(one.recompute_tokens, 100 - 96);
+}
+
+#[test]
+fn free_batch_frees_every_state() {
+    let mut s = Sim::new(16, 8, 8);
+    s.admit(1, toks(5, 1));
+    s.admit(2, toks(5, 20));
+    s.admit(3, toks(5, 40));
+    s.m.swap_out(&[1]).unwrap();
+    s.m.recompute(2).unwrap();
+    unchanged(
+        &mut s.m,
+        |m| m.free_batch(&[1, 2, 1]),
+        |e| matches!(e, Error::InvalidArgument { .. }),
+    );
+    s.m.free_batch(&[1, 2, 3]).unwrap();
+    assert_eq!(s.m.num_seqs(), 0);
+    assert_eq!(s.m.num_free_host_blocks(), 8);
+    assert_eq!(s.m.num_free_blocks(), 16);
+    s.m.check_invariants().unwrap();
 }
