@@ -680,7 +680,9 @@ mod tests {
             assert!(c.num_stale() < DROP_BATCH, "{}", c.num_stale());
             c.check_map().unwrap();
         }
-        assert_eq!(c.map.capacity(), cap);
+        // Never grown (a reallocation doubles it). Deletions can leave tombstones, which lower the
+        // reported capacity by a few slots depending on the map's random key: not a growth.
+        assert!(c.map.capacity() <= cap, "{} > {cap}", c.map.capacity());
         assert_eq!(c.lookup(10), Some(1));
         c.clear_hashes();
         assert_eq!((c.lookup(10), c.num_hashed(), c.num_stale()), (None, 0, 0));
