@@ -1996,19 +1996,7 @@ impl BlockManager {
     /// Writes the pending copies `mask` selects into `copies`, in queue order; the rest stay
     /// queued, in order. Returns the number written.
     fn emit_copies_masked(&mut self, mask: &[bool], copies: &mut [i64]) -> usize {
-        let mut n = 0;
-        let mut keep = Vec::new();
-        for (j, &(src, dst)) in self.pending.iter().enumerate() {
-            if mask[j] {
-                copies[2 * n] = src as i64;
-                copies[2 * n + 1] = dst as i64;
-                n += 1;
-            } else {
-                keep.push((src, dst));
-            }
-        }
-        self.pending = keep;
-        n
+        drain_selected(&mut self.pending, mask, copies)
     }
 
     /// Writes the planned swap copies (all when `plan` is `None`) into the step's lists, removes
@@ -2030,35 +2018,12 @@ impl BlockManager {
                 vec![true; self.swap_in_q.len()],
             ),
         };
-        let mut n_out = 0;
-        let mut keep = Vec::new();
-        for (j, &(d, h)) in self.swap_out_q.iter().enumerate() {
-            if emit_out[j] {
-                out[2 * n_out] = d as i64;
-                out[2 * n_out + 1] = h as i64;
-                n_out += 1;
-            } else {
-                keep.push((d, h));
-            }
-        }
-        self.swap_out_q = keep;
-        let mut n_in = 0;
-        let mut keep = Vec::new();
-        let mut released = Vec::new();
-        for (j, &(h, d)) in self.swap_in_q.iter().enumerate() {
-            if emit_in[j] {
-                inn[2 * n_in] = h as i64;
-                inn[2 * n_in + 1] = d as i64;
-                n_in += 1;
-                released.push(h);
-            } else {
-                keep.push((h, d));
-            }
-        }
-        self.swap_in_q = keep;
+        let n_out = drain_selected(&mut self.swap_out_q, &emit_out, out);
+        let n_in = drain_selected(&mut self.swap_in_q, &emit_in, inn);
+        // An emitted swap-in drops the host reference it held: the step's list now names the copy.
         let mut result = Ok(());
-        for h in released {
-            if let Err(e) = self.host_drop(h) {
+        for k in 0..n_in {
+            if let Err(e) = self.host_drop(inn[2 * k] as HostBlockId) {
                 result = Err(e);
             }
         }
@@ -2620,4 +2585,21 @@ fn not_running(seq_id: SeqId, state: SeqState) -> Error {
         state: state.name(),
         expected: "running",
     }
+}
+
+/// Writes the pairs of `queue` that `mask` selects into `out` as `[a0, b0, a1, b1, ...]`, in queue
+/// order, keeps the others queued in order, and returns the number of pairs written.
+fn drain_selected(queue: &mut Vec<(u32, u32)>, mask: &[bool], out: &mut [i64]) -> usize {
+    let (mut n, mut j) = (0, 0);
+    queue.retain(|&(a, b)| {
+        let emit = mask[j];
+        j += 1;
+        if emit {
+            out[2 * n] = a as i64;
+            out[2 * n + 1] = b as i64;
+            n += 1;
+        }
+        !emit
+    });
+    n
 }
