@@ -17,15 +17,16 @@ context length L:
   table), host-synchronised wall time (what a preempted sequence pays to leave and come back);
 - recompute, alone: the prefill of L tokens as the engine re-runs it, in chunks of the token
   budget (``--chunk``), one sequence per step;
-- recompute, marginal (L <= ``--chunk``): a step of ``--decode-batch`` decodes at context
-  ``--decode-ctx`` plus the L-token prefill, minus the same decode step alone — what the recompute
-  adds to a step that runs anyway.
+- recompute, marginal: the same chunks each riding a step of ``--decode-batch`` decodes at context
+  ``--decode-ctx``, minus a decode-only step measured just before each — what the recompute adds
+  to steps that run anyway (how the scheduler re-admits a recomputed sequence).
 
 The crossover is the smallest L from which swap stays cheaper than recompute. The cost model is then
-fed the rates measured as the engine measures them at start-up (:meth:`ModelRunner.measure_rates`)
-and asked for each L (the core's ``BlockManager.decide`` on a live sequence of L tokens when the
-core has it, else the contract's formula: swap = 2 x KV bytes / link, recompute = tokens /
-prefill rate); the table says whether it picked the faster mode in each view.
+fed the rates measured as the engine measures them at start-up (:meth:`ModelRunner.measure_rates`:
+link bandwidth, prefill rate of a full step, step floor) and the core's ``BlockManager.decide`` is
+asked on the live L-token sequence, alone (``batch_tokens=0``) and beside the decode batch (the
+running sequences it counts by default); the table says whether it picked the faster mode in each
+view. Mixed steps run eagerly, as the engine runs them.
 
 Usage (GPU machine, repository root): ``PYTHONPATH=python python3 benches/bench_swap.py
 [--json out.json]``.
@@ -186,34 +187,33 @@ def build_model(max_model_len: int):
 
 def crossover(args) -> dict:
     from pagedkv.engine.model_runner import ModelRunner
-    from pagedkv.manager import BlockManager
+    from pagedkv.manager import CostModel
 
     lengths = [int(x) for x in args.lengths.split(",")]
-    max_len = max(lengths) + 64
+    max_len = max(lengths) + args.decode_ctx + 1024
     loaded = build_model(max_len)
     bs = 16
-    need = sum(math.ceil(L / bs) for L in [max(lengths)]) + args.decode_batch * (
-        math.ceil((args.decode_ctx + 64) / bs)) + 64
+    steps = 2 * (args.reps_model + 1) * sum(math.ceil(L / args.chunk) for L in lengths) + 64
+    need = math.ceil(max(lengths) / bs) * 2 + args.decode_batch * (
+        math.ceil((args.decode_ctx + steps) / bs)) + 64
+    budget = args.chunk + args.decode_batch
     runner = ModelRunner(loaded, block_size=bs, num_blocks=need, max_num_seqs=args.decode_batch + 1,
-                         max_num_batched_tokens=args.chunk + args.decode_batch, cuda_graphs=False)
+                         max_num_batched_tokens=budget, cuda_graphs=False)
     swap = runner.enable_swap(math.ceil(max(lengths) / bs) + 8)
-    link, tps = runner.measure_rates()
+    rates = runner.measure_rates()
     kvb = runner.spec.bytes_per_token
-    res = {"measured_link_GBps": link / 1e9, "measured_prefill_tok_s": tps,
-           "kv_bytes_per_token": kvb, "rows": []}
+    res = {"measured_link_GBps": rates.host_link_bytes_per_s / 1e9,
+           "measured_prefill_tok_s": rates.prefill_tokens_per_s,
+           "measured_step_floor_ms": 1e3 * rates.step_floor_s,
+           "kv_bytes_per_token": kvb, "step_budget": budget, "rows": []}
     vocab = runner.config.vocab_size
     rng = np.random.default_rng(1)
-    core_decide = hasattr(BlockManager, "decide")
-    kw = {"num_host_blocks": swap.host.num_blocks} if core_decide else {}
-    mgr = runner.new_block_manager(enable_prefix_caching=False, **kw)
-    if core_decide:
-        from pagedkv.manager import CostModel
+    mgr = runner.new_block_manager(enable_prefix_caching=False, num_host_blocks=swap.host.num_blocks)
+    mgr.cost_model = CostModel(rates.host_link_bytes_per_s, rates.prefill_tokens_per_s,
+                               float(kvb), step_floor_s=rates.step_floor_s,
+                               max_step_tokens=budget)
 
-        mgr.cost_model = CostModel(host_link_bytes_per_s=link, prefill_tokens_per_s=tps,
-                                   kv_bytes_per_token=float(kvb))
-    res["cost_model"] = "core BlockManager.decide" if core_decide else "contract formula (Python)"
-
-    # The decode batch for the marginal view: prefilled once, grown one token per measured step.
+    # The running decode batch of the marginal view: prefilled once, one token a measured step.
     dec_ids = list(range(1000, 1000 + args.decode_batch))
     ctx = args.decode_ctx
     for sid in dec_ids:
@@ -221,59 +221,71 @@ def crossover(args) -> dict:
         mgr.admit(sid, prompt)
         info = mgr.step([sid], [ctx])
         runner.execute(prompt, np.arange(ctx), info, [0])
-    dec_tok = rng.integers(0, vocab, len(dec_ids))
+    dec_tok = rng.integers(0, vocab, len(dec_ids)).tolist()
     dec_pos = [ctx]
-
-    def decode_step(extra=None):
-        mgr.append_batch(dec_ids, dec_tok)
-        ids, news = list(dec_ids), [1] * len(dec_ids)
-        inp = list(dec_tok)
-        pos = [dec_pos[0]] * len(dec_ids)
-        if extra is not None:
-            sid, prompt = extra
-            mgr.admit(sid, prompt)
-            ids.append(sid)
-            news.append(len(prompt))
-            inp += prompt
-            pos += list(range(len(prompt)))
-        info = mgr.step(ids, news)
-        runner.execute(np.array(inp), np.array(pos), info, [len(ids) - 1])
-        dec_pos[0] += 1
-        if extra is not None:
-            mgr.free(extra[0])
-
     next_id = [0]
 
-    def prefill_alone(L):
+    def timed(fn) -> float:
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        return time.perf_counter() - t0
+
+    def step(ids, news, inp, pos, rows):
+        info = mgr.step(ids, news)
+        return timed(lambda: runner.execute(np.array(inp), np.array(pos), info, rows))
+
+    def decode_only() -> float:
+        mgr.append_batch(dec_ids, dec_tok)
+        t = step(dec_ids, [1] * len(dec_ids), dec_tok, [dec_pos[0]] * len(dec_ids),
+                 [len(dec_ids) - 1])
+        dec_pos[0] += 1
+        return t
+
+    def prefill(L: int, beside: bool) -> tuple:
+        """Prefills a fresh L-token sequence in chunks of ``--chunk`` as the scheduler feeds a
+        re-admitted one: alone (one sequence a step), or beside the decode batch with a decode-only
+        step before every chunk step; returns (seconds it cost, its seq id)."""
         sid = next_id[0]
         next_id[0] += 1
         prompt = rng.integers(0, vocab, L).tolist()
-        done = 0
+        done, cost = 0, 0.0
         while done < L:
             k = min(args.chunk, L - done)
+            base = decode_only() if beside else 0.0
             if done == 0:
                 mgr.admit(sid, prompt, max_new_tokens=k)
             else:
                 mgr.append(sid, prompt[done:done + k])
-            info = mgr.step([sid], [k])
-            runner.execute(np.array(prompt[done:done + k]), np.arange(done, done + k), info, [0])
+            chunk, pos = prompt[done:done + k], list(range(done, done + k))
+            if beside:
+                mgr.append_batch(dec_ids, dec_tok)
+                n = len(dec_ids)
+                t = step(dec_ids + [sid], [1] * n + [k], dec_tok + chunk,
+                         [dec_pos[0]] * n + pos, [n])
+                dec_pos[0] += 1
+            else:
+                t = step([sid], [k], chunk, pos, [0])
+            cost += t - base
             done += k
-        return sid
+        return cost, sid
 
     for L in lengths:
         row = {"L": L}
-        # Recompute alone (the sequence is kept afterwards for the swap and the model's decision).
-        times = []
+        alone, marg = [], []
         sid = None
-        for r in range(args.reps_model + 1):
+        for r in range(args.reps_model + 1):  # the first is a warm-up
+            c, s2 = prefill(L, beside=True)
+            mgr.free(s2)
             if sid is not None:
                 mgr.free(sid)
-            _sync()
-            t0 = time.perf_counter()
-            sid = prefill_alone(L)
-            _sync()
-            times.append(1e3 * (time.perf_counter() - t0))
-        row["recompute_alone_ms"] = statistics.median(times[1:])
+            c0, sid = prefill(L, beside=False)
+            if r:
+                alone.append(1e3 * c0)
+                marg.append(1e3 * max(0.0, c))
+        row["recompute_alone_ms"] = statistics.median(alone)
+        row["recompute_marginal_ms"] = statistics.median(marg)
         table = mgr.block_table(sid)
         host = np.arange(len(table))
         pairs_out = np.stack([np.array(table), host], 1)
@@ -285,50 +297,43 @@ def crossover(args) -> dict:
             swap.synchronize()
 
         row["swap_ms"] = _wall_ms(round_trip, args.reps)
-        if core_decide:
-            mode, s_est, r_est = mgr.decide([sid])[:3]
-        else:
-            s_est = 2 * L * kvb / link
-            r_est = L / tps
-            mode = "swap" if s_est < r_est else "recompute"
-        row.update(model_mode=str(mode), model_swap_ms=1e3 * s_est, model_recompute_ms=1e3 * r_est)
+        # The core's decision on the live L-token sequence: nothing else running, and beside the
+        # decode batch (the running sequences the manager counts by default).
+        d_alone = mgr.decide([sid], batch_tokens=0)
+        d_marg = mgr.decide([sid])
         mgr.free(sid)
-        if L <= args.chunk:
-            base, mixed = [], []
-            for r in range(args.reps_model + 1):
-                _sync()
-                t0 = time.perf_counter()
-                decode_step()
-                _sync()
-                t1 = time.perf_counter()
-                decode_step((next_id[0], rng.integers(0, vocab, L).tolist()))
-                next_id[0] += 1
-                _sync()
-                t2 = time.perf_counter()
-                if r:
-                    base.append(t1 - t0)
-                    mixed.append(t2 - t1)
-            row["decode_step_ms"] = 1e3 * statistics.median(base)
-            row["recompute_marginal_ms"] = 1e3 * max(0.0, statistics.median(mixed)
-                                                     - statistics.median(base))
-        row["faster_alone"] = "swap" if row["swap_ms"] < row["recompute_alone_ms"] else "recompute"
-        row["model_right_alone"] = row["faster_alone"] == row["model_mode"]
-        if "recompute_marginal_ms" in row:
-            row["faster_marginal"] = ("swap" if row["swap_ms"] < row["recompute_marginal_ms"]
-                                      else "recompute")
-            row["model_right_marginal"] = row["faster_marginal"] == row["model_mode"]
+        for view, d, key in (("alone", d_alone, "recompute_alone_ms"),
+                             ("marginal", d_marg, "recompute_marginal_ms")):
+            faster = "swap" if row["swap_ms"] < row[key] else "recompute"
+            row[f"model_{view}"] = d.mode
+            row[f"model_{view}_swap_ms"] = 1e3 * d.swap_cost_s
+            row[f"model_{view}_recompute_ms"] = 1e3 * d.recompute_cost_s
+            row[f"faster_{view}"] = faster
+            row[f"model_right_{view}"] = faster == d.mode
+        row["batch_tokens"] = d_marg.batch_tokens
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
 
     def cross(key):
-        rows = [r for r in res["rows"] if key in r]
+        rows = res["rows"]
         for i, r in enumerate(rows):
             if all(q["swap_ms"] < q[key] for q in rows[i:]):
                 return r["L"]
         return None
 
+    def model_cross(view):
+        rows = res["rows"]
+        for i, r in enumerate(rows):
+            if all(q[f"model_{view}"] == "swap" for q in rows[i:]):
+                return r["L"]
+        return None
+
     res["crossover_alone"] = cross("recompute_alone_ms")
     res["crossover_marginal"] = cross("recompute_marginal_ms")
+    res["model_crossover_alone"] = model_cross("alone")
+    res["model_crossover_marginal"] = model_cross("marginal")
+    res["model_right_everywhere"] = all(r["model_right_alone"] and r["model_right_marginal"]
+                                        for r in res["rows"])
     return res
 
 
@@ -357,16 +362,21 @@ def main(argv=None) -> int:
         out["crossover"] = crossover(args)
         c = out["crossover"]
         print(f"measured rates: link {c['measured_link_GBps']:.1f} GB/s, prefill "
-              f"{c['measured_prefill_tok_s']:.0f} tok/s; cost model: {c['cost_model']}")
-        print(f"{'L':>6} {'swap ms':>9} {'recomp alone':>13} {'recomp marg':>12} {'model':>10} "
-              f"{'right (alone/marg)':>19}")
+              f"{c['measured_prefill_tok_s']:.0f} tok/s, step floor "
+              f"{c['measured_step_floor_ms']:.2f} ms; decode batch {args.decode_batch}")
+        print(f"{'L':>6} {'swap ms':>9} {'alone ms':>9} {'model':>9} {'ok':>3} "
+              f"{'marginal ms':>12} {'model':>9} {'ok':>3}   (model estimates: swap / recompute)")
         for r in c["rows"]:
-            marg = r.get("recompute_marginal_ms")
-            print(f"{r['L']:>6} {r['swap_ms']:>9.2f} {r['recompute_alone_ms']:>13.2f} "
-                  f"{marg if marg is not None else float('nan'):>12.2f} {r['model_mode']:>10} "
-                  f"{str(r['model_right_alone']):>9}/{str(r.get('model_right_marginal', '-'))}")
-        print(f"crossover (swap cheaper from here on): alone L={c['crossover_alone']}, "
-              f"marginal L={c['crossover_marginal']}")
+            print(f"{r['L']:>6} {r['swap_ms']:>9.2f} {r['recompute_alone_ms']:>9.2f} "
+                  f"{r['model_alone']:>9} {'y' if r['model_right_alone'] else 'N':>3} "
+                  f"{r['recompute_marginal_ms']:>12.2f} {r['model_marginal']:>9} "
+                  f"{'y' if r['model_right_marginal'] else 'N':>3}   "
+                  f"{r['model_alone_swap_ms']:.2f} / {r['model_alone_recompute_ms']:.2f}, "
+                  f"{r['model_marginal_recompute_ms']:.2f}")
+        print(f"crossover (swap cheaper from here on): alone L={c['crossover_alone']} "
+              f"(model {c['model_crossover_alone']}), marginal L={c['crossover_marginal']} "
+              f"(model {c['model_crossover_marginal']}); model right everywhere: "
+              f"{c['model_right_everywhere']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -119,5 +119,7 @@ def test_auto_follows_the_cost_model(model_dir):
 
 def test_rates_measured_at_start_up(model_dir):
     llm = _llm(model_dir, num_blocks=32, num_host_blocks=16)
-    link, tps = llm.llm_engine.cost_rates
-    assert link > 0 and tps > 0
+    link, tps, floor = llm.llm_engine.cost_rates
+    assert link > 0 and tps > 0 and floor > 0
+    cm = llm.llm_engine.manager.cost_model
+    assert cm.step_floor_s == floor and cm.max_step_tokens > 0

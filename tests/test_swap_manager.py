@@ -314,6 +314,38 @@ def test_cost_model_picks_the_cheaper_mode() -> None:
     assert not small.decide([1], fast_link).swap_possible
 
 
+def test_step_floor_lets_a_short_recompute_ride_the_running_decodes() -> None:
+    m = BlockManager(256, 16, watermark_blocks=0, num_host_blocks=256)
+    m.attach_buffers(StepBuffers(8, 4096, 64, device="cpu"))
+    for sid, n in ((1, 600), (2, 40), (3, 40), (4, 40)):
+        m.admit(sid, [sid * 1000 + i for i in range(n)])
+    # 10k tokens/s, a 40 ms step floor: a step is free up to 400 tokens; 2048 a step at most.
+    # Swap: 2 × 38 blocks × 16 tokens × 1 kB / 1 GB/s = 1.2 ms.
+    cm = CostModel(1e9, 1e4, 1e3, step_floor_s=0.040, max_step_tokens=2048)
+    d = m.decide([2], cm)
+    # Three other sequences decode beside it: 40 tokens ride a step that costs the floor anyway.
+    assert d.batch_tokens == 3 and d.recompute_cost_s == 0.0 and d.mode == "recompute"
+    # Alone, the recompute pays a whole step: 40 ms against a 0.1 ms swap.
+    alone = m.decide([2], cm, batch_tokens=0)
+    assert alone.recompute_cost_s == pytest.approx(0.040) and alone.mode == "swap"
+    # 600 tokens beside 3 decodes: the step grows from 40 ms to 60.3 ms.
+    d1 = m.decide([1], cm)
+    assert d1.recompute_cost_s == pytest.approx(603 / 1e4 - 0.040)
+    assert d1.mode == "swap" and d1.swap_cost_s == pytest.approx(2 * 38 * 16 * 1e3 / 1e9)
+    # Without a floor the model is linear, as with three rates.
+    assert m.decide([1], (1e9, 1e4, 1e3)).recompute_cost_s == pytest.approx(600 / 1e4)
+    for bad in (CostModel(1e9, 1e4, 1e3, step_floor_s=-1.0),
+                CostModel(1e9, 1e4, 1e3, step_floor_s=float("nan"))):
+        with pytest.raises(InvalidArgumentError, match="step_floor_s"):
+            m.decide([1], bad)
+    for kw in ({"batch_tokens": -1}, {"batch_tokens": True}, {"batch_tokens": 1.5}):
+        with pytest.raises(InvalidArgumentError, match="batch_tokens"):
+            m.decide([1], cm, **kw)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="max_step_tokens"):
+        m.decide([1], CostModel(1e9, 1e4, 1e3, max_step_tokens=-5))
+    m.check_invariants()
+
+
 def test_kv_cache_usage_counts_cached_free_as_free() -> None:
     s = Sim(num_blocks=16)
     s.admit(1, list(range(8)))

@@ -123,8 +123,12 @@ class BlockManager:
         host_link_bytes_per_s: float,
         prefill_tokens_per_s: float,
         kv_bytes_per_token: float,
-    ) -> Tuple[str, float, float, bool, int, int]:
-        """``(mode, swap_cost_s, recompute_cost_s, swap_possible, swap_blocks, recompute_tokens)``."""
+        step_floor_s: float = ...,
+        max_step_tokens: int = ...,
+        batch_tokens: Optional[int] = ...,
+    ) -> Tuple[str, float, float, bool, int, int, int]:
+        """``(mode, swap_cost_s, recompute_cost_s, swap_possible, swap_blocks, recompute_tokens,
+        batch_tokens)``."""
     def seq_state(self, seq_id: int) -> str:
         """``"running"``, ``"swapped"`` or ``"recompute"``."""
     def pending_swap_out(self) -> list[Tuple[int, int]]: ...

@@ -77,6 +77,13 @@ def _float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
+def _nonneg_float(text: str) -> float:
+    v = _float(text)
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return v
+
+
 # ------------------------------------------------------------------------------- shared options
 
 def _add_model_args(p: argparse.ArgumentParser, default_model: Optional[str]) -> None:
@@ -214,6 +221,10 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-tps", type=_float, default=s.prefill_tokens_per_s, metavar="X",
                    help="cost model: prefill throughput, tokens/s (default: "
                         f"{s.prefill_tokens_per_s:g}, assumed)")
+    g.add_argument("--step-floor-ms", type=_nonneg_float, default=s.step_floor_s * 1e3,
+                   metavar="X", help="cost model: what a step costs however few tokens it carries, "
+                                     "ms; recompute tokens under it ride along free (default: "
+                                     f"{s.step_floor_s * 1e3:g}: linear)")
     g = p.add_argument_group("workload (lengths in tokens, time in scheduler steps)")
     g.add_argument("--requests", type=_positive_int, default=w.num_requests, metavar="N",
                    help=f"number of requests (default: {w.num_requests})")
@@ -282,7 +293,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
                     enable_prefix_caching=not args.no_prefix_caching, check_every=args.check,
                     num_host_blocks=args.num_host_blocks, preemption_mode=args.preemption_mode,
                     host_link_bytes_per_s=args.host_link_gbps * 1e9,
-                    prefill_tokens_per_s=args.prefill_tps, kv_bytes_per_token=spec.bytes_per_token)
+                    prefill_tokens_per_s=args.prefill_tps, kv_bytes_per_token=spec.bytes_per_token,
+                    step_floor_s=args.step_floor_ms / 1e3)
     started = time.perf_counter()
     result = simulate(workload, sim, progress=not (args.quiet or args.json),
                       record_timeline=args.plot is not None)

@@ -84,17 +84,24 @@ class StepInfo(NamedTuple):
 class CostModel(NamedTuple):
     """Rates the swap-or-recompute choice is made from (measured on the device, or given).
 
-    Swap cost = 2 × the victim's KV bytes / ``host_link_bytes_per_s``; recompute cost = tokens to
-    recompute after surviving prefix hits (summed over a forked group's branches) /
-    ``prefill_tokens_per_s``. See :meth:`BlockManager.decide`.
+    Swap cost = 2 × the victim's KV bytes / ``host_link_bytes_per_s``. A step is modelled as
+    costing ``max(step_floor_s, tokens / prefill_tokens_per_s)``: below that knee it is bound by
+    what it pays whatever it carries (launch overhead, weight reads), so a recompute folded into
+    steps that run anyway (beside the running decodes) costs only what it adds to them, chunk by
+    chunk of at most ``max_step_tokens``. With the defaults (no floor, no chunking) recompute
+    cost = tokens / ``prefill_tokens_per_s``. See :meth:`BlockManager.decide`.
     """
 
     #: Host <-> device copy bandwidth, bytes per second, one direction.
     host_link_bytes_per_s: float
-    #: Prefill throughput, tokens per second.
+    #: Prefill throughput once a step is compute-bound, tokens per second.
     prefill_tokens_per_s: float
     #: KV bytes per token over all layers (``2 * kv_heads * head_dim * dtype_bytes * layers``).
     kv_bytes_per_token: float
+    #: Seconds a step costs however few tokens it carries (0: every token costs 1 / rate).
+    step_floor_s: float = 0.0
+    #: Most tokens one step carries (the scheduler's ``max_num_batched_tokens``); 0 = no limit.
+    max_step_tokens: int = 0
 
 
 class Decision(NamedTuple):
@@ -112,10 +119,21 @@ class Decision(NamedTuple):
     swap_blocks: int
     #: Tokens a recompute would re-run.
     recompute_tokens: int
+    #: Tokens of other work each step was assumed to carry beside the recompute.
+    batch_tokens: int = 0
 
 
 _new_tuple = tuple.__new__
 _ndarray = np.ndarray
+
+
+def _count(what: str, value: Any) -> int:
+    """``value`` as an int >= 0, else a typed error naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        reason = "must be an int >= 0"
+        raise InvalidArgumentError(f"invalid argument: {what} = {value!r}: {reason}",
+                                   what=what, value=value, reason=reason)
+    return int(value)
 
 
 def _ids(x: Any) -> Any:
@@ -749,22 +767,26 @@ class BlockManager:
         order), in creation order. ``None`` when nothing runs."""
         return self._core.choose_victim()
 
-    def decide(self, seq_ids: SeqIds, cost_model: Optional[CostModel] = None) -> Decision:
+    def decide(self, seq_ids: SeqIds, cost_model: Optional[CostModel] = None, *,
+               batch_tokens: Optional[int] = None) -> Decision:
         """The cost model's choice for preempting the running ``seq_ids`` together.
 
         Swap: 2 × the KV bytes of their distinct device blocks over the host link. Recompute: per
         sequence, the tokens past the leading full blocks that stay cached after the preemption
         (blocks other sequences also hold), at least one, summed over the sequences (× branches for
-        a forked group), over the prefill throughput. Swap is chosen when the host pool has room
-        and it is strictly cheaper. Read-only.
+        a forked group), costed as what they add to the steps that carry them
+        (:class:`CostModel`). Swap is chosen when the host pool has room and it is strictly
+        cheaper. Read-only.
 
         Args:
             seq_ids: Running sequences, distinct.
             cost_model: The rates; defaults to :attr:`cost_model`.
+            batch_tokens: Tokens of other work each step carries beside the recompute; ``None``
+                counts one decode token per running sequence outside ``seq_ids``.
 
         Raises:
-            InvalidArgumentError: No cost model, or a rate that is not finite and > 0; as
-                :meth:`swap_out` for the ids.
+            InvalidArgumentError: No cost model, a rate that is not finite and > 0 (a floor < 0),
+                a token count that is not an int >= 0; as :meth:`swap_out` for the ids.
         """
         cm = self.cost_model if cost_model is None else cost_model
         if cm is None:
@@ -775,8 +797,13 @@ class BlockManager:
                 value=None,
                 reason=reason,
             )
-        link, prefill, kv = (float(x) for x in cm)
-        return _new_tuple(Decision, self._core.decide(_ids(seq_ids), link, prefill, kv))
+        if not isinstance(cm, CostModel):
+            cm = CostModel(*cm)  # a plain tuple of the first three rates, or all five
+        max_step = _count("max_step_tokens", cm.max_step_tokens)
+        batch = None if batch_tokens is None else _count("batch_tokens", batch_tokens)
+        return _new_tuple(Decision, self._core.decide(
+            _ids(seq_ids), float(cm.host_link_bytes_per_s), float(cm.prefill_tokens_per_s),
+            float(cm.kv_bytes_per_token), float(cm.step_floor_s), max_step, batch))
 
     def seq_state(self, seq_id: int) -> str:
         """``"running"``, ``"swapped"`` or ``"recompute"``."""

@@ -425,8 +425,9 @@ class Scheduler:
 
         ``preemption_mode`` ``"swap"`` / ``"recompute"`` forces the mode (costs ``None``); ``"auto"``
         asks the manager's cost model (:meth:`BlockManager.decide`: swap = 2 x the group's KV bytes
-        over the host link, recompute = the tokens a re-admission would recompute after prefix
-        hits, per branch, over the prefill throughput); ``"auto"`` on a manager with no
+        over the host link, recompute = what the tokens a re-admission would recompute after
+        prefix hits, per branch, add to the steps that carry them beside the running decodes —
+        nothing while a step stays under the model's step floor); ``"auto"`` on a manager with no
         ``cost_model`` set swaps. Without a host pool, or for part of a forked group (swap moves
         whole groups), it is always ``"recompute"``.
         """

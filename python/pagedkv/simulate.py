@@ -94,6 +94,8 @@ class SimConfig:
     #: The cost model's rates (``"auto"`` with a host pool): assumed, not measured, in a simulation.
     host_link_bytes_per_s: float = 50e9
     prefill_tokens_per_s: float = 20_000.0
+    #: Seconds a step costs however few tokens it carries (the cost model's step floor; 0: linear).
+    step_floor_s: float = 0.0
     #: KV bytes per token, for the cost model (the model's ``CacheSpec.bytes_per_token``).
     kv_bytes_per_token: int = 131_072
 
@@ -125,6 +127,11 @@ class SimConfig:
                 raise InvalidConfigError(
                     f"invalid simulation config: {name} = {v!r}: must be a positive number",
                     field=name, value=v, reason="must be > 0")
+        f = self.step_floor_s
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < float("inf"):
+            raise InvalidConfigError(
+                f"invalid simulation config: step_floor_s = {f!r}: must be a number >= 0",
+                field="step_floor_s", value=f, reason="must be >= 0")
         wm = self.watermark_blocks
         if wm is not None and (isinstance(wm, bool) or not isinstance(wm, int) or wm < 0):
             raise InvalidConfigError(
@@ -295,7 +302,9 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
 
         mgr.cost_model = CostModel(host_link_bytes_per_s=sim.host_link_bytes_per_s,
                                    prefill_tokens_per_s=sim.prefill_tokens_per_s,
-                                   kv_bytes_per_token=float(sim.kv_bytes_per_token))
+                                   kv_bytes_per_token=float(sim.kv_bytes_per_token),
+                                   step_floor_s=float(sim.step_floor_s),
+                                   max_step_tokens=sim.max_prefill_tokens)
     _check_capacity(workload, sim, mgr.watermark_blocks)
     # Prompt tokens of one step, plus one decode for every sequence the batch can hold: the same
     # prefill budget the contiguous run gets, with decodes never crowding it out.

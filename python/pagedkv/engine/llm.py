@@ -167,6 +167,9 @@ class LLMEngine:
         host_link_bytes_per_s: Host-link bandwidth for the cost model; ``None``: measured at
             start-up (with a host pool and ``preemption_mode="auto"``).
         prefill_tokens_per_s: Prefill throughput for the cost model; ``None``: measured likewise.
+        step_floor_s: Seconds a step costs however few tokens it carries (the cost model's step
+            floor: recompute tokens that fit under it ride along for free); ``None``: measured
+            when the rates are, else 0 (a linear model).
 
     Raises:
         ModelLoadError: ``model`` does not exist, is not a model directory or ``.gguf`` file, or is
@@ -196,6 +199,7 @@ class LLMEngine:
         preemption_mode: str = "auto",
         host_link_bytes_per_s: Optional[float] = None,
         prefill_tokens_per_s: Optional[float] = None,
+        step_floor_s: Optional[float] = None,
     ) -> None:
         import torch
 
@@ -229,6 +233,12 @@ class LLMEngine:
                                      or not rate > 0 or rate == float("inf")):
                 raise InvalidConfigError(f"{name} must be a positive number, got {rate!r}",
                                          field=name, value=rate, reason="must be > 0")
+        if step_floor_s is not None and (isinstance(step_floor_s, bool)
+                                         or not isinstance(step_floor_s, (int, float))
+                                         or not 0 <= step_floor_s < float("inf")):
+            raise InvalidConfigError(f"step_floor_s must be a number >= 0, got {step_floor_s!r}",
+                                     field="step_floor_s", value=step_floor_s,
+                                     reason="must be >= 0")
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -255,24 +265,27 @@ class LLMEngine:
             bar.update(1)
             host_blocks = self._host_blocks(swap_space, num_host_blocks)
             extra: Dict[str, Any] = {}
-            self.cost_rates: Optional[Tuple[float, float]] = None
+            #: ``(host link bytes/s, prefill tokens/s, step floor s)`` of the cost model, or None.
+            self.cost_rates: Optional[Tuple[float, float, float]] = None
             if host_blocks:
                 self.runner.enable_swap(host_blocks)
                 extra["num_host_blocks"] = host_blocks
                 if preemption_mode == "auto":
-                    link, tps = host_link_bytes_per_s, prefill_tokens_per_s
+                    link, tps, floor = host_link_bytes_per_s, prefill_tokens_per_s, step_floor_s
                     if link is None or tps is None:
                         measured = self.runner.measure_rates()
-                        link = link if link is not None else measured[0]
-                        tps = tps if tps is not None else measured[1]
-                    self.cost_rates = (float(link), float(tps))
+                        link = link if link is not None else measured.host_link_bytes_per_s
+                        tps = tps if tps is not None else measured.prefill_tokens_per_s
+                        floor = floor if floor is not None else measured.step_floor_s
+                    self.cost_rates = (float(link), float(tps), float(floor or 0.0))
             # The runner's pool and step buffers fix the manager's shape; it attaches the buffers.
             self.manager = self.runner.new_block_manager(
                 watermark_blocks=watermark_blocks, enable_prefix_caching=enable_prefix_caching,
                 **extra,
             )
             if self.cost_rates is not None:
-                _set_cost_model(self.manager, self.cost_rates, self.runner.spec.bytes_per_token)
+                _set_cost_model(self.manager, self.cost_rates, self.runner.spec.bytes_per_token,
+                                max_num_batched_tokens if enable_chunked_prefill else 0)
             self.scheduler = Scheduler(
                 self.manager, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -688,12 +701,15 @@ class LLMEngine:
         )
 
 
-def _set_cost_model(manager: Any, rates: Tuple[float, float], kv_bytes_per_token: int) -> None:
-    """Gives the manager's cost model its rates: ``(host link bytes/s, prefill tokens/s)``."""
+def _set_cost_model(manager: Any, rates: Tuple[float, float, float], kv_bytes_per_token: int,
+                    max_step_tokens: int) -> None:
+    """Gives the manager's cost model its rates: ``(host link bytes/s, prefill tokens/s, step
+    floor s)``, and the scheduler's token budget (a recompute is prefilled in chunks of it)."""
     from ..manager import CostModel
 
     manager.cost_model = CostModel(host_link_bytes_per_s=rates[0], prefill_tokens_per_s=rates[1],
-                                   kv_bytes_per_token=float(kv_bytes_per_token))
+                                   kv_bytes_per_token=float(kv_bytes_per_token),
+                                   step_floor_s=rates[2], max_step_tokens=max_step_tokens)
 
 
 def _stage_bar(enabled: bool, total: int, desc: str) -> Any:

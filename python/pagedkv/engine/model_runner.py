@@ -30,7 +30,7 @@ next ``manager.step`` at once, while the GPU is still running this step's model.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -75,6 +75,17 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 def _head_dim(cfg: Any) -> int:
     hd = getattr(cfg, "head_dim", None)
     return int(hd) if hd else cfg.hidden_size // cfg.num_attention_heads
+
+
+class Rates(NamedTuple):
+    """What :meth:`ModelRunner.measure_rates` measured: the cost model's rates."""
+
+    #: Host <-> device copy bandwidth, bytes per second, one direction (NaN without a host pool).
+    host_link_bytes_per_s: float
+    #: Prefill throughput of a full step, tokens per second.
+    prefill_tokens_per_s: float
+    #: Seconds a step of a few tokens takes: the part of a step that does not grow with tokens.
+    step_floor_s: float
 
 
 class ModelRunner:
@@ -208,15 +219,17 @@ class ModelRunner:
         self.swap = SwapEngine(self.pool, num_host_blocks, staging_blocks=staging_blocks)
         return self.swap
 
-    def measure_rates(self, *, tokens: Optional[int] = None) -> tuple[float, float]:
-        """``(host_link_bytes_per_s, prefill_tokens_per_s)`` measured on this device: the cost
-        model's two rates.
+    def measure_rates(self, *, tokens: Optional[int] = None) -> "Rates":
+        """The cost model's rates measured on this device (:class:`Rates`).
 
         The link rate is a swap-out plus swap-in round trip of as many blocks as the staging holds
-        (at most 32 MiB each way after one warm-up); the prefill rate is one prefill of ``tokens``
-        tokens (default ``min(max_num_batched_tokens, max_model_len - 1, 1024)``) after one warm-up,
-        through a scratch manager on this runner's buffers. Run it before the engine's manager
-        attaches the buffers: it overwrites pool and host blocks (all free at start-up).
+        (at most 32 MiB each way after one warm-up; NaN without a host pool). The step model
+        ``max(floor, tokens / rate)`` is fitted from two prefills through a scratch manager on
+        this runner's buffers: one of ``tokens`` tokens (default the step budget,
+        ``min(max_num_batched_tokens, max_model_len - 1)``) gives the rate, one of
+        ``min(16, tokens)`` tokens the floor (what a step costs however little it carries), each
+        the best of two after a warm-up. Run it before the engine's manager attaches the buffers:
+        it overwrites pool and host blocks (all free at start-up).
         """
         import time
 
@@ -237,27 +250,35 @@ class ModelRunner:
                 self.swap.synchronize()
                 best = min(best, time.perf_counter() - t0)
             link = 2 * n * self.spec.bytes_per_block / best
-        t = tokens or min(self.max_num_batched_tokens, self.max_model_len - 1, 1024)
+        t = tokens or min(self.max_num_batched_tokens, self.max_model_len - 1)
         t = max(1, min(t, (self.num_blocks - 1) * self.block_size))
+        small = min(16, t)
         mgr = BlockManager(self.num_blocks, self.block_size, watermark_blocks=0,
                            max_blocks_per_seq=self.max_blocks_per_seq, enable_prefix_caching=False)
         mgr.attach_buffers(self.buffers)
-        try:
-            vocab = int(self.config.vocab_size)
-            ids = (np.arange(t, dtype=np.int64) * 7919) % vocab
+        vocab = int(self.config.vocab_size)
+
+        def prefill(n: int) -> float:
+            ids = (np.arange(n, dtype=np.int64) * 7919) % vocab
             best = float("inf")
-            for i in range(2):
+            for i in range(3):  # the first is a warm-up
                 mgr.admit(i, ids.tolist())
-                step = mgr.step([i], [t])
+                step = mgr.step([i], [n])
                 sync()
                 t0 = time.perf_counter()
-                self.execute(ids, np.arange(t, dtype=np.int64), step, [0])
+                self.execute(ids, np.arange(n, dtype=np.int64), step, [0])
                 sync()
-                best = min(best, time.perf_counter() - t0)
+                if i:
+                    best = min(best, time.perf_counter() - t0)
                 mgr.free(i)
+            return best
+
+        try:
+            big = prefill(t)
+            floor = min(prefill(small), big)
         finally:
             mgr.detach_buffers()
-        return link, t / best
+        return Rates(link, t / big, floor)
 
     def new_block_manager(self, **kwargs: Any):
         """A :class:`pagedkv.BlockManager` matching this runner's pool, buffers attached.

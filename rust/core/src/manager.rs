@@ -1578,16 +1578,30 @@ impl BlockManager {
     }
 
     /// The cost model's choice for preempting the running `seqs` together (usually what
-    /// [`BlockManager::choose_victim`] returned), with both estimates.
+    /// [`BlockManager::choose_victim`] returned), with both estimates; each step is assumed to
+    /// carry one decode token per running sequence outside `seqs` beside the recompute
+    /// ([`BlockManager::decide_beside`] takes another figure).
+    pub fn decide(&mut self, seqs: &[SeqId], model: &CostModel) -> Result<Decision> {
+        self.decide_beside(seqs, model, None)
+    }
+
+    /// [`BlockManager::decide`] with the tokens of other work a step carries given
+    /// (`batch_tokens`; `None` counts the running sequences outside `seqs`).
     ///
     /// Swap: 2 × the KV bytes of their distinct device blocks (whole blocks) over the host link.
     /// Recompute: for each sequence, the tokens past the leading full blocks that would stay
     /// cached after the preemption (blocks also held by sequences outside `seqs`), at least one
-    /// token, summed over the sequences (so × branches for a forked group), over the prefill
-    /// throughput. The mode is swap when the host pool has room for it and it is strictly
-    /// cheaper. Read-only. Errors: as [`BlockManager::swap_out`]'s checks, and `InvalidArgument`
-    /// for a rate that is not finite and > 0.
-    pub fn decide(&mut self, seqs: &[SeqId], model: &CostModel) -> Result<Decision> {
+    /// token, summed over the sequences (so × branches for a forked group), costed by
+    /// [`CostModel::recompute_cost`] beside `batch_tokens`. The mode is swap when the host pool
+    /// has room for it and it is strictly cheaper. Read-only. Errors: as
+    /// [`BlockManager::swap_out`]'s checks, and `InvalidArgument` for a rate that is not finite
+    /// and > 0 (a floor < 0).
+    pub fn decide_beside(
+        &mut self,
+        seqs: &[SeqId],
+        model: &CostModel,
+        batch_tokens: Option<u64>,
+    ) -> Result<Decision> {
         model.validate()?;
         let slots = self.resolve_in_state(seqs, SeqState::Running, "running")?;
         let bs = self.bs;
@@ -1623,7 +1637,15 @@ impl BlockManager {
         }
         let swap_blocks = held.len() as u64;
         let swap_cost_s = model.swap_cost(swap_blocks, bs as u64);
-        let recompute_cost_s = model.recompute_cost(tokens);
+        let batch_tokens = batch_tokens.unwrap_or_else(|| {
+            let running = self
+                .index
+                .values()
+                .filter(|&&i| self.slots[i as usize].state == SeqState::Running)
+                .count();
+            running.saturating_sub(slots.len()) as u64
+        });
+        let recompute_cost_s = model.recompute_cost(tokens, batch_tokens);
         let swap_possible = host_needed as usize <= self.host.num_free();
         let mode = if swap_possible && swap_cost_s < recompute_cost_s {
             PreemptMode::Swap
@@ -1637,6 +1659,7 @@ impl BlockManager {
             swap_possible,
             swap_blocks,
             recompute_tokens: tokens,
+            batch_tokens,
         })
     }
 

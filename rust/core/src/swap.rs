@@ -170,29 +170,59 @@ impl PreemptMode {
 
 /// The rates the swap-or-recompute choice is made from, measured on the device at start-up (or
 /// given).
+///
+/// A step is modelled as costing `max(step_floor_s, tokens / prefill_tokens_per_s)`: below the
+/// knee a step is bound by what it pays whatever it carries (launch overhead, reading the
+/// weights), so prefill tokens folded into a step that runs anyway cost nothing until the step
+/// turns compute-bound. A recompute is re-admitted and prefilled beside the running decodes, so
+/// its cost is what its chunks add to those steps; with `step_floor_s = 0` and
+/// `max_step_tokens = 0` this is the plain `tokens / prefill_tokens_per_s`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CostModel {
     /// Host ↔ device copy bandwidth, bytes per second (one direction).
     pub host_link_bytes_per_s: f64,
-    /// Prefill throughput, tokens per second.
+    /// Prefill throughput, tokens per second, once a step is compute-bound.
     pub prefill_tokens_per_s: f64,
     /// KV bytes of one token over all layers (`2 × kv_heads × head_dim × dtype bytes × layers`).
     pub kv_bytes_per_token: f64,
+    /// Seconds a step costs however few tokens it carries; 0 makes every token cost
+    /// `1 / prefill_tokens_per_s`.
+    pub step_floor_s: f64,
+    /// Most tokens one step carries (the scheduler's token budget), so a long recompute is split
+    /// into chunks that each ride a step; 0 = no limit.
+    pub max_step_tokens: u64,
 }
 
 impl CostModel {
-    /// Every rate finite and > 0, else `InvalidArgument` naming it.
+    /// A linear model (no step floor, no chunking) from the three rates.
+    pub fn new(
+        host_link_bytes_per_s: f64,
+        prefill_tokens_per_s: f64,
+        kv_bytes_per_token: f64,
+    ) -> Self {
+        CostModel {
+            host_link_bytes_per_s,
+            prefill_tokens_per_s,
+            kv_bytes_per_token,
+            step_floor_s: 0.0,
+            max_step_tokens: 0,
+        }
+    }
+
+    /// Every rate finite and > 0 and the floor finite and ≥ 0, else `InvalidArgument` naming it.
     pub fn validate(&self) -> Result<()> {
-        for (what, v) in [
-            ("host_link_bytes_per_s", self.host_link_bytes_per_s),
-            ("prefill_tokens_per_s", self.prefill_tokens_per_s),
-            ("kv_bytes_per_token", self.kv_bytes_per_token),
+        for (what, v, zero_ok) in [
+            ("host_link_bytes_per_s", self.host_link_bytes_per_s, false),
+            ("prefill_tokens_per_s", self.prefill_tokens_per_s, false),
+            ("kv_bytes_per_token", self.kv_bytes_per_token, false),
+            ("step_floor_s", self.step_floor_s, true),
         ] {
-            if !(v.is_finite() && v > 0.0) {
+            if !(v.is_finite() && (v > 0.0 || (zero_ok && v == 0.0))) {
+                let bound = if zero_ok { ">= 0" } else { "> 0" };
                 return Err(Error::InvalidArgument {
                     what,
                     value: if v.is_finite() { v as i64 } else { -1 },
-                    reason: format!("must be a finite number > 0, got {v}"),
+                    reason: format!("must be a finite number {bound}, got {v}"),
                 });
             }
         }
@@ -204,9 +234,32 @@ impl CostModel {
         2.0 * (blocks * block_size) as f64 * self.kv_bytes_per_token / self.host_link_bytes_per_s
     }
 
-    /// Seconds to recompute `tokens` tokens.
-    pub fn recompute_cost(&self, tokens: u64) -> f64 {
-        tokens as f64 / self.prefill_tokens_per_s
+    /// Seconds one step carrying `tokens` tokens costs (`max(floor, tokens / rate)`).
+    pub fn step_cost(&self, tokens: u64) -> f64 {
+        self.step_floor_s
+            .max(tokens as f64 / self.prefill_tokens_per_s)
+    }
+
+    /// Seconds recomputing `tokens` tokens adds when each step also carries `batch_tokens`
+    /// tokens of other work (the running decodes; 0 when nothing else runs, so every chunk pays
+    /// a whole step). The prefill is cut into chunks of the room a step has left beside them.
+    pub fn recompute_cost(&self, tokens: u64, batch_tokens: u64) -> f64 {
+        if tokens == 0 {
+            return 0.0;
+        }
+        let room = if self.max_step_tokens == 0 {
+            tokens
+        } else {
+            self.max_step_tokens.saturating_sub(batch_tokens).max(1)
+        };
+        let base = if batch_tokens == 0 {
+            0.0
+        } else {
+            self.step_cost(batch_tokens)
+        };
+        let added = |chunk: u64| self.step_cost(batch_tokens + chunk) - base;
+        let (full, rest) = (tokens / room, tokens % room);
+        full as f64 * added(room) + if rest > 0 { added(rest) } else { 0.0 }
     }
 }
 
@@ -226,6 +279,8 @@ pub struct Decision {
     pub swap_blocks: u64,
     /// Tokens a recompute would re-run.
     pub recompute_tokens: u64,
+    /// Tokens of other work each step was assumed to carry beside the recompute.
+    pub batch_tokens: u64,
 }
 
 #[cfg(test)]
@@ -252,15 +307,24 @@ mod tests {
 
     #[test]
     fn cost_model_validates_and_computes() {
-        let m = CostModel {
-            host_link_bytes_per_s: 1e9,
-            prefill_tokens_per_s: 1e4,
-            kv_bytes_per_token: 1e3,
-        };
+        let m = CostModel::new(1e9, 1e4, 1e3);
         m.validate().unwrap();
         // 10 blocks of 16 tokens: 160 tokens × 1 kB × 2 / 1 GB/s = 320 µs.
         assert!((m.swap_cost(10, 16) - 320e-6).abs() < 1e-12);
-        assert!((m.recompute_cost(100) - 0.01).abs() < 1e-12);
+        assert!((m.recompute_cost(100, 0) - 0.01).abs() < 1e-12);
+        assert!((m.recompute_cost(100, 32) - 0.01).abs() < 1e-12);
+        assert_eq!(m.recompute_cost(0, 0), 0.0);
+        let neg = CostModel {
+            step_floor_s: -1.0,
+            ..m
+        };
+        assert!(matches!(
+            neg.validate(),
+            Err(Error::InvalidArgument {
+                what: "step_floor_s",
+                ..
+            })
+        ));
         let bad = CostModel {
             prefill_tokens_per_s: 0.0,
             ..m
@@ -277,5 +341,27 @@ mod tests {
             ..m
         };
         assert!(nan.validate().is_err());
+    }
+
+    #[test]
+    fn step_floor_absorbs_tokens_and_chunks_pay_per_step() {
+        // 10 ms floor at 10k tokens/s: a step is free up to 100 tokens.
+        let m = CostModel {
+            step_floor_s: 0.010,
+            max_step_tokens: 200,
+            ..CostModel::new(1e9, 1e4, 1e3)
+        };
+        m.validate().unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        // Beside 20 decode tokens, 80 more tokens fit under the floor: free.
+        assert!(close(m.recompute_cost(80, 20), 0.0));
+        // 180 tokens: one chunk, the step grows from 10 ms to 20 ms.
+        assert!(close(m.recompute_cost(180, 20), 0.010));
+        // 400 tokens: chunks of 180, 180, 40 → 10 + 10 + 0 ms.
+        assert!(close(m.recompute_cost(400, 20), 0.020));
+        // Nothing else runs: every chunk pays a whole step (200 + 200 + 10 tokens).
+        assert!(close(m.recompute_cost(410, 0), 0.020 + 0.020 + 0.010));
+        // A batch that fills the budget leaves room for one token a step.
+        assert!(close(m.recompute_cost(3, 500), 3.0 * 1e-4));
     }
 }

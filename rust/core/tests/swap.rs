@@ -444,11 +444,7 @@ fn errors_leave_state_unchanged() {
         |m| m.build_step(&[2], &[1], &mut ob.view()),
         |e| matches!(e, Error::InvalidSequenceState { .. }),
     );
-    let model = CostModel {
-        host_link_bytes_per_s: 1.0,
-        prefill_tokens_per_s: 1.0,
-        kv_bytes_per_token: 1.0,
-    };
+    let model = CostModel::new(1.0, 1.0, 1.0);
     unchanged(
         m,
         |m| m.decide(&[2], &model),
@@ -620,11 +616,7 @@ fn cost_model_crossover() {
     cfg.num_host_blocks = 512;
     cfg.watermark_blocks = 0;
     let mut m = BlockManager::new(cfg).unwrap();
-    let model = CostModel {
-        host_link_bytes_per_s: 50e9,
-        prefill_tokens_per_s: 10_000.0,
-        kv_bytes_per_token: 128.0 * 1024.0,
-    };
+    let model = CostModel::new(50e9, 10_000.0, 128.0 * 1024.0);
     // Per token: swap 2 × 128 KiB / 50 GB/s = 5.2 µs, recompute 100 µs: swap wins at any length.
     m.admit(1, &toks(100, 1)).unwrap();
     // A step registers the full blocks in the prefix cache.
@@ -653,6 +645,24 @@ fn cost_model_crossover() {
     // One branch alone: its blocks survive in its sibling, so only the tail is recomputed.
     let one = m.decide(&[2], &model).unwrap();
     assert_eq!(one.recompute_tokens, 100 - 96);
+    // Beside its sibling's decode a step has a floor: a short recompute rides it for free, so
+    // recompute wins; the same victim alone pays a whole step, and swap wins.
+    assert_eq!(one.batch_tokens, 1);
+    let floored = CostModel {
+        step_floor_s: 0.030,
+        max_step_tokens: 2048,
+        ..model
+    };
+    let d = m.decide(&[2], &floored).unwrap();
+    assert_eq!((d.mode, d.recompute_cost_s), (PreemptMode::Recompute, 0.0));
+    let alone = m.decide_beside(&[2], &floored, Some(0)).unwrap();
+    assert_eq!(alone.mode, PreemptMode::Swap);
+    assert!((alone.recompute_cost_s - 0.030).abs() < 1e-12);
+    let bad = CostModel {
+        step_floor_s: f64::NAN,
+        ..model
+    };
+    assert!(m.decide(&[2], &bad).is_err());
 }
 
 #[test]

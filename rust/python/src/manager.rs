@@ -808,8 +808,10 @@ impl PyBlockManager {
     }
 
     /// The cost model's choice for preempting `seq_ids` together: `(mode, swap_cost_s,
-    /// recompute_cost_s, swap_possible, swap_blocks, recompute_tokens)`.
-    #[allow(clippy::type_complexity)]
+    /// recompute_cost_s, swap_possible, swap_blocks, recompute_tokens, batch_tokens)`.
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    #[pyo3(signature = (seq_ids, host_link_bytes_per_s, prefill_tokens_per_s, kv_bytes_per_token,
+                        step_floor_s=0.0, max_step_tokens=0, batch_tokens=None))]
     fn decide(
         &self,
         py: Python<'_>,
@@ -817,16 +819,21 @@ impl PyBlockManager {
         host_link_bytes_per_s: f64,
         prefill_tokens_per_s: f64,
         kv_bytes_per_token: f64,
-    ) -> PyResult<(&'static str, f64, f64, bool, u64, u64)> {
+        step_floor_s: f64,
+        max_step_tokens: u64,
+        batch_tokens: Option<u64>,
+    ) -> PyResult<(&'static str, f64, f64, bool, u64, u64, u64)> {
         let model = CostModel {
             host_link_bytes_per_s,
             prefill_tokens_per_s,
             kv_bytes_per_token,
+            step_floor_s,
+            max_step_tokens,
         };
         let d = scratch(&SEQS, |buf| {
             with_ids("seq_ids", seq_ids, buf, |seqs| {
                 Ok(self.run(py, seqs.len() >= DETACH_MIN, |st| {
-                    st.inner.decide(seqs, &model)
+                    st.inner.decide_beside(seqs, &model, batch_tokens)
                 }))
             })
         })?
@@ -838,6 +845,7 @@ impl PyBlockManager {
             d.swap_possible,
             d.swap_blocks,
             d.recompute_tokens,
+            d.batch_tokens,
         ))
     }
 
