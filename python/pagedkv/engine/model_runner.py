@@ -82,9 +82,9 @@ class Rates(NamedTuple):
 
     #: Host <-> device copy bandwidth, bytes per second, one direction (NaN without a host pool).
     host_link_bytes_per_s: float
-    #: Prefill throughput of a full step, tokens per second.
+    #: Prefill throughput once a step is past its floor, tokens per second.
     prefill_tokens_per_s: float
-    #: Seconds a step of a few tokens takes: the part of a step that does not grow with tokens.
+    #: Seconds a step costs however few tokens it carries (``max(floor, tokens / rate)``).
     step_floor_s: float
 
 
@@ -223,13 +223,17 @@ class ModelRunner:
         """The cost model's rates measured on this device (:class:`Rates`).
 
         The link rate is a swap-out plus swap-in round trip of as many blocks as the staging holds
-        (at most 32 MiB each way after one warm-up; NaN without a host pool). The step model
-        ``max(floor, tokens / rate)`` is fitted from two prefills through a scratch manager on
-        this runner's buffers: one of ``tokens`` tokens (default the step budget,
-        ``min(max_num_batched_tokens, max_model_len - 1)``) gives the rate, one of
-        ``min(16, tokens)`` tokens the floor (what a step costs however little it carries), each
-        the best of two after a warm-up. Run it before the engine's manager attaches the buffers:
-        it overwrites pool and host blocks (all free at start-up).
+        (at most 32 MiB each way after one warm-up; NaN without a host pool).
+
+        The step model ``max(floor, tokens / rate)`` is fitted where a recompute runs: beside a
+        batch of up to 32 decoding sequences, as the scheduler re-admits a recomputed sequence.
+        A decode-only step, then the same step carrying a prefill chunk of half and of all the
+        room the token budget leaves (``tokens``, default ``min(max_num_batched_tokens,
+        max_model_len - 1)``): the two chunks' added times give the rate, and the tokens a step
+        absorbs for free give the floor. When even the full chunk adds nothing measurable, the
+        rate is the chunk alone over its time. Each time is the best of two after a warm-up,
+        through a scratch manager on this runner's buffers. Run it before the engine's manager
+        attaches the buffers: it overwrites pool and host blocks (all free at start-up).
         """
         import time
 
@@ -250,35 +254,73 @@ class ModelRunner:
                 self.swap.synchronize()
                 best = min(best, time.perf_counter() - t0)
             link = 2 * n * self.spec.bytes_per_block / best
+        bs = self.block_size
         t = tokens or min(self.max_num_batched_tokens, self.max_model_len - 1)
-        t = max(1, min(t, (self.num_blocks - 1) * self.block_size))
-        small = min(16, t)
-        mgr = BlockManager(self.num_blocks, self.block_size, watermark_blocks=0,
+        t = max(1, min(t, (self.num_blocks - 1) * bs))
+        # The decode batch: as many 16-token sequences (up to 32) as the pool, the batch size
+        # and the budget leave room for beside the full chunk.
+        ctx, steps = 16, 10  # 9 measured steps append one token each
+        room_blocks = self.num_blocks - 1 - -(-t // bs)
+        per_seq = -(-(ctx + steps) // bs)
+        b = max(0, min(32, self.max_num_seqs - 1, t - 1, room_blocks // per_seq))
+        chunk = t - b
+        mgr = BlockManager(self.num_blocks, bs, watermark_blocks=0,
                            max_blocks_per_seq=self.max_blocks_per_seq, enable_prefix_caching=False)
         mgr.attach_buffers(self.buffers)
         vocab = int(self.config.vocab_size)
+        dec = list(range(1, b + 1))
+        pos = [ctx]
 
-        def prefill(n: int) -> float:
+        def timed(ids: list, news: list, inp: np.ndarray, at: np.ndarray) -> float:
+            step = mgr.step(ids, news)
+            sync()
+            t0 = time.perf_counter()
+            self.execute(inp, at, step, [len(ids) - 1])
+            sync()
+            return time.perf_counter() - t0
+
+        def run(n: int) -> float:
+            """Best time of a step of the decode batch plus an ``n``-token prefill (0: none)."""
             ids = (np.arange(n, dtype=np.int64) * 7919) % vocab
             best = float("inf")
             for i in range(3):  # the first is a warm-up
-                mgr.admit(i, ids.tolist())
-                step = mgr.step([i], [n])
-                sync()
-                t0 = time.perf_counter()
-                self.execute(ids, np.arange(n, dtype=np.int64), step, [0])
-                sync()
+                if dec:
+                    mgr.append_batch(dec, [7] * b)
+                if n:
+                    mgr.admit(0, ids.tolist())
+                tok = np.concatenate([np.full(b, 7, dtype=np.int64), ids])
+                at = np.concatenate([np.full(b, pos[0], dtype=np.int64),
+                                     np.arange(n, dtype=np.int64)])
+                took = timed(dec + [0] * (n > 0), [1] * b + [n] * (n > 0), tok, at)
+                pos[0] += 1
+                if n:
+                    mgr.free(0)
                 if i:
-                    best = min(best, time.perf_counter() - t0)
-                mgr.free(i)
+                    best = min(best, took)
             return best
 
         try:
-            big = prefill(t)
-            floor = min(prefill(small), big)
+            for sid in dec:
+                prompt = ((np.arange(ctx, dtype=np.int64) + sid) * 31) % vocab
+                mgr.admit(sid, prompt.tolist())
+                timed([sid], [ctx], prompt, np.arange(ctx, dtype=np.int64))
+            if b == 0:
+                full = run(chunk)
+                rate, floor = chunk / full, min(run(min(16, chunk)), full)
+            else:
+                base = run(0)
+                half, full = max(1, chunk // 2), chunk
+                m_half, m_full = run(half) - base, run(full) - base
+                if m_full - m_half > 0.02 * base and m_full > 0:
+                    rate = (full - half) / (m_full - m_half)
+                    absorbed = max(0.0, full - m_full * rate)
+                else:  # the whole chunk rides along for free: a floor above the full step
+                    rate = (full + b) / max(base + max(m_full, 0.0), 1e-9)
+                    absorbed = float(full)
+                floor = (absorbed + b) / rate
         finally:
             mgr.detach_buffers()
-        return Rates(link, t / big, floor)
+        return Rates(link, rate, floor)
 
     def new_block_manager(self, **kwargs: Any):
         """A :class:`pagedkv.BlockManager` matching this runner's pool, buffers attached.
