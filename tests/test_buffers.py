@@ -117,7 +117,7 @@ def test_attach_then_step_writes_host_buffers() -> None:
     assert m.buffers is b
     m.admit(7, list(range(6)))
     info = m.step([7], 6)
-    assert info == StepInfo(1, 6, 2, 0, 6)
+    assert info == StepInfo(1, 6, 2, 0, 6, max_query_len=6)
     table = m.block_table(7)
     assert b.host.slot_mapping[:6].tolist() == [table[p // 4] * 4 + p % 4 for p in range(6)]
     assert b.host.block_tables[0, :2].tolist() == table
