@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 
+import numpy as np
 import pytest
 import torch
 
@@ -117,7 +118,7 @@ def test_attach_then_step_writes_host_buffers() -> None:
     assert m.buffers is b
     m.admit(7, list(range(6)))
     info = m.step([7], 6)
-    assert info == StepInfo(1, 6, 2, 0, 6)
+    assert info == StepInfo(1, 6, 2, 0, 6, max_query_len=6)
     table = m.block_table(7)
     assert b.host.slot_mapping[:6].tolist() == [table[p // 4] * 4 + p % 4 for p in range(6)]
     assert b.host.block_tables[0, :2].tolist() == table
@@ -219,3 +220,73 @@ def test_views_follow_changing_extents() -> None:
     # Replacing a host tensor (as the registration tests do) is seen by the next cut.
     b.host = b.host._replace(seq_lens=torch.arange(8, dtype=torch.int32))
     assert b.views(StepInfo(2, 5, 3, 0, 1), on_device=False).seq_lens.tolist() == [0, 1]
+
+
+# ---------------------------------------------------------------------------- numpy backend
+
+
+def test_numpy_backend_arrays_share_the_torch_layout() -> None:
+    b = StepBuffers(3, 7, 5, max_copies=2, device="cpu", backend="numpy")
+    t = StepBuffers(3, 7, 5, max_copies=2, device="cpu", backend="torch")
+    assert (b.backend, t.backend) == ("numpy", "torch")
+    assert not b.has_mirror and not b.pinned and b.mirror_device == "cpu"
+    assert "backend='numpy'" in repr(b)
+    base = b._arena.address
+    for (name, a), (_, ref) in zip(b.host.items(), t.host.items()):
+        assert isinstance(a, np.ndarray), name
+        assert a.shape == tuple(ref.shape), name
+        assert a.dtype == ref.numpy().dtype, name
+        assert a.flags.c_contiguous and a.flags.writeable and not a.flags.owndata, name
+        assert a.ctypes.data % 64 == 0 and not a.any(), name
+        if a.size:
+            assert a.ctypes.data == base + b._arena.fields()[name][0], name
+        # Views of extension-owned memory: numpy refuses to resize (reallocate) them.
+        with pytest.raises(ValueError):
+            a.resize(a.size + 1000, refcheck=False)
+        assert getattr(b.device, name) is a, name
+
+
+def test_numpy_backend_steps_match_the_torch_backend() -> None:
+    outs = []
+    for backend in ("numpy", "torch"):
+        m = BlockManager(32, 4, watermark_blocks=0)
+        b = StepBuffers(4, 32, m.max_blocks_per_seq, max_copies=2, device="cpu", backend=backend)
+        m.attach_buffers(b)
+        m.admit(1, list(range(9)))
+        m.admit(2, list(range(50, 55)))
+        infos = [m.step([1, 2], [9, 5])]
+        m.fork(1, 3)
+        m.append_batch([1, 3, 2], [1, 2, 3])
+        infos.append(m.step([3, 1, 2], 1))
+        views = b.to_device(infos[-1])
+        assert isinstance(views.slot_mapping, np.ndarray if backend == "numpy" else torch.Tensor)
+        outs.append((infos, {n: np.asarray(v).tolist() for n, v in views.items()},
+                     {s: m.block_table(s) for s in (1, 2, 3)}))
+    (infos, views, tables), ref = outs
+    assert (infos, views, tables) == ref
+    assert infos[-1].num_copies == 1 and infos[-1].max_query_len == 1
+    B = 4
+    want = [tables[s][p // B] * B + p % B for s, p in ((3, 9), (1, 9), (2, 5))]
+    assert views["slot_mapping"] == want
+    assert [row[: len(tables[s])] for row, s in zip(views["block_tables"], (3, 1, 2))] == [
+        tables[3], tables[1], tables[2]]
+
+
+def test_default_backend_is_torch_when_installed() -> None:
+    assert StepBuffers(2, 4, 2, device="cpu").backend == "torch"
+    assert StepBuffers(2, 4, 2, device=torch.device("cpu"), backend="numpy").backend == "numpy"
+
+
+@pytest.mark.parametrize(
+    "kwargs, what",
+    [
+        (dict(backend="jax"), "backend"),
+        (dict(backend=1), "backend"),
+        (dict(backend="numpy", device="cuda"), "device"),
+        (dict(backend="numpy", device=torch.device("cuda", 0)), "device"),
+    ],
+)
+def test_bad_backend_arguments_raise(kwargs: dict, what: str) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        StepBuffers(2, 4, 2, **kwargs)
+    assert info.value.what == what

@@ -69,6 +69,8 @@ def check_step(m: BlockManager, b: StepBuffers, info: StepInfo, want: dict) -> N
     assert info.num_kv_indices == len(want["kv_indices"])
     assert info.num_copies == len(want["copies"])
     assert info.max_seq_len == max(want["seq_lens"], default=0)
+    qsl = want["query_start_loc"]
+    assert info.max_query_len == max((b - a for a, b in zip(qsl, qsl[1:])), default=0)
     assert h.slot_mapping[: info.num_tokens].tolist() == want["slot_mapping"]
     for i, row in enumerate(want["rows"]):
         assert h.block_tables[i, : len(row)].tolist() == row
@@ -517,6 +519,23 @@ def test_step_views_match_info() -> None:
     assert v.slot_mapping.tolist() == [m.block_table(1)[p // 4] * 4 + p % 4 for p in range(7)]
     assert v.block_tables.shape == (1, b.max_blocks_per_seq)
     assert v.kv_indices.tolist() == m.block_table(1)
+
+
+def test_max_query_len_of_a_mixed_prefill_and_decode_batch() -> None:
+    m, b = manager_with_buffers(block_size=4)
+    m.admit(1, list(range(9)))
+    m.admit(2, list(range(100, 105)))
+    m.admit(3, list(range(200, 213)))
+    # 1 decodes, 3 runs a 7-token chunk of its prompt, 2 its whole 5-token prompt.
+    info = m.step([1, 3, 2], [1, 7, 5])
+    assert info.max_query_len == 7 and info.num_tokens == 13 and info.max_seq_len == 13
+    qsl = b.views(info, on_device=False).query_start_loc
+    assert qsl.tolist() == [0, 1, 8, 13]
+    assert info.max_query_len == int(np.diff(np.asarray(qsl)).max())
+    check_step(m, b, info, expected_step(m, [1, 3, 2], [1, 7, 5], []))
+    assert m.step([2, 1, 3], 1).max_query_len == 1
+    empty = m.step([], [])
+    assert empty.max_query_len == 0 and empty == StepInfo(0, 0, 0, 0, 0)
 
 
 @pytest.mark.parametrize(

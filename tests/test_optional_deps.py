@@ -66,7 +66,6 @@ def test_plot_without_matplotlib_fails_before_simulating(monkeypatch, capsys, tm
 def test_plot_timeline_without_matplotlib(monkeypatch):
     from pagedkv.simulate import SimConfig, WorkloadConfig, plot_timeline, simulate
 
-    pytest.importorskip("torch")  # the step buffers need it until numpy buffers land
     result = simulate(WorkloadConfig(num_requests=3, max_model_len=256, seed=1), SimConfig(num_blocks=256),
                       progress=False, record_timeline=True)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
@@ -74,12 +73,108 @@ def test_plot_timeline_without_matplotlib(monkeypatch):
         plot_timeline(result, "unused.png")
 
 
-def test_simulate_without_torch_is_one_line(monkeypatch, capsys):
-    # The step buffers import torch; a fresh import of pagedkv.buffers must find it missing.
-    monkeypatch.delitem(sys.modules, "pagedkv.buffers", raising=False)
-    monkeypatch.setitem(sys.modules, "torch", None)
-    rc = main(["simulate", "--requests", "3", "--quiet"])
-    err = capsys.readouterr().err
-    assert rc == 2
-    assert err == ("pagedkv simulate: error: torch is needed, which is not installed: "
-                   "pip install 'pagedkv[gpu]'\n")
+# ------------------------------------------------------------------------------- without torch
+
+# Installed as `sitecustomize` on the child's path, so it is in place before anything (pagedkv,
+# numpy, the CLI) imports: `import torch` and `find_spec("torch")` fail as on a machine without it.
+BLOCK_TORCH = """
+import importlib.abc
+import sys
+
+
+class _NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NoTorch())
+"""
+
+MANAGER_FLOW = """
+import sys
+
+import numpy as np
+
+import pagedkv
+from pagedkv.errors import MissingDependencyError
+
+m = pagedkv.BlockManager(num_blocks=32, block_size=4, watermark_blocks=0)
+b = pagedkv.StepBuffers(4, 64, m.max_blocks_per_seq)
+assert b.backend == "numpy" and not b.has_mirror and not b.pinned, b
+m.attach_buffers(b)
+m.admit(1, np.arange(9))
+m.admit(2, [5, 6, 7])
+m.fork(1, 3)
+m.append_batch([1, 3], [10, 11])
+m.append(2, [8])
+info = m.step([1, 2, 3], [1, 4, 1])
+B = 4
+t1, t2, t3 = (m.block_table(s) for s in (1, 2, 3))
+assert len(t1) == len(t3) == 3 and t1[:2] == t3[:2] and t1[2] != t3[2], (t1, t3)
+want_slots = [t1[9 // B] * B + 9 % B] + [t2[p // B] * B + p % B for p in range(4)]
+want_slots.append(t3[9 // B] * B + 9 % B)
+assert (info.num_seqs, info.num_tokens, info.max_seq_len, info.max_query_len) == (3, 6, 10, 4), info
+assert info.num_copies == 1, info
+v = b.to_device(info)
+assert all(isinstance(a, np.ndarray) for a in v), [type(a) for a in v]
+assert v.slot_mapping.tolist() == want_slots, (v.slot_mapping, want_slots)
+assert [row[: len(t)].tolist() for row, t in zip(v.block_tables, (t1, t2, t3))] == [t1, t2, t3]
+assert v.seq_lens.tolist() == [10, 4, 10]
+assert v.query_start_loc.tolist() == [0, 1, 5, 6]
+assert v.kv_indptr.tolist() == [0, 3, 4, 7] and v.kv_indices.tolist() == t1 + t2 + t3
+assert v.kv_last_page_len.tolist() == [2, 4, 2]
+assert v.copies.tolist() == [[t3[2], t1[2]]], v.copies  # 1 wrote first: it got the copy
+m.free_batch([1, 2, 3])
+m.check_invariants()
+for kwargs in ({"backend": "torch"}, {"device": "cuda"}):
+    try:
+        pagedkv.StepBuffers(2, 4, 2, **kwargs)
+    except MissingDependencyError as exc:
+        assert "pip install 'pagedkv[gpu]'" in str(exc) and len(str(exc).splitlines()) == 1, exc
+    else:
+        raise AssertionError(f"StepBuffers({kwargs}) without torch did not raise")
+assert "torch" not in sys.modules
+print("MANAGER-OK")
+"""
+
+
+@pytest.fixture
+def no_torch_env(tmp_path):
+    """Environment for a child interpreter where torch cannot be imported."""
+    import os
+
+    (tmp_path / "sitecustomize.py").write_text(BLOCK_TORCH)
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), src, env.get("PYTHONPATH", "")])
+    return env
+
+
+def _run(env, *args):
+    import subprocess
+
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_manager_and_step_buffers_without_torch(no_torch_env):
+    proc = _run(no_torch_env, "-c", "import torch")
+    assert proc.returncode == 1 and "No module named 'torch'" in proc.stderr
+    proc = _run(no_torch_env, "-c", MANAGER_FLOW)
+    assert proc.returncode == 0 and "MANAGER-OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_simulate_and_plan_cli_without_torch(no_torch_env):
+    proc = _run(no_torch_env, "-m", "pagedkv", "simulate", "--requests", "12", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert "paged finishes in" in proc.stdout and proc.stderr == ""
+    proc = _run(no_torch_env, "-m", "pagedkv", "plan", "--model", "llama-3-8b", "--json")
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    plan = json.loads(proc.stdout)
+    assert plan and proc.stderr == ""
+    proc = _run(no_torch_env, "-m", "pagedkv", "--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("pagedkv "), proc.stderr

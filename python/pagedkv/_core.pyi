@@ -104,9 +104,9 @@ class BlockManager:
     def invalidate_step_cache(self) -> None: ...
     def step(
         self, seq_ids: _Ids, num_new_tokens: Union[_Ids, int]
-    ) -> Tuple[int, int, int, int, int, int, int]:
+    ) -> Tuple[int, int, int, int, int, int, int, int]:
         """Returns ``(num_seqs, num_tokens, num_kv_indices, num_copies, max_seq_len,
-        num_swap_out, num_swap_in)``."""
+        num_swap_out, num_swap_in, max_query_len)``."""
     def swap_out(self, seq_ids: _Ids) -> list[Tuple[int, int]]:
         """``(device_block, host_block)`` copies; also queued for the next step."""
     def swap_in(self, seq_ids: _Ids) -> list[Tuple[int, int]]:

@@ -1,4 +1,4 @@
-"""Step buffers: the host tensors the manager fills each step, and their device mirrors.
+"""Step buffers: the host arrays the manager fills each step, and their device mirrors.
 
 Owns the memory that carries one scheduler step's bookkeeping to the GPU (``B`` is the block size):
 
@@ -15,6 +15,15 @@ Owns the memory that carries one scheduler step's bookkeeping to the GPU (``B`` 
 
 An engine runs a step's lists in the order swap-out, swap-in, copy-on-write, before its forward.
 
+Two backends, one memory layout (``backend=``):
+
+* ``"torch"`` (the default when torch is installed): the fields are torch tensors, the host ones
+  pinned when CUDA is available, with device mirrors; what the engine and the kernels read.
+* ``"numpy"`` (the default without torch, or asked for): the fields are numpy arrays over the same
+  host arena, with no pinning and no device mirror (``device`` is ``None`` or ``"cpu"``). Enough
+  for everything that only builds steps on the host (the simulator, a scheduler written in Python,
+  tests); torch is never imported.
+
 Invariants:
 
 * Everything is allocated once, in :class:`StepBuffers`'s constructor, and never reallocated: every
@@ -22,8 +31,9 @@ Invariants:
 * The host tensors live in one contiguous arena that the extension allocates and owns
   (``_core.StepArena``), pinned with ``cudaHostRegister`` when CUDA is available so host-to-device
   copies can be asynchronous; each field starts on a 64-byte boundary. Python holds only views of it
-  (numpy arrays whose base is the arena, and tensors over them): their storage cannot be freed or
-  resized (``resize_`` raises), and the arena lives while any view or any manager refers to it.
+  (numpy arrays whose base is the arena, and with torch, tensors over them): their storage cannot
+  be freed or resized (numpy's ``resize`` and torch's ``resize_`` raise), and the arena lives while
+  any view or any manager refers to it.
   That is what makes it safe for the manager to write it with the GIL released.
 * One buffer set belongs to one manager at a time (:meth:`pagedkv.BlockManager.attach_buffers`).
 * The device mirrors have the same shapes and dtypes, in one arena on ``device``. Without a device
@@ -33,7 +43,7 @@ Invariants:
 Stale data: a step writes only what it uses. Columns of a block-table row past the sequence's block
 count, rows past the batch, and elements of every other buffer past the step's extent keep whatever
 an earlier step left there. Kernels must read only ``ceil(seq_lens[i] / B)`` entries of row ``i``
-and only the first ``num_seqs`` rows; :meth:`StepBuffers.views` returns tensors cut to the step's
+and only the first ``num_seqs`` rows; :meth:`StepBuffers.views` returns views cut to the step's
 extent for code that wants no stale elements in sight. The device mirrors are updated the same way
 (:meth:`StepBuffers.to_device` copies only the used prefix of each field), so they too hold stale
 data past the step's extent — padding rows of a CUDA graph captured at a larger batch included.
@@ -42,17 +52,19 @@ data past the step's extent — padding rows of a CUDA graph captured at a large
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional, Union
 
-import torch
+import numpy as np
 
 from . import _core
 from ._checks import allocate, check_flag, parse_device
 
 if TYPE_CHECKING:
+    import torch
+
     from .manager import StepInfo
 
-__all__ = ["StepBuffers", "StepTensors"]
+__all__ = ["StepBuffers", "StepTensors", "BACKENDS"]
 
 # Field placement (arena order: the small per-sequence fields first, the large tables last, each on
 # its own 64-byte line) is the extension's (`_core.StepArena.fields()`), so the two never disagree.
@@ -62,29 +74,55 @@ __all__ = ["StepBuffers", "StepTensors"]
 _COALESCE_GAP = 128 * 1024
 
 
+#: The backends :class:`StepBuffers` offers.
+BACKENDS = ("torch", "numpy")
+
+# Element types of the fields (numpy and torch share these names).
+_INT64, _INT32 = "int64", "int32"
+
+
 class StepTensors(NamedTuple):
-    """The ten step tensors, all on one device (host, or the device mirror).
+    """The ten step buffers, all on one device (host, or the device mirror).
+
+    Each field is a ``torch.Tensor`` with the ``"torch"`` backend and a ``numpy.ndarray`` with the
+    ``"numpy"`` one (hence ``Any``: both index, slice and ``tolist()`` alike).
 
     A named tuple rather than a dataclass: one is built per step by :meth:`StepBuffers.views`, and
     a tuple is several times cheaper to build.
     """
 
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    kv_last_page_len: torch.Tensor
-    copies: torch.Tensor
-    swap_out: torch.Tensor
-    swap_in: torch.Tensor
+    slot_mapping: Any
+    block_tables: Any
+    seq_lens: Any
+    query_start_loc: Any
+    kv_indptr: Any
+    kv_indices: Any
+    kv_last_page_len: Any
+    copies: Any
+    swap_out: Any
+    swap_in: Any
 
-    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yields ``(name, tensor)`` for every field, in declaration order."""
+    def items(self) -> Iterator[tuple[str, Any]]:
+        """Yields ``(name, array)`` for every field, in declaration order."""
         return zip(self._fields, self)
 
 
+def _torch_or_none() -> Any:
+    """The torch module, or ``None`` when it is not installed (a broken install still raises)."""
+    try:
+        import torch
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and exc.name.split(".", 1)[0] == "torch":
+            return None
+        raise
+    return torch
+
+
+def _is_cpu(device: Any) -> bool:
+    """Whether ``device`` names the host (``"cpu"`` or ``torch.device("cpu")``), without torch."""
+    if isinstance(device, str):
+        return device == "cpu"
+    return type(device).__name__ == "device" and getattr(device, "type", None) == "cpu"
 
 
 def _check_dim(name: str, value: int, minimum: int) -> int:
@@ -124,15 +162,22 @@ class StepBuffers:
             more stay queued for later steps. Defaults to ``2 * max_blocks_per_seq`` (two whole
             sequences each way per step).
         device: Where the mirrors live. ``None`` picks ``"cuda"`` when available and otherwise keeps
-            no mirror; ``"cpu"`` also keeps none (the mirrors are the host tensors).
+            no mirror; ``"cpu"`` also keeps none (the mirrors are the host tensors). The
+            ``"numpy"`` backend takes only ``None`` or ``"cpu"``.
         csr: Allocate the FlashInfer CSR page table (``kv_indptr``, ``kv_indices``,
             ``kv_last_page_len``). Without it those three tensors are empty and each step skips
             writing them (about half of what a decode step writes); kernels that read the block
             tables do not need them.
+        backend: ``"torch"`` (tensors, pinned, with device mirrors), ``"numpy"`` (numpy arrays,
+            host only, no torch import), or ``None``: ``"torch"`` when torch is installed, else
+            ``"numpy"``. See the module doc.
 
     Raises:
         InvalidArgumentError: A size is not a positive int (``max_copies`` may be 0), ``csr`` is not
-            a bool, or ``device`` is not ``cpu`` or an available CUDA device.
+            a bool, ``backend`` is not one of :data:`BACKENDS` or None, or ``device`` is not
+            ``cpu`` or an available CUDA device (only ``cpu`` with the ``"numpy"`` backend).
+        MissingDependencyError: ``backend="torch"``, or a device other than the host, without
+            torch installed.
         AllocationFailedError: The host arena, its pinning or the device mirror could not be had.
     """
 
@@ -146,6 +191,7 @@ class StepBuffers:
         max_swaps: Optional[int] = None,
         device: Union[str, torch.device, None] = None,
         csr: bool = True,
+        backend: Optional[str] = None,
     ) -> None:
         self.max_seqs = _check_dim("max_seqs", max_seqs, 1)
         self.max_tokens = _check_dim("max_tokens", max_tokens, 1)
@@ -157,10 +203,15 @@ class StepBuffers:
             "max_swaps", 2 * self.max_blocks_per_seq if max_swaps is None else max_swaps, 0
         )
         self.csr = check_flag("csr", csr)
-        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device is None else (
-            parse_device(device)
-        )
-        cuda = torch.cuda.is_available()
+        torch = self._pick_backend(backend, device)
+        dev: Any
+        if torch is None:
+            dev, cuda = "cpu", False
+        else:
+            cuda = torch.cuda.is_available()
+            dev = torch.device("cuda" if cuda else "cpu") if device is None else (
+                parse_device(device)
+            )
 
         # The host memory is the extension's (`_core.StepArena`): the manager writes it with the
         # GIL released, so Python must not be able to free, move or resize it. Python sees it only
@@ -187,9 +238,11 @@ class StepBuffers:
         self.pinned = self._arena.pinned
         shapes = self._shapes()
         # Zeroed by the extension: stale data is then at least deterministic before the first step.
-        self._host_arena = torch.from_numpy(self._arena.array())
+        host_arena = self._arena.array()
+        self._host_arena: Any = host_arena if torch is None else torch.from_numpy(host_arena)
         self.host = self._carve(self._host_arena, shapes)
-        if dev.type == "cpu":
+        self._device_arena: Any
+        if torch is None or dev.type == "cpu":
             self._device_arena = self._host_arena
             self.device = self.host
             self.has_mirror = False
@@ -202,43 +255,81 @@ class StepBuffers:
             )
             self.device = self._carve(self._device_arena, shapes)
             self.has_mirror = True
+        #: Where the mirrors live: a ``torch.device`` with the ``"torch"`` backend, else ``"cpu"``.
         self.mirror_device = dev
-        # Per field, the last (length, full tensor, view) that `views` cut, for host and device.
-        self._cuts: dict[bool, list[Optional[tuple[int, torch.Tensor, torch.Tensor]]]] = {
+        # Per field, the last (length, full array, view) that `views` cut, for host and device.
+        self._cuts: dict[bool, list[Optional[tuple[int, Any, Any]]]] = {
             False: [None] * 10,
             True: [None] * 10,
         }
 
-    def _shapes(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    def _pick_backend(self, backend: Optional[str], device: Any) -> Any:
+        """Sets :attr:`backend`; returns the torch module for ``"torch"``, ``None`` for numpy."""
+        from .errors import InvalidArgumentError
+
+        if backend is not None and backend not in BACKENDS:
+            reason = f"must be one of {', '.join(map(repr, BACKENDS))} or None"
+            raise InvalidArgumentError(
+                f"invalid argument: backend = {backend!r}: {reason}",
+                what="backend", value=backend, reason=reason,
+            )
+        torch = None if backend == "numpy" else _torch_or_none()
+        if torch is None:
+            if backend == "numpy" and not (device is None or _is_cpu(device)):
+                reason = "numpy step buffers live on the host: use None or 'cpu'"
+                raise InvalidArgumentError(
+                    f"invalid argument: device = {device!r}: {reason}",
+                    what="device", value=device, reason=reason,
+                )
+            if backend == "torch" or not (device is None or _is_cpu(device)):
+                from ._optional import missing
+
+                what = "backend='torch'" if backend == "torch" else f"device={device!r}"
+                raise missing("torch", f"StepBuffers({what})")
+        #: ``"torch"`` or ``"numpy"``: what the fields of :attr:`host` and :attr:`device` are.
+        self.backend = "numpy" if torch is None else "torch"
+        return torch
+
+    def _shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         s, b = self.max_seqs, self.max_blocks_per_seq
         c = 1 if self.csr else 0
         return {
-            "slot_mapping": (torch.int64, (self.max_tokens,)),
-            "block_tables": (torch.int32, (s, b)),
-            "seq_lens": (torch.int32, (s,)),
-            "query_start_loc": (torch.int32, (s + 1,)),
-            "kv_indptr": (torch.int32, (c * (s + 1),)),
-            "kv_indices": (torch.int32, (c * s * b,)),
-            "kv_last_page_len": (torch.int32, (c * s,)),
-            "copies": (torch.int64, (self.max_copies, 2)),
-            "swap_out": (torch.int64, (self.max_swaps, 2)),
-            "swap_in": (torch.int64, (self.max_swaps, 2)),
+            "slot_mapping": (_INT64, (self.max_tokens,)),
+            "block_tables": (_INT32, (s, b)),
+            "seq_lens": (_INT32, (s,)),
+            "query_start_loc": (_INT32, (s + 1,)),
+            "kv_indptr": (_INT32, (c * (s + 1),)),
+            "kv_indices": (_INT32, (c * s * b,)),
+            "kv_last_page_len": (_INT32, (c * s,)),
+            "copies": (_INT64, (self.max_copies, 2)),
+            "swap_out": (_INT64, (self.max_swaps, 2)),
+            "swap_in": (_INT64, (self.max_swaps, 2)),
         }
 
-    def _carve(
-        self, arena: torch.Tensor, shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]]
-    ) -> StepTensors:
+    def _carve(self, arena: Any, shapes: dict[str, tuple[str, tuple[int, ...]]]) -> StepTensors:
+        """Views of ``arena`` (a uint8 numpy array or tensor) for every field, at its offset."""
+        if isinstance(arena, np.ndarray):
+            dtypes: Any = np
+            # `reshape` of a contiguous array is a view; numpy's `view` takes only a dtype.
+            reshape = np.ndarray.reshape
+        else:
+            import torch
+
+            dtypes = torch
+            reshape = torch.Tensor.view
         views = {}
-        for name, (dtype, shape) in shapes.items():
+        for name, (dtype_name, shape) in shapes.items():
+            dtype = getattr(dtypes, dtype_name)
+            itemsize = np.dtype(dtype_name).itemsize
             off = self._offsets[name]
             n = 1
             for d in shape:
                 n *= d
-            views[name] = arena[off : off + n * dtype.itemsize].view(dtype).view(shape)
+            views[name] = reshape(arena[off : off + n * itemsize].view(dtype), shape)
         return StepTensors(**views)
 
     def views(self, info: StepInfo, *, on_device: bool = True) -> StepTensors:
-        """The tensors cut to one step's extent (views, no copies; addresses as the full tensors).
+        """The buffers cut to one step's extent (views, no copies; addresses as the full ones).
 
         Args:
             info: What :meth:`pagedkv.BlockManager.step` returned for this step.
@@ -318,12 +409,14 @@ class StepBuffers:
     def to_device(self, info: StepInfo, non_blocking: bool = True) -> StepTensors:
         """Copies the step's used part of every host tensor into its device mirror, in place.
 
-        Never reallocates: the device tensors keep their addresses. Elements past the step's extent
-        keep their earlier contents or receive equally stale host bytes (see the module doc on
-        stale data): the used parts are moved in as few copies as possible (:meth:`copy_spans`),
-        so short unused stretches between them travel too. With ``non_blocking`` the copies are
-        asynchronous on the current stream (the host side is pinned); do not refill the host
-        buffers (call ``step`` again) before that stream has consumed them.
+        Never reallocates: the device tensors keep their addresses. Without a mirror (``"cpu"``, or
+        the ``"numpy"`` backend) it copies nothing and returns the host views. Elements past the
+        step's extent keep their earlier contents or receive equally stale host bytes (see the
+        module doc on stale data): the used parts are moved in as few copies as possible
+        (:meth:`copy_spans`), so short unused stretches between them travel too. With
+        ``non_blocking`` the copies are asynchronous on the current stream (the host side is
+        pinned); do not refill the host buffers (call ``step`` again) before that stream has
+        consumed them.
 
         Args:
             info: What :meth:`pagedkv.BlockManager.step` returned for this step.
@@ -345,6 +438,7 @@ class StepBuffers:
             f"StepBuffers(max_seqs={self.max_seqs}, max_tokens={self.max_tokens}, "
             f"max_blocks_per_seq={self.max_blocks_per_seq}, max_copies={self.max_copies}, "
             f"max_swaps={self.max_swaps}, "
-            f"device={str(self.mirror_device)!r}, pinned={self.pinned}, csr={self.csr})"
+            f"device={str(self.mirror_device)!r}, pinned={self.pinned}, csr={self.csr}, "
+            f"backend={self.backend!r})"
         )
 

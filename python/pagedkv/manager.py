@@ -79,6 +79,9 @@ class StepInfo(NamedTuple):
     #: Swap-in ``(host_block, device_block)`` pairs written to ``swap_in`` (run after the
     #: swap-outs, before the copy-on-write list).
     num_swap_in: int = 0
+    #: Most new tokens of one sequence in the batch (the largest step of ``query_start_loc``):
+    #: 1 for a decode-only step, 0 for an empty one. The bound a prefill kernel sizes its grid by.
+    max_query_len: int = 0
 
 
 class CostModel(NamedTuple):

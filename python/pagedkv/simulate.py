@@ -42,7 +42,8 @@ averaged over every step of the run:
 Invariants: :func:`simulate` is deterministic for a given (workload, sim) pair; it checks the
 manager's invariants at the end (and every ``check_every`` steps), frees every sequence, and
 raises :class:`pagedkv.errors.InvariantViolationError` if any block is left allocated. The
-extension and torch (for the step buffers) are imported when a simulation starts, not on import.
+extension is imported when a simulation starts, not on import; torch never is (the step buffers
+are numpy arrays on the host).
 """
 
 from __future__ import annotations
@@ -312,7 +313,7 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     # The step buffers a real engine would hand to its kernels. Building each step is what offers
     # newly full blocks to the prefix cache and drains the copy-on-write queue.
     mgr.attach_buffers(StepBuffers(sim.max_num_seqs, max(budget, workload.max_model_len), max_blocks,
-                                   max_copies=sim.max_num_seqs, device="cpu"))
+                                   max_copies=sim.max_num_seqs, device="cpu", backend="numpy"))
     sched = Scheduler(mgr, max_num_seqs=sim.max_num_seqs, max_num_batched_tokens=budget,
                       preemption_mode=sim.preemption_mode)
     capacity = sim.num_blocks * B

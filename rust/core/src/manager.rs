@@ -1794,7 +1794,8 @@ impl BlockManager {
             });
         }
         self.resolve_batch(seqs)?;
-        let (num_tokens, num_kv, max_len, csr, needed) = self.check_step(seqs, num_new, out)?;
+        let (num_tokens, num_kv, max_len, max_query, csr, needed) =
+            self.check_step(seqs, num_new, out)?;
         let swaps = self.plan_swaps(
             out.swap_out.len() / 2,
             out.swap_in.len() / 2,
@@ -1878,6 +1879,7 @@ impl BlockManager {
             max_seq_len: max_len,
             num_swap_out,
             num_swap_in,
+            max_query_len: max_query,
         })
     }
 
@@ -2118,8 +2120,8 @@ impl BlockManager {
     }
 
     /// Validation half of `build_step` (after `resolve_batch`): returns (new tokens, kv indices,
-    /// longest sequence, whether to write the CSR page table, which pending copies the batch
-    /// needs).
+    /// longest sequence, most new tokens of one sequence, whether to write the CSR page table,
+    /// which pending copies the batch needs).
     // Out of line: inlined into `build_step`, its loop spilled its values to the stack.
     #[inline(never)]
     fn check_step(
@@ -2127,8 +2129,9 @@ impl BlockManager {
         seqs: &[SeqId],
         num_new: &[u32],
         out: &StepBuffers<'_>,
-    ) -> Result<(usize, usize, usize, bool, Vec<bool>)> {
+    ) -> Result<(usize, usize, usize, usize, bool, Vec<bool>)> {
         let (mut tokens, mut kv, mut max_len, mut max_blocks) = (0usize, 0usize, 0usize, 0usize);
+        let mut max_query = 0usize;
         for (k, &i) in self.batch_idx.iter().enumerate() {
             let t = &self.slots[i as usize].table;
             let n = num_new[k] as usize;
@@ -2143,6 +2146,7 @@ impl BlockManager {
                 });
             }
             tokens += n;
+            max_query = max_query.max(n);
             kv += t.blocks.len();
             max_len = max_len.max(t.num_tokens);
             max_blocks = max_blocks.max(t.blocks.len());
@@ -2194,7 +2198,7 @@ impl BlockManager {
             2 * needed.iter().filter(|&&x| x).count(),
             out.copies.len(),
         )?;
-        Ok((tokens, kv, max_len, csr, needed))
+        Ok((tokens, kv, max_len, max_query, csr, needed))
     }
 
     /// A snapshot of sizes and counters. O(number of sequences) for the histogram.

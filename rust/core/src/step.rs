@@ -98,6 +98,10 @@ pub struct StepInfo {
     pub num_swap_out: usize,
     /// `(host, device)` pairs written to `swap_in`.
     pub num_swap_in: usize,
+    /// Most new tokens of one sequence in the batch: the largest difference of consecutive
+    /// `query_start_loc` entries (1 for a decode-only step, 0 for an empty batch). A prefill
+    /// kernel sizes its grid by it.
+    pub max_query_len: usize,
 }
 
 /// What a block-table row holds: the first `written` entries of the table of sequence `uid` at

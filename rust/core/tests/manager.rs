@@ -494,6 +494,7 @@ fn build_step_prefill_then_decode() {
             max_seq_len: 6,
             num_swap_out: 0,
             num_swap_in: 0,
+            max_query_len: 6,
         }
     );
     let slot = |t: &[u32], p: usize| (t[p / 4] * 4 + (p % 4) as u32) as i64;
@@ -533,6 +534,39 @@ fn build_step_prefill_then_decode() {
     // An empty batch is a valid (empty) step.
     let info = m.build_step(&[], &[], &mut ob.view()).unwrap();
     assert_eq!(info, StepInfo::default());
+    m.check_invariants().unwrap();
+}
+
+/// `max_query_len` is the largest per-sequence new-token count, i.e. the largest step of
+/// `query_start_loc`: a prefill chunk beside decodes, a decode-only step, an empty step.
+#[test]
+fn build_step_max_query_len() {
+    let mut m = mgr(32, 4);
+    m.admit(1, &toks(9, 1)).unwrap();
+    m.admit(2, &toks(5, 2)).unwrap();
+    m.admit(3, &toks(13, 3)).unwrap();
+    let mut ob = OwnedStepBuffers::new(layout(4, 32, 8));
+    // Sequence 1 decodes, 3 runs a 7-token prefill chunk, 2 a 5-token one (its whole prompt).
+    let info = m
+        .build_step(&[1, 3, 2], &[1, 7, 5], &mut ob.view())
+        .unwrap();
+    assert_eq!(&ob.query_start_loc[..4], &[0, 1, 8, 13]);
+    let widest = ob.query_start_loc[..4]
+        .windows(2)
+        .map(|w| (w[1] - w[0]) as usize)
+        .max()
+        .unwrap();
+    assert_eq!((info.max_query_len, widest), (7, 7));
+    assert_eq!((info.num_tokens, info.max_seq_len), (13, 13));
+
+    let info = m
+        .build_step(&[2, 1, 3], &[1, 1, 1], &mut ob.view())
+        .unwrap();
+    assert_eq!(info.max_query_len, 1);
+
+    let info = m.build_step(&[], &[], &mut ob.view()).unwrap();
+    assert_eq!(info, StepInfo::default());
+    assert_eq!(info.max_query_len, 0);
     m.check_invariants().unwrap();
 }
 

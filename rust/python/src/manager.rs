@@ -53,6 +53,10 @@ use crate::buffers::PyStepArena;
 use crate::convert::{count, flag, ids_into, scalar, with_ids};
 use crate::errors::{invalid_arg, CoreResultExt};
 
+/// What `step` returns to Python: `(num_seqs, num_tokens, num_kv_indices, num_copies,
+/// max_seq_len, num_swap_out, num_swap_in, max_query_len)`, the order `StepInfo` declares.
+type StepTuple = (usize, usize, usize, usize, usize, usize, usize, usize);
+
 /// Inputs with at least this many elements are processed with the GIL released. Below it the
 /// release/re-acquire pair (~0.1 µs) costs about as much as the work itself.
 const DETACH_MIN: usize = 32;
@@ -717,13 +721,13 @@ impl PyBlockManager {
     }
 
     /// Fills the registered buffers for one step; returns `(num_seqs, num_tokens,
-    /// num_kv_indices, num_copies, max_seq_len, num_swap_out, num_swap_in)`.
+    /// num_kv_indices, num_copies, max_seq_len, num_swap_out, num_swap_in, max_query_len)`.
     fn step(
         &self,
         py: Python<'_>,
         seq_ids: &Bound<'_, PyAny>,
         num_new_tokens: &Bound<'_, PyAny>,
-    ) -> PyResult<(usize, usize, usize, usize, usize, usize, usize)> {
+    ) -> PyResult<StepTuple> {
         let info = scratch(&SEQS, |sbuf| {
             with_ids("seq_ids", seq_ids, sbuf, |seqs| {
                 let detach = seqs.len() >= DETACH_MIN;
@@ -752,6 +756,7 @@ impl PyBlockManager {
             info.max_seq_len,
             info.num_swap_out,
             info.num_swap_in,
+            info.max_query_len,
         ))
     }
 
