@@ -19,6 +19,11 @@ One :meth:`ModelRunner.execute`:
 4. returns float32 logits for the requested rows only (``logits_to_keep`` with an index tensor, so
    the LM head runs on those rows alone in eager mode).
 
+With tensor parallelism (``tensor_parallel=``, ``docs/tp.md``) the pool holds this rank's KV heads
+only; rank 0's ``execute`` broadcasts each validated step (tables and batch, one packet) before
+step 1, and the other ranks run it from :meth:`ModelRunner.serve`; under NCCL every rank's device
+mirrors and device ids/positions are filled from the packet, device to device.
+
 Invariants: the pool, the step buffers, the graphs' static inputs and outputs are allocated once
 and keep their addresses (the graphs read the device mirrors in place); a step's host-side work
 reads only host tensors and launches everything asynchronously. The copies to the mirrors read the
@@ -93,6 +98,14 @@ class ModelRunner:
         attention_backend: ``"auto"`` (the Triton kernels on CUDA, plain PyTorch on the CPU),
             ``"torch"`` or ``"triton"`` (on the CPU only under ``TRITON_INTERPRET=1``: how CI checks
             the kernel path end to end).
+        tensor_parallel: A :class:`pagedkv.distributed.TPGroup`: cut the model to this rank's
+            shard (:func:`pagedkv.distributed.shard_model`), hold only this rank's KV heads in the
+            pool, agree on the block count with the other ranks (the smallest), and exchange each
+            step through a :class:`~pagedkv.distributed.StepBroadcaster` — rank 0 sends from
+            :meth:`execute`, the others run what it sends from :meth:`serve`. Every rank must
+            construct its runner with the same arguments (the constructor runs collectives).
+        record_steps: Append a :meth:`step_record` of every step run to :attr:`step_records`
+            (for checking ranks against each other).
 
     Attributes:
         num_blocks, spec, pool, buffers (attach to the manager with
