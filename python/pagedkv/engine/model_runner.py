@@ -430,6 +430,8 @@ class ModelRunner:
         decode = t == n
 
         if not self.use_kernels:
+            if ids is None:  # the step's batch arrived on the device (TP over NCCL)
+                ids, pos = self._ids_dev[:t].cpu().numpy(), self._pos_dev[:t].cpu().numpy()
             return self._run_cpu(ids, pos, dev, n, qsl, last)
         graph_bs = self._graph_size(n) if decode else None
         if inputs_on_device:
