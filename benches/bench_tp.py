@@ -135,7 +135,8 @@ def main(argv=None):
     p.add_argument("--mlp", type=int, default=14336)
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--tiny", action="store_true",
-                   help="toy dimensions (2 layers, hidden 64): a smoke test, CPU/gloo without a GPU")
+                   help="toy dimensions (2 layers, hidden 64): a smoke test, "
+                   "CPU/gloo without a GPU")
     p.add_argument("--cpu", action="store_true", help="run on the CPU (gloo) even with a GPU")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)

@@ -149,6 +149,9 @@ class ModelRunner:
 
             # Cuts the model to this rank's heads and features (a no-op if already cut).
             self.head_split = shard_model(self.model, tensor_parallel)
+            if self.device.type == "cuda":
+                # The full weights the cut replaced are free: return them before sizing the pool.
+                torch.cuda.empty_cache()
             num_q, num_kv = self.head_split.q_heads, self.head_split.kv_heads
         self.spec = CacheSpec(num_layers=int(cfg.num_hidden_layers), num_kv_heads=num_kv,
                               head_dim=_head_dim(cfg), dtype=str(self.dtype).rpartition(".")[2],
@@ -380,10 +383,11 @@ class ModelRunner:
         if self.broadcaster is not None:
             # Every rank runs this step: send it (validated, so no rank sees a bad one).
             self.broadcaster.send_step(step, ids, pos, rows)
-        return self._run(ids, pos, step, rows, inputs_on_device=self.is_cuda and self.tp is not None)
+        return self._run(ids, pos, step, rows,
+                         inputs_on_device=self.is_cuda and self.tp is not None)
 
     def serve(self, *, until: Sequence[int] = ()) -> int:
-        """A rank other than 0: runs the steps rank 0 broadcasts until a command arrives; returns it.
+        """A rank other than 0: runs the steps rank 0 broadcasts until a command; returns it.
 
         Returns on STOP, and on any command in ``until`` (``CMD_END``: the driver's ``generate``
         finished). Each step is run exactly as rank 0 runs it (same tables, same batch), its logits
