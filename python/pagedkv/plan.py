@@ -33,6 +33,7 @@ from .config import CacheSpec, MemoryBudget, format_bytes
 from .errors import InvalidConfigError
 
 __all__ = ["Plan", "PlanRow", "make_plan", "format_plan", "plan_json", "parse_seq_lens",
+           "kv_heads_per_rank", "shard_spec",
            "default_seq_lens", "DEFAULT_SEQ_LENS"]
 
 #: Lengths compared when none are given (those shorter than the context, then the context itself).
@@ -247,3 +248,55 @@ def plan_json(plan: Plan) -> str:
     }
     return json.dumps(obj, indent=2)
 
+
+
+# ------------------------------------------------------------------ tensor parallelism, per rank
+
+
+def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads each tensor-parallel rank's pool holds.
+
+    ``num_kv_heads / tp`` when ``tp`` divides the heads; ``1`` when there are fewer heads than
+    ranks and ``num_kv_heads`` divides ``tp`` (each head is then replicated on
+    ``tp / num_kv_heads`` ranks, as vLLM does). Every rank holds the same number of heads, so
+    every rank's pool has the same bytes per block and one block manager serves them all.
+
+    Raises:
+        InvalidConfigError: ``tp`` is not an int >= 1, or neither of the two divides the other.
+    """
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or (
+            tensor_parallel_size < 1):
+        raise InvalidConfigError(
+            f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}",
+            field="tensor_parallel_size", value=tensor_parallel_size, reason="must be >= 1")
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+        raise InvalidConfigError(f"num_kv_heads must be an integer >= 1, got {num_kv_heads!r}",
+                                 field="num_kv_heads", value=num_kv_heads, reason="must be >= 1")
+    tp = tensor_parallel_size
+    if num_kv_heads >= tp:
+        if num_kv_heads % tp:
+            raise InvalidConfigError(
+                f"tensor_parallel_size {tp} does not divide the {num_kv_heads} KV heads",
+                field="tensor_parallel_size", value=tp, reason="must divide num_kv_heads")
+        return num_kv_heads // tp
+    if tp % num_kv_heads:
+        raise InvalidConfigError(
+            f"{num_kv_heads} KV heads cannot be replicated evenly over tensor_parallel_size {tp}",
+            field="tensor_parallel_size", value=tp,
+            reason="num_kv_heads must divide it when smaller")
+    return 1
+
+
+def shard_spec(spec: CacheSpec, tensor_parallel_size: int) -> CacheSpec:
+    """One tensor-parallel rank's cache spec: ``spec`` with :func:`kv_heads_per_rank` heads.
+
+    Plan a TP deployment with it: :func:`make_plan` on the shard spec and one GPU's budget gives
+    the blocks of each rank's pool (all ranks hold the same blocks, for their own heads). An MLA
+    spec's one latent is shared by every head, so each rank holds it whole.
+    """
+    from dataclasses import replace
+
+    if spec.mla:
+        kv_heads_per_rank(1, tensor_parallel_size)  # validates tp
+        return spec
+    return replace(spec, num_kv_heads=kv_heads_per_rank(spec.num_kv_heads, tensor_parallel_size))

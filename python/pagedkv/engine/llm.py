@@ -170,6 +170,14 @@ class LLMEngine:
         step_floor_s: Seconds a step costs however few tokens it carries (the cost model's step
             floor: recompute tokens that fit under it ride along for free); ``None``: measured
             when the rates are, else 0 (a linear model).
+        tensor_parallel_size: Ranks the model's heads are split over (``docs/tp.md``). Above 1,
+            without a torch.distributed process group this process becomes rank 0 and spawns the
+            others (rank ``r`` on ``cuda:r``, or the CPU with gloo); with one (``torchrun``), the
+            group's size must match and this must be its rank 0 (the others construct
+            :class:`LLM`). Call :meth:`shutdown` when done (also run at interpreter exit).
+        record_steps: With tensor parallelism, every rank records what each step ran (its step
+            tables and batch); :attr:`tp_step_records` has them, per rank, after :meth:`shutdown`.
+        tp_timeout_s: Timeout of the tensor-parallel process group's collectives.
 
     Raises:
         ModelLoadError: ``model`` does not exist, is not a model directory or ``.gguf`` file, or is
@@ -200,6 +208,9 @@ class LLMEngine:
         host_link_bytes_per_s: Optional[float] = None,
         prefill_tokens_per_s: Optional[float] = None,
         step_floor_s: Optional[float] = None,
+        tensor_parallel_size: int = 1,
+        record_steps: bool = False,
+        tp_timeout_s: float = 600.0,
     ) -> None:
         import torch
 
@@ -244,6 +255,13 @@ class LLMEngine:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidConfigError(f"{name} must be an integer >= 1, got {value!r}",
                                          field=name, value=value, reason="must be >= 1")
+        from ..plan import kv_heads_per_rank
+
+        kv_heads_per_rank(1, tensor_parallel_size)  # validates the size itself
+        #: Rank 0's handle on the tensor-parallel group (None without TP).
+        self._tp: Any = None
+        #: After :meth:`shutdown` with ``record_steps``: each rank's step records, in rank order.
+        self.tp_step_records: Optional[List[Any]] = None
         preloaded = model if isinstance(model, LoadedModel) else None
         if preloaded is not None:
             device = preloaded.device
@@ -257,11 +275,19 @@ class LLMEngine:
         try:
             self.loaded = preloaded or load_model(path, device=device, dtype=dtype)
             bar.update(1)
-            self.runner = ModelRunner(
-                self.loaded, block_size=block_size, num_blocks=num_blocks,
-                kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=cuda_graphs,
-            )
+            runner_kwargs = dict(block_size=block_size, num_blocks=num_blocks,
+                                 kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens,
+                                 cuda_graphs=cuda_graphs)
+            if tensor_parallel_size > 1:
+                self._tp = _start_tp(self.loaded, preloaded is not None, str(path),
+                                     tensor_parallel_size, runner_kwargs, swap_space,
+                                     num_host_blocks, record_steps, tp_timeout_s)
+                self.runner = ModelRunner(self.loaded, tensor_parallel=self._tp.group,
+                                          record_steps=record_steps, **runner_kwargs)
+                self._tp.runner = self.runner
+            else:
+                self.runner = ModelRunner(self.loaded, **runner_kwargs)
             bar.update(1)
             host_blocks = self._host_blocks(swap_space, num_host_blocks)
             extra: Dict[str, Any] = {}
@@ -292,6 +318,10 @@ class LLMEngine:
                 enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode,
             )
             bar.update(1)
+        except BaseException:
+            if self._tp is not None:
+                self._tp.close()
+            raise
         finally:
             bar.close()
 
@@ -318,19 +348,17 @@ class LLMEngine:
         self.reset_stats()
 
     def _host_blocks(self, swap_space: Union[int, str, None], num_host_blocks: Optional[int]) -> int:
-        if num_host_blocks is not None:
-            return num_host_blocks
-        if swap_space is None:
-            return 0
-        from ..config import parse_bytes
-        from ..errors import InvalidConfigError
+        from ..distributed.launch import host_blocks_for
 
-        try:
-            nbytes = parse_bytes(swap_space)
-        except InvalidConfigError as exc:
-            raise InvalidConfigError(f"swap_space = {swap_space!r}: {exc}", field="swap_space",
-                                     value=swap_space, reason=str(exc)) from None
-        return nbytes // self.runner.spec.bytes_per_block
+        return host_blocks_for(swap_space, num_host_blocks, self.runner.spec.bytes_per_block)
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel ranks (STOP to every rank, spawned processes joined) and
+        collects :attr:`tp_step_records`. Idempotent; nothing to do without TP. The engine cannot
+        run steps afterwards."""
+        if self._tp is not None and not self._tp.closed:
+            self._tp.close()
+            self.tp_step_records = self._tp.step_records
 
     # ------------------------------------------------------------------------------ requests
 
@@ -701,6 +729,52 @@ class LLMEngine:
         )
 
 
+def _start_tp(loaded: Any, preloaded: bool, path: str, tp_size: int, runner_kwargs: Dict[str, Any],
+              swap_space: Any, num_host_blocks: Optional[int], record_steps: bool,
+              timeout_s: float) -> Any:
+    """Rank 0: checks the head split, then joins the existing process group or spawns the ranks."""
+    import torch.distributed as dist
+
+    from ..distributed.launch import TPSession, WorkerSpec
+    from ..distributed.tp import head_split, model_heads
+    from ..errors import InvalidConfigError
+
+    hq, hkv, _ = model_heads(loaded.config)
+    head_split(hq, hkv, tp_size, 0)  # a typed error before any process starts
+    if dist.is_available() and dist.is_initialized():
+        session = TPSession.attach(tp_size)
+        if session.group.rank != 0:
+            raise InvalidConfigError(
+                f"LLMEngine schedules on rank 0; rank {session.group.rank} constructs LLM (which "
+                f"runs rank 0's steps) instead", field="tensor_parallel_size", value=tp_size,
+                reason="engine on rank 0 only")
+        return session
+    dev = loaded.device
+    if preloaded:
+        raise InvalidConfigError(
+            "spawned tensor-parallel ranks load the model themselves: pass its path, or launch "
+            "every rank yourself (torchrun) and pass each its LoadedModel",
+            field="tensor_parallel_size", value=tp_size, reason="preloaded model")
+    if dev.type == "cuda" and (dev.index or 0) != 0:
+        raise InvalidConfigError(
+            f"spawned ranks use cuda:0..cuda:{tp_size - 1}; rank 0 must be on cuda:0, not {dev}",
+            field="tensor_parallel_size", value=tp_size, reason="rank 0 on cuda:0")
+    if dev.type == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < tp_size:
+            raise InvalidConfigError(
+                f"tensor_parallel_size {tp_size} needs {tp_size} GPUs, "
+                f"{torch.cuda.device_count()} visible", field="tensor_parallel_size",
+                value=tp_size, reason="not enough GPUs")
+    spec = WorkerSpec(model=path, device_type=dev.type,
+                      dtype=str(loaded.dtype).rpartition(".")[2], world_size=tp_size,
+                      runner_kwargs=dict(runner_kwargs), swap_space=swap_space,
+                      num_host_blocks=num_host_blocks, record_steps=record_steps,
+                      timeout_s=timeout_s)
+    return TPSession.spawn(spec)
+
+
 def _set_cost_model(manager: Any, rates: Tuple[float, float, float], kv_bytes_per_token: int,
                     max_step_tokens: int) -> None:
     """Gives the manager's cost model its rates: ``(host link bytes/s, prefill tokens/s, step
@@ -749,6 +823,23 @@ class LLM:
         progress: bool = True,
         **engine_args: Any,
     ) -> None:
+        #: On a tensor-parallel rank other than 0 (one script on every rank): the runner that
+        #: runs rank 0's steps; ``llm_engine`` is then None.
+        self._worker: Any = None
+        self._worker_stopped = False
+        tp = engine_args.get("tensor_parallel_size", 1)
+        if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1 and _dist_rank() > 0:
+            self.llm_engine = None  # type: ignore[assignment]
+            self._worker = _build_worker(
+                model, device=device, dtype=dtype, tp=tp,
+                runner_kwargs=dict(block_size=block_size, num_blocks=num_blocks,
+                                   kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   cuda_graphs=engine_args.get("cuda_graphs", True)),
+                swap_space=engine_args.get("swap_space"),
+                num_host_blocks=engine_args.get("num_host_blocks"),
+                record_steps=engine_args.get("record_steps", False))
+            return
         self.llm_engine = LLMEngine(
             model, device=device, dtype=dtype, kv_cache_memory=kv_cache_memory,
             num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
@@ -759,6 +850,23 @@ class LLM:
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (``None`` if it has none)."""
         return self.llm_engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Ends tensor parallelism (see :meth:`LLMEngine.shutdown`); with one script on every
+        rank, every rank calls it. Idempotent."""
+        if self._worker is not None:
+            if not self._worker_stopped:
+                self._worker.serve()  # rank 0's remaining steps, then its STOP
+                self._worker_stopped = True
+                self._worker.tp.gather_objects(self._worker.step_records)
+            return
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
 
     def stats(self) -> EngineStats:
         """The engine's counters (:class:`EngineStats`)."""
@@ -809,6 +917,15 @@ class LLM:
                 lists' lengths differ from the prompts'.
             OutOfBlocksError: A prompt cannot fit the KV pool (the batch is dropped).
         """
+        if self._worker is not None:
+            # A rank other than 0: run rank 0's steps until its generate ends.
+            from ..distributed.launch import serve_until_end
+            from ..distributed.step_broadcast import CMD_STOP
+
+            if not self._worker_stopped and serve_until_end(self._worker) == CMD_STOP:
+                self._worker_stopped = True
+                self._worker.tp.gather_objects(self._worker.step_records)
+            return []
         engine = self.llm_engine
         if getattr(prompts, "ndim", None) == 1:
             prompts = [prompts]  # one prompt as a 1-D array or tensor of token ids
@@ -856,6 +973,8 @@ class LLM:
             raise
         finally:
             bar.close()
+            if engine._tp is not None:
+                engine._tp.end_generate()
         return [results[r] for r in ids]
 
     @staticmethod
@@ -867,3 +986,37 @@ class LLM:
                 raise _bad(what, f"<{len(value)} items>", f"needs one entry per prompt ({n})")
             return list(value)
         raise _bad(what, type(value).__name__, "must be one value or one per prompt")
+
+
+def _dist_rank() -> int:
+    """This process's rank in an initialized torch.distributed group; 0 without one."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch without distributed
+        return 0
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _build_worker(model: Any, *, device: Any, dtype: Any, tp: int, runner_kwargs: Dict[str, Any],
+                  swap_space: Any, num_host_blocks: Optional[int], record_steps: bool) -> Any:
+    """A rank other than 0 of a group the caller made: its model shard and runner."""
+    from ..distributed.launch import WorkerSpec, build_runner
+    from ..distributed.tp import TPGroup
+    from ..errors import InvalidConfigError
+    from .loader import LoadedModel, default_model_path, load_model
+
+    group = TPGroup()
+    if group.world_size != tp:
+        raise InvalidConfigError(
+            f"tensor_parallel_size {tp} but the process group has {group.world_size} ranks",
+            field="tensor_parallel_size", value=tp, reason="must equal the process group's size")
+    if isinstance(model, LoadedModel):
+        loaded = model
+    else:
+        dev = group.device if group.backend == "nccl" else (device or "cpu")
+        loaded = load_model(default_model_path() if model is None else model, device=dev,
+                            dtype=dtype)
+    spec = WorkerSpec(model=str(loaded.path), device_type=loaded.device.type, dtype=None,
+                      world_size=tp, runner_kwargs=runner_kwargs, swap_space=swap_space,
+                      num_host_blocks=num_host_blocks, record_steps=record_steps)
+    return build_runner(spec, group, loaded)

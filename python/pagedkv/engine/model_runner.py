@@ -19,6 +19,11 @@ One :meth:`ModelRunner.execute`:
 4. returns float32 logits for the requested rows only (``logits_to_keep`` with an index tensor, so
    the LM head runs on those rows alone in eager mode).
 
+With tensor parallelism (``tensor_parallel=``, ``docs/tp.md``) the pool holds this rank's KV heads
+only; rank 0's ``execute`` broadcasts each validated step (tables and batch, one packet) before
+step 1, and the other ranks run it from :meth:`ModelRunner.serve`; under NCCL every rank's device
+mirrors and device ids/positions are filled from the packet, device to device.
+
 Invariants: the pool, the step buffers, the graphs' static inputs and outputs are allocated once
 and keep their addresses (the graphs read the device mirrors in place); a step's host-side work
 reads only host tensors and launches everything asynchronously. The copies to the mirrors read the
@@ -104,6 +109,14 @@ class ModelRunner:
         attention_backend: ``"auto"`` (the Triton kernels on CUDA, plain PyTorch on the CPU),
             ``"torch"`` or ``"triton"`` (on the CPU only under ``TRITON_INTERPRET=1``: how CI checks
             the kernel path end to end).
+        tensor_parallel: A :class:`pagedkv.distributed.TPGroup`: cut the model to this rank's
+            shard (:func:`pagedkv.distributed.shard_model`), hold only this rank's KV heads in the
+            pool, agree on the block count with the other ranks (the smallest), and exchange each
+            step through a :class:`~pagedkv.distributed.StepBroadcaster` — rank 0 sends from
+            :meth:`execute`, the others run what it sends from :meth:`serve`. Every rank must
+            construct its runner with the same arguments (the constructor runs collectives).
+        record_steps: Append a :meth:`step_record` of every step run to :attr:`step_records`
+            (for checking ranks against each other).
 
     Attributes:
         num_blocks, spec, pool, buffers (attach to the manager with
@@ -119,7 +132,8 @@ class ModelRunner:
                  num_blocks: Optional[int] = None,
                  kv_cache_memory: Union[int, str, None] = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, cuda_graphs: bool = True,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", tensor_parallel: Any = None,
+                 record_steps: bool = False) -> None:
         for name, val in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                           ("max_num_batched_tokens", max_num_batched_tokens)):
             _check_pos_int(name, val)
@@ -133,18 +147,36 @@ class ModelRunner:
         self.config = cfg
         self.device = loaded.device
         self.dtype = loaded.dtype
-        self.spec = CacheSpec(num_layers=int(cfg.num_hidden_layers),
-                              num_kv_heads=int(getattr(cfg, "num_key_value_heads", None)
-                                               or cfg.num_attention_heads),
+        #: The tensor-parallel group (:class:`pagedkv.distributed.TPGroup`), or None.
+        self.tp = tensor_parallel
+        self.tp_rank = 0 if tensor_parallel is None else tensor_parallel.rank
+        self.tp_size = 1 if tensor_parallel is None else tensor_parallel.world_size
+        num_q = int(cfg.num_attention_heads)
+        num_kv = int(getattr(cfg, "num_key_value_heads", None) or num_q)
+        #: This rank's heads (:class:`pagedkv.distributed.HeadSplit`), or None without TP.
+        self.head_split = None
+        if tensor_parallel is not None:
+            from ..distributed.tp import shard_model
+
+            # Cuts the model to this rank's heads and features (a no-op if already cut).
+            self.head_split = shard_model(self.model, tensor_parallel)
+            if self.device.type == "cuda":
+                # The full weights the cut replaced are free: return them before sizing the pool.
+                torch.cuda.empty_cache()
+            num_q, num_kv = self.head_split.q_heads, self.head_split.kv_heads
+        self.spec = CacheSpec(num_layers=int(cfg.num_hidden_layers), num_kv_heads=num_kv,
                               head_dim=_head_dim(cfg), dtype=str(self.dtype).rpartition(".")[2],
                               block_size=block_size)
-        self.num_q_heads = int(cfg.num_attention_heads)
+        self.num_q_heads = num_q
         self.block_size = block_size
         self.max_model_len = int(loaded.max_model_len)
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.num_blocks = self._size_pool(num_blocks, kv_cache_memory)
+        if tensor_parallel is not None:
+            # One manager serves every rank's pool: all pools get the smallest rank's block count.
+            self.num_blocks = tensor_parallel.min_int(self.num_blocks)
         self.pool = KVPool(self.spec, self.num_blocks, self.device, zero=True)
         self.buffers = StepBuffers(max_num_seqs, self.max_num_batched_tokens,
                                    self.max_blocks_per_seq, device=self.device, csr=False)
@@ -169,6 +201,23 @@ class ModelRunner:
             # Recorded after a step's host-to-device copies; `execute` waits on it before
             # returning, so the caller may refill the host buffers (manager.step) at once.
             self._inputs_copied = torch.cuda.Event()
+
+        #: Rank 0 broadcasts each step's tables and batch through it; the others receive.
+        self.broadcaster = None
+        if tensor_parallel is not None:
+            from ..distributed.step_broadcast import StepBroadcaster
+
+            if tensor_parallel.device.type != self.device.type:
+                raise InvalidConfigError(
+                    f"a {tensor_parallel.backend} group moves data on {tensor_parallel.device}, "
+                    f"the model is on {self.device} (gloo for the CPU, NCCL for GPUs)",
+                    field="tensor_parallel_size", value=self.tp_size, reason="backend/device")
+            self.broadcaster = StepBroadcaster(
+                self.buffers, tensor_parallel,
+                ids_dev=self._ids_dev if self.is_cuda else None,
+                positions_dev=self._pos_dev if self.is_cuda else None)
+        #: With ``record_steps``: one :func:`step_record` per step run, in order.
+        self.step_records: Optional[list] = [] if record_steps else None
 
         self.workspace = None
         if self.use_kernels:
@@ -349,10 +398,19 @@ class ModelRunner:
             sample_rows: Batch rows ``k`` whose last new token (index
                 ``query_start_loc[k + 1] - 1``) gets logits, in the order wanted.
 
+        With tensor parallelism (rank 0 only), the validated step — its tables and batch — is
+        broadcast first, and every other rank runs it from :meth:`serve`.
+
         Raises:
             InvalidArgumentError: Lengths disagree with ``step``, a row is out of range, or the
                 step exceeds the buffers.
+            InvalidConfigError: Called on a tensor-parallel rank other than 0.
         """
+        if self.tp_rank != 0:
+            raise InvalidConfigError(
+                f"tensor-parallel rank {self.tp_rank} runs the steps rank 0 sends (serve()), "
+                f"not its own", field="tensor_parallel_size", value=self.tp_size,
+                reason="execute on rank 0 only")
         n, t = int(step.num_seqs), int(step.num_tokens)
         ids = _as_int64(input_ids, "input_ids")
         pos = _as_int64(positions, "positions")
@@ -385,6 +443,40 @@ class ModelRunner:
             raise InvalidArgumentError(
                 f"invalid argument: positions: must be in [0, {self.max_model_len})",
                 what="positions", value=int(pos.max()), reason="outside the model's context")
+        if self.broadcaster is not None:
+            # Every rank runs this step: send it (validated, so no rank sees a bad one).
+            self.broadcaster.send_step(step, ids, pos, rows)
+        return self._run(ids, pos, step, rows,
+                         inputs_on_device=self.is_cuda and self.tp is not None)
+
+    def serve(self, *, until: Sequence[int] = ()) -> int:
+        """A rank other than 0: runs the steps rank 0 broadcasts until a command; returns it.
+
+        Returns on STOP, and on any command in ``until`` (``CMD_END``: the driver's ``generate``
+        finished). Each step is run exactly as rank 0 runs it (same tables, same batch), its logits
+        dropped: rank 0 samples.
+        """
+        from ..distributed.step_broadcast import CMD_STEP, CMD_STOP
+
+        if self.broadcaster is None or self.tp_rank == 0:
+            raise InvalidConfigError("serve() runs on a tensor-parallel rank other than 0",
+                                     field="tensor_parallel_size", value=self.tp_size,
+                                     reason="not a receiving rank")
+        while True:
+            got = self.broadcaster.recv()
+            if got.cmd == CMD_STEP:
+                self._run(got.input_ids, got.positions, got.info, got.sample_rows,
+                          inputs_on_device=self.is_cuda)
+            elif got.cmd == CMD_STOP or got.cmd in until:
+                return got.cmd
+
+    def _run(self, ids: Optional[np.ndarray], pos: Optional[np.ndarray], step: Any,
+             rows: np.ndarray, *, inputs_on_device: bool) -> torch.Tensor:
+        """The step itself (arguments validated). ``inputs_on_device``: the step buffers' device
+        mirrors and the device ids/positions already hold this step (filled from the TP packet),
+        so nothing is copied from the host; ``ids``/``pos`` may then be None."""
+        n, t = int(step.num_seqs), int(step.num_tokens)
+        host = self.buffers.host
         qsl = host.query_start_loc[: n + 1].numpy()
         last = qsl[1:][rows] - 1 if rows.size else np.zeros(0, dtype=np.int64)
 
@@ -396,13 +488,22 @@ class ModelRunner:
             # Copy-on-write before any layer writes: the copies carry the shared prefix of a block
             # into its private copy, and this step's new tokens land in the copy.
             self.pool.copy_blocks(host.copies[: step.num_copies])
-        dev = self.buffers.to_device(step)
+        if inputs_on_device:
+            dev = self.buffers.views(step, on_device=True)
+        else:
+            dev = self.buffers.to_device(step)
+        if self.step_records is not None:
+            self.step_records.append(self.step_record(step, ids, pos, rows))
         decode = t == n
 
         if not self.use_kernels:
+            if ids is None:  # the step's batch arrived on the device (TP over NCCL)
+                ids, pos = self._ids_dev[:t].cpu().numpy(), self._pos_dev[:t].cpu().numpy()
             return self._run_cpu(ids, pos, dev, n, qsl, last)
         graph_bs = self._graph_size(n) if decode else None
-        if self.is_cuda:
+        if inputs_on_device:
+            ids_d, pos_d = self._ids_dev[:t], self._pos_dev[:t]
+        elif self.is_cuda:
             ids_d, pos_d = self._stage(ids, pos, t)
         else:
             ids_d, pos_d = torch.from_numpy(ids), torch.from_numpy(pos)
@@ -422,6 +523,24 @@ class ModelRunner:
         if self.is_cuda:
             self._inputs_copied.synchronize()
         return out
+
+    def step_record(self, step: Any, ids: Optional[np.ndarray], pos: Optional[np.ndarray],
+                    rows: np.ndarray) -> dict:
+        """What this rank is about to run: the step's extent, the bytes of every step table in
+        its extent as the model will read them (the device mirrors), the batch, and the addresses
+        of the step buffers' device tensors. For checking ranks against each other (tests)."""
+        dev = self.buffers.views(step, on_device=True)
+        rec: dict = {"info": tuple(int(x) for x in step)}
+        for name, tns in dev.items():
+            rec[name] = tns.cpu().numpy().tobytes()
+        t = int(step.num_tokens)
+        if ids is None:
+            ids, pos = self._ids_dev[:t].cpu().numpy(), self._pos_dev[:t].cpu().numpy()
+        rec["input_ids"] = np.asarray(ids, dtype=np.int64).tobytes()
+        rec["positions"] = np.asarray(pos, dtype=np.int64).tobytes()
+        rec["sample_rows"] = np.asarray(rows, dtype=np.int64).tobytes()
+        rec["addresses"] = tuple(tns.data_ptr() for _, tns in self.buffers.device.items())
+        return rec
 
     def _apply_swaps(self, host: Any, n_out: int, n_in: int) -> None:
         if self.swap is None:

@@ -1,0 +1,285 @@
+"""One step's bookkeeping, from rank 0's block manager to every tensor-parallel rank, as one packet.
+
+Owns :class:`StepBroadcaster`: a packet buffer allocated once (fixed address, fixed size) holding
+everything a rank needs to run a step it did not schedule — a header of scalars (the command, a
+step counter, the :class:`pagedkv.StepInfo` fields, the number of sampled rows) and, at fixed
+offsets, the step tables (``slot_mapping``, ``block_tables``, ``seq_lens``, ``query_start_loc``,
+the CSR page table when the buffers have one, the copy-on-write and swap lists) and the batch
+(input ids, positions, sample rows). Rank 0 packs the used prefix of each field from its host
+:class:`~pagedkv.buffers.StepBuffers` and broadcasts the whole packet with one collective; every
+other rank unpacks it into its own step buffers. Each field of the packet is cut to the step's
+extent exactly as :meth:`StepBuffers.views` cuts it, so a receiving rank's buffers then hold, in
+the step's extent, the bytes of rank 0's (stale bytes past the extent are not carried).
+
+Layout (each field on a 64-byte boundary)::
+
+    header int64[16] | query_start_loc | copies | swap_out | swap_in | sample_rows   <- host part
+                     | seq_lens | slot_mapping | block_tables | kv_indptr | kv_indices
+                     | kv_last_page_len | input_ids | positions                       <- device part
+
+Why one fixed-size packet: a collective needs the same byte count on every rank, and only rank 0
+knows the step's extent; a header-then-body exchange would be two collectives per step. The
+packet's size is set by the buffers' capacities (for Llama-3-8B dimensions with 256 sequences of
+8k tokens: about 0.6 MiB, dominated by the block tables), one broadcast per step.
+
+Transports:
+
+* gloo (CPU): the packet is a CPU tensor; rank 0 packs into it, ``broadcast``, the other ranks
+  copy its fields into their host buffers (which on the CPU are also the device mirrors).
+* NCCL (GPU): rank 0 packs into a pinned host copy, moves it in one asynchronous copy to the
+  device packet and broadcasts that over NCCL. Every rank (rank 0 included) then copies the device
+  part into its step buffers' *device mirrors* and the runner's device ids/positions, device to
+  device: the addresses CUDA graphs were captured on, so a replay on any rank reads this step's
+  tables. The other ranks also copy the small host part (header, query offsets, copy and swap
+  lists, sample rows: what the runner's host-side logic reads) back to their pinned packet; their
+  host copies of the large tables are not written (nothing on the host reads them).
+
+Invariants: the packet, its pinned copy and every destination keep their addresses for the
+object's lifetime; rank 0 does not rewrite its pinned packet before the previous step's copy of it
+to the device has completed; a step whose extent exceeds the buffers never reaches here (the
+manager writes at most the buffers' capacities).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from ..buffers import StepBuffers
+from .tp import TPGroup
+
+__all__ = ["StepBroadcaster", "Received", "CMD_STEP", "CMD_END", "CMD_STOP", "MAGIC"]
+
+#: Commands in the header. STEP: run the step in the packet. END: the driver's ``generate`` call
+#: finished (launchers that run one script on every rank return from theirs). STOP: shut down.
+CMD_STEP, CMD_END, CMD_STOP = 1, 2, 3
+#: First header word; a packet without it is garbage (a rank out of step, or a different layout).
+MAGIC = 0x706B7654_50000001
+
+_H_MAGIC, _H_CMD, _H_SEQNO, _H_NSEQS, _H_NTOK, _H_NKVI, _H_NCOPY, _H_MAXLEN, _H_NOUT, _H_NIN, \
+    _H_NROWS, _H_NBYTES = range(12)
+_HEADER_WORDS = 16
+_ALIGN = 64
+
+_HOST_FIELDS = ("query_start_loc", "copies", "swap_out", "swap_in", "sample_rows")
+_DEVICE_FIELDS = ("seq_lens", "slot_mapping", "block_tables", "kv_indptr", "kv_indices",
+                  "kv_last_page_len", "input_ids", "positions")
+#: Fields that are step tables (in :class:`StepBuffers`); the rest are the batch.
+_TABLE_FIELDS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "kv_indptr",
+                 "kv_indices", "kv_last_page_len", "copies", "swap_out", "swap_in")
+
+
+class Received(NamedTuple):
+    """What a receiving rank got: the command and, for a step, its extent and batch."""
+
+    cmd: int
+    seq_no: int
+    info: Any  # pagedkv.StepInfo, or None for END/STOP
+    input_ids: Optional[np.ndarray]
+    positions: Optional[np.ndarray]
+    sample_rows: Optional[np.ndarray]
+
+
+def _extents(info: Any, csr: bool, n_rows: int) -> dict[str, int]:
+    """Elements of each field's first axis used by a step (what ``StepBuffers.views`` cuts)."""
+    s = int(info.num_seqs)
+    c = 1 if csr else 0
+    return {
+        "slot_mapping": int(info.num_tokens), "block_tables": s, "seq_lens": s,
+        "query_start_loc": s + 1, "kv_indptr": c * (s + 1),
+        "kv_indices": int(info.num_kv_indices), "kv_last_page_len": c * s,
+        "copies": int(info.num_copies), "swap_out": int(getattr(info, "num_swap_out", 0)),
+        "swap_in": int(getattr(info, "num_swap_in", 0)), "input_ids": int(info.num_tokens),
+        "positions": int(info.num_tokens), "sample_rows": n_rows,
+    }
+
+
+class StepBroadcaster:
+    """Rank 0's step output into every rank's step buffers, one fixed packet per step.
+
+    Args:
+        buffers: This rank's step buffers (same capacities on every rank).
+        group: The tensor-parallel group; its rank 0 sends.
+        ids_dev, positions_dev: Under NCCL, the runner's device ids/positions buffers (int64,
+            ``buffers.max_tokens`` long, fixed addresses) that the packet's batch is copied into.
+    """
+
+    def __init__(self, buffers: StepBuffers, group: TPGroup, *,
+                 ids_dev: Optional[torch.Tensor] = None,
+                 positions_dev: Optional[torch.Tensor] = None) -> None:
+        self.buffers = buffers
+        self.group = group
+        self.is_sender = group.rank == 0
+        self.on_device = group.device.type == "cuda"
+        host = buffers.host
+        shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
+            name: (t.dtype, tuple(t.shape)) for name, t in host.items()
+        }
+        t_max = buffers.max_tokens
+        shapes["input_ids"] = (torch.int64, (t_max,))
+        shapes["positions"] = (torch.int64, (t_max,))
+        shapes["sample_rows"] = (torch.int64, (buffers.max_seqs,))
+        self._shapes = shapes
+        offsets: dict[str, int] = {}
+        off = _HEADER_WORDS * 8
+        for name in _HOST_FIELDS + _DEVICE_FIELDS:
+            off = -(-off // _ALIGN) * _ALIGN
+            offsets[name] = off
+            dtype, shape = shapes[name]
+            off += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            if name == _HOST_FIELDS[-1]:
+                self.host_nbytes = -(-off // _ALIGN) * _ALIGN
+        self.nbytes = -(-off // _ALIGN) * _ALIGN
+        self.offsets = offsets
+        #: The packet every rank's collective reads or writes (fixed address and size).
+        self.packet = torch.zeros(self.nbytes, dtype=torch.uint8, device=group.device)
+        if self.on_device:
+            self.packet_host = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=True)
+            self._h2d_done = torch.cuda.Event()
+            self._h2d_pending = False
+        else:
+            self.packet_host = self.packet
+        self._host_views = self._carve(self.packet_host)
+        self._host_np = {k: v.numpy() for k, v in self._host_views.items()}
+        self._header = self.packet_host[: _HEADER_WORDS * 8].view(torch.int64).numpy()
+        self._dev_views = self._carve(self.packet) if self.on_device else self._host_views
+        self.ids_dev = ids_dev
+        self.positions_dev = positions_dev
+        if self.on_device and (ids_dev is None or positions_dev is None):
+            raise ValueError("the NCCL transport needs the runner's device ids and positions")
+        self.seq_no = 0
+        # The receiver's copies of the batch (fixed arrays, so a step's views do not alias the
+        # packet the next broadcast overwrites).
+        self._ids = np.zeros(t_max, dtype=np.int64)
+        self._pos = np.zeros(t_max, dtype=np.int64)
+        self._rows = np.zeros(buffers.max_seqs, dtype=np.int64)
+
+    def _carve(self, arena: torch.Tensor) -> dict[str, torch.Tensor]:
+        views = {}
+        for name, off in self.offsets.items():
+            dtype, shape = self._shapes[name]
+            n = int(np.prod(shape, dtype=np.int64))
+            views[name] = arena[off: off + n * dtype.itemsize].view(dtype).view(shape)
+        return views
+
+    # ---------------------------------------------------------------------------------- send
+
+    def send_step(self, info: Any, input_ids: np.ndarray, positions: np.ndarray,
+                  sample_rows: np.ndarray) -> None:
+        """Rank 0: packs the step (its host step buffers, filled by ``manager.step``, and the batch)
+        and broadcasts it. Under NCCL, also fills rank 0's own device mirrors from the packet."""
+        self._wait_h2d()
+        h = self._header
+        h[:] = 0
+        rows = np.asarray(sample_rows, dtype=np.int64).reshape(-1)
+        h[_H_MAGIC], h[_H_CMD], h[_H_SEQNO] = MAGIC, CMD_STEP, self.seq_no
+        h[_H_NSEQS], h[_H_NTOK] = info.num_seqs, info.num_tokens
+        h[_H_NKVI], h[_H_NCOPY], h[_H_MAXLEN] = info.num_kv_indices, info.num_copies, \
+            info.max_seq_len
+        h[_H_NOUT] = getattr(info, "num_swap_out", 0)
+        h[_H_NIN] = getattr(info, "num_swap_in", 0)
+        h[_H_NROWS], h[_H_NBYTES] = rows.size, self.nbytes
+        ext = _extents(info, self.buffers.csr, rows.size)
+        host = self.buffers.host
+        dst = self._host_np
+        for name in _TABLE_FIELDS:
+            n = ext[name]
+            if n:
+                dst[name][:n] = getattr(host, name)[:n].numpy()
+        t = ext["input_ids"]
+        dst["input_ids"][:t] = input_ids
+        dst["positions"][:t] = positions
+        dst["sample_rows"][: rows.size] = rows
+        self._broadcast()
+        if self.on_device:
+            self._unpack_device(ext)
+        self.seq_no += 1
+
+    def send_command(self, cmd: int) -> None:
+        """Rank 0: broadcasts an END or STOP command (no step)."""
+        self._wait_h2d()
+        h = self._header
+        h[:] = 0
+        h[_H_MAGIC], h[_H_CMD], h[_H_SEQNO], h[_H_NBYTES] = MAGIC, cmd, self.seq_no, self.nbytes
+        self._broadcast()
+        self.seq_no += 1
+
+    def _wait_h2d(self) -> None:
+        if self.on_device and self._h2d_pending:
+            # The previous step's asynchronous copy still reads the pinned packet.
+            self._h2d_done.synchronize()
+            self._h2d_pending = False
+
+    def _broadcast(self) -> None:
+        if self.on_device and self.is_sender:
+            self.packet.copy_(self.packet_host, non_blocking=True)
+            self._h2d_done.record()
+            self._h2d_pending = True
+        self.group.broadcast_(self.packet)
+
+    # ---------------------------------------------------------------------------------- recv
+
+    def recv(self) -> Received:
+        """Every rank but 0: waits for rank 0's next packet and unpacks it into this rank's step
+        buffers (and, under NCCL, device ids/positions); returns the command and the batch."""
+        from ..manager import StepInfo
+        from ..errors import InvariantViolationError
+
+        self.group.broadcast_(self.packet)
+        if self.on_device:
+            # The host part only: header, query offsets, copy/swap lists, sample rows.
+            self.packet_host[: self.host_nbytes].copy_(self.packet[: self.host_nbytes])
+        h = self._header
+        if int(h[_H_MAGIC]) != MAGIC or int(h[_H_NBYTES]) != self.nbytes or (
+                int(h[_H_SEQNO]) != self.seq_no):
+            raise InvariantViolationError(
+                f"tensor-parallel rank {self.group.rank}: step packet {int(h[_H_SEQNO])} "
+                f"(magic {int(h[_H_MAGIC]):#x}, {int(h[_H_NBYTES])} bytes) where packet "
+                f"{self.seq_no} of {self.nbytes} bytes was expected: ranks are out of step")
+        self.seq_no += 1
+        cmd = int(h[_H_CMD])
+        if cmd != CMD_STEP:
+            return Received(cmd, int(h[_H_SEQNO]), None, None, None, None)
+        info = StepInfo(int(h[_H_NSEQS]), int(h[_H_NTOK]), int(h[_H_NKVI]), int(h[_H_NCOPY]),
+                        int(h[_H_MAXLEN]), int(h[_H_NOUT]), int(h[_H_NIN]))
+        n_rows = int(h[_H_NROWS])
+        ext = _extents(info, self.buffers.csr, n_rows)
+        src = self._host_np
+        t = info.num_tokens
+        self._rows[:n_rows] = src["sample_rows"][:n_rows]
+        host = self.buffers.host
+        if self.on_device:
+            self._unpack_device(ext)
+            for name in ("query_start_loc", "copies", "swap_out", "swap_in"):
+                n = ext[name]
+                if n:
+                    getattr(host, name)[:n].numpy()[:] = src[name][:n]
+            ids = pos = None
+        else:
+            for name in _TABLE_FIELDS:
+                n = ext[name]
+                if n:
+                    getattr(host, name)[:n].numpy()[:] = src[name][:n]
+            self._ids[:t] = src["input_ids"][:t]
+            self._pos[:t] = src["positions"][:t]
+            ids, pos = self._ids[:t], self._pos[:t]
+        return Received(CMD_STEP, int(h[_H_SEQNO]), info, ids, pos, self._rows[:n_rows])
+
+    def _unpack_device(self, ext: dict[str, int]) -> None:
+        # Device to device, on the current stream after the broadcast: into the fixed addresses
+        # the CUDA graphs read.
+        dev, src = self.buffers.device, self._dev_views
+        for name in ("seq_lens", "query_start_loc", "slot_mapping", "block_tables", "kv_indptr",
+                     "kv_indices", "kv_last_page_len"):
+            n = ext[name]
+            if n:
+                getattr(dev, name)[:n].copy_(src[name][:n], non_blocking=True)
+        t = ext["input_ids"]
+        self.ids_dev[:t].copy_(src["input_ids"][:t], non_blocking=True)
+        self.positions_dev[:t].copy_(src["positions"][:t], non_blocking=True)
+
+    def __repr__(self) -> str:
+        return (f"StepBroadcaster(rank={self.group.rank}, nbytes={self.nbytes}, "
+                f"host_nbytes={self.host_nbytes}, device={str(self.group.device)!r})")
