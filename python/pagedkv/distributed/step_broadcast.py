@@ -59,7 +59,7 @@ CMD_STEP, CMD_END, CMD_STOP = 1, 2, 3
 MAGIC = 0x706B7654_50000001
 
 _H_MAGIC, _H_CMD, _H_SEQNO, _H_NSEQS, _H_NTOK, _H_NKVI, _H_NCOPY, _H_MAXLEN, _H_NOUT, _H_NIN, \
-    _H_NROWS, _H_NBYTES = range(12)
+    _H_NROWS, _H_NBYTES, _H_MAXQ = range(13)
 _HEADER_WORDS = 16
 _ALIGN = 64
 
@@ -180,6 +180,7 @@ class StepBroadcaster:
             info.max_seq_len
         h[_H_NOUT] = getattr(info, "num_swap_out", 0)
         h[_H_NIN] = getattr(info, "num_swap_in", 0)
+        h[_H_MAXQ] = getattr(info, "max_query_len", 0)
         h[_H_NROWS], h[_H_NBYTES] = rows.size, self.nbytes
         ext = _extents(info, self.buffers.csr, rows.size)
         host = self.buffers.host
@@ -243,7 +244,7 @@ class StepBroadcaster:
         if cmd != CMD_STEP:
             return Received(cmd, int(h[_H_SEQNO]), None, None, None, None)
         info = StepInfo(int(h[_H_NSEQS]), int(h[_H_NTOK]), int(h[_H_NKVI]), int(h[_H_NCOPY]),
-                        int(h[_H_MAXLEN]), int(h[_H_NOUT]), int(h[_H_NIN]))
+                        int(h[_H_MAXLEN]), int(h[_H_NOUT]), int(h[_H_NIN]), int(h[_H_MAXQ]))
         n_rows = int(h[_H_NROWS])
         ext = _extents(info, self.buffers.csr, n_rows)
         src = self._host_np
