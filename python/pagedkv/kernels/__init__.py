@@ -23,7 +23,7 @@ from ._validate import (  # noqa: E402
     KernelShapeError,
 )
 from .copy import BlockCopier, copy_blocks, swap_blocks  # noqa: E402
-from .decode import DecodeWorkspace, choose_num_splits, paged_decode  # noqa: E402
+from .decode import DecodePlan, DecodeWorkspace, choose_num_splits, paged_decode  # noqa: E402
 from .prefill import paged_prefill  # noqa: E402
 from .scatter import scatter_kv  # noqa: E402
 
@@ -37,6 +37,7 @@ __all__ = [
     "BlockCopier",
     "copy_blocks",
     "swap_blocks",
+    "DecodePlan",
     "DecodeWorkspace",
     "choose_num_splits",
     "paged_decode",
