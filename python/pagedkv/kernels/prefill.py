@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _launch as L
 from . import _validate as v
 
 __all__ = ["paged_prefill", "prefill_config"]
@@ -116,6 +117,7 @@ def _prefill_kernel(
     seq_lens_ptr,
     qsl_ptr,
     out_ptr,
+    max_q_len,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -131,7 +133,6 @@ def _prefill_kernel(
     total,
     num_blocks,
     seq_cap,
-    max_q_len,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
@@ -263,7 +264,52 @@ def paged_prefill(
     `check_indices=True` validates the index tensors on the host (synchronizes; debugging only).
     `config` overrides the launch parameters of `prefill_config` (keys `BLOCK_M`, `BLOCK_N`,
     `num_warps`, `num_stages`, `PACK_GQA`; for tuning). Returns `out` (allocated like `q` when not given).
+    The checks and launch configuration are cached per call signature (`_launch.py`).
     """
+    key = None
+    if not check_indices:
+        try:
+            key = (L.tensor_key(q), L.tensor_key(k_cache), L.tensor_key(v_cache),
+                   L.tensor_key(block_tables), L.tensor_key(seq_lens),
+                   L.tensor_key(query_start_loc), None if out is None else L.tensor_key(out),
+                   scale, None if config is None else tuple(sorted(config.items())),
+                   type(max_q_len) is int and max_q_len >= 0)
+            call = _CACHE.get(key)
+        except (AttributeError, TypeError):
+            key = call = None
+        if call is not None:
+            return call(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+                        max_q_len)
+    call = _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q_len,
+                    scale, out, check_indices, config)
+    if call is None:
+        return torch.empty_like(q) if out is None else out
+    if key is not None:
+        _CACHE.put(key, call)
+    return call(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, max_q_len)
+
+
+class _PrefillCall:
+    """A validated `paged_prefill` signature; the grid's first dimension follows max_q_len."""
+
+    __slots__ = ("launch", "block_t", "g1", "g2", "total")
+
+    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, qsl, out, max_q_len):
+        if out is None:
+            out = torch.empty_like(q)
+        # No sequence has more rows than q, so a larger bound only sizes an idle grid: cap it.
+        # At least one row tile, so rows a wrong max_q_len of 0 leaves out are still zeroed.
+        mq = min(max_q_len, self.total)
+        grid = (max(1, -(-mq // self.block_t)), self.g1, self.g2)
+        self.launch(grid, q, k_cache, v_cache, block_tables, seq_lens, qsl, out, mq)
+        return out
+
+
+_CACHE = L.LaunchCache()
+
+
+def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q_len, scale,
+             out, check_indices, config):
     num_blocks, block_size, kv_heads, head_dim = v.check_cache_pair(k_cache, v_cache)
     dev = k_cache.device
     v.check_tensor("q", q, ndim=3, dtypes=(k_cache.dtype,))
@@ -306,10 +352,8 @@ def paged_prefill(
     if check_indices:
         _check_indices(block_tables, seq_lens, query_start_loc, total, max_q_len,
                        num_blocks, block_size, min(block_tables.shape[1] * block_size, MAX_SEQ_CAP))
-    if out is None:
-        out = torch.empty_like(q)
     if num_seqs == 0 or total == 0:
-        return out
+        return None
     cfg = prefill_config(head_dim, q.dtype, os.environ.get("TRITON_INTERPRET", "0") == "1")
     if config is not None:
         unknown = set(config) - set(cfg)
@@ -323,26 +367,25 @@ def paged_prefill(
     pack = cfg["PACK_GQA"] and 1 < group <= cfg["BLOCK_M"] // 16
     per_tile = group if pack else 1
     block_t = cfg["BLOCK_M"] // per_tile
-    # No sequence has more rows than q, so a larger bound only sizes an idle grid: cap it. At
-    # least one row tile, so rows that a wrong max_q_len of 0 leaves out are still zero-filled.
-    max_q_len = min(max_q_len, total)
-    grid = (max(1, triton.cdiv(max_q_len, block_t)), q_heads // per_tile, num_seqs)
+    o_ref = out if out is not None else torch.empty_like(q)
     seq_cap = min(block_tables.shape[1] * block_size, MAX_SEQ_CAP)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        sc * _LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        total, num_blocks, seq_cap, max_q_len,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, HEADS_PER_ROW_TILE=per_tile,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PRECISION=precision,
-        ZERO_T=triton.next_power_of_2(block_t),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    call = _PrefillCall()
+    call.block_t, call.g1, call.g2, call.total = block_t, q_heads // per_tile, num_seqs, total
+    call.launch = L.Launch(
+        _prefill_kernel,
+        (sc * _LOG2E,
+         q.stride(0), q.stride(1),
+         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+         block_tables.stride(0),
+         o_ref.stride(0), o_ref.stride(1),
+         total, num_blocks, seq_cap),
+        dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, HEADS_PER_ROW_TILE=per_tile,
+             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PRECISION=precision,
+             ZERO_T=triton.next_power_of_2(block_t),
+             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
     )
-    return out
+    return call
 
 
 def _check_indices(block_tables, seq_lens, qsl, total, max_q_len, num_blocks, block_size, seq_cap):

@@ -14,10 +14,13 @@ row gather/scatter with wide vector loads and stores.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
+from . import _launch as L
 from . import _validate as v
 
 __all__ = ["scatter_kv"]
@@ -37,6 +40,7 @@ def _scatter_kernel(
     ROW: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    STREAM: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -48,19 +52,35 @@ def _scatter_kernel(
     c_ok = offs_c < ROW
     m = ok[:, None] & c_ok[None, :]
     src_t = offs_t.to(tl.int64)
-    k = tl.load(key_ptr + src_t[:, None] * stride_kt + offs_c[None, :], mask=m)
-    val = tl.load(value_ptr + src_t[:, None] * stride_vt + offs_c[None, :], mask=m)
     dst = slot.to(tl.int64)[:, None] * ROW + offs_c[None, :]
-    tl.store(k_cache_ptr + dst, k, mask=m)
-    tl.store(v_cache_ptr + dst, val, mask=m)
+    if STREAM:
+        # New K/V is read once and the pool row is not read again this step: keep neither in L2.
+        k = tl.load(key_ptr + src_t[:, None] * stride_kt + offs_c[None, :], mask=m,
+                    eviction_policy="evict_first")
+        val = tl.load(value_ptr + src_t[:, None] * stride_vt + offs_c[None, :], mask=m,
+                      eviction_policy="evict_first")
+        tl.store(k_cache_ptr + dst, k, mask=m, cache_modifier=".cs")
+        tl.store(v_cache_ptr + dst, val, mask=m, cache_modifier=".cs")
+    else:
+        k = tl.load(key_ptr + src_t[:, None] * stride_kt + offs_c[None, :], mask=m)
+        val = tl.load(value_ptr + src_t[:, None] * stride_vt + offs_c[None, :], mask=m)
+        tl.store(k_cache_ptr + dst, k, mask=m)
+        tl.store(v_cache_ptr + dst, val, mask=m)
 
 
-def _tile(row: int) -> tuple:
-    # About 4K elements per tensor per program: large enough for 16-byte accesses across all
-    # threads, small enough that 8192 tokens give thousands of programs to spread over the SMs.
-    block_c = min(triton.next_power_of_2(row), 4096)
-    block_t = max(1, 4096 // block_c)
+#: Launch parameters of the scatter kernel (`config=` overrides them; for tuning).
+SCATTER_CONFIG = {"ELEMS": 4096, "num_warps": 4, "STREAM": False}
+
+
+def _tile(row: int, elems: int = 4096) -> tuple:
+    # About `elems` elements per tensor per program: large enough for 16-byte accesses across
+    # all threads, small enough that 8192 tokens give thousands of programs to spread over SMs.
+    block_c = min(triton.next_power_of_2(row), elems)
+    block_t = max(1, elems // block_c)
     return block_t, block_c
+
+
+_CACHE = L.LaunchCache()
 
 
 def scatter_kv(
@@ -71,13 +91,38 @@ def scatter_kv(
     slot_mapping: torch.Tensor,
     *,
     check_indices: bool = False,
+    config: Optional[dict] = None,
 ) -> None:
     """Writes `key[i]`/`value[i]` into slot `slot_mapping[i]` of `k_cache`/`v_cache`, in place.
 
     Negative slots are padding and skipped; slots past the pool are skipped too. With
     `check_indices=True` the slots are range-checked on the host first (this synchronizes, so it
-    is for debugging, not for CUDA graphs) and a bad one raises `KernelIndexError`.
+    is for debugging, not for CUDA graphs) and a bad one raises `KernelIndexError`. The checks
+    and the launch configuration are cached per call signature (shapes, strides, dtypes,
+    devices, alignment; see `_launch.py`), so a repeated signature costs a few microseconds of
+    host time. `config` overrides `SCATTER_CONFIG` (for tuning).
     """
+    lkey = None
+    if not check_indices:
+        try:
+            lkey = (L.tensor_key(key), L.tensor_key(value), L.tensor_key(k_cache),
+                    L.tensor_key(v_cache), L.tensor_key(slot_mapping),
+                    None if config is None else tuple(sorted(config.items())))
+            call = _CACHE.get(lkey)
+        except (AttributeError, TypeError):
+            lkey = call = None
+        if call is not None:
+            if call[0] is not None:
+                call[0](call[1], key, value, k_cache, v_cache, slot_mapping)
+            return
+    call = _prepare(key, value, k_cache, v_cache, slot_mapping, check_indices, config)
+    if lkey is not None:
+        _CACHE.put(lkey, call)
+    if call[0] is not None:
+        call[0](call[1], key, value, k_cache, v_cache, slot_mapping)
+
+
+def _prepare(key, value, k_cache, v_cache, slot_mapping, check_indices, config):
     num_blocks, block_size, kv_heads, head_dim = v.check_cache_pair(k_cache, v_cache)
     dev = k_cache.device
     v.check_tensor("key", key, ndim=3, dtypes=(k_cache.dtype,))
@@ -105,23 +150,23 @@ def scatter_kv(
                 f"slot_mapping[{i}]: is {int(slot_mapping[i])}, expected < {num_slots} "
                 f"(num_blocks * block_size) or negative for padding"
             )
+    cfg = dict(SCATTER_CONFIG)
+    if config is not None:
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise v.KernelArgumentError(
+                f"config: unknown keys {sorted(unknown)}, expected some of {sorted(cfg)}"
+            )
+        cfg.update(config)
     if num_tokens == 0:
-        return
+        return (None, None)
     row = kv_heads * head_dim
-    block_t, block_c = _tile(row)
+    block_t, block_c = _tile(row, cfg["ELEMS"])
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(row, block_c))
-    _scatter_kernel[grid](
-        key,
-        value,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        num_tokens,
-        num_slots,
-        key.stride(0),
-        value.stride(0),
-        ROW=row,
-        BLOCK_T=block_t,
-        BLOCK_C=block_c,
-        num_warps=4,
+    launch = L.Launch(
+        _scatter_kernel,
+        (num_tokens, num_slots, key.stride(0), value.stride(0)),
+        dict(ROW=row, BLOCK_T=block_t, BLOCK_C=block_c, STREAM=bool(cfg["STREAM"]),
+             num_warps=cfg["num_warps"]),
     )
+    return (launch, grid)
