@@ -458,7 +458,7 @@ def sdpa_ref_ragged(q, kc, vc, bt, lens):
     return torch.stack(outs)
 
 
-def bench_ragged(programs_per_sm=(2, 4, 8, 16)):
+def bench_ragged(programs_per_sm=(2, 4, 8, 16)):  # noqa: C901
     import time
 
     import numpy as np
@@ -508,7 +508,7 @@ def bench_ragged(programs_per_sm=(2, 4, 8, 16)):
               f"{t['dobench_eager_us']:7.1f} | rotation graph {t['graph_us']:7.1f} | read-flush "
               f"{t['readflush_graph_us']:7.1f} | err {err:.1e} {info}", flush=True)
     # Host cost of planning one step (numpy + one H2D copy).
-    pl = plans[programs_per_sm[1]]
+    pl = plans[4 if 4 in plans else programs_per_sm[0]]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(200):
@@ -618,6 +618,20 @@ def bench_host():
     pout = torch.empty_like(pq)
     cases.append(("paged_prefill 4x512 on 1024 (out)", P._CACHE,
                   lambda: K.paged_prefill(pq, pkc, pvc, pbt, psl, pqsl, ql, out=pout)))
+    # Floors on this host: a one-element torch kernel launch, and the cached decode launch
+    # alone (no signature key), for the 64 x 4096 call above.
+    small = torch.zeros(1, device="cuda")
+    floor = host_us(lambda: small.add_(1.0))
+    record("host", "torch small.add_ (launch floor)", host_us=floor)
+    print(f"host torch small.add_(1) launch floor: {floor:6.1f} us", flush=True)
+    sets, sl = make_decode(64, 4096, copies=1)
+    q, kc, vc, bt = sets[0]
+    out = torch.empty_like(q)
+    K.paged_decode(q, kc, vc, bt, sl, out=out)
+    call = next(c for c in D._CACHE._d.values() if c.num_seqs == 64)
+    raw = host_us(lambda: call.main(call.grid, q, kc, vc, bt, sl, out, out, out, sl, sl, sl))
+    record("host", "cached decode launch without the key (64 x 4096)", host_us=raw)
+    print(f"host cached decode launch alone (no key): {raw:6.1f} us", flush=True)
     for name, cache, fn in cases:
         cached = host_us(fn)
         uncached = host_us(fn, clear=cache.clear)
@@ -661,6 +675,87 @@ def bench_scatter_variants(kv_heads=8, hd=128, bs=16, num_blocks=8192):
           f"({nbytes / t['dobench_graph_us'] / 1e6:4.2f} TB/s) | read-flush "
           f"{t['readflush_graph_us']:6.2f} ({nbytes / t['readflush_graph_us'] / 1e6:4.2f})",
           flush=True)
+
+
+def bench_fp8(shapes, pps=4):
+    """bf16 against fp8 (e4m3, per-kv-head scales) decode on the same tokens; the issue's measure."""
+    FP8 = torch.float8_e4m3fn
+    for batch, ctx in shapes:
+        sets, sl = make_decode(batch, ctx, copies=3)
+        q0, kc0, vc0, bt0 = sets[0]
+        H = kc0.shape[2]
+        tok_bytes = batch * ctx * H * kc0.shape[3] * 2
+        ws = K.DecodeWorkspace(batch, q0.shape[1], H, q0.shape[2], device="cuda")
+        q8 = []
+        for q, kc, vc, bt in sets:
+            ks = (kc.float().abs().amax(dim=(0, 1, 3)) / 448.0).contiguous()
+            vs = (vc.float().abs().amax(dim=(0, 1, 3)) / 448.0).contiguous()
+            k8 = (kc.float() / ks.view(1, 1, H, 1)).clamp(-448, 448).to(FP8)
+            v8 = (vc.float() / vs.view(1, 1, H, 1)).clamp(-448, 448).to(FP8)
+            q8.append((q, k8, v8, bt, ks, vs))
+        outs = [torch.empty_like(s[0]) for s in sets]
+        outs8 = [torch.empty_like(s[0]) for s in sets]
+
+        def mk(i):
+            q, kc, vc, bt = sets[i]
+            return lambda: K.paged_decode(q, kc, vc, bt, sl, out=outs[i], workspace=ws)
+
+        def mk8(i):
+            q, k8, v8, bt, ks, vs = q8[i]
+            return lambda: K.paged_decode(q, k8, v8, bt, sl, out=outs8[i], workspace=ws,
+                                          k_scale=ks, v_scale=vs)
+
+        mk(0)()
+        mk8(0)()
+        err = ((outs8[0].float() - outs[0].float()).norm() / outs[0].float().norm()).item()
+        t16 = issue_times(mk(0), [mk(i) for i in range(3)])
+        t8 = issue_times(mk8(0), [mk8(i) for i in range(3)])
+        for name, t, nb in (("bf16", t16, 2 * tok_bytes * 2), ("fp8", t8, 2 * tok_bytes)):
+            record("fp8", f"paged_decode {name} b={batch} ctx={ctx}", batch=batch, ctx=ctx,
+                   bytes=nb, **t, **({"rel_err_vs_bf16": err} if name == "fp8" else {}))
+        print(f"fp8 decode b={batch:4d} ctx={ctx:6d}: bf16 {t16['dobench_graph_us']:7.1f} us | fp8 "
+              f"{t8['dobench_graph_us']:7.1f} us | speedup {t16['dobench_graph_us'] / t8['dobench_graph_us']:4.2f}x"
+              f" (rotation {t16['graph_us'] / t8['graph_us']:4.2f}x, fp8 {2 * tok_bytes / t8['graph_us'] / 1e6:4.2f} TB/s)"
+              f" | fp8 vs bf16 rel err {err:.2e}", flush=True)
+        if batch == 128:
+            # fp8 tiles carry half the bytes: does a longer tile or a deeper pipeline pay?
+            for cfg in ({"num_stages": 4}, {"TILE_N": 128, "num_stages": 2},
+                        {"TILE_N": 128, "num_stages": 3, "num_warps": 8}):
+                q, k8, v8, bt, ks, vs = q8[0]
+                try:
+                    fn = (lambda cfg=cfg: K.paged_decode(q, k8, v8, bt, sl, out=outs8[1],
+                                                         workspace=ws, k_scale=ks, v_scale=vs,
+                                                         config=cfg))
+                    fn()
+                    e2 = ((outs8[1].float() - outs[0].float()).norm()
+                          / outs[0].float().norm()).item()
+                    tt = triton.testing.do_bench(_graphed(fn).replay, warmup=25, rep=100,
+                                                 return_mode="median") * 1000.0
+                except Exception as exc:
+                    print(f"  fp8 tune {cfg}: failed {type(exc).__name__}: {str(exc)[:80]}")
+                    continue
+                record("fp8_tune", f"b={batch} ctx={ctx}", config=cfg, dobench_graph_us=tt,
+                       rel_err_vs_bf16=e2)
+                print(f"  fp8 tune {cfg}: do_bench graph {tt:7.1f} us, err {e2:.2e}", flush=True)
+        del sets, q8, outs, outs8, ws
+        torch.cuda.empty_cache()
+    # Quantizing scatter: 8192 tokens into an fp8 pool (reads 2 B, writes 1 B per element).
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    kc = torch.zeros(8192, 16, 8, 128, device="cuda", dtype=FP8)
+    vc = torch.zeros_like(kc)
+    ks = torch.full((8,), 0.02, device="cuda")
+    sets = []
+    for _ in range(4):
+        key = torch.randn(8192, 8, 128, device="cuda", dtype=DT, generator=gen)
+        val = torch.randn_like(key)
+        slots = torch.randperm(8192 * 16, device="cuda", generator=gen)[:8192]
+        sets.append((key, val, slots))
+    nbytes = 2 * 8192 * 8 * 128 * (2 + 1) + 8192 * 8
+    fns = [lambda s=s: K.scatter_kv(s[0], s[1], kc, vc, s[2], k_scale=ks, v_scale=ks) for s in sets]
+    t = issue_times(fns[0], fns)
+    record("fp8", "scatter_kv fp8 n=8192", bytes=nbytes, **t)
+    print(f"fp8 scatter n=8192: do_bench graph {t['dobench_graph_us']:6.2f} us "
+          f"({nbytes / t['dobench_graph_us'] / 1e6:4.2f} TB/s) | rotation {t['graph_us']:6.2f}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -796,6 +891,8 @@ def compare_old(old, what=("decode", "prefill", "scatter")):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plan-pps", default="2,4,8,16",
+                    help="planner programs per SM the ragged section compares")
     ap.add_argument("--tune", action="store_true", help="also sweep decode/prefill launch configs")
     ap.add_argument("--tune-what", default="decode,prefill", help="which sweeps --tune runs")
     ap.add_argument("--only", default="decode,prefill,scatter,copy",
@@ -831,18 +928,20 @@ def main(argv=None):
         bench_scatter()
     if "copy" in only:
         bench_copy()
+    if "fp8" in only:
+        bench_fp8([(64, 4096), (128, 2048), (256, 1024), (8, 8192), (1, 32768)])
     if "ragged" in only:
-        bench_ragged()
-    if "anchor" in only:
-        bench_anchor_plan([(1, 32768), (8, 8192), (64, 4096), (128, 2048), (256, 1024)])
+        bench_ragged(tuple(int(x) for x in args.plan_pps.split(",")))
     if "host" in only:
         bench_host()
+    if "anchor" in only:
+        bench_anchor_plan([(1, 32768), (8, 8192), (64, 4096), (128, 2048), (256, 1024)])
     if "scatter2" in only:
         bench_scatter_variants()
     print()
     print(f"{'kind':8s} {'name':40s} {'graph':>10s} {'eager':>10s} {'rate(graph)':>14s}")
     for r in RESULTS:
-        if r["kind"].endswith("_tune") or r["kind"] in ("ragged", "decode_r2", "host", "scatter_r2"):
+        if r["kind"].endswith("_tune") or r["kind"] in ("ragged", "decode_r2", "host", "scatter_r2", "fp8"):
             continue
         if "graph_tbps" in r:
             rate = f"{r['graph_tbps']:.2f} TB/s"

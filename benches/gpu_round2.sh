@@ -9,8 +9,8 @@ export PYTHONPATH=python PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 PY="${PYTHON:-python3}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv 2>&1 | tee "$OUT/nvidia-smi.txt"
-TESTS="${TESTS:-decode bounds scatter_copy prefill}"
-ONLY="${ONLY:-ragged,anchor,host,scatter2}"
+TESTS="${TESTS-decode fp8 bounds scatter_copy prefill}"
+ONLY="${ONLY:-ragged,anchor,host,scatter2,fp8}"
 files=""
 for t in $TESTS; do files="$files tests/test_kernels_$t.py"; done
 rc=0
@@ -19,7 +19,7 @@ if [ -n "$files" ]; then
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
   rc=${PIPESTATUS[0]}
 fi
-timeout "${BENCH_TIMEOUT:-330}" "$PY" benches/bench_kernels.py --only "$ONLY" --json "$OUT/bench_round2.json" \
+timeout "${BENCH_TIMEOUT:-330}" "$PY" benches/bench_kernels.py --only "$ONLY" ${BENCH_ARGS:-} --json "$OUT/bench_round2.json" \
   2>&1 | tee "$OUT/bench_round2.log" | grep -v "^{'device'"
 brc=${PIPESTATUS[0]}
 echo "tests rc=$rc bench rc=$brc"

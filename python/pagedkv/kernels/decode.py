@@ -344,6 +344,8 @@ def _decode_kernel(
     po_ptr,
     pl_ptr,
     plan_ptr,
+    ksc_ptr,
+    vsc_ptr,
     qk_scale,
     stride_qs,
     stride_qh,
@@ -356,6 +358,7 @@ def _decode_kernel(
     num_seqs,
     items_off,
     max_rows,
+    scale_stride,
     BLOCK_SIZE: tl.constexpr,
     KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -365,6 +368,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     PLANNED: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # The pool is contiguous (checked on the host): its strides follow from the constexprs, so
     # they are compile-time constants here.
@@ -425,6 +429,11 @@ def _decode_kernel(
     k_head = k_ptr + kvh.to(tl.int64) * stride_kh
     v_head = v_ptr + kvh.to(tl.int64) * stride_kh
 
+    if KV_FP8:
+        # fp8 cache: K = k8 * k_scale and V = v8 * v_scale for the program's kv head, so the
+        # K scale folds into the softmax scale and the V scale into the output; the tiles are
+        # only widened to q's dtype for the tensor-core products.
+        qk_scale = qk_scale * tl.load(ksc_ptr + kvh * scale_stride)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
@@ -444,6 +453,8 @@ def _decode_kernel(
             mask=t_ok[:, None],
             other=0.0,
         )
+        if KV_FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -455,19 +466,32 @@ def _decode_kernel(
             mask=t_ok[:, None],
             other=0.0,
         )
+        if KV_FP8:
+            vv = vv.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
         m_i = m_new
 
     seq_bad = tl.max(bad, 0) > 0
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = tl.where(seq_bad, 0.0, acc / l_safe[:, None])
+    if KV_FP8:
+        o = o * tl.load(vsc_ptr + kvh * scale_stride)
     lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
     # +inf marks a split that met an out-of-pool id: the merge then zeroes the sequence, so
     # the result does not depend on how the sequence was split.
     lse = tl.where(seq_bad, float("inf"), lse)
     if PLANNED:
         # A sequence with one item writes its output directly; the pieces of a split one go to
-        # the partial rows the merge reads (layout [max_rows, q_heads, HEAD_DIM], packed).
+        # the partial rows the merge reads (layout [max_rows, q_heads, HEAD_DIM], packed). The
+        # item is read again here (volatile: not merged with the first read) so its fields are
+        # not kept live in registers across the key loop.
+        live = item < n_items
+        seq = tl.load(ip, mask=live, other=-1, volatile=True)
+        row_raw = tl.load(ip + 3, mask=live, other=-1, volatile=True)
+        live = live & (seq >= 0) & (seq < num_seqs)
+        seq64 = tl.where(live, seq, 0).to(tl.int64)
+        direct = row_raw < 0
+        row = tl.minimum(tl.maximum(row_raw, 0), max_rows - 1)
         om = g_ok & live
         tl.store(
             out_ptr + seq64 * stride_os + qh[:, None] * stride_oh + offs_d[None, :],
@@ -593,7 +617,7 @@ def _merge_planned_kernel(
 def _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, out):
     num_blocks, block_size, kv_heads, head_dim = v.check_cache_pair(k_cache, v_cache)
     dev = k_cache.device
-    v.check_tensor("q", q, ndim=3, dtypes=(k_cache.dtype,))
+    v.check_tensor("q", q, ndim=3, dtypes=v.act_dtypes(k_cache.dtype))
     v.check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
     v.check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,))
     v.check_same_device(dev, q=q, block_tables=block_tables, seq_lens=seq_lens)
@@ -630,11 +654,15 @@ class _DecodeCall:
     """A validated `paged_decode` signature: the launches and the scratch views they use."""
 
     __slots__ = ("main", "merge", "grid", "merge_grid", "po", "pl", "plan", "workspace",
-                 "num_seqs", "kv_heads", "cacheable")
+                 "num_seqs", "kv_heads", "cacheable", "plain", "ks", "vs")
 
-    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, out):
+    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale):
         if out is None:
             out = torch.empty_like(q)
+        # Scales: a float's device tensor lives in the call (its value is in the signature), a
+        # tensor comes per call; without fp8 seq_lens stands in (never read).
+        ks = self.ks if self.ks is not None else (k_scale if k_scale is not None else seq_lens)
+        vs = self.vs if self.vs is not None else (v_scale if v_scale is not None else seq_lens)
         plan = self.plan
         if plan is not None:
             if plan.num_seqs != self.num_seqs:
@@ -643,15 +671,22 @@ class _DecodeCall:
                     f"(q's batch; call plan.update with this batch's lengths)"
                 )
             capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+            if not capturing and plan.num_items == self.num_seqs:
+                # Nothing split: the plain one-program-per-(sequence, kv head) kernel, faster
+                # than the work-list one at uniform lengths (measured, docs/performance.md).
+                self.plain((self.num_seqs, self.kv_heads, 1), q, k_cache, v_cache,
+                           block_tables, seq_lens, out, out, out, seq_lens, ks, vs)
+                return out
             n_items = plan.capacity if capturing else plan.num_items
             self.main((n_items * self.kv_heads,), q, k_cache, v_cache, block_tables, seq_lens,
-                      out, self.po, self.pl, plan.meta)
+                      out, self.po, self.pl, plan.meta, ks, vs)
             if capturing or n_items > self.num_seqs:
                 self.merge(self.merge_grid, self.po, self.pl, plan.meta, out)
             return out
         po = out if self.po is None else self.po
         pl = out if self.pl is None else self.pl
-        self.main(self.grid, q, k_cache, v_cache, block_tables, seq_lens, out, po, pl, seq_lens)
+        self.main(self.grid, q, k_cache, v_cache, block_tables, seq_lens, out, po, pl, seq_lens,
+                  ks, vs)
         if self.merge is not None:
             self.merge(self.merge_grid, po, pl, out)
         return out
@@ -672,6 +707,8 @@ def paged_decode(
     check_indices: bool = False,
     config: Optional[dict] = None,
     plan: Optional[DecodePlan] = None,
+    k_scale=None,
+    v_scale=None,
 ) -> torch.Tensor:
     """Decode attention for `q` (one token per sequence) over the paged cache; returns `out`.
 
@@ -686,7 +723,9 @@ def paged_decode(
     (synchronizes; debugging only) and raises `KernelIndexError` before launching; without it,
     bad values follow the bounds contract (no access outside the tensors; docs/kernels.md).
     `config` overrides the launch parameters of `decode_config` (keys `TILE_N`, `num_warps`,
-    `num_stages`; for tuning).
+    `num_stages`; for tuning). An fp8 (`float8_e4m3fn`) cache is read as `k8 * k_scale`,
+    `v8 * v_scale` (float, or float32 tensor `[kv_heads]`, as written by `scatter_kv`); `q` and
+    `out` are then bf16, fp16 or fp32.
 
     Host cost: the checks and the launch configuration are computed once per call signature
     (shapes, strides, dtypes, devices and alignment of the tensors, and the host arguments) and
@@ -704,26 +743,35 @@ def paged_decode(
                 max_seq_len // MIN_TOKENS_PER_SPLIT
                 if type(max_seq_len) is int and max_seq_len >= 0 else ("raw", max_seq_len),
                 None if config is None else tuple(sorted(config.items())),
+                v.scale_key(k_scale), v.scale_key(v_scale),
             )
             call = _CACHE.get(key)
         except (AttributeError, TypeError):
             key = call = None
         if call is not None:
-            return call(q, k_cache, v_cache, block_tables, seq_lens, out)
+            return call(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale)
     call = _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace,
-                    num_splits, max_seq_len, check_indices, config, plan)
+                    num_splits, max_seq_len, check_indices, config, plan, k_scale, v_scale)
     if call is None:  # an empty batch
         return torch.empty_like(q) if out is None else out
     if key is not None and call.cacheable:
         _CACHE.put(key, call)
-    return call(q, k_cache, v_cache, block_tables, seq_lens, out)
+    return call(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale)
 
 
 def _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace, num_splits,
-             max_seq_len, check_indices, config, plan) -> Optional[_DecodeCall]:
+             max_seq_len, check_indices, config, plan, k_scale, v_scale) -> Optional[_DecodeCall]:
     num_blocks, block_size, kv_heads, head_dim = _check_decode_args(
         q, k_cache, v_cache, block_tables, seq_lens, out
     )
+    fp8 = k_cache.dtype == v.FP8
+    ks, k_stride = v.kv_scale("k_scale", k_scale, kv_heads, k_cache.device, fp8)
+    vs, v_stride = v.kv_scale("v_scale", v_scale, kv_heads, k_cache.device, fp8)
+    if fp8 and k_stride != v_stride:
+        raise v.KernelShapeError(
+            "v_scale: per-kv-head and per-tensor scales mixed, expected k_scale and v_scale "
+            "of one kind"
+        )
     sc = v.check_scale(scale, head_dim)
     num_seqs, q_heads, _ = q.shape
     group = q_heads // kv_heads
@@ -791,6 +839,8 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace,
     call.plan, call.workspace, call.num_seqs, call.kv_heads = plan, workspace, num_seqs, kv_heads
     call.po = call.pl = call.merge = None
     call.cacheable = True
+    call.ks = ks if fp8 and not isinstance(k_scale, torch.Tensor) else None
+    call.vs = vs if fp8 and not isinstance(v_scale, torch.Tensor) else None
     split = plan is None and num_splits > 1
     if plan is not None:
         call.po = plan.partial_out.view(plan.capacity, q_heads, head_dim)
@@ -813,13 +863,24 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace,
         _decode_kernel,
         (sc * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0),
          o_ref.stride(0), o_ref.stride(1), ns, num_blocks, seq_cap, num_seqs, items_off,
-         max_rows),
+         max_rows, k_stride),
         dict(BLOCK_SIZE=block_size, KV_HEADS=kv_heads, HEAD_DIM=head_dim, GROUP=group,
              GROUP_PAD=group_pad, TILE_N=cfg["TILE_N"], SPLIT=split, PLANNED=plan is not None,
-             PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
+             PRECISION=precision, KV_FP8=fp8, num_warps=cfg["num_warps"],
+             num_stages=cfg["num_stages"]),
     )
     call.merge_grid = (num_seqs, q_heads)
+    call.plain = None
     if plan is not None:
+        call.plain = L.Launch(
+            _decode_kernel,
+            (sc * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0),
+             o_ref.stride(0), o_ref.stride(1), 1, num_blocks, seq_cap, num_seqs, 0, 1, k_stride),
+            dict(BLOCK_SIZE=block_size, KV_HEADS=kv_heads, HEAD_DIM=head_dim, GROUP=group,
+                 GROUP_PAD=group_pad, TILE_N=cfg["TILE_N"], SPLIT=False, PLANNED=False,
+                 PRECISION=precision, KV_FP8=fp8, num_warps=cfg["num_warps"],
+                 num_stages=cfg["num_stages"]),
+        )
         call.merge = L.Launch(
             _merge_planned_kernel, (o_ref.stride(0), o_ref.stride(1), max_rows),
             dict(HEAD_DIM=head_dim, ROWS=16, num_warps=4),
