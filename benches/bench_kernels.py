@@ -598,7 +598,8 @@ def bench_host():
     pl = K.DecodePlan(len(lens), q.shape[1], kc.shape[2], q.shape[2], device="cuda").update(lens)
     rout = torch.empty_like(q)
     cases.append(("paged_decode ragged 128 (plan, out)", D._CACHE,
-                  lambda: K.paged_decode(q, kc, vc, bt, rsl, out=rout, plan=pl)))
+                  lambda q=q, kc=kc, vc=vc, bt=bt: K.paged_decode(q, kc, vc, bt, rsl, out=rout,
+                                                                  plan=pl)))
     gen = torch.Generator(device="cuda").manual_seed(2)
     skc = torch.randn(8192, 16, 8, 128, device="cuda", dtype=DT, generator=gen)
     svc = torch.randn_like(skc)
@@ -719,8 +720,9 @@ def bench_fp8(shapes, pps=4):
               f" | fp8 vs bf16 rel err {err:.2e}", flush=True)
         if batch == 128:
             # fp8 tiles carry half the bytes: does a longer tile or a deeper pipeline pay?
-            for cfg in ({"num_stages": 4}, {"TILE_N": 128, "num_stages": 2},
-                        {"TILE_N": 128, "num_stages": 3, "num_warps": 8}):
+            for cfg in ({"FP8_COMPUTE": "q"}, {"TILE_N": 64, "num_stages": 3},
+                        {"TILE_N": 64, "num_stages": 3, "FP8_COMPUTE": "q"},
+                        {"TILE_N": 128, "num_stages": 3}):
                 q, k8, v8, bt, ks, vs = q8[0]
                 try:
                     fn = (lambda cfg=cfg: K.paged_decode(q, k8, v8, bt, sl, out=outs8[1],

@@ -85,7 +85,7 @@ class Launch:
     the compiled kernel; later calls launch that kernel directly.
     """
 
-    __slots__ = ("fn", "tail", "kwargs", "ordered_tail", "compiled", "plain")
+    __slots__ = ("fn", "tail", "kwargs", "ordered_tail", "compiled", "plain", "raw")
 
     def __init__(self, fn, tail: Sequence[Any], kwargs: dict):
         self.fn = fn
@@ -94,6 +94,7 @@ class Launch:
         self.compiled = None
         self.plain = interpreting()
         self.ordered_tail = None
+        self.raw = None
 
     def __call__(self, grid: tuple, *dynamic) -> None:
         k = self.compiled
@@ -102,6 +103,13 @@ class Launch:
             g1 = grid[1] if len(grid) > 1 else 1
             g2 = grid[2] if len(grid) > 2 else 1
             dev = _DEV()
+            raw = self.raw
+            if raw is not None:
+                # The C launch function itself (CudaLauncher.__call__ only adds scratch
+                # allocation, which these kernels do not use).
+                raw[0](grid[0], g1, g2, _RAW(dev), k.function, raw[1], raw[2], None, None,
+                       k.packed_metadata, None, None, None, *dynamic, *self.ordered_tail)
+                return
             k.run(grid[0], g1, g2, _RAW(dev), k.function, k.packed_metadata, None, None, None,
                   *dynamic, *self.ordered_tail)
             return
@@ -117,6 +125,10 @@ class Launch:
             ret, "function"
         ):
             self.compiled = ret
+            r = ret.run
+            if (getattr(r, "global_scratch_size", 1) == 0 and getattr(r, "profile_scratch_size", 1)
+                    == 0 and getattr(r, "num_ctas", 2) == 1 and hasattr(r, "launch")):
+                self.raw = (r.launch, r.launch_cooperative_grid, r.launch_pdl)
 
 
 def _raw_stream(dev: int) -> int:  # pragma: no cover - only without the private accessor

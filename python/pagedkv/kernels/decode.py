@@ -72,9 +72,16 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
-    """Tile size and launch parameters for the main decode kernel."""
+    """Tile size and launch parameters for the main decode kernel (`dtype`: the cache's).
+
+    `FP8_COMPUTE` (fp8 caches only): "fp16" widens the fp8 tiles (and q) to fp16 for the
+    tensor-core products, the native e4m3 conversion; "q" widens them to q's dtype."""
     tile_n = 64 if head_dim <= 128 else 32
-    return {"TILE_N": tile_n, "num_warps": 4, "num_stages": 3}
+    if dtype == v.FP8:
+        # Half the bytes per tile: a 128-token tile with 2 stages keeps as many bytes in flight
+        # as the 16-bit one (H200 sweep, docs/performance.md).
+        return {"TILE_N": 2 * tile_n, "num_warps": 4, "num_stages": 2, "FP8_COMPUTE": "fp16"}
+    return {"TILE_N": tile_n, "num_warps": 4, "num_stages": 3, "FP8_COMPUTE": "q"}
 
 
 def choose_num_splits(
@@ -264,6 +271,12 @@ class DecodePlan:
         total = int(lens.sum())
         chunk = -(-total * self.num_kv_heads // self.programs)
         chunk = max(self.min_chunk, -(-chunk // self.granule) * self.granule)
+        longest = int(lens.max()) if n else 0
+        if longest > chunk:
+            # Round the chunk up so the longest sequence splits into equal pieces (4096 tokens
+            # with a 4032-token chunk would be 4032 + 64); a larger chunk only means fewer items.
+            p = longest // chunk
+            chunk = -(-(-(-longest // p)) // self.granule) * self.granule
         pieces = np.maximum(1, -(-lens // chunk))
         indptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(pieces, out=indptr[1:])
@@ -369,6 +382,7 @@ def _decode_kernel(
     PLANNED: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    F16: tl.constexpr,
 ):
     # The pool is contiguous (checked on the host): its strides follow from the constexprs, so
     # they are compile-time constants here.
@@ -425,6 +439,8 @@ def _decode_kernel(
         mask=g_ok[:, None],
         other=0.0,
     )
+    if F16:
+        q = q.to(tl.float16)
     bt_row = bt_ptr + seq64 * stride_bts
     k_head = k_ptr + kvh.to(tl.int64) * stride_kh
     v_head = v_ptr + kvh.to(tl.int64) * stride_kh
@@ -454,7 +470,7 @@ def _decode_kernel(
             other=0.0,
         )
         if KV_FP8:
-            k = k.to(q.dtype)
+            k = k.to(q.dtype)  # fp16 when F16 (q was widened to it)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -823,7 +839,7 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace,
             v.check_int("num_splits", num_splits, 1, 4096)
     if num_seqs == 0:
         return None
-    cfg = decode_config(head_dim, group, q.dtype)
+    cfg = decode_config(head_dim, group, k_cache.dtype)
     if config is not None:
         unknown = set(config) - set(cfg)
         if unknown:
@@ -833,6 +849,11 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace,
         cfg = {**cfg, **config}
     group_pad = max(16, triton.next_power_of_2(group))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    if cfg["FP8_COMPUTE"] not in ("fp16", "q"):
+        raise v.KernelArgumentError(
+            f"config: FP8_COMPUTE is {cfg['FP8_COMPUTE']!r}, expected 'fp16' or 'q'"
+        )
+    f16 = fp8 and q.dtype != torch.float32 and cfg["FP8_COMPUTE"] == "fp16"
     # The out strides the kernels are specialized on: `out`'s, or those empty_like(q) gives.
     o_ref = out if out is not None else torch.empty_like(q)
     call = _DecodeCall()
@@ -866,7 +887,7 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace,
          max_rows, k_stride),
         dict(BLOCK_SIZE=block_size, KV_HEADS=kv_heads, HEAD_DIM=head_dim, GROUP=group,
              GROUP_PAD=group_pad, TILE_N=cfg["TILE_N"], SPLIT=split, PLANNED=plan is not None,
-             PRECISION=precision, KV_FP8=fp8, num_warps=cfg["num_warps"],
+             PRECISION=precision, KV_FP8=fp8, F16=f16, num_warps=cfg["num_warps"],
              num_stages=cfg["num_stages"]),
     )
     call.merge_grid = (num_seqs, q_heads)
@@ -878,7 +899,7 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace,
              o_ref.stride(0), o_ref.stride(1), 1, num_blocks, seq_cap, num_seqs, 0, 1, k_stride),
             dict(BLOCK_SIZE=block_size, KV_HEADS=kv_heads, HEAD_DIM=head_dim, GROUP=group,
                  GROUP_PAD=group_pad, TILE_N=cfg["TILE_N"], SPLIT=False, PLANNED=False,
-                 PRECISION=precision, KV_FP8=fp8, num_warps=cfg["num_warps"],
+                 PRECISION=precision, KV_FP8=fp8, F16=f16, num_warps=cfg["num_warps"],
                  num_stages=cfg["num_stages"]),
         )
         call.merge = L.Launch(
