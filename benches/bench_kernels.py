@@ -8,6 +8,12 @@ graph figure is the anchor. Data is random (never zeros), block tables randomly 
 Usage (on a CUDA machine, from the repository root):
     PYTHONPATH=python python benches/bench_kernels.py --json out.json [--tune] [--quick]
 
+Round-2 sections (`--only ragged,anchor,host,scatter2,fp8`; benches/gpu_round2.sh runs them):
+the ragged batch (heuristic, forced splits, `DecodePlan`), the anchor shapes heuristic vs plan,
+host time per eager call (cached vs uncached), scatter variants, fp8 vs bf16 decode; each timed
+the issue's way (do_bench with its L2 flush, eager and over a graph replay), as a rotation graph,
+and after a read-only L2 flush (do_bench's flush leaves dirty lines to write back).
+
 `--compare-old DIR` instead times the current decode, prefill and scatter kernels against an
 older copy of the `pagedkv.kernels` package in DIR (benches/gpu_kernel_safety.sh makes one from
 git), side by side in one process: each variant as a CUDA-graph replay and eagerly, through
@@ -679,13 +685,14 @@ def bench_scatter_variants(kv_heads=8, hd=128, bs=16, num_blocks=8192):
 
 
 def bench_fp8(shapes, pps=4):
-    """bf16 against fp8 (e4m3, per-kv-head scales) decode on the same tokens; the issue's measure."""
+    """bf16 against fp8 (e4m3, per-kv-head scales) decode on the same tokens (issue's measure)."""
     FP8 = torch.float8_e4m3fn
     for batch, ctx in shapes:
         sets, sl = make_decode(batch, ctx, copies=3)
         q0, kc0, vc0, bt0 = sets[0]
         H = kc0.shape[2]
-        tok_bytes = batch * ctx * H * kc0.shape[3] * 2
+        # K and V bytes of the context at one byte per element (fp8); bf16 moves twice that.
+        fp8_bytes = 2 * batch * ctx * H * kc0.shape[3]
         ws = K.DecodeWorkspace(batch, q0.shape[1], H, q0.shape[2], device="cuda")
         q8 = []
         for q, kc, vc, bt in sets:
@@ -711,12 +718,12 @@ def bench_fp8(shapes, pps=4):
         err = ((outs8[0].float() - outs[0].float()).norm() / outs[0].float().norm()).item()
         t16 = issue_times(mk(0), [mk(i) for i in range(3)])
         t8 = issue_times(mk8(0), [mk8(i) for i in range(3)])
-        for name, t, nb in (("bf16", t16, 2 * tok_bytes * 2), ("fp8", t8, 2 * tok_bytes)):
+        for name, t, nb in (("bf16", t16, 2 * fp8_bytes), ("fp8", t8, fp8_bytes)):
             record("fp8", f"paged_decode {name} b={batch} ctx={ctx}", batch=batch, ctx=ctx,
                    bytes=nb, **t, **({"rel_err_vs_bf16": err} if name == "fp8" else {}))
         print(f"fp8 decode b={batch:4d} ctx={ctx:6d}: bf16 {t16['dobench_graph_us']:7.1f} us | fp8 "
               f"{t8['dobench_graph_us']:7.1f} us | speedup {t16['dobench_graph_us'] / t8['dobench_graph_us']:4.2f}x"
-              f" (rotation {t16['graph_us'] / t8['graph_us']:4.2f}x, fp8 {2 * tok_bytes / t8['graph_us'] / 1e6:4.2f} TB/s)"
+              f" (rotation {t16['graph_us'] / t8['graph_us']:4.2f}x, fp8 {fp8_bytes / t8['graph_us'] / 1e6:4.2f} TB/s)"
               f" | fp8 vs bf16 rel err {err:.2e}", flush=True)
         if batch == 128:
             # fp8 tiles carry half the bytes: does a longer tile or a deeper pipeline pay?
@@ -943,7 +950,8 @@ def main(argv=None):
     print()
     print(f"{'kind':8s} {'name':40s} {'graph':>10s} {'eager':>10s} {'rate(graph)':>14s}")
     for r in RESULTS:
-        if r["kind"].endswith("_tune") or r["kind"] in ("ragged", "decode_r2", "host", "scatter_r2", "fp8"):
+        if r["kind"].endswith("_tune") or r["kind"] in ("ragged", "decode_r2", "host",
+                                                          "scatter_r2", "fp8"):
             continue
         if "graph_tbps" in r:
             rate = f"{r['graph_tbps']:.2f} TB/s"

@@ -69,11 +69,13 @@ def _decode(q, kc, vc, bt, sl, num_splits):
     buf, out = _guarded(q.shape, q.dtype, q.device, guard=4)
     out.fill_(float("nan"))
     if num_splits == "plan":
-        # The ragged planner with chunks small enough to split these sequences (8 tokens for
-        # any of these host lengths, so a valid sequence is split the same way in every run).
+        # The ragged planner with chunks small enough to split these sequences. The host
+        # lengths are fixed (64 each: 8-token chunks), so a valid sequence is split the same way
+        # in every run whatever the device lengths say; they need not match (only balance does).
         plan = K.DecodePlan(q.shape[0], q.shape[1], kc.shape[2], q.shape[2], device=q.device,
                             programs=64, min_chunk=8)
-        plan.update(sl.clamp(0, 64))
+        plan.update([64] * q.shape[0])
+        assert plan.chunk == 8 and plan.num_items > q.shape[0]
         K.paged_decode(q, kc, vc, bt.to(q.device), sl.to(q.device), out=out, plan=plan)
     else:
         K.paged_decode(q, kc, vc, bt.to(q.device), sl.to(q.device), out=out,

@@ -33,7 +33,8 @@ def fp8_pool(kc, vc, per_head=True):
     live = torch.nan_to_num(kc.float(), nan=0.0).abs().amax(dim=(0, 1, 3))
     if per_head:
         ks = (live / 224.0).clamp_min(1e-6).float()
-        vs = (torch.nan_to_num(vc.float(), nan=0.0).abs().amax(dim=(0, 1, 3)) / 224.0).clamp_min(1e-6)
+        vlive = torch.nan_to_num(vc.float(), nan=0.0).abs().amax(dim=(0, 1, 3))
+        vs = (vlive / 224.0).clamp_min(1e-6)
     else:
         ks = torch.full((h,), float(live.max()) / 224.0)
         vs = torch.full((h,), float(torch.nan_to_num(vc.float(), nan=0.0).abs().max()) / 224.0)

@@ -1,6 +1,8 @@
 """Paged decode attention: one query token per sequence against its paged K/V.
 
-Owns `paged_decode`, `DecodeWorkspace` and the split heuristic `choose_num_splits`.
+Owns `paged_decode`, `DecodeWorkspace`, the split heuristic `choose_num_splits` and the ragged
+planner `DecodePlan` (a host-built work list that balances split-K over the batch's real
+lengths; see its docstring).
 
 Layouts: `q` `[num_seqs, q_heads, head_dim]`; pool `[num_blocks, block_size, kv_heads, head_dim]`
 (contiguous); `block_tables` int32 `[num_seqs, max_blocks]` (row stride may exceed the width);
@@ -17,6 +19,12 @@ Split-K (flash-decoding). When `num_seqs * kv_heads` programs cannot fill the GP
 sequence's tokens are cut into `num_splits` contiguous ranges, each a multiple of `TILE_N`, sized
 from that sequence's own length in the kernel (no host sync); every split writes its normalized
 partial output and its log-sum-exp into the workspace, and a second small kernel merges them.
+With a `DecodePlan` the grid is instead one program per (work item, kv head): each item is a
+token range of one sequence, from the plan's buffers.
+
+fp8 cache (float8_e4m3fn): entries are `x / scale` per kv head (`k_scale`, `v_scale`); the K
+scale folds into the softmax scale, the V scale into the output, and tiles are widened to fp16
+(or q's dtype) for the tensor-core products.
 
 Invariants: only `ceil(seq_len / block_size)` block-table entries of a row are read (stale
 columns past them never are); masked K/V lanes load zeros, so stale or NaN pool contents past a
