@@ -78,11 +78,12 @@ def _hooks_installed() -> bool:
 class Launch:
     """One kernel launch with everything but the per-call tensors bound.
 
-    `fn` is the `@triton.jit` function, `n_dynamic` the number of leading arguments passed per
-    call (the tensors, in the kernel's parameter order), `tail` the remaining positional values
-    (host scalars derived from the signature), `constexprs` the keyword constexprs and launch
-    options. The first `__call__` launches through `fn[grid](...)` (compiling if needed) and keeps
-    the compiled kernel; later calls launch that kernel directly.
+    `fn` is the `@triton.jit` function, `tail` the positional values after the per-call ones
+    (host scalars derived from the signature), `kwargs` the constexprs (the kernel's last
+    parameters) and launch options. `__call__(grid, *dynamic)` passes `dynamic` as the kernel's
+    leading arguments (the tensors, in parameter order). The first call launches through
+    `fn[grid](...)` (compiling if needed) and keeps the compiled kernel; later calls launch it
+    directly, through the C launch function when the kernel needs no scratch memory.
     """
 
     __slots__ = ("fn", "tail", "kwargs", "ordered_tail", "compiled", "plain", "raw")
