@@ -8,6 +8,12 @@ graph figure is the anchor. Data is random (never zeros), block tables randomly 
 Usage (on a CUDA machine, from the repository root):
     PYTHONPATH=python python benches/bench_kernels.py --json out.json [--tune] [--quick]
 
+Round-2 sections (`--only ragged,anchor,host,scatter2,fp8`; benches/gpu_round2.sh runs them):
+the ragged batch (heuristic, forced splits, `DecodePlan`), the anchor shapes heuristic vs plan,
+host time per eager call (cached vs uncached), scatter variants, fp8 vs bf16 decode; each timed
+the issue's way (do_bench with its L2 flush, eager and over a graph replay), as a rotation graph,
+and after a read-only L2 flush (do_bench's flush leaves dirty lines to write back).
+
 `--compare-old DIR` instead times the current decode, prefill and scatter kernels against an
 older copy of the `pagedkv.kernels` package in DIR (benches/gpu_kernel_safety.sh makes one from
 git), side by side in one process: each variant as a CUDA-graph replay and eagerly, through
@@ -366,6 +372,402 @@ def bench_copy(layers=32, kv_heads=8, hd=128, bs=16, num_blocks=2304, npairs=102
 
 
 # ---------------------------------------------------------------------------------------------
+# Round 2: the issue's method (do_bench with the L2 flush, eager and graph replay), the ragged
+# planner, host cost per eager call, scatter variants, and what the flush itself costs.
+
+
+def flushed_us(fn, flush="write", reps=60):
+    """Median µs of `fn` with the L2 flushed before every call, timed with events around the call
+    only. flush="write" zeroes a 256 MB buffer (triton.testing.do_bench's flush: it leaves the
+    L2 full of dirty lines that the next kernel must write back); "read" reads the same buffer
+    (a sum), which evicts the L2 but leaves clean lines."""
+    buf = _FLUSH.setdefault("buf", torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32,
+                                               device="cuda"))
+    fl = buf.zero_ if flush == "write" else (lambda: buf.sum(dtype=torch.int64))
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    st = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    en = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        fl()
+        st[i].record()
+        fn()
+        en[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) * 1000.0 for a, b in zip(st, en))
+
+
+_FLUSH: dict = {}
+
+
+def issue_times(fn, rotation=None):
+    """The issue's figures for one callable: do_bench eager and do_bench over a graph replay (both
+    with do_bench's L2 flush), plus the rotation-graph anchor figure and a read-flush figure."""
+    g = _graphed(fn)
+    row = {
+        "dobench_eager_us": eager_time_us(fn),
+        "dobench_graph_us": triton.testing.do_bench(g.replay, warmup=25, rep=100,
+                                                    return_mode="median") * 1000.0,
+        "readflush_graph_us": flushed_us(g.replay, "read"),
+    }
+    if rotation is not None:
+        row["graph_us"] = graph_time_us(rotation)
+    del g
+    return row
+
+
+def lognormal_lens(n=128, seed=0, lo=31, hi=15380, mu=6.7, sigma=1.25):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lens = np.clip(rng.lognormal(mu, sigma, n).astype(np.int64), lo, hi)
+    lens[0], lens[1] = lo, hi  # pin the range the issue quotes: 31 to 15,380 tokens
+    return [int(x) for x in lens]
+
+
+def make_ragged(lens, q_heads=32, kv_heads=8, hd=128, bs=16, copies=3, seed=0, dtype=DT):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    nblk = [triton.cdiv(n, bs) for n in lens]
+    width = max(nblk)
+    num_blocks = sum(nblk)
+    sets = []
+    for _ in range(copies):
+        kc = torch.randn(num_blocks, bs, kv_heads, hd, device="cuda", dtype=torch.bfloat16,
+                         generator=gen).to(dtype)
+        vc = torch.randn(num_blocks, bs, kv_heads, hd, device="cuda", dtype=torch.bfloat16,
+                         generator=gen).to(dtype)
+        perm = torch.randperm(num_blocks, device="cuda", generator=gen).int()
+        bt = torch.zeros(len(lens), width, dtype=torch.int32, device="cuda")
+        pos = 0
+        for i, nb in enumerate(nblk):
+            bt[i, :nb] = perm[pos:pos + nb]
+            pos += nb
+        q = torch.randn(len(lens), q_heads, hd, device="cuda", dtype=torch.bfloat16,
+                        generator=gen)
+        sets.append((q, kc, vc, bt))
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    return sets, sl
+
+
+def sdpa_ref_ragged(q, kc, vc, bt, lens):
+    """Per-sequence dense SDPA on the same tokens (correctness reference, not timed)."""
+    outs = []
+    bs = kc.shape[1]
+    for i, n in enumerate(lens):
+        nb = triton.cdiv(n, bs)
+        ids = bt[i, :nb].long()
+        k = kc[ids].reshape(-1, kc.shape[2], kc.shape[3])[:n].transpose(0, 1)[None]
+        v = vc[ids].reshape(-1, vc.shape[2], vc.shape[3])[:n].transpose(0, 1)[None]
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            q[i:i + 1, :, None].float(), k.float(), v.float(), enable_gqa=True)[0, :, 0])
+    return torch.stack(outs)
+
+
+def bench_ragged(programs_per_sm=(2, 4, 8, 16)):  # noqa: C901
+    import time
+
+    import numpy as np
+
+    lens = lognormal_lens()
+    sets, sl = make_ragged(lens)
+    q0, kc0, vc0, bt0 = sets[0]
+    H = kc0.shape[2]
+    total = sum(lens)
+    kv_bytes = 2 * total * H * kc0.shape[3] * kc0.element_size()
+    sms = D._num_sms(q0.device)
+    print(f"ragged batch: {len(lens)} seqs, lens {min(lens)}..{max(lens)}, total {total}, "
+          f"median {int(np.median(lens))}, KV {kv_bytes / 1e6:.0f} MB", flush=True)
+    ref = sdpa_ref_ragged(q0, kc0, vc0, bt0, lens)
+    outs = [torch.empty_like(s[0]) for s in sets]
+    ws = K.DecodeWorkspace(len(lens), q0.shape[1], H, q0.shape[2], device="cuda")
+    variants = [("heuristic", {}), ("8 splits", {"num_splits": 8})]
+    plans = {}
+    for pps in programs_per_sm:
+        pl = K.DecodePlan(len(lens), q0.shape[1], H, q0.shape[2], device="cuda",
+                          programs=pps * sms)
+        pl.update(lens)
+        plans[pps] = pl
+        variants.append((f"plan {pps}/SM", {"plan": pl}))
+    for name, kw in variants:
+        extra = {} if "plan" in kw else {"workspace": ws}
+        if kw.get("num_splits"):
+            extra = {"workspace": K.DecodeWorkspace(len(lens), q0.shape[1], H, q0.shape[2],
+                                                    device="cuda", capacity=len(lens) * 8)}
+
+        def mk(i, kw=kw, extra=extra):
+            q, kc, vc, bt = sets[i]
+            return lambda: K.paged_decode(q, kc, vc, bt, sl, out=outs[i], **kw, **extra)
+
+        mk(0)()
+        err = ((outs[0].float() - ref).norm() / ref.norm()).item()
+        t = issue_times(mk(0), [mk(i) for i in range(len(sets))])
+        info = {}
+        if "plan" in kw:
+            pl = kw["plan"]
+            info = {"chunk": pl.chunk, "items": pl.num_items, "capacity": pl.capacity}
+        record("ragged", f"paged_decode {name}", lens_min=min(lens), lens_max=max(lens),
+               total_tokens=total, bytes=kv_bytes, rel_err_vs_sdpa=err, **info, **t,
+               dobench_graph_tbps=kv_bytes / t["dobench_graph_us"] / 1e6)
+        print(f"ragged {name:14s}: do_bench graph {t['dobench_graph_us']:7.1f} us "
+              f"({kv_bytes / t['dobench_graph_us'] / 1e6:4.2f} TB/s) eager "
+              f"{t['dobench_eager_us']:7.1f} | rotation graph {t['graph_us']:7.1f} | read-flush "
+              f"{t['readflush_graph_us']:7.1f} | err {err:.1e} {info}", flush=True)
+    # Host cost of planning one step (numpy + one H2D copy).
+    pl = plans[4 if 4 in plans else programs_per_sm[0]]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        pl.update(lens)
+    dt = (time.perf_counter() - t0) / 200 * 1e6
+    torch.cuda.synchronize()
+    record("host", "DecodePlan.update (128 seqs)", host_us=dt)
+    print(f"DecodePlan.update 128 seqs: {dt:.1f} us host", flush=True)
+    del sets, ws, outs, plans
+    torch.cuda.empty_cache()
+
+
+def bench_anchor_plan(shapes, pps=4):
+    """The anchor decode shapes: heuristic vs planner, the issue's measure."""
+    for batch, ctx in shapes:
+        sets, sl = make_decode(batch, ctx)
+        q0, kc0, vc0, bt0 = sets[0]
+        kv_bytes = 2 * batch * ctx * kc0.shape[2] * kc0.shape[3] * kc0.element_size()
+        ws = K.DecodeWorkspace(batch, q0.shape[1], kc0.shape[2], q0.shape[2], device="cuda")
+        pl = K.DecodePlan(batch, q0.shape[1], kc0.shape[2], q0.shape[2], device="cuda",
+                          programs=pps * D._num_sms(q0.device))
+        pl.update([ctx] * batch)
+        outs = [torch.empty_like(s[0]) for s in sets]
+        for name, kw in (("heuristic", {"workspace": ws}), (f"plan {pps}/SM", {"plan": pl})):
+            def mk(i, kw=kw):
+                q, kc, vc, bt = sets[i]
+                return lambda: K.paged_decode(q, kc, vc, bt, sl, out=outs[i], **kw)
+
+            t = issue_times(mk(0), [mk(i) for i in range(len(sets))])
+            record("decode_r2", f"paged_decode {name} b={batch} ctx={ctx}", batch=batch, ctx=ctx,
+                   bytes=kv_bytes, chunk=pl.chunk, items=pl.num_items, **t)
+            print(f"decode b={batch:4d} ctx={ctx:6d} {name:10s}: do_bench graph "
+                  f"{t['dobench_graph_us']:7.1f} us ({kv_bytes / t['dobench_graph_us'] / 1e6:4.2f} "
+                  f"TB/s) eager {t['dobench_eager_us']:7.1f} | rotation {t['graph_us']:7.1f} | "
+                  f"read-flush {t['readflush_graph_us']:7.1f}", flush=True)
+        del sets, ws, outs, pl
+        torch.cuda.empty_cache()
+
+
+def host_us(fn, n=300, clear=None):
+    """Host time per call (µs): perf_counter around n calls, no synchronization inside, the GPU
+    drained first so the launch queue never fills. `clear` runs before each call (untimed
+    work is not possible without a sync, so it is timed separately and subtracted)."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    best = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            if clear is not None:
+                clear()
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        c = 0.0
+        if clear is not None:
+            t2 = time.perf_counter()
+            for _ in range(n):
+                clear()
+            c = time.perf_counter() - t2
+        best.append((t1 - t0 - c) / n * 1e6)
+    return statistics.median(best)
+
+
+def bench_host():
+    from pagedkv.kernels import prefill as P
+    from pagedkv.kernels import scatter as S
+
+    cases = []
+    for batch, ctx in ((1, 32768), (64, 4096)):
+        sets, sl = make_decode(batch, ctx, copies=1)
+        q, kc, vc, bt = sets[0]
+        ws = K.DecodeWorkspace(batch, q.shape[1], kc.shape[2], q.shape[2], device="cuda")
+        out = torch.empty_like(q)
+        cases.append((f"paged_decode b={batch} ctx={ctx} (workspace, out)", D._CACHE,
+                      lambda q=q, kc=kc, vc=vc, bt=bt, sl=sl, ws=ws, out=out:
+                      K.paged_decode(q, kc, vc, bt, sl, out=out, workspace=ws)))
+        cases.append((f"paged_decode b={batch} ctx={ctx} (no out)", D._CACHE,
+                      lambda q=q, kc=kc, vc=vc, bt=bt, sl=sl, ws=ws:
+                      K.paged_decode(q, kc, vc, bt, sl, workspace=ws, max_seq_len=ctx)))
+    lens = lognormal_lens()
+    rs, rsl = make_ragged(lens, copies=1)
+    q, kc, vc, bt = rs[0]
+    pl = K.DecodePlan(len(lens), q.shape[1], kc.shape[2], q.shape[2], device="cuda").update(lens)
+    rout = torch.empty_like(q)
+    cases.append(("paged_decode ragged 128 (plan, out)", D._CACHE,
+                  lambda q=q, kc=kc, vc=vc, bt=bt: K.paged_decode(q, kc, vc, bt, rsl, out=rout,
+                                                                  plan=pl)))
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    skc = torch.randn(8192, 16, 8, 128, device="cuda", dtype=DT, generator=gen)
+    svc = torch.randn_like(skc)
+    for n in (256, 8192):
+        key = torch.randn(n, 8, 128, device="cuda", dtype=DT, generator=gen)
+        val = torch.randn_like(key)
+        slots = torch.randperm(8192 * 16, device="cuda", generator=gen)[:n]
+        cases.append((f"scatter_kv n={n}", S._CACHE,
+                      lambda key=key, val=val, slots=slots: K.scatter_kv(key, val, skc, svc, slots)))
+    nseq, ql, pre = 4, 512, 1024
+    pkc = torch.randn(nseq * 96, 16, 8, 128, device="cuda", dtype=DT, generator=gen)
+    pvc = torch.randn_like(pkc)
+    pbt = torch.randperm(nseq * 96, device="cuda", generator=gen).int().view(nseq, 96).contiguous()
+    pq = torch.randn(nseq * ql, 32, 128, device="cuda", dtype=DT, generator=gen)
+    psl = torch.full((nseq,), pre + ql, dtype=torch.int32, device="cuda")
+    pqsl = torch.arange(0, nseq + 1, dtype=torch.int32, device="cuda") * ql
+    pout = torch.empty_like(pq)
+    cases.append(("paged_prefill 4x512 on 1024 (out)", P._CACHE,
+                  lambda: K.paged_prefill(pq, pkc, pvc, pbt, psl, pqsl, ql, out=pout)))
+    # Floors on this host: a one-element torch kernel launch, and the cached decode launch
+    # alone (no signature key), for the 64 x 4096 call above.
+    small = torch.zeros(1, device="cuda")
+    floor = host_us(lambda: small.add_(1.0))
+    record("host", "torch small.add_ (launch floor)", host_us=floor)
+    print(f"host torch small.add_(1) launch floor: {floor:6.1f} us", flush=True)
+    sets, sl = make_decode(64, 4096, copies=1)
+    q, kc, vc, bt = sets[0]
+    out = torch.empty_like(q)
+    K.paged_decode(q, kc, vc, bt, sl, out=out)
+    call = next(c for c in D._CACHE._d.values() if c.num_seqs == 64)
+    raw = host_us(lambda: call.main(call.grid, q, kc, vc, bt, sl, out, out, out, sl, sl, sl))
+    record("host", "cached decode launch without the key (64 x 4096)", host_us=raw)
+    print(f"host cached decode launch alone (no key): {raw:6.1f} us", flush=True)
+    for name, cache, fn in cases:
+        cached = host_us(fn)
+        uncached = host_us(fn, clear=cache.clear)
+        record("host", name, host_us=cached, host_us_uncached=uncached)
+        print(f"host {name:44s}: cached {cached:6.1f} us | uncached (checks + JIT launch, as "
+              f"before) {uncached:6.1f} us", flush=True)
+
+
+def bench_scatter_variants(kv_heads=8, hd=128, bs=16, num_blocks=8192):
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    kc = torch.randn(num_blocks, bs, kv_heads, hd, device="cuda", dtype=DT, generator=gen)
+    vc = torch.randn_like(kc)
+    n = 8192
+    sets = []
+    for _ in range(4):
+        key = torch.randn(n, kv_heads, hd, device="cuda", dtype=DT, generator=gen)
+        val = torch.randn(n, kv_heads, hd, device="cuda", dtype=DT, generator=gen)
+        slots = torch.randperm(num_blocks * bs, device="cuda", generator=gen)[:n]
+        sets.append((key, val, slots))
+    nbytes = 2 * 2 * n * kv_heads * hd * 2 + n * 8
+    cfgs = [None, {"ELEMS": 2048}, {"ELEMS": 8192, "num_warps": 8}, {"ELEMS": 8192},
+            {"ELEMS": 16384, "num_warps": 8}, {"STREAM": True},
+            {"ELEMS": 8192, "num_warps": 8, "STREAM": True}]
+    for cfg in cfgs:
+        fns = [lambda s=s, cfg=cfg: K.scatter_kv(s[0], s[1], kc, vc, s[2], config=cfg)
+               for s in sets]
+        t = issue_times(fns[0], fns)
+        t["writeflush_graph_us"] = t["dobench_graph_us"]
+        record("scatter_r2", f"scatter_kv n={n} {cfg}", tokens=n, bytes=nbytes, config=cfg, **t)
+        print(f"scatter {str(cfg):44s}: do_bench graph {t['dobench_graph_us']:6.2f} us "
+              f"({nbytes / t['dobench_graph_us'] / 1e6:4.2f} TB/s) eager {t['dobench_eager_us']:6.2f}"
+              f" | rotation {t['graph_us']:6.2f} ({nbytes / t['graph_us'] / 1e6:4.2f}) | "
+              f"read-flush {t['readflush_graph_us']:6.2f} ({nbytes / t['readflush_graph_us'] / 1e6:4.2f})",
+              flush=True)
+    # The ceiling under the same method: a 67 MB device copy after each flush.
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    t = issue_times(lambda: b.copy_(a))
+    record("scatter_r2", "device copy, same bytes", bytes=nbytes, **t)
+    print(f"copy of the same bytes: do_bench graph {t['dobench_graph_us']:6.2f} us "
+          f"({nbytes / t['dobench_graph_us'] / 1e6:4.2f} TB/s) | read-flush "
+          f"{t['readflush_graph_us']:6.2f} ({nbytes / t['readflush_graph_us'] / 1e6:4.2f})",
+          flush=True)
+
+
+def bench_fp8(shapes, pps=4):
+    """bf16 against fp8 (e4m3, per-kv-head scales) decode on the same tokens (issue's measure)."""
+    FP8 = torch.float8_e4m3fn
+    for batch, ctx in shapes:
+        sets, sl = make_decode(batch, ctx, copies=3)
+        q0, kc0, vc0, bt0 = sets[0]
+        H = kc0.shape[2]
+        # K and V bytes of the context at one byte per element (fp8); bf16 moves twice that.
+        fp8_bytes = 2 * batch * ctx * H * kc0.shape[3]
+        ws = K.DecodeWorkspace(batch, q0.shape[1], H, q0.shape[2], device="cuda")
+        q8 = []
+        for q, kc, vc, bt in sets:
+            ks = (kc.float().abs().amax(dim=(0, 1, 3)) / 448.0).contiguous()
+            vs = (vc.float().abs().amax(dim=(0, 1, 3)) / 448.0).contiguous()
+            k8 = (kc.float() / ks.view(1, 1, H, 1)).clamp(-448, 448).to(FP8)
+            v8 = (vc.float() / vs.view(1, 1, H, 1)).clamp(-448, 448).to(FP8)
+            q8.append((q, k8, v8, bt, ks, vs))
+        outs = [torch.empty_like(s[0]) for s in sets]
+        outs8 = [torch.empty_like(s[0]) for s in sets]
+
+        def mk(i):
+            q, kc, vc, bt = sets[i]
+            return lambda: K.paged_decode(q, kc, vc, bt, sl, out=outs[i], workspace=ws)
+
+        def mk8(i):
+            q, k8, v8, bt, ks, vs = q8[i]
+            return lambda: K.paged_decode(q, k8, v8, bt, sl, out=outs8[i], workspace=ws,
+                                          k_scale=ks, v_scale=vs)
+
+        mk(0)()
+        mk8(0)()
+        err = ((outs8[0].float() - outs[0].float()).norm() / outs[0].float().norm()).item()
+        t16 = issue_times(mk(0), [mk(i) for i in range(3)])
+        t8 = issue_times(mk8(0), [mk8(i) for i in range(3)])
+        for name, t, nb in (("bf16", t16, 2 * fp8_bytes), ("fp8", t8, fp8_bytes)):
+            record("fp8", f"paged_decode {name} b={batch} ctx={ctx}", batch=batch, ctx=ctx,
+                   bytes=nb, **t, **({"rel_err_vs_bf16": err} if name == "fp8" else {}))
+        print(f"fp8 decode b={batch:4d} ctx={ctx:6d}: bf16 {t16['dobench_graph_us']:7.1f} us | fp8 "
+              f"{t8['dobench_graph_us']:7.1f} us | speedup {t16['dobench_graph_us'] / t8['dobench_graph_us']:4.2f}x"
+              f" (rotation {t16['graph_us'] / t8['graph_us']:4.2f}x, fp8 {fp8_bytes / t8['graph_us'] / 1e6:4.2f} TB/s)"
+              f" | fp8 vs bf16 rel err {err:.2e}", flush=True)
+        if batch == 128:
+            # fp8 tiles carry half the bytes: does a longer tile or a deeper pipeline pay?
+            for cfg in ({"FP8_COMPUTE": "q"}, {"TILE_N": 64, "num_stages": 3},
+                        {"TILE_N": 64, "num_stages": 3, "FP8_COMPUTE": "q"},
+                        {"TILE_N": 128, "num_stages": 3}):
+                q, k8, v8, bt, ks, vs = q8[0]
+                try:
+                    fn = (lambda cfg=cfg: K.paged_decode(q, k8, v8, bt, sl, out=outs8[1],
+                                                         workspace=ws, k_scale=ks, v_scale=vs,
+                                                         config=cfg))
+                    fn()
+                    e2 = ((outs8[1].float() - outs[0].float()).norm()
+                          / outs[0].float().norm()).item()
+                    tt = triton.testing.do_bench(_graphed(fn).replay, warmup=25, rep=100,
+                                                 return_mode="median") * 1000.0
+                except Exception as exc:
+                    print(f"  fp8 tune {cfg}: failed {type(exc).__name__}: {str(exc)[:80]}")
+                    continue
+                record("fp8_tune", f"b={batch} ctx={ctx}", config=cfg, dobench_graph_us=tt,
+                       rel_err_vs_bf16=e2)
+                print(f"  fp8 tune {cfg}: do_bench graph {tt:7.1f} us, err {e2:.2e}", flush=True)
+        del sets, q8, outs, outs8, ws
+        torch.cuda.empty_cache()
+    # Quantizing scatter: 8192 tokens into an fp8 pool (reads 2 B, writes 1 B per element).
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    kc = torch.zeros(8192, 16, 8, 128, device="cuda", dtype=FP8)
+    vc = torch.zeros_like(kc)
+    ks = torch.full((8,), 0.02, device="cuda")
+    sets = []
+    for _ in range(4):
+        key = torch.randn(8192, 8, 128, device="cuda", dtype=DT, generator=gen)
+        val = torch.randn_like(key)
+        slots = torch.randperm(8192 * 16, device="cuda", generator=gen)[:8192]
+        sets.append((key, val, slots))
+    nbytes = 2 * 8192 * 8 * 128 * (2 + 1) + 8192 * 8
+    fns = [lambda s=s: K.scatter_kv(s[0], s[1], kc, vc, s[2], k_scale=ks, v_scale=ks) for s in sets]
+    t = issue_times(fns[0], fns)
+    record("fp8", "scatter_kv fp8 n=8192", bytes=nbytes, **t)
+    print(f"fp8 scatter n=8192: do_bench graph {t['dobench_graph_us']:6.2f} us "
+          f"({nbytes / t['dobench_graph_us'] / 1e6:4.2f} TB/s) | rotation {t['graph_us']:6.2f}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
 # Old kernels against current ones (bounds checks), side by side
 
 
@@ -498,9 +900,13 @@ def compare_old(old, what=("decode", "prefill", "scatter")):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plan-pps", default="2,4,8,16",
+                    help="planner programs per SM the ragged section compares")
     ap.add_argument("--tune", action="store_true", help="also sweep decode/prefill launch configs")
     ap.add_argument("--tune-what", default="decode,prefill", help="which sweeps --tune runs")
-    ap.add_argument("--only", default="decode,prefill,scatter,copy")
+    ap.add_argument("--only", default="decode,prefill,scatter,copy",
+                    help="any of decode,prefill,scatter,copy and the round-2 sections "
+                         "ragged,anchor,host,scatter2,fp8")
     ap.add_argument("--compare-old", default=None, metavar="DIR",
                     help="time the kernels against an older copy of the package in DIR")
     ap.add_argument("--compare-what", default="decode,prefill,scatter",
@@ -531,10 +937,21 @@ def main(argv=None):
         bench_scatter()
     if "copy" in only:
         bench_copy()
+    if "fp8" in only:
+        bench_fp8([(64, 4096), (128, 2048), (256, 1024), (8, 8192), (1, 32768)])
+    if "ragged" in only:
+        bench_ragged(tuple(int(x) for x in args.plan_pps.split(",")))
+    if "host" in only:
+        bench_host()
+    if "anchor" in only:
+        bench_anchor_plan([(1, 32768), (8, 8192), (64, 4096), (128, 2048), (256, 1024)])
+    if "scatter2" in only:
+        bench_scatter_variants()
     print()
     print(f"{'kind':8s} {'name':40s} {'graph':>10s} {'eager':>10s} {'rate(graph)':>14s}")
     for r in RESULTS:
-        if r["kind"].endswith("_tune"):
+        if r["kind"].endswith("_tune") or r["kind"] in ("ragged", "decode_r2", "host",
+                                                          "scatter_r2", "fp8"):
             continue
         if "graph_tbps" in r:
             rate = f"{r['graph_tbps']:.2f} TB/s"

@@ -68,7 +68,18 @@ def _decode_setup(device, gen, lens, block_size=8, kv_heads=2, group=2, head_dim
 def _decode(q, kc, vc, bt, sl, num_splits):
     buf, out = _guarded(q.shape, q.dtype, q.device, guard=4)
     out.fill_(float("nan"))
-    K.paged_decode(q, kc, vc, bt.to(q.device), sl.to(q.device), out=out, num_splits=num_splits)
+    if num_splits == "plan":
+        # The ragged planner with chunks small enough to split these sequences. The host
+        # lengths are fixed (64 each: 8-token chunks), so a valid sequence is split the same way
+        # in every run whatever the device lengths say; they need not match (only balance does).
+        plan = K.DecodePlan(q.shape[0], q.shape[1], kc.shape[2], q.shape[2], device=q.device,
+                            programs=64, min_chunk=8)
+        plan.update([64] * q.shape[0])
+        assert plan.chunk == 8 and plan.num_items > q.shape[0]
+        K.paged_decode(q, kc, vc, bt.to(q.device), sl.to(q.device), out=out, plan=plan)
+    else:
+        K.paged_decode(q, kc, vc, bt.to(q.device), sl.to(q.device), out=out,
+                       num_splits=num_splits)
     assert torch.all(buf[q.shape[0]:] == SENTINEL), "wrote past out"
     return out
 
@@ -119,14 +130,14 @@ def decode_seq_len_past_row(device, num_splits):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 3, "plan"])
 @pytest.mark.parametrize("kind", ["big", "negative"])
 def test_decode_out_of_pool_entries(device, kind, num_splits):
     _isolated(device, "decode_out_of_pool_entries", kind, num_splits)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 3, "plan"])
 def test_decode_seq_len_past_row(device, num_splits):
     _isolated(device, "decode_seq_len_past_row", num_splits)
 

@@ -6,6 +6,7 @@ NaN and block-table columns past each sequence's blocks hold out-of-range garbag
 unwritten output or a read of a stale column fails.
 """
 
+import numpy as np
 import pytest
 
 # kernel_common skips this module where kernels cannot run.
@@ -242,6 +243,166 @@ def test_decode_cuda_graph_capture(device):
     for new_lens in ([700, 3000, 5], [1, 2900, 3]):
         q.copy_(torch.randn(q.shape, generator=gen).to(q.dtype))
         sl.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = R.ref_paged_decode(q, kc, vc, bt, sl)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ragged planner (DecodePlan)
+
+
+def test_plan_host_covers_every_token_once():
+    plan = K.DecodePlan(16, 8, 2, 32, device="cpu", programs=40, min_chunk=64)
+    lens = [1, 7, 300, 33, 0, 129, 64, 1000]
+    chunk, items, indptr = plan.plan_host(lens)
+    assert chunk % plan.tile == 0 and chunk >= 64
+    assert K.DecodePlan(4, 8, 2, 32, device='cpu', min_chunk=8).plan_host([40])[0] == 8
+    assert items.shape[0] <= plan.capacity
+    assert indptr[-1] == items.shape[0]
+    for i, n in enumerate(lens):
+        mine = items[items[:, 0] == i]
+        assert len(mine) == indptr[i + 1] - indptr[i] >= 1
+        mine = mine[np.argsort(mine[:, 1])]
+        # Contiguous pieces from 0; the last one runs to the sequence's real end.
+        assert mine[0, 1] == 0
+        assert all(mine[j, 2] == mine[j + 1, 1] for j in range(len(mine) - 1))
+        assert mine[-1, 2] == (1 << 31) - 1
+        if len(mine) == 1:
+            assert mine[0, 3] == -1  # written directly, no merge
+        else:
+            assert sorted(mine[:, 3].tolist()) == list(range(indptr[i], indptr[i + 1]))
+    # Heaviest first.
+    work = np.minimum(items[:, 2], np.asarray(lens)[items[:, 0]]) - items[:, 1]
+    assert np.all(np.diff(work) <= 0)
+    # The capacity bound holds for any lengths, skewed ones included.
+    for lens in ([0] * 16, [10**6] + [1] * 15, [5000] * 16, list(range(0, 16000, 1000))):
+        _, items, _ = plan.plan_host(lens)
+        assert items.shape[0] <= plan.capacity
+
+
+def _planned_case(device, dtype, lens, block_size, kv_heads, group, head_dim, seed,
+                  plan_lens=None, **plan_kw):
+    gen = torch.Generator().manual_seed(seed)
+    kc, vc, bt = make_paged(lens, block_size, kv_heads, head_dim, dtype, device, gen)
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype).to(device)
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    plan = K.DecodePlan(len(lens) + 2, kv_heads * group, kv_heads, head_dim, device=device,
+                        **plan_kw)
+    plan.update(lens if plan_lens is None else plan_lens)
+    out = torch.full_like(q, float("nan"))
+    res = K.paged_decode(q, kc, vc, bt, sl, out=out, plan=plan)
+    assert res is out
+    ref = R.ref_paged_decode(q, kc, vc, bt, sl)
+    assert torch.isfinite(out).all()
+    return rel_err(out, ref), plan
+
+
+@pytest.mark.parametrize("device", DEVICES[:1])
+def test_planned_decode_matches_reference_cpu(device):
+    lens = [1, 7, 300, 33, 0, 129, 64, 200]
+    err, plan = _planned_case(device, torch.float32, lens, 8, 2, 4, 32, seed=31,
+                              programs=40, min_chunk=64)
+    assert plan.num_items > len(lens)  # the long sequences were split
+    assert err < 1e-5
+    # A plan built from other lengths (stale, or all zero) changes only the balance.
+    for wrong in ([0] * len(lens), [400] * len(lens)):
+        err, _ = _planned_case(device, torch.float32, lens, 8, 2, 4, 32, seed=31,
+                               plan_lens=wrong, programs=40, min_chunk=64)
+        assert err < 1e-5
+    err, plan = _planned_case(device, torch.float16, [5, 70, 3], 16, 1, 8, 16, seed=32,
+                              programs=200, min_chunk=16)
+    assert err < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("device", DEVICES[:1])
+def test_planned_decode_checks_cpu(device):
+    q, kc, vc, bt, sl = _args(device)
+    plan = K.DecodePlan(4, 4, 2, 32, device=device)
+    plan.update([1, 1, 1])
+    with pytest.raises(K.KernelShapeError, match="plan: was built for 3"):
+        K.paged_decode(q, kc, vc, bt, sl, plan=plan)
+    plan.update([1, 1])
+    K.paged_decode(q, kc, vc, bt, sl, plan=plan)
+    plan.update([1, 1, 1])  # the cached call checks the batch size again
+    with pytest.raises(K.KernelShapeError, match="plan: was built for 3"):
+        K.paged_decode(q, kc, vc, bt, sl, plan=plan)
+    with pytest.raises(K.KernelArgumentError, match="either a plan"):
+        K.paged_decode(q, kc, vc, bt, sl, plan=plan, num_splits=2)
+    with pytest.raises(K.KernelShapeError, match="plan: built for"):
+        K.paged_decode(q, kc, vc, bt, sl, plan=K.DecodePlan(4, 8, 2, 32, device=device))
+    with pytest.raises(K.KernelShapeError, match="num_seqs"):
+        plan.update([1] * 5)
+
+
+@pytest.mark.parametrize("device", DEVICES[:1])
+def test_cached_launch_revalidates_new_signatures(device):
+    from pagedkv.kernels import decode as D
+
+    q, kc, vc, bt, sl = _args(device)
+    D._CACHE.clear()
+    a = K.paged_decode(q, kc, vc, bt, sl)
+    assert len(D._CACHE) == 1
+    b = K.paged_decode(q, kc, vc, bt, sl)
+    assert torch.equal(a, b) and len(D._CACHE) == 1
+    # Another dtype, shape or stride is another signature: checked again, so bad ones raise.
+    with pytest.raises(K.KernelDTypeError):
+        K.paged_decode(q.half(), kc, vc, bt, sl)
+    with pytest.raises(K.KernelLayoutError):
+        K.paged_decode(q, kc, vc, bt[:, ::2], sl)
+    wide = torch.zeros(2, 8, dtype=torch.int32, device=device)[:, :4]  # row stride 8
+    c = K.paged_decode(q, kc, vc, wide, sl)
+    assert torch.equal(a, c) and len(D._CACHE) == 2
+
+
+GPU_RAGGED = [
+    # lens, block_size, head_dim, group, kv_heads
+    ([31, 15380, 900, 4097, 1, 2000, 64, 7000] * 4, 16, 128, 4, 8),
+    ([1, 3000, 5, 12000, 255], 64, 128, 8, 2),
+    ([9000, 17, 300, 4500], 16, 64, 16, 1),
+    ([700, 2500, 33], 32, 256, 4, 2),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+@pytest.mark.parametrize("lens,block_size,head_dim,group,kv_heads", GPU_RAGGED)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_planned_decode_matches_reference_gpu(device, lens, block_size, head_dim, group, kv_heads,
+                                              dtype):
+    err, plan = _planned_case(device, dtype, lens, block_size, kv_heads, group, head_dim,
+                              seed=len(lens) + head_dim)
+    assert err < TOL[dtype]
+    # A small program target and chunk floor, so the long sequences are split (in every case).
+    err, plan = _planned_case(device, dtype, lens, block_size, kv_heads, group, head_dim,
+                              seed=3, programs=32 * kv_heads, min_chunk=64)
+    assert err < TOL[dtype]
+    assert plan.num_items > len(lens)
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+def test_planned_decode_cuda_graph(device):
+    gen = torch.Generator().manual_seed(41)
+    lens = [700, 13000, 5, 2100]
+    kv_heads, group, hd, bs = 8, 4, 128, 16
+    kc, vc, bt = make_paged(lens + [13100], bs, kv_heads, hd, torch.bfloat16, device, gen)
+    bt = bt[:4].contiguous()
+    q = torch.randn(4, kv_heads * group, hd, generator=gen).to(torch.bfloat16).to(device)
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = torch.empty_like(q)
+    plan = K.DecodePlan(8, kv_heads * group, kv_heads, hd, device=device)
+    plan.update(lens)
+    K.paged_decode(q, kc, vc, bt, sl, out=out, plan=plan)  # compile
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        K.paged_decode(q, kc, vc, bt, sl, out=out, plan=plan)
+    for new_lens in ([700, 13000, 5, 2100], [13050, 1, 2, 3], [0, 64, 13099, 6000]):
+        q.copy_(torch.randn(q.shape, generator=gen).to(q.dtype))
+        sl.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        plan.update(new_lens)
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()

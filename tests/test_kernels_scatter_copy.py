@@ -212,3 +212,22 @@ def test_swap_kernel_needs_pinned_host(device):
     dev[0][0] = 3.0
     K.swap_blocks(dev, host, torch.tensor([[0, 1]]))
     assert torch.equal(host[0][1], torch.full((8, 2, 16), 3.0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scatter_config_variants(device):
+    """The tuning variants (tile size, streaming cache hints) write the same rows."""
+    gen = torch.Generator().manual_seed(77)
+    kc = torch.randn(6, 8, 2, 64, generator=gen).to(device)
+    vc = torch.randn_like(kc)
+    key = torch.randn(20, 2, 64, generator=gen).to(device)
+    val = torch.randn(20, 2, 64, generator=gen).to(device)
+    slots = torch.randperm(48, generator=gen)[:20].to(device)
+    slots[3] = -1
+    rk, rv = R.ref_scatter_kv(key.cpu(), val.cpu(), kc.cpu(), vc.cpu(), slots.cpu())
+    for cfg in ({"ELEMS": 1024, "STREAM": True}, {"ELEMS": 8192, "num_warps": 8}):
+        k2, v2 = kc.clone(), vc.clone()
+        K.scatter_kv(key, val, k2, v2, slots, config=cfg)
+        assert torch.equal(k2.cpu(), rk) and torch.equal(v2.cpu(), rv)
+    with pytest.raises(K.KernelArgumentError, match="config"):
+        K.scatter_kv(key, val, kc, vc, slots, config={"BLOCK": 1})

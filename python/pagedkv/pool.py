@@ -11,6 +11,10 @@ a fixed address for the pool's lifetime (CUDA-graph safe). One backing tensor ra
 ``2 × layers`` separate ones lets a block copy (copy-on-write, swap) touch every layer's K and V in a
 single gather/scatter instead of a Python loop over layers.
 
+An fp8 pool (``float8_e4m3fn``) also holds ``k_scales[l]`` / ``v_scales[l]``: float32
+``[num_kv_heads]`` dequantization scales per layer (views of one ``scales`` tensor, 1.0 at first),
+which ``scatter_kv`` / ``paged_decode`` / ``paged_prefill`` take as ``k_scale`` / ``v_scale``.
+
 Physical slot ``s`` of the manager's slot mapping is ``(block, offset) = divmod(s, block_size)``.
 
 Invariants: the pool's shape, dtype and device never change after construction; the manager, not
@@ -79,6 +83,16 @@ class KVPool:
         # every dtype (no NaN canonicalisation, no rounding).
         self._raw = self.kv.view(torch.uint8)
         self._copier = None  # the Triton block copier, built on the first CUDA copy
+        # fp8 caches store x / scale: one float32 scale per layer and kv head for K and for V
+        # (1.0 until a caller calibrates them; the kernels take them as k_scale / v_scale).
+        self.k_scales: list[torch.Tensor] = []
+        self.v_scales: list[torch.Tensor] = []
+        if self.dtype.itemsize == 1 and self.dtype.is_floating_point:
+            ones = torch.ones(2, spec.num_layers, spec.num_kv_heads, dtype=torch.float32,
+                              device=self.device)
+            self.scales = ones
+            self.k_scales = [ones[0, layer] for layer in range(spec.num_layers)]
+            self.v_scales = [ones[1, layer] for layer in range(spec.num_layers)]
 
     @property
     def block_size(self) -> int:

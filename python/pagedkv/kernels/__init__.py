@@ -1,10 +1,12 @@
 """Triton kernels for the paged KV cache, with plain PyTorch references.
 
 Owns the GPU side of the data path: `scatter_kv` (write new K/V through the slot mapping),
-`paged_decode` (+ `DecodeWorkspace`, split-K), `paged_prefill` (varlen prefill/extend, causal over
-cached prefix + new tokens), `copy_blocks`/`BlockCopier` (copy-on-write across all layers in one
+`paged_decode` (+ `DecodeWorkspace`, split-K, `DecodePlan` for ragged batches),
+`paged_prefill` (varlen prefill/extend, causal over cached prefix + new tokens), `copy_blocks`/`BlockCopier` (copy-on-write across all layers in one
 launch) and `swap_blocks` (device <-> pinned host). Every entry point validates its arguments and
-raises a `KernelArgumentError` (ValueError) or `KernelDTypeError` (TypeError) before launching.
+raises a `KernelArgumentError` (ValueError) or `KernelDTypeError` (TypeError) before launching;
+the checks and launch configuration are cached per call signature (`_launch.py`). Pools may be
+bf16, fp16, fp32 or float8_e4m3fn (with `k_scale`/`v_scale`).
 
 This package imports torch and triton; `pagedkv` itself does not import it, so the rest of the
 package stays usable without them. It never imports the Rust extension. See docs/kernels.md.
@@ -23,7 +25,7 @@ from ._validate import (  # noqa: E402
     KernelShapeError,
 )
 from .copy import BlockCopier, copy_blocks, swap_blocks  # noqa: E402
-from .decode import DecodeWorkspace, choose_num_splits, paged_decode  # noqa: E402
+from .decode import DecodePlan, DecodeWorkspace, choose_num_splits, paged_decode  # noqa: E402
 from .prefill import paged_prefill  # noqa: E402
 from .scatter import scatter_kv  # noqa: E402
 
@@ -37,6 +39,7 @@ __all__ = [
     "BlockCopier",
     "copy_blocks",
     "swap_blocks",
+    "DecodePlan",
     "DecodeWorkspace",
     "choose_num_splits",
     "paged_decode",

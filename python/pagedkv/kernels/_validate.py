@@ -24,8 +24,60 @@ __all__ = [
     "KernelIndexError",
 ]
 
-#: Cache dtypes the attention and scatter kernels accept. fp32 exists for tests.
-CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Cache dtypes the attention and scatter kernels accept. fp32 exists for tests; float8_e4m3fn
+#: is the quantized cache (an entry holds x / scale, see `kv_scale`).
+FP8 = torch.float8_e4m3fn
+CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
+#: Activation (q, new K/V, out) dtypes an fp8 cache serves.
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Largest finite float8_e4m3fn value: quantization saturates there.
+FP8_MAX = 448.0
+
+
+def act_dtypes(cache_dtype: torch.dtype) -> tuple:
+    """dtypes `q`/`key`/`value` may have for a cache of `cache_dtype`."""
+    return ACT_DTYPES if cache_dtype == FP8 else (cache_dtype,)
+
+
+def kv_scale(name: str, scale, kv_heads: int, device: torch.device, fp8: bool):
+    """Checks a K or V scale; returns (float32 device tensor or None, stride per kv head).
+
+    `scale` is None (1.0), a positive float (one scale for the tensor), or a float32 tensor of 1
+    element or `kv_heads` elements (one per kv head) on the pool's device. An fp8 cache entry
+    holds `x / scale` (saturated to +-448); reading multiplies by `scale`. A non-fp8 cache takes
+    no scale (None only).
+    """
+    if not fp8:
+        if scale is not None:
+            raise KernelArgumentError(f"{name}: given for a non-fp8 cache, expected None")
+        return None, 0
+    if scale is None:
+        scale = 1.0
+    if isinstance(scale, torch.Tensor):
+        if scale.dtype != torch.float32:
+            raise KernelDTypeError(f"{name}: dtype is {scale.dtype}, expected torch.float32")
+        if scale.numel() not in (1, kv_heads) or scale.dim() > 1:
+            raise KernelShapeError(
+                f"{name}: shape is {tuple(scale.shape)}, expected 1 or [{kv_heads}] (kv heads)"
+            )
+        check_same_device(device, **{name: scale})
+        if scale.numel() > 1:
+            check_contiguous(name, scale)
+        return scale, (1 if scale.numel() > 1 else 0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise KernelDTypeError(f"{name}: expected a float or a tensor, got {type(scale).__name__}")
+    s = float(scale)
+    if not (s > 0.0 and s < float("inf")):
+        raise KernelArgumentError(f"{name}: is {scale}, expected a finite positive number")
+    return torch.full((1,), s, dtype=torch.float32, device=device), 0
+
+
+def scale_key(scale):
+    """The part of a call signature a scale contributes (a tensor's metadata, or the value)."""
+    if isinstance(scale, torch.Tensor):
+        return ("t", scale.shape, scale.stride(), scale.dtype, scale.get_device(),
+                scale.data_ptr() & 15)
+    return scale
 
 
 class KernelArgumentError(PagedKVError, ValueError):

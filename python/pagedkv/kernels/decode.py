@@ -1,6 +1,8 @@
 """Paged decode attention: one query token per sequence against its paged K/V.
 
-Owns `paged_decode`, `DecodeWorkspace` and the split heuristic `choose_num_splits`.
+Owns `paged_decode`, `DecodeWorkspace`, the split heuristic `choose_num_splits` and the ragged
+planner `DecodePlan` (a host-built work list that balances split-K over the batch's real
+lengths; see its docstring).
 
 Layouts: `q` `[num_seqs, q_heads, head_dim]`; pool `[num_blocks, block_size, kv_heads, head_dim]`
 (contiguous); `block_tables` int32 `[num_seqs, max_blocks]` (row stride may exceed the width);
@@ -17,6 +19,12 @@ Split-K (flash-decoding). When `num_seqs * kv_heads` programs cannot fill the GP
 sequence's tokens are cut into `num_splits` contiguous ranges, each a multiple of `TILE_N`, sized
 from that sequence's own length in the kernel (no host sync); every split writes its normalized
 partial output and its log-sum-exp into the workspace, and a second small kernel merges them.
+With a `DecodePlan` the grid is instead one program per (work item, kv head): each item is a
+token range of one sequence, from the plan's buffers.
+
+fp8 cache (float8_e4m3fn): entries are `x / scale` per kv head (`k_scale`, `v_scale`); the K
+scale folds into the softmax scale, the V scale into the output, and tiles are widened to fp16
+(or q's dtype) for the tensor-core products.
 
 Invariants: only `ceil(seq_len / block_size)` block-table entries of a row are read (stale
 columns past them never are); masked K/V lanes load zeros, so stale or NaN pool contents past a
@@ -33,13 +41,21 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from . import _launch as L
 from . import _validate as v
 
-__all__ = ["paged_decode", "DecodeWorkspace", "choose_num_splits", "decode_config"]
+__all__ = [
+    "paged_decode",
+    "DecodeWorkspace",
+    "DecodePlan",
+    "choose_num_splits",
+    "decode_config",
+]
 
 _LOG2E = 1.4426950408889634
 
@@ -64,9 +80,16 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
-    """Tile size and launch parameters for the main decode kernel."""
+    """Tile size and launch parameters for the main decode kernel (`dtype`: the cache's).
+
+    `FP8_COMPUTE` (fp8 caches only): "fp16" widens the fp8 tiles (and q) to fp16 for the
+    tensor-core products, the native e4m3 conversion; "q" widens them to q's dtype."""
     tile_n = 64 if head_dim <= 128 else 32
-    return {"TILE_N": tile_n, "num_warps": 4, "num_stages": 3}
+    if dtype == v.FP8:
+        # Half the bytes per tile: a 128-token tile with 2 stages keeps as many bytes in flight
+        # as the 16-bit one (H200 sweep, docs/performance.md).
+        return {"TILE_N": 2 * tile_n, "num_warps": 4, "num_stages": 2, "FP8_COMPUTE": "fp16"}
+    return {"TILE_N": tile_n, "num_warps": 4, "num_stages": 3, "FP8_COMPUTE": "q"}
 
 
 def choose_num_splits(
@@ -161,7 +184,177 @@ class DecodeWorkspace:
         return po, pl
 
 
-@triton.jit(do_not_specialize=["num_blocks", "seq_cap"])
+#: Planner knobs (see `DecodePlan`): programs per SM the plan aims at for a full batch of
+#: chunks, and the shortest chunk worth its setup and merge traffic.
+PLAN_PROGRAMS_PER_SM = 4
+PLAN_MIN_CHUNK = 256
+#: Item end that means "to the end of the sequence" (the kernel clamps it to the real length).
+_TO_END = (1 << 31) - 1
+
+
+class DecodePlan:
+    """Split-K work list for a decode batch, planned on the host from the real lengths.
+
+    `paged_decode` without a plan splits every sequence of a batch the same way, sized for the
+    longest possible one, which leaves a ragged batch's longest sequence on a few programs while
+    the rest of the GPU idles. A plan cuts each sequence into chunks of one common size, chosen
+    from the batch's total tokens so the whole batch is about `programs` (sequence-chunk, kv
+    head) programs: long sequences get many chunks, short ones one. Chunks are launched heaviest
+    first; a sequence of one chunk writes its output directly, the pieces of the others are
+    merged by a second kernel. (FlashInfer's decode planner balances its grid the same way.)
+
+    Use: build once (it owns its device buffers and the fp32 partials, sized for the worst
+    case), call `update(host_seq_lens)` each step before the decode calls — every layer's
+    `paged_decode(..., plan=plan)` then reuses it — and pass `plan=` instead of a workspace.
+    `update` fills a pinned host buffer and enqueues one non-blocking copy on the current stream,
+    so it is ordered before the kernels that read it, CUDA-graph replays included.
+
+    CUDA graphs: a call captured with a plan uses the fixed grid `capacity * kv_heads` (programs
+    past the plan's item count exit at once), so a graph captured once serves any later plan of
+    the same batch size; call `update` before each replay.
+
+    Correctness never depends on the plan matching the device lengths: each sequence's last
+    chunk runs to its real (device) length and a chunk past it is empty, so a stale or wrong
+    plan only costs balance. A plan must be built for the call's batch size (`num_seqs`).
+    """
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        device,
+        programs: Optional[int] = None,
+        min_chunk: int = PLAN_MIN_CHUNK,
+    ):
+        v.check_int("max_num_seqs", max_num_seqs, 1, 1 << 24)
+        v.check_int("num_q_heads", num_q_heads, 1)
+        v.check_int("num_kv_heads", num_kv_heads, 1)
+        v.check_int("head_dim", head_dim, 1)
+        v.check_int("min_chunk", min_chunk, 1, MAX_SEQ_CAP)
+        if num_q_heads % num_kv_heads:
+            raise v.KernelShapeError(
+                f"num_q_heads: is {num_q_heads}, expected a multiple of num_kv_heads "
+                f"({num_kv_heads})"
+            )
+        self.device = torch.device(device)
+        if programs is None:
+            programs = PLAN_PROGRAMS_PER_SM * _num_sms(self.device)
+        v.check_int("programs", programs, 1, 1 << 24)
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.max_num_seqs = max_num_seqs
+        self.programs = programs
+        self.tile = decode_config(head_dim, num_q_heads // num_kv_heads, None)["TILE_N"]
+        self.min_chunk = min_chunk
+        # Chunks are whole tiles (the kernel's loop step), unless the caller asks for less.
+        self.granule = min(self.tile, min_chunk)
+        # chunk >= total * kv_heads / programs, so sum(max(1, ceil(len / chunk))) <= n + programs
+        # / kv_heads: the capacity never overflows.
+        self.capacity = max_num_seqs + -(-programs // num_kv_heads) + 1
+        self.items_off = -(-(2 + max_num_seqs) // 4) * 4
+        words = self.items_off + 4 * self.capacity
+        self.meta = torch.zeros(words, dtype=torch.int32, device=self.device)
+        pin = self.device.type == "cuda"
+        self._host = [torch.zeros(words, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._host_np = [h.numpy() for h in self._host]
+        self._events = [None, None]
+        self._turn = 0
+        self.partial_out = torch.empty(
+            self.capacity * num_q_heads * head_dim, dtype=torch.float32, device=self.device
+        )
+        self.partial_lse = torch.empty(
+            self.capacity * num_q_heads, dtype=torch.float32, device=self.device
+        )
+        self.num_seqs = 0
+        self.num_items = 0
+        self.chunk = 0
+
+    def plan_host(self, lens) -> tuple:
+        """(chunk, items [n_items, 4] (seq, start, end, partial row or -1), indptr [n + 1]) for
+        the lengths `lens`, in launch order (heaviest first). Pure host arithmetic."""
+        lens = np.clip(np.asarray(lens, dtype=np.int64), 0, MAX_SEQ_CAP)
+        n = lens.shape[0]
+        total = int(lens.sum())
+        chunk = -(-total * self.num_kv_heads // self.programs)
+        chunk = max(self.min_chunk, -(-chunk // self.granule) * self.granule)
+        longest = int(lens.max()) if n else 0
+        if longest > chunk:
+            # Round the chunk up so the longest sequence splits into equal pieces (4096 tokens
+            # with a 4032-token chunk would be 4032 + 64); a larger chunk only means fewer items.
+            p = longest // chunk
+            chunk = -(-(-(-longest // p)) // self.granule) * self.granule
+        pieces = np.maximum(1, -(-lens // chunk))
+        indptr = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(pieces, out=indptr[1:])
+        n_items = int(indptr[-1])
+        if n_items == n:
+            # Nothing to split: one item per sequence, longest first, written directly.
+            order = np.argsort(-lens, kind="stable")
+            items = np.empty((n, 4), dtype=np.int64)
+            items[:, 0] = order
+            items[:, 1] = 0
+            items[:, 2] = _TO_END
+            items[:, 3] = -1
+            return chunk, items, indptr
+        seq = np.repeat(np.arange(n), pieces)
+        k = np.arange(n_items) - indptr[seq]
+        start = k * chunk
+        end = start + chunk
+        end[indptr[1:] - 1] = _TO_END  # each sequence's last piece runs to its real end
+        row = np.arange(n_items)
+        row[pieces[seq] == 1] = -1
+        work = np.minimum(end, lens[seq]) - start
+        order = np.argsort(-work, kind="stable")
+        items = np.stack([seq, start, end, row], axis=1)[order]
+        return chunk, items, indptr
+
+    def update(self, seq_lens, num_seqs: Optional[int] = None) -> "DecodePlan":
+        """Plans the next decode calls from host lengths (`seq_lens`: a sequence of ints, numpy
+        array or CPU tensor; the first `num_seqs`, default all, are the batch). Returns self."""
+        if isinstance(seq_lens, torch.Tensor):
+            if seq_lens.device.type != "cpu":
+                raise v.KernelDeviceError(
+                    f"seq_lens: is on {seq_lens.device}, expected the host copy (cpu): the plan "
+                    f"is built on the host"
+                )
+            seq_lens = seq_lens.numpy()
+        lens = np.asarray(seq_lens)
+        if lens.ndim != 1:
+            raise v.KernelShapeError(f"seq_lens: has {lens.ndim} dimensions, expected 1")
+        n = lens.shape[0] if num_seqs is None else v.check_int("num_seqs", num_seqs, 0)
+        if n > lens.shape[0] or n > self.max_num_seqs:
+            raise v.KernelShapeError(
+                f"num_seqs: is {n}, expected at most {min(lens.shape[0], self.max_num_seqs)} "
+                f"(lengths given, plan capacity)"
+            )
+        chunk, items, indptr = self.plan_host(lens[:n])
+        m = items.shape[0]
+        # Double-buffered host side: the buffer written now was last copied two updates ago;
+        # wait for that copy (normally long done) before overwriting it.
+        t = self._turn
+        ev = self._events[t]
+        if ev is not None:
+            ev.synchronize()
+        h = self._host_np[t]
+        h[0] = m
+        h[1 : 2 + n] = indptr
+        h[self.items_off : self.items_off + 4 * m] = items.reshape(-1)
+        used = self.items_off + 4 * m
+        if self.device.type == "cuda":
+            self.meta[:used].copy_(self._host[t][:used], non_blocking=True)
+            ev = self._events[t] or torch.cuda.Event()
+            ev.record()
+            self._events[t] = ev
+        else:
+            self.meta[:used].copy_(self._host[t][:used])
+        self._turn = 1 - t
+        self.num_seqs, self.num_items, self.chunk = n, m, chunk
+        return self
+
+
+@triton.jit(do_not_specialize=["num_blocks", "seq_cap", "num_seqs"])
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -171,43 +364,77 @@ def _decode_kernel(
     out_ptr,
     po_ptr,
     pl_ptr,
+    plan_ptr,
+    ksc_ptr,
+    vsc_ptr,
     qk_scale,
     stride_qs,
     stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
     stride_bts,
     stride_os,
     stride_oh,
     num_splits,
     num_blocks,
     seq_cap,
+    num_seqs,
+    items_off,
+    max_rows,
+    scale_stride,
     BLOCK_SIZE: tl.constexpr,
+    KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     TILE_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    PLANNED: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    F16: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    # Bounds by construction: a length outside [0, seq_cap] (seq_cap = table width * block size)
-    # is clamped, so no table column past the row's width is ever read.
-    seq_len = tl.load(seq_lens_ptr + seq)
-    seq_len = tl.minimum(tl.maximum(seq_len, 0), seq_cap)
-    if SPLIT:
-        per = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
-        start = split * per
-        end = tl.minimum(start + per, seq_len)
+    # The pool is contiguous (checked on the host): its strides follow from the constexprs, so
+    # they are compile-time constants here.
+    stride_kh: tl.constexpr = HEAD_DIM
+    stride_kt: tl.constexpr = KV_HEADS * HEAD_DIM
+    stride_kb: tl.constexpr = BLOCK_SIZE * KV_HEADS * HEAD_DIM
+    if PLANNED:
+        # One program per (work item, kv head); items are listed heaviest first and the kv heads
+        # of one item are adjacent, so the long chunks start in the first wave. A program past
+        # the plan's item count (a fixed CUDA-graph grid) or with an out-of-range sequence index
+        # does nothing.
+        pid = tl.program_id(0)
+        item = pid // KV_HEADS
+        kvh = pid % KV_HEADS
+        n_items = tl.load(plan_ptr)
+        live = item < n_items
+        ip = plan_ptr + items_off + item * 4
+        seq = tl.load(ip, mask=live, other=-1)
+        t_lo = tl.load(ip + 1, mask=live, other=0)
+        t_hi = tl.load(ip + 2, mask=live, other=0)
+        row_raw = tl.load(ip + 3, mask=live, other=-1)
+        live = live & (seq >= 0) & (seq < num_seqs)
+        seq = tl.where(live, seq, 0)
+        direct = row_raw < 0
+        row = tl.minimum(tl.maximum(row_raw, 0), max_rows - 1)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        seq_len = tl.minimum(tl.maximum(seq_len, 0), seq_cap)
+        start = tl.maximum(t_lo, 0)
+        end = tl.where(live, tl.minimum(t_hi, seq_len), 0)
     else:
-        start = 0
-        end = seq_len
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        # Bounds by construction: a length outside [0, seq_cap] (seq_cap = table width * block
+        # size) is clamped, so no table column past the row's width is ever read.
+        seq_len = tl.load(seq_lens_ptr + seq)
+        seq_len = tl.minimum(tl.maximum(seq_len, 0), seq_cap)
+        if SPLIT:
+            per = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
+            start = split * per
+            end = tl.minimum(start + per, seq_len)
+        else:
+            start = 0
+            end = seq_len
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -220,10 +447,17 @@ def _decode_kernel(
         mask=g_ok[:, None],
         other=0.0,
     )
+    if F16:
+        q = q.to(tl.float16)
     bt_row = bt_ptr + seq64 * stride_bts
     k_head = k_ptr + kvh.to(tl.int64) * stride_kh
-    v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+    v_head = v_ptr + kvh.to(tl.int64) * stride_kh
 
+    if KV_FP8:
+        # fp8 cache: K = k8 * k_scale and V = v8 * v_scale for the program's kv head, so the
+        # K scale folds into the softmax scale and the V scale into the output; the tiles are
+        # only widened to q's dtype for the tensor-core products.
+        qk_scale = qk_scale * tl.load(ksc_ptr + kvh * scale_stride)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
@@ -243,6 +477,8 @@ def _decode_kernel(
             mask=t_ok[:, None],
             other=0.0,
         )
+        if KV_FP8:
+            k = k.to(q.dtype)  # fp16 when F16 (q was widened to it)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -250,17 +486,47 @@ def _decode_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         vv = tl.load(
-            v_head + (blk * stride_vb + in_blk * stride_vt)[:, None] + offs_d[None, :],
+            v_head + (blk * stride_kb + in_blk * stride_kt)[:, None] + offs_d[None, :],
             mask=t_ok[:, None],
             other=0.0,
         )
+        if KV_FP8:
+            vv = vv.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
         m_i = m_new
 
     seq_bad = tl.max(bad, 0) > 0
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = tl.where(seq_bad, 0.0, acc / l_safe[:, None])
-    if not SPLIT:
+    if KV_FP8:
+        o = o * tl.load(vsc_ptr + kvh * scale_stride)
+    lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+    # +inf marks a split that met an out-of-pool id: the merge then zeroes the sequence, so
+    # the result does not depend on how the sequence was split.
+    lse = tl.where(seq_bad, float("inf"), lse)
+    if PLANNED:
+        # A sequence with one item writes its output directly; the pieces of a split one go to
+        # the partial rows the merge reads (layout [max_rows, q_heads, HEAD_DIM], packed). The
+        # item is read again here (volatile: not merged with the first read) so its fields are
+        # not kept live in registers across the key loop.
+        live = item < n_items
+        seq = tl.load(ip, mask=live, other=-1, volatile=True)
+        row_raw = tl.load(ip + 3, mask=live, other=-1, volatile=True)
+        live = live & (seq >= 0) & (seq < num_seqs)
+        seq64 = tl.where(live, seq, 0).to(tl.int64)
+        direct = row_raw < 0
+        row = tl.minimum(tl.maximum(row_raw, 0), max_rows - 1)
+        om = g_ok & live
+        tl.store(
+            out_ptr + seq64 * stride_os + qh[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=(om & direct)[:, None],
+        )
+        prow = row.to(tl.int64) * (KV_HEADS * GROUP) + qh
+        pm = om & (row_raw >= 0)
+        tl.store(po_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], o, mask=pm[:, None])
+        tl.store(pl_ptr + prow, lse, mask=pm)
+    elif not SPLIT:
         tl.store(
             out_ptr + seq64 * stride_os + qh[:, None] * stride_oh + offs_d[None, :],
             o.to(out_ptr.dtype.element_ty),
@@ -268,13 +534,9 @@ def _decode_kernel(
         )
     else:
         # Partial layout [num_seqs, q_heads, num_splits, HEAD_DIM], packed.
-        row = (seq64 * (tl.num_programs(1) * GROUP) + qh) * num_splits + split
-        tl.store(po_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_ok[:, None])
-        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
-        # +inf marks a split that met an out-of-pool id: the merge then zeroes the sequence, so
-        # the result does not depend on how the sequence was split.
-        lse = tl.where(seq_bad, float("inf"), lse)
-        tl.store(pl_ptr + row, lse, mask=g_ok)
+        prow = (seq64 * (KV_HEADS * GROUP) + qh) * num_splits + split
+        tl.store(po_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_ok[:, None])
+        tl.store(pl_ptr + prow, lse, mask=g_ok)
 
 
 @triton.jit
@@ -317,10 +579,69 @@ def _merge_kernel(
     )
 
 
+@triton.jit
+def _merge_planned_kernel(
+    po_ptr,
+    pl_ptr,
+    plan_ptr,
+    out_ptr,
+    stride_os,
+    stride_oh,
+    max_rows,
+    HEAD_DIM: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    # Sequence `seq`'s partial rows are [indptr[seq], indptr[seq + 1]) (seq-major); a sequence
+    # with fewer than two was written directly by the main kernel. Rows are folded in ROWS at a
+    # time with a running max, so any number of pieces per sequence is served.
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    nh = tl.num_programs(1)
+    r0 = tl.load(plan_ptr + 1 + seq)
+    r1 = tl.load(plan_ptr + 2 + seq)
+    r0 = tl.minimum(tl.maximum(r0, 0), max_rows)
+    r1 = tl.minimum(tl.maximum(r1, r0), max_rows)
+    offs_r = tl.arange(0, ROWS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m = tl.full([1], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([1], dtype=tl.float32)
+    num = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    poisoned = tl.zeros([1], dtype=tl.int32)
+    hi = tl.where(r1 - r0 >= 2, r1, r0)
+    for b in range(r0, hi, ROWS):
+        r = b + offs_r
+        r_ok = r < hi
+        lse = tl.load(pl_ptr + r.to(tl.int64) * nh + h, mask=r_ok, other=float("-inf"))
+        # A piece marked +inf met an out-of-pool block id: the sequence's output is zeros.
+        poisoned = poisoned | tl.max(tl.where(lse == float("inf"), 1, 0), 0)
+        lse = tl.where(lse == float("inf"), float("-inf"), lse)
+        live = lse > float("-inf")
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+        a = tl.math.exp2(m - m_use)
+        w = tl.where(live, tl.math.exp2(lse - m_use), 0.0)
+        # Empty pieces (lse = -inf) are not read at all.
+        o = tl.load(
+            po_ptr + (r.to(tl.int64) * nh + h)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=live[:, None],
+            other=0.0,
+        )
+        num = num * a + tl.sum(w[:, None] * o, 0)
+        den = den * a + tl.sum(w, 0)
+        m = m_new
+    res = num / tl.where(den > 0.0, den, 1.0)
+    res = tl.where(poisoned > 0, 0.0, res)
+    tl.store(
+        out_ptr + seq.to(tl.int64) * stride_os + h * stride_oh + offs_d,
+        res.to(out_ptr.dtype.element_ty),
+        mask=(offs_d < HEAD_DIM) & (r1 - r0 >= 2),
+    )
+
+
 def _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, out):
     num_blocks, block_size, kv_heads, head_dim = v.check_cache_pair(k_cache, v_cache)
     dev = k_cache.device
-    v.check_tensor("q", q, ndim=3, dtypes=(k_cache.dtype,))
+    v.check_tensor("q", q, ndim=3, dtypes=v.act_dtypes(k_cache.dtype))
     v.check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
     v.check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,))
     v.check_same_device(dev, q=q, block_tables=block_tables, seq_lens=seq_lens)
@@ -350,6 +671,51 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, out):
     return num_blocks, block_size, kv_heads, head_dim
 
 
+_CACHE = L.LaunchCache()
+
+
+class _DecodeCall:
+    """A validated `paged_decode` signature: the launches and the scratch views they use."""
+
+    __slots__ = ("main", "merge", "grid", "merge_grid", "po", "pl", "plan", "workspace",
+                 "num_seqs", "kv_heads", "cacheable", "plain", "ks", "vs")
+
+    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale):
+        if out is None:
+            out = torch.empty_like(q)
+        # Scales: a float's device tensor lives in the call (its value is in the signature), a
+        # tensor comes per call; without fp8 seq_lens stands in (never read).
+        ks = self.ks if self.ks is not None else (k_scale if k_scale is not None else seq_lens)
+        vs = self.vs if self.vs is not None else (v_scale if v_scale is not None else seq_lens)
+        plan = self.plan
+        if plan is not None:
+            if plan.num_seqs != self.num_seqs:
+                raise v.KernelShapeError(
+                    f"plan: was built for {plan.num_seqs} sequences, expected {self.num_seqs} "
+                    f"(q's batch; call plan.update with this batch's lengths)"
+                )
+            capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+            if not capturing and plan.num_items == self.num_seqs:
+                # Nothing split: the plain one-program-per-(sequence, kv head) kernel, faster
+                # than the work-list one at uniform lengths (measured, docs/performance.md).
+                self.plain((self.num_seqs, self.kv_heads, 1), q, k_cache, v_cache,
+                           block_tables, seq_lens, out, out, out, seq_lens, ks, vs)
+                return out
+            n_items = plan.capacity if capturing else plan.num_items
+            self.main((n_items * self.kv_heads,), q, k_cache, v_cache, block_tables, seq_lens,
+                      out, self.po, self.pl, plan.meta, ks, vs)
+            if capturing or n_items > self.num_seqs:
+                self.merge(self.merge_grid, self.po, self.pl, plan.meta, out)
+            return out
+        po = out if self.po is None else self.po
+        pl = out if self.pl is None else self.pl
+        self.main(self.grid, q, k_cache, v_cache, block_tables, seq_lens, out, po, pl, seq_lens,
+                  ks, vs)
+        if self.merge is not None:
+            self.merge(self.merge_grid, po, pl, out)
+        return out
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -364,6 +730,9 @@ def paged_decode(
     max_seq_len: Optional[int] = None,
     check_indices: bool = False,
     config: Optional[dict] = None,
+    plan: Optional[DecodePlan] = None,
+    k_scale=None,
+    v_scale=None,
 ) -> torch.Tensor:
     """Decode attention for `q` (one token per sequence) over the paged cache; returns `out`.
 
@@ -371,15 +740,62 @@ def paged_decode(
     `seq_lens` used only by the split heuristic (default: the block table's width times the
     block size); `num_splits` overrides the heuristic. Split-K needs scratch: pass a
     `DecodeWorkspace` (and `out`) to keep the call allocation-free and graph-capturable; without
-    one a temporary workspace is allocated. `check_indices=True` validates `seq_lens` and the
-    used block-table entries on the host (synchronizes; debugging only) and raises
-    `KernelIndexError` before launching; without it, bad values follow the bounds contract (no
-    access outside the tensors; docs/kernels.md). `config` overrides the
-    launch parameters of `decode_config` (keys `TILE_N`, `num_warps`, `num_stages`; for tuning).
+    one a temporary workspace is allocated. `plan` (a `DecodePlan` updated with this batch's
+    host lengths) replaces the heuristic by a work list balanced over the real lengths and
+    brings its own scratch (then `workspace` and `num_splits` must be left out).
+    `check_indices=True` validates `seq_lens` and the used block-table entries on the host
+    (synchronizes; debugging only) and raises `KernelIndexError` before launching; without it,
+    bad values follow the bounds contract (no access outside the tensors; docs/kernels.md).
+    `config` overrides the launch parameters of `decode_config` (keys `TILE_N`, `num_warps`,
+    `num_stages`; for tuning). An fp8 (`float8_e4m3fn`) cache is read as `k8 * k_scale`,
+    `v8 * v_scale` (float, or float32 tensor `[kv_heads]`, as written by `scatter_kv`); `q` and
+    `out` are then bf16, fp16 or fp32.
+
+    Host cost: the checks and the launch configuration are computed once per call signature
+    (shapes, strides, dtypes, devices and alignment of the tensors, and the host arguments) and
+    cached; a repeated signature launches the compiled kernels directly (`_launch.py`).
     """
+    key = None
+    if not check_indices:
+        try:
+            key = (
+                L.tensor_key(q), L.tensor_key(k_cache), L.tensor_key(v_cache),
+                L.tensor_key(block_tables), L.tensor_key(seq_lens),
+                None if out is None else L.tensor_key(out),
+                scale, id(workspace), num_splits, id(plan),
+                # The split heuristic reads max_seq_len only in steps of MIN_TOKENS_PER_SPLIT.
+                max_seq_len // MIN_TOKENS_PER_SPLIT
+                if type(max_seq_len) is int and max_seq_len >= 0 else ("raw", max_seq_len),
+                None if config is None else tuple(sorted(config.items())),
+                v.scale_key(k_scale), v.scale_key(v_scale),
+            )
+            call = _CACHE.get(key)
+        except (AttributeError, TypeError):
+            key = call = None
+        if call is not None:
+            return call(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale)
+    call = _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace,
+                    num_splits, max_seq_len, check_indices, config, plan, k_scale, v_scale)
+    if call is None:  # an empty batch
+        return torch.empty_like(q) if out is None else out
+    if key is not None and call.cacheable:
+        _CACHE.put(key, call)
+    return call(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale)
+
+
+def _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace, num_splits,
+             max_seq_len, check_indices, config, plan, k_scale, v_scale) -> Optional[_DecodeCall]:
     num_blocks, block_size, kv_heads, head_dim = _check_decode_args(
         q, k_cache, v_cache, block_tables, seq_lens, out
     )
+    fp8 = k_cache.dtype == v.FP8
+    ks, k_stride = v.kv_scale("k_scale", k_scale, kv_heads, k_cache.device, fp8)
+    vs, v_stride = v.kv_scale("v_scale", v_scale, kv_heads, k_cache.device, fp8)
+    if fp8 and k_stride != v_stride:
+        raise v.KernelShapeError(
+            "v_scale: per-kv-head and per-tensor scales mixed, expected k_scale and v_scale "
+            "of one kind"
+        )
     sc = v.check_scale(scale, head_dim)
     num_seqs, q_heads, _ = q.shape
     group = q_heads // kv_heads
@@ -391,6 +807,25 @@ def paged_decode(
     v.check_int("max_seq_len", max_seq_len, 0)
     if check_indices:
         _check_indices(block_tables, seq_lens, num_seqs, num_blocks, block_size, seq_cap)
+    if plan is not None:
+        if not isinstance(plan, DecodePlan):
+            raise v.KernelDTypeError(f"plan: expected a DecodePlan, got {type(plan).__name__}")
+        if workspace is not None or num_splits is not None:
+            raise v.KernelArgumentError(
+                "plan: given with workspace or num_splits, expected either a plan or those"
+            )
+        if (plan.num_q_heads, plan.num_kv_heads, plan.head_dim) != (q_heads, kv_heads, head_dim):
+            raise v.KernelShapeError(
+                f"plan: built for (q_heads, kv_heads, head_dim) = "
+                f"{(plan.num_q_heads, plan.num_kv_heads, plan.head_dim)}, expected "
+                f"{(q_heads, kv_heads, head_dim)}"
+            )
+        if num_seqs > plan.max_num_seqs:
+            raise v.KernelShapeError(
+                f"q: has {num_seqs} sequences, expected at most {plan.max_num_seqs} (the plan's "
+                f"max_num_seqs)"
+            )
+        v.check_same_device(q.device, plan=plan.meta)
     if workspace is not None:
         if not isinstance(workspace, DecodeWorkspace):
             raise v.KernelDTypeError(
@@ -402,18 +837,17 @@ def paged_decode(
                 f"{(workspace.num_q_heads, workspace.head_dim)}, expected {(q_heads, head_dim)}"
             )
         v.check_same_device(q.device, workspace=workspace.partial_out)
-    if num_splits is None:
-        max_splits = workspace.max_splits if workspace is not None else DEFAULT_MAX_SPLITS
-        num_splits = choose_num_splits(
-            num_seqs, kv_heads, max_seq_len, _num_sms(q.device), max_splits=max_splits
-        )
-    else:
-        v.check_int("num_splits", num_splits, 1, 4096)
-    if out is None:
-        out = torch.empty_like(q)
+    if plan is None:
+        if num_splits is None:
+            max_splits = workspace.max_splits if workspace is not None else DEFAULT_MAX_SPLITS
+            num_splits = choose_num_splits(
+                num_seqs, kv_heads, max_seq_len, _num_sms(q.device), max_splits=max_splits
+            )
+        else:
+            v.check_int("num_splits", num_splits, 1, 4096)
     if num_seqs == 0:
-        return out
-    cfg = decode_config(head_dim, group, q.dtype)
+        return None
+    cfg = decode_config(head_dim, group, k_cache.dtype)
     if config is not None:
         unknown = set(config) - set(cfg)
         if unknown:
@@ -423,37 +857,70 @@ def paged_decode(
         cfg = {**cfg, **config}
     group_pad = max(16, triton.next_power_of_2(group))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    if num_splits > 1:
-        if workspace is None:
-            workspace = DecodeWorkspace(
-                num_seqs, q_heads, kv_heads, head_dim, device=q.device,
-                max_splits=num_splits, capacity=num_seqs * num_splits,
-            )
-        po, pl = workspace.views(num_seqs, num_splits)
-    else:
-        po = pl = out  # unused by the kernel when it does not split
-    grid = (num_seqs, kv_heads, num_splits)
-    _decode_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, out, po, pl,
-        sc * _LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        num_splits, num_blocks, seq_cap,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad,
-        TILE_N=cfg["TILE_N"], SPLIT=num_splits > 1, PRECISION=precision,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    if num_splits > 1:
-        _merge_kernel[(num_seqs, q_heads)](
-            po, pl, out, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=head_dim,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            num_warps=4 if head_dim * num_splits <= 8192 else 8,
+    if cfg["FP8_COMPUTE"] not in ("fp16", "q"):
+        raise v.KernelArgumentError(
+            f"config: FP8_COMPUTE is {cfg['FP8_COMPUTE']!r}, expected 'fp16' or 'q'"
         )
-    return out
+    f16 = fp8 and q.dtype != torch.float32 and cfg["FP8_COMPUTE"] == "fp16"
+    # The out strides the kernels are specialized on: `out`'s, or those empty_like(q) gives.
+    o_ref = out if out is not None else torch.empty_like(q)
+    call = _DecodeCall()
+    call.plan, call.workspace, call.num_seqs, call.kv_heads = plan, workspace, num_seqs, kv_heads
+    call.po = call.pl = call.merge = None
+    call.cacheable = True
+    call.ks = ks if fp8 and not isinstance(k_scale, torch.Tensor) else None
+    call.vs = vs if fp8 and not isinstance(v_scale, torch.Tensor) else None
+    split = plan is None and num_splits > 1
+    if plan is not None:
+        call.po = plan.partial_out.view(plan.capacity, q_heads, head_dim)
+        call.pl = plan.partial_lse.view(plan.capacity, q_heads)
+        items_off, max_rows, ns = plan.items_off, plan.capacity, 1
+    else:
+        items_off, max_rows, ns = 0, 1, num_splits
+        if split:
+            if workspace is None:
+                workspace = DecodeWorkspace(
+                    num_seqs, q_heads, kv_heads, head_dim, device=q.device,
+                    max_splits=num_splits, capacity=num_seqs * num_splits,
+                )
+                call.workspace = workspace
+                # Scratch of its own per call (calls on other streams must not share it).
+                call.cacheable = False
+            call.po, call.pl = workspace.views(num_seqs, num_splits)
+    call.grid = (num_seqs, kv_heads, ns)
+    call.main = L.Launch(
+        _decode_kernel,
+        (sc * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0),
+         o_ref.stride(0), o_ref.stride(1), ns, num_blocks, seq_cap, num_seqs, items_off,
+         max_rows, k_stride),
+        dict(BLOCK_SIZE=block_size, KV_HEADS=kv_heads, HEAD_DIM=head_dim, GROUP=group,
+             GROUP_PAD=group_pad, TILE_N=cfg["TILE_N"], SPLIT=split, PLANNED=plan is not None,
+             PRECISION=precision, KV_FP8=fp8, F16=f16, num_warps=cfg["num_warps"],
+             num_stages=cfg["num_stages"]),
+    )
+    call.merge_grid = (num_seqs, q_heads)
+    call.plain = None
+    if plan is not None:
+        call.plain = L.Launch(
+            _decode_kernel,
+            (sc * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0),
+             o_ref.stride(0), o_ref.stride(1), 1, num_blocks, seq_cap, num_seqs, 0, 1, k_stride),
+            dict(BLOCK_SIZE=block_size, KV_HEADS=kv_heads, HEAD_DIM=head_dim, GROUP=group,
+                 GROUP_PAD=group_pad, TILE_N=cfg["TILE_N"], SPLIT=False, PLANNED=False,
+                 PRECISION=precision, KV_FP8=fp8, F16=f16, num_warps=cfg["num_warps"],
+                 num_stages=cfg["num_stages"]),
+        )
+        call.merge = L.Launch(
+            _merge_planned_kernel, (o_ref.stride(0), o_ref.stride(1), max_rows),
+            dict(HEAD_DIM=head_dim, ROWS=16, num_warps=4),
+        )
+    elif split:
+        call.merge = L.Launch(
+            _merge_kernel, (o_ref.stride(0), o_ref.stride(1), num_splits),
+            dict(HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits),
+                 num_warps=4 if head_dim * num_splits <= 8192 else 8),
+        )
+    return call
 
 
 def _check_indices(block_tables, seq_lens, num_seqs, num_blocks, block_size, seq_cap):

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _launch as L
 from . import _validate as v
 
 __all__ = ["paged_prefill", "prefill_config"]
@@ -71,6 +72,7 @@ def _tile_step(
     q, acc, m_i, l_i, first_bad, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
     last_blk, blk0, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     offs_t = n0 + offs_n
     if MASKED:
@@ -89,6 +91,8 @@ def _tile_step(
         k = tl.load(k_ptrs, mask=t_ok[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs)
+    if KV_FP8:
+        k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if MASKED:
         allowed = (offs_t[None, :] <= q_pos[:, None]) & t_ok[None, :]
@@ -103,6 +107,8 @@ def _tile_step(
         vv = tl.load(v_ptrs, mask=t_ok[:, None], other=0.0)
     else:
         vv = tl.load(v_ptrs)
+    if KV_FP8:
+        vv = vv.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
     return acc, m_new, l_i, first_bad
 
@@ -116,6 +122,9 @@ def _prefill_kernel(
     seq_lens_ptr,
     qsl_ptr,
     out_ptr,
+    max_q_len,
+    ksc_ptr,
+    vsc_ptr,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -131,7 +140,7 @@ def _prefill_kernel(
     total,
     num_blocks,
     seq_cap,
-    max_q_len,
+    scale_stride,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
@@ -140,6 +149,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     ZERO_T: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # A tile has BLOCK_M rows = (token, head) pairs: HEADS_PER_ROW_TILE consecutive query heads
     # of one kv group for each of BLOCK_T tokens. With 1 head per tile it is the classic layout;
@@ -215,6 +225,10 @@ def _prefill_kernel(
     hi = tl.where(active, last_pos, 0)
     full_end = tl.where(active, ((ctx + first + 1) // BLOCK_N) * BLOCK_N, 0)
 
+    if KV_FP8:
+        # fp8 cache: the kv head's K scale folds into the softmax scale, its V scale into the
+        # output (K = k8 * k_scale, V = v8 * v_scale).
+        qk_scale = qk_scale * tl.load(ksc_ptr + kvh * scale_stride)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -222,16 +236,18 @@ def _prefill_kernel(
         acc, m_i, l_i, first_bad = _tile_step(
             q, acc, m_i, l_i, first_bad, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
             last_blk, blk0, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
-            BLOCK_SIZE, False, PRECISION,
+            BLOCK_SIZE, False, PRECISION, KV_FP8,
         )
     for n0 in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i, first_bad = _tile_step(
             q, acc, m_i, l_i, first_bad, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
             last_blk, blk0, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
-            BLOCK_SIZE, True, PRECISION,
+            BLOCK_SIZE, True, PRECISION, KV_FP8,
         )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
+    if KV_FP8:
+        o = o * tl.load(vsc_ptr + kvh * scale_stride)
     o = tl.where((q_pos >= tl.min(first_bad, 0))[:, None], 0.0, o)
     tl.store(
         out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -253,6 +269,8 @@ def paged_prefill(
     out: Optional[torch.Tensor] = None,
     check_indices: bool = False,
     config: Optional[dict] = None,
+    k_scale=None,
+    v_scale=None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix and themselves.
 
@@ -263,10 +281,71 @@ def paged_prefill(
     `check_indices=True` validates the index tensors on the host (synchronizes; debugging only).
     `config` overrides the launch parameters of `prefill_config` (keys `BLOCK_M`, `BLOCK_N`,
     `num_warps`, `num_stages`, `PACK_GQA`; for tuning). Returns `out` (allocated like `q` when not given).
+    The checks and launch configuration are cached per call signature (`_launch.py`).
+    An fp8 cache is read as `k8 * k_scale`, `v8 * v_scale` (as for `paged_decode`).
     """
+    key = None
+    if not check_indices:
+        try:
+            key = (L.tensor_key(q), L.tensor_key(k_cache), L.tensor_key(v_cache),
+                   L.tensor_key(block_tables), L.tensor_key(seq_lens),
+                   L.tensor_key(query_start_loc), None if out is None else L.tensor_key(out),
+                   scale, None if config is None else tuple(sorted(config.items())),
+                   type(max_q_len) is int and max_q_len >= 0,
+                   v.scale_key(k_scale), v.scale_key(v_scale))
+            call = _CACHE.get(key)
+        except (AttributeError, TypeError):
+            key = call = None
+        if call is not None:
+            return call(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+                        max_q_len, k_scale, v_scale)
+    call = _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q_len,
+                    scale, out, check_indices, config, k_scale, v_scale)
+    if call is None:
+        return torch.empty_like(q) if out is None else out
+    if key is not None:
+        _CACHE.put(key, call)
+    return call(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, max_q_len,
+                k_scale, v_scale)
+
+
+class _PrefillCall:
+    """A validated `paged_prefill` signature; the grid's first dimension follows max_q_len."""
+
+    __slots__ = ("launch", "block_t", "g1", "g2", "total", "ks", "vs")
+
+    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, qsl, out, max_q_len,
+                 k_scale, v_scale):
+        if out is None:
+            out = torch.empty_like(q)
+        # A float scale's tensor lives in the call, a tensor comes per call; without fp8
+        # seq_lens stands in (never read).
+        ks = self.ks if self.ks is not None else (k_scale if k_scale is not None else seq_lens)
+        vs = self.vs if self.vs is not None else (v_scale if v_scale is not None else seq_lens)
+        # No sequence has more rows than q, so a larger bound only sizes an idle grid: cap it.
+        # At least one row tile, so rows a wrong max_q_len of 0 leaves out are still zeroed.
+        mq = min(max_q_len, self.total)
+        grid = (max(1, -(-mq // self.block_t)), self.g1, self.g2)
+        self.launch(grid, q, k_cache, v_cache, block_tables, seq_lens, qsl, out, mq, ks, vs)
+        return out
+
+
+_CACHE = L.LaunchCache()
+
+
+def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q_len, scale,
+             out, check_indices, config, k_scale, v_scale):
     num_blocks, block_size, kv_heads, head_dim = v.check_cache_pair(k_cache, v_cache)
     dev = k_cache.device
-    v.check_tensor("q", q, ndim=3, dtypes=(k_cache.dtype,))
+    fp8 = k_cache.dtype == v.FP8
+    v.check_tensor("q", q, ndim=3, dtypes=v.act_dtypes(k_cache.dtype))
+    ks, k_stride = v.kv_scale("k_scale", k_scale, kv_heads, dev, fp8)
+    vs, v_stride = v.kv_scale("v_scale", v_scale, kv_heads, dev, fp8)
+    if fp8 and k_stride != v_stride:
+        raise v.KernelShapeError(
+            "v_scale: per-kv-head and per-tensor scales mixed, expected k_scale and v_scale "
+            "of one kind"
+        )
     v.check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
     v.check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,))
     v.check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,))
@@ -306,10 +385,8 @@ def paged_prefill(
     if check_indices:
         _check_indices(block_tables, seq_lens, query_start_loc, total, max_q_len,
                        num_blocks, block_size, min(block_tables.shape[1] * block_size, MAX_SEQ_CAP))
-    if out is None:
-        out = torch.empty_like(q)
     if num_seqs == 0 or total == 0:
-        return out
+        return None
     cfg = prefill_config(head_dim, q.dtype, os.environ.get("TRITON_INTERPRET", "0") == "1")
     if config is not None:
         unknown = set(config) - set(cfg)
@@ -323,26 +400,27 @@ def paged_prefill(
     pack = cfg["PACK_GQA"] and 1 < group <= cfg["BLOCK_M"] // 16
     per_tile = group if pack else 1
     block_t = cfg["BLOCK_M"] // per_tile
-    # No sequence has more rows than q, so a larger bound only sizes an idle grid: cap it. At
-    # least one row tile, so rows that a wrong max_q_len of 0 leaves out are still zero-filled.
-    max_q_len = min(max_q_len, total)
-    grid = (max(1, triton.cdiv(max_q_len, block_t)), q_heads // per_tile, num_seqs)
+    o_ref = out if out is not None else torch.empty_like(q)
     seq_cap = min(block_tables.shape[1] * block_size, MAX_SEQ_CAP)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        sc * _LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        total, num_blocks, seq_cap, max_q_len,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, HEADS_PER_ROW_TILE=per_tile,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PRECISION=precision,
-        ZERO_T=triton.next_power_of_2(block_t),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    call = _PrefillCall()
+    call.block_t, call.g1, call.g2, call.total = block_t, q_heads // per_tile, num_seqs, total
+    call.ks = ks if fp8 and not isinstance(k_scale, torch.Tensor) else None
+    call.vs = vs if fp8 and not isinstance(v_scale, torch.Tensor) else None
+    call.launch = L.Launch(
+        _prefill_kernel,
+        (sc * _LOG2E,
+         q.stride(0), q.stride(1),
+         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+         block_tables.stride(0),
+         o_ref.stride(0), o_ref.stride(1),
+         total, num_blocks, seq_cap, k_stride),
+        dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, HEADS_PER_ROW_TILE=per_tile,
+             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PRECISION=precision,
+             ZERO_T=triton.next_power_of_2(block_t), KV_FP8=fp8,
+             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
     )
-    return out
+    return call
 
 
 def _check_indices(block_tables, seq_lens, qsl, total, max_q_len, num_blocks, block_size, seq_cap):

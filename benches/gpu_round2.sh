@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Kernels round 2 on a CUDA machine: the `gpu` tests of the touched kernels, then the round-2
+# benchmark sections (ragged planner, anchor shapes, host cost, scatter variants, fp8).
+# Usage (repository root): OUT=/some/dir TESTS="decode bounds" ONLY=ragged,anchor bash benches/gpu_round2.sh
+set -u -o pipefail
+OUT="${OUT:-out}"
+mkdir -p "$OUT"
+export PYTHONPATH=python PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+PY="${PYTHON:-python3}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv 2>&1 | tee "$OUT/nvidia-smi.txt"
+TESTS="${TESTS-decode fp8 bounds scatter_copy prefill}"
+ONLY="${ONLY:-ragged,anchor,host,scatter2,fp8}"
+files=""
+for t in $TESTS; do files="$files tests/test_kernels_$t.py"; done
+rc=0
+if [ -n "$files" ]; then
+  timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -m gpu $files -q -p no:cacheprovider -n "${WORKERS:-8}" \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
+  rc=${PIPESTATUS[0]}
+fi
+timeout "${BENCH_TIMEOUT:-330}" "$PY" benches/bench_kernels.py --only "$ONLY" ${BENCH_ARGS:-} --json "$OUT/bench_round2.json" \
+  2>&1 | tee "$OUT/bench_round2.log" | grep -v "^{'device'"
+brc=${PIPESTATUS[0]}
+echo "tests rc=$rc bench rc=$brc"
+exit $(( rc != 0 || brc != 0 ))
