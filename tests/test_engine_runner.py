@@ -267,11 +267,21 @@ def test_model_still_generates_densely_after_runner_steps(loaded):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
                     reason="the kernel path on the CPU needs TRITON_INTERPRET=1")
-def test_kernel_path_interpreted_matches_dense(loaded):
+@pytest.mark.parametrize("planner", [True, False])
+def test_kernel_path_interpreted_matches_dense(loaded, planner):
     # The CUDA path's attention (scatter_kv, paged_prefill for mixed steps, paged_decode for
-    # pure decode steps), run by Triton's interpreter on CPU tensors.
-    d = Driver(_runner(loaded, attention_backend="triton"))
+    # pure decode steps, planned from the real lengths or by the split heuristic), run by
+    # Triton's interpreter on CPU tensors.
+    d = Driver(_runner(loaded, attention_backend="triton", decode_planner=planner))
     assert d.runner.use_kernels
+    assert (d.runner.decode_plan is not None) == planner
+    if planner:
+        # Chunks of 4 tokens: every sequence is split, so the merge path runs too.
+        from pagedkv.kernels import DecodePlan
+
+        p = d.runner.decode_plan
+        d.runner.decode_plan = DecodePlan(p.max_num_seqs, p.num_q_heads, p.num_kv_heads,
+                                          p.head_dim, device="cpu", min_chunk=4)
     prompts = _prompts(7, [6, 11])
     d.admit(0, prompts[0])
     d.admit(1, prompts[1][:4])
@@ -289,6 +299,8 @@ def test_kernel_path_interpreted_matches_dense(loaded):
         logits, info = d.step([0, 1, 2])
         assert info.num_tokens == 3
         check_against_dense(loaded, d, [0, 1, 2], logits)
+        if planner:
+            assert d.runner.decode_plan.num_seqs == 3 and d.runner.decode_plan.num_items > 3
         logits = logits[:2]
 
 

@@ -107,6 +107,9 @@ def _cuda_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scaling)
 
     scatter_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.mode == "decode":
+        if meta.plan is not None:
+            return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                scale=scaling, plan=meta.plan)
         return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale=scaling,
                             workspace=meta.workspace, max_seq_len=meta.max_seq_len)
     return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,

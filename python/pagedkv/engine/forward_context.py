@@ -42,7 +42,8 @@ class AttentionMetadata:
     int64 ``[T]`` position of each new token in the flattened ``[n * Q]`` padded output.
 
     CUDA extras: ``max_q_len`` (host bound for the prefill grid), ``max_seq_len`` (host bound for the
-    decode split heuristic), ``workspace`` (the split-K scratch).
+    decode split heuristic), ``workspace`` (the split-K scratch), ``plan`` (a
+    :class:`pagedkv.kernels.DecodePlan` updated for this decode step; replaces the workspace).
     """
 
     mode: str
@@ -59,6 +60,7 @@ class AttentionMetadata:
     max_q_len: int = 0
     max_seq_len: int = 0
     workspace: Any = None
+    plan: Any = None
 
 
 _CURRENT: Optional[AttentionMetadata] = None
