@@ -729,7 +729,10 @@ def bench_fp8(shapes, pps=4):
             # fp8 tiles carry half the bytes: does a longer tile or a deeper pipeline pay?
             for cfg in ({"FP8_COMPUTE": "q"}, {"TILE_N": 64, "num_stages": 3},
                         {"TILE_N": 64, "num_stages": 3, "FP8_COMPUTE": "q"},
-                        {"TILE_N": 128, "num_stages": 3}):
+                        {"TILE_N": 128, "num_stages": 3},
+                        {"SWAP_AB": True}, {"SWAP_AB": True, "num_stages": 3},
+                        {"SWAP_AB": True, "TILE_N": 64, "num_stages": 3},
+                        {"SWAP_AB": True, "TILE_N": 256, "num_warps": 8}):
                 q, k8, v8, bt, ks, vs = q8[0]
                 try:
                     fn = (lambda cfg=cfg: K.paged_decode(q, k8, v8, bt, sl, out=outs8[1],
@@ -746,6 +749,18 @@ def bench_fp8(shapes, pps=4):
                 record("fp8_tune", f"b={batch} ctx={ctx}", config=cfg, dobench_graph_us=tt,
                        rel_err_vs_bf16=e2)
                 print(f"  fp8 tune {cfg}: do_bench graph {tt:7.1f} us, err {e2:.2e}", flush=True)
+            # The transposed products on the 16-bit cache, for comparison.
+            q, kc, vc, bt = sets[0]
+            for cfg in ({"SWAP_AB": True}, {"SWAP_AB": True, "TILE_N": 128, "num_stages": 2}):
+                fn = (lambda cfg=cfg: K.paged_decode(q, kc, vc, bt, sl, out=outs[1],
+                                                     workspace=ws, config=cfg))
+                fn()
+                e2 = ((outs[1].float() - outs[0].float()).norm() / outs[0].float().norm()).item()
+                tt = triton.testing.do_bench(_graphed(fn).replay, warmup=25, rep=100,
+                                             return_mode="median") * 1000.0
+                record("bf16_tune", f"b={batch} ctx={ctx}", config=cfg, dobench_graph_us=tt,
+                       rel_err_vs_default=e2)
+                print(f"  bf16 tune {cfg}: do_bench graph {tt:7.1f} us, err {e2:.2e}", flush=True)
         del sets, q8, outs, outs8, ws
         torch.cuda.empty_cache()
     # Quantizing scatter: 8192 tokens into an fp8 pool (reads 2 B, writes 1 B per element).

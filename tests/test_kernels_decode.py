@@ -56,6 +56,15 @@ def test_decode_matches_reference_cpu(device, dtype, block_size, head_dim, group
 
 
 @pytest.mark.parametrize("device", DEVICES[:1])
+@pytest.mark.parametrize("dtype,block_size,head_dim,group,kv_heads", CPU_CASES[1:3])
+def test_decode_transposed_products_cpu(device, dtype, block_size, head_dim, group, kv_heads):
+    # SWAP_AB: the same attention through K·qᵀ and Vᵀ·pᵀ.
+    err = run_case(device, dtype, block_size, head_dim, group, kv_heads, seed=5,
+                   config={"SWAP_AB": True})
+    assert err < TOL[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES[:1])
 @pytest.mark.parametrize("num_splits", [2, 5])
 def test_split_matches_unsplit_cpu(device, num_splits):
     gen = torch.Generator().manual_seed(7)

@@ -79,7 +79,7 @@ def test_scatter_quantizes_like_torch(device):
 
 
 def _decode_case(device, act, lens, block_size, kv_heads, group, head_dim, seed, mode,
-                 per_head=True):
+                 per_head=True, swap=False):
     gen = torch.Generator().manual_seed(seed)
     kc, vc, bt = make_paged(lens, block_size, kv_heads, head_dim, torch.float32, "cpu", gen)
     k8, v8, ks, vs, kd, vd = fp8_pool(kc, vc, per_head)
@@ -92,6 +92,8 @@ def _decode_case(device, act, lens, block_size, kv_heads, group, head_dim, seed,
                                   programs=32, min_chunk=16).update(lens)
     elif mode == "split":
         kw["num_splits"] = 3
+    if swap:
+        kw["config"] = {"SWAP_AB": True}
     sk, sv = (ks.to(device), vs.to(device)) if per_head else (float(ks[0]), float(vs[0]))
     K.paged_decode(q.to(device), k8.to(device), v8.to(device), bt.to(device), sl.to(device),
                    out=out, k_scale=sk, v_scale=sv, **kw)
@@ -104,9 +106,10 @@ def _decode_case(device, act, lens, block_size, kv_heads, group, head_dim, seed,
 @pytest.mark.parametrize("device", DEVICES[:1])
 @pytest.mark.parametrize("mode", ["one", "split", "plan"])
 @pytest.mark.parametrize("per_head", [True, False])
-def test_decode_fp8_cpu(device, mode, per_head):
+@pytest.mark.parametrize("swap", [False, True])
+def test_decode_fp8_cpu(device, mode, per_head, swap):
     err, vs_full = _decode_case(device, torch.float16, [1, 7, 40, 100, 0], 8, 2, 4, 32, 3, mode,
-                                per_head)
+                                per_head, swap)
     assert err < TOL[torch.float16]
     assert vs_full < FP8_VS_FULL
 
@@ -114,10 +117,11 @@ def test_decode_fp8_cpu(device, mode, per_head):
 @pytest.mark.parametrize("device", DEVICES[1:])
 @pytest.mark.parametrize("mode", ["one", "split", "plan"])
 @pytest.mark.parametrize("block_size,head_dim,group", [(16, 128, 4), (64, 128, 8), (16, 64, 16)])
-def test_decode_fp8_gpu(device, mode, block_size, head_dim, group):
+@pytest.mark.parametrize("swap", [False, True])
+def test_decode_fp8_gpu(device, mode, block_size, head_dim, group, swap):
     lens = [1, 15, 3000, 64, 777, 4097]
     err, vs_full = _decode_case(device, torch.bfloat16, lens, block_size, 2, group, head_dim,
-                                block_size + group, mode)
+                                block_size + group, mode, swap=swap)
     assert err < TOL[torch.bfloat16]
     assert vs_full < FP8_VS_FULL
 

@@ -83,13 +83,17 @@ def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
     """Tile size and launch parameters for the main decode kernel (`dtype`: the cache's).
 
     `FP8_COMPUTE` (fp8 caches only): "fp16" widens the fp8 tiles (and q) to fp16 for the
-    tensor-core products, the native e4m3 conversion; "q" widens them to q's dtype."""
+    tensor-core products, the native e4m3 conversion; "q" widens them to q's dtype.
+    `SWAP_AB` computes the transposed products (`K·qᵀ`, `Vᵀ·pᵀ`): the tokens on the MMA's M side
+    and the query group on N, the K/V tiles as the register operand."""
     tile_n = 64 if head_dim <= 128 else 32
     if dtype == v.FP8:
         # Half the bytes per tile: a 128-token tile with 2 stages keeps as many bytes in flight
         # as the 16-bit one (H200 sweep, docs/performance.md).
-        return {"TILE_N": 2 * tile_n, "num_warps": 4, "num_stages": 2, "FP8_COMPUTE": "fp16"}
-    return {"TILE_N": tile_n, "num_warps": 4, "num_stages": 3, "FP8_COMPUTE": "q"}
+        return {"TILE_N": 2 * tile_n, "num_warps": 4, "num_stages": 2, "FP8_COMPUTE": "fp16",
+                "SWAP_AB": False}
+    return {"TILE_N": tile_n, "num_warps": 4, "num_stages": 3, "FP8_COMPUTE": "q",
+            "SWAP_AB": False}
 
 
 def choose_num_splits(
@@ -391,6 +395,7 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
     F16: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     # The pool is contiguous (checked on the host): its strides follow from the constexprs, so
     # they are compile-time constants here.
@@ -460,40 +465,69 @@ def _decode_kernel(
         qk_scale = qk_scale * tl.load(ksc_ptr + kvh * scale_stride)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     bad = tl.zeros([TILE_N], dtype=tl.int32)
-    for t0 in range(start, end, TILE_N):
-        offs_t = t0 + offs_n
-        t_ok = offs_t < end
-        blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_ok, other=0)
-        # An id outside [0, num_blocks) is clamped into the pool (so every load stays inside it)
-        # and flagged; a flagged sequence's output is replaced by zeros below. Clamping instead
-        # of masking the loads keeps the loop's registers (and so its occupancy) as they were.
-        bad = bad | ((blk < 0) | (blk >= num_blocks)).to(tl.int32)
-        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
-        in_blk = offs_t % BLOCK_SIZE
-        k = tl.load(
-            k_head + (blk * stride_kb + in_blk * stride_kt)[:, None] + offs_d[None, :],
-            mask=t_ok[:, None],
-            other=0.0,
-        )
-        if KV_FP8:
-            k = k.to(q.dtype)  # fp16 when F16 (q was widened to it)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(t_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vv = tl.load(
-            v_head + (blk * stride_kb + in_blk * stride_kt)[:, None] + offs_d[None, :],
-            mask=t_ok[:, None],
-            other=0.0,
-        )
-        if KV_FP8:
-            vv = vv.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
-        m_i = m_new
+    if SWAP_AB:
+        # Transposed products: the tile's tokens fill the MMA's M side (no padding of a small
+        # query group to 16 rows there) and the K/V tiles are the register operand.
+        q_t = tl.trans(q)
+        acc_t = tl.zeros([HEAD_DIM, GROUP_PAD], dtype=tl.float32)
+        for t0 in range(start, end, TILE_N):
+            offs_t = t0 + offs_n
+            t_ok = offs_t < end
+            blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_ok, other=0)
+            bad = bad | ((blk < 0) | (blk >= num_blocks)).to(tl.int32)
+            blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+            tok = blk * stride_kb + (offs_t % BLOCK_SIZE) * stride_kt
+            k = tl.load(k_head + tok[:, None] + offs_d[None, :], mask=t_ok[:, None], other=0.0)
+            if KV_FP8:
+                k = k.to(q.dtype)
+            s_t = tl.dot(k, q_t, input_precision=PRECISION) * qk_scale
+            s_t = tl.where(t_ok[:, None], s_t, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s_t, 0))
+            p_t = tl.math.exp2(s_t - m_new[None, :])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p_t, 0)
+            v_t = tl.load(v_head + tok[None, :] + offs_d[:, None], mask=t_ok[None, :], other=0.0)
+            if KV_FP8:
+                v_t = v_t.to(q.dtype)
+            acc_t = acc_t * alpha[None, :] + tl.dot(v_t, p_t.to(v_t.dtype),
+                                                    input_precision=PRECISION)
+            m_i = m_new
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+        for t0 in range(start, end, TILE_N):
+            offs_t = t0 + offs_n
+            t_ok = offs_t < end
+            blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_ok, other=0)
+            # An id outside [0, num_blocks) is clamped into the pool (so every load stays inside it)
+            # and flagged; a flagged sequence's output is replaced by zeros below. Clamping instead
+            # of masking the loads keeps the loop's registers (and so its occupancy) as they were.
+            bad = bad | ((blk < 0) | (blk >= num_blocks)).to(tl.int32)
+            blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+            in_blk = offs_t % BLOCK_SIZE
+            k = tl.load(
+                k_head + (blk * stride_kb + in_blk * stride_kt)[:, None] + offs_d[None, :],
+                mask=t_ok[:, None],
+                other=0.0,
+            )
+            if KV_FP8:
+                k = k.to(q.dtype)  # fp16 when F16 (q was widened to it)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            s = tl.where(t_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vv = tl.load(
+                v_head + (blk * stride_kb + in_blk * stride_kt)[:, None] + offs_d[None, :],
+                mask=t_ok[:, None],
+                other=0.0,
+            )
+            if KV_FP8:
+                vv = vv.to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
+            m_i = m_new
 
     seq_bad = tl.max(bad, 0) > 0
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -895,8 +929,8 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace,
          max_rows, k_stride),
         dict(BLOCK_SIZE=block_size, KV_HEADS=kv_heads, HEAD_DIM=head_dim, GROUP=group,
              GROUP_PAD=group_pad, TILE_N=cfg["TILE_N"], SPLIT=split, PLANNED=plan is not None,
-             PRECISION=precision, KV_FP8=fp8, F16=f16, num_warps=cfg["num_warps"],
-             num_stages=cfg["num_stages"]),
+             PRECISION=precision, KV_FP8=fp8, F16=f16, SWAP_AB=bool(cfg["SWAP_AB"]),
+             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
     )
     call.merge_grid = (num_seqs, q_heads)
     call.plain = None
@@ -907,8 +941,8 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace,
              o_ref.stride(0), o_ref.stride(1), 1, num_blocks, seq_cap, num_seqs, 0, 1, k_stride),
             dict(BLOCK_SIZE=block_size, KV_HEADS=kv_heads, HEAD_DIM=head_dim, GROUP=group,
                  GROUP_PAD=group_pad, TILE_N=cfg["TILE_N"], SPLIT=False, PLANNED=False,
-                 PRECISION=precision, KV_FP8=fp8, F16=f16, num_warps=cfg["num_warps"],
-                 num_stages=cfg["num_stages"]),
+                 PRECISION=precision, KV_FP8=fp8, F16=f16, SWAP_AB=bool(cfg["SWAP_AB"]),
+                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
         )
         call.merge = L.Launch(
             _merge_planned_kernel, (o_ref.stride(0), o_ref.stride(1), max_rows),
