@@ -79,7 +79,7 @@ def test_scatter_quantizes_like_torch(device):
 
 
 def _decode_case(device, act, lens, block_size, kv_heads, group, head_dim, seed, mode,
-                 per_head=True, swap=False):
+                 per_head=True, swap=True):
     gen = torch.Generator().manual_seed(seed)
     kc, vc, bt = make_paged(lens, block_size, kv_heads, head_dim, torch.float32, "cpu", gen)
     k8, v8, ks, vs, kd, vd = fp8_pool(kc, vc, per_head)
@@ -92,8 +92,7 @@ def _decode_case(device, act, lens, block_size, kv_heads, group, head_dim, seed,
                                   programs=32, min_chunk=16).update(lens)
     elif mode == "split":
         kw["num_splits"] = 3
-    if swap:
-        kw["config"] = {"SWAP_AB": True}
+    kw["config"] = {"SWAP_AB": swap}
     sk, sv = (ks.to(device), vs.to(device)) if per_head else (float(ks[0]), float(vs[0]))
     K.paged_decode(q.to(device), k8.to(device), v8.to(device), bt.to(device), sl.to(device),
                    out=out, k_scale=sk, v_scale=sv, **kw)
