@@ -23,8 +23,10 @@
 //! Launch order: a stable sort by descending work (`min(end, l) - start`) of the seq-major list.
 //! Every piece but a sequence's last holds exactly `chunk` tokens, the most any item holds, so
 //! the order is: every full item in seq-major order, then the short last pieces (at most one per
-//! sequence) by descending work, ties by sequence index. That is built directly (a sort of at
-//! most `n` records in place, no allocation).
+//! sequence) by descending work, ties by sequence index. That is built directly, in `out`
+//! itself: the short pieces are sorted as (work, seq) pairs by a stable radix sort whose scratch
+//! is the part of the items region they expand into afterwards, so a call allocates nothing and
+//! costs O(n) (a few ns per sequence).
 //!
 //! Invariants: lengths are clipped to `[0, MAX_SEQ_CAP]` first; the pieces of a sequence are
 //! contiguous from token 0 and cover it; `m ≤ capacity`. On an error nothing has been written:
@@ -147,14 +149,70 @@ impl DecodePlanParams {
     }
 }
 
-/// Pieces of a sequence of (clipped) length `l` under chunk `c` (`c ≥ 1`).
+/// Pieces of a sequence of (clipped) length `l` under chunk `c` (`c ≥ 1`), and whether its
+/// last piece is short (holds fewer than `c` tokens; always so for an empty sequence).
 #[inline(always)]
-fn pieces(l: u32, c: u64) -> u64 {
-    if u64::from(l) <= c {
-        1
+fn pieces(l: u32, c: u64) -> (u64, bool) {
+    let l = u64::from(l);
+    if l <= c {
+        (1, l != c)
     } else {
-        u64::from(l).div_ceil(c)
+        (l.div_ceil(c), l % c != 0)
     }
+}
+
+/// Sorts the `(work, seq)` pairs of `a` (2 words each, in ascending `seq`) by descending work,
+/// stably, using `b` (as long as `a`) as scratch. Returns whether the result is in `b`.
+///
+/// An LSD radix sort on 8-bit digits, as many passes as the largest work needs (two for
+/// chunks below 65536 tokens), skipping a pass whose digit is the same for every pair; an
+/// insertion sort for a few pairs. No allocation: the counts live on the stack.
+fn sort_short(a: &mut [i32], b: &mut [i32]) -> bool {
+    let q = a.len() / 2;
+    if q <= 24 {
+        for j in 1..q {
+            let (w, s) = (a[2 * j], a[2 * j + 1]);
+            let mut i = j;
+            while i > 0 && a[2 * (i - 1)] < w {
+                a[2 * i] = a[2 * (i - 1)];
+                a[2 * i + 1] = a[2 * (i - 1) + 1];
+                i -= 1;
+            }
+            a[2 * i] = w;
+            a[2 * i + 1] = s;
+        }
+        return false;
+    }
+    let max = (0..q).map(|j| a[2 * j] as u32).max().unwrap_or(0);
+    let passes = (32 - max.leading_zeros()).div_ceil(8);
+    let (mut src, mut dst) = (a, b);
+    let mut in_b = false;
+    for pass in 0..passes {
+        let shift = 8 * pass;
+        // Descending: bucket 255 - digit, so the largest digit comes first.
+        let bucket = |w: i32| 255 - ((w as u32 >> shift) & 255) as usize;
+        let mut at = [0u32; 256];
+        for j in 0..q {
+            at[bucket(src[2 * j])] += 1;
+        }
+        if at.contains(&(q as u32)) {
+            continue; // one digit for all: the pass would not move anything
+        }
+        let mut sum = 0;
+        for c in at.iter_mut() {
+            (*c, sum) = (sum, sum + *c);
+        }
+        for j in 0..q {
+            let k = bucket(src[2 * j]);
+            let o = at[k] as usize;
+            at[k] += 1;
+            dst[2 * o] = src[2 * j];
+            dst[2 * o + 1] = src[2 * j + 1];
+        }
+        std::mem::swap(&mut src, &mut dst);
+        in_b = !in_b;
+    }
+    in_b
 }
 
 /// Plans one decode step from the host lengths `lens` into `out` (layout in the module doc) and
@@ -185,9 +243,11 @@ pub fn plan_decode<L: SeqLen>(
     // Every clipped length is at most 2^30, so any larger chunk gives the same pieces: narrow
     // it for the per-sequence arithmetic (all of it in u64, all results fit in i32).
     let c = chunk.min(1 << 31) as u64;
-    let mut m = 0u64;
+    let (mut m, mut q) = (0u64, 0usize);
     for &l in lens {
-        m += pieces(l.clipped(), c);
+        let (p, short) = pieces(l.clipped(), c);
+        m += p;
+        q += usize::from(short);
     }
     if m > params.capacity as u64 {
         return Err(Error::BufferTooSmall {
@@ -213,45 +273,68 @@ pub fn plan_decode<L: SeqLen>(
     let indptr = &mut head[1..n + 2];
     let items = &mut tail[..4 * m];
     indptr[0] = 0;
-    // Full items (exactly `chunk` tokens) go first, in seq-major order; the short last pieces
-    // are collected from the back of `items` meanwhile (in reverse seq order) and sorted after.
-    let (mut front, mut back) = (0usize, 4 * m);
+    // Full items (exactly `chunk` tokens) go first, in seq-major order, in the first `4 (m - q)`
+    // words. The `q` short last pieces (at most one per sequence) are collected meanwhile as
+    // (work, seq) pairs in the last `2 q` words, sorted (the `2 q` words between as scratch),
+    // then expanded in place into records.
+    let full = 4 * (m - q);
+    let (mut front, mut pair) = (0usize, full + 2 * q);
     let mut row = 0u64;
     for (i, &l) in lens.iter().enumerate() {
         let l = u64::from(l.clipped());
-        let p = pieces(l as u32, c);
-        let split = p > 1;
-        for k in 0..p {
-            let start = k * c;
-            let last = k + 1 == p;
-            let work = if last { l - start } else { c };
-            let r = if split { row as i32 } else { -1 };
-            if work == c {
-                let end = if last { TO_END } else { (start + c) as i32 };
-                items[front..front + 4].copy_from_slice(&[i as i32, start as i32, end, r]);
-                front += 4;
-            } else {
-                // Only a last piece can be short; its end (TO_END) holds the work until sorted.
-                back -= 4;
-                items[back..back + 4].copy_from_slice(&[i as i32, start as i32, work as i32, r]);
-            }
+        if l < c {
+            // The common case in a ragged batch: one short piece.
+            items[pair..pair + 2].copy_from_slice(&[l as i32, i as i32]);
+            pair += 2;
             row += 1;
+            indptr[i + 1] = row as i32;
+            continue;
         }
+        let (p, short) = pieces(l as u32, c);
+        let last = (p - 1) * c;
+        let r = |k: u64| if p > 1 { (row + k) as i32 } else { -1 };
+        for k in 0..p - 1 {
+            let start = k * c;
+            let rec = [i as i32, start as i32, (start + c) as i32, r(k)];
+            items[front..front + 4].copy_from_slice(&rec);
+            front += 4;
+        }
+        if short {
+            items[pair..pair + 2].copy_from_slice(&[(l - last) as i32, i as i32]);
+            pair += 2;
+        } else {
+            items[front..front + 4].copy_from_slice(&[i as i32, last as i32, TO_END, r(p - 1)]);
+            front += 4;
+        }
+        row += p;
         indptr[i + 1] = row as i32;
     }
-    debug_assert_eq!(front, back);
-    let short = &mut items[front..];
-    // SAFETY: `[i32; 4]` has the size of four `i32` and their alignment; `short` holds a whole
-    // number of records (its length is `4 * m - front`, both multiples of 4) and is borrowed
-    // mutably for the life of `recs`, so the records alias nothing else.
-    let recs: &mut [[i32; 4]] = unsafe {
-        std::slice::from_raw_parts_mut(short.as_mut_ptr().cast::<[i32; 4]>(), short.len() / 4)
+    debug_assert!(front == full && pair == 4 * m);
+    let (scratch, pairs) = items[full..].split_at_mut(2 * q);
+    let in_scratch = sort_short(pairs, scratch);
+    // Pair j (2 words) becomes record j (4 words, at full + 4j). From the scratch half (at
+    // full + 2j) expand last to first: record j ends before pair j + 1 starts only when read
+    // backwards. From the upper half (at full + 2q + 2j) expand first to last: record j ends
+    // at full + 4j + 3 < full + 2q + 2j + 2 as j < q. Either way no pair is overwritten unread.
+    let base = if in_scratch { full } else { full + 2 * q };
+    let mut expand = |j: usize| {
+        let at = base + 2 * j;
+        let (work, seq) = (items[at], items[at + 1]);
+        let start = lens[seq as usize].clipped() as i32 - work;
+        // A short piece with a nonzero start is the last of several: its row is the sequence's
+        // last seq-major index.
+        let r = if start > 0 {
+            indptr[seq as usize + 1] - 1
+        } else {
+            -1
+        };
+        let o = full + 4 * j;
+        items[o..o + 4].copy_from_slice(&[seq, start, TO_END, r]);
     };
-    // Descending work, ties by ascending sequence: a total order (one short piece per sequence),
-    // so the unstable (allocation-free) sort gives the stable sort's result.
-    recs.sort_unstable_by(|a, b| b[2].cmp(&a[2]).then(a[0].cmp(&b[0])));
-    for rec in recs.iter_mut() {
-        rec[2] = TO_END;
+    if in_scratch {
+        (0..q).rev().for_each(&mut expand);
+    } else {
+        (0..q).for_each(&mut expand);
     }
     Ok(PlanSummary {
         num_items: m,
@@ -476,6 +559,23 @@ mod tests {
             let (s, out) = run(&lens, &p);
             assert!(s.num_items <= p.capacity);
             assert_eq!(out, reference(&lens, &p).1);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn sort_short_is_a_stable_descending_sort(
+            works in proptest::collection::vec(
+                prop_oneof![0i32..4, 0i32..300, 0i32..70_000, 0i32..i32::MAX], 0..300),
+        ) {
+            let q = works.len();
+            let mut a: Vec<i32> = works.iter().enumerate().flat_map(|(s, &w)| [w, s as i32]).collect();
+            let mut b = vec![-1; 2 * q];
+            let mut want: Vec<(i32, i32)> = works.iter().enumerate().map(|(s, &w)| (w, s as i32)).collect();
+            want.sort_by_key(|x| std::cmp::Reverse(x.0));
+            let got = if sort_short(&mut a, &mut b) { b } else { a };
+            let got: Vec<(i32, i32)> = got.chunks(2).map(|p| (p[0], p[1])).collect();
+            prop_assert_eq!(got, want);
         }
     }
 
