@@ -17,7 +17,14 @@ import numpy.typing as npt
 _Ids = Union[Sequence[int], npt.NDArray[np.integer[Any]]]
 _Keys = Union[bytes, bytearray]
 
-__all__ = ["__version__", "BlockManager", "StepArena", "hash_blocks", "_raise_core_error"]
+__all__ = [
+    "__version__",
+    "BlockManager",
+    "StepArena",
+    "hash_blocks",
+    "plan_decode",
+    "_raise_core_error",
+]
 __version__: str
 
 @final
@@ -179,6 +186,24 @@ def hash_blocks(
 ) -> list[bytes]:
     """Chained prefix hashes of every full block under key ``hash_seed``, 16 little-endian bytes
     each."""
+
+def plan_decode(
+    seq_lens: npt.NDArray[np.integer[Any]],
+    out: npt.NDArray[np.int32],
+    kv_heads: int,
+    programs: int,
+    min_chunk: int,
+    granule: int,
+    items_off: int,
+    capacity: int,
+) -> Tuple[int, int]:
+    """Plans one split-K decode step into ``out`` (``DecodePlan``'s int32 host buffer) from the
+    host lengths ``seq_lens`` (1-D, any integer dtype; clipped to ``[0, 2^30]``) and returns
+    ``(num_items, chunk)``: ``out[0]`` the item count, ``out[1 : 2 + n]`` the indptr,
+    ``out[items_off : items_off + 4 * num_items]`` the items ``(seq, start, end, row or -1)``,
+    heaviest first, exactly as ``DecodePlan.plan_host`` computes them. ``out`` must be a
+    writable, C-contiguous, native int32 array (``BufferInvalidError`` otherwise) long enough
+    for the items and ``capacity`` (``BufferTooSmallError``); nothing is written on an error."""
 
 def _raise_core_error(name: str) -> None:
     """Raises the mapped exception for a sample of the named core error variant (tests only)."""

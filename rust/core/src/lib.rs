@@ -15,6 +15,7 @@
 //! - [`prefix`]: the prefix cache — hash → block map and the LRU of cached-free blocks.
 //! - [`step`]: caller-owned step buffers and what one step writes into them.
 //! - [`metrics`]: cheap counters readable at any time.
+//! - [`decode_plan`]: the split-K work list of a ragged decode batch, planned from host lengths.
 //! - [`swap`]: reclamation — the host block pool, sequence states, the swap-or-recompute cost model.
 //! - [`manager`]: the block manager tying them together.
 //!
@@ -79,6 +80,7 @@
 
 #![warn(missing_docs)]
 
+pub mod decode_plan;
 pub mod error;
 pub mod freelist;
 pub mod hash;

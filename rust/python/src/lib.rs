@@ -4,6 +4,7 @@
 //! blocks, tables and hashes is the core's. Modules:
 //! - [`manager`]: the `BlockManager` class and the `hash_blocks` function;
 //! - [`buffers`]: the `StepArena` class, the extension-owned host memory of the step buffers;
+//! - [`plan`]: the `plan_decode` function, the core's split-K decode planner;
 //! - [`convert`]: Python ints, lists and numpy arrays to the core's id types;
 //! - [`errors`]: core errors to the exception classes of `pagedkv.errors`;
 //! - [`stats`]: the core's counters as a dict.
@@ -17,6 +18,7 @@ mod buffers;
 mod convert;
 mod errors;
 mod manager;
+mod plan;
 mod stats;
 
 /// Raises the exception a sample of the named core error variant maps to. Lets tests check the
@@ -37,6 +39,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::PyBlockManager>()?;
     m.add_class::<buffers::PyStepArena>()?;
     m.add_function(wrap_pyfunction!(manager::hash_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(plan::plan_decode, m)?)?;
     m.add_function(wrap_pyfunction!(_raise_core_error, m)?)?;
     Ok(())
 }
