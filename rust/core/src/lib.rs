@@ -13,6 +13,8 @@
 //! - [`table`]: one sequence's block table and token count.
 //! - [`hash`]: the chained XXH3-128 prefix hash and its byte layout.
 //! - [`prefix`]: the prefix cache — hash → block map and the LRU of cached-free blocks.
+//! - [`keyed`]: caller-keyed blocks — counts, eviction order and a map from the caller's own
+//!   hashes (vLLM's block pool sits on it).
 //! - [`step`]: caller-owned step buffers and what one step writes into them.
 //! - [`metrics`]: cheap counters readable at any time.
 //! - [`swap`]: reclamation — the host block pool, sequence states, the swap-or-recompute cost model.
@@ -82,6 +84,7 @@
 pub mod error;
 pub mod freelist;
 pub mod hash;
+pub mod keyed;
 pub mod manager;
 pub mod metrics;
 pub mod pool;
