@@ -125,14 +125,13 @@ pub struct KeyedPool {
 
 impl KeyedPool {
     /// A pool of `num_blocks` free blocks in id order; with `reserve_null`, block 0 is taken as
-    /// the null block (so at least two blocks are needed).
+    /// the null block (a one-block pool is then all null, with nothing to allocate).
     pub fn new(num_blocks: u32, reserve_null: bool) -> Result<Self> {
-        let min = if reserve_null { 2 } else { 1 };
-        if num_blocks < min || num_blocks == NIL {
+        if num_blocks == 0 || num_blocks == NIL {
             return Err(Error::InvalidConfig {
                 field: "num_blocks",
                 value: u64::from(num_blocks),
-                reason: format!("must be in [{min}, {}]", NIL - 1),
+                reason: format!("must be in [1, {}]", NIL - 1),
             });
         }
         let n = num_blocks as usize;
@@ -549,11 +548,16 @@ impl KeyedPool {
         if held > 0 {
             return false;
         }
+        self.clear_keys();
+        true
+    }
+
+    /// Forgets every key, held blocks' included (no block moves or changes count).
+    pub fn clear_keys(&mut self) {
         self.map.clear();
         for ks in &mut self.keys {
             ks.clear();
         }
-        true
     }
 
     /// Verifies every invariant of the module documentation; [`Error::InvariantViolation`] names
@@ -650,7 +654,9 @@ mod tests {
         assert_eq!(p.ref_count(0).unwrap(), 0);
         assert!(p.insert(&key(1, 0), 0).is_err());
         p.check_invariants().unwrap();
-        assert!(KeyedPool::new(1, true).is_err());
+        let one = KeyedPool::new(1, true).unwrap();
+        assert_eq!((one.num_free(), one.free_order()), (0, vec![]));
+        one.check_invariants().unwrap();
         assert!(KeyedPool::new(0, false).is_err());
     }
 
