@@ -13,7 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=${PAGEDKV_VENV:-.venv}
-PY="$ROOT/$VENV/bin/python"
+case $VENV in /*) ;; *) VENV="$ROOT/$VENV" ;; esac
+PY="$VENV/bin/python"
 [ -x "$PY" ] || { echo "test_vllm: $PY missing; run scripts/setup.sh first" >&2; exit 1; }
 DIR=${PAGEDKV_VLLM_DIR:-$ROOT/.vllm-test}
 SITE="$DIR/site"

@@ -66,17 +66,79 @@ class CoreBlock(KVCacheBlock):
         if value != core.ref_count(self.block_id):
             core.set_ref(self.block_id, value)
 
+    # The free-list links are the core's: read-only views (the dataclass __init__ assigns None).
+    @property  # type: ignore[override]
+    def prev_free_block(self) -> Any:
+        return self._link(0)
+
+    @prev_free_block.setter
+    def prev_free_block(self, value: Any) -> None:
+        pass
+
+    @property  # type: ignore[override]
+    def next_free_block(self) -> Any:
+        return self._link(1)
+
+    @next_free_block.setter
+    def next_free_block(self, value: Any) -> None:
+        pass
+
+    def _link(self, side: int) -> Any:
+        try:
+            core = self._core
+        except AttributeError:
+            return None
+        nb = core.free_neighbours(self.block_id)
+        if nb is None:
+            return None
+        other = nb[side]
+        queue = self.pool.free_block_queue
+        if other is None:
+            return queue.fake_free_list_tail if side else queue.fake_free_list_head
+        return self.pool.blocks[other]
+
+
+class _End:
+    """One end of the free list as ``FreeKVCacheBlockQueue`` shows it (a fake head or tail)."""
+
+    __slots__ = ("_pool", "_is_head")
+    block_id = -1
+
+    def __init__(self, pool: PagedKVBlockPool, is_head: bool) -> None:
+        self._pool, self._is_head = pool, is_head
+
+    def _edge(self, wanted_side: bool) -> Any:
+        q = self._pool.free_block_queue
+        if wanted_side != self._is_head:
+            return None  # nothing before the head, nothing after the tail
+        core = self._pool._core
+        b = core.free_front if self._is_head else core.free_back
+        if b is None:
+            return q.fake_free_list_tail if self._is_head else q.fake_free_list_head
+        return self._pool.blocks[b]
+
+    @property
+    def next_free_block(self) -> Any:
+        return self._edge(True)
+
+    @property
+    def prev_free_block(self) -> Any:
+        return self._edge(False)
+
 
 class CoreFreeQueue:
     """Read-only view of the core's eviction order, shaped like ``FreeKVCacheBlockQueue``.
 
-    Offers what vLLM code and tests read (``num_free_blocks``, ``get_all_free_blocks``,
-    ``iter_blocks_after``); the linked-list internals (``fake_free_list_head`` ...) do not exist:
-    the list lives in the core.
+    Offers what vLLM code and tests read: ``num_free_blocks``, ``get_all_free_blocks``,
+    ``iter_blocks_after``, and walking the list from ``fake_free_list_head`` /
+    ``fake_free_list_tail`` through the blocks' ``next_free_block`` / ``prev_free_block``
+    (each link is a core query). Changing the order goes through the pool's methods.
     """
 
     def __init__(self, pool: PagedKVBlockPool) -> None:
         self._pool = pool
+        self.fake_free_list_head = _End(pool, True)
+        self.fake_free_list_tail = _End(pool, False)
 
     @property
     def num_free_blocks(self) -> int:
@@ -111,9 +173,9 @@ class CoreCacheView(MutableMapping):  # type: ignore[type-arg]
     def __init__(self, pool: PagedKVBlockPool) -> None:
         self._pool = pool
 
-    def _value(self, ids: list[int]) -> Any:
+    def _value(self, ids: int | list[int]) -> Any:
         blocks = self._pool.blocks
-        return blocks[ids[0]] if len(ids) == 1 else {i: blocks[i] for i in ids}
+        return blocks[ids] if isinstance(ids, int) else {i: blocks[i] for i in ids}
 
     def _snapshot(self) -> dict[bytes, Any]:
         return {k: self._value(ids) for k, ids in self._pool._core.entries().items()}
@@ -132,6 +194,7 @@ class CoreCacheView(MutableMapping):  # type: ignore[type-arg]
         blocks = list(value.values()) if isinstance(value, dict) else [value]
         for b in blocks:
             core.insert(key, b.block_id)
+        # (a dict of one block comes back as a single block: the core keeps no empty shapes)
 
     def __delitem__(self, key: bytes) -> None:
         core = self._pool._core
@@ -139,7 +202,7 @@ class CoreCacheView(MutableMapping):  # type: ignore[type-arg]
         if ids is None:
             raise KeyError(key)
         self._pool._direct_edits = True
-        for i in ids:
+        for i in [ids] if isinstance(ids, int) else ids:
             core.remove(key, i)
 
     def __iter__(self) -> Iterator[bytes]:
@@ -336,6 +399,10 @@ class PagedKVBlockPool(StockBlockPool):
         key = block_hash_with_group_id
         if block.block_hash == key or self._core.contains(key, block.block_id):
             return
+        if block.pool is not self:
+            # A block object this pool did not make (tests build them): the core keys its id,
+            # but the hash lands on that object, not on ours, so stop checking coherence.
+            self._direct_edits = True
         # The first key of a block is its block_hash; later ones are secondary, as in vLLM.
         if block.block_hash is None:
             block.set_block_hash(key, num_tokens=num_tokens)

@@ -22,13 +22,14 @@
 //!
 //! # The null block
 //! With `reserve_null`, block 0 is taken at construction as a shared placeholder (vLLM's null
-//! block for skipped positions). It is never free, never keyed, and its count is not kept:
-//! touching or releasing it is a no-op, so callers may pass it in a table without filtering.
+//! block for skipped positions). It is never free and its count is not kept: touching or
+//! releasing it is a no-op, so callers may pass it in a table without filtering. It may be keyed
+//! (vLLM's pool does not forbid it), but since it is never free it is never evicted.
 //!
 //! # Invariants (checked by [`KeyedPool::check_invariants`])
 //! - A non-null block is in the free list iff its count is zero; the list length is `num_free`.
 //! - `(key, block)` is in the map iff `key` is in the block's key list; no map entry is empty;
-//!   a block appears at most once under a key; the null block has no keys.
+//!   a block appears at most once under a key.
 //!
 //! Every fallible call validates before it mutates: an error leaves the pool as it was.
 
@@ -64,7 +65,9 @@ pub enum Placement {
     Back,
 }
 
-/// Blocks stored under one key, in insertion order (the first one answers lookups).
+/// Blocks stored under one key, in insertion order (the first one answers lookups). A key that
+/// once held several blocks keeps the list form after removals down to one, which callers that
+/// mirror vLLM's map shape can observe through [`KeyedPool::entries`].
 #[derive(Debug, Clone)]
 enum Slot {
     One(BlockId),
@@ -230,9 +233,37 @@ impl KeyedPool {
         out
     }
 
-    /// Every `(key, blocks)` entry of the map, blocks in insertion order (unordered keys).
-    pub fn entries(&self) -> impl Iterator<Item = (&[u8], &[BlockId])> {
-        self.map.iter().map(|(k, s)| (&**k, s.blocks()))
+    /// Every `(key, blocks, list_form)` entry of the map, blocks in insertion order (unordered
+    /// keys); `list_form` says the key has held several blocks at once since it was created.
+    pub fn entries(&self) -> impl Iterator<Item = (&[u8], &[BlockId], bool)> {
+        self.map
+            .iter()
+            .map(|(k, s)| (&**k, s.blocks(), matches!(s, Slot::Many(_))))
+    }
+
+    /// The first free block (allocated next), if any.
+    pub fn free_front(&self) -> Option<BlockId> {
+        (self.head != NIL).then_some(self.head)
+    }
+
+    /// The last free block (evicted last), if any.
+    pub fn free_back(&self) -> Option<BlockId> {
+        (self.tail != NIL).then_some(self.tail)
+    }
+
+    /// A free block's neighbours in the eviction order, `(before, after)`; `None` if the block is
+    /// not free.
+    pub fn free_neighbours(
+        &self,
+        b: BlockId,
+    ) -> Result<Option<(Option<BlockId>, Option<BlockId>)>> {
+        self.check_block(b)?;
+        let i = b as usize;
+        if !self.in_free[i] {
+            return Ok(None);
+        }
+        let opt = |x: u32| (x != NIL).then_some(x);
+        Ok(Some((opt(self.prev[i]), opt(self.next[i]))))
     }
 
     // ---- the free list -------------------------------------------------------------------
@@ -466,13 +497,6 @@ impl KeyedPool {
     /// pair was already present. Inserting the null block is [`Error::InvalidArgument`].
     pub fn insert(&mut self, key: &[u8], b: BlockId) -> Result<bool> {
         self.check_block(b)?;
-        if Some(b) == self.null {
-            return Err(Error::InvalidArgument {
-                what: "block",
-                value: i64::from(b),
-                reason: "the null block is never cached".into(),
-            });
-        }
         match self.map.get_mut(key) {
             None => {
                 self.map.insert(key.into(), Slot::One(b));
@@ -520,12 +544,7 @@ impl KeyedPool {
             Slot::One(x) => *x == b,
             Slot::Many(v) => {
                 v.retain(|&x| x != b);
-                let only = (v.len() == 1).then(|| v[0]);
-                let empty = v.is_empty();
-                if let Some(o) = only {
-                    *slot = Slot::One(o);
-                }
-                empty
+                v.is_empty()
             }
         };
         if empty {
@@ -595,8 +614,8 @@ impl KeyedPool {
                 return bad(format!("block {i}: in_free flag disagrees with the list"));
             }
             if is_null {
-                if seen[i] || !self.keys[i].is_empty() || self.refcnt[i] != 0 {
-                    return bad("the null block is free, keyed or counted".into());
+                if seen[i] || self.refcnt[i] != 0 {
+                    return bad("the null block is free or counted".into());
                 }
             } else if seen[i] != (self.refcnt[i] == 0) {
                 return bad(format!(
@@ -613,8 +632,8 @@ impl KeyedPool {
         let mut pairs = 0usize;
         for (k, s) in &self.map {
             let bs = s.blocks();
-            if bs.is_empty() || matches!(s, Slot::Many(v) if v.len() < 2) {
-                return bad("a map entry is empty or a one-block list".into());
+            if bs.is_empty() {
+                return bad("a map entry is empty".into());
             }
             for (j, &b) in bs.iter().enumerate() {
                 if bs[..j].contains(&b) {
@@ -652,7 +671,9 @@ mod tests {
         p.touch(&[0, 0]).unwrap();
         p.release(&[0], Placement::ByCache).unwrap();
         assert_eq!(p.ref_count(0).unwrap(), 0);
-        assert!(p.insert(&key(1, 0), 0).is_err());
+        assert!(p.insert(&key(1, 0), 0).unwrap());
+        assert!(p.allocate(3).is_ok());
+        assert_eq!(p.lookup(&key(1, 0)), Some(0));
         p.check_invariants().unwrap();
         let one = KeyedPool::new(1, true).unwrap();
         assert_eq!((one.num_free(), one.free_order()), (0, vec![]));

@@ -210,17 +210,49 @@ impl PyKeyedBlockPool {
         self.lock().clear_keys()
     }
 
-    /// `{key: [blocks in insertion order]}` for every key.
+    /// `{key: block}` for a key that has only ever held one block at a time, `{key: [blocks in
+    /// insertion order]}` for one that has held several.
     fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let all: Vec<(Vec<u8>, Vec<u32>)> = {
+        type Entry = (Vec<u8>, Vec<u32>, bool);
+        let all: Vec<Entry> = {
             let g = self.lock();
-            g.entries().map(|(k, b)| (k.to_vec(), b.to_vec())).collect()
+            g.entries()
+                .map(|(k, b, many)| (k.to_vec(), b.to_vec(), many))
+                .collect()
         };
         let d = PyDict::new(py);
-        for (k, b) in all {
-            d.set_item(PyBytes::new(py, &k), b)?;
+        for (k, b, many) in all {
+            let key = PyBytes::new(py, &k);
+            if many {
+                d.set_item(key, b)?;
+            } else {
+                d.set_item(key, b[0])?;
+            }
         }
         Ok(d)
+    }
+
+    /// The first free block, or None.
+    #[getter]
+    fn free_front(&self) -> Option<u32> {
+        self.lock().free_front()
+    }
+
+    /// The last free block, or None.
+    #[getter]
+    fn free_back(&self) -> Option<u32> {
+        self.lock().free_back()
+    }
+
+    /// `(before, after)` of a free block in the eviction order (None at an end), or None if the
+    /// block is not free.
+    #[allow(clippy::type_complexity)]
+    fn free_neighbours(
+        &self,
+        block: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<(Option<u32>, Option<u32>)>> {
+        let b = self::block(block)?;
+        self.lock().free_neighbours(b).py()
     }
 
     /// Counters: lookups, hits, evictions, revivals.
