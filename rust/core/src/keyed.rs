@@ -608,6 +608,7 @@ impl KeyedPool {
                 self.num_free
             ));
         }
+        #[allow(clippy::needless_range_loop)] // i indexes five parallel arrays
         for i in 0..n {
             let is_null = self.null == Some(i as BlockId);
             if seen[i] != self.in_free[i] {

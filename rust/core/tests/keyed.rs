@@ -137,7 +137,7 @@ proptest! {
                                 if to_back { back.push(b) } else { front.push(b) }
                             }
                         }
-                        front.extend(m.free.drain(..));
+                        front.append(&mut m.free);
                         front.extend(back);
                         m.free = front;
                     }
