@@ -30,7 +30,18 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
     result = yield
     from pagedkv.vllm.pool import PagedKVBlockPool
 
-    for p in list(PagedKVBlockPool._live):
-        p.check_coherence()
+    pools = list(PagedKVBlockPool._live)
     PagedKVBlockPool._live.clear()
+    _checked[0] += len(pools)
+    for p in pools:
+        p.check_coherence()
     return result
+
+
+_checked = [0]
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    terminalreporter.write_line(
+        f"pagedkv: {_checked[0]} pagedkv block pools built by tests, each checked against its core"
+    )
