@@ -13,6 +13,8 @@
 //! - [`table`]: one sequence's block table and token count.
 //! - [`hash`]: the chained XXH3-128 prefix hash and its byte layout.
 //! - [`prefix`]: the prefix cache — hash → block map and the LRU of cached-free blocks.
+//! - [`keyed`]: caller-keyed blocks — counts, eviction order and a map from the caller's own
+//!   hashes (vLLM's block pool sits on it).
 //! - [`step`]: caller-owned step buffers and what one step writes into them.
 //! - [`metrics`]: cheap counters readable at any time.
 //! - [`decode_plan`]: the split-K work list of a ragged decode batch, planned from host lengths.
@@ -84,6 +86,7 @@ pub mod decode_plan;
 pub mod error;
 pub mod freelist;
 pub mod hash;
+pub mod keyed;
 pub mod manager;
 pub mod metrics;
 pub mod pool;

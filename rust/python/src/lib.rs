@@ -5,6 +5,7 @@
 //! - [`manager`]: the `BlockManager` class and the `hash_blocks` function;
 //! - [`buffers`]: the `StepArena` class, the extension-owned host memory of the step buffers;
 //! - [`plan`]: the `plan_decode` function, the core's split-K decode planner;
+//! - [`keyed`]: the `KeyedBlockPool` class, blocks keyed by caller-supplied hashes;
 //! - [`convert`]: Python ints, lists and numpy arrays to the core's id types;
 //! - [`errors`]: core errors to the exception classes of `pagedkv.errors`;
 //! - [`stats`]: the core's counters as a dict.
@@ -17,6 +18,7 @@ use pyo3::prelude::*;
 mod buffers;
 mod convert;
 mod errors;
+mod keyed;
 mod manager;
 mod plan;
 mod stats;
@@ -38,6 +40,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<manager::PyBlockManager>()?;
     m.add_class::<buffers::PyStepArena>()?;
+    m.add_class::<keyed::PyKeyedBlockPool>()?;
     m.add_function(wrap_pyfunction!(manager::hash_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(plan::plan_decode, m)?)?;
     m.add_function(wrap_pyfunction!(_raise_core_error, m)?)?;

@@ -1,0 +1,287 @@
+//! `_core.KeyedBlockPool`: the core's caller-keyed pool ([`pagedkv::keyed::KeyedPool`]).
+//!
+//! Owns the wrapped pool behind one `Mutex` (the class is `frozen`, as `BlockManager` is, so
+//! calls from several threads are serialized rather than refused). Arguments are converted before
+//! the lock is taken and Python results are built after it is released. Every call is small work
+//! for one engine step, so the GIL stays held: releasing it would cost about as much as the work.
+//! Keys are `bytes`; block ids are ints; errors are the `pagedkv.errors` classes.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use pagedkv::keyed::{KeyedPool, Placement};
+use pagedkv::BlockId;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use crate::convert::{count, flag, ids_into, scalar};
+use crate::errors::{invalid_arg, CoreResultExt};
+
+/// Paged KV block pool keyed by caller-supplied hashes; see `pagedkv.vllm` for its main user.
+#[pyclass(frozen, module = "pagedkv._core", name = "KeyedBlockPool")]
+pub struct PyKeyedBlockPool {
+    num_blocks: u32,
+    inner: Mutex<KeyedPool>,
+}
+
+impl PyKeyedBlockPool {
+    #[inline]
+    fn lock(&self) -> MutexGuard<'_, KeyedPool> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+fn placement(obj: &Bound<'_, PyAny>) -> PyResult<Placement> {
+    match obj.extract::<String>().as_deref() {
+        Ok("cache") => Ok(Placement::ByCache),
+        Ok("front") => Ok(Placement::Front),
+        Ok("back") => Ok(Placement::Back),
+        _ => Err(invalid_arg(
+            "placement",
+            obj,
+            "must be 'cache', 'front' or 'back'",
+        )),
+    }
+}
+
+fn block(obj: &Bound<'_, PyAny>) -> PyResult<BlockId> {
+    scalar::<u32>("block", obj)
+}
+
+#[pymethods]
+impl PyKeyedBlockPool {
+    #[new]
+    #[pyo3(signature = (num_blocks, reserve_null = None))]
+    fn new(
+        num_blocks: &Bound<'_, PyAny>,
+        reserve_null: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let n = scalar::<u32>("num_blocks", num_blocks)?;
+        let null = match reserve_null {
+            Some(o) => flag("reserve_null", o)?,
+            None => true,
+        };
+        let inner = KeyedPool::new(n, null).py()?;
+        Ok(Self {
+            num_blocks: n,
+            inner: Mutex::new(inner),
+        })
+    }
+
+    /// Blocks in the pool, the null block included.
+    #[getter]
+    fn num_blocks(&self) -> u32 {
+        self.num_blocks
+    }
+
+    /// The null block's id, or None.
+    #[getter]
+    fn null_block(&self) -> Option<u32> {
+        self.lock().null_block()
+    }
+
+    /// Free blocks, cached ones included.
+    #[getter]
+    fn num_free(&self) -> usize {
+        self.lock().num_free()
+    }
+
+    /// Keys in the map.
+    #[getter]
+    fn num_keys(&self) -> usize {
+        self.lock().num_keys()
+    }
+
+    /// Takes `n` blocks from the front (count 1 each): `(blocks, evicted)`, where `evicted` lists
+    /// the blocks among them that lost their keys.
+    fn allocate(&self, n: &Bound<'_, PyAny>) -> PyResult<(Vec<u32>, Vec<u32>)> {
+        let n = count("n", n)?;
+        let (mut out, mut ev) = (Vec::new(), Vec::new());
+        self.lock().allocate_into(n, &mut out, &mut ev).py()?;
+        Ok((out, ev))
+    }
+
+    /// One more reference to each block; free ones are revived (the null block is skipped).
+    fn touch(&self, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids: Vec<u32> = ids_into("blocks", blocks)?;
+        self.lock().touch(&ids).py()
+    }
+
+    /// One reference fewer on each block; each reaching zero is placed per `placement`
+    /// (`'cache'`: uncached to the front, cached to the back; `'front'`; `'back'`).
+    #[pyo3(signature = (blocks, placement = None))]
+    fn release(
+        &self,
+        blocks: &Bound<'_, PyAny>,
+        placement: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let ids: Vec<u32> = ids_into("blocks", blocks)?;
+        let p = match placement {
+            Some(o) => self::placement(o)?,
+            None => Placement::ByCache,
+        };
+        self.lock().release(&ids, p).py()
+    }
+
+    /// Sets a held block's count (not to or from zero).
+    fn set_ref(&self, block: &Bound<'_, PyAny>, count: &Bound<'_, PyAny>) -> PyResult<()> {
+        let b = self::block(block)?;
+        let c = scalar::<u32>("count", count)?;
+        self.lock().set_ref(b, c).py()
+    }
+
+    fn ref_count(&self, block: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let b = self::block(block)?;
+        self.lock().ref_count(b).py()
+    }
+
+    fn is_cached(&self, block: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let b = self::block(block)?;
+        self.lock().is_cached(b).py()
+    }
+
+    fn is_free(&self, block: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let b = self::block(block)?;
+        self.lock().is_free(b).py()
+    }
+
+    /// The block's keys, the first inserted first.
+    fn keys_of<'py>(
+        &self,
+        py: Python<'py>,
+        block: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let b = self::block(block)?;
+        let keys: Vec<Vec<u8>> = {
+            let g = self.lock();
+            g.keys_of(b).py()?.iter().map(|k| k.to_vec()).collect()
+        };
+        PyList::new(py, keys.iter().map(|k| PyBytes::new(py, k)))
+    }
+
+    /// Free blocks in eviction order, front first.
+    fn free_order(&self) -> Vec<u32> {
+        self.lock().free_order()
+    }
+
+    /// The first block under `key`, or None.
+    fn lookup(&self, key: &[u8]) -> Option<u32> {
+        self.lock().lookup(key)
+    }
+
+    /// The first block under `hash + group (4 bytes, big-endian)` for each group, or None if any
+    /// group misses.
+    fn lookup_groups(&self, hash: &[u8], groups: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
+        let gs: Vec<u32> = ids_into("groups", groups)?;
+        let mut out = Vec::with_capacity(gs.len());
+        let hit = self.lock().lookup_groups(hash, &gs, &mut out);
+        Ok(hit.then_some(out))
+    }
+
+    fn contains(&self, key: &[u8], block: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let b = self::block(block)?;
+        Ok(self.lock().contains(key, b))
+    }
+
+    /// Stores `block` under `key`; False if the pair was there already.
+    fn insert(&self, key: &[u8], block: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let b = self::block(block)?;
+        self.lock().insert(key, b).py()
+    }
+
+    /// Removes the pair `(key, block)`; whether it was present.
+    fn remove(&self, key: &[u8], block: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let b = self::block(block)?;
+        self.lock().remove(key, b).py()
+    }
+
+    /// Removes every key of `block`; how many it had.
+    fn evict(&self, block: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let b = self::block(block)?;
+        self.lock().evict(b).py()
+    }
+
+    /// Forgets every key if no block is held; whether it did.
+    fn reset(&self) -> bool {
+        self.lock().reset()
+    }
+
+    /// Forgets every key, held blocks' included.
+    fn clear_keys(&self) {
+        self.lock().clear_keys()
+    }
+
+    /// `{key: block}` for a key that has only ever held one block at a time, `{key: [blocks in
+    /// insertion order]}` for one that has held several.
+    fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        type Entry = (Vec<u8>, Vec<u32>, bool);
+        let all: Vec<Entry> = {
+            let g = self.lock();
+            g.entries()
+                .map(|(k, b, many)| (k.to_vec(), b.to_vec(), many))
+                .collect()
+        };
+        let d = PyDict::new(py);
+        for (k, b, many) in all {
+            let key = PyBytes::new(py, &k);
+            if many {
+                d.set_item(key, b)?;
+            } else {
+                d.set_item(key, b[0])?;
+            }
+        }
+        Ok(d)
+    }
+
+    /// The first free block, or None.
+    #[getter]
+    fn free_front(&self) -> Option<u32> {
+        self.lock().free_front()
+    }
+
+    /// The last free block, or None.
+    #[getter]
+    fn free_back(&self) -> Option<u32> {
+        self.lock().free_back()
+    }
+
+    /// `(before, after)` of a free block in the eviction order (None at an end), or None if the
+    /// block is not free.
+    #[allow(clippy::type_complexity)]
+    fn free_neighbours(
+        &self,
+        block: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<(Option<u32>, Option<u32>)>> {
+        let b = self::block(block)?;
+        self.lock().free_neighbours(b).py()
+    }
+
+    /// Counters: lookups, hits, evictions, revivals.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.lock().stats();
+        let d = PyDict::new(py);
+        d.set_item("lookups", s.lookups)?;
+        d.set_item("hits", s.hits)?;
+        d.set_item("evictions", s.evictions)?;
+        d.set_item("revivals", s.revivals)?;
+        Ok(d)
+    }
+
+    /// Raises `InvariantViolationError` if the pool's state is inconsistent (never expected).
+    fn check_invariants(&self) -> PyResult<()> {
+        self.lock().check_invariants().py()
+    }
+
+    fn __len__(&self) -> usize {
+        self.num_blocks as usize
+    }
+
+    fn __repr__(&self) -> String {
+        let g = self.lock();
+        format!(
+            "KeyedBlockPool(num_blocks={}, num_free={}, num_keys={})",
+            self.num_blocks,
+            g.num_free(),
+            g.num_keys()
+        )
+    }
+}
