@@ -7,7 +7,9 @@
 # move it) it installs vllm==0.33.0 and the pinned pure-Python packages of requirements/
 # vllm-test.txt with --no-deps (the venv's own packages stay untouched), and fetches the vLLM
 # sdist for its tests/ tree. Offline model hubs: HF_HUB_OFFLINE=1.
-# Takes about 20 minutes on a 2-core box (two passes of ~10); a separate target, not in CI.
+# Takes about 20 minutes on a 2-core box (two passes of ~10); scripts/test.sh runs it last
+# (PAGEDKV_SKIP_VLLM=1 skips it). Exits 1 when a test's outcome differs between the two pools or
+# when no test passed.
 # Usage: scripts/test_vllm.sh [test paths relative to vLLM's source tree ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -114,4 +116,7 @@ fmt = lambda t: "/".join(map(str, t))
 print(f"{'total':<58} {fmt(tot['stock']):>20} {fmt(tot['pagedkv']):>22}")
 print(f"\ntests whose outcome differs: {len(diffs)}")
 print("\n".join(diffs))
+if diffs or tot["pagedkv"][0] == 0:
+    print("test_vllm: FAILED (outcomes differ, or nothing passed)")
+    sys.exit(1)
 PYEOF
