@@ -1169,25 +1169,8 @@ impl BlockManager {
             .remove(&seq)
             .ok_or(Error::UnknownSequence { seq_id: seq })? as usize;
         self.gen += 1;
-        let blocks = std::mem::take(&mut self.slots[slot].table.blocks);
-        let state = self.slots[slot].state;
-        let mut result = Ok(());
-        for &b in blocks.iter().rev() {
-            let r = match state {
-                SeqState::Running => self.drop_ref(b),
-                // A swapped-out table holds host blocks.
-                _ => self.host_drop(b),
-            };
-            if let Err(e) = r {
-                result = Err(e);
-            }
-        }
+        let result = self.release_table(slot);
         let s = &mut self.slots[slot];
-        s.table.blocks = blocks;
-        s.table.blocks.clear();
-        if state == SeqState::Running {
-            self.used_tokens -= s.table.num_tokens as u64;
-        }
         s.table.num_tokens = 0;
         s.state = SeqState::Running;
         s.keys = None;
@@ -1472,6 +1455,33 @@ impl BlockManager {
         result.map(|_| pairs)
     }
 
+    /// Drops every reference `slot`'s table holds, last block first — device blocks while it
+    /// runs, host blocks while it is swapped out (a recompute-preempted table is empty) — and
+    /// empties the table, keeping its allocation; a running sequence's tokens leave
+    /// `used_tokens`. Every block is released even when one fails; the last error is returned.
+    fn release_table(&mut self, slot: usize) -> Result<()> {
+        let blocks = std::mem::take(&mut self.slots[slot].table.blocks);
+        let state = self.slots[slot].state;
+        let mut result = Ok(());
+        for &b in blocks.iter().rev() {
+            let r = if state == SeqState::Running {
+                self.drop_ref(b)
+            } else {
+                self.host_drop(b)
+            };
+            if let Err(e) = r {
+                result = Err(e);
+            }
+        }
+        let s = &mut self.slots[slot];
+        s.table.blocks = blocks;
+        s.table.blocks.clear();
+        if state == SeqState::Running {
+            self.used_tokens -= s.table.num_tokens as u64;
+        }
+        result
+    }
+
     /// Preempts a sequence by recompute: frees its blocks (hashed full blocks stay cached-free,
     /// so a later [`BlockManager::resume`] can hit them) but keeps its length and, with prefix
     /// caching on, its token ids. A swapped-out sequence may be dropped to this state too (its
@@ -1488,25 +1498,11 @@ impl BlockManager {
                 expected: "running or swapped",
             });
         }
-        let blocks = std::mem::take(&mut self.slots[i].table.blocks);
-        let mut result = Ok(());
-        for &b in blocks.iter().rev() {
-            let r = if state == SeqState::Running {
-                self.drop_ref(b)
-            } else {
-                self.host_drop(b)
-            };
-            if let Err(e) = r {
-                result = Err(e);
-            }
-        }
-        let s = &mut self.slots[i];
-        s.table.blocks = blocks;
-        s.table.blocks.clear();
+        let result = self.release_table(i);
         if state == SeqState::Running {
-            self.used_tokens -= s.table.num_tokens as u64;
             self.counters.preemptions_recompute += 1;
         }
+        let s = &mut self.slots[i];
         s.state = SeqState::Recompute;
         s.version += 1;
         s.tail_maybe_shared = false;
