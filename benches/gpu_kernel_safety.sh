@@ -18,8 +18,8 @@ case "${1:-}" in
     ref="${2:-main}"
     rm -rf "$OLD" && mkdir -p "$OLD"
     for f in $(git ls-tree --name-only "$ref" python/pagedkv/kernels/ | grep '\.py$'); do
-      # The copy is a top-level package: its one import from pagedkv proper becomes absolute.
-      git show "$ref:$f" | sed 's/^from \.\.errors import/from pagedkv.errors import/' > "$OLD/$(basename "$f")"
+      # The copy is a top-level package: its imports from pagedkv proper become absolute.
+      git show "$ref:$f" | sed -E 's/^from \.\.([a-z_]+) import/from pagedkv.\1 import/; s/^from \.\. import/from pagedkv import/' > "$OLD/$(basename "$f")"
     done
     echo "old kernels from $ref ($(git rev-parse --short "$ref")) in $OLD"
     exit 0 ;;

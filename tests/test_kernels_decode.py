@@ -307,6 +307,11 @@ def _planned_case(device, dtype, lens, block_size, kv_heads, group, head_dim, se
     assert res is out
     ref = R.ref_paged_decode(q, kc, vc, bt, sl)
     assert torch.isfinite(out).all()
+    # A second call with the same plan gives the same output (the plan is reusable as is).
+    first = out.clone()
+    out.fill_(float("nan"))
+    K.paged_decode(q, kc, vc, bt, sl, out=out, plan=plan)
+    assert torch.equal(out, first)
     return rel_err(out, ref), plan
 
 

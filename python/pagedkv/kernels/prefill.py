@@ -49,9 +49,24 @@ MAX_SEQ_CAP = 1 << 30
 MAX_ROWS = 1 << 30
 
 
-def prefill_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> dict:
-    """Launch parameters. `PACK_GQA` packs a kv group's query heads into one row tile (used when
-    the group has 2 to BLOCK_M/16 heads)."""
+def prefill_config(head_dim: int, dtype: torch.dtype, interpret: bool,
+                   cache_dtype: Optional[torch.dtype] = None) -> dict:
+    """Launch parameters for `q`'s `dtype` (and the cache's, default the same). `PACK_GQA`
+    packs a kv group's query heads into one row tile (used when the group has 2 to BLOCK_M/16
+    heads); `FP8_COMPUTE` is read for fp8 caches only."""
+    cfg = _tile_config(head_dim, dtype, interpret)
+    # fp8 caches: "fp16" widens the e4m3 tiles (and q, p) to fp16 for the tensor-core products,
+    # the native conversion; "q" widens them to q's dtype (bf16 has no direct e4m3 conversion).
+    cfg["FP8_COMPUTE"] = "fp16"
+    if cache_dtype == v.FP8 and not interpret and dtype != torch.float32 and head_dim == 128:
+        # The widening sits between the loads and the products: 64-key tiles with 3 stages
+        # hide it best (H200, 8 x 2048 over 2048: 2572 us against 3597 for 128-key tiles with
+        # 2 stages; 4 stages tie, 32-key tiles and 128-row tiles lose; docs/performance.md).
+        cfg.update(BLOCK_N=64, num_stages=3)
+    return cfg
+
+
+def _tile_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> dict:
     if interpret:
         return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PACK_GQA": True}
     if dtype == torch.float32:
@@ -150,6 +165,7 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
     ZERO_T: tl.constexpr,
     KV_FP8: tl.constexpr,
+    F16: tl.constexpr,
 ):
     # A tile has BLOCK_M rows = (token, head) pairs: HEADS_PER_ROW_TILE consecutive query heads
     # of one kv group for each of BLOCK_T tokens. With 1 head per tile it is the classic layout;
@@ -188,6 +204,9 @@ def _prefill_kernel(
         mask=r_ok[:, None],
         other=0.0,
     )
+    if F16:
+        # fp8 cache: the tiles widen to q's dtype in the key loop, so q goes to fp16 first.
+        q = q.to(tl.float16)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bts
     k_head = k_ptr + kvh.to(tl.int64) * stride_kh
     v_head = v_ptr + kvh.to(tl.int64) * stride_vh
@@ -280,7 +299,7 @@ def paged_prefill(
     `1/sqrt(head_dim)`.
     `check_indices=True` validates the index tensors on the host (synchronizes; debugging only).
     `config` overrides the launch parameters of `prefill_config` (keys `BLOCK_M`, `BLOCK_N`,
-    `num_warps`, `num_stages`, `PACK_GQA`; for tuning). Returns `out` (allocated like `q` when not given).
+    `num_warps`, `num_stages`, `PACK_GQA`, `FP8_COMPUTE`; for tuning). Returns `out` (allocated like `q` when not given).
     The checks and launch configuration are cached per call signature (`_launch.py`).
     An fp8 cache is read as `k8 * k_scale`, `v8 * v_scale` (as for `paged_decode`).
     """
@@ -387,7 +406,8 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q
                        num_blocks, block_size, min(block_tables.shape[1] * block_size, MAX_SEQ_CAP))
     if num_seqs == 0 or total == 0:
         return None
-    cfg = prefill_config(head_dim, q.dtype, os.environ.get("TRITON_INTERPRET", "0") == "1")
+    cfg = prefill_config(head_dim, q.dtype, os.environ.get("TRITON_INTERPRET", "0") == "1",
+                         k_cache.dtype)
     if config is not None:
         unknown = set(config) - set(cfg)
         if unknown:
@@ -396,6 +416,11 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q
             )
         cfg = {**cfg, **config}
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    if cfg["FP8_COMPUTE"] not in ("fp16", "q"):
+        raise v.KernelArgumentError(
+            f"config: FP8_COMPUTE is {cfg['FP8_COMPUTE']!r}, expected 'fp16' or 'q'"
+        )
+    f16 = fp8 and q.dtype != torch.float32 and cfg["FP8_COMPUTE"] == "fp16"
     group = q_heads // kv_heads
     pack = cfg["PACK_GQA"] and 1 < group <= cfg["BLOCK_M"] // 16
     per_tile = group if pack else 1
@@ -417,7 +442,7 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q
          total, num_blocks, seq_cap, k_stride),
         dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, HEADS_PER_ROW_TILE=per_tile,
              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PRECISION=precision,
-             ZERO_T=triton.next_power_of_2(block_t), KV_FP8=fp8,
+             ZERO_T=triton.next_power_of_2(block_t), KV_FP8=fp8, F16=f16,
              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
     )
     return call
