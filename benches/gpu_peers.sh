@@ -8,11 +8,7 @@
 # later run given them in .whl/fi_cache.tar.xz.* reuses them instead of compiling.
 # Usage (repository root): OUT=/some/dir ONLY=decode,fp8,prefill bash benches/gpu_peers.sh
 set -u -o pipefail
-OUT="${OUT:-out}"
-mkdir -p "$OUT"
-export PYTHONPATH=python PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
-PY="${PYTHON:-python3}"
+. "$(dirname "$0")/gpu_env.sh"
 SITE=/tmp/peers_site
 mkdir -p "$SITE"
 tar -C "$SITE" -xJf "${PEERS_ARCHIVE:-.whl/fi.tar.xz}" || exit 1
@@ -22,7 +18,6 @@ mkdir -p "$FLASHINFER_WORKSPACE_BASE"
 if ls .whl/fi_cache.tar.xz.* >/dev/null 2>&1; then
   cat .whl/fi_cache.tar.xz.* | tar -C "$FLASHINFER_WORKSPACE_BASE" -xJf - && echo "restored FlashInfer's compiled modules"
 fi
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
 timeout "${BENCH_TIMEOUT:-540}" "$PY" benches/bench_peers.py --build --only "${ONLY:-decode,fp8,prefill}" \
   ${BENCH_ARGS:-} --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log"
 brc=${PIPESTATUS[0]}

@@ -3,12 +3,7 @@
 # benchmark sections (ragged planner, anchor shapes, host cost, scatter variants, fp8).
 # Usage (repository root): OUT=/some/dir TESTS="decode bounds" ONLY=ragged,anchor bash benches/gpu_round2.sh
 set -u -o pipefail
-OUT="${OUT:-out}"
-mkdir -p "$OUT"
-export PYTHONPATH=python PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
-PY="${PYTHON:-python3}"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv 2>&1 | tee "$OUT/nvidia-smi.txt"
+. "$(dirname "$0")/gpu_env.sh"
 TESTS="${TESTS-decode fp8 bounds scatter_copy prefill}"
 ONLY="${ONLY:-ragged,anchor,host,scatter2,fp8}"
 files=""

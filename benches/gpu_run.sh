@@ -3,13 +3,7 @@
 # Usage (repository root): OUT=/some/dir bash benches/gpu_run.sh [--tune | --tune=prefill] [--skip-tests]
 # Logs and JSON go to $OUT (default ./out).
 set -u -o pipefail
-OUT="${OUT:-out}"
-mkdir -p "$OUT"
-export PYTHONPATH=python PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
-PY="${PYTHON:-python3}"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv > "$OUT/nvidia-smi.txt" 2>&1
-cat "$OUT/nvidia-smi.txt"
+. "$(dirname "$0")/gpu_env.sh"
 rc=0
 TUNE=""
 SKIP_TESTS=0
