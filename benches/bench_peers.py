@@ -12,7 +12,9 @@ Sections (`--only`, comma separated):
   fp8     e4m3 caches with a per-tensor scale, pagedkv against FlashInfer's tensor-core decode
           (both against their own bf16 figure);
   prefill 8 × 2048 new over 2048 cached and 1 × 8192 over 8192 (causal, bottom-right aligned),
-          pagedkv against FlashInfer's FA3 (sm90) and FA2 backends; bf16 and fp8 caches.
+          pagedkv against FlashInfer's FA3 (sm90) and FA2 backends; bf16 and fp8 caches;
+  host    CPU time per eager call (the GPU drained, no sync inside): pagedkv's decode (split
+          heuristic, plan) and prefill against FlashInfer's planned `run`.
 
 FlashInfer compiles its kernels on first use. `--build` compiles the modules a section needs in
 background processes (one per module) while pagedkv's kernels are timed, and the FlashInfer
@@ -39,7 +41,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_kernels import _graphed, lognormal_lens, make_decode, make_ragged  # noqa: E402
+from bench_kernels import _graphed, host_us, lognormal_lens, make_decode, make_ragged  # noqa: E402
 
 from pagedkv import kernels as K  # noqa: E402
 from pagedkv.kernels import decode as D  # noqa: E402
@@ -158,7 +160,8 @@ def build_jobs(only):
              ("decode_tc_256", "decode"), ("prefill_fa3_fp8", "prefill fp8"),
              ("prefill_fa2_fp8", "prefill fp8"), ("decode_cc_64", "decode"),
              ("decode_cc_256", "decode")]
-    return [job for job, need in order if all(n in only for n in need.split())]
+    return [job for job, need in order
+            if all(n in only for n in need.split()) or ("host" in only and job in HOST_JOBS)]
 
 
 def warm(job):
@@ -448,6 +451,59 @@ def prefill_section(fi, builder, limit_s, with_fp8, configs=()):
             traceback.print_exc()
 
 
+HOST_JOBS = ("decode_tc_128", "prefill_fa2")
+
+
+def host_section(fi, builder, limit_s):
+    """Host µs per eager call, pagedkv against FlashInfer's planned `run`, same tensors. Timed
+    after FlashInfer's compiles are done, so the CPU is idle."""
+    built = {job: fi is not None and builder.wait(job, limit_s) for job in HOST_JOBS}
+    rows = []
+    small = torch.zeros(1, device="cuda")
+    floor = host_us(lambda: small.add_(1.0))
+    rows.append(("torch small.add_ (launch floor)", floor, None))
+    for name, batch, ctx in (("64 x 4096", 64, 4096), ("ragged 128", 128, None)):
+        if ctx is None:
+            lens = lognormal_lens()
+            sets, sl = make_ragged(lens, copies=1)
+        else:
+            lens = [ctx] * batch
+            sets, sl = make_decode(batch, ctx, copies=1)
+        q, kc, vc, bt = sets[0]
+        out = torch.empty_like(q)
+        ws = K.DecodeWorkspace(batch, 32, 8, 128, device="cuda")
+        plan = K.DecodePlan(batch, 32, 8, 128, device="cuda").update(lens)
+        ours = host_us(lambda: K.paged_decode(q, kc, vc, bt, sl, out=out, workspace=ws))
+        ours_plan = host_us(lambda: K.paged_decode(q, kc, vc, bt, sl, out=out, plan=plan))
+        peer = None
+        if built["decode_tc_128"]:
+            w = FIDecode(fi, bt, lens, 32, 8, 128, 16, tensor_cores=True)
+            peer = host_us(w.fn(q, kc, vc, torch.empty_like(q)))
+        rows.append((f"decode {name}, split heuristic", ours, peer))
+        rows.append((f"decode {name}, plan", ours_plan, peer))
+        del sets
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    nseq, ql, pre = 4, 512, 1024
+    nb = (pre + ql) // 16
+    pkc = torch.randn(nseq * nb, 16, 8, 128, device="cuda", dtype=DT, generator=gen)
+    pvc = torch.randn_like(pkc)
+    pbt = torch.randperm(nseq * nb, device="cuda", generator=gen).int().view(nseq, nb).contiguous()
+    pq = torch.randn(nseq * ql, 32, 128, device="cuda", dtype=DT, generator=gen)
+    psl = torch.full((nseq,), pre + ql, dtype=torch.int32, device="cuda")
+    pqsl = torch.arange(0, nseq + 1, dtype=torch.int32, device="cuda") * ql
+    pout = torch.empty_like(pq)
+    ours = host_us(lambda: K.paged_prefill(pq, pkc, pvc, pbt, psl, pqsl, ql, out=pout))
+    peer = None
+    if built["prefill_fa2"]:
+        w = FIPrefill(fi, "fa2", pbt, [pre + ql] * nseq, [ql] * nseq, 32, 8, 128, 16)
+        peer = host_us(w.fn(pq, pkc, pvc, torch.empty_like(pq)))
+    rows.append(("prefill 4 x 512 over 1024", ours, peer))
+    for name, ours, peer in rows:
+        record(section="host", case=name, pagedkv_host_us=ours, flashinfer_host_us=peer)
+        print(f"host {name:36s} pagedkv {ours:6.1f} us" +
+              ("" if peer is None else f" | flashinfer run() {peer:6.1f} us"), flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="decode,fp8,prefill")
@@ -481,6 +537,8 @@ def main(argv=None):
     if "prefill" in only:
         prefill_section(fi, builder, args.build_limit_s, with_fp8="fp8" in only,
                         configs=json.loads(args.prefill_fp8_configs))
+    if "host" in only:
+        host_section(fi, builder, args.build_limit_s)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": dev, "torch": torch.__version__, "triton": triton.__version__,
