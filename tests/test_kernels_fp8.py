@@ -125,7 +125,7 @@ def test_decode_fp8_gpu(device, mode, block_size, head_dim, group, swap):
     assert vs_full < FP8_VS_FULL
 
 
-def _prefill_case(device, act, seed):
+def _prefill_case(device, act, seed, config=None):
     gen = torch.Generator().manual_seed(seed)
     lens, qls = [5, 40, 23, 70], [5, 9, 1, 33]
     kc, vc, bt = make_paged(lens, 8, 2, 32, torch.float32, "cpu", gen)
@@ -135,18 +135,28 @@ def _prefill_case(device, act, seed):
     qsl = torch.tensor([0, 5, 14, 15, 48], dtype=torch.int32)
     out = torch.full_like(q, float("nan")).to(device)
     K.paged_prefill(q.to(device), k8.to(device), v8.to(device), bt.to(device), sl.to(device),
-                    qsl.to(device), 33, out=out, k_scale=ks.to(device), v_scale=vs.to(device))
+                    qsl.to(device), 33, out=out, k_scale=ks.to(device), v_scale=vs.to(device),
+                    config=config)
     assert torch.isfinite(out).all()
     return (rel_err(out.cpu(), R.ref_paged_prefill(q, kd, vd, bt, sl, qsl)),
             rel_err(out.cpu(), R.ref_paged_prefill(q, kc, vc, bt, sl, qsl)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_prefill_fp8(device):
+@pytest.mark.parametrize("compute", ["fp16", "q"])
+def test_prefill_fp8(device, compute):
+    # "fp16" (the default) widens q, the e4m3 tiles and p to fp16; "q" widens to q's dtype
+    # (the same thing for an fp16 q; the interpreter's bf16 products are not usable, so the
+    # bf16 q runs on the GPU only).
     act = torch.float16 if device == "cpu" else torch.bfloat16
-    err, vs_full = _prefill_case(device, act, 5)
+    err, vs_full = _prefill_case(device, act, 5, config={"FP8_COMPUTE": compute})
     assert err < TOL[act]
     assert vs_full < FP8_VS_FULL
+
+
+def test_prefill_fp8_compute_is_checked():
+    with pytest.raises(K.KernelArgumentError, match="FP8_COMPUTE"):
+        _prefill_case("cpu", torch.float16, 5, config={"FP8_COMPUTE": "fp8"})
 
 
 @pytest.mark.parametrize("device", DEVICES)
