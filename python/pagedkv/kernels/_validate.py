@@ -72,6 +72,19 @@ def kv_scale(name: str, scale, kv_heads: int, device: torch.device, fp8: bool):
     return torch.full((1,), s, dtype=torch.float32, device=device), 0
 
 
+def kv_scales(k_scale, v_scale, kv_heads: int, device: torch.device, fp8: bool):
+    """Checks a K and V scale pair (each as `kv_scale`); returns (k tensor, v tensor, stride per
+    kv head). On an fp8 cache both must be of one kind: per tensor or per kv head."""
+    ks, k_stride = kv_scale("k_scale", k_scale, kv_heads, device, fp8)
+    vs, v_stride = kv_scale("v_scale", v_scale, kv_heads, device, fp8)
+    if fp8 and k_stride != v_stride:
+        raise KernelShapeError(
+            "v_scale: per-kv-head and per-tensor scales mixed, expected k_scale and v_scale "
+            "of one kind"
+        )
+    return ks, vs, k_stride
+
+
 def scale_key(scale):
     """The part of a call signature a scale contributes (a tensor's metadata, or the value)."""
     if isinstance(scale, torch.Tensor):

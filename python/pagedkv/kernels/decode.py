@@ -832,13 +832,7 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace,
         q, k_cache, v_cache, block_tables, seq_lens, out
     )
     fp8 = k_cache.dtype == v.FP8
-    ks, k_stride = v.kv_scale("k_scale", k_scale, kv_heads, k_cache.device, fp8)
-    vs, v_stride = v.kv_scale("v_scale", v_scale, kv_heads, k_cache.device, fp8)
-    if fp8 and k_stride != v_stride:
-        raise v.KernelShapeError(
-            "v_scale: per-kv-head and per-tensor scales mixed, expected k_scale and v_scale "
-            "of one kind"
-        )
+    ks, vs, k_stride = v.kv_scales(k_scale, v_scale, kv_heads, k_cache.device, fp8)
     sc = v.check_scale(scale, head_dim)
     num_seqs, q_heads, _ = q.shape
     group = q_heads // kv_heads

@@ -358,13 +358,7 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q
     dev = k_cache.device
     fp8 = k_cache.dtype == v.FP8
     v.check_tensor("q", q, ndim=3, dtypes=v.act_dtypes(k_cache.dtype))
-    ks, k_stride = v.kv_scale("k_scale", k_scale, kv_heads, dev, fp8)
-    vs, v_stride = v.kv_scale("v_scale", v_scale, kv_heads, dev, fp8)
-    if fp8 and k_stride != v_stride:
-        raise v.KernelShapeError(
-            "v_scale: per-kv-head and per-tensor scales mixed, expected k_scale and v_scale "
-            "of one kind"
-        )
+    ks, vs, k_stride = v.kv_scales(k_scale, v_scale, kv_heads, dev, fp8)
     v.check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
     v.check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,))
     v.check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,))

@@ -179,13 +179,7 @@ def _prepare(key, value, k_cache, v_cache, slot_mapping, check_indices, config, 
     fp8 = k_cache.dtype == v.FP8
     v.check_tensor("key", key, ndim=3, dtypes=v.act_dtypes(k_cache.dtype))
     v.check_tensor("value", value, ndim=3, dtypes=(key.dtype,))
-    ks, k_stride = v.kv_scale("k_scale", k_scale, kv_heads, dev, fp8)
-    vs, v_stride = v.kv_scale("v_scale", v_scale, kv_heads, dev, fp8)
-    if fp8 and k_stride != v_stride:
-        raise v.KernelShapeError(
-            "v_scale: per-kv-head and per-tensor scales mixed, expected k_scale and v_scale "
-            "of one kind"
-        )
+    ks, vs, k_stride = v.kv_scales(k_scale, v_scale, kv_heads, dev, fp8)
     v.check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,))
     v.check_same_device(dev, key=key, value=value, slot_mapping=slot_mapping)
     v.ensure_launchable(dev)
