@@ -583,6 +583,29 @@ def _decode_kernel(
 
 
 @triton.jit
+def _fold_pieces(po_ptr, prow, lse, m, den, num, poisoned, HEAD_DIM: tl.constexpr):
+    """Folds pieces of one (sequence, q head) into a running log-sum-exp combine.
+
+    `lse` [J]: the pieces' log-sum-exps (log2 units; -inf: empty, +inf: the piece met an
+    out-of-pool block id, which makes the head's output zeros), `prow` [J]: their rows of the
+    partial outputs `po_ptr` (each row normalized, HEAD_DIM floats). The state: `m`, `den`,
+    `poisoned` [1], `num` [HEAD_DIM]. Empty pieces are not read at all."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    poisoned = poisoned | tl.max(tl.where(lse == float("inf"), 1, 0), 0)
+    lse = tl.where(lse == float("inf"), float("-inf"), lse)
+    live = lse > float("-inf")
+    m_new = tl.maximum(m, tl.max(lse, 0))
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    a = tl.math.exp2(m - m_use)
+    w = tl.where(live, tl.math.exp2(lse - m_use), 0.0)
+    o = tl.load(po_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], mask=live[:, None],
+                other=0.0)
+    num = num * a + tl.sum(w[:, None] * o, 0)
+    den = den * a + tl.sum(w, 0)
+    return m_new, den, num, poisoned
+
+
+@triton.jit
 def _merge_kernel(
     po_ptr,
     pl_ptr,
@@ -593,29 +616,20 @@ def _merge_kernel(
     HEAD_DIM: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
+    # The heuristic's splits, layout [num_seqs, q_heads, num_splits, HEAD_DIM]: all folded at once.
     seq = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_ok = offs_s < num_splits
-    base = (seq.to(tl.int64) * tl.num_programs(1) + h) * num_splits
-    lse = tl.load(pl_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
-    # A split marked +inf met an out-of-pool block id: the sequence's output is zeros.
-    poisoned = tl.max(tl.where(lse == float("inf"), 1, 0), 0) > 0
-    lse = tl.where(poisoned, float("-inf"), lse)
-    live = lse > float("-inf")
-    mx = tl.max(lse, 0)
-    mx = tl.where(mx > float("-inf"), mx, 0.0)
-    w = tl.where(live, tl.math.exp2(lse - mx), 0.0)
-    # Empty splits (lse = -inf) are not read at all.
-    o = tl.load(
-        po_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=live[:, None],
-        other=0.0,
+    rows = (seq.to(tl.int64) * tl.num_programs(1) + h) * num_splits + offs_s
+    lse = tl.load(pl_ptr + rows, mask=offs_s < num_splits, other=float("-inf"))
+    m, den, num, poisoned = _fold_pieces(
+        po_ptr, rows, lse, tl.full([1], float("-inf"), dtype=tl.float32),
+        tl.zeros([1], dtype=tl.float32), tl.zeros([HEAD_DIM], dtype=tl.float32),
+        tl.zeros([1], dtype=tl.int32), HEAD_DIM,
     )
-    den = tl.sum(w, 0)
-    num = tl.sum(w[:, None] * o, 0)
     res = num / tl.where(den > 0.0, den, 1.0)
+    res = tl.where(poisoned > 0, 0.0, res)
     tl.store(
         out_ptr + seq.to(tl.int64) * stride_os + h * stride_oh + offs_d,
         res.to(out_ptr.dtype.element_ty),
@@ -653,25 +667,9 @@ def _merge_planned_kernel(
     hi = tl.where(r1 - r0 >= 2, r1, r0)
     for b in range(r0, hi, ROWS):
         r = b + offs_r
-        r_ok = r < hi
-        lse = tl.load(pl_ptr + r.to(tl.int64) * nh + h, mask=r_ok, other=float("-inf"))
-        # A piece marked +inf met an out-of-pool block id: the sequence's output is zeros.
-        poisoned = poisoned | tl.max(tl.where(lse == float("inf"), 1, 0), 0)
-        lse = tl.where(lse == float("inf"), float("-inf"), lse)
-        live = lse > float("-inf")
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
-        a = tl.math.exp2(m - m_use)
-        w = tl.where(live, tl.math.exp2(lse - m_use), 0.0)
-        # Empty pieces (lse = -inf) are not read at all.
-        o = tl.load(
-            po_ptr + (r.to(tl.int64) * nh + h)[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=live[:, None],
-            other=0.0,
-        )
-        num = num * a + tl.sum(w[:, None] * o, 0)
-        den = den * a + tl.sum(w, 0)
-        m = m_new
+        rows = r.to(tl.int64) * nh + h
+        lse = tl.load(pl_ptr + rows, mask=r < hi, other=float("-inf"))
+        m, den, num, poisoned = _fold_pieces(po_ptr, rows, lse, m, den, num, poisoned, HEAD_DIM)
     res = num / tl.where(den > 0.0, den, 1.0)
     res = tl.where(poisoned > 0, 0.0, res)
     tl.store(
