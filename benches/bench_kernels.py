@@ -76,6 +76,14 @@ def eager_time_us(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1000.0
 
 
+def dobench_graph_us(fn):
+    """do_bench median (µs) over a CUDA-graph replay of one call, L2 flushed before each."""
+    g = _graphed(fn)
+    t = triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1000.0
+    del g
+    return t
+
+
 def record(kind, name, **kw):
     row = {"kind": kind, "name": name, **kw}
     RESULTS.append(row)
@@ -100,6 +108,32 @@ def make_decode(batch, ctx, q_heads=32, kv_heads=8, hd=128, bs=16, copies=3, see
         sets.append((q, kc, vc, bt))
     sl = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     return sets, sl
+
+
+def decode_batch(batch, ctx, copies=1, **kw):
+    """(lens, sets, seq_lens) of a decode batch: `batch` sequences of `ctx` tokens, or the
+    log-normal ragged batch of `lognormal_lens` (its own size) when `ctx` is None."""
+    if ctx is None:
+        lens = lognormal_lens()
+        sets, sl = make_ragged(lens, copies=copies, **kw)
+    else:
+        lens = [ctx] * batch
+        sets, sl = make_decode(batch, ctx, copies=copies, **kw)
+    return lens, sets, sl
+
+
+def make_prefill(nseq, q_len, prefix, q_heads=32, kv_heads=8, hd=128, bs=16, seed=1):
+    """(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) for `nseq` sequences of
+    `q_len` new tokens over `prefix` cached ones each, tables randomly permuted."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    nb = triton.cdiv(prefix + q_len, bs)
+    kc = torch.randn(nseq * nb, bs, kv_heads, hd, device="cuda", dtype=DT, generator=gen)
+    vc = torch.randn(nseq * nb, bs, kv_heads, hd, device="cuda", dtype=DT, generator=gen)
+    bt = torch.randperm(nseq * nb, device="cuda", generator=gen).int().view(nseq, nb).contiguous()
+    q = torch.randn(nseq * q_len, q_heads, hd, device="cuda", dtype=DT, generator=gen)
+    sl = torch.full((nseq,), prefix + q_len, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(0, nseq + 1, dtype=torch.int32, device="cuda") * q_len
+    return q, kc, vc, bt, sl, qsl
 
 
 def dense_from_paged(q, kc, vc, bt, ctx):
@@ -194,16 +228,8 @@ def causal_pairs(q_len, ctx):
 
 
 def bench_prefill(tune, nseq=8, q_len=2048, prefix=2048, q_heads=32, kv_heads=8, hd=128, bs=16):
-    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, kc, vc, bt, sl, qsl = make_prefill(nseq, q_len, prefix, q_heads, kv_heads, hd, bs)
     ctx = prefix + q_len
-    nb_seq = triton.cdiv(ctx, bs)
-    num_blocks = nseq * nb_seq
-    kc = torch.randn(num_blocks, bs, kv_heads, hd, device="cuda", dtype=DT, generator=gen)
-    vc = torch.randn(num_blocks, bs, kv_heads, hd, device="cuda", dtype=DT, generator=gen)
-    bt = torch.randperm(num_blocks, device="cuda", generator=gen).int().view(nseq, nb_seq).contiguous()
-    q = torch.randn(nseq * q_len, q_heads, hd, device="cuda", dtype=DT, generator=gen)
-    sl = torch.full((nseq,), ctx, dtype=torch.int32, device="cuda")
-    qsl = torch.arange(0, nseq + 1, dtype=torch.int32, device="cuda") * q_len
     out = torch.empty_like(q)
     flops = 4 * hd * q_heads * nseq * causal_pairs(q_len, prefix)
 
@@ -226,6 +252,7 @@ def bench_prefill(tune, nseq=8, q_len=2048, prefix=2048, q_heads=32, kv_heads=8,
         return F.scaled_dot_product_attention(qd, kde, vde, attn_mask=bias)
 
     # Square causal over the whole sequence (FlashAttention path): more work, counted as such.
+    gen = torch.Generator(device="cuda").manual_seed(2)
     qsq = torch.randn(nseq, q_heads, ctx, hd, device="cuda", dtype=DT, generator=gen)
     flops_sq = 4 * hd * q_heads * nseq * causal_pairs(ctx, 0)
 
@@ -615,13 +642,8 @@ def bench_host():
         slots = torch.randperm(8192 * 16, device="cuda", generator=gen)[:n]
         cases.append((f"scatter_kv n={n}", S._CACHE,
                       lambda key=key, val=val, slots=slots: K.scatter_kv(key, val, skc, svc, slots)))
-    nseq, ql, pre = 4, 512, 1024
-    pkc = torch.randn(nseq * 96, 16, 8, 128, device="cuda", dtype=DT, generator=gen)
-    pvc = torch.randn_like(pkc)
-    pbt = torch.randperm(nseq * 96, device="cuda", generator=gen).int().view(nseq, 96).contiguous()
-    pq = torch.randn(nseq * ql, 32, 128, device="cuda", dtype=DT, generator=gen)
-    psl = torch.full((nseq,), pre + ql, dtype=torch.int32, device="cuda")
-    pqsl = torch.arange(0, nseq + 1, dtype=torch.int32, device="cuda") * ql
+    ql = 512
+    pq, pkc, pvc, pbt, psl, pqsl = make_prefill(4, ql, 1024)
     pout = torch.empty_like(pq)
     cases.append(("paged_prefill 4x512 on 1024 (out)", P._CACHE,
                   lambda: K.paged_prefill(pq, pkc, pvc, pbt, psl, pqsl, ql, out=pout)))
@@ -741,8 +763,7 @@ def bench_fp8(shapes, pps=4):
                     fn()
                     e2 = ((outs8[1].float() - outs[0].float()).norm()
                           / outs[0].float().norm()).item()
-                    tt = triton.testing.do_bench(_graphed(fn).replay, warmup=25, rep=100,
-                                                 return_mode="median") * 1000.0
+                    tt = dobench_graph_us(fn)
                 except Exception as exc:
                     print(f"  fp8 tune {cfg}: failed {type(exc).__name__}: {str(exc)[:80]}")
                     continue
@@ -756,8 +777,7 @@ def bench_fp8(shapes, pps=4):
                                                      workspace=ws, config=cfg))
                 fn()
                 e2 = ((outs[1].float() - outs[0].float()).norm() / outs[0].float().norm()).item()
-                tt = triton.testing.do_bench(_graphed(fn).replay, warmup=25, rep=100,
-                                             return_mode="median") * 1000.0
+                tt = dobench_graph_us(fn)
                 record("bf16_tune", f"b={batch} ctx={ctx}", config=cfg, dobench_graph_us=tt,
                        rel_err_vs_default=e2)
                 print(f"  bf16 tune {cfg}: do_bench graph {tt:7.1f} us, err {e2:.2e}", flush=True)
@@ -869,16 +889,7 @@ def compare_old(old, what=("decode", "prefill", "scatter")):
     # Prefill: the benchmark shape, and a short chunk on a long cached prefix (mostly the
     # unmasked key loop; its programs also scan the longest block-table rows for bad ids).
     for nseq, q_len, prefix in [(8, 2048, 2048), (2, 512, 15872)] * ("prefill" in what):
-        gen = torch.Generator(device="cuda").manual_seed(1)
-        hq, hkv, hd, bs = 32, 8, 128, 16
-        ctx = prefix + q_len
-        nb_seq = triton.cdiv(ctx, bs)
-        kc = torch.randn(nseq * nb_seq, bs, hkv, hd, device="cuda", dtype=DT, generator=gen)
-        vc = torch.randn_like(kc)
-        bt = torch.randperm(nseq * nb_seq, device="cuda", generator=gen).int().view(nseq, nb_seq).contiguous()
-        q = torch.randn(nseq * q_len, hq, hd, device="cuda", dtype=DT, generator=gen)
-        sl = torch.full((nseq,), ctx, dtype=torch.int32, device="cuda")
-        qsl = torch.arange(0, nseq + 1, dtype=torch.int32, device="cuda") * q_len
+        q, kc, vc, bt, sl, qsl = make_prefill(nseq, q_len, prefix)
         o_new, o_old = torch.empty_like(q), torch.empty_like(q)
         new_fn = lambda: K.paged_prefill(q, kc, vc, bt, sl, qsl, q_len, out=o_new)  # noqa: E731
         old_fn = lambda: old.paged_prefill(q, kc, vc, bt, sl, qsl, q_len, out=o_old)  # noqa: E731

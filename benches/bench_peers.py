@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import subprocess
 import sys
@@ -38,13 +37,18 @@ import traceback
 
 import torch
 import triton
-import triton.testing
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_kernels import _graphed, host_us, lognormal_lens, make_decode, make_ragged  # noqa: E402
+from bench_kernels import (  # noqa: E402
+    decode_batch,
+    dobench_graph_us,
+    eager_time_us,
+    host_us,
+    make_decode,
+    make_prefill,
+)
 
 from pagedkv import kernels as K  # noqa: E402
-from pagedkv.kernels import decode as D  # noqa: E402
 
 DT = torch.bfloat16
 FP8 = torch.float8_e4m3fn
@@ -72,17 +76,6 @@ FP8_SHAPES = [(64, 4096), (128, 2048), (256, 1024), (8, 8192), (1, 32768)]
 PREFILL_SHAPES = [(8, 2048, 2048), (1, 8192, 8192)]  # (seqs, new tokens each, cached each)
 
 
-def dobench_graph_us(fn):
-    g = _graphed(fn)
-    t = triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1000.0
-    del g
-    return t
-
-
-def eager_us(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1000.0
-
-
 def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -93,7 +86,13 @@ def record(**kw):
 
 
 def times(fn):
-    return {"graph_us": dobench_graph_us(fn), "eager_us": eager_us(fn)}
+    return {"graph_us": dobench_graph_us(fn), "eager_us": eager_time_us(fn)}
+
+
+def fp8_per_tensor(x):
+    """(e4m3 copy of `x`, its one scale amax / 448 as a float)."""
+    scale = (x.float().abs().amax() / 448.0).item()
+    return (x.float() / scale).clamp(-448, 448).to(FP8), scale
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,12 +263,7 @@ def decode_section(fi, builder, limit_s, with_ragged=True):
     pending = []  # pagedkv timings first (while FlashInfer builds), peers afterwards
     for name, qh, kh, hd, bs, batch, ctx in shapes:
         try:
-            if ctx is None:
-                lens = lognormal_lens()
-                sets, sl = make_ragged(lens, q_heads=qh, kv_heads=kh, hd=hd, bs=bs, copies=1)
-            else:
-                lens = [ctx] * batch
-                sets, sl = make_decode(batch, ctx, q_heads=qh, kv_heads=kh, hd=hd, bs=bs, copies=1)
+            lens, sets, sl = decode_batch(batch, ctx, q_heads=qh, kv_heads=kh, hd=hd, bs=bs)
             q, kc, vc, bt = sets[0]
             nbytes = 2 * sum(lens) * kh * hd * kc.element_size()
             out = torch.empty_like(q)
@@ -333,10 +327,8 @@ def fp8_section(fi, builder, limit_s):
             sets, sl = make_decode(batch, ctx, copies=1)
             q, kc, vc, bt = sets[0]
             lens = [ctx] * batch
-            ks = (kc.float().abs().amax() / 448.0).item()
-            vs = (vc.float().abs().amax() / 448.0).item()
-            k8 = (kc.float() / ks).clamp(-448, 448).to(FP8)
-            v8 = (vc.float() / vs).clamp(-448, 448).to(FP8)
+            k8, ks = fp8_per_tensor(kc)
+            v8, vs = fp8_per_tensor(vc)
             kst = torch.tensor([ks], device="cuda")
             vst = torch.tensor([vs], device="cuda")
             out = torch.empty_like(q)
@@ -383,23 +375,16 @@ def prefill_section(fi, builder, limit_s, with_fp8, configs=()):
     qh, kh, hd, bs = 32, 8, 128, 16
     for nseq, q_len, prefix in PREFILL_SHAPES:
         try:
-            gen = torch.Generator(device="cuda").manual_seed(1)
+            q, kc, vc, bt, sl, qsl = make_prefill(nseq, q_len, prefix, qh, kh, hd, bs)
             ctx = prefix + q_len
-            nb = triton.cdiv(ctx, bs)
-            kc = torch.randn(nseq * nb, bs, kh, hd, device="cuda", dtype=DT, generator=gen)
-            vc = torch.randn_like(kc)
-            bt = torch.randperm(nseq * nb, device="cuda", generator=gen).int().view(nseq, nb)
-            q = torch.randn(nseq * q_len, qh, hd, device="cuda", dtype=DT, generator=gen)
-            sl = torch.full((nseq,), ctx, dtype=torch.int32, device="cuda")
-            qsl = torch.arange(0, nseq + 1, dtype=torch.int32, device="cuda") * q_len
             out = torch.empty_like(q)
             pairs = nseq * (q_len * prefix + q_len * (q_len + 1) // 2)
             flops = 4 * hd * qh * pairs
             kinds = [("bf16", kc, vc, None, None)]
             if with_fp8:
-                ks = (kc.float().abs().amax() / 448.0).item()
-                vs = (vc.float().abs().amax() / 448.0).item()
-                kinds.append(("fp8", (kc.float() / ks).to(FP8), (vc.float() / vs).to(FP8), ks, vs))
+                k8, ks = fp8_per_tensor(kc)
+                v8, vs = fp8_per_tensor(vc)
+                kinds.append(("fp8", k8, v8, ks, vs))
             for kname, k_, v_, ks, vs in kinds:
                 sc = {} if ks is None else {"k_scale": torch.tensor([ks], device="cuda"),
                                             "v_scale": torch.tensor([vs], device="cuda")}
@@ -463,12 +448,7 @@ def host_section(fi, builder, limit_s):
     floor = host_us(lambda: small.add_(1.0))
     rows.append(("torch small.add_ (launch floor)", floor, None))
     for name, batch, ctx in (("64 x 4096", 64, 4096), ("ragged 128", 128, None)):
-        if ctx is None:
-            lens = lognormal_lens()
-            sets, sl = make_ragged(lens, copies=1)
-        else:
-            lens = [ctx] * batch
-            sets, sl = make_decode(batch, ctx, copies=1)
+        lens, sets, sl = decode_batch(batch, ctx)
         q, kc, vc, bt = sets[0]
         out = torch.empty_like(q)
         ws = K.DecodeWorkspace(batch, 32, 8, 128, device="cuda")
@@ -482,15 +462,8 @@ def host_section(fi, builder, limit_s):
         rows.append((f"decode {name}, split heuristic", ours, peer))
         rows.append((f"decode {name}, plan", ours_plan, peer))
         del sets
-    gen = torch.Generator(device="cuda").manual_seed(2)
     nseq, ql, pre = 4, 512, 1024
-    nb = (pre + ql) // 16
-    pkc = torch.randn(nseq * nb, 16, 8, 128, device="cuda", dtype=DT, generator=gen)
-    pvc = torch.randn_like(pkc)
-    pbt = torch.randperm(nseq * nb, device="cuda", generator=gen).int().view(nseq, nb).contiguous()
-    pq = torch.randn(nseq * ql, 32, 128, device="cuda", dtype=DT, generator=gen)
-    psl = torch.full((nseq,), pre + ql, dtype=torch.int32, device="cuda")
-    pqsl = torch.arange(0, nseq + 1, dtype=torch.int32, device="cuda") * ql
+    pq, pkc, pvc, pbt, psl, pqsl = make_prefill(nseq, ql, pre)
     pout = torch.empty_like(pq)
     ours = host_us(lambda: K.paged_prefill(pq, pkc, pvc, pbt, psl, pqsl, ql, out=pout))
     peer = None

@@ -17,10 +17,9 @@ import os
 import sys
 
 import torch
-import triton.testing
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_kernels import _graphed, lognormal_lens, make_decode, make_ragged  # noqa: E402
+from bench_kernels import decode_batch, dobench_graph_us  # noqa: E402
 
 from pagedkv import kernels as K  # noqa: E402
 
@@ -32,13 +31,6 @@ SHAPES = [  # (name, q_heads, kv_heads, head_dim, batch, ctx or None for the rag
     ("GQA 32/4", 32, 4, 128, 64, 4096),
     ("ragged", 32, 8, 128, 128, None),
 ]
-
-
-def gus(fn):
-    g = _graphed(fn)
-    t = triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1000.0
-    del g
-    return t
 
 
 def main(argv=None):
@@ -58,12 +50,7 @@ def main(argv=None):
 
         old = load_old_kernels(args.old)
     for name, qh, kh, hd, batch, ctx in SHAPES:
-        if ctx is None:
-            lens = lognormal_lens()
-            sets, sl = make_ragged(lens, q_heads=qh, kv_heads=kh, hd=hd, copies=1)
-        else:
-            lens = [ctx] * batch
-            sets, sl = make_decode(batch, ctx, q_heads=qh, kv_heads=kh, hd=hd, copies=1)
+        lens, sets, sl = decode_batch(batch, ctx, q_heads=qh, kv_heads=kh, hd=hd)
         q, kc, vc, bt = sets[0]
         out = torch.empty_like(q)
         ws = K.DecodeWorkspace(batch, qh, kh, hd, device="cuda")
@@ -72,24 +59,24 @@ def main(argv=None):
         torch.cuda.synchronize()
         r = {"shape": name, "batch": batch, "ctx": ctx, "head_dim": hd, "kv_heads": kh,
              "items": plan.num_items, "capacity": plan.capacity, "chunk": plan.chunk}
-        r["heuristic"] = gus(lambda: K.paged_decode(q, kc, vc, bt, sl, out=out, workspace=ws))
+        r["heuristic"] = dobench_graph_us(lambda: K.paged_decode(q, kc, vc, bt, sl, out=out, workspace=ws))
         ref = out.clone()
-        r["plan"] = gus(lambda: K.paged_decode(q, kc, vc, bt, sl, out=out, plan=plan))
+        r["plan"] = dobench_graph_us(lambda: K.paged_decode(q, kc, vc, bt, sl, out=out, plan=plan))
         r["plan_err"] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         if old is not None:
             # The same call through the older kernels, alternating with the current ones.
             oplan = old.DecodePlan(batch, qh, kh, hd, device="cuda")
             oplan.update(lens)
             for rnd in range(2):
-                r[f"old_plan_{rnd}"] = gus(lambda: old.paged_decode(q, kc, vc, bt, sl, out=out,
+                r[f"old_plan_{rnd}"] = dobench_graph_us(lambda: old.paged_decode(q, kc, vc, bt, sl, out=out,
                                                                     plan=oplan))
-                r[f"plan_{rnd}"] = gus(lambda: K.paged_decode(q, kc, vc, bt, sl, out=out,
+                r[f"plan_{rnd}"] = dobench_graph_us(lambda: K.paged_decode(q, kc, vc, bt, sl, out=out,
                                                               plan=plan))
             r["old_plan"] = min(r["old_plan_0"], r["old_plan_1"])
             r["plan"] = min(r["plan_0"], r["plan_1"], r["plan"])
         for cfg in cfgs:
             key = "plan " + json.dumps(cfg, sort_keys=True)
-            r[key] = gus(lambda cfg=cfg: K.paged_decode(q, kc, vc, bt, sl, out=out, plan=plan,
+            r[key] = dobench_graph_us(lambda cfg=cfg: K.paged_decode(q, kc, vc, bt, sl, out=out, plan=plan,
                                                         config=cfg))
             r[key + " err"] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         rows.append(r)
