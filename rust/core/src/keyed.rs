@@ -12,7 +12,7 @@
 //! hash bytes; it only compares them.
 //!
 //! # The eviction order
-//! Free blocks sit in one doubly linked list over preallocated `prev` / `next` arrays, so a block
+//! Free blocks sit in one [`IndexList`] (a doubly linked list over preallocated arrays), so a block
 //! can leave from anywhere in O(1) (a cache hit on a free block *revives* it). Allocation takes
 //! blocks from the front. A release places each block whose count reaches zero according to a
 //! [`Placement`]: blocks that can never be hit again (no key) go to the front and are reused first;
@@ -27,7 +27,7 @@
 //! (vLLM's pool does not forbid it), but since it is never free it is never evicted.
 //!
 //! # Invariants (checked by [`KeyedPool::check_invariants`])
-//! - A non-null block is in the free list iff its count is zero; the list length is `num_free`.
+//! - A non-null block is in the free list iff its count is zero; the list's own invariants hold.
 //! - `(key, block)` is in the map iff `key` is in the block's key list; no map entry is empty;
 //!   a block appears at most once under a key.
 //!
@@ -36,9 +36,8 @@
 use std::collections::HashMap;
 
 use crate::error::{Error, Result};
+use crate::index_list::{IndexList, NIL};
 use crate::BlockId;
-
-const NIL: u32 = u32::MAX;
 
 /// Appends the 4-byte big-endian `group` to `hash`: the key layout the pool's group helpers use.
 pub fn make_key(hash: &[u8], group: u32) -> Vec<u8> {
@@ -113,12 +112,7 @@ pub struct KeyedStats {
 #[derive(Debug, Clone)]
 pub struct KeyedPool {
     refcnt: Vec<u32>,
-    prev: Vec<u32>,
-    next: Vec<u32>,
-    in_free: Vec<bool>,
-    head: u32,
-    tail: u32,
-    num_free: usize,
+    free: IndexList,
     map: HashMap<Box<[u8]>, Slot>,
     /// Each block's keys, the first inserted first.
     keys: Vec<Vec<Box<[u8]>>>,
@@ -138,25 +132,20 @@ impl KeyedPool {
             });
         }
         let n = num_blocks as usize;
+        let mut free = IndexList::new(n, "keyed pool free list")?;
+        for b in 0..num_blocks {
+            free.push_back(b);
+        }
         let mut pool = KeyedPool {
             refcnt: vec![0; n],
-            prev: (0..num_blocks)
-                .map(|i| if i == 0 { NIL } else { i - 1 })
-                .collect(),
-            next: (0..num_blocks)
-                .map(|i| if i + 1 == num_blocks { NIL } else { i + 1 })
-                .collect(),
-            in_free: vec![true; n],
-            head: 0,
-            tail: num_blocks - 1,
-            num_free: n,
+            free,
             map: HashMap::new(),
             keys: vec![Vec::new(); n],
             null: None,
             stats: KeyedStats::default(),
         };
         if reserve_null {
-            pool.unlink(0);
+            pool.free.remove(0);
             pool.null = Some(0);
         }
         Ok(pool)
@@ -169,7 +158,7 @@ impl KeyedPool {
 
     /// Free blocks (cached ones included: they are reusable).
     pub fn num_free(&self) -> usize {
-        self.num_free
+        self.free.len()
     }
 
     /// The null block, if one was reserved.
@@ -213,7 +202,7 @@ impl KeyedPool {
     /// Whether the block is in the free list.
     pub fn is_free(&self, b: BlockId) -> Result<bool> {
         self.check_block(b)?;
-        Ok(self.in_free[b as usize])
+        Ok(self.free.contains(b))
     }
 
     /// The block's keys, the first inserted first.
@@ -224,13 +213,7 @@ impl KeyedPool {
 
     /// Free blocks in eviction order, front (reused next) first.
     pub fn free_order(&self) -> Vec<BlockId> {
-        let mut out = Vec::with_capacity(self.num_free);
-        let mut b = self.head;
-        while b != NIL {
-            out.push(b);
-            b = self.next[b as usize];
-        }
-        out
+        self.free.order(self.refcnt.len())
     }
 
     /// Every `(key, blocks, list_form)` entry of the map, blocks in insertion order (unordered
@@ -243,12 +226,12 @@ impl KeyedPool {
 
     /// The first free block (allocated next), if any.
     pub fn free_front(&self) -> Option<BlockId> {
-        (self.head != NIL).then_some(self.head)
+        self.free.front()
     }
 
     /// The last free block (evicted last), if any.
     pub fn free_back(&self) -> Option<BlockId> {
-        (self.tail != NIL).then_some(self.tail)
+        self.free.back()
     }
 
     /// A free block's neighbours in the eviction order, `(before, after)`; `None` if the block is
@@ -258,64 +241,7 @@ impl KeyedPool {
         b: BlockId,
     ) -> Result<Option<(Option<BlockId>, Option<BlockId>)>> {
         self.check_block(b)?;
-        let i = b as usize;
-        if !self.in_free[i] {
-            return Ok(None);
-        }
-        let opt = |x: u32| (x != NIL).then_some(x);
-        Ok(Some((opt(self.prev[i]), opt(self.next[i]))))
-    }
-
-    // ---- the free list -------------------------------------------------------------------
-
-    fn unlink(&mut self, b: BlockId) {
-        let i = b as usize;
-        let (p, n) = (self.prev[i], self.next[i]);
-        if p == NIL {
-            self.head = n;
-        } else {
-            self.next[p as usize] = n;
-        }
-        if n == NIL {
-            self.tail = p;
-        } else {
-            self.prev[n as usize] = p;
-        }
-        self.prev[i] = NIL;
-        self.next[i] = NIL;
-        self.in_free[i] = false;
-        self.num_free -= 1;
-    }
-
-    fn push_back(&mut self, b: BlockId) {
-        let i = b as usize;
-        self.prev[i] = self.tail;
-        self.next[i] = NIL;
-        if self.tail == NIL {
-            self.head = b;
-        } else {
-            self.next[self.tail as usize] = b;
-        }
-        self.tail = b;
-        self.in_free[i] = true;
-        self.num_free += 1;
-    }
-
-    /// Puts `blocks` at the front, keeping their order: `blocks[0]` becomes the new head.
-    fn prepend(&mut self, blocks: &[BlockId]) {
-        for &b in blocks.iter().rev() {
-            let i = b as usize;
-            self.next[i] = self.head;
-            self.prev[i] = NIL;
-            if self.head == NIL {
-                self.tail = b;
-            } else {
-                self.prev[self.head as usize] = b;
-            }
-            self.head = b;
-            self.in_free[i] = true;
-            self.num_free += 1;
-        }
+        Ok(self.free.contains(b).then(|| self.free.neighbours(b)))
     }
 
     // ---- allocation, hits, release -------------------------------------------------------
@@ -332,16 +258,15 @@ impl KeyedPool {
     ) -> Result<()> {
         out.clear();
         evicted.clear();
-        if n > self.num_free {
+        if n > self.free.len() {
             return Err(Error::OutOfBlocks {
                 needed: n,
-                available: self.num_free,
+                available: self.free.len(),
             });
         }
         out.reserve(n);
         for _ in 0..n {
-            let b = self.head;
-            self.unlink(b);
+            let b = self.free.pop_front().expect("n <= num_free: checked above");
             self.refcnt[b as usize] = 1;
             if !self.keys[b as usize].is_empty() {
                 self.drop_keys(b);
@@ -379,7 +304,7 @@ impl KeyedPool {
             }
             let i = b as usize;
             if self.refcnt[i] == 0 {
-                self.unlink(b);
+                self.free.remove(b);
                 self.stats.revivals += 1;
             }
             self.refcnt[i] += 1;
@@ -425,12 +350,15 @@ impl KeyedPool {
                 Placement::ByCache => !self.keys[b as usize].is_empty(),
             };
             if to_back {
-                self.push_back(b);
+                self.free.push_back(b);
             } else {
                 front.push(b);
             }
         }
-        self.prepend(&front);
+        // `front[0]` becomes the new head: the order of `front` is kept.
+        for &b in front.iter().rev() {
+            self.free.push_front(b);
+        }
         Ok(())
     }
 
@@ -584,44 +512,19 @@ impl KeyedPool {
     pub fn check_invariants(&self) -> Result<()> {
         let bad = |m: String| Err(Error::InvariantViolation(m));
         let n = self.refcnt.len();
-        let mut seen = vec![false; n];
-        let (mut b, mut prev, mut len) = (self.head, NIL, 0usize);
-        while b != NIL {
-            let i = b as usize;
-            if i >= n || seen[i] {
-                return bad(format!("free list revisits or leaves the pool at {b}"));
-            }
-            seen[i] = true;
-            if self.prev[i] != prev {
-                return bad(format!("block {b}: prev link {} != {prev}", self.prev[i]));
-            }
-            prev = b;
-            b = self.next[i];
-            len += 1;
-        }
-        if prev != self.tail {
-            return bad(format!("tail {} is not the last block {prev}", self.tail));
-        }
-        if len != self.num_free {
-            return bad(format!(
-                "free list holds {len}, num_free says {}",
-                self.num_free
-            ));
-        }
-        #[allow(clippy::needless_range_loop)] // i indexes five parallel arrays
+        self.free.check("free list").or_else(bad)?;
+        #[allow(clippy::needless_range_loop)] // i indexes four parallel arrays
         for i in 0..n {
             let is_null = self.null == Some(i as BlockId);
-            if seen[i] != self.in_free[i] {
-                return bad(format!("block {i}: in_free flag disagrees with the list"));
-            }
+            let free = self.free.contains(i as BlockId);
             if is_null {
-                if seen[i] || self.refcnt[i] != 0 {
+                if free || self.refcnt[i] != 0 {
                     return bad("the null block is free or counted".into());
                 }
-            } else if seen[i] != (self.refcnt[i] == 0) {
+            } else if free != (self.refcnt[i] == 0) {
                 return bad(format!(
                     "block {i}: count {} but free={}",
-                    self.refcnt[i], seen[i]
+                    self.refcnt[i], free
                 ));
             }
             for k in &self.keys[i] {

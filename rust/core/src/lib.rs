@@ -86,6 +86,7 @@ pub mod decode_plan;
 pub mod error;
 pub mod freelist;
 pub mod hash;
+mod index_list;
 pub mod keyed;
 pub mod manager;
 pub mod metrics;

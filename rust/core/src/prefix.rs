@@ -18,17 +18,16 @@
 //!   for twice every block (plus the batch), so it never grows on the hot path: tombstones left
 //!   by removals are cleared by in-place rehashes.
 //! - A block is in the LRU ⇔ it is hashed and its refcount is 0.
-//! - The LRU is a doubly linked list over `prev`/`next` arrays indexed by block id, oldest at
-//!   `head`; insert, remove and pop-oldest are O(1) and allocation-free.
+//! - The LRU is an [`IndexList`] (a doubly linked list over arrays indexed by block id), oldest
+//!   at the front; insert, remove and pop-oldest are O(1) and allocation-free.
 //! - In verify mode, `tokens[b*B..(b+1)*B]` holds the token ids of every hashed block `b`.
 //!
 //! This module does no reference counting; the manager decides when a block enters or leaves.
 
+use crate::index_list::IndexList;
 use crate::{BlockId, TokenId};
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
-
-const NIL: u32 = u32::MAX;
 
 /// Dropped hashes whose map entries are removed in one batch. The removals of a batch are
 /// independent probes of a pool-sized map, so their cache misses overlap instead of each stalling
@@ -184,12 +183,7 @@ pub struct PrefixCache {
     /// Dropped `(hash, block)` pairs whose map entry may still be there (stale), removed together
     /// when [`DROP_BATCH`] have gathered.
     dropped: Vec<(u128, BlockId)>,
-    prev: Vec<u32>,
-    next: Vec<u32>,
-    in_lru: Vec<bool>,
-    head: u32,
-    tail: u32,
-    lru_len: usize,
+    lru: IndexList,
     block_size: usize,
     /// Token ids of hashed blocks, only in verify mode (empty otherwise).
     tokens: Vec<TokenId>,
@@ -214,7 +208,7 @@ impl PrefixCache {
         verify: bool,
         presize: bool,
     ) -> crate::Result<Self> {
-        use crate::error::alloc::{failure, filled_vec, zeroed_vec};
+        use crate::error::alloc::{failure, zeroed_vec};
         let n = num_blocks as usize;
         // The verify copy first: the largest array, and lazily committed, so an impossible
         // size fails before anything else is allocated.
@@ -249,12 +243,7 @@ impl PrefixCache {
             hashed: zeroed_vec(n, "prefix cache hashed flags")?,
             live: 0,
             dropped: Vec::with_capacity(DROP_BATCH),
-            prev: filled_vec(n, NIL, "prefix LRU links")?,
-            next: filled_vec(n, NIL, "prefix LRU links")?,
-            in_lru: zeroed_vec(n, "prefix LRU flags")?,
-            head: NIL,
-            tail: NIL,
-            lru_len: 0,
+            lru: IndexList::new(n, "prefix LRU links")?,
             block_size: block_size as usize,
             tokens,
         })
@@ -472,75 +461,31 @@ impl PrefixCache {
     /// Number of cached-free blocks.
     #[inline]
     pub fn lru_len(&self) -> usize {
-        self.lru_len
+        self.lru.len()
     }
 
     /// Whether `b` is in the LRU.
     #[inline]
     pub fn in_lru(&self, b: BlockId) -> bool {
-        self.in_lru[b as usize]
+        self.lru.contains(b)
     }
 
     /// Appends `b` as the most recently freed block.
     #[inline]
     pub fn lru_push(&mut self, b: BlockId) {
-        debug_assert!(!self.in_lru[b as usize]);
-        let i = b as usize;
-        self.in_lru[i] = true;
-        self.prev[i] = self.tail;
-        self.next[i] = NIL;
-        if self.tail == NIL {
-            self.head = b;
-        } else {
-            self.next[self.tail as usize] = b;
-        }
-        self.tail = b;
-        self.lru_len += 1;
+        self.lru.push_back(b);
     }
 
     /// Unlinks `b` from the LRU (no-op if absent).
     #[inline]
     pub fn lru_remove(&mut self, b: BlockId) {
-        let i = b as usize;
-        if !self.in_lru[i] {
-            return;
-        }
-        let (p, n) = (self.prev[i], self.next[i]);
-        if p == NIL {
-            self.head = n;
-        } else {
-            self.next[p as usize] = n;
-        }
-        if n == NIL {
-            self.tail = p;
-        } else {
-            self.prev[n as usize] = p;
-        }
-        self.prev[i] = NIL;
-        self.next[i] = NIL;
-        self.in_lru[i] = false;
-        self.lru_len -= 1;
+        self.lru.remove(b);
     }
 
     /// Removes and returns the least recently freed block, dropping its hash: an eviction.
     #[inline]
     pub fn evict_oldest(&mut self) -> Option<BlockId> {
-        let b = self.head;
-        if b == NIL {
-            return None;
-        }
-        // The head has no `prev`: unlinking it touches only its successor.
-        let i = b as usize;
-        let n = self.next[i];
-        self.head = n;
-        if n == NIL {
-            self.tail = NIL;
-        } else {
-            self.prev[n as usize] = NIL;
-        }
-        self.next[i] = NIL;
-        self.in_lru[i] = false;
-        self.lru_len -= 1;
+        let b = self.lru.pop_front()?;
         self.unregister(b);
         Some(b)
     }
@@ -548,49 +493,13 @@ impl PrefixCache {
     /// The LRU from oldest to newest (for invariant checks and tests). Stops after `limit` steps so
     /// a corrupted (cyclic) list cannot hang the caller.
     pub fn lru_order(&self, limit: usize) -> Vec<BlockId> {
-        let mut out = Vec::new();
-        let mut b = self.head;
-        while b != NIL && out.len() <= limit {
-            out.push(b);
-            b = self.next[b as usize];
-        }
-        out
+        self.lru.order(limit)
     }
 
-    /// Checks the LRU's links: each `prev` mirrors the `next` before it, the tail is the last node.
+    /// Checks the LRU's links: each `prev` mirrors the `next` before it, the tail is the last node,
+    /// the flags mark exactly the blocks on it.
     pub fn check_links(&self) -> Result<(), String> {
-        let order = self.lru_order(self.hashed.len());
-        if order.len() != self.lru_len {
-            return Err(format!(
-                "LRU walk finds {} blocks, length says {}",
-                order.len(),
-                self.lru_len
-            ));
-        }
-        let mut p = NIL;
-        for &b in &order {
-            if self.prev[b as usize] != p {
-                return Err(format!(
-                    "LRU block {b}: prev is {}, expected {p}",
-                    self.prev[b as usize]
-                ));
-            }
-            if !self.in_lru[b as usize] {
-                return Err(format!("LRU block {b} not flagged as in the LRU"));
-            }
-            p = b;
-        }
-        if self.tail != p {
-            return Err(format!("LRU tail is {}, walk ends at {p}", self.tail));
-        }
-        let flagged = self.in_lru.iter().filter(|&&x| x).count();
-        if flagged != self.lru_len {
-            return Err(format!(
-                "{flagged} blocks flagged in the LRU, length says {}",
-                self.lru_len
-            ));
-        }
-        Ok(())
+        self.lru.check("LRU")
     }
 }
 
