@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     # `X as X`: an explicit re-export, which a user's `mypy --strict` (no implicit re-exports)
     # requires before it lets `pagedkv.X` through.
     from .buffers import StepBuffers as StepBuffers
+    from .buffers import StepInfo as StepInfo
     from .buffers import StepTensors as StepTensors
     from .config import CacheSpec as CacheSpec
     from .errors import (
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
     from .manager import CostModel as CostModel
     from .manager import Decision as Decision
     from .manager import Stats as Stats
-    from .manager import StepInfo as StepInfo
     from .engine.llm import LLM as LLM
     from .engine.llm import LLMEngine as LLMEngine
     from .engine.outputs import CompletionOutput as CompletionOutput
@@ -60,11 +60,11 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "BlockManager": "manager",
     "AdmitResult": "manager",
-    "StepInfo": "manager",
     "Stats": "manager",
     "CostModel": "manager",
     "Decision": "manager",
     "StepBuffers": "buffers",
+    "StepInfo": "buffers",
     "StepTensors": "buffers",
     "CacheSpec": "config",
     "KVPool": "pool",
