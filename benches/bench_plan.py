@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from pagedkv import _core
-from pagedkv.kernels import decode as D
+from pagedkv import decode_plan as D
 
 
 def lognormal_lens(n, seed=0, lo=31, hi=15380, mu=6.7, sigma=1.25):
