@@ -63,7 +63,7 @@ from ._checks import allocate, check_flag, parse_device
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["StepBuffers", "StepTensors", "StepInfo", "BACKENDS"]
+__all__ = ["StepBuffers", "StepTensors", "StepInfo", "FIELDS", "BACKENDS"]
 
 # Field placement (arena order: the small per-sequence fields first, the large tables last, each on
 # its own 64-byte line) is the extension's (`_core.StepArena.fields()`), so the two never disagree.
@@ -104,7 +104,7 @@ class StepInfo(NamedTuple):
 
 
 class StepTensors(NamedTuple):
-    """The ten step buffers, all on one device (host, or the device mirror).
+    """The step buffers (:data:`FIELDS`), all on one device (host, or the device mirror).
 
     Each field is a ``torch.Tensor`` with the ``"torch"`` backend and a ``numpy.ndarray`` with the
     ``"numpy"`` one (hence ``Any``: both index, slice and ``tolist()`` alike).
@@ -127,6 +127,12 @@ class StepTensors(NamedTuple):
     def items(self) -> Iterator[tuple[str, Any]]:
         """Yields ``(name, array)`` for every field, in declaration order."""
         return zip(self._fields, self)
+
+
+#: The step buffers' field names, in :class:`StepTensors` order: the one list the Python side reads.
+#: The extension's arena (``_core.StepArena.fields()``) yields the same names in the same order, and
+#: a test holds the two together.
+FIELDS: tuple[str, ...] = StepTensors._fields
 
 
 def _torch_or_none() -> Any:
@@ -281,8 +287,8 @@ class StepBuffers:
         self.mirror_device = dev
         # Per field, the last (length, full array, view) that `views` cut, for host and device.
         self._cuts: dict[bool, list[Optional[tuple[int, Any, Any]]]] = {
-            False: [None] * 10,
-            True: [None] * 10,
+            False: [None] * len(FIELDS),
+            True: [None] * len(FIELDS),
         }
 
     def _pick_backend(self, backend: Optional[str], device: Any) -> Any:
