@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .engine.outputs import CompletionOutput as CompletionOutput
     from .engine.outputs import RequestOutput as RequestOutput
     from .engine.sampling_params import SamplingParams as SamplingParams
-    from .pool import KVPool as KVPool
+    from .kv_pool import KVPool as KVPool
 
     __version__: str
 
@@ -51,7 +51,7 @@ _EXPORTS = {
     "StepInfo": "buffers",
     "StepTensors": "buffers",
     "CacheSpec": "config",
-    "KVPool": "pool",
+    "KVPool": "kv_pool",
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm",
     "SamplingParams": "engine.sampling_params",

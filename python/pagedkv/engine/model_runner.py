@@ -43,7 +43,7 @@ import torch
 from ..buffers import StepBuffers
 from ..config import CacheSpec, CapacityError, parse_bytes
 from ..errors import InvalidArgumentError, InvalidConfigError
-from ..pool import KVPool
+from ..kv_pool import KVPool
 from . import attention as _attention
 from .forward_context import AttentionMetadata, forward_context
 from .loader import LoadedModel
