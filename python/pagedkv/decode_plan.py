@@ -171,7 +171,7 @@ class DecodePlan(DecodePlanBuffers):
             ev.synchronize()
         # The core writes what plan_host's arrays would (count, indptr, items), checking every
         # bound before its first store: 0.7-4.5 us for 1-256 sequences where numpy took 32-47
-        # (benches/bench_plan.py).
+        # (benches/bench_decode_plan.py).
         m, chunk = _core.plan_decode(
             lens[:n], self._host_np[t], self.num_kv_heads, self.programs, self.min_chunk,
             self.granule, self.items_off, self.capacity,
