@@ -5,7 +5,8 @@ double-buffered host words the core's planner (`_core.plan_decode`) writes each 
 non-blocking copy into the device buffers and the event that guards their reuse, and the numpy
 reference `plan_host` the core is tested against. The device buffers and the layout the kernels
 read are `pagedkv.kernels.DecodePlanBuffers`, which `DecodePlan` extends: the kernels package
-takes only device tensors and never imports the extension; this module needs both it and torch.
+takes only device tensors and never imports the extension; this module needs the extension and
+torch.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ class DecodePlan(DecodePlanBuffers):
     `paged_decode(..., plan=plan)` then reuses it — and pass `plan=` instead of a workspace.
     `update` fills a pinned host buffer and enqueues one non-blocking copy on the current stream,
     so it is ordered before the kernels that read it, CUDA-graph replays included. The device
-    buffers and their layout are `pagedkv.kernels.DecodePlanBuffers`'; this class adds the host
-    side (the pinned buffers, their events, the call into the core).
+    buffers and their layout are those of `pagedkv.kernels.DecodePlanBuffers`; this class adds
+    the host side (the pinned buffers, their events, the call into the core).
 
     CUDA graphs: a call captured with a plan uses the fixed grid `capacity * kv_heads` (programs
     past the plan's item count exit at once), so a graph captured once serves any later plan of
