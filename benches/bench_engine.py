@@ -39,6 +39,7 @@ import time
 
 import numpy as np
 import torch
+from _dims import add_model_args, llama_config, model_dims
 
 COPY_BW = 4.24e12  # bytes/s: the H200 copy bandwidth the project's targets use
 
@@ -46,13 +47,7 @@ COPY_BW = 4.24e12  # bytes/s: the H200 copy bandwidth the project's targets use
 def build_model(args):
     import transformers
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.mlp,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, max_position_embeddings=args.max_model_len,
-        rope_theta=500000.0, initializer_range=0.02, eos_token_id=None, bos_token_id=None,
-        pad_token_id=None, tie_word_embeddings=False,
-    )
+    cfg = llama_config(model_dims(args), args.max_model_len)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
@@ -257,12 +252,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--mlp", type=int, default=14336)
-    ap.add_argument("--vocab", type=int, default=128256)
+    add_model_args(ap)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--contiguous", action="store_true",

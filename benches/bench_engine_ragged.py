@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 import torch
+from _dims import LLAMA3_8B, llama_config
 
 
 def build_model(args, device):
@@ -32,14 +33,10 @@ def build_model(args, device):
 
     from pagedkv.engine.loader import LoadedModel
 
-    dims = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)
+    dims = LLAMA3_8B
     if args.tiny:
-        dims = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2)
-    cfg = transformers.LlamaConfig(**dims, max_position_embeddings=args.max_model_len,
-                                   rope_theta=500000.0, tie_word_embeddings=False,
-                                   eos_token_id=None, bos_token_id=None, pad_token_id=None)
+        dims = dict(vocab=256, hidden=64, mlp=128, layers=2, heads=4, kv_heads=2)
+    cfg = llama_config(dims, args.max_model_len)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with torch.device(device):

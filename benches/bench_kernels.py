@@ -8,10 +8,10 @@ graph figure is the anchor. Data is random (never zeros), block tables randomly 
 Usage (on a CUDA machine, from the repository root):
     PYTHONPATH=python python benches/bench_kernels.py --json out.json [--tune] [--quick]
 
-Round-2 sections (`--only ragged,anchor,host,scatter2,fp8`; benches/gpu_round2.sh runs them):
+Chosen sections (`--only ragged,anchor,host,scatter2,fp8`; benches/gpu_kernel_sections.sh runs them):
 the ragged batch (heuristic, forced splits, `DecodePlan`), the anchor shapes heuristic vs plan,
 host time per eager call (cached vs uncached), scatter variants, fp8 vs bf16 decode; each timed
-the issue's way (do_bench with its L2 flush, eager and over a graph replay), as a rotation graph,
+as the targets are stated (do_bench with its L2 flush, eager and over a graph replay), as a rotation graph,
 and after a read-only L2 flush (do_bench's flush leaves dirty lines to write back).
 
 `--compare-old DIR` instead times the current decode, prefill and scatter kernels against an

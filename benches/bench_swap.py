@@ -88,7 +88,7 @@ def spec_8b():
 
 
 def bandwidth(args) -> dict:
-    from pagedkv.pool import KVPool
+    from pagedkv.kv_pool import KVPool
     from pagedkv.swap import SwapEngine
 
     spec = spec_8b()

@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 
+from _dims import add_model_args, llama_config, model_dims
+
 
 def build_loaded(args, device):
     import torch
@@ -34,13 +36,7 @@ def build_loaded(args, device):
 
     from pagedkv.engine.loader import LoadedModel
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.mlp,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, max_position_embeddings=args.max_model_len,
-        rope_theta=500000.0, initializer_range=0.02, eos_token_id=None, bos_token_id=None,
-        pad_token_id=None, tie_word_embeddings=False,
-    )
+    cfg = llama_config(model_dims(args), args.max_model_len)
     # One seed on every rank: replicated weights (embeddings, norms, LM head) are identical, and
     # each rank's shard is a slice of the same full weights.
     torch.manual_seed(0)
@@ -128,12 +124,7 @@ def main(argv=None):
     p.add_argument("--num-blocks", type=int, default=0, help="0: the runner's default sizing")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--mlp", type=int, default=14336)
-    p.add_argument("--vocab", type=int, default=128256)
+    add_model_args(p)
     p.add_argument("--tiny", action="store_true",
                    help="toy dimensions (2 layers, hidden 64): a smoke test, "
                    "CPU/gloo without a GPU")

@@ -27,14 +27,11 @@ case "${1:-}" in
     rm -rf "$OLD"
     exit 0 ;;
 esac
-OUT="${OUT:-out}"
-mkdir -p "$OUT"
-export PYTHONPATH=python PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
-PY="${PYTHON:-python3}"
-TEST_TIMEOUT="${TEST_TIMEOUT:-150}"
 [ -f "$OLD/__init__.py" ] || { echo "no $OLD: run --prepare first"; exit 2; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv 2>&1 | tee "$OUT/bench_bounds.log"
+. "$(dirname "$0")/gpu_env.sh"
+TEST_TIMEOUT="${TEST_TIMEOUT:-150}"
+# The bench log starts with the GPU's name and clocks, as it always has.
+cp "$OUT/nvidia-smi.txt" "$OUT/bench_bounds.log"
 
 # 1. Timings first, alone on the GPU.
 timeout 240 "$PY" benches/bench_kernels.py --compare-old "$OLD" \

@@ -8,18 +8,17 @@ import pytest
 import torch
 
 from pagedkv import BlockManager, StepBuffers, StepInfo
+from pagedkv.buffers import FIELDS
 from pagedkv.errors import InvalidArgumentError
 
-FIELDS = (
-    "slot_mapping",
-    "block_tables",
-    "seq_lens",
-    "query_start_loc",
-    "kv_indptr",
-    "kv_indices",
-    "kv_last_page_len",
-    "copies",
-)
+
+
+def test_field_list_is_the_extensions() -> None:
+    """One list of field names: the binding's arena, the buffers' shapes and :data:`FIELDS`."""
+    b = StepBuffers(2, 4, 2, device="cpu")
+    assert tuple(b._arena.fields()) == FIELDS
+    assert tuple(b._shapes()) == FIELDS
+    assert tuple(name for name, _ in b.host.items()) == FIELDS
 
 
 def _snapshot(m: BlockManager) -> tuple:
@@ -72,7 +71,10 @@ def test_cpu_device_mirrors_are_the_host_tensors() -> None:
 
 def test_views_cut_to_the_step_extent_at_fixed_addresses() -> None:
     b = StepBuffers(4, 16, 3, max_copies=2, device="cpu")
-    info = StepInfo(num_seqs=2, num_tokens=5, num_kv_indices=4, num_copies=1, max_seq_len=9)
+    # One pair in each swap list too, so every field's view is non-empty (an empty view has no
+    # address to compare).
+    info = StepInfo(num_seqs=2, num_tokens=5, num_kv_indices=4, num_copies=1, max_seq_len=9,
+                    num_swap_out=1, num_swap_in=1)
     v = b.views(info, on_device=False)
     assert v.slot_mapping.shape == (5,)
     assert v.block_tables.shape == (2, 3)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from pagedkv import _core
 from pagedkv import errors as E
-from pagedkv.kernels import decode as D
+from pagedkv import decode_plan as D
 
 INT_DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
 
@@ -210,3 +210,22 @@ def test_bad_buffers_raise_typed_errors_and_write_nothing():
     # The buffer DecodePlan owns is accepted as it is.
     out = plan._host_np[0]
     assert core_plan(plan, lens, out)[0] == reference_words(plan, lens, out)[1]
+
+
+def test_kernels_import_without_the_extension() -> None:
+    """The kernels take device tensors only; the planner that needs the extension lives beside
+    the other binding wrappers and is still reachable from the kernels package by name."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules['pagedkv._core'] = None\n"
+        "import pagedkv.kernels as K\n"
+        "assert K.paged_decode and K.DecodePlanBuffers\n"
+        "del sys.modules['pagedkv._core']\n"
+        "from pagedkv.decode_plan import DecodePlan\n"
+        "assert K.DecodePlan is DecodePlan and issubclass(DecodePlan, K.DecodePlanBuffers)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -8,6 +8,8 @@ attributes can be compared exactly) and once through a real call that provokes i
 from __future__ import annotations
 
 import pickle
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -180,6 +182,26 @@ def test_python_side_construction_with_message_only() -> None:
 def test_package_root_exports_every_error() -> None:
     for name in errors.__all__:
         assert getattr(pagedkv, name) is getattr(errors, name)
+
+
+def test_binding_raises_exactly_the_classes_errors_defines() -> None:
+    """The binding's class list (``CLASS_NAMES`` in ``rust/python/src/errors.rs``), the classes it
+    actually raises, and ``errors.__all__`` (which the package root re-exports) are one set."""
+    source = Path(__file__).resolve().parent.parent / "rust" / "python" / "src" / "errors.rs"
+    if not source.exists():
+        pytest.skip("the binding's sources are not beside the tests")
+    block = re.search(r"const CLASS_NAMES: \[&str; \d+\] = \[(.*?)\];", source.read_text(), re.S)
+    assert block is not None, "CLASS_NAMES not found in errors.rs"
+    binding = re.findall(r'"(\w+)"', block.group(1))
+    assert len(binding) == len(set(binding))
+    assert set(binding) == set(errors.__all__) - {"PagedKVError"}
+    raised = set()
+    for variant in SAMPLES:
+        with pytest.raises(errors.PagedKVError) as info:
+            _core._raise_core_error(variant)
+        raised.add(type(info.value).__name__)
+    assert raised == set(binding)
+    assert set(errors.__all__) <= set(pagedkv.__all__)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -118,7 +118,7 @@ def test_manager_flags_accept_bools() -> None:
 @pytest.mark.parametrize("value", ["false", 0, None])
 def test_buffer_and_pool_flags_take_bools_only(value: object) -> None:
     from pagedkv.config import CacheSpec
-    from pagedkv.pool import KVPool
+    from pagedkv.kv_pool import KVPool
 
     with pytest.raises(InvalidArgumentError):
         StepBuffers(2, 4, 2, device="cpu", csr=value)  # type: ignore[arg-type]
@@ -205,7 +205,7 @@ def test_unencodable_salt_is_invalid_argument(m: BlockManager, salt: str) -> Non
 @pytest.mark.parametrize("device", ["not-a-device", "cuda:x", "mps", "meta", "cuda:99", 3.5, ""])
 def test_bad_device_is_invalid_argument(device: object) -> None:
     from pagedkv.config import CacheSpec
-    from pagedkv.pool import KVPool
+    from pagedkv.kv_pool import KVPool
 
     with pytest.raises(InvalidArgumentError) as info:
         StepBuffers(2, 4, 2, device=device)  # type: ignore[arg-type]
@@ -220,7 +220,7 @@ def test_cuda_device_without_cuda_is_invalid_argument() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here: 'cuda' is a valid device")
     from pagedkv.config import CacheSpec
-    from pagedkv.pool import KVPool
+    from pagedkv.kv_pool import KVPool
 
     with pytest.raises(InvalidArgumentError, match="CUDA"):
         StepBuffers(2, 4, 2, device="cuda")
@@ -234,7 +234,7 @@ def test_cuda_device_without_cuda_is_invalid_argument() -> None:
 
 def test_pool_allocation_failure_is_typed() -> None:
     from pagedkv.config import CacheSpec
-    from pagedkv.pool import KVPool
+    from pagedkv.kv_pool import KVPool
 
     spec = CacheSpec(num_layers=64, num_kv_heads=64, head_dim=256, dtype="float32", block_size=64)
     with pytest.raises(errors.AllocationFailedError) as info:

@@ -224,7 +224,7 @@ def test_fp8_argument_checks():
 
 def test_pool_fp8_scales():
     from pagedkv.config import CacheSpec
-    from pagedkv.pool import KVPool
+    from pagedkv.kv_pool import KVPool
 
     pool = KVPool(CacheSpec(3, 2, 32, dtype="float8_e4m3fn", block_size=8), 4)
     assert pool.kv.dtype == FP8 and pool.spec.bytes_per_token == 2 * 2 * 32 * 1 * 3

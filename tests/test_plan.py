@@ -7,7 +7,7 @@ import pytest
 from pagedkv.cli import main
 from pagedkv.config import PRESETS, CacheSpec, CapacityError, MemoryBudget
 from pagedkv.errors import InvalidConfigError
-from pagedkv.plan import format_plan, make_plan, parse_seq_lens, plan_json
+from pagedkv.capacity import format_plan, make_plan, parse_seq_lens, plan_json
 
 GiB = 2**30
 

@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 
 from pagedkv.config import CacheSpec  # noqa: E402
 from pagedkv.errors import InvalidArgumentError, InvalidBlockError, InvalidConfigError, PagedKVError  # noqa: E402
-from pagedkv.pool import KVPool, copy_blocks_reference  # noqa: E402
+from pagedkv.kv_pool import KVPool, copy_blocks_reference  # noqa: E402
 
 
 def small_spec(dtype="float32", block_size=4):

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 from pagedkv.config import CacheSpec  # noqa: E402
 from pagedkv.errors import InvalidArgumentError, InvalidBlockError, InvalidConfigError  # noqa: E402
-from pagedkv.pool import KVPool  # noqa: E402
+from pagedkv.kv_pool import KVPool  # noqa: E402
 from pagedkv.swap import HostKVPool, SwapEngine, _runs  # noqa: E402
 
 

@@ -33,7 +33,7 @@ from pagedkv.distributed.tp import head_split  # noqa: E402
 from pagedkv.engine.llm import LLM  # noqa: E402
 from pagedkv.engine.sampling_params import SamplingParams  # noqa: E402
 from pagedkv.errors import InvalidConfigError  # noqa: E402
-from pagedkv.plan import kv_heads_per_rank, shard_spec  # noqa: E402
+from pagedkv.capacity import kv_heads_per_rank, shard_spec  # noqa: E402
 
 if not torch.distributed.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)

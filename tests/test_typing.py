@@ -51,7 +51,7 @@ ignore_errors = True
 # writes "int" or "builtins.int" depending on its version; "Any" must never match).
 PROBES = {
     "pagedkv.BlockManager(4).admit(1, [1, 2]).cached_tokens": r"(builtins\.)?int",
-    "pagedkv.BlockManager(4).step([1], 1)": r".*\bpagedkv\.manager\.StepInfo\b.*",
+    "pagedkv.BlockManager(4).step([1], 1)": r".*\bpagedkv\.buffers\.StepInfo\b.*",
     "pagedkv.BlockManager(4).stats().kv_utilization": r"(builtins\.)?float",
     "pagedkv.UnknownSequenceError('x').seq_id": r"(builtins\.)?int",
     "pagedkv.InvalidConfigError('x').field": r"(builtins\.)?str \| None|Union\[(builtins\.)?str, None\]",

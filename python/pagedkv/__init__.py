@@ -19,73 +19,39 @@ if TYPE_CHECKING:
     # `X as X`: an explicit re-export, which a user's `mypy --strict` (no implicit re-exports)
     # requires before it lets `pagedkv.X` through.
     from .buffers import StepBuffers as StepBuffers
+    from .buffers import StepInfo as StepInfo
     from .buffers import StepTensors as StepTensors
     from .config import CacheSpec as CacheSpec
-    from .errors import (
-        AllocationFailedError as AllocationFailedError,
-        BufferInvalidError as BufferInvalidError,
-        BuffersNotRegisteredError as BuffersNotRegisteredError,
-        BufferTooSmallError as BufferTooSmallError,
-        DuplicateSequenceError as DuplicateSequenceError,
-        InvalidArgumentError as InvalidArgumentError,
-        InvalidBlockError as InvalidBlockError,
-        InvalidConfigError as InvalidConfigError,
-        InvariantViolationError as InvariantViolationError,
-        InvalidSequenceStateError as InvalidSequenceStateError,
-        OutOfBlocksError as OutOfBlocksError,
-        OutOfHostBlocksError as OutOfHostBlocksError,
-        PagedKVError as PagedKVError,
-        PrefixCollisionError as PrefixCollisionError,
-        RefcountUnderflowError as RefcountUnderflowError,
-        SequenceTooLongError as SequenceTooLongError,
-        UnknownSequenceError as UnknownSequenceError,
-        WatermarkReachedError as WatermarkReachedError,
-    )
+    # A star import re-exports exactly `errors.__all__` (mypy treats it as explicit), so the
+    # exception names are listed once, there.
+    from .errors import *  # noqa: F401,F403
     from .manager import AdmitResult as AdmitResult
     from .manager import BlockManager as BlockManager
     from .manager import CostModel as CostModel
     from .manager import Decision as Decision
     from .manager import Stats as Stats
-    from .manager import StepInfo as StepInfo
     from .engine.llm import LLM as LLM
     from .engine.llm import LLMEngine as LLMEngine
     from .engine.outputs import CompletionOutput as CompletionOutput
     from .engine.outputs import RequestOutput as RequestOutput
     from .engine.sampling_params import SamplingParams as SamplingParams
-    from .pool import KVPool as KVPool
+    from .kv_pool import KVPool as KVPool
 
     __version__: str
 
-# Public name -> submodule defining it.
+# Public name -> submodule defining it. The exception classes are not listed here: their one list is
+# `errors.__all__`, read when an exception (or `__all__`) is first asked for.
 _EXPORTS = {
     "BlockManager": "manager",
     "AdmitResult": "manager",
-    "StepInfo": "manager",
     "Stats": "manager",
     "CostModel": "manager",
     "Decision": "manager",
     "StepBuffers": "buffers",
+    "StepInfo": "buffers",
     "StepTensors": "buffers",
     "CacheSpec": "config",
-    "KVPool": "pool",
-    "PagedKVError": "errors",
-    "InvalidConfigError": "errors",
-    "AllocationFailedError": "errors",
-    "InvalidArgumentError": "errors",
-    "UnknownSequenceError": "errors",
-    "DuplicateSequenceError": "errors",
-    "OutOfBlocksError": "errors",
-    "WatermarkReachedError": "errors",
-    "SequenceTooLongError": "errors",
-    "BufferTooSmallError": "errors",
-    "BufferInvalidError": "errors",
-    "BuffersNotRegisteredError": "errors",
-    "InvalidBlockError": "errors",
-    "RefcountUnderflowError": "errors",
-    "PrefixCollisionError": "errors",
-    "InvariantViolationError": "errors",
-    "OutOfHostBlocksError": "errors",
-    "InvalidSequenceStateError": "errors",
+    "KVPool": "kv_pool",
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm",
     "SamplingParams": "engine.sampling_params",
@@ -93,10 +59,15 @@ _EXPORTS = {
     "CompletionOutput": "engine.outputs",
 }
 
-__all__ = ["__version__", *_EXPORTS]
-
+def _error_names() -> list[str]:
+    return list(importlib.import_module(".errors", __name__).__all__)
 
 def __getattr__(name: str) -> Any:
+    if name == "__all__":
+        # Built on first use, not at import: reading `errors.__all__` means importing `errors`.
+        names = ["__version__", *_EXPORTS, *_error_names()]
+        globals()["__all__"] = names
+        return names
     if name == "__version__":
         # The extension carries the crate version; without it, fall back to the installed metadata.
         try:
@@ -111,6 +82,8 @@ def __getattr__(name: str) -> Any:
         globals()["__version__"] = version
         return version
     module = _EXPORTS.get(name)
+    if module is None and not name.startswith("_") and name in _error_names():
+        module = "errors"
     if module is None:
         raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)
@@ -118,6 +91,5 @@ def __getattr__(name: str) -> Any:
     globals()[name] = value
     return value
 
-
 def __dir__() -> list[str]:
-    return sorted(set(__all__) | {n for n in globals() if n.startswith("__")})
+    return sorted(set(__getattr__("__all__")) | {n for n in globals() if n.startswith("__")})

@@ -1,6 +1,7 @@
 """Step buffers: the host arrays the manager fills each step, and their device mirrors.
 
-Owns the memory that carries one scheduler step's bookkeeping to the GPU (``B`` is the block size):
+Owns the memory that carries one scheduler step's bookkeeping to the GPU, and :class:`StepInfo`, the
+extent of what one step wrote into it (``B`` is the block size):
 
 - ``slot_mapping`` int64 ``[max_tokens]``: ``table[p // B] * B + p % B`` for each new token ``p``;
 - ``block_tables`` int32 ``[max_seqs, max_blocks_per_seq]``: one row per sequence, batch order;
@@ -62,9 +63,7 @@ from ._checks import allocate, check_flag, parse_device
 if TYPE_CHECKING:
     import torch
 
-    from .manager import StepInfo
-
-__all__ = ["StepBuffers", "StepTensors", "BACKENDS"]
+__all__ = ["StepBuffers", "StepTensors", "StepInfo", "FIELDS", "BACKENDS"]
 
 # Field placement (arena order: the small per-sequence fields first, the large tables last, each on
 # its own 64-byte line) is the extension's (`_core.StepArena.fields()`), so the two never disagree.
@@ -81,8 +80,31 @@ BACKENDS = ("torch", "numpy")
 _INT64, _INT32 = "int64", "int32"
 
 
+class StepInfo(NamedTuple):
+    """Extent of what one :meth:`pagedkv.BlockManager.step` wrote into the step buffers."""
+
+    #: Sequences in the batch (rows of ``block_tables`` written).
+    num_seqs: int
+    #: New tokens in the batch (entries of ``slot_mapping`` written).
+    num_tokens: int
+    #: Entries of ``kv_indices`` written (sum of the batch's block counts; 0 without the CSR table).
+    num_kv_indices: int
+    #: Copy-on-write ``(src, dst)`` pairs written to ``copies``; the queue is drained.
+    num_copies: int
+    #: Longest sequence in the batch, in tokens.
+    max_seq_len: int
+    #: Swap-out ``(device_block, host_block)`` pairs written to ``swap_out`` (run first).
+    num_swap_out: int = 0
+    #: Swap-in ``(host_block, device_block)`` pairs written to ``swap_in`` (run after the
+    #: swap-outs, before the copy-on-write list).
+    num_swap_in: int = 0
+    #: Most new tokens of one sequence in the batch (the largest step of ``query_start_loc``):
+    #: 1 for a decode-only step, 0 for an empty one. The bound a prefill kernel sizes its grid by.
+    max_query_len: int = 0
+
+
 class StepTensors(NamedTuple):
-    """The ten step buffers, all on one device (host, or the device mirror).
+    """The step buffers (:data:`FIELDS`), all on one device (host, or the device mirror).
 
     Each field is a ``torch.Tensor`` with the ``"torch"`` backend and a ``numpy.ndarray`` with the
     ``"numpy"`` one (hence ``Any``: both index, slice and ``tolist()`` alike).
@@ -105,6 +127,12 @@ class StepTensors(NamedTuple):
     def items(self) -> Iterator[tuple[str, Any]]:
         """Yields ``(name, array)`` for every field, in declaration order."""
         return zip(self._fields, self)
+
+
+#: The step buffers' field names, in :class:`StepTensors` order: the one list the Python side reads.
+#: The extension's arena (``_core.StepArena.fields()``) yields the same names in the same order, and
+#: a test holds the two together.
+FIELDS: tuple[str, ...] = StepTensors._fields
 
 
 def _torch_or_none() -> Any:
@@ -259,8 +287,8 @@ class StepBuffers:
         self.mirror_device = dev
         # Per field, the last (length, full array, view) that `views` cut, for host and device.
         self._cuts: dict[bool, list[Optional[tuple[int, Any, Any]]]] = {
-            False: [None] * 10,
-            True: [None] * 10,
+            False: [None] * len(FIELDS),
+            True: [None] * len(FIELDS),
         }
 
     def _pick_backend(self, backend: Optional[str], device: Any) -> Any:

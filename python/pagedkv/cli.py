@@ -1,7 +1,7 @@
 """The ``pagedkv`` command line: ``pagedkv demo``, ``pagedkv plan`` and ``pagedkv simulate``.
 
 Owns argument parsing and the mapping from flags to the demo's, planner's and simulator's
-configuration objects; the computing lives in :mod:`pagedkv.demo`, :mod:`pagedkv.plan` and
+configuration objects; the computing lives in :mod:`pagedkv.demo`, :mod:`pagedkv.capacity` and
 :mod:`pagedkv.simulate`. Subcommands are
 registered in :data:`SUBCOMMANDS` (name → (add-arguments function, handler)), so further ones
 (``bench``, ``demo``) plug in without touching the others.
@@ -176,7 +176,7 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from .plan import default_seq_lens, format_plan, make_plan, parse_seq_lens, plan_json
+    from .capacity import default_seq_lens, format_plan, make_plan, parse_seq_lens, plan_json
 
     label, model, spec, weights, source = _resolve_model(args, default_model=None)
     model_max_len = None if model is None else model.max_position_embeddings

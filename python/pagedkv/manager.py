@@ -1,7 +1,8 @@
 """The block manager's Python face.
 
 Owns :class:`BlockManager`, a typed, documented wrapper over the extension's ``_core.BlockManager``,
-and the small result types it returns (:class:`AdmitResult`, :class:`StepInfo`, :class:`Stats`).
+and the small result types it returns (:class:`AdmitResult`, :class:`Stats`; :class:`StepInfo`
+lives beside the buffers it describes, in :mod:`pagedkv.buffers`, and is re-exported here).
 All bookkeeping lives in the Rust core; this module only normalises arguments, so its invariants are
 the core's:
 
@@ -31,6 +32,7 @@ import numpy as np
 
 from . import _core
 from ._checks import check_flag
+from .buffers import StepInfo
 from .errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -59,29 +61,6 @@ class AdmitResult(NamedTuple):
     #: len(prompt) - cached_tokens)``, the whole prompt without ``max_new_tokens``. The first step
     #: computes ``[cached_tokens, num_tokens)``; the rest of the prompt is fed with :meth:`append`.
     num_tokens: int
-
-
-class StepInfo(NamedTuple):
-    """Extent of what one :meth:`BlockManager.step` wrote into the step buffers."""
-
-    #: Sequences in the batch (rows of ``block_tables`` written).
-    num_seqs: int
-    #: New tokens in the batch (entries of ``slot_mapping`` written).
-    num_tokens: int
-    #: Entries of ``kv_indices`` written (sum of the batch's block counts; 0 without the CSR table).
-    num_kv_indices: int
-    #: Copy-on-write ``(src, dst)`` pairs written to ``copies``; the queue is drained.
-    num_copies: int
-    #: Longest sequence in the batch, in tokens.
-    max_seq_len: int
-    #: Swap-out ``(device_block, host_block)`` pairs written to ``swap_out`` (run first).
-    num_swap_out: int = 0
-    #: Swap-in ``(host_block, device_block)`` pairs written to ``swap_in`` (run after the
-    #: swap-outs, before the copy-on-write list).
-    num_swap_in: int = 0
-    #: Most new tokens of one sequence in the batch (the largest step of ``query_start_loc``):
-    #: 1 for a decode-only step, 0 for an empty one. The bound a prefill kernel sizes its grid by.
-    max_query_len: int = 0
 
 
 class CostModel(NamedTuple):

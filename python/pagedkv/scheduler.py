@@ -66,7 +66,8 @@ import numpy as np
 from .errors import InvalidArgumentError, InvalidConfigError, OutOfBlocksError, OutOfHostBlocksError
 
 if TYPE_CHECKING:
-    from .manager import BlockManager, StepInfo
+    from .buffers import StepInfo
+    from .manager import BlockManager
 
 logger = logging.getLogger("pagedkv")
 

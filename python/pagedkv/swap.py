@@ -1,7 +1,7 @@
 """Swap: the host tier of the KV cache and the copies between it and the device pool.
 
 Owns :class:`HostKVPool` (``num_host_blocks`` blocks in pinned host memory, allocated once) and
-:class:`SwapEngine`, which applies the block manager's swap lists to a :class:`~pagedkv.pool.KVPool`:
+:class:`SwapEngine`, which applies the block manager's swap lists to a :class:`~pagedkv.kv_pool.KVPool`:
 ``swap_out(pairs)`` copies device blocks to host blocks, ``swap_in(pairs)`` copies host blocks
 back into device blocks. The manager decides which blocks move and frees/allocates them; this module
 only moves bytes.
@@ -53,7 +53,7 @@ import torch
 from ._checks import allocate, check_flag
 from .config import CacheSpec
 from .errors import InvalidArgumentError, InvalidBlockError, InvalidConfigError
-from .pool import KVPool
+from .kv_pool import KVPool
 
 __all__ = ["HostKVPool", "SwapEngine", "DEFAULT_STAGING_BYTES"]
 
@@ -123,7 +123,7 @@ class HostKVPool:
 
 
 class SwapEngine:
-    """Moves blocks between a :class:`~pagedkv.pool.KVPool` and its :class:`HostKVPool`.
+    """Moves blocks between a :class:`~pagedkv.kv_pool.KVPool` and its :class:`HostKVPool`.
 
     Args:
         pool: The device pool.

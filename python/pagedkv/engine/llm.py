@@ -255,7 +255,7 @@ class LLMEngine:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidConfigError(f"{name} must be an integer >= 1, got {value!r}",
                                          field=name, value=value, reason="must be >= 1")
-        from ..plan import kv_heads_per_rank
+        from ..capacity import kv_heads_per_rank
 
         kv_heads_per_rank(1, tensor_parallel_size)  # validates the size itself
         #: Rank 0's handle on the tensor-parallel group (None without TP).

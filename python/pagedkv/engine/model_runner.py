@@ -43,7 +43,7 @@ import torch
 from ..buffers import StepBuffers
 from ..config import CacheSpec, CapacityError, parse_bytes
 from ..errors import InvalidArgumentError, InvalidConfigError
-from ..pool import KVPool
+from ..kv_pool import KVPool
 from . import attention as _attention
 from .forward_context import AttentionMetadata, forward_context
 from .loader import LoadedModel
@@ -233,7 +233,7 @@ class ModelRunner:
         #: before every decode step, read by every layer's ``paged_decode`` and by the graphs.
         self.decode_plan = None
         if self.use_kernels and decode_planner:
-            from ..kernels import DecodePlan
+            from ..decode_plan import DecodePlan
 
             self.decode_plan = DecodePlan(max_num_seqs, self.num_q_heads, self.spec.num_kv_heads,
                                           self.spec.head_dim, device=self.device)

@@ -1,16 +1,23 @@
 """Triton kernels for the paged KV cache, with plain PyTorch references.
 
 Owns the GPU side of the data path: `scatter_kv` (write new K/V through the slot mapping),
-`paged_decode` (+ `DecodeWorkspace`, split-K, `DecodePlan` for ragged batches),
-`paged_prefill` (varlen prefill/extend, causal over cached prefix + new tokens), `copy_blocks`/`BlockCopier` (copy-on-write across all layers in one
-launch) and `swap_blocks` (device <-> pinned host). Every entry point validates its arguments and
+`paged_decode` (+ `DecodeWorkspace`, split-K, `DecodePlanBuffers`: the device side of a ragged
+batch's plan), `paged_prefill` (varlen prefill/extend, causal over cached prefix + new tokens),
+`copy_blocks`/`BlockCopier` (copy-on-write across all layers in one launch) and `swap_blocks`
+(device <-> pinned host). Every entry point validates its arguments and
 raises a `KernelArgumentError` (ValueError) or `KernelDTypeError` (TypeError) before launching;
 the checks and launch configuration are cached per call signature (`_launch.py`). Pools may be
 bf16, fp16, fp32 or float8_e4m3fn (with `k_scale`/`v_scale`).
 
 This package imports torch and triton; `pagedkv` itself does not import it, so the rest of the
-package stays usable without them. It never imports the Rust extension. See docs/kernels.md.
+package stays usable without them. It never imports the Rust extension: the kernels take device
+tensors only, and the planner that fills a plan on the host is `pagedkv.decode_plan.DecodePlan`
+(still reachable as `pagedkv.kernels.DecodePlan`, imported on first access). See docs/kernels.md.
 """
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ..decode_plan import DecodePlan as DecodePlan
 
 from ._interpreter_compat import apply as _apply_interpreter_compat
 
@@ -25,7 +32,12 @@ from ._validate import (  # noqa: E402
     KernelShapeError,
 )
 from .copy import BlockCopier, copy_blocks, swap_blocks  # noqa: E402
-from .decode import DecodePlan, DecodeWorkspace, choose_num_splits, paged_decode  # noqa: E402
+from .decode import (  # noqa: E402
+    DecodePlanBuffers,
+    DecodeWorkspace,
+    choose_num_splits,
+    paged_decode,
+)
 from .prefill import paged_prefill  # noqa: E402
 from .scatter import scatter_kv  # noqa: E402
 
@@ -40,9 +52,21 @@ __all__ = [
     "copy_blocks",
     "swap_blocks",
     "DecodePlan",
+    "DecodePlanBuffers",
     "DecodeWorkspace",
     "choose_num_splits",
     "paged_decode",
     "paged_prefill",
     "scatter_kv",
 ]
+
+
+def __getattr__(name: str):
+    # The planner needs the extension, which this package must not import on its own: it is
+    # loaded only when someone asks for it by its old address.
+    if name == "DecodePlan":
+        from ..decode_plan import DecodePlan
+
+        globals()[name] = DecodePlan
+        return DecodePlan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,7 @@
 //! Split-K decode planning: the work list a ragged decode batch is launched from.
 //!
 //! Owns the arithmetic of the Python `DecodePlan.update` (its readable numpy reference is
-//! `DecodePlan.plan_host` in `python/pagedkv/kernels/decode.py`): from the host lengths of one
+//! `DecodePlan.plan_host` in `python/pagedkv/decode_plan.py`): from the host lengths of one
 //! decode step it picks one chunk size for the whole batch, cuts every sequence into chunks of
 //! that size and writes the resulting work list into a caller-owned `int32` buffer, heaviest item
 //! first. [`plan_decode`] writes exactly the words the reference writes, in the same order.

@@ -14,7 +14,7 @@ Lengths: log-normal (the GPU bench's `lognormal_lens`: mu 6.7, sigma 1.25, clipp
 [31, 15380]); plan parameters as on the H200 (132 SMs x 4 programs, 32 q / 8 kv heads, head_dim
 128). Both paths are checked to write the same bytes first.
 
-Usage: PYTHONPATH=python python benches/bench_plan.py [--calls 3000] [--json out.json]
+Usage: PYTHONPATH=python python benches/bench_decode_plan.py [--calls 3000] [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from pagedkv import _core
-from pagedkv.kernels import decode as D
+from pagedkv import decode_plan as D
 
 
 def lognormal_lens(n, seed=0, lo=31, hi=15380, mu=6.7, sigma=1.25):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the kernel GPU tests, then the kernel benchmark, on a CUDA machine.
-# Usage (repository root): OUT=/some/dir bash benches/gpu_run.sh [--tune | --tune=prefill] [--skip-tests]
+# Usage (repository root): OUT=/some/dir bash benches/gpu_kernels.sh [--tune | --tune=prefill] [--skip-tests]
 # Logs and JSON go to $OUT (default ./out).
 set -u -o pipefail
 . "$(dirname "$0")/gpu_env.sh"

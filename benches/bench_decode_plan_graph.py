@@ -6,7 +6,7 @@ CUDA-graph replays under do_bench's L2 flush: the heuristic, the plan as capture
 through an older copy of the kernels (`--old`, alternating rounds), and the variants named by
 `--configs` (decode config overrides).
 
-Usage (CUDA machine): PYTHONPATH=python python3 benches/bench_plan_graph.py [--old DIR] [--json F]
+Usage (CUDA machine): PYTHONPATH=python python3 benches/bench_decode_plan_graph.py [--old DIR] [--json F]
 """
 
 from __future__ import annotations
