@@ -30,35 +30,18 @@ import atexit
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from .step_broadcast import CMD_END, CMD_STOP
 from .tp import TPGroup, init_group
 
-__all__ = ["WorkerSpec", "TPSession", "build_runner", "host_blocks_for", "backend_for"]
+__all__ = ["WorkerSpec", "TPSession", "build_runner", "backend_for"]
 
 
 def backend_for(device_type: str) -> str:
     """``"nccl"`` for CUDA, ``"gloo"`` for the CPU."""
     return "nccl" if device_type == "cuda" else "gloo"
-
-
-def host_blocks_for(swap_space: Any, num_host_blocks: Optional[int], bytes_per_block: int) -> int:
-    """Blocks of the host KV pool: ``num_host_blocks``, or ``swap_space`` bytes over a block's."""
-    if num_host_blocks is not None:
-        return num_host_blocks
-    if swap_space is None:
-        return 0
-    from ..config import parse_bytes
-    from ..errors import InvalidConfigError
-
-    try:
-        nbytes = parse_bytes(swap_space)
-    except InvalidConfigError as exc:
-        raise InvalidConfigError(f"swap_space = {swap_space!r}: {exc}", field="swap_space",
-                                 value=swap_space, reason=str(exc)) from None
-    return nbytes // bytes_per_block
 
 
 @dataclass
@@ -68,13 +51,17 @@ class WorkerSpec:
     model: str
     device_type: str
     dtype: Optional[str]
-    world_size: int
-    runner_kwargs: dict = field(default_factory=dict)
-    swap_space: Any = None
-    num_host_blocks: Optional[int] = None
-    record_steps: bool = False
+    #: The engine's settings (an :class:`pagedkv.engine.config.EngineConfig`), rank 0's own.
+    config: Any
     init_method: str = ""
-    timeout_s: float = 600.0
+
+    @property
+    def world_size(self) -> int:
+        return int(self.config.tensor_parallel_size)
+
+    @property
+    def timeout_s(self) -> float:
+        return float(self.config.tp_timeout_s)
 
 
 def build_runner(spec: WorkerSpec, group: TPGroup, loaded: Any = None) -> Any:
@@ -85,9 +72,8 @@ def build_runner(spec: WorkerSpec, group: TPGroup, loaded: Any = None) -> Any:
     if loaded is None:
         device = group.device if spec.device_type == "cuda" else "cpu"
         loaded = load_model(spec.model, device=device, dtype=spec.dtype)
-    runner = ModelRunner(loaded, tensor_parallel=group, record_steps=spec.record_steps,
-                         **spec.runner_kwargs)
-    blocks = host_blocks_for(spec.swap_space, spec.num_host_blocks, runner.spec.bytes_per_block)
+    runner = ModelRunner(loaded, spec.config, tensor_parallel=group)
+    blocks = spec.config.host_blocks(runner.spec.bytes_per_block)
     if blocks:
         runner.enable_swap(blocks)
     return runner

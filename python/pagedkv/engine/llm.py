@@ -36,7 +36,14 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, overload
 
+import torch
+
+from .._checks import DEFAULT_BLOCK_SIZE
 from ..errors import InvalidArgumentError, OutOfBlocksError
+from ..scheduler import Scheduler
+from .config import EngineConfig
+from .loader import LoadedModel, default_model_path, load_model
+from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 
@@ -182,19 +189,22 @@ class LLMEngine:
     Raises:
         ModelLoadError: ``model`` does not exist, is not a model directory or ``.gguf`` file, or is
             not a Llama-family architecture.
-        InvalidConfigError: A configuration value is out of range (or both pool sizes are given).
+        ConfigArgumentError: A setting is out of range, or two exclusive ones are given (the
+            keywords build an :class:`~pagedkv.engine.config.EngineConfig`, validated once;
+            :meth:`from_config` takes one directly).
+        InvalidConfigError: The tensor-parallel split does not fit the model or the machine.
         InvalidArgumentError: ``device`` or ``dtype`` is not understood.
     """
 
     def __init__(
         self,
-        model: Optional[str] = None,
+        model: Union[str, LoadedModel, None] = None,
         *,
         device: Optional[str] = None,
         dtype: Any = None,
-        kv_cache_memory: Optional[int] = None,
+        kv_cache_memory: Union[int, str, None] = None,
         num_blocks: Optional[int] = None,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
@@ -212,52 +222,35 @@ class LLMEngine:
         record_steps: bool = False,
         tp_timeout_s: float = 600.0,
     ) -> None:
-        import torch
+        config = EngineConfig(
+            kv_cache_memory=kv_cache_memory, num_blocks=num_blocks, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill, watermark_blocks=watermark_blocks,
+            cuda_graphs=cuda_graphs, progress=progress, swap_space=swap_space,
+            num_host_blocks=num_host_blocks, preemption_mode=preemption_mode,
+            host_link_bytes_per_s=host_link_bytes_per_s,
+            prefill_tokens_per_s=prefill_tokens_per_s, step_floor_s=step_floor_s,
+            tensor_parallel_size=tensor_parallel_size, record_steps=record_steps,
+            tp_timeout_s=tp_timeout_s,
+        )
+        self._setup(model, device, dtype, config)
 
-        from ..errors import InvalidConfigError
-        from ..scheduler import Scheduler
-        from .loader import LoadedModel, default_model_path, load_model
-        from .model_runner import ModelRunner
+    @classmethod
+    def from_config(cls, config: EngineConfig, model: Union[str, LoadedModel, None] = None, *,
+                    device: Optional[str] = None, dtype: Any = None) -> "LLMEngine":
+        """An engine with the settings of ``config`` (the constructor's keywords, validated once);
+        ``model``, ``device`` and ``dtype`` as for the constructor."""
+        if not isinstance(config, EngineConfig):
+            raise _bad("config", type(config).__name__, "must be an EngineConfig")
+        engine = cls.__new__(cls)
+        engine._setup(model, device, dtype, config)
+        return engine
 
-        if kv_cache_memory is not None and num_blocks is not None:
-            raise InvalidConfigError(
-                "give at most one of kv_cache_memory and num_blocks",
-                field="num_blocks", value=num_blocks, reason="exclusive with kv_cache_memory",
-            )
-        if swap_space is not None and num_host_blocks is not None:
-            raise InvalidConfigError(
-                "give at most one of swap_space and num_host_blocks",
-                field="num_host_blocks", value=num_host_blocks, reason="exclusive with swap_space")
-        if num_host_blocks is not None and (isinstance(num_host_blocks, bool)
-                                            or not isinstance(num_host_blocks, int)
-                                            or num_host_blocks < 0):
-            raise InvalidConfigError(f"num_host_blocks must be an integer >= 0, got {num_host_blocks!r}",
-                                     field="num_host_blocks", value=num_host_blocks,
-                                     reason="must be >= 0")
-        if preemption_mode not in ("auto", "swap", "recompute"):
-            raise InvalidConfigError(
-                f"preemption_mode must be 'auto', 'swap' or 'recompute', got {preemption_mode!r}",
-                field="preemption_mode", value=preemption_mode, reason="unknown mode")
-        for name, rate in (("host_link_bytes_per_s", host_link_bytes_per_s),
-                           ("prefill_tokens_per_s", prefill_tokens_per_s)):
-            if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
-                                     or not rate > 0 or rate == float("inf")):
-                raise InvalidConfigError(f"{name} must be a positive number, got {rate!r}",
-                                         field=name, value=rate, reason="must be > 0")
-        if step_floor_s is not None and (isinstance(step_floor_s, bool)
-                                         or not isinstance(step_floor_s, (int, float))
-                                         or not 0 <= step_floor_s < float("inf")):
-            raise InvalidConfigError(f"step_floor_s must be a number >= 0, got {step_floor_s!r}",
-                                     field="step_floor_s", value=step_floor_s,
-                                     reason="must be >= 0")
-        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidConfigError(f"{name} must be an integer >= 1, got {value!r}",
-                                         field=name, value=value, reason="must be >= 1")
-        from ..plan import kv_heads_per_rank
-
-        kv_heads_per_rank(1, tensor_parallel_size)  # validates the size itself
+    def _setup(self, model: Union[str, LoadedModel, None], device: Optional[str], dtype: Any,
+               config: EngineConfig) -> None:
+        #: The settings this engine runs with.
+        self.config = config
         #: Rank 0's handle on the tensor-parallel group (None without TP).
         self._tp: Any = None
         #: After :meth:`shutdown` with ``record_steps``: each rank's step records, in rank order.
@@ -271,33 +264,27 @@ class LLMEngine:
                 device = "cuda" if torch.cuda.is_available() else "cpu"
             path = default_model_path() if model is None else model
 
-        bar = _stage_bar(progress, total=3, desc="loading model")
+        bar = _stage_bar(config.progress, total=3, desc="loading model")
         try:
             self.loaded = preloaded or load_model(path, device=device, dtype=dtype)
             bar.update(1)
-            runner_kwargs = dict(block_size=block_size, num_blocks=num_blocks,
-                                 kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                                 max_num_batched_tokens=max_num_batched_tokens,
-                                 cuda_graphs=cuda_graphs)
-            if tensor_parallel_size > 1:
-                self._tp = _start_tp(self.loaded, preloaded is not None, str(path),
-                                     tensor_parallel_size, runner_kwargs, swap_space,
-                                     num_host_blocks, record_steps, tp_timeout_s)
-                self.runner = ModelRunner(self.loaded, tensor_parallel=self._tp.group,
-                                          record_steps=record_steps, **runner_kwargs)
+            if config.tensor_parallel_size > 1:
+                self._tp = _start_tp(self.loaded, preloaded is not None, str(path), config)
+                self.runner = ModelRunner(self.loaded, config, tensor_parallel=self._tp.group)
                 self._tp.runner = self.runner
             else:
-                self.runner = ModelRunner(self.loaded, **runner_kwargs)
+                self.runner = ModelRunner(self.loaded, config)
             bar.update(1)
-            host_blocks = self._host_blocks(swap_space, num_host_blocks)
+            host_blocks = config.host_blocks(self.runner.spec.bytes_per_block)
             extra: Dict[str, Any] = {}
             #: ``(host link bytes/s, prefill tokens/s, step floor s)`` of the cost model, or None.
             self.cost_rates: Optional[Tuple[float, float, float]] = None
             if host_blocks:
                 self.runner.enable_swap(host_blocks)
                 extra["num_host_blocks"] = host_blocks
-                if preemption_mode == "auto":
-                    link, tps, floor = host_link_bytes_per_s, prefill_tokens_per_s, step_floor_s
+                if config.preemption_mode == "auto":
+                    link = config.host_link_bytes_per_s
+                    tps, floor = config.prefill_tokens_per_s, config.step_floor_s
                     if link is None or tps is None:
                         measured = self.runner.measure_rates()
                         link = link if link is not None else measured.host_link_bytes_per_s
@@ -306,16 +293,18 @@ class LLMEngine:
                     self.cost_rates = (float(link), float(tps), float(floor or 0.0))
             # The runner's pool and step buffers fix the manager's shape; it attaches the buffers.
             self.manager = self.runner.new_block_manager(
-                watermark_blocks=watermark_blocks, enable_prefix_caching=enable_prefix_caching,
-                **extra,
+                watermark_blocks=config.watermark_blocks,
+                enable_prefix_caching=config.enable_prefix_caching, **extra,
             )
             if self.cost_rates is not None:
                 _set_cost_model(self.manager, self.cost_rates, self.runner.spec.bytes_per_token,
-                                max_num_batched_tokens if enable_chunked_prefill else 0)
+                                config.max_num_batched_tokens if config.enable_chunked_prefill
+                                else 0)
             self.scheduler = Scheduler(
-                self.manager, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode,
+                self.manager, max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                preemption_mode=config.preemption_mode,
             )
             bar.update(1)
         except BaseException:
@@ -328,8 +317,9 @@ class LLMEngine:
         self.device = torch.device(device)
         self.model_path = str(path)
         self.tokenizer = self.loaded.tokenizer
-        self.block_size = block_size
+        self.block_size = config.block_size
         self.max_model_len = int(self.loaded.max_model_len)
+        block_size = config.block_size
         # The longest sequence the engine lets grow: the model's context, and what the pool can hold
         # for one sequence above the watermark (so a preempted sequence can always be re-admitted
         # into an otherwise empty pool).
@@ -346,11 +336,6 @@ class LLMEngine:
         # resumes unchanged after a preemption.
         self._seed_rng = random.Random()
         self.reset_stats()
-
-    def _host_blocks(self, swap_space: Union[int, str, None], num_host_blocks: Optional[int]) -> int:
-        from ..distributed.launch import host_blocks_for
-
-        return host_blocks_for(swap_space, num_host_blocks, self.runner.spec.bytes_per_block)
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel ranks (STOP to every rank, spawned processes joined) and
@@ -729,9 +714,7 @@ class LLMEngine:
         )
 
 
-def _start_tp(loaded: Any, preloaded: bool, path: str, tp_size: int, runner_kwargs: Dict[str, Any],
-              swap_space: Any, num_host_blocks: Optional[int], record_steps: bool,
-              timeout_s: float) -> Any:
+def _start_tp(loaded: Any, preloaded: bool, path: str, config: EngineConfig) -> Any:
     """Rank 0: checks the head split, then joins the existing process group or spawns the ranks."""
     import torch.distributed as dist
 
@@ -739,6 +722,7 @@ def _start_tp(loaded: Any, preloaded: bool, path: str, tp_size: int, runner_kwar
     from ..distributed.tp import head_split, model_heads
     from ..errors import InvalidConfigError
 
+    tp_size = config.tensor_parallel_size
     hq, hkv, _ = model_heads(loaded.config)
     head_split(hq, hkv, tp_size, 0)  # a typed error before any process starts
     if dist.is_available() and dist.is_initialized():
@@ -760,18 +744,13 @@ def _start_tp(loaded: Any, preloaded: bool, path: str, tp_size: int, runner_kwar
             f"spawned ranks use cuda:0..cuda:{tp_size - 1}; rank 0 must be on cuda:0, not {dev}",
             field="tensor_parallel_size", value=tp_size, reason="rank 0 on cuda:0")
     if dev.type == "cuda":
-        import torch
-
         if torch.cuda.device_count() < tp_size:
             raise InvalidConfigError(
                 f"tensor_parallel_size {tp_size} needs {tp_size} GPUs, "
                 f"{torch.cuda.device_count()} visible", field="tensor_parallel_size",
                 value=tp_size, reason="not enough GPUs")
     spec = WorkerSpec(model=path, device_type=dev.type,
-                      dtype=str(loaded.dtype).rpartition(".")[2], world_size=tp_size,
-                      runner_kwargs=dict(runner_kwargs), swap_space=swap_space,
-                      num_host_blocks=num_host_blocks, record_steps=record_steps,
-                      timeout_s=timeout_s)
+                      dtype=str(loaded.dtype).rpartition(".")[2], config=config)
     return TPSession.spawn(spec)
 
 
@@ -798,7 +777,8 @@ class LLM:
 
     ``LLM(model, ...)`` takes :class:`LLMEngine`'s arguments (``model=None`` loads the embedded
     SmolLM2-135M-Instruct; further keywords such as ``watermark_blocks``, ``cuda_graphs`` or
-    ``enable_chunked_prefill`` go to the engine); :meth:`generate` runs prompts to completion with
+    ``enable_chunked_prefill`` are :class:`~pagedkv.engine.config.EngineConfig` fields too);
+    :meth:`from_config` takes a config directly. :meth:`generate` runs prompts to completion with
     continuous batching. ``progress`` shows a bar while loading.
 
     Example::
@@ -810,42 +790,48 @@ class LLM:
 
     def __init__(
         self,
-        model: Optional[str] = None,
+        model: Union[str, LoadedModel, None] = None,
         *,
         device: Optional[str] = None,
         dtype: Any = None,
-        kv_cache_memory: Optional[int] = None,
+        kv_cache_memory: Union[int, str, None] = None,
         num_blocks: Optional[int] = None,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         progress: bool = True,
         **engine_args: Any,
     ) -> None:
+        config = EngineConfig(
+            kv_cache_memory=kv_cache_memory, num_blocks=num_blocks, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, progress=progress, **engine_args,
+        )
+        self._setup(model, device, dtype, config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, model: Union[str, LoadedModel, None] = None, *,
+                    device: Optional[str] = None, dtype: Any = None) -> "LLM":
+        """An LLM with the settings of ``config``; ``model``, ``device`` and ``dtype`` as for the
+        constructor."""
+        if not isinstance(config, EngineConfig):
+            raise _bad("config", type(config).__name__, "must be an EngineConfig")
+        llm = cls.__new__(cls)
+        llm._setup(model, device, dtype, config)
+        return llm
+
+    def _setup(self, model: Union[str, LoadedModel, None], device: Optional[str], dtype: Any,
+               config: EngineConfig) -> None:
         #: On a tensor-parallel rank other than 0 (one script on every rank): the runner that
         #: runs rank 0's steps; ``llm_engine`` is then None.
         self._worker: Any = None
         self._worker_stopped = False
-        tp = engine_args.get("tensor_parallel_size", 1)
-        if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1 and _dist_rank() > 0:
+        if config.tensor_parallel_size > 1 and _dist_rank() > 0:
             self.llm_engine = None  # type: ignore[assignment]
-            self._worker = _build_worker(
-                model, device=device, dtype=dtype, tp=tp,
-                runner_kwargs=dict(block_size=block_size, num_blocks=num_blocks,
-                                   kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens,
-                                   cuda_graphs=engine_args.get("cuda_graphs", True)),
-                swap_space=engine_args.get("swap_space"),
-                num_host_blocks=engine_args.get("num_host_blocks"),
-                record_steps=engine_args.get("record_steps", False))
+            self._worker = _build_worker(model, device=device, dtype=dtype, config=config)
             return
-        self.llm_engine = LLMEngine(
-            model, device=device, dtype=dtype, kv_cache_memory=kv_cache_memory,
-            num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching, progress=progress, **engine_args,
-        )
+        self.llm_engine = LLMEngine.from_config(config, model, device=device, dtype=dtype)
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (``None`` if it has none)."""
@@ -997,14 +983,14 @@ def _dist_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _build_worker(model: Any, *, device: Any, dtype: Any, tp: int, runner_kwargs: Dict[str, Any],
-                  swap_space: Any, num_host_blocks: Optional[int], record_steps: bool) -> Any:
+def _build_worker(model: Any, *, device: Any, dtype: Any, config: EngineConfig) -> Any:
     """A rank other than 0 of a group the caller made: its model shard and runner."""
     from ..distributed.launch import WorkerSpec, build_runner
     from ..distributed.tp import TPGroup
     from ..errors import InvalidConfigError
     from .loader import LoadedModel, default_model_path, load_model
 
+    tp = config.tensor_parallel_size
     group = TPGroup()
     if group.world_size != tp:
         raise InvalidConfigError(
@@ -1017,6 +1003,5 @@ def _build_worker(model: Any, *, device: Any, dtype: Any, tp: int, runner_kwargs
         loaded = load_model(default_model_path() if model is None else model, device=dev,
                             dtype=dtype)
     spec = WorkerSpec(model=str(loaded.path), device_type=loaded.device.type, dtype=None,
-                      world_size=tp, runner_kwargs=runner_kwargs, swap_space=swap_space,
-                      num_host_blocks=num_host_blocks, record_steps=record_steps)
+                      config=config)
     return build_runner(spec, group, loaded)

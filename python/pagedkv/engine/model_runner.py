@@ -35,16 +35,18 @@ next ``manager.step`` at once, while the GPU is still running this step's model.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence, Union
+import dataclasses
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 
 from ..buffers import StepBuffers
-from ..config import CacheSpec, CapacityError, parse_bytes
+from ..config import CacheSpec, CapacityError
 from ..errors import InvalidArgumentError, InvalidConfigError
 from ..pool import KVPool
 from . import attention as _attention
+from .config import EngineConfig
 from .forward_context import AttentionMetadata, forward_context
 from .loader import LoadedModel
 
@@ -98,53 +100,43 @@ class ModelRunner:
 
     Args:
         loaded: What :func:`pagedkv.engine.loader.load_model` returned.
-        block_size: Tokens per KV block.
-        num_blocks: Blocks in the pool. Exclusive with ``kv_cache_memory``.
-        kv_cache_memory: KV budget in bytes (int or ``"2GiB"``); the pool gets
-            ``kv_cache_memory // spec.bytes_per_block`` blocks. Neither given: 256 MiB on the CPU;
-            on CUDA 85% of the free memory minus a 4 GiB reserve.
-        max_num_seqs: Most sequences in one step (block-table rows; largest graph batch).
-        max_num_batched_tokens: Most new tokens in one step (raised to ``max_num_seqs`` if below).
-        cuda_graphs: Capture decode steps in CUDA graphs (CUDA only).
-        attention_backend: ``"auto"`` (the Triton kernels on CUDA, plain PyTorch on the CPU),
-            ``"torch"`` or ``"triton"`` (on the CPU only under ``TRITON_INTERPRET=1``: how CI checks
-            the kernel path end to end).
+        config: The engine's settings (:class:`~pagedkv.engine.config.EngineConfig`); the runner
+            reads the pool's (``block_size``, ``num_blocks`` or ``kv_cache_memory``), the step
+            shape's (``max_num_seqs``, ``max_num_batched_tokens``, raised to ``max_num_seqs`` if
+            below), ``cuda_graphs``, ``attention_backend``, ``decode_planner`` and
+            ``record_steps``. Neither ``num_blocks`` nor ``kv_cache_memory``: 256 MiB on the
+            CPU; on CUDA 85% of the free memory minus a 4 GiB reserve.
         tensor_parallel: A :class:`pagedkv.distributed.TPGroup`: cut the model to this rank's
             shard (:func:`pagedkv.distributed.shard_model`), hold only this rank's KV heads in the
             pool, agree on the block count with the other ranks (the smallest), and exchange each
             step through a :class:`~pagedkv.distributed.StepBroadcaster` — rank 0 sends from
             :meth:`execute`, the others run what it sends from :meth:`serve`. Every rank must
-            construct its runner with the same arguments (the constructor runs collectives).
-        record_steps: Append a :meth:`step_record` of every step run to :attr:`step_records`
-            (for checking ranks against each other).
-        decode_planner: Plan each decode step's split-K work from the batch's real lengths
-            (:class:`pagedkv.kernels.DecodePlan`, eager and CUDA-graph steps alike) instead of
-            the heuristic that sizes every sequence's split for the longest possible one: a
-            ragged serving batch runs up to ~2x faster, a uniform one ~2% slower (kernels only).
+            construct its runner with the same config (the constructor runs collectives).
+        **knobs: :class:`EngineConfig` fields, for a runner built without an engine
+            (``ModelRunner(loaded, num_blocks=64, block_size=4)``); with ``config``, they replace
+            its fields.
 
     Attributes:
         num_blocks, spec, pool, buffers (attach to the manager with
-        ``manager.attach_buffers(runner.buffers)``), max_model_len, max_blocks_per_seq,
-        graph_sizes (captured batch sizes, empty without graphs).
+        ``manager.attach_buffers(runner.buffers)``), max_model_len (the model's context),
+        max_blocks_per_seq, graph_sizes (captured batch sizes, empty without graphs),
+        engine_config.
 
     Raises:
-        InvalidArgumentError: A size is not a positive int, or both budgets are given.
+        ConfigArgumentError: A setting is out of range, or both budgets are given.
         CapacityError: The budget holds no block.
     """
 
-    def __init__(self, loaded: LoadedModel, *, block_size: int = 16,
-                 num_blocks: Optional[int] = None,
-                 kv_cache_memory: Union[int, str, None] = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, cuda_graphs: bool = True,
-                 attention_backend: str = "auto", tensor_parallel: Any = None,
-                 record_steps: bool = False, decode_planner: bool = True) -> None:
-        for name, val in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                          ("max_num_batched_tokens", max_num_batched_tokens)):
-            _check_pos_int(name, val)
-        if num_blocks is not None and kv_cache_memory is not None:
-            raise InvalidArgumentError(
-                "invalid argument: pass num_blocks or kv_cache_memory, not both",
-                what="num_blocks", value=num_blocks, reason="exclusive with kv_cache_memory")
+    def __init__(self, loaded: LoadedModel, config: Optional[EngineConfig] = None, *,
+                 tensor_parallel: Any = None, **knobs: Any) -> None:
+        if config is None:
+            config = EngineConfig(**knobs)
+        elif knobs:
+            config = dataclasses.replace(config, **knobs)
+        #: The settings this runner was built with.
+        self.engine_config = config
+        block_size = config.block_size
+        max_num_seqs = config.max_num_seqs
         self.loaded = loaded
         self.model = loaded.model
         cfg = loaded.config
@@ -176,8 +168,8 @@ class ModelRunner:
         self.max_model_len = int(loaded.max_model_len)
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
-        self.num_blocks = self._size_pool(num_blocks, kv_cache_memory)
+        self.max_num_batched_tokens = config.step_token_budget
+        self.num_blocks = self._size_pool(config.num_blocks, config.kv_cache_memory)
         if tensor_parallel is not None:
             # One manager serves every rank's pool: all pools get the smallest rank's block count.
             self.num_blocks = tensor_parallel.min_int(self.num_blocks)
@@ -185,11 +177,7 @@ class ModelRunner:
         self.buffers = StepBuffers(max_num_seqs, self.max_num_batched_tokens,
                                    self.max_blocks_per_seq, device=self.device, csr=False)
         self.is_cuda = self.device.type == "cuda"
-        if attention_backend not in ("auto", "torch", "triton"):
-            raise InvalidArgumentError(
-                f"invalid argument: attention_backend = {attention_backend!r}",
-                what="attention_backend", value=attention_backend,
-                reason="must be 'auto', 'torch' or 'triton'")
+        attention_backend = config.attention_backend
         if attention_backend == "auto":
             attention_backend = "triton" if self.is_cuda else "torch"
         self.attention_backend = attention_backend
@@ -221,7 +209,7 @@ class ModelRunner:
                 ids_dev=self._ids_dev if self.is_cuda else None,
                 positions_dev=self._pos_dev if self.is_cuda else None)
         #: With ``record_steps``: one :func:`step_record` per step run, in order.
-        self.step_records: Optional[list] = [] if record_steps else None
+        self.step_records: Optional[list] = [] if config.record_steps else None
 
         self.workspace = None
         if self.use_kernels:
@@ -232,7 +220,7 @@ class ModelRunner:
         #: The decode planner (kernels only, ``decode_planner``): updated from the host lengths
         #: before every decode step, read by every layer's ``paged_decode`` and by the graphs.
         self.decode_plan = None
-        if self.use_kernels and decode_planner:
+        if self.use_kernels and config.decode_planner:
             from ..kernels import DecodePlan
 
             self.decode_plan = DecodePlan(max_num_seqs, self.num_q_heads, self.spec.num_kv_heads,
@@ -243,23 +231,18 @@ class ModelRunner:
         self.swap = None
         self.graph_sizes: list[int] = []
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
-        if self.is_cuda and self.use_kernels and cuda_graphs:
+        if self.is_cuda and self.use_kernels and config.cuda_graphs:
             self.capture_graphs()
 
     # ------------------------------------------------------------------------------ set-up
 
-    def _size_pool(self, num_blocks, kv_cache_memory) -> int:
+    def _size_pool(self, num_blocks: Optional[int], kv_cache_memory: Any) -> int:
+        # The config validated both (and stored the budget as bytes).
         per_block = self.spec.bytes_per_block
         if num_blocks is not None:
-            _check_pos_int("num_blocks", num_blocks)
             return num_blocks
         if kv_cache_memory is not None:
-            try:
-                budget = parse_bytes(kv_cache_memory)
-            except InvalidConfigError as exc:
-                raise InvalidArgumentError(
-                    f"invalid argument: kv_cache_memory = {kv_cache_memory!r}: {exc}",
-                    what="kv_cache_memory", value=kv_cache_memory, reason=str(exc)) from None
+            budget = int(kv_cache_memory)
         elif self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
             budget = int(free * DEFAULT_GPU_FRACTION) - DEFAULT_GPU_RESERVE
@@ -680,12 +663,6 @@ class ModelRunner:
             return logits[0, :n].float()
         idx = torch.from_numpy(last).to(self.device, non_blocking=True)
         return logits[0].index_select(0, idx).float()
-
-
-def _check_pos_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(f"invalid argument: {name} = {value!r}: must be an int >= 1",
-                                   what=name, value=value, reason="must be an int >= 1")
 
 
 def _as_int64(x: Any, name: str) -> np.ndarray:
