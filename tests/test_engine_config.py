@@ -161,3 +161,16 @@ def _runner_class():
     from pagedkv.engine.model_runner import ModelRunner
 
     return ModelRunner
+
+
+def test_distributed_never_imports_the_engine():
+    """engine -> distributed, one way: the launcher reaches the engine only through the builder
+    its WorkerSpec carries."""
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+
+    code = ("import sys, pagedkv.distributed, pagedkv.distributed.launch; "
+            "print(sorted(m for m in sys.modules if m.startswith('pagedkv.engine')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -37,14 +37,20 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, overload
 
 import torch
+from tqdm.auto import tqdm
 
 from .._checks import DEFAULT_BLOCK_SIZE
+from ..distributed.launch import build_worker, dist_rank, serve_until_end, start_tp
+from ..distributed.step_broadcast import CMD_STOP
 from ..errors import InvalidArgumentError, OutOfBlocksError
-from ..scheduler import Scheduler
+from ..manager import CostModel
+from ..scheduler import Scheduler, SequenceStatus
+from ..scheduler import Sequence as SchedulerSequence
 from .config import EngineConfig
 from .loader import LoadedModel, default_model_path, load_model
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, build_rank_runner
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampler import sample, sample_seed
 from .sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineStats"]
@@ -122,8 +128,6 @@ class _Request:
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: List[int],
                  params: SamplingParams, cache_salt: Optional[bytes], seed: int,
                  arrival_time: float) -> None:
-        from .sampler import sample_seed
-
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -269,7 +273,8 @@ class LLMEngine:
             self.loaded = preloaded or load_model(path, device=device, dtype=dtype)
             bar.update(1)
             if config.tensor_parallel_size > 1:
-                self._tp = _start_tp(self.loaded, preloaded is not None, str(path), config)
+                self._tp = start_tp(self.loaded, preloaded=preloaded is not None, path=str(path),
+                                    config=config, build=build_rank_runner)
                 self.runner = ModelRunner(self.loaded, config, tensor_parallel=self._tp.group)
                 self._tp.runner = self.runner
             else:
@@ -462,9 +467,7 @@ class LLMEngine:
         self._counters["num_prompt_tokens"] += len(ids)
 
     def _new_sequence(self, req: _Request, index: int, token_ids: List[int]) -> Any:
-        from ..scheduler import Sequence
-
-        seq = Sequence(next(self._seq_ids), token_ids, request_id=req.request_id,
+        seq = SchedulerSequence(next(self._seq_ids), token_ids, request_id=req.request_id,
                        cache_salt=req.cache_salt, arrival=req.metrics.arrival_time)
         seq.data = (req, index)
         req.seqs[index] = seq
@@ -504,9 +507,6 @@ class LLMEngine:
             OutOfBlocksError: Nothing can run although requests are waiting (a prompt that cannot
                 fit the pool even when it is empty; such a request is dropped first).
         """
-        from ..scheduler import SequenceStatus
-        from .sampler import sample
-
         started = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.preempted:
@@ -714,60 +714,16 @@ class LLMEngine:
         )
 
 
-def _start_tp(loaded: Any, preloaded: bool, path: str, config: EngineConfig) -> Any:
-    """Rank 0: checks the head split, then joins the existing process group or spawns the ranks."""
-    import torch.distributed as dist
-
-    from ..distributed.launch import TPSession, WorkerSpec
-    from ..distributed.tp import head_split, model_heads
-    from ..errors import InvalidConfigError
-
-    tp_size = config.tensor_parallel_size
-    hq, hkv, _ = model_heads(loaded.config)
-    head_split(hq, hkv, tp_size, 0)  # a typed error before any process starts
-    if dist.is_available() and dist.is_initialized():
-        session = TPSession.attach(tp_size)
-        if session.group.rank != 0:
-            raise InvalidConfigError(
-                f"LLMEngine schedules on rank 0; rank {session.group.rank} constructs LLM (which "
-                f"runs rank 0's steps) instead", field="tensor_parallel_size", value=tp_size,
-                reason="engine on rank 0 only")
-        return session
-    dev = loaded.device
-    if preloaded:
-        raise InvalidConfigError(
-            "spawned tensor-parallel ranks load the model themselves: pass its path, or launch "
-            "every rank yourself (torchrun) and pass each its LoadedModel",
-            field="tensor_parallel_size", value=tp_size, reason="preloaded model")
-    if dev.type == "cuda" and (dev.index or 0) != 0:
-        raise InvalidConfigError(
-            f"spawned ranks use cuda:0..cuda:{tp_size - 1}; rank 0 must be on cuda:0, not {dev}",
-            field="tensor_parallel_size", value=tp_size, reason="rank 0 on cuda:0")
-    if dev.type == "cuda":
-        if torch.cuda.device_count() < tp_size:
-            raise InvalidConfigError(
-                f"tensor_parallel_size {tp_size} needs {tp_size} GPUs, "
-                f"{torch.cuda.device_count()} visible", field="tensor_parallel_size",
-                value=tp_size, reason="not enough GPUs")
-    spec = WorkerSpec(model=path, device_type=dev.type,
-                      dtype=str(loaded.dtype).rpartition(".")[2], config=config)
-    return TPSession.spawn(spec)
-
-
 def _set_cost_model(manager: Any, rates: Tuple[float, float, float], kv_bytes_per_token: int,
                     max_step_tokens: int) -> None:
     """Gives the manager's cost model its rates: ``(host link bytes/s, prefill tokens/s, step
     floor s)``, and the scheduler's token budget (a recompute is prefilled in chunks of it)."""
-    from ..manager import CostModel
-
     manager.cost_model = CostModel(host_link_bytes_per_s=rates[0], prefill_tokens_per_s=rates[1],
                                    kv_bytes_per_token=float(kv_bytes_per_token),
                                    step_floor_s=rates[2], max_step_tokens=max_step_tokens)
 
 
 def _stage_bar(enabled: bool, total: int, desc: str) -> Any:
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, desc=desc, disable=not enabled, leave=False,
                 bar_format="{desc}: {n}/{total} stages [{elapsed}]")
 
@@ -827,9 +783,10 @@ class LLM:
         #: runs rank 0's steps; ``llm_engine`` is then None.
         self._worker: Any = None
         self._worker_stopped = False
-        if config.tensor_parallel_size > 1 and _dist_rank() > 0:
+        if config.tensor_parallel_size > 1 and dist_rank() > 0:
             self.llm_engine = None  # type: ignore[assignment]
-            self._worker = _build_worker(model, device=device, dtype=dtype, config=config)
+            self._worker = build_worker(model, device=device, dtype=dtype, config=config,
+                                        build=build_rank_runner)
             return
         self.llm_engine = LLMEngine.from_config(config, model, device=device, dtype=dtype)
 
@@ -905,9 +862,6 @@ class LLM:
         """
         if self._worker is not None:
             # A rank other than 0: run rank 0's steps until its generate ends.
-            from ..distributed.launch import serve_until_end
-            from ..distributed.step_broadcast import CMD_STOP
-
             if not self._worker_stopped and serve_until_end(self._worker) == CMD_STOP:
                 self._worker_stopped = True
                 self._worker.tp.gather_objects(self._worker.step_records)
@@ -931,8 +885,6 @@ class LLM:
         for request_id, text, tokens, params, salt in validated:
             engine._enqueue(request_id, text, tokens, params, salt, start)
             ids.append(request_id)
-
-        from tqdm.auto import tqdm
 
         results: Dict[str, RequestOutput] = {}
         pending = set(ids)
@@ -972,36 +924,3 @@ class LLM:
                 raise _bad(what, f"<{len(value)} items>", f"needs one entry per prompt ({n})")
             return list(value)
         raise _bad(what, type(value).__name__, "must be one value or one per prompt")
-
-
-def _dist_rank() -> int:
-    """This process's rank in an initialized torch.distributed group; 0 without one."""
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch without distributed
-        return 0
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _build_worker(model: Any, *, device: Any, dtype: Any, config: EngineConfig) -> Any:
-    """A rank other than 0 of a group the caller made: its model shard and runner."""
-    from ..distributed.launch import WorkerSpec, build_runner
-    from ..distributed.tp import TPGroup
-    from ..errors import InvalidConfigError
-    from .loader import LoadedModel, default_model_path, load_model
-
-    tp = config.tensor_parallel_size
-    group = TPGroup()
-    if group.world_size != tp:
-        raise InvalidConfigError(
-            f"tensor_parallel_size {tp} but the process group has {group.world_size} ranks",
-            field="tensor_parallel_size", value=tp, reason="must equal the process group's size")
-    if isinstance(model, LoadedModel):
-        loaded = model
-    else:
-        dev = group.device if group.backend == "nccl" else (device or "cpu")
-        loaded = load_model(default_model_path() if model is None else model, device=dev,
-                            dtype=dtype)
-    spec = WorkerSpec(model=str(loaded.path), device_type=loaded.device.type, dtype=None,
-                      config=config)
-    return build_runner(spec, group, loaded)

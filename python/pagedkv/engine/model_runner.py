@@ -36,21 +36,26 @@ next ``manager.step`` at once, while the GPU is still running this step's model.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 
 from ..buffers import StepBuffers
+from ..distributed.step_broadcast import CMD_STEP, CMD_STOP, StepBroadcaster
+from ..distributed.tp import TPGroup, shard_model
 from ..config import CacheSpec, CapacityError
 from ..errors import InvalidArgumentError, InvalidConfigError
+from ..manager import BlockManager
 from ..pool import KVPool
+from ..swap import SwapEngine
 from . import attention as _attention
 from .config import EngineConfig
 from .forward_context import AttentionMetadata, forward_context
-from .loader import LoadedModel
+from .loader import LoadedModel, default_model_path, load_model
 
-__all__ = ["ModelRunner", "graph_batch_sizes"]
+__all__ = ["ModelRunner", "graph_batch_sizes", "build_rank_runner"]
 
 #: KV budget when neither ``num_blocks`` nor ``kv_cache_memory`` is given, on the CPU.
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
@@ -152,8 +157,6 @@ class ModelRunner:
         #: This rank's heads (:class:`pagedkv.distributed.HeadSplit`), or None without TP.
         self.head_split = None
         if tensor_parallel is not None:
-            from ..distributed.tp import shard_model
-
             # Cuts the model to this rank's heads and features (a no-op if already cut).
             self.head_split = shard_model(self.model, tensor_parallel)
             if self.device.type == "cuda":
@@ -197,8 +200,6 @@ class ModelRunner:
         #: Rank 0 broadcasts each step's tables and batch through it; the others receive.
         self.broadcaster = None
         if tensor_parallel is not None:
-            from ..distributed.step_broadcast import StepBroadcaster
-
             if tensor_parallel.device.type != self.device.type:
                 raise InvalidConfigError(
                     f"a {tensor_parallel.backend} group moves data on {tensor_parallel.device}, "
@@ -260,8 +261,6 @@ class ModelRunner:
             InvalidConfigError: ``num_host_blocks`` is not an int >= 1.
             AllocationFailedError: The host memory (or the device staging) cannot be allocated.
         """
-        from ..swap import SwapEngine
-
         self.swap = SwapEngine(self.pool, num_host_blocks, staging_blocks=staging_blocks)
         return self.swap
 
@@ -281,10 +280,6 @@ class ModelRunner:
         through a scratch manager on this runner's buffers. Run it before the engine's manager
         attaches the buffers: it overwrites pool and host blocks (all free at start-up).
         """
-        import time
-
-        from ..manager import BlockManager
-
         sync = torch.cuda.synchronize if self.is_cuda else (lambda *a: None)
         link = float("nan")
         if self.swap is not None:
@@ -373,8 +368,6 @@ class ModelRunner:
 
         ``kwargs`` go to the manager (``watermark_blocks``, ``enable_prefix_caching``, ...).
         """
-        from ..manager import BlockManager
-
         mgr = BlockManager(self.num_blocks, self.block_size,
                            max_blocks_per_seq=self.max_blocks_per_seq, **kwargs)
         mgr.attach_buffers(self.buffers)
@@ -453,8 +446,6 @@ class ModelRunner:
         finished). Each step is run exactly as rank 0 runs it (same tables, same batch), its logits
         dropped: rank 0 samples.
         """
-        from ..distributed.step_broadcast import CMD_STEP, CMD_STOP
-
         if self.broadcaster is None or self.tp_rank == 0:
             raise InvalidConfigError("serve() runs on a tensor-parallel rank other than 0",
                                      field="tensor_parallel_size", value=self.tp_size,
@@ -679,3 +670,19 @@ def _as_int64(x: Any, name: str) -> np.ndarray:
         raise InvalidArgumentError(f"invalid argument: {name}: expected a 1-D integer array",
                                    what=name, value=int(a.size), reason="not a 1-D integer array")
     return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def build_rank_runner(spec: Any, group: TPGroup, loaded: Optional[LoadedModel] = None) -> ModelRunner:
+    """One tensor-parallel rank's runner from a :class:`pagedkv.distributed.launch.WorkerSpec`:
+    loads the model unless given (on the group's device under NCCL, else on ``spec.device`` or the
+    CPU), shards it, builds the runner with rank 0's config and its host pool. Every rank of a
+    group runs it with the same spec (the runner's constructor runs collectives)."""
+    if loaded is None:
+        device = group.device if group.backend == "nccl" else (spec.device or "cpu")
+        loaded = load_model(default_model_path() if spec.model is None else spec.model,
+                            device=device, dtype=spec.dtype)
+    runner = ModelRunner(loaded, spec.config, tensor_parallel=group)
+    blocks = spec.config.host_blocks(runner.spec.bytes_per_block)
+    if blocks:
+        runner.enable_swap(blocks)
+    return runner
