@@ -522,7 +522,8 @@ class LLMEngine:
 
         mask = batch.sample_mask()
         rows = [i for i, m in enumerate(mask) if m]
-        logits = self.runner.execute(batch.input_ids(), batch.positions(), batch.step, rows)
+        # Positions: the runner reads the step's own from what the manager wrote.
+        logits = self.runner.execute(batch.input_ids(), None, batch.step, rows)
         for seq, n_new in zip(batch.seqs, batch.num_new_tokens):
             # A sequence that is not sampling (prefill chunks) or whose step covers more than the one
             # decode token is computing prompt (or recomputed) tokens.

@@ -310,13 +310,12 @@ class ModelRunner:
         mgr.attach_buffers(self.buffers)
         vocab = int(self.config.vocab_size)
         dec = list(range(1, b + 1))
-        pos = [ctx]
 
-        def timed(ids: list, news: list, inp: np.ndarray, at: np.ndarray) -> float:
+        def timed(ids: list, news: list, inp: np.ndarray) -> float:
             step = mgr.step(ids, news)
             sync()
             t0 = time.perf_counter()
-            self.execute(inp, at, step, [len(ids) - 1])
+            self.execute(inp, None, step, [len(ids) - 1])
             sync()
             return time.perf_counter() - t0
 
@@ -330,10 +329,7 @@ class ModelRunner:
                 if n:
                     mgr.admit(0, ids.tolist())
                 tok = np.concatenate([np.full(b, 7, dtype=np.int64), ids])
-                at = np.concatenate([np.full(b, pos[0], dtype=np.int64),
-                                     np.arange(n, dtype=np.int64)])
-                took = timed(dec + [0] * (n > 0), [1] * b + [n] * (n > 0), tok, at)
-                pos[0] += 1
+                took = timed(dec + [0] * (n > 0), [1] * b + [n] * (n > 0), tok)
                 if n:
                     mgr.free(0)
                 if i:
@@ -344,7 +340,7 @@ class ModelRunner:
             for sid in dec:
                 prompt = ((np.arange(ctx, dtype=np.int64) + sid) * 31) % vocab
                 mgr.admit(sid, prompt.tolist())
-                timed([sid], [ctx], prompt, np.arange(ctx, dtype=np.int64))
+                timed([sid], [ctx], prompt)
             if b == 0:
                 full = run(chunk)
                 rate, floor = chunk / full, min(run(min(16, chunk)), full)
@@ -375,14 +371,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------ steps
 
-    def execute(self, input_ids: Any, positions: Any, step: Any,
+    def execute(self, input_ids: Any, positions: Optional[Any], step: Any,
                 sample_rows: Sequence[int]) -> torch.Tensor:
         """Runs one step; returns float32 logits ``[len(sample_rows), vocab]``.
 
         Args:
             input_ids: The step's new tokens, concatenated in batch order (``step.num_tokens``
                 ints: numpy array, list or CPU tensor).
-            positions: Their positions in their sequences (same length).
+            positions: ``None``: the step's own (:meth:`pagedkv.StepBuffers.positions`, read
+                from what the manager wrote: the one source). Given, they must equal those.
             step: The :class:`pagedkv.StepInfo` that ``manager.step`` returned for this batch
                 (the manager filled :attr:`buffers`).
             sample_rows: Batch rows ``k`` whose last new token (index
@@ -392,8 +389,9 @@ class ModelRunner:
         broadcast first, and every other rank runs it from :meth:`serve`.
 
         Raises:
-            InvalidArgumentError: Lengths disagree with ``step``, a row is out of range, or the
-                step exceeds the buffers.
+            InvalidArgumentError: Lengths disagree with ``step``, given positions are not the
+                step's, a sequence is longer than the model's context, a row is out of range, or
+                the step exceeds the buffers.
             InvalidConfigError: Called on a tensor-parallel rank other than 0.
         """
         if self.tp_rank != 0:
@@ -403,11 +401,11 @@ class ModelRunner:
                 reason="execute on rank 0 only")
         n, t = int(step.num_seqs), int(step.num_tokens)
         ids = _as_int64(input_ids, "input_ids")
-        pos = _as_int64(positions, "positions")
-        if ids.shape[0] != t or pos.shape[0] != t:
+        given = None if positions is None else _as_int64(positions, "positions")
+        if ids.shape[0] != t:
             raise InvalidArgumentError(
-                f"invalid argument: input_ids/positions have {ids.shape[0]}/{pos.shape[0]} tokens, "
-                f"the step has {t}", what="input_ids", value=int(ids.shape[0]),
+                f"invalid argument: input_ids has {ids.shape[0]} tokens, the step has {t}",
+                what="input_ids", value=int(ids.shape[0]),
                 reason=f"must have step.num_tokens = {t} entries")
         if t == 0 or n == 0:
             raise InvalidArgumentError("invalid argument: step: an empty step", what="step",
@@ -428,11 +426,18 @@ class ModelRunner:
             raise InvalidArgumentError(
                 f"invalid argument: input_ids: token ids must be in [0, {vocab})",
                 what="input_ids", value=int(ids.max()), reason="outside the vocabulary")
-        host = self.buffers.host
-        if int(pos.max()) >= self.max_model_len or int(pos.min()) < 0:
+        if int(step.max_seq_len) > self.max_model_len:
             raise InvalidArgumentError(
-                f"invalid argument: positions: must be in [0, {self.max_model_len})",
-                what="positions", value=int(pos.max()), reason="outside the model's context")
+                f"invalid argument: step: a sequence of {int(step.max_seq_len)} tokens exceeds the "
+                f"model's context of {self.max_model_len}", what="step",
+                value=int(step.max_seq_len), reason=f"must be <= {self.max_model_len}")
+        pos = self.buffers.positions(step)
+        if given is not None and not np.array_equal(given, pos):
+            bad = int(np.flatnonzero(given != pos)[0]) if given.shape == pos.shape else -1
+            raise InvalidArgumentError(
+                f"invalid argument: positions: {given.shape[0]} positions differ from the step's "
+                f"(first at index {bad}): the step's are read from its tables",
+                what="positions", value=bad, reason="must equal buffers.positions(step)")
         if self.broadcaster is not None:
             # Every rank runs this step: send it (validated, so no rank sees a bad one).
             self.broadcaster.send_step(step, ids, pos, rows)
