@@ -20,7 +20,10 @@ Invariants of this module:
   KV blocks copy-on-write (the prompt is computed once);
 * a completion finishes with ``"stop"`` on an end-of-sequence token (unless ``ignore_eos``) or a
   ``stop_token_ids`` entry, and with ``"length"`` at ``max_tokens`` or when the sequence fills the
-  model's context (or the most the KV pool can hold for one sequence);
+  model's context;
+* ``max_model_len`` is the model's context, or what the KV pool holds for one sequence when that
+  is less (logged at start-up); a request whose prompt reaches it, or whose prompt plus
+  ``max_tokens`` exceeds a pool-set limit, is refused at ``add_request``, never cut short;
 * a preempted sequence keeps its tokens and is either swapped out to the host KV pool (its blocks
   copied back before it runs again) or recomputed, per the cost model (``preemption_mode``); since
   draws depend only on the sample's seed and position (:mod:`.sampler`), its output is what it
@@ -30,6 +33,7 @@ Invariants of this module:
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import random
 import time
@@ -54,6 +58,8 @@ from .sampler import sample, sample_seed
 from .sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineStats"]
+
+logger = logging.getLogger("pagedkv")
 
 Prompt = Union[str, Sequence[int], Dict[str, Any]]
 
@@ -322,15 +328,22 @@ class LLMEngine:
         self.device = torch.device(device)
         self.model_path = str(path)
         self.tokenizer = self.loaded.tokenizer
-        self.block_size = config.block_size
-        self.max_model_len = int(self.loaded.max_model_len)
-        block_size = config.block_size
-        # The longest sequence the engine lets grow: the model's context, and what the pool can hold
-        # for one sequence above the watermark (so a preempted sequence can always be re-admitted
-        # into an otherwise empty pool).
+        self.block_size = block_size = config.block_size
+        #: The model's own context (``max_position_embeddings``, capped at a sliding window).
+        self.model_context_len = int(self.loaded.max_model_len)
+        # What the pool can hold for one sequence above the watermark (so a preempted sequence can
+        # always be re-admitted into an otherwise empty pool).
         room = (self.manager.num_blocks - self.manager.watermark_blocks) * block_size
-        self.max_seq_len = min(self.max_model_len, room,
-                               self.manager.max_blocks_per_seq * block_size)
+        #: The longest sequence (prompt and completion) the engine serves: the model's context, or
+        #: less when the KV pool cannot hold that much for one sequence.
+        self.max_model_len = min(self.model_context_len, room,
+                                 self.manager.max_blocks_per_seq * block_size)
+        if self.max_model_len < self.model_context_len:
+            logger.warning(
+                "the KV pool holds at most %d tokens for one sequence (%d blocks of %d, %d held "
+                "back): max_model_len is %d, below the model's context of %d; longer requests "
+                "are refused", room, self.manager.num_blocks, block_size,
+                self.manager.watermark_blocks, self.max_model_len, self.model_context_len)
         self.eos_token_ids = frozenset(int(t) for t in (self.loaded.eos_token_ids or ()))
         self.vocab_size = int(getattr(self.loaded.config, "vocab_size", 0) or 0)
 
@@ -392,12 +405,15 @@ class LLMEngine:
                 ids.append(int(t))
         if not ids:
             raise _bad("prompt", text if text is not None else ids, "the prompt is empty")
-        if len(ids) >= self.max_seq_len:
-            limit = ("the model's context" if self.max_seq_len == self.max_model_len
-                     else "what the KV pool holds for one sequence")
-            raise _bad("prompt", ids, f"{len(ids)} tokens leave no room for a generated token in "
-                                      f"{limit} ({self.max_seq_len} tokens)")
+        if len(ids) >= self.max_model_len:
+            raise _bad("prompt", ids, f"{len(ids)} tokens leave no room for a generated token "
+                                      f"within max_model_len = {self.max_model_len} "
+                                      f"({self._limit_name()})")
         return text, ids
+
+    def _limit_name(self) -> str:
+        return ("the model's context" if self.max_model_len == self.model_context_len
+                else "what the KV pool holds for one sequence")
 
     def add_request(
         self,
@@ -419,7 +435,9 @@ class LLMEngine:
             arrival_time: ``time.perf_counter()`` of arrival (default: now), for time to first token.
 
         Raises:
-            InvalidArgumentError: Bad prompt, parameters, salt, or a request id already in use.
+            InvalidArgumentError: Bad prompt, parameters, salt, a request id already in use, or a
+                request longer than :attr:`max_model_len` allows (a prompt that reaches it; with a
+                pool-set limit, a prompt plus ``max_tokens`` past it). Nothing is queued.
         """
         request_id, text, ids, params, salt = self._validate(request_id, prompt, params, cache_salt)
         self._enqueue(request_id, text, ids, params, salt, arrival_time)
@@ -450,6 +468,17 @@ class LLMEngine:
                 raise _bad("cache_salt", cache_salt, "must be str or bytes")
             cache_salt = bytes(cache_salt)
         text, ids = self.tokenize(prompt)
+        if (self.max_model_len < self.model_context_len
+                and len(ids) + params.max_tokens > self.max_model_len):
+            # The pool, not the model, would end this request early: refuse it rather than cut
+            # it short under finish_reason "length". (A request that runs into the model's own
+            # context ends there with "length", as a model's context always ends generation.)
+            raise _bad("max_tokens", params.max_tokens,
+                       f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} = "
+                       f"{len(ids) + params.max_tokens} exceeds max_model_len = "
+                       f"{self.max_model_len} (what the KV pool holds for one sequence; the "
+                       f"model's context is {self.model_context_len}): give the pool more "
+                       f"blocks or ask for fewer tokens")
         return request_id, text, ids, params, cache_salt
 
     def _enqueue(self, request_id: str, text: Optional[str], ids: List[int],
@@ -598,7 +627,7 @@ class LLMEngine:
             reason = ("stop", token)
         elif len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens:
             reason = ("length", None)
-        elif len(seq.token_ids) >= self.max_seq_len:
+        elif len(seq.token_ids) >= self.max_model_len:
             reason = ("length", None)
         if reason is not None:
             req.finish[index] = reason
@@ -794,6 +823,14 @@ class LLM:
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (``None`` if it has none)."""
         return self.llm_engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt and completion) served: the model's context, or what the
+        KV pool holds for one sequence when that is less (:attr:`LLMEngine.max_model_len`)."""
+        if self._worker is not None:
+            return int(self._worker.max_model_len)  # a rank other than 0 only runs steps
+        return self.llm_engine.max_model_len
 
     def shutdown(self) -> None:
         """Ends tensor parallelism (see :meth:`LLMEngine.shutdown`); with one script on every
