@@ -339,7 +339,8 @@ class ConfigArgumentError(InvalidConfigError, InvalidArgumentError):
     value: object
     reason: str
 
-    field_names = ("field", "what", "value", "reason")
+    # mypy infers each base's field_names as a 3-tuple; this class carries both bases' names.
+    field_names = ("field", "what", "value", "reason")  # type: ignore[assignment]
 
     def __init__(self, message: str = "", **fields: Any) -> None:
         name = fields.get("field", fields.get("what"))
