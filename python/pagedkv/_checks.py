@@ -1,7 +1,15 @@
-"""Argument checks shared by the torch-facing modules (step buffers, KV pool).
+"""Argument checks shared across the package: block sizes, flags, devices, allocations.
 
-Owns the rules for two kinds of argument that used to slip through or escape as torch's own
-exceptions:
+Owns the one rule for block sizes (:func:`check_block_size`, with :data:`DEFAULT_BLOCK_SIZE`, the
+default every layer uses): whatever lays out a KV pool (``CacheSpec``, the pool, the model runner,
+the engine's config) takes a power of two in ``[1, MAX_BLOCK_SIZE]``, because the Triton kernels
+check exactly that (slot arithmetic and the in-block offset are a shift and a mask); the block
+manager alone, which only counts tokens, takes what the core stores (any integer in
+``[1, MAX_MANAGER_BLOCK_SIZE]``). A bad block size raises
+:class:`~pagedkv.errors.ConfigArgumentError` at every layer.
+
+It also owns the rules for two kinds of argument that used to slip through or escape as torch's
+own exceptions:
 
 * a flag is a ``bool`` and nothing else (``"false"`` is truthy, so ``bool(x)`` would turn it on);
 * a device is a ``str`` or :class:`torch.device` naming ``cpu`` or an existing CUDA device; anything
@@ -18,14 +26,45 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union
 
-from .errors import AllocationFailedError, InvalidArgumentError
+from .errors import AllocationFailedError, ConfigArgumentError, InvalidArgumentError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["check_flag", "parse_device", "allocate"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "MAX_BLOCK_SIZE", "MAX_MANAGER_BLOCK_SIZE", "check_block_size",
+           "check_flag", "parse_device", "allocate"]
 
 T = TypeVar("T")
+
+#: Tokens per KV block when none is given (every layer's default).
+DEFAULT_BLOCK_SIZE = 16
+#: Largest block size a KV pool may have: the bound of the attention kernels' own shape check.
+MAX_BLOCK_SIZE = 1 << 16
+#: Largest block size the block manager takes (the core keeps it as a ``u32``).
+MAX_MANAGER_BLOCK_SIZE = 2**32 - 1
+
+
+def check_block_size(value: Any, *, pool: bool = True) -> int:
+    """``value`` if it is a block size the caller's layer can use; ConfigArgumentError otherwise.
+
+    Args:
+        value: The block size (tokens per block).
+        pool: The caller lays out a KV pool that the kernels read: a power of two in
+            ``[1, MAX_BLOCK_SIZE]``. ``False`` (the block manager, which only counts tokens):
+            any integer in ``[1, MAX_MANAGER_BLOCK_SIZE]``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        reason = f"must be an int, got {type(value).__name__}"
+    elif pool and not (1 <= value <= MAX_BLOCK_SIZE and value & (value - 1) == 0):
+        reason = f"must be a power of two in [1, {MAX_BLOCK_SIZE}] (the attention kernels' tiling)"
+    elif not 1 <= value <= MAX_MANAGER_BLOCK_SIZE:
+        reason = f"must be in [1, {MAX_MANAGER_BLOCK_SIZE}]"
+    else:
+        return value
+    raise ConfigArgumentError(
+        f"invalid config: block_size = {value!r}: {reason}", field="block_size", value=value,
+        reason=reason,
+    )
 
 
 def check_flag(name: str, value: Any) -> bool:

@@ -269,6 +269,8 @@ class StepBuffers:
         host_arena = self._arena.array()
         self._host_arena: Any = host_arena if torch is None else torch.from_numpy(host_arena)
         self.host = self._carve(self._host_arena, shapes)
+        # numpy views of the same host memory, for host-side reads whatever the backend.
+        self._host_np = self.host if torch is None else self._carve(host_arena, shapes)
         self._device_arena: Any
         if torch is None or dev.type == "cpu":
             self._device_arena = self._host_arena
@@ -402,6 +404,18 @@ class StepBuffers:
                 cache[i] = (n, base, v)
                 out.append(v)
         return StepTensors._make(out)
+
+    def positions(self, info: StepInfo) -> np.ndarray:
+        """Position of every new token of the step in its sequence, in batch order (int64
+        ``[num_tokens]``), read from what the manager wrote: row ``k``'s new tokens are the last
+        ``query_start_loc[k + 1] - query_start_loc[k]`` of its ``seq_lens[k]``. The one source of
+        a step's positions (RoPE must see exactly the slots the slot mapping writes)."""
+        n, t = info.num_seqs, info.num_tokens
+        h = self._host_np
+        qsl = h.query_start_loc[: n + 1].astype(np.int64)
+        q_lens = np.diff(qsl)
+        first = h.seq_lens[:n].astype(np.int64) - q_lens  # position of each row's first new token
+        return np.arange(t, dtype=np.int64) + np.repeat(first - qsl[:-1], q_lens)
 
     def copy_spans(self, info: StepInfo) -> list[tuple[int, int]]:
         """Byte ranges of the arena that :meth:`to_device` copies for this step.

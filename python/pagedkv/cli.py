@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Callable, NoReturn, Optional, Sequence
 
+from ._checks import DEFAULT_BLOCK_SIZE
 from .config import (
     PRESETS,
     CacheSpec,
@@ -102,8 +103,8 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: Optional[str]) ->
     g.add_argument("--dtype", default=None,
                    help="KV cache dtype, e.g. bfloat16, float16, float8_e4m3fn "
                         "(default: the model's dtype; bfloat16 with explicit sizes)")
-    g.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
-                   help="tokens per block (default: 16)")
+    g.add_argument("--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE,
+                   metavar="N", help=f"tokens per block (default: {DEFAULT_BLOCK_SIZE})")
     g.add_argument("--weights", type=_size, metavar="SIZE",
                    help="weight bytes, e.g. 16GB (default: estimated from the model config; "
                         "0 with explicit sizes)")
@@ -328,8 +329,8 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-blocks", type=_positive_int, default=None, metavar="N",
                    help="KV pool size in blocks (default: about 60%% of the workload's peak, "
                         "so requests get preempted)")
-    g.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
-                   help="tokens per block (default: 16)")
+    g.add_argument("--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE,
+                   metavar="N", help=f"tokens per block (default: {DEFAULT_BLOCK_SIZE})")
     g.add_argument("--preemption-mode", choices=("auto", "swap", "recompute"), default="auto",
                    help="reclaim preempted sequences by the cost model (auto, default), by swap to "
                         "host memory, or by recompute")

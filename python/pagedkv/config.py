@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Mapping, Optional, Union
 
+from ._checks import DEFAULT_BLOCK_SIZE, check_block_size
 from .errors import InvalidConfigError, PagedKVError
 
 __all__ = [
@@ -110,8 +111,8 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 class CacheSpec:
     """Shape and element type of the KV cache: what one block of ``block_size`` tokens holds.
 
-    ``block_size`` must be a power of two: the Triton kernels tile a block with ``tl.arange``, whose
-    length must be a power of two, and slot arithmetic (``block * B + offset``) stays a shift.
+    ``block_size`` follows the package's rule for a KV pool (:func:`pagedkv._checks.check_block_size`:
+    a power of two the attention kernels take).
 
     ``mla`` marks multi-head latent attention (DeepSeek-V2/V3): each token stores, per layer, one
     latent vector of ``head_dim`` elements (``kv_lora_rank + qk_rope_head_dim``) shared by every
@@ -123,16 +124,14 @@ class CacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: str = "bfloat16"
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     mla: bool = False
 
     def __post_init__(self) -> None:
         _check_int("num_layers", self.num_layers, 1)
         _check_int("num_kv_heads", self.num_kv_heads, 1)
         _check_int("head_dim", self.head_dim, 1)
-        _check_int("block_size", self.block_size, 1)
-        if self.block_size & (self.block_size - 1):
-            raise InvalidConfigError(f"block_size must be a power of two, got {self.block_size}")
+        check_block_size(self.block_size)
         if not isinstance(self.mla, bool):
             raise InvalidConfigError(f"mla must be a bool, got {self.mla!r}")
         if self.mla and self.num_kv_heads != 1:
@@ -177,7 +176,7 @@ class CacheSpec:
         cls,
         source: Union[str, "os.PathLike[str]", Mapping[str, Any]],
         *,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         dtype: str | None = None,
     ) -> "CacheSpec":
         """Spec from a Hugging Face ``config.json`` (a path, a directory holding one, or a dict).
@@ -343,7 +342,7 @@ class ModelConfig:
         """Routed experts per MoE layer; 1 for a dense model."""
         return 1 if self.moe is None else self.moe.num_experts
 
-    def cache_spec(self, *, block_size: int = 16, dtype: str | None = None) -> CacheSpec:
+    def cache_spec(self, *, block_size: int = DEFAULT_BLOCK_SIZE, dtype: str | None = None) -> CacheSpec:
         """The KV cache spec of this model; ``dtype`` overrides the weight dtype for the cache.
 
         For MLA: one latent of ``kv_lora_rank + qk_rope_head_dim`` elements per token per layer.

@@ -24,6 +24,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
+from ._checks import DEFAULT_BLOCK_SIZE
+
 __all__ = ["DemoRequest", "DEMO_SYSTEM_PROMPT", "DEMO_REQUESTS", "DemoReport", "run_demo",
            "format_report", "report_json", "demo_num_blocks"]
 
@@ -145,7 +147,7 @@ def _common_prefix(a: List[int], b: List[int]) -> int:
 
 
 def run_demo(model: Optional[str] = None, *, device: Optional[str] = None,
-             max_tokens: int = 40, num_blocks: Optional[int] = None, block_size: int = 16,
+             max_tokens: int = 40, num_blocks: Optional[int] = None, block_size: int = DEFAULT_BLOCK_SIZE,
              check: bool = True, progress: bool = True,
              requests: Any = DEMO_REQUESTS, metrics_port: Optional[int] = None,
              preemption_mode: str = "auto", num_host_blocks: Optional[int] = None) -> DemoReport:

@@ -321,3 +321,29 @@ class ModelLoadError(PagedKVError, ValueError):
     reason: str
 
     field_names = ("path", "reason")
+
+
+# Raised by the Python package, not the core (so it stays out of `__all__`). A bad setting used to
+# surface as InvalidConfigError from one layer and InvalidArgumentError from another; one class
+# deriving from both lets every layer raise the same error while handlers written for either
+# class keep catching it.
+class ConfigArgumentError(InvalidConfigError, InvalidArgumentError):
+    """A setting is out of range: a block size the layer cannot use, an engine knob
+    (:class:`pagedkv.engine.config.EngineConfig`) outside its domain, two exclusive knobs given.
+
+    Attributes: ``field`` and ``what`` (both the setting's name), ``value``, ``reason``.
+    """
+
+    field: str
+    what: str
+    value: object
+    reason: str
+
+    # mypy infers each base's field_names as a 3-tuple; this class carries both bases' names.
+    field_names = ("field", "what", "value", "reason")  # type: ignore[assignment]
+
+    def __init__(self, message: str = "", **fields: Any) -> None:
+        name = fields.get("field", fields.get("what"))
+        fields.setdefault("field", name)
+        fields.setdefault("what", name)
+        super().__init__(message, **fields)

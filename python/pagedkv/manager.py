@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional, Sequence, Tup
 import numpy as np
 
 from . import _core
-from ._checks import check_flag
+from ._checks import DEFAULT_BLOCK_SIZE, check_block_size, check_flag
 from .buffers import StepInfo
 from .errors import InvalidArgumentError
 
@@ -158,7 +158,10 @@ class BlockManager:
     Args:
         num_blocks: Blocks in the pool (``1 <= num_blocks <= 2**31 - 1``: block ids are written
             as int32).
-        block_size: Tokens per block.
+        block_size: Tokens per block: any integer in ``[1, 2**32 - 1]`` (the manager only counts
+            tokens; a pool the kernels read needs a power of two, see
+            :func:`pagedkv._checks.check_block_size`). A bad one raises
+            :class:`~pagedkv.errors.ConfigArgumentError`, as at every layer.
         watermark_blocks: Blocks kept back from admissions so running sequences can always append;
             must be below ``num_blocks``. ``None``: 1% of the pool, at least 1 (0 for a one-block
             pool).
@@ -193,7 +196,7 @@ class BlockManager:
     def __init__(
         self,
         num_blocks: int,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         *,
         watermark_blocks: Optional[int] = None,
         max_blocks_per_seq: Optional[int] = None,
@@ -206,7 +209,7 @@ class BlockManager:
         # Flags are bools only: `bool("false")` is True.
         self._core = _core.BlockManager(
             num_blocks,
-            block_size,
+            check_block_size(block_size, pool=False),
             watermark_blocks,
             max_blocks_per_seq,
             check_flag("enable_prefix_caching", enable_prefix_caching),

@@ -66,7 +66,7 @@ import numpy as np
 from .errors import InvalidArgumentError, InvalidConfigError, OutOfBlocksError, OutOfHostBlocksError
 
 if TYPE_CHECKING:
-    from .buffers import StepInfo
+    from .buffers import StepBuffers, StepInfo
     from .manager import BlockManager
 
 logger = logging.getLogger("pagedkv")
@@ -205,6 +205,8 @@ class ScheduledBatch:
     #: Sequences preempted while building this step (already back in the waiting queue).
     preempted: List[Sequence] = field(default_factory=list)
     num_decodes: int = 0
+    #: The step buffers the manager built :attr:`step` into (None for an empty batch).
+    buffers: Optional["StepBuffers"] = None
 
     @property
     def num_tokens(self) -> int:
@@ -229,14 +231,11 @@ class ScheduledBatch:
         return out
 
     def positions(self) -> np.ndarray:
-        """Positions of the step's new tokens, concatenated in batch order (int64)."""
-        out = np.empty(self.num_tokens, dtype=np.int64)
-        p = 0
-        for s, n in zip(self.seqs, self.num_new_tokens):
-            start = s.num_computed_tokens
-            out[p:p + n] = np.arange(start, start + n)
-            p += n
-        return out
+        """Positions of the step's new tokens, concatenated in batch order (int64): what the
+        manager wrote into the step buffers (:meth:`pagedkv.StepBuffers.positions`)."""
+        if self.step is None or self.buffers is None:
+            return np.empty(0, dtype=np.int64)
+        return self.buffers.positions(self.step)
 
     def sample_mask(self) -> List[bool]:
         """True where this step computes a sequence's last known token (its logits are sampled)."""
@@ -537,6 +536,7 @@ class Scheduler:
         if batch.seqs:
             ids = [s.seq_id for s in batch.seqs]
             batch.step = self.manager.step(ids, batch.num_new_tokens)
+            batch.buffers = getattr(self.manager, "buffers", None)
             self.num_steps += 1
         return batch
 

@@ -57,6 +57,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ._checks import DEFAULT_BLOCK_SIZE, check_block_size
 from .config import CacheSpec, CapacityError, MemoryBudget, format_bytes
 from .errors import InvalidConfigError, InvariantViolationError, OutOfBlocksError
 from .workload import Request, WorkloadConfig, generate
@@ -82,7 +83,7 @@ class SimConfig:
     """
 
     num_blocks: int
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     watermark_blocks: Optional[int] = None
     max_num_seqs: int = 512
     max_prefill_tokens: int = 16384
@@ -101,7 +102,9 @@ class SimConfig:
     kv_bytes_per_token: int = 131_072
 
     def __post_init__(self) -> None:
-        for name, minimum in (("num_blocks", 1), ("block_size", 1), ("max_num_seqs", 1),
+        # The simulation drives the block manager only: its block-size rule, not the pool's.
+        check_block_size(self.block_size, pool=False)
+        for name, minimum in (("num_blocks", 1), ("max_num_seqs", 1),
                               ("max_prefill_tokens", 1), ("check_every", 0),
                               ("num_host_blocks", 0), ("kv_bytes_per_token", 1)):
             value = getattr(self, name)

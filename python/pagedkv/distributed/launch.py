@@ -1,9 +1,16 @@
 """Starting and stopping the ranks of a tensor-parallel engine.
 
 Owns :class:`WorkerSpec` (everything a rank needs to build the same runner as rank 0),
-:func:`build_runner` (load, shard, runner, host pool: identical on every rank), :class:`TPSession`
-(rank 0's handle on the group: the processes it spawned, STOP at shutdown, the step records) and
-the spawned ranks' entry point.
+:func:`start_tp` (rank 0: check the head split, then join the group or spawn the ranks),
+:func:`build_worker` (a rank other than 0 of a group the caller made), :func:`dist_rank`,
+:class:`TPSession` (rank 0's handle on the group: the processes it spawned, STOP at shutdown, the
+step records) and the spawned ranks' entry point.
+
+Dependencies run one way: the engine imports this package, never the reverse. What only the engine
+knows how to do (load a model, build its runner and host pool) reaches a rank as
+:attr:`WorkerSpec.build`, a function of the engine's that the spec carries (by reference, so it
+pickles to spawned ranks); :attr:`WorkerSpec.config` is the engine's
+:class:`~pagedkv.engine.config.EngineConfig`, opaque here apart from the two fields it reads.
 
 Two ways to launch:
 
@@ -30,13 +37,19 @@ import atexit
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..errors import InvalidConfigError
 from .step_broadcast import CMD_END, CMD_STOP
-from .tp import TPGroup, init_group
+from .tp import TPGroup, head_split, init_group, model_heads
 
-__all__ = ["WorkerSpec", "TPSession", "build_runner", "host_blocks_for", "backend_for"]
+__all__ = ["WorkerSpec", "TPSession", "start_tp", "build_worker", "dist_rank", "backend_for",
+           "serve_until_end"]
 
 
 def backend_for(device_type: str) -> str:
@@ -44,65 +57,43 @@ def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
-def host_blocks_for(swap_space: Any, num_host_blocks: Optional[int], bytes_per_block: int) -> int:
-    """Blocks of the host KV pool: ``num_host_blocks``, or ``swap_space`` bytes over a block's."""
-    if num_host_blocks is not None:
-        return num_host_blocks
-    if swap_space is None:
-        return 0
-    from ..config import parse_bytes
-    from ..errors import InvalidConfigError
-
-    try:
-        nbytes = parse_bytes(swap_space)
-    except InvalidConfigError as exc:
-        raise InvalidConfigError(f"swap_space = {swap_space!r}: {exc}", field="swap_space",
-                                 value=swap_space, reason=str(exc)) from None
-    return nbytes // bytes_per_block
-
-
 @dataclass
 class WorkerSpec:
     """What a rank needs to build rank 0's runner for its own shard (picklable)."""
 
-    model: str
+    #: Where the rank loads the model from (``None``: the builder's default model).
+    model: Optional[str]
     device_type: str
-    dtype: Optional[str]
-    world_size: int
-    runner_kwargs: dict = field(default_factory=dict)
-    swap_space: Any = None
-    num_host_blocks: Optional[int] = None
-    record_steps: bool = False
+    dtype: Any
+    #: The engine's settings (an :class:`pagedkv.engine.config.EngineConfig`), rank 0's own.
+    config: Any
+    #: ``build(spec, group, loaded)``: loads the model unless ``loaded`` is given (on the group's
+    #: device under NCCL, else on :attr:`device` or the CPU), shards it, returns the rank's runner
+    #: with its host pool.
+    build: "RunnerBuilder"
+    device: Any = None
     init_method: str = ""
-    timeout_s: float = 600.0
+
+    @property
+    def world_size(self) -> int:
+        return int(self.config.tensor_parallel_size)
+
+    @property
+    def timeout_s(self) -> float:
+        return float(self.config.tp_timeout_s)
 
 
-def build_runner(spec: WorkerSpec, group: TPGroup, loaded: Any = None) -> Any:
-    """Loads (unless given) and shards the model, builds the runner and its host pool."""
-    from ..engine.loader import load_model
-    from ..engine.model_runner import ModelRunner
-
-    if loaded is None:
-        device = group.device if spec.device_type == "cuda" else "cpu"
-        loaded = load_model(spec.model, device=device, dtype=spec.dtype)
-    runner = ModelRunner(loaded, tensor_parallel=group, record_steps=spec.record_steps,
-                         **spec.runner_kwargs)
-    blocks = host_blocks_for(spec.swap_space, spec.num_host_blocks, runner.spec.bytes_per_block)
-    if blocks:
-        runner.enable_swap(blocks)
-    return runner
+RunnerBuilder = Callable[[WorkerSpec, TPGroup, Any], Any]
 
 
 def _worker_main(rank: int, spec: WorkerSpec) -> None:
     """A spawned rank: join the group, build the runner, run rank 0's steps until STOP."""
-    import torch.distributed as dist
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     group = init_group(backend_for(spec.device_type), spec.init_method, rank, spec.world_size,
                        timeout_s=spec.timeout_s)
     try:
-        runner = build_runner(spec, group)
+        runner = spec.build(spec, group, None)
         runner.serve()
         group.gather_objects(runner.step_records)
     finally:
@@ -131,8 +122,6 @@ class TPSession:
     @classmethod
     def spawn(cls, spec: WorkerSpec) -> "TPSession":
         """Starts ranks ``1..world_size-1`` running :func:`_worker_main`, joins as rank 0."""
-        import torch.multiprocessing as mp
-
         store_dir = tempfile.mkdtemp(prefix="pagedkv-tp-")
         spec.init_method = "file://" + os.path.join(store_dir, "store")
         ctx = mp.get_context("spawn")
@@ -156,8 +145,6 @@ class TPSession:
     @classmethod
     def attach(cls, world_size: int) -> "TPSession":
         """Uses the initialized default process group (its rank must be 0 here)."""
-        from ..errors import InvalidConfigError
-
         group = TPGroup()
         if group.world_size != world_size:
             raise InvalidConfigError(
@@ -181,7 +168,6 @@ class TPSession:
             return
         self.closed = True
         atexit.unregister(self.close)
-        import torch.distributed as dist
 
         try:
             if self.runner is not None and self.runner.broadcaster is not None:
@@ -205,7 +191,6 @@ class TPSession:
             return
         self.closed = True
         atexit.unregister(self.close)
-        import torch.distributed as dist
 
         for p in self.processes:
             p.terminate()
@@ -219,3 +204,69 @@ class TPSession:
 def serve_until_end(runner: Any) -> int:
     """One-script launch, a rank other than 0: runs steps until END or STOP; returns which."""
     return runner.serve(until=(CMD_END,))
+
+
+def dist_rank() -> int:
+    """This process's rank in an initialized torch.distributed group; 0 without one."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def start_tp(loaded: Any, *, preloaded: bool, path: str, config: Any,
+             build: RunnerBuilder) -> "TPSession":
+    """Rank 0: checks the head split, then joins the existing process group or spawns the ranks.
+
+    ``loaded`` is rank 0's model (its ``config``, ``device`` and ``dtype`` are read), ``preloaded``
+    whether the caller passed it already loaded (spawned ranks then could not load the same),
+    ``path`` where the spawned ranks load it from, ``build`` what they build their runner with.
+    """
+    tp_size = config.tensor_parallel_size
+    hq, hkv, _ = model_heads(loaded.config)
+    head_split(hq, hkv, tp_size, 0)  # a typed error before any process starts
+    if dist.is_available() and dist.is_initialized():
+        session = TPSession.attach(tp_size)
+        if session.group.rank != 0:
+            raise InvalidConfigError(
+                f"LLMEngine schedules on rank 0; rank {session.group.rank} constructs LLM (which "
+                f"runs rank 0's steps) instead", field="tensor_parallel_size", value=tp_size,
+                reason="engine on rank 0 only")
+        return session
+    dev = loaded.device
+    if preloaded:
+        raise InvalidConfigError(
+            "spawned tensor-parallel ranks load the model themselves: pass its path, or launch "
+            "every rank yourself (torchrun) and pass each its LoadedModel",
+            field="tensor_parallel_size", value=tp_size, reason="preloaded model")
+    if dev.type == "cuda" and (dev.index or 0) != 0:
+        raise InvalidConfigError(
+            f"spawned ranks use cuda:0..cuda:{tp_size - 1}; rank 0 must be on cuda:0, not {dev}",
+            field="tensor_parallel_size", value=tp_size, reason="rank 0 on cuda:0")
+    if dev.type == "cuda" and torch.cuda.device_count() < tp_size:
+        raise InvalidConfigError(
+            f"tensor_parallel_size {tp_size} needs {tp_size} GPUs, "
+            f"{torch.cuda.device_count()} visible", field="tensor_parallel_size",
+            value=tp_size, reason="not enough GPUs")
+    spec = WorkerSpec(model=path, device_type=dev.type,
+                      dtype=str(loaded.dtype).rpartition(".")[2], config=config, build=build)
+    return TPSession.spawn(spec)
+
+
+def build_worker(model: Any, *, device: Any, dtype: Any, config: Any,
+                 build: RunnerBuilder) -> Any:
+    """A rank other than 0 of a group the caller made: its model shard and runner.
+
+    ``model`` is a path (``None``: the builder's default model) or an already loaded model.
+    """
+    tp = config.tensor_parallel_size
+    group = TPGroup()
+    if group.world_size != tp:
+        raise InvalidConfigError(
+            f"tensor_parallel_size {tp} but the process group has {group.world_size} ranks",
+            field="tensor_parallel_size", value=tp, reason="must equal the process group's size")
+    is_path = model is None or isinstance(model, (str, os.PathLike))
+    loaded = None if is_path else model
+    spec = WorkerSpec(model=(None if model is None else str(model)) if is_path
+                      else str(loaded.path),
+                      device_type=group.device.type if is_path else loaded.device.type,
+                      dtype=dtype if is_path else None, config=config, build=build,
+                      device=device)
+    return build(spec, group, loaded)

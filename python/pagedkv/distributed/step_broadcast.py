@@ -225,7 +225,7 @@ class StepBroadcaster:
     def recv(self) -> Received:
         """Every rank but 0: waits for rank 0's next packet and unpacks it into this rank's step
         buffers (and, under NCCL, device ids/positions); returns the command and the batch."""
-        from ..manager import StepInfo
+        from ..buffers import StepInfo
         from ..errors import InvariantViolationError
 
         self.group.broadcast_(self.packet)

@@ -44,7 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import InvalidConfigError
-from ..plan import kv_heads_per_rank
+from ..capacity import kv_heads_per_rank
 
 __all__ = ["HeadSplit", "head_split", "TPGroup", "shard_model", "RowParallelLinear",
            "init_group", "model_heads"]
@@ -74,7 +74,7 @@ def head_split(num_q_heads: int, num_kv_heads: int, tp_size: int, rank: int) -> 
 
     Raises:
         InvalidConfigError: ``tp_size`` does not divide the query heads, the KV heads and ranks do
-            not divide one another (:func:`pagedkv.plan.kv_heads_per_rank`), the query heads are
+            not divide one another (:func:`pagedkv.capacity.kv_heads_per_rank`), the query heads are
             not a multiple of the KV heads, or ``rank`` is outside ``[0, tp_size)``.
     """
     for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):

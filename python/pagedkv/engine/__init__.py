@@ -2,6 +2,7 @@
 
 Layout (who owns what):
 
+* :mod:`.config` — :class:`EngineConfig`, every setting of the engine, validated once;
 * :mod:`.sampling_params` — :class:`SamplingParams`, validated on construction;
 * :mod:`.outputs` — :class:`RequestOutput` / :class:`CompletionOutput` snapshots;
 * :mod:`.sampler` — logits to tokens (greedy, temperature / top-k / top-p, reproducible seeding);
@@ -22,6 +23,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from .config import EngineConfig
     from .llm import LLM, EngineStats, LLMEngine
     from .outputs import CompletionOutput, RequestMetrics, RequestOutput
     from .sampling_params import SamplingParams
@@ -30,6 +32,7 @@ _EXPORTS = {
     "LLM": "llm",
     "LLMEngine": "llm",
     "EngineStats": "llm",
+    "EngineConfig": "config",
     "SamplingParams": "sampling_params",
     "RequestOutput": "outputs",
     "CompletionOutput": "outputs",

@@ -20,7 +20,10 @@ Invariants of this module:
   KV blocks copy-on-write (the prompt is computed once);
 * a completion finishes with ``"stop"`` on an end-of-sequence token (unless ``ignore_eos``) or a
   ``stop_token_ids`` entry, and with ``"length"`` at ``max_tokens`` or when the sequence fills the
-  model's context (or the most the KV pool can hold for one sequence);
+  model's context;
+* ``max_model_len`` is the model's context, or what the KV pool holds for one sequence when that
+  is less (logged at start-up); a request whose prompt reaches it, or whose prompt plus
+  ``max_tokens`` exceeds a pool-set limit, is refused at ``add_request``, never cut short;
 * a preempted sequence keeps its tokens and is either swapped out to the host KV pool (its blocks
   copied back before it runs again) or recomputed, per the cost model (``preemption_mode``); since
   draws depend only on the sample's seed and position (:mod:`.sampler`), its output is what it
@@ -30,17 +33,33 @@ Invariants of this module:
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import random
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, overload
 
+import torch
+from tqdm.auto import tqdm
+
+from .._checks import DEFAULT_BLOCK_SIZE
+from ..distributed.launch import build_worker, dist_rank, serve_until_end, start_tp
+from ..distributed.step_broadcast import CMD_STOP
 from ..errors import InvalidArgumentError, OutOfBlocksError
+from ..manager import CostModel
+from ..scheduler import Scheduler, SequenceStatus
+from ..scheduler import Sequence as SchedulerSequence
+from .config import EngineConfig
+from .loader import LoadedModel, default_model_path, load_model
+from .model_runner import ModelRunner, build_rank_runner
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampler import sample, sample_seed
 from .sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineStats"]
+
+logger = logging.getLogger("pagedkv")
 
 Prompt = Union[str, Sequence[int], Dict[str, Any]]
 
@@ -115,8 +134,6 @@ class _Request:
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: List[int],
                  params: SamplingParams, cache_salt: Optional[bytes], seed: int,
                  arrival_time: float) -> None:
-        from .sampler import sample_seed
-
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -182,19 +199,22 @@ class LLMEngine:
     Raises:
         ModelLoadError: ``model`` does not exist, is not a model directory or ``.gguf`` file, or is
             not a Llama-family architecture.
-        InvalidConfigError: A configuration value is out of range (or both pool sizes are given).
+        ConfigArgumentError: A setting is out of range, or two exclusive ones are given (the
+            keywords build an :class:`~pagedkv.engine.config.EngineConfig`, validated once;
+            :meth:`from_config` takes one directly).
+        InvalidConfigError: The tensor-parallel split does not fit the model or the machine.
         InvalidArgumentError: ``device`` or ``dtype`` is not understood.
     """
 
     def __init__(
         self,
-        model: Optional[str] = None,
+        model: Union[str, LoadedModel, None] = None,
         *,
         device: Optional[str] = None,
         dtype: Any = None,
-        kv_cache_memory: Optional[int] = None,
+        kv_cache_memory: Union[int, str, None] = None,
         num_blocks: Optional[int] = None,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
@@ -212,52 +232,35 @@ class LLMEngine:
         record_steps: bool = False,
         tp_timeout_s: float = 600.0,
     ) -> None:
-        import torch
+        config = EngineConfig(
+            kv_cache_memory=kv_cache_memory, num_blocks=num_blocks, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill, watermark_blocks=watermark_blocks,
+            cuda_graphs=cuda_graphs, progress=progress, swap_space=swap_space,
+            num_host_blocks=num_host_blocks, preemption_mode=preemption_mode,
+            host_link_bytes_per_s=host_link_bytes_per_s,
+            prefill_tokens_per_s=prefill_tokens_per_s, step_floor_s=step_floor_s,
+            tensor_parallel_size=tensor_parallel_size, record_steps=record_steps,
+            tp_timeout_s=tp_timeout_s,
+        )
+        self._setup(model, device, dtype, config)
 
-        from ..errors import InvalidConfigError
-        from ..scheduler import Scheduler
-        from .loader import LoadedModel, default_model_path, load_model
-        from .model_runner import ModelRunner
+    @classmethod
+    def from_config(cls, config: EngineConfig, model: Union[str, LoadedModel, None] = None, *,
+                    device: Optional[str] = None, dtype: Any = None) -> "LLMEngine":
+        """An engine with the settings of ``config`` (the constructor's keywords, validated once);
+        ``model``, ``device`` and ``dtype`` as for the constructor."""
+        if not isinstance(config, EngineConfig):
+            raise _bad("config", type(config).__name__, "must be an EngineConfig")
+        engine = cls.__new__(cls)
+        engine._setup(model, device, dtype, config)
+        return engine
 
-        if kv_cache_memory is not None and num_blocks is not None:
-            raise InvalidConfigError(
-                "give at most one of kv_cache_memory and num_blocks",
-                field="num_blocks", value=num_blocks, reason="exclusive with kv_cache_memory",
-            )
-        if swap_space is not None and num_host_blocks is not None:
-            raise InvalidConfigError(
-                "give at most one of swap_space and num_host_blocks",
-                field="num_host_blocks", value=num_host_blocks, reason="exclusive with swap_space")
-        if num_host_blocks is not None and (isinstance(num_host_blocks, bool)
-                                            or not isinstance(num_host_blocks, int)
-                                            or num_host_blocks < 0):
-            raise InvalidConfigError(f"num_host_blocks must be an integer >= 0, got {num_host_blocks!r}",
-                                     field="num_host_blocks", value=num_host_blocks,
-                                     reason="must be >= 0")
-        if preemption_mode not in ("auto", "swap", "recompute"):
-            raise InvalidConfigError(
-                f"preemption_mode must be 'auto', 'swap' or 'recompute', got {preemption_mode!r}",
-                field="preemption_mode", value=preemption_mode, reason="unknown mode")
-        for name, rate in (("host_link_bytes_per_s", host_link_bytes_per_s),
-                           ("prefill_tokens_per_s", prefill_tokens_per_s)):
-            if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
-                                     or not rate > 0 or rate == float("inf")):
-                raise InvalidConfigError(f"{name} must be a positive number, got {rate!r}",
-                                         field=name, value=rate, reason="must be > 0")
-        if step_floor_s is not None and (isinstance(step_floor_s, bool)
-                                         or not isinstance(step_floor_s, (int, float))
-                                         or not 0 <= step_floor_s < float("inf")):
-            raise InvalidConfigError(f"step_floor_s must be a number >= 0, got {step_floor_s!r}",
-                                     field="step_floor_s", value=step_floor_s,
-                                     reason="must be >= 0")
-        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidConfigError(f"{name} must be an integer >= 1, got {value!r}",
-                                         field=name, value=value, reason="must be >= 1")
-        from ..capacity import kv_heads_per_rank
-
-        kv_heads_per_rank(1, tensor_parallel_size)  # validates the size itself
+    def _setup(self, model: Union[str, LoadedModel, None], device: Optional[str], dtype: Any,
+               config: EngineConfig) -> None:
+        #: The settings this engine runs with.
+        self.config = config
         #: Rank 0's handle on the tensor-parallel group (None without TP).
         self._tp: Any = None
         #: After :meth:`shutdown` with ``record_steps``: each rank's step records, in rank order.
@@ -271,33 +274,28 @@ class LLMEngine:
                 device = "cuda" if torch.cuda.is_available() else "cpu"
             path = default_model_path() if model is None else model
 
-        bar = _stage_bar(progress, total=3, desc="loading model")
+        bar = _stage_bar(config.progress, total=3, desc="loading model")
         try:
             self.loaded = preloaded or load_model(path, device=device, dtype=dtype)
             bar.update(1)
-            runner_kwargs = dict(block_size=block_size, num_blocks=num_blocks,
-                                 kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                                 max_num_batched_tokens=max_num_batched_tokens,
-                                 cuda_graphs=cuda_graphs)
-            if tensor_parallel_size > 1:
-                self._tp = _start_tp(self.loaded, preloaded is not None, str(path),
-                                     tensor_parallel_size, runner_kwargs, swap_space,
-                                     num_host_blocks, record_steps, tp_timeout_s)
-                self.runner = ModelRunner(self.loaded, tensor_parallel=self._tp.group,
-                                          record_steps=record_steps, **runner_kwargs)
+            if config.tensor_parallel_size > 1:
+                self._tp = start_tp(self.loaded, preloaded=preloaded is not None, path=str(path),
+                                    config=config, build=build_rank_runner)
+                self.runner = ModelRunner(self.loaded, config, tensor_parallel=self._tp.group)
                 self._tp.runner = self.runner
             else:
-                self.runner = ModelRunner(self.loaded, **runner_kwargs)
+                self.runner = ModelRunner(self.loaded, config)
             bar.update(1)
-            host_blocks = self._host_blocks(swap_space, num_host_blocks)
+            host_blocks = config.host_blocks(self.runner.spec.bytes_per_block)
             extra: Dict[str, Any] = {}
             #: ``(host link bytes/s, prefill tokens/s, step floor s)`` of the cost model, or None.
             self.cost_rates: Optional[Tuple[float, float, float]] = None
             if host_blocks:
                 self.runner.enable_swap(host_blocks)
                 extra["num_host_blocks"] = host_blocks
-                if preemption_mode == "auto":
-                    link, tps, floor = host_link_bytes_per_s, prefill_tokens_per_s, step_floor_s
+                if config.preemption_mode == "auto":
+                    link = config.host_link_bytes_per_s
+                    tps, floor = config.prefill_tokens_per_s, config.step_floor_s
                     if link is None or tps is None:
                         measured = self.runner.measure_rates()
                         link = link if link is not None else measured.host_link_bytes_per_s
@@ -306,16 +304,18 @@ class LLMEngine:
                     self.cost_rates = (float(link), float(tps), float(floor or 0.0))
             # The runner's pool and step buffers fix the manager's shape; it attaches the buffers.
             self.manager = self.runner.new_block_manager(
-                watermark_blocks=watermark_blocks, enable_prefix_caching=enable_prefix_caching,
-                **extra,
+                watermark_blocks=config.watermark_blocks,
+                enable_prefix_caching=config.enable_prefix_caching, **extra,
             )
             if self.cost_rates is not None:
                 _set_cost_model(self.manager, self.cost_rates, self.runner.spec.bytes_per_token,
-                                max_num_batched_tokens if enable_chunked_prefill else 0)
+                                config.max_num_batched_tokens if config.enable_chunked_prefill
+                                else 0)
             self.scheduler = Scheduler(
-                self.manager, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode,
+                self.manager, max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                preemption_mode=config.preemption_mode,
             )
             bar.update(1)
         except BaseException:
@@ -328,14 +328,22 @@ class LLMEngine:
         self.device = torch.device(device)
         self.model_path = str(path)
         self.tokenizer = self.loaded.tokenizer
-        self.block_size = block_size
-        self.max_model_len = int(self.loaded.max_model_len)
-        # The longest sequence the engine lets grow: the model's context, and what the pool can hold
-        # for one sequence above the watermark (so a preempted sequence can always be re-admitted
-        # into an otherwise empty pool).
+        self.block_size = block_size = config.block_size
+        #: The model's own context (``max_position_embeddings``, capped at a sliding window).
+        self.model_context_len = int(self.loaded.max_model_len)
+        # What the pool can hold for one sequence above the watermark (so a preempted sequence can
+        # always be re-admitted into an otherwise empty pool).
         room = (self.manager.num_blocks - self.manager.watermark_blocks) * block_size
-        self.max_seq_len = min(self.max_model_len, room,
-                               self.manager.max_blocks_per_seq * block_size)
+        #: The longest sequence (prompt and completion) the engine serves: the model's context, or
+        #: less when the KV pool cannot hold that much for one sequence.
+        self.max_model_len = min(self.model_context_len, room,
+                                 self.manager.max_blocks_per_seq * block_size)
+        if self.max_model_len < self.model_context_len:
+            logger.warning(
+                "the KV pool holds at most %d tokens for one sequence (%d blocks of %d, %d held "
+                "back): max_model_len is %d, below the model's context of %d; longer requests "
+                "are refused", room, self.manager.num_blocks, block_size,
+                self.manager.watermark_blocks, self.max_model_len, self.model_context_len)
         self.eos_token_ids = frozenset(int(t) for t in (self.loaded.eos_token_ids or ()))
         self.vocab_size = int(getattr(self.loaded.config, "vocab_size", 0) or 0)
 
@@ -346,11 +354,6 @@ class LLMEngine:
         # resumes unchanged after a preemption.
         self._seed_rng = random.Random()
         self.reset_stats()
-
-    def _host_blocks(self, swap_space: Union[int, str, None], num_host_blocks: Optional[int]) -> int:
-        from ..distributed.launch import host_blocks_for
-
-        return host_blocks_for(swap_space, num_host_blocks, self.runner.spec.bytes_per_block)
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel ranks (STOP to every rank, spawned processes joined) and
@@ -402,12 +405,15 @@ class LLMEngine:
                 ids.append(int(t))
         if not ids:
             raise _bad("prompt", text if text is not None else ids, "the prompt is empty")
-        if len(ids) >= self.max_seq_len:
-            limit = ("the model's context" if self.max_seq_len == self.max_model_len
-                     else "what the KV pool holds for one sequence")
-            raise _bad("prompt", ids, f"{len(ids)} tokens leave no room for a generated token in "
-                                      f"{limit} ({self.max_seq_len} tokens)")
+        if len(ids) >= self.max_model_len:
+            raise _bad("prompt", ids, f"{len(ids)} tokens leave no room for a generated token "
+                                      f"within max_model_len = {self.max_model_len} "
+                                      f"({self._limit_name()})")
         return text, ids
+
+    def _limit_name(self) -> str:
+        return ("the model's context" if self.max_model_len == self.model_context_len
+                else "what the KV pool holds for one sequence")
 
     def add_request(
         self,
@@ -429,7 +435,9 @@ class LLMEngine:
             arrival_time: ``time.perf_counter()`` of arrival (default: now), for time to first token.
 
         Raises:
-            InvalidArgumentError: Bad prompt, parameters, salt, or a request id already in use.
+            InvalidArgumentError: Bad prompt, parameters, salt, a request id already in use, or a
+                request longer than :attr:`max_model_len` allows (a prompt that reaches it; with a
+                pool-set limit, a prompt plus ``max_tokens`` past it). Nothing is queued.
         """
         request_id, text, ids, params, salt = self._validate(request_id, prompt, params, cache_salt)
         self._enqueue(request_id, text, ids, params, salt, arrival_time)
@@ -460,6 +468,17 @@ class LLMEngine:
                 raise _bad("cache_salt", cache_salt, "must be str or bytes")
             cache_salt = bytes(cache_salt)
         text, ids = self.tokenize(prompt)
+        if (self.max_model_len < self.model_context_len
+                and len(ids) + params.max_tokens > self.max_model_len):
+            # The pool, not the model, would end this request early: refuse it rather than cut
+            # it short under finish_reason "length". (A request that runs into the model's own
+            # context ends there with "length", as a model's context always ends generation.)
+            raise _bad("max_tokens", params.max_tokens,
+                       f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} = "
+                       f"{len(ids) + params.max_tokens} exceeds max_model_len = "
+                       f"{self.max_model_len} (what the KV pool holds for one sequence; the "
+                       f"model's context is {self.model_context_len}): give the pool more "
+                       f"blocks or ask for fewer tokens")
         return request_id, text, ids, params, cache_salt
 
     def _enqueue(self, request_id: str, text: Optional[str], ids: List[int],
@@ -477,9 +496,7 @@ class LLMEngine:
         self._counters["num_prompt_tokens"] += len(ids)
 
     def _new_sequence(self, req: _Request, index: int, token_ids: List[int]) -> Any:
-        from ..scheduler import Sequence
-
-        seq = Sequence(next(self._seq_ids), token_ids, request_id=req.request_id,
+        seq = SchedulerSequence(next(self._seq_ids), token_ids, request_id=req.request_id,
                        cache_salt=req.cache_salt, arrival=req.metrics.arrival_time)
         seq.data = (req, index)
         req.seqs[index] = seq
@@ -519,9 +536,6 @@ class LLMEngine:
             OutOfBlocksError: Nothing can run although requests are waiting (a prompt that cannot
                 fit the pool even when it is empty; such a request is dropped first).
         """
-        from ..scheduler import SequenceStatus
-        from .sampler import sample
-
         started = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.preempted:
@@ -537,7 +551,8 @@ class LLMEngine:
 
         mask = batch.sample_mask()
         rows = [i for i, m in enumerate(mask) if m]
-        logits = self.runner.execute(batch.input_ids(), batch.positions(), batch.step, rows)
+        # Positions: the runner reads the step's own from what the manager wrote.
+        logits = self.runner.execute(batch.input_ids(), None, batch.step, rows)
         for seq, n_new in zip(batch.seqs, batch.num_new_tokens):
             # A sequence that is not sampling (prefill chunks) or whose step covers more than the one
             # decode token is computing prompt (or recomputed) tokens.
@@ -612,7 +627,7 @@ class LLMEngine:
             reason = ("stop", token)
         elif len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens:
             reason = ("length", None)
-        elif len(seq.token_ids) >= self.max_seq_len:
+        elif len(seq.token_ids) >= self.max_model_len:
             reason = ("length", None)
         if reason is not None:
             req.finish[index] = reason
@@ -729,66 +744,16 @@ class LLMEngine:
         )
 
 
-def _start_tp(loaded: Any, preloaded: bool, path: str, tp_size: int, runner_kwargs: Dict[str, Any],
-              swap_space: Any, num_host_blocks: Optional[int], record_steps: bool,
-              timeout_s: float) -> Any:
-    """Rank 0: checks the head split, then joins the existing process group or spawns the ranks."""
-    import torch.distributed as dist
-
-    from ..distributed.launch import TPSession, WorkerSpec
-    from ..distributed.tp import head_split, model_heads
-    from ..errors import InvalidConfigError
-
-    hq, hkv, _ = model_heads(loaded.config)
-    head_split(hq, hkv, tp_size, 0)  # a typed error before any process starts
-    if dist.is_available() and dist.is_initialized():
-        session = TPSession.attach(tp_size)
-        if session.group.rank != 0:
-            raise InvalidConfigError(
-                f"LLMEngine schedules on rank 0; rank {session.group.rank} constructs LLM (which "
-                f"runs rank 0's steps) instead", field="tensor_parallel_size", value=tp_size,
-                reason="engine on rank 0 only")
-        return session
-    dev = loaded.device
-    if preloaded:
-        raise InvalidConfigError(
-            "spawned tensor-parallel ranks load the model themselves: pass its path, or launch "
-            "every rank yourself (torchrun) and pass each its LoadedModel",
-            field="tensor_parallel_size", value=tp_size, reason="preloaded model")
-    if dev.type == "cuda" and (dev.index or 0) != 0:
-        raise InvalidConfigError(
-            f"spawned ranks use cuda:0..cuda:{tp_size - 1}; rank 0 must be on cuda:0, not {dev}",
-            field="tensor_parallel_size", value=tp_size, reason="rank 0 on cuda:0")
-    if dev.type == "cuda":
-        import torch
-
-        if torch.cuda.device_count() < tp_size:
-            raise InvalidConfigError(
-                f"tensor_parallel_size {tp_size} needs {tp_size} GPUs, "
-                f"{torch.cuda.device_count()} visible", field="tensor_parallel_size",
-                value=tp_size, reason="not enough GPUs")
-    spec = WorkerSpec(model=path, device_type=dev.type,
-                      dtype=str(loaded.dtype).rpartition(".")[2], world_size=tp_size,
-                      runner_kwargs=dict(runner_kwargs), swap_space=swap_space,
-                      num_host_blocks=num_host_blocks, record_steps=record_steps,
-                      timeout_s=timeout_s)
-    return TPSession.spawn(spec)
-
-
 def _set_cost_model(manager: Any, rates: Tuple[float, float, float], kv_bytes_per_token: int,
                     max_step_tokens: int) -> None:
     """Gives the manager's cost model its rates: ``(host link bytes/s, prefill tokens/s, step
     floor s)``, and the scheduler's token budget (a recompute is prefilled in chunks of it)."""
-    from ..manager import CostModel
-
     manager.cost_model = CostModel(host_link_bytes_per_s=rates[0], prefill_tokens_per_s=rates[1],
                                    kv_bytes_per_token=float(kv_bytes_per_token),
                                    step_floor_s=rates[2], max_step_tokens=max_step_tokens)
 
 
 def _stage_bar(enabled: bool, total: int, desc: str) -> Any:
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, desc=desc, disable=not enabled, leave=False,
                 bar_format="{desc}: {n}/{total} stages [{elapsed}]")
 
@@ -798,7 +763,8 @@ class LLM:
 
     ``LLM(model, ...)`` takes :class:`LLMEngine`'s arguments (``model=None`` loads the embedded
     SmolLM2-135M-Instruct; further keywords such as ``watermark_blocks``, ``cuda_graphs`` or
-    ``enable_chunked_prefill`` go to the engine); :meth:`generate` runs prompts to completion with
+    ``enable_chunked_prefill`` are :class:`~pagedkv.engine.config.EngineConfig` fields too);
+    :meth:`from_config` takes a config directly. :meth:`generate` runs prompts to completion with
     continuous batching. ``progress`` shows a bar while loading.
 
     Example::
@@ -810,46 +776,61 @@ class LLM:
 
     def __init__(
         self,
-        model: Optional[str] = None,
+        model: Union[str, LoadedModel, None] = None,
         *,
         device: Optional[str] = None,
         dtype: Any = None,
-        kv_cache_memory: Optional[int] = None,
+        kv_cache_memory: Union[int, str, None] = None,
         num_blocks: Optional[int] = None,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         progress: bool = True,
         **engine_args: Any,
     ) -> None:
+        config = EngineConfig(
+            kv_cache_memory=kv_cache_memory, num_blocks=num_blocks, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, progress=progress, **engine_args,
+        )
+        self._setup(model, device, dtype, config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, model: Union[str, LoadedModel, None] = None, *,
+                    device: Optional[str] = None, dtype: Any = None) -> "LLM":
+        """An LLM with the settings of ``config``; ``model``, ``device`` and ``dtype`` as for the
+        constructor."""
+        if not isinstance(config, EngineConfig):
+            raise _bad("config", type(config).__name__, "must be an EngineConfig")
+        llm = cls.__new__(cls)
+        llm._setup(model, device, dtype, config)
+        return llm
+
+    def _setup(self, model: Union[str, LoadedModel, None], device: Optional[str], dtype: Any,
+               config: EngineConfig) -> None:
         #: On a tensor-parallel rank other than 0 (one script on every rank): the runner that
         #: runs rank 0's steps; ``llm_engine`` is then None.
         self._worker: Any = None
         self._worker_stopped = False
-        tp = engine_args.get("tensor_parallel_size", 1)
-        if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1 and _dist_rank() > 0:
+        if config.tensor_parallel_size > 1 and dist_rank() > 0:
             self.llm_engine = None  # type: ignore[assignment]
-            self._worker = _build_worker(
-                model, device=device, dtype=dtype, tp=tp,
-                runner_kwargs=dict(block_size=block_size, num_blocks=num_blocks,
-                                   kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens,
-                                   cuda_graphs=engine_args.get("cuda_graphs", True)),
-                swap_space=engine_args.get("swap_space"),
-                num_host_blocks=engine_args.get("num_host_blocks"),
-                record_steps=engine_args.get("record_steps", False))
+            self._worker = build_worker(model, device=device, dtype=dtype, config=config,
+                                        build=build_rank_runner)
             return
-        self.llm_engine = LLMEngine(
-            model, device=device, dtype=dtype, kv_cache_memory=kv_cache_memory,
-            num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching, progress=progress, **engine_args,
-        )
+        self.llm_engine = LLMEngine.from_config(config, model, device=device, dtype=dtype)
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (``None`` if it has none)."""
         return self.llm_engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt and completion) served: the model's context, or what the
+        KV pool holds for one sequence when that is less (:attr:`LLMEngine.max_model_len`)."""
+        if self._worker is not None:
+            return int(self._worker.max_model_len)  # a rank other than 0 only runs steps
+        return self.llm_engine.max_model_len
 
     def shutdown(self) -> None:
         """Ends tensor parallelism (see :meth:`LLMEngine.shutdown`); with one script on every
@@ -919,9 +900,6 @@ class LLM:
         """
         if self._worker is not None:
             # A rank other than 0: run rank 0's steps until its generate ends.
-            from ..distributed.launch import serve_until_end
-            from ..distributed.step_broadcast import CMD_STOP
-
             if not self._worker_stopped and serve_until_end(self._worker) == CMD_STOP:
                 self._worker_stopped = True
                 self._worker.tp.gather_objects(self._worker.step_records)
@@ -945,8 +923,6 @@ class LLM:
         for request_id, text, tokens, params, salt in validated:
             engine._enqueue(request_id, text, tokens, params, salt, start)
             ids.append(request_id)
-
-        from tqdm.auto import tqdm
 
         results: Dict[str, RequestOutput] = {}
         pending = set(ids)
@@ -986,37 +962,3 @@ class LLM:
                 raise _bad(what, f"<{len(value)} items>", f"needs one entry per prompt ({n})")
             return list(value)
         raise _bad(what, type(value).__name__, "must be one value or one per prompt")
-
-
-def _dist_rank() -> int:
-    """This process's rank in an initialized torch.distributed group; 0 without one."""
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch without distributed
-        return 0
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _build_worker(model: Any, *, device: Any, dtype: Any, tp: int, runner_kwargs: Dict[str, Any],
-                  swap_space: Any, num_host_blocks: Optional[int], record_steps: bool) -> Any:
-    """A rank other than 0 of a group the caller made: its model shard and runner."""
-    from ..distributed.launch import WorkerSpec, build_runner
-    from ..distributed.tp import TPGroup
-    from ..errors import InvalidConfigError
-    from .loader import LoadedModel, default_model_path, load_model
-
-    group = TPGroup()
-    if group.world_size != tp:
-        raise InvalidConfigError(
-            f"tensor_parallel_size {tp} but the process group has {group.world_size} ranks",
-            field="tensor_parallel_size", value=tp, reason="must equal the process group's size")
-    if isinstance(model, LoadedModel):
-        loaded = model
-    else:
-        dev = group.device if group.backend == "nccl" else (device or "cpu")
-        loaded = load_model(default_model_path() if model is None else model, device=dev,
-                            dtype=dtype)
-    spec = WorkerSpec(model=str(loaded.path), device_type=loaded.device.type, dtype=None,
-                      world_size=tp, runner_kwargs=runner_kwargs, swap_space=swap_space,
-                      num_host_blocks=num_host_blocks, record_steps=record_steps)
-    return build_runner(spec, group, loaded)

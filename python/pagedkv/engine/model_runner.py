@@ -1,6 +1,6 @@
 """The model runner: one scheduler step through a transformers model and the paged KV pool.
 
-Owns :class:`ModelRunner`: the :class:`~pagedkv.pool.KVPool` (sized from ``num_blocks`` or a byte
+Owns :class:`ModelRunner`: the :class:`~pagedkv.kv_pool.KVPool` (sized from ``num_blocks`` or a byte
 budget through :class:`~pagedkv.config.CacheSpec`), the :class:`~pagedkv.buffers.StepBuffers` that
 the engine attaches to its :class:`~pagedkv.BlockManager`, the per-step attention metadata, and on
 CUDA the captured decode graphs.
@@ -35,20 +35,27 @@ next ``manager.step`` at once, while the GPU is still running this step's model.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence, Union
+import dataclasses
+import time
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 
 from ..buffers import StepBuffers
-from ..config import CacheSpec, CapacityError, parse_bytes
+from ..distributed.step_broadcast import CMD_STEP, CMD_STOP, StepBroadcaster
+from ..distributed.tp import TPGroup, shard_model
+from ..config import CacheSpec, CapacityError
 from ..errors import InvalidArgumentError, InvalidConfigError
 from ..kv_pool import KVPool
+from ..manager import BlockManager
+from ..swap import SwapEngine
 from . import attention as _attention
+from .config import EngineConfig
 from .forward_context import AttentionMetadata, forward_context
-from .loader import LoadedModel
+from .loader import LoadedModel, default_model_path, load_model
 
-__all__ = ["ModelRunner", "graph_batch_sizes"]
+__all__ = ["ModelRunner", "graph_batch_sizes", "build_rank_runner"]
 
 #: KV budget when neither ``num_blocks`` nor ``kv_cache_memory`` is given, on the CPU.
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
@@ -98,53 +105,43 @@ class ModelRunner:
 
     Args:
         loaded: What :func:`pagedkv.engine.loader.load_model` returned.
-        block_size: Tokens per KV block.
-        num_blocks: Blocks in the pool. Exclusive with ``kv_cache_memory``.
-        kv_cache_memory: KV budget in bytes (int or ``"2GiB"``); the pool gets
-            ``kv_cache_memory // spec.bytes_per_block`` blocks. Neither given: 256 MiB on the CPU;
-            on CUDA 85% of the free memory minus a 4 GiB reserve.
-        max_num_seqs: Most sequences in one step (block-table rows; largest graph batch).
-        max_num_batched_tokens: Most new tokens in one step (raised to ``max_num_seqs`` if below).
-        cuda_graphs: Capture decode steps in CUDA graphs (CUDA only).
-        attention_backend: ``"auto"`` (the Triton kernels on CUDA, plain PyTorch on the CPU),
-            ``"torch"`` or ``"triton"`` (on the CPU only under ``TRITON_INTERPRET=1``: how CI checks
-            the kernel path end to end).
+        config: The engine's settings (:class:`~pagedkv.engine.config.EngineConfig`); the runner
+            reads the pool's (``block_size``, ``num_blocks`` or ``kv_cache_memory``), the step
+            shape's (``max_num_seqs``, ``max_num_batched_tokens``, raised to ``max_num_seqs`` if
+            below), ``cuda_graphs``, ``attention_backend``, ``decode_planner`` and
+            ``record_steps``. Neither ``num_blocks`` nor ``kv_cache_memory``: 256 MiB on the
+            CPU; on CUDA 85% of the free memory minus a 4 GiB reserve.
         tensor_parallel: A :class:`pagedkv.distributed.TPGroup`: cut the model to this rank's
             shard (:func:`pagedkv.distributed.shard_model`), hold only this rank's KV heads in the
             pool, agree on the block count with the other ranks (the smallest), and exchange each
             step through a :class:`~pagedkv.distributed.StepBroadcaster` — rank 0 sends from
             :meth:`execute`, the others run what it sends from :meth:`serve`. Every rank must
-            construct its runner with the same arguments (the constructor runs collectives).
-        record_steps: Append a :meth:`step_record` of every step run to :attr:`step_records`
-            (for checking ranks against each other).
-        decode_planner: Plan each decode step's split-K work from the batch's real lengths
-            (:class:`pagedkv.kernels.DecodePlan`, eager and CUDA-graph steps alike) instead of
-            the heuristic that sizes every sequence's split for the longest possible one: a
-            ragged serving batch runs up to ~2x faster, a uniform one ~2% slower (kernels only).
+            construct its runner with the same config (the constructor runs collectives).
+        **knobs: :class:`EngineConfig` fields, for a runner built without an engine
+            (``ModelRunner(loaded, num_blocks=64, block_size=4)``); with ``config``, they replace
+            its fields.
 
     Attributes:
         num_blocks, spec, pool, buffers (attach to the manager with
-        ``manager.attach_buffers(runner.buffers)``), max_model_len, max_blocks_per_seq,
-        graph_sizes (captured batch sizes, empty without graphs).
+        ``manager.attach_buffers(runner.buffers)``), max_model_len (the model's context),
+        max_blocks_per_seq, graph_sizes (captured batch sizes, empty without graphs),
+        engine_config.
 
     Raises:
-        InvalidArgumentError: A size is not a positive int, or both budgets are given.
+        ConfigArgumentError: A setting is out of range, or both budgets are given.
         CapacityError: The budget holds no block.
     """
 
-    def __init__(self, loaded: LoadedModel, *, block_size: int = 16,
-                 num_blocks: Optional[int] = None,
-                 kv_cache_memory: Union[int, str, None] = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, cuda_graphs: bool = True,
-                 attention_backend: str = "auto", tensor_parallel: Any = None,
-                 record_steps: bool = False, decode_planner: bool = True) -> None:
-        for name, val in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                          ("max_num_batched_tokens", max_num_batched_tokens)):
-            _check_pos_int(name, val)
-        if num_blocks is not None and kv_cache_memory is not None:
-            raise InvalidArgumentError(
-                "invalid argument: pass num_blocks or kv_cache_memory, not both",
-                what="num_blocks", value=num_blocks, reason="exclusive with kv_cache_memory")
+    def __init__(self, loaded: LoadedModel, config: Optional[EngineConfig] = None, *,
+                 tensor_parallel: Any = None, **knobs: Any) -> None:
+        if config is None:
+            config = EngineConfig(**knobs)
+        elif knobs:
+            config = dataclasses.replace(config, **knobs)
+        #: The settings this runner was built with.
+        self.engine_config = config
+        block_size = config.block_size
+        max_num_seqs = config.max_num_seqs
         self.loaded = loaded
         self.model = loaded.model
         cfg = loaded.config
@@ -160,8 +157,6 @@ class ModelRunner:
         #: This rank's heads (:class:`pagedkv.distributed.HeadSplit`), or None without TP.
         self.head_split = None
         if tensor_parallel is not None:
-            from ..distributed.tp import shard_model
-
             # Cuts the model to this rank's heads and features (a no-op if already cut).
             self.head_split = shard_model(self.model, tensor_parallel)
             if self.device.type == "cuda":
@@ -176,8 +171,8 @@ class ModelRunner:
         self.max_model_len = int(loaded.max_model_len)
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
-        self.num_blocks = self._size_pool(num_blocks, kv_cache_memory)
+        self.max_num_batched_tokens = config.step_token_budget
+        self.num_blocks = self._size_pool(config.num_blocks, config.kv_cache_memory)
         if tensor_parallel is not None:
             # One manager serves every rank's pool: all pools get the smallest rank's block count.
             self.num_blocks = tensor_parallel.min_int(self.num_blocks)
@@ -185,11 +180,7 @@ class ModelRunner:
         self.buffers = StepBuffers(max_num_seqs, self.max_num_batched_tokens,
                                    self.max_blocks_per_seq, device=self.device, csr=False)
         self.is_cuda = self.device.type == "cuda"
-        if attention_backend not in ("auto", "torch", "triton"):
-            raise InvalidArgumentError(
-                f"invalid argument: attention_backend = {attention_backend!r}",
-                what="attention_backend", value=attention_backend,
-                reason="must be 'auto', 'torch' or 'triton'")
+        attention_backend = config.attention_backend
         if attention_backend == "auto":
             attention_backend = "triton" if self.is_cuda else "torch"
         self.attention_backend = attention_backend
@@ -209,8 +200,6 @@ class ModelRunner:
         #: Rank 0 broadcasts each step's tables and batch through it; the others receive.
         self.broadcaster = None
         if tensor_parallel is not None:
-            from ..distributed.step_broadcast import StepBroadcaster
-
             if tensor_parallel.device.type != self.device.type:
                 raise InvalidConfigError(
                     f"a {tensor_parallel.backend} group moves data on {tensor_parallel.device}, "
@@ -221,7 +210,7 @@ class ModelRunner:
                 ids_dev=self._ids_dev if self.is_cuda else None,
                 positions_dev=self._pos_dev if self.is_cuda else None)
         #: With ``record_steps``: one :func:`step_record` per step run, in order.
-        self.step_records: Optional[list] = [] if record_steps else None
+        self.step_records: Optional[list] = [] if config.record_steps else None
 
         self.workspace = None
         if self.use_kernels:
@@ -232,7 +221,7 @@ class ModelRunner:
         #: The decode planner (kernels only, ``decode_planner``): updated from the host lengths
         #: before every decode step, read by every layer's ``paged_decode`` and by the graphs.
         self.decode_plan = None
-        if self.use_kernels and decode_planner:
+        if self.use_kernels and config.decode_planner:
             from ..decode_plan import DecodePlan
 
             self.decode_plan = DecodePlan(max_num_seqs, self.num_q_heads, self.spec.num_kv_heads,
@@ -243,23 +232,18 @@ class ModelRunner:
         self.swap = None
         self.graph_sizes: list[int] = []
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
-        if self.is_cuda and self.use_kernels and cuda_graphs:
+        if self.is_cuda and self.use_kernels and config.cuda_graphs:
             self.capture_graphs()
 
     # ------------------------------------------------------------------------------ set-up
 
-    def _size_pool(self, num_blocks, kv_cache_memory) -> int:
+    def _size_pool(self, num_blocks: Optional[int], kv_cache_memory: Any) -> int:
+        # The config validated both (and stored the budget as bytes).
         per_block = self.spec.bytes_per_block
         if num_blocks is not None:
-            _check_pos_int("num_blocks", num_blocks)
             return num_blocks
         if kv_cache_memory is not None:
-            try:
-                budget = parse_bytes(kv_cache_memory)
-            except InvalidConfigError as exc:
-                raise InvalidArgumentError(
-                    f"invalid argument: kv_cache_memory = {kv_cache_memory!r}: {exc}",
-                    what="kv_cache_memory", value=kv_cache_memory, reason=str(exc)) from None
+            budget = int(kv_cache_memory)
         elif self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
             budget = int(free * DEFAULT_GPU_FRACTION) - DEFAULT_GPU_RESERVE
@@ -277,8 +261,6 @@ class ModelRunner:
             InvalidConfigError: ``num_host_blocks`` is not an int >= 1.
             AllocationFailedError: The host memory (or the device staging) cannot be allocated.
         """
-        from ..swap import SwapEngine
-
         self.swap = SwapEngine(self.pool, num_host_blocks, staging_blocks=staging_blocks)
         return self.swap
 
@@ -298,10 +280,6 @@ class ModelRunner:
         through a scratch manager on this runner's buffers. Run it before the engine's manager
         attaches the buffers: it overwrites pool and host blocks (all free at start-up).
         """
-        import time
-
-        from ..manager import BlockManager
-
         sync = torch.cuda.synchronize if self.is_cuda else (lambda *a: None)
         link = float("nan")
         if self.swap is not None:
@@ -332,13 +310,12 @@ class ModelRunner:
         mgr.attach_buffers(self.buffers)
         vocab = int(self.config.vocab_size)
         dec = list(range(1, b + 1))
-        pos = [ctx]
 
-        def timed(ids: list, news: list, inp: np.ndarray, at: np.ndarray) -> float:
+        def timed(ids: list, news: list, inp: np.ndarray) -> float:
             step = mgr.step(ids, news)
             sync()
             t0 = time.perf_counter()
-            self.execute(inp, at, step, [len(ids) - 1])
+            self.execute(inp, None, step, [len(ids) - 1])
             sync()
             return time.perf_counter() - t0
 
@@ -352,10 +329,7 @@ class ModelRunner:
                 if n:
                     mgr.admit(0, ids.tolist())
                 tok = np.concatenate([np.full(b, 7, dtype=np.int64), ids])
-                at = np.concatenate([np.full(b, pos[0], dtype=np.int64),
-                                     np.arange(n, dtype=np.int64)])
-                took = timed(dec + [0] * (n > 0), [1] * b + [n] * (n > 0), tok, at)
-                pos[0] += 1
+                took = timed(dec + [0] * (n > 0), [1] * b + [n] * (n > 0), tok)
                 if n:
                     mgr.free(0)
                 if i:
@@ -366,7 +340,7 @@ class ModelRunner:
             for sid in dec:
                 prompt = ((np.arange(ctx, dtype=np.int64) + sid) * 31) % vocab
                 mgr.admit(sid, prompt.tolist())
-                timed([sid], [ctx], prompt, np.arange(ctx, dtype=np.int64))
+                timed([sid], [ctx], prompt)
             if b == 0:
                 full = run(chunk)
                 rate, floor = chunk / full, min(run(min(16, chunk)), full)
@@ -390,8 +364,6 @@ class ModelRunner:
 
         ``kwargs`` go to the manager (``watermark_blocks``, ``enable_prefix_caching``, ...).
         """
-        from ..manager import BlockManager
-
         mgr = BlockManager(self.num_blocks, self.block_size,
                            max_blocks_per_seq=self.max_blocks_per_seq, **kwargs)
         mgr.attach_buffers(self.buffers)
@@ -399,14 +371,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------ steps
 
-    def execute(self, input_ids: Any, positions: Any, step: Any,
+    def execute(self, input_ids: Any, positions: Optional[Any], step: Any,
                 sample_rows: Sequence[int]) -> torch.Tensor:
         """Runs one step; returns float32 logits ``[len(sample_rows), vocab]``.
 
         Args:
             input_ids: The step's new tokens, concatenated in batch order (``step.num_tokens``
                 ints: numpy array, list or CPU tensor).
-            positions: Their positions in their sequences (same length).
+            positions: ``None``: the step's own (:meth:`pagedkv.StepBuffers.positions`, read
+                from what the manager wrote: the one source). Given, they must equal those.
             step: The :class:`pagedkv.StepInfo` that ``manager.step`` returned for this batch
                 (the manager filled :attr:`buffers`).
             sample_rows: Batch rows ``k`` whose last new token (index
@@ -416,8 +389,9 @@ class ModelRunner:
         broadcast first, and every other rank runs it from :meth:`serve`.
 
         Raises:
-            InvalidArgumentError: Lengths disagree with ``step``, a row is out of range, or the
-                step exceeds the buffers.
+            InvalidArgumentError: Lengths disagree with ``step``, given positions are not the
+                step's, a sequence is longer than the model's context, a row is out of range, or
+                the step exceeds the buffers.
             InvalidConfigError: Called on a tensor-parallel rank other than 0.
         """
         if self.tp_rank != 0:
@@ -427,11 +401,11 @@ class ModelRunner:
                 reason="execute on rank 0 only")
         n, t = int(step.num_seqs), int(step.num_tokens)
         ids = _as_int64(input_ids, "input_ids")
-        pos = _as_int64(positions, "positions")
-        if ids.shape[0] != t or pos.shape[0] != t:
+        given = None if positions is None else _as_int64(positions, "positions")
+        if ids.shape[0] != t:
             raise InvalidArgumentError(
-                f"invalid argument: input_ids/positions have {ids.shape[0]}/{pos.shape[0]} tokens, "
-                f"the step has {t}", what="input_ids", value=int(ids.shape[0]),
+                f"invalid argument: input_ids has {ids.shape[0]} tokens, the step has {t}",
+                what="input_ids", value=int(ids.shape[0]),
                 reason=f"must have step.num_tokens = {t} entries")
         if t == 0 or n == 0:
             raise InvalidArgumentError("invalid argument: step: an empty step", what="step",
@@ -452,11 +426,18 @@ class ModelRunner:
             raise InvalidArgumentError(
                 f"invalid argument: input_ids: token ids must be in [0, {vocab})",
                 what="input_ids", value=int(ids.max()), reason="outside the vocabulary")
-        host = self.buffers.host
-        if int(pos.max()) >= self.max_model_len or int(pos.min()) < 0:
+        if int(step.max_seq_len) > self.max_model_len:
             raise InvalidArgumentError(
-                f"invalid argument: positions: must be in [0, {self.max_model_len})",
-                what="positions", value=int(pos.max()), reason="outside the model's context")
+                f"invalid argument: step: a sequence of {int(step.max_seq_len)} tokens exceeds the "
+                f"model's context of {self.max_model_len}", what="step",
+                value=int(step.max_seq_len), reason=f"must be <= {self.max_model_len}")
+        pos = self.buffers.positions(step)
+        if given is not None and not np.array_equal(given, pos):
+            bad = int(np.flatnonzero(given != pos)[0]) if given.shape == pos.shape else -1
+            raise InvalidArgumentError(
+                f"invalid argument: positions: {given.shape[0]} positions differ from the step's "
+                f"(first at index {bad}): the step's are read from its tables",
+                what="positions", value=bad, reason="must equal buffers.positions(step)")
         if self.broadcaster is not None:
             # Every rank runs this step: send it (validated, so no rank sees a bad one).
             self.broadcaster.send_step(step, ids, pos, rows)
@@ -470,8 +451,6 @@ class ModelRunner:
         finished). Each step is run exactly as rank 0 runs it (same tables, same batch), its logits
         dropped: rank 0 samples.
         """
-        from ..distributed.step_broadcast import CMD_STEP, CMD_STOP
-
         if self.broadcaster is None or self.tp_rank == 0:
             raise InvalidConfigError("serve() runs on a tensor-parallel rank other than 0",
                                      field="tensor_parallel_size", value=self.tp_size,
@@ -682,12 +661,6 @@ class ModelRunner:
         return logits[0].index_select(0, idx).float()
 
 
-def _check_pos_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(f"invalid argument: {name} = {value!r}: must be an int >= 1",
-                                   what=name, value=value, reason="must be an int >= 1")
-
-
 def _as_int64(x: Any, name: str) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
@@ -702,3 +675,19 @@ def _as_int64(x: Any, name: str) -> np.ndarray:
         raise InvalidArgumentError(f"invalid argument: {name}: expected a 1-D integer array",
                                    what=name, value=int(a.size), reason="not a 1-D integer array")
     return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def build_rank_runner(spec: Any, group: TPGroup, loaded: Optional[LoadedModel] = None) -> ModelRunner:
+    """One tensor-parallel rank's runner from a :class:`pagedkv.distributed.launch.WorkerSpec`:
+    loads the model unless given (on the group's device under NCCL, else on ``spec.device`` or the
+    CPU), shards it, builds the runner with rank 0's config and its host pool. Every rank of a
+    group runs it with the same spec (the runner's constructor runs collectives)."""
+    if loaded is None:
+        device = group.device if group.backend == "nccl" else (spec.device or "cpu")
+        loaded = load_model(default_model_path() if spec.model is None else spec.model,
+                            device=device, dtype=spec.dtype)
+    runner = ModelRunner(loaded, spec.config, tensor_parallel=group)
+    blocks = spec.config.host_blocks(runner.spec.bytes_per_block)
+    if blocks:
+        runner.enable_swap(blocks)
+    return runner

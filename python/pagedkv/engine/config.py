@@ -1,0 +1,147 @@
+"""The engine's settings: one object, validated once.
+
+Owns :class:`EngineConfig`, every knob of :class:`~pagedkv.engine.llm.LLMEngine` (and so of
+:class:`~pagedkv.engine.llm.LLM`), :class:`~pagedkv.engine.model_runner.ModelRunner` and the
+tensor-parallel worker spec, each with its default. What model runs (a path or a loaded model),
+on which device and in which dtype stay the constructors' own arguments: a config says how the
+engine serves a model, not which one, and stays picklable for the ranks a tensor-parallel engine
+spawns.
+
+Invariants: a constructed config is valid and immutable (``__post_init__`` checks every field, in
+one place, and raises :class:`~pagedkv.errors.ConfigArgumentError` naming the field, its value and
+the rule; a dataclass ``replace`` validates again); byte sizes given as strings (``"4GiB"``) are
+stored as ints; no field depends on the model, so what only the loaded model decides (the
+context length, the pool's block count) is derived by the runner, not stored here. Importing it
+imports neither torch nor the extension.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from .._checks import DEFAULT_BLOCK_SIZE, check_block_size
+from ..config import parse_bytes
+from ..errors import ConfigArgumentError, InvalidConfigError
+
+__all__ = ["EngineConfig", "PREEMPTION_MODES", "ATTENTION_BACKENDS"]
+
+#: What :attr:`EngineConfig.preemption_mode` takes.
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+#: What :attr:`EngineConfig.attention_backend` takes.
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def _bad(name: str, value: Any, reason: str) -> ConfigArgumentError:
+    return ConfigArgumentError(f"invalid config: {name} = {value!r}: {reason}", field=name,
+                               value=value, reason=reason)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an engine serves its model: KV pool, scheduler, preemption, tensor parallelism.
+
+    The fields are :class:`~pagedkv.engine.llm.LLMEngine`'s keyword arguments of the same names
+    (see there), plus two of the model runner's own:
+
+    * ``attention_backend``: ``"auto"`` (the Triton kernels on CUDA, plain PyTorch on the CPU),
+      ``"torch"`` or ``"triton"`` (on the CPU only under ``TRITON_INTERPRET=1``);
+    * ``decode_planner``: plan each decode step's split-K work from the batch's real lengths
+      (kernels only).
+
+    Raises:
+        ConfigArgumentError: A field is out of its domain, or two exclusive fields are both given
+            (``num_blocks`` and ``kv_cache_memory``; ``swap_space`` and ``num_host_blocks``).
+    """
+
+    kv_cache_memory: Union[int, str, None] = None
+    num_blocks: Optional[int] = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    watermark_blocks: Optional[int] = None
+    cuda_graphs: bool = True
+    progress: bool = False
+    swap_space: Union[int, str, None] = None
+    num_host_blocks: Optional[int] = None
+    preemption_mode: str = "auto"
+    host_link_bytes_per_s: Optional[float] = None
+    prefill_tokens_per_s: Optional[float] = None
+    step_floor_s: Optional[float] = None
+    tensor_parallel_size: int = 1
+    record_steps: bool = False
+    tp_timeout_s: float = 600.0
+    attention_backend: str = "auto"
+    decode_planner: bool = True
+
+    def __post_init__(self) -> None:
+        check_block_size(self.block_size)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise _bad(name, value, "must be an int >= 1")
+        if self.num_blocks is not None and self.kv_cache_memory is not None:
+            raise _bad("num_blocks", self.num_blocks, "exclusive with kv_cache_memory")
+        if self.num_blocks is not None and (not _is_int(self.num_blocks) or self.num_blocks < 1):
+            raise _bad("num_blocks", self.num_blocks, "must be an int >= 1")
+        if self.swap_space is not None and self.num_host_blocks is not None:
+            raise _bad("num_host_blocks", self.num_host_blocks, "exclusive with swap_space")
+        for name in ("watermark_blocks", "num_host_blocks"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise _bad(name, value, "must be an int >= 0")
+        for name in ("kv_cache_memory", "swap_space"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    nbytes = parse_bytes(value)
+                except InvalidConfigError as exc:
+                    raise _bad(name, value, str(exc)) from None
+                # Frozen: normalising "4GiB" to its bytes needs object.__setattr__.
+                object.__setattr__(self, name, nbytes)
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise _bad("preemption_mode", self.preemption_mode,
+                       f"must be one of {', '.join(map(repr, PREEMPTION_MODES))}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise _bad("attention_backend", self.attention_backend,
+                       f"must be one of {', '.join(map(repr, ATTENTION_BACKENDS))}")
+        for name in ("host_link_bytes_per_s", "prefill_tokens_per_s", "tp_timeout_s"):
+            value = getattr(self, name)
+            if value is None and name != "tp_timeout_s":
+                continue
+            if not (_is_number(value) and 0 < value < math.inf):
+                raise _bad(name, value, "must be a positive number")
+        if self.step_floor_s is not None and not (_is_number(self.step_floor_s)
+                                                  and 0 <= self.step_floor_s < math.inf):
+            raise _bad("step_floor_s", self.step_floor_s, "must be a number >= 0")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "cuda_graphs", "progress",
+                     "record_steps", "decode_planner"):
+            value = getattr(self, name)
+            if value is not True and value is not False:
+                raise _bad(name, value, f"must be a bool, got {type(value).__name__}")
+
+    def host_blocks(self, bytes_per_block: int) -> int:
+        """Blocks of the host KV pool for blocks of ``bytes_per_block``: ``num_host_blocks``, or
+        as many as ``swap_space`` bytes hold; 0 (no host pool) without either."""
+        if self.num_host_blocks is not None:
+            return self.num_host_blocks
+        if self.swap_space is None:
+            return 0
+        return int(self.swap_space) // bytes_per_block
+
+    @property
+    def step_token_budget(self) -> int:
+        """Most new tokens in one step's buffers: ``max_num_batched_tokens``, raised to
+        ``max_num_seqs`` (a decode step carries one token per sequence)."""
+        return max(self.max_num_batched_tokens, self.max_num_seqs)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
