@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from .manager import Decision as Decision
     from .manager import Stats as Stats
     from .manager import StepInfo as StepInfo
+    from .engine.async_llm import AsyncLLM as AsyncLLM
     from .engine.llm import LLM as LLM
     from .engine.llm import LLMEngine as LLMEngine
     from .engine.outputs import CompletionOutput as CompletionOutput
@@ -88,6 +89,7 @@ _EXPORTS = {
     "InvalidSequenceStateError": "errors",
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm",
+    "AsyncLLM": "engine.async_llm",
     "SamplingParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",

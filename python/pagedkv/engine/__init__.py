@@ -7,6 +7,7 @@ Layout (who owns what):
 * :mod:`.sampler` — logits to tokens (greedy, temperature / top-k / top-p, reproducible seeding);
 * :mod:`.llm` — :class:`LLMEngine` (add_request / step) and :class:`LLM` (``generate``), which tie the
   scheduler (:mod:`pagedkv.scheduler`), the block manager and the model runner together;
+* :mod:`.async_llm` — :class:`AsyncLLM`: the engine stepped by one thread behind asyncio streams;
 * :mod:`.loader`, :mod:`.model_runner`, :mod:`.attention` — loading a transformers model and running
   one scheduler step through it with pagedkv's attention.
 
@@ -22,6 +23,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from .async_llm import AsyncLLM
     from .llm import LLM, EngineStats, LLMEngine
     from .outputs import CompletionOutput, RequestMetrics, RequestOutput
     from .sampling_params import SamplingParams
@@ -30,6 +32,7 @@ _EXPORTS = {
     "LLM": "llm",
     "LLMEngine": "llm",
     "EngineStats": "llm",
+    "AsyncLLM": "async_llm",
     "SamplingParams": "sampling_params",
     "RequestOutput": "outputs",
     "CompletionOutput": "outputs",
