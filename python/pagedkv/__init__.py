@@ -51,7 +51,9 @@ if TYPE_CHECKING:
     from .engine.llm import LLM as LLM
     from .engine.llm import LLMEngine as LLMEngine
     from .engine.outputs import CompletionOutput as CompletionOutput
+    from .engine.outputs import Logprob as Logprob
     from .engine.outputs import RequestOutput as RequestOutput
+    from .engine.sampling_params import RequestOutputKind as RequestOutputKind
     from .engine.sampling_params import SamplingParams as SamplingParams
     from .pool import KVPool as KVPool
 
@@ -91,7 +93,9 @@ _EXPORTS = {
     "LLMEngine": "engine.llm",
     "AsyncLLM": "engine.async_llm",
     "SamplingParams": "engine.sampling_params",
+    "RequestOutputKind": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
+    "Logprob": "engine.outputs",
     "CompletionOutput": "engine.outputs",
 }
 

@@ -1139,7 +1139,7 @@ class LLM:
 
     def chat(
         self,
-        messages: Union[Sequence[Dict[str, Any]], Sequence[Sequence[Dict[str, Any]]]],
+        messages: Union[Sequence[Mapping[str, Any]], Sequence[Sequence[Mapping[str, Any]]]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         *,
         use_tqdm: bool = True,
