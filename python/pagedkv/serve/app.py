@@ -182,17 +182,18 @@ def build_app(llm: AsyncLLM, *, served_model_name: str, api_key: Optional[str] =
         req.check()
         messages = req.messages_as_dicts()
         template = state.chat_template
-        add_gen = req.add_generation_prompt
-        ids = await llm.call(lambda e: _render_chat(e, messages, template, add_gen))
+        prompt = await llm.call(lambda e: _render_chat(
+            e, messages, template, req.add_generation_prompt, req.continue_final_message,
+            req.chat_template_kwargs))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         if max_tokens is None:
-            max_tokens = max(1, engine.max_seq_len - len(ids))
+            max_tokens = max(1, engine.max_seq_len - len(prompt["prompt_token_ids"]))
         top = None
         if req.logprobs:
             top = req.top_logprobs or 0
         params = sampling_params(req, max_tokens, top)
-        job = _Job(llm, [ids], params, req.cache_salt, "chatcmpl")
+        job = _Job(llm, [prompt], params, req.cache_salt, "chatcmpl")
         return await _respond(job, request, req.stream, _ChatFormat(
             job.id, state.served_model_name, req.n, req.logprobs, req.top_logprobs or 0,
             _include_usage(req)), StreamingResponse, JSONResponse)
@@ -204,26 +205,17 @@ def _include_usage(req: Union[CompletionRequest, ChatCompletionRequest]) -> bool
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
-def _render_chat(engine: Any, messages: List[Dict[str, str]], template: Optional[str],
-                 add_generation_prompt: bool) -> List[int]:
-    """Runs on the engine thread (the tokenizer is not shared across threads)."""
-    tok = engine.tokenizer
-    if tok is None:
-        raise InvalidArgumentError("invalid argument: messages: the model has no tokenizer",
-                                   what="messages", value=None, reason="no tokenizer")
-    template = template or getattr(tok, "chat_template", None)
-    if not template:
-        raise InvalidArgumentError(
-            "invalid argument: messages: the model has no chat template (start the server with "
-            "--chat-template)", what="messages", value=None, reason="no chat template")
-    try:
-        text = tok.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                       add_generation_prompt=add_generation_prompt)
-    except Exception as exc:  # the template's own checks (role order, ...) raise here
-        raise InvalidArgumentError(f"invalid argument: messages: the chat template failed: {exc}",
-                                   what="messages", value=None, reason=str(exc)) from None
-    # The template writes the special tokens itself; the tokenizer must not add them again.
-    return list(tok(text, add_special_tokens=False)["input_ids"])
+def _render_chat(engine: Any, messages: List[Dict[str, Any]], template: Optional[str],
+                 add_generation_prompt: bool, continue_final_message: bool,
+                 kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The conversation as a prompt, rendered as :meth:`pagedkv.LLM.chat` renders it. Runs on the
+    engine thread: the tokenizer is not shared across threads."""
+    from ..engine.chat import render_conversations
+
+    return render_conversations(engine.tokenizer, messages, chat_template=template,
+                                add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message,
+                                chat_template_kwargs=kwargs)[0]
 
 
 # ------------------------------------------------------------------------------------- jobs

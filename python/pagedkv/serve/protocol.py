@@ -138,6 +138,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Optional[Any] = None
     response_format: Optional[Dict[str, Any]] = None
