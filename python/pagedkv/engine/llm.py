@@ -18,9 +18,13 @@ Invariants of this module:
 * a request with ``n > 1`` is queued as one sequence; when its prompt's prefill completes, the same
   logits seed all ``n`` samples and the other ``n - 1`` sequences are forked from it, sharing its
   KV blocks copy-on-write (the prompt is computed once);
-* a completion finishes with ``"stop"`` on an end-of-sequence token (unless ``ignore_eos``) or a
-  ``stop_token_ids`` entry, and with ``"length"`` at ``max_tokens`` or when the sequence fills the
-  model's context (or the most the KV pool can hold for one sequence);
+* a completion finishes with ``"stop"`` on an end-of-sequence token (unless ``ignore_eos``), a
+  ``stop_token_ids`` entry or a stop string in its text (neither before ``min_tokens``), and with
+  ``"length"`` at ``max_tokens`` or when the sequence fills the model's context (or the most the KV
+  pool can hold for one sequence);
+* every generated token is fed once to its sample's output state (:mod:`.output_state`:
+  incremental text, stop strings, logprobs), so a step's work per sample does not grow with the
+  text; what a step reports follows the request's ``output_kind``;
 * a preempted sequence keeps its tokens and is either swapped out to the host KV pool (its blocks
   copied back before it runs again) or recomputed, per the cost model (``preemption_mode``); since
   draws depend only on the sample's seed and position (:mod:`.sampler`), its output is what it
@@ -603,7 +607,9 @@ class LLMEngine:
 
         Returns:
             A :class:`RequestOutput` for every request that produced a token or finished this step
-            (finished ones for the last time: they are forgotten afterwards).
+            (finished ones for the last time: they are forgotten afterwards), as the request's
+            ``output_kind`` asks: cumulative snapshots, deltas since its previous output, or only
+            its final output.
 
         Raises:
             OutOfBlocksError: Nothing can run although requests are waiting (a prompt that cannot

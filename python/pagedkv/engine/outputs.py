@@ -47,7 +47,9 @@ class CompletionOutput:
 
     #: Which sample of the request (``0 .. n-1``).
     index: int
-    #: The generated text (detokenized ``token_ids``; empty when the model has no tokenizer).
+    #: The generated text, as the prompt's continuation (detokenized incrementally; the stop
+    #: token's text and anything from a matched stop string on are left out; empty when the
+    #: model has no tokenizer).
     text: str
     #: The generated token ids, stop token included.
     token_ids: List[int]
