@@ -173,6 +173,29 @@ def chat_flow(model: Optional[str] = None) -> list[str]:
     return seen
 
 
+async def async_flow(model: Optional[str] = None) -> list[str]:
+    """AsyncLLM as docs/serve.md shows it. Type-checked always; run with the engine flow."""
+    llm = pagedkv.AsyncLLM(model, device="cpu", num_blocks=256, max_queue_size=8)
+    texts: list[str] = []
+    try:
+        params = pagedkv.SamplingParams(temperature=0.0, max_tokens=2)
+        async for out in llm.generate([1, 2, 3], params, request_id="a0"):
+            snapshot: pagedkv.RequestOutput = out
+            texts.append(snapshot.outputs[0].text)
+        aborted: bool = await llm.abort("a0")
+        assert not aborted
+        try:
+            async for _ in llm.generate("", params):
+                pass
+        except errors.InvalidArgumentError as err:
+            texts.append(err.reason)
+        except errors.EngineOverloadedError as err:
+            texts.append(f"{err.waiting}/{err.max_queue_size}")
+    finally:
+        llm.shutdown()
+    return texts
+
+
 def allocation_failure(err: pagedkv.AllocationFailedError) -> str:
     what: str = err.what
     size: int = err.bytes
@@ -213,6 +236,9 @@ def main() -> None:
     assert len(swap_flow()) == 3
     if os.environ.get("PAGEDKV_USER_CHECK_ENGINE"):
         assert len(engine_flow()) >= 5
+        import asyncio
+
+        assert len(asyncio.run(async_flow())) >= 2
         assert len(chat_flow()) >= 2
 
 
