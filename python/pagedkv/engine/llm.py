@@ -38,14 +38,13 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, overload
 
 from ..errors import InvalidArgumentError, OutOfBlocksError
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineStats"]
 
@@ -740,8 +739,6 @@ class LLMEngine:
             row += hi - lo
 
     def _reports(self, req: _Request) -> bool:
-        from .sampling_params import RequestOutputKind
-
         return req.finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY
 
     def _after_token(self, req: _Request, index: int, seq: Any, token: int, now: float,
@@ -795,8 +792,6 @@ class LLMEngine:
         )
 
     def _output(self, req: _Request) -> RequestOutput:
-        from .sampling_params import RequestOutputKind
-
         delta = req.params.output_kind is RequestOutputKind.DELTA
         completions = []
         for i, seq in enumerate(req.seqs):
@@ -1204,8 +1199,6 @@ class LLM:
 
 def _final_only(params: Any) -> Any:
     """``generate`` waits for final outputs: intermediate snapshots would only cost time."""
-    from .sampling_params import RequestOutputKind
-
     if params is None:
         return SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)
     if isinstance(params, SamplingParams) and params.output_kind is not RequestOutputKind.FINAL_ONLY:
