@@ -211,3 +211,25 @@ def test_call_runs_on_engine_thread(llm):
         return time.perf_counter() - started
 
     assert asyncio.run(main()) < 30
+
+
+def test_two_engines_in_two_threads(llm, model_dir):
+    # The engine thread steps while this thread runs another engine: each forward must see its
+    # own step's attention metadata, never the other's.
+    offline = pagedkv.LLM(model_dir, progress=False, **_engine_args())
+    prompts = [[3, 4, 5, 6, 7], [8, 9, 10]]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in offline.generate(prompts, params, use_tqdm=False)]
+
+    async def main():
+        streams = [asyncio.create_task(_collect(llm, p, params)) for p in prompts]
+        await asyncio.sleep(0)
+        loop = asyncio.get_running_loop()
+        side = [await loop.run_in_executor(None, lambda: offline.generate(
+            prompts, params, use_tqdm=False)) for _ in range(3)]
+        return await asyncio.gather(*streams), side
+
+    streams, side = asyncio.run(asyncio.wait_for(main(), 120))
+    assert [s[-1].outputs[0].token_ids for s in streams] == ref
+    for outs in side:
+        assert [o.outputs[0].token_ids for o in outs] == ref

@@ -63,13 +63,19 @@ class RequestObserver(Protocol):
 class _Stream:
     """Loop-side end of one request: its queue and the loop that owns it."""
 
-    __slots__ = ("loop", "queue", "waiting")
+    __slots__ = ("loop", "queue", "waiting", "aborted")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.queue: "asyncio.Queue[Union[RequestOutput, BaseException]]" = asyncio.Queue()
         #: Counted in ``AsyncLLM._num_waiting`` (no first token yet).
         self.waiting = True
+        #: Set by :meth:`AsyncLLM.abort`: outputs still queued are dropped.
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.queue.put_nowait(asyncio.CancelledError())
 
 
 class _Track:
@@ -251,6 +257,9 @@ class AsyncLLM:
             await added
             while True:
                 item = await stream.queue.get()
+                if stream.aborted:
+                    finished = True
+                    raise asyncio.CancelledError()
                 if isinstance(item, BaseException):
                     finished = True  # the engine already dropped it
                     raise item
@@ -266,8 +275,9 @@ class AsyncLLM:
             self._unwait(stream)
 
     async def abort(self, request_id: str) -> bool:
-        """Aborts a request (its stream ends with ``asyncio.CancelledError``); returns whether it
-        was still unfinished. Its blocks are free when this returns."""
+        """Aborts a request: its stream's next ``__anext__`` raises ``asyncio.CancelledError``
+        (outputs not yet taken are dropped). Returns whether it was still unfinished. Its blocks
+        are free when this returns."""
         loop = asyncio.get_running_loop()
         done: "asyncio.Future[bool]" = loop.create_future()
         self._submit(lambda: _post(loop, _resolve, done, self._do_abort(request_id, notify=True)),
@@ -361,7 +371,8 @@ class AsyncLLM:
                     obs.on_finished(time.perf_counter() - track.arrival, "abort")
             stream = self._streams.get(rid)
             if notify and stream is not None:
-                _post(stream.loop, stream.queue.put_nowait, asyncio.CancelledError())
+                # Posted before abort() is answered, so the stream is marked when it returns.
+                _post(stream.loop, stream.abort)
         return live
 
     def _run(self) -> None:

@@ -26,7 +26,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple, Union
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -288,7 +288,7 @@ class _Job:
                 pass
 
 
-async def _settle(tasks: List["asyncio.Future[Any]"]) -> None:
+async def _settle(tasks: Sequence["asyncio.Future[Any]"]) -> None:
     """Waits for cancelled tasks to finish their clean-up (even if this task is cancelled too)."""
     pending = [t for t in tasks if not t.done()]
     if pending:
