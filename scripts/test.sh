@@ -27,6 +27,9 @@ cargo bench -p pagedkv --no-run
 echo "== release wheel: build (manylinux_2_28, abi3), install into a fresh venv, smoke-test"
 PYTHON="${PYTHON:-python3}" bash scripts/wheel_smoke.sh
 
+echo "== the core install's dependency floors (numpy 1.26, tqdm 4.66), no torch"
+PYTHON="${PYTHON:-python3}" bash scripts/test_floors.sh
+
 echo "== pytest"
 if ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
     export TRITON_INTERPRET=1

@@ -14,19 +14,33 @@ def test_top_level_help_lists_subcommands(capsys):
         main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for name in ("demo", "plan", "simulate"):
+    for name in ("demo", "plan", "simulate", "serve", "bench"):
         assert name in out
 
 
-@pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
+#: What each subcommand's help must mention; `bench` is a group (`bench serve --help` has the flags).
+HELP_WORDS = {
+    "demo": ("--json", "--model"),
+    "plan": ("--json", "--model", "--gpu-mem"),
+    "simulate": ("--json", "--model", "--gpu-mem"),
+    "serve": ("MODEL", "--model", "--host", "--port", "--max-queue-size", "--num-blocks"),
+    "bench serve": ("--url", "--num-prompts", "--request-rate", "--dataset", "--json"),
+}
+
+
+@pytest.mark.parametrize("command", sorted(set(SUBCOMMANDS) - {"bench"}) + ["bench serve"])
 def test_subcommand_help(command, capsys):
     with pytest.raises(SystemExit) as info:
-        main([command, "--help"])
+        main([*command.split(), "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    assert "--json" in out and "--model" in out
-    if command != "demo":  # the demo runs a real model; it sizes no device memory
-        assert "--gpu-mem" in out
+    for word in HELP_WORDS[command]:
+        assert word in out, word
+
+
+def test_bench_without_a_benchmark_prints_its_help(capsys):
+    assert main(["bench"]) == 2
+    assert "serve" in capsys.readouterr().err
 
 
 def test_no_command_prints_help_and_exits_2(capsys):

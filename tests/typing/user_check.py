@@ -152,6 +152,50 @@ def engine_flow(model: Optional[str] = None) -> list[str]:
     return texts
 
 
+def chat_flow(model: Optional[str] = None) -> list[str]:
+    """Chat and vLLM's sampling options, as a vLLM user writes them. Type-checked always; run
+    only on request (it loads a model)."""
+    llm = pagedkv.LLM(model, device="cpu", num_blocks=256, progress=False)
+    params = pagedkv.SamplingParams(temperature=0.7, seed=1, max_tokens=8, stop=["\n\n"],
+                                    min_tokens=1, logprobs=2, presence_penalty=0.5,
+                                    frequency_penalty=0.2, repetition_penalty=1.1, min_p=0.05,
+                                    output_kind=pagedkv.RequestOutputKind.FINAL_ONLY)
+    messages = [{"role": "user", "content": "Say hi."}]
+    out: pagedkv.RequestOutput = llm.chat(messages, params, use_tqdm=False)[0]
+    seen = [out.outputs[0].text]
+    for position in out.outputs[0].logprobs or []:
+        for token_id, lp in position.items():
+            entry: pagedkv.Logprob = lp
+            rank: Optional[int] = entry.rank
+            seen.append(f"{token_id} {entry.logprob:.3f} {rank} {entry.decoded_token!r}")
+    cumulative: Optional[float] = out.outputs[0].cumulative_logprob
+    seen.append(repr(cumulative))
+    return seen
+
+
+async def async_flow(model: Optional[str] = None) -> list[str]:
+    """AsyncLLM as docs/serve.md shows it. Type-checked always; run with the engine flow."""
+    llm = pagedkv.AsyncLLM(model, device="cpu", num_blocks=256, max_queue_size=8)
+    texts: list[str] = []
+    try:
+        params = pagedkv.SamplingParams(temperature=0.0, max_tokens=2)
+        async for out in llm.generate([1, 2, 3], params, request_id="a0"):
+            snapshot: pagedkv.RequestOutput = out
+            texts.append(snapshot.outputs[0].text)
+        aborted: bool = await llm.abort("a0")
+        assert not aborted
+        try:
+            async for _ in llm.generate("", params):
+                pass
+        except errors.InvalidArgumentError as err:
+            texts.append(err.reason)
+        except errors.EngineOverloadedError as err:
+            texts.append(f"{err.waiting}/{err.max_queue_size}")
+    finally:
+        llm.shutdown()
+    return texts
+
+
 def allocation_failure(err: pagedkv.AllocationFailedError) -> str:
     what: str = err.what
     size: int = err.bytes
@@ -192,6 +236,10 @@ def main() -> None:
     assert len(swap_flow()) == 3
     if os.environ.get("PAGEDKV_USER_CHECK_ENGINE"):
         assert len(engine_flow()) >= 5
+        import asyncio
+
+        assert len(asyncio.run(async_flow())) >= 2
+        assert len(chat_flow()) >= 2
 
 
 if __name__ == "__main__":

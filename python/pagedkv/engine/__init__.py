@@ -3,11 +3,17 @@
 Layout (who owns what):
 
 * :mod:`.config` — :class:`EngineConfig`, every setting of the engine, validated once;
-* :mod:`.sampling_params` — :class:`SamplingParams`, validated on construction;
-* :mod:`.outputs` — :class:`RequestOutput` / :class:`CompletionOutput` snapshots;
-* :mod:`.sampler` — logits to tokens (greedy, temperature / top-k / top-p, reproducible seeding);
+* :mod:`.sampling_params` — :class:`SamplingParams` and :class:`RequestOutputKind`, validated on
+  construction;
+* :mod:`.outputs` — :class:`RequestOutput` / :class:`CompletionOutput` snapshots, :class:`Logprob`;
+* :mod:`.sampler` — logits to tokens (greedy, temperature / min-p / top-k / top-p, reproducible
+  seeding) and logprobs; :mod:`.penalties` — the batched logits processing it applies first;
+* :mod:`.detokenizer`, :mod:`.output_state` — incremental text per sample, stop strings, and what
+  each output reports (cumulative, delta, final only);
+* :mod:`.chat` — conversations through the tokenizer's chat template, for ``LLM.chat``;
 * :mod:`.llm` — :class:`LLMEngine` (add_request / step) and :class:`LLM` (``generate``), which tie the
   scheduler (:mod:`pagedkv.scheduler`), the block manager and the model runner together;
+* :mod:`.async_llm` — :class:`AsyncLLM`: the engine stepped by one thread behind asyncio streams;
 * :mod:`.loader`, :mod:`.model_runner`, :mod:`.attention` — loading a transformers model and running
   one scheduler step through it with pagedkv's attention.
 
@@ -24,17 +30,21 @@ if TYPE_CHECKING:
     from typing import Any
 
     from .config import EngineConfig
+    from .async_llm import AsyncLLM
     from .llm import LLM, EngineStats, LLMEngine
-    from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-    from .sampling_params import SamplingParams
+    from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from .sampling_params import RequestOutputKind, SamplingParams
 
 _EXPORTS = {
     "LLM": "llm",
     "LLMEngine": "llm",
     "EngineStats": "llm",
     "EngineConfig": "config",
+    "AsyncLLM": "async_llm",
     "SamplingParams": "sampling_params",
+    "RequestOutputKind": "sampling_params",
     "RequestOutput": "outputs",
+    "Logprob": "outputs",
     "CompletionOutput": "outputs",
     "RequestMetrics": "outputs",
 }

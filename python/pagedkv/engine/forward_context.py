@@ -10,13 +10,15 @@ Why a context rather than an argument: transformers calls the registered attenti
 paged metadata has no slot in that call. The runner sets it here for the duration of one forward
 (or one CUDA-graph capture), and each layer reads it. Invariants: exactly one metadata object is
 current during a runner forward, none outside one (an attention call with none raises, rather than
-silently attending without the cache); the tensors it refers to are built once per step (CPU) or
+silently attending without the cache), per thread: two engines stepping in two threads (an
+``AsyncLLM``'s engine thread beside another engine) never see each other's; the tensors it refers to are built once per step (CPU) or
 live at fixed addresses (CUDA), never per layer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -63,17 +65,23 @@ class AttentionMetadata:
     plan: Any = None
 
 
-_CURRENT: Optional[AttentionMetadata] = None
+class _Current(threading.local):
+    meta: Optional[AttentionMetadata] = None
+
+
+_CURRENT = _Current()
 
 
 def current_metadata() -> AttentionMetadata:
-    """The metadata of the step being run; :class:`RuntimeError` outside a runner forward."""
-    if _CURRENT is None:
+    """The metadata of the step this thread is running; :class:`RuntimeError` outside a runner
+    forward."""
+    meta = _CURRENT.meta
+    if meta is None:
         raise RuntimeError(
             "pagedkv attention called outside a ModelRunner step: no paged metadata is current "
             "(run the model through ModelRunner.execute, or use another attn_implementation)"
         )
-    return _CURRENT
+    return meta
 
 
 @contextlib.contextmanager
@@ -85,14 +93,13 @@ def forward_context(meta: AttentionMetadata, model: Any) -> Iterator[None]:
     outside a runner step. The internal attribute is set directly: the public setter re-validates
     the name and walks sub-configs on every call, which is per-step overhead for nothing.
     """
-    global _CURRENT
     cfg = model.config
     prev_impl = cfg._attn_implementation_internal
-    prev_meta = _CURRENT
-    _CURRENT = meta
+    prev_meta = _CURRENT.meta
+    _CURRENT.meta = meta
     cfg._attn_implementation_internal = "pagedkv"
     try:
         yield
     finally:
         cfg._attn_implementation_internal = prev_impl
-        _CURRENT = prev_meta
+        _CURRENT.meta = prev_meta

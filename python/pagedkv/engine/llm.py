@@ -18,12 +18,15 @@ Invariants of this module:
 * a request with ``n > 1`` is queued as one sequence; when its prompt's prefill completes, the same
   logits seed all ``n`` samples and the other ``n - 1`` sequences are forked from it, sharing its
   KV blocks copy-on-write (the prompt is computed once);
-* a completion finishes with ``"stop"`` on an end-of-sequence token (unless ``ignore_eos``) or a
-  ``stop_token_ids`` entry, and with ``"length"`` at ``max_tokens`` or when the sequence fills the
-  model's context;
+* a completion finishes with ``"stop"`` on an end-of-sequence token (unless ``ignore_eos``), a
+  ``stop_token_ids`` entry or a stop string in its text (neither before ``min_tokens``), and with
+  ``"length"`` at ``max_tokens`` or when the sequence fills the model's context;
 * ``max_model_len`` is the model's context, or what the KV pool holds for one sequence when that
   is less (logged at start-up); a request whose prompt reaches it, or whose prompt plus
   ``max_tokens`` exceeds a pool-set limit, is refused at ``add_request``, never cut short;
+* every generated token is fed once to its sample's output state (:mod:`.output_state`:
+  incremental text, stop strings, logprobs), so a step's work per sample does not grow with the
+  text; what a step reports follows the request's ``output_kind``;
 * a preempted sequence keeps its tokens and is either swapped out to the host KV pool (its blocks
   copied back before it runs again) or recomputed, per the cost model (``preemption_mode``); since
   draws depend only on the sample's seed and position (:mod:`.sampler`), its output is what it
@@ -35,9 +38,11 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import random
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, overload
 
 import torch
@@ -54,8 +59,8 @@ from .config import EngineConfig
 from .loader import LoadedModel, default_model_path, load_model
 from .model_runner import ModelRunner, build_rank_runner
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampler import sample, sample_seed
-from .sampling_params import SamplingParams
+from .sampler import SamplerRow, sample_batch, sample_seed
+from .sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineStats"]
 
@@ -69,6 +74,27 @@ def _bad(what: str, value: Any, reason: str) -> InvalidArgumentError:
     return InvalidArgumentError(
         f"invalid argument: {what} = {shown!r}: {reason}", what=what, value=shown, reason=reason
     )
+
+
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _check_prompt_mapping(prompt: Any) -> None:
+    """A mapping is a prompt only as a plain dict of ``prompt`` / ``prompt_token_ids``: iterating
+    anything else (a ``BatchEncoding`` iterates its key names) would generate from key names."""
+    keys = sorted(map(str, prompt.keys()))
+    kind = type(prompt).__name__
+    if not isinstance(prompt, dict):
+        hint = (" (apply_chat_template returns one: pass the messages to LLM.chat(), or its "
+                "['input_ids'] as the prompt)" if kind == "BatchEncoding" else "")
+        raise _bad("prompt", f"<{kind} with keys {keys}>",
+                   f"a {kind} is not a prompt{hint}; a prompt is a string, token ids or a dict "
+                   f"with {list(_PROMPT_KEYS)}; conversations go to LLM.chat()")
+    unknown = [k for k in keys if k not in _PROMPT_KEYS]
+    if unknown or not keys:
+        raise _bad("prompt", f"<dict with keys {keys}>",
+                   f"a dict prompt has only the keys {list(_PROMPT_KEYS)} (unknown: {unknown}); "
+                   f"a list of chat messages goes to LLM.chat()")
 
 
 @dataclass
@@ -129,7 +155,8 @@ class _Request:
     """Engine-side state of one request: its samples' sequences and how each ended."""
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "cache_salt", "seed", "seqs",
-                 "finish", "metrics", "forked", "seq_seeds")
+                 "finish", "metrics", "forked", "seq_seeds", "states", "banned", "prompt_logprobs",
+                 "prompt_lp_next", "prompt_lp_sent")
 
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: List[int],
                  params: SamplingParams, cache_salt: Optional[bytes], seed: int,
@@ -142,8 +169,17 @@ class _Request:
         self.seed = seed
         #: One slot per sample; samples 1.. are filled when sample 0's prefill completes.
         self.seqs: List[Any] = [None] * params.n
-        #: (finish_reason, stop_token) per sample, ``None`` while running.
-        self.finish: List[Optional[Tuple[str, Optional[int]]]] = [None] * params.n
+        #: (finish_reason, stop_reason) per sample, ``None`` while running.
+        self.finish: List[Optional[Tuple[str, Union[int, str, None]]]] = [None] * params.n
+        #: Per sample: text, stop strings, logprobs, what was reported (set by the engine).
+        self.states: List[Any] = []
+        #: Tokens that cannot be sampled before ``min_tokens`` (set by the engine).
+        self.banned: frozenset = frozenset()
+        #: Prompt logprobs collected so far (first entry None), and the next prompt position
+        #: whose logits give one; whether a delta output has carried them yet.
+        self.prompt_logprobs: Optional[List[Any]] = None
+        self.prompt_lp_next = 0
+        self.prompt_lp_sent = False
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.forked = params.n == 1
         self.seq_seeds = [sample_seed(seed, i) for i in range(params.n)]
@@ -353,6 +389,7 @@ class LLMEngine:
         # Seeds for requests that give none: drawn once per request, so even an unseeded request
         # resumes unchanged after a preemption.
         self._seed_rng = random.Random()
+        self._token_text: Dict[int, str] = {}
         self.reset_stats()
 
     def shutdown(self) -> None:
@@ -373,20 +410,27 @@ class LLMEngine:
         """``(text or None, token ids)`` of a prompt, validated against the model.
 
         A prompt is a string (encoded with the tokenizer, special tokens as the tokenizer adds
-        them), a sequence of token ids, or a dict with ``"prompt"`` or ``"prompt_token_ids"``.
+        them), a sequence of token ids, or a dict with ``"prompt"`` or ``"prompt_token_ids"`` (with
+        both, the ids are used and the text is only reported). Any other mapping (a chat message,
+        a tokenizer's ``BatchEncoding``) is refused, never iterated.
 
         Raises:
             InvalidArgumentError: The prompt is empty, of the wrong type, holds an id outside the
                 vocabulary, is a string for a model without a tokenizer, or leaves no room in the
                 model's context (or the KV pool) for a generated token.
         """
-        if isinstance(prompt, dict):
+        given_text: Optional[str] = None
+        if isinstance(prompt, Mapping):
+            _check_prompt_mapping(prompt)
             if "prompt_token_ids" in prompt:
+                if isinstance(prompt.get("prompt"), str):
+                    given_text = prompt["prompt"]
                 prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
             else:
-                raise _bad("prompt", prompt, "a dict prompt needs 'prompt' or 'prompt_token_ids'")
+                prompt = prompt["prompt"]
+        elif prompt is None:
+            raise _bad("prompt", None, "None is not a prompt (a string, token ids or "
+                                       "{'prompt_token_ids': [...]}); conversations go to LLM.chat()")
         text: Optional[str] = None
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -403,6 +447,8 @@ class LLMEngine:
                 if t < 0 or (self.vocab_size and t >= self.vocab_size):
                     raise _bad("prompt", t, f"token id outside the vocabulary [0, {self.vocab_size})")
                 ids.append(int(t))
+        if given_text is not None:
+            text = given_text
         if not ids:
             raise _bad("prompt", text if text is not None else ids, "the prompt is empty")
         if len(ids) >= self.max_model_len:
@@ -467,6 +513,7 @@ class LLMEngine:
             elif not isinstance(cache_salt, (bytes, bytearray)):
                 raise _bad("cache_salt", cache_salt, "must be str or bytes")
             cache_salt = bytes(cache_salt)
+        self._check_options(params)
         text, ids = self.tokenize(prompt)
         if (self.max_model_len < self.model_context_len
                 and len(ids) + params.max_tokens > self.max_model_len):
@@ -481,12 +528,31 @@ class LLMEngine:
                        f"blocks or ask for fewer tokens")
         return request_id, text, ids, params, cache_salt
 
+    def _check_options(self, params: SamplingParams) -> None:
+        """The sampling options that depend on the model (the rest :class:`SamplingParams`
+        checked itself)."""
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and self.vocab_size and k > self.vocab_size:
+                raise _bad(name, k, f"more than the vocabulary ({self.vocab_size} tokens)")
+        if params.stop_strings and self.tokenizer is None:
+            raise _bad("stop", list(params.stop_strings),
+                       "stop strings are matched on text: the model has no tokenizer")
+        if params.prompt_logprobs is not None and self._tp is not None:
+            raise _bad("prompt_logprobs", params.prompt_logprobs,
+                       "not supported with tensor_parallel_size > 1")
+
     def _enqueue(self, request_id: str, text: Optional[str], ids: List[int],
                  params: SamplingParams, salt: Optional[bytes],
                  arrival_time: Optional[float]) -> None:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        if params.prompt_logprobs is not None:
+            # Every prompt position's logits are needed, so no prefix-cache hit may skip one: a
+            # private cache namespace (nor does any other request then hit these blocks).
+            salt = (salt or b"") + b"\x00prompt-logprobs\x00" + os.urandom(16)
         req = _Request(request_id, text, ids, params, salt, seed,
                        time.perf_counter() if arrival_time is None else arrival_time)
+        self._init_outputs(req)
         seq = self._new_sequence(req, 0, list(ids))
         # Admission keeps room under max_num_seqs for the samples forked from this sequence.
         seq.n = params.n
@@ -494,6 +560,32 @@ class LLMEngine:
         self.scheduler.add(seq)
         self._counters["num_requests"] += 1
         self._counters["num_prompt_tokens"] += len(ids)
+
+    def _init_outputs(self, req: _Request) -> None:
+        from .detokenizer import IncrementalDetokenizer
+        from .output_state import SampleState
+
+        params = req.params
+        tok = self.tokenizer
+        req.states = [SampleState(None if tok is None else IncrementalDetokenizer(
+            tok, req.prompt_token_ids, params.skip_special_tokens), params)
+            for _ in range(params.n)]
+        if params.min_tokens:
+            eos = frozenset() if params.ignore_eos else self.eos_token_ids
+            req.banned = frozenset(params._stop_set) | eos
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+
+    def _decode_token(self, token_id: int) -> Optional[str]:
+        """One token's text on its own (for :class:`Logprob`), cached per id."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False,
+                                         clean_up_tokenization_spaces=False)
+            self._token_text[token_id] = text
+        return text
 
     def _new_sequence(self, req: _Request, index: int, token_ids: List[int]) -> Any:
         seq = SchedulerSequence(next(self._seq_ids), token_ids, request_id=req.request_id,
@@ -530,7 +622,9 @@ class LLMEngine:
 
         Returns:
             A :class:`RequestOutput` for every request that produced a token or finished this step
-            (finished ones for the last time: they are forgotten afterwards).
+            (finished ones for the last time: they are forgotten afterwards), as the request's
+            ``output_kind`` asks: cumulative snapshots, deltas since its previous output, or only
+            its final output.
 
         Raises:
             OutOfBlocksError: Nothing can run although requests are waiting (a prompt that cannot
@@ -552,7 +646,15 @@ class LLMEngine:
         mask = batch.sample_mask()
         rows = [i for i, m in enumerate(mask) if m]
         # Positions: the runner reads the step's own from what the manager wrote.
-        logits = self.runner.execute(batch.input_ids(), None, batch.step, rows)
+        prompt_lp = self._prompt_logprob_rows(batch)
+        if prompt_lp:
+            extra = [t for _, lo, hi, at in prompt_lp for t in range(at, at + hi - lo)]
+            logits = self.runner.execute(batch.input_ids(), None, batch.step, rows,
+                                         extra_logit_indices=extra)
+            self._record_prompt_logprobs(prompt_lp, logits[len(rows):])
+            logits = logits[:len(rows)]
+        else:
+            logits = self.runner.execute(batch.input_ids(), None, batch.step, rows)
         for seq, n_new in zip(batch.seqs, batch.num_new_tokens):
             # A sequence that is not sampling (prefill chunks) or whose step covers more than the one
             # decode token is computing prompt (or recomputed) tokens.
@@ -561,27 +663,28 @@ class LLMEngine:
 
         # One draw per sampled row; a prompt whose n > 1 samples are not yet forked also draws its
         # other samples' first tokens from the same logits row (appended after the rows).
-        params, seeds, positions = [], [], []
+        sampler_rows: List[SamplerRow] = []
         forks: List[Tuple[_Request, int, Any]] = []
         fork_rows: List[int] = []
         for r, i in enumerate(rows):
             seq = batch.seqs[i]
             req, index = seq.data
-            params.append(req.params)
-            seeds.append(req.seq_seeds[index])
-            positions.append(len(seq.token_ids) - seq.num_prompt_tokens)
+            sampler_rows.append(SamplerRow(req.params, req.seq_seeds[index],
+                                           len(seq.token_ids) - seq.num_prompt_tokens,
+                                           seq.token_ids, seq.num_prompt_tokens, req.banned))
             if not req.forked:
                 req.forked = True
                 for child in range(1, req.params.n):
                     forks.append((req, child, seq))
                     fork_rows.append(r)
-        for (req, child, _parent) in forks:
-            params.append(req.params)
-            seeds.append(req.seq_seeds[child])
-            positions.append(0)
+        for (req, child, parent) in forks:
+            sampler_rows.append(SamplerRow(req.params, req.seq_seeds[child], 0, parent.token_ids,
+                                           parent.num_prompt_tokens, req.banned))
         if forks:
             logits = logits[list(range(len(rows))) + fork_rows]
-        tokens = sample(logits, params, seeds, positions)
+        result = sample_batch(logits, sampler_rows)
+        tokens = result.token_ids
+        row_logprobs = result.logprobs
 
         sampled: List[Optional[int]] = [None] * len(batch.seqs)
         for r, i in enumerate(rows):
@@ -592,19 +695,20 @@ class LLMEngine:
         touched: Dict[str, _Request] = {}
         done: List[Any] = []
         # Forks first: a parent that finishes on its first token must still be running to be forked.
-        for (req, child, parent), tok in zip(forks, tokens[len(rows):]):
+        for j, ((req, child, parent), tok) in enumerate(zip(forks, tokens[len(rows):])):
             child_seq = self._new_sequence(req, child, list(req.prompt_token_ids))
             self.scheduler.fork(parent, child_seq)
             child_seq.append_token(tok)
-            self._after_token(req, child, child_seq, tok, now, touched, done)
-        for i in rows:
+            self._after_token(req, child, child_seq, tok, now, touched, done,
+                              row_logprobs[len(rows) + j])
+        for r, i in enumerate(rows):
             seq = batch.seqs[i]
             req, index = seq.data
-            self._after_token(req, index, seq, sampled[i], now, touched, done)
+            self._after_token(req, index, seq, sampled[i], now, touched, done, row_logprobs[r])
         if done:
             self.scheduler.finish_many(done)
 
-        outputs = [self._output(req) for req in touched.values()]
+        outputs = [self._output(req) for req in touched.values() if self._reports(req)]
         for req in touched.values():
             if req.finished:
                 req.metrics.finished_time = now
@@ -612,8 +716,48 @@ class LLMEngine:
         self._record_step(batch, time.perf_counter() - started)
         return outputs
 
+    def _prompt_logprob_rows(self, batch: Any) -> List[Tuple[_Request, int, int, int]]:
+        """``(request, first position, end position, packed index of the first)`` of every
+        prompt stretch this step computes whose logits give prompt logprobs not yet collected.
+        The logits at position ``j`` are the distribution of prompt token ``j + 1``."""
+        out: List[Tuple[_Request, int, int, int]] = []
+        at = 0
+        for seq, n_new in zip(batch.seqs, batch.num_new_tokens):
+            req = seq.data[0]
+            if req.prompt_logprobs is not None and seq is req.seqs[0]:
+                start = seq.num_computed_tokens
+                lo = max(start, req.prompt_lp_next)
+                hi = min(start + n_new, len(req.prompt_token_ids) - 1)
+                if lo < hi:
+                    out.append((req, lo, hi, at + lo - start))
+            at += n_new
+        return out
+
+    def _record_prompt_logprobs(self, stretches: List[Tuple[_Request, int, int, int]],
+                                logits: Any) -> None:
+        import torch
+
+        from .output_state import logprob_entry
+        from .sampler import compute_logprobs
+
+        row = 0
+        for req, lo, hi, _ in stretches:
+            targets = req.prompt_token_ids[lo + 1:hi + 1]
+            chosen = torch.tensor(targets, dtype=torch.int64, device=logits.device)
+            k = int(req.params.prompt_logprobs or 0)
+            entries = compute_logprobs(logits[row:row + hi - lo], chosen, k)
+            assert req.prompt_logprobs is not None
+            req.prompt_logprobs.extend(logprob_entry(e, t, self._decode_token)
+                                       for e, t in zip(entries, targets))
+            req.prompt_lp_next = hi
+            row += hi - lo
+
+    def _reports(self, req: _Request) -> bool:
+        return req.finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY
+
     def _after_token(self, req: _Request, index: int, seq: Any, token: int, now: float,
-                     touched: Dict[str, _Request], done: List[Any]) -> None:
+                     touched: Dict[str, _Request], done: List[Any],
+                     logprobs: Any = None) -> None:
         touched[req.request_id] = req
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
@@ -622,9 +766,18 @@ class LLMEngine:
             self._counters["request_prompt_tokens"] += len(req.prompt_token_ids)
         self._counters["num_generated_tokens"] += 1
         params = req.params
-        reason: Optional[Tuple[str, Optional[int]]] = None
-        if (not params.ignore_eos and token in self.eos_token_ids) or token in params._stop_set:
-            reason = ("stop", token)
+        state = req.states[index]
+        if logprobs is not None:
+            state.add_logprobs(logprobs, token, self._decode_token)
+        eos = not params.ignore_eos and token in self.eos_token_ids
+        stop_token = eos or token in params._stop_set
+        matched = state.add_token(token, stop_token)
+        reason: Optional[Tuple[str, Union[int, str, None]]] = None
+        if stop_token:
+            # An end-of-sequence token is no stop_reason (as in vLLM); a stop_token_ids entry is.
+            reason = ("stop", None if eos else token)
+        elif matched is not None:
+            reason = ("stop", matched)
         elif len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens:
             reason = ("length", None)
         elif len(seq.token_ids) >= self.max_model_len:
@@ -653,27 +806,29 @@ class LLMEngine:
         )
 
     def _output(self, req: _Request) -> RequestOutput:
+        delta = req.params.output_kind is RequestOutputKind.DELTA
         completions = []
         for i, seq in enumerate(req.seqs):
+            state = req.states[i]
             if seq is None:
                 completions.append(CompletionOutput(i, "", [], None, None))
                 continue
-            ids = list(seq.token_ids[seq.num_prompt_tokens:])
             fin = req.finish[i]
             reason, stop = (fin if fin is not None else (None, None))
-            completions.append(CompletionOutput(i, self._detokenize(ids, req.params, stop), ids,
-                                                reason, stop))
+            text, start, lps = state.take(fin is not None, delta)
+            ids = list(seq.token_ids[seq.num_prompt_tokens + start:])
+            completions.append(CompletionOutput(i, text, ids, reason, stop, lps,
+                                                state.cumulative_logprob))
+        prompt_lps = req.prompt_logprobs
+        if prompt_lps is not None:
+            if delta and req.prompt_lp_sent:
+                prompt_lps = None
+            else:
+                req.prompt_lp_sent = True
+                prompt_lps = list(prompt_lps)
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), completions,
-                             finished=req.finished, metrics=req.metrics)
-
-    def _detokenize(self, ids: List[int], params: SamplingParams, stop: Optional[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        if stop is not None and ids and ids[-1] == stop:
-            ids = ids[:-1]
-        # No clean-up pass: it strips spaces before punctuation, which corrupts BPE text.
-        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
+                             finished=req.finished, metrics=req.metrics,
+                             prompt_logprobs=prompt_lps)
 
     # --------------------------------------------------------------------------------- stats
 
@@ -905,6 +1060,10 @@ class LLM:
                 self._worker.tp.gather_objects(self._worker.step_records)
             return []
         engine = self.llm_engine
+        if prompts is None:
+            raise _bad("prompts", None, "None is not a prompt; conversations go to LLM.chat()")
+        if isinstance(prompts, Mapping):
+            _check_prompt_mapping(prompts)
         if getattr(prompts, "ndim", None) == 1:
             prompts = [prompts]  # one prompt as a 1-D array or tensor of token ids
         elif isinstance(prompts, (str, dict)) or (
@@ -914,7 +1073,8 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         n = len(prompts)
-        params_list = self._per_prompt("sampling_params", sampling_params, n, SamplingParams)
+        params_list = [_final_only(p) for p in
+                       self._per_prompt("sampling_params", sampling_params, n, SamplingParams)]
         salts = self._per_prompt("cache_salt", cache_salt, n, (str, bytes))
         # Validate everything before queuing anything: a bad prompt leaves the engine unchanged.
         validated = [engine._validate(None, p, sp, s) for p, sp, s in zip(prompts, params_list, salts)]
@@ -953,6 +1113,54 @@ class LLM:
                 engine._tp.end_generate()
         return [results[r] for r in ids]
 
+    def chat(
+        self,
+        messages: Union[Sequence[Mapping[str, Any]], Sequence[Sequence[Mapping[str, Any]]]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Optional[Dict[str, Any]] = None,
+        cache_salt: Union[str, bytes, None, Sequence[Union[str, bytes, None]]] = None,
+    ) -> List[RequestOutput]:
+        """Generates replies to conversations through the tokenizer's chat template.
+
+        Each conversation is rendered with the chat template (``chat_template`` if given, else
+        the tokenizer's), tokenized without adding special tokens again (the template places
+        them), and generated like a :meth:`generate` prompt; ``RequestOutput.prompt`` is the
+        rendered text.
+
+        Args:
+            messages: One conversation (a list of ``{"role": ..., "content": ...}`` dicts) or a
+                list of them.
+            sampling_params: One for all conversations, or one per conversation.
+            use_tqdm: Show a progress bar.
+            chat_template: A Jinja template overriding the tokenizer's.
+            add_generation_prompt: End the rendered prompt with the assistant turn's opening.
+            continue_final_message: Leave the last message open so the reply continues it
+                (exclusive with ``add_generation_prompt``).
+            chat_template_kwargs: Extra variables for the template.
+            cache_salt: One salt for all conversations, or one per conversation.
+
+        Returns:
+            One :class:`RequestOutput` per conversation, in order.
+
+        Raises:
+            InvalidArgumentError: A conversation or message is malformed, the model has no
+                tokenizer or no chat template, the template fails, or a :meth:`generate` check
+                fails (nothing was queued).
+        """
+        from .chat import render_conversations
+
+        tok = self.get_tokenizer()
+        prompts = render_conversations(tok, messages, chat_template=chat_template,
+                                       add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message,
+                                       chat_template_kwargs=chat_template_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
+
     @staticmethod
     def _per_prompt(what: str, value: Any, n: int, kind: Any) -> List[Any]:
         if value is None or isinstance(value, kind):
@@ -962,3 +1170,13 @@ class LLM:
                 raise _bad(what, f"<{len(value)} items>", f"needs one entry per prompt ({n})")
             return list(value)
         raise _bad(what, type(value).__name__, "must be one value or one per prompt")
+
+
+def _final_only(params: Any) -> Any:
+    """``generate`` waits for final outputs: intermediate snapshots would only cost time."""
+    if params is None:
+        return SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)
+    if isinstance(params, SamplingParams) and params.output_kind is not RequestOutputKind.FINAL_ONLY:
+        return replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+    return params
+

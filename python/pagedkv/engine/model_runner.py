@@ -372,8 +372,9 @@ class ModelRunner:
     # ------------------------------------------------------------------------------ steps
 
     def execute(self, input_ids: Any, positions: Optional[Any], step: Any,
-                sample_rows: Sequence[int]) -> torch.Tensor:
-        """Runs one step; returns float32 logits ``[len(sample_rows), vocab]``.
+                sample_rows: Sequence[int], *,
+                extra_logit_indices: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Runs one step; returns float32 logits ``[len(sample_rows) + len(extra), vocab]``.
 
         Args:
             input_ids: The step's new tokens, concatenated in batch order (``step.num_tokens``
@@ -384,6 +385,8 @@ class ModelRunner:
                 (the manager filled :attr:`buffers`).
             sample_rows: Batch rows ``k`` whose last new token (index
                 ``query_start_loc[k + 1] - 1``) gets logits, in the order wanted.
+            extra_logit_indices: Packed token indices (``0 .. num_tokens - 1``) whose logits are
+                appended after the sampled rows' (prompt logprobs). Not with tensor parallelism.
 
         With tensor parallelism (rank 0 only), the validated step — its tables and batch — is
         broadcast first, and every other rank runs it from :meth:`serve`.
@@ -438,11 +441,18 @@ class ModelRunner:
                 f"invalid argument: positions: {given.shape[0]} positions differ from the step's "
                 f"(first at index {bad}): the step's are read from its tables",
                 what="positions", value=bad, reason="must equal buffers.positions(step)")
+        extra = np.asarray(extra_logit_indices if extra_logit_indices is not None else (),
+                           dtype=np.int64).reshape(-1)
+        if extra.size and (self.broadcaster is not None or extra.min() < 0 or extra.max() >= t):
+            raise InvalidArgumentError(
+                f"invalid argument: extra_logit_indices: must be in [0, {t}), without tensor "
+                f"parallelism", what="extra_logit_indices", value=int(extra.size),
+                reason=f"indices must be in [0, {t})")
         if self.broadcaster is not None:
             # Every rank runs this step: send it (validated, so no rank sees a bad one).
             self.broadcaster.send_step(step, ids, pos, rows)
         return self._run(ids, pos, step, rows,
-                         inputs_on_device=self.is_cuda and self.tp is not None)
+                         inputs_on_device=self.is_cuda and self.tp is not None, extra=extra)
 
     def serve(self, *, until: Sequence[int] = ()) -> int:
         """A rank other than 0: runs the steps rank 0 broadcasts until a command; returns it.
@@ -464,7 +474,8 @@ class ModelRunner:
                 return got.cmd
 
     def _run(self, ids: Optional[np.ndarray], pos: Optional[np.ndarray], step: Any,
-             rows: np.ndarray, *, inputs_on_device: bool) -> torch.Tensor:
+             rows: np.ndarray, *, inputs_on_device: bool,
+             extra: Optional[np.ndarray] = None) -> torch.Tensor:
         """The step itself (arguments validated). ``inputs_on_device``: the step buffers' device
         mirrors and the device ids/positions already hold this step (filled from the TP packet),
         so nothing is copied from the host; ``ids``/``pos`` may then be None."""
@@ -472,6 +483,8 @@ class ModelRunner:
         host = self.buffers.host
         qsl = host.query_start_loc[: n + 1].numpy()
         last = qsl[1:][rows] - 1 if rows.size else np.zeros(0, dtype=np.int64)
+        if extra is not None and extra.size:
+            last = np.concatenate([last, extra])
 
         n_out = getattr(step, "num_swap_out", 0)
         n_in = getattr(step, "num_swap_in", 0)
@@ -487,7 +500,8 @@ class ModelRunner:
             dev = self.buffers.to_device(step)
         if self.step_records is not None:
             self.step_records.append(self.step_record(step, ids, pos, rows))
-        decode = t == n
+        # A step with extra logits rows is never replayed: a graph keeps one row per sequence.
+        decode = t == n and not (extra is not None and extra.size)
 
         if not self.use_kernels:
             if ids is None:  # the step's batch arrived on the device (TP over NCCL)

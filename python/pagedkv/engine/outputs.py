@@ -2,18 +2,43 @@
 
 Shaped like vLLM's offline outputs. Invariants: ``RequestOutput.outputs`` is ordered by
 ``CompletionOutput.index`` (``0 .. n-1``); ``token_ids`` are only the generated tokens (the prompt
-is ``prompt_token_ids``); a finished completion has ``finish_reason`` ``"stop"`` (an end-of-sequence
-or stop token, which is its last token id) or ``"length"`` (``max_tokens`` or the model's context
-length reached); an unfinished one has ``None``. These are plain snapshots: the engine builds new
-ones each time it reports, and never mutates one it has handed out.
+is ``prompt_token_ids``); a finished completion has ``finish_reason`` ``"stop"`` (an
+end-of-sequence or stop token, which is then its last token id, or a stop string in its text) or
+``"length"`` (``max_tokens`` or the model's context length reached); an unfinished one has
+``None``. With logprobs requested, ``logprobs`` has one entry per entry of ``token_ids``, each
+holding that token. In a delta output (``RequestOutputKind.DELTA``) ``text``, ``token_ids`` and
+``logprobs`` hold only what is new since the previous output; everything else is as in a
+cumulative one. These are plain snapshots: the engine builds new ones each time it reports, and
+never mutates one it has handed out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional, Union
 
-__all__ = ["CompletionOutput", "RequestOutput", "RequestMetrics"]
+__all__ = ["CompletionOutput", "RequestOutput", "RequestMetrics", "Logprob", "SampleLogprobs",
+           "PromptLogprobs"]
+
+
+@dataclass
+class Logprob:
+    """The log-probability of one token at one position."""
+
+    #: ``log_softmax`` of the model's raw logits at this position, for this token.
+    logprob: float
+    #: 1-based rank of the token in that distribution (1: the most likely).
+    rank: Optional[int] = None
+    #: The token's text on its own (``None`` without a tokenizer).
+    decoded_token: Optional[str] = None
+
+
+#: One position's log-probabilities: the top tokens and the chosen (or prompt) token, by id.
+PositionLogprobs = Dict[int, Logprob]
+#: One entry per generated token.
+SampleLogprobs = List[PositionLogprobs]
+#: One entry per prompt token; the first is ``None`` (nothing precedes it).
+PromptLogprobs = List[Optional[PositionLogprobs]]
 
 
 @dataclass
@@ -22,14 +47,22 @@ class CompletionOutput:
 
     #: Which sample of the request (``0 .. n-1``).
     index: int
-    #: The generated text (detokenized ``token_ids``; empty when the model has no tokenizer).
+    #: The generated text, as the prompt's continuation (detokenized incrementally; the stop
+    #: token's text and anything from a matched stop string on are left out; empty when the
+    #: model has no tokenizer).
     text: str
     #: The generated token ids, stop token included.
     token_ids: List[int]
     #: ``"stop"``, ``"length"``, or ``None`` while still generating.
     finish_reason: Optional[str] = None
-    #: The token id that stopped the sample (an EOS or a ``stop_token_ids`` entry), else ``None``.
-    stop_reason: Optional[int] = None
+    #: What stopped the sample: the ``stop_token_ids`` entry or the stop string; ``None`` for an
+    #: end-of-sequence token, ``"length"``, or while generating.
+    stop_reason: Union[int, str, None] = None
+    #: Per generated token, its own and the top ``logprobs`` tokens' log-probabilities
+    #: (``None`` unless ``SamplingParams.logprobs`` was set).
+    logprobs: Optional[SampleLogprobs] = None
+    #: Sum of the generated tokens' log-probabilities (``None`` unless logprobs were requested).
+    cumulative_logprob: Optional[float] = None
 
     @property
     def finished(self) -> bool:
@@ -76,6 +109,9 @@ class RequestOutput:
     finished: bool = False
     #: Timings and cache behaviour.
     metrics: Optional[RequestMetrics] = field(default=None, repr=False)
+    #: Per prompt token (the first is ``None``), when ``SamplingParams.prompt_logprobs`` was set;
+    #: in delta outputs, only in the request's first one.
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
     @property
     def num_cached_tokens(self) -> int:
