@@ -1,0 +1,224 @@
+"""The binding never reads memory Python can free, never deadlocks on its own lock, never aborts.
+
+Each crash case (a read of freed memory, a panic that cannot unwind out of a numpy callback, a
+thread waiting forever on a lock it holds, a failed allocation that aborts) takes the interpreter
+down, so it runs in its own subprocess with a timeout: a crash or a hang fails the test, not the
+run. The child prints ``CHILD-OK`` when every attack was either harmless or refused with a typed
+error.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pagedkv
+from pagedkv import _core
+from pagedkv.errors import InvalidArgumentError
+
+PACKAGE_ROOT = str(Path(pagedkv.__file__).resolve().parent.parent)
+
+PRELUDE = """
+import gc, sys, threading
+import numpy as np
+from pagedkv import _core
+from pagedkv.errors import PagedKVError
+
+def race(make, call, resize_to, iters):
+    # `call(arr)` runs while another thread waits to resize `arr` in place: it gets the GIL as
+    # soon as the call releases it. Arrays above 32 MiB are their own mapping, so a shrink
+    # unmaps the pages the core would still be reading; a grow moves the data elsewhere.
+    for _ in range(iters):
+        arr = make()
+        go = threading.Event()
+        def resize():
+            go.wait()
+            arr.resize(resize_to, refcheck=False)
+        t = threading.Thread(target=resize)
+        t.start()
+        go.set()
+        try:
+            call(arr)
+        except PagedKVError as exc:
+            print("refused:", type(exc).__name__, exc)
+        t.join()
+"""
+
+
+def run_child(body: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = PACKAGE_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    script = PRELUDE + textwrap.dedent(body) + "\nprint('CHILD-OK')\n"
+    try:
+        return subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"child hung for {timeout} s (a deadlock)\nstdout:\n{exc.stdout}")
+
+
+def assert_clean(proc: subprocess.CompletedProcess) -> None:
+    detail = f"exit status {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.returncode == 0, detail
+    assert "CHILD-OK" in proc.stdout, detail
+
+
+# ---------------------------------------------------------------- arrays resized during a call
+
+BIG = 16 << 20  # tokens: 64 MiB of uint32
+
+
+def test_hash_blocks_never_reads_a_freed_array() -> None:
+    assert_clean(
+        run_child(
+            f"""
+            race(lambda: np.arange({BIG}, dtype=np.uint32),
+                 lambda a: _core.hash_blocks(a, 16, hash_seed=1), 16, 4)
+            """
+        )
+    )
+
+
+def test_admit_and_append_never_read_a_freed_array() -> None:
+    assert_clean(
+        run_child(
+            f"""
+            m = _core.BlockManager({BIG // 16 + 64}, 16, watermark_blocks=0,
+                                   max_blocks_per_seq={BIG // 16 + 64},
+                                   enable_prefix_caching=False)
+            n = [0]
+            def admit(a):
+                n[0] += 1
+                m.admit(n[0], a)
+                m.free(n[0])
+            race(lambda: np.arange({BIG}, dtype=np.uint32), admit, 16, 3)
+            m.admit(0, [1])
+            def append(a):
+                m.append(0, a)
+                m.free(0)
+                m.admit(0, [1])
+            race(lambda: np.arange({BIG}, dtype=np.uint32), append, 16, 3)
+            m.check_invariants()
+            """
+        )
+    )
+
+
+def test_batch_calls_never_abort_when_an_array_moves() -> None:
+    # Before, numpy's borrow tracking could not find the borrow of a moved array on release and
+    # panicked inside an `extern "C"` callback: "panic in a function that cannot unwind".
+    assert_clean(
+        run_child(
+            """
+            m = _core.BlockManager(1 << 16, 16, watermark_blocks=0)
+            seqs = 4096
+            for s in range(seqs):
+                m.admit(s, [1, 2, 3])
+            race(lambda: np.arange(seqs, dtype=np.int64),
+                 lambda a: m.append_batch(a, np.full(seqs, 7, dtype=np.uint32)), 1 << 22, 30)
+            race(lambda: np.full(seqs, 7, dtype=np.uint32),
+                 lambda a: m.append_batch(np.arange(seqs, dtype=np.int64), a), 1 << 22, 30)
+            race(lambda: np.arange(seqs, dtype=np.int64),
+                 lambda a: m.free_batch(a[:0]), 1 << 22, 4)
+            m.check_invariants()
+            """
+        )
+    )
+
+
+def test_step_never_aborts_when_an_array_moves() -> None:
+    assert_clean(
+        run_child(
+            """
+            from pagedkv import StepBuffers
+            seqs = 1024
+            m = _core.BlockManager(1 << 15, 16, watermark_blocks=0)
+            b = StepBuffers(seqs, seqs * 4, 64, device="cpu")
+            m.attach_buffers(b._arena)
+            for s in range(seqs):
+                m.admit(s, [1, 2, 3])
+            race(lambda: np.arange(seqs, dtype=np.int64), lambda a: m.step(a, 1), 1 << 22, 20)
+            race(lambda: np.ones(seqs, dtype=np.uint32),
+                 lambda a: m.step(np.arange(seqs, dtype=np.int64), a), 1 << 22, 20)
+            m.check_invariants()
+            """
+        )
+    )
+
+
+def test_short_append_waiting_on_a_held_lock_never_aborts() -> None:
+    # 31 tokens stay under the size at which the GIL is released, but a contended lock is waited
+    # for with the GIL released too: the array could be moved during that wait.
+    assert_clean(
+        run_child(
+            """
+            m = _core.BlockManager(1 << 16, 16, watermark_blocks=0)
+            for s in range(2048):
+                m.admit(s, list(range(64)))
+            m.admit(100000, [1])
+            stop = threading.Event()
+            def hold():
+                while not stop.is_set():
+                    m.check_invariants()
+            h = threading.Thread(target=hold)
+            h.start()
+            race(lambda: np.arange(31, dtype=np.uint32),
+                 lambda a: m.append(100000, a), 1 << 22, 40)
+            stop.set()
+            h.join()
+            m.check_invariants()
+            """
+        )
+    )
+
+
+def test_array_values_out_of_range_still_name_the_element() -> None:
+    m = _core.BlockManager(64, 16)
+    a = np.arange(40, dtype=np.int64)
+    a[17] = -3
+    with pytest.raises(InvalidArgumentError) as e:
+        m.admit(1, a)
+    assert "element 17" in str(e.value) and e.value.value == -3
+    b = np.arange(80, dtype=np.int64)
+    b[6] = -100
+    with pytest.raises(InvalidArgumentError) as e:
+        m.admit(1, b[::2])  # strided: read element by element
+    assert "element 3" in str(e.value) and e.value.value == -100
+    assert len(m) == 0
+
+
+# ---------------------------------------------------------------- step arena
+
+
+def test_pinning_callback_that_reads_the_arena_does_not_deadlock() -> None:
+    # `pin` calls into Python (the cudart module); code there that asks the arena whether it is
+    # pinned must find its lock free.
+    assert_clean(
+        run_child(
+            """
+            arena = _core.StepArena(4, 16, 4, 4, False)
+            seen = []
+            class FakeCudart:
+                def cudaHostRegister(self, addr, size, flags):
+                    seen.append(arena.pinned)
+                    return 0
+                def cudaHostUnregister(self, addr):
+                    return 0
+            arena.pin(FakeCudart())
+            assert seen == [False] and arena.pinned
+            arena.pin(FakeCudart())
+            assert seen == [False]
+            """,
+            timeout=30,
+        )
+    )
