@@ -182,6 +182,113 @@ def test_short_append_waiting_on_a_held_lock_never_aborts() -> None:
     )
 
 
+# ---------------------------------------------------------------- keyed pool
+
+
+@pytest.mark.parametrize("which", ["keyed_pool", "block_manager"])
+def test_gc_finalizer_touching_the_object_during_an_error_does_not_deadlock(which: str) -> None:
+    # The cyclic GC can run while the exception is being built (here: at every allocation), and
+    # its callbacks and finalizers may call the object back; its lock must already be free.
+    assert_clean(
+        run_child(
+            f"""
+            if {which!r} == "keyed_pool":
+                obj = _core.KeyedBlockPool(8)
+                touch = lambda: obj.num_free
+                bad = lambda: obj.set_ref(10**6, 1)
+            else:
+                obj = _core.BlockManager(64, 16)
+                touch = lambda: obj.num_free_blocks()
+                bad = lambda: obj.free(12345)
+            seen = [0]
+            def callback(phase, info):
+                if phase == "start":
+                    seen[0] += 1
+                    touch()
+            gc.callbacks.append(callback)
+            gc.set_threshold(1)
+            for _ in range(20):
+                try:
+                    bad()
+                except PagedKVError:
+                    pass
+            gc.callbacks.remove(callback)
+            gc.set_threshold(700)
+            assert seen[0] > 0
+            """,
+            timeout=30,
+        )
+    )
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="address-space limit: Linux")
+@pytest.mark.parametrize(
+    ("blocks", "headroom_mib"),
+    [
+        # Only the key lists (96 MiB) fail to fit: the last array, before, built unguarded.
+        (1 << 22, 100),
+        # ~48 GiB of key lists; the accepted maximum.
+        (2**31 - 1, 2048),
+    ],
+)
+def test_keyed_pool_too_large_for_the_host_raises_allocation_failed(
+    blocks: int, headroom_mib: int
+) -> None:
+    # The address space is capped so the outcome does not depend on the host's memory.
+    assert_clean(
+        run_child(
+            f"""
+            import resource
+            from pagedkv.errors import AllocationFailedError
+            vm = int([l.split()[1] for l in open("/proc/self/status") if l.startswith("VmSize")][0])
+            cap = vm * 1024 + ({headroom_mib} << 20)
+            resource.setrlimit(resource.RLIMIT_AS, (cap, resource.RLIM_INFINITY))
+            try:
+                _core.KeyedBlockPool({blocks})
+            except AllocationFailedError as exc:
+                assert exc.bytes >= {blocks} and "keyed pool" in exc.what, exc
+            else:
+                raise AssertionError("no error")
+            assert _core.KeyedBlockPool(1024).num_free == 1023
+            """
+        )
+    )
+
+
+def test_keyed_pool_refuses_to_key_the_null_block() -> None:
+    p = _core.KeyedBlockPool(4)
+    with pytest.raises(InvalidArgumentError) as e:
+        p.insert(b"k" * 8, 0)
+    assert e.value.what == "block" and e.value.value == 0
+    assert p.num_keys == 0 and p.lookup(b"k" * 8) is None and p.keys_of(0) == []
+    p.check_invariants()
+    # Without a reserved null block, block 0 is ordinary.
+    q = _core.KeyedBlockPool(4, reserve_null=False)
+    assert q.insert(b"k" * 8, 0) and q.lookup(b"k" * 8) == 0
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda p: p.insert("abc", 1),
+        lambda p: p.insert(None, 1),
+        lambda p: p.insert(bytearray(b"abc"), 1),
+        lambda p: p.remove(7, 1),
+        lambda p: p.contains(["a"], 1),
+        lambda p: p.lookup(3),
+        lambda p: p.lookup_groups("h", [0]),
+    ],
+)
+def test_keyed_pool_key_type_errors_are_typed(call) -> None:
+    p = _core.KeyedBlockPool(4)
+    p.insert(b"ok", 1)
+    before = (p.entries(), p.stats())
+    with pytest.raises(InvalidArgumentError) as e:
+        call(p)
+    assert e.value.what in ("key", "hash") and "must be bytes" in str(e.value)
+    assert (p.entries(), p.stats()) == before
+
+
 def test_array_values_out_of_range_still_name_the_element() -> None:
     m = _core.BlockManager(64, 16)
     a = np.arange(40, dtype=np.int64)
