@@ -289,6 +289,49 @@ def test_keyed_pool_key_type_errors_are_typed(call) -> None:
     assert (p.entries(), p.stats()) == before
 
 
+# ---------------------------------------------------------------- list conversion
+
+
+class _Clears:
+    """An id whose ``__index__`` empties (or grows) the list it sits in."""
+
+    def __init__(self, lst: list, grow: bool = False) -> None:
+        self.lst, self.grow = lst, grow
+
+    def __index__(self) -> int:
+        if self.grow:
+            self.lst.extend([1] * 100)
+        else:
+            self.lst.clear()
+        return 1
+
+
+@pytest.mark.parametrize("grow", [False, True])
+def test_index_that_changes_the_list_being_read_is_a_typed_error(grow: bool) -> None:
+    m = _core.BlockManager(64, 16, watermark_blocks=0)
+    m.admit(1, [5])
+
+    def evil() -> list:
+        lst: list = list(range(40))
+        lst[10] = _Clears(lst, grow)
+        return lst
+
+    calls = [
+        lambda: m.admit(2, evil()),
+        lambda: m.append(1, evil()),
+        lambda: m.can_admit(evil()),
+        lambda: _core.hash_blocks(evil(), 16, hash_seed=1),
+        lambda: m.append_batch(evil(), [1] * 40),
+        lambda: m.step(evil(), 1),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidArgumentError) as e:
+            call()
+        assert "changed size" in str(e.value)
+    assert len(m) == 1 and m.seq_len(1) == 1 and 2 not in m
+    m.check_invariants()
+
+
 def test_array_values_out_of_range_still_name_the_element() -> None:
     m = _core.BlockManager(64, 16)
     a = np.arange(40, dtype=np.int64)

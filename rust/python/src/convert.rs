@@ -166,7 +166,13 @@ pub fn with_ids<T: Id, R>(
         // list cannot change while its items are read.
         let done = unsafe { fast::fill::<T>(obj.py(), list.as_ptr(), fast::Seq::List, n, scratch) };
         for i in done..n {
-            scratch.push(element::<T>(what, i, &list.get_item(i)?)?);
+            // `element` may run an item's `__index__`, and that code may shrink or grow the
+            // list: the ids would then be neither the old list nor the new one.
+            let item = list.get_item(i).map_err(|_| list_changed(what, obj, n))?;
+            scratch.push(element::<T>(what, i, &item)?);
+        }
+        if list.len() != n {
+            return Err(list_changed(what, obj, n));
         }
         return f(scratch);
     }
@@ -224,6 +230,16 @@ pub fn with_ids<T: Id, R>(
         type_name(obj)
     );
     Err(invalid_arg(what, &obj.get_type().into_any(), reason))
+}
+
+#[cold]
+fn list_changed(what: &str, obj: &Bound<'_, PyAny>, n: usize) -> PyErr {
+    let now = obj.len().unwrap_or(0);
+    invalid_arg(
+        what,
+        obj,
+        format!("the list changed size while it was read (from {n} to {now} items)"),
+    )
 }
 
 /// Reads an id sequence into a new vector, for callers that need several sequences at once.
