@@ -147,7 +147,7 @@ impl KeyedPool {
         let refcnt = zeroed_vec(n, "keyed pool reference counts")?;
         let mut free = IndexList::new(n, "keyed pool free list")?;
         for b in 0..num_blocks {
-            free.push_back(b);
+            free.push_back(b)?;
         }
         keys.resize(n, Vec::new());
         let mut pool = KeyedPool {
@@ -364,14 +364,15 @@ impl KeyedPool {
                 Placement::ByCache => !self.keys[b as usize].is_empty(),
             };
             if to_back {
-                self.free.push_back(b);
+                // Cannot fail: `b` just reached count zero, so it was not free.
+                self.free.push_back(b)?;
             } else {
                 front.push(b);
             }
         }
         // `front[0]` becomes the new head: the order of `front` is kept.
         for &b in front.iter().rev() {
-            self.free.push_front(b);
+            self.free.push_front(b)?;
         }
         Ok(())
     }
