@@ -171,7 +171,8 @@ pub fn with_ids<T: Id, R>(
             let item = list.get_item(i).map_err(|_| list_changed(what, obj, n))?;
             scratch.push(element::<T>(what, i, &item)?);
         }
-        if list.len() != n {
+        // Only the slow path above runs Python code, so only it can have changed the list.
+        if done < n && list.len() != n {
             return Err(list_changed(what, obj, n));
         }
         return f(scratch);
@@ -321,6 +322,19 @@ fn copy_checked<E: Elem, T: Id>(
     let mask = E::reject_mask(T::MAX);
     scratch.clear();
     let acc = match ro.as_slice() {
+        Ok(src) if std::mem::size_of::<E>() == std::mem::size_of::<T>() => {
+            // Check with an OR-reduction (it vectorises), then one memcpy.
+            let acc = src.iter().fold(0u64, |acc, &v| acc | v.bits());
+            if acc & mask == 0 {
+                // SAFETY: `E` and `T` are plain integers of the same size and alignment, and
+                // every value is in `[0, T::MAX]`, where their two's-complement bit patterns
+                // coincide.
+                let same: &[T] =
+                    unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<T>(), src.len()) };
+                scratch.extend_from_slice(same);
+            }
+            acc
+        }
         Ok(src) => {
             scratch.reserve(src.len());
             let mut acc = 0u64;
