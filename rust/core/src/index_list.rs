@@ -9,7 +9,7 @@
 //! each `prev` mirrors the `next` before it; `member[b]` holds exactly for the blocks on the walk.
 
 use crate::error::alloc::{filled_vec, zeroed_vec};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::BlockId;
 
 /// The null link.
@@ -45,10 +45,25 @@ impl IndexList {
         self.len
     }
 
-    /// Whether `b` is on the list.
+    /// Whether `b` is on the list (false for a block outside it).
     #[inline]
     pub(crate) fn contains(&self, b: BlockId) -> bool {
-        self.member[b as usize]
+        self.member.get(b as usize).copied().unwrap_or(false)
+    }
+
+    /// `b` as an index, if it may join the list: `InvalidBlock` outside it, `RefcountUnderflow`
+    /// (a double free) for a member. Linking a member again would make a cycle through it (the
+    /// tail pushed at the back points at itself) and hand it out twice.
+    #[inline]
+    fn joining(&self, b: BlockId) -> Result<usize> {
+        match self.member.get(b as usize) {
+            Some(false) => Ok(b as usize),
+            Some(true) => Err(Error::RefcountUnderflow { block: b }),
+            None => Err(Error::InvalidBlock {
+                block: b,
+                num_blocks: self.member.len().min(u32::MAX as usize) as u32,
+            }),
+        }
     }
 
     /// The first member, if any.
@@ -69,11 +84,10 @@ impl IndexList {
         (opt(self.prev[b as usize]), opt(self.next[b as usize]))
     }
 
-    /// Appends `b` (not a member) at the back.
+    /// Appends `b` at the back; an error ([`Self::joining`]) changes nothing.
     #[inline]
-    pub(crate) fn push_back(&mut self, b: BlockId) {
-        debug_assert!(!self.member[b as usize]);
-        let i = b as usize;
+    pub(crate) fn push_back(&mut self, b: BlockId) -> Result<()> {
+        let i = self.joining(b)?;
         self.member[i] = true;
         self.prev[i] = self.tail;
         self.next[i] = NIL;
@@ -84,13 +98,13 @@ impl IndexList {
         }
         self.tail = b;
         self.len += 1;
+        Ok(())
     }
 
-    /// Puts `b` (not a member) at the front.
+    /// Puts `b` at the front; an error ([`Self::joining`]) changes nothing.
     #[inline]
-    pub(crate) fn push_front(&mut self, b: BlockId) {
-        debug_assert!(!self.member[b as usize]);
-        let i = b as usize;
+    pub(crate) fn push_front(&mut self, b: BlockId) -> Result<()> {
+        let i = self.joining(b)?;
         self.member[i] = true;
         self.next[i] = self.head;
         self.prev[i] = NIL;
@@ -101,15 +115,16 @@ impl IndexList {
         }
         self.head = b;
         self.len += 1;
+        Ok(())
     }
 
     /// Unlinks `b`; returns whether it was a member (a non-member is left alone).
     #[inline]
     pub(crate) fn remove(&mut self, b: BlockId) -> bool {
-        let i = b as usize;
-        if !self.member[i] {
+        if !self.contains(b) {
             return false;
         }
+        let i = b as usize;
         let (p, n) = (self.prev[i], self.next[i]);
         if p == NIL {
             self.head = n;
@@ -218,9 +233,9 @@ mod tests {
     fn ends_middle_and_front_pops_keep_the_links() {
         let mut l = IndexList::new(6, "test list").unwrap();
         for b in [3, 1, 4] {
-            l.push_back(b);
+            l.push_back(b).unwrap();
         }
-        l.push_front(5);
+        l.push_front(5).unwrap();
         assert_eq!(l.order(10), vec![5, 3, 1, 4]);
         assert_eq!((l.front(), l.back(), l.len()), (Some(5), Some(4), 4));
         assert_eq!(l.neighbours(1), (Some(3), Some(4)));
@@ -239,12 +254,44 @@ mod tests {
     #[test]
     fn check_names_a_broken_link() {
         let mut l = IndexList::new(4, "test list").unwrap();
-        l.push_back(0);
-        l.push_back(2);
+        l.push_back(0).unwrap();
+        l.push_back(2).unwrap();
         l.prev[2] = 3;
         assert!(l.check("test list").unwrap_err().contains("prev is 3"));
         l.prev[2] = 0;
         l.len = 3;
         assert!(l.check("test list").unwrap_err().contains("length says 3"));
+    }
+
+    /// Pushing a member again, at either end and wherever it sits, is a typed error that leaves
+    /// the list as it was. Unchecked, pushing the tail at the back linked it to itself: the walk
+    /// looped on it and `pop_front` handed it out twice.
+    #[test]
+    fn pushing_a_member_again_is_refused_and_changes_nothing() {
+        let mut l = IndexList::new(5, "test list").unwrap();
+        for b in [0, 1, 2] {
+            l.push_back(b).unwrap();
+        }
+        let dbl = |b| Err(Error::RefcountUnderflow { block: b });
+        for b in [0, 1, 2] {
+            assert_eq!(l.push_back(b), dbl(b));
+            assert_eq!(l.push_front(b), dbl(b));
+        }
+        assert_eq!(
+            l.push_back(5),
+            Err(Error::InvalidBlock {
+                block: 5,
+                num_blocks: 5
+            })
+        );
+        assert_eq!(l.push_front(u32::MAX).map_err(|_| ()), Err(()));
+        assert!(!l.contains(9) && !l.remove(9));
+        assert_eq!((l.order(10), l.len()), (vec![0, 1, 2], 3));
+        l.check("test list").unwrap();
+        let popped: Vec<_> = std::iter::from_fn(|| l.pop_front()).collect();
+        assert_eq!(popped, vec![0, 1, 2]);
+        // Once off the list, a block may join again.
+        l.push_front(1).unwrap();
+        l.check("test list").unwrap();
     }
 }

@@ -23,8 +23,9 @@
 //! # The null block
 //! With `reserve_null`, block 0 is taken at construction as a shared placeholder (vLLM's null
 //! block for skipped positions). It is never free and its count is not kept: touching or
-//! releasing it is a no-op, so callers may pass it in a table without filtering. It may be keyed
-//! (vLLM's pool does not forbid it), but since it is never free it is never evicted.
+//! releasing it is a no-op, so callers may pass it in a table without filtering. It is never
+//! keyed: it holds no KV of its own, so a key pointing at it would make a lookup hit a placeholder
+//! ([`KeyedPool::insert`] refuses it).
 //!
 //! # Invariants (checked by [`KeyedPool::check_invariants`])
 //! - A non-null block is in the free list iff its count is zero; the list's own invariants hold.
@@ -35,6 +36,7 @@
 
 use std::collections::HashMap;
 
+use crate::error::alloc::{failure, zeroed_vec};
 use crate::error::{Error, Result};
 use crate::index_list::{IndexList, NIL};
 use crate::BlockId;
@@ -132,15 +134,27 @@ impl KeyedPool {
             });
         }
         let n = num_blocks as usize;
+        // Every array is reserved fallibly (`AllocationFailed`, not an abort of the process), the
+        // largest (24 bytes a block) first and filled last, so that a pool too large for the
+        // host fails before much memory is written.
+        let mut keys: Vec<Vec<Box<[u8]>>> = Vec::new();
+        keys.try_reserve_exact(n).map_err(|_| {
+            failure(
+                "keyed pool key lists",
+                n as u128 * std::mem::size_of::<Vec<Box<[u8]>>>() as u128,
+            )
+        })?;
+        let refcnt = zeroed_vec(n, "keyed pool reference counts")?;
         let mut free = IndexList::new(n, "keyed pool free list")?;
         for b in 0..num_blocks {
-            free.push_back(b);
+            free.push_back(b)?;
         }
+        keys.resize(n, Vec::new());
         let mut pool = KeyedPool {
-            refcnt: vec![0; n],
+            refcnt,
             free,
             map: HashMap::new(),
-            keys: vec![Vec::new(); n],
+            keys,
             null: None,
             stats: KeyedStats::default(),
         };
@@ -350,14 +364,15 @@ impl KeyedPool {
                 Placement::ByCache => !self.keys[b as usize].is_empty(),
             };
             if to_back {
-                self.free.push_back(b);
+                // Cannot fail: `b` just reached count zero, so it was not free.
+                self.free.push_back(b)?;
             } else {
                 front.push(b);
             }
         }
         // `front[0]` becomes the new head: the order of `front` is kept.
         for &b in front.iter().rev() {
-            self.free.push_front(b);
+            self.free.push_front(b)?;
         }
         Ok(())
     }
@@ -425,6 +440,13 @@ impl KeyedPool {
     /// pair was already present. Inserting the null block is [`Error::InvalidArgument`].
     pub fn insert(&mut self, key: &[u8], b: BlockId) -> Result<bool> {
         self.check_block(b)?;
+        if Some(b) == self.null {
+            return Err(Error::InvalidArgument {
+                what: "block",
+                value: i64::from(b),
+                reason: "the null block cannot be keyed (it holds no KV of its own)".into(),
+            });
+        }
         match self.map.get_mut(key) {
             None => {
                 self.map.insert(key.into(), Slot::One(b));
@@ -575,14 +597,39 @@ mod tests {
         p.touch(&[0, 0]).unwrap();
         p.release(&[0], Placement::ByCache).unwrap();
         assert_eq!(p.ref_count(0).unwrap(), 0);
-        assert!(p.insert(&key(1, 0), 0).unwrap());
+        assert!(matches!(
+            p.insert(&key(1, 0), 0),
+            Err(Error::InvalidArgument {
+                what: "block",
+                value: 0,
+                ..
+            })
+        ));
+        assert_eq!((p.num_keys(), p.is_cached(0).unwrap()), (0, false));
         assert!(p.allocate(3).is_ok());
-        assert_eq!(p.lookup(&key(1, 0)), Some(0));
+        assert_eq!(p.lookup(&key(1, 0)), None);
         p.check_invariants().unwrap();
+        // Without a reserved null block, block 0 is an ordinary block and may be keyed.
+        let mut plain = KeyedPool::new(2, false).unwrap();
+        assert!(plain.insert(&key(1, 0), 0).unwrap());
         let one = KeyedPool::new(1, true).unwrap();
         assert_eq!((one.num_free(), one.free_order()), (0, vec![]));
         one.check_invariants().unwrap();
         assert!(KeyedPool::new(0, false).is_err());
+    }
+
+    #[test]
+    fn a_pool_too_large_for_the_host_is_an_error_not_an_abort() {
+        // 2^32 - 2 blocks need ~100 GiB of key lists alone; hosts that could hold it are rare,
+        // and there the pool is simply built.
+        match KeyedPool::new(NIL - 1, false) {
+            Err(Error::AllocationFailed { what, bytes }) => {
+                assert!(what.starts_with("keyed pool"));
+                assert!(bytes >= u64::from(NIL - 1));
+            }
+            Err(e) => panic!("unexpected error {e}"),
+            Ok(p) => assert_eq!(p.num_blocks(), NIL - 1),
+        }
     }
 
     #[test]

@@ -470,10 +470,12 @@ impl PrefixCache {
         self.lru.contains(b)
     }
 
-    /// Appends `b` as the most recently freed block.
+    /// Appends `b` as the most recently freed block; returns whether it did. A block already in
+    /// the LRU (a double free) or outside the cache is left where it is: linking it again would
+    /// make a cycle through it and evict it twice.
     #[inline]
-    pub fn lru_push(&mut self, b: BlockId) {
-        self.lru.push_back(b);
+    pub fn lru_push(&mut self, b: BlockId) -> bool {
+        self.lru.push_back(b).is_ok()
     }
 
     /// Unlinks `b` from the LRU (no-op if absent).
@@ -543,8 +545,14 @@ mod tests {
         assert_eq!(c.hash_of(3), None);
         c.lru_remove(0);
         assert_eq!(c.lru_order(10), vec![1]);
-        c.lru_push(2);
+        assert!(c.lru_push(2));
         assert_eq!(c.lru_order(10), vec![1, 2]);
+        // A double push (of the newest, of the oldest) and a block outside the cache change
+        // nothing: each block is still evicted once.
+        assert!(!c.lru_push(2) && !c.lru_push(1) && !c.lru_push(5));
+        assert_eq!(c.lru_order(10), vec![1, 2]);
+        assert!(!c.in_lru(7));
+        c.lru_remove(7);
         assert_eq!(c.lru_len(), 2);
         c.check_links().unwrap();
         assert_eq!(c.evict_oldest(), Some(1));

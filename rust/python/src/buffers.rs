@@ -167,6 +167,13 @@ impl PyStepArena {
         }
     }
 
+    fn is_pinned(&self) -> bool {
+        self.unpin
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+
     /// Gives the arena back if manager `id` holds it.
     pub fn release(&self, id: u64) {
         let _ = self
@@ -291,7 +298,7 @@ impl PyStepArena {
     /// Whether the arena is registered with CUDA as page-locked memory.
     #[getter]
     fn pinned(&self) -> bool {
-        self.unpin.lock().map(|g| g.is_some()).unwrap_or(false)
+        self.is_pinned()
     }
 
     /// Whether a manager holds the arena.
@@ -334,15 +341,22 @@ impl PyStepArena {
         cudart: &Bound<'_, PyAny>,
         synchronize: Option<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let mut slot = self.unpin.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.is_some() {
+        // The lock is never held while Python code runs (`cudart` is Python, and it may call
+        // back into this arena, or release the GIL for a thread that then waits on the lock).
+        if self.is_pinned() {
             return Ok(());
         }
         let unregister = cudart.getattr("cudaHostUnregister")?;
         let size = self.mem.layout.size();
         let rc = cudart.call_method1("cudaHostRegister", (self.address(), size, 0))?;
         let code: i64 = rc.call_method0("__int__")?.extract()?;
+        let mut slot = self.unpin.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_some() {
+            // Pinned meanwhile by another call (ours then failed: the range is registered once).
+            return Ok(());
+        }
         if code != 0 {
+            drop(slot);
             return Err(alloc_failed(
                 py,
                 &format!("pinned step buffers (cudaHostRegister error {code})"),

@@ -6,11 +6,11 @@
 //!   never a `bool`: `True` is an int to Python, and taking it as id 1 turns a bug in the caller
 //!   (a flag passed where an id belongs) into an operation on the wrong sequence;
 //! - an id sequence is a list or tuple of such ints, or a 1-D numpy array of any integer dtype.
-//!   An array whose dtype already matches the target's width and whose values are all in range is
-//!   read in place (no copy: `uint32`/`int32` token ids, `uint64`/`int64` sequence ids); anything
-//!   else is converted into a caller-provided scratch vector, so steady-state calls do not allocate.
-//!   A non-native byte order (a big-endian array on a little-endian machine) is converted to native
-//!   first, by value;
+//!   Every sequence is copied into a caller-provided scratch vector (so steady-state calls do not
+//!   allocate), arrays of the target's own width included: the core often runs with the GIL
+//!   released, and an array lent in place could be resized (its memory freed) by another thread
+//!   meanwhile. The copy of a 4096-token array costs well under a microsecond. A non-native byte
+//!   order (a big-endian array on a little-endian machine) is converted to native first, by value;
 //! - a flag is a `bool` and nothing else ([`flag`]): `"false"` is truthy.
 //!
 //! Every value is range-checked before the core sees it; a bad one raises `InvalidArgumentError`
@@ -148,8 +148,8 @@ fn type_name(obj: &Bound<'_, PyAny>) -> String {
         .unwrap_or_else(|_| "?".into())
 }
 
-/// Reads an id sequence and hands `f` a slice of it, borrowed in place where possible and
-/// converted into `scratch` otherwise.
+/// Reads an id sequence into `scratch` and hands `f` that slice: memory the binding owns, which
+/// no Python code can free or move while `f` runs (with the GIL released or not).
 pub fn with_ids<T: Id, R>(
     what: &str,
     obj: &Bound<'_, PyAny>,
@@ -166,7 +166,14 @@ pub fn with_ids<T: Id, R>(
         // list cannot change while its items are read.
         let done = unsafe { fast::fill::<T>(obj.py(), list.as_ptr(), fast::Seq::List, n, scratch) };
         for i in done..n {
-            scratch.push(element::<T>(what, i, &list.get_item(i)?)?);
+            // `element` may run an item's `__index__`, and that code may shrink or grow the
+            // list: the ids would then be neither the old list nor the new one.
+            let item = list.get_item(i).map_err(|_| list_changed(what, obj, n))?;
+            scratch.push(element::<T>(what, i, &item)?);
+        }
+        // Only the slow path above runs Python code, so only it can have changed the list.
+        if done < n && list.len() != n {
+            return Err(list_changed(what, obj, n));
         }
         return f(scratch);
     }
@@ -226,6 +233,16 @@ pub fn with_ids<T: Id, R>(
     Err(invalid_arg(what, &obj.get_type().into_any(), reason))
 }
 
+#[cold]
+fn list_changed(what: &str, obj: &Bound<'_, PyAny>, n: usize) -> PyErr {
+    let now = obj.len().unwrap_or(0);
+    invalid_arg(
+        what,
+        obj,
+        format!("the list changed size while it was read (from {n} to {now} items)"),
+    )
+}
+
 /// Reads an id sequence into a new vector, for callers that need several sequences at once.
 pub fn ids_into<T: Id>(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<T>> {
     let mut scratch = Vec::new();
@@ -269,63 +286,92 @@ fn from_array<E: Elem, T: Id, R>(
             format!("cannot be read as a 1-D integer array (dtype {shown})"),
         )
     })?;
-    let ro = arr.try_readonly().map_err(|e| {
-        invalid_arg(
+    // The values are copied out and the borrow ends before `f` runs: `f` may release the GIL
+    // (or run Python code converting the next argument), and meanwhile another thread may
+    // `resize` the array, freeing the memory a lent slice would point into. A borrow that
+    // outlived such a resize would also make numpy's borrow tracking fail to find it on release,
+    // which panics inside an `extern "C"` callback and aborts the process.
+    let bad = {
+        let ro = arr.try_readonly().map_err(|e| {
+            invalid_arg(
+                what,
+                obj,
+                format!("array is mutably borrowed elsewhere ({e})"),
+            )
+        })?;
+        copy_checked::<E, T>(&ro, scratch)
+    };
+    // The error is built only after the borrow ended: building it runs Python code.
+    if let Some((i, v)) = bad {
+        return Err(invalid_arg_int(
+            obj.py(),
             what,
-            obj,
-            format!("array is mutably borrowed elsewhere ({e})"),
-        )
-    })?;
-    let mask = E::reject_mask(T::MAX);
-    if let Ok(src) = ro.as_slice() {
-        if std::mem::size_of::<E>() == std::mem::size_of::<T>() {
-            // OR-reduce then test once: vectorises, and the slow scan for the culprit runs only on
-            // failure.
-            if src.iter().fold(0u64, |acc, &v| acc | v.bits()) & mask != 0 {
-                return Err(array_error::<E, T>(obj.py(), what, src.iter().copied()));
-            }
-            // SAFETY: `E` and `T` are plain integers of the same size and alignment, and every
-            // value is in `[0, T::MAX]`, where the two-complement bit patterns of `E` and `T`
-            // coincide. The slice lives as long as `ro`.
-            let same: &[T] =
-                unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<T>(), src.len()) };
-            return f(same);
-        }
-        // Convert and check in one pass.
-        scratch.clear();
-        let mut acc = 0u64;
-        scratch.extend(src.iter().map(|&v| {
-            let b = v.bits();
-            acc |= b;
-            T::from_bits(b)
-        }));
-        if acc & mask != 0 {
-            return Err(array_error::<E, T>(obj.py(), what, src.iter().copied()));
-        }
-        return f(scratch);
+            v,
+            format!("element {i}: {}", T::RANGE),
+        ));
     }
-    // Strided (or misaligned) view: read element by element.
-    let view = ro.as_array();
-    if view.iter().fold(0u64, |acc, &v| acc | v.bits()) & mask != 0 {
-        return Err(array_error::<E, T>(obj.py(), what, view.iter().copied()));
-    }
-    scratch.clear();
-    scratch.extend(view.iter().map(|&v| T::from_bits(v.bits())));
     f(scratch)
 }
 
-fn array_error<E: Elem, T: Id>(
-    py: Python<'_>,
-    what: &str,
-    values: impl Iterator<Item = E>,
-) -> PyErr {
-    for (i, v) in values.enumerate() {
-        if !v.in_range(T::MAX) {
-            return invalid_arg_int(py, what, v.wide(), format!("element {i}: {}", T::RANGE));
+/// Copies the array's values into `scratch` (cleared first), checking each against `T`'s range;
+/// returns the first out-of-range `(index, value)` if any. Runs no Python code.
+fn copy_checked<E: Elem, T: Id>(
+    ro: &numpy::PyReadonlyArray1<'_, E>,
+    scratch: &mut Vec<T>,
+) -> Option<(usize, i128)> {
+    let mask = E::reject_mask(T::MAX);
+    scratch.clear();
+    let acc = match ro.as_slice() {
+        Ok(src) if std::mem::size_of::<E>() == std::mem::size_of::<T>() => {
+            // Check with an OR-reduction (it vectorises), then one memcpy.
+            let acc = src.iter().fold(0u64, |acc, &v| acc | v.bits());
+            if acc & mask == 0 {
+                // SAFETY: `E` and `T` are plain integers of the same size and alignment, and
+                // every value is in `[0, T::MAX]`, where their two's-complement bit patterns
+                // coincide.
+                let same: &[T] =
+                    unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<T>(), src.len()) };
+                scratch.extend_from_slice(same);
+            }
+            acc
         }
+        Ok(src) => {
+            scratch.reserve(src.len());
+            let mut acc = 0u64;
+            // Convert and check in one pass (it vectorises); the slow scan for the culprit runs
+            // only on failure.
+            scratch.extend(src.iter().map(|&v| {
+                let b = v.bits();
+                acc |= b;
+                T::from_bits(b)
+            }));
+            acc
+        }
+        // Strided (or misaligned) view: read element by element.
+        Err(_) => {
+            let view = ro.as_array();
+            scratch.reserve(view.len());
+            let mut acc = 0u64;
+            scratch.extend(view.iter().map(|&v| {
+                let b = v.bits();
+                acc |= b;
+                T::from_bits(b)
+            }));
+            acc
+        }
+    };
+    if acc & mask == 0 {
+        return None;
     }
-    // Not reached: callers come here only after the range check failed.
-    invalid_arg_int(py, what, 0, T::RANGE)
+    scratch.clear();
+    let culprit = ro
+        .as_array()
+        .iter()
+        .enumerate()
+        .find(|(_, v)| !v.in_range(T::MAX))
+        .map(|(i, v)| (i, v.wide()));
+    // The OR of the values failed the mask, so some value is out of range.
+    Some(culprit.unwrap_or((0, 0)))
 }
 
 /// Reading the items of a list or tuple of small non-negative ints without a call per item.

@@ -1,10 +1,15 @@
 //! `_core.KeyedBlockPool`: the core's caller-keyed pool ([`pagedkv::keyed::KeyedPool`]).
 //!
 //! Owns the wrapped pool behind one `Mutex` (the class is `frozen`, as `BlockManager` is, so
-//! calls from several threads are serialized rather than refused). Arguments are converted before
-//! the lock is taken and Python results are built after it is released. Every call is small work
-//! for one engine step, so the GIL stays held: releasing it would cost about as much as the work.
-//! Keys are `bytes`; block ids are ints; errors are the `pagedkv.errors` classes.
+//! calls from several threads are serialized rather than refused). Every call is small work for
+//! one engine step, so the GIL stays held: releasing it would cost about as much as the work.
+//!
+//! Arguments are converted before the lock is taken, and every Python object (a result, an
+//! exception) is built after it is released: the core runs only inside [`PyKeyedBlockPool::with`],
+//! whose guard ends with the closure. Building a Python object can run arbitrary Python code (the
+//! cyclic GC and its finalizers), and code that touched this pool while its lock was held would
+//! wait for it forever. Keys are `bytes`; block ids are ints; errors are the `pagedkv.errors`
+//! classes (a key of another type is `InvalidArgumentError` naming the argument).
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -24,9 +29,31 @@ pub struct PyKeyedBlockPool {
 }
 
 impl PyKeyedBlockPool {
+    /// Runs `f` on the locked pool; the lock is released when `f` returns. `f` is `Send`, which
+    /// keeps Python objects (and so Python code) out of it.
     #[inline]
-    fn lock(&self) -> MutexGuard<'_, KeyedPool> {
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    fn with<R: Send>(&self, f: impl Send + FnOnce(&mut KeyedPool) -> R) -> R {
+        // A panic inside the core while locked is a bug; the pool is still the all-or-nothing
+        // result of the calls before it, so later calls go on rather than fail.
+        let mut g: MutexGuard<'_, KeyedPool> =
+            self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        f(&mut g)
+    }
+}
+
+/// A key argument: `bytes` only (a `str` has no one byte form, and a mutable buffer could change
+/// between the check and the insert).
+fn key_of<'a>(what: &str, obj: &'a Bound<'_, PyAny>) -> PyResult<&'a [u8]> {
+    match obj.cast::<PyBytes>() {
+        Ok(b) => Ok(b.as_bytes()),
+        Err(_) => {
+            let got = obj
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_else(|_| "?".into());
+            Err(invalid_arg(what, obj, format!("must be bytes, got {got}")))
+        }
     }
 }
 
@@ -76,19 +103,19 @@ impl PyKeyedBlockPool {
     /// The null block's id, or None.
     #[getter]
     fn null_block(&self) -> Option<u32> {
-        self.lock().null_block()
+        self.with(|p| p.null_block())
     }
 
     /// Free blocks, cached ones included.
     #[getter]
     fn num_free(&self) -> usize {
-        self.lock().num_free()
+        self.with(|p| p.num_free())
     }
 
     /// Keys in the map.
     #[getter]
     fn num_keys(&self) -> usize {
-        self.lock().num_keys()
+        self.with(|p| p.num_keys())
     }
 
     /// Takes `n` blocks from the front (count 1 each): `(blocks, evicted)`, where `evicted` lists
@@ -96,14 +123,15 @@ impl PyKeyedBlockPool {
     fn allocate(&self, n: &Bound<'_, PyAny>) -> PyResult<(Vec<u32>, Vec<u32>)> {
         let n = count("n", n)?;
         let (mut out, mut ev) = (Vec::new(), Vec::new());
-        self.lock().allocate_into(n, &mut out, &mut ev).py()?;
+        let r = self.with(|p| p.allocate_into(n, &mut out, &mut ev));
+        r.py()?;
         Ok((out, ev))
     }
 
     /// One more reference to each block; free ones are revived (the null block is skipped).
     fn touch(&self, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids: Vec<u32> = ids_into("blocks", blocks)?;
-        self.lock().touch(&ids).py()
+        self.with(|p| p.touch(&ids)).py()
     }
 
     /// One reference fewer on each block; each reaching zero is placed per `placement`
@@ -119,29 +147,29 @@ impl PyKeyedBlockPool {
             Some(o) => self::placement(o)?,
             None => Placement::ByCache,
         };
-        self.lock().release(&ids, p).py()
+        self.with(|pool| pool.release(&ids, p)).py()
     }
 
     /// Sets a held block's count (not to or from zero).
     fn set_ref(&self, block: &Bound<'_, PyAny>, count: &Bound<'_, PyAny>) -> PyResult<()> {
         let b = self::block(block)?;
         let c = scalar::<u32>("count", count)?;
-        self.lock().set_ref(b, c).py()
+        self.with(|p| p.set_ref(b, c)).py()
     }
 
     fn ref_count(&self, block: &Bound<'_, PyAny>) -> PyResult<u32> {
         let b = self::block(block)?;
-        self.lock().ref_count(b).py()
+        self.with(|p| p.ref_count(b)).py()
     }
 
     fn is_cached(&self, block: &Bound<'_, PyAny>) -> PyResult<bool> {
         let b = self::block(block)?;
-        self.lock().is_cached(b).py()
+        self.with(|p| p.is_cached(b)).py()
     }
 
     fn is_free(&self, block: &Bound<'_, PyAny>) -> PyResult<bool> {
         let b = self::block(block)?;
-        self.lock().is_free(b).py()
+        self.with(|p| p.is_free(b)).py()
     }
 
     /// The block's keys, the first inserted first.
@@ -151,82 +179,92 @@ impl PyKeyedBlockPool {
         block: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
         let b = self::block(block)?;
-        let keys: Vec<Vec<u8>> = {
-            let g = self.lock();
-            g.keys_of(b).py()?.iter().map(|k| k.to_vec()).collect()
-        };
+        let keys: Vec<Vec<u8>> = self
+            .with(|p| {
+                p.keys_of(b)
+                    .map(|ks| ks.iter().map(|k| k.to_vec()).collect())
+            })
+            .py()?;
         PyList::new(py, keys.iter().map(|k| PyBytes::new(py, k)))
     }
 
     /// Free blocks in eviction order, front first.
     fn free_order(&self) -> Vec<u32> {
-        self.lock().free_order()
+        self.with(|p| p.free_order())
     }
 
     /// The first block under `key`, or None.
-    fn lookup(&self, key: &[u8]) -> Option<u32> {
-        self.lock().lookup(key)
+    fn lookup(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+        let key = key_of("key", key)?;
+        Ok(self.with(|p| p.lookup(key)))
     }
 
     /// The first block under `hash + group (4 bytes, big-endian)` for each group, or None if any
     /// group misses.
-    fn lookup_groups(&self, hash: &[u8], groups: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
+    fn lookup_groups(
+        &self,
+        hash: &Bound<'_, PyAny>,
+        groups: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Vec<u32>>> {
+        let hash = key_of("hash", hash)?;
         let gs: Vec<u32> = ids_into("groups", groups)?;
         let mut out = Vec::with_capacity(gs.len());
-        let hit = self.lock().lookup_groups(hash, &gs, &mut out);
+        let hit = self.with(|p| p.lookup_groups(hash, &gs, &mut out));
         Ok(hit.then_some(out))
     }
 
-    fn contains(&self, key: &[u8], block: &Bound<'_, PyAny>) -> PyResult<bool> {
+    fn contains(&self, key: &Bound<'_, PyAny>, block: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let key = key_of("key", key)?;
         let b = self::block(block)?;
-        Ok(self.lock().contains(key, b))
+        Ok(self.with(|p| p.contains(key, b)))
     }
 
-    /// Stores `block` under `key`; False if the pair was there already.
-    fn insert(&self, key: &[u8], block: &Bound<'_, PyAny>) -> PyResult<bool> {
+    /// Stores `block` under `key`; False if the pair was there already. The null block cannot
+    /// be keyed (InvalidArgumentError).
+    fn insert(&self, key: &Bound<'_, PyAny>, block: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let key = key_of("key", key)?;
         let b = self::block(block)?;
-        self.lock().insert(key, b).py()
+        self.with(|p| p.insert(key, b)).py()
     }
 
     /// Removes the pair `(key, block)`; whether it was present.
-    fn remove(&self, key: &[u8], block: &Bound<'_, PyAny>) -> PyResult<bool> {
+    fn remove(&self, key: &Bound<'_, PyAny>, block: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let key = key_of("key", key)?;
         let b = self::block(block)?;
-        self.lock().remove(key, b).py()
+        self.with(|p| p.remove(key, b)).py()
     }
 
     /// Removes every key of `block`; how many it had.
     fn evict(&self, block: &Bound<'_, PyAny>) -> PyResult<usize> {
         let b = self::block(block)?;
-        self.lock().evict(b).py()
+        self.with(|p| p.evict(b)).py()
     }
 
     /// Forgets every key if no block is held; whether it did.
     fn reset(&self) -> bool {
-        self.lock().reset()
+        self.with(|p| p.reset())
     }
 
     /// Forgets every key, held blocks' included.
     fn clear_keys(&self) {
-        self.lock().clear_keys()
+        self.with(|p| p.clear_keys())
     }
 
     /// `{key: block}` for a key that has only ever held one block at a time, `{key: [blocks in
     /// insertion order]}` for one that has held several.
     fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         type Entry = (Vec<u8>, Vec<u32>, bool);
-        let all: Vec<Entry> = {
-            let g = self.lock();
-            g.entries()
+        let all: Vec<Entry> = self.with(|p| {
+            p.entries()
                 .map(|(k, b, many)| (k.to_vec(), b.to_vec(), many))
                 .collect()
-        };
+        });
         let d = PyDict::new(py);
         for (k, b, many) in all {
             let key = PyBytes::new(py, &k);
-            if many {
-                d.set_item(key, b)?;
-            } else {
-                d.set_item(key, b[0])?;
+            match (many, b.as_slice()) {
+                (false, [one]) => d.set_item(key, *one)?,
+                _ => d.set_item(key, b)?,
             }
         }
         Ok(d)
@@ -235,13 +273,13 @@ impl PyKeyedBlockPool {
     /// The first free block, or None.
     #[getter]
     fn free_front(&self) -> Option<u32> {
-        self.lock().free_front()
+        self.with(|p| p.free_front())
     }
 
     /// The last free block, or None.
     #[getter]
     fn free_back(&self) -> Option<u32> {
-        self.lock().free_back()
+        self.with(|p| p.free_back())
     }
 
     /// `(before, after)` of a free block in the eviction order (None at an end), or None if the
@@ -252,12 +290,12 @@ impl PyKeyedBlockPool {
         block: &Bound<'_, PyAny>,
     ) -> PyResult<Option<(Option<u32>, Option<u32>)>> {
         let b = self::block(block)?;
-        self.lock().free_neighbours(b).py()
+        self.with(|p| p.free_neighbours(b)).py()
     }
 
     /// Counters: lookups, hits, evictions, revivals.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.lock().stats();
+        let s = self.with(|p| p.stats());
         let d = PyDict::new(py);
         d.set_item("lookups", s.lookups)?;
         d.set_item("hits", s.hits)?;
@@ -268,7 +306,7 @@ impl PyKeyedBlockPool {
 
     /// Raises `InvariantViolationError` if the pool's state is inconsistent (never expected).
     fn check_invariants(&self) -> PyResult<()> {
-        self.lock().check_invariants().py()
+        self.with(|p| p.check_invariants()).py()
     }
 
     fn __len__(&self) -> usize {
@@ -276,12 +314,10 @@ impl PyKeyedBlockPool {
     }
 
     fn __repr__(&self) -> String {
-        let g = self.lock();
+        let (free, keys) = self.with(|p| (p.num_free(), p.num_keys()));
         format!(
             "KeyedBlockPool(num_blocks={}, num_free={}, num_keys={})",
-            self.num_blocks,
-            g.num_free(),
-            g.num_keys()
+            self.num_blocks, free, keys
         )
     }
 }

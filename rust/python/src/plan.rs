@@ -32,12 +32,16 @@ fn dtype_str(arr: &Bound<'_, PyUntypedArray>) -> String {
         .unwrap_or_else(|_| "?".into())
 }
 
-fn bad_out(got: String) -> PyErr {
-    core_err(Error::BufferInvalid {
+fn bad_out_error(got: String) -> Error {
+    Error::BufferInvalid {
         buffer: "plan",
         expected: "a writable, C-contiguous 1-D int32 numpy array (native byte order)",
         got,
-    })
+    }
+}
+
+fn bad_out(got: String) -> PyErr {
+    core_err(bad_out_error(got))
 }
 
 /// Runs the core over lengths of element type `E` (the array's dtype).
@@ -53,31 +57,42 @@ fn plan_with<'py, E: Element + SeqLen>(
             "cannot be read as a 1-D integer array of its dtype",
         )
     })?;
-    let ro = arr.try_readonly().map_err(|e| {
-        invalid_arg(
-            "seq_lens",
-            lens,
-            format!("array is mutably borrowed elsewhere ({e})"),
-        )
-    })?;
-    let mut rw = out.try_readwrite().map_err(|e| {
-        bad_out(format!(
-            "an array that cannot be borrowed for writing ({e})"
-        ))
-    })?;
-    let dst = rw
-        .as_slice_mut()
-        .map_err(|_| bad_out("a non-contiguous array".into()))?;
-    let s = match ro.as_slice() {
-        Ok(src) => decode_plan::plan_decode(src, params, dst),
-        // Strided view: one copy, by value.
-        Err(_) => {
-            let copy: Vec<E> = ro.as_array().iter().copied().collect();
-            decode_plan::plan_decode(&copy, params, dst)
+    // Errors are built only after both borrows end: building an exception runs Python code (the
+    // cyclic GC, finalizers), which could resize either array, and numpy's borrow tracking
+    // cannot release a borrow whose array moved (it panics, inside an `extern "C"` callback).
+    let planned = {
+        let ro = match arr.try_readonly() {
+            Ok(ro) => ro,
+            Err(e) => return Err(readonly_failed(lens, e.to_string())),
+        };
+        match out.try_readwrite() {
+            Err(e) => Err(bad_out_error(format!(
+                "an array that cannot be borrowed for writing ({e})"
+            ))),
+            Ok(mut rw) => match rw.as_slice_mut() {
+                Err(_) => Err(bad_out_error("a non-contiguous array".into())),
+                Ok(dst) => match ro.as_slice() {
+                    Ok(src) => decode_plan::plan_decode(src, params, dst),
+                    // Strided view: one copy, by value.
+                    Err(_) => {
+                        let copy: Vec<E> = ro.as_array().iter().copied().collect();
+                        decode_plan::plan_decode(&copy, params, dst)
+                    }
+                },
+            },
         }
-    }
-    .py()?;
+    };
+    let s = planned.py()?;
     Ok((s.num_items, s.chunk))
+}
+
+#[cold]
+fn readonly_failed(lens: &Bound<'_, PyAny>, why: String) -> PyErr {
+    invalid_arg(
+        "seq_lens",
+        lens,
+        format!("array is mutably borrowed elsewhere ({why})"),
+    )
 }
 
 fn plan_lens<'py>(
