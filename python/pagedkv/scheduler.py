@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Deque, List, Optional, Sequence as SequenceT, 
 
 import numpy as np
 
+from ._checks import check_salt
 from .errors import InvalidArgumentError, InvalidConfigError, OutOfBlocksError, OutOfHostBlocksError
 
 if TYPE_CHECKING:
@@ -142,7 +143,8 @@ class Sequence:
         self.token_ids: List[int] = tokens
         self.num_prompt_tokens = len(tokens)
         self.num_computed_tokens = 0
-        self.cache_salt = cache_salt
+        # Refused here rather than at admission, inside a step.
+        self.cache_salt = check_salt("cache_salt", cache_salt)
         self.status = SequenceStatus.WAITING
         #: Prompt tokens served from the prefix cache at the latest admission.
         self.num_cached_tokens = 0
