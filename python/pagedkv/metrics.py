@@ -47,12 +47,15 @@ The endpoint (:class:`MetricsServer`) listens on 127.0.0.1 unless told otherwise
 thread whatever its clients do: it holds at most ``max_connections`` sockets (a new connection
 beyond that closes the oldest), answers one request per connection, and closes any connection
 that has not sent a complete request and received the answer within ``request_timeout_s`` of
-being accepted (a client sending a byte a second is cut off like one sending nothing). Requests
-are ``GET`` / ``HEAD`` of ``/metrics`` with headers of at most 8 KiB.
+being accepted (a client sending a byte a second is cut off like one sending nothing). It
+answers at most ``max_requests_per_s`` requests a second and reuses a rendered answer for
+``max_age_s``, so even a tight scrape loop costs the engine's process a small, bounded share of
+the interpreter. Requests are ``GET`` / ``HEAD`` of ``/metrics`` with headers of at most 8 KiB.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import selectors
 import socket
@@ -192,6 +195,7 @@ class _Snapshots:
 
     def _from_step(self) -> Optional[Dict[str, Any]]:
         sched = self.scheduler
+        assert sched is not None
         done = threading.Event()
         box: List[Dict[str, Any]] = []
 
@@ -203,13 +207,13 @@ class _Snapshots:
                 logger.exception("metrics snapshot failed")
             done.set()
 
-        sched.metrics_hook = publish  # type: ignore[union-attr]
+        sched.metrics_hook = publish
         if done.wait(self.step_wait_s):
             return box[0] if box else None
         # No step began: withdraw the request (a step that takes it meanwhile only wastes one
         # snapshot) and read between steps from here.
         if getattr(sched, "metrics_hook", None) is publish:
-            sched.metrics_hook = None  # type: ignore[union-attr]
+            sched.metrics_hook = None
         return None
 
 
@@ -374,8 +378,8 @@ class _Conn:
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock, self.deadline = sock, deadline
-        self.inbuf = b""
-        self.out: Optional[memoryview] = None  # the response, once the request is complete
+        self.inbuf = b""  # the request so far; once complete, its head (waiting for its turn)
+        self.out: Optional[memoryview] = None  # the response, once the request is answered
 
 
 def _response(status: str, body: bytes, content_type: str = "text/plain; charset=utf-8",
@@ -398,18 +402,29 @@ class MetricsServer:
         max_connections: Most client sockets held at once; accepting one more closes the oldest.
         request_timeout_s: Time from accepting a connection to having answered it; a client
             that has not sent its whole request and read the answer by then is disconnected.
+        max_requests_per_s: Most requests answered per second; complete requests beyond that
+            wait their turn (within their deadline). A scrape loop then costs the process a
+            bounded share of the interpreter, however fast it asks.
+        max_age_s: Reuse a rendered answer for this long (seconds, ``>= 0``).
 
     Raises:
-        InvalidArgumentError: ``max_connections`` is below 1 or ``request_timeout_s`` not positive.
+        InvalidArgumentError: ``max_connections`` is below 1, ``request_timeout_s`` or
+            ``max_requests_per_s`` is not positive, or ``max_age_s`` is negative.
         OSError: The address cannot be bound.
     """
 
     def __init__(self, registry: Any, addr: str = "127.0.0.1", port: int = 0, *,
-                 max_connections: int = 16, request_timeout_s: float = 2.0) -> None:
+                 max_connections: int = 16, request_timeout_s: float = 2.0,
+                 max_requests_per_s: float = 100.0, max_age_s: float = 0.1) -> None:
         from prometheus_client import exposition
 
         self.max_connections = _count("max_connections", max_connections, 1)
         self.request_timeout_s = _seconds("request_timeout_s", request_timeout_s, 1e-3)
+        self._gap = 1.0 / _seconds("max_requests_per_s", max_requests_per_s, 1e-3)
+        self.max_age_s = _seconds("max_age_s", max_age_s)
+        self._rendered: Dict[str, Tuple[float, bytes]] = {}  # content type -> (when, body)
+        self._ready: "collections.deque[_Conn]" = collections.deque()
+        self._next_turn = 0.0
         self._registry = registry
         self._choose_encoder = exposition.choose_encoder
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
@@ -436,11 +451,18 @@ class MetricsServer:
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
+                while self._ready and now >= self._next_turn:
+                    conn = self._ready.popleft()
+                    if conn.sock in self._conns:  # not closed while it waited
+                        self._reply(sel, conn, self._handle(conn.inbuf))
+                        self._next_turn = now + self._gap
                 timeout = self.request_timeout_s
                 if self._conns:
                     oldest = min(c.deadline for c in self._conns.values())
-                    timeout = max(0.0, min(timeout, oldest - now))
-                for key, mask in sel.select(timeout):
+                    timeout = min(timeout, oldest - now)
+                if self._ready:
+                    timeout = min(timeout, self._next_turn - now)
+                for key, mask in sel.select(max(0.0, timeout)):
                     sock = key.fileobj
                     if sock is self.socket:
                         self._accept(sel)
@@ -501,7 +523,10 @@ class MetricsServer:
                 self._reply(sel, conn, _response("431 Request Header Fields Too Large",
                                                  b"request headers too large\n"))
             return
-        self._reply(sel, conn, self._handle(conn.inbuf[:end]))
+        # Complete: nothing more is read from it; it is answered in its turn.
+        conn.inbuf = conn.inbuf[:end]
+        sel.unregister(conn.sock)
+        self._ready.append(conn)
 
     def _handle(self, head: bytes) -> bytes:
         lines = head.decode("latin-1").split("\r\n")
@@ -520,7 +545,13 @@ class MetricsServer:
                 accept = value.strip()
         try:
             encoder, content_type = self._choose_encoder(accept)
-            body = encoder(self._registry)
+            now = time.monotonic()
+            hit = self._rendered.get(content_type)
+            if hit is not None and now - hit[0] < self.max_age_s:
+                body = hit[1]
+            else:
+                body = encoder(self._registry)
+                self._rendered[content_type] = (now, body)
         except Exception:
             logger.exception("metrics scrape failed")
             return _response("500 Internal Server Error", b"scrape failed\n")
@@ -528,7 +559,10 @@ class MetricsServer:
 
     def _reply(self, sel: selectors.BaseSelector, conn: _Conn, data: bytes) -> None:
         conn.out = memoryview(data)
-        sel.modify(conn.sock, selectors.EVENT_WRITE, None)
+        try:
+            sel.modify(conn.sock, selectors.EVENT_WRITE, None)
+        except KeyError:  # unregistered while it waited for its turn
+            sel.register(conn.sock, selectors.EVENT_WRITE, None)
         self._write(sel, conn)
 
     def _write(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
@@ -584,12 +618,13 @@ class MetricsServer:
 def start_metrics_server(port: int, manager: "BlockManager",
                          scheduler: Optional["Scheduler"] = None, *, addr: str = "127.0.0.1",
                          bytes_per_block: Optional[int] = None, max_connections: int = 16,
-                         request_timeout_s: float = 2.0
+                         request_timeout_s: float = 2.0, max_requests_per_s: float = 100.0
                          ) -> Tuple["MetricsServer", threading.Thread, Any]:
     """Serves ``manager``'s (and ``scheduler``'s) metrics at ``http://addr:port/metrics``.
 
     The server (:class:`MetricsServer`: one thread, at most ``max_connections`` client sockets,
-    each answered or dropped within ``request_timeout_s``) runs in a daemon thread with a registry
+    each answered or dropped within ``request_timeout_s``, at most ``max_requests_per_s``
+    answers a second) runs in a daemon thread with a registry
     of its own (holding only this collector, so two servers in one process do not collide). Port 0
     picks a free port; read it back from ``server.server_port``.
 
@@ -599,7 +634,7 @@ def start_metrics_server(port: int, manager: "BlockManager",
     Raises:
         MetricsUnavailableError: ``prometheus_client`` is not installed.
         InvalidArgumentError: ``port`` is not an int in ``[0, 65535]``, ``max_connections`` is
-            below 1, or ``request_timeout_s`` is not positive.
+            below 1, or ``request_timeout_s`` or ``max_requests_per_s`` is not positive.
         OSError: The port cannot be bound.
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -612,7 +647,8 @@ def start_metrics_server(port: int, manager: "BlockManager",
     registry = prometheus_client.CollectorRegistry(auto_describe=False)
     registry.register(collector)
     server = MetricsServer(registry, addr, port, max_connections=max_connections,
-                           request_timeout_s=request_timeout_s)
+                           request_timeout_s=request_timeout_s,
+                           max_requests_per_s=max_requests_per_s)
     thread = threading.Thread(target=server.serve_forever, name="pagedkv-metrics", daemon=True)
     thread.start()
     logger.info("metrics served at http://%s:%d/metrics", addr, server.server_port)
