@@ -415,7 +415,7 @@ class MetricsServer:
 
     def __init__(self, registry: Any, addr: str = "127.0.0.1", port: int = 0, *,
                  max_connections: int = 16, request_timeout_s: float = 2.0,
-                 max_requests_per_s: float = 100.0, max_age_s: float = 0.1) -> None:
+                 max_requests_per_s: float = 10.0, max_age_s: float = 0.1) -> None:
         from prometheus_client import exposition
 
         self.max_connections = _count("max_connections", max_connections, 1)
@@ -618,7 +618,7 @@ class MetricsServer:
 def start_metrics_server(port: int, manager: "BlockManager",
                          scheduler: Optional["Scheduler"] = None, *, addr: str = "127.0.0.1",
                          bytes_per_block: Optional[int] = None, max_connections: int = 16,
-                         request_timeout_s: float = 2.0, max_requests_per_s: float = 100.0
+                         request_timeout_s: float = 2.0, max_requests_per_s: float = 10.0
                          ) -> Tuple["MetricsServer", threading.Thread, Any]:
     """Serves ``manager``'s (and ``scheduler``'s) metrics at ``http://addr:port/metrics``.
 
