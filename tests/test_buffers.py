@@ -224,6 +224,45 @@ def test_views_follow_changing_extents() -> None:
     assert b.views(StepInfo(2, 5, 3, 0, 1), on_device=False).seq_lens.tolist() == [0, 1]
 
 
+@pytest.mark.parametrize("backend", ["torch", "numpy"])
+def test_views_and_copy_spans_refuse_bad_step_infos(backend: str) -> None:
+    b = StepBuffers(8, 32, 4, max_copies=3, max_swaps=2, device="cpu", backend=backend)
+    good = StepInfo(2, 5, 3, 1, 7)
+    before = b.views(good, on_device=False)
+    spans = b.copy_spans(good)
+    bad = [
+        (None, "info"),
+        ("not a step", "info"),
+        (StepInfo(-1, 5, 3, 1, 7), "info.num_seqs"),
+        (StepInfo(9, 5, 3, 1, 7), "info.num_seqs"),
+        (StepInfo(2, -3, 3, 1, 7), "info.num_tokens"),
+        (StepInfo(2, 33, 3, 1, 7), "info.num_tokens"),
+        (StepInfo(2, 5, 33, 1, 7), "info.num_kv_indices"),
+        (StepInfo(2, 5, -1, 1, 7), "info.num_kv_indices"),
+        (StepInfo(2, 5, 3, 4, 7), "info.num_copies"),
+        (StepInfo(2, 5, 3, -1, 7), "info.num_copies"),
+        (StepInfo(2, 5, 3, 1, 7, 3, 0), "info.num_swap_out"),
+        (StepInfo(2, 5, 3, 1, 7, 0, -2), "info.num_swap_in"),
+        (StepInfo(2, 5.0, 3, 1, 7), "info.num_tokens"),
+    ]
+    for info, what in bad:
+        for call in (lambda: b.views(info, on_device=False), lambda: b.copy_spans(info)):
+            with pytest.raises(InvalidArgumentError) as e:
+                call()
+            assert e.value.what == what, (info, e.value)
+            if what != "info":
+                assert str(e.value.value) in str(e.value) and "[0, " in str(e.value)
+    # Nothing was cut or cached for the bad ones: the good step still gets its views and spans.
+    after = b.views(good, on_device=False)
+    assert all(x.shape == y.shape for x, y in zip(before, after))
+    assert b.copy_spans(good) == spans
+    # Without the CSR table there is no room for a kv index at all.
+    plain = StepBuffers(8, 32, 4, device="cpu", csr=False, backend=backend)
+    with pytest.raises(InvalidArgumentError, match="num_kv_indices"):
+        plain.views(StepInfo(2, 5, 1, 0, 7))
+    assert plain.views(StepInfo(2, 5, 0, 0, 7)).slot_mapping.shape == (5,)
+
+
 # ---------------------------------------------------------------------------- numpy backend
 
 

@@ -401,3 +401,13 @@ def test_mla_spec_validation():
         CacheSpec(2, 2, 576, "bf16", mla=True)
     with pytest.raises(InvalidConfigError, match="mla"):
         CacheSpec(2, 1, 576, "bf16", mla=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("text", ["9" * 5000, "1." + "0" * 5000 + "1GiB", " " * 100 + "1GiB"])
+def test_parse_bytes_refuses_huge_numbers_naming_the_limit(text):
+    with pytest.raises(InvalidConfigError, match="at most 64") as e:
+        parse_bytes(text)
+    assert e.value.value == len(text)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 200
+    # The longest accepted spelling still parses.
+    assert parse_bytes("1" + "0" * 59 + " GiB") == 10**59 * 2**30

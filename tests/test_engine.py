@@ -274,6 +274,19 @@ def test_cache_salt_separates_tenants(model_dir):
     assert other.outputs[0].token_ids == same.outputs[0].token_ids
 
 
+def test_empty_cache_salt_is_refused(model_dir):
+    llm = _llm(model_dir)
+    prompt = _prompts(13, [20])[0]
+    for salt in ("", b"", ["tenant-a", ""]):
+        with pytest.raises(InvalidArgumentError, match="pass None for no salt") as info:
+            llm.generate([prompt, prompt] if isinstance(salt, list) else [prompt], GREEDY,
+                         cache_salt=salt, use_tqdm=False)
+        assert info.value.what == "cache_salt"
+        with pytest.raises(InvalidArgumentError, match="pass None for no salt"):
+            llm.llm_engine.add_request(None, prompt, GREEDY, cache_salt=b"" if salt else "")
+        assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_prefix_caching_off(model_dir):
     llm = _llm(model_dir, enable_prefix_caching=False)
     prompt = _prompts(12, [20])[0]

@@ -199,6 +199,31 @@ def test_unencodable_salt_is_invalid_argument(m: BlockManager, salt: str) -> Non
     assert _state(m) == before
 
 
+@pytest.mark.parametrize("salt", ["", b"", bytearray()])
+def test_empty_salt_is_refused_not_shared(m: BlockManager, salt: object) -> None:
+    from pagedkv.scheduler import Sequence
+
+    prompt = list(range(100, 109))
+    m.admit(2, prompt)
+    m.step([2], 9)  # two full blocks of `prompt` enter the unsalted cache
+    before = _state(m)
+    calls = [
+        lambda: m.admit(9, prompt, cache_salt=salt),
+        lambda: m.can_admit(prompt, cache_salt=salt),
+        lambda: m.can_admit(9, cache_salt=salt),
+        lambda: m.admit_batch([9, 10], [prompt, prompt], cache_salts=[b"x", salt]),
+        lambda: Sequence(9, prompt, cache_salt=salt),  # type: ignore[arg-type]
+    ]
+    for call in calls:
+        with pytest.raises(InvalidArgumentError, match="pass None for no salt") as info:
+            call()
+        assert info.value.what in ("cache_salt", "cache_salts") and info.value.value == salt
+        assert _state(m) == before and 9 not in m and 10 not in m
+    # None is the one spelling of "no salt"; a real salt does not share the unsalted blocks.
+    assert m.admit(9, prompt, cache_salt=None).cached_tokens == 8
+    assert m.admit(10, prompt, cache_salt=b"tenant").cached_tokens == 0
+
+
 # ------------------------------------------------------------------------------------- devices
 
 

@@ -186,3 +186,157 @@ def test_preemption_and_cache_reset_are_logged(caplog):
     msgs = [r.getMessage() for r in caplog.records if r.name == "pagedkv"]
     assert any("preempted sequence" in x and "recompute" in x for x in msgs)
     assert any("prefix cache reset" in x for x in msgs)
+
+
+# ------------------------------------------------------------------------------ the endpoint
+
+
+def _closed_by_peer(sock, wait_s: float) -> bool:
+    """Whether the server has closed ``sock`` (EOF or reset) within ``wait_s``."""
+    import select
+
+    r, _, _ = select.select([sock], [], [], wait_s)
+    if not r:
+        return False
+    try:
+        return sock.recv(1024) == b""
+    except OSError:
+        return True
+
+
+def test_flood_of_half_sent_requests_is_bounded_and_scrapes_still_succeed():
+    import socket
+
+    m, sched = _setup()
+    threads_before = threading.active_count()
+    server, thread, _ = start_metrics_server(0, m, sched)
+    port = server.server_port
+    flood = []
+    try:
+        for _ in range(400):
+            s = socket.create_connection(("127.0.0.1", port), timeout=2)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
+            flood.append(s)
+        # One thread serves every client, however many are connected.
+        assert threading.active_count() <= threads_before + 1
+        # A real scrape gets through the flood (urllib's timeout bounds the wait).
+        got = _scrape(port)
+        assert got[("pagedkv_num_blocks", ())] == 24
+        assert threading.active_count() <= threads_before + 1
+        assert server.num_connections <= server.max_connections
+        # The server closed the flood's sockets: the oldest to stay under the cap, the rest at
+        # their deadline.
+        assert all(_closed_by_peer(s, 5.0) for s in flood[-server.max_connections:])
+        assert all(_closed_by_peer(s, 0.5) for s in flood[:10])
+        assert server.num_connections == 0
+    finally:
+        for s in flood:
+            s.close()
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+def test_slow_client_is_cut_off_at_the_request_deadline():
+    import socket
+    import time
+
+    m, sched = _setup()
+    server, thread, _ = start_metrics_server(0, m, sched)
+    try:
+        assert server.server_address[0] == "127.0.0.1"
+        s = socket.create_connection(("127.0.0.1", server.server_port), timeout=2)
+        request = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: */*\r\n" + b"X: y\r\n" * 40
+        cut = False
+        started = time.monotonic()
+        # One byte every 0.1 s: each arrives well within any per-read timeout, but the whole
+        # request would take 30 s; the server must drop it at its deadline (2 s by default).
+        for i in range(len(request)):
+            try:
+                s.sendall(request[i: i + 1])
+            except OSError:
+                cut = True
+                break
+            if _closed_by_peer(s, 0.1):
+                cut = True
+                break
+            if time.monotonic() - started > 6:
+                break
+        s.close()
+        assert cut, "a client trickling its request must be disconnected"
+        assert server.num_timed_out >= 1
+        assert _scrape(server.server_port)[("pagedkv_num_blocks", ())] == 24
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def test_endpoint_answers_bad_requests_and_refuses_bad_limits():
+    import socket
+
+    m, sched = _setup()
+    server, thread, _ = start_metrics_server(0, m, sched)
+    port = server.server_port
+
+    def ask(raw: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=3) as s:
+            s.sendall(raw)
+            out = b""
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    return out
+                out += chunk
+
+    try:
+        assert ask(b"GET /other HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 404")
+        assert ask(b"POST /metrics HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 405")
+        assert ask(b"nonsense\r\n\r\n").startswith(b"HTTP/1.1 400")
+        assert ask(b"GET /metrics HTTP/1.1\r\n" + b"X: " + b"y" * 9000).startswith(
+            b"HTTP/1.1 431")
+        head = ask(b"HEAD /metrics HTTP/1.1\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and head.endswith(b"\r\n\r\n")
+        om = ask(b"GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text\r\n\r\n")
+        assert b"application/openmetrics-text" in om and om.rstrip().endswith(b"# EOF")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+    for kw in ({"max_connections": 0}, {"request_timeout_s": 0}, {"request_timeout_s": "1"}):
+        with pytest.raises(InvalidArgumentError):
+            start_metrics_server(0, m, sched, **kw)
+
+
+def test_scrape_snapshot_is_taken_by_the_step_thread():
+    m, sched = _setup()
+    sched.add(Sequence(0, PREFIX, request_id="r0"))
+    collector = PagedKVCollector(m, sched, max_age_s=0.0, step_wait_s=5.0)
+
+    def run_steps() -> None:
+        for _ in range(50):
+            _step(sched)
+
+    steps = threading.Thread(target=run_steps)
+    seen = []
+    real_take = collector._snapshots._take
+
+    def take():
+        seen.append(threading.get_ident())
+        return real_take()
+
+    collector._snapshots._take = take
+    t = threading.Thread(target=lambda: seen.append(("ok", list(collector.collect()))))
+    t.start()
+    # The scrape waits for a step; the step thread takes the snapshot at its next schedule().
+    while sched.metrics_hook is None and t.is_alive():
+        t.join(0.001)
+    steps.start()
+    t.join(10)
+    steps.join(10)
+    assert seen[0] == steps.ident and seen[1][0] == "ok"
+    # Without steps the scrape reads for itself after step_wait_s.
+    idle = PagedKVCollector(m, sched, max_age_s=0.0, step_wait_s=0.01)
+    assert any(f.name == "pagedkv_num_blocks" for f in idle.collect())
+    assert sched.metrics_hook is None

@@ -175,6 +175,60 @@ def test_bad_tensor_parallel_size_raises_before_any_process(models):
     assert not multiprocessing.active_children()
 
 
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    """A real gloo process group of one rank (its broadcast leaves the packet as it is), torn
+    down afterwards so later tests see no group."""
+    import torch.distributed as dist
+
+    from pagedkv.distributed.tp import TPGroup
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield TPGroup()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_forged_step_packet_counts_are_refused(gloo_world_of_one):
+    import numpy as np
+
+    from pagedkv import StepBuffers, StepInfo
+    from pagedkv.distributed import step_broadcast as sb
+    from pagedkv.errors import InvariantViolationError
+
+    buffers = StepBuffers(4, 16, 4, max_copies=2, max_swaps=2, device="cpu")
+    b = sb.StepBroadcaster(buffers, gloo_world_of_one)
+    info = StepInfo(2, 5, 3, 1, 9, 0, 0, 4)
+    ids, pos, rows = np.arange(5), np.arange(5), np.array([2, 4])
+    b.send_step(info, ids, pos, rows)
+    good = b._header.copy()
+    arena = buffers._host_arena
+    arena.zero_()  # a receiver that wrote the packet's tables would make these bytes non-zero
+    forged = [
+        (sb._H_NSEQS, -1), (sb._H_NSEQS, 5), (sb._H_NTOK, -5), (sb._H_NTOK, 2**40),
+        (sb._H_NKVI, 17), (sb._H_NCOPY, 3), (sb._H_NOUT, 3), (sb._H_NIN, -1),
+        (sb._H_NROWS, 5), (sb._H_NROWS, -2), (sb._H_MAXLEN, -1), (sb._H_MAXQ, 6),
+        (sb._H_CMD, 0), (sb._H_CMD, 7),
+    ]
+    for word, value in forged:
+        b._header[:] = good
+        b._header[word] = value
+        b.seq_no = 0
+        with pytest.raises(InvariantViolationError) as e:
+            b.recv()
+        assert e.value.value == value and str(value) in str(e.value), (word, value, e.value)
+        assert b.seq_no == 0 and not bool(arena.any()), (word, value)
+    # The genuine packet still goes through after the forged ones.
+    b._header[:] = good
+    got = b.recv()
+    assert got.cmd == sb.CMD_STEP and got.info == info and b.seq_no == 1
+    assert got.input_ids.tolist() == ids.tolist() and got.sample_rows.tolist() == rows.tolist()
+
+
 # ------------------------------------------------------------------------------------ GPU
 
 

@@ -8,13 +8,15 @@ manager alone, which only counts tokens, takes what the core stores (any integer
 ``[1, MAX_MANAGER_BLOCK_SIZE]``). A bad block size raises
 :class:`~pagedkv.errors.ConfigArgumentError` at every layer.
 
-It also owns the rules for two kinds of argument that used to slip through or escape as torch's
+It also owns the rules for three kinds of argument that used to slip through or escape as torch's
 own exceptions:
 
 * a flag is a ``bool`` and nothing else (``"false"`` is truthy, so ``bool(x)`` would turn it on);
 * a device is a ``str`` or :class:`torch.device` naming ``cpu`` or an existing CUDA device; anything
   else raises :class:`~pagedkv.errors.InvalidArgumentError` with ``what="device"`` before torch is
-  asked to allocate there (which would raise a bare ``RuntimeError``).
+  asked to allocate there (which would raise a bare ``RuntimeError``);
+* a cache salt is ``None`` (no salt) or non-empty: an empty one is refused rather than hashed as
+  no salt.
 
 It also turns a failed torch allocation into :class:`~pagedkv.errors.AllocationFailedError`.
 
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "MAX_BLOCK_SIZE", "MAX_MANAGER_BLOCK_SIZE", "check_block_size",
-           "check_flag", "parse_device", "allocate"]
+           "check_flag", "check_salt", "parse_device", "allocate"]
 
 T = TypeVar("T")
 
@@ -75,6 +77,21 @@ def check_flag(name: str, value: Any) -> bool:
     raise InvalidArgumentError(
         f"invalid argument: {name} = {value!r}: {reason}", what=name, value=value, reason=reason
     )
+
+
+def check_salt(name: str, salt: Any) -> Any:
+    """``salt`` unless it is an empty str, bytes or bytearray; InvalidArgumentError otherwise.
+
+    The prefix hash treats an empty salt as no salt (``docs/prefix-hash.md``), so a caller whose
+    per-tenant salt came out empty would silently share the unsalted cache; ``None`` is the one
+    spelling of "no salt". Any other type is left for the extension to refuse.
+    """
+    if salt is not None and type(salt) in (str, bytes, bytearray) and not salt:
+        reason = "must not be empty (an empty salt would share the unsalted cache); pass None for no salt"
+        raise InvalidArgumentError(
+            f"invalid argument: {name} = {salt!r}: {reason}", what=name, value=salt, reason=reason
+        )
+    return salt
 
 
 def _bad_device(device: Any, reason: str) -> InvalidArgumentError:

@@ -66,7 +66,9 @@ class BlockManager:
         extra_keys: Optional[_Keys] = ...,
         max_new_tokens: Optional[int] = ...,
     ) -> bool:
-        """Token ids: prefix-cache hits counted; an int: a length, no hit assumed."""
+        """Token ids: prefix-cache hits counted; an int: a length, no hit assumed.
+
+        An empty ``cache_salt`` hashes as no salt here; :class:`pagedkv.BlockManager` refuses it."""
     def admit(
         self,
         seq_id: int,
@@ -77,7 +79,9 @@ class BlockManager:
         extra_keys: Optional[_Keys] = ...,
         max_new_tokens: Optional[int] = ...,
     ) -> Tuple[int, int, int, int]:
-        """Returns ``(cached_tokens, new_blocks, num_blocks, num_tokens)``."""
+        """Returns ``(cached_tokens, new_blocks, num_blocks, num_tokens)``.
+
+        An empty ``cache_salt`` hashes as no salt here; :class:`pagedkv.BlockManager` refuses it."""
     def admit_batch(
         self,
         seq_ids: _Ids,
@@ -85,7 +89,9 @@ class BlockManager:
         cache_salts: Optional[Sequence[Union[bytes, bytearray, str, None]]] = ...,
         max_new_tokens: Union[int, Sequence[Optional[int]], None] = ...,
     ) -> list[Tuple[int, int, int, int]]:
-        """The admitted prefix's ``(cached_tokens, new_blocks, num_blocks, num_tokens)``."""
+        """The admitted prefix's ``(cached_tokens, new_blocks, num_blocks, num_tokens)``.
+
+        An empty salt hashes as no salt here; :class:`pagedkv.BlockManager` refuses it."""
     def free_batch(self, seq_ids: _Ids) -> None: ...
     def reset_prefix_cache(self) -> int: ...
     def append(self, seq_id: int, token_ids: _Ids) -> None: ...
@@ -123,7 +129,9 @@ class BlockManager:
     def resume(
         self, seq_id: int, max_new_tokens: Optional[int] = ...
     ) -> Tuple[int, int, int, int]:
-        """Returns ``(cached_tokens, new_blocks, num_blocks, num_tokens)``."""
+        """Returns ``(cached_tokens, new_blocks, num_blocks, num_tokens)``.
+
+        An empty ``cache_salt`` hashes as no salt here; :class:`pagedkv.BlockManager` refuses it."""
     def choose_victim(self) -> Optional[list[int]]: ...
     def decide(
         self,
@@ -226,7 +234,7 @@ def hash_blocks(
     hash_seed: int,
 ) -> list[bytes]:
     """Chained prefix hashes of every full block under key ``hash_seed``, 16 little-endian bytes
-    each."""
+    each. An empty ``cache_salt`` is no salt (``docs/prefix-hash.md``)."""
 
 def plan_decode(
     seq_lens: npt.NDArray[np.integer[Any]],

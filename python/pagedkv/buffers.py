@@ -73,6 +73,9 @@ __all__ = ["StepBuffers", "StepTensors", "StepInfo", "FIELDS", "BACKENDS"]
 _COALESCE_GAP = 128 * 1024
 
 
+# No StepInfo is this object, so the first `_check_info` always checks.
+_UNCHECKED = object()
+
 #: The backends :class:`StepBuffers` offers.
 BACKENDS = ("torch", "numpy")
 
@@ -292,6 +295,9 @@ class StepBuffers:
             False: [None] * len(FIELDS),
             True: [None] * len(FIELDS),
         }
+        # The last StepInfo `_check_info` accepted (`to_device` checks it in `copy_spans`, then `views`).
+        self._checked: Any = _UNCHECKED
+        self._kv_cap = self.max_seqs * self.max_blocks_per_seq if self.csr else 0
 
     def _pick_backend(self, backend: Optional[str], device: Any) -> Any:
         """Sets :attr:`backend`; returns the torch module for ``"torch"``, ``None`` for numpy."""
@@ -358,6 +364,57 @@ class StepBuffers:
             views[name] = reshape(arena[off : off + n * itemsize].view(dtype), shape)
         return StepTensors(**views)
 
+    def _check_info(self, info: StepInfo) -> None:
+        """Raises InvalidArgumentError unless every count of ``info`` fits these buffers.
+
+        A cut past a field's end would silently come out short (slicing clamps) and a negative
+        one would drop elements from the end, so a bad count is refused instead.
+        """
+        if info is self._checked:
+            return
+        try:
+            n_s, n_t, n_k, n_c = info.num_seqs, info.num_tokens, info.num_kv_indices, info.num_copies
+            n_o, n_i = info.num_swap_out, info.num_swap_in
+        except AttributeError:
+            n_s = None
+        # The common case in one expression (this runs every step); the loop below names the
+        # offending count.
+        if (type(n_s) is int and type(n_t) is int and type(n_k) is int and type(n_c) is int
+                and type(n_o) is int and type(n_i) is int
+                and 0 <= n_s <= self.max_seqs and 0 <= n_t <= self.max_tokens
+                and 0 <= n_k <= self._kv_cap and 0 <= n_c <= self.max_copies
+                and 0 <= n_o <= self.max_swaps and 0 <= n_i <= self.max_swaps):
+            self._checked = info
+            return
+        from .errors import InvalidArgumentError
+
+        s_cap = self.max_seqs
+        limits = (
+            ("num_seqs", s_cap, "max_seqs"),
+            ("num_tokens", self.max_tokens, "max_tokens"),
+            ("num_kv_indices", self._kv_cap,
+             "max_seqs * max_blocks_per_seq" if self.csr else "0 without csr"),
+            ("num_copies", self.max_copies, "max_copies"),
+            ("num_swap_out", self.max_swaps, "max_swaps"),
+            ("num_swap_in", self.max_swaps, "max_swaps"),
+        )
+        for field, cap, name in limits:
+            try:
+                n = getattr(info, field)
+            except AttributeError:
+                reason = f"must be a StepInfo (it has no {field})"
+                raise InvalidArgumentError(
+                    f"invalid argument: info = {info!r}: {reason}",
+                    what="info", value=info, reason=reason,
+                ) from None
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= cap:
+                reason = f"must be an int in [0, {cap}] ({name} of these buffers)"
+                raise InvalidArgumentError(
+                    f"invalid argument: info.{field} = {n!r}: {reason}",
+                    what=f"info.{field}", value=n, reason=reason,
+                )
+        self._checked = info
+
     def views(self, info: StepInfo, *, on_device: bool = True) -> StepTensors:
         """The buffers cut to one step's extent (views, no copies; addresses as the full ones).
 
@@ -372,9 +429,14 @@ class StepBuffers:
             ``kv_indices[:num_kv_indices]``, ``kv_last_page_len[:num_seqs]``, ``copies[:num_copies]``,
             ``swap_out[:num_swap_out]``, ``swap_in[:num_swap_in]`` (the CSR three empty without
             ``csr``).
+
+        Raises:
+            InvalidArgumentError: ``info`` is not a StepInfo, or a count is negative or larger
+                than these buffers hold.
         """
         if on_device is not True and on_device is not False:
             check_flag("on_device", on_device)
+        self._check_info(info)
         full = self.device if on_device else self.host
         cache = self._cuts[on_device]
         s = info.num_seqs
@@ -422,7 +484,11 @@ class StepBuffers:
 
         The used part of each field, as ``[start, end)`` offsets, with neighbours separated by at
         most 128 KiB merged into one range.
+
+        Raises:
+            InvalidArgumentError: As :meth:`views`.
         """
+        self._check_info(info)
         o, s = self._offsets, info.num_seqs
         c = 1 if self.csr else 0
         used = (

@@ -707,6 +707,9 @@ _UNITS: dict[str, int] = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+# Far above any real size (2**64 bytes has 20 digits), and far below Python's 4300-digit limit
+# on int() of a string, which would otherwise surface as a bare ValueError.
+_MAX_SIZE_CHARS = 64
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -715,6 +718,10 @@ def parse_bytes(text: Union[str, int]) -> int:
 
     GB/MB/KB/TB are decimal (10⁹…), GiB/MiB/KiB/TiB binary (2³⁰…). A bare ``G``/``M`` is refused as
     ambiguous rather than guessed. Fractions of a byte round down.
+
+    Raises:
+        InvalidConfigError: Not a size, a negative int, an unknown unit, or longer than 64
+            characters.
     """
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
@@ -722,6 +729,11 @@ def parse_bytes(text: Union[str, int]) -> int:
         return text
     if not isinstance(text, str):
         raise InvalidConfigError(f"size must be a string like '80GiB', got {text!r}")
+    if len(text) > _MAX_SIZE_CHARS:
+        raise InvalidConfigError(
+            f"size {text[:20]!r}... is {len(text)} characters long; a size has at most "
+            f"{_MAX_SIZE_CHARS} (e.g. '80GiB')", field="size", value=len(text),
+            reason=f"at most {_MAX_SIZE_CHARS} characters")
     match = _SIZE_RE.match(text)
     if not match:
         raise InvalidConfigError(f"cannot parse size {text!r}; expected e.g. '80GiB', '80GB' or '4096'")

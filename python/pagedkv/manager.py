@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional, Sequence, Tup
 import numpy as np
 
 from . import _core
-from ._checks import DEFAULT_BLOCK_SIZE, check_block_size, check_flag
+from ._checks import DEFAULT_BLOCK_SIZE, check_block_size, check_flag, check_salt
 from .buffers import StepInfo
 from .errors import InvalidArgumentError
 
@@ -312,8 +312,10 @@ class BlockManager:
 
         Raises:
             InvalidArgumentError: An id or count is negative or not an int, ``max_new_tokens`` is
-                0, or a key is malformed.
+                0, a key is malformed, or ``cache_salt`` is empty (with a length too).
         """
+        if cache_salt is not None:
+            check_salt("cache_salt", cache_salt)
         if type(prompt) is int or isinstance(prompt, np.integer):
             return self._core.can_admit(int(prompt), max_new_tokens=max_new_tokens)
         return self._core.can_admit(
@@ -348,10 +350,12 @@ class BlockManager:
         Args:
             seq_id: A new sequence id (``0 <= seq_id < 2**64``).
             token_ids: The whole prompt (at least one token).
-            cache_salt: Per-tenant salt; prompts with different salts never share blocks.
-                Without one, every caller shares one cache and ``cached_tokens`` (and the time
-                an admission takes) reveals whether someone else sent the same prefix; give each
-                tenant (or user) its own unguessable salt to close that probe.
+            cache_salt: Per-tenant salt (non-empty bytes or str); prompts with different salts
+                never share blocks. ``None``: no salt. Without one, every caller shares one cache
+                and ``cached_tokens`` (and the time an admission takes) reveals whether someone
+                else sent the same prefix; give each tenant (or user) its own unguessable salt to
+                close that probe. An empty salt is refused: the hash would treat it as no salt,
+                so a tenant whose salt came out empty would share the unsalted cache.
             adapter_id: LoRA adapter id; blocks are shared only within one adapter.
             mm_inputs: Multimodal inputs as ``(start, end, content_hash)``: token positions
                 ``[start, end)`` hold placeholder tokens for an input whose content hash is given;
@@ -366,11 +370,13 @@ class BlockManager:
         Raises:
             DuplicateSequenceError: ``seq_id`` is already admitted.
             InvalidArgumentError: An id is negative or too large, the prompt is empty,
-                ``max_new_tokens`` is 0, or a key is malformed.
+                ``max_new_tokens`` is 0, a key is malformed, or ``cache_salt`` is empty.
             WatermarkReachedError: The new blocks would dip into the watermark reserve.
             SequenceTooLongError: The whole prompt needs more than ``max_blocks_per_seq`` blocks.
             OutOfBlocksError: The pool cannot supply the blocks even with the reserve.
         """
+        if cache_salt is not None:
+            check_salt("cache_salt", cache_salt)
         return _new_tuple(
             AdmitResult,
             self._core.admit(
@@ -404,7 +410,8 @@ class BlockManager:
         Args:
             seq_ids: New sequence ids.
             prompts: One prompt per id (lists, tuples or integer arrays).
-            cache_salts: One salt (or None) per id; None: no salts.
+            cache_salts: One salt (or None) per id, as in :meth:`admit` (an empty one is
+                refused); None: no salts.
             max_new_tokens: One int for all, one int-or-None per id, or None (whole prompts).
 
         Returns:
@@ -414,7 +421,7 @@ class BlockManager:
         Raises:
             DuplicateSequenceError: An id is live or repeats.
             InvalidArgumentError: A length differs, a prompt is empty, an id or count is out of
-                range, ``max_new_tokens`` is 0.
+                range, ``max_new_tokens`` is 0, a salt is empty.
             SequenceTooLongError: A prompt needs more than ``max_blocks_per_seq`` blocks.
         """
         if type(seq_ids) is not _ndarray:
@@ -429,6 +436,8 @@ class BlockManager:
                 max_new_tokens = list(max_new_tokens)
         if cache_salts is not None:
             cache_salts = list(cache_salts)
+            for salt in cache_salts:
+                check_salt("cache_salts", salt)
         return [
             _new_tuple(AdmitResult, r)
             for r in self._core.admit_batch(seq_ids, prompts, cache_salts, max_new_tokens)

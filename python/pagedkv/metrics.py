@@ -1,15 +1,21 @@
-"""The cache's signals as Prometheus metrics, read when scraped.
+"""The cache's signals as Prometheus metrics, and the bounded HTTP endpoint that serves them.
 
 Owns :class:`PagedKVCollector`, a ``prometheus_client`` custom collector over one
 :class:`~pagedkv.BlockManager` (and optionally the :class:`~pagedkv.scheduler.Scheduler` driving it),
-and :func:`start_metrics_server`, which serves it over HTTP. ``prometheus_client`` is an optional
-dependency (the ``pagedkv[metrics]`` extra), imported only when a collector is built; without it
-:class:`MetricsUnavailableError` says which extra to install, in one line.
+:class:`MetricsServer`, a single-threaded HTTP endpoint with a connection cap and a per-request
+deadline, and :func:`start_metrics_server`, which serves the collector through it.
+``prometheus_client`` is an optional dependency (the ``pagedkv[metrics]`` extra), imported only when a
+collector is built; without it :class:`MetricsUnavailableError` says which extra to install, in one
+line.
 
-Nothing here runs per step: every scrape takes one :meth:`BlockManager.stats` snapshot (the core's
-counters, read under the manager's lock, so a scrape from the HTTP thread during a step waits for
-the step and never fails) and reads a few scheduler attributes. Names are ``pagedkv_*`` with the
-meanings vLLM gives its ``vllm:*`` counterparts:
+A scrape reads a snapshot, never the live structures while a step uses them. With a scheduler, the
+scrape asks for one and the step thread takes it at the start of its next
+:meth:`~pagedkv.scheduler.Scheduler.schedule` (one :meth:`BlockManager.stats` call and three queue
+counts, only when a scrape is waiting), so the manager's lock is never contended and the
+scheduler's queues are never read while they change; if no step starts within ``step_wait_s`` (the
+engine is idle, or inside a long forward pass that holds neither), the scrape reads them itself.
+Snapshots are reused for ``max_age_s``, so a scrape storm costs the engine at most a few snapshots
+a second. Names are ``pagedkv_*`` with the meanings vLLM gives its ``vllm:*`` counterparts:
 
 =====================================================  ===========================================
 ``pagedkv_kv_cache_usage_ratio``                        used blocks / total (cached-free = free), 0..1
@@ -36,11 +42,25 @@ whichever core calls reclaim the blocks: ``Scheduler.num_preemptions_by_mode``),
 core's ``Stats.preemptions_swap`` / ``preemptions_recompute``. Swap counters read zero on a core
 without a host pool. Invariants: a scrape never changes the manager or the scheduler, and
 never raises because a step is running.
+
+The endpoint (:class:`MetricsServer`) listens on 127.0.0.1 unless told otherwise and runs in one
+thread whatever its clients do: it holds at most ``max_connections`` sockets (a new connection
+beyond that closes the oldest), answers one request per connection, and closes any connection
+that has not sent a complete request and received the answer within ``request_timeout_s`` of
+being accepted (a client sending a byte a second is cut off like one sending nothing). It
+answers at most ``max_requests_per_s`` requests a second and reuses a rendered answer for
+``max_age_s``, so even a tight scrape loop costs the engine's process a small, bounded share of
+the interpreter. Requests are ``GET`` / ``HEAD`` of ``/metrics`` with headers of at most 8 KiB.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import selectors
+import socket
+import threading
+import time
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 from .errors import InvalidArgumentError, PagedKVError
@@ -49,7 +69,8 @@ if TYPE_CHECKING:
     from .manager import BlockManager
     from .scheduler import Scheduler
 
-__all__ = ["PagedKVCollector", "MetricsUnavailableError", "start_metrics_server", "snapshot"]
+__all__ = ["PagedKVCollector", "MetricsServer", "MetricsUnavailableError", "start_metrics_server",
+           "snapshot"]
 
 logger = logging.getLogger("pagedkv")
 
@@ -147,6 +168,55 @@ def _num_requests(scheduler: Any, queue: str) -> int:
     return len({s.request_id or ("seq", s.seq_id) for s in seqs})
 
 
+class _Snapshots:
+    """The figures scrapes read: taken by the step thread at a step boundary when a scheduler is
+    there to ask, else (or when no step comes) by the scraping thread; reused for ``max_age_s``."""
+
+    def __init__(self, manager: "BlockManager", scheduler: Optional["Scheduler"],
+                 bytes_per_block: Optional[int], max_age_s: float, step_wait_s: float) -> None:
+        self.manager, self.scheduler, self.bytes_per_block = manager, scheduler, bytes_per_block
+        self.max_age_s, self.step_wait_s = max_age_s, step_wait_s
+        self._lock = threading.Lock()  # one scraping thread takes a snapshot at a time
+        self._last: Optional[Tuple[float, Dict[str, Any]]] = None
+
+    def _take(self) -> Dict[str, Any]:
+        return snapshot(self.manager, self.scheduler, self.bytes_per_block)
+
+    def get(self) -> Dict[str, Any]:
+        with self._lock:
+            last = self._last
+            if last is not None and time.monotonic() - last[0] < self.max_age_s:
+                return last[1]
+            d = self._from_step() if self.scheduler is not None else None
+            if d is None:
+                d = self._take()
+            self._last = (time.monotonic(), d)
+            return d
+
+    def _from_step(self) -> Optional[Dict[str, Any]]:
+        sched = self.scheduler
+        assert sched is not None
+        done = threading.Event()
+        box: List[Dict[str, Any]] = []
+
+        def publish() -> None:
+            # Runs in the step thread: a failure here must never reach the step.
+            try:
+                box.append(self._take())
+            except Exception:  # pragma: no cover - snapshot() reads plain counters
+                logger.exception("metrics snapshot failed")
+            done.set()
+
+        sched.metrics_hook = publish
+        if done.wait(self.step_wait_s):
+            return box[0] if box else None
+        # No step began: withdraw the request (a step that takes it meanwhile only wastes one
+        # snapshot) and read between steps from here.
+        if getattr(sched, "metrics_hook", None) is publish:
+            sched.metrics_hook = None
+        return None
+
+
 class PagedKVCollector:
     """A ``prometheus_client`` collector reading one manager (and scheduler) at scrape time.
 
@@ -158,19 +228,24 @@ class PagedKVCollector:
             (:attr:`pagedkv.CacheSpec.bytes_per_block`), for the swapped-bytes counters; without
             it those counters are not exported.
         labels: Constant labels added to every sample (e.g. ``{"model": "smollm2"}``).
+        max_age_s: Reuse a snapshot for this long (seconds, ``>= 0``): scrapes closer together
+            than this see the same figures.
+        step_wait_s: With a scheduler, how long a scrape waits for the step thread to take the
+            snapshot at its next step before reading it itself (seconds, ``>= 0``).
 
     Register it with ``prometheus_client.REGISTRY.register(collector)`` or pass it to
     :func:`start_metrics_server`.
 
     Raises:
         MetricsUnavailableError: ``prometheus_client`` is not installed.
-        InvalidArgumentError: ``manager`` has no ``stats()``, or ``bytes_per_block`` is not a
-            positive int.
+        InvalidArgumentError: ``manager`` has no ``stats()``, ``bytes_per_block`` is not a
+            positive int, or a time is negative or not a number.
     """
 
     def __init__(self, manager: "BlockManager", scheduler: Optional["Scheduler"] = None, *,
                  bytes_per_block: Optional[int] = None,
-                 labels: Optional[Dict[str, str]] = None) -> None:
+                 labels: Optional[Dict[str, str]] = None, max_age_s: float = 0.1,
+                 step_wait_s: float = 0.05) -> None:
         self._core = _prometheus()
         if not callable(getattr(manager, "stats", None)):
             raise InvalidArgumentError(
@@ -185,6 +260,9 @@ class PagedKVCollector:
         self.manager = manager
         self.scheduler = scheduler
         self.bytes_per_block = bytes_per_block
+        self._snapshots = _Snapshots(manager, scheduler, bytes_per_block,
+                                     _seconds("max_age_s", max_age_s),
+                                     _seconds("step_wait_s", step_wait_s))
         self._label_names = tuple(sorted(labels or {}))
         self._label_values = tuple(str((labels or {})[k]) for k in self._label_names)
 
@@ -195,7 +273,7 @@ class PagedKVCollector:
 
     def collect(self) -> Iterator[Any]:
         c = self._core
-        d = snapshot(self.manager, self.scheduler, self.bytes_per_block)
+        d = self._snapshots.get()
         names, values = list(self._label_names), list(self._label_values)
 
         def gauge(name: str, doc: str, value: float) -> Any:
@@ -274,21 +352,289 @@ def _le(bound: float) -> str:
     return str(int(bound)) + ".0"
 
 
+def _seconds(what: str, value: Any, minimum: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum \
+            or value == float("inf"):
+        raise InvalidArgumentError(
+            f"invalid argument: {what} = {value!r}: must be a finite number >= {minimum}",
+            what=what, value=value, reason=f"must be a finite number >= {minimum}")
+    return float(value)
+
+
+def _count(what: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(
+            f"invalid argument: {what} = {value!r}: must be an int >= {minimum}", what=what,
+            value=value, reason=f"must be an int >= {minimum}")
+    return value
+
+
+#: Request line plus headers; a scraper sends a few hundred bytes.
+_MAX_REQUEST_BYTES = 8192
+
+
+class _Conn:
+    __slots__ = ("sock", "deadline", "inbuf", "out")
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock, self.deadline = sock, deadline
+        self.inbuf = b""  # the request so far; once complete, its head (waiting for its turn)
+        self.out: Optional[memoryview] = None  # the response, once the request is answered
+
+
+def _response(status: str, body: bytes, content_type: str = "text/plain; charset=utf-8",
+              head: bool = False) -> bytes:
+    return (f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + (
+                b"" if head else body)
+
+
+class MetricsServer:
+    """An HTTP endpoint for one registry, in one thread, with bounded sockets and time per client.
+
+    The listening socket is bound by the constructor (so a busy port raises there); call
+    :meth:`serve_forever` in a thread, then :meth:`shutdown` and :meth:`server_close` to stop.
+
+    Args:
+        registry: What ``GET /metrics`` renders (a ``prometheus_client`` registry or collector).
+        addr: Address to listen on (default 127.0.0.1: local processes only).
+        port: Port (0: a free one; read it back from :attr:`server_port`).
+        max_connections: Most client sockets held at once; accepting one more closes the oldest.
+        request_timeout_s: Time from accepting a connection to having answered it; a client
+            that has not sent its whole request and read the answer by then is disconnected.
+        max_requests_per_s: Most requests answered per second; complete requests beyond that
+            wait their turn (within their deadline). A scrape loop then costs the process a
+            bounded share of the interpreter, however fast it asks.
+        max_age_s: Reuse a rendered answer for this long (seconds, ``>= 0``).
+
+    Raises:
+        InvalidArgumentError: ``max_connections`` is below 1, ``request_timeout_s`` or
+            ``max_requests_per_s`` is not positive, or ``max_age_s`` is negative.
+        OSError: The address cannot be bound.
+    """
+
+    def __init__(self, registry: Any, addr: str = "127.0.0.1", port: int = 0, *,
+                 max_connections: int = 16, request_timeout_s: float = 2.0,
+                 max_requests_per_s: float = 10.0, max_age_s: float = 0.1) -> None:
+        from prometheus_client import exposition
+
+        self.max_connections = _count("max_connections", max_connections, 1)
+        self.request_timeout_s = _seconds("request_timeout_s", request_timeout_s, 1e-3)
+        self._gap = 1.0 / _seconds("max_requests_per_s", max_requests_per_s, 1e-3)
+        self.max_age_s = _seconds("max_age_s", max_age_s)
+        self._rendered: Dict[str, Tuple[float, bytes]] = {}  # content type -> (when, body)
+        self._ready: "collections.deque[_Conn]" = collections.deque()
+        self._next_turn = 0.0
+        self._registry = registry
+        self._choose_encoder = exposition.choose_encoder
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        self.socket = socket.create_server((addr, port), family=family, backlog=128)
+        self.socket.setblocking(False)
+        self.server_address = self.socket.getsockname()[:2]
+        self.server_port: int = self.server_address[1]
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        self._conns: Dict[socket.socket, _Conn] = {}  # in accept order: the first is the oldest
+        #: Connections closed for running past the deadline / to stay under the cap.
+        self.num_timed_out = 0
+        self.num_evicted = 0
+
+    # ------------------------------------------------------------------------------ loop
+
+    def serve_forever(self) -> None:
+        """Serves until :meth:`shutdown`; every socket it opened is closed when it returns."""
+        sel = selectors.DefaultSelector()
+        sel.register(self.socket, selectors.EVENT_READ, None)
+        sel.register(self._wake_r, selectors.EVENT_READ, None)
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                while self._ready and now >= self._next_turn:
+                    conn = self._ready.popleft()
+                    if conn.sock in self._conns:  # not closed while it waited
+                        self._reply(sel, conn, self._handle(conn.inbuf))
+                        self._next_turn = now + self._gap
+                timeout = self.request_timeout_s
+                if self._conns:
+                    oldest = min(c.deadline for c in self._conns.values())
+                    timeout = min(timeout, oldest - now)
+                if self._ready:
+                    timeout = min(timeout, self._next_turn - now)
+                for key, mask in sel.select(max(0.0, timeout)):
+                    sock = key.fileobj
+                    if sock is self.socket:
+                        self._accept(sel)
+                    elif sock is self._wake_r:
+                        try:
+                            self._wake_r.recv(64)
+                        except BlockingIOError:
+                            pass
+                    else:
+                        conn = self._conns.get(sock)  # type: ignore[call-overload]
+                        if conn is not None:
+                            if mask & selectors.EVENT_READ:
+                                self._read(sel, conn)
+                            elif mask & selectors.EVENT_WRITE:
+                                self._write(sel, conn)
+                now = time.monotonic()
+                for conn in [c for c in self._conns.values() if c.deadline <= now]:
+                    self.num_timed_out += 1
+                    self._close(sel, conn)
+        finally:
+            for conn in list(self._conns.values()):
+                self._close(sel, conn)
+            sel.close()
+            self._stopped.set()
+
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        # Drain the accept queue each time: a connection left in the kernel's backlog is one the
+        # deadline cannot reach, and a full backlog would stall every new client.
+        for _ in range(256):
+            try:
+                sock, _addr = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # e.g. the client reset the connection before it was accepted
+                return
+            while len(self._conns) >= self.max_connections:
+                self.num_evicted += 1
+                self._close(sel, next(iter(self._conns.values())))
+            sock.setblocking(False)
+            conn = _Conn(sock, time.monotonic() + self.request_timeout_s)
+            self._conns[sock] = conn
+            sel.register(sock, selectors.EVENT_READ, None)
+
+    def _read(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close(sel, conn)
+            return
+        conn.inbuf += data
+        end = conn.inbuf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(conn.inbuf) > _MAX_REQUEST_BYTES:
+                self._reply(sel, conn, _response("431 Request Header Fields Too Large",
+                                                 b"request headers too large\n"))
+            return
+        # Complete: nothing more is read from it; it is answered in its turn.
+        conn.inbuf = conn.inbuf[:end]
+        sel.unregister(conn.sock)
+        self._ready.append(conn)
+
+    def _handle(self, head: bytes) -> bytes:
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return _response("400 Bad Request", b"bad request line\n")
+        method, target = parts[0], parts[1]
+        if method not in ("GET", "HEAD"):
+            return _response("405 Method Not Allowed", b"only GET and HEAD\n")
+        if target.split("?", 1)[0] != "/metrics":
+            return _response("404 Not Found", b"metrics are at /metrics\n")
+        accept = ""
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "accept":
+                accept = value.strip()
+        try:
+            encoder, content_type = self._choose_encoder(accept)
+            now = time.monotonic()
+            hit = self._rendered.get(content_type)
+            if hit is not None and now - hit[0] < self.max_age_s:
+                body = hit[1]
+            else:
+                body = encoder(self._registry)
+                self._rendered[content_type] = (now, body)
+        except Exception:
+            logger.exception("metrics scrape failed")
+            return _response("500 Internal Server Error", b"scrape failed\n")
+        return _response("200 OK", body, content_type, head=method == "HEAD")
+
+    def _reply(self, sel: selectors.BaseSelector, conn: _Conn, data: bytes) -> None:
+        conn.out = memoryview(data)
+        try:
+            sel.modify(conn.sock, selectors.EVENT_WRITE, None)
+        except KeyError:  # unregistered while it waited for its turn
+            sel.register(conn.sock, selectors.EVENT_WRITE, None)
+        self._write(sel, conn)
+
+    def _write(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
+        out = conn.out
+        assert out is not None
+        try:
+            n = conn.sock.send(out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(sel, conn)
+            return
+        conn.out = out[n:]
+        if not len(conn.out):
+            self._close(sel, conn)
+
+    def _close(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
+        if self._conns.pop(conn.sock, None) is None:
+            return
+        try:
+            sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+
+    # ------------------------------------------------------------------------------ control
+
+    @property
+    def num_connections(self) -> int:
+        """Client sockets open now."""
+        return len(self._conns)
+
+    def shutdown(self) -> None:
+        """Stops :meth:`serve_forever` and waits (a few seconds at most) until it has returned."""
+        self._stop.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._stopped.wait(5.0)
+
+    def server_close(self) -> None:
+        """Closes the listening socket (after :meth:`shutdown`)."""
+        for s in (self.socket, self._wake_r, self._wake_w):
+            s.close()
+
+    def __repr__(self) -> str:
+        return (f"MetricsServer(addr={self.server_address[0]!r}, port={self.server_port}, "
+                f"max_connections={self.max_connections}, "
+                f"request_timeout_s={self.request_timeout_s})")
+
+
 def start_metrics_server(port: int, manager: "BlockManager",
                          scheduler: Optional["Scheduler"] = None, *, addr: str = "127.0.0.1",
-                         bytes_per_block: Optional[int] = None) -> Tuple[Any, Any, Any]:
+                         bytes_per_block: Optional[int] = None, max_connections: int = 16,
+                         request_timeout_s: float = 2.0, max_requests_per_s: float = 10.0
+                         ) -> Tuple["MetricsServer", threading.Thread, Any]:
     """Serves ``manager``'s (and ``scheduler``'s) metrics at ``http://addr:port/metrics``.
 
-    The server runs in a daemon thread with a registry of its own (holding only this collector, so
-    two servers in one process do not collide). Port 0 picks a free port; read it back from
-    ``server.server_port``.
+    The server (:class:`MetricsServer`: one thread, at most ``max_connections`` client sockets,
+    each answered or dropped within ``request_timeout_s``, at most ``max_requests_per_s``
+    answers a second) runs in a daemon thread with a registry
+    of its own (holding only this collector, so two servers in one process do not collide). Port 0
+    picks a free port; read it back from ``server.server_port``.
 
     Returns:
         ``(server, thread, registry)``; stop with ``server.shutdown(); server.server_close()``.
 
     Raises:
         MetricsUnavailableError: ``prometheus_client`` is not installed.
-        InvalidArgumentError: ``port`` is not an int in ``[0, 65535]``.
+        InvalidArgumentError: ``port`` is not an int in ``[0, 65535]``, ``max_connections`` is
+            below 1, or ``request_timeout_s`` or ``max_requests_per_s`` is not positive.
         OSError: The port cannot be bound.
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -300,6 +646,10 @@ def start_metrics_server(port: int, manager: "BlockManager",
 
     registry = prometheus_client.CollectorRegistry(auto_describe=False)
     registry.register(collector)
-    server, thread = prometheus_client.start_http_server(port, addr=addr, registry=registry)
+    server = MetricsServer(registry, addr, port, max_connections=max_connections,
+                           request_timeout_s=request_timeout_s,
+                           max_requests_per_s=max_requests_per_s)
+    thread = threading.Thread(target=server.serve_forever, name="pagedkv-metrics", daemon=True)
+    thread.start()
     logger.info("metrics served at http://%s:%d/metrics", addr, server.server_port)
     return server, thread, registry

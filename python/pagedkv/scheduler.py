@@ -59,10 +59,11 @@ import enum
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Deque, List, Optional, Sequence as SequenceT, Union
+from typing import TYPE_CHECKING, Callable, Deque, List, Optional, Sequence as SequenceT, Union
 
 import numpy as np
 
+from ._checks import check_salt
 from .errors import InvalidArgumentError, InvalidConfigError, OutOfBlocksError, OutOfHostBlocksError
 
 if TYPE_CHECKING:
@@ -143,7 +144,8 @@ class Sequence:
         self.token_ids: List[int] = tokens
         self.num_prompt_tokens = len(tokens)
         self.num_computed_tokens = 0
-        self.cache_salt = cache_salt
+        # Refused here rather than at admission, inside a step.
+        self.cache_salt = check_salt("cache_salt", cache_salt)
         self.status = SequenceStatus.WAITING
         #: Prompt tokens served from the prefix cache at the latest admission.
         self.num_cached_tokens = 0
@@ -299,6 +301,10 @@ class Scheduler:
         #: Prompt tokens recomputed after preemption (re-admission misses).
         self.num_recomputed_tokens = 0
         self.num_steps = 0
+        #: Called once, with no arguments, at the start of the next :meth:`schedule`, then
+        #: cleared: how a metrics scrape gets a snapshot taken at a step boundary, in the step's
+        #: own thread (:mod:`pagedkv.metrics`).
+        self.metrics_hook: Optional[Callable[[], None]] = None
 
     # ------------------------------------------------------------------------------ queues
 
@@ -525,6 +531,10 @@ class Scheduler:
         Returns an empty batch (``is_empty``) when nothing can run. Raises
         :class:`SchedulerCapacityError` when a lone running sequence cannot grow.
         """
+        hook = self.metrics_hook
+        if hook is not None:
+            self.metrics_hook = None
+            hook()
         batch = ScheduledBatch()
         while True:
             self._schedule_into(batch)

@@ -37,7 +37,10 @@ Transports:
 Invariants: the packet, its pinned copy and every destination keep their addresses for the
 object's lifetime; rank 0 does not rewrite its pinned packet before the previous step's copy of it
 to the device has completed; a step whose extent exceeds the buffers never reaches here (the
-manager writes at most the buffers' capacities).
+manager writes at most the buffers' capacities). A receiver checks every header word (magic, size,
+sequence number, command, each count against its own buffers' capacity) before it writes anything
+or advances its sequence number, and raises :class:`~pagedkv.errors.InvariantViolationError` on a
+packet that fails.
 """
 
 from __future__ import annotations
@@ -239,6 +242,7 @@ class StepBroadcaster:
                 f"tensor-parallel rank {self.group.rank}: step packet {int(h[_H_SEQNO])} "
                 f"(magic {int(h[_H_MAGIC]):#x}, {int(h[_H_NBYTES])} bytes) where packet "
                 f"{self.seq_no} of {self.nbytes} bytes was expected: ranks are out of step")
+        self._check_counts(h)
         self.seq_no += 1
         cmd = int(h[_H_CMD])
         if cmd != CMD_STEP:
@@ -267,6 +271,46 @@ class StepBroadcaster:
             self._pos[:t] = src["positions"][:t]
             ids, pos = self._ids[:t], self._pos[:t]
         return Received(CMD_STEP, int(h[_H_SEQNO]), info, ids, pos, self._rows[:n_rows])
+
+    def _check_counts(self, h: np.ndarray) -> None:
+        """Raises InvariantViolationError unless the header's command is known and every count
+        fits this rank's buffers; nothing has been written or advanced yet when it raises.
+
+        The header is trusted no further than the magic word: a count past a field's capacity
+        would make the cuts below come out short (slicing clamps) and a negative one would cut
+        from the end, so the step would run on tables of the wrong size.
+        """
+        from ..errors import InvariantViolationError
+
+        cmd = int(h[_H_CMD])
+        if cmd not in (CMD_STEP, CMD_END, CMD_STOP):
+            raise InvariantViolationError(
+                f"tensor-parallel rank {self.group.rank}: step packet {int(h[_H_SEQNO])} carries "
+                f"command {cmd}, not one of {CMD_STEP} (step), {CMD_END} (end), {CMD_STOP} (stop)",
+                detail="unknown command", field="command", value=cmd,
+                limit=(CMD_STEP, CMD_END, CMD_STOP))
+        if cmd != CMD_STEP:
+            return
+        sh = self._shapes
+        n_tok = int(h[_H_NTOK])
+        limits = (
+            ("num_seqs", _H_NSEQS, self.buffers.max_seqs),
+            ("num_tokens", _H_NTOK, sh["slot_mapping"][1][0]),
+            ("num_kv_indices", _H_NKVI, sh["kv_indices"][1][0]),
+            ("num_copies", _H_NCOPY, sh["copies"][1][0]),
+            ("num_swap_out", _H_NOUT, sh["swap_out"][1][0]),
+            ("num_swap_in", _H_NIN, sh["swap_in"][1][0]),
+            ("num_sample_rows", _H_NROWS, sh["sample_rows"][1][0]),
+            ("max_seq_len", _H_MAXLEN, 2**31 - 1),
+            ("max_query_len", _H_MAXQ, max(n_tok, 0)),
+        )
+        for name, word, cap in limits:
+            n = int(h[word])
+            if not 0 <= n <= cap:
+                raise InvariantViolationError(
+                    f"tensor-parallel rank {self.group.rank}: step packet {int(h[_H_SEQNO])} "
+                    f"has {name} = {n}, outside [0, {cap}] (what this rank's buffers hold)",
+                    detail=f"{name} out of range", field=name, value=n, limit=cap)
 
     def _unpack_device(self, ext: dict[str, int]) -> None:
         # Device to device, on the current stream after the broadcast: into the fixed addresses

@@ -478,6 +478,7 @@ class LLMEngine:
                 ``{"prompt_token_ids": ...}``.
             params: Sampling parameters (default ``SamplingParams()``).
             cache_salt: Per-tenant salt: requests with different salts never share KV blocks.
+                ``None``: no salt; an empty one is refused.
             arrival_time: ``time.perf_counter()`` of arrival (default: now), for time to first token.
 
         Raises:
@@ -513,6 +514,9 @@ class LLMEngine:
             elif not isinstance(cache_salt, (bytes, bytearray)):
                 raise _bad("cache_salt", cache_salt, "must be str or bytes")
             cache_salt = bytes(cache_salt)
+            if not cache_salt:
+                raise _bad("cache_salt", cache_salt, "must not be empty (an empty salt would "
+                                                     "share the unsalted cache); pass None for no salt")
         self._check_options(params)
         text, ids = self.tokenize(prompt)
         if (self.max_model_len < self.model_context_len
