@@ -145,27 +145,17 @@ impl BlockManager {
             return Ok(());
         }
         self.batch_gen = u64::MAX;
-        self.batch_idx.clear();
-        self.epoch += 1;
-        let epoch = self.epoch;
-        for &id in seqs {
-            let Some(&i) = self.index.get(&id) else {
-                return Err(Error::UnknownSequence { seq_id: id });
-            };
-            let s = &mut self.slots[i as usize];
-            if s.mark == epoch {
-                return Err(Error::InvalidArgument {
-                    what: "seqs",
-                    value: id as i64,
-                    reason: "sequence id appears twice in one batch".into(),
-                });
-            }
+        let mut idx = std::mem::take(&mut self.batch_idx);
+        idx.clear();
+        let resolved = self.for_each_distinct(seqs, |id, i, s| {
             if s.state != SeqState::Running {
                 return Err(not_running(id, s.state));
             }
-            s.mark = epoch;
-            self.batch_idx.push(i);
-        }
+            idx.push(i as u32);
+            Ok(())
+        });
+        self.batch_idx = idx;
+        resolved?;
         self.batch_ids.clear();
         self.batch_ids.extend_from_slice(seqs);
         self.batch_gen = self.gen;
@@ -302,20 +292,7 @@ impl BlockManager {
     pub fn free_batch(&mut self, seqs: &[SeqId]) -> Result<()> {
         // Known ids, none twice; any state (a swapped-out or recompute-preempted sequence is
         // freed too, so not through `resolve_batch`, which wants running sequences).
-        self.epoch += 1;
-        let epoch = self.epoch;
-        for &id in seqs {
-            let i = self.slot_of(id)?;
-            let s = &mut self.slots[i];
-            if s.mark == epoch {
-                return Err(Error::InvalidArgument {
-                    what: "seqs",
-                    value: id as i64,
-                    reason: "sequence id appears twice in one batch".into(),
-                });
-            }
-            s.mark = epoch;
-        }
+        self.for_each_distinct(seqs, |_, _, _| Ok(()))?;
         let mut result = Ok(());
         for &id in seqs {
             if let Err(e) = self.free(id) {

@@ -273,6 +273,35 @@ impl BlockManager {
             .ok_or(Error::UnknownSequence { seq_id: seq })
     }
 
+    /// Walks a batch of ids in order: each must be live (`UnknownSequence`) and appear once
+    /// (`InvalidArgument`); then `visit(id, slot, seq)` may refuse it (for its state, say). Stops
+    /// at the first error. A repeat is found by stamping each visited sequence with a number
+    /// fresh for this call, not with a set: O(batch) with no allocation or hashing, and the
+    /// stamps of a refused call cannot match any later one.
+    #[inline]
+    fn for_each_distinct(
+        &mut self,
+        seqs: &[SeqId],
+        mut visit: impl FnMut(SeqId, usize, &Seq) -> Result<()>,
+    ) -> Result<()> {
+        self.epoch += 1;
+        let epoch = self.epoch;
+        for &id in seqs {
+            let i = self.slot_of(id)?;
+            let s = &mut self.slots[i];
+            if s.mark == epoch {
+                return Err(Error::InvalidArgument {
+                    what: "seqs",
+                    value: id as i64,
+                    reason: "sequence id appears twice in one batch".into(),
+                });
+            }
+            s.mark = epoch;
+            visit(id, i, s)?;
+        }
+        Ok(())
+    }
+
     /// Allocates one block: the free list first, then the oldest cached-free block.
     #[inline]
     fn alloc_block(&mut self) -> Result<BlockId> {

@@ -36,19 +36,8 @@ impl BlockManager {
                 reason: "needs at least one sequence".into(),
             });
         }
-        self.epoch += 1;
-        let epoch = self.epoch;
         let mut out = Vec::with_capacity(seqs.len());
-        for &id in seqs {
-            let i = self.slot_of(id)?;
-            let s = &mut self.slots[i];
-            if s.mark == epoch {
-                return Err(Error::InvalidArgument {
-                    what: "seqs",
-                    value: id as i64,
-                    reason: "sequence id appears twice in one batch".into(),
-                });
-            }
+        self.for_each_distinct(seqs, |id, i, s| {
             if s.state != want {
                 return Err(Error::InvalidSequenceState {
                     seq_id: id,
@@ -56,9 +45,9 @@ impl BlockManager {
                     expected,
                 });
             }
-            s.mark = epoch;
             out.push(i);
-        }
+            Ok(())
+        })?;
         Ok(out)
     }
 
