@@ -1,9 +1,10 @@
 //! [`ManagerConfig`]: the sizes and switches a [`BlockManager`](super::BlockManager) is built
 //! with, and their validation.
 //!
-//! `validate` is where the integer widths of the step buffers are enforced once: block ids are
-//! written as `int32`, slot ids as `int64`, sequence lengths as `int32`. A configuration that
-//! passes cannot make a later step overflow them, so no hot path checks them again.
+//! `validate` is where the integer widths of the step buffers are guaranteed for every id and
+//! length: block ids are written as `int32`, slot ids as `int64`, a sequence's length as `int32`.
+//! No value a valid configuration allows can overflow them, so the step writes them with plain
+//! casts and checks only its own totals.
 
 use crate::error::{Error, Result};
 
