@@ -2,8 +2,8 @@
 //!
 //! Invariants kept here:
 //! - An admission checks everything (id, keys, length, blocks against the watermark) before it
-//!   takes a block, so a refused one changes nothing; that is also what lets `can_admit_tokens`
-//!   give the exact answer by running the same lookup read-only.
+//!   takes a block, so a refused one changes nothing. `can_admit_tokens` runs the same lookup,
+//!   read-only, so its answer is exact.
 //! - At most `(len - 1) / B` blocks are shared, so at least one prompt token is computed and the
 //!   engine never writes into a shared block.
 //! - Blocks are allocated for the held tokens only, and the watermark applies to those: the

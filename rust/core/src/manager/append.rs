@@ -3,9 +3,9 @@
 //!
 //! Invariants kept here:
 //! - A block's refcount is the number of tables holding it. `fork` bumps every block of the
-//!   parent and allocates nothing, so the only block ever written while shared is a partly filled
-//!   tail; the first write into it copies it (`cow_tail`) and queues the `(src, dst)` copy for the
-//!   next step.
+//!   parent and allocates nothing, so the only shared block a sequence can write into is a partly
+//!   filled tail; the first write into it replaces it with a fresh block (`cow_tail`) and queues
+//!   the `(src, dst)` copy for the next step.
 //! - Appends and forks may use the watermark reserve: it exists so that running sequences can
 //!   always grow.
 //! - Batch calls check the whole batch (ids known, running, none twice; enough blocks) before
