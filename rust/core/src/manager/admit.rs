@@ -1,0 +1,422 @@
+//! Admission: the prefix-cache lookup, the `can_admit*` questions and the `admit*` calls.
+//!
+//! Invariants kept here:
+//! - An admission checks everything (id, keys, length, blocks against the watermark) before it
+//!   takes a block, so a refused one changes nothing. `can_admit_tokens` runs the same lookup,
+//!   read-only, so its answer is exact.
+//! - At most `(len - 1) / B` blocks are shared, so at least one prompt token is computed and the
+//!   engine never writes into a shared block.
+//! - Blocks are allocated for the held tokens only, and the watermark applies to those: the
+//!   reserve is for running sequences to grow into.
+//! - An admission hashes but does not register: only blocks a step has been built to write can be
+//!   hit, so no request in an `admit_batch` hits an earlier one's blocks.
+
+use std::sync::Arc;
+
+use super::{evict, AdmitRequest, AdmitResult, BlockManager};
+use crate::error::{Error, Result};
+use crate::hash::{root_hash, Hasher, SeqKeys};
+use crate::swap::SeqState;
+use crate::table::blocks_for;
+use crate::{BlockId, SeqId, TokenId};
+
+/// What a prefix-cache lookup found.
+#[derive(Debug, Clone, Copy, Default)]
+struct Lookup {
+    /// `h_{-1}` for the request's salt.
+    root: u128,
+    /// Leading tokens cached: `hits.len() * B`.
+    cached: usize,
+    /// Hits on cached-free blocks: each takes a block off the free count when revived.
+    revive: usize,
+    /// Verify-mode mismatches (served as misses).
+    collisions: u64,
+}
+
+/// Tokens an admission holds: the cached prefix plus up to `max_new` more (the rest when `None`).
+#[inline]
+fn held_tokens(len: usize, cached: usize, max_new: Option<usize>) -> usize {
+    cached + max_new.map_or(len - cached, |k| k.min(len - cached))
+}
+
+pub(super) fn check_max_new(max_new: Option<usize>) -> Result<()> {
+    if max_new == Some(0) {
+        return Err(Error::InvalidArgument {
+            what: "max_new_tokens",
+            value: 0,
+            reason: "must be >= 1 (at least one prompt token is computed)".into(),
+        });
+    }
+    Ok(())
+}
+
+impl BlockManager {
+    /// Whether an `num_tokens`-token prompt could be admitted now, ignoring possible prefix hits
+    /// (the whole prompt held at once; see [`BlockManager::can_admit_len`] for chunked admission).
+    pub fn can_admit(&self, num_tokens: usize) -> bool {
+        self.can_admit_len(num_tokens, None).unwrap_or(false)
+    }
+
+    /// Whether a prompt of `num_tokens` tokens, admitted holding `min(max_new_tokens, num_tokens)`
+    /// of them (all when `None`), fits now if none of it is cached. False for an empty prompt or
+    /// one longer than a block-table row; `InvalidArgument` for `max_new_tokens == 0`.
+    ///
+    /// For a whole prompt (`None`) a `true` is a promise: hits only make an admission cheaper.
+    /// For a chunk it is not: a chunked admission holds its cached prefix *plus* the chunk, and a
+    /// hit on a cached-free block takes a block off the free count. Pass the token ids to
+    /// [`BlockManager::can_admit_tokens`] for the exact answer.
+    pub fn can_admit_len(&self, num_tokens: usize, max_new_tokens: Option<usize>) -> Result<bool> {
+        check_max_new(max_new_tokens)?;
+        if num_tokens == 0 || blocks_for(num_tokens, self.bs) > self.cfg.max_blocks_per_seq as usize
+        {
+            return Ok(false);
+        }
+        let held = max_new_tokens.map_or(num_tokens, |k| k.min(num_tokens));
+        Ok(self.fits(blocks_for(held, self.bs)))
+    }
+
+    /// Whether `admit_opts(_, tokens, keys, max_new_tokens)` would succeed now (for a new id),
+    /// counting prefix-cache hits: a prompt whose leading blocks are cached needs blocks only for
+    /// the rest, and a hit on a cached-free block still takes one block off the free count. False
+    /// for an empty prompt or one longer than a block-table row; `InvalidArgument` for malformed
+    /// keys or `max_new_tokens == 0`. Read-only: nothing is hashed into the manager's state.
+    pub fn can_admit_tokens(
+        &self,
+        tokens: &[TokenId],
+        keys: Option<&SeqKeys>,
+        max_new_tokens: Option<usize>,
+    ) -> Result<bool> {
+        check_max_new(max_new_tokens)?;
+        let n = tokens.len();
+        if let Some(k) = keys {
+            k.validate(n)?;
+        }
+        if n == 0 || blocks_for(n, self.bs) > self.cfg.max_blocks_per_seq as usize {
+            return Ok(false);
+        }
+        let (mut hashes, mut hits) = (Vec::new(), Vec::new());
+        let look = self.lookup(
+            &mut Hasher::new(self.hash_key),
+            tokens,
+            keys,
+            &mut hashes,
+            &mut hits,
+        );
+        let held = held_tokens(n, look.cached, max_new_tokens);
+        let needed = blocks_for(held, self.bs) - hits.len() + look.revive;
+        Ok(self.fits(needed))
+    }
+
+    /// Whether `needed` blocks can be taken by an admission without dipping into the watermark.
+    #[inline]
+    fn fits(&self, needed: usize) -> bool {
+        needed.saturating_add(self.cfg.watermark_blocks as usize) <= self.num_free_blocks()
+    }
+
+    /// Admits a sequence with no hashing keys (empty salt), holding the whole prompt.
+    pub fn admit(&mut self, seq: SeqId, tokens: &[TokenId]) -> Result<AdmitResult> {
+        self.admit_opts(seq, tokens, None, None)
+    }
+
+    /// Admits a sequence whose block hashes include `keys`, holding the whole prompt.
+    pub fn admit_with(
+        &mut self,
+        seq: SeqId,
+        tokens: &[TokenId],
+        keys: &SeqKeys,
+    ) -> Result<AdmitResult> {
+        self.admit_opts(seq, tokens, Some(keys), None)
+    }
+
+    /// Admits a sequence, possibly holding only the first chunk of its prompt (chunked prefill).
+    ///
+    /// The prefix-cache lookup covers all of `tokens`: the leading run of cached full blocks is
+    /// shared, capped at `(len - 1) / B` blocks so at least one prompt token is computed. The
+    /// sequence then holds `cached + min(max_new_tokens, len - cached)` tokens (all of them when
+    /// `None`); the caller feeds the rest later with [`BlockManager::append`], chunk by chunk.
+    /// Blocks are allocated for the held tokens only, and the watermark applies to those.
+    /// `SequenceTooLong` is judged on the whole prompt, which the sequence will eventually hold.
+    pub fn admit_opts(
+        &mut self,
+        seq: SeqId,
+        tokens: &[TokenId],
+        keys: Option<&SeqKeys>,
+        max_new_tokens: Option<usize>,
+    ) -> Result<AdmitResult> {
+        self.check_admit(seq, tokens, keys, max_new_tokens)?;
+        self.admit_checked(seq, tokens, keys, max_new_tokens)
+    }
+
+    /// Admits several sequences in order, with one call.
+    ///
+    /// Validates every request first — non-empty prompts, valid keys and `max_new_tokens`, each
+    /// prompt within a block-table row, ids new and distinct — and on any failure returns the
+    /// error with nothing admitted. Then admits in order until one request does not fit (out of
+    /// blocks, or it would dip into the watermark) and returns the results of those admitted: a
+    /// prefix of `reqs`, possibly empty. A request in the batch cannot hit blocks of an earlier
+    /// one: blocks enter the prefix cache when a step is built.
+    pub fn admit_batch(&mut self, reqs: &[AdmitRequest<'_>]) -> Result<Vec<AdmitResult>> {
+        let mut seen: std::collections::HashSet<SeqId, crate::prefix::FastBuild> =
+            std::collections::HashSet::with_capacity_and_hasher(reqs.len(), Default::default());
+        for r in reqs {
+            self.check_admit(r.seq, r.tokens, r.keys, r.max_new_tokens)?;
+            if !seen.insert(r.seq) {
+                return Err(Error::DuplicateSequence { seq_id: r.seq });
+            }
+        }
+        let mut out = Vec::with_capacity(reqs.len());
+        for r in reqs {
+            match self.admit_checked(r.seq, r.tokens, r.keys, r.max_new_tokens) {
+                Ok(a) => out.push(a),
+                Err(Error::OutOfBlocks { .. } | Error::WatermarkReached { .. }) => break,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Checks of an admission that do not depend on free blocks (the id included).
+    fn check_admit(
+        &self,
+        seq: SeqId,
+        tokens: &[TokenId],
+        keys: Option<&SeqKeys>,
+        max_new_tokens: Option<usize>,
+    ) -> Result<()> {
+        let n = tokens.len();
+        if n == 0 {
+            return Err(Error::InvalidArgument {
+                what: "tokens.len",
+                value: 0,
+                reason: "a prompt needs at least one token".into(),
+            });
+        }
+        if self.index.contains_key(&seq) {
+            return Err(Error::DuplicateSequence { seq_id: seq });
+        }
+        check_max_new(max_new_tokens)?;
+        if let Some(k) = keys {
+            k.validate(n)?;
+        }
+        let nb = blocks_for(n, self.bs);
+        if nb > self.cfg.max_blocks_per_seq as usize {
+            return Err(Error::SequenceTooLong {
+                seq_id: seq,
+                needed_blocks: nb,
+                max_blocks_per_seq: self.cfg.max_blocks_per_seq as usize,
+            });
+        }
+        Ok(())
+    }
+
+    /// The prefix-cache lookup of an admission: fills `hits` with the leading run of cached
+    /// blocks (at most `(len - 1) / B`) and `hashes` with at least their chain. The chain is
+    /// computed in groups, stopping after the group of the first miss: blocks past it are hashed
+    /// when a step registers them, so a cold prompt is not hashed twice.
+    fn lookup(
+        &self,
+        hasher: &mut Hasher,
+        tokens: &[TokenId],
+        keys: Option<&SeqKeys>,
+        hashes: &mut Vec<u128>,
+        hits: &mut Vec<BlockId>,
+    ) -> Lookup {
+        let root = self.root_for(keys);
+        let extra = keys.filter(|k| k.has_block_extras());
+        self.lookup_root(hasher, tokens, root, extra, hashes, hits)
+    }
+
+    /// `h_{-1}` for the keys' salt.
+    #[inline]
+    fn root_for(&self, keys: Option<&SeqKeys>) -> u128 {
+        match keys {
+            Some(k) if self.caching && !k.cache_salt.is_empty() => {
+                root_hash(self.hash_key, &k.cache_salt)
+            }
+            _ => self.empty_root,
+        }
+    }
+
+    /// [`Self::lookup`] with the chain root and the block-extra keys already known.
+    fn lookup_root(
+        &self,
+        hasher: &mut Hasher,
+        tokens: &[TokenId],
+        root: u128,
+        extra: Option<&SeqKeys>,
+        hashes: &mut Vec<u128>,
+        hits: &mut Vec<BlockId>,
+    ) -> Lookup {
+        const GROUP: usize = 16;
+        let bs = self.bs;
+        let mut look = Lookup {
+            root,
+            ..Lookup::default()
+        };
+        hashes.clear();
+        hits.clear();
+        if !self.caching {
+            return look;
+        }
+        let max_hit = (tokens.len() - 1) / bs;
+        for i in 0..max_hit {
+            if i == hashes.len() {
+                let upto = (i + GROUP).min(max_hit);
+                hasher.extend_chain(look.root, &tokens[..upto * bs], bs, extra, hashes);
+            }
+            let Some(b) = self.prefix.lookup(hashes[i]) else {
+                break;
+            };
+            if !self.prefix.matches(b, &tokens[i * bs..(i + 1) * bs]) {
+                look.collisions += 1;
+                break;
+            }
+            if self.prefix.in_lru(b) {
+                look.revive += 1;
+            }
+            hits.push(b);
+        }
+        look.cached = hits.len() * bs;
+        look
+    }
+
+    /// Admission after `check_admit` and the duplicate check: lookup, fit, apply.
+    fn admit_checked(
+        &mut self,
+        seq: SeqId,
+        tokens: &[TokenId],
+        keys: Option<&SeqKeys>,
+        max_new_tokens: Option<usize>,
+    ) -> Result<AdmitResult> {
+        let root = self.root_for(keys);
+        let extra = keys.filter(|k| k.has_block_extras());
+        self.admit_core(
+            seq,
+            tokens,
+            tokens.len(),
+            root,
+            extra,
+            None,
+            max_new_tokens,
+            None,
+        )
+    }
+
+    /// Lookup, fit and apply of an admission. `n` is the prompt's length (`tokens` holds its ids,
+    /// or nothing when prefix caching is off and this is a resume). `shared` is the sequence's own
+    /// keys on a resume (reused instead of cloning `extra`), and `resume` its slot: then its
+    /// admission order, fork group and slot are kept.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn admit_core(
+        &mut self,
+        seq: SeqId,
+        tokens: &[TokenId],
+        n: usize,
+        root: u128,
+        extra: Option<&SeqKeys>,
+        shared: Option<Arc<SeqKeys>>,
+        max_new_tokens: Option<usize>,
+        resume: Option<usize>,
+    ) -> Result<AdmitResult> {
+        let bs = self.bs;
+        let mut hits = std::mem::take(&mut self.scratch_hits);
+        let mut hashes = std::mem::take(&mut self.scratch_hashes);
+        let mut hasher = std::mem::take(&mut self.hasher);
+        let look = self.lookup_root(&mut hasher, tokens, root, extra, &mut hashes, &mut hits);
+        self.hasher = hasher;
+        let held = held_tokens(n, look.cached, max_new_tokens);
+        let nb = blocks_for(held, bs);
+        let new = nb - hits.len();
+        let needed = new + look.revive;
+        let avail = self.num_free_blocks();
+        let wm = self.cfg.watermark_blocks as usize;
+        let err = if needed > avail {
+            Some(Error::OutOfBlocks {
+                needed,
+                available: avail,
+            })
+        } else if avail - needed < wm {
+            Some(Error::WatermarkReached {
+                needed,
+                available: avail.saturating_sub(wm),
+                watermark: wm,
+            })
+        } else {
+            None
+        };
+        if let Some(e) = err {
+            self.scratch_hits = hits;
+            self.scratch_hashes = hashes;
+            return Err(e);
+        }
+
+        // Validated: apply.
+        let slot = match resume {
+            Some(i) => i as u32,
+            None => self.take_slot(),
+        };
+        self.last_uid += 1;
+        let uid = self.last_uid;
+        let (order, group) = match resume {
+            Some(i) => (self.slots[i].order, self.slots[i].group),
+            None => {
+                self.last_order += 1;
+                (self.last_order, uid)
+            }
+        };
+        let s = &mut self.slots[slot as usize];
+        s.table.clear();
+        for &b in &hits {
+            if self.prefix.in_lru(b) {
+                self.prefix.lru_remove(b);
+                self.pool.incref_mut(b)?;
+            } else if self.pool.incref_mut(b)? == 2 {
+                self.shared_blocks += 1;
+            }
+            s.table.blocks.push(b);
+        }
+        let from_pool = new.min(self.pool.num_free());
+        self.pool.allocate_n_mut(from_pool, &mut s.table.blocks)?;
+        for _ in from_pool..new {
+            let b = evict(&mut self.prefix, &mut self.pool, &mut self.counters)?;
+            s.table.blocks.push(b);
+        }
+        s.table.num_tokens = held;
+        s.tokens.clear();
+        s.hashes.clear();
+        if self.caching {
+            s.tokens.extend_from_slice(&tokens[..held]);
+            // Only hashes of blocks the sequence holds in full; the step extends the chain.
+            hashes.truncate(held / bs);
+            std::mem::swap(&mut s.hashes, &mut hashes);
+        }
+        s.registered = hits.len();
+        s.root = look.root;
+        s.keys = match shared {
+            Some(k) => Some(k),
+            None => extra.map(|k| Arc::new(k.clone())),
+        };
+        s.tail_maybe_shared = false;
+        s.uid = uid;
+        s.version = 0;
+        s.state = SeqState::Running;
+        s.order = order;
+        s.group = group;
+        self.index.insert(seq, slot);
+        self.gen += 1;
+        self.used_tokens += held as u64;
+        if self.caching {
+            self.counters.prefix_query_tokens += n as u64;
+            self.counters.prefix_hit_tokens += look.cached as u64;
+            self.counters.prefix_collisions += look.collisions;
+        }
+        self.scratch_hits = hits;
+        self.scratch_hashes = hashes;
+        Ok(AdmitResult {
+            cached_tokens: look.cached as u32,
+            new_blocks: new as u32,
+            num_blocks: nb as u32,
+            num_tokens: held as u32,
+        })
+    }
+}

@@ -1,0 +1,125 @@
+//! [`ManagerConfig`]: the sizes and switches a [`BlockManager`](super::BlockManager) is built
+//! with, and their validation.
+//!
+//! `validate` is where the integer widths of the step buffers are guaranteed for every id and
+//! length: block ids are written as `int32`, slot ids as `int64`, a sequence's length as `int32`.
+//! No value a valid configuration allows can overflow them, so the step writes them with plain
+//! casts and checks only its own totals.
+
+use crate::error::{Error, Result};
+
+/// Configuration of a [`BlockManager`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ManagerConfig {
+    /// Blocks in the pool; ids are `0..num_blocks`.
+    pub num_blocks: u32,
+    /// Tokens per block (`B`).
+    pub block_size: u32,
+    /// Reserve never handed to admissions, so running sequences can always append (< num_blocks).
+    pub watermark_blocks: u32,
+    /// Width of a block-table row: the most blocks one sequence may hold.
+    pub max_blocks_per_seq: u32,
+    /// Share full blocks between sequences with the same prefix (and keys), and keep freed full
+    /// blocks cached until their space is needed.
+    pub enable_prefix_caching: bool,
+    /// Keep each cached block's token ids and compare them on every hit; a mismatch (a hash
+    /// collision) is served as a miss and counted.
+    pub verify_prefix: bool,
+    /// Key of the prefix hash (the XXH3-128 seed of every block hash and of the chain root).
+    /// `None` (the default): a fresh key from the OS for each manager, so nobody outside the
+    /// process can predict or steer a hash. `Some(k)`: hashes are reproducible across processes
+    /// and machines that share `k` — which also lets anyone who learns `k` compute them (see
+    /// `docs/prefix-hash.md`, threat model).
+    pub hash_seed: Option<u64>,
+    /// Blocks of the host pool that swapped-out sequences live in (0: swap disabled). The host
+    /// memory is the engine's; the core hands out its block ids.
+    pub num_host_blocks: u32,
+}
+
+impl ManagerConfig {
+    /// Defaults: watermark 1% of the pool (at least 1, but 0 for a one-block pool), rows as wide
+    /// as the pool (capped so `max_blocks_per_seq * block_size` fits an `i32` sequence length),
+    /// prefix caching on, verify on, a random hash key.
+    pub fn new(num_blocks: u32, block_size: u32) -> Self {
+        let watermark_blocks = if num_blocks <= 1 {
+            0
+        } else {
+            (num_blocks / 100).max(1)
+        };
+        let cap = (i32::MAX as u32)
+            .checked_div(block_size)
+            .unwrap_or(num_blocks);
+        Self {
+            num_blocks,
+            block_size,
+            watermark_blocks,
+            max_blocks_per_seq: num_blocks.min(cap),
+            enable_prefix_caching: true,
+            verify_prefix: true,
+            hash_seed: None,
+            num_host_blocks: 0,
+        }
+    }
+
+    /// Checks every field; `InvalidConfig` names the first bad one.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &'static str, value: u64, reason: String| {
+            Err(Error::InvalidConfig {
+                field,
+                value,
+                reason,
+            })
+        };
+        if self.block_size == 0 {
+            return bad("block_size", 0, "must be >= 1".into());
+        }
+        if self.num_blocks == 0 {
+            return bad("num_blocks", 0, "must be >= 1".into());
+        }
+        if self.num_host_blocks > i32::MAX as u32 {
+            return bad(
+                "num_host_blocks",
+                self.num_host_blocks as u64,
+                format!(
+                    "must be <= {} (block ids are written as int64 pairs of int32 ids)",
+                    i32::MAX
+                ),
+            );
+        }
+        if self.num_blocks > i32::MAX as u32 {
+            return bad(
+                "num_blocks",
+                self.num_blocks as u64,
+                format!("must be <= {} (block ids are written as int32)", i32::MAX),
+            );
+        }
+        if (self.num_blocks as u64) * (self.block_size as u64) > i64::MAX as u64 {
+            return bad(
+                "block_size",
+                self.block_size as u64,
+                "num_blocks * block_size must fit int64 slot ids".into(),
+            );
+        }
+        if self.watermark_blocks >= self.num_blocks {
+            return bad(
+                "watermark_blocks",
+                self.watermark_blocks as u64,
+                format!("must be < num_blocks ({})", self.num_blocks),
+            );
+        }
+        if self.max_blocks_per_seq == 0 {
+            return bad("max_blocks_per_seq", 0, "must be >= 1".into());
+        }
+        if (self.max_blocks_per_seq as u64) * (self.block_size as u64) > i32::MAX as u64 {
+            return bad(
+                "max_blocks_per_seq",
+                self.max_blocks_per_seq as u64,
+                format!(
+                    "max_blocks_per_seq * block_size must fit an int32 sequence length (block_size {})",
+                    self.block_size
+                ),
+            );
+        }
+        Ok(())
+    }
+}

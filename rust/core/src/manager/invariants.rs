@@ -1,0 +1,257 @@
+//! `check_invariants`: rebuilds every count from the tables and queues and compares it with
+//! what the manager and its parts keep incrementally.
+//!
+//! The fast paths keep counters (`used_tokens`, `shared_blocks`, refcounts, the free count, the
+//! host pool's references) instead of recomputing them; this O(blocks + tokens) walk, meant for
+//! tests and debugging, is where a drift between the two shows up, as `InvariantViolation`
+//! naming the first mismatch.
+
+use super::BlockManager;
+use crate::error::{Error, Result};
+use crate::swap::SeqState;
+use crate::table::blocks_for;
+
+impl BlockManager {
+    /// Checks every structural invariant; `InvariantViolation` describes the first one broken.
+    /// O(blocks + tokens); meant for tests and debugging.
+    pub fn check_invariants(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvariantViolation(m));
+        let n = self.cfg.num_blocks as usize;
+        let bs = self.bs;
+        let mut occ = vec![0u64; n];
+        let nh = self.host.num_blocks() as usize;
+        let mut host_occ = vec![0u64; nh];
+        let mut used_tokens = 0u64;
+        let mut seen_slots = std::collections::HashSet::new();
+        for (&id, &i) in &self.index {
+            if !seen_slots.insert(i) {
+                return bad(format!("slot {i} used by two sequences"));
+            }
+            let s = &self.slots[i as usize];
+            let t = &s.table;
+            if t.num_tokens == 0 {
+                return bad(format!("sequence {id} is empty"));
+            }
+            if self.caching && s.tokens.len() != t.num_tokens {
+                return bad(format!(
+                    "sequence {id}: {} token ids for length {}",
+                    s.tokens.len(),
+                    t.num_tokens
+                ));
+            }
+            match s.state {
+                SeqState::Running => {}
+                SeqState::Recompute => {
+                    if !t.blocks.is_empty() {
+                        return bad(format!(
+                            "sequence {id} preempted by recompute holds {} blocks",
+                            t.blocks.len()
+                        ));
+                    }
+                    continue;
+                }
+                SeqState::Swapped => {
+                    // All on the host, never a mix: every entry is a host block id it holds.
+                    if t.blocks.len() != blocks_for(t.num_tokens, bs) {
+                        return bad(format!(
+                            "swapped sequence {id}: {} tokens in {} host blocks",
+                            t.num_tokens,
+                            t.blocks.len()
+                        ));
+                    }
+                    for &h in &t.blocks {
+                        if h as usize >= nh {
+                            return bad(format!(
+                                "swapped sequence {id}: host block {h} outside the host pool"
+                            ));
+                        }
+                        host_occ[h as usize] += 1;
+                    }
+                    continue;
+                }
+            }
+            if t.blocks.len() != blocks_for(t.num_tokens, bs) {
+                return bad(format!(
+                    "sequence {id}: {} tokens in {} blocks",
+                    t.num_tokens,
+                    t.blocks.len()
+                ));
+            }
+            if t.blocks.len() > self.cfg.max_blocks_per_seq as usize {
+                return bad(format!(
+                    "sequence {id}: {} blocks exceed the row width",
+                    t.blocks.len()
+                ));
+            }
+            if s.registered > t.num_tokens / bs || s.hashes.len() > t.num_tokens / bs {
+                return bad(format!("sequence {id}: hashes cover a partial block"));
+            }
+            for (j, &b) in t.blocks.iter().enumerate() {
+                if b as usize >= n {
+                    return bad(format!("sequence {id}: block {b} outside the pool"));
+                }
+                occ[b as usize] += 1;
+                if let Some(h) = self.prefix.hash_of(b) {
+                    if (j + 1) * bs > t.num_tokens {
+                        return bad(format!("sequence {id}: partial block {b} is hashed"));
+                    }
+                    if j < s.hashes.len() && s.hashes[j] != h && !self.prefix.verifies() {
+                        return bad(format!(
+                            "sequence {id}: block {b} cached under another chain"
+                        ));
+                    }
+                    if self.prefix.verifies()
+                        && self.prefix.stored_tokens(b) != &s.tokens[j * bs..(j + 1) * bs]
+                    {
+                        // A relabelled (forged) block keeps its own tokens; only content matters.
+                        return bad(format!(
+                            "sequence {id}: block {b} content differs from its cached tokens"
+                        ));
+                    }
+                }
+            }
+            used_tokens += t.num_tokens as u64;
+        }
+        if used_tokens != self.used_tokens {
+            return bad(format!(
+                "used_tokens {} but sequences hold {used_tokens}",
+                self.used_tokens
+            ));
+        }
+        // Host pool: refcount = swapped tables holding the block + queued swap-ins reading it;
+        // queued swap-outs write distinct, owned host blocks; swap-ins fill distinct, owned
+        // device blocks.
+        for &(h, d) in &self.swap_in_q {
+            if h as usize >= nh || d as usize >= n {
+                return bad(format!("swap-in ({h}, {d}) outside a pool"));
+            }
+            host_occ[h as usize] += 1;
+            // Held by a running table, or the source of a pending copy-on-write (deferred).
+            if occ[d as usize] == 0 && !self.deferred.contains(&d) {
+                return bad(format!(
+                    "swap-in destination {d} is in no running table and no copy's source"
+                ));
+            }
+        }
+        let mut in_dsts = std::collections::HashSet::new();
+        for &(_, d) in &self.swap_in_q {
+            if !in_dsts.insert(d) {
+                return bad(format!(
+                    "device block {d} is the destination of two swap-ins"
+                ));
+            }
+        }
+        let mut out_dsts = std::collections::HashSet::new();
+        for &(d, h) in &self.swap_out_q {
+            if h as usize >= nh || d as usize >= n {
+                return bad(format!("swap-out ({d}, {h}) outside a pool"));
+            }
+            if !out_dsts.insert(h) {
+                return bad(format!(
+                    "host block {h} is the destination of two swap-outs"
+                ));
+            }
+            if host_occ[h as usize] == 0 {
+                return bad(format!("swap-out destination {h} is held by no one"));
+            }
+        }
+        for (h, &o) in host_occ.iter().enumerate() {
+            let rc = self.host.refcount(h as u32)? as u64;
+            if rc != o {
+                return bad(format!("host block {h}: refcount {rc} but {o} holders"));
+            }
+        }
+        self.host
+            .check_invariants()
+            .map_err(Error::InvariantViolation)?;
+        // Pending copies: distinct dsts, owned; no dst is a src; deferred blocks are srcs.
+        let mut dsts = std::collections::HashSet::new();
+        for &(s, d) in &self.pending {
+            if !dsts.insert(d) {
+                return bad(format!("block {d} is the dst of two pending copies"));
+            }
+            if occ[d as usize] == 0 {
+                return bad(format!("pending copy dst {d} is not in any table"));
+            }
+            if self.prefix.hash_of(s).is_some() {
+                return bad(format!("pending copy src {s} is hashed"));
+            }
+        }
+        for &(s, _) in &self.pending {
+            if dsts.contains(&s) {
+                return bad(format!(
+                    "block {s} is both a src and a dst of pending copies"
+                ));
+            }
+        }
+        let mut free_count = 0usize;
+        let mut shared = 0u64;
+        for b in 0..n as u32 {
+            let rc = self.pool.refcount(b)? as u64;
+            let on_free_list = self.pool.is_free(b)?;
+            let in_lru = self.prefix.in_lru(b);
+            let deferred = self.deferred.contains(&b);
+            if rc != occ[b as usize] {
+                return bad(format!(
+                    "block {b}: refcount {rc} but in {} tables",
+                    occ[b as usize]
+                ));
+            }
+            if rc > 1 {
+                shared += 1;
+            }
+            let states = (rc > 0) as u8 + on_free_list as u8 + in_lru as u8 + deferred as u8;
+            if states != 1 {
+                return bad(format!(
+                    "block {b}: refcount {rc}, free list {on_free_list}, LRU {in_lru}, deferred {deferred}"
+                ));
+            }
+            if on_free_list {
+                free_count += 1;
+                if self.prefix.hash_of(b).is_some() {
+                    return bad(format!("free block {b} still hashed"));
+                }
+            }
+            if in_lru && self.prefix.hash_of(b).is_none() {
+                return bad(format!("cached-free block {b} has no hash"));
+            }
+            if deferred && !self.pending.iter().any(|&(s, _)| s == b) {
+                return bad(format!("deferred block {b} is no pending copy's src"));
+            }
+        }
+        if free_count != self.pool.num_free() {
+            return bad(format!(
+                "{free_count} blocks free but the pool counts {}",
+                self.pool.num_free()
+            ));
+        }
+        if shared != self.shared_blocks {
+            return bad(format!(
+                "{shared} shared blocks but the counter says {}",
+                self.shared_blocks
+            ));
+        }
+        for (h, b) in self.prefix.entries() {
+            if self.prefix.hash_of(b) != Some(h) {
+                return bad(format!(
+                    "hash {h:#x} maps to block {b}, which carries {:?}",
+                    self.prefix.hash_of(b)
+                ));
+            }
+        }
+        let hashed = (0..n as u32)
+            .filter(|&b| self.prefix.hash_of(b).is_some())
+            .count();
+        if hashed != self.prefix.num_hashed() {
+            return bad(format!(
+                "{hashed} blocks carry a hash but the map holds {}",
+                self.prefix.num_hashed()
+            ));
+        }
+        self.prefix
+            .check_links()
+            .map_err(Error::InvariantViolation)?;
+        self.prefix.check_map().map_err(Error::InvariantViolation)?;
+        self.pool.check_invariants()
+    }
+}

@@ -1,0 +1,589 @@
+//! The block manager: sequences, their block tables, the prefix cache and the step builder.
+//!
+//! Single owner (`&mut self`): one scheduler thread drives it. It holds the [`BlockPool`] (block
+//! reference counts and the free list) and, owning it exclusively, uses the pool's `*_mut`
+//! operations (plain loads and stores, no atomic read-modify-writes). It also holds the
+//! [`PrefixCache`] and one state record per sequence: block table, token count, token ids (only
+//! with prefix caching on: they are what gets hashed), the chained hashes of its full blocks, and
+//! its hashing keys.
+//!
+//! Every block is in exactly one of four states:
+//! - **free**: on the pool's free list;
+//! - **cached-free**: refcount 0, hashed, in the prefix LRU — reusable by a prefix hit, evictable;
+//! - **owned**: refcount ≥ 1, equal to the number of block tables that contain it;
+//! - **copy source in flight**: refcount 0, unhashed, the `src` of a copy-on-write copy that the
+//!   next step still has to emit; it goes back to the free list once the copy is emitted.
+//!
+//! Rules worth knowing:
+//! - **Registration happens at step time.** A full block is offered to the prefix cache by the
+//!   `build_step` that schedules its last token, not when the token is admitted or appended. A
+//!   later admission can therefore only hit blocks whose KV a step has been built to write, and a
+//!   sequence freed before any step ran leaves nothing stale in the cache.
+//! - **At least one prompt token is computed.** An admission shares at most `(len - 1) / B` cached
+//!   blocks, `len` being the whole prompt's length: when the whole prompt is cached, its last block
+//!   is allocated fresh (and recomputed) rather than shared, so the engine never writes into a
+//!   shared block.
+//! - **Chunked admission.** The lookup covers the whole prompt, but with `max_new_tokens = k` the
+//!   sequence holds only `cached + min(k, len - cached)` tokens; the caller appends the rest chunk
+//!   by chunk. Each chunk's full blocks enter the cache when the step computing them is built.
+//! - **Batch calls** (`admit_batch`, `free_batch`) validate every argument before touching state;
+//!   `admit_batch` then admits in order and stops at the first request that does not fit.
+//! - **Copy-on-write.** Only a partly filled tail block can be shared *and* written (after a
+//!   fork). Appending into one allocates a fresh block and queues a `(src, dst)` copy that a
+//!   `build_step` emits: the next one with room in its copy buffer, and at the latest the first
+//!   one that schedules a sequence holding the copy's `dst` or `src`. The copy list of one step
+//!   has distinct `dst`s and no `dst` is a `src`.
+//! - **Allocation order.** Never-cached free blocks first, then the least recently freed
+//!   cached-free block (an eviction). A freed sequence's blocks enter the LRU tail first, so its
+//!   tail is evicted before its prefix.
+//! - **Watermark.** Admissions must leave `watermark_blocks` free (cached-free counts as free);
+//!   appends and forks may use the reserve.
+//! - Every error leaves the manager unchanged: operations validate fully before touching state.
+//!
+//! The manager is one type whose methods live in several files, one per concern, so that each
+//! can be read beside the rules it keeps: [`ManagerConfig`] and its checks in `config`;
+//! admissions and the prefix-cache lookup in `admit`; appends, forks and frees in `append`;
+//! swap, recompute and victim choice in `reclaim`; the step and its copy and swap lists in
+//! `build_step`; the full consistency check in `invariants`. This file holds the state they
+//! share, the read-only queries and stats, and the helpers through which they all allocate,
+//! release and park blocks.
+
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::hash::{random_key, root_hash, Hasher, SeqKeys};
+use crate::metrics::{hist_bucket, Counters, Stats, HIST_BUCKETS};
+use crate::pool::BlockPool;
+use crate::prefix::{FastMap, PrefixCache};
+use crate::step::StepCache;
+use crate::swap::{HostBlockId, HostPool, SeqState};
+use crate::table::BlockTable;
+use crate::{BlockId, SeqId, TokenId};
+
+mod admit;
+mod append;
+mod build_step;
+mod config;
+mod invariants;
+mod reclaim;
+
+pub use config::ManagerConfig;
+
+/// Outcome of an admission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdmitResult {
+    /// Prompt tokens whose KV is already cached (a multiple of B, at most `len - 1`): the engine
+    /// computes tokens `[cached_tokens, len)`.
+    pub cached_tokens: u32,
+    /// Blocks allocated for this admission (not shared from the cache).
+    pub new_blocks: u32,
+    /// Blocks in the sequence's table, `ceil(num_tokens / B)`.
+    pub num_blocks: u32,
+    /// Tokens the sequence holds after admission: `cached_tokens + min(max_new_tokens, len -
+    /// cached_tokens)`, the whole prompt when no `max_new_tokens` was given. The engine computes
+    /// `[cached_tokens, num_tokens)` in the first step and appends the rest of the prompt later.
+    pub num_tokens: u32,
+}
+
+/// One admission of [`BlockManager::admit_batch`].
+#[derive(Debug, Clone, Copy)]
+pub struct AdmitRequest<'a> {
+    /// A new sequence id.
+    pub seq: SeqId,
+    /// The whole prompt (the prefix-cache lookup covers all of it).
+    pub tokens: &'a [TokenId],
+    /// Hashing keys (salt, adapter, multimodal inputs, extra bytes); `None` for none.
+    pub keys: Option<&'a SeqKeys>,
+    /// Hold at most this many tokens past the cached prefix (chunked prefill); `None`: all.
+    pub max_new_tokens: Option<usize>,
+}
+
+impl<'a> AdmitRequest<'a> {
+    /// A request holding the whole prompt, with no keys.
+    pub fn new(seq: SeqId, tokens: &'a [TokenId]) -> Self {
+        Self {
+            seq,
+            tokens,
+            keys: None,
+            max_new_tokens: None,
+        }
+    }
+}
+
+/// Per-sequence state, kept in a slab so batch calls index it directly after one lookup.
+#[derive(Debug, Clone, Default)]
+struct Seq {
+    table: BlockTable,
+    /// Token ids (prefix caching only).
+    tokens: Vec<TokenId>,
+    /// Chained hashes of the first `hashes.len()` full blocks (prefix caching only).
+    hashes: Vec<u128>,
+    /// Blocks `[0, registered)` have been offered to the prefix cache.
+    registered: usize,
+    /// `h_{-1}` for this sequence's salt.
+    root: u128,
+    /// Keys adding extra records to block hashes; `None` when there are none.
+    keys: Option<Arc<SeqKeys>>,
+    /// The tail block may be shared (set by fork); cleared once seen unshared.
+    tail_maybe_shared: bool,
+    /// Epoch of the last batch call that visited this sequence (duplicate detection).
+    mark: u64,
+    /// Identity of this sequence for the manager's whole life: fresh on admit and fork, never
+    /// reused, so a step-cache row mark cannot match a later sequence in the same slot or id.
+    uid: u64,
+    /// Bumped whenever an existing entry of `table.blocks` is replaced in place (copy-on-write of
+    /// the tail, a swap). Growth by push does not bump it: entries already written stay valid.
+    version: u64,
+    /// Running, swapped out (the table holds host block ids) or preempted by recompute (no blocks).
+    state: SeqState,
+    /// Admission order (victims are taken from the highest); a forked child inherits its parent's,
+    /// and a swap or recompute keeps it.
+    order: u64,
+    /// Fork group: the uid of the admission the sequence descends from.
+    group: u64,
+    /// `cache_epoch` when it was swapped out: its hashes are re-registered on swap-in only if the
+    /// prefix cache was not reset since.
+    swap_epoch: u64,
+}
+
+/// The block manager. See the module documentation for the rules it keeps.
+#[derive(Debug)]
+pub struct BlockManager {
+    cfg: ManagerConfig,
+    bs: usize,
+    caching: bool,
+    pool: BlockPool,
+    prefix: PrefixCache,
+    index: FastMap<SeqId, u32>,
+    slots: Vec<Seq>,
+    free_slots: Vec<u32>,
+    /// Copy-on-write copies not yet emitted by a step.
+    pending: Vec<(BlockId, BlockId)>,
+    /// Refcount-0 blocks held back because they are the `src` of a pending copy.
+    deferred: Vec<BlockId>,
+    counters: Counters,
+    shared_blocks: u64,
+    used_tokens: u64,
+    epoch: u64,
+    /// The prefix-hash key in use (`cfg.hash_seed` or one drawn from the OS).
+    hash_key: u64,
+    empty_root: u128,
+    hasher: Hasher,
+    /// Bumped whenever the set of sequences changes (admit, fork, free).
+    gen: u64,
+    /// The last batch resolved by `resolve_batch`, its slots, and the `gen` it is valid for.
+    batch_ids: Vec<SeqId>,
+    batch_idx: Vec<u32>,
+    batch_gen: u64,
+    scratch_hashes: Vec<u128>,
+    scratch_hits: Vec<BlockId>,
+    /// Last uid handed out (uids start at 1; 0 marks a row as unknown).
+    last_uid: u64,
+    /// What `build_step` last wrote into the block-table buffer it last wrote.
+    step_cache: StepCache,
+    /// Slots of the step's batch with full blocks not yet offered to the prefix cache.
+    scratch_register: Vec<u32>,
+    /// The host block pool.
+    host: HostPool,
+    /// Swap-out copies `(device, host)` not yet emitted by a step.
+    swap_out_q: Vec<(BlockId, HostBlockId)>,
+    /// Swap-in copies `(host, device)` not yet emitted by a step; each holds a host reference.
+    swap_in_q: Vec<(HostBlockId, BlockId)>,
+    /// Last admission order handed out.
+    last_order: u64,
+    /// Bumped by `reset_prefix_cache`.
+    cache_epoch: u64,
+}
+
+impl BlockManager {
+    /// A manager over a fresh pool; `InvalidConfig` if `cfg` does not validate,
+    /// `AllocationFailed` (naming the array and its bytes) if the host cannot hold the pool's or
+    /// the prefix cache's arrays.
+    pub fn new(cfg: ManagerConfig) -> Result<Self> {
+        cfg.validate()?;
+        let hash_key = match cfg.hash_seed {
+            Some(k) => k,
+            None => random_key()?,
+        };
+        // The prefix cache first: its arrays are the largest, and mostly committed lazily, so a
+        // pool too large for the host fails before the pool's arrays are written.
+        let prefix = PrefixCache::try_new(
+            cfg.num_blocks,
+            cfg.block_size,
+            cfg.enable_prefix_caching && cfg.verify_prefix,
+            cfg.enable_prefix_caching,
+        )?;
+        let pool = BlockPool::new(cfg.num_blocks)?;
+        let host = HostPool::new(cfg.num_host_blocks)?;
+        Ok(Self {
+            bs: cfg.block_size as usize,
+            caching: cfg.enable_prefix_caching,
+            pool,
+            prefix,
+            index: FastMap::default(),
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            pending: Vec::new(),
+            deferred: Vec::new(),
+            counters: Counters::default(),
+            shared_blocks: 0,
+            used_tokens: 0,
+            epoch: 0,
+            hash_key,
+            empty_root: root_hash(hash_key, &[]),
+            hasher: Hasher::new(hash_key),
+            gen: 0,
+            batch_ids: Vec::new(),
+            batch_idx: Vec::new(),
+            batch_gen: u64::MAX,
+            scratch_hashes: Vec::new(),
+            scratch_hits: Vec::new(),
+            last_uid: 0,
+            step_cache: StepCache::default(),
+            scratch_register: Vec::new(),
+            host,
+            swap_out_q: Vec::new(),
+            swap_in_q: Vec::new(),
+            last_order: 0,
+            cache_epoch: 0,
+            cfg,
+        })
+    }
+
+    /// The configuration the manager was built with.
+    pub fn config(&self) -> &ManagerConfig {
+        &self.cfg
+    }
+
+    fn take_slot(&mut self) -> u32 {
+        match self.free_slots.pop() {
+            Some(s) => s,
+            None => {
+                self.slots.push(Seq::default());
+                (self.slots.len() - 1) as u32
+            }
+        }
+    }
+
+    #[inline]
+    fn slot_of(&self, seq: SeqId) -> Result<usize> {
+        self.index
+            .get(&seq)
+            .map(|&s| s as usize)
+            .ok_or(Error::UnknownSequence { seq_id: seq })
+    }
+
+    /// Walks a batch of ids in order: each must be live (`UnknownSequence`) and appear once
+    /// (`InvalidArgument`); then `visit(id, slot, seq)` may refuse it (for its state, say). Stops
+    /// at the first error. A repeat is found by stamping each visited sequence with a number
+    /// fresh for this call, not with a set: O(batch) with no allocation or hashing, and the
+    /// stamps of a refused call cannot match any later one.
+    #[inline]
+    fn for_each_distinct(
+        &mut self,
+        seqs: &[SeqId],
+        mut visit: impl FnMut(SeqId, usize, &Seq) -> Result<()>,
+    ) -> Result<()> {
+        self.epoch += 1;
+        let epoch = self.epoch;
+        for &id in seqs {
+            let i = self.slot_of(id)?;
+            let s = &mut self.slots[i];
+            if s.mark == epoch {
+                return Err(Error::InvalidArgument {
+                    what: "seqs",
+                    value: id as i64,
+                    reason: "sequence id appears twice in one batch".into(),
+                });
+            }
+            s.mark = epoch;
+            visit(id, i, s)?;
+        }
+        Ok(())
+    }
+
+    /// Allocates one block: the free list first, then the oldest cached-free block.
+    #[inline]
+    fn alloc_block(&mut self) -> Result<BlockId> {
+        match self.pool.allocate_mut() {
+            Ok(b) => Ok(b),
+            Err(_) => evict(&mut self.prefix, &mut self.pool, &mut self.counters),
+        }
+    }
+
+    /// Drops one reference to `b`, parking it (free list, LRU or deferred) when none remain.
+    #[inline]
+    fn drop_ref(&mut self, b: BlockId) -> Result<()> {
+        if self.pending.is_empty() && self.swap_in_q.is_empty() && self.prefix.hash_of(b).is_none()
+        {
+            // Not cached and no copy in flight: the pool decrements and releases in one step
+            // (one pool update per block on the free path instead of two).
+            if !self.pool.free_mut(b)? && self.pool.refcount(b)? == 1 {
+                self.shared_blocks -= 1;
+            }
+            return Ok(());
+        }
+        match self.pool.decref_mut(b)? {
+            0 => self.unreferenced(b),
+            1 => {
+                self.shared_blocks -= 1;
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn unreferenced(&mut self, b: BlockId) -> Result<()> {
+        if !self.pending.is_empty() {
+            if let Some(pos) = self.pending.iter().position(|&(_, d)| d == b) {
+                // Nobody will read this dst: the copy is moot. Its src may have been held only for it.
+                let (src, _) = self.pending.remove(pos);
+                if !self.pending.iter().any(|&(s, _)| s == src) {
+                    if let Some(dpos) = self.deferred.iter().position(|&x| x == src) {
+                        self.deferred.swap_remove(dpos);
+                        self.park(src)?;
+                    }
+                }
+            }
+            if self.pending.iter().any(|&(s, _)| s == b) {
+                self.deferred.push(b);
+                return Ok(());
+            }
+        }
+        self.park(b)
+    }
+
+    /// Puts a refcount-0 block where it belongs: the LRU if hashed, else the free list.
+    #[inline]
+    fn park(&mut self, b: BlockId) -> Result<()> {
+        if !self.swap_in_q.is_empty() {
+            if let Some(pos) = self.swap_in_q.iter().position(|&(_, d)| d == b) {
+                // Nobody will read this swap-in destination (no holder, no pending copy from it):
+                // the copy is moot, and its host block loses the reference the queued copy held.
+                // The block never received its content, so it must not stay findable under the
+                // hash `swap_in` gave it.
+                let (h, _) = self.swap_in_q.remove(pos);
+                self.prefix.unregister(b);
+                self.host_drop(h)?;
+            }
+        }
+        if self.prefix.hash_of(b).is_some() {
+            self.prefix.lru_push(b);
+            Ok(())
+        } else {
+            self.pool.release_mut(b)
+        }
+    }
+
+    /// Drops one reference to host block `h`, releasing it at zero (and forgetting a queued
+    /// swap-out into it: nobody will read it).
+    fn host_drop(&mut self, h: HostBlockId) -> Result<()> {
+        if self.host.decref(h)? == 0 {
+            if let Some(pos) = self.swap_out_q.iter().position(|&(_, x)| x == h) {
+                self.swap_out_q.remove(pos);
+            }
+            self.host.release(h);
+        }
+        Ok(())
+    }
+
+    /// Drops every reference `slot`'s table holds, last block first — device blocks while it
+    /// runs, host blocks while it is swapped out (a recompute-preempted table is empty) — and
+    /// empties the table, keeping its allocation; a running sequence's tokens leave
+    /// `used_tokens`. Every block is released even when one fails; the last error is returned.
+    fn release_table(&mut self, slot: usize) -> Result<()> {
+        let blocks = std::mem::take(&mut self.slots[slot].table.blocks);
+        let state = self.slots[slot].state;
+        let mut result = Ok(());
+        for &b in blocks.iter().rev() {
+            let r = if state == SeqState::Running {
+                self.drop_ref(b)
+            } else {
+                self.host_drop(b)
+            };
+            if let Err(e) = r {
+                result = Err(e);
+            }
+        }
+        let s = &mut self.slots[slot];
+        s.table.blocks = blocks;
+        s.table.blocks.clear();
+        if state == SeqState::Running {
+            self.used_tokens -= s.table.num_tokens as u64;
+        }
+        result
+    }
+
+    /// A sequence's state.
+    pub fn seq_state(&self, seq: SeqId) -> Result<SeqState> {
+        Ok(self.slots[self.slot_of(seq)?].state)
+    }
+
+    /// Swap-out copies `(device, host)` queued for the next steps.
+    pub fn pending_swap_out(&self) -> &[(BlockId, HostBlockId)] {
+        &self.swap_out_q
+    }
+
+    /// Swap-in copies `(host, device)` queued for the next steps.
+    pub fn pending_swap_in(&self) -> &[(HostBlockId, BlockId)] {
+        &self.swap_in_q
+    }
+
+    /// Free blocks of the host pool.
+    pub fn num_free_host_blocks(&self) -> usize {
+        self.host.num_free()
+    }
+
+    /// Reference count of host block `h` (`InvalidBlock` outside the host pool).
+    pub fn host_block_refcount(&self, h: HostBlockId) -> Result<u32> {
+        self.host.refcount(h)
+    }
+
+    /// Whether `seq` is a live sequence.
+    pub fn contains(&self, seq: SeqId) -> bool {
+        self.index.contains_key(&seq)
+    }
+
+    /// Tokens `seq` holds; `UnknownSequence` if it is not live.
+    pub fn seq_len(&self, seq: SeqId) -> Result<usize> {
+        Ok(self.slots[self.slot_of(seq)?].table.num_tokens)
+    }
+
+    /// Physical blocks of `seq`, in logical order; `UnknownSequence` if it is not live.
+    pub fn block_table(&self, seq: SeqId) -> Result<&[BlockId]> {
+        Ok(&self.slots[self.slot_of(seq)?].table.blocks)
+    }
+
+    /// The live sequence ids, in no particular order.
+    pub fn seq_ids(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.index.keys().copied()
+    }
+
+    /// Live sequences.
+    pub fn num_seqs(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Blocks available to allocations: free plus cached-free (evictable).
+    #[inline]
+    pub fn num_free_blocks(&self) -> usize {
+        self.pool.num_free() + self.prefix.lru_len()
+    }
+
+    /// Reference count of block `b` (`InvalidBlock` outside the pool).
+    pub fn block_refcount(&self, b: BlockId) -> Result<u32> {
+        self.pool.refcount(b)
+    }
+
+    /// Copy-on-write copies queued for the next step, as `(src, dst)`.
+    pub fn pending_copies(&self) -> &[(BlockId, BlockId)] {
+        &self.pending
+    }
+
+    /// The prefix hash block `b` is cached under, if any.
+    pub fn block_hash(&self, b: BlockId) -> Option<u128> {
+        if (b as usize) < self.cfg.num_blocks as usize {
+            self.prefix.hash_of(b)
+        } else {
+            None
+        }
+    }
+
+    /// [`crate::prefix::probe_cost`] of the sequence-id index and of the prefix-hash map, each
+    /// under its own hasher: about 1 group per key unless the keys cluster. For tests and
+    /// diagnostics (O(sequences + hashed blocks)).
+    pub fn map_probe_costs(&self) -> (f64, f64) {
+        (
+            crate::prefix::probe_cost(self.index.hasher(), self.index.keys()),
+            self.prefix.map_probe_cost(),
+        )
+    }
+
+    /// Test hook: re-labels hashed block `b` with `hash`, forging a hash collision (the block keeps
+    /// its token ids). Returns false if `b` is not hashed or `hash` is taken.
+    #[doc(hidden)]
+    pub fn debug_relabel_block(&mut self, b: BlockId, hash: u128) -> bool {
+        (b as usize) < self.cfg.num_blocks as usize && self.prefix.relabel(b, hash)
+    }
+
+    /// A snapshot of sizes and counters. O(number of sequences) for the histogram.
+    pub fn stats(&self) -> Stats {
+        let nbk = self.cfg.num_blocks as u64;
+        let free = self.pool.num_free() as u64;
+        let cached = self.prefix.lru_len() as u64;
+        let used = nbk - free - cached;
+        let mut hist = [0u64; HIST_BUCKETS];
+        let mut swapped = 0u64;
+        for &i in self.index.values() {
+            let s = &self.slots[i as usize];
+            match s.state {
+                SeqState::Running => hist[hist_bucket(s.table.blocks.len())] += 1,
+                SeqState::Swapped => swapped += 1,
+                SeqState::Recompute => {}
+            }
+        }
+        let c = &self.counters;
+        Stats {
+            num_blocks: nbk,
+            block_size: self.bs as u64,
+            free_blocks: free,
+            cached_free_blocks: cached,
+            used_blocks: used,
+            num_seqs: self.index.len() as u64,
+            used_tokens: self.used_tokens,
+            kv_utilization: self.used_tokens as f64 / (nbk as f64 * self.bs as f64),
+            allocated_token_slots: used * self.bs as u64,
+            prefix_query_tokens: c.prefix_query_tokens,
+            prefix_hit_tokens: c.prefix_hit_tokens,
+            prefix_hit_ratio: if c.prefix_query_tokens == 0 {
+                0.0
+            } else {
+                c.prefix_hit_tokens as f64 / c.prefix_query_tokens as f64
+            },
+            evictions: c.evictions,
+            prefix_collisions: c.prefix_collisions,
+            shared_blocks: self.shared_blocks,
+            cow_copies: c.cow_copies,
+            preemptions: c.preemptions_swap + c.preemptions_recompute,
+            preemptions_swap: c.preemptions_swap,
+            preemptions_recompute: c.preemptions_recompute,
+            swapped_out_blocks: c.swapped_out_blocks,
+            swapped_in_blocks: c.swapped_in_blocks,
+            num_host_blocks: self.host.num_blocks() as u64,
+            host_free_blocks: self.host.num_free() as u64,
+            swapped_seqs: swapped,
+            kv_cache_usage: used as f64 / nbk as f64,
+            blocks_per_seq: hist,
+        }
+    }
+}
+
+/// Evicts the least recently freed cached-free block and hands it out with refcount 1.
+#[inline]
+fn evict(
+    prefix: &mut PrefixCache,
+    pool: &mut BlockPool,
+    counters: &mut Counters,
+) -> Result<BlockId> {
+    match prefix.evict_oldest() {
+        Some(b) => {
+            pool.incref_mut(b)?;
+            counters.evictions += 1;
+            Ok(b)
+        }
+        None => Err(Error::OutOfBlocks {
+            needed: 1,
+            available: 0,
+        }),
+    }
+}
+
+/// The error for a call that needs a running sequence.
+#[cold]
+fn not_running(seq_id: SeqId, state: SeqState) -> Error {
+    Error::InvalidSequenceState {
+        seq_id,
+        state: state.name(),
+        expected: "running",
+    }
+}

@@ -1,0 +1,453 @@
+//! Reclamation under memory pressure: swap-out and swap-in, preemption by recompute and
+//! `resume`, victim choice, and the cost model's swap-or-recompute decision.
+//!
+//! Invariants kept here:
+//! - A swapped-out sequence's table holds host block ids only, never a mix. A sequence preempted
+//!   by recompute holds no blocks but keeps its length and token ids, so `resume` is an admission
+//!   of the same prompt and hits whatever of it stayed cached.
+//! - A block shared within the swapped group is copied once, to one host block they all hold, and
+//!   is shared again on the device after swap-in: a swap round trip never multiplies a fork
+//!   group's memory.
+//! - While a block's content is on the host it is not findable by prefix lookups; swap-in
+//!   registers it again unless the prefix cache was reset meanwhile (`swap_epoch`).
+//! - Victims are a whole fork group, the most recently admitted: its members share blocks, so
+//!   only together do they free them.
+//! - Every call checks fully first, so a refused swap, resume or decision changes nothing.
+
+use super::admit::check_max_new;
+use super::{AdmitResult, BlockManager};
+use crate::error::{Error, Result};
+use crate::prefix::FastMap;
+use crate::swap::{CostModel, Decision, HostBlockId, PreemptMode, SeqState};
+use crate::{BlockId, SeqId};
+
+impl BlockManager {
+    /// Resolves `seqs` (known, distinct, each in `want`) to slots, in order.
+    fn resolve_in_state(
+        &mut self,
+        seqs: &[SeqId],
+        want: SeqState,
+        expected: &'static str,
+    ) -> Result<Vec<usize>> {
+        if seqs.is_empty() {
+            return Err(Error::InvalidArgument {
+                what: "seqs.len",
+                value: 0,
+                reason: "needs at least one sequence".into(),
+            });
+        }
+        let mut out = Vec::with_capacity(seqs.len());
+        self.for_each_distinct(seqs, |id, i, s| {
+            if s.state != want {
+                return Err(Error::InvalidSequenceState {
+                    seq_id: id,
+                    state: s.state.name(),
+                    expected,
+                });
+            }
+            out.push(i);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Where the current content of device block `b` will be when the queued copies run: the host
+    /// block of a queued swap-in filling `b` (directly, or through the copy-on-write that fills
+    /// it), else the device block to read (`b`, or the source of the copy-on-write filling it).
+    fn content_origin(&self, b: BlockId) -> std::result::Result<HostBlockId, BlockId> {
+        let src = if self.pending.is_empty() {
+            b
+        } else {
+            self.pending
+                .iter()
+                .find(|&&(_, d)| d == b)
+                .map_or(b, |&(s0, _)| s0)
+        };
+        match self.swap_in_q.iter().find(|&&(_, d)| d == src) {
+            Some(&(h, _)) => Ok(h),
+            None => Err(src),
+        }
+    }
+
+    /// Moves running sequences to the host pool and frees their device blocks; returns the
+    /// device → host copies to make, `(device_block, host_block)`.
+    ///
+    /// A block shared by several of `seqs` (a forked group) is copied once, to one host block they
+    /// all hold. A block shared with a sequence not in `seqs` is copied too and stays on the
+    /// device for its other holders. Device blocks that lose their last holder are freed at once
+    /// (and may be handed out again before the next step), hashed ones dropped from the prefix
+    /// cache first: a swapped-out block is not findable by prefix lookups until it is swapped back
+    /// in, when it is registered again (unless its hash was taken meanwhile, or the cache reset).
+    ///
+    /// The same pairs are queued and emitted by the next `build_step` into `swap_out`; the engine
+    /// runs them before anything else of that step (see `step` for the order). A block whose
+    /// content is still to arrive by a queued swap-in is not copied: the sequence takes that host
+    /// block back. The sequences become `Swapped` (block tables of host ids; not schedulable) and
+    /// count as swap preemptions.
+    ///
+    /// Errors, with nothing changed: `UnknownSequence`; `InvalidSequenceState` for one not
+    /// running; `InvalidArgument` for an empty list or a repeated id; `OutOfHostBlocks` when the
+    /// host pool lacks the blocks (always with `num_host_blocks == 0`).
+    pub fn swap_out(&mut self, seqs: &[SeqId]) -> Result<Vec<(BlockId, HostBlockId)>> {
+        let slots = self.resolve_in_state(seqs, SeqState::Running, "running")?;
+        // Host blocks needed: one per distinct device block whose content is not already on the host.
+        let mut seen: FastMap<BlockId, ()> = FastMap::default();
+        let mut needed = 0usize;
+        for &i in &slots {
+            for &b in &self.slots[i].table.blocks {
+                if seen.insert(b, ()).is_none() && self.content_origin(b).is_err() {
+                    needed += 1;
+                }
+            }
+        }
+        if needed > self.host.num_free() {
+            return Err(Error::OutOfHostBlocks {
+                needed,
+                available: self.host.num_free(),
+            });
+        }
+        // Apply. First map every device block to its host block (queueing the copies) for all
+        // sequences, while the pending copies the mapping consults are all still there; then drop
+        // the device references.
+        let mut map: FastMap<BlockId, HostBlockId> = FastMap::default();
+        let mut pairs = Vec::with_capacity(needed);
+        let mut device_tables = Vec::with_capacity(slots.len());
+        for &i in &slots {
+            let mut hosts = Vec::with_capacity(self.slots[i].table.blocks.len());
+            for j in 0..self.slots[i].table.blocks.len() {
+                let b = self.slots[i].table.blocks[j];
+                let h = match map.get(&b) {
+                    Some(&h) => {
+                        self.host.incref(h);
+                        h
+                    }
+                    None => {
+                        let h = match self.content_origin(b) {
+                            Ok(h0) => {
+                                self.host.incref(h0);
+                                h0
+                            }
+                            Err(src) => {
+                                let h = self.host.allocate()?;
+                                pairs.push((src, h));
+                                h
+                            }
+                        };
+                        map.insert(b, h);
+                        h
+                    }
+                };
+                hosts.push(h);
+            }
+            // The table now names host blocks only.
+            device_tables.push(std::mem::replace(&mut self.slots[i].table.blocks, hosts));
+        }
+        let mut result = Ok(());
+        for (&i, device) in slots.iter().zip(&device_tables) {
+            // Tail first, as `free` does.
+            for &b in device.iter().rev() {
+                if let Err(e) = self.drop_device_unhashed(b) {
+                    result = Err(e);
+                }
+            }
+            let epoch = self.cache_epoch;
+            let s = &mut self.slots[i];
+            s.state = SeqState::Swapped;
+            s.version += 1;
+            s.tail_maybe_shared = false;
+            s.swap_epoch = epoch;
+            self.used_tokens -= s.table.num_tokens as u64;
+        }
+        self.swap_out_q.extend_from_slice(&pairs);
+        self.counters.swapped_out_blocks += pairs.len() as u64;
+        self.counters.preemptions_swap += slots.len() as u64;
+        self.gen += 1;
+        result.map(|_| pairs)
+    }
+
+    /// Drops one reference to device block `b` for a swap-out: a block left unreferenced loses
+    /// its hash (so it is not findable while its content is on the host) and is freed.
+    fn drop_device_unhashed(&mut self, b: BlockId) -> Result<()> {
+        match self.pool.decref_mut(b)? {
+            0 => {
+                self.prefix.unregister(b);
+                self.unreferenced(b)
+            }
+            1 => {
+                self.shared_blocks -= 1;
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Brings swapped-out sequences back to the device; returns the host → device copies to
+    /// make, `(host_block, device_block)`.
+    ///
+    /// Allocates one device block per distinct host block of `seqs` (a block the group shares on
+    /// the host is shared on the device again). Like an admission it must leave the watermark
+    /// free. The pairs are queued and emitted by the next `build_step` into `swap_in`; each host
+    /// block is released once the step that emits its copy has been built. Full blocks are
+    /// offered to the prefix cache again under their hashes. The sequences become `Running`,
+    /// with their admission order and fork group unchanged.
+    ///
+    /// Errors, with nothing changed: `UnknownSequence`; `InvalidSequenceState` for one not
+    /// swapped out; `InvalidArgument` for an empty list or a repeated id; `OutOfBlocks` or
+    /// `WatermarkReached`.
+    pub fn swap_in(&mut self, seqs: &[SeqId]) -> Result<Vec<(HostBlockId, BlockId)>> {
+        let slots = self.resolve_in_state(seqs, SeqState::Swapped, "swapped")?;
+        let mut seen: FastMap<HostBlockId, ()> = FastMap::default();
+        for &i in &slots {
+            for &h in &self.slots[i].table.blocks {
+                seen.insert(h, ());
+            }
+        }
+        let needed = seen.len();
+        let avail = self.num_free_blocks();
+        let wm = self.cfg.watermark_blocks as usize;
+        if needed > avail {
+            return Err(Error::OutOfBlocks {
+                needed,
+                available: avail,
+            });
+        }
+        if avail - needed < wm {
+            return Err(Error::WatermarkReached {
+                needed,
+                available: avail.saturating_sub(wm),
+                watermark: wm,
+            });
+        }
+        let mut map: FastMap<HostBlockId, BlockId> = FastMap::default();
+        let mut pairs = Vec::with_capacity(needed);
+        let bs = self.bs;
+        let mut result = Ok(());
+        for &i in &slots {
+            let hosts = std::mem::take(&mut self.slots[i].table.blocks);
+            let mut device = Vec::with_capacity(hosts.len());
+            for &h in &hosts {
+                let b = match map.get(&h) {
+                    Some(&b) => {
+                        if self.pool.incref_mut(b)? == 2 {
+                            self.shared_blocks += 1;
+                        }
+                        b
+                    }
+                    None => {
+                        let b = self.alloc_block()?;
+                        // The queued copy holds the host block until a step emits it.
+                        self.host.incref(h);
+                        pairs.push((h, b));
+                        map.insert(h, b);
+                        b
+                    }
+                };
+                device.push(b);
+            }
+            for &h in &hosts {
+                if let Err(e) = self.host_drop(h) {
+                    result = Err(e);
+                }
+            }
+            let epoch = self.cache_epoch;
+            let s = &mut self.slots[i];
+            s.table.blocks = device;
+            if self.caching && s.swap_epoch == epoch {
+                let upto = s.registered.min(s.hashes.len());
+                for j in 0..upto {
+                    self.prefix.register(
+                        s.table.blocks[j],
+                        s.hashes[j],
+                        &s.tokens[j * bs..(j + 1) * bs],
+                    );
+                }
+            }
+            s.state = SeqState::Running;
+            s.version += 1;
+            // Another member of the group may hold the same tail again.
+            s.tail_maybe_shared = s.table.num_tokens % bs != 0;
+            self.used_tokens += s.table.num_tokens as u64;
+        }
+        self.swap_in_q.extend_from_slice(&pairs);
+        self.counters.swapped_in_blocks += pairs.len() as u64;
+        self.gen += 1;
+        result.map(|_| pairs)
+    }
+
+    /// Preempts a sequence by recompute: frees its blocks (hashed full blocks stay cached-free,
+    /// so a later [`BlockManager::resume`] can hit them) but keeps its length and, with prefix
+    /// caching on, its token ids. A swapped-out sequence may be dropped to this state too (its
+    /// host blocks are freed; counted as a swap preemption already, not again). Errors
+    /// (`UnknownSequence`, `InvalidSequenceState` when already preempted by recompute) change
+    /// nothing.
+    pub fn recompute(&mut self, seq: SeqId) -> Result<()> {
+        let i = self.slot_of(seq)?;
+        let state = self.slots[i].state;
+        if state == SeqState::Recompute {
+            return Err(Error::InvalidSequenceState {
+                seq_id: seq,
+                state: state.name(),
+                expected: "running or swapped",
+            });
+        }
+        let result = self.release_table(i);
+        if state == SeqState::Running {
+            self.counters.preemptions_recompute += 1;
+        }
+        let s = &mut self.slots[i];
+        s.state = SeqState::Recompute;
+        s.version += 1;
+        s.tail_maybe_shared = false;
+        self.gen += 1;
+        result
+    }
+
+    /// Re-admits a sequence preempted by recompute from its kept tokens, as
+    /// [`BlockManager::admit_opts`] would with the same prompt and keys: the prefix-cache lookup
+    /// covers all kept tokens, and the sequence holds `cached + min(max_new_tokens, len - cached)`
+    /// of them (the rest is appended later, chunk by chunk). Keeps its id, admission order and fork
+    /// group. Errors change nothing: `UnknownSequence`, `InvalidSequenceState` (not preempted by
+    /// recompute), `InvalidArgument` (`max_new_tokens == 0`), `OutOfBlocks`, `WatermarkReached`.
+    pub fn resume(&mut self, seq: SeqId, max_new_tokens: Option<usize>) -> Result<AdmitResult> {
+        let i = self.slot_of(seq)?;
+        let s = &self.slots[i];
+        if s.state != SeqState::Recompute {
+            return Err(Error::InvalidSequenceState {
+                seq_id: seq,
+                state: s.state.name(),
+                expected: "preempted by recompute",
+            });
+        }
+        check_max_new(max_new_tokens)?;
+        let n = s.table.num_tokens;
+        let root = s.root;
+        let keys = s.keys.clone();
+        let tokens = std::mem::take(&mut self.slots[i].tokens);
+        let r = self.admit_core(
+            seq,
+            &tokens,
+            n,
+            root,
+            keys.as_deref(),
+            keys.clone(),
+            max_new_tokens,
+            Some(i),
+        );
+        if r.is_err() {
+            // Nothing was applied: the sequence keeps its tokens and state.
+            self.slots[i].tokens = tokens;
+        }
+        r
+    }
+
+    /// The next victim: the running sequences of the most recently admitted fork group (a
+    /// forked child counts as admitted with its parent; swap and recompute keep the order), in
+    /// creation order. `None` when nothing runs. O(sequences).
+    pub fn choose_victim(&self) -> Option<Vec<SeqId>> {
+        let mut best: Option<(u64, u64)> = None;
+        for &i in self.index.values() {
+            let s = &self.slots[i as usize];
+            if s.state == SeqState::Running && best.is_none_or(|(o, _)| s.order > o) {
+                best = Some((s.order, s.group));
+            }
+        }
+        let (_, group) = best?;
+        let mut members: Vec<(u64, SeqId)> = self
+            .index
+            .iter()
+            .filter(|&(_, &i)| {
+                let s = &self.slots[i as usize];
+                s.state == SeqState::Running && s.group == group
+            })
+            .map(|(&id, &i)| (self.slots[i as usize].uid, id))
+            .collect();
+        members.sort_unstable();
+        Some(members.into_iter().map(|(_, id)| id).collect())
+    }
+
+    /// The cost model's choice for preempting the running `seqs` together (usually what
+    /// [`BlockManager::choose_victim`] returned), with both estimates; each step is assumed to
+    /// carry one decode token per running sequence outside `seqs` beside the recompute
+    /// ([`BlockManager::decide_beside`] takes another figure).
+    pub fn decide(&mut self, seqs: &[SeqId], model: &CostModel) -> Result<Decision> {
+        self.decide_beside(seqs, model, None)
+    }
+
+    /// [`BlockManager::decide`] with the tokens of other work a step carries given
+    /// (`batch_tokens`; `None` counts the running sequences outside `seqs`).
+    ///
+    /// Swap: 2 × the KV bytes of their distinct device blocks (whole blocks) over the host link.
+    /// Recompute: for each sequence, the tokens past the leading full blocks that would stay
+    /// cached after the preemption (blocks also held by sequences outside `seqs`), at least one
+    /// token, summed over the sequences (so × branches for a forked group), costed by
+    /// [`CostModel::recompute_cost`] beside `batch_tokens`. The mode is swap when the host pool
+    /// has room for it and it is strictly cheaper. Read-only. Errors: as
+    /// [`BlockManager::swap_out`]'s checks, and `InvalidArgument` for a rate that is not finite
+    /// and > 0 (a floor < 0).
+    pub fn decide_beside(
+        &mut self,
+        seqs: &[SeqId],
+        model: &CostModel,
+        batch_tokens: Option<u64>,
+    ) -> Result<Decision> {
+        model.validate()?;
+        let slots = self.resolve_in_state(seqs, SeqState::Running, "running")?;
+        let bs = self.bs;
+        // References the victims hold per block: a block survives if others hold it too.
+        let mut held: FastMap<BlockId, u32> = FastMap::default();
+        let mut host_needed = 0u64;
+        for &i in &slots {
+            for &b in &self.slots[i].table.blocks {
+                let c = held.entry(b).or_insert(0);
+                if *c == 0 && self.content_origin(b).is_err() {
+                    host_needed += 1;
+                }
+                *c += 1;
+            }
+        }
+        let mut tokens = 0u64;
+        for &i in &slots {
+            let t = &self.slots[i].table;
+            let len = t.num_tokens;
+            let max_hit = (len - 1) / bs;
+            let mut hits = 0usize;
+            if self.caching {
+                for &b in t.blocks.iter().take(max_hit) {
+                    let survives = self.prefix.hash_of(b).is_some()
+                        && self.pool.refcount(b)? > held.get(&b).copied().unwrap_or(0);
+                    if !survives {
+                        break;
+                    }
+                    hits += 1;
+                }
+            }
+            tokens += (len - hits * bs) as u64;
+        }
+        let swap_blocks = held.len() as u64;
+        let swap_cost_s = model.swap_cost(swap_blocks, bs as u64);
+        let batch_tokens = batch_tokens.unwrap_or_else(|| {
+            let running = self
+                .index
+                .values()
+                .filter(|&&i| self.slots[i as usize].state == SeqState::Running)
+                .count();
+            running.saturating_sub(slots.len()) as u64
+        });
+        let recompute_cost_s = model.recompute_cost(tokens, batch_tokens);
+        let swap_possible = host_needed as usize <= self.host.num_free();
+        let mode = if swap_possible && swap_cost_s < recompute_cost_s {
+            PreemptMode::Swap
+        } else {
+            PreemptMode::Recompute
+        };
+        Ok(Decision {
+            mode,
+            swap_cost_s,
+            recompute_cost_s,
+            swap_possible,
+            swap_blocks,
+            recompute_tokens: tokens,
+            batch_tokens,
+        })
+    }
+}
