@@ -368,8 +368,15 @@ impl BlockManager {
             }
         }
         if self.prefix.hash_of(b).is_some() {
-            self.prefix.lru_push(b);
-            Ok(())
+            // A block already in the LRU reaching refcount 0 again is a double release: linking
+            // it twice would make a cycle and evict it twice, so refuse rather than corrupt.
+            if self.prefix.lru_push(b) {
+                Ok(())
+            } else {
+                Err(Error::InvariantViolation(format!(
+                    "block {b} released while already cached-free (in the LRU)"
+                )))
+            }
         } else {
             self.pool.release_mut(b)
         }
