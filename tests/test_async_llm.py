@@ -233,3 +233,21 @@ def test_two_engines_in_two_threads(llm, model_dir):
     assert [s[-1].outputs[0].token_ids for s in streams] == ref
     for outs in side:
         assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+def test_loaded_model_in_memory(llm, model_dir):
+    # A model built in memory (no checkpoint on disk, e.g. random weights for a benchmark) is
+    # served as it is: same tokens and text as the engine that loaded the directory.
+    from pagedkv.engine.loader import load_model
+
+    loaded = load_model(model_dir, device="cpu")
+    a = AsyncLLM(loaded, **{k: v for k, v in _engine_args().items() if k != "device"})
+    try:
+        assert a.engine.loaded is loaded
+        prompt = [5, 6, 7, 8]
+        mine = asyncio.run(_collect(a, prompt, GREEDY))[-1].outputs[0]
+        ref = asyncio.run(_collect(llm, prompt, GREEDY))[-1].outputs[0]
+        assert mine.token_ids == ref.token_ids and mine.text == ref.text
+        assert used_blocks(a) == 0
+    finally:
+        a.shutdown()

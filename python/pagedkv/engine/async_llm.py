@@ -40,6 +40,7 @@ from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from .llm import LLMEngine, Prompt
+    from .loader import LoadedModel
 
 __all__ = ["AsyncLLM", "RequestObserver"]
 
@@ -124,7 +125,9 @@ class AsyncLLM:
     unfinished and sleeps otherwise.
 
     Args:
-        model: As for :class:`LLMEngine` (``None``: the embedded SmolLM2-135M-Instruct).
+        model: As for :class:`LLMEngine`: a model directory or ``.gguf`` file, a
+            :class:`~pagedkv.engine.loader.LoadedModel` built in memory (used as it is, on its own
+            device), or ``None`` (the embedded SmolLM2-135M-Instruct).
         max_queue_size: Most requests waiting for their first token; one more is refused with
             :class:`~pagedkv.errors.EngineOverloadedError`. ``None``: no limit.
         observers: :class:`RequestObserver` objects told about every request (see
@@ -139,7 +142,8 @@ class AsyncLLM:
         llm.shutdown()
     """
 
-    def __init__(self, model: Optional[str] = None, *, max_queue_size: Optional[int] = None,
+    def __init__(self, model: Union[str, "LoadedModel", None] = None, *,
+                 max_queue_size: Optional[int] = None,
                  observers: Optional[List[RequestObserver]] = None, **engine_args: Any) -> None:
         from .llm import LLMEngine
 
