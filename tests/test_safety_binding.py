@@ -267,6 +267,16 @@ def test_keyed_pool_refuses_to_key_the_null_block() -> None:
     assert q.insert(b"k" * 8, 0) and q.lookup(b"k" * 8) == 0
 
 
+def test_keyed_pool_keys_the_null_block_only_when_asked() -> None:
+    # vLLM's drop-in asks (vLLM's own map keys any block its caller names); nothing else does.
+    p = _core.KeyedBlockPool(4, null_keys=True)
+    assert p.null_block == 0 and p.insert(b"k" * 8, 0) and p.lookup(b"k" * 8) == 0
+    p.check_invariants()
+    assert p.remove(b"k" * 8, 0) and p.num_keys == 0
+    with pytest.raises(InvalidArgumentError):
+        _core.KeyedBlockPool(4, null_keys=1)
+
+
 @pytest.mark.parametrize(
     "call",
     [

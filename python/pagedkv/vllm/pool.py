@@ -290,7 +290,10 @@ class PagedKVBlockPool(StockBlockPool):
         self.hash_block_size = hash_block_size
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         # Block 0 is vLLM's null block; a one-block pool is all null (nothing allocatable).
-        self._core = KeyedBlockPool(num_gpu_blocks, reserve_null=True)
+        # null_keys: vLLM's BlockHashToBlockMap keys whatever block its caller names (its caching
+        # path skips the null block, as this pool's does; its tests key block 0 by hand), so the
+        # drop-in lifts the core's refusal to keep vLLM's behaviour.
+        self._core = KeyedBlockPool(num_gpu_blocks, reserve_null=True, null_keys=True)
         self._release_mode = "cache" if enable_caching else "front"
         blocks: list[KVCacheBlock] = []
         for idx in range(num_gpu_blocks):

@@ -25,7 +25,10 @@
 //! block for skipped positions). It is never free and its count is not kept: touching or
 //! releasing it is a no-op, so callers may pass it in a table without filtering. It is never
 //! keyed: it holds no KV of its own, so a key pointing at it would make a lookup hit a placeholder
-//! ([`KeyedPool::insert`] refuses it).
+//! ([`KeyedPool::insert`] refuses it), unless the pool was built with
+//! [`KeyedPool::with_null_keys`]. That opt-in exists for vLLM's drop-in only: vLLM's
+//! `BlockHashToBlockMap` keys whatever block its caller names (its own caching path skips the null
+//! block, and so does the drop-in), and vLLM's tests key block 0 by hand.
 //!
 //! # Invariants (checked by [`KeyedPool::check_invariants`])
 //! - A non-null block is in the free list iff its count is zero; the list's own invariants hold.
@@ -119,6 +122,8 @@ pub struct KeyedPool {
     /// Each block's keys, the first inserted first.
     keys: Vec<Vec<Box<[u8]>>>,
     null: Option<BlockId>,
+    /// Whether `insert` may key the null block (see the module documentation).
+    null_keys: bool,
     stats: KeyedStats,
 }
 
@@ -156,6 +161,7 @@ impl KeyedPool {
             map: HashMap::new(),
             keys,
             null: None,
+            null_keys: false,
             stats: KeyedStats::default(),
         };
         if reserve_null {
@@ -163,6 +169,13 @@ impl KeyedPool {
             pool.null = Some(0);
         }
         Ok(pool)
+    }
+
+    /// The same pool, whose `insert` keys the null block when `allow` (vLLM's map does; see the
+    /// module documentation). Off by default.
+    pub fn with_null_keys(mut self, allow: bool) -> Self {
+        self.null_keys = allow;
+        self
     }
 
     /// Blocks in the pool, the null block included.
@@ -437,10 +450,11 @@ impl KeyedPool {
     }
 
     /// Stores block `b` under `key` (after any blocks already there). Returns `false` when the
-    /// pair was already present. Inserting the null block is [`Error::InvalidArgument`].
+    /// pair was already present. Inserting the null block is [`Error::InvalidArgument`] unless the
+    /// pool was built [`KeyedPool::with_null_keys`].
     pub fn insert(&mut self, key: &[u8], b: BlockId) -> Result<bool> {
         self.check_block(b)?;
-        if Some(b) == self.null {
+        if Some(b) == self.null && !self.null_keys {
             return Err(Error::InvalidArgument {
                 what: "block",
                 value: i64::from(b),
@@ -543,6 +557,9 @@ impl KeyedPool {
                 if free || self.refcnt[i] != 0 {
                     return bad("the null block is free or counted".into());
                 }
+                if !self.null_keys && !self.keys[i].is_empty() {
+                    return bad("the null block is keyed in a pool that refuses null keys".into());
+                }
             } else if free != (self.refcnt[i] == 0) {
                 return bad(format!(
                     "block {i}: count {} but free={}",
@@ -609,6 +626,13 @@ mod tests {
         assert!(p.allocate(3).is_ok());
         assert_eq!(p.lookup(&key(1, 0)), None);
         p.check_invariants().unwrap();
+        // vLLM's drop-in opts in: its map keys any block its caller names.
+        let mut v = KeyedPool::new(4, true).unwrap().with_null_keys(true);
+        assert!(v.insert(&key(1, 0), 0).unwrap());
+        assert_eq!(v.lookup(&key(1, 0)), Some(0));
+        v.check_invariants().unwrap();
+        assert!(v.remove(&key(1, 0), 0).unwrap());
+        v.check_invariants().unwrap();
         // Without a reserved null block, block 0 is an ordinary block and may be keyed.
         let mut plain = KeyedPool::new(2, false).unwrap();
         assert!(plain.insert(&key(1, 0), 0).unwrap());

@@ -77,17 +77,22 @@ fn block(obj: &Bound<'_, PyAny>) -> PyResult<BlockId> {
 #[pymethods]
 impl PyKeyedBlockPool {
     #[new]
-    #[pyo3(signature = (num_blocks, reserve_null = None))]
+    #[pyo3(signature = (num_blocks, reserve_null = None, null_keys = None))]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
         reserve_null: Option<&Bound<'_, PyAny>>,
+        null_keys: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let n = scalar::<u32>("num_blocks", num_blocks)?;
         let null = match reserve_null {
             Some(o) => flag("reserve_null", o)?,
             None => true,
         };
-        let inner = KeyedPool::new(n, null).py()?;
+        let null_keys = match null_keys {
+            Some(o) => flag("null_keys", o)?,
+            None => false,
+        };
+        let inner = KeyedPool::new(n, null).py()?.with_null_keys(null_keys);
         Ok(Self {
             num_blocks: n,
             inner: Mutex::new(inner),
