@@ -24,8 +24,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.errors import InvalidArgumentError  # noqa: E402
+from tiny_llama import save_tiny_llama  # noqa: E402
 
-VOCAB = 128
 # System turns open with w1, user turns with w2, assistant turns with w3; each turn ends with w4.
 TEMPLATE = ("{% for m in messages %}"
             "{% if m['role'] == 'system' %}w1{% elif m['role'] == 'user' %}w2{% else %}w3{% endif %}"
@@ -36,21 +36,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    directory = str(tmp_path_factory.mktemp("tiny-chat"))
-    torch.manual_seed(99)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=128,
-                                   initializer_range=0.1, eos_token_id=None, bos_token_id=None,
-                                   pad_token_id=None)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(directory)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
-    fast.chat_template = TEMPLATE
-    fast.save_pretrained(directory)
+    directory = save_tiny_llama(str(tmp_path_factory.mktemp("tiny-chat")), 128, seed=99,
+                                chat_template=TEMPLATE)
     return LLM(directory, device="cpu", block_size=4, num_blocks=128, max_num_seqs=8,
                max_num_batched_tokens=64, progress=False)
 

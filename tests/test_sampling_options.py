@@ -31,6 +31,7 @@ from pagedkv.engine.sampler import (SamplerRow, filter_logits, filtered_probs,  
                                     process_logits, sample_batch)
 from pagedkv.engine.sampling_params import SUPPORTED_OPTIONS, RequestOutputKind  # noqa: E402
 from pagedkv.errors import InvalidArgumentError  # noqa: E402
+from tiny_llama import save_tiny_llama  # noqa: E402
 
 VOCAB = 128
 BLOCK = 4
@@ -38,21 +39,8 @@ BLOCK = 4
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    directory = str(tmp_path_factory.mktemp("tiny-llama"))
-    torch.manual_seed(4321)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=128,
-                                   initializer_range=0.1, eos_token_id=None, bos_token_id=None,
-                                   pad_token_id=None)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(directory)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(
-        directory)
-    return directory
+    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), 128, seed=4321,
+                           chat_template=None)
 
 
 @pytest.fixture(scope="module")

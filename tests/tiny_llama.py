@@ -7,6 +7,8 @@ exactly); ids 1 and 2 frame chat turns, so a conversation's content must be such
 
 from __future__ import annotations
 
+from typing import Optional
+
 VOCAB = 128
 
 CHAT_TEMPLATE = (
@@ -15,12 +17,15 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_tiny_llama(directory: str, max_len: int = 256) -> str:
+def save_tiny_llama(directory: str, max_len: int = 256, *, seed: int = 1234,
+                    chat_template: Optional[str] = CHAT_TEMPLATE) -> str:
+    """Saves the model and its tokenizer (with ``chat_template``, none if None) to ``directory``;
+    ``seed`` draws the weights."""
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    torch.manual_seed(1234)
+    torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_len,
@@ -30,6 +35,7 @@ def save_tiny_llama(directory: str, max_len: int = 256) -> str:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
-    fast.chat_template = CHAT_TEMPLATE
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(directory)
     return directory
