@@ -13,6 +13,10 @@ Rules (``docs/kv-events.md``, "Consuming"):
 * a live sequence number at or below the previous live one means the publisher restarted (its
   count starts again at 0): everything known of it is dropped (``on_reset``) and its stream is
   taken from its start (a replay from 0 fetches what the new process sent before this batch);
+* after the connection dropped (a ZeroMQ disconnect), a restart may not show in the numbers (the
+  new process may already be past them), so the first batch after it is checked: the replay
+  socket is asked for the last batch applied, and unless it returns the same bytes the publisher
+  is taken as restarted (without a replay socket, always);
 * when batches are lost for good (no replay socket, no answer, or the replay buffer no longer
   holds them) after something was applied, the index may hold blocks whose removal was missed, so
   it is dropped too (``on_reset``) rather than kept stale; a consumer that joins late only misses
@@ -60,6 +64,12 @@ class SequenceTracker:
         self.replays = 0
         self.restarts = 0
         self.lost_resets = 0
+        self._last_payload: Optional[bytes] = None
+        self._suspect = False
+
+    def on_disconnect(self) -> None:
+        """The connection to the publisher dropped: check continuity at the next batch."""
+        self._suspect = True
 
     def resync(self) -> None:
         """Forgets the publisher (it may have restarted unseen, e.g. it was down): drops what was
@@ -70,6 +80,13 @@ class SequenceTracker:
 
     def on_live(self, seq: int, payload: bytes) -> None:
         """One batch from the live stream."""
+        if self._suspect:
+            self._suspect = False
+            if self.applied is not None and not self._same_publisher():
+                self.restarts += 1
+                self._reset()
+                self.applied = None
+                self.live = None
         if self.live is not None and seq <= self.live:
             self.restarts += 1
             self._reset()
@@ -82,6 +99,11 @@ class SequenceTracker:
             self._fill(expected, seq)
         if self.applied is None or seq > self.applied:
             self._apply_one(seq, payload)
+
+    def _same_publisher(self) -> bool:
+        assert self.applied is not None
+        got = self._replay(self.applied) if self._replay is not None else None
+        return bool(got) and got[0] == (self.applied, self._last_payload)  # type: ignore[index]
 
     def _fill(self, start: int, live_seq: int) -> None:
         got = self._replay(start) if self._replay is not None else None
@@ -99,6 +121,7 @@ class SequenceTracker:
 
     def _apply_one(self, seq: int, payload: bytes) -> None:
         self.applied = seq
+        self._last_payload = payload
         self.applied_batches += 1
         self._apply(seq, payload)
 
@@ -145,6 +168,7 @@ class EventSubscriber:
         self.bad_payloads = 0
         self.tracker = SequenceTracker(self._apply, on_reset,
                                        self._request_replay if replay_endpoint else None)
+        self._monitor = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._thread = threading.Thread(target=self._run, name="pagedkv-kv-sub", daemon=True)
         self._thread.start()
 
@@ -170,12 +194,19 @@ class EventSubscriber:
 
     def _run(self) -> None:
         zmq = self._zmq
+        poller = zmq.Poller()
+        poller.register(self._sub, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 if self._resync.is_set():
                     self._resync.clear()
                     self.tracker.resync()
-                if not self._sub.poll(50):
+                ready = dict(poller.poll(50))
+                if self._monitor in ready:
+                    self._monitor.recv_multipart()
+                    self.tracker.on_disconnect()
+                if self._sub not in ready:
                     continue
                 frames = self._sub.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:
@@ -188,6 +219,8 @@ class EventSubscriber:
                     logger.exception("kv events: handling batch %d from %s failed", seq,
                                      self.endpoint)
         finally:
+            self._sub.disable_monitor()
+            self._monitor.close(linger=0)
             self._sub.close(linger=0)
             if self._dealer is not None:
                 self._dealer.close(linger=0)
