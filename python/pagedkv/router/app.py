@@ -28,6 +28,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence
 
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
 from ..events.schema import BlockStored, KVEventBatch
 from ..hashing import hash_prompt
 from .index import PrefixIndex
@@ -258,10 +262,6 @@ def build_app(router: Router) -> Any:
     """The router's FastAPI app; its lifespan starts the subscribers and the health loop."""
     import contextlib
     import json
-
-    import httpx
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
     state: Dict[str, Any] = {}
 
