@@ -38,6 +38,7 @@ class StepEventPublisher:
         #: Where a lower tier (disk, Redis) adds its events; they leave with the next step's.
         self.sink = EventSink()
         self.publisher = ZmqEventPublisher(endpoint, replay_endpoint, topic=topic)
+        self._dropped_seen = 0
 
     @property
     def ring_dropped(self) -> int:
@@ -45,8 +46,18 @@ class StepEventPublisher:
         return int(getattr(self._manager, "kv_events_dropped", 0))
 
     def flush(self) -> None:
-        """Drains the core's events into the sink and publishes the sink's batch (if any)."""
-        self.sink.add_core(self._drain())
+        """Drains the core's events into the sink and publishes the sink's batch (if any).
+
+        When the ring overflowed since the last drain, part of the history is lost: the batch then
+        starts with ``AllBlocksCleared``, so a consumer forgets what it knew of this engine rather
+        than keep entries whose removal it missed (it under-counts until blocks are stored again).
+        """
+        events = self._drain()
+        dropped = self.ring_dropped
+        if dropped != self._dropped_seen:
+            self._dropped_seen = dropped
+            self.sink.add_cleared()
+        self.sink.add_core(events)
         self.publisher.publish_events(self.sink.take())
 
     def close(self) -> None:
