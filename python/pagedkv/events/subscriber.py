@@ -199,10 +199,12 @@ class EventSubscriber:
         poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
+                ready = dict(poller.poll(50))
+                # After the poll: a batch that arrived after resync() was asked is applied after
+                # the resync, never wiped by it.
                 if self._resync.is_set():
                     self._resync.clear()
                     self.tracker.resync()
-                ready = dict(poller.poll(50))
                 if self._monitor in ready:
                     self._monitor.recv_multipart()
                     self.tracker.on_disconnect()
