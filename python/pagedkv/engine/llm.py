@@ -231,6 +231,13 @@ class LLMEngine:
         record_steps: With tensor parallelism, every rank records what each step ran (its step
             tables and batch); :attr:`tp_step_records` has them, per rank, after :meth:`shutdown`.
         tp_timeout_s: Timeout of the tensor-parallel process group's collectives.
+        hash_seed: Key of the prefix hash (``None``: a fresh secret); replicas behind one
+            prefix-aware router share it (``docs/router.md``). Treat it as a secret.
+        kv_events_endpoint: Publish the KV cache's block events (stored, removed, cleared) on this
+            ZeroMQ endpoint, one vLLM-format batch per step (``docs/kv-events.md``); ``None``: off.
+        kv_events_replay_endpoint: The ZeroMQ endpoint (bound) consumers replay missed batches
+            from; needs ``kv_events_endpoint``.
+        kv_events_topic: The topic frame of every event message.
 
     Raises:
         ModelLoadError: ``model`` does not exist, is not a model directory or ``.gguf`` file, or is
@@ -267,6 +274,10 @@ class LLMEngine:
         tensor_parallel_size: int = 1,
         record_steps: bool = False,
         tp_timeout_s: float = 600.0,
+        hash_seed: Optional[int] = None,
+        kv_events_endpoint: Optional[str] = None,
+        kv_events_replay_endpoint: Optional[str] = None,
+        kv_events_topic: str = "",
     ) -> None:
         config = EngineConfig(
             kv_cache_memory=kv_cache_memory, num_blocks=num_blocks, block_size=block_size,
@@ -278,7 +289,9 @@ class LLMEngine:
             host_link_bytes_per_s=host_link_bytes_per_s,
             prefill_tokens_per_s=prefill_tokens_per_s, step_floor_s=step_floor_s,
             tensor_parallel_size=tensor_parallel_size, record_steps=record_steps,
-            tp_timeout_s=tp_timeout_s,
+            tp_timeout_s=tp_timeout_s, hash_seed=hash_seed,
+            kv_events_endpoint=kv_events_endpoint,
+            kv_events_replay_endpoint=kv_events_replay_endpoint, kv_events_topic=kv_events_topic,
         )
         self._setup(model, device, dtype, config)
 
@@ -338,6 +351,12 @@ class LLMEngine:
                         tps = tps if tps is not None else measured.prefill_tokens_per_s
                         floor = floor if floor is not None else measured.step_floor_s
                     self.cost_rates = (float(link), float(tps), float(floor or 0.0))
+            if config.hash_seed is not None:
+                extra["hash_seed"] = config.hash_seed
+            if config.kv_events_endpoint is not None:
+                from ..events.engine import KV_EVENT_CAPACITY
+
+                extra["kv_event_capacity"] = KV_EVENT_CAPACITY
             # The runner's pool and step buffers fix the manager's shape; it attaches the buffers.
             self.manager = self.runner.new_block_manager(
                 watermark_blocks=config.watermark_blocks,
@@ -353,6 +372,15 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=config.preemption_mode,
             )
+            #: The step's KV-event publisher (None without ``kv_events_endpoint``); a lower tier
+            #: adds its events to ``kv_events.sink``.
+            self.kv_events: Any = None
+            if config.kv_events_endpoint is not None:
+                from ..events.engine import StepEventPublisher
+
+                self.kv_events = StepEventPublisher(self.manager, config.kv_events_endpoint,
+                                                    config.kv_events_replay_endpoint,
+                                                    config.kv_events_topic)
             bar.update(1)
         except BaseException:
             if self._tp is not None:
@@ -394,8 +422,10 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel ranks (STOP to every rank, spawned processes joined) and
-        collects :attr:`tp_step_records`. Idempotent; nothing to do without TP. The engine cannot
-        run steps afterwards."""
+        collects :attr:`tp_step_records`; closes the KV-event publisher. Idempotent. The engine
+        cannot run steps afterwards."""
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self._tp is not None and not self._tp.closed:
             self._tp.close()
             self.tp_step_records = self._tp.step_records
@@ -643,6 +673,8 @@ class LLMEngine:
                 swapped = seq.status is SequenceStatus.SWAPPED
                 self._counters["num_preemptions_swap" if swapped else "num_preemptions_recompute"] += 1
         if not batch.seqs:
+            if self.kv_events is not None:
+                self.kv_events.flush()
             if self._requests:
                 self._unschedulable()
             return []
@@ -718,6 +750,8 @@ class LLMEngine:
                 req.metrics.finished_time = now
                 self._finished_request(req)
         self._record_step(batch, time.perf_counter() - started)
+        if self.kv_events is not None:
+            self.kv_events.flush()  # one batch per step: what this step cached and evicted
         return outputs
 
     def _prompt_logprob_rows(self, batch: Any) -> List[Tuple[_Request, int, int, int]]:
