@@ -8,7 +8,7 @@ re-export regression shows up as a mypy error here rather than in someone's CI.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import List, Optional
 
 import numpy as np
 
@@ -223,6 +223,12 @@ def swap_flow() -> list[str]:
     return seen
 
 
+def hash_flow() -> List[int]:
+    """The hashes a router computes for a prompt (the replicas' key, a tenant's salt)."""
+    hashes: List[int] = pagedkv.hash_prompt([1, 2, 3, 4, 5, 6, 7, 8], 4, key=7, salt="tenant-a")
+    return hashes
+
+
 def main() -> None:
     version: str = pagedkv.__version__
     assert version
@@ -234,6 +240,7 @@ def main() -> None:
     assert len(error_classes()) == 6
     assert allocation_failure(pagedkv.AllocationFailedError("x", what="pool", bytes=8)) == "pool: 8 bytes"
     assert len(swap_flow()) == 3
+    assert len(hash_flow()) == 2
     if os.environ.get("PAGEDKV_USER_CHECK_ENGINE"):
         assert len(engine_flow()) >= 5
         import asyncio
