@@ -58,6 +58,7 @@ from ..scheduler import Sequence as SchedulerSequence
 from .config import EngineConfig
 from .loader import LoadedModel, default_model_path, load_model
 from .model_runner import ModelRunner, build_rank_runner
+from .tier_cache import build_tier_cache, manager_tier_args
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import SamplerRow, sample_batch, sample_seed
 from .sampling_params import RequestOutputKind, SamplingParams
@@ -231,6 +232,23 @@ class LLMEngine:
         record_steps: With tensor parallelism, every rank records what each step ran (its step
             tables and batch); :attr:`tp_step_records` has them, per rank, after :meth:`shutdown`.
         tp_timeout_s: Timeout of the tensor-parallel process group's collectives.
+        host_cache_memory: Bytes of pinned host memory for the host tier of the prefix cache (int
+            or ``"16GiB"``): cached blocks the GPU pool evicts are written back there and loaded
+            again on a hit (``docs/tiers.md``). It shares the host pool with ``swap_space``;
+            swapped blocks take precedence. ``None``: no host tier.
+        host_cache_write_through: Copy each block to the host tier when it is first cached
+            instead of when the GPU pool evicts it.
+        disk_cache_dir: A directory for the disk tier (created owner-only): blocks the host
+            tier drops are written there and found again, also by a restarted engine of the same
+            model and configuration. Needs ``host_cache_memory`` and ``disk_cache_memory``.
+        disk_cache_memory: The disk tier's size cap in bytes (int or ``"200GiB"``).
+        remote_cache_url: A Redis or Valkey server (``redis://host:port/db``) shared by several
+            engines as the remote tier (extra ``pagedkv[remote]``). Needs ``host_cache_memory``.
+        remote_cache_timeout_s: Per-operation timeout of the remote tier; a slow or dead server
+            is a miss, never a stalled step.
+        hash_seed: The prefix-hash key (u64). ``None``: a random per-process key, or with a disk
+            tier the key kept (owner-only) in ``disk_cache_dir``. Engines sharing a remote tier
+            or a cache-aware router must share it (``docs/prefix-hash.md`` says what that gives up).
 
     Raises:
         ModelLoadError: ``model`` does not exist, is not a model directory or ``.gguf`` file, or is
@@ -267,6 +285,13 @@ class LLMEngine:
         tensor_parallel_size: int = 1,
         record_steps: bool = False,
         tp_timeout_s: float = 600.0,
+        host_cache_memory: Union[int, str, None] = None,
+        host_cache_write_through: bool = False,
+        disk_cache_dir: Optional[str] = None,
+        disk_cache_memory: Union[int, str, None] = None,
+        remote_cache_url: Optional[str] = None,
+        remote_cache_timeout_s: float = 0.05,
+        hash_seed: Optional[int] = None,
     ) -> None:
         config = EngineConfig(
             kv_cache_memory=kv_cache_memory, num_blocks=num_blocks, block_size=block_size,
@@ -278,7 +303,10 @@ class LLMEngine:
             host_link_bytes_per_s=host_link_bytes_per_s,
             prefill_tokens_per_s=prefill_tokens_per_s, step_floor_s=step_floor_s,
             tensor_parallel_size=tensor_parallel_size, record_steps=record_steps,
-            tp_timeout_s=tp_timeout_s,
+            tp_timeout_s=tp_timeout_s, host_cache_memory=host_cache_memory,
+            host_cache_write_through=host_cache_write_through, disk_cache_dir=disk_cache_dir,
+            disk_cache_memory=disk_cache_memory, remote_cache_url=remote_cache_url,
+            remote_cache_timeout_s=remote_cache_timeout_s, hash_seed=hash_seed,
         )
         self._setup(model, device, dtype, config)
 
@@ -338,6 +366,7 @@ class LLMEngine:
                         tps = tps if tps is not None else measured.prefill_tokens_per_s
                         floor = floor if floor is not None else measured.step_floor_s
                     self.cost_rates = (float(link), float(tps), float(floor or 0.0))
+            extra.update(manager_tier_args(config))
             # The runner's pool and step buffers fix the manager's shape; it attaches the buffers.
             self.manager = self.runner.new_block_manager(
                 watermark_blocks=config.watermark_blocks,
@@ -353,6 +382,10 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=config.preemption_mode,
             )
+            #: The tiers below the GPU (:mod:`pagedkv.engine.tier_cache`); None without a host tier.
+            self.tiers = build_tier_cache(config, self.runner, self.manager, str(path),
+                                          self.cost_rates[1] if self.cost_rates else None)
+            self.scheduler.admission_gate = self.tiers
             bar.update(1)
         except BaseException:
             if self._tp is not None:
@@ -396,6 +429,10 @@ class LLMEngine:
         """Stops the tensor-parallel ranks (STOP to every rank, spawned processes joined) and
         collects :attr:`tp_step_records`. Idempotent; nothing to do without TP. The engine cannot
         run steps afterwards."""
+        tiers = getattr(self, "tiers", None)
+        if tiers is not None:
+            tiers.close()
+            self.tiers = None
         if self._tp is not None and not self._tp.closed:
             self._tp.close()
             self.tp_step_records = self._tp.step_records
@@ -636,6 +673,8 @@ class LLMEngine:
         """
         started = time.perf_counter()
         batch = self.scheduler.schedule()
+        if self.tiers is not None:
+            self.tiers.after_schedule()  # before the step's swap-outs overwrite demoted slots
         if batch.preempted:
             self._counters["num_preemptions"] += len(batch.preempted)
             for seq in batch.preempted:

@@ -1,0 +1,362 @@
+"""The engine's side of the tiered prefix cache: the host tier's bytes, the disk and remote tiers.
+
+The block manager (the Rust core) decides what lives where: which GPU blocks are written back to a
+host slot when the pool evicts them (the step's swap-out list), which host slots are loaded into
+device blocks on a hit (the swap-in list), and which host-cached blocks it drops to make room (its
+*demotions*). The swap engine moves the bytes of the first two, as it does for preemption. This
+module owns everything below the host tier:
+
+- **Demotions.** Right after a step is built, before the runner applies its swap lists, the
+  demoted host slots still hold their blocks; :meth:`TierCache.after_schedule` copies each one out
+  (once the transfers that wrote it have landed) and hands it to the disk and remote stores, whose
+  threads write it. The step's own swap-outs may then overwrite those slots.
+- **Fetches.** Before a waiting request is admitted, :meth:`TierCache.ready` asks the manager how
+  far its prompt's chain is cached on the GPU and the host, then asks the stores for the blocks
+  that follow. If they hold some and loading them is cheaper than recomputing them, host slots
+  are reserved (never findable, never evicted while reserved) and the stores' threads read the
+  records into them; the request waits (``ready`` answers False) while the rest of the batch runs.
+  When the reads finish the verified blocks are committed to the host index and the request is
+  admitted; its admission then hits them as host blocks (loaded by the step's swap-in list). A read
+  that fails or does not verify ends the run there: those blocks are recomputed.
+
+Invariants: a reserved host slot is committed or released exactly once, and only after every read
+into it has finished; no bytes reach a store unless they were read from a host slot after the
+transfer that wrote it completed; the stores verify every record (hash, tokens, salt digest,
+checksum, fingerprint) before its bytes are used, so a corrupt or foreign record is a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+logger = logging.getLogger("pagedkv.engine")
+
+__all__ = ["TierCache", "TierStats"]
+
+
+@dataclass
+class TierStats:
+    """Counters of the tiers below the GPU since the engine started."""
+
+    #: Tokens of prompt blocks fetched from each lower tier and committed to the host tier.
+    fetched_tokens: Dict[str, int] = field(default_factory=lambda: {"disk": 0, "remote": 0})
+    #: Bytes read from each lower tier into host slots.
+    bytes_read: Dict[str, int] = field(default_factory=lambda: {"disk": 0, "remote": 0})
+    #: Bytes handed to each lower tier (demoted host blocks).
+    bytes_written: Dict[str, int] = field(default_factory=lambda: {"disk": 0, "remote": 0})
+    #: Host blocks demoted (dropped from the host tier to make room).
+    demotions: int = 0
+    #: Fetches that failed or did not verify (their blocks were recomputed).
+    failed_fetches: int = 0
+    #: Fetches skipped because recomputing the blocks was modelled cheaper than loading them.
+    skipped_fetches: int = 0
+    #: Demoted blocks not written because the stores' write queue was full (they are lost, as
+    #: an evicted block is without tiers; the step never waits for a store).
+    dropped_writes: int = 0
+
+
+@dataclass
+class _Fetch:
+    """One request's read of consecutive blocks from the lower tiers into reserved host slots."""
+
+    slots: List[int]
+    hashes: List[int]
+    parents: List[Optional[int]]
+    tokens: List[List[int]]
+    salt_digest: int
+    futures: List[Tuple[str, "Future[Any]"]]
+    started: float
+
+
+class TierCache:
+    """The disk and remote tiers under the host tier of one engine (module docs).
+
+    Args:
+        manager: The block manager (built with ``host_cache=True``).
+        host: The host pool's ``[num_host_blocks, bytes_per_block]`` uint8 view
+            (:attr:`pagedkv.swap.HostKVPool.raw`).
+        swap: The swap engine that moves blocks between the device pool and ``host`` (its events
+            order reads of host slots after the transfers that wrote them).
+        stores: ``(tier name, store)`` pairs, searched in order (``"disk"`` before ``"remote"``).
+        block_size: Tokens per block.
+        load_bytes_per_s: Rate of each lower tier for the load-versus-recompute choice.
+        prefill_tokens_per_s: The engine's prefill rate (None: always load).
+        threads: Reader/writer threads shared by the stores.
+        max_pending_writes: Demoted blocks queued for the stores at most (each holds a copy of
+            its bytes); beyond it a demotion is dropped and counted.
+    """
+
+    def __init__(self, manager: Any, host: torch.Tensor, swap: Any,
+                 stores: Sequence[Tuple[str, Any]], *, block_size: int,
+                 load_bytes_per_s: Optional[Dict[str, float]] = None,
+                 prefill_tokens_per_s: Optional[float] = None, threads: int = 2,
+                 max_pending_writes: int = 64) -> None:
+        self.manager = manager
+        self.host = host
+        self.swap = swap
+        self.stores = list(stores)
+        self.block_size = block_size
+        self.block_bytes = int(host.shape[1])
+        self.load_bytes_per_s = dict(load_bytes_per_s or {})
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.stats = TierStats()
+        self._fetches: Dict[int, _Fetch] = {}
+        #: Sequences whose prompt was probed and needs nothing from below (by seq id).
+        self._probed: Dict[int, bool] = {}
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pagedkv-tier")
+        self._writes: List["Future[Any]"] = []
+        self.max_pending_writes = max_pending_writes
+
+    # ----------------------------------------------------------------------- demotions
+
+    def after_schedule(self) -> None:
+        """Hands the blocks the manager demoted while building this step to the stores."""
+        demoted = self.manager.take_demotions()
+        if not demoted:
+            return
+        self._host_written()
+        self._writes = [f for f in self._writes if not f.done()]
+        for slot, h, parent, salt, tokens in demoted:
+            self.stats.demotions += 1
+            if len(self._writes) >= self.max_pending_writes:
+                self.stats.dropped_writes += 1
+                continue
+            data = self.host[slot].numpy().tobytes()
+            meta = _meta(h, parent, salt, tokens)
+            self._writes.append(self._pool.submit(self._write, meta, data))
+
+    def _write(self, meta: Any, data: bytes) -> None:
+        for name, store in self.stores:
+            try:
+                store.put(meta, data)
+            except Exception as exc:  # noqa: BLE001 - a store that cannot write is a miss later
+                logger.debug("%s tier: write failed: %s", name, exc)
+                continue
+            self.stats.bytes_written[name] += len(data)
+
+    def _read(self, store: Any, meta: Any, slot: int) -> bool:
+        data = store.get(meta)
+        if data is None or len(data) != self.block_bytes:
+            return False
+        self.host[slot].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return True
+
+    def _host_written(self) -> None:
+        """Blocks the host until the transfers queued so far have landed in host memory."""
+        done = getattr(self.swap, "_out_done", None)
+        if done is not None:
+            done.synchronize()
+
+    def _host_read(self) -> None:
+        """Blocks until the queued host-to-device transfers have read their host slots."""
+        done = getattr(self.swap, "_in_done", None)
+        if done is not None:
+            done.synchronize()
+
+    # ----------------------------------------------------------------------- fetches
+
+    def ready(self, seq: Any) -> bool:
+        """Whether ``seq`` (a waiting sequence) may be admitted now: its lower-tier blocks, if
+        any, are in host slots (or their fetch failed and they will be recomputed)."""
+        key = seq.seq_id
+        fetch = self._fetches.get(key)
+        if fetch is not None:
+            if not all(f.done() for _, f in fetch.futures):
+                return False
+            self._finish(key, fetch)
+            return True
+        if self._probed.get(key):
+            return True
+        self._probed[key] = True
+        return not self._start(seq)
+
+    def forget(self, seq: Any) -> None:
+        """Drops ``seq``'s state (admitted, aborted or finished). A fetch still running is
+        waited for and its slots released: a reserved slot is released only after its reads."""
+        key = seq.seq_id
+        self._probed.pop(key, None)
+        fetch = self._fetches.pop(key, None)
+        if fetch is not None:
+            for _, f in fetch.futures:
+                try:
+                    f.result()
+                except Exception:  # noqa: BLE001 - a failed read only means a miss here
+                    pass
+            self.manager.commit_host_blocks(fetch.slots, fetch.hashes, fetch.parents,
+                                            fetch.salt_digest, fetch.tokens, False)
+
+    def _start(self, seq: Any) -> bool:
+        """Starts reading ``seq``'s lower-tier blocks; True when a fetch is under way."""
+        salt = getattr(seq, "cache_salt", None)
+        gpu, host, rest, salt_digest = self.manager.lookup_tiers(seq.token_ids, cache_salt=salt)
+        if not rest:
+            return False
+        # The longest run any one store holds; each block is read from the first store with it.
+        plan: List[Tuple[str, Any]] = []
+        for name, store in self.stores:
+            n = store.longest_prefix(rest[len(plan):])
+            plan.extend([(name, store)] * n)
+            if len(plan) == len(rest):
+                break
+        n = len(plan)
+        if n == 0:
+            return False
+        if not self._worth_loading(plan):
+            self.stats.skipped_fetches += 1
+            return False
+        first = gpu + host
+        bs = self.block_size
+        try:
+            slots = self.manager.reserve_host_blocks(n)
+        except Exception as exc:  # noqa: BLE001 - a full host pool only means recompute
+            logger.debug("no host slots for %d fetched blocks: %s", n, exc)
+            return False
+        self.after_schedule()  # reserving may have demoted host blocks: save them first
+        self._host_written()
+        self._host_read()
+        hashes = [int(h) for h in rest[:n]]
+        parents: List[Optional[int]] = []
+        tokens: List[List[int]] = []
+        ids = list(seq.token_ids)
+        for i in range(n):
+            b = first + i
+            tokens.append(ids[b * bs:(b + 1) * bs])
+            parents.append(hashes[i - 1] if i else self.manager.block_hash_at(seq.token_ids, b - 1,
+                                                                              cache_salt=salt)
+                           if b else None)
+        futures = []
+        for i, (name, store) in enumerate(plan):
+            meta = _meta(hashes[i], parents[i], salt_digest, tokens[i])
+            futures.append((name, self._pool.submit(self._read, store, meta, slots[i])))
+        self._fetches[seq.seq_id] = _Fetch(slots, hashes, parents, tokens, salt_digest, futures,
+                                           time.perf_counter())
+        return True
+
+    def _worth_loading(self, plan: List[Tuple[str, Any]]) -> bool:
+        """Load versus recompute: reading the blocks at each tier's rate against prefilling
+        their tokens at the engine's rate."""
+        if not self.prefill_tokens_per_s:
+            return True
+        load_s = 0.0
+        for name, _ in plan:
+            rate = self.load_bytes_per_s.get(name)
+            if rate:
+                load_s += self.block_bytes / rate
+        return load_s < len(plan) * self.block_size / self.prefill_tokens_per_s
+
+    def _finish(self, key: int, fetch: _Fetch) -> None:
+        del self._fetches[key]
+        ok_run = 0
+        for name, f in fetch.futures:
+            try:
+                good = bool(f.result())
+            except Exception:  # noqa: BLE001
+                good = False
+            if not good:
+                break
+            ok_run += 1
+            self.stats.fetched_tokens[name] += self.block_size
+            self.stats.bytes_read[name] += self.block_bytes
+        if ok_run < len(fetch.slots):
+            self.stats.failed_fetches += 1
+        if ok_run:
+            self.manager.commit_host_blocks(fetch.slots[:ok_run], fetch.hashes[:ok_run],
+                                            fetch.parents[:ok_run], fetch.salt_digest,
+                                            fetch.tokens[:ok_run], True)
+        if ok_run < len(fetch.slots):
+            rest = slice(ok_run, None)
+            self.manager.commit_host_blocks(fetch.slots[rest], fetch.hashes[rest],
+                                            fetch.parents[rest], fetch.salt_digest,
+                                            fetch.tokens[rest], False)
+
+    def close(self) -> None:
+        """Finishes every fetch (releasing its slots) and flushes and closes the stores."""
+        for key in list(self._fetches):
+            fetch = self._fetches.pop(key)
+            for _, f in fetch.futures:
+                try:
+                    f.result()
+                except Exception:  # noqa: BLE001
+                    pass
+            self.manager.commit_host_blocks(fetch.slots, fetch.hashes, fetch.parents,
+                                            fetch.salt_digest, fetch.tokens, False)
+        for f in self._writes:
+            f.result()
+        self._pool.shutdown(wait=True)
+        for _, store in self.stores:
+            close = getattr(store, "close", None)
+            if close is not None:
+                close()
+
+
+def _meta(h: int, parent: Optional[int], salt: int, tokens: Sequence[int]) -> Any:
+    from ..tiers import BlockMeta
+
+    return BlockMeta(block_hash=int(h), parent_hash=None if parent is None else int(parent),
+                     salt_digest=int(salt), token_ids=list(tokens))
+
+
+
+def tier_fingerprint(model_path: str, spec: Any, *, tp_rank: int = 0, tp_size: int = 1) -> bytes:
+    """The identity every lower-tier record carries: model, dtype, block size, layout, TP rank.
+    A record whose fingerprint differs is foreign (a miss), so nothing crosses models."""
+    from ..tiers import fingerprint
+
+    return fingerprint(model=str(model_path), dtype=str(spec.dtype), block_size=spec.block_size,
+                       num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                       head_dim=spec.head_dim, tp_rank=tp_rank, tp_size=tp_size)
+
+
+def build_stores(config: Any, fp: bytes, block_bytes: int) -> List[Tuple[str, Any]]:
+    """The lower tiers ``config`` asks for, disk first."""
+    stores: List[Tuple[str, Any]] = []
+    if config.disk_cache_dir is not None:
+        from ..tiers import DiskStore
+
+        stores.append(("disk", DiskStore(config.disk_cache_dir, int(config.disk_cache_memory),
+                                         fp, block_bytes)))
+    if config.remote_cache_url is not None:
+        from ..tiers import RemoteStore
+
+        stores.append(("remote", RemoteStore(config.remote_cache_url, fp, block_bytes,
+                                             timeout_s=config.remote_cache_timeout_s)))
+    return stores
+
+
+def manager_tier_args(config: Any) -> Dict[str, Any]:
+    """The block manager's keywords for the tiers ``config`` asks for (the host tier's flags and
+    the prefix-hash key: with a disk tier and no ``hash_seed``, the key kept in its directory so
+    a restarted engine hashes as before)."""
+    args: Dict[str, Any] = {}
+    if config.host_cache_memory is not None:
+        args["host_cache"] = True
+        if config.host_cache_write_through:
+            args["host_write_through"] = True
+    seed = config.hash_seed
+    if seed is None and config.disk_cache_dir is not None:
+        from ..tiers import load_or_create_hash_key
+
+        seed = load_or_create_hash_key(config.disk_cache_dir)
+    if seed is not None:
+        args["hash_seed"] = int(seed)
+    return args
+
+
+def build_tier_cache(config: Any, runner: Any, manager: Any, model_path: str,
+                     prefill_tokens_per_s: Optional[float] = None) -> Optional[TierCache]:
+    """The engine's :class:`TierCache` when ``config`` has a host tier (None otherwise)."""
+    if config.host_cache_memory is None:
+        return None
+    swap = runner.swap
+    spec = runner.spec
+    tp = getattr(runner, "tp_rank", 0), config.tensor_parallel_size
+    stores = build_stores(config, tier_fingerprint(model_path, spec, tp_rank=tp[0],
+                                                   tp_size=tp[1]), spec.bytes_per_block)
+    return TierCache(manager, swap.host.raw, swap, stores, block_size=spec.block_size,
+                     prefill_tokens_per_s=prefill_tokens_per_s)
