@@ -59,7 +59,7 @@ import enum
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import (TYPE_CHECKING, Callable, Deque, List, Optional, Protocol,
+from typing import (TYPE_CHECKING, Any, Callable, Deque, List, Optional, Protocol,
                     Sequence as SequenceT, Union)
 
 import numpy as np
@@ -115,6 +115,8 @@ class AdmissionGate(Protocol):
     """What :attr:`Scheduler.admission_gate` is asked (see there)."""
 
     def ready(self, seq: "Sequence") -> bool: ...
+
+    def admitted(self, seq: "Sequence", result: Any) -> None: ...
 
     def forget(self, seq: "Sequence") -> None: ...
 
@@ -320,7 +322,8 @@ class Scheduler:
         #: Asked before a waiting sequence is admitted (the tiered prefix cache's
         #: :class:`~pagedkv.engine.tier_cache.TierCache`): ``ready(seq)`` False keeps it waiting
         #: while its cached blocks are fetched from a lower tier, and the sequences behind it may
-        #: be admitted meanwhile; ``forget(seq)`` when it is admitted or leaves. None: all ready.
+        #: be admitted meanwhile; ``admitted(seq, admit_result)`` once it is, ``forget(seq)``
+        #: when it leaves unadmitted. None: all ready.
         self.admission_gate: Optional[AdmissionGate] = None
 
     # ------------------------------------------------------------------------------ queues
@@ -674,7 +677,7 @@ class Scheduler:
             else:
                 del self.waiting[at]
             if gate is not None:
-                gate.forget(s)
+                gate.admitted(s, r)
             if s.num_preemptions:
                 self.num_recomputed_tokens += len(s.token_ids) - r.cached_tokens
             s.status = SequenceStatus.RUNNING

@@ -37,12 +37,13 @@ import torch
 
 logger = logging.getLogger("pagedkv.engine")
 
-__all__ = ["TierCache", "TierStats"]
+__all__ = ["TierCache", "TierCacheStats", "build_tier_cache", "manager_tier_args"]
 
 
 @dataclass
-class TierStats:
-    """Counters of the tiers below the GPU since the engine started."""
+class TierCacheStats:
+    """The engine's counters of the tiers below the host since it started (each store keeps
+    its own :class:`pagedkv.tiers.TierStats` too)."""
 
     #: Tokens of prompt blocks fetched from each lower tier and committed to the host tier.
     fetched_tokens: Dict[str, int] = field(default_factory=lambda: {"disk": 0, "remote": 0})
@@ -105,7 +106,7 @@ class TierCache:
         self.block_bytes = int(host.shape[1])
         self.load_bytes_per_s = dict(load_bytes_per_s or {})
         self.prefill_tokens_per_s = prefill_tokens_per_s
-        self.stats = TierStats()
+        self.stats = TierCacheStats()
         self._fetches: Dict[int, _Fetch] = {}
         #: Sequences whose prompt was probed and needs nothing from below (by seq id).
         self._probed: Dict[int, bool] = {}
@@ -141,11 +142,8 @@ class TierCache:
             self.stats.bytes_written[name] += len(data)
 
     def _read(self, store: Any, meta: Any, slot: int) -> bool:
-        data = store.get(meta)
-        if data is None or len(data) != self.block_bytes:
-            return False
-        self.host[slot].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        return True
+        # Straight into the reserved slot: nobody else reads or writes it until it is committed.
+        return bool(store.get_into(meta, self.host[slot].numpy()))
 
     def _host_written(self) -> None:
         """Blocks the host until the transfers queued so far have landed in host memory."""
@@ -306,11 +304,9 @@ def _meta(h: int, parent: Optional[int], salt: int, tokens: Sequence[int]) -> An
 def tier_fingerprint(model_path: str, spec: Any, *, tp_rank: int = 0, tp_size: int = 1) -> bytes:
     """The identity every lower-tier record carries: model, dtype, block size, layout, TP rank.
     A record whose fingerprint differs is foreign (a miss), so nothing crosses models."""
-    from ..tiers import fingerprint
+    from ..tiers import fingerprint_for_spec
 
-    return fingerprint(model=str(model_path), dtype=str(spec.dtype), block_size=spec.block_size,
-                       num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
-                       head_dim=spec.head_dim, tp_rank=tp_rank, tp_size=tp_size)
+    return fingerprint_for_spec(str(model_path), spec, tp_rank=tp_rank, tp_size=tp_size)
 
 
 def build_stores(config: Any, fp: bytes, block_bytes: int) -> List[Tuple[str, Any]]:
