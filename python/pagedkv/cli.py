@@ -16,9 +16,10 @@ matplotlib) happen inside handlers, so ``pagedkv --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
-from typing import Callable, NoReturn, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from ._checks import DEFAULT_BLOCK_SIZE
 from .config import (
@@ -226,6 +227,14 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
                    metavar="X", help="cost model: what a step costs however few tokens it carries, "
                                      "ms; recompute tokens under it ride along free (default: "
                                      f"{s.step_floor_s * 1e3:g}: linear)")
+    g = p.add_argument_group("tiers of the prefix cache (a sweep: every host x disk size)")
+    g.add_argument("--host-cache", type=_size, nargs="+", default=None, metavar="SIZE",
+                   help="host tier sizes to compare (e.g. 0 8GiB 32GiB; 0 = no tier); prints hit "
+                        "ratio by tier and modelled TTFT per size instead of paged vs contiguous")
+    g.add_argument("--disk-cache", type=_size, nargs="+", default=[0], metavar="SIZE",
+                   help="disk tier sizes under each host size (default: 0, none)")
+    g.add_argument("--disk-gbps", type=_float, default=s.disk_bytes_per_s / 1e9, metavar="X",
+                   help=f"modelled disk read rate, GB/s (default: {s.disk_bytes_per_s / 1e9:g})")
     g = p.add_argument_group("workload (lengths in tokens, time in scheduler steps)")
     g.add_argument("--requests", type=_positive_int, default=w.num_requests, metavar="N",
                    help=f"number of requests (default: {w.num_requests})")
@@ -296,6 +305,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
                     host_link_bytes_per_s=args.host_link_gbps * 1e9,
                     prefill_tokens_per_s=args.prefill_tps, kv_bytes_per_token=spec.bytes_per_token,
                     step_floor_s=args.step_floor_ms / 1e3)
+    if args.host_cache is not None:
+        return _run_tier_sweep(args, workload, sim, spec)
+    if args.disk_cache != [0]:
+        raise InvalidConfigError("--disk-cache needs --host-cache (the disk tier is filled from "
+                                 "the host tier)", field="disk_cache", value=args.disk_cache,
+                                 reason="needs --host-cache")
     started = time.perf_counter()
     result = simulate(workload, sim, progress=not (args.quiet or args.json),
                       record_timeline=args.plot is not None)
@@ -309,6 +324,35 @@ def _run_simulate(args: argparse.Namespace) -> int:
         from .simulate import plot_timeline
 
         plot_timeline(result, args.plot)
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def _run_tier_sweep(args: argparse.Namespace, workload: Any, sim: Any, spec: Any) -> int:
+    """``pagedkv simulate --host-cache ...``: the paged run per tier size pair."""
+    from dataclasses import asdict, replace
+
+    from .simulate import format_tier_sweep, plot_tier_sweep, simulate_tiers
+
+    block = spec.bytes_per_token * spec.block_size
+    sim = replace(sim, disk_bytes_per_s=args.disk_gbps * 1e9)
+    hosts = [n // block for n in args.host_cache]
+    disks = [n // block for n in args.disk_cache]
+    for given, blocks in zip(args.host_cache + args.disk_cache, hosts + disks):
+        if given and not blocks:
+            raise InvalidConfigError(
+                f"invalid tier size {given} bytes: smaller than one block ({block} bytes)",
+                field="host_cache/disk_cache", value=given, reason=f"must be >= {block} bytes")
+    started = time.perf_counter()
+    points = simulate_tiers(workload, sim, hosts, disks, progress=not (args.quiet or args.json))
+    if args.json:
+        print(json.dumps({"block_bytes": block, "points": [asdict(p) for p in points]}))
+    else:
+        print(format_tier_sweep(points, sim))
+        print(f"simulated in {time.perf_counter() - started:.1f} s")
+    if args.plot:
+        plot_tier_sweep(points, sim, args.plot)
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0

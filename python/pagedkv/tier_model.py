@@ -42,17 +42,20 @@ class ModelledDiskTier:
     """The simulator's disk tier and TTFT model (module docs).
 
     Args:
-        manager: A block manager built with ``host_cache=True``.
+        manager: A block manager (built with ``host_cache=True`` when ``host_cache``).
+        host_cache: The manager has a host tier (without one only TTFT is modelled).
         capacity_blocks: Blocks the modelled disk holds (0: no disk, the gate only models TTFT).
         block_bytes: KV bytes of one block (all layers).
         prefill_tokens_per_s, host_bytes_per_s, disk_bytes_per_s: The rates of the TTFT model.
     """
 
-    def __init__(self, manager: Any, capacity_blocks: int, *, block_size: int, block_bytes: int,
+    def __init__(self, manager: Any, capacity_blocks: int, *, host_cache: bool = True,
+                 block_size: int, block_bytes: int,
                  prefill_tokens_per_s: float, host_bytes_per_s: float,
                  disk_bytes_per_s: float) -> None:
         self.manager = manager
         self.capacity = int(capacity_blocks)
+        self.host_cache = host_cache
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.rates = (prefill_tokens_per_s, host_bytes_per_s, disk_bytes_per_s)
@@ -62,6 +65,8 @@ class ModelledDiskTier:
 
     def drain(self) -> None:
         """Takes the host tier's demotions into the modelled disk (LRU, capacity-bound)."""
+        if not self.host_cache:
+            return
         for _slot, h, parent, salt, tokens in self.manager.take_demotions():
             self.stats.demoted_blocks += 1
             if self.capacity <= 0:
