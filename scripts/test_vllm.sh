@@ -7,6 +7,9 @@
 # move it) it installs vllm==0.33.0 and the pinned pure-Python packages of requirements/
 # vllm-test.txt with --no-deps (the venv's own packages stay untouched), and fetches the vLLM
 # sdist for its tests/ tree. Offline model hubs: HF_HUB_OFFLINE=1.
+# First it runs tests/test_kv_events_vllm_interop.py (pagedkv's KV events decoded by vLLM's
+# classes; a failure there stops the script). vLLM's test_prefix_caching.py covers the drop-in
+# pool's own events (test_kv_cache_events and the BlockStored/BlockRemoved tests).
 # Takes about 20 minutes on a 2-core box (two passes of ~10); scripts/test.sh runs it last
 # (PAGEDKV_SKIP_VLLM=1 skips it). Exits 1 when a test's outcome differs between the two pools or
 # when no test passed.
@@ -56,6 +59,10 @@ fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$SITE:$ROOT/python"
 OUT="$DIR/results"
 rm -rf "$OUT"; mkdir -p "$OUT"
+# pagedkv's KV-event batches against vLLM's own event classes and publisher (both directions);
+# vLLM is importable here, so the test must not skip.
+echo "test_vllm: KV-event wire interop (tests/test_kv_events_vllm_interop.py)"
+PAGEDKV_REQUIRE_VLLM=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_kv_events_vllm_interop.py
 cd "$SRC"
 start=$(date +%s)
 for i in "${!FILES[@]}"; do

@@ -25,6 +25,7 @@ HELP_WORDS = {
     "simulate": ("--json", "--model", "--gpu-mem"),
     "serve": ("MODEL", "--model", "--host", "--port", "--max-queue-size", "--num-blocks"),
     "bench serve": ("--url", "--num-prompts", "--request-rate", "--dataset", "--json"),
+    "router": ("--replica", "--events", "--replay", "--hash-seed", "--policy", "--model"),
 }
 
 

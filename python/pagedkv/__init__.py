@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from .engine.sampling_params import RequestOutputKind as RequestOutputKind
     from .engine.sampling_params import SamplingParams as SamplingParams
     from .kv_pool import KVPool as KVPool
+    from .hashing import hash_prompt as hash_prompt
 
     __version__: str
 
@@ -63,6 +64,7 @@ _EXPORTS = {
     "RequestOutput": "engine.outputs",
     "Logprob": "engine.outputs",
     "CompletionOutput": "engine.outputs",
+    "hash_prompt": "hashing",
 }
 
 def _error_names() -> list[str]:

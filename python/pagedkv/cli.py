@@ -503,6 +503,28 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
     g.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="N",
                    help="ranks the model's heads are split over (default: 1)")
+    g.add_argument("--hash-seed", type=_hash_seed, default=None, metavar="KEY",
+                   help="key of the prefix hash, an int in [0, 2**64) (decimal or 0x...); "
+                        "replicas behind one `pagedkv router` share it; keep it secret "
+                        "(default: a fresh random key)")
+    g = p.add_argument_group("KV events (docs/kv-events.md)")
+    g.add_argument("--kv-events-endpoint", metavar="ENDPOINT", default=None,
+                   help="publish KV-cache block events over ZeroMQ in vLLM's format, e.g. "
+                        "tcp://*:5557 (binds) or tcp://host:5557 (connects) (default: off)")
+    g.add_argument("--kv-events-replay-endpoint", metavar="ENDPOINT", default=None,
+                   help="bind a replay socket for missed event batches, e.g. tcp://*:5558")
+    g.add_argument("--kv-events-topic", metavar="TOPIC", default="",
+                   help="topic frame of every event message (default: empty)")
+
+
+def _hash_seed(text: str) -> int:
+    try:
+        value = int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value < 1 << 64:
+        raise argparse.ArgumentTypeError(f"{text} is outside [0, 2**64)")
+    return value
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -531,7 +553,80 @@ def _run_serve(args: argparse.Namespace) -> int:
           enable_chunked_prefill=not args.no_chunked_prefill,
           watermark_blocks=args.watermark_blocks, swap_space=args.swap_space,
           preemption_mode=args.preemption_mode, cuda_graphs=not args.no_cuda_graphs,
-          tensor_parallel_size=args.tensor_parallel_size)
+          tensor_parallel_size=args.tensor_parallel_size, hash_seed=args.hash_seed,
+          kv_events_endpoint=args.kv_events_endpoint,
+          kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+          kv_events_topic=args.kv_events_topic)
+    return 0
+
+
+# --------------------------------------------------------------------------------------- router
+
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("replicas (give --replica once per replica; --events and --replay "
+                             "pair with them in order)")
+    g.add_argument("--replica", action="append", default=[], metavar="URL", required=True,
+                   help="a replica's base URL, e.g. http://127.0.0.1:8001")
+    g.add_argument("--events", action="append", default=[], metavar="ENDPOINT",
+                   help="that replica's --kv-events-endpoint as seen from here, e.g. "
+                        "tcp://127.0.0.1:5557 ('-': none)")
+    g.add_argument("--replay", action="append", default=[], metavar="ENDPOINT",
+                   help="that replica's --kv-events-replay-endpoint ('-': none)")
+    g = p.add_argument_group("router")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    g.add_argument("--port", type=_nonneg_int, default=8000, help="port (default: 8000)")
+    g.add_argument("--model", default=None, metavar="MODEL",
+                   help="the replicas' model directory or .gguf file, for its tokenizer "
+                        "(default: none; only token-id prompts are hashed)")
+    g.add_argument("--chat-template", metavar="FILE|TEMPLATE", default=None,
+                   help="the replicas' --chat-template, if they use one")
+    g.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
+                   help="the replicas' block size (default: 16)")
+    g.add_argument("--hash-seed", type=_hash_seed, default=None, metavar="KEY",
+                   help="the replicas' --hash-seed (needed by the prefix policy)")
+    g.add_argument("--policy", choices=("prefix", "round_robin"), default="prefix",
+                   help="prefix: longest cached prefix, then least loaded; round_robin: ignore "
+                        "the caches (default: prefix)")
+    g.add_argument("--kv-events-topic", default="", metavar="TOPIC",
+                   help="the replicas' event topic (default: empty)")
+    g.add_argument("--health-interval", type=_float, default=1.0, metavar="S",
+                   help="seconds between health probes (default: 1)")
+    g.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"))
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    import os
+
+    _require_serve("pagedkv router")
+    n = len(args.replica)
+    for flag, values in (("--events", args.events), ("--replay", args.replay)):
+        if values and len(values) != n:
+            raise UsageError(f"give {flag} once per --replica ({n}), or not at all; got "
+                             f"{len(values)}")
+    if args.policy == "prefix" and args.hash_seed is None:
+        raise UsageError("--policy prefix needs --hash-seed (the replicas' hash key)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
+    from .router.app import ReplicaSpec, load_tokenizer, run
+
+    def opt(values: list[str], i: int) -> Optional[str]:
+        return values[i] if values and values[i] != "-" else None
+
+    replicas = [ReplicaSpec(url.rstrip("/"), opt(args.events, i), opt(args.replay, i))
+                for i, url in enumerate(args.replica)]
+    template = args.chat_template
+    if template is not None and os.path.isfile(template):
+        with open(template, encoding="utf-8") as fh:
+            template = fh.read()
+    tokenizer = load_tokenizer(args.model) if args.model else None
+    run(replicas, host=args.host, port=args.port, log_level=args.log_level,
+        block_size=args.block_size, hash_seed=args.hash_seed, tokenizer=tokenizer,
+        chat_template=template, policy=args.policy, health_interval_s=args.health_interval,
+        topic=args.kv_events_topic)
     return 0
 
 
@@ -582,6 +677,9 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Han
               "/metrics); needs pagedkv[serve]", _add_serve_args, _run_serve),
     "bench": ("benchmarks against a running server: `pagedkv bench serve --url URL`",
               _add_bench_args, _run_bench),
+    "router": ("route OpenAI requests over `pagedkv serve` replicas by their published KV "
+               "caches (longest cached prefix, then least loaded); needs pagedkv[router]",
+               _add_router_args, _run_router),
 }
 
 

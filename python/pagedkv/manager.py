@@ -184,6 +184,9 @@ class BlockManager:
             :class:`~pagedkv.errors.OutOfHostBlocksError`). The host memory itself is the
             engine's; the manager hands out host block ids.
         cost_model: Default :class:`CostModel` for :meth:`decide`.
+        kv_event_capacity: Records of the KV-event ring (``docs/kv-events.md``): every prefix-cache
+            transition (stored, removed, cleared) is recorded for :meth:`drain_kv_events`, the
+            oldest dropped and counted when it is full. 0 (the default): nothing is recorded.
 
     Raises:
         InvalidConfigError: A value is out of range (no blocks, block size 0, watermark ≥ pool, ...).
@@ -205,6 +208,7 @@ class BlockManager:
         hash_seed: Optional[int] = None,
         num_host_blocks: int = 0,
         cost_model: Optional[CostModel] = None,
+        kv_event_capacity: int = 0,
     ) -> None:
         # Flags are bools only: `bool("false")` is True.
         self._core = _core.BlockManager(
@@ -216,6 +220,7 @@ class BlockManager:
             check_flag("verify_prefix", verify_prefix),
             hash_seed,
             num_host_blocks,
+            kv_event_capacity,
         )
         #: Default :class:`CostModel` of :meth:`decide` (settable).
         self.cost_model: Optional[CostModel] = cost_model
@@ -260,6 +265,21 @@ class BlockManager:
     def num_host_blocks(self) -> int:
         """Blocks of the host pool (0: swap disabled)."""
         return self._core.num_host_blocks
+
+    @property
+    def kv_event_capacity(self) -> int:
+        """Records of the KV-event ring (0: events off)."""
+        return self._core.kv_event_capacity
+
+    @property
+    def kv_events_dropped(self) -> int:
+        """KV-event records the full ring overwrote before they were drained."""
+        return self._core.kv_events_dropped
+
+    def drain_kv_events(self) -> List[Tuple[str, str, List[int], Optional[int], List[int], int]]:
+        """The recorded KV events, oldest first, as ``(kind, medium, block_hashes, parent_hash,
+        token_ids, block_size)``; the ring is then empty (``docs/kv-events.md``)."""
+        return self._core.drain_kv_events()
 
     @property
     def num_free_blocks(self) -> int:

@@ -54,6 +54,15 @@ class EngineConfig:
     * ``decode_planner``: plan each decode step's split-K work from the batch's real lengths
       (kernels only).
 
+    and the KV-event and hash settings (``docs/kv-events.md``):
+
+    * ``hash_seed``: the prefix hash's key (``None``: a fresh secret per engine); replicas behind
+      one prefix-aware router share one, so the router computes the hashes they publish;
+    * ``kv_events_endpoint``: publish the cache's block events there over ZeroMQ in vLLM's format
+      (``tcp://*:5557`` binds, ``tcp://host:port`` connects); ``None``: no events;
+    * ``kv_events_replay_endpoint``: where consumers ask for missed batches (bound);
+    * ``kv_events_topic``: the first frame of every event message.
+
     Raises:
         ConfigArgumentError: A field is out of its domain, or two exclusive fields are both given
             (``num_blocks`` and ``kv_cache_memory``; ``swap_space`` and ``num_host_blocks``).
@@ -87,6 +96,9 @@ class EngineConfig:
     remote_cache_url: Optional[str] = None
     remote_cache_timeout_s: float = 0.05
     hash_seed: Optional[int] = None
+    kv_events_endpoint: Optional[str] = None
+    kv_events_replay_endpoint: Optional[str] = None
+    kv_events_topic: str = ""
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -130,8 +142,17 @@ class EngineConfig:
             raise _bad("step_floor_s", self.step_floor_s, "must be a number >= 0")
         self._check_tiers()
         if self.hash_seed is not None and not (_is_int(self.hash_seed)
-                                               and 0 <= self.hash_seed < 2**64):
+                                               and 0 <= self.hash_seed < 1 << 64):
             raise _bad("hash_seed", self.hash_seed, "must be an int in [0, 2**64)")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and "://" in value):
+                raise _bad(name, value, "must be a ZeroMQ endpoint such as 'tcp://*:5557'")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise _bad("kv_events_replay_endpoint", self.kv_events_replay_endpoint,
+                       "needs kv_events_endpoint")
+        if not isinstance(self.kv_events_topic, str):
+            raise _bad("kv_events_topic", self.kv_events_topic, "must be a string")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "cuda_graphs", "progress",
                      "record_steps", "decode_planner", "host_cache_write_through"):
             value = getattr(self, name)

@@ -248,7 +248,13 @@ class LLMEngine:
             is a miss, never a stalled step.
         hash_seed: The prefix-hash key (u64). ``None``: a random per-process key, or with a disk
             tier the key kept (owner-only) in ``disk_cache_dir``. Engines sharing a remote tier
-            or a cache-aware router must share it (``docs/prefix-hash.md`` says what that gives up).
+            or a prefix-aware router must share it (``docs/prefix-hash.md`` says what that gives up;
+            ``docs/router.md``). Treat it as a secret.
+        kv_events_endpoint: Publish the KV cache's block events (stored, removed, cleared) on this
+            ZeroMQ endpoint, one vLLM-format batch per step (``docs/kv-events.md``); ``None``: off.
+        kv_events_replay_endpoint: The ZeroMQ endpoint (bound) consumers replay missed batches
+            from; needs ``kv_events_endpoint``.
+        kv_events_topic: The topic frame of every event message.
 
     Raises:
         ModelLoadError: ``model`` does not exist, is not a model directory or ``.gguf`` file, or is
@@ -292,6 +298,9 @@ class LLMEngine:
         remote_cache_url: Optional[str] = None,
         remote_cache_timeout_s: float = 0.05,
         hash_seed: Optional[int] = None,
+        kv_events_endpoint: Optional[str] = None,
+        kv_events_replay_endpoint: Optional[str] = None,
+        kv_events_topic: str = "",
     ) -> None:
         config = EngineConfig(
             kv_cache_memory=kv_cache_memory, num_blocks=num_blocks, block_size=block_size,
@@ -307,6 +316,8 @@ class LLMEngine:
             host_cache_write_through=host_cache_write_through, disk_cache_dir=disk_cache_dir,
             disk_cache_memory=disk_cache_memory, remote_cache_url=remote_cache_url,
             remote_cache_timeout_s=remote_cache_timeout_s, hash_seed=hash_seed,
+            kv_events_endpoint=kv_events_endpoint,
+            kv_events_replay_endpoint=kv_events_replay_endpoint, kv_events_topic=kv_events_topic,
         )
         self._setup(model, device, dtype, config)
 
@@ -367,6 +378,10 @@ class LLMEngine:
                         floor = floor if floor is not None else measured.step_floor_s
                     self.cost_rates = (float(link), float(tps), float(floor or 0.0))
             extra.update(manager_tier_args(config))
+            if config.kv_events_endpoint is not None:
+                from ..events.engine import KV_EVENT_CAPACITY
+
+                extra["kv_event_capacity"] = KV_EVENT_CAPACITY
             # The runner's pool and step buffers fix the manager's shape; it attaches the buffers.
             self.manager = self.runner.new_block_manager(
                 watermark_blocks=config.watermark_blocks,
@@ -386,6 +401,15 @@ class LLMEngine:
             self.tiers = build_tier_cache(config, self.runner, self.manager, str(path),
                                           self.cost_rates[1] if self.cost_rates else None)
             self.scheduler.admission_gate = self.tiers
+            #: The step's KV-event publisher (None without ``kv_events_endpoint``); a lower tier
+            #: adds its events to ``kv_events.sink``.
+            self.kv_events: Any = None
+            if config.kv_events_endpoint is not None:
+                from ..events.engine import StepEventPublisher
+
+                self.kv_events = StepEventPublisher(self.manager, config.kv_events_endpoint,
+                                                    config.kv_events_replay_endpoint,
+                                                    config.kv_events_topic)
             bar.update(1)
         except BaseException:
             if self._tp is not None:
@@ -427,12 +451,15 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel ranks (STOP to every rank, spawned processes joined) and
-        collects :attr:`tp_step_records`. Idempotent; nothing to do without TP. The engine cannot
-        run steps afterwards."""
+        collects :attr:`tp_step_records`; closes the KV-event publisher and the tiers below the
+        host (pending fetches released, writes flushed). Idempotent. The engine cannot run
+        steps afterwards."""
         tiers = getattr(self, "tiers", None)
         if tiers is not None:
             tiers.close()
             self.tiers = None
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self._tp is not None and not self._tp.closed:
             self._tp.close()
             self.tp_step_records = self._tp.step_records
@@ -682,6 +709,8 @@ class LLMEngine:
                 swapped = seq.status is SequenceStatus.SWAPPED
                 self._counters["num_preemptions_swap" if swapped else "num_preemptions_recompute"] += 1
         if not batch.seqs:
+            if self.kv_events is not None:
+                self.kv_events.flush()
             if self._requests:
                 self._unschedulable()
             return []
@@ -757,6 +786,8 @@ class LLMEngine:
                 req.metrics.finished_time = now
                 self._finished_request(req)
         self._record_step(batch, time.perf_counter() - started)
+        if self.kv_events is not None:
+            self.kv_events.flush()  # one batch per step: what this step cached and evicted
         return outputs
 
     def _prompt_logprob_rows(self, batch: Any) -> List[Tuple[_Request, int, int, int]]:

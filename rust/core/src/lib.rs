@@ -84,6 +84,7 @@
 
 pub mod decode_plan;
 pub mod error;
+pub mod events;
 pub mod freelist;
 pub mod hash;
 mod index_list;

@@ -484,6 +484,13 @@ impl PrefixCache {
         self.lru.remove(b);
     }
 
+    /// The hash `b` was last registered under, current or dropped (0 if never): what an eviction
+    /// reports as removed.
+    #[inline]
+    pub fn last_hash(&self, b: BlockId) -> u128 {
+        self.hash_of[b as usize]
+    }
+
     /// Removes and returns the least recently freed block, dropping its hash: an eviction.
     #[inline]
     pub fn evict_oldest(&mut self) -> Option<BlockId> {

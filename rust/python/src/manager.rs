@@ -276,7 +276,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
 #[pymethods]
 impl PyBlockManager {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size=None, watermark_blocks=None, max_blocks_per_seq=None, enable_prefix_caching=None, verify_prefix=None, hash_seed=None, num_host_blocks=None))]
+    #[pyo3(signature = (num_blocks, block_size=None, watermark_blocks=None, max_blocks_per_seq=None, enable_prefix_caching=None, verify_prefix=None, hash_seed=None, num_host_blocks=None, kv_event_capacity=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
@@ -287,6 +287,7 @@ impl PyBlockManager {
         verify_prefix: Option<Bound<'_, PyAny>>,
         hash_seed: Option<Bound<'_, PyAny>>,
         num_host_blocks: Option<Bound<'_, PyAny>>,
+        kv_event_capacity: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let num_blocks = scalar::<u32>("num_blocks", num_blocks)?;
         let block_size = match opt(&block_size) {
@@ -312,6 +313,9 @@ impl PyBlockManager {
         }
         if let Some(h) = opt(&num_host_blocks) {
             cfg.num_host_blocks = scalar::<u32>("num_host_blocks", h)?;
+        }
+        if let Some(c) = opt(&kv_event_capacity) {
+            cfg.kv_event_capacity = count("kv_event_capacity", c)?;
         }
         let inner = BlockManager::new(cfg).py()?;
         Ok(Self {
@@ -573,6 +577,42 @@ impl PyBlockManager {
             })
         })?
         .py()
+    }
+
+    #[getter]
+    fn kv_event_capacity(&self) -> usize {
+        self.cfg.kv_event_capacity
+    }
+
+    /// KV-event records dropped because the ring was full (the oldest are dropped first).
+    #[getter]
+    fn kv_events_dropped(&self, py: Python<'_>) -> u64 {
+        self.with(py, |st| st.inner.events_dropped())
+    }
+
+    /// Drains the KV-event ring, oldest first: `(kind, medium, block_hashes, parent_hash,
+    /// token_ids, block_size)` tuples, kind `"stored" | "removed" | "cleared"`, medium `"GPU" |
+    /// "CPU"`. Copied out under the lock; the Python objects are built after releasing it.
+    fn drain_kv_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let events = self.with(py, |st| {
+            let mut out = Vec::new();
+            st.inner.drain_events(&mut out);
+            out
+        });
+        let items = events
+            .into_iter()
+            .map(|e| {
+                (
+                    e.kind.name(),
+                    e.medium.name(),
+                    e.block_hashes,
+                    e.parent_hash,
+                    e.token_ids,
+                    e.block_size,
+                )
+            })
+            .collect::<Vec<_>>();
+        PyList::new(py, items)
     }
 
     /// Forgets every prefix-cache entry; returns the number of blocks dropped from the cache.

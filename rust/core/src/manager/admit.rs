@@ -378,7 +378,12 @@ impl BlockManager {
         let from_pool = new.min(self.pool.num_free());
         self.pool.allocate_n_mut(from_pool, &mut s.table.blocks)?;
         for _ in from_pool..new {
-            let b = evict(&mut self.prefix, &mut self.pool, &mut self.counters)?;
+            let b = evict(
+                &mut self.prefix,
+                &mut self.pool,
+                &mut self.counters,
+                &mut self.events,
+            )?;
             s.table.blocks.push(b);
         }
         s.table.num_tokens = held;

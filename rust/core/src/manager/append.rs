@@ -16,6 +16,7 @@
 
 use super::{not_running, BlockManager, Seq};
 use crate::error::{Error, Result};
+use crate::events::Medium;
 use crate::pool::BlockPool;
 use crate::swap::SeqState;
 use crate::table::blocks_for;
@@ -321,6 +322,7 @@ impl BlockManager {
         }
         // Blocks still held lose their hash too; stale map entries go with them.
         self.prefix.clear_hashes();
+        self.events.cleared(Medium::Gpu);
         result
     }
 }

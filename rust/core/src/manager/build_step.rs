@@ -15,6 +15,7 @@
 
 use super::{BlockManager, Seq};
 use crate::error::{Error, Result};
+use crate::events::Medium;
 use crate::prefix::FastMap;
 use crate::step::{StepBuffers, StepInfo};
 use crate::swap::HostBlockId;
@@ -136,11 +137,11 @@ impl BlockManager {
             self.hasher
                 .extend_chain(s.root, &s.tokens, bs, s.keys.as_deref(), &mut s.hashes);
             for j in s.registered..full {
-                self.prefix.register(
-                    s.table.blocks[j],
-                    s.hashes[j],
-                    &s.tokens[j * bs..(j + 1) * bs],
-                );
+                let toks = &s.tokens[j * bs..(j + 1) * bs];
+                if self.prefix.register(s.table.blocks[j], s.hashes[j], toks) {
+                    let parent = j.checked_sub(1).map(|p| s.hashes[p]);
+                    self.events.stored(Medium::Gpu, s.hashes[j], parent, toks);
+                }
             }
             s.registered = full;
         }

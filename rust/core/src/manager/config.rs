@@ -34,6 +34,19 @@ pub struct ManagerConfig {
     /// Blocks of the host pool that swapped-out sequences live in (0: swap disabled). The host
     /// memory is the engine's; the core hands out its block ids.
     pub num_host_blocks: u32,
+    /// Records of the KV-event ring (see [`crate::events`]); 0 (the default) disables it, so
+    /// nothing is recorded and nothing is paid.
+    pub kv_event_capacity: usize,
+    /// The host pool doubles as a prefix-cache tier (see [`crate::tier`]): cached device blocks
+    /// are offloaded to it, and admissions continue their prefix lookup there. Needs prefix
+    /// caching with `verify_prefix` (the tier keeps each block's token ids) and host blocks.
+    pub host_cache: bool,
+    /// With `host_cache`: offload a block to the host tier when it is registered in the prefix
+    /// cache (write-through), instead of when allocation evicts it (write-back, the default).
+    pub host_write_through: bool,
+    /// With `host_cache`: a run of host hits shorter than this many blocks is recomputed instead
+    /// of loaded (>= 1).
+    pub host_load_min_blocks: u32,
 }
 
 impl ManagerConfig {
@@ -58,6 +71,10 @@ impl ManagerConfig {
             verify_prefix: true,
             hash_seed: None,
             num_host_blocks: 0,
+            kv_event_capacity: 0,
+            host_cache: false,
+            host_write_through: false,
+            host_load_min_blocks: 1,
         }
     }
 
@@ -120,6 +137,37 @@ impl ManagerConfig {
                 ),
             );
         }
+        if self.kv_event_capacity > MAX_KV_EVENTS {
+            return bad(
+                "kv_event_capacity",
+                self.kv_event_capacity as u64,
+                format!("must be <= {MAX_KV_EVENTS}"),
+            );
+        }
+        if self.host_load_min_blocks == 0 {
+            return bad("host_load_min_blocks", 0, "must be >= 1".into());
+        }
+        if self.host_cache {
+            let need = |what: &str| format!("host_cache needs {what}");
+            if !self.enable_prefix_caching {
+                return bad("host_cache", 1, need("enable_prefix_caching"));
+            }
+            if !self.verify_prefix {
+                return bad(
+                    "host_cache",
+                    1,
+                    need("verify_prefix (the host tier keeps and checks token ids)"),
+                );
+            }
+            if self.num_host_blocks == 0 {
+                return bad("host_cache", 1, need("num_host_blocks >= 1"));
+            }
+        } else if self.host_write_through {
+            return bad("host_write_through", 1, "needs host_cache".into());
+        }
         Ok(())
     }
 }
+
+/// Most records the KV-event ring may hold (its arena is this many blocks of token ids).
+pub const MAX_KV_EVENTS: usize = 1 << 24;

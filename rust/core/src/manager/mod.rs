@@ -51,6 +51,7 @@
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
+use crate::events::{KvEvent, KvEventRing, Medium};
 use crate::hash::{random_key, root_hash, Hasher, SeqKeys};
 use crate::metrics::{hist_bucket, Counters, Stats, HIST_BUCKETS};
 use crate::pool::BlockPool;
@@ -193,6 +194,8 @@ pub struct BlockManager {
     last_order: u64,
     /// Bumped by `reset_prefix_cache`.
     cache_epoch: u64,
+    /// The KV-event ring (disabled, and empty, unless `kv_event_capacity > 0`).
+    events: KvEventRing,
 }
 
 impl BlockManager {
@@ -215,6 +218,7 @@ impl BlockManager {
         )?;
         let pool = BlockPool::new(cfg.num_blocks)?;
         let host = HostPool::new(cfg.num_host_blocks)?;
+        let events = KvEventRing::new(cfg.kv_event_capacity, cfg.block_size)?;
         Ok(Self {
             bs: cfg.block_size as usize,
             caching: cfg.enable_prefix_caching,
@@ -246,6 +250,7 @@ impl BlockManager {
             swap_in_q: Vec::new(),
             last_order: 0,
             cache_epoch: 0,
+            events,
             cfg,
         })
     }
@@ -307,7 +312,12 @@ impl BlockManager {
     fn alloc_block(&mut self) -> Result<BlockId> {
         match self.pool.allocate_mut() {
             Ok(b) => Ok(b),
-            Err(_) => evict(&mut self.prefix, &mut self.pool, &mut self.counters),
+            Err(_) => evict(
+                &mut self.prefix,
+                &mut self.pool,
+                &mut self.counters,
+                &mut self.events,
+            ),
         }
     }
 
@@ -363,6 +373,9 @@ impl BlockManager {
                 // The block never received its content, so it must not stay findable under the
                 // hash `swap_in` gave it.
                 let (h, _) = self.swap_in_q.remove(pos);
+                if let Some(hash) = self.prefix.hash_of(b) {
+                    self.events.removed(Medium::Gpu, hash);
+                }
                 self.prefix.unregister(b);
                 self.host_drop(h)?;
             }
@@ -513,6 +526,17 @@ impl BlockManager {
         (b as usize) < self.cfg.num_blocks as usize && self.prefix.relabel(b, hash)
     }
 
+    /// Moves the recorded KV events into `out`, oldest first, coalescing runs (see
+    /// [`crate::events`]); returns how many were appended. Nothing when the ring is disabled.
+    pub fn drain_events(&mut self, out: &mut Vec<KvEvent>) -> usize {
+        self.events.drain(out)
+    }
+
+    /// KV-event records dropped because the ring was full (the oldest go first).
+    pub fn events_dropped(&self) -> u64 {
+        self.events.dropped()
+    }
+
     /// A snapshot of sizes and counters. O(number of sequences) for the histogram.
     pub fn stats(&self) -> Stats {
         let nbk = self.cfg.num_blocks as u64;
@@ -571,9 +595,11 @@ fn evict(
     prefix: &mut PrefixCache,
     pool: &mut BlockPool,
     counters: &mut Counters,
+    events: &mut KvEventRing,
 ) -> Result<BlockId> {
     match prefix.evict_oldest() {
         Some(b) => {
+            events.removed(Medium::Gpu, prefix.last_hash(b));
             pool.incref_mut(b)?;
             counters.evictions += 1;
             Ok(b)

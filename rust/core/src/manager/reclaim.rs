@@ -17,6 +17,7 @@
 use super::admit::check_max_new;
 use super::{AdmitResult, BlockManager};
 use crate::error::{Error, Result};
+use crate::events::Medium;
 use crate::prefix::FastMap;
 use crate::swap::{CostModel, Decision, HostBlockId, PreemptMode, SeqState};
 use crate::{BlockId, SeqId};
@@ -170,6 +171,9 @@ impl BlockManager {
     fn drop_device_unhashed(&mut self, b: BlockId) -> Result<()> {
         match self.pool.decref_mut(b)? {
             0 => {
+                if let Some(h) = self.prefix.hash_of(b) {
+                    self.events.removed(Medium::Gpu, h);
+                }
                 self.prefix.unregister(b);
                 self.unreferenced(b)
             }
@@ -255,11 +259,11 @@ impl BlockManager {
             if self.caching && s.swap_epoch == epoch {
                 let upto = s.registered.min(s.hashes.len());
                 for j in 0..upto {
-                    self.prefix.register(
-                        s.table.blocks[j],
-                        s.hashes[j],
-                        &s.tokens[j * bs..(j + 1) * bs],
-                    );
+                    let toks = &s.tokens[j * bs..(j + 1) * bs];
+                    if self.prefix.register(s.table.blocks[j], s.hashes[j], toks) {
+                        let parent = j.checked_sub(1).map(|p| s.hashes[p]);
+                        self.events.stored(Medium::Gpu, s.hashes[j], parent, toks);
+                    }
                 }
             }
             s.state = SeqState::Running;

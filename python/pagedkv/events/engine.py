@@ -1,0 +1,68 @@
+"""The engine's end of KV events: drain the block manager once per step, publish one batch.
+
+Owns :class:`StepEventPublisher`, which :class:`~pagedkv.engine.llm.LLMEngine` builds when
+``kv_events_endpoint`` is set. Invariants: the core's ring is drained exactly once per engine step
+(from the engine thread, the manager's only caller), and its events and the lower tiers' (added to
+:attr:`StepEventPublisher.sink` from Python) leave as one :class:`KVEventBatch` per step that has
+any, in the order they were recorded; a step never waits on the network (the publisher's queue is
+bounded and drops, counting); ring overflow in the core is reported by
+:attr:`StepEventPublisher.ring_dropped`. Events carry the salted, keyed hashes only: neither the
+hash key nor any salt is ever published.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .publisher import EventSink, ZmqEventPublisher
+
+__all__ = ["StepEventPublisher", "KV_EVENT_CAPACITY"]
+
+#: Events the core's ring holds between two drains (one step's worth; overflow is counted).
+KV_EVENT_CAPACITY = 1 << 16
+
+
+class StepEventPublisher:
+    """Drains ``manager`` and publishes its events, one batch per :meth:`flush`.
+
+    Args:
+        manager: A block manager built with ``kv_event_capacity > 0`` (its
+            ``drain_kv_events()`` returns the core's event tuples).
+        endpoint, replay_endpoint, topic: As for :class:`ZmqEventPublisher`.
+    """
+
+    def __init__(self, manager: Any, endpoint: str, replay_endpoint: Optional[str] = None,
+                 topic: str = "") -> None:
+        self._drain = manager.drain_kv_events
+        self._manager = manager
+        #: Where a lower tier (disk, Redis) adds its events; they leave with the next step's.
+        self.sink = EventSink()
+        self.publisher = ZmqEventPublisher(endpoint, replay_endpoint, topic=topic)
+        self._dropped_seen = 0
+
+    @property
+    def ring_dropped(self) -> int:
+        """Events the core's ring overwrote before a drain (``kv_events_dropped``)."""
+        return int(getattr(self._manager, "kv_events_dropped", 0))
+
+    def flush(self) -> None:
+        """Drains the core's events into the sink and publishes the sink's batch (if any).
+
+        When the ring overflowed since the last drain, part of the history is lost: the batch then
+        starts with ``AllBlocksCleared``, so a consumer forgets what it knew of this engine rather
+        than keep entries whose removal it missed (it under-counts until blocks are stored again).
+        """
+        events = self._drain()
+        dropped = self.ring_dropped
+        if dropped != self._dropped_seen:
+            self._dropped_seen = dropped
+            self.sink.add_cleared()
+        self.sink.add_core(events)
+        self.publisher.publish_events(self.sink.take())
+
+    def close(self) -> None:
+        """Publishes what is pending and closes the sockets. Idempotent."""
+        try:
+            self.flush()
+        finally:
+            self.publisher.close()

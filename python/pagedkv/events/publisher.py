@@ -1,0 +1,324 @@
+"""Publishing KV events: collect a step's events, send them over ZeroMQ as vLLM does.
+
+Owns :class:`EventSink` (one step's events, from the core's drain and from the lower tiers) and
+:class:`ZmqEventPublisher` (a PUB socket, an optional ROUTER replay socket, and the thread that
+owns both).
+
+Wire protocol (vLLM 0.33's, ``docs/kv-events.md``):
+
+* PUB sends one multipart message per batch: ``(topic, seq, payload)``, ``seq`` the batch's
+  sequence number as 8 bytes big-endian (0, 1, 2, ... from the publisher's start; a consumer that
+  sees it go backwards knows the publisher restarted), ``payload`` the msgpack
+  :class:`~pagedkv.events.schema.KVEventBatch`;
+* the replay socket (ROUTER) takes ``(b"", start_seq)`` from a DEALER and answers every buffered
+  batch with ``seq >= start_seq`` as ``(b"", topic, seq, payload)``, then ``(b"", b"", -1, b"")``
+  (``-1`` as 8 bytes big-endian signed). The buffer keeps the last ``buffer_steps`` batches.
+
+Invariants: the engine thread never blocks on the network: :meth:`ZmqEventPublisher.publish`
+encodes nothing and only appends to a bounded queue; a full queue drops the batch and counts it
+(:attr:`ZmqEventPublisher.dropped_batches`), and the sequence numbers stay dense (a dropped batch
+takes none), so a consumer's gap check only sees what was lost on the network. Only the publisher
+thread touches the sockets. Endpoints are bound when they name a wildcard host (``*``, ``::``) or
+are ``ipc://`` / ``inproc://``, and connected otherwise (vLLM's rule); the replay endpoint is
+always bound. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Deque, Iterable, List, Optional, Sequence, Tuple
+
+from .schema import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    encode_batch,
+    hash_to_wire,
+)
+
+__all__ = ["EventSink", "ZmqEventPublisher", "CoreEvent", "END_SEQ", "DEFAULT_BUFFER_STEPS",
+           "DEFAULT_HWM", "DEFAULT_MAX_QUEUE_SIZE"]
+
+logger = logging.getLogger("pagedkv.events")
+
+#: vLLM's defaults (``KVEventsConfig``): batches kept for replay, PUB high-water mark, queue bound.
+DEFAULT_BUFFER_STEPS = 10_000
+DEFAULT_HWM = 100_000
+DEFAULT_MAX_QUEUE_SIZE = 100_000
+#: The replay stream's end marker: -1 as 8 bytes big-endian signed.
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+#: What ``BlockManager.drain_kv_events()`` returns per event:
+#: ``(kind, medium, block_hashes, parent_hash, token_ids, block_size)``.
+CoreEvent = Tuple[str, str, List[int], Optional[int], List[int], int]
+
+_KINDS = ("stored", "removed", "cleared")
+
+
+def _bad(what: str, value: object, reason: str) -> Exception:
+    from ..errors import InvalidArgumentError
+
+    return InvalidArgumentError(f"invalid argument: {what} = {value!r}: {reason}", what=what,
+                                value=value, reason=reason)
+
+
+def is_bind_endpoint(endpoint: str) -> bool:
+    """Whether a publisher binds ``endpoint`` (wildcard host, ipc, inproc) or connects to it."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class EventSink:
+    """The events of one step, in order, as wire structs; :meth:`take` empties it.
+
+    The engine feeds it the core's drained tuples (:meth:`add_core`); a lower tier (a disk or
+    Redis store, ``medium="STORAGE"``, ``locality`` ``"LOCAL"`` or ``"REMOTE"``) calls
+    :meth:`add_stored` / :meth:`add_removed` from Python. Hashes are the 128-bit ints of
+    ``docs/prefix-hash.md``; they become 16 big-endian bytes here. Thread-safe (a lock), so a tier's
+    own thread may add events while the engine thread takes them.
+    """
+
+    def __init__(self) -> None:
+        self._events: List[KVEvent] = []
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._events)
+
+    def add_stored(self, block_hashes: Sequence[int], parent_hash: Optional[int],
+                   token_ids: Sequence[int], block_size: int, *, medium: str = "GPU",
+                   locality: Optional[str] = None) -> None:
+        """Blocks ``block_hashes`` (chain order, after ``parent_hash``) now hold ``token_ids``.
+
+        Raises:
+            InvalidArgumentError: A hash is not a 128-bit unsigned int, ``block_size`` is not
+                positive, or ``token_ids`` is not ``len(block_hashes) * block_size`` long.
+        """
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise _bad("block_size", block_size, "must be an int >= 1")
+        hashes = [hash_to_wire(h) for h in block_hashes]
+        tokens = [int(t) for t in token_ids]
+        if len(tokens) != len(hashes) * block_size:
+            raise _bad("token_ids", len(tokens),
+                       f"must hold len(block_hashes) * block_size = {len(hashes) * block_size} "
+                       f"tokens")
+        parent = None if parent_hash is None else hash_to_wire(parent_hash)
+        event = BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
+                            block_size=block_size, lora_id=None, medium=medium, lora_name=None,
+                            locality=locality)
+        with self._lock:
+            self._events.append(event)
+
+    def add_removed(self, block_hashes: Sequence[int], *, medium: str = "GPU",
+                    locality: Optional[str] = None) -> None:
+        """Blocks ``block_hashes`` left tier ``medium``.
+
+        Raises:
+            InvalidArgumentError: A hash is not a 128-bit unsigned int.
+        """
+        event = BlockRemoved(block_hashes=[hash_to_wire(h) for h in block_hashes],
+                             medium=medium, locality=locality)
+        with self._lock:
+            self._events.append(event)
+
+    def add_cleared(self) -> None:
+        """Every block of every tier was dropped."""
+        with self._lock:
+            self._events.append(AllBlocksCleared())
+
+    def add_core(self, events: Iterable[CoreEvent]) -> None:
+        """The tuples ``BlockManager.drain_kv_events()`` returned, in order. The core's tiers (GPU,
+        CPU) carry no ``locality``, as vLLM's own device-tier events.
+
+        Raises:
+            InvalidArgumentError: An event's kind is not ``stored`` / ``removed`` / ``cleared``,
+                or its fields are out of range (see :meth:`add_stored`); events before it stay.
+        """
+        for kind, medium, hashes, parent, tokens, block_size in events:
+            if kind == "stored":
+                self.add_stored(hashes, parent, tokens, block_size, medium=medium)
+            elif kind == "removed":
+                self.add_removed(hashes, medium=medium)
+            elif kind == "cleared":
+                self.add_cleared()
+            else:
+                raise _bad("kind", kind, f"must be one of {', '.join(_KINDS)}")
+
+    def take(self) -> List[KVEvent]:
+        """Every event added since the last call, in order; the sink is then empty."""
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+
+class ZmqEventPublisher:
+    """Sends :class:`KVEventBatch` es on a PUB socket, keeps the last ones for replay.
+
+    Args:
+        endpoint: The PUB endpoint (``tcp://*:5557`` binds, ``tcp://host:5557`` connects; a
+            ``tcp://HOST:*`` wildcard port binds a free one, read back from :attr:`endpoint`).
+        replay_endpoint: The ROUTER endpoint replay requests come to (bound), or None.
+        topic: The first frame of every message (subscribers filter on its prefix).
+        buffer_steps: Batches kept for replay.
+        hwm: The PUB socket's send high-water mark (messages ZeroMQ queues per subscriber before
+            it drops for that subscriber).
+        max_queue_size: Batches waiting for the thread before :meth:`publish` drops.
+        data_parallel_rank: Written into batches that carry none.
+
+    Raises:
+        InvalidArgumentError: A size is not a positive int, or an endpoint is malformed or taken
+            (ZeroMQ's message is kept).
+    """
+
+    def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, *, topic: str = "",
+                 buffer_steps: int = DEFAULT_BUFFER_STEPS, hwm: int = DEFAULT_HWM,
+                 max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
+                 data_parallel_rank: int = 0) -> None:
+        import zmq
+
+        for name, value in (("buffer_steps", buffer_steps), ("hwm", hwm),
+                            ("max_queue_size", max_queue_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise _bad(name, value, "must be an int >= 1")
+        if not isinstance(topic, str):
+            raise _bad("topic", topic, "must be a string")
+        self._ctx = zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay: Optional[zmq.Socket[bytes]] = None
+        try:
+            self._pub.set_hwm(hwm)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            if is_bind_endpoint(endpoint):
+                self._pub.bind(endpoint)
+                endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self._pub.connect(endpoint)
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                # Room for a whole replay and its end marker even when the reader is slow.
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                self._replay.bind(replay_endpoint)
+                replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            self._close_sockets()
+            raise _bad("endpoint", replay_endpoint if self._replay is not None else endpoint,
+                       f"ZeroMQ refused it: {exc}") from None
+        #: The PUB endpoint, with the port a wildcard bind chose.
+        self.endpoint: str = endpoint
+        #: The replay endpoint, with the port a wildcard bind chose (None without replay).
+        self.replay_endpoint: Optional[str] = replay_endpoint
+        self._topic = topic.encode("utf-8")
+        self._rank = data_parallel_rank
+        self._queue: "queue.Queue[Optional[KVEventBatch]]" = queue.Queue(maxsize=max_queue_size)
+        self._buffer: Deque[Tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._next_seq = 0
+        self._dropped = 0
+        self._sent = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="pagedkv-kv-events", daemon=True)
+        self._thread.start()
+
+    @property
+    def dropped_batches(self) -> int:
+        """Batches :meth:`publish` dropped because the queue was full."""
+        return self._dropped
+
+    @property
+    def sent_batches(self) -> int:
+        """Batches the thread has sent (the next batch's sequence number)."""
+        return self._sent
+
+    def publish(self, batch: KVEventBatch) -> bool:
+        """Queues ``batch`` for sending; never blocks. Returns False (and counts it) when the
+        queue is full or the publisher is closed."""
+        if self._closed:
+            self._dropped += 1
+            return False
+        if batch.data_parallel_rank is None:
+            batch.data_parallel_rank = self._rank
+        try:
+            self._queue.put_nowait(batch)
+        except queue.Full:
+            self._dropped += 1
+            return False
+        return True
+
+    def publish_events(self, events: List[KVEvent]) -> bool:
+        """:meth:`publish` of one batch holding ``events``, stamped now; nothing for no events."""
+        if not events:
+            return True
+        return self.publish(KVEventBatch(ts=time.time(), events=events))
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Sends what is queued (for up to ``timeout`` seconds), stops the thread, closes the
+        sockets. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+
+    def __enter__(self) -> "ZmqEventPublisher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        while True:
+            if self._replay is not None:
+                try:
+                    while self._replay.poll(0):
+                        self._serve_replay()
+                except Exception:  # a malformed request must not stop publishing
+                    logger.exception("kv events: replay request failed")
+            try:
+                batch = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if batch is None:
+                return
+            try:
+                payload = encode_batch(batch)
+                seq = self._next_seq.to_bytes(8, "big", signed=True)
+                self._pub.send_multipart((self._topic, seq, payload))
+                self._buffer.append((self._next_seq, payload))
+                self._next_seq += 1
+                self._sent += 1
+            except Exception:
+                logger.exception("kv events: publishing a batch failed")
+                time.sleep(0.05)
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            logger.warning("kv events: ignoring a malformed replay request (%d frames)",
+                           len(frames))
+            return
+        client, _, start = frames
+        start_seq = int.from_bytes(start, "big", signed=True)
+        for seq, payload in list(self._buffer):
+            if seq >= start_seq:
+                self._replay.send_multipart((client, b"", self._topic,
+                                             seq.to_bytes(8, "big", signed=True), payload))
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
