@@ -397,10 +397,6 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=config.preemption_mode,
             )
-            #: The tiers below the GPU (:mod:`pagedkv.engine.tier_cache`); None without a host tier.
-            self.tiers = build_tier_cache(config, self.runner, self.manager, str(path),
-                                          self.cost_rates[1] if self.cost_rates else None)
-            self.scheduler.admission_gate = self.tiers
             #: The step's KV-event publisher (None without ``kv_events_endpoint``); a lower tier
             #: adds its events to ``kv_events.sink``.
             self.kv_events: Any = None
@@ -410,6 +406,12 @@ class LLMEngine:
                 self.kv_events = StepEventPublisher(self.manager, config.kv_events_endpoint,
                                                     config.kv_events_replay_endpoint,
                                                     config.kv_events_topic)
+            #: The tiers below the GPU (:mod:`pagedkv.engine.tier_cache`); None without a host tier.
+            self.tiers = build_tier_cache(
+                config, self.runner, self.manager, str(path),
+                self.cost_rates[1] if self.cost_rates else None,
+                events=self.kv_events.sink if self.kv_events is not None else None)
+            self.scheduler.admission_gate = self.tiers
             bar.update(1)
         except BaseException:
             if self._tp is not None:

@@ -91,13 +91,16 @@ class TierCache:
         threads: Reader/writer threads shared by the stores.
         max_pending_writes: Demoted blocks queued for the stores at most (each holds a copy of
             its bytes); beyond it a demotion is dropped and counted.
+        events: A KV-event sink (:class:`pagedkv.events.EventSink`) told of every block a lower
+            tier stores (``medium="STORAGE"``, ``locality`` ``"LOCAL"`` for the disk, ``"REMOTE"``
+            for the shared store); None: no events.
     """
 
     def __init__(self, manager: Any, host: torch.Tensor, swap: Any,
                  stores: Sequence[Tuple[str, Any]], *, block_size: int,
                  load_bytes_per_s: Optional[Dict[str, float]] = None,
                  prefill_tokens_per_s: Optional[float] = None, threads: int = 2,
-                 max_pending_writes: int = 64) -> None:
+                 max_pending_writes: int = 64, events: Any = None) -> None:
         self.manager = manager
         self.host = host
         self.swap = swap
@@ -113,6 +116,7 @@ class TierCache:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pagedkv-tier")
         self._writes: List["Future[Any]"] = []
         self.max_pending_writes = max_pending_writes
+        self.events = events
 
     # ----------------------------------------------------------------------- demotions
 
@@ -135,11 +139,17 @@ class TierCache:
     def _write(self, meta: Any, data: bytes) -> None:
         for name, store in self.stores:
             try:
-                store.put(meta, data)
+                ok = store.put(meta, data)
             except Exception as exc:  # noqa: BLE001 - a store that cannot write is a miss later
                 logger.debug("%s tier: write failed: %s", name, exc)
                 continue
+            if not ok:
+                continue
             self.stats.bytes_written[name] += len(data)
+            if self.events is not None:
+                self.events.add_stored([meta.block_hash], meta.parent_hash, meta.token_ids,
+                                       self.block_size, medium="STORAGE",
+                                       locality="LOCAL" if name == "disk" else "REMOTE")
 
     def _read(self, store: Any, meta: Any, slot: int) -> bool:
         # Straight into the reserved slot: nobody else reads or writes it until it is committed.
@@ -345,7 +355,8 @@ def manager_tier_args(config: Any) -> Dict[str, Any]:
 
 
 def build_tier_cache(config: Any, runner: Any, manager: Any, model_path: str,
-                     prefill_tokens_per_s: Optional[float] = None) -> Optional[TierCache]:
+                     prefill_tokens_per_s: Optional[float] = None,
+                     events: Any = None) -> Optional[TierCache]:
     """The engine's :class:`TierCache` when ``config`` has a host tier (None otherwise)."""
     if config.host_cache_memory is None:
         return None
@@ -355,4 +366,4 @@ def build_tier_cache(config: Any, runner: Any, manager: Any, model_path: str,
     stores = build_stores(config, tier_fingerprint(model_path, spec, tp_rank=tp[0],
                                                    tp_size=tp[1]), spec.bytes_per_block)
     return TierCache(manager, swap.host.raw, swap, stores, block_size=spec.block_size,
-                     prefill_tokens_per_s=prefill_tokens_per_s)
+                     prefill_tokens_per_s=prefill_tokens_per_s, events=events)
