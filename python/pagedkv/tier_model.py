@@ -62,6 +62,7 @@ class ModelledDiskTier:
         self.lru: "OrderedDict[int, tuple]" = OrderedDict()
         self.stats = TierModelStats()
         self._fetched: Dict[int, int] = {}
+        self._host_hits = 0
 
     def drain(self) -> None:
         """Takes the host tier's demotions into the modelled disk (LRU, capacity-bound)."""
@@ -87,7 +88,7 @@ class ModelledDiskTier:
             return True
         self.drain()
         found = self.manager.lookup_tiers(seq.token_ids, cache_salt=seq.cache_salt)
-        gpu, host, rest, salt = found[0], found[1], found[2], found[-1]
+        rest, salt = found[2], found[3]
         n = 0
         while n < len(rest) and int(rest[n]) in self.lru:
             n += 1
@@ -105,7 +106,8 @@ class ModelledDiskTier:
             self._fetched[seq.seq_id] = 0
             return True
         self.drain()  # what reserving demoted
-        self.manager.commit_host_blocks(slots, hashes, parents, salt, toks, True)
+        self.manager.commit_host_blocks(slots, hashes, parents, salt,
+                                        [t for block in toks for t in block], True)
         return True
 
     def forget(self, seq: Any) -> None:
@@ -114,11 +116,12 @@ class ModelledDiskTier:
     def admitted(self, seq: Any, result: Any) -> None:
         """Accounts one admission's hits by tier and its modelled TTFT."""
         fetched_blocks = self._fetched.pop(seq.seq_id, 0)
-        block_size = self.block_size
         total = len(seq.token_ids)
-        gpu = int(getattr(result, "cached_tokens_gpu", result.cached_tokens))
-        host = int(getattr(result, "cached_tokens_host", 0))
-        disk = min(host, fetched_blocks * block_size)
+        host_hits = self.manager.stats().host_hit_tokens if self.host_cache else 0
+        host = int(host_hits - self._host_hits)
+        self._host_hits = host_hits
+        gpu = int(result.cached_tokens) - host
+        disk = min(host, fetched_blocks * self.block_size)
         host -= disk
         s = self.stats
         s.prompt_tokens += total
@@ -126,6 +129,6 @@ class ModelledDiskTier:
         s.hit_tokens["host"] += host
         s.hit_tokens["disk"] += disk
         prefill, link, disk_rate = self.rates
-        bpt = self.block_bytes / block_size
+        bpt = self.block_bytes / self.block_size
         s.ttft_s.append((total - gpu - host - disk) / prefill + host * bpt / link
                         + disk * bpt / disk_rate)

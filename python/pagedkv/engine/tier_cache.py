@@ -45,7 +45,8 @@ class TierCacheStats:
     """The engine's counters of the tiers below the host since it started (each store keeps
     its own :class:`pagedkv.tiers.TierStats` too)."""
 
-    #: Tokens of prompt blocks fetched from each lower tier and committed to the host tier.
+    #: Prompt tokens served from each lower tier: blocks fetched into the host tier for a
+    #: request, counted when it is admitted.
     fetched_tokens: Dict[str, int] = field(default_factory=lambda: {"disk": 0, "remote": 0})
     #: Bytes read from each lower tier into host slots.
     bytes_read: Dict[str, int] = field(default_factory=lambda: {"disk": 0, "remote": 0})
@@ -113,6 +114,8 @@ class TierCache:
         self._fetches: Dict[int, _Fetch] = {}
         #: Sequences whose prompt was probed and needs nothing from below (by seq id).
         self._probed: Dict[int, bool] = {}
+        #: Per sequence, the tier each committed fetched block came from (until admitted).
+        self._fetched_by_seq: Dict[int, List[str]] = {}
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pagedkv-tier")
         self._writes: List["Future[Any]"] = []
         self.max_pending_writes = max_pending_writes
@@ -179,16 +182,24 @@ class TierCache:
                 return False
             self._finish(key, fetch)
             return True
-        if self._probed.get(key):
+        if self._probed.get(key) or not self.stores:
             return True
         self._probed[key] = True
         return not self._start(seq)
 
+    def admitted(self, seq: Any, result: Any) -> None:
+        """``seq`` was admitted: the blocks fetched for it were hits of their lower tiers (its
+        admission counted them as host hits, the tier that now holds them)."""
+        for name in self._fetched_by_seq.pop(seq.seq_id, ()):
+            self.stats.fetched_tokens[name] += self.block_size
+        self._probed.pop(seq.seq_id, None)
+
     def forget(self, seq: Any) -> None:
-        """Drops ``seq``'s state (admitted, aborted or finished). A fetch still running is
-        waited for and its slots released: a reserved slot is released only after its reads."""
+        """Drops ``seq``'s state (it left unadmitted). A fetch still running is waited for and
+        its slots released: a reserved slot is released only after its reads."""
         key = seq.seq_id
         self._probed.pop(key, None)
+        self._fetched_by_seq.pop(key, None)
         fetch = self._fetches.pop(key, None)
         if fetch is not None:
             for _, f in fetch.futures:
@@ -196,19 +207,20 @@ class TierCache:
                     f.result()
                 except Exception:  # noqa: BLE001 - a failed read only means a miss here
                     pass
-            self.manager.commit_host_blocks(fetch.slots, fetch.hashes, fetch.parents,
-                                            fetch.salt_digest, fetch.tokens, False)
+            self._commit(fetch, 0, len(fetch.slots), False)
 
     def _start(self, seq: Any) -> bool:
         """Starts reading ``seq``'s lower-tier blocks; True when a fetch is under way."""
         salt = getattr(seq, "cache_salt", None)
-        gpu, host, rest, salt_digest = self.manager.lookup_tiers(seq.token_ids, cache_salt=salt)
+        gpu, host, rest, salt_digest, parent = self.manager.lookup_tiers(seq.token_ids,
+                                                                         cache_salt=salt)
         if not rest:
             return False
-        # The longest run any one store holds; each block is read from the first store with it.
+        # The longest run the stores hold between them; each block is read from the first
+        # store (the fastest) that has the run from there on.
         plan: List[Tuple[str, Any]] = []
         for name, store in self.stores:
-            n = store.longest_prefix(rest[len(plan):])
+            n = store.longest_prefix([int(h) for h in rest[len(plan):]])
             plan.extend([(name, store)] * n)
             if len(plan) == len(rest):
                 break
@@ -218,32 +230,28 @@ class TierCache:
         if not self._worth_loading(plan):
             self.stats.skipped_fetches += 1
             return False
-        first = gpu + host
-        bs = self.block_size
         try:
             slots = self.manager.reserve_host_blocks(n)
         except Exception as exc:  # noqa: BLE001 - a full host pool only means recompute
             logger.debug("no host slots for %d fetched blocks: %s", n, exc)
             return False
-        self.after_schedule()  # reserving may have demoted host blocks: save them first
+        # Reserving may have demoted host blocks into these very slots: save them first, and
+        # let every transfer still reading or writing a slot finish before the reads fill it.
+        self.after_schedule()
         self._host_written()
         self._host_read()
+        first = gpu + host
+        bs = self.block_size
+        ids = seq.token_ids
         hashes = [int(h) for h in rest[:n]]
-        parents: List[Optional[int]] = []
-        tokens: List[List[int]] = []
-        ids = list(seq.token_ids)
-        for i in range(n):
-            b = first + i
-            tokens.append(ids[b * bs:(b + 1) * bs])
-            parents.append(hashes[i - 1] if i else self.manager.block_hash_at(seq.token_ids, b - 1,
-                                                                              cache_salt=salt)
-                           if b else None)
+        parents: List[Optional[int]] = [None if parent is None else int(parent)] + hashes[:-1]
+        tokens = [list(ids[(first + i) * bs:(first + i + 1) * bs]) for i in range(n)]
         futures = []
         for i, (name, store) in enumerate(plan):
             meta = _meta(hashes[i], parents[i], salt_digest, tokens[i])
             futures.append((name, self._pool.submit(self._read, store, meta, slots[i])))
-        self._fetches[seq.seq_id] = _Fetch(slots, hashes, parents, tokens, salt_digest, futures,
-                                           time.perf_counter())
+        self._fetches[seq.seq_id] = _Fetch(slots, hashes, parents, tokens, int(salt_digest),
+                                           futures, time.perf_counter())
         return True
 
     def _worth_loading(self, plan: List[Tuple[str, Any]]) -> bool:
@@ -269,19 +277,19 @@ class TierCache:
             if not good:
                 break
             ok_run += 1
-            self.stats.fetched_tokens[name] += self.block_size
             self.stats.bytes_read[name] += self.block_bytes
         if ok_run < len(fetch.slots):
             self.stats.failed_fetches += 1
         if ok_run:
-            self.manager.commit_host_blocks(fetch.slots[:ok_run], fetch.hashes[:ok_run],
-                                            fetch.parents[:ok_run], fetch.salt_digest,
-                                            fetch.tokens[:ok_run], True)
+            self._commit(fetch, 0, ok_run, True)
+            self._fetched_by_seq[key] = [name for name, _ in fetch.futures[:ok_run]]
         if ok_run < len(fetch.slots):
-            rest = slice(ok_run, None)
-            self.manager.commit_host_blocks(fetch.slots[rest], fetch.hashes[rest],
-                                            fetch.parents[rest], fetch.salt_digest,
-                                            fetch.tokens[rest], False)
+            self._commit(fetch, ok_run, len(fetch.slots), False)
+
+    def _commit(self, fetch: _Fetch, lo: int, hi: int, ok: bool) -> None:
+        flat = [t for block in fetch.tokens[lo:hi] for t in block]
+        self.manager.commit_host_blocks(fetch.slots[lo:hi], fetch.hashes[lo:hi],
+                                        fetch.parents[lo:hi], fetch.salt_digest, flat, ok)
 
     def close(self) -> None:
         """Finishes every fetch (releasing its slots) and flushes and closes the stores."""
@@ -292,8 +300,7 @@ class TierCache:
                     f.result()
                 except Exception:  # noqa: BLE001
                     pass
-            self.manager.commit_host_blocks(fetch.slots, fetch.hashes, fetch.parents,
-                                            fetch.salt_digest, fetch.tokens, False)
+            self._commit(fetch, 0, len(fetch.slots), False)
         for f in self._writes:
             f.result()
         self._pool.shutdown(wait=True)
