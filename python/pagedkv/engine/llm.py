@@ -42,7 +42,7 @@ import os
 import random
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, overload
 
 import torch
@@ -146,6 +146,16 @@ class EngineStats:
     #: KV blocks copied to the host pool and back (the swap engine's counts).
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
+    #: Prompt tokens served from each tier of the prefix cache (``"gpu"``, ``"host"``,
+    #: ``"disk"``, ``"remote"``; they add up to ``prefix_hit_tokens``). A block fetched from a
+    #: lower tier for a request counts for that tier, not the host tier it passed through.
+    prefix_hits_by_tier: Dict[str, int] = field(default_factory=dict)
+    #: Bytes each tier served (read from it: host → GPU loads, disk/remote → host fetches) and
+    #: took (written to it: GPU → host offloads, host → disk/remote demotions).
+    tier_bytes_read: Dict[str, int] = field(default_factory=dict)
+    tier_bytes_written: Dict[str, int] = field(default_factory=dict)
+    #: Bytes each tier holds now (``None`` where it cannot be known: a shared remote store).
+    tier_usage_bytes: Dict[str, Optional[int]] = field(default_factory=dict)
 
     def as_dict(self) -> Dict[str, Any]:
         """The counters as a plain dict (for JSON)."""
@@ -924,6 +934,9 @@ class LLMEngine:
         self._base = (s.prefix_query_tokens, s.prefix_hit_tokens, s.cow_copies, s.evictions)
         swap = self.runner.swap
         self._swap_base = (swap.num_swapped_out, swap.num_swapped_in) if swap else (0, 0)
+        self._tier_base = (s.host_hit_tokens, s.host_loaded_blocks, s.offloaded_blocks)
+        tiers = getattr(self, "tiers", None)
+        self._lower_base = _lower_counts(tiers)
 
     def _record_step(self, batch: Any, elapsed: float) -> None:
         c = self._counters
@@ -972,7 +985,39 @@ class LLMEngine:
             evictions=s.evictions - self._base[3],
             num_blocks=s.num_blocks,
             block_size=s.block_size,
+            **self._tier_stats(s, hits),
         )
+
+    def _tier_stats(self, s: Any, hits: int) -> Dict[str, Any]:
+        """The per-tier fields of :class:`EngineStats` (the GPU's hits alone without a host tier)."""
+        if self.tiers is None:
+            return {"prefix_hits_by_tier": {"gpu": hits}}
+        bpb = self.runner.spec.bytes_per_block
+        host_hits = s.host_hit_tokens - self._tier_base[0]
+        fetched, read, written = _lower_counts(self.tiers)
+        base_f, base_r, base_w = self._lower_base
+        lower = {k: fetched[k] - base_f.get(k, 0) for k in fetched}
+        by_tier = {"gpu": hits - host_hits, "host": host_hits - sum(lower.values()), **lower}
+        bytes_read = {"host": (s.host_loaded_blocks - self._tier_base[1]) * bpb,
+                      **{k: read[k] - base_r.get(k, 0) for k in read}}
+        bytes_written = {"host": (s.offloaded_blocks - self._tier_base[2]) * bpb,
+                         **{k: written[k] - base_w.get(k, 0) for k in written}}
+        usage: Dict[str, Optional[int]] = {"host": s.host_cached_blocks * bpb}
+        for name, store in self.tiers.stores:
+            usage[name] = store.stats().usage_bytes
+        keep = {"gpu", "host"} | {name for name, _ in self.tiers.stores}
+        return {"prefix_hits_by_tier": {k: v for k, v in by_tier.items() if k in keep},
+                "tier_bytes_read": {k: v for k, v in bytes_read.items() if k in keep},
+                "tier_bytes_written": {k: v for k, v in bytes_written.items() if k in keep},
+                "tier_usage_bytes": usage}
+
+
+def _lower_counts(tiers: Any) -> Tuple[Dict[str, int], Dict[str, int], Dict[str, int]]:
+    """``(tokens served, bytes read, bytes written)`` per lower tier so far (empty without)."""
+    if tiers is None:
+        return {}, {}, {}
+    st = tiers.stats
+    return dict(st.fetched_tokens), dict(st.bytes_read), dict(st.bytes_written)
 
 
 def _set_cost_model(manager: Any, rates: Tuple[float, float, float], kv_bytes_per_token: int,
