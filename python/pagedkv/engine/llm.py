@@ -934,9 +934,8 @@ class LLMEngine:
         self._base = (s.prefix_query_tokens, s.prefix_hit_tokens, s.cow_copies, s.evictions)
         swap = self.runner.swap
         self._swap_base = (swap.num_swapped_out, swap.num_swapped_in) if swap else (0, 0)
-        self._tier_base = (s.host_hit_tokens, s.host_loaded_blocks, s.offloaded_blocks)
         tiers = getattr(self, "tiers", None)
-        self._lower_base = _lower_counts(tiers)
+        self._tier_base = tiers.totals(self.runner.spec.bytes_per_block) if tiers else {}
 
     def _record_step(self, batch: Any, elapsed: float) -> None:
         c = self._counters
@@ -989,35 +988,18 @@ class LLMEngine:
         )
 
     def _tier_stats(self, s: Any, hits: int) -> Dict[str, Any]:
-        """The per-tier fields of :class:`EngineStats` (the GPU's hits alone without a host tier)."""
+        """The per-tier fields of :class:`EngineStats` (the GPU's hits alone without a host tier):
+        the tier cache's totals less those at :meth:`reset_stats`."""
         if self.tiers is None:
             return {"prefix_hits_by_tier": {"gpu": hits}}
-        bpb = self.runner.spec.bytes_per_block
-        host_hits = s.host_hit_tokens - self._tier_base[0]
-        fetched, read, written = _lower_counts(self.tiers)
-        base_f, base_r, base_w = self._lower_base
-        lower = {k: fetched[k] - base_f.get(k, 0) for k in fetched}
-        by_tier = {"gpu": hits - host_hits, "host": host_hits - sum(lower.values()), **lower}
-        bytes_read = {"host": (s.host_loaded_blocks - self._tier_base[1]) * bpb,
-                      **{k: read[k] - base_r.get(k, 0) for k in read}}
-        bytes_written = {"host": (s.offloaded_blocks - self._tier_base[2]) * bpb,
-                         **{k: written[k] - base_w.get(k, 0) for k in written}}
-        usage: Dict[str, Optional[int]] = {"host": s.host_cached_blocks * bpb}
-        for name, store in self.tiers.stores:
-            usage[name] = store.stats().usage_bytes
-        keep = {"gpu", "host"} | {name for name, _ in self.tiers.stores}
-        return {"prefix_hits_by_tier": {k: v for k, v in by_tier.items() if k in keep},
-                "tier_bytes_read": {k: v for k, v in bytes_read.items() if k in keep},
-                "tier_bytes_written": {k: v for k, v in bytes_written.items() if k in keep},
-                "tier_usage_bytes": usage}
+        now = self.tiers.totals(self.runner.spec.bytes_per_block)
+        base = self._tier_base
 
+        def since(key: str) -> Dict[str, int]:
+            return {k: v - base[key].get(k, 0) for k, v in now[key].items()}
 
-def _lower_counts(tiers: Any) -> Tuple[Dict[str, int], Dict[str, int], Dict[str, int]]:
-    """``(tokens served, bytes read, bytes written)`` per lower tier so far (empty without)."""
-    if tiers is None:
-        return {}, {}, {}
-    st = tiers.stats
-    return dict(st.fetched_tokens), dict(st.bytes_read), dict(st.bytes_written)
+        return {"prefix_hits_by_tier": since("hits"), "tier_bytes_read": since("bytes_read"),
+                "tier_bytes_written": since("bytes_written"), "tier_usage_bytes": now["usage"]}
 
 
 def _set_cost_model(manager: Any, rates: Tuple[float, float, float], kv_bytes_per_token: int,

@@ -121,6 +121,28 @@ class TierCache:
         self.max_pending_writes = max_pending_writes
         self.events = events
 
+    # ----------------------------------------------------------------------- figures
+
+    def totals(self, bytes_per_block: int) -> Dict[str, Dict[str, Any]]:
+        """Cumulative figures per tier since the engine started: ``hits`` (prompt tokens
+        served: ``gpu``, ``host`` and each lower tier; a block fetched from below for a request
+        counts for that tier), ``bytes_read`` (served from the tier), ``bytes_written`` (taken
+        by it) and ``usage`` (bytes held now; None where unknown)."""
+        s = self.manager.stats()
+        lower = dict(self.stats.fetched_tokens)
+        names = [name for name, _ in self.stores]
+        hits = {"gpu": int(s.prefix_hit_tokens - s.host_hit_tokens),
+                "host": int(s.host_hit_tokens - sum(lower.values()))}
+        hits.update({n: lower.get(n, 0) for n in names})
+        read = {"host": int(s.host_loaded_blocks) * bytes_per_block}
+        read.update({n: self.stats.bytes_read.get(n, 0) for n in names})
+        written = {"host": int(s.offloaded_blocks) * bytes_per_block}
+        written.update({n: self.stats.bytes_written.get(n, 0) for n in names})
+        usage: Dict[str, Optional[int]] = {"host": int(s.host_cached_blocks) * bytes_per_block}
+        for name, store in self.stores:
+            usage[name] = store.stats().usage_bytes
+        return {"hits": hits, "bytes_read": read, "bytes_written": written, "usage": usage}
+
     # ----------------------------------------------------------------------- demotions
 
     def after_schedule(self) -> None:
