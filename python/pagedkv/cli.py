@@ -507,6 +507,20 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="key of the prefix hash, an int in [0, 2**64) (decimal or 0x...); "
                         "replicas behind one `pagedkv router` share it; keep it secret "
                         "(default: a fresh random key)")
+    g = p.add_argument_group("tiers of the prefix cache (docs/tiers.md)")
+    g.add_argument("--host-cache-memory", type=_size, default=None, metavar="SIZE",
+                   help="pinned host memory for the host tier, e.g. 16GiB: cached blocks the KV "
+                        "pool evicts are kept there and loaded back on a hit (default: none)")
+    g.add_argument("--host-cache-write-through", action="store_true",
+                   help="copy blocks to the host tier when cached, not when evicted")
+    g.add_argument("--disk-cache-dir", metavar="DIR", default=None,
+                   help="directory of the disk tier (needs --host-cache-memory and "
+                        "--disk-cache-memory)")
+    g.add_argument("--disk-cache-memory", type=_size, default=None, metavar="SIZE",
+                   help="size cap of the disk tier, e.g. 200GiB")
+    g.add_argument("--remote-cache-url", metavar="URL", default=None,
+                   help="a Redis/Valkey server shared by replicas, e.g. redis://127.0.0.1:6379/0 "
+                        "(needs --host-cache-memory and a shared --hash-seed)")
     g = p.add_argument_group("KV events (docs/kv-events.md)")
     g.add_argument("--kv-events-endpoint", metavar="ENDPOINT", default=None,
                    help="publish KV-cache block events over ZeroMQ in vLLM's format, e.g. "
@@ -556,7 +570,11 @@ def _run_serve(args: argparse.Namespace) -> int:
           tensor_parallel_size=args.tensor_parallel_size, hash_seed=args.hash_seed,
           kv_events_endpoint=args.kv_events_endpoint,
           kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-          kv_events_topic=args.kv_events_topic)
+          kv_events_topic=args.kv_events_topic,
+          host_cache_memory=args.host_cache_memory,
+          host_cache_write_through=args.host_cache_write_through,
+          disk_cache_dir=args.disk_cache_dir, disk_cache_memory=args.disk_cache_memory,
+          remote_cache_url=args.remote_cache_url)
     return 0
 
 
