@@ -60,8 +60,11 @@ pub struct TierLookup {
     pub gpu_blocks: usize,
     /// Full blocks after those found in the host index.
     pub host_blocks: usize,
-    /// Hashes of the full blocks after those (up to the `(len - 1) / B` an admission may share),
-    /// for the engine to probe lower tiers with.
+    /// The hashes of all the prompt's full blocks an admission may share (the first
+    /// `(len - 1) / B`), in chain order: the engine probes lower tiers for
+    /// `hashes[gpu_blocks + host_blocks..]`, and each block's parent is the hash before it.
+    pub hashes: Vec<u128>,
+    /// `hashes[gpu_blocks + host_blocks..]`: the blocks a lower tier may supply.
     pub remaining_hashes: Vec<u128>,
     /// The hash of the block before `remaining_hashes[0]` (`None` when it is the chain's first).
     pub parent_hash: Option<u128>,

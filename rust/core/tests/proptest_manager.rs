@@ -702,13 +702,17 @@ impl Harness {
                 }
                 let bs = self.bs;
                 let first = look.gpu_blocks + look.host_blocks;
-                assert!(first + look.remaining_hashes.len() <= (len - 1) / bs);
-                let n = k.min(look.remaining_hashes.len());
+                assert_eq!(look.hashes.len(), (len - 1) / bs);
+                assert!(first <= look.hashes.len());
+                let rest = &look.hashes[first..];
+                let n = k.min(rest.len());
                 match self.m.reserve_host_blocks(n) {
                     Ok(hs) => {
-                        // Reserved blocks are never findable.
+                        // Reserved blocks are never findable (the reservation may have demoted
+                        // some of the prompt's own host hits, never added any).
                         let again = self.m.lookup_tiers(&toks, Some(&keys)).unwrap();
-                        assert_eq!(again.host_blocks, look.host_blocks);
+                        assert!(again.host_blocks <= look.host_blocks);
+                        assert_eq!(again.gpu_blocks, look.gpu_blocks);
                         for d in self.m.take_demotions() {
                             assert_eq!(d.tokens.len(), bs);
                         }
@@ -720,26 +724,19 @@ impl Harness {
                             state: SeqState::Running,
                         });
                         let mut parents = Vec::new();
-                        let mut prev = look.parent_hash;
+                        let mut prev = first.checked_sub(1).map(|i| look.hashes[i]);
                         for (i, &h) in hs.iter().enumerate() {
                             let blk = first + i;
                             for o in 0..bs {
                                 self.host_kv[h as usize * bs + o] = Some(fp[blk * bs + o]);
                             }
                             parents.push(prev);
-                            prev = Some(look.remaining_hashes[i]);
+                            prev = Some(rest[i]);
                         }
                         let t = &toks[first * bs..(first + n) * bs];
                         let c = self
                             .m
-                            .commit_host_blocks(
-                                &hs,
-                                &look.remaining_hashes[..n],
-                                &parents,
-                                look.salt_digest,
-                                t,
-                                ok,
-                            )
+                            .commit_host_blocks(&hs, &rest[..n], &parents, look.salt_digest, t, ok)
                             .unwrap();
                         if !ok {
                             assert_eq!(c, 0);

@@ -67,7 +67,10 @@ impl Sim {
             let h = d.host_block as usize;
             let bytes = self.host[h * bs..(h + 1) * bs].to_vec();
             let want: Vec<i64> = d.tokens.iter().map(|&t| t as i64).collect();
-            assert_eq!(bytes, want, "demoted host block {h} no longer holds its block");
+            assert_eq!(
+                bytes, want,
+                "demoted host block {h} no longer holds its block"
+            );
             self.disk.insert(d.hash, bytes);
             out.push(d.hash);
         }
@@ -169,7 +172,10 @@ fn write_back_offloads_on_eviction_and_a_readmission_loads() {
     let mut s = Sim::new(config(8, 8));
     let a = toks(17, 100);
     s.admit(1, &a);
-    assert!(s.m.pending_swap_out().is_empty(), "write-back offloads nothing at registration");
+    assert!(
+        s.m.pending_swap_out().is_empty(),
+        "write-back offloads nothing at registration"
+    );
     s.free(1);
     s.admit_only(2, &toks(29, 500));
     // The cold prompt evicted a's four full blocks; each is queued for the host.
@@ -181,7 +187,10 @@ fn write_back_offloads_on_eviction_and_a_readmission_loads() {
     assert_eq!(s.content(2), s.expect(2));
     s.free(2);
     let r = s.admit_only(3, &a);
-    assert_eq!((r.cached_tokens, r.cached_tokens_gpu, r.cached_tokens_host), (16, 0, 16));
+    assert_eq!(
+        (r.cached_tokens, r.cached_tokens_gpu, r.cached_tokens_host),
+        (16, 0, 16)
+    );
     assert_eq!(s.m.pending_swap_in().len(), 4);
     let info = s.step(&[3], &[1]);
     assert_eq!(info.num_swap_in, 4);
@@ -196,7 +205,7 @@ fn write_back_offloads_on_eviction_and_a_readmission_loads() {
 
 #[test]
 fn write_through_offloads_at_registration_and_copies_once() {
-    let mut cfg = config(8, 8);
+    let mut cfg = config(8, 16);
     cfg.host_write_through = true;
     let mut s = Sim::new(cfg);
     let a = toks(17, 100);
@@ -208,7 +217,11 @@ fn write_through_offloads_at_registration_and_copies_once() {
     s.admit(2, &toks(29, 500));
     // Evicting a's blocks copies nothing more: they are on the host already.
     let st = s.m.stats();
-    assert_eq!(st.offloaded_blocks, 4 + 7, "a's four, then the cold prompt's seven");
+    assert_eq!(
+        st.offloaded_blocks,
+        4 + 7,
+        "a's four, then the cold prompt's seven"
+    );
     s.step(&[], &[]);
     s.free(2);
     let r = s.admit_only(3, &a);
@@ -237,7 +250,7 @@ fn demotions_carry_the_chain_and_the_bytes_and_a_lower_tier_refills() {
     assert_eq!(demoted.len(), 2);
     let full = s.m.lookup_tiers(&a, None).unwrap();
     assert_eq!(full.host_blocks, 0);
-    assert_eq!(full.remaining_hashes, a_look.remaining_hashes);
+    assert_eq!(full.hashes, a_look.hashes);
     let ev = s.events();
     let removed: Vec<_> = ev
         .iter()
@@ -248,27 +261,27 @@ fn demotions_carry_the_chain_and_the_bytes_and_a_lower_tier_refills() {
     assert!(demoted.iter().all(|h| removed.contains(h)));
     s.step(&[4], &[29]);
     s.free(4);
-    assert_eq!(s.m.stats().demotions, 2);
+    // Every demotion reached the lower tier (the blocks' hashes are all distinct).
+    assert_eq!(s.m.stats().demotions as usize, s.disk.len());
 
     // Refill a's chain from the lower tier, as the engine would.
     let look = s.m.lookup_tiers(&a, None).unwrap();
     assert_eq!((look.gpu_blocks, look.host_blocks), (0, 0));
-    assert_eq!(look.parent_hash, None);
-    assert!(look.remaining_hashes.iter().all(|h| s.disk.contains_key(h)));
+    assert_eq!(look.hashes.len(), 2);
+    assert!(look.hashes.iter().all(|h| s.disk.contains_key(h)));
     let hs = s.m.reserve_host_blocks(2).unwrap();
     // The reservation took b's host-cached blocks: their bytes go down first.
     assert_eq!(s.drain_demotions().len(), 2);
     // Reserved blocks are not findable.
     assert_eq!(s.m.lookup_tiers(&a, None).unwrap().host_blocks, 0);
     for (i, &h) in hs.iter().enumerate() {
-        let bytes = s.disk[&look.remaining_hashes[i]].clone();
+        let bytes = s.disk[&look.hashes[i]].clone();
         s.host[h as usize * 4..(h as usize + 1) * 4].copy_from_slice(&bytes);
     }
-    let parents = [None, Some(look.remaining_hashes[0])];
-    let n = s
-        .m
-        .commit_host_blocks(&hs, &look.remaining_hashes, &parents, look.salt_digest, &a[..8], true)
-        .unwrap();
+    let parents = [None, Some(look.hashes[0])];
+    let n =
+        s.m.commit_host_blocks(&hs, &look.hashes, &parents, look.salt_digest, &a[..8], true)
+            .unwrap();
     assert_eq!(n, 2);
     s.m.check_invariants().unwrap();
     let r = s.admit_only(5, &a);
@@ -291,7 +304,10 @@ fn a_load_in_flight_is_shared_and_emitted_before_any_reader_runs() {
     // A second admission before any step hits the device blocks the load fills.
     let r2 = s.admit_only(4, &a);
     assert_eq!((r2.cached_tokens_gpu, r2.cached_tokens_host), (12, 0));
-    assert_eq!(s.m.block_table(3).unwrap()[..3], s.m.block_table(4).unwrap()[..3]);
+    assert_eq!(
+        s.m.block_table(3).unwrap()[..3],
+        s.m.block_table(4).unwrap()[..3]
+    );
     // A step scheduling only the second reader still emits the load (before its forward).
     let info = s.step(&[4], &[1]);
     assert_eq!(info.num_swap_in, 3);
@@ -310,7 +326,10 @@ fn short_or_slow_host_runs_are_recomputed() {
     s.step(&[], &[]);
     assert_eq!(s.m.lookup_tiers(&a, None).unwrap().host_blocks, 2);
     let r = s.admit_only(3, &a);
-    assert_eq!(r.cached_tokens, 0, "two host hits are fewer than host_load_min_blocks");
+    assert_eq!(
+        r.cached_tokens, 0,
+        "two host hits are fewer than host_load_min_blocks"
+    );
     assert!(s.m.pending_swap_in().is_empty());
     s.step(&[3], &[9]);
     assert_eq!(s.content(3), s.expect(3));
@@ -359,7 +378,7 @@ fn swapped_blocks_win_over_host_cached_ones() {
     assert_eq!(s.m.stats().host_cached_blocks, 0);
     s.free(5);
     s.m.swap_in(&[3]).unwrap();
-    s.step(&[3], &[0]);
+    s.step(&[], &[]);
     assert_eq!(s.content(3), s.expect(3));
     // Too few host blocks for a swap-out counts the host-cached ones as available.
     assert!(matches!(
@@ -376,16 +395,16 @@ fn commit_rules_and_errors_change_nothing() {
     let mut s = Sim::new(config(8, 4));
     let a = toks(9, 100);
     let look = s.m.lookup_tiers(&a, None).unwrap();
-    assert_eq!(look.remaining_hashes.len(), 2);
+    assert_eq!(look.hashes.len(), 2);
     let hs = s.m.reserve_host_blocks(2).unwrap();
-    let parents = [None, Some(look.remaining_hashes[0])];
+    let parents = [None, Some(look.hashes[0])];
     let stats = s.m.stats();
     let bad = [
-        s.m.commit_host_blocks(&hs, &look.remaining_hashes[..1], &parents, 0, &a[..8], true),
-        s.m.commit_host_blocks(&hs, &look.remaining_hashes, &parents, 0, &a[..7], true),
-        s.m.commit_host_blocks(&[hs[0], hs[0]], &look.remaining_hashes, &parents, 0, &a[..8], true),
-        s.m.commit_host_blocks(&[3, hs[1]], &look.remaining_hashes, &parents, 0, &a[..8], true),
-        s.m.commit_host_blocks(&[99, hs[1]], &look.remaining_hashes, &parents, 0, &a[..8], true),
+        s.m.commit_host_blocks(&hs, &look.hashes[..1], &parents, 0, &a[..8], true),
+        s.m.commit_host_blocks(&hs, &look.hashes, &parents, 0, &a[..7], true),
+        s.m.commit_host_blocks(&[hs[0], hs[0]], &look.hashes, &parents, 0, &a[..8], true),
+        s.m.commit_host_blocks(&[3, hs[1]], &look.hashes, &parents, 0, &a[..8], true),
+        s.m.commit_host_blocks(&[99, hs[1]], &look.hashes, &parents, 0, &a[..8], true),
     ];
     for r in bad {
         assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
@@ -393,32 +412,45 @@ fn commit_rules_and_errors_change_nothing() {
     assert_eq!(s.m.stats(), stats);
     s.m.check_invariants().unwrap();
     // A failed fetch frees its blocks.
-    let n = s
-        .m
-        .commit_host_blocks(&hs, &look.remaining_hashes, &parents, look.salt_digest, &a[..8], false)
+    let n =
+        s.m.commit_host_blocks(
+            &hs,
+            &look.hashes,
+            &parents,
+            look.salt_digest,
+            &a[..8],
+            false,
+        )
         .unwrap();
     assert_eq!(n, 0);
     assert_eq!(s.m.num_free_host_blocks(), 4);
     // Committing twice: the second is not reserved any more.
     assert!(matches!(
-        s.m.commit_host_blocks(&hs, &look.remaining_hashes, &parents, 0, &a[..8], true),
+        s.m.commit_host_blocks(&hs, &look.hashes, &parents, 0, &a[..8], true),
         Err(Error::InvalidArgument { .. })
     ));
     // A reservation made before a reset is not indexed by its commit.
     let hs = s.m.reserve_host_blocks(2).unwrap();
     s.m.reset_prefix_cache().unwrap();
-    let n = s
-        .m
-        .commit_host_blocks(&hs, &look.remaining_hashes, &parents, look.salt_digest, &a[..8], true)
-        .unwrap();
+    let n =
+        s.m.commit_host_blocks(&hs, &look.hashes, &parents, look.salt_digest, &a[..8], true)
+            .unwrap();
     assert_eq!(n, 0);
     assert_eq!(s.m.num_free_host_blocks(), 4);
     // A hash already indexed keeps its block; the duplicate is freed.
     let hs = s.m.reserve_host_blocks(2).unwrap();
     let salt = look.salt_digest;
-    let h = &look.remaining_hashes;
-    assert_eq!(s.m.commit_host_blocks(&hs[..1], &h[..1], &[None], salt, &a[..4], true).unwrap(), 1);
-    assert_eq!(s.m.commit_host_blocks(&hs[1..], &h[..1], &[None], salt, &a[..4], true).unwrap(), 0);
+    let h = &look.hashes;
+    assert_eq!(
+        s.m.commit_host_blocks(&hs[..1], &h[..1], &[None], salt, &a[..4], true)
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        s.m.commit_host_blocks(&hs[1..], &h[..1], &[None], salt, &a[..4], true)
+            .unwrap(),
+        0
+    );
     assert_eq!(s.m.num_free_host_blocks(), 3);
     assert!(matches!(
         s.m.reserve_host_blocks(5),
@@ -468,11 +500,20 @@ fn host_events_record_offloads_and_demotions() {
         .iter()
         .filter(|e| e.kind == KvEventKind::Stored && e.medium == Medium::Host)
         .collect();
-    let hashes: Vec<u128> = stored.iter().flat_map(|e| e.block_hashes.clone()).collect();
-    assert_eq!(hashes, la.remaining_hashes);
-    assert_eq!(stored[0].parent_hash, None);
-    let tokens: Vec<TokenId> = stored.iter().flat_map(|e| e.token_ids.clone()).collect();
-    assert_eq!(tokens, a[..8]);
+    // The cached-free LRU evicts a chain tail first: one event per block, each with its
+    // parent and tokens.
+    let (h0, h1) = (la.hashes[0], la.hashes[1]);
+    let got: Vec<(Vec<u128>, Option<u128>, Vec<TokenId>)> = stored
+        .iter()
+        .map(|e| (e.block_hashes.clone(), e.parent_hash, e.token_ids.clone()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (vec![h1], Some(h0), a[4..8].to_vec()),
+            (vec![h0], None, a[..4].to_vec()),
+        ]
+    );
 }
 
 #[test]
@@ -496,19 +537,28 @@ fn without_the_tier_nothing_is_offloaded() {
     let mut bad = config(8, 0);
     assert!(matches!(
         BlockManager::new(bad.clone()),
-        Err(Error::InvalidConfig { field: "host_cache", .. })
+        Err(Error::InvalidConfig {
+            field: "host_cache",
+            ..
+        })
     ));
     bad.num_host_blocks = 4;
     bad.verify_prefix = false;
     assert!(matches!(
         BlockManager::new(bad),
-        Err(Error::InvalidConfig { field: "host_cache", .. })
+        Err(Error::InvalidConfig {
+            field: "host_cache",
+            ..
+        })
     ));
     let mut wt = config(8, 4);
     wt.host_cache = false;
     wt.host_write_through = true;
     assert!(matches!(
         BlockManager::new(wt),
-        Err(Error::InvalidConfig { field: "host_write_through", .. })
+        Err(Error::InvalidConfig {
+            field: "host_write_through",
+            ..
+        })
     ));
 }

@@ -231,9 +231,8 @@ impl BlockManager {
 
     /// How far a prompt is cached in each tier, for the engine to probe lower tiers (disk, a
     /// remote store) for the blocks after: the device hits, the host hits after them (whatever
-    /// the load-or-recompute rule would decide), the hashes of the full blocks after those (up to
-    /// the `(len - 1) / B` an admission may share), the hash before them and the chain's salt
-    /// digest. Read-only. Errors: `InvalidArgument` for an empty prompt or malformed keys.
+    /// the load-or-recompute rule would decide), the hashes of all the full blocks an admission
+    /// may share (the first `(len - 1) / B`) and the chain's salt digest. Read-only. Errors: `InvalidArgument` for an empty prompt or malformed keys.
     pub fn lookup_tiers(&self, tokens: &[TokenId], keys: Option<&SeqKeys>) -> Result<TierLookup> {
         if tokens.is_empty() {
             return Err(Error::InvalidArgument {
@@ -273,12 +272,14 @@ impl BlockManager {
                 &mut hashes,
             );
         }
+        hashes.truncate(max_hit);
         let start = (gpu + host).min(max_hit);
         Ok(TierLookup {
             gpu_blocks: gpu,
             host_blocks: host,
-            remaining_hashes: hashes[start..max_hit].to_vec(),
+            remaining_hashes: hashes[start..].to_vec(),
             parent_hash: start.checked_sub(1).map(|i| hashes[i]),
+            hashes,
             salt_digest: root,
         })
     }
