@@ -937,12 +937,88 @@ fn config() -> impl Strategy<Value = ManagerConfig> {
         )
 }
 
+/// Configurations with the host tier on: prefix caching with verify, a small or a large host pool,
+/// write-back or write-through.
+fn tier_config() -> impl Strategy<Value = ManagerConfig> {
+    (
+        config(),
+        prop::sample::select(vec![2u32, 3, 6, 40]),
+        any::<bool>(),
+    )
+        .prop_map(|(mut c, host, through)| {
+            c.enable_prefix_caching = true;
+            c.verify_prefix = true;
+            c.num_host_blocks = host;
+            c.host_cache = true;
+            c.host_write_through = through;
+            c
+        })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 3000, ..ProptestConfig::default() })]
 
     #[test]
     fn manager_matches_model(
         cfg in config(),
+        max_copies in prop::sample::select(vec![1usize, 2, 128]),
+        max_swaps in prop::sample::select(vec![1usize, 3, 256]),
+        ops in prop::collection::vec(op(), 1..100),
+    ) {
+        let bs = cfg.block_size as usize;
+        let layout = StepLayout {
+            max_seqs: 16,
+            max_tokens: 4096,
+            max_blocks_per_seq: cfg.max_blocks_per_seq as usize,
+            max_copies,
+            max_swaps,
+        };
+        let mut h = Harness {
+            kv: vec![None; cfg.num_blocks as usize * bs],
+            host_kv: vec![None; cfg.num_host_blocks as usize * bs],
+            m: BlockManager::new(cfg).unwrap(),
+            model: HashMap::new(),
+            bs,
+            ob: OwnedStepBuffers::new(layout),
+        };
+        for op in &ops {
+            h.apply(op);
+        }
+        // Drain: empty steps until the swap queues are empty, step everything, free everything;
+        // nothing leaks.
+        for _ in 0..64 {
+            if h.m.pending_swap_out().is_empty() && h.m.pending_swap_in().is_empty() {
+                break;
+            }
+            h.apply(&Op::Step { mask: 0 });
+        }
+        prop_assert!(h.m.pending_swap_out().is_empty() && h.m.pending_swap_in().is_empty());
+        let live: Vec<SeqId> = h.model.keys().copied().collect();
+        h.apply(&Op::Step { mask: live.iter().fold(0u16, |m, &s| m | 1 << s) });
+        for s in live {
+            h.apply(&Op::Free { seq: s });
+        }
+        h.apply(&Op::Step { mask: 0 });
+        prop_assert_eq!(h.m.num_free_blocks(), h.m.config().num_blocks as usize);
+        prop_assert_eq!(h.m.stats().used_blocks, 0);
+        // Host-cached blocks stay, unreferenced; everything else of the host pool is free.
+        let st = h.m.stats();
+        prop_assert_eq!(
+            h.m.num_free_host_blocks() + st.host_cached_blocks as usize,
+            h.m.config().num_host_blocks as usize
+        );
+        if !h.m.config().host_cache {
+            prop_assert_eq!(st.host_cached_blocks + st.offloaded_blocks + st.host_hit_tokens, 0);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn manager_with_host_tier_matches_model(
+        cfg in tier_config(),
         max_copies in prop::sample::select(vec![1usize, 2, 128]),
         max_swaps in prop::sample::select(vec![1usize, 3, 256]),
         ops in prop::collection::vec(op(), 1..100),

@@ -317,8 +317,8 @@ fn demotions_carry_the_block_and_its_bytes() {
     );
     let lk = s.m.lookup_tiers(&a, None).unwrap();
     assert_eq!((lk.gpu_blocks, lk.host_blocks), (0, 0));
-    assert!(s.disk.contains_key(&lk.remaining_hashes[0]));
-    assert!(s.disk.contains_key(&lk.remaining_hashes[1]));
+    assert!(s.disk.contains_key(&lk.hashes[0]));
+    assert!(s.disk.contains_key(&lk.hashes[1]));
     let ev = s.events();
     assert!(ev
         .iter()
@@ -371,10 +371,7 @@ fn reserve_and_commit_fill_the_host_tier() {
     let mut s = Sim::new(config(8, 4), 16);
     let a = toks(13, 100);
     let lk = s.m.lookup_tiers(&a, None).unwrap();
-    assert_eq!(
-        (lk.gpu_blocks, lk.host_blocks, lk.remaining_hashes.len()),
-        (0, 0, 3)
-    );
+    assert_eq!((lk.gpu_blocks, lk.host_blocks, lk.hashes.len()), (0, 0, 3));
     assert_eq!(lk.parent_hash, None);
     let hs = s.m.reserve_host_blocks(3).unwrap();
     s.m.check_invariants().unwrap();
@@ -392,14 +389,10 @@ fn reserve_and_commit_fill_the_host_tier() {
             s.host[h as usize * B as usize + o] = a[i * B as usize + o] as i64;
         }
     }
-    let parents = [
-        None,
-        Some(lk.remaining_hashes[0]),
-        Some(lk.remaining_hashes[1]),
-    ];
+    let parents = [None, Some(lk.hashes[0]), Some(lk.hashes[1])];
     let bad = s.m.commit_host_blocks(
         &hs[..2],
-        &lk.remaining_hashes[..1],
+        &lk.hashes[..1],
         &parents[..1],
         lk.salt_digest,
         &a[..8],
@@ -408,7 +401,7 @@ fn reserve_and_commit_fill_the_host_tier() {
     assert!(matches!(bad, Err(Error::InvalidArgument { .. })));
     let bad = s.m.commit_host_blocks(
         &[3],
-        &lk.remaining_hashes[..1],
+        &lk.hashes[..1],
         &parents[..1],
         lk.salt_digest,
         &a[..4],
@@ -420,19 +413,12 @@ fn reserve_and_commit_fill_the_host_tier() {
     ));
     s.m.check_invariants().unwrap();
     let n =
-        s.m.commit_host_blocks(
-            &hs,
-            &lk.remaining_hashes,
-            &parents,
-            lk.salt_digest,
-            &a[..12],
-            true,
-        )
-        .unwrap();
+        s.m.commit_host_blocks(&hs, &lk.hashes, &parents, lk.salt_digest, &a[..12], true)
+            .unwrap();
     assert_eq!(n, 3);
     s.m.check_invariants().unwrap();
     let lk2 = s.m.lookup_tiers(&a, None).unwrap();
-    assert_eq!((lk2.host_blocks, lk2.remaining_hashes.len()), (3, 0));
+    assert_eq!((lk2.host_blocks, lk2.hashes.len()), (3, 3));
     let r = s.m.admit(1, &a).unwrap();
     assert_eq!(r.cached_tokens_host, 12);
     s.tokens.insert(1, a.clone());
@@ -445,7 +431,7 @@ fn reserve_and_commit_fill_the_host_tier() {
     let n =
         s.m.commit_host_blocks(
             &hs,
-            &lk.remaining_hashes[..1],
+            &lk.hashes[..1],
             &[None],
             lk.salt_digest,
             &b[..4],
@@ -473,15 +459,8 @@ fn a_reset_voids_reservations() {
     let hs = s.m.reserve_host_blocks(1).unwrap();
     s.m.reset_prefix_cache().unwrap();
     let n =
-        s.m.commit_host_blocks(
-            &hs,
-            &lk.remaining_hashes[..1],
-            &[None],
-            lk.salt_digest,
-            &a[..4],
-            true,
-        )
-        .unwrap();
+        s.m.commit_host_blocks(&hs, &lk.hashes[..1], &[None], lk.salt_digest, &a[..4], true)
+            .unwrap();
     assert_eq!(n, 0);
     assert_eq!(s.m.num_free_host_blocks(), 4);
     s.m.check_invariants().unwrap();
