@@ -304,6 +304,8 @@ class DiskStore:
                     header.payload_len != self.block_bytes
                     or header.token_count > self.max_tokens
                     or header.block_hash in self._index
+                    # A record past the end of a truncated file cannot be whole.
+                    or i * self.slot_bytes + header.record_size > size
                 ):
                     continue
                 self._index[header.block_hash] = slot
