@@ -109,12 +109,12 @@ def _check_u128(what: str, value: Any) -> int:
             f"{what} must be an integer in [0, 2**128), got {value!r}", what=what, value=value,
             reason="not an integer",
         )
-    value = int(value)
-    if not 0 <= value < _U128:
+    number = int(value)
+    if not 0 <= number < _U128:
         raise InvalidArgumentError(
-            f"{what} must be in [0, 2**128), got {value}", what=what, value=value, reason="out of range"
+            f"{what} must be in [0, 2**128), got {number}", what=what, value=number, reason="out of range"
         )
-    return value
+    return number
 
 
 def _token_array(token_ids: Any) -> np.ndarray:
@@ -432,7 +432,7 @@ def _check_prefix(
     tok_end = HEADER_BYTES + 4 * ntok
     if view.nbytes < tok_end:
         return Reason.TRUNCATED
-    if view[HEADER_BYTES:tok_end] != memoryview(tokens).cast("B"):
+    if view[HEADER_BYTES:tok_end] != tokens.tobytes():
         return Reason.TOKENS_MISMATCH
     return None
 

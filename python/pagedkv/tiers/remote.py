@@ -26,7 +26,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Callable, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Optional, Sequence, Tuple, Type, TypeVar
 
 from .. import _optional
 from ..errors import InvalidArgumentError, InvalidConfigError
@@ -128,9 +128,9 @@ class RemoteStore:
                 f"remote url {url!r} is not a Redis URL: {exc}", field="url", value=url, reason=str(exc)
             ) from None
         self.url = url
-        self._errors: Tuple[type, ...] = (redis.RedisError, OSError)
-        self._timeouts: Tuple[type, ...] = (redis.TimeoutError, socket.timeout)
-        self._down: Tuple[type, ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self._errors: Tuple[Type[BaseException], ...] = (redis.RedisError, OSError)
+        self._timeouts: Tuple[Type[BaseException], ...] = (redis.TimeoutError, socket.timeout)
+        self._down: Tuple[Type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
         self._lock = threading.Lock()
         self._stats = TierStats()
         self._down_until = 0.0
