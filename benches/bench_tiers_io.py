@@ -99,14 +99,15 @@ def run_store(label: str, make: Callable[[], Any], metas: List[BlockMeta], data:
         for i in range(n):
             s.remove(metas[i].block_hash)
         rows.append(batch("put_async batch", lambda i: s.put_async(metas[i], data[i]), n, block_bytes))
-        outs = [np.empty(block_bytes, np.uint8) for _ in range(min(n, 16))]
-        rows.append(
-            batch("get_into_async batch", lambda i: s.get_into_async(metas[i], outs[i % len(outs)]), n, block_bytes)
-        )
+        # One destination per read in flight: a buffer two reads share would fail their checks.
+        outs = [np.ones(block_bytes, np.uint8) for _ in range(n)]
+        rows.append(batch("get_into_async batch", lambda i: s.get_into_async(metas[i], outs[i]), n, block_bytes))
         hashes = [m.block_hash for m in metas[:64]]
         lp = timed_each(lambda i: s.longest_prefix(hashes), 50)
         rows.append({"op": f"longest_prefix({len(hashes)})", "blocks": None, "mb_s": None,
                      "p50_ms": statistics.median(lp) * 1e3, "p99_ms": sorted(lp)[48] * 1e3})
+        for m in metas:  # the next run starts empty
+            s.remove(m.block_hash)
     for row in rows:
         row["store"] = label
     return rows
@@ -187,7 +188,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         shutil.rmtree(os.path.join(tmp, "probe"))
         rows += median_of(args.reps, lambda: run_store(
             "disk",
-            lambda: DiskStore(os.path.join(tmp, "cache"), args.blocks * slot, fp, args.block_bytes,
+            lambda: DiskStore(tempfile.mkdtemp(prefix="cache-", dir=tmp), args.blocks * slot, fp, args.block_bytes,
                               threads=args.threads, max_tokens=TOKENS),
             metas, data, args.block_bytes, cold=drop_page_cache,
         ))

@@ -1,7 +1,8 @@
 """The tiers of the prefix cache below the host: a local disk store and a shared Redis/Valkey store.
 
 Owns the block record format (:mod:`.record`), the layout fingerprint that namespaces every tier
-(:mod:`.fingerprint`), :class:`DiskStore` (:mod:`.disk`) and :class:`RemoteStore` (:mod:`.remote`).
+(:mod:`.fingerprint`), :class:`DiskStore` (:mod:`.disk`), :class:`RemoteStore` (:mod:`.remote`)
+and :class:`TierFetcher` (:mod:`.fetcher`), which reads a request's prefix across them.
 Both stores hold a host block's bytes verbatim, keyed by its chained prefix hash, and serve a block
 only after its record verified (fingerprint, hash, salt digest, token ids, checksum): anything else
 is a counted miss. ``redis`` is imported only when a :class:`RemoteStore` is built.
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .disk import DiskStore, load_or_create_hash_key
+from .fetcher import FetcherStats, TierFetcher
 from .fingerprint import fingerprint, fingerprint_for_spec
 from .record import BlockMeta, Reason, TierStats, decode, decode_checked, encode
 
@@ -21,8 +23,10 @@ if TYPE_CHECKING:
 __all__ = [
     "BlockMeta",
     "DiskStore",
+    "FetcherStats",
     "Reason",
     "RemoteStore",
+    "TierFetcher",
     "TierStats",
     "decode",
     "decode_checked",
