@@ -449,3 +449,52 @@ def test_concurrent_puts_and_gets_never_return_wrong_bytes(tmp_path):
         held = [i for i in range(40) if s.contains(meta(i).block_hash)]
         assert len(held) == 12
         assert all(s.get(meta(i)) == payload(i) for i in held)
+
+
+def test_use_after_close_raises_store_closed(tmp_path):
+    from pagedkv.tiers import StoreClosedError
+
+    s = store(tmp_path)
+    s.put(meta(0), payload(0))
+    s.close()
+    for call in (
+        lambda: s.put(meta(1), payload(1)), lambda: s.put_async(meta(1), payload(1)),
+        lambda: s.get(meta(0)), lambda: s.get_async(meta(0)), lambda: s.contains(meta(0).block_hash),
+        lambda: s.longest_prefix([meta(0).block_hash]), lambda: s.remove(meta(0).block_hash),
+    ):
+        with pytest.raises(StoreClosedError, match=r"DiskStore\(.*\) is closed"):
+            call()
+    assert s.stats().blocks == 1
+    assert [n for n in os.listdir(tmp_path) if n.endswith(".pkv")] == [os.path.basename(segment_file(tmp_path))]
+
+
+_FSIZE_SCRIPT = r"""
+import os, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
+from pagedkv.tiers import BlockMeta, DiskStore, fingerprint
+fp = fingerprint("test/tiny-llama", "bfloat16", 16, 2, 2, 8)
+block = 8192
+s = DiskStore(sys.argv[1], 8 * 12288, fp, block, max_tokens=16)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4 * 12288, resource.RLIM_INFINITY))
+m = BlockMeta(1, None, 0, list(range(16)))
+ok = s.put(m, bytes(block))
+ok_async = s.put_async(BlockMeta(2, None, 0, list(range(16))), bytes(block)).result()
+got = s.get(m)
+st = s.stats()
+print(ok, ok_async, got is None, st.errors, st.dropped, st.puts, st.misses)
+"""
+
+
+def test_a_file_system_refusing_the_segment_is_a_counted_drop(tmp_path):
+    """The process may not grow files past 4 slots (RLIMIT_FSIZE), so preallocating the 8-slot
+    segment fails with EFBIG: puts are dropped and counted, nothing raises."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run(
+        [sys.executable, "-c", _FSIZE_SCRIPT, str(tmp_path / "d")], capture_output=True, text=True,
+        env=env, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False", "True", "2", "2", "0", "1"]

@@ -112,3 +112,13 @@ def test_spill_writes_every_tier_and_arguments_are_checked(tmp_path):
         with pytest.raises(InvalidConfigError, match=r"one size, got \[4096, 8192\]"):
             TierFetcher([a, c])
     a.close(), b.close()
+
+
+def test_fetch_after_close_raises_store_closed(tmp_path):
+    from pagedkv.tiers import StoreClosedError
+
+    with disk(tmp_path / "d") as d:
+        f = TierFetcher([d])
+        f.close()
+        with pytest.raises(StoreClosedError, match=r"is closed"):
+            f.fetch_into([meta(0)], buffers(1))

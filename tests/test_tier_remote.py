@@ -177,3 +177,20 @@ def test_without_redis_py_the_error_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "redis", None)
     with pytest.raises(MissingDependencyError, match=r"pip install 'pagedkv\[remote\]'"):
         RemoteStore("redis://127.0.0.1:1/0", FP, BLOCK)
+
+
+def test_use_after_close_raises_store_closed(redis_server):
+    from pagedkv.tiers import StoreClosedError
+
+    s = RemoteStore(redis_server.url, FP, BLOCK)
+    s.put(meta(0), payload(0))
+    s.close()
+    s.close()  # idempotent
+    for call in (
+        lambda: s.put(meta(1), payload(1)), lambda: s.get(meta(0)), lambda: s.get_async(meta(0)),
+        lambda: s.contains(meta(0).block_hash), lambda: s.longest_prefix([meta(0).block_hash]),
+        lambda: s.remove(meta(0).block_hash),
+    ):
+        with pytest.raises(StoreClosedError, match=r"RemoteStore\('redis://127.0.0.1:\d+/0'.*\) is closed"):
+            call()
+    assert raw_client(redis_server).exists(s.key(meta(0).block_hash)) == 1

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from .disk import DiskStore, load_or_create_hash_key
 from .fetcher import FetcherStats, TierFetcher
 from .fingerprint import fingerprint, fingerprint_for_spec
-from .record import BlockMeta, Reason, TierStats, decode, decode_checked, encode
+from .record import BlockMeta, Reason, StoreClosedError, TierStats, decode, decode_checked, encode
 
 if TYPE_CHECKING:
     from .remote import RemoteStore
@@ -26,6 +26,7 @@ __all__ = [
     "FetcherStats",
     "Reason",
     "RemoteStore",
+    "StoreClosedError",
     "TierFetcher",
     "TierStats",
     "decode",

@@ -50,6 +50,7 @@ from .record import (
     BlockMeta,
     Buffer,
     Reason,
+    StoreClosedError,
     TierStats,
     as_byte_view,
     encode_parts,
@@ -315,7 +316,12 @@ class DiskStore:
 
     # ---------------------------------------------------------------- argument checks
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"{self!r} is closed", store=repr(self))
+
     def _check_meta(self, meta: Any) -> BlockMeta:
+        self._check_open()
         if not isinstance(meta, BlockMeta):
             raise InvalidArgumentError(
                 f"meta must be a pagedkv.tiers.BlockMeta, got {type(meta).__name__}", what="meta",
@@ -524,12 +530,14 @@ class DiskStore:
 
     def contains(self, block_hash: int) -> bool:
         """Whether the block is stored (its bytes are checked only when read)."""
+        self._check_open()
         h = self._check_hash(block_hash)
         with self._lock:
             return h in self._index
 
     def longest_prefix(self, hashes: Sequence[int]) -> int:
         """How many of the leading ``hashes`` are stored."""
+        self._check_open()
         checked = [self._check_hash(h) for h in hashes]
         with self._lock:
             n = 0
@@ -541,6 +549,7 @@ class DiskStore:
 
     def remove(self, block_hash: int) -> bool:
         """Drop one block; ``True`` if it was stored."""
+        self._check_open()
         h = self._check_hash(block_hash)
         with self._lock:
             slot = self._index.get(h)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Protocol, Sequence
 
 from ..errors import InvalidArgumentError, InvalidConfigError
-from .record import BlockMeta, Buffer, TierStats
+from .record import BlockMeta, Buffer, StoreClosedError, TierStats
 
 __all__ = ["BlockStore", "FetcherStats", "TierFetcher"]
 
@@ -78,6 +78,7 @@ class TierFetcher:
         self._lock = threading.Lock()
         self._stats = FetcherStats(fetched=[0] * len(self.tiers))
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pagedkv-fetch")
+        self._closed = False
 
     def locate(self, hashes: Sequence[int]) -> List[int]:
         """The tier to read each leading block from; stops at the first block no tier holds.
@@ -108,6 +109,8 @@ class TierFetcher:
         The buffers must not be touched until the future is done; past the count their contents are
         unspecified. Arguments are checked here; the future never holds an exception.
         """
+        if self._closed:
+            raise StoreClosedError(f"{self!r} is closed", store=repr(self))
         metas = list(metas)
         outs = list(outs)
         if len(outs) != len(metas):
@@ -186,7 +189,8 @@ class TierFetcher:
             return FetcherStats(list(self._stats.fetched), self._stats.failed, self._stats.promoted)
 
     def close(self) -> None:
-        """Finish queued fetches (the tiers are the caller's to close)."""
+        """Finish queued fetches (the tiers are the caller's to close). Idempotent."""
+        self._closed = True
         self._pool.shutdown(wait=True)
 
     def __enter__(self) -> "TierFetcher":

@@ -35,7 +35,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import numpy as np
 import xxhash
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, PagedKVError
 
 __all__ = [
     "MAGIC",
@@ -56,6 +56,7 @@ __all__ = [
     "decode_checked",
     "verify_split",
     "as_byte_view",
+    "StoreClosedError",
 ]
 
 MAGIC = b"PKVB"
@@ -75,6 +76,17 @@ HEADER_BYTES = _HEADER.size
 assert HEADER_BYTES == 88
 
 Buffer = Union[bytes, bytearray, memoryview, Any]
+
+
+class StoreClosedError(PagedKVError, RuntimeError):
+    """A tier store (or fetcher) was used after :meth:`close`.
+
+    Attributes: ``store`` (its ``repr``).
+    """
+
+    store: str
+
+    field_names = ("store",)
 
 
 class Reason(str, enum.Enum):

@@ -35,6 +35,7 @@ from .record import (
     BlockMeta,
     Buffer,
     Reason,
+    StoreClosedError,
     TierStats,
     as_byte_view,
     decode_checked,
@@ -169,7 +170,12 @@ class RemoteStore:
                     pass
             return False, None
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"{self!r} is closed", store=repr(self))
+
     def _check_meta(self, meta: Any) -> BlockMeta:
+        self._check_open()
         if not isinstance(meta, BlockMeta):
             raise InvalidArgumentError(
                 f"meta must be a pagedkv.tiers.BlockMeta, got {type(meta).__name__}", what="meta",
@@ -286,12 +292,14 @@ class RemoteStore:
 
     def contains(self, block_hash: int) -> bool:
         """Whether the server holds the block (``False`` when it cannot be asked)."""
+        self._check_open()
         key = self.key(block_hash)
         ok, n = self._call(lambda: self._client.exists(key))
         return bool(ok and n)
 
     def longest_prefix(self, hashes: Sequence[int]) -> int:
         """How many of the leading ``hashes`` the server holds: one round trip (pipelined EXISTS)."""
+        self._check_open()
         keys = [self.key(h) for h in hashes]
         if not keys:
             return 0
@@ -314,6 +322,7 @@ class RemoteStore:
 
     def remove(self, block_hash: int) -> bool:
         """Delete one block; ``True`` if the server held it."""
+        self._check_open()
         key = self.key(block_hash)
         ok, n = self._call(lambda: self._client.delete(key))
         return bool(ok and n)
