@@ -418,7 +418,7 @@ def test_concurrent_puts_and_gets_never_return_wrong_bytes(tmp_path):
     with store(tmp_path, slots=12, threads=4) as s:
         errors: list[BaseException] = []
         wrong: list[int] = []
-        hits = [0]
+        hits = [0] * 8  # one counter per thread: no shared read-modify-write
 
         def worker(seed: int) -> None:
             rng = np.random.default_rng(seed)
@@ -430,7 +430,7 @@ def test_concurrent_puts_and_gets_never_return_wrong_bytes(tmp_path):
                     else:
                         got = s.get(meta(i)) if rng.random() < 0.5 else s.get_async(meta(i)).result()
                         if got is not None:
-                            hits[0] += 1
+                            hits[seed] += 1
                             if got != payload(i):
                                 wrong.append(i)
             except BaseException as exc:  # noqa: BLE001 - reported below
@@ -443,7 +443,7 @@ def test_concurrent_puts_and_gets_never_return_wrong_bytes(tmp_path):
             t.join()
         assert errors == [] and wrong == []
         st_ = s.stats()
-        assert hits[0] == st_.hits > 0 and st_.corrupt == 0 and st_.errors == 0
+        assert sum(hits) == st_.hits > 0 and st_.corrupt == 0 and st_.errors == 0
         assert len(s) <= 12 and st_.evictions > 0
     with store(tmp_path, slots=12) as s:  # what the races left on disk all verifies
         held = [i for i in range(40) if s.contains(meta(i).block_hash)]

@@ -279,6 +279,11 @@ def encode_parts(fingerprint: bytes, meta: BlockMeta, payload: Buffer) -> Tuple[
     ``prefix`` is the header and token ids. Writing the three pieces back to back gives the record.
     """
     fp = _fingerprint_bytes(fingerprint)
+    if not isinstance(meta, BlockMeta):
+        raise InvalidArgumentError(
+            f"meta must be a pagedkv.tiers.BlockMeta, got {type(meta).__name__}", what="meta",
+            value=type(meta).__name__, reason="not a BlockMeta",
+        )
     body = as_byte_view(payload, "payload")
     tokens = meta.token_ids
     flags = 0 if meta.parent_hash is None else _FLAG_HAS_PARENT
