@@ -40,3 +40,9 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> "Iterator[RedisSer
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: "RedisServer") -> str:
+    """The URL of a fresh ``redis-server`` (the ``redis_server`` fixture's), for tests that only talk to it."""
+    return redis_server.url

@@ -75,10 +75,10 @@ def test_round_trip_keys_and_ttl(redis_server):
         assert 0 < raw_client(redis_server).pttl(s.key(meta(5).block_hash)) <= 30_000
 
 
-def test_two_engines_share_one_server(redis_server):
-    a = RemoteStore(redis_server.url, FP, BLOCK)
-    b = RemoteStore(redis_server.url, FP, BLOCK)
-    other = RemoteStore(redis_server.url, OTHER_FP, BLOCK)
+def test_two_engines_share_one_server(redis_url):
+    a = RemoteStore(redis_url, FP, BLOCK)
+    b = RemoteStore(redis_url, FP, BLOCK)
+    other = RemoteStore(redis_url, OTHER_FP, BLOCK)
     try:
         for i in range(4):
             a.put(meta(i), payload(i))
