@@ -122,3 +122,24 @@ def test_fetch_after_close_raises_store_closed(tmp_path):
         f.close()
         with pytest.raises(StoreClosedError, match=r"is closed"):
             f.fetch_into([meta(0)], buffers(1))
+
+
+def test_host_pool_blocks_round_trip_through_the_tiers(tmp_path):
+    """A real host tier: blocks spilled from HostKVPool slots come back verbatim into other slots."""
+    torch = pytest.importorskip("torch")
+    from pagedkv.config import CacheSpec
+    from pagedkv.swap import HostKVPool
+    from pagedkv.tiers import fingerprint_for_spec
+
+    spec = CacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", block_size=16)
+    host = HostKVPool(spec, 8, pin_memory=False)
+    torch.manual_seed(0)
+    host.kv.copy_(torch.randn(host.kv.shape).to(host.kv.dtype))
+    fp = fingerprint_for_spec("test/tiny-llama", spec)
+    metas = [BlockMeta(1000 + i, 999 + i if i else None, 7, list(range(16 * i, 16 * i + 16))) for i in range(3)]
+    with DiskStore(tmp_path / "d", 1 << 20, fp, spec.bytes_per_block, max_tokens=16) as d, TierFetcher([d]) as f:
+        for i, m in enumerate(metas):
+            assert all(x.result() for x in f.spill(m, host.raw[i].numpy()))
+        outs = [host.raw[5 + i].numpy() for i in range(3)]
+        assert f.fetch_into(metas, outs).result() == 3
+        assert torch.equal(host.kv[5:8].view(torch.int16), host.kv[0:3].view(torch.int16))
