@@ -11,9 +11,12 @@ blocks of ``--block-bytes`` are
 - put and read as a batch through ``put_async`` / ``get_into_async`` on the store's thread pool
   (``--threads``): MB/s of the whole batch.
 
+When the server was started here, two more rows say what a miss costs while it does not answer
+(SIGSTOP): the one call that waits for the 50 ms timeout, and the calls during the back-off after it.
+
 The disk figures also include a *cold* read: after an fsync the segment files' pages are dropped
 from the page cache (``posix_fadvise(DONTNEED)`` on files this process owns; no root needed), so
-``get_into`` goes to the device. Warm reads are page-cache copies plus the checksum.
+``get_into`` (one at a time, then as an async batch) goes to the device. Warm reads are page-cache copies plus the checksum.
 
 Each store is measured ``--reps`` times from scratch; the table shows each figure's median.
 
@@ -27,6 +30,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -95,6 +99,10 @@ def run_store(label: str, make: Callable[[], Any], metas: List[BlockMeta], data:
         if cold is not None:
             cold(s)
             rows.append(summary("get_into, cold", timed_each(lambda i: s.get_into(metas[i], out), n), block_bytes))
+            cold(s)
+            many = [np.ones(block_bytes, np.uint8) for _ in range(n)]
+            rows.append(batch("get_into_async, cold", lambda i: s.get_into_async(metas[i], many[i]), n, block_bytes))
+            del many
         assert s.stats().hits >= 2 * n and s.stats().corrupt == 0
         for i in range(n):
             s.remove(metas[i].block_hash)
@@ -136,6 +144,30 @@ def drop_page_cache(store: DiskStore) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def failure_rows(proc: "subprocess.Popen[bytes]", url: str, fp: bytes, block_bytes: int,
+                 meta: BlockMeta, data: np.ndarray) -> List[Dict[str, Any]]:
+    """What a miss costs while the server does not answer (SIGSTOP): the call that times out
+    (``timeout_s`` = 50 ms, the default) and the calls during the back-off after it."""
+    rows = []
+    with RemoteStore(url, fp, block_bytes, timeout_s=0.05, backoff_s=60) as s:
+        s.put(meta, data)
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.perf_counter()
+            assert s.get(meta) is None
+            first = time.perf_counter() - t0
+            during = timed_each(lambda i: s.get(meta), 1000)
+            assert s.stats().timeouts == 1 and s.stats().unavailable == 1000
+        finally:
+            proc.send_signal(signal.SIGCONT)
+    rows.append({"op": "get, server stopped", "blocks": 1, "mb_s": None, "p50_ms": first * 1e3, "p99_ms": None})
+    rows.append({"op": "get, backing off", "blocks": 1000, "mb_s": None,
+                 "p50_ms": statistics.median(during) * 1e3, "p99_ms": sorted(during)[989] * 1e3})
+    for row in rows:
+        row["store"] = "redis (failing)"
+    return rows
 
 
 def start_redis() -> tuple[Optional[subprocess.Popen[bytes]], Optional[str], Optional[str]]:
@@ -205,8 +237,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             ))
         else:
             print("redis-server not found: the remote tier is not measured", file=sys.stderr)
+        if proc is not None:
+            rows += failure_rows(proc, url, fp, args.block_bytes, metas[0], data[0])
     finally:
         if proc is not None:
+            proc.send_signal(signal.SIGCONT)
             proc.terminate()
             proc.wait()
 
