@@ -194,3 +194,56 @@ def test_use_after_close_raises_store_closed(redis_server):
         with pytest.raises(StoreClosedError, match=r"RemoteStore\('redis://127.0.0.1:\d+/0'.*\) is closed"):
             call()
     assert raw_client(redis_server).exists(s.key(meta(0).block_hash)) == 1
+
+
+def test_a_server_answering_garbage_is_a_counted_miss():
+    """A TCP peer that is not Redis (it answers every request with bytes no RESP parser accepts)."""
+    import socket
+    import threading
+
+    pytest.importorskip("redis")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.settimeout(1)
+                try:
+                    while conn.recv(65536):
+                        conn.sendall(b"?garbage\r\n")
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with RemoteStore(f"redis://127.0.0.1:{port}/0", FP, BLOCK, timeout_s=0.5, backoff_s=60) as s:
+            assert s.get(meta(0)) is None
+            assert not s.put(meta(0), payload(0))
+            st = s.stats()
+            assert st.errors + st.timeouts == 1 and st.unavailable == 1 and st.misses == 1
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+
+
+def test_an_error_reply_fails_only_its_call(redis_server):
+    """A full server (maxmemory reached, noeviction) refuses writes with -OOM but still serves reads:
+    the put is a counted drop and the store does not back off."""
+    with RemoteStore(redis_server.url, FP, BLOCK, backoff_s=60) as s:
+        s.put(meta(0), payload(0))
+        client = raw_client(redis_server)
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", "1")
+        assert not s.put(meta(1), payload(1))
+        st = s.stats()
+        assert (st.errors, st.dropped, st.unavailable) == (1, 1, 0)
+        assert s.get(meta(0)) == payload(0) and s.stats().unavailable == 0

@@ -8,7 +8,8 @@ the same hash key) share blocks: one engine's ``put`` is another's hit.
 **Failure model.** The server is a cache, not a dependency: a dead, restarting, overloaded or
 misbehaving server turns reads into misses and writes into drops, counted in :meth:`RemoteStore.stats`
 (``errors``, ``timeouts``), never an exception to the caller. Each socket operation is bounded by
-``timeout_s`` and redis-py's own retries are off. After a failure the store *backs off*: for
+``timeout_s`` and redis-py's own retries are off. After a failure (anything but an error reply
+such as ``OOM``, which fails only its call) the store *backs off*: for
 ``backoff_s`` every operation is a counted miss (``unavailable``) without touching the network, so a
 dead server costs nothing per engine step; the first operation after that probes the server again.
 
@@ -20,13 +21,14 @@ deleted (best effort) so it costs one miss, not one per reader. Bad arguments ra
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Callable, Optional, Sequence, Tuple, Type, TypeVar
+from typing import Any, Callable, Optional, Sequence, Set, Tuple, Type, TypeVar
 
 from .. import _optional
 from ..errors import InvalidArgumentError, InvalidConfigError
@@ -46,6 +48,7 @@ from .record import (
 __all__ = ["RemoteStore", "KEY_PREFIX"]
 
 KEY_PREFIX = "pagedkv"
+_log = logging.getLogger("pagedkv")
 _T = TypeVar("_T")
 
 
@@ -123,6 +126,7 @@ class RemoteStore:
                 retry_on_timeout=False,
                 retry=retry.Retry(backoff.NoBackoff(), 0),
                 health_check_interval=0,
+                **_python_packer(redis),
             )
         except (ValueError, TypeError) as exc:
             raise InvalidConfigError(
@@ -131,10 +135,13 @@ class RemoteStore:
         self.url = url
         self._errors: Tuple[Type[BaseException], ...] = (redis.RedisError, OSError)
         self._timeouts: Tuple[Type[BaseException], ...] = (redis.TimeoutError, socket.timeout)
-        self._down: Tuple[Type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
+        # A server that answered with an error reply is up (OOM, READONLY, ...): only that call
+        # fails. Anything else (refused, reset, timed out, a reply that does not parse) backs off.
+        self._answered: Tuple[Type[BaseException], ...] = (redis.ResponseError,)
         self._lock = threading.Lock()
         self._stats = TierStats()
         self._down_until = 0.0
+        self._logged: Set[type] = set()
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pagedkv-remote")
 
@@ -161,13 +168,23 @@ class RemoteStore:
                 self._count(timeouts=1)
             else:
                 self._count(errors=1)
-            if isinstance(exc, self._down):
+            if not isinstance(exc, self._answered):
                 self._down_until = time.monotonic() + self.backoff_s
                 try:
                     # Drop idle sockets to the old server: after a restart they are all dead.
                     self._client.connection_pool.disconnect(inuse_connections=False)
                 except Exception:  # noqa: BLE001 - tearing down sockets must not raise either
                     pass
+            return False, None
+        except Exception as exc:  # noqa: BLE001 - the contract: a failing tier is a miss
+            # Not a server failure redis-py names (a reply that does not parse, a bug): counted
+            # and logged once per type, and backed off like a failure, so it cannot repeat per step.
+            self._count(errors=1)
+            self._down_until = time.monotonic() + self.backoff_s
+            if type(exc) not in self._logged:
+                self._logged.add(type(exc))
+                _log.warning("remote tier %s: unexpected %s; served as a miss", self.url,
+                             type(exc).__name__, exc_info=True)
             return False, None
 
     def _check_open(self) -> None:
@@ -351,3 +368,21 @@ class RemoteStore:
 
     def __repr__(self) -> str:
         return f"RemoteStore({self.url!r}, fingerprint={self.fingerprint.hex()})"
+
+
+def _python_packer(redis: Any) -> dict[str, Any]:
+    """``command_packer=`` redis-py's pure-Python serializer, where this redis-py has one.
+
+    With ``hiredis`` installed redis-py also serializes commands through it, which copies a 2 MiB
+    value twice more and made ``put`` 4x slower on the dev box; its reply parser, the fast part, is
+    kept. The Python serializer sends a large value as its own buffer, without a copy.
+    """
+    connection = getattr(redis, "connection", None)
+    serializer = getattr(connection, "PythonRespSerializer", None)
+    encoder = getattr(connection, "Encoder", None)
+    if serializer is None or encoder is None:
+        return {}
+    try:
+        return {"command_packer": serializer(6000, encoder("utf-8", "strict", False).encode)}
+    except TypeError:  # another signature: keep redis-py's default
+        return {}
