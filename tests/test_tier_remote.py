@@ -157,6 +157,8 @@ def test_bad_arguments_raise_typed_errors(redis_server):
         RemoteStore(redis_server.url, b"x", BLOCK)
     with pytest.raises(InvalidConfigError, match=r"remote url 'http://x' is not a Redis URL"):
         RemoteStore("http://x", FP, BLOCK)
+    with pytest.raises(InvalidConfigError, match=r"remote url must be a non-empty string .* got None"):
+        RemoteStore(None, FP, BLOCK)  # type: ignore[arg-type]
     with RemoteStore(redis_server.url, FP, BLOCK) as s:
         with pytest.raises(InvalidArgumentError, match=r"data holds 10 bytes; this store's blocks are 8192"):
             s.put(meta(0), b"0123456789")

@@ -108,10 +108,14 @@ class RemoteStore:
                 f"threads must be an integer >= 1, got {threads!r}", field="threads", value=threads,
                 reason="must be >= 1",
             )
+        if not isinstance(url, str) or not url:
+            raise InvalidConfigError(
+                f"remote url must be a non-empty string such as 'redis://host:6379/0', got {url!r}",
+                field="url", value=url, reason="not a string",
+            )
         redis = _optional.require("redis", "RemoteStore")
         retry = _optional.require("redis.retry", "RemoteStore")
         backoff = _optional.require("redis.backoff", "RemoteStore")
-        self._redis = redis
         self.fingerprint = bytes(fingerprint)
         self.block_bytes = block_bytes
         self.timeout_s = float(timeout_s)
@@ -177,8 +181,8 @@ class RemoteStore:
                     pass
             return False, None
         except Exception as exc:  # noqa: BLE001 - the contract: a failing tier is a miss
-            # Not a server failure redis-py names (a reply that does not parse, a bug): counted
-            # and logged once per type, and backed off like a failure, so it cannot repeat per step.
+            # Not a failure redis-py names (a bug here or in redis-py): counted, logged once per
+            # type, and backed off like a failure, so it cannot repeat every step.
             self._count(errors=1)
             self._down_until = time.monotonic() + self.backoff_s
             if type(exc) not in self._logged:
