@@ -2,7 +2,8 @@
 
 Owns the record format shared by every tier below the host (:mod:`pagedkv.tiers.disk`,
 :mod:`pagedkv.tiers.remote`), :class:`BlockMeta` (a block's identity), :class:`Reason` (why a
-record was refused) and :class:`TierStats` (the counters both stores report).
+record was refused), :class:`TierStats` (the counters both stores report) and
+:class:`StoreClosedError` (a store used after ``close``).
 
 A record is, little-endian::
 
