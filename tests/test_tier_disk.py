@@ -498,3 +498,68 @@ def test_a_file_system_refusing_the_segment_is_a_counted_drop(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False", "True", "2", "2", "0", "1"]
+
+
+class DiskModel:
+    """What a DiskStore of ``slots`` slots must hold: keys in LRU order, each in a slot (the lowest
+    free slot, or the evicted block's), and after a restart the LRU order is the slot order."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.lru: "dict[int, int]" = {}  # key -> slot, oldest first (dicts keep insertion order)
+
+    def put(self, key: int) -> None:
+        if key in self.lru:
+            self.lru[key] = self.lru.pop(key)
+            return
+        used = set(self.lru.values())
+        free = [s for s in range(self.slots) if s not in used]
+        if free:
+            slot = free[0]
+        else:
+            oldest = next(iter(self.lru))
+            slot = self.lru.pop(oldest)
+        self.lru[key] = slot
+
+    def get(self, key: int) -> bool:
+        if key not in self.lru:
+            return False
+        self.lru[key] = self.lru.pop(key)
+        return True
+
+    def remove(self, key: int) -> bool:
+        return self.lru.pop(key, None) is not None
+
+    def restart(self) -> None:
+        self.lru = dict(sorted(self.lru.items(), key=lambda kv: kv[1]))
+
+
+_OPS = st.sampled_from(["put", "put", "put", "get", "get", "remove", "restart"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(_OPS, st.integers(0, 7)), min_size=5, max_size=60))
+def test_disk_store_follows_its_lru_model(tmp_path_factory, ops):
+    """Random puts, gets, removes and restarts over 4 slots and 8 blocks: the store holds exactly
+    the model's blocks, with their bytes, after every step."""
+    path = tmp_path_factory.mktemp("model")
+    model = DiskModel(4)
+    s = store(path, slots=4)
+    try:
+        for op, key in ops:
+            if op == "put":
+                assert s.put(meta(key), payload(key))
+                model.put(key)
+            elif op == "get":
+                got = s.get(meta(key))
+                assert (got is not None) == model.get(key)
+                assert got is None or got == payload(key)
+            elif op == "remove":
+                assert s.remove(meta(key).block_hash) == model.remove(key)
+            else:
+                s.close()
+                s = store(path, slots=4)
+                model.restart()
+            assert {k for k in range(8) if s.contains(meta(k).block_hash)} == set(model.lru)
+    finally:
+        s.close()
