@@ -723,7 +723,10 @@ class LLMEngine:
         if not batch.seqs:
             if self.kv_events is not None:
                 self.kv_events.flush()
-            if self._requests:
+            if self.tiers is not None and self.tiers.num_fetching:
+                # Only requests whose blocks are still coming from a lower tier are left.
+                self.tiers.wait()
+            elif self._requests:
                 self._unschedulable()
             return []
 

@@ -116,6 +116,8 @@ class TierCache:
         self._probed: Dict[int, bool] = {}
         #: Per sequence, the tier each committed fetched block came from (until admitted).
         self._fetched_by_seq: Dict[int, List[str]] = {}
+        #: The manager's host hits at the last admission (whose share was the fetched blocks').
+        self._host_hits = 0
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pagedkv-tier")
         self._writes: List["Future[Any]"] = []
         self.max_pending_writes = max_pending_writes
@@ -209,12 +211,35 @@ class TierCache:
         self._probed[key] = True
         return not self._start(seq)
 
+    @property
+    def num_fetching(self) -> int:
+        """Requests waiting for their blocks from a lower tier."""
+        return len(self._fetches)
+
+    def wait(self, timeout_s: float = 0.05) -> None:
+        """Blocks until some fetch finishes (or ``timeout_s``): what an engine with nothing else
+        to run does instead of spinning."""
+        from concurrent.futures import FIRST_COMPLETED
+        from concurrent.futures import wait as wait_futures
+
+        pending = [f for fetch in self._fetches.values() for _, f in fetch.futures if not f.done()]
+        if pending:
+            wait_futures(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
     def admitted(self, seq: Any, result: Any) -> None:
-        """``seq`` was admitted: the blocks fetched for it were hits of their lower tiers (its
-        admission counted them as host hits, the tier that now holds them)."""
-        for name in self._fetched_by_seq.pop(seq.seq_id, ()):
-            self.stats.fetched_tokens[name] += self.block_size
+        """``seq`` was admitted. The blocks fetched for it that its admission hit (in the host
+        tier, where they were put) count for the lower tiers they came from; a fetched block the
+        host tier dropped again before the admission is not a hit."""
+        names = self._fetched_by_seq.pop(seq.seq_id, None)
         self._probed.pop(seq.seq_id, None)
+        if names:
+            host_hits = int(self.manager.stats().host_hit_tokens)
+            hit_blocks = (host_hits - self._host_hits) // self.block_size
+            self._host_hits = host_hits
+            for name in names[:max(0, hit_blocks)]:
+                self.stats.fetched_tokens[name] += self.block_size
+        elif self.stores:
+            self._host_hits = int(self.manager.stats().host_hit_tokens)
 
     def forget(self, seq: Any) -> None:
         """Drops ``seq``'s state (it left unadmitted). A fetch still running is waited for and
@@ -246,7 +271,10 @@ class TierCache:
             plan.extend([(name, store)] * n)
             if len(plan) == len(rest):
                 break
-        n = len(plan)
+        # A run longer than the host tier can take now is fetched in part: its head is what
+        # an admission can use (a block after a gap in the chain is never a hit).
+        n = min(len(plan), self.manager.host_blocks_available())
+        plan = plan[:n]
         if n == 0:
             return False
         if not self._worth_loading(plan):
