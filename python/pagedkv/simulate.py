@@ -363,6 +363,8 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
                                  host_bytes_per_s=sim.host_link_bytes_per_s,
                                  disk_bytes_per_s=sim.disk_bytes_per_s)
         sched.admission_gate = tiers
+    if not sim.num_host_blocks:
+        sched.can_swap = False  # a host tier alone does not make preemption swap
     capacity = sim.num_blocks * B
     sharing = workload.sharing
     n_req = len(requests)

@@ -422,6 +422,10 @@ class LLMEngine:
                 self.cost_rates[1] if self.cost_rates else None,
                 events=self.kv_events.sink if self.kv_events is not None else None)
             self.scheduler.admission_gate = self.tiers
+            if config.host_blocks(self.runner.spec.bytes_per_block) == \
+                    config.host_cache_blocks(self.runner.spec.bytes_per_block):
+                # The host pool is the host tier's alone: preemption recomputes, as without it.
+                self.scheduler.can_swap = False
             bar.update(1)
         except BaseException:
             if self._tp is not None:
