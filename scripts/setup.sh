@@ -17,6 +17,20 @@ command -v cargo >/dev/null 2>&1 || die "cargo not found: install a Rust toolcha
 command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found: set PYTHON to a Python >= 3.9 interpreter"
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 9))' || die "Python >= 3.9 needed, $PYTHON is $("$PYTHON" -V 2>&1)"
 
+# The remote tier's tests run a real redis-server (tests/redis_server.py): Debian's package.
+if ! command -v redis-server >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then SUDO=""; elif command -v sudo >/dev/null 2>&1; then SUDO="sudo"; else SUDO="none"; fi
+    if [ "$SUDO" != none ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing redis-server (Debian package) for the remote tier's tests"
+        $SUDO apt-get install -y --no-install-recommends redis-server >/dev/null \
+            || { $SUDO apt-get update >/dev/null && $SUDO apt-get install -y --no-install-recommends redis-server >/dev/null; } \
+            || echo "setup: could not install redis-server; tests/test_tier_remote.py needs it (apt-get install redis-server)" >&2
+    else
+        echo "setup: redis-server is not installed and cannot be installed here (needs apt-get and root or sudo);" \
+            "tests/test_tier_remote.py will skip, or fail where PAGEDKV_REQUIRE_REDIS is set" >&2
+    fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
     echo "setup: creating virtualenv $VENV"
     "$PYTHON" -m venv "$VENV"

@@ -2,7 +2,8 @@
 # Set up (scripts/setup.sh), then run every check: rustfmt and clippy, the Rust core's unit,
 # property, stress and loom tests, a compile check of the benches, the release wheel's build and
 # install smoke test (scripts/wheel_smoke.sh), and the Python suite, which includes the typing
-# checks (mypy --strict on user code and the README, stubtest of the extension). Without a CUDA
+# checks (mypy --strict on user code and the README, stubtest of the extension) and the remote
+# tier's tests against a real redis-server (PAGEDKV_REQUIRE_REDIS=1: a missing server fails). Without a CUDA
 # device the Triton kernels run under TRITON_INTERPRET=1 and the `gpu`-marked tests skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +32,8 @@ echo "== the core install's dependency floors (numpy 1.26, tqdm 4.66), no torch"
 PYTHON="${PYTHON:-python3}" bash scripts/test_floors.sh
 
 echo "== pytest"
+# The remote tier's tests fail, rather than skip, when redis-server is missing (setup installs it).
+export PAGEDKV_REQUIRE_REDIS=1
 if ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
     export TRITON_INTERPRET=1
 fi

@@ -1,8 +1,14 @@
-"""Test configuration: the `gpu` marker skips its tests when no CUDA device is present."""
+"""Test configuration: the `gpu` marker skips its tests when no CUDA device is present; the
+``redis_server`` fixture runs a real redis-server for the remote tier (tests/redis_server.py)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Iterator
+
 import pytest
+
+if TYPE_CHECKING:
+    from redis_server import RedisServer
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -21,3 +27,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> "Iterator[RedisServer]":
+    """A fresh ``redis-server`` on a free loopback port (see tests/redis_server.py), killed after."""
+    from redis_server import RedisServer, redis_or_skip
+
+    server = RedisServer(redis_or_skip(), tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: "RedisServer") -> str:
+    """The URL of a fresh ``redis-server`` (the ``redis_server`` fixture's), for tests that only talk to it."""
+    return redis_server.url

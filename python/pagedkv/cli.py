@@ -16,9 +16,10 @@ matplotlib) happen inside handlers, so ``pagedkv --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
-from typing import Callable, NoReturn, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from ._checks import DEFAULT_BLOCK_SIZE
 from .config import (
@@ -226,6 +227,14 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
                    metavar="X", help="cost model: what a step costs however few tokens it carries, "
                                      "ms; recompute tokens under it ride along free (default: "
                                      f"{s.step_floor_s * 1e3:g}: linear)")
+    g = p.add_argument_group("tiers of the prefix cache (a sweep: every host x disk size)")
+    g.add_argument("--host-cache", type=_size, nargs="+", default=None, metavar="SIZE",
+                   help="host tier sizes to compare (e.g. 0 8GiB 32GiB; 0 = no tier); prints hit "
+                        "ratio by tier and modelled TTFT per size instead of paged vs contiguous")
+    g.add_argument("--disk-cache", type=_size, nargs="+", default=[0], metavar="SIZE",
+                   help="disk tier sizes under each host size (default: 0, none)")
+    g.add_argument("--disk-gbps", type=_float, default=s.disk_bytes_per_s / 1e9, metavar="X",
+                   help=f"modelled disk read rate, GB/s (default: {s.disk_bytes_per_s / 1e9:g})")
     g = p.add_argument_group("workload (lengths in tokens, time in scheduler steps)")
     g.add_argument("--requests", type=_positive_int, default=w.num_requests, metavar="N",
                    help=f"number of requests (default: {w.num_requests})")
@@ -296,6 +305,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
                     host_link_bytes_per_s=args.host_link_gbps * 1e9,
                     prefill_tokens_per_s=args.prefill_tps, kv_bytes_per_token=spec.bytes_per_token,
                     step_floor_s=args.step_floor_ms / 1e3)
+    if args.host_cache is not None:
+        return _run_tier_sweep(args, workload, sim, spec)
+    if args.disk_cache != [0]:
+        raise InvalidConfigError("--disk-cache needs --host-cache (the disk tier is filled from "
+                                 "the host tier)", field="disk_cache", value=args.disk_cache,
+                                 reason="needs --host-cache")
     started = time.perf_counter()
     result = simulate(workload, sim, progress=not (args.quiet or args.json),
                       record_timeline=args.plot is not None)
@@ -309,6 +324,35 @@ def _run_simulate(args: argparse.Namespace) -> int:
         from .simulate import plot_timeline
 
         plot_timeline(result, args.plot)
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def _run_tier_sweep(args: argparse.Namespace, workload: Any, sim: Any, spec: Any) -> int:
+    """``pagedkv simulate --host-cache ...``: the paged run per tier size pair."""
+    from dataclasses import asdict, replace
+
+    from .simulate import format_tier_sweep, plot_tier_sweep, simulate_tiers
+
+    block = spec.bytes_per_token * spec.block_size
+    sim = replace(sim, disk_bytes_per_s=args.disk_gbps * 1e9)
+    hosts = [n // block for n in args.host_cache]
+    disks = [n // block for n in args.disk_cache]
+    for given, blocks in zip(args.host_cache + args.disk_cache, hosts + disks):
+        if given and not blocks:
+            raise InvalidConfigError(
+                f"invalid tier size {given} bytes: smaller than one block ({block} bytes)",
+                field="host_cache/disk_cache", value=given, reason=f"must be >= {block} bytes")
+    started = time.perf_counter()
+    points = simulate_tiers(workload, sim, hosts, disks, progress=not (args.quiet or args.json))
+    if args.json:
+        print(json.dumps({"block_bytes": block, "points": [asdict(p) for p in points]}))
+    else:
+        print(format_tier_sweep(points, sim))
+        print(f"simulated in {time.perf_counter() - started:.1f} s")
+    if args.plot:
+        plot_tier_sweep(points, sim, args.plot)
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0
@@ -463,6 +507,20 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="key of the prefix hash, an int in [0, 2**64) (decimal or 0x...); "
                         "replicas behind one `pagedkv router` share it; keep it secret "
                         "(default: a fresh random key)")
+    g = p.add_argument_group("tiers of the prefix cache (docs/tiers.md)")
+    g.add_argument("--host-cache-memory", type=_size, default=None, metavar="SIZE",
+                   help="pinned host memory for the host tier, e.g. 16GiB: cached blocks the KV "
+                        "pool evicts are kept there and loaded back on a hit (default: none)")
+    g.add_argument("--host-cache-write-through", action="store_true",
+                   help="copy blocks to the host tier when cached, not when evicted")
+    g.add_argument("--disk-cache-dir", metavar="DIR", default=None,
+                   help="directory of the disk tier (needs --host-cache-memory and "
+                        "--disk-cache-memory)")
+    g.add_argument("--disk-cache-memory", type=_size, default=None, metavar="SIZE",
+                   help="size cap of the disk tier, e.g. 200GiB")
+    g.add_argument("--remote-cache-url", metavar="URL", default=None,
+                   help="a Redis/Valkey server shared by replicas, e.g. redis://127.0.0.1:6379/0 "
+                        "(needs --host-cache-memory and a shared --hash-seed)")
     g = p.add_argument_group("KV events (docs/kv-events.md)")
     g.add_argument("--kv-events-endpoint", metavar="ENDPOINT", default=None,
                    help="publish KV-cache block events over ZeroMQ in vLLM's format, e.g. "
@@ -512,7 +570,11 @@ def _run_serve(args: argparse.Namespace) -> int:
           tensor_parallel_size=args.tensor_parallel_size, hash_seed=args.hash_seed,
           kv_events_endpoint=args.kv_events_endpoint,
           kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-          kv_events_topic=args.kv_events_topic)
+          kv_events_topic=args.kv_events_topic,
+          host_cache_memory=args.host_cache_memory,
+          host_cache_write_through=args.host_cache_write_through,
+          disk_cache_dir=args.disk_cache_dir, disk_cache_memory=args.disk_cache_memory,
+          remote_cache_url=args.remote_cache_url)
     return 0
 
 

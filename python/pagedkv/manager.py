@@ -209,6 +209,9 @@ class BlockManager:
         num_host_blocks: int = 0,
         cost_model: Optional[CostModel] = None,
         kv_event_capacity: int = 0,
+        host_cache: bool = False,
+        host_write_through: bool = False,
+        host_load_min_blocks: int = 1,
     ) -> None:
         # Flags are bools only: `bool("false")` is True.
         self._core = _core.BlockManager(
@@ -221,6 +224,9 @@ class BlockManager:
             hash_seed,
             num_host_blocks,
             kv_event_capacity,
+            check_flag("host_cache", host_cache),
+            check_flag("host_write_through", host_write_through),
+            host_load_min_blocks,
         )
         #: Default :class:`CostModel` of :meth:`decide` (settable).
         self.cost_model: Optional[CostModel] = cost_model
@@ -557,6 +563,65 @@ class BlockManager:
         dropped = self._core.reset_prefix_cache()
         logger.info("prefix cache reset: %d blocks dropped", dropped)
         return dropped
+
+    # ----------------------------------------------------------------------------- host tier
+
+    @property
+    def host_cache(self) -> bool:
+        """Whether the host pool is also a tier of the prefix cache (``docs/tiers.md``)."""
+        return bool(self._core.host_cache)
+
+    def lookup_tiers(
+        self, token_ids: TokenIds, *, cache_salt: Union[bytes, str, None] = None,
+    ) -> Tuple[int, int, List[int], int, Optional[int]]:
+        """How far a prompt's chain is cached: ``(gpu_blocks, host_blocks, remaining_hashes,
+        salt_digest, parent_hash)``. ``remaining_hashes`` are the full blocks after both (as many
+        as an admission may share) for probing lower tiers; ``parent_hash`` is the hash before the
+        first of them (None at the chain's start); ``salt_digest`` identifies the chain's salt
+        without revealing it. Changes nothing.
+
+        Raises:
+            InvalidArgumentError: A token id is out of range or ``cache_salt`` is empty.
+        """
+        if cache_salt is not None:
+            check_salt("cache_salt", cache_salt)
+        g, h, rest, salt, parent = self._core.lookup_tiers(_ids(token_ids), cache_salt)
+        return int(g), int(h), list(rest), int(salt), parent
+
+    def reserve_host_blocks(self, n: int) -> List[int]:
+        """Reserves ``n`` host blocks to fill from a lower tier; never findable and never evicted
+        until :meth:`commit_host_blocks`. May demote host-cached blocks: call
+        :meth:`take_demotions` (and copy their bytes out) before writing the reserved blocks.
+
+        Raises:
+            InvalidArgumentError: ``n`` is not an int >= 1.
+            OutOfBlocksError: Fewer than ``n`` host blocks can be taken (nothing is reserved).
+        """
+        return list(self._core.reserve_host_blocks(_count("n", n)))
+
+    def commit_host_blocks(self, blocks: Sequence[int], hashes: Sequence[int],
+                           parents: Sequence[Optional[int]], salt_digest: int,
+                           token_ids: Sequence[int], ok: bool) -> int:
+        """Ends reservations: with ``ok`` each block is indexed in the host tier under its hash
+        (``token_ids`` flat, ``block_size`` per block), else freed. Returns how many were indexed.
+
+        Raises:
+            InvalidArgumentError: The lists' lengths disagree, a block is not reserved, or a hash
+                is out of range (nothing changes).
+        """
+        return int(self._core.commit_host_blocks(list(blocks), list(hashes), list(parents),
+                                                 salt_digest, list(token_ids),
+                                                 check_flag("ok", ok)))
+
+    def take_demotions(self) -> List[Tuple[int, int, Optional[int], int, List[int]]]:
+        """The host-tier blocks dropped to make room since the last call: ``(host_block, hash,
+        parent_hash, salt_digest, token_ids)``. Each host block still holds its KV until the next
+        step's swap lists run (or a reserved block is written): copy it out before."""
+        return list(self._core.take_demotions())
+
+    def host_blocks_available(self) -> int:
+        """Host blocks a swap-out or a reservation could take now."""
+        return int(self._core.host_blocks_available())
 
     def __contains__(self, seq_id: object) -> bool:
         """Whether ``seq_id`` is a live sequence (False for anything that is not a valid id, a bool
@@ -910,6 +975,16 @@ class Stats:
     swapped_out_blocks: int
     #: Host -> device block copies queued so far.
     swapped_in_blocks: int
+    #: Prompt tokens served from the host tier (also counted in ``prefix_hit_tokens``).
+    host_hit_tokens: int
+    #: Host -> device loads queued by admissions hitting the host tier.
+    host_loaded_blocks: int
+    #: Device -> host copies queued to keep evicted cached blocks in the host tier.
+    offloaded_blocks: int
+    #: Host-cached blocks dropped from the host tier to make room (see :meth:`take_demotions`).
+    demotions: int
+    #: Host blocks holding cached blocks of the host tier now.
+    host_cached_blocks: int
     #: Blocks of the host pool.
     num_host_blocks: int
     #: Free blocks of the host pool.

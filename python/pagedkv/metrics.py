@@ -61,7 +61,7 @@ import selectors
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .errors import InvalidArgumentError, PagedKVError
 
@@ -94,7 +94,8 @@ def _prometheus() -> Any:
 
 
 def snapshot(manager: "BlockManager", scheduler: Optional["Scheduler"] = None,
-             bytes_per_block: Optional[int] = None) -> Dict[str, Any]:
+             bytes_per_block: Optional[int] = None,
+             tiers: Optional[Callable[[], Dict[str, Dict[str, Any]]]] = None) -> Dict[str, Any]:
     """The figures one scrape exports, as a plain dict (also what the collector reads).
 
     Keys: ``kv_cache_usage``, ``num_blocks``, ``num_free_blocks``, ``prefix_queries``,
@@ -102,7 +103,9 @@ def snapshot(manager: "BlockManager", scheduler: Optional["Scheduler"] = None,
     ``swapped_out_blocks``, ``swapped_in_blocks``, ``swapped_out_bytes``, ``swapped_in_bytes``
     (``None`` without ``bytes_per_block``), ``num_host_blocks``, ``host_used_blocks``,
     ``blocks_per_seq`` (bucket counts), ``blocks_per_seq_sum`` (``None`` when the core does not
-    report it), ``running``, ``waiting``, ``swapped`` (request counts; ``None`` without a scheduler).
+    report it), ``running``, ``waiting``, ``swapped`` (request counts; ``None`` without a scheduler),
+    ``tiers`` (``tiers()``'s dict of per-tier ``hits``, ``bytes_read``, ``bytes_written``,
+    ``usage``; ``None`` without).
     """
     s = manager.stats()
     usage = getattr(s, "kv_cache_usage", None)
@@ -130,6 +133,7 @@ def snapshot(manager: "BlockManager", scheduler: Optional["Scheduler"] = None,
         "blocks_per_seq": tuple(s.blocks_per_seq),
         "blocks_per_seq_sum": getattr(s, "blocks_per_seq_sum", None),
         "running": None, "waiting": None, "swapped": None,
+        "tiers": tiers() if tiers is not None else None,
     }
     if scheduler is not None:
         d["running"] = _num_requests(scheduler, "running")
@@ -173,14 +177,16 @@ class _Snapshots:
     there to ask, else (or when no step comes) by the scraping thread; reused for ``max_age_s``."""
 
     def __init__(self, manager: "BlockManager", scheduler: Optional["Scheduler"],
-                 bytes_per_block: Optional[int], max_age_s: float, step_wait_s: float) -> None:
+                 bytes_per_block: Optional[int], max_age_s: float, step_wait_s: float,
+                 tiers: Optional[Callable[[], Dict[str, Dict[str, Any]]]] = None) -> None:
         self.manager, self.scheduler, self.bytes_per_block = manager, scheduler, bytes_per_block
+        self.tiers = tiers
         self.max_age_s, self.step_wait_s = max_age_s, step_wait_s
         self._lock = threading.Lock()  # one scraping thread takes a snapshot at a time
         self._last: Optional[Tuple[float, Dict[str, Any]]] = None
 
     def _take(self) -> Dict[str, Any]:
-        return snapshot(self.manager, self.scheduler, self.bytes_per_block)
+        return snapshot(self.manager, self.scheduler, self.bytes_per_block, self.tiers)
 
     def get(self) -> Dict[str, Any]:
         with self._lock:
@@ -232,6 +238,8 @@ class PagedKVCollector:
             than this see the same figures.
         step_wait_s: With a scheduler, how long a scrape waits for the step thread to take the
             snapshot at its next step before reading it itself (seconds, ``>= 0``).
+        tiers: With a tiered prefix cache, a callable returning its cumulative figures per tier
+            (:meth:`pagedkv.engine.tier_cache.TierCache.totals`): exported with a ``tier`` label.
 
     Register it with ``prometheus_client.REGISTRY.register(collector)`` or pass it to
     :func:`start_metrics_server`.
@@ -245,7 +253,8 @@ class PagedKVCollector:
     def __init__(self, manager: "BlockManager", scheduler: Optional["Scheduler"] = None, *,
                  bytes_per_block: Optional[int] = None,
                  labels: Optional[Dict[str, str]] = None, max_age_s: float = 0.1,
-                 step_wait_s: float = 0.05) -> None:
+                 step_wait_s: float = 0.05,
+                 tiers: Optional[Callable[[], Dict[str, Dict[str, Any]]]] = None) -> None:
         self._core = _prometheus()
         if not callable(getattr(manager, "stats", None)):
             raise InvalidArgumentError(
@@ -262,9 +271,30 @@ class PagedKVCollector:
         self.bytes_per_block = bytes_per_block
         self._snapshots = _Snapshots(manager, scheduler, bytes_per_block,
                                      _seconds("max_age_s", max_age_s),
-                                     _seconds("step_wait_s", step_wait_s))
+                                     _seconds("step_wait_s", step_wait_s), tiers)
         self._label_names = tuple(sorted(labels or {}))
         self._label_values = tuple(str((labels or {})[k]) for k in self._label_names)
+
+    def _tier_metrics(self, t: Dict[str, Dict[str, Any]], names: List[str],
+                      values: List[str]) -> Iterator[Any]:
+        c = self._core
+        for key, name, doc, kind in (
+                ("hits", "pagedkv_prefix_cache_hits_by_tier_total",
+                 "Prompt tokens served from each tier of the prefix cache.", "counter"),
+                ("bytes_read", "pagedkv_tier_read_bytes_total",
+                 "Bytes of KV served from each tier (host to GPU loads, lower tiers to host).",
+                 "counter"),
+                ("bytes_written", "pagedkv_tier_written_bytes_total",
+                 "Bytes of KV written to each tier (GPU to host offloads, host to lower tiers).",
+                 "counter"),
+                ("usage", "pagedkv_tier_usage_bytes", "Bytes of KV each tier holds now.",
+                 "gauge")):
+            cls = c.CounterMetricFamily if kind == "counter" else c.GaugeMetricFamily
+            m = cls(name, doc, labels=names + ["tier"])
+            for tier, v in sorted(t.get(key, {}).items()):
+                if v is not None:
+                    m.add_metric(values + [tier], float(v))
+            yield m
 
     def describe(self) -> List[Any]:
         # Returning nothing here makes the registry skip its collision check; describing by
@@ -323,6 +353,8 @@ class PagedKVCollector:
         yield gauge("pagedkv_host_kv_cache_usage_ratio",
                     "Host (swap) KV blocks in use / host blocks; 0 without a host pool.",
                     d["host_used_blocks"] / host if host else 0.0)
+        if d.get("tiers"):
+            yield from self._tier_metrics(d["tiers"], names, values)
         yield self._histogram(d)
         if self.scheduler is not None:
             yield gauge("pagedkv_num_requests_running", "Requests with sequences running.",

@@ -59,7 +59,8 @@ import enum
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Deque, List, Optional, Sequence as SequenceT, Union
+from typing import (TYPE_CHECKING, Any, Callable, Deque, List, Optional, Protocol,
+                    Sequence as SequenceT, Union)
 
 import numpy as np
 
@@ -106,6 +107,19 @@ class SequenceStatus(enum.Enum):
 
 #: How :class:`Scheduler` reclaims a victim: by the cost model, or always one way.
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+#: Waiting sequences an admission gate is asked about per admission, at most.
+GATE_SCAN = 64
+
+
+class AdmissionGate(Protocol):
+    """What :attr:`Scheduler.admission_gate` is asked (see there)."""
+
+    def ready(self, seq: "Sequence") -> bool: ...
+
+    def admitted(self, seq: "Sequence", result: Any) -> None: ...
+
+    def forget(self, seq: "Sequence") -> None: ...
+
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -305,6 +319,12 @@ class Scheduler:
         #: cleared: how a metrics scrape gets a snapshot taken at a step boundary, in the step's
         #: own thread (:mod:`pagedkv.metrics`).
         self.metrics_hook: Optional[Callable[[], None]] = None
+        #: Asked before a waiting sequence is admitted (the tiered prefix cache's
+        #: :class:`~pagedkv.engine.tier_cache.TierCache`): ``ready(seq)`` False keeps it waiting
+        #: while its cached blocks are fetched from a lower tier, and the sequences behind it may
+        #: be admitted meanwhile; ``admitted(seq, admit_result)`` once it is, ``forget(seq)``
+        #: when it leaves unadmitted. None: all ready.
+        self.admission_gate: Optional[AdmissionGate] = None
 
     # ------------------------------------------------------------------------------ queues
 
@@ -381,6 +401,8 @@ class Scheduler:
             self.swapped.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            if self.admission_gate is not None:
+                self.admission_gate.forget(seq)
         self._ids.discard(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
 
@@ -402,6 +424,8 @@ class Scheduler:
         for s in seqs:
             if s.status is SequenceStatus.WAITING:
                 self.waiting.remove(s)
+                if self.admission_gate is not None:
+                    self.admission_gate.forget(s)
             self._ids.discard(s.seq_id)
             s.status = SequenceStatus.FINISHED
 
@@ -630,9 +654,13 @@ class Scheduler:
         # come back (it goes first). `occupied` counts the sequences the running ones will become
         # once their pending forks are made.
         occupied = sum(q.n for q in self.running)
+        gate = self.admission_gate
         while self.waiting and not batch.preempted and not self.swapped and budget > 0 \
                 and len(seqs) < self.max_num_seqs:
-            s = self.waiting[0]
+            at = 0 if gate is None else self._first_ready(gate)
+            if at is None:
+                break
+            s = self.waiting[at]
             if occupied + s.n > self.max_num_seqs:
                 break
             chunk = budget if self.enable_chunked_prefill else None
@@ -644,7 +672,12 @@ class Scheduler:
             if not self.enable_chunked_prefill and k > budget and seqs:
                 m.free(s.seq_id)  # does not fit this step's budget: next step, on its own
                 break
-            self.waiting.popleft()
+            if at == 0:
+                self.waiting.popleft()
+            else:
+                del self.waiting[at]
+            if gate is not None:
+                gate.admitted(s, r)
             if s.num_preemptions:
                 self.num_recomputed_tokens += len(s.token_ids) - r.cached_tokens
             s.status = SequenceStatus.RUNNING
@@ -660,6 +693,16 @@ class Scheduler:
 
         batch.seqs = seqs
         batch.num_new_tokens = news
+
+    def _first_ready(self, gate: "AdmissionGate") -> Optional[int]:
+        """Index of the first waiting sequence the gate lets in, among the first
+        :data:`GATE_SCAN` (so a long queue of fetching requests costs a bounded scan); None."""
+        for i, q in enumerate(self.waiting):
+            if i >= GATE_SCAN:
+                return None
+            if gate.ready(q):
+                return i
+        return None
 
     def postprocess(self, batch: ScheduledBatch, sampled: SequenceT[Optional[int]]) -> None:
         """Records that ``batch`` ran: advances each sequence past its new tokens and appends the

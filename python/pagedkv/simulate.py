@@ -72,6 +72,10 @@ __all__ = [
     "result_dict",
     "result_json",
     "plot_timeline",
+    "TierPoint",
+    "simulate_tiers",
+    "format_tier_sweep",
+    "plot_tier_sweep",
 ]
 
 
@@ -100,13 +104,20 @@ class SimConfig:
     step_floor_s: float = 0.0
     #: KV bytes per token, for the cost model (the model's ``CacheSpec.bytes_per_token``).
     kv_bytes_per_token: int = 131_072
+    #: Host blocks of the prefix cache's host tier (0: none); added to ``num_host_blocks``.
+    host_cache_blocks: int = 0
+    #: Blocks of the modelled disk tier under the host tier (0: none; needs a host tier).
+    disk_cache_blocks: int = 0
+    #: The disk tier's read rate for the modelled TTFT.
+    disk_bytes_per_s: float = 3e9
 
     def __post_init__(self) -> None:
         # The simulation drives the block manager only: its block-size rule, not the pool's.
         check_block_size(self.block_size, pool=False)
         for name, minimum in (("num_blocks", 1), ("max_num_seqs", 1),
                               ("max_prefill_tokens", 1), ("check_every", 0),
-                              ("num_host_blocks", 0), ("kv_bytes_per_token", 1)):
+                              ("num_host_blocks", 0), ("kv_bytes_per_token", 1),
+                              ("host_cache_blocks", 0), ("disk_cache_blocks", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise InvalidConfigError(
@@ -125,7 +136,18 @@ class SimConfig:
                 f"invalid simulation config: preemption_mode = {self.preemption_mode!r}: must be "
                 "'auto', 'swap' or 'recompute'", field="preemption_mode",
                 value=self.preemption_mode, reason="unknown mode")
-        for name in ("host_link_bytes_per_s", "prefill_tokens_per_s"):
+        if self.disk_cache_blocks and not self.host_cache_blocks:
+            raise InvalidConfigError(
+                f"invalid simulation config: disk_cache_blocks = {self.disk_cache_blocks}: needs "
+                "host_cache_blocks (the disk tier is filled from the host tier)",
+                field="disk_cache_blocks", value=self.disk_cache_blocks,
+                reason="needs host_cache_blocks")
+        if self.host_cache_blocks and not self.enable_prefix_caching:
+            raise InvalidConfigError(
+                f"invalid simulation config: host_cache_blocks = {self.host_cache_blocks}: needs "
+                "enable_prefix_caching", field="host_cache_blocks",
+                value=self.host_cache_blocks, reason="needs enable_prefix_caching")
+        for name in ("host_link_bytes_per_s", "prefill_tokens_per_s", "disk_bytes_per_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
                 raise InvalidConfigError(
@@ -173,6 +195,14 @@ class PolicyResult:
     cow_copies: int = 0
     evictions: int = 0
     max_concurrency_limit: int = 0
+    #: Prompt tokens served at admission by each tier (``"gpu"``, ``"host"``, ``"disk"``; paged
+    #: runs with a host tier only) over the prompt tokens admitted.
+    prefix_hits_by_tier: dict[str, int] = field(default_factory=dict)
+    admitted_prompt_tokens: int = 0
+    #: Modelled time to first token per admission (prefill of the uncached tokens plus loads
+    #: from the host and disk tiers at their rates; queueing excluded): mean and p90, seconds.
+    modelled_ttft_mean_s: float = 0.0
+    modelled_ttft_p90_s: float = 0.0
     #: Per-step series for plots: "concurrency", "utilization", "waiting".
     timeline: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
@@ -280,7 +310,7 @@ def _physical_tokens(mgr: Any, seqs: list[tuple[int, int]], used_blocks: int) ->
 # ---------------------------------------------------------------------------------------- paged
 
 def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimConfig,
-                    progress: bool) -> tuple[PolicyResult, int]:
+                    progress: bool, *, model_ttft: bool = False) -> tuple[PolicyResult, int]:
     """The paged run: the engine's scheduler with a simulated executor in place of a model.
 
     The executor "samples" each sequence's next token from the workload's predetermined outputs;
@@ -293,7 +323,10 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
 
     B = sim.block_size
     max_blocks = _blocks_for(workload.max_model_len, B)
-    extra = {"num_host_blocks": sim.num_host_blocks} if sim.num_host_blocks else {}
+    host_blocks = sim.num_host_blocks + sim.host_cache_blocks
+    extra: dict[str, Any] = {"num_host_blocks": host_blocks} if host_blocks else {}
+    if sim.host_cache_blocks:
+        extra["host_cache"] = True
     mgr = BlockManager(
         sim.num_blocks, B,
         watermark_blocks=sim.watermark_blocks,
@@ -319,6 +352,19 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
                                    max_copies=sim.max_num_seqs, device="cpu", backend="numpy"))
     sched = Scheduler(mgr, max_num_seqs=sim.max_num_seqs, max_num_batched_tokens=budget,
                       preemption_mode=sim.preemption_mode)
+    tiers = None
+    if sim.host_cache_blocks or model_ttft:
+        from .tier_model import ModelledDiskTier
+
+        tiers = ModelledDiskTier(mgr, sim.disk_cache_blocks, host_cache=bool(sim.host_cache_blocks),
+                                 block_size=B,
+                                 block_bytes=sim.kv_bytes_per_token * B,
+                                 prefill_tokens_per_s=sim.prefill_tokens_per_s,
+                                 host_bytes_per_s=sim.host_link_bytes_per_s,
+                                 disk_bytes_per_s=sim.disk_bytes_per_s)
+        sched.admission_gate = tiers
+    if not sim.num_host_blocks:
+        sched.can_swap = False  # a host tier alone does not make preemption swap
     capacity = sim.num_blocks * B
     sharing = workload.sharing
     n_req = len(requests)
@@ -354,6 +400,8 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
             next_arrival += 1
 
         batch = sched.schedule()
+        if tiers is not None:
+            tiers.drain()
         if batch.step is not None:
             step_copies += batch.step.num_copies
         # The simulated executor: each sequence whose known tokens are all computed now emits the
@@ -457,6 +505,14 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     res.prefix_hit_ratio = float(stats.prefix_hit_ratio)
     res.cow_copies = step_copies
     res.evictions = int(stats.evictions)
+    if tiers is not None:
+        ts = tiers.stats
+        res.prefix_hits_by_tier = dict(ts.hit_tokens)
+        res.admitted_prompt_tokens = ts.prompt_tokens
+        if ts.ttft_s:
+            ordered = sorted(ts.ttft_s)
+            res.modelled_ttft_mean_s = float(np.mean(ordered))
+            res.modelled_ttft_p90_s = ordered[int(0.9 * (len(ordered) - 1))]
     res.timeline = {
         "concurrency": np.asarray(conc_series, dtype=np.int32),
         "utilization": np.asarray(util_series, dtype=np.float32),
@@ -565,6 +621,14 @@ def simulate_contiguous(requests: list[Request], workload: WorkloadConfig, sim: 
     res.waste_fraction = (reserved - sum_tokens) / reserved if reserved else 0.0
     res.mean_queue_steps = sum_queue / n_req
     res.mean_latency_steps = sum_latency / n_req
+    if tiers is not None:
+        ts = tiers.stats
+        res.prefix_hits_by_tier = dict(ts.hit_tokens)
+        res.admitted_prompt_tokens = ts.prompt_tokens
+        if ts.ttft_s:
+            ordered = sorted(ts.ttft_s)
+            res.modelled_ttft_mean_s = float(np.mean(ordered))
+            res.modelled_ttft_p90_s = ordered[int(0.9 * (len(ordered) - 1))]
     res.timeline = {
         "concurrency": np.asarray(conc_series, dtype=np.int32),
         "utilization": np.asarray(util_series, dtype=np.float32),
@@ -764,3 +828,96 @@ def plot_timeline(result: SimResult, path: str) -> None:
         fig.savefig(path, dpi=110)
     except OSError as exc:
         raise InvalidConfigError(f"cannot write plot {path}: {exc}") from None
+
+
+# ------------------------------------------------------------------------------------ tier sweep
+
+@dataclass
+class TierPoint:
+    """One paged run of a tier sweep: the tier sizes and what they served."""
+
+    host_cache_blocks: int
+    disk_cache_blocks: int
+    prefix_hit_ratio: float
+    hits_by_tier: dict[str, float]
+    modelled_ttft_mean_s: float
+    modelled_ttft_p90_s: float
+    steps: int
+    evictions: int
+
+
+def simulate_tiers(workload: WorkloadConfig, sim: SimConfig, host_blocks: list[int],
+                   disk_blocks: list[int], *, progress: bool = False) -> list[TierPoint]:
+    """The paged run of ``workload`` for every (host, disk) tier size pair, the same requests
+    each time: hit ratio by tier (fraction of admitted prompt tokens) and modelled TTFT. A host size
+    of 0 runs without tiers (its TTFT modelled as the prefill of what the GPU pool missed)."""
+    from dataclasses import replace
+
+    if not isinstance(workload, WorkloadConfig) or not isinstance(sim, SimConfig):
+        raise InvalidConfigError("simulate_tiers() takes a WorkloadConfig and a SimConfig")
+    requests = generate(workload)
+    points: list[TierPoint] = []
+    for h in host_blocks:
+        for d in disk_blocks:
+            if d and not h:
+                continue
+            # A host size of 0 is the plain pool; the gate still models its TTFT.
+            cfg = replace(sim, host_cache_blocks=h, disk_cache_blocks=d)
+            res, _ = _simulate_paged(requests, workload, cfg, progress, model_ttft=True)
+            total = res.admitted_prompt_tokens
+            hits = {k: v / total if total else 0.0 for k, v in res.prefix_hits_by_tier.items()}
+            points.append(TierPoint(h, d, sum(hits.values()), hits, res.modelled_ttft_mean_s,
+                                    res.modelled_ttft_p90_s, res.steps, res.evictions))
+    return points
+
+
+def format_tier_sweep(points: list[TierPoint], sim: SimConfig) -> str:
+    """A table of a tier sweep: sizes, hit ratio by tier, modelled TTFT."""
+    block_bytes = sim.kv_bytes_per_token * sim.block_size
+    lines = [f"tier sweep: GPU pool {sim.num_blocks} blocks ({format_bytes(sim.num_blocks * block_bytes)}); "
+             f"TTFT modelled at {sim.prefill_tokens_per_s:g} prefill tok/s, host link "
+             f"{sim.host_link_bytes_per_s / 1e9:g} GB/s, disk {sim.disk_bytes_per_s / 1e9:g} GB/s",
+             f"{'host':>10} {'disk':>10} {'hit ratio':>9} {'gpu':>6} {'host':>6} {'disk':>6} "
+             f"{'TTFT mean':>10} {'TTFT p90':>10}"]
+    for p in points:
+        hb = format_bytes(p.host_cache_blocks * block_bytes) if p.host_cache_blocks else "-"
+        db = format_bytes(p.disk_cache_blocks * block_bytes) if p.disk_cache_blocks else "-"
+        t = p.hits_by_tier
+        p90 = f"{p.modelled_ttft_p90_s * 1e3:8.1f}ms"
+        lines.append(f"{hb:>10} {db:>10} {p.prefix_hit_ratio:9.1%} {t.get('gpu', 0):6.1%} "
+                     f"{t.get('host', 0):6.1%} {t.get('disk', 0):6.1%} "
+                     f"{p.modelled_ttft_mean_s * 1e3:8.1f}ms {p90:>10}")
+    return "\n".join(lines)
+
+
+def plot_tier_sweep(points: list[TierPoint], sim: SimConfig, path: str) -> None:
+    """Hit ratio (stacked by tier) and modelled mean TTFT for each tier configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    block_bytes = sim.kv_bytes_per_token * sim.block_size
+    labels = [(f"host {format_bytes(p.host_cache_blocks * block_bytes)}"
+               if p.host_cache_blocks else "no tier")
+              + (f"\ndisk {format_bytes(p.disk_cache_blocks * block_bytes)}"
+                 if p.disk_cache_blocks else "") for p in points]
+    x = np.arange(len(points))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(8, 1.4 * len(points) * 2), 4.5))
+    bottom = np.zeros(len(points))
+    for tier, color in (("gpu", "#4c72b0"), ("host", "#55a868"), ("disk", "#c44e52")):
+        vals = np.array([p.hits_by_tier.get(tier, 0.0) for p in points])
+        a1.bar(x, vals, bottom=bottom, label=tier, color=color)
+        bottom += vals
+    a1.set_xticks(x, labels, fontsize=8)
+    a1.set_ylabel("prompt tokens served from cache")
+    a1.set_ylim(0, 1)
+    a1.legend()
+    a1.set_title("prefix hit ratio by tier")
+    a2.bar(x, [p.modelled_ttft_mean_s * 1e3 for p in points], color="#8172b2")
+    a2.set_xticks(x, labels, fontsize=8)
+    a2.set_ylabel("ms")
+    a2.set_title("modelled mean TTFT (queueing excluded)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -89,6 +89,12 @@ class EngineConfig:
     tp_timeout_s: float = 600.0
     attention_backend: str = "auto"
     decode_planner: bool = True
+    host_cache_memory: Union[int, str, None] = None
+    host_cache_write_through: bool = False
+    disk_cache_dir: Optional[str] = None
+    disk_cache_memory: Union[int, str, None] = None
+    remote_cache_url: Optional[str] = None
+    remote_cache_timeout_s: float = 0.05
     hash_seed: Optional[int] = None
     kv_events_endpoint: Optional[str] = None
     kv_events_replay_endpoint: Optional[str] = None
@@ -110,7 +116,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise _bad(name, value, "must be an int >= 0")
-        for name in ("kv_cache_memory", "swap_space"):
+        for name in ("kv_cache_memory", "swap_space", "host_cache_memory", "disk_cache_memory"):
             value = getattr(self, name)
             if value is not None:
                 try:
@@ -134,6 +140,7 @@ class EngineConfig:
         if self.step_floor_s is not None and not (_is_number(self.step_floor_s)
                                                   and 0 <= self.step_floor_s < math.inf):
             raise _bad("step_floor_s", self.step_floor_s, "must be a number >= 0")
+        self._check_tiers()
         if self.hash_seed is not None and not (_is_int(self.hash_seed)
                                                and 0 <= self.hash_seed < 1 << 64):
             raise _bad("hash_seed", self.hash_seed, "must be an int in [0, 2**64)")
@@ -147,19 +154,58 @@ class EngineConfig:
         if not isinstance(self.kv_events_topic, str):
             raise _bad("kv_events_topic", self.kv_events_topic, "must be a string")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "cuda_graphs", "progress",
-                     "record_steps", "decode_planner"):
+                     "record_steps", "decode_planner", "host_cache_write_through"):
             value = getattr(self, name)
             if value is not True and value is not False:
                 raise _bad(name, value, f"must be a bool, got {type(value).__name__}")
 
+    def _check_tiers(self) -> None:
+        """The prefix cache's lower tiers: each needs the one above it (a block reaches the disk
+        or the remote tier only through the host tier) and prefix caching."""
+        lower = [n for n in ("disk_cache_dir", "remote_cache_url") if getattr(self, n) is not None]
+        if (self.host_cache_memory is not None or lower) and not self.enable_prefix_caching:
+            name = "host_cache_memory" if self.host_cache_memory is not None else lower[0]
+            raise _bad(name, getattr(self, name), "needs enable_prefix_caching=True")
+        if lower and self.host_cache_memory is None:
+            raise _bad(lower[0], getattr(self, lower[0]),
+                       "needs host_cache_memory (lower tiers are filled from the host tier)")
+        if self.host_cache_memory is not None and int(self.host_cache_memory) <= 0:
+            raise _bad("host_cache_memory", self.host_cache_memory, "must be > 0 bytes")
+        if self.disk_cache_dir is not None:
+            if not isinstance(self.disk_cache_dir, str) or not self.disk_cache_dir:
+                raise _bad("disk_cache_dir", self.disk_cache_dir, "must be a non-empty path string")
+            if self.disk_cache_memory is None:
+                raise _bad("disk_cache_memory", None, "needed with disk_cache_dir (the size cap)")
+        elif self.disk_cache_memory is not None:
+            raise _bad("disk_cache_memory", self.disk_cache_memory, "needs disk_cache_dir")
+        if self.remote_cache_url is not None:
+            url = self.remote_cache_url
+            if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+                raise _bad("remote_cache_url", url,
+                           "must be a redis://, rediss:// or unix:// URL")
+        t = self.remote_cache_timeout_s
+        if not (_is_number(t) and 0 < t <= 60):
+            raise _bad("remote_cache_timeout_s", t, "must be a number in (0, 60]")
+
     def host_blocks(self, bytes_per_block: int) -> int:
         """Blocks of the host KV pool for blocks of ``bytes_per_block``: ``num_host_blocks``, or
-        as many as ``swap_space`` bytes hold; 0 (no host pool) without either."""
+        as many as ``swap_space`` bytes hold, plus as many as ``host_cache_memory`` holds (swap and
+        the host tier share the pool: see :attr:`host_cache_blocks`); 0 (no host pool) without
+        any of them."""
         if self.num_host_blocks is not None:
-            return self.num_host_blocks
-        if self.swap_space is None:
+            base = self.num_host_blocks
+        elif self.swap_space is None:
+            base = 0
+        else:
+            base = int(self.swap_space) // bytes_per_block
+        return base + self.host_cache_blocks(bytes_per_block)
+
+    def host_cache_blocks(self, bytes_per_block: int) -> int:
+        """Host blocks that ``host_cache_memory`` adds for the host tier of the prefix cache (at
+        least one when it is set)."""
+        if self.host_cache_memory is None:
             return 0
-        return int(self.swap_space) // bytes_per_block
+        return max(1, int(self.host_cache_memory) // bytes_per_block)
 
     @property
     def step_token_budget(self) -> int:

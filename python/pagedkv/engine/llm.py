@@ -42,7 +42,7 @@ import os
 import random
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, overload
 
 import torch
@@ -58,6 +58,7 @@ from ..scheduler import Sequence as SchedulerSequence
 from .config import EngineConfig
 from .loader import LoadedModel, default_model_path, load_model
 from .model_runner import ModelRunner, build_rank_runner
+from .tier_cache import build_tier_cache, manager_tier_args
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import SamplerRow, sample_batch, sample_seed
 from .sampling_params import RequestOutputKind, SamplingParams
@@ -145,6 +146,16 @@ class EngineStats:
     #: KV blocks copied to the host pool and back (the swap engine's counts).
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
+    #: Prompt tokens served from each tier of the prefix cache (``"gpu"``, ``"host"``,
+    #: ``"disk"``, ``"remote"``; they add up to ``prefix_hit_tokens``). A block fetched from a
+    #: lower tier for a request counts for that tier, not the host tier it passed through.
+    prefix_hits_by_tier: Dict[str, int] = field(default_factory=dict)
+    #: Bytes each tier served (read from it: host → GPU loads, disk/remote → host fetches) and
+    #: took (written to it: GPU → host offloads, host → disk/remote demotions).
+    tier_bytes_read: Dict[str, int] = field(default_factory=dict)
+    tier_bytes_written: Dict[str, int] = field(default_factory=dict)
+    #: Bytes each tier holds now (``None`` where it cannot be known: a shared remote store).
+    tier_usage_bytes: Dict[str, Optional[int]] = field(default_factory=dict)
 
     def as_dict(self) -> Dict[str, Any]:
         """The counters as a plain dict (for JSON)."""
@@ -231,8 +242,24 @@ class LLMEngine:
         record_steps: With tensor parallelism, every rank records what each step ran (its step
             tables and batch); :attr:`tp_step_records` has them, per rank, after :meth:`shutdown`.
         tp_timeout_s: Timeout of the tensor-parallel process group's collectives.
-        hash_seed: Key of the prefix hash (``None``: a fresh secret); replicas behind one
-            prefix-aware router share it (``docs/router.md``). Treat it as a secret.
+        host_cache_memory: Bytes of pinned host memory for the host tier of the prefix cache (int
+            or ``"16GiB"``): cached blocks the GPU pool evicts are written back there and loaded
+            again on a hit (``docs/tiers.md``). It shares the host pool with ``swap_space``;
+            swapped blocks take precedence. ``None``: no host tier.
+        host_cache_write_through: Copy each block to the host tier when it is first cached
+            instead of when the GPU pool evicts it.
+        disk_cache_dir: A directory for the disk tier (created owner-only): blocks the host
+            tier drops are written there and found again, also by a restarted engine of the same
+            model and configuration. Needs ``host_cache_memory`` and ``disk_cache_memory``.
+        disk_cache_memory: The disk tier's size cap in bytes (int or ``"200GiB"``).
+        remote_cache_url: A Redis or Valkey server (``redis://host:port/db``) shared by several
+            engines as the remote tier (extra ``pagedkv[remote]``). Needs ``host_cache_memory``.
+        remote_cache_timeout_s: Per-operation timeout of the remote tier; a slow or dead server
+            is a miss, never a stalled step.
+        hash_seed: The prefix-hash key (u64). ``None``: a random per-process key, or with a disk
+            tier the key kept (owner-only) in ``disk_cache_dir``. Engines sharing a remote tier
+            or a prefix-aware router must share it (``docs/prefix-hash.md`` says what that gives up;
+            ``docs/router.md``). Treat it as a secret.
         kv_events_endpoint: Publish the KV cache's block events (stored, removed, cleared) on this
             ZeroMQ endpoint, one vLLM-format batch per step (``docs/kv-events.md``); ``None``: off.
         kv_events_replay_endpoint: The ZeroMQ endpoint (bound) consumers replay missed batches
@@ -274,6 +301,12 @@ class LLMEngine:
         tensor_parallel_size: int = 1,
         record_steps: bool = False,
         tp_timeout_s: float = 600.0,
+        host_cache_memory: Union[int, str, None] = None,
+        host_cache_write_through: bool = False,
+        disk_cache_dir: Optional[str] = None,
+        disk_cache_memory: Union[int, str, None] = None,
+        remote_cache_url: Optional[str] = None,
+        remote_cache_timeout_s: float = 0.05,
         hash_seed: Optional[int] = None,
         kv_events_endpoint: Optional[str] = None,
         kv_events_replay_endpoint: Optional[str] = None,
@@ -289,7 +322,10 @@ class LLMEngine:
             host_link_bytes_per_s=host_link_bytes_per_s,
             prefill_tokens_per_s=prefill_tokens_per_s, step_floor_s=step_floor_s,
             tensor_parallel_size=tensor_parallel_size, record_steps=record_steps,
-            tp_timeout_s=tp_timeout_s, hash_seed=hash_seed,
+            tp_timeout_s=tp_timeout_s, host_cache_memory=host_cache_memory,
+            host_cache_write_through=host_cache_write_through, disk_cache_dir=disk_cache_dir,
+            disk_cache_memory=disk_cache_memory, remote_cache_url=remote_cache_url,
+            remote_cache_timeout_s=remote_cache_timeout_s, hash_seed=hash_seed,
             kv_events_endpoint=kv_events_endpoint,
             kv_events_replay_endpoint=kv_events_replay_endpoint, kv_events_topic=kv_events_topic,
         )
@@ -351,8 +387,7 @@ class LLMEngine:
                         tps = tps if tps is not None else measured.prefill_tokens_per_s
                         floor = floor if floor is not None else measured.step_floor_s
                     self.cost_rates = (float(link), float(tps), float(floor or 0.0))
-            if config.hash_seed is not None:
-                extra["hash_seed"] = config.hash_seed
+            extra.update(manager_tier_args(config))
             if config.kv_events_endpoint is not None:
                 from ..events.engine import KV_EVENT_CAPACITY
 
@@ -381,6 +416,16 @@ class LLMEngine:
                 self.kv_events = StepEventPublisher(self.manager, config.kv_events_endpoint,
                                                     config.kv_events_replay_endpoint,
                                                     config.kv_events_topic)
+            #: The tiers below the GPU (:mod:`pagedkv.engine.tier_cache`); None without a host tier.
+            self.tiers = build_tier_cache(
+                config, self.runner, self.manager, str(path),
+                self.cost_rates[1] if self.cost_rates else None,
+                events=self.kv_events.sink if self.kv_events is not None else None)
+            self.scheduler.admission_gate = self.tiers
+            if config.host_blocks(self.runner.spec.bytes_per_block) == \
+                    config.host_cache_blocks(self.runner.spec.bytes_per_block):
+                # The host pool is the host tier's alone: preemption recomputes, as without it.
+                self.scheduler.can_swap = False
             bar.update(1)
         except BaseException:
             if self._tp is not None:
@@ -422,8 +467,13 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel ranks (STOP to every rank, spawned processes joined) and
-        collects :attr:`tp_step_records`; closes the KV-event publisher. Idempotent. The engine
-        cannot run steps afterwards."""
+        collects :attr:`tp_step_records`; closes the KV-event publisher and the tiers below the
+        host (pending fetches released, writes flushed). Idempotent. The engine cannot run
+        steps afterwards."""
+        tiers = getattr(self, "tiers", None)
+        if tiers is not None:
+            tiers.close()
+            self.tiers = None
         if self.kv_events is not None:
             self.kv_events.close()
         if self._tp is not None and not self._tp.closed:
@@ -666,6 +716,8 @@ class LLMEngine:
         """
         started = time.perf_counter()
         batch = self.scheduler.schedule()
+        if self.tiers is not None:
+            self.tiers.after_schedule()  # before the step's swap-outs overwrite demoted slots
         if batch.preempted:
             self._counters["num_preemptions"] += len(batch.preempted)
             for seq in batch.preempted:
@@ -675,7 +727,10 @@ class LLMEngine:
         if not batch.seqs:
             if self.kv_events is not None:
                 self.kv_events.flush()
-            if self._requests:
+            if self.tiers is not None and self.tiers.num_fetching:
+                # Only requests whose blocks are still coming from a lower tier are left.
+                self.tiers.wait()
+            elif self._requests:
                 self._unschedulable()
             return []
 
@@ -886,6 +941,8 @@ class LLMEngine:
         self._base = (s.prefix_query_tokens, s.prefix_hit_tokens, s.cow_copies, s.evictions)
         swap = self.runner.swap
         self._swap_base = (swap.num_swapped_out, swap.num_swapped_in) if swap else (0, 0)
+        tiers = getattr(self, "tiers", None)
+        self._tier_base = tiers.totals(self.runner.spec.bytes_per_block) if tiers else {}
 
     def _record_step(self, batch: Any, elapsed: float) -> None:
         c = self._counters
@@ -934,7 +991,22 @@ class LLMEngine:
             evictions=s.evictions - self._base[3],
             num_blocks=s.num_blocks,
             block_size=s.block_size,
+            **self._tier_stats(s, hits),
         )
+
+    def _tier_stats(self, s: Any, hits: int) -> Dict[str, Any]:
+        """The per-tier fields of :class:`EngineStats` (the GPU's hits alone without a host tier):
+        the tier cache's totals less those at :meth:`reset_stats`."""
+        if self.tiers is None:
+            return {"prefix_hits_by_tier": {"gpu": hits}}
+        now = self.tiers.totals(self.runner.spec.bytes_per_block)
+        base = self._tier_base
+
+        def since(key: str) -> Dict[str, int]:
+            return {k: v - base[key].get(k, 0) for k, v in now[key].items()}
+
+        return {"prefix_hits_by_tier": since("hits"), "tier_bytes_read": since("bytes_read"),
+                "tier_bytes_written": since("bytes_written"), "tier_usage_bytes": now["usage"]}
 
 
 def _set_cost_model(manager: Any, rates: Tuple[float, float, float], kv_bytes_per_token: int,

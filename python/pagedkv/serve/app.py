@@ -81,9 +81,11 @@ def build_app(llm: AsyncLLM, *, served_model_name: str, api_key: Optional[str] =
     llm.observers.append(metrics)
     registry = CollectorRegistry(auto_describe=False)
     engine = llm.engine
+    bpb = int(engine.runner.spec.bytes_per_block)
+    tiers = getattr(engine, "tiers", None)
     registry.register(PagedKVCollector(
-        engine.manager, engine.scheduler, labels=labels,
-        bytes_per_block=int(engine.runner.spec.bytes_per_block)))
+        engine.manager, engine.scheduler, labels=labels, bytes_per_block=bpb,
+        tiers=(lambda: tiers.totals(bpb)) if tiers is not None else None))
     registry.register(metrics)
     state = ServerState(llm, served_model_name, api_key, chat_template, metrics, registry)
 

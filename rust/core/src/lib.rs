@@ -96,6 +96,7 @@ pub mod prefix;
 pub mod step;
 pub mod swap;
 pub mod table;
+pub mod tier;
 
 pub use error::{Error, Result};
 pub use hash::{MmInput, SeqKeys};

@@ -40,6 +40,15 @@ pub struct Counters {
     pub swapped_out_blocks: u64,
     /// Host → device block copies queued by swap-ins.
     pub swapped_in_blocks: u64,
+    /// Prompt tokens served from the host tier (loaded instead of computed).
+    pub host_hit_tokens: u64,
+    /// Host → device block loads queued by admissions hitting the host tier.
+    pub host_loaded_blocks: u64,
+    /// Device → host copies queued to keep an evicted (write-back) or registered (write-through)
+    /// block in the host tier.
+    pub offloaded_blocks: u64,
+    /// Host-cached blocks evicted from the host tier to make room (handed to the engine).
+    pub demotions: u64,
 }
 
 /// A snapshot of the manager's state and counters.
@@ -88,6 +97,16 @@ pub struct Stats {
     pub swapped_out_blocks: u64,
     /// Host → device block copies queued so far.
     pub swapped_in_blocks: u64,
+    /// Prompt tokens served from the host tier (also counted in `prefix_hit_tokens`).
+    pub host_hit_tokens: u64,
+    /// Host → device block loads queued by admissions hitting the host tier.
+    pub host_loaded_blocks: u64,
+    /// Device → host copies queued to keep cached blocks in the host tier.
+    pub offloaded_blocks: u64,
+    /// Host-cached blocks evicted from the host tier to make room.
+    pub demotions: u64,
+    /// Host blocks indexed in the host tier (host usage by the cache).
+    pub host_cached_blocks: u64,
     /// Blocks of the host pool.
     pub num_host_blocks: u64,
     /// Free blocks of the host pool.

@@ -119,6 +119,14 @@ impl HostPool {
         Ok(*c)
     }
 
+    /// Gives refcount-0 block `h`, which is not on the free list (a host-cached block leaving the
+    /// host tier), refcount 1.
+    #[inline]
+    pub(crate) fn claim(&mut self, h: HostBlockId) {
+        debug_assert_eq!(self.refcount[h as usize], 0);
+        self.refcount[h as usize] = 1;
+    }
+
     /// Puts a refcount-0 block back on the free list.
     #[inline]
     pub(crate) fn release(&mut self, h: HostBlockId) {
@@ -128,6 +136,15 @@ impl HostPool {
 
     /// The free list is exactly the refcount-0 blocks, each once.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.check_invariants_parked(|_| false)
+    }
+
+    /// [`HostPool::check_invariants`] where the refcount-0 blocks `parked` names (the host
+    /// tier's LRU) are off the free list.
+    pub fn check_invariants_parked(
+        &self,
+        parked: impl Fn(HostBlockId) -> bool,
+    ) -> std::result::Result<(), String> {
         let mut on_free = vec![false; self.refcount.len()];
         for &h in &self.free {
             let Some(slot) = on_free.get_mut(h as usize) else {
@@ -139,7 +156,7 @@ impl HostPool {
             *slot = true;
         }
         for (h, (&rc, &f)) in self.refcount.iter().zip(&on_free).enumerate() {
-            if (rc == 0) != f {
+            if (rc == 0 && !parked(h as HostBlockId)) != f {
                 return Err(format!(
                     "host block {h}: refcount {rc}, on the free list {f}"
                 ));

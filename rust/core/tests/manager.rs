@@ -152,6 +152,8 @@ fn admit_allocates_ceil_blocks() {
         m.admit(1, &toks(9, 0)).unwrap(),
         AdmitResult {
             cached_tokens: 0,
+            cached_tokens_gpu: 0,
+            cached_tokens_host: 0,
             new_blocks: 3,
             num_blocks: 3,
             num_tokens: 9

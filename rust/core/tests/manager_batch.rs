@@ -115,6 +115,8 @@ fn chunked_admission_of_a_cached_prompt_reuses_all_but_one_block() {
         r,
         AdmitResult {
             cached_tokens: 4080,
+            cached_tokens_gpu: 4080,
+            cached_tokens_host: 0,
             new_blocks: 1,
             num_blocks: 256,
             num_tokens: 4096
@@ -148,6 +150,8 @@ fn chunked_admission_holds_only_the_first_chunk() {
         r,
         AdmitResult {
             cached_tokens: 0,
+            cached_tokens_gpu: 0,
+            cached_tokens_host: 0,
             new_blocks: 2,
             num_blocks: 2,
             num_tokens: 8

@@ -81,6 +81,15 @@ enum Op {
     Recompute {
         seq: SeqId,
     },
+    /// Host tier: fill up to `k` blocks after the prompt's cached ones from a "lower tier" (the
+    /// model's fingerprints) through `reserve_host_blocks` / `commit_host_blocks`.
+    Fetch {
+        family: u32,
+        len: usize,
+        salt: u8,
+        k: usize,
+        ok: bool,
+    },
     Resume {
         seq: SeqId,
         chunk: Option<usize>,
@@ -106,6 +115,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => seq.clone().prop_map(|seq| Op::SwapIn { seq }),
         1 => seq.clone().prop_map(|seq| Op::Recompute { seq }),
         2 => (seq.clone(), prop::option::of(1usize..9)).prop_map(|(seq, chunk)| Op::Resume { seq, chunk }),
+        2 => (0u32..3, 1usize..24, 0u8..2, 0usize..6, any::<bool>())
+            .prop_map(|(family, len, salt, k, ok)| Op::Fetch { family, len, salt, k, ok }),
     ]
 }
 
@@ -203,7 +214,11 @@ impl Harness {
         assert_eq!(r.num_tokens as usize, held);
         let nb = blocks_for(held, bs) as u32;
         assert_eq!(r.num_blocks, nb);
-        assert_eq!(r.new_blocks + r.cached_tokens / bs as u32, nb);
+        assert_eq!(r.new_blocks + r.cached_tokens_gpu / bs as u32, nb);
+        assert_eq!(r.cached_tokens, r.cached_tokens_gpu + r.cached_tokens_host);
+        if !self.m.config().host_cache {
+            assert_eq!(r.cached_tokens_host, 0);
+        }
         if !self.m.config().enable_prefix_caching {
             assert_eq!(r.cached_tokens, 0);
         }
@@ -665,6 +680,73 @@ impl Harness {
                 }
                 r
             }
+            Op::Fetch {
+                family,
+                len,
+                salt,
+                k,
+                ok,
+            } => {
+                let toks: Vec<u32> = (0..len as u32).map(|i| 100 + family * 1000 + i).collect();
+                let keys = SeqKeys {
+                    cache_salt: vec![salt; salt as usize],
+                    ..Default::default()
+                };
+                let look = self.m.lookup_tiers(&toks, Some(&keys)).unwrap();
+                if !self.m.config().host_cache {
+                    assert!(matches!(
+                        self.m.reserve_host_blocks(1),
+                        Err(Error::InvalidArgument { .. })
+                    ));
+                    return self.m.check_invariants().unwrap();
+                }
+                let bs = self.bs;
+                let first = look.gpu_blocks + look.host_blocks;
+                assert_eq!(look.hashes.len(), (len - 1) / bs);
+                assert!(first <= look.hashes.len());
+                let rest = &look.hashes[first..];
+                let n = k.min(rest.len());
+                match self.m.reserve_host_blocks(n) {
+                    Ok(hs) => {
+                        // Reserved blocks are never findable (the reservation may have demoted
+                        // some of the prompt's own host hits, never added any).
+                        let again = self.m.lookup_tiers(&toks, Some(&keys)).unwrap();
+                        assert!(again.host_blocks <= look.host_blocks);
+                        assert_eq!(again.gpu_blocks, look.gpu_blocks);
+                        for d in self.m.take_demotions() {
+                            assert_eq!(d.tokens.len(), bs);
+                        }
+                        let fp = fingerprints(&ModelSeq {
+                            tokens: toks.clone(),
+                            rest: Vec::new(),
+                            salt,
+                            computed: 0,
+                            state: SeqState::Running,
+                        });
+                        let mut parents = Vec::new();
+                        let mut prev = first.checked_sub(1).map(|i| look.hashes[i]);
+                        for (i, &h) in hs.iter().enumerate() {
+                            let blk = first + i;
+                            for o in 0..bs {
+                                self.host_kv[h as usize * bs + o] = Some(fp[blk * bs + o]);
+                            }
+                            parents.push(prev);
+                            prev = Some(rest[i]);
+                        }
+                        let t = &toks[first * bs..(first + n) * bs];
+                        let c = self
+                            .m
+                            .commit_host_blocks(&hs, &rest[..n], &parents, look.salt_digest, t, ok)
+                            .unwrap();
+                        if !ok {
+                            assert_eq!(c, 0);
+                        }
+                        Ok(())
+                    }
+                    Err(e @ Error::OutOfHostBlocks { .. }) => Err(e),
+                    Err(e) => panic!("reserve: unexpected {e:?}"),
+                }
+            }
             Op::Resume { seq, chunk } => {
                 let r = self.m.resume(seq, chunk);
                 match (&r, self.model.get(&seq).cloned()) {
@@ -835,14 +917,40 @@ fn config() -> impl Strategy<Value = ManagerConfig> {
         any::<bool>(),
         2u32..12,
         prop::sample::select(vec![0u32, 3, 40]),
+        (0u8..4, 1u32..3),
     )
-        .prop_map(|(num_blocks, bs, wm, caching, verify, max_row, host)| {
-            let mut c = ManagerConfig::new(num_blocks, bs);
+        .prop_map(
+            |(num_blocks, bs, wm, caching, verify, max_row, host, (tier, min_load))| {
+                let mut c = ManagerConfig::new(num_blocks, bs);
+                c.num_host_blocks = host;
+                c.watermark_blocks = wm.min(num_blocks - 1);
+                c.enable_prefix_caching = caching;
+                c.verify_prefix = verify;
+                c.max_blocks_per_seq = max_row;
+                // The host tier (write-back or write-through) wherever it can be on, half the time.
+                c.host_cache = caching && verify && host > 0 && tier >= 2;
+                c.host_write_through = c.host_cache && tier == 3;
+                c.host_load_min_blocks = min_load;
+                c.kv_event_capacity = if tier == 1 { 8 } else { 0 };
+                c
+            },
+        )
+}
+
+/// Configurations with the host tier on: prefix caching with verify, a small or a large host pool,
+/// write-back or write-through.
+fn tier_config() -> impl Strategy<Value = ManagerConfig> {
+    (
+        config(),
+        prop::sample::select(vec![2u32, 3, 6, 40]),
+        any::<bool>(),
+    )
+        .prop_map(|(mut c, host, through)| {
+            c.enable_prefix_caching = true;
+            c.verify_prefix = true;
             c.num_host_blocks = host;
-            c.watermark_blocks = wm.min(num_blocks - 1);
-            c.enable_prefix_caching = caching;
-            c.verify_prefix = verify;
-            c.max_blocks_per_seq = max_row;
+            c.host_cache = true;
+            c.host_write_through = through;
             c
         })
 }
@@ -893,6 +1001,72 @@ proptest! {
         h.apply(&Op::Step { mask: 0 });
         prop_assert_eq!(h.m.num_free_blocks(), h.m.config().num_blocks as usize);
         prop_assert_eq!(h.m.stats().used_blocks, 0);
-        prop_assert_eq!(h.m.num_free_host_blocks(), h.m.config().num_host_blocks as usize);
+        // Host-cached blocks stay, unreferenced; everything else of the host pool is free.
+        let st = h.m.stats();
+        prop_assert_eq!(
+            h.m.num_free_host_blocks() + st.host_cached_blocks as usize,
+            h.m.config().num_host_blocks as usize
+        );
+        if !h.m.config().host_cache {
+            prop_assert_eq!(st.host_cached_blocks + st.offloaded_blocks + st.host_hit_tokens, 0);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn manager_with_host_tier_matches_model(
+        cfg in tier_config(),
+        max_copies in prop::sample::select(vec![1usize, 2, 128]),
+        max_swaps in prop::sample::select(vec![1usize, 3, 256]),
+        ops in prop::collection::vec(op(), 1..100),
+    ) {
+        let bs = cfg.block_size as usize;
+        let layout = StepLayout {
+            max_seqs: 16,
+            max_tokens: 4096,
+            max_blocks_per_seq: cfg.max_blocks_per_seq as usize,
+            max_copies,
+            max_swaps,
+        };
+        let mut h = Harness {
+            kv: vec![None; cfg.num_blocks as usize * bs],
+            host_kv: vec![None; cfg.num_host_blocks as usize * bs],
+            m: BlockManager::new(cfg).unwrap(),
+            model: HashMap::new(),
+            bs,
+            ob: OwnedStepBuffers::new(layout),
+        };
+        for op in &ops {
+            h.apply(op);
+        }
+        // Drain: empty steps until the swap queues are empty, step everything, free everything;
+        // nothing leaks.
+        for _ in 0..64 {
+            if h.m.pending_swap_out().is_empty() && h.m.pending_swap_in().is_empty() {
+                break;
+            }
+            h.apply(&Op::Step { mask: 0 });
+        }
+        prop_assert!(h.m.pending_swap_out().is_empty() && h.m.pending_swap_in().is_empty());
+        let live: Vec<SeqId> = h.model.keys().copied().collect();
+        h.apply(&Op::Step { mask: live.iter().fold(0u16, |m, &s| m | 1 << s) });
+        for s in live {
+            h.apply(&Op::Free { seq: s });
+        }
+        h.apply(&Op::Step { mask: 0 });
+        prop_assert_eq!(h.m.num_free_blocks(), h.m.config().num_blocks as usize);
+        prop_assert_eq!(h.m.stats().used_blocks, 0);
+        // Host-cached blocks stay, unreferenced; everything else of the host pool is free.
+        let st = h.m.stats();
+        prop_assert_eq!(
+            h.m.num_free_host_blocks() + st.host_cached_blocks as usize,
+            h.m.config().num_host_blocks as usize
+        );
+        if !h.m.config().host_cache {
+            prop_assert_eq!(st.host_cached_blocks + st.offloaded_blocks + st.host_hit_tokens, 0);
+        }
     }
 }

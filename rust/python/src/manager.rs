@@ -269,6 +269,61 @@ fn seq_keys(
     Ok(Some(keys))
 }
 
+/// A list of u128 prefix hashes (Python ints in `[0, 2**128)`, never bools).
+fn hash_list(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u128>> {
+    let mut out = Vec::new();
+    for item in obj
+        .try_iter()
+        .map_err(|_| invalid_arg(what, obj, "must be a sequence of ints"))?
+    {
+        let item = item?;
+        out.push(hash_of(what, &item)?);
+    }
+    Ok(out)
+}
+
+fn hash_of(what: &str, item: &Bound<'_, PyAny>) -> PyResult<u128> {
+    if item.is_instance_of::<PyBool>() {
+        return Err(invalid_arg(what, item, "a hash is an int, not a bool"));
+    }
+    item.extract::<u128>()
+        .map_err(|_| invalid_arg(what, item, "a hash is an int in [0, 2**128)"))
+}
+
+/// A list of parent hashes: ints or None.
+fn parent_list(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<Option<u128>>> {
+    let mut out = Vec::new();
+    for item in obj
+        .try_iter()
+        .map_err(|_| invalid_arg(what, obj, "must be a sequence of ints or None"))?
+    {
+        let item = item?;
+        out.push(if item.is_none() {
+            None
+        } else {
+            Some(hash_of(what, &item)?)
+        });
+    }
+    Ok(out)
+}
+
+/// What `admit_tiered` / `resume_tiered` return.
+type TieredTuple = (u32, u32, u32, u32, u32, u32);
+
+fn tiered(r: &pagedkv::AdmitResult) -> TieredTuple {
+    (
+        r.cached_tokens,
+        r.new_blocks,
+        r.num_blocks,
+        r.num_tokens,
+        r.cached_tokens_gpu,
+        r.cached_tokens_host,
+    )
+}
+
+/// What `take_demotions` returns per demotion: `(host_block, hash, parent, salt_digest, tokens)`.
+type DemotionTuple = (u32, u128, Option<u128>, u128, Vec<u32>);
+
 fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
     crate::stats::to_dict(py, s)
 }
@@ -276,7 +331,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
 #[pymethods]
 impl PyBlockManager {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size=None, watermark_blocks=None, max_blocks_per_seq=None, enable_prefix_caching=None, verify_prefix=None, hash_seed=None, num_host_blocks=None, kv_event_capacity=None))]
+    #[pyo3(signature = (num_blocks, block_size=None, watermark_blocks=None, max_blocks_per_seq=None, enable_prefix_caching=None, verify_prefix=None, hash_seed=None, num_host_blocks=None, kv_event_capacity=None, host_cache=None, host_write_through=None, host_load_min_blocks=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
@@ -288,6 +343,9 @@ impl PyBlockManager {
         hash_seed: Option<Bound<'_, PyAny>>,
         num_host_blocks: Option<Bound<'_, PyAny>>,
         kv_event_capacity: Option<Bound<'_, PyAny>>,
+        host_cache: Option<Bound<'_, PyAny>>,
+        host_write_through: Option<Bound<'_, PyAny>>,
+        host_load_min_blocks: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let num_blocks = scalar::<u32>("num_blocks", num_blocks)?;
         let block_size = match opt(&block_size) {
@@ -316,6 +374,15 @@ impl PyBlockManager {
         }
         if let Some(c) = opt(&kv_event_capacity) {
             cfg.kv_event_capacity = count("kv_event_capacity", c)?;
+        }
+        if let Some(f) = &host_cache {
+            cfg.host_cache = flag("host_cache", f)?;
+        }
+        if let Some(f) = &host_write_through {
+            cfg.host_write_through = flag("host_write_through", f)?;
+        }
+        if let Some(n) = opt(&host_load_min_blocks) {
+            cfg.host_load_min_blocks = scalar::<u32>("host_load_min_blocks", n)?;
         }
         let inner = BlockManager::new(cfg).py()?;
         Ok(Self {
@@ -577,6 +644,182 @@ impl PyBlockManager {
             })
         })?
         .py()
+    }
+
+    #[getter]
+    fn host_cache(&self) -> bool {
+        self.cfg.host_cache
+    }
+
+    #[getter]
+    fn host_write_through(&self) -> bool {
+        self.cfg.host_write_through
+    }
+
+    #[getter]
+    fn host_load_min_blocks(&self) -> u32 {
+        self.cfg.host_load_min_blocks
+    }
+
+    /// `admit` returning `(cached_tokens, new_blocks, num_blocks, num_tokens, cached_tokens_gpu,
+    /// cached_tokens_host)`: the cached prefix split by tier (host tokens are loaded by the next
+    /// step's swap-in list, not computed).
+    #[pyo3(signature = (seq_id, token_ids, cache_salt=None, adapter_id=None, mm_inputs=None, extra_keys=None, max_new_tokens=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn admit_tiered(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        cache_salt: Option<Bound<'_, PyAny>>,
+        adapter_id: Option<Bound<'_, PyAny>>,
+        mm_inputs: Option<Bound<'_, PyAny>>,
+        extra_keys: Option<Bound<'_, PyAny>>,
+        max_new_tokens: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<TieredTuple> {
+        let id = seq("seq_id", seq_id)?;
+        let keys = seq_keys(cache_salt, adapter_id, mm_inputs, extra_keys)?;
+        let k = opt(&max_new_tokens)
+            .map(|k| count("max_new_tokens", k))
+            .transpose()?;
+        let r = scratch(&TOKENS, |buf| {
+            with_ids("token_ids", token_ids, buf, |toks| {
+                Ok(self.run(py, toks.len() >= DETACH_MIN, |st| {
+                    st.inner.admit_opts(id, toks, keys.as_ref(), k)
+                }))
+            })
+        })?
+        .py()?;
+        Ok(tiered(&r))
+    }
+
+    /// `resume` returning the same six fields as `admit_tiered`.
+    #[pyo3(signature = (seq_id, max_new_tokens=None))]
+    fn resume_tiered(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        max_new_tokens: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<TieredTuple> {
+        let id = seq("seq_id", seq_id)?;
+        let k = opt(&max_new_tokens)
+            .map(|k| count("max_new_tokens", k))
+            .transpose()?;
+        let r = self.run(py, true, |st| st.inner.resume(id, k)).py()?;
+        Ok(tiered(&r))
+    }
+
+    /// How far a prompt is cached per tier: `(gpu_blocks, host_blocks, remaining_hashes,
+    /// salt_digest, parent_hash)`; `remaining_hashes` are the full blocks after both (up to the
+    /// `(len - 1) // block_size` an admission may share) for probing lower tiers, `parent_hash`
+    /// the hash before the first of them (None at the chain's start).
+    #[pyo3(signature = (token_ids, cache_salt=None, adapter_id=None, mm_inputs=None, extra_keys=None))]
+    fn lookup_tiers(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        cache_salt: Option<Bound<'_, PyAny>>,
+        adapter_id: Option<Bound<'_, PyAny>>,
+        mm_inputs: Option<Bound<'_, PyAny>>,
+        extra_keys: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<(usize, usize, Vec<u128>, u128, Option<u128>)> {
+        let keys = seq_keys(cache_salt, adapter_id, mm_inputs, extra_keys)?;
+        let r = scratch(&TOKENS, |buf| {
+            with_ids("token_ids", token_ids, buf, |toks| {
+                Ok(self.run(py, toks.len() >= DETACH_MIN, |st| {
+                    st.inner.lookup_tiers(toks, keys.as_ref())
+                }))
+            })
+        })?
+        .py()?;
+        let start = (r.gpu_blocks + r.host_blocks).min(r.hashes.len());
+        let parent = start.checked_sub(1).map(|i| r.hashes[i]);
+        let remaining = r.hashes[start..].to_vec();
+        Ok((
+            r.gpu_blocks,
+            r.host_blocks,
+            remaining,
+            r.salt_digest,
+            parent,
+        ))
+    }
+
+    /// Reserves `n` host blocks to fill from a lower tier (never findable, never evicted until
+    /// committed). May demote host-cached blocks: drain `take_demotions()` before writing.
+    fn reserve_host_blocks(&self, py: Python<'_>, n: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let n = count("n", n)?;
+        self.with(py, |st| st.inner.reserve_host_blocks(n)).py()
+    }
+
+    /// Ends reservations: with `ok`, indexes each block under its hash (token ids `block_size`
+    /// per block, flat); otherwise frees them. Returns how many were indexed.
+    #[allow(clippy::too_many_arguments)]
+    fn commit_host_blocks(
+        &self,
+        py: Python<'_>,
+        blocks: &Bound<'_, PyAny>,
+        hashes: &Bound<'_, PyAny>,
+        parents: &Bound<'_, PyAny>,
+        salt_digest: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        ok: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let blocks: Vec<u32> = ids_into("blocks", blocks)?;
+        let hashes = hash_list("hashes", hashes)?;
+        let parents = parent_list("parents", parents)?;
+        let salt = hash_of("salt_digest", salt_digest)?;
+        let toks: Vec<u32> = ids_into("token_ids", token_ids)?;
+        let ok = flag("ok", ok)?;
+        self.with(py, |st| {
+            st.inner
+                .commit_host_blocks(&blocks, &hashes, &parents, salt, &toks, ok)
+        })
+        .py()
+    }
+
+    /// The host-tier demotions since the last call: `(host_block, hash, parent_hash,
+    /// salt_digest, token_ids)`. Call right after `step()` (before applying its swap lists) and
+    /// after `reserve_host_blocks` (before filling the blocks), and copy each demoted host
+    /// block's bytes out then: the slot is reused.
+    fn take_demotions(&self, py: Python<'_>) -> Vec<DemotionTuple> {
+        self.with(py, |st| st.inner.take_demotions())
+            .into_iter()
+            .map(|d| (d.host_block, d.hash, d.parent, d.salt_digest, d.tokens))
+            .collect()
+    }
+
+    /// Host blocks a swap-out or a reservation can take now (free plus unreferenced
+    /// host-cached).
+    fn host_blocks_available(&self, py: Python<'_>) -> usize {
+        self.with(py, |st| st.inner.host_blocks_available())
+    }
+
+    /// Sets the cost model of the host tier's load-or-recompute choice; no arguments clears it.
+    #[pyo3(signature = (host_link_bytes_per_s=None, prefill_tokens_per_s=None, kv_bytes_per_token=None))]
+    fn set_host_cost_model(
+        &self,
+        py: Python<'_>,
+        host_link_bytes_per_s: Option<f64>,
+        prefill_tokens_per_s: Option<f64>,
+        kv_bytes_per_token: Option<f64>,
+    ) -> PyResult<()> {
+        let model = match (
+            host_link_bytes_per_s,
+            prefill_tokens_per_s,
+            kv_bytes_per_token,
+        ) {
+            (None, None, None) => None,
+            (Some(a), Some(b), Some(c)) => Some(CostModel::new(a, b, c)),
+            _ => {
+                return Err(crate::errors::invalid_arg_int(
+                    py,
+                    "set_host_cost_model",
+                    0,
+                    "give all three rates, or none to clear the model",
+                ))
+            }
+        };
+        self.with(py, |st| st.inner.set_host_cost_model(model)).py()
     }
 
     #[getter]

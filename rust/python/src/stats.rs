@@ -31,6 +31,11 @@ pub fn to_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> 
         preemptions_recompute,
         swapped_out_blocks,
         swapped_in_blocks,
+        host_hit_tokens,
+        host_loaded_blocks,
+        offloaded_blocks,
+        demotions,
+        host_cached_blocks,
         num_host_blocks,
         host_free_blocks,
         swapped_seqs,
@@ -59,6 +64,11 @@ pub fn to_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> 
     d.set_item("preemptions_recompute", preemptions_recompute)?;
     d.set_item("swapped_out_blocks", swapped_out_blocks)?;
     d.set_item("swapped_in_blocks", swapped_in_blocks)?;
+    d.set_item("host_hit_tokens", host_hit_tokens)?;
+    d.set_item("host_loaded_blocks", host_loaded_blocks)?;
+    d.set_item("offloaded_blocks", offloaded_blocks)?;
+    d.set_item("demotions", demotions)?;
+    d.set_item("host_cached_blocks", host_cached_blocks)?;
     d.set_item("num_host_blocks", num_host_blocks)?;
     d.set_item("host_free_blocks", host_free_blocks)?;
     d.set_item("swapped_seqs", swapped_seqs)?;

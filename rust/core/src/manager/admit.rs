@@ -13,19 +13,20 @@
 
 use std::sync::Arc;
 
-use super::{evict, AdmitRequest, AdmitResult, BlockManager};
+use super::tier::registered;
+use super::{AdmitRequest, AdmitResult, BlockManager};
 use crate::error::{Error, Result};
 use crate::hash::{root_hash, Hasher, SeqKeys};
-use crate::swap::SeqState;
+use crate::swap::{HostBlockId, SeqState};
 use crate::table::blocks_for;
 use crate::{BlockId, SeqId, TokenId};
 
 /// What a prefix-cache lookup found.
 #[derive(Debug, Clone, Copy, Default)]
-struct Lookup {
+pub(super) struct Lookup {
     /// `h_{-1}` for the request's salt.
     root: u128,
-    /// Leading tokens cached: `hits.len() * B`.
+    /// Leading tokens cached: `(hits.len() + host_hits.len()) * B`.
     cached: usize,
     /// Hits on cached-free blocks: each takes a block off the free count when revived.
     revive: usize,
@@ -94,13 +95,18 @@ impl BlockManager {
         if n == 0 || blocks_for(n, self.bs) > self.cfg.max_blocks_per_seq as usize {
             return Ok(false);
         }
-        let (mut hashes, mut hits) = (Vec::new(), Vec::new());
-        let look = self.lookup(
+        let (mut hashes, mut hits, mut host_hits) = (Vec::new(), Vec::new(), Vec::new());
+        let root = self.root_for(keys);
+        let extra = keys.filter(|k| k.has_block_extras());
+        let look = self.lookup_root(
             &mut Hasher::new(self.hash_key),
             tokens,
-            keys,
+            root,
+            extra,
             &mut hashes,
             &mut hits,
+            &mut host_hits,
+            true,
         );
         let held = held_tokens(n, look.cached, max_new_tokens);
         let needed = blocks_for(held, self.bs) - hits.len() + look.revive;
@@ -209,26 +215,9 @@ impl BlockManager {
         Ok(())
     }
 
-    /// The prefix-cache lookup of an admission: fills `hits` with the leading run of cached
-    /// blocks (at most `(len - 1) / B`) and `hashes` with at least their chain. The chain is
-    /// computed in groups, stopping after the group of the first miss: blocks past it are hashed
-    /// when a step registers them, so a cold prompt is not hashed twice.
-    fn lookup(
-        &self,
-        hasher: &mut Hasher,
-        tokens: &[TokenId],
-        keys: Option<&SeqKeys>,
-        hashes: &mut Vec<u128>,
-        hits: &mut Vec<BlockId>,
-    ) -> Lookup {
-        let root = self.root_for(keys);
-        let extra = keys.filter(|k| k.has_block_extras());
-        self.lookup_root(hasher, tokens, root, extra, hashes, hits)
-    }
-
     /// `h_{-1}` for the keys' salt.
     #[inline]
-    fn root_for(&self, keys: Option<&SeqKeys>) -> u128 {
+    pub(super) fn root_for(&self, keys: Option<&SeqKeys>) -> u128 {
         match keys {
             Some(k) if self.caching && !k.cache_salt.is_empty() => {
                 root_hash(self.hash_key, &k.cache_salt)
@@ -237,8 +226,15 @@ impl BlockManager {
         }
     }
 
-    /// [`Self::lookup`] with the chain root and the block-extra keys already known.
-    fn lookup_root(
+    /// The prefix-cache lookup of an admission, under chain root `root` and block-extra keys
+    /// `extra`: fills `hits` with the leading run of cached device blocks (at most
+    /// `(len - 1) / B`), then, with the host tier on, `host_hits` with the run of host-cached
+    /// blocks after it (emptied again when `load_rule` and loading them does not pay), and
+    /// `hashes` with at least their chain. The chain is computed in groups, stopping after the
+    /// group of the first miss: blocks past it are hashed when a step registers them, so a cold
+    /// prompt is not hashed twice.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn lookup_root(
         &self,
         hasher: &mut Hasher,
         tokens: &[TokenId],
@@ -246,6 +242,8 @@ impl BlockManager {
         extra: Option<&SeqKeys>,
         hashes: &mut Vec<u128>,
         hits: &mut Vec<BlockId>,
+        host_hits: &mut Vec<HostBlockId>,
+        load_rule: bool,
     ) -> Lookup {
         const GROUP: usize = 16;
         let bs = self.bs;
@@ -255,6 +253,7 @@ impl BlockManager {
         };
         hashes.clear();
         hits.clear();
+        host_hits.clear();
         if !self.caching {
             return look;
         }
@@ -276,7 +275,28 @@ impl BlockManager {
             }
             hits.push(b);
         }
-        look.cached = hits.len() * bs;
+        if let Some(t) = &self.tier {
+            if look.collisions == 0 {
+                for i in hits.len()..max_hit {
+                    if i == hashes.len() {
+                        let upto = (i + GROUP).min(max_hit);
+                        hasher.extend_chain(look.root, &tokens[..upto * bs], bs, extra, hashes);
+                    }
+                    let Some(h) = t.lookup(hashes[i]) else {
+                        break;
+                    };
+                    if t.tokens_of(h) != &tokens[i * bs..(i + 1) * bs] {
+                        look.collisions += 1;
+                        break;
+                    }
+                    host_hits.push(h);
+                }
+                if load_rule && !host_hits.is_empty() && !self.load_pays(host_hits.len()) {
+                    host_hits.clear();
+                }
+            }
+        }
+        look.cached = (hits.len() + host_hits.len()) * bs;
         look
     }
 
@@ -321,8 +341,18 @@ impl BlockManager {
         let bs = self.bs;
         let mut hits = std::mem::take(&mut self.scratch_hits);
         let mut hashes = std::mem::take(&mut self.scratch_hashes);
+        let mut host_hits = std::mem::take(&mut self.scratch_host_hits);
         let mut hasher = std::mem::take(&mut self.hasher);
-        let look = self.lookup_root(&mut hasher, tokens, root, extra, &mut hashes, &mut hits);
+        let look = self.lookup_root(
+            &mut hasher,
+            tokens,
+            root,
+            extra,
+            &mut hashes,
+            &mut hits,
+            &mut host_hits,
+            true,
+        );
         self.hasher = hasher;
         let held = held_tokens(n, look.cached, max_new_tokens);
         let nb = blocks_for(held, bs);
@@ -347,6 +377,7 @@ impl BlockManager {
         if let Some(e) = err {
             self.scratch_hits = hits;
             self.scratch_hashes = hashes;
+            self.scratch_host_hits = host_hits;
             return Err(e);
         }
 
@@ -364,8 +395,8 @@ impl BlockManager {
                 (self.last_order, uid)
             }
         };
-        let s = &mut self.slots[slot as usize];
-        s.table.clear();
+        self.slots[slot as usize].table.clear();
+        let mut blocks = std::mem::take(&mut self.slots[slot as usize].table.blocks);
         for &b in &hits {
             if self.prefix.in_lru(b) {
                 self.prefix.lru_remove(b);
@@ -373,19 +404,43 @@ impl BlockManager {
             } else if self.pool.incref_mut(b)? == 2 {
                 self.shared_blocks += 1;
             }
-            s.table.blocks.push(b);
+            blocks.push(b);
+        }
+        // Host hits are pinned before anything is allocated: an eviction below may offload, and
+        // an offload may demote an unreferenced host-cached block, never one of these.
+        if let Some(t) = self.tier.as_mut() {
+            for &h in &host_hits {
+                t.lru.remove(h);
+                self.host.incref(h);
+            }
         }
         let from_pool = new.min(self.pool.num_free());
-        self.pool.allocate_n_mut(from_pool, &mut s.table.blocks)?;
+        self.pool.allocate_n_mut(from_pool, &mut blocks)?;
         for _ in from_pool..new {
-            let b = evict(
-                &mut self.prefix,
-                &mut self.pool,
-                &mut self.counters,
-                &mut self.events,
-            )?;
-            s.table.blocks.push(b);
+            let b = self.evict_block()?;
+            blocks.push(b);
         }
+        let g = hits.len();
+        for (k, &h) in host_hits.iter().enumerate() {
+            let (i, b) = (g + k, blocks[g + k]);
+            let toks = &tokens[i * bs..(i + 1) * bs];
+            if self.prefix.register(b, hashes[i], toks) {
+                registered(
+                    self.tier.as_mut(),
+                    &mut self.host,
+                    &mut self.events,
+                    b,
+                    hashes[i],
+                    i.checked_sub(1).map(|p| hashes[p]),
+                    look.root,
+                    toks,
+                );
+            }
+            // The queued load holds the host reference taken above until a step emits it.
+            self.swap_in_q.push((h, b));
+        }
+        let s = &mut self.slots[slot as usize];
+        s.table.blocks = blocks;
         s.table.num_tokens = held;
         s.tokens.clear();
         s.hashes.clear();
@@ -395,7 +450,7 @@ impl BlockManager {
             hashes.truncate(held / bs);
             std::mem::swap(&mut s.hashes, &mut hashes);
         }
-        s.registered = hits.len();
+        s.registered = hits.len() + host_hits.len();
         s.root = look.root;
         s.keys = match shared {
             Some(k) => Some(k),
@@ -414,11 +469,17 @@ impl BlockManager {
             self.counters.prefix_query_tokens += n as u64;
             self.counters.prefix_hit_tokens += look.cached as u64;
             self.counters.prefix_collisions += look.collisions;
+            self.counters.host_hit_tokens += (host_hits.len() * bs) as u64;
+            self.counters.host_loaded_blocks += host_hits.len() as u64;
         }
+        let host_cached = host_hits.len() * bs;
         self.scratch_hits = hits;
         self.scratch_hashes = hashes;
+        self.scratch_host_hits = host_hits;
         Ok(AdmitResult {
             cached_tokens: look.cached as u32,
+            cached_tokens_gpu: (look.cached - host_cached) as u32,
+            cached_tokens_host: host_cached as u32,
             new_blocks: new as u32,
             num_blocks: nb as u32,
             num_tokens: held as u32,

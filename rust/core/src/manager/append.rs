@@ -323,6 +323,21 @@ impl BlockManager {
         // Blocks still held lose their hash too; stale map entries go with them.
         self.prefix.clear_hashes();
         self.events.cleared(Medium::Gpu);
+        if let Some(t) = self.tier.as_mut() {
+            // Unreferenced host-cached blocks are freed; referenced ones (a load or an offload in
+            // flight) are only unindexed, and freed when their last reference goes.
+            t.epoch += 1;
+            for h in 0..self.host.num_blocks() {
+                if t.is_indexed(h) {
+                    let in_lru = t.lru.contains(h);
+                    t.unindex(h);
+                    if in_lru {
+                        self.host.release(h);
+                    }
+                }
+            }
+            self.events.cleared(Medium::Host);
+        }
         result
     }
 }

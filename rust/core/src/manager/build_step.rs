@@ -13,6 +13,7 @@
 //! - Block-table rows are written incrementally (see `StepCache`): a row is rewritten in full
 //!   whenever its sequence's uid or table version changed, so a stale entry is never left behind.
 
+use super::tier::{offload, registered};
 use super::{BlockManager, Seq};
 use crate::error::{Error, Result};
 use crate::events::Medium;
@@ -25,6 +26,8 @@ use crate::{BlockId, SeqId};
 #[derive(Debug)]
 struct SwapPlan {
     emit_out: Vec<bool>,
+    /// Queued offloads cancelled to make room (never set for a swapped sequence's swap-out).
+    drop_out: Vec<bool>,
     emit_in: Vec<bool>,
     /// Which pending copy-on-write copies to emit (in queue order).
     emit_cow: Vec<bool>,
@@ -138,9 +141,37 @@ impl BlockManager {
                 .extend_chain(s.root, &s.tokens, bs, s.keys.as_deref(), &mut s.hashes);
             for j in s.registered..full {
                 let toks = &s.tokens[j * bs..(j + 1) * bs];
-                if self.prefix.register(s.table.blocks[j], s.hashes[j], toks) {
+                let b = s.table.blocks[j];
+                if self.prefix.register(b, s.hashes[j], toks) {
                     let parent = j.checked_sub(1).map(|p| s.hashes[p]);
-                    self.events.stored(Medium::Gpu, s.hashes[j], parent, toks);
+                    registered(
+                        self.tier.as_mut(),
+                        &mut self.host,
+                        &mut self.events,
+                        b,
+                        s.hashes[j],
+                        parent,
+                        s.root,
+                        toks,
+                    );
+                    if self.cfg.host_write_through {
+                        if let Some(t) = self.tier.as_mut() {
+                            // Queued after this step's lists: the next step copies what this
+                            // step's forward writes.
+                            offload(
+                                t,
+                                &mut self.host,
+                                &mut self.events,
+                                &mut self.counters,
+                                &mut self.swap_out_q,
+                                b,
+                                s.hashes[j],
+                                parent,
+                                s.root,
+                                toks,
+                            );
+                        }
+                    }
                 }
             }
             s.registered = full;
@@ -157,6 +188,22 @@ impl BlockManager {
             num_swap_in,
             max_query_len: max_query,
         })
+    }
+
+    /// Cancels the queued offload into host block `h` (nobody else holds `h`): it leaves the
+    /// index and is freed.
+    fn cancel_offload(&mut self, h: HostBlockId) -> Result<()> {
+        if let Some(t) = self.tier.as_mut() {
+            t.pinned[h as usize] = false;
+            if t.is_indexed(h) {
+                let hash = t.unindex(h);
+                self.events.removed(Medium::Host, hash);
+            }
+        }
+        if self.host.decref(h)? == 0 {
+            self.host.release(h);
+        }
+        Ok(())
     }
 
     /// Which queued swap copies this step emits, when they do not all fit (`None`: all of them).
@@ -239,6 +286,24 @@ impl BlockManager {
             })
             .collect();
         let mut n_out = emit_out.iter().filter(|&&x| x).count();
+        let mut drop_out = vec![false; self.swap_out_q.len()];
+        if n_out > room_out {
+            if let Some(t) = &self.tier {
+                // An offload is a cache decision: rather than refuse the step, cancel the newest
+                // ones nobody else reads (a queued load of its host block holds a reference too).
+                for j in (0..self.swap_out_q.len()).rev() {
+                    if n_out <= room_out {
+                        break;
+                    }
+                    let h = self.swap_out_q[j].1;
+                    if emit_out[j] && t.pinned[h as usize] && self.host.refcount(h) == Ok(1) {
+                        emit_out[j] = false;
+                        drop_out[j] = true;
+                        n_out -= 1;
+                    }
+                }
+            }
+        }
         if n_out > room_out {
             return Err(small("swap_out", n_out, room_out));
         }
@@ -246,18 +311,21 @@ impl BlockManager {
         // every swap-out reading its device block or filling its host block is emitted; a copy
         // once no swap-out still queued reads its destination and no swap-in still queued fills
         // its source.
-        for e in emit_out.iter_mut() {
+        for (e, &dropped) in emit_out.iter_mut().zip(&drop_out) {
             if n_out == room_out {
                 break;
             }
-            if !*e {
+            if !*e && !dropped {
                 *e = true;
                 n_out += 1;
             }
         }
         let mut waiting_src: FastMap<BlockId, ()> = FastMap::default();
         let mut waiting_dst: FastMap<HostBlockId, ()> = FastMap::default();
-        for (&(d, h), _) in self.swap_out_q.iter().zip(&emit_out).filter(|&(_, &e)| !e) {
+        for (j, &(d, h)) in self.swap_out_q.iter().enumerate() {
+            if emit_out[j] || drop_out[j] {
+                continue;
+            }
             waiting_src.insert(d, ());
             waiting_dst.insert(h, ());
         }
@@ -289,6 +357,7 @@ impl BlockManager {
         }
         Ok(Some(SwapPlan {
             emit_out,
+            drop_out,
             emit_in,
             emit_cow,
         }))
@@ -312,7 +381,23 @@ impl BlockManager {
         if self.swap_out_q.is_empty() && self.swap_in_q.is_empty() {
             return (0, 0, Ok(()));
         }
+        let mut result = Ok(());
         let (emit_out, emit_in) = match plan {
+            Some(p) if p.drop_out.iter().any(|&d| d) => {
+                let queue = std::mem::take(&mut self.swap_out_q);
+                let mut emit_out = Vec::with_capacity(queue.len());
+                for (j, &(d, h)) in queue.iter().enumerate() {
+                    if p.drop_out[j] {
+                        if let Err(e) = self.cancel_offload(h) {
+                            result = Err(e);
+                        }
+                    } else {
+                        self.swap_out_q.push((d, h));
+                        emit_out.push(p.emit_out[j]);
+                    }
+                }
+                (emit_out, p.emit_in)
+            }
             Some(p) => (p.emit_out, p.emit_in),
             None => (
                 vec![true; self.swap_out_q.len()],
@@ -321,8 +406,19 @@ impl BlockManager {
         };
         let n_out = drain_selected(&mut self.swap_out_q, &emit_out, out);
         let n_in = drain_selected(&mut self.swap_in_q, &emit_in, inn);
+        if self.tier.is_some() {
+            // An emitted offload drops the reference that pinned its host block.
+            for k in 0..n_out {
+                let h = out[2 * k + 1] as HostBlockId;
+                let t = self.tier.as_mut().expect("checked");
+                if std::mem::take(&mut t.pinned[h as usize]) {
+                    if let Err(e) = self.host_drop(h) {
+                        result = Err(e);
+                    }
+                }
+            }
+        }
         // An emitted swap-in drops the host reference it held: the step's list now names the copy.
-        let mut result = Ok(());
         for k in 0..n_in {
             if let Err(e) = self.host_drop(inn[2 * k] as HostBlockId) {
                 result = Err(e);

@@ -151,8 +151,57 @@ impl BlockManager {
                     "host block {h} is the destination of two swap-outs"
                 ));
             }
-            if host_occ[h as usize] == 0 {
+            let pinned = self.tier.as_ref().is_some_and(|t| t.pinned[h as usize]);
+            if host_occ[h as usize] == 0 && !pinned {
                 return bad(format!("swap-out destination {h} is held by no one"));
+            }
+        }
+        if let Some(t) = &self.tier {
+            // Host tier: pins and reservations hold one reference each; see `crate::tier`.
+            t.check().map_err(Error::InvariantViolation)?;
+            let mut fills = vec![0u32; nh];
+            for &(_, h) in &self.swap_out_q {
+                fills[h as usize] += 1;
+            }
+            for h in 0..nh {
+                let hb = h as u32;
+                if t.pinned[h] {
+                    if fills[h] != 1 {
+                        return bad(format!(
+                            "host block {h} is pinned by an offload but {} swap-outs fill it",
+                            fills[h]
+                        ));
+                    }
+                    host_occ[h] += 1;
+                }
+                if t.reserved[h] {
+                    if host_occ[h] != 0 {
+                        return bad(format!("reserved host block {h} has other holders"));
+                    }
+                    host_occ[h] += 1;
+                }
+                if t.is_indexed(hb) {
+                    let rc = self.host.refcount(hb)?;
+                    if (rc == 0) != t.lru.contains(hb) {
+                        return bad(format!(
+                            "host-cached block {h}: refcount {rc}, in the host LRU {}",
+                            t.lru.contains(hb)
+                        ));
+                    }
+                    if fills[h] > 0 && !t.pinned[h] {
+                        return bad(format!(
+                            "host-cached block {h} is filled by a swap-out it is not pinned by"
+                        ));
+                    }
+                    let (hash, _, _) = t.meta(hb);
+                    if let Some(b) = self.prefix.lookup(hash) {
+                        if self.prefix.stored_tokens(b) != t.tokens_of(hb) {
+                            return bad(format!(
+                                "hash {hash:#x}: device block {b} and host block {h} hold different tokens"
+                            ));
+                        }
+                    }
+                }
             }
         }
         for (h, &o) in host_occ.iter().enumerate() {
@@ -161,9 +210,11 @@ impl BlockManager {
                 return bad(format!("host block {h}: refcount {rc} but {o} holders"));
             }
         }
-        self.host
-            .check_invariants()
-            .map_err(Error::InvariantViolation)?;
+        match &self.tier {
+            Some(t) => self.host.check_invariants_parked(|h| t.lru.contains(h)),
+            None => self.host.check_invariants(),
+        }
+        .map_err(Error::InvariantViolation)?;
         // Pending copies: distinct dsts, owned; no dst is a src; deferred blocks are srcs.
         let mut dsts = std::collections::HashSet::new();
         for &(s, d) in &self.pending {

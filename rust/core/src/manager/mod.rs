@@ -57,8 +57,9 @@ use crate::metrics::{hist_bucket, Counters, Stats, HIST_BUCKETS};
 use crate::pool::BlockPool;
 use crate::prefix::{FastMap, PrefixCache};
 use crate::step::StepCache;
-use crate::swap::{HostBlockId, HostPool, SeqState};
+use crate::swap::{CostModel, HostBlockId, HostPool, SeqState};
 use crate::table::BlockTable;
+use crate::tier::HostTier;
 use crate::{BlockId, SeqId, TokenId};
 
 mod admit;
@@ -67,6 +68,7 @@ mod build_step;
 mod config;
 mod invariants;
 mod reclaim;
+mod tier;
 
 pub use config::ManagerConfig;
 
@@ -76,7 +78,12 @@ pub struct AdmitResult {
     /// Prompt tokens whose KV is already cached (a multiple of B, at most `len - 1`): the engine
     /// computes tokens `[cached_tokens, len)`.
     pub cached_tokens: u32,
-    /// Blocks allocated for this admission (not shared from the cache).
+    /// Of `cached_tokens`, those found on the device (shared blocks).
+    pub cached_tokens_gpu: u32,
+    /// Of `cached_tokens`, those found in the host tier: loaded by the next step's swap-in list
+    /// into blocks allocated for them, not computed.
+    pub cached_tokens_host: u32,
+    /// Blocks allocated for this admission (not shared from the cache), loads included.
     pub new_blocks: u32,
     /// Blocks in the sequence's table, `ceil(num_tokens / B)`.
     pub num_blocks: u32,
@@ -178,6 +185,7 @@ pub struct BlockManager {
     batch_gen: u64,
     scratch_hashes: Vec<u128>,
     scratch_hits: Vec<BlockId>,
+    scratch_host_hits: Vec<HostBlockId>,
     /// Last uid handed out (uids start at 1; 0 marks a row as unknown).
     last_uid: u64,
     /// What `build_step` last wrote into the block-table buffer it last wrote.
@@ -196,6 +204,10 @@ pub struct BlockManager {
     cache_epoch: u64,
     /// The KV-event ring (disabled, and empty, unless `kv_event_capacity > 0`).
     events: KvEventRing,
+    /// The host tier's index (`host_cache` only).
+    tier: Option<HostTier>,
+    /// The cost model of the host tier's load-or-recompute choice.
+    host_cost: Option<CostModel>,
 }
 
 impl BlockManager {
@@ -219,6 +231,15 @@ impl BlockManager {
         let pool = BlockPool::new(cfg.num_blocks)?;
         let host = HostPool::new(cfg.num_host_blocks)?;
         let events = KvEventRing::new(cfg.kv_event_capacity, cfg.block_size)?;
+        let tier = if cfg.host_cache {
+            Some(HostTier::new(
+                cfg.num_host_blocks,
+                cfg.num_blocks,
+                cfg.block_size,
+            )?)
+        } else {
+            None
+        };
         Ok(Self {
             bs: cfg.block_size as usize,
             caching: cfg.enable_prefix_caching,
@@ -242,6 +263,7 @@ impl BlockManager {
             batch_gen: u64::MAX,
             scratch_hashes: Vec::new(),
             scratch_hits: Vec::new(),
+            scratch_host_hits: Vec::new(),
             last_uid: 0,
             step_cache: StepCache::default(),
             scratch_register: Vec::new(),
@@ -251,6 +273,8 @@ impl BlockManager {
             last_order: 0,
             cache_epoch: 0,
             events,
+            tier,
+            host_cost: None,
             cfg,
         })
     }
@@ -312,12 +336,7 @@ impl BlockManager {
     fn alloc_block(&mut self) -> Result<BlockId> {
         match self.pool.allocate_mut() {
             Ok(b) => Ok(b),
-            Err(_) => evict(
-                &mut self.prefix,
-                &mut self.pool,
-                &mut self.counters,
-                &mut self.events,
-            ),
+            Err(_) => self.evict_block(),
         }
     }
 
@@ -399,6 +418,16 @@ impl BlockManager {
     /// swap-out into it: nobody will read it).
     fn host_drop(&mut self, h: HostBlockId) -> Result<()> {
         if self.host.decref(h)? == 0 {
+            if let Some(t) = self.tier.as_mut() {
+                if t.is_indexed(h) {
+                    // Host-cached and unreferenced: it stays findable, evictable from the LRU.
+                    return t.lru.push_back(h).map_err(|_| {
+                        Error::InvariantViolation(format!(
+                            "host block {h} released while already in the host LRU"
+                        ))
+                    });
+                }
+            }
             if let Some(pos) = self.swap_out_q.iter().position(|&(_, x)| x == h) {
                 self.swap_out_q.remove(pos);
             }
@@ -580,34 +609,17 @@ impl BlockManager {
             preemptions_recompute: c.preemptions_recompute,
             swapped_out_blocks: c.swapped_out_blocks,
             swapped_in_blocks: c.swapped_in_blocks,
+            host_hit_tokens: c.host_hit_tokens,
+            host_loaded_blocks: c.host_loaded_blocks,
+            offloaded_blocks: c.offloaded_blocks,
+            demotions: c.demotions,
+            host_cached_blocks: self.tier.as_ref().map_or(0, |t| t.num_indexed() as u64),
             num_host_blocks: self.host.num_blocks() as u64,
             host_free_blocks: self.host.num_free() as u64,
             swapped_seqs: swapped,
             kv_cache_usage: used as f64 / nbk as f64,
             blocks_per_seq: hist,
         }
-    }
-}
-
-/// Evicts the least recently freed cached-free block and hands it out with refcount 1.
-#[inline]
-fn evict(
-    prefix: &mut PrefixCache,
-    pool: &mut BlockPool,
-    counters: &mut Counters,
-    events: &mut KvEventRing,
-) -> Result<BlockId> {
-    match prefix.evict_oldest() {
-        Some(b) => {
-            events.removed(Medium::Gpu, prefix.last_hash(b));
-            pool.incref_mut(b)?;
-            counters.evictions += 1;
-            Ok(b)
-        }
-        None => Err(Error::OutOfBlocks {
-            needed: 1,
-            available: 0,
-        }),
     }
 }
 

@@ -15,6 +15,7 @@
 //! - Every call checks fully first, so a refused swap, resume or decision changes nothing.
 
 use super::admit::check_max_new;
+use super::tier::registered;
 use super::{AdmitResult, BlockManager};
 use crate::error::{Error, Result};
 use crate::events::Medium;
@@ -101,11 +102,11 @@ impl BlockManager {
                 }
             }
         }
-        if needed > self.host.num_free() {
-            return Err(Error::OutOfHostBlocks {
-                needed,
-                available: self.host.num_free(),
-            });
+        // Swapped blocks always win: unreferenced host-cached blocks count as available (taking
+        // one demotes it).
+        let available = self.host_blocks_available();
+        if needed > available {
+            return Err(Error::OutOfHostBlocks { needed, available });
         }
         // Apply. First map every device block to its host block (queueing the copies) for all
         // sequences, while the pending copies the mapping consults are all still there; then drop
@@ -129,7 +130,7 @@ impl BlockManager {
                                 h0
                             }
                             Err(src) => {
-                                let h = self.host.allocate()?;
+                                let h = self.take_host_block()?;
                                 pairs.push((src, h));
                                 h
                             }
@@ -260,9 +261,19 @@ impl BlockManager {
                 let upto = s.registered.min(s.hashes.len());
                 for j in 0..upto {
                     let toks = &s.tokens[j * bs..(j + 1) * bs];
-                    if self.prefix.register(s.table.blocks[j], s.hashes[j], toks) {
-                        let parent = j.checked_sub(1).map(|p| s.hashes[p]);
-                        self.events.stored(Medium::Gpu, s.hashes[j], parent, toks);
+                    let b = s.table.blocks[j];
+                    if self.prefix.register(b, s.hashes[j], toks) {
+                        // No write-through here: the block's content arrives by this very swap-in.
+                        registered(
+                            self.tier.as_mut(),
+                            &mut self.host,
+                            &mut self.events,
+                            b,
+                            s.hashes[j],
+                            j.checked_sub(1).map(|p| s.hashes[p]),
+                            s.root,
+                            toks,
+                        );
                     }
                 }
             }
@@ -438,7 +449,7 @@ impl BlockManager {
             running.saturating_sub(slots.len()) as u64
         });
         let recompute_cost_s = model.recompute_cost(tokens, batch_tokens);
-        let swap_possible = host_needed as usize <= self.host.num_free();
+        let swap_possible = host_needed as usize <= self.host_blocks_available();
         let mode = if swap_possible && swap_cost_s < recompute_cost_s {
             PreemptMode::Swap
         } else {

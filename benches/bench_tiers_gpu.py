@@ -1,0 +1,184 @@
+"""Host tier on a GPU: time to first token of a prompt served from pinned host memory vs recomputed.
+
+At Llama-3-8B dimensions (random bf16 weights, ``benches/_dims.py``), for each prompt length:
+
+1. ``warm``: the prompt runs once (``max_tokens=1``), so its full blocks enter the prefix cache;
+2. a different prompt of the same length runs, in a GPU pool sized to hold one prompt, so the
+   first prompt's cached blocks are evicted — and written back to the host tier;
+3. ``host``: the first prompt again: its blocks are loaded from the host tier (the step's
+   swap-in list), only the last partial block is prefilled; TTFT is the wall time of that
+   ``generate`` call (one token);
+4. ``recompute``: the same prompt under another tenant's ``cache_salt`` (nothing cached for it):
+   a full prefill, same engine, same step;
+5. ``copy``: a plain pinned host-to-device ``copy_`` of the same KV bytes, the bound on a load.
+
+Also (``--reuse``) a reuse workload: ``--reuse-prompts`` unique prompts of ``--reuse-len`` tokens,
+whose KV is several times the GPU pool, each asked twice in two passes; throughput of the second
+pass (tokens/s of prompt + one generated token) with the host tier against without (the second
+pass then recomputes whatever the GPU pool evicted).
+
+Prints a table, writes JSON (``--json``). Usage (GPU machine, repository root):
+``PYTHONPATH=python python3 benches/bench_tiers_gpu.py [--lens 1024 4096 16384 32768] [--reuse]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+from _dims import add_model_args, llama_config, model_dims
+
+
+def build(args):
+    import transformers
+
+    from pagedkv.engine.loader import LoadedModel
+
+    cfg = llama_config(model_dims(args), args.max_model_len)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    model.eval().requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=None, config=model.config,
+                       max_model_len=args.max_model_len, eos_token_ids=[], path="random-llama")
+
+
+def ttft(llm, ids, salt=None) -> float:
+    import pagedkv
+
+    sp = pagedkv.SamplingParams(temperature=0.0, max_tokens=1)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False, cache_salt=salt)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def copy_time(nbytes: int, reps: int = 5) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def run_lengths(loaded, args) -> list:
+    import pagedkv
+
+    rows = []
+    bs = args.block_size
+    vocab = loaded.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    longest = max(args.lens)
+    # One prompt's blocks (and a margin) on the GPU: the second prompt evicts the first's.
+    num_blocks = longest // bs + 64
+    llm = pagedkv.LLM(loaded, device="cuda", num_blocks=num_blocks, block_size=bs,
+                      max_num_seqs=4, max_num_batched_tokens=args.chunk,
+                      host_cache_memory=args.host_cache, progress=False)
+    kv_token = llm.llm_engine.runner.spec.bytes_per_token
+    for n in args.lens:
+        host_t, rec_t = [], []
+        for rep in range(args.reps):
+            a = torch.randint(0, vocab, (n,), generator=g).tolist()
+            b = torch.randint(0, vocab, (n,), generator=g).tolist()
+            # b must also be long enough to evict a from the pool
+            ttft(llm, a)
+            ttft(llm, b + torch.randint(0, vocab, (longest - n,), generator=g).tolist()
+                 if n < longest else b)
+            before = llm.stats()
+            host_t.append(ttft(llm, a))
+            after = llm.stats()
+            hits = after.prefix_hits_by_tier.get("host", 0) - before.prefix_hits_by_tier.get("host", 0)
+            rec_t.append(ttft(llm, a, salt=f"other-tenant-{n}-{rep}"))
+        full = (n // bs) * bs
+        cp = copy_time(full * kv_token)
+        h, r = statistics.median(host_t), statistics.median(rec_t)
+        rows.append({"prompt": n, "host_ttft_ms": h * 1e3, "recompute_ttft_ms": r * 1e3,
+                     "speedup": r / h, "copy_ms": cp * 1e3, "host_hit_tokens": hits,
+                     "load_fraction_of_copy": cp / h})
+        print(f"  {n:>6} tokens: host {h*1e3:8.2f} ms   recompute {r*1e3:8.2f} ms   "
+              f"x{r/h:5.1f}   plain copy {cp*1e3:6.2f} ms   host hits {hits}", flush=True)
+    llm.shutdown()
+    return rows
+
+
+def run_reuse(loaded, args) -> dict:
+    import pagedkv
+
+    vocab = loaded.config.vocab_size
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, vocab, (args.reuse_len,), generator=g).tolist()
+               for _ in range(args.reuse_prompts)]
+    sp = pagedkv.SamplingParams(temperature=0.0, max_tokens=1)
+    out = {}
+    for label, host in (("no tier", None), ("host tier", args.reuse_host)):
+        llm = pagedkv.LLM(loaded, device="cuda", num_blocks=args.reuse_blocks,
+                          block_size=args.block_size, max_num_seqs=256,
+                          max_num_batched_tokens=args.chunk, host_cache_memory=host,
+                          progress=False)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        st = llm.stats()
+        out[label] = {"seconds": dt, "tokens_per_s": len(prompts) * (args.reuse_len + 1) / dt,
+                      "hits_by_tier": dict(st.prefix_hits_by_tier),
+                      "first_tokens": [o.outputs[0].token_ids[0] for o in outs[:8]]}
+        print(f"  reuse, {label:9}: {dt:7.2f} s  {out[label]['tokens_per_s']:10.0f} tok/s  "
+              f"hits {out[label]['hits_by_tier']}", flush=True)
+        llm.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+    out["speedup"] = out["no tier"]["seconds"] / out["host tier"]["seconds"]
+    out["same_outputs"] = out["no tier"]["first_tokens"] == out["host tier"]["first_tokens"]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(ap)
+    ap.add_argument("--lens", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=33792)
+    ap.add_argument("--host-cache", default="12GiB")
+    ap.add_argument("--reuse", action="store_true")
+    ap.add_argument("--reuse-prompts", type=int, default=2000)
+    ap.add_argument("--reuse-len", type=int, default=512)
+    ap.add_argument("--reuse-blocks", type=int, default=8192, help="GPU pool of the reuse run")
+    ap.add_argument("--reuse-host", default="80GiB")
+    ap.add_argument("--skip-lens", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_tiers_gpu: needs CUDA", file=sys.stderr)
+        return 2
+    loaded = build(args)
+    res = {"device": torch.cuda.get_device_name(), "args": vars(args)}
+    if not args.skip_lens:
+        print("TTFT from the host tier vs recompute (Llama-3-8B dims, bf16):")
+        res["lengths"] = run_lengths(loaded, args)
+    if args.reuse:
+        print(f"reuse workload: {args.reuse_prompts} x {args.reuse_len}-token prompts, twice; "
+              f"GPU pool {args.reuse_blocks} blocks")
+        res["reuse"] = run_reuse(loaded, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,388 @@
+//! The host tier's side of the manager: offload, demotion, load-or-recompute, the fetch from
+//! lower tiers (`lookup_tiers`, `reserve_host_blocks`, `commit_host_blocks`) and `take_demotions`.
+//! The index itself and the host-block states are described in [`crate::tier`].
+//!
+//! Rules kept here (see also `docs/tiers.md`):
+//! - **Write-back** (default): an allocation that evicts a hashed cached-free device block whose
+//!   hash is not in the host index takes a host block (a free one, else the oldest host-cached
+//!   one: a demotion), indexes it and queues the `(device, host)` copy on the swap-out list. The
+//!   device block may be handed out by the same call: the step's lists run before its forward, so
+//!   the copy reads the old content. **Write-through**: the offload is queued when a step
+//!   registers the block instead; it is emitted by the next step, after the forward that wrote it.
+//! - **Loads**: an admission's lookup continues in the host index after its device hits. Each
+//!   host hit takes a host reference (before any allocation, so it cannot be demoted by the
+//!   admission's own offloads), gets a fresh device block registered under the hash, and queues
+//!   the `(host, device)` copy on the swap-in list. The device block is findable at once: a second
+//!   admission may share it, since any step that schedules a holder emits the load before its
+//!   forward (the swap-in rule of `build_step`).
+//! - **Load or recompute**: a run of host hits shorter than `host_load_min_blocks`, or (with a
+//!   cost model) one whose copy over the host link would take longer than its prefill, is
+//!   recomputed instead.
+//! - **Demotions** are handed to the engine by `take_demotions`; the demoted host block's bytes
+//!   are intact until the next step's lists run or the engine writes a reserved block.
+
+use super::BlockManager;
+use crate::error::{Error, Result};
+use crate::events::{KvEventRing, Medium};
+use crate::hash::{Hasher, SeqKeys};
+use crate::metrics::Counters;
+use crate::swap::{CostModel, HostBlockId, HostPool};
+use crate::tier::{Demotion, HostTier, TierLookup};
+use crate::{BlockId, TokenId};
+
+/// Takes one host block with refcount 1: a free one, else (with the tier on) the oldest
+/// unreferenced host-cached one, demoting it. `None` when neither exists: every host block is
+/// referenced (swapped, loading, reserved), and those are never taken.
+pub(super) fn host_take(
+    tier: Option<&mut HostTier>,
+    host: &mut HostPool,
+    events: &mut KvEventRing,
+    counters: &mut Counters,
+) -> Option<HostBlockId> {
+    if host.num_free() > 0 {
+        return host.allocate().ok();
+    }
+    let t = tier?;
+    let h = t.lru.pop_front()?;
+    let (hash, parent, salt_digest) = t.meta(h);
+    let tokens = t.tokens_of(h).to_vec();
+    t.unindex(h);
+    events.removed(Medium::Host, hash);
+    counters.demotions += 1;
+    t.demotions.push(Demotion {
+        host_block: h,
+        hash,
+        parent,
+        salt_digest,
+        tokens,
+    });
+    host.claim(h);
+    Some(h)
+}
+
+/// Keeps device block `b` (hashed `hash`, holding `tokens`) in the host tier: unless the hash
+/// is already there, takes a host block, indexes it, pins it for the queued copy and queues
+/// `(b, host)` on the swap-out list. Skipped when no host block can be taken.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn offload(
+    tier: &mut HostTier,
+    host: &mut HostPool,
+    events: &mut KvEventRing,
+    counters: &mut Counters,
+    swap_out_q: &mut Vec<(BlockId, HostBlockId)>,
+    b: BlockId,
+    hash: u128,
+    parent: Option<u128>,
+    salt: u128,
+    tokens: &[TokenId],
+) {
+    if tier.lookup(hash).is_some() {
+        return;
+    }
+    let Some(h) = host_take(Some(&mut *tier), host, events, counters) else {
+        return;
+    };
+    tier.index(h, hash, parent, salt, tokens);
+    tier.pinned[h as usize] = true;
+    swap_out_q.push((b, h));
+    events.stored(Medium::Host, hash, parent, tokens);
+    counters.offloaded_blocks += 1;
+}
+
+/// After device block `b` was registered under `hash`: records the event and, with the tier on,
+/// the block's chain metadata; a host entry under the same hash with other token ids (a bad
+/// commit) is dropped, the device content being the one steps computed.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn registered(
+    tier: Option<&mut HostTier>,
+    host: &mut HostPool,
+    events: &mut KvEventRing,
+    b: BlockId,
+    hash: u128,
+    parent: Option<u128>,
+    salt: u128,
+    tokens: &[TokenId],
+) {
+    events.stored(Medium::Gpu, hash, parent, tokens);
+    let Some(t) = tier else {
+        return;
+    };
+    t.note_device(b, parent, salt);
+    if let Some(h) = t.lookup(hash) {
+        if t.tokens_of(h) != tokens {
+            let in_lru = t.lru.contains(h);
+            t.unindex(h);
+            events.removed(Medium::Host, hash);
+            if in_lru {
+                host.release(h);
+            }
+        }
+    }
+}
+
+impl BlockManager {
+    /// Sets (or clears) the cost model the host tier's load-or-recompute choice uses; see
+    /// [`crate::manager::ManagerConfig::host_load_min_blocks`] for the other half of the rule.
+    /// `InvalidArgument` for a rate that is not finite and > 0.
+    pub fn set_host_cost_model(&mut self, model: Option<CostModel>) -> Result<()> {
+        if let Some(m) = &model {
+            m.validate()?;
+        }
+        self.host_cost = model;
+        Ok(())
+    }
+
+    /// Whether loading a run of `blocks` host hits beats recomputing them.
+    pub(super) fn load_pays(&self, blocks: usize) -> bool {
+        if blocks < self.cfg.host_load_min_blocks as usize {
+            return false;
+        }
+        match &self.host_cost {
+            None => true,
+            Some(m) => {
+                let tokens = (blocks * self.bs) as f64;
+                let load = tokens * m.kv_bytes_per_token / m.host_link_bytes_per_s;
+                load < tokens / m.prefill_tokens_per_s
+            }
+        }
+    }
+
+    /// Host blocks a swap-out or a reservation can take now: free ones plus unreferenced
+    /// host-cached ones (taking those demotes them).
+    pub fn host_blocks_available(&self) -> usize {
+        self.host.num_free() + self.tier.as_ref().map_or(0, |t| t.lru.len())
+    }
+
+    /// Takes one host block for a swap-out or a reservation (see [`host_take`]).
+    pub(super) fn take_host_block(&mut self) -> Result<HostBlockId> {
+        host_take(
+            self.tier.as_mut(),
+            &mut self.host,
+            &mut self.events,
+            &mut self.counters,
+        )
+        .ok_or(Error::OutOfHostBlocks {
+            needed: 1,
+            available: 0,
+        })
+    }
+
+    /// Evicts the least recently freed cached-free block (recording its removal and, with the
+    /// host tier on, offloading it) and hands it out with refcount 1.
+    pub(super) fn evict_block(&mut self) -> Result<BlockId> {
+        let Some(b) = self.prefix.evict_oldest() else {
+            return Err(Error::OutOfBlocks {
+                needed: 1,
+                available: 0,
+            });
+        };
+        let hash = self.prefix.last_hash(b);
+        self.events.removed(Medium::Gpu, hash);
+        self.pool.incref_mut(b)?;
+        self.counters.evictions += 1;
+        if let Some(t) = self.tier.as_mut() {
+            let (parent, salt) = t.device_meta(b);
+            offload(
+                t,
+                &mut self.host,
+                &mut self.events,
+                &mut self.counters,
+                &mut self.swap_out_q,
+                b,
+                hash,
+                parent,
+                salt,
+                self.prefix.stored_tokens(b),
+            );
+        }
+        Ok(b)
+    }
+
+    /// The host-tier demotions since the last call, oldest first.
+    ///
+    /// Contract: each demoted host block's bytes stay the demoted block's KV until the engine
+    /// applies the swap lists of the next step or writes into a block `reserve_host_blocks`
+    /// returned (the manager hands the slot out again at once). So the engine calls this right
+    /// after every `build_step` (before applying that step's lists) and after every
+    /// `reserve_host_blocks` (before filling the reserved blocks), and copies each demoted block
+    /// out (to disk, a remote store) before going on.
+    pub fn take_demotions(&mut self) -> Vec<Demotion> {
+        match self.tier.as_mut() {
+            Some(t) => std::mem::take(&mut t.demotions),
+            None => Vec::new(),
+        }
+    }
+
+    /// The indexed host block under `hash`, if any (host tier off: `None`).
+    pub fn host_lookup(&self, hash: u128) -> Option<HostBlockId> {
+        self.tier.as_ref().and_then(|t| t.lookup(hash))
+    }
+
+    fn need_tier(&self, what: &'static str) -> Result<()> {
+        if self.tier.is_none() {
+            return Err(Error::InvalidArgument {
+                what,
+                value: 0,
+                reason: "needs a manager built with host_cache".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// How far a prompt is cached in each tier, for the engine to probe lower tiers (disk, a
+    /// remote store) for the blocks after: the device hits, the host hits after them (whatever
+    /// the load-or-recompute rule would decide), the hashes of all the full blocks an admission
+    /// may share (the first `(len - 1) / B`) and the chain's salt digest. Read-only. Errors: `InvalidArgument` for an empty prompt or malformed keys.
+    pub fn lookup_tiers(&self, tokens: &[TokenId], keys: Option<&SeqKeys>) -> Result<TierLookup> {
+        if tokens.is_empty() {
+            return Err(Error::InvalidArgument {
+                what: "tokens.len",
+                value: 0,
+                reason: "a prompt needs at least one token".into(),
+            });
+        }
+        if let Some(k) = keys {
+            k.validate(tokens.len())?;
+        }
+        let root = self.root_for(keys);
+        let extra = keys.filter(|k| k.has_block_extras());
+        let (mut hashes, mut hits, mut host_hits) = (Vec::new(), Vec::new(), Vec::new());
+        self.lookup_root(
+            &mut Hasher::new(self.hash_key),
+            tokens,
+            root,
+            extra,
+            &mut hashes,
+            &mut hits,
+            &mut host_hits,
+            false,
+        );
+        let (gpu, host) = (hits.len(), host_hits.len());
+        let max_hit = if self.caching {
+            (tokens.len() - 1) / self.bs
+        } else {
+            0
+        };
+        if hashes.len() < max_hit {
+            Hasher::new(self.hash_key).extend_chain(
+                root,
+                &tokens[..max_hit * self.bs],
+                self.bs,
+                extra,
+                &mut hashes,
+            );
+        }
+        hashes.truncate(max_hit);
+        let start = (gpu + host).min(max_hit);
+        Ok(TierLookup {
+            gpu_blocks: gpu,
+            host_blocks: host,
+            remaining_hashes: hashes[start..].to_vec(),
+            parent_hash: start.checked_sub(1).map(|i| hashes[i]),
+            hashes,
+            salt_digest: root,
+        })
+    }
+
+    /// Reserves `n` host blocks for the engine to fill from a lower tier; they are never findable
+    /// and never evicted until [`BlockManager::commit_host_blocks`]. Taking unreferenced
+    /// host-cached blocks demotes them (see [`BlockManager::take_demotions`]: drain before
+    /// writing). Errors, nothing changed: `InvalidArgument` without the host tier;
+    /// `OutOfHostBlocks` when fewer than `n` can be taken.
+    pub fn reserve_host_blocks(&mut self, n: usize) -> Result<Vec<HostBlockId>> {
+        self.need_tier("reserve_host_blocks")?;
+        let available = self.host_blocks_available();
+        if n > available {
+            return Err(Error::OutOfHostBlocks {
+                needed: n,
+                available,
+            });
+        }
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let h = self.take_host_block()?;
+            if let Some(t) = self.tier.as_mut() {
+                t.reserve(h);
+            }
+            out.push(h);
+        }
+        Ok(out)
+    }
+
+    /// Ends reservations: with `ok`, indexes `blocks[i]` under `hashes[i]` (parent `parents[i]`,
+    /// the chain's `salt_digest`, token ids `tokens[i*B..(i+1)*B]`) as unreferenced host-cached
+    /// blocks; without, or for a hash already indexed, a reservation made before a
+    /// `reset_prefix_cache`, or a hash the device holds with other token ids, frees the block.
+    /// Returns how many were indexed. The caller vouches that each block's bytes are the KV of
+    /// those tokens under that hash (a lookup still compares the token ids with the prompt's).
+    ///
+    /// Errors, nothing changed: `InvalidArgument` without the host tier, for lists of different
+    /// lengths, `tokens` not `B` per block, or a block that is not reserved (or named twice).
+    #[allow(clippy::too_many_arguments)]
+    pub fn commit_host_blocks(
+        &mut self,
+        blocks: &[HostBlockId],
+        hashes: &[u128],
+        parents: &[Option<u128>],
+        salt_digest: u128,
+        tokens: &[TokenId],
+        ok: bool,
+    ) -> Result<usize> {
+        self.need_tier("commit_host_blocks")?;
+        let bs = self.bs;
+        let n = blocks.len();
+        let bad = |what: &'static str, value: usize, reason: String| {
+            Err(Error::InvalidArgument {
+                what,
+                value: value as i64,
+                reason,
+            })
+        };
+        if hashes.len() != n || parents.len() != n {
+            return bad(
+                "hashes.len",
+                hashes.len().min(parents.len()),
+                format!("hashes and parents must both have blocks.len() ({n}) entries"),
+            );
+        }
+        if tokens.len() != n * bs {
+            return bad(
+                "tokens.len",
+                tokens.len(),
+                format!("must be blocks.len() * block_size ({})", n * bs),
+            );
+        }
+        let t = self.tier.as_ref().expect("checked");
+        let nh = self.host.num_blocks();
+        let mut seen = std::collections::HashSet::with_capacity(n);
+        for &h in blocks {
+            if h >= nh || !t.reserved[h as usize] || !seen.insert(h) {
+                return bad(
+                    "blocks",
+                    h as usize,
+                    "not a host block reserved by reserve_host_blocks (or named twice)".into(),
+                );
+            }
+        }
+        let mut indexed = 0;
+        for (k, &h) in blocks.iter().enumerate() {
+            let toks = &tokens[k * bs..(k + 1) * bs];
+            let hash = hashes[k];
+            let t = self.tier.as_mut().expect("checked");
+            t.reserved[h as usize] = false;
+            let device_agrees = self
+                .prefix
+                .lookup(hash)
+                .is_none_or(|b| self.prefix.stored_tokens(b) == toks);
+            let keep = ok && t.reservation_current(h) && t.lookup(hash).is_none() && device_agrees;
+            if keep {
+                t.index(h, hash, parents[k], salt_digest, toks);
+                self.events.stored(Medium::Host, hash, parents[k], toks);
+                indexed += 1;
+            }
+            // The reservation's reference goes: an indexed block joins the host LRU.
+            self.host_drop(h)?;
+        }
+        Ok(indexed)
+    }
+}
