@@ -99,6 +99,11 @@ class DemoReport:
     greedy_matching: int
     greedy_matches_transformers: Optional[bool]
     outputs: List[Dict[str, Any]] = field(default_factory=list)
+    #: The multi-turn conversation through the host tier: per turn of the conversation, its
+    #: prompt tokens and the tokens served from the GPU pool and from the host tier.
+    multi_turn: List[Dict[str, Any]] = field(default_factory=list)
+    #: Host tier size of the multi-turn stage, bytes (0: the stage did not run).
+    host_cache_bytes: int = 0
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -120,6 +125,72 @@ def _chat_prompt(tokenizer: Any, question: str, vocab_size: int) -> List[int]:
             ids = ids["input_ids"]
         return [int(t) for t in ids]
     return [int(t) for t in tokenizer(f"{DEMO_SYSTEM_PROMPT}\n\n{question}\n")["input_ids"]]
+
+
+#: The multi-turn stage: one visitor's conversation, and other visitors' questions asked between
+#: its turns (each pushes the conversation's blocks out of the small KV pool).
+MULTI_TURN = ("What is a comet made of?", "Why does its tail point away from the Sun?",
+              "When can we see the next bright one?")
+MULTI_TURN_OTHERS = ("Why is the sky blue?", "How do bees make honey?",
+                     "What is the tallest mountain?", "Who painted the Mona Lisa?")
+
+
+def _chat_ids(tokenizer: Any, messages: List[Dict[str, str]], vocab_size: int) -> List[int]:
+    """Token ids of a whole conversation, ready for the assistant's next answer."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        text = " ".join(m["content"] for m in messages)
+        if tokenizer is None:
+            import zlib
+
+            return [zlib.crc32(w.encode()) % vocab_size for w in text.split()]
+        return [int(t) for t in tokenizer(text)["input_ids"]]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def _multi_turn(loaded: Any, device: str, block_size: int, max_tokens: int,
+                host_cache: int, progress: bool) -> List[Dict[str, Any]]:
+    """One conversation whose earlier turns come back from the host tier: a KV pool holding
+    about one conversation, other visitors' questions between its turns, a host tier below."""
+    from .engine.llm import LLM
+    from .engine.sampling_params import SamplingParams
+
+    tok, vocab = loaded.tokenizer, int(loaded.config.vocab_size)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    system = {"role": "system", "content": DEMO_SYSTEM_PROMPT}
+    # The pool holds the whole conversation (its last turn, answers included) and little more.
+    longest = len(_chat_ids(tok, [system] + [{"role": "user", "content": q} for q in MULTI_TURN],
+                            vocab)) + (max_tokens + 16) * len(MULTI_TURN)
+    num_blocks = -(-longest // block_size) + 2
+    llm = LLM(loaded, device=device, num_blocks=num_blocks, block_size=block_size,
+              max_num_seqs=4, max_num_batched_tokens=512, progress=False,
+              host_cache_memory=host_cache)
+    messages: List[Dict[str, str]] = [system]
+    turns: List[Dict[str, Any]] = []
+    try:
+        for t, question in enumerate(MULTI_TURN):
+            messages.append({"role": "user", "content": question})
+            ids = _chat_ids(tok, messages, vocab)
+            before = llm.stats().prefix_hits_by_tier
+            out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False,
+                               cache_salt="conversation")[0]
+            after = llm.stats().prefix_hits_by_tier
+            turns.append({"turn": t + 1, "question": question, "prompt_tokens": len(ids),
+                          "gpu_hit_tokens": after.get("gpu", 0) - before.get("gpu", 0),
+                          "host_hit_tokens": after.get("host", 0) - before.get("host", 0),
+                          "answer": out.outputs[0].text})
+            messages.append({"role": "assistant", "content": out.outputs[0].text})
+            # Other visitors in between, each its own tenant (salt: nothing shared): their prompts
+            # take the pool, the conversation's blocks are written back to the host tier.
+            others = [_chat_ids(tok, [system, {"role": "user", "content": q}], vocab)
+                      for q in MULTI_TURN_OTHERS]
+            llm.generate([{"prompt_token_ids": o} for o in others], sp, use_tqdm=False,
+                         cache_salt=[f"visitor-{t}-{i}" for i in range(len(others))])
+    finally:
+        llm.shutdown()
+    return turns
 
 
 def demo_num_blocks(prompt_lens: List[int], ns: List[int], max_tokens: int, block_size: int,
@@ -150,7 +221,8 @@ def run_demo(model: Optional[str] = None, *, device: Optional[str] = None,
              max_tokens: int = 40, num_blocks: Optional[int] = None, block_size: int = DEFAULT_BLOCK_SIZE,
              check: bool = True, progress: bool = True,
              requests: Any = DEMO_REQUESTS, metrics_port: Optional[int] = None,
-             preemption_mode: str = "auto", num_host_blocks: Optional[int] = None) -> DemoReport:
+             preemption_mode: str = "auto", num_host_blocks: Optional[int] = None,
+             host_cache: int = 64 * 2**20) -> DemoReport:
     """Runs the demo workload; returns the report.
 
     Args:
@@ -168,6 +240,8 @@ def run_demo(model: Optional[str] = None, *, device: Optional[str] = None,
             pool when the manager supports swap (0 without: every preemption recomputes).
         metrics_port: Serve the cache's Prometheus metrics (:mod:`pagedkv.metrics`) on this port
             of 127.0.0.1 while the demo runs (0: a free port; the URL is logged and printed).
+        host_cache: Bytes of the host tier in the multi-turn stage (0 skips the stage): a
+            conversation whose earlier turns come back from host memory.
     """
     import torch
     from tqdm.auto import tqdm
@@ -245,6 +319,11 @@ def run_demo(model: Optional[str] = None, *, device: Optional[str] = None,
                 matching += 1
         ref_time = time.perf_counter() - t1
 
+    multi: List[Dict[str, Any]] = []
+    if host_cache:
+        with _ticking("multi-turn conversation through the host tier", progress):
+            multi = _multi_turn(loaded, device, block_size, max_tokens, host_cache, progress)
+
     pool_bytes = int(engine.runner.pool.kv.numel() * engine.runner.pool.kv.element_size())
     rows = []
     for i, (r, o) in enumerate(zip(requests, outs)):
@@ -279,7 +358,7 @@ def run_demo(model: Optional[str] = None, *, device: Optional[str] = None,
         cow_copies=stats.cow_copies,
         greedy_checked=len(refs), greedy_matching=matching,
         greedy_matches_transformers=(matching == len(refs)) if refs else None,
-        outputs=rows,
+        outputs=rows, multi_turn=multi, host_cache_bytes=host_cache if multi else 0,
     )
 
 
@@ -401,6 +480,14 @@ def format_report(r: DemoReport) -> str:
         f"  copy-on-write       {r.cow_copies} block copies for the n=2 forks",
         f"  greedy == transformers generate (dense cache): {check}",
     ]
+    if r.multi_turn:
+        lines.append(f"multi-turn conversation, earlier turns served from the host tier "
+                     f"({r.host_cache_bytes // 2**20} MiB of host memory; other visitors' "
+                     f"questions between turns evict it from the KV pool)")
+        for t in r.multi_turn:
+            lines.append(f"  turn {t['turn']}  {t['prompt_tokens']:4d} prompt tokens: "
+                         f"{t['host_hit_tokens']:4d} from the host tier, {t['gpu_hit_tokens']:4d} "
+                         f"from the KV pool   Q: {t['question']}")
     return "\n".join(lines)
 
 

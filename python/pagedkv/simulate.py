@@ -621,14 +621,6 @@ def simulate_contiguous(requests: list[Request], workload: WorkloadConfig, sim: 
     res.waste_fraction = (reserved - sum_tokens) / reserved if reserved else 0.0
     res.mean_queue_steps = sum_queue / n_req
     res.mean_latency_steps = sum_latency / n_req
-    if tiers is not None:
-        ts = tiers.stats
-        res.prefix_hits_by_tier = dict(ts.hit_tokens)
-        res.admitted_prompt_tokens = ts.prompt_tokens
-        if ts.ttft_s:
-            ordered = sorted(ts.ttft_s)
-            res.modelled_ttft_mean_s = float(np.mean(ordered))
-            res.modelled_ttft_p90_s = ordered[int(0.9 * (len(ordered) - 1))]
     res.timeline = {
         "concurrency": np.asarray(conc_series, dtype=np.int32),
         "utilization": np.asarray(util_series, dtype=np.float32),
