@@ -47,12 +47,15 @@ class EngineConfig:
     """How an engine serves its model: KV pool, scheduler, preemption, tensor parallelism.
 
     The fields are :class:`~pagedkv.engine.llm.LLMEngine`'s keyword arguments of the same names
-    (see there), plus two of the model runner's own:
+    (see there), plus three of the model runner's own:
 
     * ``attention_backend``: ``"auto"`` (the Triton kernels on CUDA, plain PyTorch on the CPU),
       ``"torch"`` or ``"triton"`` (on the CPU only under ``TRITON_INTERPRET=1``);
     * ``decode_planner``: plan each decode step's split-K work from the batch's real lengths
-      (kernels only).
+      (kernels only);
+    * ``fused_model``: run Llama/Mistral/Qwen2 models through the fused forward
+      (:mod:`pagedkv.engine.fused`: one Q|K|V and one gate|up GEMM, fused RMSNorm + residual,
+      RoPE and SiLU-times-up kernels); ``False`` runs transformers' own module forwards.
 
     Raises:
         ConfigArgumentError: A field is out of its domain, or two exclusive fields are both given
@@ -80,6 +83,7 @@ class EngineConfig:
     tp_timeout_s: float = 600.0
     attention_backend: str = "auto"
     decode_planner: bool = True
+    fused_model: bool = True
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -122,7 +126,7 @@ class EngineConfig:
                                                   and 0 <= self.step_floor_s < math.inf):
             raise _bad("step_floor_s", self.step_floor_s, "must be a number >= 0")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "cuda_graphs", "progress",
-                     "record_steps", "decode_planner"):
+                     "record_steps", "decode_planner", "fused_model"):
             value = getattr(self, name)
             if value is not True and value is not False:
                 raise _bad(name, value, f"must be a bool, got {type(value).__name__}")

@@ -51,6 +51,7 @@ from ..kv_pool import KVPool
 from ..manager import BlockManager
 from ..swap import SwapEngine
 from . import attention as _attention
+from . import fused as _fused
 from .config import EngineConfig
 from .forward_context import AttentionMetadata, forward_context
 from .loader import LoadedModel, default_model_path, load_model
@@ -108,8 +109,8 @@ class ModelRunner:
         config: The engine's settings (:class:`~pagedkv.engine.config.EngineConfig`); the runner
             reads the pool's (``block_size``, ``num_blocks`` or ``kv_cache_memory``), the step
             shape's (``max_num_seqs``, ``max_num_batched_tokens``, raised to ``max_num_seqs`` if
-            below), ``cuda_graphs``, ``attention_backend``, ``decode_planner`` and
-            ``record_steps``. Neither ``num_blocks`` nor ``kv_cache_memory``: 256 MiB on the
+            below), ``cuda_graphs``, ``attention_backend``, ``decode_planner``, ``fused_model``
+            and ``record_steps``. Neither ``num_blocks`` nor ``kv_cache_memory``: 256 MiB on the
             CPU; on CUDA 85% of the free memory minus a 4 GiB reserve.
         tensor_parallel: A :class:`pagedkv.distributed.TPGroup`: cut the model to this rank's
             shard (:func:`pagedkv.distributed.shard_model`), hold only this rank's KV heads in the
@@ -163,6 +164,12 @@ class ModelRunner:
                 # The full weights the cut replaced are free: return them before sizing the pool.
                 torch.cuda.empty_cache()
             num_q, num_kv = self.head_split.q_heads, self.head_split.kv_heads
+        #: Whether steps run through :func:`pagedkv.engine.fused.fused_forward` (``fused_model``
+        #: and a model :func:`~pagedkv.engine.fused.fusable` accepts) rather than the model's own
+        #: forward. Fused before the pool is sized: concatenating the weights frees the originals.
+        self.fused = bool(config.fused_model) and _fused.fuse_model(self.model)
+        if self.fused and self.device.type == "cuda":
+            torch.cuda.empty_cache()
         self.spec = CacheSpec(num_layers=int(cfg.num_hidden_layers), num_kv_heads=num_kv,
                               head_dim=_head_dim(cfg), dtype=str(self.dtype).rpartition(".")[2],
                               block_size=block_size)
@@ -578,6 +585,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(self, meta: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor,
                  keep: Any) -> torch.Tensor:
+        if self.fused:
+            return _fused.fused_forward(self.model, meta, ids, pos, keep)
         with forward_context(meta, self.model):
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False,
                              logits_to_keep=keep)
