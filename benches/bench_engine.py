@@ -24,6 +24,7 @@ vocab 128256) with transformers and, at every batch size of ``--batches`` (defau
 
 Usage (on the GPU machine, repository root): ``PYTHONPATH=python python3 benches/bench_engine.py
 [--batches 1,32,128,256] [--ab] [--llm] [--transformers 1,128] [--json out.json]``.
+"""
 
 
 from __future__ import annotations
