@@ -94,7 +94,7 @@ def run_batch(runner, batch, prompt_len, new_tokens, chunk, seed=0, breakdown=Fa
     prefill_s = time.perf_counter() - t0
     # Decode: every sequence, one token per step, greedy.
     toks = first
-    step_times, book_times = [], []
+    step_times, book_times, exec_times = [], [], []
     ctx = prompt_len
     pos = np.full(batch, prompt_len, dtype=np.int64)
     mid = None
@@ -104,6 +104,7 @@ def run_batch(runner, batch, prompt_len, new_tokens, chunk, seed=0, breakdown=Fa
         info = mgr.step(sids, 1)
         t_b = time.perf_counter()
         logits = runner.execute(toks, pos, info, range(batch))
+        exec_times.append(time.perf_counter() - t_b)
         toks = logits.argmax(-1).cpu().numpy()
         t_c = time.perf_counter()
         pos += 1
@@ -120,6 +121,9 @@ def run_batch(runner, batch, prompt_len, new_tokens, chunk, seed=0, breakdown=Fa
         "decode_tok_s": batch / statistics.median(step_times),
         "decode_tok_s_mean": batch * len(step_times) / sum(step_times),
         "bookkeeping_us_median": 1e6 * statistics.median(book_times),
+        # Host time inside runner.execute (validation, staging, plan, graph launch; it returns
+        # once the inputs are copied, before the GPU finishes the step).
+        "execute_host_us_median": 1e6 * statistics.median(exec_times),
         "mean_context": prompt_len + new_tokens / 2,
         # Generated tokens over the whole run, prefill included: comparable to generate's rate.
         "end_to_end_tok_s": batch * new_tokens / (prefill_s + sum(step_times)),
@@ -383,27 +387,35 @@ def main(argv=None) -> int:
     for fused in ([False, True] if args.ab else [True]):
         report["arms"]["fused" if fused else "unfused"] = engine_arm(loaded, args, args.batches,
                                                                      fused)
+        _save(report, args)
     hf = report["transformers"] = {}
-    for b in args.transformers:
-        hf[b] = {}
-        for compiled in ([False] if args.no_compiled else [False, True]):
-            key = "compiled" if compiled else "eager"
-            try:
-                hf[b][key] = run_transformers(loaded.model, b, args, compiled)
-                print(f"transformers {key} batch {b}: {hf[b][key]['tok_s']:,.0f} tok/s",
-                      flush=True)
-            except Exception as e:  # noqa: BLE001
-                hf[b][key + "_error"] = repr(e)[:500]
-    for b in args.generate_batch:
+
+    def hf_run(b, key, fn):
         try:
-            hf.setdefault(b, {})["generate_batch"] = run_generate_batch(loaded.model, b, args)
-        except Exception as e:  # noqa: BLE001
-            hf.setdefault(b, {})["generate_batch_error"] = repr(e)[:500]
+            hf.setdefault(b, {})[key] = fn()
+            print(f"transformers {key} batch {b}: {hf[b][key]['tok_s']:,.0f} tok/s", flush=True)
+        except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
+            hf.setdefault(b, {})[key + "_error"] = repr(e)[:500]
+        _save(report, args)
+
+    # Compiled last: its compile is the longest part, and it leaves compiled code on the model.
+    for b in args.transformers:
+        hf_run(b, "eager", lambda: run_transformers(loaded.model, b, args, False))
+    for b in args.generate_batch:
+        hf_run(b, "generate_batch", lambda: run_generate_batch(loaded.model, b, args))
+    if not args.no_compiled:
+        for b in args.transformers:
+            hf_run(b, "compiled", lambda: run_transformers(loaded.model, b, args, True))
+    _save(report, args)
+    print_table(report)
+    return 0
+
+
+def _save(report, args):
+    """Writes the JSON so far: a run cut short still leaves every finished figure."""
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)
-    print_table(report)
-    return 0
 
 
 def print_table(r):
@@ -412,7 +424,7 @@ def print_table(r):
           f"floor = (weights + KV) / {r['spec_bandwidth'] / 1e12:.1f} TB/s")
     arms = r["arms"]
     hdr = ("arm", "batch", "step ms", "floor ms", "% floor", "replay", "attn", "gemm", "other",
-           "h2d us", "LLM tok/s", "LLM step", "% floor", "TTFT ms", "prefill tok/s")
+           "h2d us", "exec host us", "LLM tok/s", "LLM step", "% floor", "TTFT ms", "prefill tok/s")
     print(" | ".join(hdr))
     for name, arm in arms.items():
         for b, e in arm["batches"].items():
@@ -425,6 +437,7 @@ def print_table(r):
                      f"{bd.get('gemms_ms', float('nan')):.2f}",
                      f"{bd.get('other_ms', float('nan')):.2f}",
                      f"{1e3 * bd.get('h2d_ms', float('nan')):.0f}",
+                     f"{e['execute_host_us_median']:.0f}",
                      f"{llm.get('tok_s', float('nan')):,.0f}",
                      f"{llm.get('decode_step_ms', float('nan')):.2f}",
                      f"{100 * llm.get('floor_fraction', float('nan')):.0f}%",
