@@ -16,6 +16,8 @@ vocab 128256) with transformers and, at every batch size of ``--batches`` (defau
 - with ``--llm``: ``pagedkv.LLM.generate`` end to end on the same prompts (scheduler, sampler,
   detokenization off): generated tokens/s, TTFT (the batch's prefill and first token) and the
   decode step it implies, against the same floor;
+- with ``--contiguous``: the same engine limited to the batch that a contiguous ``max_model_len``
+  reservation per sequence fits in the largest batch's KV memory;
 - with ``--ab``: all of the above also with ``fused_model=False`` (transformers' module forwards;
   the fused forward is :mod:`pagedkv.engine.fused`), side by side;
 - with ``--transformers 1,128``: transformers' ``generate`` (greedy, static cache) at those
@@ -337,6 +339,17 @@ def engine_arm(loaded, args, batches, fused):
         arm["batches"][b] = res
         print(f"[{'fused' if fused else 'unfused'}] runner batch {b}: step "
               f"{res['decode_step_ms_median']:.2f} ms, floor {res['floor_ms']:.2f} ms", flush=True)
+    if args.contiguous:
+        # The same engine limited to the batch a contiguous max-length reservation per sequence
+        # fits in the same KV memory.
+        fit = (runner.num_blocks * args.block_size) // runner.max_model_len
+        if fit >= 1:
+            c = arm["contiguous"] = run_batch(runner, min(fit, max_b), args.prompt, args.new,
+                                              args.chunk, seed=1)
+            c["note"] = (f"{fit} sequences: a {runner.max_model_len}-token reservation each in "
+                         f"the same {runner.num_blocks * args.block_size} token slots")
+            big = arm["batches"][max_b]
+            arm["paged_over_contiguous"] = big["decode_tok_s"] / c["decode_tok_s"]
     del runner
     if args.llm:
         try:
@@ -364,6 +377,9 @@ def main(argv=None) -> int:
     add_model_args(ap)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--contiguous", action="store_true",
+                    help="also run the batch a max-length contiguous reservation fits, at the "
+                         "largest batch's KV memory")
     ap.add_argument("--ab", action="store_true",
                     help="also run every engine figure with fused_model=False (before/after)")
     ap.add_argument("--llm", action="store_true",
@@ -443,6 +459,11 @@ def print_table(r):
                      f"{100 * llm.get('floor_fraction', float('nan')):.0f}%",
                      f"{llm.get('ttft_ms', float('nan')):.1f}", f"{e['prefill_tok_s']:,.0f}"]
             print(" | ".join(cells))
+        if "contiguous" in arm:
+            c = arm["contiguous"]
+            print(f"{name} contiguous max-length reservation: {c['decode_tok_s']:,.0f} tok/s at "
+                  f"batch {c['batch']}; paged at batch {max(arm['batches'])} / contiguous = "
+                  f"{arm['paged_over_contiguous']:.1f}x")
         if "llm_error" in arm:
             print(f"{name} llm_error: {arm['llm_error'][:300]}")
     for b, t in r.get("transformers", {}).items():
