@@ -69,8 +69,24 @@ def fusable(model: Any) -> Optional[str]:
 
 
 def is_fused(model: Any) -> bool:
-    """Whether :func:`fuse_model` prepared ``model``."""
-    return getattr(model, _FUSED_ATTR, False)
+    """Whether :func:`fuse_model` prepared ``model`` and its projections still read the fused
+    tensors (a ``model.to(...)`` or a cut to a tensor-parallel shard since then replaced them)."""
+    if not getattr(model, _FUSED_ATTR, False):
+        return False
+    for layer in model.model.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        for lins, (w, _b) in (((att.q_proj, att.k_proj, att.v_proj), att._pagedkv_qkv),
+                              ((mlp.gate_proj, mlp.up_proj), mlp._pagedkv_gate_up)):
+            off = 0
+            for lin in lins:
+                p = lin.weight
+                if (p.dtype != w.dtype or p.device != w.device or
+                        p.data_ptr() != w[off:].data_ptr() or p.shape[1] != w.shape[1]):
+                    return False
+                off += lin.out_features
+            if off != w.shape[0]:
+                return False
+    return True
 
 
 def _concat_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -95,12 +111,13 @@ def _concat_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, Optio
 
 @torch.no_grad()
 def fuse_model(model: Any) -> bool:
-    """Prepares ``model`` for :func:`fused_forward` in place (idempotent); returns whether it did
+    """Prepares ``model`` for :func:`fused_forward` in place (idempotent; a model whose weights
+    were replaced since, e.g. by ``model.to(dtype)``, is prepared again); returns whether it did
     (``False``: :func:`fusable` refused it, the model is untouched)."""
-    if is_fused(model):
-        return True
     if fusable(model) is not None:
         return False
+    if is_fused(model):
+        return True
     for layer in model.model.layers:
         att, mlp = layer.self_attn, layer.mlp
         att._pagedkv_qkv = _concat_linears([att.q_proj, att.k_proj, att.v_proj])
@@ -132,16 +149,29 @@ def fused_forward(model: Any, meta: AttentionMetadata, ids: torch.Tensor, pos: t
     """Logits ``[1, R, vocab]`` of one runner step (``ids``/``pos`` ``[1, T]``; ``keep`` as
     transformers' ``logits_to_keep``: ``0`` for every row, or an index tensor) through a model
     :func:`fuse_model` prepared, with ``meta`` the step's paged attention metadata."""
+    h, cos, sin = fused_prologue(model, ids, pos)
+    h, residual = fused_layers(model, meta, h, None, cos, sin, 0, model.config.num_hidden_layers)
+    return fused_epilogue(model, h, residual, keep)
+
+
+def fused_prologue(model: Any, ids: torch.Tensor,
+                   pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The embedded tokens ``[T, H]`` and RoPE's cos/sin ``[T, D]`` of ``ids``/``pos`` ``[1, T]``."""
     base = model.model
-    cfg = model.config
     h = base.embed_tokens(ids[0])  # [T, H]
     cos, sin = base.rotary_emb(h, pos)  # [1, T, D] each, h's dtype
-    cos, sin = cos[0], sin[0]
+    return h, cos[0], sin[0]
+
+
+def fused_layers(model: Any, meta: AttentionMetadata, h: torch.Tensor,
+                 residual: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                 start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoder layers ``start .. stop - 1`` on the hidden state ``h`` (the last layer's MLP
+    output) and the residual stream (``None`` before layer 0); returns both after ``stop - 1``."""
     rms_norm, rope_, silu_mul = _ops(h)
     t = h.shape[0]
-    layers = base.layers[: cfg.num_hidden_layers]
-    residual: Optional[torch.Tensor] = None
-    for i, layer in enumerate(layers):
+    for i in range(start, stop):
+        layer = model.model.layers[i]
         att, mlp = layer.self_attn, layer.mlp
         norm = layer.input_layernorm
         x, residual = rms_norm(h, norm.weight, _eps(norm), residual)
@@ -163,7 +193,14 @@ def fused_forward(model: Any, meta: AttentionMetadata, ids: torch.Tensor, pos: t
         x, residual = rms_norm(h, norm.weight, _eps(norm), residual)
         w, b = mlp._pagedkv_gate_up
         h = mlp.down_proj(silu_mul(F.linear(x, w, b)))
-    norm = base.norm
+    assert residual is not None
+    return h, residual
+
+
+def fused_epilogue(model: Any, h: torch.Tensor, residual: torch.Tensor, keep: Any) -> torch.Tensor:
+    """The final norm and the LM head over the rows ``keep`` selects (as :func:`fused_forward`)."""
+    rms_norm = _ops(h)[0]
+    norm = model.model.norm
     h, _ = rms_norm(h, norm.weight, _eps(norm), residual)
     if isinstance(keep, int):
         h = h[-keep:] if keep else h
