@@ -90,7 +90,7 @@ def test_one_default_block_size_everywhere():
 def test_engine_and_llm_keywords_default_to_the_config_defaults():
     """LLMEngine spells every config knob with its default; LLM the ones it names."""
     defaults = _field_defaults()
-    runner_only = {"attention_backend", "decode_planner"}
+    runner_only = {"attention_backend", "decode_planner", "fused_model"}
     engine = inspect.signature(pagedkv.LLMEngine.__init__).parameters
     knobs = {n: p.default for n, p in engine.items() if n not in ("self", "model", "device",
                                                                   "dtype")}

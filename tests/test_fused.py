@@ -114,6 +114,22 @@ def test_fused_weights_are_views_and_the_model_forward_is_unchanged():
         assert n1 == n2 and torch.equal(p1, p2)
 
 
+def test_a_model_moved_after_fusing_is_fused_again():
+    model = _model("llama", seed=4)
+    kw = dict(block_size=4, num_blocks=32, max_num_seqs=2, max_num_batched_tokens=32)
+    assert ModelRunner(_loaded(model), **kw).fused
+    model.half().float()  # every parameter replaced by a new tensor: the fused ones are stale
+    assert not fused.is_fused(model)
+    prompts = [[1, 2, 3, 4, 5], [9, 8]]
+    ref = _drive(ModelRunner(_loaded(model), fused_model=False, **kw), prompts, 3)
+    runner = ModelRunner(_loaded(model), **kw)
+    assert runner.fused and fused.is_fused(model)
+    att = model.model.layers[0].self_attn
+    assert att.q_proj.weight.data_ptr() == att._pagedkv_qkv[0].data_ptr()
+    for a, b in zip(_drive(runner, prompts, 3), ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
 def test_unfusable_models_are_left_alone():
     model = _model("llama", hidden_act="gelu")
     assert "gelu" in fused.fusable(model)
