@@ -66,18 +66,20 @@ class _TimedGraph:
         self.sink.append(time.perf_counter() - t)
 
 
-def instrument(runner):
-    times = collections.defaultdict(list)
-    runner.buffers.to_device = _Timed(runner.buffers.to_device, times["to_device"])
-    runner.buffers.positions = _Timed(runner.buffers.positions, times["positions"])
-    runner._stage = _Timed(runner._stage, times["stage"])
-    runner._update_plan = _Timed(runner._update_plan, times["plan"])
-    runner._replay = _Timed(runner._replay, times["replay_fn"])
-    runner._inputs_copied.synchronize = _Timed(runner._inputs_copied.synchronize,
-                                               times["inputs_sync"])
+def instrument(runner, times):
+    """Wraps the runner's step parts once, and every graph not wrapped yet, timing into ``times``."""
+    if not getattr(runner, "_host_timed", False):
+        runner.buffers.to_device = _Timed(runner.buffers.to_device, times["to_device"])
+        runner.buffers.positions = _Timed(runner.buffers.positions, times["positions"])
+        runner._stage = _Timed(runner._stage, times["stage"])
+        runner._update_plan = _Timed(runner._update_plan, times["plan"])
+        runner._replay = _Timed(runner._replay, times["replay_fn"])
+        runner._inputs_copied.synchronize = _Timed(runner._inputs_copied.synchronize,
+                                                   times["inputs_sync"])
+        runner._host_timed = True
     for bs, (g, logits) in list(runner._graphs.items()):
-        runner._graphs[bs] = (_TimedGraph(g, times["graph_launch"]), logits)
-    return times
+        if not isinstance(g, _TimedGraph):
+            runner._graphs[bs] = (_TimedGraph(g, times["graph_launch"]), logits)
 
 
 def decode(runner, batch, args, times):
@@ -96,6 +98,7 @@ def decode(runner, batch, args, times):
         lg = runner.execute(np.concatenate(prompts), None, info, list(range(len(ids))))
         first[a:a + len(ids)] = lg.argmax(-1).cpu().numpy()
     toks = first
+    seen = []
     rec = collections.defaultdict(list)
     for i in range(args.new):
         for v in times.values():
@@ -109,6 +112,7 @@ def decode(runner, batch, args, times):
         t2 = time.perf_counter()
         toks = logits.argmax(-1).cpu().numpy()
         t3 = time.perf_counter()
+        seen.append(toks)
         if i < 3:
             continue
         rec["step"].append(t3 - t0)
@@ -119,7 +123,7 @@ def decode(runner, batch, args, times):
             rec[k].append(sum(v))
     for s in range(batch):
         mgr.free(s)
-    return {k: 1e6 * statistics.median(v) for k, v in rec.items()}
+    return {k: 1e6 * statistics.median(v) for k, v in rec.items()}, np.stack(seen)
 
 
 def graph_latency(graph, reps=20):
@@ -141,54 +145,6 @@ def graph_latency(graph, reps=20):
     return 1e6 * statistics.median(lat), 1e6 * b2b, 1e6 * statistics.median(call)
 
 
-def pieces_graphs(runner, bs, pieces):
-    """The decode step at graph batch ``bs`` captured as ``pieces`` graphs of consecutive layers
-    (the first with the embedding, the last with the LM head), sharing one memory pool."""
-    from pagedkv.engine import fused
-
-    model = runner.model
-    dev = runner.buffers.device
-    meta = runner._cuda_meta("decode", dev.slot_mapping[:bs], dev.block_tables[:bs],
-                             dev.seq_lens[:bs], dev.query_start_loc[: bs + 1],
-                             max_seq_len=runner.max_model_len)
-    ids, pos = runner._ids_dev[:bs][None], runner._pos_dev[:bs][None]
-    n_layers = model.config.num_hidden_layers
-    cuts = [round(n_layers * k / pieces) for k in range(pieces + 1)]
-    pool = torch.cuda.graph_pool_handle()
-    graphs, state = [], {}
-
-    def piece(k):
-        if k == 0:
-            state["h"], state["cos"], state["sin"] = fused.fused_prologue(model, ids, pos)
-            state["r"] = None
-        h, r = fused.fused_layers(model, meta, state["h"], state["r"], state["cos"],
-                                  state["sin"], cuts[k], cuts[k + 1])
-        state["h"], state["r"] = h, r
-        if k == pieces - 1:
-            state["logits"] = fused.fused_epilogue(model, h, r, 0)
-
-    with torch.inference_mode():
-        for _ in range(2):
-            for k in range(pieces):
-                piece(k)
-        torch.cuda.synchronize()
-        for k in range(pieces):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                piece(k)
-            graphs.append(g)
-    return graphs, state["logits"]
-
-
-class _Chain:
-    def __init__(self, graphs):
-        self.graphs = graphs
-
-    def replay(self):
-        for g in self.graphs:
-            g.replay()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_args(ap)
@@ -204,40 +160,33 @@ def main(argv=None) -> int:
     runner = build(args)
     print(f"built in {time.perf_counter() - t:.1f} s; graphs {runner.graph_sizes}", flush=True)
     out = {"device": torch.cuda.get_device_name(), "args": vars(args), "batches": {}}
-    graphs = dict(runner._graphs)
-    times = instrument(runner)
+    times = collections.defaultdict(list)
     for b in args.batches:
-        r = decode(runner, b, args, times)
-        r["execute_rest"] = r["execute"] - sum(r.get(k, 0.0) for k in (
-            "positions", "to_device", "stage", "plan", "replay_fn", "inputs_sync"))
         bs = runner._graph_size(b)
-        g = graphs[bs][0]
-        lat, b2b, call = graph_latency(g)
-        r.update(graph_idle_us=lat, graph_b2b_us=b2b, graph_call_us=call)
-        ref = graphs[bs][1].clone()
-        for p in args.pieces:
-            chain, logits = pieces_graphs(runner, bs, p)
-            c = _Chain(chain)
-            lat_p, b2b_p, call_p = graph_latency(c)
-            c.replay()
-            torch.cuda.synchronize()
-            g.replay()
-            torch.cuda.synchronize()
-            same = torch.equal(logits, graphs[bs][1])
-            r[f"pieces{p}"] = {"idle_us": lat_p, "b2b_us": b2b_p, "call_us": call_p,
-                               "equal_to_one_graph": bool(same)}
-            del chain
-        del ref
-        out["batches"][b] = r
-        print(f"batch {b}: " + ", ".join(
-            f"{k} {v:.0f}" if not isinstance(v, dict) else
-            f"{k} idle {v['idle_us']:.0f} b2b {v['b2b_us']:.0f} call {v['call_us']:.0f} "
-            f"eq {v['equal_to_one_graph']}" for k, v in r.items()) + " (us)", flush=True)
+        res = {}
+        for p in [1] + args.pieces:
+            runner.capture_graphs([bs], pieces=p)
+            g = runner._graphs[bs][0]
+            instrument(runner, times)
+            r, toks = decode(runner, b, args, times)
+            r["execute_rest"] = r["execute"] - sum(r.get(k, 0.0) for k in (
+                "positions", "to_device", "stage", "plan", "replay_fn", "inputs_sync"))
+            lat, b2b, call = graph_latency(g)
+            r.update(graph_idle_us=lat, graph_b2b_us=b2b, graph_call_us=call)
+            if p == 1:
+                ref = toks
+            r["greedy_equal_to_one_graph"] = bool(np.array_equal(toks, ref))
+            res[p] = r
+            print(f"batch {b} pieces {p}: " + ", ".join(f"{k} {v:.0f}" for k, v in r.items())
+                  + " (us)", flush=True)
+        out["batches"][b] = res
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
         b = args.batches[0]
         small = argparse.Namespace(**{**vars(args), "new": 6})
+        runner.capture_graphs([runner._graph_size(b)])
+        instrument(runner, times)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             decode(runner, b, small, times)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))

@@ -625,8 +625,12 @@ class ModelRunner:
                 return s
         return None
 
-    def capture_graphs(self, sizes: Optional[Sequence[int]] = None) -> None:
+    def capture_graphs(self, sizes: Optional[Sequence[int]] = None, *, pieces: int = 1) -> None:
         """Captures one decode CUDA graph per padded batch size (default :func:`graph_batch_sizes`).
+
+        ``pieces > 1`` (fused forward only): each batch size's step is captured as that many
+        graphs of consecutive layers, replayed in turn, so the GPU starts on the first while the
+        host still launches the later ones (the same kernels on the same buffers: equal logits).
 
         Each graph runs the whole model on ``bs`` tokens: static ids/positions (the runner's device
         staging buffers), and the step buffers' device mirrors ``slot_mapping[:bs]``,
@@ -662,6 +666,10 @@ class ModelRunner:
                 for _ in range(2):  # compiles the Triton kernels, settles lazy allocations
                     self._forward(meta, ids, pos, 0)
             torch.cuda.current_stream(self.device).wait_stream(side)
+            if pieces > 1 and self.fused:
+                chain = _GraphChain(self.model, meta, ids, pos, pieces, mempool)
+                self._graphs[bs] = (chain, chain.logits)
+                continue
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=mempool):
                 logits = self._forward(meta, ids, pos, 0)
@@ -682,6 +690,40 @@ class ModelRunner:
             return logits[0, :n].float()
         idx = torch.from_numpy(last).to(self.device, non_blocking=True)
         return logits[0].index_select(0, idx).float()
+
+
+class _GraphChain:
+    """One decode step captured as several CUDA graphs of consecutive layers (the first with the
+    embedding, the last with the final norm and LM head) in one memory pool; :meth:`replay` runs
+    them in order on the current stream. The hidden state and residual handed from one graph to
+    the next are tensors of the pool this object keeps alive, so no later capture reuses them."""
+
+    def __init__(self, model: Any, meta: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor,
+                 pieces: int, mempool: Any) -> None:
+        n_layers = int(model.config.num_hidden_layers)
+        pieces = max(1, min(pieces, n_layers))
+        cuts = [round(n_layers * k / pieces) for k in range(pieces + 1)]
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self._keep: list[torch.Tensor] = []
+        h = cos = sin = logits = torch.empty(0)
+        residual: Optional[torch.Tensor] = None
+        with torch.inference_mode():
+            for k in range(pieces):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=mempool):
+                    if k == 0:
+                        h, cos, sin = _fused.fused_prologue(model, ids, pos)
+                    h, residual = _fused.fused_layers(model, meta, h, residual, cos, sin,
+                                                      cuts[k], cuts[k + 1])
+                    if k == pieces - 1:
+                        logits = _fused.fused_epilogue(model, h, residual, 0)
+                self.graphs.append(g)
+                self._keep += [h, residual, cos, sin]
+        self.logits = logits
+
+    def replay(self) -> None:
+        for g in self.graphs:
+            g.replay()
 
 
 def _as_int64(x: Any, name: str) -> np.ndarray:
