@@ -189,11 +189,12 @@ def test_rms_norm_kernel_matches_reference(dtype, with_residual):
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_kernel_matches_reference(dtype):
+@pytest.mark.parametrize("d", [16, 24])  # the kernel, and the eager fallback
+def test_rope_kernel_matches_reference(dtype, d):
     from pagedkv.kernels import elementwise as ew
 
     g = torch.Generator().manual_seed(1)
-    t, hq, hkv, d = 6, 4, 2, 16
+    t, hq, hkv = 6, 4, 2
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
     ang = torch.arange(t)[:, None].float() * torch.rand(d // 2, generator=g)[None, :]
     ang = torch.cat([ang, ang], -1)

@@ -118,12 +118,17 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
     """Rotates, in place, the first ``num_heads`` heads of each row of ``x`` ``[T, >= num_heads *
     head_dim]`` (the Q and K columns of a fused QKV output, side by side) by ``cos``/``sin``
     ``[T, head_dim]`` (transformers' rotary embedding output for the rows' positions, in ``x``'s
-    dtype): ``x * cos + rotate_half(x) * sin`` per head."""
+    dtype): ``x * cos + rotate_half(x) * sin`` per head. A ``head_dim`` that is not a power of
+    two runs :func:`rope_ref_`."""
     t = x.shape[0]
     if t == 0 or num_heads == 0:
         return
-    if head_dim % 2 or head_dim & (head_dim - 1):
-        raise ValueError(f"rope_: head_dim = {head_dim}, expected a power of two")
+    if head_dim % 2:
+        raise ValueError(f"rope_: head_dim = {head_dim}, expected an even number")
+    if head_dim & (head_dim - 1):
+        # The kernel's tiles are powers of two; other head sizes take the eager ops.
+        rope_ref_(x, cos, sin, num_heads, head_dim)
+        return
     block_h = min(triton.next_power_of_2(num_heads), 16)
     grid = (t, triton.cdiv(num_heads, block_h))
     _rope_kernel[grid](x, cos, sin, x.stride(0), cos.stride(0), num_heads, HEAD_DIM=head_dim,
