@@ -148,7 +148,8 @@ def make_llm(loaded, num_blocks, max_seqs, args, fused):
     torch.cuda.empty_cache()
     llm = pagedkv.LLM(loaded, device="cuda", num_blocks=num_blocks, block_size=args.block_size,
                       max_num_seqs=max_seqs, max_num_batched_tokens=args.chunk,
-                      enable_prefix_caching=False, progress=False, fused_model=fused)
+                      enable_prefix_caching=False, progress=False, fused_model=fused,
+                      cuda_graph_pieces=args.graph_pieces if fused else 1)
     prompts = _prompts(args, loaded.config.vocab_size, 2, seed=99)
     llm.generate(prompts, pagedkv.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)  # warm-up
@@ -320,7 +321,8 @@ def engine_arm(loaded, args, batches, fused):
     t0 = time.perf_counter()
     runner = ModelRunner(loaded, block_size=args.block_size, num_blocks=num_blocks,
                          max_num_seqs=max_b, max_num_batched_tokens=args.chunk,
-                         cuda_graphs=True, fused_model=fused)
+                         cuda_graphs=True, fused_model=fused,
+                         cuda_graph_pieces=args.graph_pieces if fused else 1)
     arm = {"fused": runner.fused, "runner_init_and_capture_s": time.perf_counter() - t0,
            "graph_sizes": runner.graph_sizes, "num_blocks": runner.num_blocks, "batches": {}}
     # Compiles the prefill kernels' shapes once, outside every timed figure.
@@ -380,6 +382,8 @@ def main(argv=None) -> int:
     ap.add_argument("--contiguous", action="store_true",
                     help="also run the batch a max-length contiguous reservation fits, at the "
                          "largest batch's KV memory")
+    ap.add_argument("--graph-pieces", type=int, default=1,
+                    help="capture each fused decode step as this many graphs (cuda_graph_pieces)")
     ap.add_argument("--ab", action="store_true",
                     help="also run every engine figure with fused_model=False (before/after)")
     ap.add_argument("--llm", action="store_true",

@@ -47,7 +47,7 @@ class EngineConfig:
     """How an engine serves its model: KV pool, scheduler, preemption, tensor parallelism.
 
     The fields are :class:`~pagedkv.engine.llm.LLMEngine`'s keyword arguments of the same names
-    (see there), plus three of the model runner's own:
+    (see there), plus four of the model runner's own:
 
     * ``attention_backend``: ``"auto"`` (the Triton kernels on CUDA, plain PyTorch on the CPU),
       ``"torch"`` or ``"triton"`` (on the CPU only under ``TRITON_INTERPRET=1``);
@@ -55,7 +55,10 @@ class EngineConfig:
       (kernels only);
     * ``fused_model``: run Llama/Mistral/Qwen2 models through the fused forward
       (:mod:`pagedkv.engine.fused`: one Q|K|V and one gate|up GEMM, fused RMSNorm + residual,
-      RoPE and SiLU-times-up kernels); ``False`` runs transformers' own module forwards.
+      RoPE and SiLU-times-up kernels); ``False`` runs transformers' own module forwards;
+    * ``cuda_graph_pieces``: with the fused forward, capture each decode step as this many CUDA
+      graphs of consecutive layers, so the GPU starts on the first while the host launches the
+      rest (:meth:`~pagedkv.engine.model_runner.ModelRunner.capture_graphs`); 1: one graph.
 
     Raises:
         ConfigArgumentError: A field is out of its domain, or two exclusive fields are both given
@@ -84,10 +87,12 @@ class EngineConfig:
     attention_backend: str = "auto"
     decode_planner: bool = True
     fused_model: bool = True
+    cuda_graph_pieces: int = 1
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "cuda_graph_pieces"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise _bad(name, value, "must be an int >= 1")

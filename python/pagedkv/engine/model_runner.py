@@ -109,7 +109,8 @@ class ModelRunner:
         config: The engine's settings (:class:`~pagedkv.engine.config.EngineConfig`); the runner
             reads the pool's (``block_size``, ``num_blocks`` or ``kv_cache_memory``), the step
             shape's (``max_num_seqs``, ``max_num_batched_tokens``, raised to ``max_num_seqs`` if
-            below), ``cuda_graphs``, ``attention_backend``, ``decode_planner``, ``fused_model``
+            below), ``cuda_graphs``, ``cuda_graph_pieces``, ``attention_backend``,
+            ``decode_planner``, ``fused_model``
             and ``record_steps``. Neither ``num_blocks`` nor ``kv_cache_memory``: 256 MiB on the
             CPU; on CUDA 85% of the free memory minus a 4 GiB reserve.
         tensor_parallel: A :class:`pagedkv.distributed.TPGroup`: cut the model to this rank's
@@ -240,7 +241,7 @@ class ModelRunner:
         self.graph_sizes: list[int] = []
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         if self.is_cuda and self.use_kernels and config.cuda_graphs:
-            self.capture_graphs()
+            self.capture_graphs(pieces=config.cuda_graph_pieces)
 
     # ------------------------------------------------------------------------------ set-up
 
