@@ -15,7 +15,8 @@ One :meth:`ModelRunner.execute`:
    nothing on the CPU, where the mirrors are the host tensors);
 3. runs the model on the packed batch (``[1, T]`` ids and positions, ``use_cache=False``) with
    pagedkv's attention current (see :mod:`pagedkv.engine.attention`), or replays the CUDA graph
-   captured for the smallest padded batch size that holds a pure-decode step;
+   captured for the smallest padded batch size that holds a pure-decode step (with the fused
+   forward and ``cuda_graph_pieces > 1``: that many graphs of consecutive layers, in turn);
 4. returns float32 logits for the requested rows only (``logits_to_keep`` with an index tensor, so
    the LM head runs on those rows alone in eager mode).
 
