@@ -55,8 +55,7 @@ def test_gpu_graph_pieces_equal_one_graph(pieces):
     one = ModelRunner(_loaded(model), **kw)
     ref = _drive(one, prompts, 8)
     del one
-    runner = ModelRunner(_loaded(model), cuda_graphs=False, **kw)
-    runner.capture_graphs(pieces=pieces)
+    runner = ModelRunner(_loaded(model), cuda_graph_pieces=pieces, **kw)
     assert runner.graph_sizes == [1, 2, 4]
     assert len(runner._graphs[4][0].graphs) == pieces
     for a, b in zip(_drive(runner, prompts, 8), ref):
