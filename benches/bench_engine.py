@@ -1,33 +1,33 @@
-"""Engine benchmark on a GPU: the model runner at Llama-3-8B dimensions with random bf16 weights.
+"""Engine benchmark on a GPU: decode at Llama-3-8B dimensions with random bf16 weights, per batch.
 
 Builds ``LlamaForCausalLM`` from a ``LlamaConfig`` (32 layers, hidden 4096, 32/8 heads, MLP 14336,
-vocab 128256) with transformers, wraps it for :class:`pagedkv.engine.model_runner.ModelRunner`, and
-drives the runner directly with a :class:`pagedkv.BlockManager` (the scheduler's job done inline:
-chunked prefill of every prompt, then greedy decode of the whole batch). Prints one table:
+vocab 128256) with transformers and, at every batch size of ``--batches`` (default 1, 32, 128,
+256; ``--prompt`` tokens each, ``--new`` greedy new tokens), in one run:
 
-- prefill tokens/s and decode tokens/s at ``--batch`` sequences of ``--prompt`` tokens, ``--new``
-  new tokens each (the decode rate is the batch over the median wall time of one whole step:
-  bookkeeping, copies, the graph replay and the argmax read back);
-- the decode-step breakdown at the batch's mid-decode context: bookkeeping (manager
-  ``append_batch`` + ``step``, host wall time), H2D copy (``StepBuffers.to_device`` + ids and
-  positions, CUDA events), kernels (``scatter_kv`` + ``paged_decode`` for all layers at the same
-  shapes, CUDA events over a replayed graph of just those launches), the rest of the model (graph
-  replay time minus kernels);
-  (the rest is split further into the linear layers alone, timed as a graph of just those GEMMs,
-  and everything else: norms, RoPE, activations, residual adds, embedding);
-- the memory-roofline fraction: (weight bytes read per step + the batch's KV bytes) / 4.24 TB/s
-  over the measured step time (the GPU replay, and the whole step);
-- optionally (``--contiguous``) the same engine limited to the batch that a contiguous
-  max-length (``max_model_len``) reservation per sequence fits in the same KV memory;
-- optionally (``--llm``) the user-facing path end to end: ``pagedkv.LLM.generate`` (scheduler,
-  sampler, detokenization off) on the same model and prompts, generated tokens over wall time;
-- optionally (``--transformers``) transformers' own ``generate`` (greedy, static cache, no
-  ``torch.compile``) on the same model and prompts, in batches of ``--batch``, generated tokens
-  over wall time — side by side with the engine's end-to-end rate (prefill included) in one run.
+- drives :class:`pagedkv.engine.model_runner.ModelRunner` directly with a
+  :class:`pagedkv.BlockManager` (chunked prefill of every prompt, then greedy decode of the
+  batch): prefill tokens/s, the decode step (median wall time of a whole step: bookkeeping,
+  copies, the graph replay, the argmax read back) and its floor, ``(weights read per step + the
+  batch's KV bytes at mid-decode) / 4.8 TB/s`` (the H200's HBM bandwidth; the 4.24 TB/s copy
+  rate is in the JSON too), as a fraction;
+- the step's breakdown at mid-decode: H2D copies, graph replay, the attention kernels alone
+  (``scatter_kv`` + ``paged_decode`` over every layer, as a graph), the GEMMs alone (the ones
+  the step runs, as a graph), and the rest (norms, RoPE, activations, residual adds, embedding);
+- with ``--llm``: ``pagedkv.LLM.generate`` end to end on the same prompts (scheduler, sampler,
+  detokenization off): generated tokens/s, TTFT (the batch's prefill and first token) and the
+  decode step it implies, against the same floor;
+- with ``--contiguous``: the same engine limited to the batch that a contiguous ``max_model_len``
+  reservation per sequence fits in the largest batch's KV memory;
+- with ``--ab``: all of the above also with ``fused_model=False`` (transformers' module forwards;
+  the fused forward is :mod:`pagedkv.engine.fused`), side by side;
+- with ``--transformers 1,128``: transformers' ``generate`` (greedy, static cache) at those
+  batch sizes, eager and with its automatic ``torch.compile`` (``--no-compiled`` skips it), and
+  with ``--generate-batch 1,128`` its continuous batching (``generate_batch``).
 
 Usage (on the GPU machine, repository root): ``PYTHONPATH=python python3 benches/bench_engine.py
-[--batch 128 --prompt 512 --new 128] [--contiguous] [--json out.json]``.
+[--batches 1,32,128,256] [--ab] [--llm] [--transformers 1,128] [--json out.json]``.
 """
+
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ import numpy as np
 import torch
 from _dims import add_model_args, llama_config, model_dims
 
-COPY_BW = 4.24e12  # bytes/s: the H200 copy bandwidth the project's targets use
+COPY_BW = 4.24e12  # bytes/s: the H200 copy bandwidth the project's kernel targets use
+SPEC_BW = 4.8e12  # bytes/s: the H200's HBM3e bandwidth, the decode-step floor's denominator
 
 
 def build_model(args):
@@ -95,7 +96,7 @@ def run_batch(runner, batch, prompt_len, new_tokens, chunk, seed=0, breakdown=Fa
     prefill_s = time.perf_counter() - t0
     # Decode: every sequence, one token per step, greedy.
     toks = first
-    step_times, book_times = [], []
+    step_times, book_times, exec_times = [], [], []
     ctx = prompt_len
     pos = np.full(batch, prompt_len, dtype=np.int64)
     mid = None
@@ -105,6 +106,7 @@ def run_batch(runner, batch, prompt_len, new_tokens, chunk, seed=0, breakdown=Fa
         info = mgr.step(sids, 1)
         t_b = time.perf_counter()
         logits = runner.execute(toks, pos, info, range(batch))
+        exec_times.append(time.perf_counter() - t_b)
         toks = logits.argmax(-1).cpu().numpy()
         t_c = time.perf_counter()
         pos += 1
@@ -121,6 +123,9 @@ def run_batch(runner, batch, prompt_len, new_tokens, chunk, seed=0, breakdown=Fa
         "decode_tok_s": batch / statistics.median(step_times),
         "decode_tok_s_mean": batch * len(step_times) / sum(step_times),
         "bookkeeping_us_median": 1e6 * statistics.median(book_times),
+        # Host time inside runner.execute (validation, staging, plan, graph launch; it returns
+        # once the inputs are copied, before the GPU finishes the step).
+        "execute_host_us_median": 1e6 * statistics.median(exec_times),
         "mean_context": prompt_len + new_tokens / 2,
         # Generated tokens over the whole run, prefill included: comparable to generate's rate.
         "end_to_end_tok_s": batch * new_tokens / (prefill_s + sum(step_times)),
@@ -132,51 +137,89 @@ def run_batch(runner, batch, prompt_len, new_tokens, chunk, seed=0, breakdown=Fa
     return out
 
 
-def _prompts(args, vocab, seed=0):
+def _prompts(args, vocab, batch, seed=0):
     g = np.random.default_rng(seed)
-    return [g.integers(0, vocab, args.prompt).tolist() for _ in range(args.batch)]
+    return [g.integers(0, vocab, args.prompt).tolist() for _ in range(batch)]
 
 
-def run_llm(loaded, num_blocks, args):
-    """``pagedkv.LLM.generate`` end to end: what a user of the offline API gets."""
+def make_llm(loaded, num_blocks, max_seqs, args, fused):
     import pagedkv
 
     torch.cuda.empty_cache()
     llm = pagedkv.LLM(loaded, device="cuda", num_blocks=num_blocks, block_size=args.block_size,
-                      max_num_seqs=args.batch, max_num_batched_tokens=args.chunk,
-                      enable_prefix_caching=False, progress=False)
-    prompts = _prompts(args, loaded.config.vocab_size)
-    sp = pagedkv.SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
-    llm.generate(prompts[:2], pagedkv.SamplingParams(temperature=0.0, max_tokens=4,
-                                                       ignore_eos=True), use_tqdm=False)  # warm-up
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    n = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    del llm
-    torch.cuda.empty_cache()
-    return {"generated_tokens": n, "wall_s": dt, "tok_s": n / dt}
+                      max_num_seqs=max_seqs, max_num_batched_tokens=args.chunk,
+                      enable_prefix_caching=False, progress=False, fused_model=fused,
+                      cuda_graph_pieces=args.graph_pieces if fused else 1)
+    prompts = _prompts(args, loaded.config.vocab_size, 2, seed=99)
+    llm.generate(prompts, pagedkv.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)  # warm-up
+    return llm
 
 
-def run_transformers(model, args):
-    """transformers' ``generate``: greedy, static cache, eager (no ``torch.compile``)."""
+def run_llm(llm, loaded, batch, args):
+    """``pagedkv.LLM.generate`` end to end at ``batch`` prompts: what a user of the offline API
+    gets. TTFT: the same prompts with ``max_tokens=1`` (the whole batch's prefill and first
+    token); the decode step: the full run's time past that, over its remaining steps."""
+    import pagedkv
+
+    prompts = _prompts(args, loaded.config.vocab_size, batch)
+
+    def timed(n):
+        sp = pagedkv.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+    ttft, _ = timed(1)
+    dt, n = timed(args.new)
+    return {"generated_tokens": n, "wall_s": dt, "tok_s": n / dt, "ttft_ms": 1e3 * ttft,
+            "decode_step_ms": 1e3 * (dt - ttft) / max(1, args.new - 1)}
+
+
+def run_transformers(model, batch, args, compiled):
+    """transformers' ``generate``: greedy, static cache, eager (``disable_compile``) or with its
+    automatic ``torch.compile`` of the decode forward (the warm-up at the same shapes compiles)."""
     torch.cuda.empty_cache()
-    ids = torch.tensor(_prompts(args, model.config.vocab_size), device="cuda")
+    ids = torch.tensor(_prompts(args, model.config.vocab_size, batch), device="cuda")
     mask = torch.ones_like(ids)
-    kw = dict(do_sample=False, cache_implementation="static", disable_compile=True,
+    kw = dict(do_sample=False, cache_implementation="static", disable_compile=not compiled,
               eos_token_id=None, pad_token_id=0, attention_mask=mask)
     with torch.no_grad():
-        model.generate(ids[:, :16], max_new_tokens=4, **{**kw, "attention_mask": mask[:, :16]})
+        t0 = time.perf_counter()
+        # Warm-up at the timed shapes (compiled: this is where the compile happens).
+        model.generate(ids, max_new_tokens=8 if compiled else 2, min_new_tokens=8 if compiled else 2,
+                       **kw)
         torch.cuda.synchronize()
+        warm = time.perf_counter() - t0
         t0 = time.perf_counter()
         out = model.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new, **kw)
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     n = (out.shape[1] - ids.shape[1]) * ids.shape[0]
-    return {"generated_tokens": int(n), "wall_s": dt, "tok_s": n / dt,
-            "note": "static cache, greedy, disable_compile=True"}
+    return {"generated_tokens": int(n), "wall_s": dt, "tok_s": n / dt, "warmup_s": warm,
+            "note": "static cache, greedy, " + ("torch.compile (transformers' default)" if compiled
+                                                else "disable_compile=True")}
+
+
+def run_generate_batch(model, batch, args):
+    """transformers' continuous batching (``generate_batch``), greedy, its own paged cache."""
+    import transformers
+
+    torch.cuda.empty_cache()
+    prompts = _prompts(args, model.config.vocab_size, batch)
+    gc = transformers.GenerationConfig(max_new_tokens=args.new, min_new_tokens=args.new,
+                                       do_sample=False, eos_token_id=-1, pad_token_id=0)
+    with torch.no_grad():
+        model.generate_batch(prompts[:2], generation_config=gc)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate_batch(prompts, generation_config=gc)
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n = sum(len(o.generated_tokens) for o in out.values())
+    return {"generated_tokens": int(n), "wall_s": dt, "tok_s": n / dt}
 
 
 def _events_ms(fn, reps=20, warmup=3):
@@ -191,6 +234,22 @@ def _events_ms(fn, reps=20, warmup=3):
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
+
+
+def step_gemms(runner):
+    """(weight, bias) of every GEMM one step runs: the fused Q|K|V and gate|up weights when the
+    runner runs the fused forward, each projection otherwise; the LM head."""
+    out = []
+    for layer in runner.model.model.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        if runner.fused:
+            out += [att._pagedkv_qkv, (att.o_proj.weight, att.o_proj.bias), mlp._pagedkv_gate_up,
+                    (mlp.down_proj.weight, mlp.down_proj.bias)]
+        else:
+            out += [(m.weight, m.bias) for m in (att.q_proj, att.k_proj, att.v_proj, att.o_proj,
+                                                  mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+    out.append((runner.model.lm_head.weight, runner.model.lm_head.bias))
+    return out
 
 
 def measure_breakdown(runner, info, toks, pos):
@@ -225,14 +284,14 @@ def measure_breakdown(runner, info, toks, pos):
     with torch.cuda.graph(g):
         kernels()
     kernels_ms = _events_ms(g.replay)
-    # Every linear layer (the weight-streaming part of "the rest"), at the graph's batch.
-    lins = [m for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
-    xs = {f: torch.randn(bs, f, device="cuda", dtype=runner.dtype)
-          for f in {lin.in_features for lin in lins}}
+    # Every GEMM the step runs (the weight-streaming part of "the rest"), at the graph's batch.
+    lins = step_gemms(runner)
+    xs = {w.shape[1]: torch.randn(bs, w.shape[1], device="cuda", dtype=runner.dtype)
+          for w, _ in lins}
 
     def gemms():
-        for lin in lins:
-            torch.nn.functional.linear(xs[lin.in_features], lin.weight, lin.bias)
+        for w, b in lins:
+            torch.nn.functional.linear(xs[w.shape[1]], w, b)
 
     gemms()
     g2 = torch.cuda.CUDAGraph()
@@ -246,9 +305,74 @@ def measure_breakdown(runner, info, toks, pos):
             "other_ms": replay_ms - kernels_ms - gemms_ms, "kv_bytes": kv_bytes}
 
 
+def _ints(text):
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def engine_arm(loaded, args, batches, fused):
+    """The runner driven directly, then ``LLM.generate``, at every batch size: one arm of the
+    fused/unfused comparison (each its own pool and graphs, built and freed in turn)."""
+    from pagedkv.engine.model_runner import ModelRunner
+
+    max_b = max(batches)
+    per_seq_blocks = -(-(args.prompt + args.new) // args.block_size) + 1
+    num_blocks = max_b * per_seq_blocks
+    torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    runner = ModelRunner(loaded, block_size=args.block_size, num_blocks=num_blocks,
+                         max_num_seqs=max_b, max_num_batched_tokens=args.chunk,
+                         cuda_graphs=True, fused_model=fused,
+                         cuda_graph_pieces=args.graph_pieces if fused else 1)
+    arm = {"fused": runner.fused, "runner_init_and_capture_s": time.perf_counter() - t0,
+           "graph_sizes": runner.graph_sizes, "num_blocks": runner.num_blocks, "batches": {}}
+    # Compiles the prefill kernels' shapes once, outside every timed figure.
+    run_batch(runner, min(2, max_b), args.prompt, 3, args.chunk, seed=7)
+    for b in batches:
+        res = run_batch(runner, b, args.prompt, args.new, args.chunk, breakdown=True)
+        bd = res.get("breakdown", {})
+        wb = weight_bytes_per_step(loaded.model, b)
+        roof = wb + bd.get("kv_bytes", 0)
+        res["weight_bytes_per_step"] = wb
+        res["floor_ms"] = 1e3 * roof / SPEC_BW
+        res["floor_ms_copy_bw"] = 1e3 * roof / COPY_BW
+        res["floor_fraction_step"] = res["floor_ms"] / res["decode_step_ms_median"]
+        if bd:
+            res["floor_fraction_replay"] = res["floor_ms"] / bd["replay_ms"]
+        arm["batches"][b] = res
+        print(f"[{'fused' if fused else 'unfused'}] runner batch {b}: step "
+              f"{res['decode_step_ms_median']:.2f} ms, floor {res['floor_ms']:.2f} ms", flush=True)
+    if args.contiguous:
+        # The same engine limited to the batch a contiguous max-length reservation per sequence
+        # fits in the same KV memory.
+        fit = (runner.num_blocks * args.block_size) // runner.max_model_len
+        if fit >= 1:
+            c = arm["contiguous"] = run_batch(runner, min(fit, max_b), args.prompt, args.new,
+                                              args.chunk, seed=1)
+            c["note"] = (f"{fit} sequences: a {runner.max_model_len}-token reservation each in "
+                         f"the same {runner.num_blocks * args.block_size} token slots")
+            big = arm["batches"][max_b]
+            arm["paged_over_contiguous"] = big["decode_tok_s"] / c["decode_tok_s"]
+    del runner
+    if args.llm:
+        try:
+            llm = make_llm(loaded, num_blocks, max_b, args, fused)
+            for b in batches:
+                arm["batches"][b]["llm"] = r = run_llm(llm, loaded, b, args)
+                r["floor_fraction"] = arm["batches"][b]["floor_ms"] / r["decode_step_ms"]
+                print(f"[{'fused' if fused else 'unfused'}] LLM.generate batch {b}: "
+                      f"{r['tok_s']:,.0f} tok/s, step {r['decode_step_ms']:.2f} ms, TTFT "
+                      f"{r['ttft_ms']:.1f} ms", flush=True)
+            del llm
+        except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
+            arm["llm_error"] = repr(e)
+    torch.cuda.empty_cache()
+    return arm
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--batches", type=_ints, default=[1, 32, 128, 256],
+                    help="comma-separated batch sizes (one runner and one LLM serve them all)")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
@@ -256,126 +380,106 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--contiguous", action="store_true",
-                    help="also run the batch a max-length contiguous reservation fits")
+                    help="also run the batch a max-length contiguous reservation fits, at the "
+                         "largest batch's KV memory")
+    ap.add_argument("--graph-pieces", type=int, default=1,
+                    help="capture each fused decode step as this many graphs (cuda_graph_pieces)")
+    ap.add_argument("--ab", action="store_true",
+                    help="also run every engine figure with fused_model=False (before/after)")
     ap.add_argument("--llm", action="store_true",
                     help="also time pagedkv.LLM.generate end to end on the same prompts")
-    ap.add_argument("--transformers", action="store_true",
-                    help="also time transformers' generate with its static cache")
+    ap.add_argument("--transformers", type=_ints, default=[],
+                    help="batch sizes at which to time transformers' generate (static cache, "
+                         "eager and compiled)")
+    ap.add_argument("--no-compiled", action="store_true",
+                    help="skip transformers' compiled generate")
+    ap.add_argument("--generate-batch", type=_ints, default=[],
+                    help="batch sizes at which to time transformers' generate_batch")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    from pagedkv.engine.model_runner import ModelRunner
 
     t0 = time.perf_counter()
     loaded = build_model(args)
-    t_build = time.perf_counter() - t0
-    # The KV memory the batch needs (whole blocks), plus one block per sequence of slack.
-    from pagedkv.config import CacheSpec
+    report = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+              "args": vars(args), "build_s": time.perf_counter() - t0,
+              "spec_bandwidth": SPEC_BW, "copy_bandwidth": COPY_BW, "arms": {}}
+    # The unfused arm first: fusing re-points the model's projection weights (views, same values).
+    for fused in ([False, True] if args.ab else [True]):
+        report["arms"]["fused" if fused else "unfused"] = engine_arm(loaded, args, args.batches,
+                                                                     fused)
+        _save(report, args)
+    hf = report["transformers"] = {}
 
-    per_seq_blocks = -(-(args.prompt + args.new) // args.block_size) + 1
-    num_blocks = args.batch * per_seq_blocks
-    t0 = time.perf_counter()
-    runner = ModelRunner(loaded, block_size=args.block_size, num_blocks=num_blocks,
-                         max_num_seqs=args.batch, max_num_batched_tokens=args.chunk,
-                         cuda_graphs=True)
-    t_capture = time.perf_counter() - t0
-    res = run_batch(runner, args.batch, args.prompt, args.new, args.chunk, breakdown=True)
-    wb = weight_bytes_per_step(loaded.model, args.batch)
-    bd = res.get("breakdown", {})
-    step_s = res["decode_step_ms_median"] / 1e3
-    roof_bytes = wb + bd.get("kv_bytes", 0)
-    report = {
-        "device": torch.cuda.get_device_name(),
-        "args": vars(args),
-        "build_s": t_build,
-        "runner_init_and_capture_s": t_capture,
-        "graph_sizes": runner.graph_sizes,
-        "num_blocks": runner.num_blocks,
-        "kv_pool_gib": runner.pool.nbytes / 2**30,
-        "weight_bytes_per_step": wb,
-        "engine": res,
-        "roofline_ms": 1e3 * roof_bytes / COPY_BW,
-        "roofline_fraction_step": (roof_bytes / COPY_BW) / step_s,
-    }
-    if bd:
-        report["roofline_fraction_replay"] = (roof_bytes / COPY_BW) / (bd["replay_ms"] / 1e3)
-        report["bookkeeping_fraction"] = (res["bookkeeping_us_median"] / 1e6) / step_s
-    if args.contiguous:
-        fit = (runner.num_blocks * args.block_size) // runner.max_model_len
-        if fit >= 1:
-            report["contiguous"] = run_batch(runner, fit, args.prompt, args.new, args.chunk, seed=1)
-            report["contiguous"]["note"] = (
-                f"{fit} sequences: a {runner.max_model_len}-token reservation each in the same "
-                f"{runner.num_blocks * args.block_size} token slots")
-            report["paged_over_contiguous"] = (res["decode_tok_s"] /
-                                               report["contiguous"]["decode_tok_s"])
-    # Each comparison runs on its own: one that fails is reported, not fatal to the others.
-    if args.llm:
-        nb = runner.num_blocks
-        del runner  # its pool and graphs; the LLM builds its own
+    def hf_run(b, key, fn):
         try:
-            report["llm"] = run_llm(loaded, nb, args)
+            hf.setdefault(b, {})[key] = fn()
+            print(f"transformers {key} batch {b}: {hf[b][key]['tok_s']:,.0f} tok/s", flush=True)
         except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
-            report["llm_error"] = repr(e)
-    if args.transformers:
-        try:
-            report["transformers"] = run_transformers(loaded.model, args)
-        except Exception as e:  # noqa: BLE001
-            report["transformers_error"] = repr(e)
+            hf.setdefault(b, {})[key + "_error"] = repr(e)[:500]
+        _save(report, args)
+
+    # Compiled last: its compile is the longest part, and it leaves compiled code on the model.
+    for b in args.transformers:
+        hf_run(b, "eager", lambda: run_transformers(loaded.model, b, args, False))
+    for b in args.generate_batch:
+        hf_run(b, "generate_batch", lambda: run_generate_batch(loaded.model, b, args))
+    if not args.no_compiled:
+        for b in args.transformers:
+            hf_run(b, "compiled", lambda: run_transformers(loaded.model, b, args, True))
+    _save(report, args)
     print_table(report)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=2)
     return 0
 
 
+def _save(report, args):
+    """Writes the JSON so far: a run cut short still leaves every finished figure."""
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+
+
 def print_table(r):
-    e = r["engine"]
-    bd = e.get("breakdown", {})
-    rows = [
-        ("device", r["device"]),
-        ("model", f"Llama-3-8B dims, random bf16, {r['args']['layers']} layers"),
-        ("batch x prompt + new", f"{e['batch']} x {r['args']['prompt']} + {r['args']['new']}"),
-        ("runner init + graph capture", f"{r['runner_init_and_capture_s']:.1f} s "
-                                        f"(sizes {r['graph_sizes']})"),
-        ("prefill", f"{e['prefill_tok_s']:,.0f} tok/s ({e['prefill_s']:.2f} s)"),
-        ("decode step (median, wall)", f"{e['decode_step_ms_median']:.2f} ms"),
-        ("decode tokens/s (median step)", f"{e['decode_tok_s']:,.0f}"),
-        ("decode tokens/s (mean step)", f"{e['decode_tok_s_mean']:,.0f}"),
-        ("end to end tokens/s (prefill incl.)", f"{e['end_to_end_tok_s']:,.0f}"),
-        ("bookkeeping (append_batch+step)", f"{e['bookkeeping_us_median']:.1f} us "
-                                            f"({100 * r.get('bookkeeping_fraction', 0):.2f}% of step)"),
-    ]
-    if bd:
-        rows += [
-            ("H2D copy (buffers + ids/pos)", f"{1e3 * bd['h2d_ms']:.1f} us"),
-            ("graph replay (GPU)", f"{bd['replay_ms']:.3f} ms (batch {bd['graph_batch']})"),
-            ("  attention kernels (scatter+decode)", f"{bd['kernels_ms']:.3f} ms"),
-            ("  rest of the model", f"{bd['rest_ms']:.3f} ms"),
-            ("    linear layers (GEMMs alone)", f"{bd['gemms_ms']:.3f} ms"),
-            ("    norms, RoPE, activations, ...", f"{bd['other_ms']:.3f} ms"),
-            ("roofline (weights + KV)", f"{r['roofline_ms']:.3f} ms"),
-            ("roofline fraction (replay)", f"{100 * r['roofline_fraction_replay']:.1f}%"),
-        ]
-    rows.append(("roofline fraction (whole step)", f"{100 * r['roofline_fraction_step']:.1f}%"))
-    if "contiguous" in r:
-        c = r["contiguous"]
-        rows.append(("contiguous max-length reservation", f"{c['decode_tok_s']:,.0f} tok/s at batch "
-                                                          f"{c['batch']}"))
-        rows.append(("paged / contiguous", f"{r['paged_over_contiguous']:.1f}x"))
-    if "llm" in r:
-        rows.append(("pagedkv.LLM.generate end to end", f"{r['llm']['tok_s']:,.0f} tok/s "
-                                                       f"({r['llm']['wall_s']:.2f} s)"))
-    if "transformers" in r:
-        t = r["transformers"]
-        rows.append(("transformers generate (static)", f"{t['tok_s']:,.0f} tok/s ({t['wall_s']:.2f} s)"))
-        if "llm" in r:
-            rows.append(("LLM.generate / transformers", f"{r['llm']['tok_s'] / t['tok_s']:.1f}x"))
-    for key in ("llm_error", "transformers_error"):
-        if key in r:
-            rows.append((key, r[key][:200]))
-    w = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{w}}  {v}")
+    print(f"device {r['device']}, {r['date']}; Llama-3-8B dims, random bf16, "
+          f"{r['args']['layers']} layers; {r['args']['prompt']} prompt + {r['args']['new']} new; "
+          f"floor = (weights + KV) / {r['spec_bandwidth'] / 1e12:.1f} TB/s")
+    arms = r["arms"]
+    hdr = ("arm", "batch", "step ms", "floor ms", "% floor", "replay", "attn", "gemm", "other",
+           "h2d us", "exec host us", "LLM tok/s", "LLM step", "% floor", "TTFT ms", "prefill tok/s")
+    print(" | ".join(hdr))
+    for name, arm in arms.items():
+        for b, e in arm["batches"].items():
+            bd = e.get("breakdown", {})
+            llm = e.get("llm", {})
+            cells = [name, str(b), f"{e['decode_step_ms_median']:.2f}", f"{e['floor_ms']:.2f}",
+                     f"{100 * e['floor_fraction_step']:.0f}%",
+                     f"{bd.get('replay_ms', float('nan')):.2f}",
+                     f"{bd.get('kernels_ms', float('nan')):.2f}",
+                     f"{bd.get('gemms_ms', float('nan')):.2f}",
+                     f"{bd.get('other_ms', float('nan')):.2f}",
+                     f"{1e3 * bd.get('h2d_ms', float('nan')):.0f}",
+                     f"{e['execute_host_us_median']:.0f}",
+                     f"{llm.get('tok_s', float('nan')):,.0f}",
+                     f"{llm.get('decode_step_ms', float('nan')):.2f}",
+                     f"{100 * llm.get('floor_fraction', float('nan')):.0f}%",
+                     f"{llm.get('ttft_ms', float('nan')):.1f}", f"{e['prefill_tok_s']:,.0f}"]
+            print(" | ".join(cells))
+        if "contiguous" in arm:
+            c = arm["contiguous"]
+            print(f"{name} contiguous max-length reservation: {c['decode_tok_s']:,.0f} tok/s at "
+                  f"batch {c['batch']}; paged at batch {max(arm['batches'])} / contiguous = "
+                  f"{arm['paged_over_contiguous']:.1f}x")
+        if "llm_error" in arm:
+            print(f"{name} llm_error: {arm['llm_error'][:300]}")
+    for b, t in r.get("transformers", {}).items():
+        for key, v in t.items():
+            if key.endswith("_error"):
+                print(f"transformers {key} batch {b}: {v[:300]}")
+                continue
+            line = f"transformers {key} batch {b}: {v['tok_s']:,.0f} tok/s ({v['wall_s']:.2f} s)"
+            fused = arms.get("fused", {}).get("batches", {}).get(b, {}).get("llm")
+            if fused:
+                line += f"; LLM.generate (fused) / this = {fused['tok_s'] / v['tok_s']:.2f}x"
+            print(line)
     sys.stdout.flush()
 
 

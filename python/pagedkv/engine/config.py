@@ -47,13 +47,22 @@ class EngineConfig:
     """How an engine serves its model: KV pool, scheduler, preemption, tensor parallelism.
 
     The fields are :class:`~pagedkv.engine.llm.LLMEngine`'s keyword arguments of the same names
-    (see there), plus two of the model runner's own:
+    (see there), plus four of the model runner's own:
 
     * ``attention_backend``: ``"auto"`` (the Triton kernels on CUDA, plain PyTorch on the CPU),
       ``"torch"`` or ``"triton"`` (on the CPU only under ``TRITON_INTERPRET=1``);
     * ``decode_planner``: plan each decode step's split-K work from the batch's real lengths
-      (kernels only).
+      (kernels only);
+    * ``fused_model``: run Llama/Mistral/Qwen2 models through the fused forward
+      (:mod:`pagedkv.engine.fused`: one Q|K|V and one gate|up GEMM, fused RMSNorm + residual,
+      RoPE and SiLU-times-up kernels); ``False`` runs transformers' own module forwards;
+    * ``cuda_graph_pieces``: with the fused forward, capture each decode step as this many CUDA
+      graphs of consecutive layers, so the GPU starts on the first while the host launches the
+      rest (:meth:`~pagedkv.engine.model_runner.ModelRunner.capture_graphs`); 1: one graph.
 
+    the tiers of the prefix cache below the GPU (``docs/tiers.md``; :class:`~pagedkv.engine.llm.
+    LLMEngine` documents each): ``host_cache_memory``, ``host_cache_write_through``,
+    ``disk_cache_dir``, ``disk_cache_memory``, ``remote_cache_url``, ``remote_cache_timeout_s``;
     and the KV-event and hash settings (``docs/kv-events.md``):
 
     * ``hash_seed``: the prefix hash's key (``None``: a fresh secret per engine); replicas behind
@@ -99,10 +108,13 @@ class EngineConfig:
     kv_events_endpoint: Optional[str] = None
     kv_events_replay_endpoint: Optional[str] = None
     kv_events_topic: str = ""
+    fused_model: bool = True
+    cuda_graph_pieces: int = 1
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "cuda_graph_pieces"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise _bad(name, value, "must be an int >= 1")
@@ -154,7 +166,7 @@ class EngineConfig:
         if not isinstance(self.kv_events_topic, str):
             raise _bad("kv_events_topic", self.kv_events_topic, "must be a string")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "cuda_graphs", "progress",
-                     "record_steps", "decode_planner", "host_cache_write_through"):
+                     "record_steps", "decode_planner", "host_cache_write_through", "fused_model"):
             value = getattr(self, name)
             if value is not True and value is not False:
                 raise _bad(name, value, f"must be a bool, got {type(value).__name__}")

@@ -15,7 +15,8 @@ One :meth:`ModelRunner.execute`:
    nothing on the CPU, where the mirrors are the host tensors);
 3. runs the model on the packed batch (``[1, T]`` ids and positions, ``use_cache=False``) with
    pagedkv's attention current (see :mod:`pagedkv.engine.attention`), or replays the CUDA graph
-   captured for the smallest padded batch size that holds a pure-decode step;
+   captured for the smallest padded batch size that holds a pure-decode step (with the fused
+   forward and ``cuda_graph_pieces > 1``: that many graphs of consecutive layers, in turn);
 4. returns float32 logits for the requested rows only (``logits_to_keep`` with an index tensor, so
    the LM head runs on those rows alone in eager mode).
 
@@ -51,6 +52,7 @@ from ..kv_pool import KVPool
 from ..manager import BlockManager
 from ..swap import SwapEngine
 from . import attention as _attention
+from . import fused as _fused
 from .config import EngineConfig
 from .forward_context import AttentionMetadata, forward_context
 from .loader import LoadedModel, default_model_path, load_model
@@ -108,8 +110,9 @@ class ModelRunner:
         config: The engine's settings (:class:`~pagedkv.engine.config.EngineConfig`); the runner
             reads the pool's (``block_size``, ``num_blocks`` or ``kv_cache_memory``), the step
             shape's (``max_num_seqs``, ``max_num_batched_tokens``, raised to ``max_num_seqs`` if
-            below), ``cuda_graphs``, ``attention_backend``, ``decode_planner`` and
-            ``record_steps``. Neither ``num_blocks`` nor ``kv_cache_memory``: 256 MiB on the
+            below), ``cuda_graphs``, ``cuda_graph_pieces``, ``attention_backend``,
+            ``decode_planner``, ``fused_model``
+            and ``record_steps``. Neither ``num_blocks`` nor ``kv_cache_memory``: 256 MiB on the
             CPU; on CUDA 85% of the free memory minus a 4 GiB reserve.
         tensor_parallel: A :class:`pagedkv.distributed.TPGroup`: cut the model to this rank's
             shard (:func:`pagedkv.distributed.shard_model`), hold only this rank's KV heads in the
@@ -163,6 +166,12 @@ class ModelRunner:
                 # The full weights the cut replaced are free: return them before sizing the pool.
                 torch.cuda.empty_cache()
             num_q, num_kv = self.head_split.q_heads, self.head_split.kv_heads
+        #: Whether steps run through :func:`pagedkv.engine.fused.fused_forward` (``fused_model``
+        #: and a model :func:`~pagedkv.engine.fused.fusable` accepts) rather than the model's own
+        #: forward. Fused before the pool is sized: concatenating the weights frees the originals.
+        self.fused = bool(config.fused_model) and _fused.fuse_model(self.model)
+        if self.fused and self.device.type == "cuda":
+            torch.cuda.empty_cache()
         self.spec = CacheSpec(num_layers=int(cfg.num_hidden_layers), num_kv_heads=num_kv,
                               head_dim=_head_dim(cfg), dtype=str(self.dtype).rpartition(".")[2],
                               block_size=block_size)
@@ -233,7 +242,7 @@ class ModelRunner:
         self.graph_sizes: list[int] = []
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         if self.is_cuda and self.use_kernels and config.cuda_graphs:
-            self.capture_graphs()
+            self.capture_graphs(pieces=config.cuda_graph_pieces)
 
     # ------------------------------------------------------------------------------ set-up
 
@@ -578,6 +587,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(self, meta: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor,
                  keep: Any) -> torch.Tensor:
+        if self.fused:
+            return _fused.fused_forward(self.model, meta, ids, pos, keep)
         with forward_context(meta, self.model):
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False,
                              logits_to_keep=keep)
@@ -616,8 +627,12 @@ class ModelRunner:
                 return s
         return None
 
-    def capture_graphs(self, sizes: Optional[Sequence[int]] = None) -> None:
+    def capture_graphs(self, sizes: Optional[Sequence[int]] = None, *, pieces: int = 1) -> None:
         """Captures one decode CUDA graph per padded batch size (default :func:`graph_batch_sizes`).
+
+        ``pieces > 1`` (fused forward only): each batch size's step is captured as that many
+        graphs of consecutive layers, replayed in turn, so the GPU starts on the first while the
+        host still launches the later ones (the same kernels on the same buffers: equal logits).
 
         Each graph runs the whole model on ``bs`` tokens: static ids/positions (the runner's device
         staging buffers), and the step buffers' device mirrors ``slot_mapping[:bs]``,
@@ -653,6 +668,10 @@ class ModelRunner:
                 for _ in range(2):  # compiles the Triton kernels, settles lazy allocations
                     self._forward(meta, ids, pos, 0)
             torch.cuda.current_stream(self.device).wait_stream(side)
+            if pieces > 1 and self.fused:
+                chain = _GraphChain(self.model, meta, ids, pos, pieces, mempool)
+                self._graphs[bs] = (chain, chain.logits)
+                continue
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=mempool):
                 logits = self._forward(meta, ids, pos, 0)
@@ -673,6 +692,40 @@ class ModelRunner:
             return logits[0, :n].float()
         idx = torch.from_numpy(last).to(self.device, non_blocking=True)
         return logits[0].index_select(0, idx).float()
+
+
+class _GraphChain:
+    """One decode step captured as several CUDA graphs of consecutive layers (the first with the
+    embedding, the last with the final norm and LM head) in one memory pool; :meth:`replay` runs
+    them in order on the current stream. The hidden state and residual handed from one graph to
+    the next are tensors of the pool this object keeps alive, so no later capture reuses them."""
+
+    def __init__(self, model: Any, meta: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor,
+                 pieces: int, mempool: Any) -> None:
+        n_layers = int(model.config.num_hidden_layers)
+        pieces = max(1, min(pieces, n_layers))
+        cuts = [round(n_layers * k / pieces) for k in range(pieces + 1)]
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self._keep: list[torch.Tensor] = []
+        h = cos = sin = logits = torch.empty(0)
+        residual: Optional[torch.Tensor] = None
+        with torch.inference_mode():
+            for k in range(pieces):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=mempool):
+                    if k == 0:
+                        h, cos, sin = _fused.fused_prologue(model, ids, pos)
+                    h, residual = _fused.fused_layers(model, meta, h, residual, cos, sin,
+                                                      cuts[k], cuts[k + 1])
+                    if k == pieces - 1:
+                        logits = _fused.fused_epilogue(model, h, residual, 0)
+                self.graphs.append(g)
+                self._keep += [h, residual, cos, sin]
+        self.logits = logits
+
+    def replay(self) -> None:
+        for g in self.graphs:
+            g.replay()
 
 
 def _as_int64(x: Any, name: str) -> np.ndarray:

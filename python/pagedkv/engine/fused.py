@@ -1,0 +1,219 @@
+"""The runner's fused forward of a Llama-family model: fused projections and element-wise kernels.
+
+Owns :func:`fuse_model` (prepares a loaded transformers model once), :func:`is_fused` and
+:func:`fused_forward` (one runner step through the prepared model), which the runner calls in
+place of the model's own ``forward`` unless ``EngineConfig.fused_model`` is off.
+
+What is fused. Per decoder layer, transformers' eager forward issues about two dozen kernels
+besides the GEMMs and the attention (RMSNorm's casts/pow/mean/rsqrt/muls, RoPE's slices/neg/cat
+and four multiplies per tensor, the residual adds, SiLU and the gate multiply) and five GEMMs
+for Q, K, V, gate and up. The fused forward runs per layer: one GEMM for Q|K|V, one RoPE launch
+rotating Q and K in place in that GEMM's output, pagedkv's attention on views of it, the output
+GEMM, one residual-add + RMSNorm launch, one GEMM for gate|up, one SiLU-times-up launch, the down
+GEMM, and one residual-add + RMSNorm launch (:mod:`pagedkv.kernels.elementwise`).
+
+The architecture still comes from transformers' classes: the embedding, the rotary embedding
+module (cos/sin per position, every ``rope_type`` it implements), the norms' weights and
+epsilons, the projections and the LM head are the loaded model's own modules. :func:`fuse_model`
+concatenates the Q/K/V weights (and biases, Qwen2's) and the gate/up weights into one tensor each
+and re-points the original ``q_proj``/``k_proj``/``v_proj``/``gate_proj``/``up_proj`` weights at
+views of it: no weight is stored twice and the model's own ``forward`` (``generate``, a dense
+reference) still runs on the same object.
+
+Invariants: the fused forward computes what the model's eager forward with pagedkv's attention
+computes, rounding where it rounds (see :mod:`pagedkv.kernels.elementwise`); it is used only for
+models :func:`fusable` accepts (Llama/Mistral/Qwen2 layout, SiLU MLP, no tensor parallelism), and
+the element-wise kernels run through Triton on CUDA tensors (or under ``TRITON_INTERPRET=1``),
+through their PyTorch references otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import attention as _attention
+from .forward_context import AttentionMetadata
+
+__all__ = ["fusable", "fuse_model", "is_fused", "fused_forward"]
+
+_FUSED_ATTR = "_pagedkv_fused"
+
+
+def fusable(model: Any) -> Optional[str]:
+    """``None`` when :func:`fuse_model` can prepare ``model``; else why not (a sentence)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) not in ("llama", "mistral", "qwen2"):
+        return "not a Llama, Mistral or Qwen2 model"
+    if getattr(model, "_pagedkv_tp", None) is not None:
+        return "tensor-parallel shards run the model's own forward"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} is not silu"
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None or not hasattr(base, "rotary_emb") or not hasattr(model, "lm_head"):
+        return "unexpected module layout"
+    for layer in layers:
+        att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        names = ("q_proj", "k_proj", "v_proj", "o_proj")
+        if att is None or mlp is None or not all(
+                isinstance(getattr(att, n, None), torch.nn.Linear) for n in names):
+            return "unexpected attention layout"
+        if not all(isinstance(getattr(mlp, n, None), torch.nn.Linear)
+                   for n in ("gate_proj", "up_proj", "down_proj")):
+            return "unexpected MLP layout"
+    return None
+
+
+def is_fused(model: Any) -> bool:
+    """Whether :func:`fuse_model` prepared ``model`` and its projections still read the fused
+    tensors (a ``model.to(...)`` or a cut to a tensor-parallel shard since then replaced them)."""
+    if not getattr(model, _FUSED_ATTR, False):
+        return False
+    for layer in model.model.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        for lins, (w, _b) in (((att.q_proj, att.k_proj, att.v_proj), att._pagedkv_qkv),
+                              ((mlp.gate_proj, mlp.up_proj), mlp._pagedkv_gate_up)):
+            off = 0
+            for lin in lins:
+                p = lin.weight
+                if (p.dtype != w.dtype or p.device != w.device or
+                        p.data_ptr() != w[off:].data_ptr() or p.shape[1] != w.shape[1]):
+                    return False
+                off += lin.out_features
+            if off != w.shape[0]:
+                return False
+    return True
+
+
+def _concat_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One weight (and bias) for ``linears`` side by side; each module's weight (bias) becomes a
+    view of it, so the model's own forward reads the same storage."""
+    w = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    has_bias = [lin.bias is not None for lin in linears]
+    b = None
+    if any(has_bias):
+        b = torch.cat([lin.bias.detach() if lin.bias is not None else
+                       torch.zeros(lin.out_features, dtype=w.dtype, device=w.device)
+                       for lin in linears])
+    off = 0
+    for lin in linears:
+        n = lin.out_features
+        lin.weight = torch.nn.Parameter(w[off:off + n], requires_grad=False)
+        if lin.bias is not None:
+            lin.bias = torch.nn.Parameter(b[off:off + n], requires_grad=False)
+        off += n
+    return w, b
+
+
+@torch.no_grad()
+def fuse_model(model: Any) -> bool:
+    """Prepares ``model`` for :func:`fused_forward` in place (idempotent; a model whose weights
+    were replaced since, e.g. by ``model.to(dtype)``, is prepared again); returns whether it did
+    (``False``: :func:`fusable` refused it, the model is untouched)."""
+    if fusable(model) is not None:
+        return False
+    if is_fused(model):
+        return True
+    for layer in model.model.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        att._pagedkv_qkv = _concat_linears([att.q_proj, att.k_proj, att.v_proj])
+        mlp._pagedkv_gate_up = _concat_linears([mlp.gate_proj, mlp.up_proj])
+    setattr(model, _FUSED_ATTR, True)
+    return True
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _ops(x: torch.Tensor):
+    if _use_triton(x):
+        from ..kernels import elementwise as ew
+
+        return ew.rms_norm, ew.rope_, ew.silu_mul
+    from ..kernels.elementwise import rms_norm_ref, rope_ref_, silu_mul_ref
+
+    return rms_norm_ref, rope_ref_, silu_mul_ref
+
+
+def _eps(norm: Any) -> float:
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+def fused_forward(model: Any, meta: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor,
+                  keep: Any) -> torch.Tensor:
+    """Logits ``[1, R, vocab]`` of one runner step (``ids``/``pos`` ``[1, T]``; ``keep`` as
+    transformers' ``logits_to_keep``: ``0`` for every row, or an index tensor) through a model
+    :func:`fuse_model` prepared, with ``meta`` the step's paged attention metadata."""
+    h, cos, sin = fused_prologue(model, ids, pos)
+    h, residual = fused_layers(model, meta, h, None, cos, sin, 0, model.config.num_hidden_layers)
+    return fused_epilogue(model, h, residual, keep)
+
+
+def fused_prologue(model: Any, ids: torch.Tensor,
+                   pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The embedded tokens ``[T, H]`` and RoPE's cos/sin ``[T, D]`` of ``ids``/``pos`` ``[1, T]``."""
+    base = model.model
+    h = base.embed_tokens(ids[0])  # [T, H]
+    cos, sin = base.rotary_emb(h, pos)  # [1, T, D] each, h's dtype
+    return h, cos[0], sin[0]
+
+
+def fused_layers(model: Any, meta: AttentionMetadata, h: torch.Tensor,
+                 residual: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                 start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoder layers ``start .. stop - 1`` on the hidden state ``h`` (the last layer's MLP
+    output) and the residual stream (``None`` before layer 0); returns both after ``stop - 1``."""
+    rms_norm, rope_, silu_mul = _ops(h)
+    t = h.shape[0]
+    for i in range(start, stop):
+        layer = model.model.layers[i]
+        att, mlp = layer.self_attn, layer.mlp
+        norm = layer.input_layernorm
+        x, residual = rms_norm(h, norm.weight, _eps(norm), residual)
+        if residual is None:
+            residual = h
+        hd = att.head_dim
+        hq = att.q_proj.out_features // hd
+        hkv = att.k_proj.out_features // hd
+        w, b = att._pagedkv_qkv
+        qkv = F.linear(x, w, b)  # [T, (hq + 2 hkv) * hd]
+        rope_(qkv, cos, sin, hq + hkv, hd)
+        q = qkv[:, : hq * hd].view(t, hq, hd)
+        k = qkv[:, hq * hd:(hq + hkv) * hd].view(t, hkv, hd)
+        v = qkv[:, (hq + hkv) * hd:].view(t, hkv, hd)
+        o = _attend(meta, att.layer_idx if att.layer_idx is not None else i, q, k, v,
+                    att.scaling)
+        h = att.o_proj(o.reshape(t, hq * hd))
+        norm = layer.post_attention_layernorm
+        x, residual = rms_norm(h, norm.weight, _eps(norm), residual)
+        w, b = mlp._pagedkv_gate_up
+        h = mlp.down_proj(silu_mul(F.linear(x, w, b)))
+    assert residual is not None
+    return h, residual
+
+
+def fused_epilogue(model: Any, h: torch.Tensor, residual: torch.Tensor, keep: Any) -> torch.Tensor:
+    """The final norm and the LM head over the rows ``keep`` selects (as :func:`fused_forward`)."""
+    rms_norm = _ops(h)[0]
+    norm = model.model.norm
+    h, _ = rms_norm(h, norm.weight, _eps(norm), residual)
+    if isinstance(keep, int):
+        h = h[-keep:] if keep else h
+    else:
+        h = h.index_select(0, keep.to(h.device))
+    return model.lm_head(h)[None]
+
+
+def _attend(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor,
+            v: torch.Tensor, scaling: float) -> torch.Tensor:
+    kc, vc = meta.k_caches[layer], meta.v_caches[layer]
+    if meta.mode == "cpu":
+        # The CPU path's index_copy_ and gathers want packed rows.
+        return _attention._cpu_attention(q.contiguous(), k.contiguous(), v.contiguous(), kc, vc,
+                                         meta, scaling)
+    return _attention._cuda_attention(q, k, v, kc, vc, meta, scaling)
