@@ -323,6 +323,8 @@ fn tiered(r: &pagedkv::AdmitResult) -> TieredTuple {
 
 /// What `take_demotions` returns per demotion: `(host_block, hash, parent, salt_digest, tokens)`.
 type DemotionTuple = (u32, u128, Option<u128>, u128, Vec<u32>);
+/// `lookup_tiers`' answer: `(gpu_blocks, host_blocks, remaining_hashes, salt_digest, parent_hash)`.
+type LookupTuple = (usize, usize, Vec<u128>, u128, Option<u128>);
 
 fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
     crate::stats::to_dict(py, s)
@@ -722,7 +724,7 @@ impl PyBlockManager {
         adapter_id: Option<Bound<'_, PyAny>>,
         mm_inputs: Option<Bound<'_, PyAny>>,
         extra_keys: Option<Bound<'_, PyAny>>,
-    ) -> PyResult<(usize, usize, Vec<u128>, u128, Option<u128>)> {
+    ) -> PyResult<LookupTuple> {
         let keys = seq_keys(cache_salt, adapter_id, mm_inputs, extra_keys)?;
         let r = scratch(&TOKENS, |buf| {
             with_ids("token_ids", token_ids, buf, |toks| {
