@@ -40,33 +40,40 @@ def build(args):
 
     cfg = llama_config(model_dims(args), args.max_model_len)
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    with torch.device(args.device):
+        model = transformers.LlamaForCausalLM._from_config(cfg, dtype=dtype)
     model.eval().requires_grad_(False)
     return LoadedModel(model=model, tokenizer=None, config=model.config,
                        max_model_len=args.max_model_len, eos_token_ids=[], path="random-llama")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def ttft(llm, ids, salt=None) -> float:
     import pagedkv
 
     sp = pagedkv.SamplingParams(temperature=0.0, max_tokens=1)
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False, cache_salt=salt)
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t0
 
 
-def copy_time(nbytes: int, reps: int = 5) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+def copy_time(nbytes: int, device: str, reps: int = 5) -> float:
+    cuda = device == "cuda"
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     out = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
+        dst.copy_(src, non_blocking=cuda)
+        sync()
         out.append(time.perf_counter() - t0)
     return statistics.median(out)
 
@@ -79,9 +86,10 @@ def run_lengths(loaded, args) -> list:
     vocab = loaded.config.vocab_size
     g = torch.Generator().manual_seed(1)
     longest = max(args.lens)
-    # One prompt's blocks (and a margin) on the GPU: the second prompt evicts the first's.
+    # One longest prompt's blocks (and a small margin) on the GPU: two other longest prompts
+    # after the timed one evict every block of it (it is the least recently used).
     num_blocks = longest // bs + 64
-    llm = pagedkv.LLM(loaded, device="cuda", num_blocks=num_blocks, block_size=bs,
+    llm = pagedkv.LLM(loaded, device=args.device, num_blocks=num_blocks, block_size=bs,
                       max_num_seqs=4, max_num_batched_tokens=args.chunk,
                       host_cache_memory=args.host_cache, progress=False)
     kv_token = llm.llm_engine.runner.spec.bytes_per_token
@@ -89,21 +97,22 @@ def run_lengths(loaded, args) -> list:
         host_t, rec_t = [], []
         for rep in range(args.reps):
             a = torch.randint(0, vocab, (n,), generator=g).tolist()
-            b = torch.randint(0, vocab, (n,), generator=g).tolist()
-            # b must also be long enough to evict a from the pool
             ttft(llm, a)
-            ttft(llm, b + torch.randint(0, vocab, (longest - n,), generator=g).tolist()
-                 if n < longest else b)
-            before = llm.stats()
+            for _ in range(2):
+                ttft(llm, torch.randint(0, vocab, (llm.max_model_len - 1,), generator=g).tolist())
+            before = llm.stats().prefix_hits_by_tier
             host_t.append(ttft(llm, a))
-            after = llm.stats()
-            hits = after.prefix_hits_by_tier.get("host", 0) - before.prefix_hits_by_tier.get("host", 0)
+            after = llm.stats().prefix_hits_by_tier
+            hits = after.get("host", 0) - before.get("host", 0)
+            gpu_hits = after.get("gpu", 0) - before.get("gpu", 0)
+            if gpu_hits:
+                print(f"  warning: {gpu_hits} tokens of the {n}-token prompt were still on the GPU")
             rec_t.append(ttft(llm, a, salt=f"other-tenant-{n}-{rep}"))
         full = (n // bs) * bs
-        cp = copy_time(full * kv_token)
+        cp = copy_time(full * kv_token, args.device)
         h, r = statistics.median(host_t), statistics.median(rec_t)
         rows.append({"prompt": n, "host_ttft_ms": h * 1e3, "recompute_ttft_ms": r * 1e3,
-                     "speedup": r / h, "copy_ms": cp * 1e3, "host_hit_tokens": hits,
+                     "speedup": r / h, "copy_ms": cp * 1e3, "host_hit_tokens": hits, "gpu_hit_tokens": gpu_hits,
                      "load_fraction_of_copy": cp / h})
         print(f"  {n:>6} tokens: host {h*1e3:8.2f} ms   recompute {r*1e3:8.2f} ms   "
               f"x{r/h:5.1f}   plain copy {cp*1e3:6.2f} ms   host hits {hits}", flush=True)
@@ -121,15 +130,15 @@ def run_reuse(loaded, args) -> dict:
     sp = pagedkv.SamplingParams(temperature=0.0, max_tokens=1)
     out = {}
     for label, host in (("no tier", None), ("host tier", args.reuse_host)):
-        llm = pagedkv.LLM(loaded, device="cuda", num_blocks=args.reuse_blocks,
+        llm = pagedkv.LLM(loaded, device=args.device, num_blocks=args.reuse_blocks,
                           block_size=args.block_size, max_num_seqs=256,
                           max_num_batched_tokens=args.chunk, host_cache_memory=host,
                           progress=False)
         llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        torch.cuda.synchronize()
+        sync()
         dt = time.perf_counter() - t0
         st = llm.stats()
         out[label] = {"seconds": dt, "tokens_per_s": len(prompts) * (args.reuse_len + 1) / dt,
@@ -139,7 +148,8 @@ def run_reuse(loaded, args) -> dict:
               f"hits {out[label]['hits_by_tier']}", flush=True)
         llm.shutdown()
         del llm
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     out["speedup"] = out["no tier"]["seconds"] / out["host tier"]["seconds"]
     out["same_outputs"] = out["no tier"]["first_tokens"] == out["host tier"]["first_tokens"]
     return out
@@ -161,12 +171,15 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse-host", default="80GiB")
     ap.add_argument("--skip-lens", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: a dry run of the script's paths (fp32; give small dimensions)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_tiers_gpu: needs CUDA", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_tiers_gpu: needs CUDA (--device cpu for a dry run)", file=sys.stderr)
         return 2
     loaded = build(args)
-    res = {"device": torch.cuda.get_device_name(), "args": vars(args)}
+    res = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+           "args": vars(args)}
     if not args.skip_lens:
         print("TTFT from the host tier vs recompute (Llama-3-8B dims, bf16):")
         res["lengths"] = run_lengths(loaded, args)

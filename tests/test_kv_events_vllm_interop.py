@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from pagedkv.events import EventSink, KVEventBatch, decode_batch, encode_batch, hash_to_wire
-
 try:
     import msgspec
+
+    from pagedkv.events import EventSink, KVEventBatch, decode_batch, encode_batch, hash_to_wire
     from vllm.distributed import kv_events as vk
 except ImportError as exc:  # pragma: no cover - depends on the environment
     if os.environ.get("PAGEDKV_REQUIRE_VLLM") == "1":

@@ -38,9 +38,9 @@ def _prompts(seed: int = 0, n: int = 6, length: int = 100) -> List[List[int]]:
     return [[rng.randrange(3, 128) for _ in range(length)] for _ in range(n)]
 
 
-def _run(model_dir: str, rounds: int = 2, prompts: Any = None,
+def _run(model_dir: str, rounds: int = 2, prompts: Any = None, device: str = "cpu",
          **kw: Any) -> Tuple[List[List[int]], Any, Any]:
-    llm = pagedkv.LLM(model_dir, device="cpu", num_blocks=POOL, block_size=BS, max_num_seqs=2,
+    llm = pagedkv.LLM(model_dir, device=device, num_blocks=POOL, block_size=BS, max_num_seqs=2,
                       progress=False, **kw)
     outs = []
     try:
@@ -148,6 +148,26 @@ def test_a_dead_remote_server_only_costs_misses(model_dir: str, baseline: List[L
     assert outs == baseline
     assert stats.prefix_hits_by_tier.get("remote", 0) == 0
     assert stores["remote"].errors + stores["remote"].unavailable + stores["remote"].timeouts > 0
+
+
+@pytest.mark.gpu
+def test_gpu_host_and_disk_tiers_keep_greedy_outputs(model_dir: str, tmp_path: Any) -> None:
+    """On CUDA (compiled kernels, fp32, the pinned host tier and its side-stream copies): the
+    evicted prefixes come back from the host tier, then from disk, with the outputs of a run
+    without tiers token for token, and exactly the bytes the hits account for."""
+    import torch
+
+    kw: Dict[str, Any] = dict(device="cuda", dtype=torch.float32)
+    base, _, _ = _run(model_dir, **kw)
+    outs, stats, _ = _run(model_dir, host_cache_memory="1MiB", **kw)
+    assert outs == base
+    assert stats.prefix_hits_by_tier["host"] >= 6 * 6 * BS // 2
+    bpb = 2 * 2 * BS * 2 * 16 * 4
+    assert stats.tier_bytes_read["host"] == stats.prefix_hits_by_tier["host"] // BS * bpb
+    outs, stats, stores = _run(model_dir, host_cache_memory="64KiB",
+                               disk_cache_dir=str(tmp_path / "kv"), disk_cache_memory="64MiB", **kw)
+    assert outs == base
+    assert stats.prefix_hits_by_tier["disk"] > 0 and stores["disk"].corrupt == 0
 
 
 def test_tier_settings_are_checked(model_dir: str, tmp_path: Any) -> None:
