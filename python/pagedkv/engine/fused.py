@@ -23,13 +23,13 @@ reference) still runs on the same object.
 Invariants: the fused forward computes what the model's eager forward with pagedkv's attention
 computes, rounding where it rounds (see :mod:`pagedkv.kernels.elementwise`); it is used only for
 models :func:`fusable` accepts (Llama/Mistral/Qwen2 layout, SiLU MLP, no tensor parallelism), and
-the element-wise kernels run through Triton on CUDA tensors (or under ``TRITON_INTERPRET=1``),
-through their PyTorch references otherwise.
+the element-wise kernels run through Triton where the attention does (CUDA, or the runner's
+``"triton"`` backend on the CPU under ``TRITON_INTERPRET=1``), through their PyTorch references
+otherwise.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import torch
@@ -126,12 +126,12 @@ def fuse_model(model: Any) -> bool:
     return True
 
 
-def _use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _ops(x: torch.Tensor):
-    if _use_triton(x):
+def _ops(kernels: bool):
+    # The element-wise kernels go with the attention kernels: on CUDA, or on the CPU where the
+    # runner was asked for its Triton backend (interpreted, for tests). A CPU engine otherwise
+    # runs the PyTorch ops, whatever TRITON_INTERPRET says: interpreted kernels are for tests of
+    # the kernels, and run a real model hundreds of times slower.
+    if kernels:
         from ..kernels import elementwise as ew
 
         return ew.rms_norm, ew.rope_, ew.silu_mul
@@ -151,7 +151,7 @@ def fused_forward(model: Any, meta: AttentionMetadata, ids: torch.Tensor, pos: t
     :func:`fuse_model` prepared, with ``meta`` the step's paged attention metadata."""
     h, cos, sin = fused_prologue(model, ids, pos)
     h, residual = fused_layers(model, meta, h, None, cos, sin, 0, model.config.num_hidden_layers)
-    return fused_epilogue(model, h, residual, keep)
+    return fused_epilogue(model, h, residual, keep, kernels=meta.mode != "cpu")
 
 
 def fused_prologue(model: Any, ids: torch.Tensor,
@@ -168,7 +168,7 @@ def fused_layers(model: Any, meta: AttentionMetadata, h: torch.Tensor,
                  start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Decoder layers ``start .. stop - 1`` on the hidden state ``h`` (the last layer's MLP
     output) and the residual stream (``None`` before layer 0); returns both after ``stop - 1``."""
-    rms_norm, rope_, silu_mul = _ops(h)
+    rms_norm, rope_, silu_mul = _ops(meta.mode != "cpu")
     t = h.shape[0]
     for i in range(start, stop):
         layer = model.model.layers[i]
@@ -197,9 +197,11 @@ def fused_layers(model: Any, meta: AttentionMetadata, h: torch.Tensor,
     return h, residual
 
 
-def fused_epilogue(model: Any, h: torch.Tensor, residual: torch.Tensor, keep: Any) -> torch.Tensor:
-    """The final norm and the LM head over the rows ``keep`` selects (as :func:`fused_forward`)."""
-    rms_norm = _ops(h)[0]
+def fused_epilogue(model: Any, h: torch.Tensor, residual: torch.Tensor, keep: Any,
+                   kernels: Optional[bool] = None) -> torch.Tensor:
+    """The final norm and the LM head over the rows ``keep`` selects (as :func:`fused_forward`);
+    ``kernels``: the Triton norm (default: on CUDA tensors), as the layers' metadata chose."""
+    rms_norm = _ops(h.is_cuda if kernels is None else kernels)[0]
     norm = model.model.norm
     h, _ = rms_norm(h, norm.weight, _eps(norm), residual)
     if isinstance(keep, int):

@@ -152,6 +152,10 @@ class TierCache:
         demoted = self.manager.take_demotions()
         if not demoted:
             return
+        if not self.stores:
+            # Nothing below the host tier: a demoted block is simply dropped (no copy, no wait).
+            self.stats.demotions += len(demoted)
+            return
         self._host_written()
         self._writes = [f for f in self._writes if not f.done()]
         for slot, h, parent, salt, tokens in demoted:
