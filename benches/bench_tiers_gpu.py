@@ -54,18 +54,14 @@ def sync() -> None:
 
 
 def ttft(llm, ids, salt=None) -> float:
-    """Wall time of ``generate`` with one new token: the first token is on the host when it
-    returns. Write-backs it queued (device-to-host, on a side stream) may still be running then;
-    they end before the next call's clock starts."""
     import pagedkv
 
     sp = pagedkv.SamplingParams(temperature=0.0, max_tokens=1)
     sync()
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False, cache_salt=salt)
-    dt = time.perf_counter() - t0
     sync()
-    return dt
+    return time.perf_counter() - t0
 
 
 def copy_time(nbytes: int, device: str, reps: int = 5) -> float:

@@ -168,33 +168,3 @@ def test_cuda_ordering_without_host_sync():
     torch.cuda.synchronize()
     assert torch.equal(got[:, :, 1:], before[:, :, 1:])
     assert torch.equal(got[:, :, 0], expect0)
-
-
-@pytest.mark.gpu
-def test_cuda_swap_in_waits_only_for_the_swap_outs_it_reads():
-    """A swap-in reading host blocks written long ago does not wait for an unrelated swap-out in
-    flight, and one reading a block that swap-out is still writing gets the new bytes."""
-    spec = _spec("bfloat16", block_size=16, layers=4)
-    pool = _filled_pool(spec, 256, "cuda", seed=4)
-    eng = SwapEngine(pool, 128, staging_blocks=8)
-    old_dev, old_host = list(range(0, 40)), list(range(0, 40))
-    eng.swap_out(list(zip(old_dev, old_host)))
-    eng.synchronize()
-    old = pool.kv[:, :, old_dev].clone()
-    new_dev, new_host = list(range(40, 120)), list(range(40, 120))
-    big = torch.randn(4096, 4096, device="cuda")
-    for _ in range(8):  # the new blocks' last write is queued behind long work
-        big = big @ big
-        big /= big.norm()
-    pool.kv[:, :, new_dev[-1]].add_(1.0)
-    new_last = pool.kv[:, :, new_dev[-1]].clone()
-    eng.swap_out(list(zip(new_dev, new_host)))  # in flight
-    # The first swap-out has finished and the one in flight writes other blocks: nothing to wait on.
-    assert eng._writers_of(np.array(old_host)) == []
-    back = list(range(130, 130 + len(old_host) + 1))
-    eng.swap_in(list(zip(old_host + [new_host[-1]], back)))
-    eng.wait()
-    got = pool.kv[:, :, back].clone()
-    torch.cuda.synchronize()
-    assert torch.equal(got[:, :, :-1], old)
-    assert torch.equal(got[:, :, -1], new_last)

@@ -60,8 +60,6 @@ __all__ = ["HostKVPool", "SwapEngine", "DEFAULT_STAGING_BYTES"]
 #: Device staging per direction when ``staging_blocks`` is not given: large enough that each
 #: transfer runs at the link's full rate, small next to a KV pool.
 DEFAULT_STAGING_BYTES = 256 * 2**20
-#: Swap-outs in flight a swap-in checks block by block; beyond it, it waits for the newest.
-_MAX_TRACKED_SWAP_OUTS = 64
 
 PairsLike = Union[torch.Tensor, np.ndarray, Sequence[Sequence[int]], Sequence[int]]
 
@@ -199,11 +197,6 @@ class SwapEngine:
             # Host pool safe (after the last transfer of each direction).
             self._out_done: Optional[torch.cuda.Event] = None
             self._in_done: Optional[torch.cuda.Event] = None
-            # Swap-outs whose device-to-host transfers may still be running: (the host blocks
-            # they write, sorted; the event after their last transfer). A swap-in waits only for
-            # those writing a block it reads, so loads overlap unrelated write-backs (the two
-            # directions of the link run at once).
-            self._out_flight: list = []
             # Events the caller has not waited on yet.
             self._pending: list = []
 
@@ -300,7 +293,6 @@ class SwapEngine:
                 ev.record(c)
             copied.append(ev)
         self._out_done = copied[-1]
-        self._out_flight.append((host, copied[-1]))
         self._pending.append(gathered)
         self.num_swapped_out += n
         return n
@@ -330,8 +322,8 @@ class SwapEngine:
         # Queued forwards may still read a device block this overwrites (freed, then reallocated).
         sc.wait_stream(caller)
         ld.wait_stream(sc)  # the staging halves may still feed an earlier swap-in's scatters
-        for ev in self._writers_of(host):
-            ld.wait_event(ev)  # a host block read here is an earlier swap-out's output
+        if self._out_done is not None:
+            ld.wait_event(self._out_done)  # the host blocks may be an earlier swap-out's output
         stage, half = self._stage_in, self._half
         with torch.cuda.stream(sc):
             dev_idx = torch.from_numpy(dev).to(self.device, non_blocking=True)
@@ -358,16 +350,6 @@ class SwapEngine:
         self._pending.append(scattered[-1])
         self.num_swapped_in += n
         return n
-
-    def _writers_of(self, host: np.ndarray) -> list:
-        """Events of the in-flight swap-outs that write any of ``host`` (sorted host ids)."""
-        self._out_flight = [(ids, ev) for ids, ev in self._out_flight if not ev.query()]
-        if len(self._out_flight) > _MAX_TRACKED_SWAP_OUTS:
-            # Too many to check one by one: waiting for the newest covers them all (one stream).
-            self._out_flight = self._out_flight[-1:]
-            return [self._out_flight[0][1]]
-        return [ev for ids, ev in self._out_flight
-                if np.isin(host, ids, assume_unique=False).any()]
 
     def wait(self, stream: Optional[Any] = None) -> None:
         """Makes ``stream`` (default: the current one) wait, on the GPU, until the device pool is
