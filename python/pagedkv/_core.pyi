@@ -41,6 +41,9 @@ class BlockManager:
         hash_seed: Optional[int] = ...,
         num_host_blocks: Optional[int] = ...,
         kv_event_capacity: Optional[int] = ...,
+        host_cache: Optional[bool] = ...,
+        host_write_through: Optional[bool] = ...,
+        host_load_min_blocks: Optional[int] = ...,
     ) -> BlockManager: ...
     @property
     def num_blocks(self) -> int: ...
@@ -58,6 +61,56 @@ class BlockManager:
     def num_host_blocks(self) -> int: ...
     @property
     def kv_event_capacity(self) -> int: ...
+    @property
+    def host_cache(self) -> bool: ...
+    @property
+    def host_write_through(self) -> bool: ...
+    @property
+    def host_load_min_blocks(self) -> int: ...
+    def admit_tiered(
+        self,
+        seq_id: int,
+        token_ids: _Ids,
+        cache_salt: Union[bytes, bytearray, str, None] = ...,
+        adapter_id: Optional[int] = ...,
+        mm_inputs: Optional[Sequence[Tuple[int, int, _Keys]]] = ...,
+        extra_keys: Optional[_Keys] = ...,
+        max_new_tokens: Optional[int] = ...,
+    ) -> Tuple[int, int, int, int, int, int]:
+        """Returns ``(cached_tokens, new_blocks, num_blocks, num_tokens, cached_tokens_gpu,
+        cached_tokens_host)``: host tokens are loaded by the next step's swap-in list."""
+    def resume_tiered(
+        self, seq_id: int, max_new_tokens: Optional[int] = ...
+    ) -> Tuple[int, int, int, int, int, int]:
+        """As :meth:`admit_tiered`, for a preempted sequence."""
+    def lookup_tiers(
+        self,
+        token_ids: _Ids,
+        cache_salt: Union[bytes, bytearray, str, None] = ...,
+        adapter_id: Optional[int] = ...,
+        mm_inputs: Optional[Sequence[Tuple[int, int, _Keys]]] = ...,
+        extra_keys: Optional[_Keys] = ...,
+    ) -> Tuple[int, int, list[int], int, Optional[int]]:
+        """``(gpu_blocks, host_blocks, remaining_hashes, salt_digest, parent_hash)``."""
+    def reserve_host_blocks(self, n: int) -> list[int]: ...
+    def commit_host_blocks(
+        self,
+        blocks: _Ids,
+        hashes: Sequence[int],
+        parents: Sequence[Optional[int]],
+        salt_digest: int,
+        token_ids: _Ids,
+        ok: bool,
+    ) -> int: ...
+    def take_demotions(self) -> list[Tuple[int, int, Optional[int], int, list[int]]]:
+        """``(host_block, hash, parent_hash, salt_digest, token_ids)`` per demotion, oldest first."""
+    def host_blocks_available(self) -> int: ...
+    def set_host_cost_model(
+        self,
+        host_link_bytes_per_s: Optional[float] = ...,
+        prefill_tokens_per_s: Optional[float] = ...,
+        kv_bytes_per_token: Optional[float] = ...,
+    ) -> None: ...
     @property
     def kv_events_dropped(self) -> int: ...
     def drain_kv_events(
