@@ -238,6 +238,9 @@ class ScheduledBatch:
 
     def input_ids(self) -> np.ndarray:
         """Token ids of the step's new tokens, concatenated in batch order (int64)."""
+        if self.num_decodes == len(self.seqs):  # one new token each: no slices
+            return np.array([s.token_ids[s.num_computed_tokens] for s in self.seqs],
+                            dtype=np.int64)
         out = np.empty(self.num_tokens, dtype=np.int64)
         p = 0
         for s, n in zip(self.seqs, self.num_new_tokens):

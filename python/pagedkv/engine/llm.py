@@ -166,7 +166,7 @@ class _Request:
     """Engine-side state of one request: its samples' sequences and how each ended."""
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "cache_salt", "seed", "seqs",
-                 "finish", "metrics", "forked", "seq_seeds", "states", "banned", "prompt_logprobs",
+                 "finish", "num_finished", "metrics", "forked", "seq_seeds", "states", "banned", "prompt_logprobs",
                  "prompt_lp_next", "prompt_lp_sent")
 
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: List[int],
@@ -182,6 +182,8 @@ class _Request:
         self.seqs: List[Any] = [None] * params.n
         #: (finish_reason, stop_reason) per sample, ``None`` while running.
         self.finish: List[Optional[Tuple[str, Union[int, str, None]]]] = [None] * params.n
+        #: Entries of ``finish`` set (each is set once: a finished sample runs no more).
+        self.num_finished = 0
         #: Per sample: text, stop strings, logprobs, what was reported (set by the engine).
         self.states: List[Any] = []
         #: Tokens that cannot be sampled before ``min_tokens`` (set by the engine).
@@ -197,7 +199,7 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return all(f is not None for f in self.finish)
+        return self.num_finished == len(self.finish)
 
 
 class LLMEngine:
@@ -799,9 +801,12 @@ class LLMEngine:
         if done:
             self.scheduler.finish_many(done)
 
-        outputs = [self._output(req) for req in touched.values() if self._reports(req)]
+        outputs = []
         for req in touched.values():
-            if req.finished:
+            finished = req.finished
+            if finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._output(req))
+            if finished:
                 req.metrics.finished_time = now
                 self._finished_request(req)
         self._record_step(batch, time.perf_counter() - started)
@@ -845,9 +850,6 @@ class LLMEngine:
             req.prompt_lp_next = hi
             row += hi - lo
 
-    def _reports(self, req: _Request) -> bool:
-        return req.finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY
-
     def _after_token(self, req: _Request, index: int, seq: Any, token: int, now: float,
                      touched: Dict[str, _Request], done: List[Any],
                      logprobs: Any = None) -> None:
@@ -876,6 +878,8 @@ class LLMEngine:
         elif len(seq.token_ids) >= self.max_model_len:
             reason = ("length", None)
         if reason is not None:
+            if req.finish[index] is None:
+                req.num_finished += 1
             req.finish[index] = reason
             done.append(seq)
 
