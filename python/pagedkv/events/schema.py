@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import sys
 from typing import Any, List, Optional, Tuple, Union
 
 import msgspec
@@ -143,13 +144,17 @@ def decode_batch(payload: bytes) -> KVEventBatch:
 
     Raises:
         InvalidArgumentError: The bytes are not a KV-event batch (malformed msgpack, a wrong
-            field type, an unknown event tag).
+            field type, an unknown event tag, ``Any``-typed fields nested past the recursion
+            limit).
     """
     try:
         return _DECODER.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         from ..errors import InvalidArgumentError
 
+        reason = str(exc)
+        if isinstance(exc, RecursionError):  # msgspec's: deeper than Python's recursion limit
+            reason = f"nested deeper than the recursion limit ({sys.getrecursionlimit()})"
         raise InvalidArgumentError(
-            f"invalid argument: payload = <{len(payload)} bytes>: not a KV-event batch: {exc}",
-            what="payload", value=len(payload), reason=str(exc)) from None
+            f"invalid argument: payload = <{len(payload)} bytes>: not a KV-event batch: {reason}",
+            what="payload", value=len(payload), reason=reason) from None

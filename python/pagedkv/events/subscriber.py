@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from .publisher import END_SEQ
@@ -236,15 +237,19 @@ class EventSubscriber:
             self._dealer.connect(self.replay_endpoint)  # type: ignore[arg-type]
         self._dealer.send_multipart((b"", start.to_bytes(8, "big", signed=True)))
         out: List[Tuple[int, bytes]] = []
+        # The whole replay is bounded, not each message: a peer that keeps sending (anything but
+        # the end marker) must not hold this thread, nor make ``out`` grow, for ever.
+        deadline = time.monotonic() + self._timeout_ms / 1000
         while True:
-            if not self._dealer.poll(self._timeout_ms):
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self._dealer.poll(left_ms):
                 # No answer: a late one must not be read as the next request's, so start afresh.
                 self._dealer.close(linger=0)
                 self._dealer = None
                 return None
             frames: Sequence[bytes] = self._dealer.recv_multipart()
-            if len(frames) != 4:
-                continue
+            if len(frames) != 4 or len(frames[2]) != 8:
+                continue  # malformed (the live stream's rule): a seq is 8 bytes
             _, _topic, seq_bytes, payload = frames
             if seq_bytes == END_SEQ:
                 return out

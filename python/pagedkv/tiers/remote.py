@@ -251,6 +251,11 @@ class RemoteStore:
         if not ok or value is None:
             self._count(misses=1)
             return None
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            # Not a string reply (an integer, array or map under our key): not a record at all.
+            self._count(misses=1, corrupt=1)
+            self._call(lambda: self._client.delete(key))
+            return None
         payload, reason = decode_checked(
             value, fingerprint=self.fingerprint, block_hash=meta.block_hash, token_ids=meta.token_ids,
             salt_digest=meta.salt_digest, payload_len=self.block_bytes,
