@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=24, help="the KV pool (blocks)")
     ap.add_argument("--host-cache", default="256MiB", help="the host config's tier (all of it)")
-    ap.add_argument("--disk-host-cache", default="8MiB", help="the disk config's host tier")
+    ap.add_argument("--disk-host-cache", default="16MiB", help="the disk config's host tier")
     ap.add_argument("--disk-cache", default="256MiB")
     ap.add_argument("--configs", nargs="+", default=["none", "host", "disk"])
     ap.add_argument("--seed", type=int, default=0)
