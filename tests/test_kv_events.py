@@ -29,14 +29,7 @@ from pagedkv.events import (  # noqa: E402
     hash_from_wire,
 )
 from pagedkv.events.publisher import END_SEQ  # noqa: E402
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
+from polling import wait_for  # noqa: E402
 
 
 def stored(h: int) -> KVEventBatch:

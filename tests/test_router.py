@@ -33,6 +33,7 @@ from pagedkv.router import PrefixIndex, ReplicaSpec, Router, build_app  # noqa: 
 from pagedkv.router.app import load_tokenizer  # noqa: E402
 from pagedkv.serve.app import build_app as build_serve_app  # noqa: E402
 
+from polling import wait_for as _poll  # noqa: E402
 from tiny_llama import save_tiny_llama  # noqa: E402
 
 BLOCK = 4
@@ -42,11 +43,8 @@ ENGINE = dict(device="cpu", num_blocks=128, block_size=BLOCK, max_num_seqs=8,
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
+    """Replicas and routers start slowly on a loaded box: a longer default than events' tests."""
+    _poll(cond, timeout, 0.02)
 
 
 class Uvicorn:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import pytest
 import xxhash
@@ -41,19 +41,12 @@ from pagedkv.tiers.record import (
     parse_header,
     verify_split,
 )
+from polling import wait_for  # noqa: E402
 
 FP = fingerprint("test/untrusted", "bfloat16", 16, 2, 2, 8)
 U32 = (1 << 32) - 1
 U64 = (1 << 64) - 1
 U128 = (1 << 128) - 1
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
 
 
 def _events() -> Any:
@@ -200,6 +193,21 @@ def _stored_payload(events: Any, h: int) -> bytes:
     return events.encode_batch(events.KVEventBatch(ts=0.0, events=sink.take()))
 
 
+def _replay_rig(zmq: Any, events: Any, got: List[int], timeout_s: float,
+                on_reset: Any = None) -> Tuple[Any, Any, Any]:
+    """An XPUB and a ROUTER on loopback playing one replica's live and replay endpoints, and a
+    subscriber to both that appends each applied batch's first hash to ``got``."""
+    xpub = _xpub(zmq)
+    replay = zmq.Context.instance().socket(zmq.ROUTER)
+    replay.setsockopt(zmq.LINGER, 0)
+    replay.bind("tcp://127.0.0.1:*")
+    sub = events.EventSubscriber(
+        xpub.getsockopt_string(zmq.LAST_ENDPOINT), replay.getsockopt_string(zmq.LAST_ENDPOINT),
+        on_batch=lambda b: got.append(events.hash_from_wire(b.events[0].block_hashes[0])),
+        on_reset=on_reset or (lambda: None), replay_timeout_s=timeout_s)
+    return xpub, replay, sub
+
+
 def _seq(n: int, width: int = 8) -> bytes:
     return n.to_bytes(width, "big", signed=True)
 
@@ -254,16 +262,9 @@ def test_replay_that_never_ends_is_abandoned_within_the_timeout() -> None:
     used to hold the subscriber's thread, and grow its list, for as long as it kept sending."""
     zmq = pytest.importorskip("zmq")
     events = _events()
-    xpub = _xpub(zmq)
-    replay = zmq.Context.instance().socket(zmq.ROUTER)
-    replay.setsockopt(zmq.LINGER, 0)
-    replay.bind("tcp://127.0.0.1:*")
     got: List[int] = []
     resets: List[int] = []
-    sub = events.EventSubscriber(
-        xpub.getsockopt_string(zmq.LAST_ENDPOINT), replay.getsockopt_string(zmq.LAST_ENDPOINT),
-        on_batch=lambda b: got.append(events.hash_from_wire(b.events[0].block_hashes[0])),
-        on_reset=lambda: resets.append(1), replay_timeout_s=0.3)
+    xpub, replay, sub = _replay_rig(zmq, events, got, 0.3, lambda: resets.append(1))
     try:
         _await_subscription(xpub)
         xpub.send_multipart([b"", _seq(3), _stored_payload(events, 33)])  # 0..2 missing
@@ -294,15 +295,8 @@ def test_replay_frames_with_a_malformed_seq_are_ignored() -> None:
     stream was skipped for good (and the next continuity check raised OverflowError)."""
     zmq = pytest.importorskip("zmq")
     events = _events()
-    xpub = _xpub(zmq)
-    replay = zmq.Context.instance().socket(zmq.ROUTER)
-    replay.setsockopt(zmq.LINGER, 0)
-    replay.bind("tcp://127.0.0.1:*")
     got: List[int] = []
-    sub = events.EventSubscriber(
-        xpub.getsockopt_string(zmq.LAST_ENDPOINT), replay.getsockopt_string(zmq.LAST_ENDPOINT),
-        on_batch=lambda b: got.append(events.hash_from_wire(b.events[0].block_hashes[0])),
-        on_reset=lambda: None, replay_timeout_s=5.0)
+    xpub, replay, sub = _replay_rig(zmq, events, got, 5.0)
     try:
         _await_subscription(xpub)
         xpub.send_multipart([b"", _seq(2), _stored_payload(events, 2)])
