@@ -112,8 +112,8 @@ def run_lengths(loaded, args) -> list:
         cp = copy_time(full * kv_token, args.device)
         h, r = statistics.median(host_t), statistics.median(rec_t)
         rows.append({"prompt": n, "host_ttft_ms": h * 1e3, "recompute_ttft_ms": r * 1e3,
-                     "speedup": r / h, "copy_ms": cp * 1e3, "host_hit_tokens": hits, "gpu_hit_tokens": gpu_hits,
-                     "load_fraction_of_copy": cp / h})
+                     "speedup": r / h, "copy_ms": cp * 1e3, "host_hit_tokens": hits,
+                     "gpu_hit_tokens": gpu_hits, "load_fraction_of_copy": cp / h})
         print(f"  {n:>6} tokens: host {h*1e3:8.2f} ms   recompute {r*1e3:8.2f} ms   "
               f"x{r/h:5.1f}   plain copy {cp*1e3:6.2f} ms   host hits {hits}", flush=True)
     llm.shutdown()

@@ -34,7 +34,7 @@ def test_layer_ranges_compose_to_the_whole_forward(monkeypatch, cuts):
         residual = None
         for a, b in zip(cuts[:-1], cuts[1:]):
             h, residual = fused.fused_layers(model, meta, h, residual, cos, sin, a, b)
-        return fused.fused_epilogue(model, h, residual, keep)
+        return fused.fused_epilogue(model, meta, h, residual, keep)
 
     monkeypatch.setattr(fused, "fused_forward", pieced)
     runner = ModelRunner(_loaded(model), **kw)

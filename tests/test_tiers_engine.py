@@ -25,6 +25,7 @@ from tiny_llama import save_tiny_llama  # noqa: E402
 
 BS = 16
 POOL = 24  # blocks: the workload's 6 prompts of 6 full blocks each do not fit
+BLOCK_BYTES = 2 * 2 * BS * 2 * 16 * 4  # layers x K,V x tokens x kv heads x head dim x fp32
 SP = pagedkv.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
@@ -73,8 +74,7 @@ def test_host_tier_serves_evicted_prefixes_with_the_same_outputs(model_dir: str,
     # Round two: every prompt's 6 full blocks come back, from the host tier (the pool kept none).
     assert hits["host"] >= 6 * 6 * BS // 2
     assert sum(hits.values()) == stats.prefix_hit_tokens
-    bpb = 2 * 2 * BS * 2 * 16 * 4  # layers x K,V x tokens x kv heads x head dim x fp32
-    assert stats.tier_bytes_read["host"] == hits["host"] // BS * bpb
+    assert stats.tier_bytes_read["host"] == hits["host"] // BS * BLOCK_BYTES
     assert stats.tier_bytes_written["host"] > 0
     assert 0 < stats.tier_usage_bytes["host"] <= 2**20
 
@@ -162,8 +162,7 @@ def test_gpu_host_and_disk_tiers_keep_greedy_outputs(model_dir: str, tmp_path: A
     outs, stats, _ = _run(model_dir, host_cache_memory="1MiB", **kw)
     assert outs == base
     assert stats.prefix_hits_by_tier["host"] >= 6 * 6 * BS // 2
-    bpb = 2 * 2 * BS * 2 * 16 * 4
-    assert stats.tier_bytes_read["host"] == stats.prefix_hits_by_tier["host"] // BS * bpb
+    assert stats.tier_bytes_read["host"] == stats.prefix_hits_by_tier["host"] // BS * BLOCK_BYTES
     outs, stats, stores = _run(model_dir, host_cache_memory="64KiB",
                                disk_cache_dir=str(tmp_path / "kv"), disk_cache_memory="64MiB", **kw)
     assert outs == base

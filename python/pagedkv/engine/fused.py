@@ -126,12 +126,12 @@ def fuse_model(model: Any) -> bool:
     return True
 
 
-def _ops(kernels: bool):
+def _ops(meta: AttentionMetadata):
     # The element-wise kernels go with the attention kernels: on CUDA, or on the CPU where the
     # runner was asked for its Triton backend (interpreted, for tests). A CPU engine otherwise
     # runs the PyTorch ops, whatever TRITON_INTERPRET says: interpreted kernels are for tests of
     # the kernels, and run a real model hundreds of times slower.
-    if kernels:
+    if meta.mode != "cpu":
         from ..kernels import elementwise as ew
 
         return ew.rms_norm, ew.rope_, ew.silu_mul
@@ -151,7 +151,7 @@ def fused_forward(model: Any, meta: AttentionMetadata, ids: torch.Tensor, pos: t
     :func:`fuse_model` prepared, with ``meta`` the step's paged attention metadata."""
     h, cos, sin = fused_prologue(model, ids, pos)
     h, residual = fused_layers(model, meta, h, None, cos, sin, 0, model.config.num_hidden_layers)
-    return fused_epilogue(model, h, residual, keep, kernels=meta.mode != "cpu")
+    return fused_epilogue(model, meta, h, residual, keep)
 
 
 def fused_prologue(model: Any, ids: torch.Tensor,
@@ -168,7 +168,7 @@ def fused_layers(model: Any, meta: AttentionMetadata, h: torch.Tensor,
                  start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Decoder layers ``start .. stop - 1`` on the hidden state ``h`` (the last layer's MLP
     output) and the residual stream (``None`` before layer 0); returns both after ``stop - 1``."""
-    rms_norm, rope_, silu_mul = _ops(meta.mode != "cpu")
+    rms_norm, rope_, silu_mul = _ops(meta)
     t = h.shape[0]
     for i in range(start, stop):
         layer = model.model.layers[i]
@@ -197,11 +197,11 @@ def fused_layers(model: Any, meta: AttentionMetadata, h: torch.Tensor,
     return h, residual
 
 
-def fused_epilogue(model: Any, h: torch.Tensor, residual: torch.Tensor, keep: Any,
-                   kernels: Optional[bool] = None) -> torch.Tensor:
-    """The final norm and the LM head over the rows ``keep`` selects (as :func:`fused_forward`);
-    ``kernels``: the Triton norm (default: on CUDA tensors), as the layers' metadata chose."""
-    rms_norm = _ops(h.is_cuda if kernels is None else kernels)[0]
+def fused_epilogue(model: Any, meta: AttentionMetadata, h: torch.Tensor, residual: torch.Tensor,
+                   keep: Any) -> torch.Tensor:
+    """The final norm and the LM head over the rows ``keep`` selects (as :func:`fused_forward`),
+    with the norm the layers' ``meta`` chose."""
+    rms_norm = _ops(meta)[0]
     norm = model.model.norm
     h, _ = rms_norm(h, norm.weight, _eps(norm), residual)
     if isinstance(keep, int):

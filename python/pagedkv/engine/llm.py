@@ -166,8 +166,8 @@ class _Request:
     """Engine-side state of one request: its samples' sequences and how each ended."""
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "cache_salt", "seed", "seqs",
-                 "finish", "num_finished", "metrics", "forked", "seq_seeds", "states", "banned", "prompt_logprobs",
-                 "prompt_lp_next", "prompt_lp_sent")
+                 "finish", "num_finished", "metrics", "forked", "seq_seeds", "states", "banned",
+                 "prompt_logprobs", "prompt_lp_next", "prompt_lp_sent")
 
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: List[int],
                  params: SamplingParams, cache_salt: Optional[bytes], seed: int,

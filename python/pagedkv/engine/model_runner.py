@@ -718,7 +718,7 @@ class _GraphChain:
                     h, residual = _fused.fused_layers(model, meta, h, residual, cos, sin,
                                                       cuts[k], cuts[k + 1])
                     if k == pieces - 1:
-                        logits = _fused.fused_epilogue(model, h, residual, 0)
+                        logits = _fused.fused_epilogue(model, meta, h, residual, 0)
                 self.graphs.append(g)
                 self._keep += [h, residual, cos, sin]
         self.logits = logits
