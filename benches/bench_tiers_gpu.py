@@ -64,6 +64,27 @@ def ttft(llm, ids, salt=None) -> float:
     return time.perf_counter() - t0
 
 
+def profiled(llm, ids, out_dir: str, label: str) -> None:
+    """One host-tier TTFT under the torch profiler: prints the busiest CUDA and CPU ops and writes
+    a Chrome trace (``{out_dir}/trace_{label}.json``), to see where the wall time goes."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    pr = cProfile.Profile()
+    with profile(activities=acts) as prof:
+        pr.enable()
+        t = ttft(llm, ids)
+        pr.disable()
+    print(f"  profile {label}: wall {t*1e3:.2f} ms")
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=15))
+    pstats.Stats(pr).sort_stats("cumulative").print_stats(25)
+    prof.export_chrome_trace(f"{out_dir}/trace_{label}.json")
+
+
 def copy_time(nbytes: int, device: str, reps: int = 5) -> float:
     cuda = device == "cuda"
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
@@ -108,6 +129,12 @@ def run_lengths(loaded, args) -> list:
             if gpu_hits:
                 print(f"  warning: {gpu_hits} tokens of the {n}-token prompt were still on the GPU")
             rec_t.append(ttft(llm, a, salt=f"other-tenant-{n}-{rep}"))
+        if args.profile_dir and n in args.profile_lens:
+            a = torch.randint(0, vocab, (n,), generator=g).tolist()
+            ttft(llm, a)
+            for _ in range(2):
+                ttft(llm, torch.randint(0, vocab, (llm.max_model_len - 1,), generator=g).tolist())
+            profiled(llm, a, args.profile_dir, f"host_{n}")
         full = (n // bs) * bs
         cp = copy_time(full * kv_token, args.device)
         h, r = statistics.median(host_t), statistics.median(rec_t)
@@ -171,6 +198,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse-host", default="80GiB")
     ap.add_argument("--skip-lens", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile-dir", default=None,
+                    help="profile one more host-tier TTFT per --profile-lens length: tables "
+                         "printed, Chrome traces written here")
+    ap.add_argument("--profile-lens", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: a dry run of the script's paths (fp32; give small dimensions)")
     args = ap.parse_args(argv)

@@ -168,3 +168,52 @@ def test_cuda_ordering_without_host_sync():
     torch.cuda.synchronize()
     assert torch.equal(got[:, :, 1:], before[:, :, 1:])
     assert torch.equal(got[:, :, 0], expect0)
+
+
+@pytest.mark.gpu
+def test_cuda_per_block_order_lets_loads_run_beside_write_backs():
+    """The orders a step relies on when write-backs and loads run side by side, all queued
+    without a host synchronisation (and without :meth:`SwapEngine.wait` between swaps), through
+    a staging buffer of several chunks:
+
+    - loads into the very device blocks a swap-out is still gathering (a step's evicted blocks
+      are reused for its loads), in an order that crosses chunks;
+    - a swap-out of blocks a swap-in is still scattering into;
+    - a swap-out into host blocks a swap-in is still reading.
+    """
+    spec = _spec("bfloat16", block_size=16, layers=4)
+    pool = _filled_pool(spec, 256, "cuda", seed=5)
+    eng = SwapEngine(pool, 160, staging_blocks=8)
+    g = torch.Generator().manual_seed(6)
+    n = 40
+    dev = torch.randperm(256, generator=g)[:n].tolist()
+    h_out = list(range(0, n))
+    h_in = list(range(60, 60 + n))
+    eng.host.kv[h_in] = torch.randn(eng.host.kv[h_in].shape, generator=g).to(eng.host.kv.dtype)
+    host_in = eng.host.kv.view(torch.uint8)[h_in].clone()
+    before = pool.kv.view(torch.uint8)[:, :, dev].cpu()
+    torch.cuda.synchronize()
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(8):  # the swaps must wait for queued work, not for the host
+        big = big @ big
+        big /= big.norm()
+    eng.swap_out(list(zip(dev, h_out)))
+    back = [dev[i] for i in torch.randperm(n, generator=g).tolist()]
+    eng.swap_in(list(zip(h_in, back)))
+    # Out again at once: the gathers must follow the scatters just queued into `back`.
+    h_again = list(range(100, 100 + n))
+    eng.swap_out(list(zip(back, h_again)))
+    # And into the host blocks the first swap-in may still be reading.
+    spare = [b for b in range(256) if b not in set(dev)][:n]
+    spare_before = pool.kv.view(torch.uint8)[:, :, spare].clone()
+    eng.swap_out(list(zip(spare, h_in)))
+    eng.wait()
+    got = pool.kv.view(torch.uint8)[:, :, back].clone()
+    eng.synchronize()
+    torch.cuda.synchronize()
+    u8 = eng.host.kv.view(torch.uint8)
+    for i in range(n):
+        assert torch.equal(u8[h_out[i]], before[:, :, i]), i
+        assert torch.equal(got[:, :, i], host_in[i].to("cuda")), i
+        assert torch.equal(u8[h_again[i]], host_in[i]), i
+        assert torch.equal(u8[h_in[i]], spare_before[:, :, i].cpu()), i

@@ -23,16 +23,23 @@ buffer has two halves: a swap larger than one half goes through them in chunks, 
 
 **Streams and events (CUDA).** Swap-outs gather on one side stream and transfer on a second;
 swap-ins transfer on a third and scatter on a fourth (the two directions use separate copy
-engines; chunks are ordered between their two streams by events). Each swap first waits (on the GPU, never the host) for the
-work already queued on the caller's stream, since that work wrote (or still reads) the blocks it
-moves. It then records an event at the point where the device pool is safe for the caller: for a
-swap-out, after the last gather — the device blocks may then be reused while the transfer to host
-memory is still running; for a swap-in, after the last scatter. :meth:`SwapEngine.wait` makes a
-stream wait on those events; the model runner calls it only before the forward of a step whose
-lists hold swaps, so a step without swaps is never held back, and nothing here blocks the host.
-Host blocks are ordered as well: a swap-in waits for every earlier swap-out's transfer (it may read
-what one wrote), and a swap-out's transfer waits for every earlier swap-in (it may overwrite a host
-block one still reads).
+engines, so a step's write-backs and loads share the link's two directions). Each swap first
+waits (on the GPU, never the host) for the work already queued on the caller's stream, since that
+work wrote (or still reads) the blocks it moves. It then records an event at the point where the
+device pool is safe for the caller: for a swap-out, after the last gather — the device blocks may
+then be reused while the transfer to host memory is still running; for a swap-in, after the last
+scatter. :meth:`SwapEngine.wait` makes a stream wait on those events; the model runner calls it
+only before the forward of a step whose lists hold swaps, so a step without swaps is never held
+back, and nothing here blocks the host.
+
+Between swaps the order is kept per block, not per swap: each chunk's event is logged, and the
+engine remembers, for every device block, the last gather that read it and the last scatter that
+wrote it, and for every host block the last transfer that wrote it and the last that read it. A
+chunk waits only for the events of the blocks it touches: a scatter for the gathers still reading
+its device blocks (the blocks a step evicts are often the very ones its loads fill), a gather for
+the scatters still writing its device blocks, a host-to-device transfer for the swap-outs still
+writing its host blocks, a device-to-host transfer for the swap-ins still reading its host blocks.
+So a step's loads run beside its write-backs instead of after all of them.
 
 On the CPU both pools are plain tensors and a swap is a synchronous indexed copy.
 
@@ -199,6 +206,17 @@ class SwapEngine:
             self._in_done: Optional[torch.cuda.Event] = None
             # Events the caller has not waited on yet.
             self._pending: list = []
+            # Per-block order (module docs): the log entry of the last chunk that gathered /
+            # scattered each device block, and that wrote / read each host block (-1: none).
+            self._gathers, self._scatters = _EventLog(), _EventLog()
+            self._writes, self._reads = _EventLog(), _EventLog()
+            self._dev_gathered = np.full(N, -1, dtype=np.int64)
+            self._dev_scattered = np.full(N, -1, dtype=np.int64)
+            self._host_written = np.full(host.num_blocks, -1, dtype=np.int64)
+            self._host_read = np.full(host.num_blocks, -1, dtype=np.int64)
+            # The last event that used each staging half (a transfer out, a scatter in).
+            self._out_half_free: list = [None, None]
+            self._in_half_free: list = [None, None]
 
     # --------------------------------------------------------------------------- validation
 
@@ -266,33 +284,35 @@ class SwapEngine:
             return n
         caller = torch.cuda.current_stream(self.device)
         g, c = self._gather_stream, self.out_stream
+        for log in (self._gathers, self._scatters, self._writes, self._reads):
+            log.prune()
         g.wait_stream(caller)  # the blocks hold what the caller's queued forwards wrote
-        g.wait_stream(c)  # the staging halves may still feed an earlier swap-out's transfers
-        if self._in_done is not None:
-            c.wait_event(self._in_done)  # a host block may still be read by an earlier swap-in
         stage, half = self._stage_out, self._half
         with torch.cuda.stream(g):
             dev_idx = torch.from_numpy(dev).to(self.device, non_blocking=True)
-        copied: list = []
+        copied = None
         gathered = None
         for i, c0 in enumerate(range(0, n, half)):
             c1 = min(n, c0 + half)
-            buf = stage[i % 2]
-            if i >= 2:
-                g.wait_event(copied[i - 2])  # this half's previous chunk has left for the host
+            part = i % 2
+            buf = stage[part]
+            if self._out_half_free[part] is not None:
+                g.wait_event(self._out_half_free[part])  # the half's last chunk has left
+            self._scatters.wait(g, self._dev_scattered[dev[c0:c1]])  # loads into these blocks
             with torch.cuda.stream(g):
                 torch.index_select(self._dev_blocks, 0, dev_idx[c0:c1], out=buf[: c1 - c0])
-                gathered = torch.cuda.Event()
-                gathered.record(g)
+            gathered, gseq = self._gathers.record(g)
+            self._dev_gathered[dev[c0:c1]] = gseq
             c.wait_event(gathered)
+            self._reads.wait(c, self._host_read[host[c0:c1]])  # loads still reading these slots
             with torch.cuda.stream(c):
                 for a, b in _runs(host[c0:c1]):
                     h = int(host[c0 + a])
                     self._host_blocks[h:h + (b - a)].copy_(buf[a:b], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(c)
-            copied.append(ev)
-        self._out_done = copied[-1]
+            copied, wseq = self._writes.record(c)
+            self._host_written[host[c0:c1]] = wseq
+            self._out_half_free[part] = copied
+        self._out_done = copied
         self._pending.append(gathered)
         self.num_swapped_out += n
         return n
@@ -319,35 +339,38 @@ class SwapEngine:
             return n
         caller = torch.cuda.current_stream(self.device)
         ld, sc = self._load_stream, self.in_stream
+        for log in (self._gathers, self._scatters, self._writes, self._reads):
+            log.prune()
         # Queued forwards may still read a device block this overwrites (freed, then reallocated).
         sc.wait_stream(caller)
-        ld.wait_stream(sc)  # the staging halves may still feed an earlier swap-in's scatters
-        if self._out_done is not None:
-            ld.wait_event(self._out_done)  # the host blocks may be an earlier swap-out's output
         stage, half = self._stage_in, self._half
         with torch.cuda.stream(sc):
             dev_idx = torch.from_numpy(dev).to(self.device, non_blocking=True)
-        scattered: list = []
+        scattered = None
         loaded = None
         for i, c0 in enumerate(range(0, n, half)):
             c1 = min(n, c0 + half)
-            buf = stage[i % 2]
-            if i >= 2:
-                ld.wait_event(scattered[i - 2])  # this half's previous chunk is in the pool
+            part = i % 2
+            buf = stage[part]
+            if self._in_half_free[part] is not None:
+                ld.wait_event(self._in_half_free[part])  # the half's last chunk is in the pool
+            self._writes.wait(ld, self._host_written[host[c0:c1]])  # a swap-out's output
             with torch.cuda.stream(ld):
                 for a, b in _runs(host[c0:c1]):
                     h = int(host[c0 + a])
                     buf[a:b].copy_(self._host_blocks[h:h + (b - a)], non_blocking=True)
-                loaded = torch.cuda.Event()
-                loaded.record(ld)
+            loaded, rseq = self._reads.record(ld)
+            self._host_read[host[c0:c1]] = rseq
             sc.wait_event(loaded)
+            # An evicted block reused here may still be read by a swap-out's gather.
+            self._gathers.wait(sc, self._dev_gathered[dev[c0:c1]])
             with torch.cuda.stream(sc):
                 self._dev_blocks.index_copy_(0, dev_idx[c0:c1], buf[: c1 - c0])
-                ev = torch.cuda.Event()
-                ev.record(sc)
-            scattered.append(ev)
+            scattered, sseq = self._scatters.record(sc)
+            self._dev_scattered[dev[c0:c1]] = sseq
+            self._in_half_free[part] = scattered
         self._in_done = loaded
-        self._pending.append(scattered[-1])
+        self._pending.append(scattered)
         self.num_swapped_in += n
         return n
 
@@ -371,6 +394,45 @@ class SwapEngine:
     def __repr__(self) -> str:
         return (f"SwapEngine(device={self.device}, host_blocks={self.host.num_blocks}, "
                 f"staging_blocks={self.staging_blocks})")
+
+
+class _EventLog:
+    """Events recorded in order on one stream, each with a number: a wait for entry ``k`` is a
+    wait for every entry up to ``k`` (a stream runs its work in order). Entries that have
+    completed are dropped (:meth:`prune`), so the log holds only what may still be running."""
+
+    __slots__ = ("_events", "_base", "_next")
+
+    def __init__(self) -> None:
+        self._events: list = []
+        self._base = 0  # number of _events[0]; every entry below it has completed
+        self._next = 0
+
+    def record(self, stream: Any) -> Tuple[Any, int]:
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        self._events.append(ev)
+        self._next += 1
+        return ev, self._next - 1
+
+    def prune(self) -> None:
+        done = 0
+        for ev in self._events:
+            if not ev.query():
+                break
+            done += 1
+        if done:
+            del self._events[:done]
+            self._base += done
+
+    def wait(self, stream: Any, entries: np.ndarray) -> None:
+        """Makes ``stream`` wait for the latest of ``entries`` (numbers from :meth:`record`;
+        -1 and completed entries need no wait)."""
+        if entries.size == 0:
+            return
+        k = int(entries.max())
+        if k >= self._base:
+            stream.wait_event(self._events[k - self._base])
 
 
 def _runs(sorted_ids: np.ndarray) -> list:

@@ -522,13 +522,7 @@ class LLMEngine:
         elif isinstance(prompt, (bytes, bytearray)) or not hasattr(prompt, "__len__"):
             raise _bad("prompt", prompt, "must be a string or a sequence of token ids")
         else:
-            ids = []
-            for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt):
-                if isinstance(t, bool) or not isinstance(t, int):
-                    raise _bad("prompt", t, "token ids must be ints")
-                if t < 0 or (self.vocab_size and t >= self.vocab_size):
-                    raise _bad("prompt", t, f"token id outside the vocabulary [0, {self.vocab_size})")
-                ids.append(int(t))
+            ids = self._check_ids(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
         if given_text is not None:
             text = given_text
         if not ids:
@@ -538,6 +532,24 @@ class LLMEngine:
                                       f"within max_model_len = {self.max_model_len} "
                                       f"({self._limit_name()})")
         return text, ids
+
+    def _check_ids(self, seq: Any) -> List[int]:
+        """``seq``'s token ids as a new list of ints, each checked against the vocabulary."""
+        ids = list(seq)
+        # The common case (a list of plain ints) is checked at C speed: a 32K-token prompt is
+        # otherwise ~40 ms of per-token Python on the request's time to first token.
+        if ids and set(map(type, ids)) == {int}:
+            lo, hi = min(ids), max(ids)
+            if lo >= 0 and not (self.vocab_size and hi >= self.vocab_size):
+                return ids
+        out = []
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise _bad("prompt", t, "token ids must be ints")
+            if t < 0 or (self.vocab_size and t >= self.vocab_size):
+                raise _bad("prompt", t, f"token id outside the vocabulary [0, {self.vocab_size})")
+            out.append(int(t))
+        return out
 
     def _limit_name(self) -> str:
         return ("the model's context" if self.max_model_len == self.model_context_len
