@@ -6,7 +6,9 @@ output against `pagedkv.kernels.reference`, which spells the contract out: a len
 to the table row, a query row that would attend to a token of a block id outside the pool gets
 zeros, a query row range is clamped to `q`'s rows, rows a too-small `max_q_len` leaves out are
 zeros. Valid sequences in the same batch
-must come out exactly as in a run without the bad entries (and match the reference). Tensors
+must come out exactly as in a run without the bad entries (and match the reference). The prefill
+cases run unsplit and split along the keys (`config={"SPLITS": 3}`: partial rows in a workspace,
+then a merge), where the same contract must hold across the splits. Tensors
 that a stray access would hit are views into larger buffers whose guard rows hold a sentinel.
 
 Under the interpreter an access outside a tensor is a segfault or heap corruption, so every case
@@ -181,11 +183,12 @@ def _prefill_setup(device, gen, seqs, block_size=8, kv_heads=2, group=2, head_di
             torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32))
 
 
-def _prefill(q, kc, vc, bt, sl, qsl, max_q_len, fill=float("nan")):
+def _prefill(q, kc, vc, bt, sl, qsl, max_q_len, fill=float("nan"), splits=None, max_seq_len=None):
     buf, out = _guarded(q.shape, q.dtype, q.device, guard=96)
     out.fill_(fill)
     dev = q.device
-    K.paged_prefill(q, kc, vc, bt.to(dev), sl.to(dev), qsl.to(dev), max_q_len, out=out)
+    K.paged_prefill(q, kc, vc, bt.to(dev), sl.to(dev), qsl.to(dev), max_q_len, out=out,
+                    config=None if splits is None else {"SPLITS": splits}, max_seq_len=max_seq_len)
     assert torch.all(buf[q.shape[0]:] == SENTINEL), "wrote past out"
     return out
 
@@ -194,12 +197,12 @@ def _prefill_ref(q, kc, vc, bt, sl, qsl, max_q_len=None):
     return R.ref_paged_prefill(q.cpu(), kc.cpu(), vc.cpu(), bt, sl, qsl, max_q_len=max_q_len)
 
 
-def prefill_rows_past_q(device):
+def prefill_rows_past_q(device, splits=None):
     gen = torch.Generator().manual_seed(21)
     # The issue's case: query_start_loc = [0, 64] for a 4-row q.
     q, kc, vc, bt, sl, _ = _prefill_setup(device, gen, [(64, 4)], finite=True)
     qsl = torch.tensor([0, 64], dtype=torch.int32)
-    out = _prefill(q, kc, vc, bt, sl, qsl, 64)
+    out = _prefill(q, kc, vc, bt, sl, qsl, 64, splits=splits)
     assert torch.isfinite(out).all()
     # Clamped to q's 4 rows: the new tokens are positions 60..63 of the 64-token sequence.
     ref = _prefill_ref(q, kc, vc, bt, sl, torch.tensor([0, 4], dtype=torch.int32))
@@ -209,19 +212,19 @@ def prefill_rows_past_q(device):
     seqs = [(10, 2), (20, 4), (5, 0)]
     q, kc, vc, bt, sl, _ = _prefill_setup(device, gen, seqs, finite=True)
     qsl = torch.tensor([-8, 2, 9, 3], dtype=torch.int32)
-    out = _prefill(q, kc, vc, bt, sl, qsl, 10)
+    out = _prefill(q, kc, vc, bt, sl, qsl, 10, splits=splits)
     assert torch.isfinite(out).all()
     assert rel_err(out.cpu(), _prefill_ref(q, kc, vc, bt, sl, qsl)) < TOL[q.dtype]
 
 
-def prefill_out_of_pool_entries(device, kind):
+def prefill_out_of_pool_entries(device, kind, splits=None):
     gen = torch.Generator().manual_seed(22)
     f = 1 if device == "cpu" else 8  # compiled tiles are larger: longer contexts reach both loops
     seqs = [(64 * f, 8), (30 * f, 30 * f), (20, 5), (40 * f, 40 * f), (40 * f, 40 * f)]
     q, kc, vc, bt, sl, qsl = _prefill_setup(device, gen, seqs, head_dim=32 if f == 1 else 64)
     num_blocks, bs = kc.shape[:2]
     mq = max(n for _, n in seqs)
-    clean = _prefill(q, kc, vc, bt, sl, qsl, mq)
+    clean = _prefill(q, kc, vc, bt, sl, qsl, mq, splits=splits)
     assert rel_err(clean.cpu(), _prefill_ref(q, kc, vc, bt, sl, qsl)) < TOL[q.dtype]
     values = {"big": [num_blocks, 1 << 30], "negative": [-1, -(1 << 31)]}[kind]
     rows = lambda i: slice(int(qsl[i]), int(qsl[i + 1]))  # noqa: E731
@@ -234,7 +237,7 @@ def prefill_out_of_pool_entries(device, kind):
         bad[2, :] = val  # every block
         bad[3, -(-int(sl[3]) // bs)] = val  # a column past sequence 3's blocks: never used
         bad[4, last4] = val  # on the last tile's diagonal
-        out = _prefill(q, kc, vc, bt=bad, sl=sl, qsl=qsl, max_q_len=mq)
+        out = _prefill(q, kc, vc, bt=bad, sl=sl, qsl=qsl, max_q_len=mq, splits=splits)
         assert torch.isfinite(out).all(), val
         assert torch.equal(out[rows(3)], clean[rows(3)]), val
         # A row that would attend to a token of an out-of-pool block is zero; rows before
@@ -249,19 +252,19 @@ def prefill_out_of_pool_entries(device, kind):
         assert rel_err(out.cpu(), ref) < TOL[q.dtype], val
 
 
-def prefill_seq_len_bounds(device):
+def prefill_seq_len_bounds(device, splits=None):
     gen = torch.Generator().manual_seed(23)
     seqs = [(13, 4), (6, 6), (9, 2), (21, 5), (7, 3)]
     q, kc, vc, bt, sl, qsl = _prefill_setup(device, gen, seqs, finite=True)
     width, bs = bt.shape[1], kc.shape[1]
     bt[0, 2:] = bt[3, : width - 2]  # sequence 0's columns past its blocks name real blocks
-    clean = _prefill(q, kc, vc, bt, sl, qsl, 6)
+    clean = _prefill(q, kc, vc, bt, sl, qsl, 6, splits=splits)
     rows = lambda i: slice(int(qsl[i]), int(qsl[i + 1]))  # noqa: E731
     for long in (width * bs + 3, 1 << 20, (1 << 31) - 1):
         # Past the row (clamped), fewer tokens than new rows (zeros), negative (zeros), past
         # the row into out-of-pool columns (zeros).
         bad = torch.tensor([long, 3, -7, 21, long], dtype=torch.int32)
-        out = _prefill(q, kc, vc, bt, bad, qsl, 6)
+        out = _prefill(q, kc, vc, bt, bad, qsl, 6, splits=splits)
         assert torch.isfinite(out).all(), long
         assert torch.equal(out[rows(3)], clean[rows(3)]), long
         for i in (1, 2, 4):
@@ -271,32 +274,57 @@ def prefill_seq_len_bounds(device):
         assert rel_err(out.cpu(), _prefill_ref(q, kc, vc, bt, bad, qsl)) < TOL[q.dtype], long
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_prefill_rows_past_q(device):
-    _isolated(device, "prefill_rows_past_q")
+def prefill_max_seq_len_too_small(device, splits):
+    # A host bound below the real lengths: the splits are cut for the bound, the last one runs
+    # to each sequence's end, so every key is still seen once.
+    gen = torch.Generator().manual_seed(27)
+    f = 1 if device == "cpu" else 8
+    seqs = [(90 * f, 5), (40 * f, 40 * f), (61 * f, 1), (30, 0)]
+    q, kc, vc, bt, sl, qsl = _prefill_setup(device, gen, seqs)
+    mq = max(n for _, n in seqs)
+    ref = _prefill_ref(q, kc, vc, bt, sl, qsl)
+    for msl in (0, 1, 20 * f, 89 * f):
+        out = _prefill(q, kc, vc, bt, sl, qsl, mq, splits=splits, max_seq_len=msl)
+        assert torch.isfinite(out).all(), msl
+        assert rel_err(out.cpu(), ref) < TOL[q.dtype], msl
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [None, 3])
+def test_prefill_rows_past_q(device, splits):
+    _isolated(device, "prefill_rows_past_q", splits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [None, 3])
 @pytest.mark.parametrize("kind", ["big", "negative"])
-def test_prefill_out_of_pool_entries(device, kind):
-    _isolated(device, "prefill_out_of_pool_entries", kind)
+def test_prefill_out_of_pool_entries(device, kind, splits):
+    _isolated(device, "prefill_out_of_pool_entries", kind, splits)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_prefill_seq_len_bounds(device):
-    _isolated(device, "prefill_seq_len_bounds")
+@pytest.mark.parametrize("splits", [None, 3])
+def test_prefill_seq_len_bounds(device, splits):
+    _isolated(device, "prefill_seq_len_bounds", splits)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_prefill_max_q_len_too_small_zero_fills(device):
+@pytest.mark.parametrize("splits", [2, 4])
+def test_prefill_max_seq_len_too_small(device, splits):
+    _isolated(device, "prefill_max_seq_len_too_small", splits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [None, 3])
+def test_prefill_max_q_len_too_small_zero_fills(device, splits):
     # Not a crash on the old kernels, but rows left unwritten: runs in process.
     gen = torch.Generator().manual_seed(24)
     f = 1 if device == "cpu" else 4
     seqs = [(80 * f, 80 * f), (50, 20), (9, 9), (30, 0)]
     q, kc, vc, bt, sl, qsl = _prefill_setup(device, gen, seqs)
-    full = _prefill(q, kc, vc, bt, sl, qsl, 80 * f)
+    full = _prefill(q, kc, vc, bt, sl, qsl, 80 * f, splits=splits)
     for mq in (32, 9 * f, 1, 0):
-        out = _prefill(q, kc, vc, bt, sl, qsl, mq)
+        out = _prefill(q, kc, vc, bt, sl, qsl, mq, splits=splits)
         assert torch.isfinite(out).all(), mq
         ref = _prefill_ref(q, kc, vc, bt, sl, qsl, max_q_len=mq)
         assert rel_err(out.cpu(), ref) < TOL[q.dtype], mq
@@ -309,11 +337,12 @@ def test_prefill_max_q_len_too_small_zero_fills(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_prefill_leaves_unclaimed_rows_alone(device):
+@pytest.mark.parametrize("splits", [None, 2])
+def test_prefill_leaves_unclaimed_rows_alone(device, splits):
     gen = torch.Generator().manual_seed(25)
     q, kc, vc, bt, sl, qsl = _prefill_setup(device, gen, [(10, 3), (7, 2)])
     q = torch.cat([q, torch.randn(3, *q.shape[1:], generator=gen).to(q.dtype).to(device)])
-    out = _prefill(q, kc, vc, bt, sl, qsl, 3, fill=7.0)
+    out = _prefill(q, kc, vc, bt, sl, qsl, 3, fill=7.0, splits=splits)
     assert torch.all(out[5:] == 7.0)
     assert torch.isfinite(out[:5]).all()
 

@@ -2,7 +2,10 @@
 
 Sequences mix a full prefill (no cached prefix), extends of a cached prefix (chunked prefill),
 decode rows (one new token) and empty rows in one launch, on permuted blocks of a NaN-poisoned
-pool whose unused block-table columns hold out-of-range garbage.
+pool whose unused block-table columns hold out-of-range garbage. Split mode (the key range cut
+into several programs whose partial rows a second kernel merges) is checked against the reference
+and the unsplit kernel: forced through `config={"SPLITS": s}` on small shapes, chosen from
+`max_seq_len` by the host rule, and at Llama-3-8B shapes on the GPU.
 """
 
 import pytest
@@ -11,6 +14,7 @@ import pytest
 from kernel_common import DEVICES, TOL, host_tensors_only, make_paged, rel_err, torch
 
 from pagedkv import kernels as K
+from pagedkv.kernels import prefill as P
 from pagedkv.kernels import reference as R
 
 
@@ -166,3 +170,151 @@ def test_check_indices(device):
     bad[4] = torch.tensor([3, 5], dtype=torch.int32)  # context shorter than the new tokens
     with pytest.raises(K.KernelIndexError, match=r"seq_lens\[0\]"):
         K.paged_prefill(*bad, check_indices=True)
+    # A length above the host's max_seq_len breaks the strict contract (the kernel tolerates it).
+    with pytest.raises(K.KernelIndexError, match=r"seq_lens\[0\]: is 10, expected in \[4, 9\]"):
+        K.paged_prefill(*args, check_indices=True, max_seq_len=9)
+
+
+# ---------------------------------------------------------------------------------------------
+# Split along the keys
+
+
+def split_seqs(b):
+    return [
+        (18 * b + 12, 5),   # a few new tokens over a long cached context
+        (16 * b + 4, 1),    # a decode row
+        (3 * b, 3 * b),     # full prefill: q_len == seq_len
+        (7 * b + 8, 0),     # nothing new
+        (12 * b + 8, 16),   # a chat turn after some history
+    ]
+
+
+def check_split(args, dtype, splits, max_seq_len=None, config=None):
+    """Split output against the reference and against the unsplit kernel; returns it."""
+    q = args[0]
+    ref = R.ref_paged_prefill(*args[:6])
+    base = K.paged_prefill(*args, out=torch.full_like(q, float("nan")), config=config)
+    out = torch.full_like(q, float("nan"))
+    K.paged_prefill(*args, out=out, max_seq_len=max_seq_len,
+                    config={**(config or {}), "SPLITS": splits})
+    assert torch.isfinite(out).all()
+    err = rel_err(out.cpu(), ref.cpu())
+    assert err < TOL[dtype], err
+    assert rel_err(out.cpu(), base.cpu().double()) < TOL[dtype]
+    return out
+
+
+SPLIT_CPU_CASES = [
+    # dtype, group, kv_heads, head_dim, splits, config
+    (torch.float32, 1, 2, 32, 2, None),
+    (torch.float32, 4, 1, 32, 3, {"BLOCK_M": 64}),  # 16 tokens x 4 heads per tile
+    (torch.float16, 4, 2, 16, 4, None),  # one head per tile (a group of 4 does not pack in 32)
+    (torch.float16, 2, 1, 32, 3, None),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES[:1])
+@pytest.mark.parametrize("dtype,group,kv_heads,head_dim,splits,config", SPLIT_CPU_CASES)
+def test_prefill_split_matches_reference_cpu(device, dtype, group, kv_heads, head_dim, splits,
+                                             config):
+    gen = torch.Generator().manual_seed(70 + splits * group)
+    args = make_batch(split_seqs(16), 16, kv_heads, group, head_dim, dtype, device, gen)
+    check_split(args, dtype, splits, config=config)
+
+
+@pytest.mark.parametrize("device", DEVICES[:1])
+@pytest.mark.parametrize("splits,max_seq_len", [(4, 1 << 20), (6, None)])
+def test_prefill_split_ranges_past_the_end_cpu(device, splits, max_seq_len):
+    # The table holds 5 blocks (80 tokens); the chunk is cut for that (a larger bound is taken as
+    # the row's width), so the last splits start past every row tile's end and are empty.
+    gen = torch.Generator().manual_seed(81)
+    args = make_batch([(40, 3), (20, 20)], 16, 1, 2, 32, torch.float32, device, gen)
+    assert args[3].shape[1] * 16 == 80
+    check_split(args, torch.float32, splits, max_seq_len=max_seq_len)
+
+
+@pytest.mark.parametrize("device", DEVICES[:1])
+def test_prefill_split_fp8_cpu(device):
+    from test_kernels_fp8 import FP8_VS_FULL, _prefill_case
+
+    err, vs_full = _prefill_case(device, torch.float16, 5, config={"SPLITS": 3})
+    assert err < TOL[torch.float16]
+    assert vs_full < FP8_VS_FULL
+
+
+def test_num_splits_rule():
+    # A grid that fills the SMs, or a context too short for two MIN_CHUNK pieces: no split.
+    assert P._num_splits(132, 1 << 15, 128, 132) == 1
+    assert P._num_splits(8, 2 * P.MIN_CHUNK - 1, 128, 132) == 1
+    # Llama-3-8B at GQA 4: one row tile x 8 kv groups. 32K: 33 splits wanted, 1024-key chunks
+    # cover it in 32; 8K: 16 splits of MIN_CHUNK keys.
+    assert P._num_splits(8, 32768, 128, 132) == 32
+    assert P._num_splits(8, 8192, 128, 132) == 16
+    assert P._num_splits(100, 1 << 15, 128, 132) == 3
+    for programs in (1, 3, 8, 50, 131):
+        for msl in (1024, 1100, 5000, 32768, 100003):
+            for bn in (16, 64, 128):
+                s = P._num_splits(programs, msl, bn, 132)
+                chunk = P._split_chunk(msl, s, bn)
+                assert 2 <= s <= -(-2 * 132 // programs), (programs, msl, bn)
+                assert chunk % bn == 0 and chunk >= P.MIN_CHUNK
+                # Every split has keys below the bound, and together they cover it.
+                assert (s - 1) * chunk < msl <= s * chunk, (programs, msl, bn)
+
+
+@pytest.mark.parametrize("device", DEVICES[:1])
+def test_prefill_automatic_split_cpu(device, monkeypatch):
+    picked = []
+    real = P._num_splits
+    monkeypatch.setattr(P, "_num_splits", lambda *a: picked.append(real(*a)) or picked[-1])
+    gen = torch.Generator().manual_seed(82)
+    # Two sequences of one packed row tile each: a grid of 2 programs, far below 132 SMs.
+    args = make_batch([(1100, 4), (600, 1)], 16, 1, 2, 16, torch.float32, device, gen)
+    ref = R.ref_paged_prefill(*args[:6])
+    out = torch.full_like(args[0], float("nan"))
+    K.paged_prefill(*args, out=out, max_seq_len=1100)
+    assert picked == [2]
+    assert rel_err(out, ref) < TOL[torch.float32]
+    # Without the bound the host has no length to split by: the single-kernel path.
+    picked.clear()
+    out2 = K.paged_prefill(*args)
+    assert picked == []
+    assert rel_err(out2, ref) < TOL[torch.float32]
+
+
+@host_tensors_only
+@pytest.mark.parametrize(
+    "kw,exc,match",
+    [
+        ({"max_seq_len": -1}, K.KernelArgumentError, "max_seq_len"),
+        ({"max_seq_len": 4.0}, K.KernelDTypeError, "max_seq_len"),
+        ({"max_seq_len": True}, K.KernelDTypeError, "max_seq_len"),
+        ({"config": {"SPLITS": 0}}, K.KernelArgumentError, "SPLITS"),
+        ({"config": {"SPLITS": 2.0}}, K.KernelDTypeError, "SPLITS"),
+    ],
+)
+def test_split_validation_errors(kw, exc, match):
+    args = _args()
+    K.paged_prefill(*args, max_seq_len=10)  # a cached signature must not skip the checks
+    with pytest.raises(exc, match=match):
+        K.paged_prefill(*args, **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+@pytest.mark.parametrize(
+    "seqs", [[(8192, 16)], [(32768, 16)], [(32768, 16), (8192, 1), (700, 300)]]
+)
+def test_prefill_split_long_context_gpu(device, seqs, monkeypatch):
+    # Llama-3-8B attention (32 query / 8 kv heads, head_dim 128), bf16: a few new tokens over a
+    # long cached context, the shape split mode is for.
+    picked = []
+    real = P._num_splits
+    monkeypatch.setattr(P, "_num_splits", lambda *a: picked.append(real(*a)) or picked[-1])
+    gen = torch.Generator().manual_seed(len(seqs))
+    args = make_batch(seqs, 16, 8, 4, 128, torch.bfloat16, device, gen)
+    msl = max(c for c, _ in seqs)
+    out = check_split(args, torch.bfloat16, None, max_seq_len=msl)
+    assert picked and picked[-1] > 1, picked
+    # Forced, with chunks cut for a bound far below the real lengths.
+    forced = check_split(args, torch.bfloat16, 4, max_seq_len=1000)
+    assert rel_err(forced.cpu(), out.cpu().double()) < TOL[torch.bfloat16]

@@ -341,6 +341,13 @@ class SwapEngine:
         ld, sc = self._load_stream, self.in_stream
         for log in (self._gathers, self._scatters, self._writes, self._reads):
             log.prune()
+        # Loads into blocks a swap-out is still gathering go in the order of those gathers, so
+        # each chunk's scatter waits for the gathers of its own blocks, not for the last one
+        # (the host runs, and so the transfers' sizes, are kept within each gather's share).
+        pending = self._gathers.pending(self._dev_gathered[dev])
+        if pending.any():
+            order = np.lexsort((host, np.where(pending, self._dev_gathered[dev], -1)))
+            dev, host = dev[order], host[order]
         # Queued forwards may still read a device block this overwrites (freed, then reallocated).
         sc.wait_stream(caller)
         stage, half = self._stage_in, self._half
@@ -424,6 +431,10 @@ class _EventLog:
         if done:
             del self._events[:done]
             self._base += done
+
+    def pending(self, entries: np.ndarray) -> np.ndarray:
+        """Which of ``entries`` may still be running (as of the last :meth:`prune`)."""
+        return entries >= self._base
 
     def wait(self, stream: Any, entries: np.ndarray) -> None:
         """Makes ``stream`` wait for the latest of ``entries`` (numbers from :meth:`record`;

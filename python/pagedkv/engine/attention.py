@@ -112,8 +112,11 @@ def _cuda_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scaling)
                                 scale=scaling, plan=meta.plan)
         return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale=scaling,
                             workspace=meta.workspace, max_seq_len=meta.max_seq_len)
+    # The context bound lets a step of few new tokens over a long context split the keys
+    # across programs (a prefix hit's last block, a chat turn after a long history).
     return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                         meta.query_start_loc, meta.max_q_len, scale=scaling)
+                         meta.query_start_loc, meta.max_q_len, scale=scaling,
+                         max_seq_len=meta.max_seq_len or None)
 
 
 def build_cpu_metadata(meta: AttentionMetadata, block_size: int, q_lens: torch.Tensor,

@@ -534,7 +534,7 @@ class ModelRunner:
                                    dev.query_start_loc, max_seq_len=int(step.max_seq_len))
         else:
             meta = self._cuda_meta("prefill", dev.slot_mapping, dev.block_tables, dev.seq_lens,
-                                   dev.query_start_loc,
+                                   dev.query_start_loc, max_seq_len=int(step.max_seq_len),
                                    max_q_len=int(step.max_query_len) or int(np.diff(qsl).max()))
         last_d = torch.from_numpy(last).to(self.device, non_blocking=True)
         out = self._forward(meta, ids_d[None], pos_d[None], last_d)[0].float()

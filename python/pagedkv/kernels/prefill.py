@@ -16,6 +16,20 @@ tiles wholly at or before the tile's first query position need no causal mask an
 loop; the remaining tiles up to the tile's last position run in a second, masked loop, so only
 the diagonal pays for masking. Query tiles past a sequence's q_len do no work.
 
+Split mode (split-K, as flash-decoding). A few new tokens over a long context make a grid of a
+handful of programs, each walking the whole context alone. Given `max_seq_len` (a host bound on
+seq_lens) and a grid below the SM count, or `config={"SPLITS": s}`, the key range is cut into
+`S` chunks of `chunk` keys (a multiple of BLOCK_N): program axis 2 becomes `seq * S + split`,
+split `s` runs the same two loops over its tiles of `[s * chunk, (s + 1) * chunk)` (the last
+split runs to the tile's end, so a `max_seq_len` below the real lengths costs balance, never
+keys) and writes its normalised partial rows and their base-2 log-sum-exp to an fp32 workspace
+indexed by (split, sequence, token < max_q_len, head), so its size follows the grid, not q's
+rows; a second kernel over the same row tiles (in 8-row pieces) and the same row clamping merges
+the splits into `out`. A split that sees no key of a row writes -inf (no
+weight); one whose keys include an out-of-pool position at or before the row writes +inf, which
+makes the merge write zeros, so the `first_bad` rule holds across splits. Split 0 alone
+zero-fills the rows past `max_q_len`. S = 1 is the single-kernel path, no workspace.
+
 Invariants: a query at position p sees exactly the keys at positions 0..p of its own sequence;
 only `ceil(seq_len / block_size)` block-table entries are read; masked K/V lanes load zeros so
 stale pool contents cannot leak into the output; every output row of a valid query token is
@@ -37,6 +51,7 @@ import triton.language as tl
 
 from . import _launch as L
 from . import _validate as v
+from .decode import _num_sms
 
 __all__ = ["paged_prefill", "prefill_config"]
 
@@ -48,13 +63,44 @@ MAX_SEQ_CAP = 1 << 30
 #: Rows of q (new tokens in one call) the kernel indexes in int32.
 MAX_ROWS = 1 << 30
 
+#: Fewest keys the automatic split count gives a split: a shorter one pays its q load and its
+#: partial rows' traffic for too few key tiles.
+MIN_CHUNK = 512
+
+#: Programs per SM the automatic split count aims for.
+SPLIT_WAVES = 2
+
+#: CUDA's limit on grid axis 2, which holds num_seqs * splits.
+_MAX_GRID_Z = 65535
+
+
+def _split_chunk(max_seq_len: int, splits: int, block_n: int) -> int:
+    """Keys per split: `splits` equal shares of `max_seq_len`, rounded up to whole key tiles."""
+    per = -(-max_seq_len // splits)
+    return max(block_n, -(-per // block_n) * block_n)
+
+
+def _num_splits(programs: int, max_seq_len: int, block_n: int, sms: int) -> int:
+    """Automatic split count for an unsplit grid of `programs` over contexts of at most
+    `max_seq_len` keys: 1 when the grid already fills the `sms` SMs; otherwise enough splits for
+    about SPLIT_WAVES programs per SM, each at least MIN_CHUNK keys, then as few as cover
+    `max_seq_len` with the tile-rounded chunk (no split left empty by the rounding)."""
+    if programs >= sms:
+        return 1
+    s = min(max_seq_len // MIN_CHUNK, -(-SPLIT_WAVES * sms // max(1, programs)))
+    if s <= 1:
+        return 1
+    return -(-max_seq_len // _split_chunk(max_seq_len, s, block_n))
+
 
 def prefill_config(head_dim: int, dtype: torch.dtype, interpret: bool,
                    cache_dtype: Optional[torch.dtype] = None) -> dict:
     """Launch parameters for `q`'s `dtype` (and the cache's, default the same). `PACK_GQA`
     packs a kv group's query heads into one row tile (used when the group has 2 to BLOCK_M/16
-    heads); `FP8_COMPUTE` is read for fp8 caches only."""
+    heads); `FP8_COMPUTE` is read for fp8 caches only. `SPLITS` None chooses the split count
+    from `max_seq_len` (`_num_splits`); an int forces it (1: never split)."""
     cfg = _tile_config(head_dim, dtype, interpret)
+    cfg["SPLITS"] = None
     # fp8 caches: "fp16" widens the e4m3 tiles (and q, p) to fp16 for the tensor-core products,
     # the native conversion; "q" widens them to q's dtype (bf16 has no direct e4m3 conversion).
     cfg["FP8_COMPUTE"] = "fp16"
@@ -128,7 +174,8 @@ def _tile_step(
     return acc, m_new, l_i, first_bad
 
 
-@triton.jit(do_not_specialize=["total", "num_blocks", "seq_cap", "max_q_len"])
+@triton.jit(do_not_specialize=["total", "num_blocks", "seq_cap", "max_q_len", "num_splits",
+                              "chunk"])
 def _prefill_kernel(
     q_ptr,
     k_ptr,
@@ -140,6 +187,9 @@ def _prefill_kernel(
     max_q_len,
     ksc_ptr,
     vsc_ptr,
+    ws_ptr,
+    num_splits,
+    chunk,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -166,6 +216,7 @@ def _prefill_kernel(
     ZERO_T: tl.constexpr,
     KV_FP8: tl.constexpr,
     F16: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     # A tile has BLOCK_M rows = (token, head) pairs: HEADS_PER_ROW_TILE consecutive query heads
     # of one kv group for each of BLOCK_T tokens. With 1 head per tile it is the classic layout;
@@ -174,7 +225,11 @@ def _prefill_kernel(
     # Heavy tiles (late positions see more keys) first, so the short ones fill the tail.
     m_blk = tl.num_programs(0) - 1 - tl.program_id(0)
     head0 = tl.program_id(1) * HEADS_PER_ROW_TILE
-    seq = tl.program_id(2)
+    if SPLIT:
+        seq = tl.program_id(2) // num_splits
+        split = tl.program_id(2) % num_splits
+    else:
+        seq = tl.program_id(2)
     # Bounds by construction. The row range is clamped to [0, total) (q's and out's rows), so
     # no row outside them is read or written; a decreasing pair gives no rows. The length is
     # clamped to [0, seq_cap] (the table row's width times the block size), so no column past
@@ -218,7 +273,10 @@ def _prefill_kernel(
     # spills more (seen in the SASS).
     offs_zt = tl.arange(0, ZERO_T)
     zero = tl.zeros([ZERO_T, HEAD_DIM], dtype=out_ptr.dtype.element_ty)
-    for z0 in range(max_q_len + first, q_len, tl.num_programs(0) * BLOCK_T):
+    z_end = q_len
+    if SPLIT:
+        z_end = tl.where(split == 0, q_len, 0)  # one split writes them
+    for z0 in range(max_q_len + first, z_end, tl.num_programs(0) * BLOCK_T):
         zt = z0 + offs_zt
         z_ok = (zt < q_len) & (offs_zt < BLOCK_T)
         zp = out_ptr + (q_start + zt).to(tl.int64)[:, None] * stride_ot + offs_d[None, :]
@@ -251,13 +309,24 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for n0 in range(0, full_end, BLOCK_N):
+    lo = 0
+    full_stop = full_end
+    mask_lo = full_end
+    if SPLIT:
+        # This split's keys: [lo, hi) within the tile's [0, hi). lo and chunk are whole key
+        # tiles, so the two loops below cut the unsplit kernel's tiles, never a tile; the last
+        # split runs to hi, so a host bound below the real lengths still covers every key.
+        lo = split * chunk
+        hi = tl.where(split == num_splits - 1, hi, tl.minimum(hi, lo + chunk))
+        full_stop = tl.minimum(full_end, hi)
+        mask_lo = tl.maximum(full_end, lo)
+    for n0 in range(lo, full_stop, BLOCK_N):
         acc, m_i, l_i, first_bad = _tile_step(
             q, acc, m_i, l_i, first_bad, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
             last_blk, blk0, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
             BLOCK_SIZE, False, PRECISION, KV_FP8,
         )
-    for n0 in range(full_end, hi, BLOCK_N):
+    for n0 in range(mask_lo, hi, BLOCK_N):
         acc, m_i, l_i, first_bad = _tile_step(
             q, acc, m_i, l_i, first_bad, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
             last_blk, blk0, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
@@ -267,7 +336,100 @@ def _prefill_kernel(
     o = acc / l_safe[:, None]
     if KV_FP8:
         o = o * tl.load(vsc_ptr + kvh * scale_stride)
-    o = tl.where((q_pos >= tl.min(first_bad, 0))[:, None], 0.0, o)
+    bad = q_pos >= tl.min(first_bad, 0)
+    # A select, not a product: a row that saw a redirected id may hold NaN from stale slots.
+    o = tl.where(bad[:, None], 0.0, o)
+    if SPLIT:
+        # Workspace rows (split, seq, token, head), token < max_q_len: the grid's own slots,
+        # whatever the row offsets say, so no two programs share one. The partial rows come
+        # first, then one log-sum-exp per row; the host sized it for this grid.
+        heads = tl.num_programs(1) * HEADS_PER_ROW_TILE
+        seq_slots = (tl.num_programs(2) // num_splits).to(tl.int64) * max_q_len * heads
+        slot = ((split * seq_slots + seq.to(tl.int64) * max_q_len * heads)
+                + tok.to(tl.int64) * heads + head)
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+        lse = tl.where(bad, float("inf"), lse)
+        tl.store(ws_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], o, mask=r_ok[:, None])
+        tl.store(ws_ptr + num_splits * seq_slots * HEAD_DIM + slot, lse, mask=r_ok)
+    else:
+        tl.store(
+            out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=r_ok[:, None],
+        )
+
+
+@triton.jit(do_not_specialize=["total", "max_q_len", "num_splits"])
+def _prefill_combine_kernel(
+    ws_ptr,
+    qsl_ptr,
+    out_ptr,
+    max_q_len,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    total,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PER_ROW_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SUB_M: tl.constexpr,
+    SPLIT_B: tl.constexpr,
+):
+    # Program (row tile * sub-tiles + sub-tile, head slot, sequence): the split kernel's row tile
+    # cut into SUB_M-row pieces (a whole tile's fp32 rows per split would not fit in registers,
+    # and the pieces spread the merge over more SMs), with its row clamping, so exactly the
+    # rows it would have written are written here.
+    BLOCK_T: tl.constexpr = BLOCK_M // HEADS_PER_ROW_TILE
+    SUBS: tl.constexpr = BLOCK_M // SUB_M
+    m_blk = tl.program_id(0) // SUBS
+    sub = tl.program_id(0) % SUBS
+    head0 = tl.program_id(1) * HEADS_PER_ROW_TILE
+    seq = tl.program_id(2)
+    q_start = tl.minimum(tl.maximum(tl.load(qsl_ptr + seq), 0), total)
+    q_end = tl.minimum(tl.maximum(tl.load(qsl_ptr + seq + 1), q_start), total)
+    q_len = q_end - q_start
+    q_run = tl.minimum(q_len, max_q_len)
+    first = m_blk * BLOCK_T
+    offs_r = sub * SUB_M + tl.arange(0, SUB_M)
+    tok = first + offs_r // HEADS_PER_ROW_TILE
+    head = head0 + offs_r % HEADS_PER_ROW_TILE
+    offs_d = tl.arange(0, HEAD_DIM)
+    r_ok = (tok < q_run) & (offs_r < BLOCK_T * HEADS_PER_ROW_TILE)
+    # Splits that saw no key of a row (lse -inf) get no weight; one that saw an out-of-pool
+    # position at or before the row (+inf) zeroes it, as the unsplit kernel would.
+    heads = tl.num_programs(1) * HEADS_PER_ROW_TILE
+    seq_slots = tl.num_programs(2).to(tl.int64) * max_q_len * heads
+    slot = seq.to(tl.int64) * max_q_len * heads + tok.to(tl.int64) * heads + head
+    lse_ptr = ws_ptr + num_splits * seq_slots * HEAD_DIM
+    offs_s = tl.arange(0, SPLIT_B)
+    m = tl.full([SUB_M], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([SUB_M], dtype=tl.float32)
+    num = tl.zeros([SUB_M, HEAD_DIM], dtype=tl.float32)
+    bad = tl.zeros([SUB_M], dtype=tl.int1)
+    # Tiles and sub-tiles past q_run have nothing to merge.
+    n_s = tl.where((first < q_run) & (sub * SUB_M < BLOCK_T * HEADS_PER_ROW_TILE), num_splits, 0)
+    # SPLIT_B splits per step, loaded as one tile: the loop is not software-pipelined, so one
+    # split per step would wait out a memory latency per split.
+    for s0 in range(0, n_s, SPLIT_B):
+        sp = s0 + offs_s
+        ok = (sp < n_s)[:, None] & r_ok[None, :]
+        at = sp.to(tl.int64)[:, None] * seq_slots + slot[None, :]
+        lse = tl.load(lse_ptr + at, mask=ok, other=float("-inf"))
+        part = tl.load(ws_ptr + at[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                       mask=ok[:, :, None], other=0.0)
+        flag = lse == float("inf")
+        bad = bad | (tl.max(flag.to(tl.int32), 0) > 0)
+        lse = tl.where(flag, float("-inf"), lse)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.math.exp2(m - m_use)
+        w = tl.math.exp2(lse - m_use[None, :])
+        den = den * alpha + tl.sum(w, 0)
+        num = num * alpha[:, None] + tl.sum(w[:, :, None] * part, 0)
+        m = m_new
+    o = num / tl.where(den > 0.0, den, 1.0)[:, None]
+    o = tl.where(bad[:, None], 0.0, o)
+    rows = (q_start + tok).to(tl.int64)
     tl.store(
         out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
         o.to(out_ptr.dtype.element_ty),
@@ -290,6 +452,7 @@ def paged_prefill(
     config: Optional[dict] = None,
     k_scale=None,
     v_scale=None,
+    max_seq_len: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix and themselves.
 
@@ -297,9 +460,15 @@ def paged_prefill(
     grid; passing it avoids a device-to-host sync); rows past it are written as zeros, so a
     wrong bound shows up as zero rows, never as stale memory. `scale` defaults to
     `1/sqrt(head_dim)`.
+    `max_seq_len` (optional) is a host-side upper bound on `seq_lens`: with it, a grid smaller
+    than the SM count over long contexts is split along the keys (module docstring, "Split
+    mode"); without it the kernel never splits unless `config` says so. A bound below the real
+    lengths only unbalances the splits (the last one runs to each sequence's end): the output
+    stays exact. It is taken as at most the table row's width times the block size.
     `check_indices=True` validates the index tensors on the host (synchronizes; debugging only).
     `config` overrides the launch parameters of `prefill_config` (keys `BLOCK_M`, `BLOCK_N`,
-    `num_warps`, `num_stages`, `PACK_GQA`, `FP8_COMPUTE`; for tuning). Returns `out` (allocated like `q` when not given).
+    `num_warps`, `num_stages`, `PACK_GQA`, `FP8_COMPUTE`, `SPLITS`; for tuning and tests).
+    Returns `out` (allocated like `q` when not given).
     The checks and launch configuration are cached per call signature (`_launch.py`).
     An fp8 cache is read as `k8 * k_scale`, `v8 * v_scale` (as for `paged_decode`).
     """
@@ -311,30 +480,34 @@ def paged_prefill(
                    L.tensor_key(query_start_loc), None if out is None else L.tensor_key(out),
                    scale, None if config is None else tuple(sorted(config.items())),
                    type(max_q_len) is int and max_q_len >= 0,
+                   max_seq_len is None or (type(max_seq_len) is int and max_seq_len >= 0),
                    v.scale_key(k_scale), v.scale_key(v_scale))
             call = _CACHE.get(key)
         except (AttributeError, TypeError):
             key = call = None
         if call is not None:
             return call(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-                        max_q_len, k_scale, v_scale)
+                        max_q_len, max_seq_len, k_scale, v_scale)
     call = _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q_len,
-                    scale, out, check_indices, config, k_scale, v_scale)
+                    max_seq_len, scale, out, check_indices, config, k_scale, v_scale)
     if call is None:
         return torch.empty_like(q) if out is None else out
     if key is not None:
         _CACHE.put(key, call)
     return call(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, max_q_len,
-                k_scale, v_scale)
+                max_seq_len, k_scale, v_scale)
 
 
 class _PrefillCall:
-    """A validated `paged_prefill` signature; the grid's first dimension follows max_q_len."""
+    """A validated `paged_prefill` signature. Per call, from two host ints, it sizes the grid
+    (max_q_len) and picks the split count (max_seq_len); neither changes a compiled kernel (the
+    split count and chunk are unspecialized arguments), so the signature need not hold them."""
 
-    __slots__ = ("launch", "block_t", "g1", "g2", "total", "ks", "vs")
+    __slots__ = ("launch", "split_launch", "combine_launch", "block_t", "block_n", "g1", "g2",
+                 "total", "heads", "head_dim", "subs", "seq_cap", "sms", "splits", "ks", "vs")
 
     def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, qsl, out, max_q_len,
-                 k_scale, v_scale):
+                 max_seq_len, k_scale, v_scale):
         if out is None:
             out = torch.empty_like(q)
         # A float scale's tensor lives in the call, a tensor comes per call; without fp8
@@ -344,16 +517,33 @@ class _PrefillCall:
         # No sequence has more rows than q, so a larger bound only sizes an idle grid: cap it.
         # At least one row tile, so rows a wrong max_q_len of 0 leaves out are still zeroed.
         mq = min(max_q_len, self.total)
-        grid = (max(1, -(-mq // self.block_t)), self.g1, self.g2)
-        self.launch(grid, q, k_cache, v_cache, block_tables, seq_lens, qsl, out, mq, ks, vs)
+        tiles = max(1, -(-mq // self.block_t))
+        splits = 1
+        msl = self.seq_cap if max_seq_len is None else min(max_seq_len, self.seq_cap)
+        if mq > 0 and (self.splits is not None or max_seq_len is not None):
+            splits = self.splits
+            if splits is None:
+                splits = _num_splits(tiles * self.g1 * self.g2, msl, self.block_n, self.sms)
+            splits = min(splits, _MAX_GRID_Z // self.g2)
+        if splits <= 1:
+            # out stands in for the workspace (never read).
+            self.launch((tiles, self.g1, self.g2), q, k_cache, v_cache, block_tables, seq_lens,
+                        qsl, out, mq, ks, vs, out, 1, 0)
+            return out
+        chunk = _split_chunk(msl, splits, self.block_n)
+        ws = torch.empty(splits * self.g2 * mq * self.heads * (self.head_dim + 1),
+                         dtype=torch.float32, device=q.device)
+        self.split_launch((tiles, self.g1, self.g2 * splits), q, k_cache, v_cache, block_tables,
+                          seq_lens, qsl, out, mq, ks, vs, ws, splits, chunk)
+        self.combine_launch((tiles * self.subs, self.g1, self.g2), ws, qsl, out, mq, splits)
         return out
 
 
 _CACHE = L.LaunchCache()
 
 
-def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q_len, scale,
-             out, check_indices, config, k_scale, v_scale):
+def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q_len,
+             max_seq_len, scale, out, check_indices, config, k_scale, v_scale):
     num_blocks, block_size, kv_heads, head_dim = v.check_cache_pair(k_cache, v_cache)
     dev = k_cache.device
     fp8 = k_cache.dtype == v.FP8
@@ -386,6 +576,8 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q
     v.check_contiguous("seq_lens", seq_lens)
     v.check_contiguous("query_start_loc", query_start_loc)
     v.check_int("max_q_len", max_q_len, 0)
+    if max_seq_len is not None:
+        v.check_int("max_seq_len", max_seq_len, 0)
     if out is not None:
         v.check_tensor("out", out, ndim=3, dtypes=(q.dtype,))
         v.check_same_device(dev, out=out)
@@ -395,9 +587,10 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q
             )
         v.check_inner_contiguous("out", out, 1)
     sc = v.check_scale(scale, head_dim)
+    seq_cap = min(block_tables.shape[1] * block_size, MAX_SEQ_CAP)
     if check_indices:
-        _check_indices(block_tables, seq_lens, query_start_loc, total, max_q_len,
-                       num_blocks, block_size, min(block_tables.shape[1] * block_size, MAX_SEQ_CAP))
+        _check_indices(block_tables, seq_lens, query_start_loc, total, max_q_len, num_blocks,
+                       block_size, seq_cap if max_seq_len is None else min(seq_cap, max_seq_len))
     if num_seqs == 0 or total == 0:
         return None
     cfg = prefill_config(head_dim, q.dtype, os.environ.get("TRITON_INTERPRET", "0") == "1",
@@ -414,30 +607,44 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q
         raise v.KernelArgumentError(
             f"config: FP8_COMPUTE is {cfg['FP8_COMPUTE']!r}, expected 'fp16' or 'q'"
         )
+    splits = cfg["SPLITS"]
+    if splits is not None:
+        v.check_int("config: SPLITS", splits, 1)
     f16 = fp8 and q.dtype != torch.float32 and cfg["FP8_COMPUTE"] == "fp16"
     group = q_heads // kv_heads
     pack = cfg["PACK_GQA"] and 1 < group <= cfg["BLOCK_M"] // 16
     per_tile = group if pack else 1
     block_t = cfg["BLOCK_M"] // per_tile
     o_ref = out if out is not None else torch.empty_like(q)
-    seq_cap = min(block_tables.shape[1] * block_size, MAX_SEQ_CAP)
+    interpret = L.interpreting()
     call = _PrefillCall()
     call.block_t, call.g1, call.g2, call.total = block_t, q_heads // per_tile, num_seqs, total
+    call.block_n, call.heads, call.head_dim = cfg["BLOCK_N"], q_heads, head_dim
+    call.seq_cap, call.sms, call.splits = seq_cap, _num_sms(dev), splits
     call.ks = ks if fp8 and not isinstance(k_scale, torch.Tensor) else None
     call.vs = vs if fp8 and not isinstance(v_scale, torch.Tensor) else None
-    call.launch = L.Launch(
-        _prefill_kernel,
-        (sc * _LOG2E,
-         q.stride(0), q.stride(1),
-         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-         block_tables.stride(0),
-         o_ref.stride(0), o_ref.stride(1),
-         total, num_blocks, seq_cap, k_stride),
-        dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, HEADS_PER_ROW_TILE=per_tile,
-             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PRECISION=precision,
-             ZERO_T=triton.next_power_of_2(block_t), KV_FP8=fp8, F16=f16,
-             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
+    tail = (sc * _LOG2E,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0),
+            o_ref.stride(0), o_ref.stride(1),
+            total, num_blocks, seq_cap, k_stride)
+    consts = dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group,
+                  HEADS_PER_ROW_TILE=per_tile, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                  PRECISION=precision, ZERO_T=triton.next_power_of_2(block_t), KV_FP8=fp8,
+                  F16=f16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    call.launch = L.Launch(_prefill_kernel, tail, dict(consts, SPLIT=False))
+    call.split_launch = L.Launch(_prefill_kernel, tail, dict(consts, SPLIT=True))
+    # Merge steps of 4 splits x 8 rows: no spills at head_dim 64 to 256 in the sm_90 build
+    # (16 rows spill at 128 and 256; the 64-bit addresses of the 3-d tile cost the registers).
+    sub_m = min(cfg["BLOCK_M"], 8)
+    call.subs = cfg["BLOCK_M"] // sub_m
+    call.combine_launch = L.Launch(
+        _prefill_combine_kernel,
+        (o_ref.stride(0), o_ref.stride(1), total),
+        dict(HEAD_DIM=head_dim, HEADS_PER_ROW_TILE=per_tile, BLOCK_M=cfg["BLOCK_M"], SUB_M=sub_m,
+             SPLIT_B=4, num_warps=4, num_stages=1 if interpret else 2),
     )
     return call
 
