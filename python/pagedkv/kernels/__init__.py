@@ -38,6 +38,7 @@ from .decode import (  # noqa: E402
     choose_num_splits,
     paged_decode,
 )
+from .gemv import linear_small_m  # noqa: E402
 from .prefill import paged_prefill  # noqa: E402
 from .scatter import scatter_kv  # noqa: E402
 
@@ -56,6 +57,7 @@ __all__ = [
     "DecodeWorkspace",
     "choose_num_splits",
     "paged_decode",
+    "linear_small_m",
     "paged_prefill",
     "scatter_kv",
 ]
