@@ -43,8 +43,8 @@ class AttentionMetadata:
     row of each padded query (0 for padding), ``attn_mask`` bool ``[n, 1, Q, L]``, ``out_index``
     int64 ``[T]`` position of each new token in the flattened ``[n * Q]`` padded output.
 
-    CUDA extras: ``max_q_len`` (host bound for the prefill grid), ``max_seq_len`` (host bound for the
-    decode split heuristic), ``workspace`` (the split-K scratch), ``plan`` (a
+    CUDA extras: ``max_q_len`` (host bound for the prefill grid), ``max_seq_len`` (host bound on
+    the context, for the decode and prefill split-K choices), ``workspace`` (the split-K scratch), ``plan`` (a
     :class:`pagedkv.kernels.DecodePlan` updated for this decode step; replaces the workspace).
     """
 
