@@ -7,7 +7,8 @@ the step tables' copies, the staging of ids/positions, the decode plan, the grap
 itself, the wait for the inputs' copy) and the argmax read back; then the graph alone from an
 idle GPU (launch to completion, one replay) against back to back (the breakdown's figure), and
 the same step captured as several graphs of a few layers each (``--pieces``), whose launches
-overlap the earlier pieces' execution. Prints one table; ``--json`` writes the figures.
+overlap the earlier pieces' execution; with ``--gemv N``, the batches of at most ``N`` rows again
+with the linear layers on the small-M GEMV (``small_batch_gemv``). Prints one table; ``--json`` writes the figures.
 """
 
 from __future__ import annotations
@@ -154,6 +155,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument("--pieces", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8])
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of 3 steps")
+    ap.add_argument("--gemv", type=int, default=0,
+                    help="also time batches up to this many rows with small_batch_gemv=N")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     t = time.perf_counter()
@@ -179,6 +182,22 @@ def main(argv=None) -> int:
             res[p] = r
             print(f"batch {b} pieces {p}: " + ", ".join(f"{k} {v:.0f}" for k, v in r.items())
                   + " (us)", flush=True)
+        if args.gemv and b <= args.gemv:
+            # The same step with the fused forward's linear layers on the small-M GEMV.
+            runner.gemv_rows = args.gemv
+            runner.capture_graphs([bs])
+            instrument(runner, times)
+            r, toks = decode(runner, b, args, times)
+            lat, b2b, call = graph_latency(runner._graphs[bs][0])
+            r.update(graph_idle_us=lat, graph_b2b_us=b2b, graph_call_us=call)
+            r["greedy_equal_to_one_graph"] = bool(np.array_equal(toks, ref))
+            r["greedy_agreement"] = float((toks == ref).mean())
+            res["gemv"] = r
+            print(f"batch {b} gemv: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) and v < 2
+                                                  else f"{k} {v:.0f}" for k, v in r.items())
+                  + " (us)", flush=True)
+            runner.gemv_rows = 0
+            runner.capture_graphs([bs])
         out["batches"][b] = res
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

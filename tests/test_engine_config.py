@@ -90,7 +90,8 @@ def test_one_default_block_size_everywhere():
 def test_engine_and_llm_keywords_default_to_the_config_defaults():
     """LLMEngine spells every config knob with its default; LLM the ones it names."""
     defaults = _field_defaults()
-    runner_only = {"attention_backend", "decode_planner", "fused_model", "cuda_graph_pieces"}
+    runner_only = {"attention_backend", "decode_planner", "fused_model", "cuda_graph_pieces",
+                   "small_batch_gemv"}
     engine = inspect.signature(pagedkv.LLMEngine.__init__).parameters
     knobs = {n: p.default for n, p in engine.items() if n not in ("self", "model", "device",
                                                                   "dtype")}
@@ -126,6 +127,9 @@ def test_engine_and_llm_keywords_default_to_the_config_defaults():
         (dict(cuda_graphs="false"), "cuda_graphs"),
         (dict(cuda_graph_pieces=0), "cuda_graph_pieces"),
         (dict(cuda_graph_pieces=2.0), "cuda_graph_pieces"),
+        (dict(small_batch_gemv=-1), "small_batch_gemv"),
+        (dict(small_batch_gemv=17), "small_batch_gemv"),
+        (dict(small_batch_gemv=True), "small_batch_gemv"),
         (dict(enable_chunked_prefill=1), "enable_chunked_prefill"),
     ],
 )

@@ -219,11 +219,21 @@ def test_silu_mul_kernel_matches_reference(dtype):
 
 
 @needs_interpreter
-def test_interpreted_fused_kernel_runner_matches_dense():
+@pytest.mark.parametrize("gemv", [0, 16])
+def test_interpreted_fused_kernel_runner_matches_dense(gemv, monkeypatch):
+    """The kernels' runner (interpreted) against the dense model; with ``small_batch_gemv`` the
+    decode steps' (and the small prefill's) linear layers and LM head run the GEMV."""
+    from pagedkv.kernels import gemv as gemv_mod
+
+    calls = []
+    real = gemv_mod.linear_small_m
+    monkeypatch.setattr(gemv_mod, "linear_small_m",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     model = _model("llama", seed=9)
     runner = ModelRunner(_loaded(model), block_size=4, num_blocks=64, max_num_seqs=4,
-                         max_num_batched_tokens=64, attention_backend="triton")
-    assert runner.fused
+                         max_num_batched_tokens=64, attention_backend="triton",
+                         small_batch_gemv=gemv)
+    assert runner.fused and runner.gemv_rows == gemv
     prompts = [[3, 17, 99, 4, 5], [8, 1]]
     logits = _drive(runner, prompts, 2)
     seqs = [list(p) for p in prompts]
@@ -233,6 +243,9 @@ def test_interpreted_fused_kernel_runner_matches_dense():
     for k, s in enumerate(seqs):
         ref = model(torch.tensor([s])).logits[0, -1]
         torch.testing.assert_close(logits[-1][k], ref, atol=1e-4, rtol=0)
+    layers = model.config.num_hidden_layers
+    # Per step 4 projections a layer and the LM head; the 7-token prefill has 7 rows.
+    assert len(calls) == (0 if gemv == 0 else 3 * (4 * layers + 1))
 
 
 # ---------------------------------------------------------------------------------------- GPU
@@ -290,3 +303,10 @@ def test_gpu_fused_equals_unfused_bf16(graphs):
         assert (la - lb).abs().max().item() < 0.1
         agree.append((a.argmax(-1) == b.argmax(-1)).float())
     assert torch.cat(agree).mean().item() >= 0.9
+
+
+def test_config_gemv_limit_is_the_kernels():
+    from pagedkv.engine.config import GEMV_MAX_ROWS
+    from pagedkv.kernels.gemv import MAX_M
+
+    assert GEMV_MAX_ROWS == MAX_M

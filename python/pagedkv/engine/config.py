@@ -38,6 +38,11 @@ def _bad(name: str, value: Any, reason: str) -> ConfigArgumentError:
                                value=value, reason=reason)
 
 
+#: Most rows :func:`pagedkv.kernels.linear_small_m` serves (its ``MAX_M``; not imported here,
+#: so that reading a config does not import Triton).
+GEMV_MAX_ROWS = 16
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -58,7 +63,10 @@ class EngineConfig:
       RoPE and SiLU-times-up kernels); ``False`` runs transformers' own module forwards;
     * ``cuda_graph_pieces``: with the fused forward, capture each decode step as this many CUDA
       graphs of consecutive layers, so the GPU starts on the first while the host launches the
-      rest (:meth:`~pagedkv.engine.model_runner.ModelRunner.capture_graphs`); 1: one graph.
+      rest (:meth:`~pagedkv.engine.model_runner.ModelRunner.capture_graphs`); 1: one graph;
+    * ``small_batch_gemv``: with the fused forward on the kernels, steps of at most this many
+      rows run their linear layers through the weight-streaming GEMV
+      (:func:`pagedkv.kernels.linear_small_m`, at most 16 rows) instead of cuBLAS; 0: never.
 
     the tiers of the prefix cache below the GPU (``docs/tiers.md``; :class:`~pagedkv.engine.llm.
     LLMEngine` documents each): ``host_cache_memory``, ``host_cache_write_through``,
@@ -110,6 +118,7 @@ class EngineConfig:
     kv_events_topic: str = ""
     fused_model: bool = True
     cuda_graph_pieces: int = 1
+    small_batch_gemv: int = 0
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -118,6 +127,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise _bad(name, value, "must be an int >= 1")
+        if not _is_int(self.small_batch_gemv) or not 0 <= self.small_batch_gemv <= GEMV_MAX_ROWS:
+            raise _bad("small_batch_gemv", self.small_batch_gemv,
+                       f"must be an int in [0, {GEMV_MAX_ROWS}]")
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise _bad("num_blocks", self.num_blocks, "exclusive with kv_cache_memory")
         if self.num_blocks is not None and (not _is_int(self.num_blocks) or self.num_blocks < 1):

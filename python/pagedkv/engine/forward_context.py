@@ -63,6 +63,9 @@ class AttentionMetadata:
     max_seq_len: int = 0
     workspace: Any = None
     plan: Any = None
+    #: Steps of at most this many rows run the fused forward's linear layers through
+    #: :func:`pagedkv.kernels.linear_small_m` (``small_batch_gemv``; 0: never).
+    gemv_rows: int = 0
 
 
 class _Current(threading.local):

@@ -181,18 +181,19 @@ def fused_layers(model: Any, meta: AttentionMetadata, h: torch.Tensor,
         hq = att.q_proj.out_features // hd
         hkv = att.k_proj.out_features // hd
         w, b = att._pagedkv_qkv
-        qkv = F.linear(x, w, b)  # [T, (hq + 2 hkv) * hd]
+        qkv = _linear(meta, x, w, b)  # [T, (hq + 2 hkv) * hd]
         rope_(qkv, cos, sin, hq + hkv, hd)
         q = qkv[:, : hq * hd].view(t, hq, hd)
         k = qkv[:, hq * hd:(hq + hkv) * hd].view(t, hkv, hd)
         v = qkv[:, (hq + hkv) * hd:].view(t, hkv, hd)
         o = _attend(meta, att.layer_idx if att.layer_idx is not None else i, q, k, v,
                     att.scaling)
-        h = att.o_proj(o.reshape(t, hq * hd))
+        h = _linear(meta, o.reshape(t, hq * hd), att.o_proj.weight, att.o_proj.bias)
         norm = layer.post_attention_layernorm
         x, residual = rms_norm(h, norm.weight, _eps(norm), residual)
         w, b = mlp._pagedkv_gate_up
-        h = mlp.down_proj(silu_mul(F.linear(x, w, b)))
+        h = silu_mul(_linear(meta, x, w, b))
+        h = _linear(meta, h, mlp.down_proj.weight, mlp.down_proj.bias)
     assert residual is not None
     return h, residual
 
@@ -208,7 +209,18 @@ def fused_epilogue(model: Any, meta: AttentionMetadata, h: torch.Tensor, residua
         h = h[-keep:] if keep else h
     else:
         h = h.index_select(0, keep.to(h.device))
-    return model.lm_head(h)[None]
+    return _linear(meta, h, model.lm_head.weight, model.lm_head.bias)[None]
+
+
+def _linear(meta: AttentionMetadata, x: torch.Tensor, w: torch.Tensor,
+            b: Optional[torch.Tensor]) -> torch.Tensor:
+    # A few rows read the whole weight for little arithmetic: there the weight-streaming GEMV
+    # keeps more of it in flight than cuBLAS's tiles (docs/performance.md, bench_gemv.py).
+    if meta.gemv_rows and meta.mode != "cpu" and x.shape[0] <= meta.gemv_rows:
+        from ..kernels.gemv import linear_small_m
+
+        return linear_small_m(x, w, b)
+    return F.linear(x, w, b)
 
 
 def _attend(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor,

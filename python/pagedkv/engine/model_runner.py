@@ -111,7 +111,7 @@ class ModelRunner:
             reads the pool's (``block_size``, ``num_blocks`` or ``kv_cache_memory``), the step
             shape's (``max_num_seqs``, ``max_num_batched_tokens``, raised to ``max_num_seqs`` if
             below), ``cuda_graphs``, ``cuda_graph_pieces``, ``attention_backend``,
-            ``decode_planner``, ``fused_model``
+            ``decode_planner``, ``fused_model``, ``small_batch_gemv``
             and ``record_steps``. Neither ``num_blocks`` nor ``kv_cache_memory``: 256 MiB on the
             CPU; on CUDA 85% of the free memory minus a 4 GiB reserve.
         tensor_parallel: A :class:`pagedkv.distributed.TPGroup`: cut the model to this rank's
@@ -172,6 +172,8 @@ class ModelRunner:
         self.fused = bool(config.fused_model) and _fused.fuse_model(self.model)
         if self.fused and self.device.type == "cuda":
             torch.cuda.empty_cache()
+        #: Rows up to which the fused forward's linear layers use the GEMV (``small_batch_gemv``).
+        self.gemv_rows = int(config.small_batch_gemv) if self.fused else 0
         self.spec = CacheSpec(num_layers=int(cfg.num_hidden_layers), num_kv_heads=num_kv,
                               head_dim=_head_dim(cfg), dtype=str(self.dtype).rpartition(".")[2],
                               block_size=block_size)
@@ -609,6 +611,7 @@ class ModelRunner:
         return AttentionMetadata(mode, self.pool.k_caches, self.pool.v_caches, slot_mapping,
                                  block_tables, seq_lens, qsl, max_q_len=max_q_len,
                                  max_seq_len=max_seq_len, workspace=self.workspace,
+                                 gemv_rows=self.gemv_rows,
                                  plan=self.decode_plan if mode == "decode" else None)
 
     def _update_plan(self, host: Any, n: int, bs: int) -> None:
