@@ -22,6 +22,7 @@ __all__ = [
     "KernelDeviceError",
     "KernelLayoutError",
     "KernelIndexError",
+    "merge_config",
 ]
 
 #: Cache dtypes the attention and scatter kernels accept. fp32 exists for tests; float8_e4m3fn
@@ -242,3 +243,16 @@ def ensure_launchable(device: torch.device) -> None:
     raise KernelDeviceError(
         f"tensors are on {device}, expected a CUDA device (or CPU with TRITON_INTERPRET=1)"
     )
+
+
+def merge_config(defaults: dict, config: Optional[dict]) -> dict:
+    """A kernel's launch ``defaults`` with the caller's ``config`` overrides (for tuning and
+    tests); a key the kernel does not have is a :class:`KernelArgumentError`."""
+    if config is None:
+        return defaults
+    unknown = set(config) - set(defaults)
+    if unknown:
+        raise KernelArgumentError(
+            f"config: unknown keys {sorted(unknown)}, expected some of {sorted(defaults)}"
+        )
+    return {**defaults, **config}

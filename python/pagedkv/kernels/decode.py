@@ -747,13 +747,7 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace,
     if num_seqs == 0:
         return None
     cfg = decode_config(head_dim, group, k_cache.dtype)
-    if config is not None:
-        unknown = set(config) - set(cfg)
-        if unknown:
-            raise v.KernelArgumentError(
-                f"config: unknown keys {sorted(unknown)}, expected some of {sorted(cfg)}"
-            )
-        cfg = {**cfg, **config}
+    cfg = v.merge_config(cfg, config)
     group_pad = max(16, triton.next_power_of_2(group))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if cfg["FP8_COMPUTE"] not in ("fp16", "q"):

@@ -376,13 +376,7 @@ def _prepare(x, weight, bias, out, config) -> _GemvCall:
     dot = config.get("DOT") if config is not None else None
     cfg = gemv_config(m, n, k, dtype=x.dtype, num_sms=_num_sms(dev),
                       dot=dot if isinstance(dot, bool) else None)
-    if config is not None:
-        unknown = set(config) - set(cfg)
-        if unknown:
-            raise v.KernelArgumentError(
-                f"config: unknown keys {sorted(unknown)}, expected some of {sorted(cfg)}"
-            )
-        cfg = {**cfg, **config}
+    cfg = v.merge_config(cfg, config)
     _check_config(cfg, m)
     call = _GemvCall()
     call.out_shape, call.dtype, call.device = (m, n), x.dtype, dev

@@ -595,13 +595,7 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q
         return None
     cfg = prefill_config(head_dim, q.dtype, os.environ.get("TRITON_INTERPRET", "0") == "1",
                          k_cache.dtype)
-    if config is not None:
-        unknown = set(config) - set(cfg)
-        if unknown:
-            raise v.KernelArgumentError(
-                f"config: unknown keys {sorted(unknown)}, expected some of {sorted(cfg)}"
-            )
-        cfg = {**cfg, **config}
+    cfg = v.merge_config(cfg, config)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if cfg["FP8_COMPUTE"] not in ("fp16", "q"):
         raise v.KernelArgumentError(

@@ -203,14 +203,7 @@ def _prepare(key, value, k_cache, v_cache, slot_mapping, check_indices, config, 
                 f"slot_mapping[{i}]: is {int(slot_mapping[i])}, expected < {num_slots} "
                 f"(num_blocks * block_size) or negative for padding"
             )
-    cfg = dict(SCATTER_CONFIG)
-    if config is not None:
-        unknown = set(config) - set(cfg)
-        if unknown:
-            raise v.KernelArgumentError(
-                f"config: unknown keys {sorted(unknown)}, expected some of {sorted(cfg)}"
-            )
-        cfg.update(config)
+    cfg = v.merge_config(dict(SCATTER_CONFIG), config)
     if num_tokens == 0:
         return (None, None, None, None, None, None)
     row = kv_heads * head_dim
