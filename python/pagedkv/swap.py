@@ -284,8 +284,7 @@ class SwapEngine:
             return n
         caller = torch.cuda.current_stream(self.device)
         g, c = self._gather_stream, self.out_stream
-        for log in (self._gathers, self._scatters, self._writes, self._reads):
-            log.prune()
+        self._prune()
         g.wait_stream(caller)  # the blocks hold what the caller's queued forwards wrote
         stage, half = self._stage_out, self._half
         with torch.cuda.stream(g):
@@ -339,8 +338,7 @@ class SwapEngine:
             return n
         caller = torch.cuda.current_stream(self.device)
         ld, sc = self._load_stream, self.in_stream
-        for log in (self._gathers, self._scatters, self._writes, self._reads):
-            log.prune()
+        self._prune()
         # Loads into blocks a swap-out is still gathering go in the order of those gathers, so
         # each chunk's scatter waits for the gathers of its own blocks, not for the last one
         # (the host runs, and so the transfers' sizes, are kept within each gather's share).
@@ -381,6 +379,10 @@ class SwapEngine:
         self.num_swapped_in += n
         return n
 
+    def _prune(self) -> None:
+        for log in (self._gathers, self._scatters, self._writes, self._reads):
+            log.prune()
+
     def wait(self, stream: Optional[Any] = None) -> None:
         """Makes ``stream`` (default: the current one) wait, on the GPU, until the device pool is
         consistent with every swap queued so far: swapped-out blocks gathered, swapped-in blocks
@@ -408,19 +410,17 @@ class _EventLog:
     wait for every entry up to ``k`` (a stream runs its work in order). Entries that have
     completed are dropped (:meth:`prune`), so the log holds only what may still be running."""
 
-    __slots__ = ("_events", "_base", "_next")
+    __slots__ = ("_events", "_base")
 
     def __init__(self) -> None:
         self._events: list = []
         self._base = 0  # number of _events[0]; every entry below it has completed
-        self._next = 0
 
     def record(self, stream: Any) -> Tuple[Any, int]:
         ev = torch.cuda.Event()
         ev.record(stream)
         self._events.append(ev)
-        self._next += 1
-        return ev, self._next - 1
+        return ev, self._base + len(self._events) - 1
 
     def prune(self) -> None:
         done = 0

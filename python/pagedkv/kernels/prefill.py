@@ -42,7 +42,6 @@ rows, and rows past `max_q_len` are written as zeros.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -593,8 +592,8 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q
                        block_size, seq_cap if max_seq_len is None else min(seq_cap, max_seq_len))
     if num_seqs == 0 or total == 0:
         return None
-    cfg = prefill_config(head_dim, q.dtype, os.environ.get("TRITON_INTERPRET", "0") == "1",
-                         k_cache.dtype)
+    interpret = L.interpreting()
+    cfg = prefill_config(head_dim, q.dtype, interpret, k_cache.dtype)
     cfg = v.merge_config(cfg, config)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if cfg["FP8_COMPUTE"] not in ("fp16", "q"):
@@ -610,7 +609,6 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q
     per_tile = group if pack else 1
     block_t = cfg["BLOCK_M"] // per_tile
     o_ref = out if out is not None else torch.empty_like(q)
-    interpret = L.interpreting()
     call = _PrefillCall()
     call.block_t, call.g1, call.g2, call.total = block_t, q_heads // per_tile, num_seqs, total
     call.block_n, call.heads, call.head_dim = cfg["BLOCK_N"], q_heads, head_dim
