@@ -10,7 +10,9 @@ At Llama-3-8B dimensions (random bf16 weights, ``benches/_dims.py``), for each p
    ``generate`` call (one token);
 4. ``recompute``: the same prompt under another tenant's ``cache_salt`` (nothing cached for it):
    a full prefill, same engine, same step;
-5. ``copy``: a plain pinned host-to-device ``copy_`` of the same KV bytes, the bound on a load.
+5. ``copy``: a plain pinned host-to-device ``copy_`` of the same KV bytes, the bound on a load;
+6. ``--layerwise``: steps 2-3 again with the runner's ``layerwise_loads`` on (same engine): the
+   blocks load layer by layer and each layer of the forward waits only for its own slices.
 
 Also (``--reuse``) a reuse workload: ``--reuse-prompts`` unique prompts of ``--reuse-len`` tokens,
 whose KV is several times the GPU pool, each asked twice in two passes; throughput of the second
@@ -114,13 +116,19 @@ def run_lengths(loaded, args) -> list:
                       max_num_seqs=4, max_num_batched_tokens=args.chunk,
                       host_cache_memory=args.host_cache, progress=False)
     kv_token = llm.llm_engine.runner.spec.bytes_per_token
+    runner = llm.llm_engine.runner
+
+    def evict_others():
+        for _ in range(2):
+            ttft(llm, torch.randint(0, vocab, (llm.max_model_len - 1,), generator=g).tolist())
+
     for n in args.lens:
-        host_t, rec_t = [], []
+        host_t, rec_t, lay_t = [], [], []
+        layered = 0
         for rep in range(args.reps):
             a = torch.randint(0, vocab, (n,), generator=g).tolist()
             ttft(llm, a)
-            for _ in range(2):
-                ttft(llm, torch.randint(0, vocab, (llm.max_model_len - 1,), generator=g).tolist())
+            evict_others()
             before = llm.stats().prefix_hits_by_tier
             host_t.append(ttft(llm, a))
             after = llm.stats().prefix_hits_by_tier
@@ -129,20 +137,36 @@ def run_lengths(loaded, args) -> list:
             if gpu_hits:
                 print(f"  warning: {gpu_hits} tokens of the {n}-token prompt were still on the GPU")
             rec_t.append(ttft(llm, a, salt=f"other-tenant-{n}-{rep}"))
+            if args.layerwise:
+                evict_others()
+                runner.layerwise_loads = True
+                k0 = runner.swap.num_layered_swap_ins
+                lay_t.append(ttft(llm, a))
+                layered += runner.swap.num_layered_swap_ins - k0
+                runner.layerwise_loads = False
         if args.profile_dir and n in args.profile_lens:
-            a = torch.randint(0, vocab, (n,), generator=g).tolist()
-            ttft(llm, a)
-            for _ in range(2):
-                ttft(llm, torch.randint(0, vocab, (llm.max_model_len - 1,), generator=g).tolist())
-            profiled(llm, a, args.profile_dir, f"host_{n}")
+            for by_layer in ([False, True] if args.layerwise else [False]):
+                a = torch.randint(0, vocab, (n,), generator=g).tolist()
+                ttft(llm, a)
+                evict_others()
+                runner.layerwise_loads = by_layer
+                profiled(llm, a, args.profile_dir, f"host_{'layered_' if by_layer else ''}{n}")
+                runner.layerwise_loads = False
         full = (n // bs) * bs
         cp = copy_time(full * kv_token, args.device)
         h, r = statistics.median(host_t), statistics.median(rec_t)
         rows.append({"prompt": n, "host_ttft_ms": h * 1e3, "recompute_ttft_ms": r * 1e3,
                      "speedup": r / h, "copy_ms": cp * 1e3, "host_hit_tokens": hits,
                      "gpu_hit_tokens": gpu_hits, "load_fraction_of_copy": cp / h})
-        print(f"  {n:>6} tokens: host {h*1e3:8.2f} ms   recompute {r*1e3:8.2f} ms   "
-              f"x{r/h:5.1f}   plain copy {cp*1e3:6.2f} ms   host hits {hits}", flush=True)
+        line = (f"  {n:>6} tokens: host {h*1e3:8.2f} ms   recompute {r*1e3:8.2f} ms   "
+                f"x{r/h:5.1f}   plain copy {cp*1e3:6.2f} ms   host hits {hits}")
+        if lay_t:
+            lt = statistics.median(lay_t)
+            rows[-1].update({"host_layered_ttft_ms": lt * 1e3, "speedup_layered": r / lt,
+                             "layered_swap_ins": layered})
+            line += (f"\n  {'':>6}         by layer {lt*1e3:8.2f} ms   x{r/lt:5.1f}   "
+                     f"({layered} of {args.reps} loads went layer by layer)")
+        print(line, flush=True)
     llm.shutdown()
     return rows
 
@@ -156,11 +180,14 @@ def run_reuse(loaded, args) -> dict:
                for _ in range(args.reuse_prompts)]
     sp = pagedkv.SamplingParams(temperature=0.0, max_tokens=1)
     out = {}
-    for label, host in (("no tier", None), ("host tier", args.reuse_host)):
+    arms = [("no tier", None, False), ("host tier", args.reuse_host, False)]
+    if args.layerwise:
+        arms.append(("by layer", args.reuse_host, True))
+    for label, host, by_layer in arms:
         llm = pagedkv.LLM(loaded, device=args.device, num_blocks=args.reuse_blocks,
                           block_size=args.block_size, max_num_seqs=256,
                           max_num_batched_tokens=args.chunk, host_cache_memory=host,
-                          progress=False)
+                          progress=False, layerwise_loads=by_layer)
         llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         sync()
         t0 = time.perf_counter()
@@ -179,6 +206,9 @@ def run_reuse(loaded, args) -> dict:
             torch.cuda.empty_cache()
     out["speedup"] = out["no tier"]["seconds"] / out["host tier"]["seconds"]
     out["same_outputs"] = out["no tier"]["first_tokens"] == out["host tier"]["first_tokens"]
+    if args.layerwise:
+        out["speedup_layered"] = out["no tier"]["seconds"] / out["by layer"]["seconds"]
+        out["same_outputs"] &= out["no tier"]["first_tokens"] == out["by layer"]["first_tokens"]
     return out
 
 
@@ -197,6 +227,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse-blocks", type=int, default=8192, help="GPU pool of the reuse run")
     ap.add_argument("--reuse-host", default="80GiB")
     ap.add_argument("--skip-lens", action="store_true")
+    ap.add_argument("--layerwise", action="store_true",
+                    help="also time the host tier with layerwise_loads on (TTFT and reuse)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile-dir", default=None,
                     help="profile one more host-tier TTFT per --profile-lens length: tables "

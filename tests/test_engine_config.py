@@ -91,7 +91,7 @@ def test_engine_and_llm_keywords_default_to_the_config_defaults():
     """LLMEngine spells every config knob with its default; LLM the ones it names."""
     defaults = _field_defaults()
     runner_only = {"attention_backend", "decode_planner", "fused_model", "cuda_graph_pieces",
-                   "small_batch_gemv"}
+                   "small_batch_gemv", "layerwise_loads"}
     engine = inspect.signature(pagedkv.LLMEngine.__init__).parameters
     knobs = {n: p.default for n, p in engine.items() if n not in ("self", "model", "device",
                                                                   "dtype")}
@@ -130,6 +130,7 @@ def test_engine_and_llm_keywords_default_to_the_config_defaults():
         (dict(small_batch_gemv=-1), "small_batch_gemv"),
         (dict(small_batch_gemv=17), "small_batch_gemv"),
         (dict(small_batch_gemv=True), "small_batch_gemv"),
+        (dict(layerwise_loads="yes"), "layerwise_loads"),
         (dict(enable_chunked_prefill=1), "enable_chunked_prefill"),
     ],
 )

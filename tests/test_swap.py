@@ -217,3 +217,137 @@ def test_cuda_per_block_order_lets_loads_run_beside_write_backs():
         assert torch.equal(got[:, :, i], host_in[i].to("cuda")), i
         assert torch.equal(u8[h_again[i]], host_in[i]), i
         assert torch.equal(u8[h_in[i]], spare_before[:, :, i].cpu()), i
+
+
+# ------------------------------------------------------------------------ layer by layer
+
+
+def _layered_load(device, host_ids, dev_ids, *, staging_blocks=None, layers=3, max_runs=None,
+                  dtype="float32"):
+    """Fills host blocks with random bytes, loads them ``by_layer`` and returns the engine and
+    whether every destination holds its host block (all layers' K and V, by bytes) while every
+    other device block is untouched."""
+    spec = _spec(dtype, layers=layers)
+    pool = _filled_pool(spec, 40, device, seed=3)
+    eng = SwapEngine(pool, 32, staging_blocks=staging_blocks)
+    if max_runs is not None:
+        eng.max_layer_runs = max_runs
+    g = torch.Generator().manual_seed(4)
+    eng.host.kv.view(torch.uint8).copy_(
+        torch.randint(0, 256, eng.host.kv.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+    if spec.dtype == "float32":
+        eng.host.kv.nan_to_num_(0.0)
+    dev_before = pool.kv.view(torch.uint8).cpu().clone()
+    assert eng.swap_in(list(zip(host_ids, dev_ids)), by_layer=True) == len(dev_ids)
+    eng.wait()
+    after = pool.kv.view(torch.uint8).cpu()
+    ok = all(torch.equal(after[:, :, d], eng.host.kv.view(torch.uint8)[h])
+             for h, d in zip(host_ids, dev_ids))
+    others = [b for b in range(40) if b not in set(dev_ids)]
+    ok = ok and torch.equal(after[:, :, others], dev_before[:, :, others])
+    return eng, ok
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("staging", [None, 4, 2])
+def test_layered_swap_in_cpu(case, staging):
+    """Layer by layer, through a staging that holds every layer's slices (None), a few (4: the
+    ring wraps) or one (2 blocks of 3 layers for 5-6 blocks: each slice waits for the last)."""
+    _dev_out, host_ids, back = CASES[case]
+    eng, ok = _layered_load("cpu", host_ids, back, staging_blocks=staging)
+    assert ok
+    assert eng.num_layered_swap_ins == 1 and eng.num_swapped_in == len(back)
+    assert not eng.layers_pending  # the CPU copies are synchronous: nothing to wait for
+    eng.wait_layer(0)  # a no-op without pending layers
+
+
+def test_layered_swap_in_falls_back_whole_block_with_the_same_result():
+    _dev_out, host_ids, back = CASES["fragmented"]  # host ids in 4 runs
+    eng, ok = _layered_load("cpu", host_ids, back, max_runs=3)
+    assert ok and eng.num_layered_swap_ins == 0
+    eng, ok = _layered_load("cpu", host_ids, back, max_runs=4)
+    assert ok and eng.num_layered_swap_ins == 1
+    # One layer's slices of 6 blocks do not fit a staging of 2 blocks of 2 layers (4 slices).
+    eng, ok = _layered_load("cpu", host_ids, back, staging_blocks=1, layers=2)
+    assert ok and eng.num_layered_swap_ins == 0
+    eng, ok = _layered_load("cpu", host_ids, back, staging_blocks=6, layers=2)
+    assert ok and eng.num_layered_swap_ins == 1
+
+
+def test_layered_swap_in_refuses_bad_input_unchanged():
+    pool = _filled_pool(_spec(), 8)
+    eng = SwapEngine(pool, 4)
+    dev_before = pool.kv.view(torch.uint8).clone()
+    with pytest.raises(InvalidArgumentError):
+        eng.swap_in([(0, 1)], by_layer=1)
+    with pytest.raises(InvalidBlockError):
+        eng.swap_in([(0, 1), (4, 2)], by_layer=True)
+    with pytest.raises(InvalidArgumentError):
+        eng.swap_in([(0, 3), (1, 3)], by_layer=True)
+    assert torch.equal(pool.kv.view(torch.uint8), dev_before)
+    assert eng.num_layered_swap_ins == 0 and eng.num_swapped_in == 0
+
+
+def test_cudart_strided_copy_checks_its_arguments():
+    from pagedkv import _cudart
+
+    with pytest.raises(ValueError):
+        _cudart.memcpy2d_async(0, 8, 0, 16, 16, 1, _cudart.HOST_TO_DEVICE, 0)  # dpitch < width
+    with pytest.raises(ValueError):
+        _cudart.memcpy2d_async(0, 16, 0, 16, 16, -1, _cudart.HOST_TO_DEVICE, 0)
+    if not torch.cuda.is_available():
+        # Without a GPU the runtime (when torch brought one) reports an error by name: never a
+        # crash, never a silent no-op.
+        with pytest.raises(RuntimeError, match="cuda|CUDA"):
+            _cudart.memcpy2d_async(0, 16, 0, 16, 16, 1, _cudart.HOST_TO_DEVICE, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("staging", [None, 8, 2])
+def test_layered_swap_in_cuda(staging):
+    _dev_out, host_ids, back = CASES["fragmented"]
+    eng, ok = _layered_load("cuda", host_ids, back, staging_blocks=staging, dtype="bfloat16")
+    assert ok and eng.num_layered_swap_ins == 1
+
+
+@pytest.mark.gpu
+def test_cuda_layered_load_orders_each_layer_without_host_sync():
+    """A layer-by-layer load queued behind slow work and right after a swap-out of the very
+    device blocks it fills (a step's evicted blocks), through a staging whose ring wraps: the
+    compute stream waits for one layer at a time (:meth:`SwapEngine.wait_layer`) and reads that
+    layer at once; every layer read so equals the host blocks, and the swap-out got the old
+    contents."""
+    layers = 6
+    spec = _spec("bfloat16", block_size=16, layers=layers)
+    pool = _filled_pool(spec, 128, "cuda", seed=8)
+    n = 24
+    eng = SwapEngine(pool, 96, staging_blocks=4)  # 4 blocks hold 24 of one layer's slices x 4
+    g = torch.Generator().manual_seed(9)
+    dev = torch.randperm(128, generator=g)[:n].tolist()
+    h_in = list(range(40, 40 + n))  # one run
+    eng.host.kv[h_in] = torch.randn(eng.host.kv[h_in].shape, generator=g).to(eng.host.kv.dtype)
+    host_in = eng.host.kv.view(torch.uint8)[h_in].clone()
+    before = pool.kv.view(torch.uint8)[:, :, dev].cpu()
+    torch.cuda.synchronize()
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(8):
+        big = big @ big
+        big /= big.norm()
+    eng.swap_out(list(zip(dev, range(n))))
+    eng.swap_in(list(zip(h_in, dev)), by_layer=True)
+    assert eng.num_layered_swap_ins == 1 and eng.layers_pending
+    eng.wait(layers=False)
+    got = []
+    u8 = pool.kv.view(torch.uint8)
+    for layer in range(layers):
+        eng.wait_layer(layer)
+        got.append(u8[layer][:, dev].clone())  # [2, n, ...] on the compute stream
+    eng.wait()
+    assert not eng.layers_pending
+    eng.synchronize()
+    torch.cuda.synchronize()
+    hu8 = eng.host.kv.view(torch.uint8)
+    for i in range(n):
+        assert torch.equal(hu8[i], before[:, :, i]), i  # the swap-out read the old blocks
+        for layer in range(layers):
+            assert torch.equal(got[layer][:, i].cpu(), host_in[i, layer]), (i, layer)

@@ -79,6 +79,70 @@ def test_host_tier_serves_evicted_prefixes_with_the_same_outputs(model_dir: str,
     assert 0 < stats.tier_usage_bytes["host"] <= 2**20
 
 
+class _RecordingSwap:
+    """The runner's swap engine, recording the per-layer waits its forwards make. On the CPU a
+    layer-by-layer load is synchronous (nothing pends), so this wrapper reports it pending until
+    the runner waits for every layer, as a CUDA engine would."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.waits, self.pending, self.loads = real, [], False, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def swap_in(self, pairs: Any, *, by_layer: bool = False) -> int:
+        before = self.real.num_layered_swap_ins
+        n = self.real.swap_in(pairs, by_layer=by_layer)
+        if self.real.num_layered_swap_ins > before:
+            self.pending, self.loads = True, self.loads + 1
+        return n
+
+    @property
+    def layers_pending(self) -> bool:
+        return self.pending
+
+    def wait(self, stream: Any = None, *, layers: bool = True) -> None:
+        if layers:
+            self.pending = False
+        self.real.wait(stream, layers=layers)
+
+    def wait_layer(self, layer: int, stream: Any = None) -> None:
+        assert self.pending, "a layer wait outside a layer-by-layer step"
+        self.waits.append(layer)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_layerwise_loads_keep_outputs_and_wait_layer_by_layer(model_dir: str,
+                                                              baseline: List[List[int]],
+                                                              fused: bool) -> None:
+    """``layerwise_loads``: the host tier's hits load layer by layer, the outputs are the
+    baseline's, and each such step's forward waits for layers 0, 1, ... in order, each once,
+    through the fused forward and through transformers' own module forwards."""
+    llm = pagedkv.LLM(model_dir, device="cpu", num_blocks=POOL, block_size=BS, max_num_seqs=2,
+                      progress=False, host_cache_memory="1MiB", layerwise_loads=True,
+                      fused_model=fused)
+    try:
+        runner = llm.llm_engine.runner
+        assert runner.layerwise_loads and runner.fused == fused
+        rec = _RecordingSwap(runner.swap)
+        runner.swap = rec
+        outs = []
+        for _ in range(2):
+            for p in _prompts():
+                out = llm.generate([{"prompt_token_ids": p}], SP, use_tqdm=False)
+                outs.append(list(out[0].outputs[0].token_ids))
+        llm.llm_engine.manager.check_invariants()
+        hits = llm.stats().prefix_hits_by_tier
+    finally:
+        llm.shutdown()
+    assert outs == baseline
+    assert hits.get("host", 0) >= 6 * 6 * BS // 2
+    layers = runner.spec.num_layers
+    assert rec.loads >= 6 and rec.real.num_layered_swap_ins == rec.loads
+    assert rec.waits == list(range(layers)) * rec.loads
+    assert not rec.pending
+
+
 def test_disk_tier_serves_what_the_host_tier_dropped(model_dir: str, baseline: List[List[int]],
                                                      tmp_path: Any) -> None:
     outs, stats, stores = _run(model_dir, host_cache_memory="64KiB",
@@ -167,6 +231,32 @@ def test_gpu_host_and_disk_tiers_keep_greedy_outputs(model_dir: str, tmp_path: A
                                disk_cache_dir=str(tmp_path / "kv"), disk_cache_memory="64MiB", **kw)
     assert outs == base
     assert stats.prefix_hits_by_tier["disk"] > 0 and stores["disk"].corrupt == 0
+
+
+@pytest.mark.gpu
+def test_gpu_layerwise_loads_keep_greedy_outputs(model_dir: str) -> None:
+    """On CUDA: the host tier's hits load layer by layer (strided transfers, per-layer events,
+    each layer of the eager forward waiting for its own), with the outputs of a run without
+    tiers token for token."""
+    import torch
+
+    kw: Dict[str, Any] = dict(device="cuda", dtype=torch.float32)
+    base, _, _ = _run(model_dir, **kw)
+    llm = pagedkv.LLM(model_dir, num_blocks=POOL, block_size=BS, max_num_seqs=2, progress=False,
+                      host_cache_memory="1MiB", layerwise_loads=True, **kw)
+    try:
+        outs = []
+        for _ in range(2):
+            for p in _prompts():
+                out = llm.generate([{"prompt_token_ids": p}], SP, use_tqdm=False)
+                outs.append(list(out[0].outputs[0].token_ids))
+        llm.llm_engine.manager.check_invariants()
+        layered = llm.llm_engine.runner.swap.num_layered_swap_ins
+        hits = llm.stats().prefix_hits_by_tier
+    finally:
+        llm.shutdown()
+    assert outs == base
+    assert hits["host"] >= 6 * 6 * BS // 2 and layered >= 6
 
 
 def test_tier_settings_are_checked(model_dir: str, tmp_path: Any) -> None:

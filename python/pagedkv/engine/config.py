@@ -52,7 +52,7 @@ class EngineConfig:
     """How an engine serves its model: KV pool, scheduler, preemption, tensor parallelism.
 
     The fields are :class:`~pagedkv.engine.llm.LLMEngine`'s keyword arguments of the same names
-    (see there), plus four of the model runner's own:
+    (see there), plus the model runner's own:
 
     * ``attention_backend``: ``"auto"`` (the Triton kernels on CUDA, plain PyTorch on the CPU),
       ``"torch"`` or ``"triton"`` (on the CPU only under ``TRITON_INTERPRET=1``);
@@ -66,7 +66,11 @@ class EngineConfig:
       rest (:meth:`~pagedkv.engine.model_runner.ModelRunner.capture_graphs`); 1: one graph;
     * ``small_batch_gemv``: with the fused forward on the kernels, steps of at most this many
       rows run their linear layers through the weight-streaming GEMV
-      (:func:`pagedkv.kernels.linear_small_m`, at most 16 rows) instead of cuBLAS; 0: never.
+      (:func:`pagedkv.kernels.linear_small_m`, at most 16 rows) instead of cuBLAS; 0: never;
+    * ``layerwise_loads``: a step's loads from the host pool (prefix hits of the host tier,
+      swapped-in sequences) go layer by layer, and each layer of the step's forward waits only
+      for its own slices (:meth:`pagedkv.swap.SwapEngine.swap_in` with ``by_layer``): the forward
+      overlaps the load. Eager steps only (a CUDA-graph decode step waits for the whole load).
 
     the tiers of the prefix cache below the GPU (``docs/tiers.md``; :class:`~pagedkv.engine.llm.
     LLMEngine` documents each): ``host_cache_memory``, ``host_cache_write_through``,
@@ -119,6 +123,7 @@ class EngineConfig:
     fused_model: bool = True
     cuda_graph_pieces: int = 1
     small_batch_gemv: int = 0
+    layerwise_loads: bool = False
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -178,7 +183,8 @@ class EngineConfig:
         if not isinstance(self.kv_events_topic, str):
             raise _bad("kv_events_topic", self.kv_events_topic, "must be a string")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "cuda_graphs", "progress",
-                     "record_steps", "decode_planner", "host_cache_write_through", "fused_model"):
+                     "record_steps", "decode_planner", "host_cache_write_through", "fused_model",
+                     "layerwise_loads"):
             value = getattr(self, name)
             if value is not True and value is not False:
                 raise _bad(name, value, f"must be a bool, got {type(value).__name__}")

@@ -225,6 +225,8 @@ def _linear(meta: AttentionMetadata, x: torch.Tensor, w: torch.Tensor,
 
 def _attend(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor,
             v: torch.Tensor, scaling: float) -> torch.Tensor:
+    if meta.layer_ready is not None:
+        meta.layer_ready(layer)
     kc, vc = meta.k_caches[layer], meta.v_caches[layer]
     if meta.mode == "cpu":
         # The CPU path's index_copy_ and gathers want packed rows.

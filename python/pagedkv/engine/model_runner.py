@@ -174,6 +174,8 @@ class ModelRunner:
             torch.cuda.empty_cache()
         #: Rows up to which the fused forward's linear layers use the GEMV (``small_batch_gemv``).
         self.gemv_rows = int(config.small_batch_gemv) if self.fused else 0
+        #: Whether an eager step's host loads go layer by layer (``layerwise_loads``).
+        self.layerwise_loads = bool(config.layerwise_loads)
         self.spec = CacheSpec(num_layers=int(cfg.num_hidden_layers), num_kv_heads=num_kv,
                               head_dim=_head_dim(cfg), dtype=str(self.dtype).rpartition(".")[2],
                               block_size=block_size)
@@ -499,8 +501,15 @@ class ModelRunner:
 
         n_out = getattr(step, "num_swap_out", 0)
         n_in = getattr(step, "num_swap_in", 0)
+        # A step with extra logits rows is never replayed: a graph keeps one row per sequence.
+        decode = t == n and not (extra is not None and extra.size)
+        graph_bs = self._graph_size(n) if decode else None
+        layer_ready = None
         if n_out or n_in:
-            self._apply_swaps(host, n_out, n_in)
+            # Layer by layer where the forward runs eagerly, layer after layer, in this call, and
+            # no copy-on-write copy reads whole blocks before it.
+            by_layer = self.layerwise_loads and graph_bs is None and not step.num_copies
+            layer_ready = self._apply_swaps(host, n_out, n_in, by_layer=by_layer)
         if step.num_copies:
             # Copy-on-write before any layer writes: the copies carry the shared prefix of a block
             # into its private copy, and this step's new tokens land in the copy.
@@ -511,14 +520,11 @@ class ModelRunner:
             dev = self.buffers.to_device(step)
         if self.step_records is not None:
             self.step_records.append(self.step_record(step, ids, pos, rows))
-        # A step with extra logits rows is never replayed: a graph keeps one row per sequence.
-        decode = t == n and not (extra is not None and extra.size)
 
         if not self.use_kernels:
             if ids is None:  # the step's batch arrived on the device (TP over NCCL)
                 ids, pos = self._ids_dev[:t].cpu().numpy(), self._pos_dev[:t].cpu().numpy()
-            return self._run_cpu(ids, pos, dev, n, qsl, last)
-        graph_bs = self._graph_size(n) if decode else None
+            return self._run_cpu(ids, pos, dev, n, qsl, last, layer_ready)
         if inputs_on_device:
             ids_d, pos_d = self._ids_dev[:t], self._pos_dev[:t]
         elif self.is_cuda:
@@ -538,8 +544,11 @@ class ModelRunner:
             meta = self._cuda_meta("prefill", dev.slot_mapping, dev.block_tables, dev.seq_lens,
                                    dev.query_start_loc, max_seq_len=int(step.max_seq_len),
                                    max_q_len=int(step.max_query_len) or int(np.diff(qsl).max()))
+        meta.layer_ready = layer_ready
         last_d = torch.from_numpy(last).to(self.device, non_blocking=True)
         out = self._forward(meta, ids_d[None], pos_d[None], last_d)[0].float()
+        if layer_ready is not None:
+            self.swap.wait()  # whatever layer the forward did not wait for, later steps do
         if self.is_cuda:
             self._inputs_copied.synchronize()
         return out
@@ -562,7 +571,10 @@ class ModelRunner:
         rec["addresses"] = tuple(tns.data_ptr() for _, tns in self.buffers.device.items())
         return rec
 
-    def _apply_swaps(self, host: Any, n_out: int, n_in: int) -> None:
+    def _apply_swaps(self, host: Any, n_out: int, n_in: int, *, by_layer: bool = False) -> Any:
+        """Queues the step's swaps and makes the forward's stream wait for them; returns the
+        per-layer wait (:meth:`~pagedkv.swap.SwapEngine.wait_layer`) when the loads went layer
+        by layer, else None (the forward then waits for nothing more)."""
         if self.swap is None:
             raise InvalidConfigError(
                 "the step carries swaps but the runner has no host pool (call enable_swap with the "
@@ -572,11 +584,14 @@ class ModelRunner:
         if n_out:
             self.swap.swap_out(host.swap_out[:n_out])
         if n_in:
-            self.swap.swap_in(host.swap_in[:n_in])
-        # Only this step's forward waits (on the GPU) for the device side of its swaps.
-        self.swap.wait()
+            self.swap.swap_in(host.swap_in[:n_in], by_layer=by_layer)
+        # Only this step's forward waits (on the GPU) for the device side of its swaps: for
+        # layer-by-layer loads, each layer for its own slices.
+        layered = self.swap.layers_pending
+        self.swap.wait(layers=not layered)
+        return self.swap.wait_layer if layered else None
 
-    def _run_cpu(self, ids, pos, dev, n, qsl, last) -> torch.Tensor:
+    def _run_cpu(self, ids, pos, dev, n, qsl, last, layer_ready=None) -> torch.Tensor:
         q_lens = torch.from_numpy(np.diff(qsl).astype(np.int64))
         seq_lens = dev.seq_lens.to(torch.int64)
         meta = AttentionMetadata("cpu", self.pool.k_caches, self.pool.v_caches, dev.slot_mapping,
@@ -584,7 +599,11 @@ class ModelRunner:
         _attention.build_cpu_metadata(meta, self.block_size, q_lens, seq_lens)
         ids_t = torch.from_numpy(ids)[None]
         pos_t = torch.from_numpy(pos)[None]
-        return self._forward(meta, ids_t, pos_t, torch.from_numpy(last))[0].float()
+        meta.layer_ready = layer_ready
+        out = self._forward(meta, ids_t, pos_t, torch.from_numpy(last))[0].float()
+        if layer_ready is not None:
+            self.swap.wait()
+        return out
 
     @torch.inference_mode()
     def _forward(self, meta: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor,
