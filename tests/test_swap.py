@@ -249,10 +249,12 @@ def _layered_load(device, host_ids, dev_ids, *, staging_blocks=None, layers=3, m
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("staging", [None, 4, 2])
+@pytest.mark.parametrize("staging", [None, 4, 1])
 def test_layered_swap_in_cpu(case, staging):
-    """Layer by layer, through a staging that holds every layer's slices (None), a few (4: the
-    ring wraps) or one (2 blocks of 3 layers for 5-6 blocks: each slice waits for the last)."""
+    """Layer by layer, through a staging that holds every layer's slices (None: 32 blocks of 3
+    layers), two layers' (4 blocks, 2 halves of 2: 12 slices for 5-6 blocks a layer: the ring
+    wraps) or less than two (1 block, 2 halves of 1: 6 slices: each layer in pieces of 3 blocks,
+    which split the host runs)."""
     _dev_out, host_ids, back = CASES[case]
     eng, ok = _layered_load("cpu", host_ids, back, staging_blocks=staging)
     assert ok
@@ -267,11 +269,15 @@ def test_layered_swap_in_falls_back_whole_block_with_the_same_result():
     assert ok and eng.num_layered_swap_ins == 0
     eng, ok = _layered_load("cpu", host_ids, back, max_runs=4)
     assert ok and eng.num_layered_swap_ins == 1
-    # One layer's slices of 6 blocks do not fit a staging of 2 blocks of 2 layers (4 slices).
-    eng, ok = _layered_load("cpu", host_ids, back, staging_blocks=1, layers=2)
-    assert ok and eng.num_layered_swap_ins == 0
-    eng, ok = _layered_load("cpu", host_ids, back, staging_blocks=6, layers=2)
+    # Past max_layer_runs, runs long enough on average still go by layer: 24 blocks in 3 runs.
+    host_ids = list(range(0, 8)) + list(range(10, 18)) + list(range(20, 28))
+    back = list(range(8, 32))
+    eng, ok = _layered_load("cpu", host_ids, back, max_runs=2)
     assert ok and eng.num_layered_swap_ins == 1
+    # 22 blocks in 11 runs of 2: whole-block.
+    host_ids = [b for i in range(12) for b in (3 * i, 3 * i + 1) if 3 * i + 1 < 32][:24]
+    eng, ok = _layered_load("cpu", host_ids, back[:len(host_ids)], max_runs=2)
+    assert ok and eng.num_layered_swap_ins == 0
 
 
 def test_layered_swap_in_refuses_bad_input_unchanged():
@@ -321,7 +327,7 @@ def test_cuda_layered_load_orders_each_layer_without_host_sync():
     spec = _spec("bfloat16", block_size=16, layers=layers)
     pool = _filled_pool(spec, 128, "cuda", seed=8)
     n = 24
-    eng = SwapEngine(pool, 96, staging_blocks=4)  # 4 blocks hold 24 of one layer's slices x 4
+    eng = SwapEngine(pool, 96, staging_blocks=4)  # 24 slices: each layer in 2 pieces of 12
     g = torch.Generator().manual_seed(9)
     dev = torch.randperm(128, generator=g)[:n].tolist()
     h_in = list(range(40, 40 + n))  # one run

@@ -49,10 +49,11 @@ strided transfer per run of consecutive host blocks (``cudaMemcpy2DAsync``, :mod
 rows of that slice, ``bytes_per_block`` apart), is scattered into the layer's pool view, and gets
 an event of its own; the forward waits for layer ``l``'s event (:meth:`SwapEngine.wait_layer`)
 just before layer ``l``'s attention, so layer 0 computes while the later layers still load. The
-staging holds as many layer slices as fit (a ring: a slice waits for the scatter of the one that
-used its place before). It falls back to the whole-block path, same result, when the CUDA runtime
-call is not available, when one layer's slices do not fit the staging, or when the host blocks
-fall in more than :attr:`SwapEngine.max_layer_runs` runs (each run costs one call per layer).
+staging is a ring of places for layer slices: a layer's slices go in one piece when two layers
+fit, else in pieces of half the staging; a piece waits for the scatter of the one that used its
+place before. It falls back to the whole-block path, same result, when the CUDA runtime call is
+not available, or when the host blocks fall in more than :attr:`SwapEngine.max_layer_runs` runs
+averaging fewer than :data:`LAYER_RUN_BLOCKS` blocks (each run costs one call per layer).
 
 On the CPU both pools are plain tensors and a swap is a synchronous indexed copy.
 
@@ -81,6 +82,12 @@ __all__ = ["HostKVPool", "SwapEngine", "DEFAULT_STAGING_BYTES"]
 #: Device staging per direction when ``staging_blocks`` is not given: large enough that each
 #: transfer runs at the link's full rate, small next to a KV pool.
 DEFAULT_STAGING_BYTES = 256 * 2**20
+
+#: A layer-by-layer load of more than :attr:`SwapEngine.max_layer_runs` runs of host blocks goes
+#: whole-block unless its runs average at least this many blocks: each run costs one call per
+#: layer, and a strided transfer of fewer rows than this moves its bytes faster than the host
+#: queues the next call (about 4 x 64 KiB at Llama-3-8B's block against a few microseconds).
+LAYER_RUN_BLOCKS = 4
 
 PairsLike = Union[torch.Tensor, np.ndarray, Sequence[Sequence[int]], Sequence[int]]
 
@@ -196,8 +203,9 @@ class SwapEngine:
         self.num_swapped_in = 0
         #: Swap-ins that went layer by layer (``by_layer`` and the load fit; see the module docs).
         self.num_layered_swap_ins = 0
-        #: Most runs of consecutive host blocks a layer-by-layer load takes (one strided transfer
-        #: per run and layer); a more scattered load goes whole-block.
+        #: Runs of consecutive host blocks a layer-by-layer load always takes (one strided
+        #: transfer per run and layer); past it only runs of :data:`LAYER_RUN_BLOCKS` blocks on
+        #: average, and a more scattered load goes whole-block.
         self.max_layer_runs = 16
         # Per-layer events of the last layer-by-layer swap-in the caller has not waited on.
         self._layer_pending: list = []
@@ -432,10 +440,8 @@ class SwapEngine:
         """Whether a load of the sorted ``host`` ids can go layer by layer (module docs)."""
         if self.is_cuda and not (self.host.pinned and _cudart.available()):
             return False
-        if len(_runs(host)) > self.max_layer_runs:
-            return False
-        staging = 2 * max(1, self.staging_blocks // 2) * self.pool.spec.bytes_per_block
-        return host.size * self._layer_bytes() <= staging
+        runs = len(_runs(host))
+        return runs <= self.max_layer_runs or host.size >= LAYER_RUN_BLOCKS * runs
 
     def _copy_layer(self, stage: torch.Tensor, dst_off: int, h: int, layer: int, count: int,
                     stream: Any) -> None:
@@ -451,13 +457,25 @@ class SwapEngine:
                 self.host.raw[h:h + count, layer * lb:(layer + 1) * lb])
 
     def _swap_in_by_layer(self, host: np.ndarray, dev: np.ndarray) -> None:
-        """The layer-by-layer load of sorted ``host`` ids into ``dev`` (module docs)."""
+        """The layer-by-layer load of sorted ``host`` ids into ``dev`` (module docs).
+
+        The work is a sequence of pieces, layer-major: layer ``l``'s slices of a range of at most
+        ``per`` blocks. A piece goes to the staging ring's next place (after the scatter of the
+        piece that held it), one strided transfer per run of consecutive host blocks inside its
+        range, then one scatter; a layer's event is recorded after its last piece's scatter."""
         n, lb = int(host.size), self._layer_bytes()
         layers = self.pool.spec.num_layers
         stage = self._stage_in_bytes()
-        slot = n * lb
-        ring = max(1, min(layers, stage.numel() // slot))
-        runs = [(a, b, int(host[a])) for a, b in _runs(host)]
+        places = stage.numel() // lb  # layer slices the staging holds
+        # Whole layers a piece when two fit (transfer one while scattering the other), else
+        # half the staging a piece.
+        per = n if 2 * n <= places else max(1, places // 2)
+        ring = places // per
+        ranges = []
+        for c0 in range(0, n, per):
+            c1 = min(n, c0 + per)
+            ranges.append((c0, c1, [(c0 + a, c0 + b, int(host[c0 + a]))
+                                    for a, b in _runs(host[c0:c1])]))
         cuda = self.is_cuda
         ld = sc = None
         if cuda:
@@ -478,30 +496,38 @@ class SwapEngine:
         else:
             dev_idx = torch.from_numpy(dev)
         words = self._chunk // self._word
-        done: list = []
+        scattered: list = []  # one event per piece
+        done: list = []  # one event per layer
         loaded = rseq = None
+        k = 0
         for layer in range(layers):
-            off = (layer % ring) * slot
-            if cuda and layer >= ring:
-                ld.wait_event(done[layer - ring])  # that slice is scattered: its place is free
-            for a, b, h in runs:
-                self._copy_layer(stage, off + a * lb, h, layer, b - a, ld)
-            src = stage[off:off + slot].view(self._wdt).view(n, 2, words).permute(1, 0, 2)
+            dst = self._dev_layers[layer]
+            for c0, c1, runs in ranges:
+                off = (k % ring) * per * lb
+                if cuda and k >= ring:
+                    ld.wait_event(scattered[k - ring])  # the place's last piece is scattered
+                for a, b, h in runs:
+                    self._copy_layer(stage, off + (a - c0) * lb, h, layer, b - a, ld)
+                src = stage[off:off + (c1 - c0) * lb].view(self._wdt).view(c1 - c0, 2, words)
+                src = src.permute(1, 0, 2)
+                if cuda:
+                    loaded, rseq = self._reads.record(ld)
+                    sc.wait_event(loaded)
+                    with torch.cuda.stream(sc):
+                        dst.index_copy_(1, dev_idx[c0:c1], src)
+                    ev = torch.cuda.Event()
+                    ev.record(sc)
+                    scattered.append(ev)
+                else:
+                    dst.index_copy_(1, dev_idx[c0:c1], src)
+                k += 1
             if cuda:
-                loaded, rseq = self._reads.record(ld)
-                sc.wait_event(loaded)
-                with torch.cuda.stream(sc):
-                    self._dev_layers[layer].index_copy_(1, dev_idx, src)
-                ev = torch.cuda.Event()
-                ev.record(sc)
-                done.append(ev)
-            else:
-                self._dev_layers[layer].index_copy_(1, dev_idx, src)
+                done.append(scattered[-1])
         if cuda:
             self._host_read[host] = rseq
-            scattered, sseq = self._scatters.record(sc)
+            last, sseq = self._scatters.record(sc)
             self._dev_scattered[dev] = sseq
-            self._in_half_free = [scattered, scattered]
+            self._in_half_free = [last, last]
             self._in_done = loaded
             if self._layer_pending:  # an earlier one nobody waited on: wait() still covers it
                 self._pending.append(self._layer_pending[-1])
