@@ -222,13 +222,15 @@ def test_silu_mul_kernel_matches_reference(dtype):
 @pytest.mark.parametrize("gemv", [0, 16])
 def test_interpreted_fused_kernel_runner_matches_dense(gemv, monkeypatch):
     """The kernels' runner (interpreted) against the dense model; with ``small_batch_gemv`` the
-    decode steps' (and the small prefill's) linear layers and LM head run the GEMV."""
+    decode steps' (and the small prefill's) linear layers and LM head run the GEMV, the down
+    projection's with SiLU-times-up applied to its input."""
     from pagedkv.kernels import gemv as gemv_mod
 
     calls = []
     real = gemv_mod.linear_small_m
     monkeypatch.setattr(gemv_mod, "linear_small_m",
-                        lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+                        lambda *a, **k: calls.append(k.get("silu_mul_input", False))
+                        or real(*a, **k))
     model = _model("llama", seed=9)
     runner = ModelRunner(_loaded(model), block_size=4, num_blocks=64, max_num_seqs=4,
                          max_num_batched_tokens=64, attention_backend="triton",
@@ -246,6 +248,7 @@ def test_interpreted_fused_kernel_runner_matches_dense(gemv, monkeypatch):
     layers = model.config.num_hidden_layers
     # Per step 4 projections a layer and the LM head; the 7-token prefill has 7 rows.
     assert len(calls) == (0 if gemv == 0 else 3 * (4 * layers + 1))
+    assert sum(calls) == (0 if gemv == 0 else 3 * layers)  # one gated call a layer and step
 
 
 # ---------------------------------------------------------------------------------------- GPU

@@ -210,6 +210,42 @@ def test_validation():
         f(torch.zeros(17, 32), w)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (200, 160)])
+def test_gated_input_is_silu_mul_then_linear(device, m, n, k):
+    """`silu_mul_input=True` on a gate|up output `[M, 2K]` equals the GEMV of
+    `silu_mul(gate_up)`: the same operands (bitwise), so the same result, for the FMA and the
+    DOT path, split or not, a row-strided x, a K tail, with and without bias."""
+    from pagedkv.kernels import elementwise as ew
+
+    gen = torch.Generator().manual_seed(31 * m + n + k)
+    cfgs = [None, {"SPLIT_K": 2, "BLOCK_K": 16}]
+    if m == 1:
+        cfgs.append({"DOT": True})
+    for dtype in dtypes_for(device):
+        for bias in (False, True):
+            gu, w, b = make(m, n, 2 * k, dtype, device, gen, bias=False, row_pad=6)
+            w = w[:, :k].contiguous()
+            b = torch.randn(n, generator=gen).to(dtype).to(device) if bias else None
+            act = ew.silu_mul(gu) if device != "cpu" or INTERP else ew.silu_mul_ref(gu)
+            for cfg in cfgs:
+                got = G.linear_small_m(gu, w, b, config=cfg, silu_mul_input=True)
+                want = G.linear_small_m(act, w, b, config=cfg)
+                assert torch.equal(got, want), (dtype, bias, cfg)
+            check(G.linear_small_m(gu, w, b, silu_mul_input=True),
+                  ew.silu_mul_ref(gu.float()).to(dtype), w, b)
+
+
+@host_tensors_only
+def test_gated_input_validation():
+    w = torch.zeros(48, 32)
+    with pytest.raises(K.KernelShapeError, match="expected 64 .*silu_mul_input"):
+        G.linear_small_m(torch.zeros(2, 32), w, silu_mul_input=True)
+    with pytest.raises(K.KernelDTypeError, match="silu_mul_input: expected a bool"):
+        G.linear_small_m(torch.zeros(2, 64), w, silu_mul_input=1)
+
+
 # ------------------------------------------------------------------------------ compiled only
 
 LLAMA_SHAPES = {

@@ -10,7 +10,10 @@ and four multiplies per tensor, the residual adds, SiLU and the gate multiply) a
 for Q, K, V, gate and up. The fused forward runs per layer: one GEMM for Q|K|V, one RoPE launch
 rotating Q and K in place in that GEMM's output, pagedkv's attention on views of it, the output
 GEMM, one residual-add + RMSNorm launch, one GEMM for gate|up, one SiLU-times-up launch, the down
-GEMM, and one residual-add + RMSNorm launch (:mod:`pagedkv.kernels.elementwise`).
+GEMM, and one residual-add + RMSNorm launch (:mod:`pagedkv.kernels.elementwise`). With
+``small_batch_gemv`` and a step of at most that many rows, the projections run through
+:func:`pagedkv.kernels.linear_small_m` and the down projection's GEMV computes SiLU-times-up
+as it loads its input (no separate launch).
 
 The architecture still comes from transformers' classes: the embedding, the rotary embedding
 module (cos/sin per position, every ``rope_type`` it implements), the norms' weights and
@@ -192,8 +195,14 @@ def fused_layers(model: Any, meta: AttentionMetadata, h: torch.Tensor,
         norm = layer.post_attention_layernorm
         x, residual = rms_norm(h, norm.weight, _eps(norm), residual)
         w, b = mlp._pagedkv_gate_up
-        h = silu_mul(_linear(meta, x, w, b))
-        h = _linear(meta, h, mlp.down_proj.weight, mlp.down_proj.bias)
+        gu = _linear(meta, x, w, b)
+        if _small(meta, gu):
+            # The GEMV applies SiLU-times-up as it loads its input: one launch fewer.
+            from ..kernels.gemv import linear_small_m
+
+            h = linear_small_m(gu, mlp.down_proj.weight, mlp.down_proj.bias, silu_mul_input=True)
+        else:
+            h = _linear(meta, silu_mul(gu), mlp.down_proj.weight, mlp.down_proj.bias)
     assert residual is not None
     return h, residual
 
@@ -212,11 +221,16 @@ def fused_epilogue(model: Any, meta: AttentionMetadata, h: torch.Tensor, residua
     return _linear(meta, h, model.lm_head.weight, model.lm_head.bias)[None]
 
 
+def _small(meta: AttentionMetadata, x: torch.Tensor) -> bool:
+    """Whether the step's linear layers run through the GEMV (``small_batch_gemv``)."""
+    return bool(meta.gemv_rows) and meta.mode != "cpu" and x.shape[0] <= meta.gemv_rows
+
+
 def _linear(meta: AttentionMetadata, x: torch.Tensor, w: torch.Tensor,
             b: Optional[torch.Tensor]) -> torch.Tensor:
     # A few rows read the whole weight for little arithmetic: there the weight-streaming GEMV
     # keeps more of it in flight than cuBLAS's tiles (docs/performance.md, bench_gemv.py).
-    if meta.gemv_rows and meta.mode != "cpu" and x.shape[0] <= meta.gemv_rows:
+    if _small(meta, x):
         from ..kernels.gemv import linear_small_m
 
         return linear_small_m(x, w, b)

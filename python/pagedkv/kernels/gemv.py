@@ -29,6 +29,12 @@ multiply paths, picked per launch (`DOT`):
   than the weight tile has 16-row MMA blocks (`BLOCK_N / 16`; a 64-row tile is one Hopper
   warpgroup MMA): a warp beyond that would read the same weight tile from shared memory again.
 
+Gated input (`silu_mul_input=True`). `x` is then `[M, 2K]`, a fused gate|up projection's
+output, and the kernel multiplies `silu(x[:, :K]) * x[:, K:]` (the MLP's activation) by the
+weight, computing it as it loads each slice of `x`, rounded where `kernels.elementwise.silu_mul`
+rounds (the SiLU output, then the product, to the dtype): the same operands as
+`linear_small_m(silu_mul(x), W)`, one launch fewer a layer and no `[M, K]` intermediate.
+
 Split-K. When `N / BLOCK_N` programs cannot cover the SMs, K is cut into `SPLIT_K` equal ranges
 (multiples of `BLOCK_K`); each program stores its fp32 partial `[M, BLOCK_N]` into a workspace
 `[splits, M, N]` and a second small kernel sums the splits in index order, adds the bias and
@@ -78,6 +84,15 @@ MIN_K_PER_SPLIT = 1024
 MAX_SPLIT_K = 64
 
 
+@triton.jit
+def _silu_times(g, u):
+    """`silu(g) * u` in `g`'s dtype, rounded as `elementwise.silu_mul` rounds (masked lanes load
+    zeros: silu(0) * 0 = 0)."""
+    gf = g.to(tl.float32)
+    a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+    return (a * u.to(tl.float32)).to(g.dtype)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr,
@@ -92,6 +107,7 @@ def _gemv_kernel(
     stride_om,
     k_per_split,
     HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT: tl.constexpr,
     M_PAD: tl.constexpr,
@@ -120,11 +136,14 @@ def _gemv_kernel(
         for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             if EVEN_K:
                 w = tl.load(w_ptrs)
-                xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+                xmask = m_ok[None, :]
             else:
                 k_ok = (k + offs_k) < K
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-                xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+                xmask = m_ok[None, :] & k_ok[:, None]
+            xt = tl.load(x_ptrs, mask=xmask, other=0.0)
+            if GATED:
+                xt = _silu_times(xt, tl.load(x_ptrs + K, mask=xmask, other=0.0))
             acc = tl.dot(w, xt, acc, input_precision=PRECISION)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
@@ -145,10 +164,14 @@ def _gemv_kernel(
             if EVEN_K:
                 w = tl.load(w_ptrs)
                 xv = tl.load(x_ptrs)
+                if GATED:
+                    xv = _silu_times(xv, tl.load(x_ptrs + K))
             else:
                 k_ok = (k + offs_k) < K
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
                 xv = tl.load(x_ptrs, mask=k_ok, other=0.0)
+                if GATED:
+                    xv = _silu_times(xv, tl.load(x_ptrs + K, mask=k_ok, other=0.0))
             acc2 += w.to(tl.float32) * xv.to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
@@ -316,8 +339,12 @@ def linear_small_m(
     out: torch.Tensor | None = None,
     *,
     config: dict | None = None,
+    silu_mul_input: bool = False,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for `x` `[M, K]` with `1 <= M <= MAX_M`; returns `out` `[M, N]`.
+
+    `silu_mul_input=True`: `x` is `[M, 2K]` and the product is `silu(x[:, :K]) * x[:, K:]`
+    times the weight, computed while loading `x` (module docs, "Gated input").
 
     `weight` is `[N, K]` contiguous (an `nn.Linear` weight), `bias` `[N]` or None; `x` may be a
     row-strided view (unit inner stride); `out`, when given, is `[M, N]` with a unit inner
@@ -330,19 +357,22 @@ def linear_small_m(
         key = (L.tensor_key(x), L.tensor_key(weight),
                None if bias is None else L.tensor_key(bias),
                None if out is None else L.tensor_key(out),
-               None if config is None else tuple(sorted(config.items())))
+               None if config is None else tuple(sorted(config.items())),
+               silu_mul_input is True)
         call = _CACHE.get(key)
     except (AttributeError, TypeError):
         key = call = None
     if call is not None:
         return call(x, weight, bias, out)
-    call = _prepare(x, weight, bias, out, config)
+    call = _prepare(x, weight, bias, out, config, silu_mul_input)
     if key is not None:
         _CACHE.put(key, call)
     return call(x, weight, bias, out)
 
 
-def _prepare(x, weight, bias, out, config) -> _GemvCall:
+def _prepare(x, weight, bias, out, config, gated=False) -> _GemvCall:
+    if gated is not True and gated is not False:
+        raise v.KernelDTypeError(f"silu_mul_input: expected a bool, got {type(gated).__name__}")
     v.check_tensor("x", x, ndim=2, dtypes=DTYPES)
     v.check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,))
     dev = x.device
@@ -350,6 +380,13 @@ def _prepare(x, weight, bias, out, config) -> _GemvCall:
     v.ensure_launchable(dev)
     m, k = x.shape
     n = weight.shape[0]
+    if gated:
+        if weight.shape[1] * 2 != k:
+            raise v.KernelShapeError(
+                f"x: has {k} columns (dim 1), expected {2 * weight.shape[1]} (gate and up halves "
+                f"of weight's K = {weight.shape[1]}) with silu_mul_input"
+            )
+        k = weight.shape[1]
     if m < 1 or m > MAX_M:
         raise v.KernelShapeError(
             f"x: has {m} rows (dim 0), expected 1 to {MAX_M} (larger M belongs to a GEMM)"
@@ -396,7 +433,8 @@ def _prepare(x, weight, bias, out, config) -> _GemvCall:
     call.main = L.Launch(
         _gemv_kernel,
         (m, n, k, x.stride(0), stride_om, k_per_split),
-        {"HAS_BIAS": bias is not None, "SPLIT": splits > 1, "DOT": cfg["DOT"], "M_PAD": m_pad,
+        {"HAS_BIAS": bias is not None, "GATED": gated, "SPLIT": splits > 1, "DOT": cfg["DOT"],
+         "M_PAD": m_pad,
          "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": bk, "EVEN_K": k % bk == 0,
          "STAGES": cfg["num_stages"], "PRECISION": precision, "num_warps": cfg["num_warps"],
          "num_stages": cfg["num_stages"]},
