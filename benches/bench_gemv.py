@@ -248,7 +248,18 @@ def sweep_configs(m):
     return cfgs
 
 
-def bench_sweep(dims, ms, copy_rate, results, reps):
+def _try_time(sh, m, cfg, reps):
+    """`sh.time` of `cfg`, or None (printed) where the compiler rejects it (shared memory, ...):
+    the compile runs in graph_us's warm-up, before any capture. MLIR pass failures surface as
+    RuntimeError, not TritonError."""
+    try:
+        return sh.time(m, sh.ours(cfg), reps)
+    except (TritonError, RuntimeError) as e:
+        print(f"  {sh.name} M={m} {cfg_str(cfg)}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+        return None
+
+
+def bench_sweep(dims, ms, copy_rate, results, reps, save=lambda: None):
     print(f"\nsweep (M in {list(ms)}): best config per shape")
     best_rows = []
     t0 = time.perf_counter()
@@ -261,10 +272,8 @@ def bench_sweep(dims, ms, copy_rate, results, reps):
             for cfg in sweep_configs(m):
                 if cfg["BLOCK_K"] > triton.next_power_of_2(k):
                     continue
-                try:
-                    t = sh.time(m, sh.ours(cfg), reps)
-                except TritonError as e:  # a config the compiler rejects (shared memory, ...)
-                    print(f"  {name} M={m} {cfg_str(cfg)}: {type(e).__name__}: {str(e)[:80]}")
+                t = _try_time(sh, m, cfg, reps)
+                if t is None:
                     continue
                 timed.append((t, cfg))
                 results.append({"kind": "sweep", "shape": name, "N": n, "K": k, "M": m,
@@ -276,7 +285,9 @@ def bench_sweep(dims, ms, copy_rate, results, reps):
                     if k // s < cfg["BLOCK_K"] or triton.cdiv(n, cfg["BLOCK_N"]) >= 4 * _sms():
                         continue
                     c = {**cfg, "SPLIT_K": s}
-                    t = sh.time(m, sh.ours(c), reps)
+                    t = _try_time(sh, m, c, reps)
+                    if t is None:
+                        continue
                     timed.append((t, c))
                     results.append({"kind": "sweep", "shape": name, "N": n, "K": k, "M": m,
                                     "config": c, "us": t})
@@ -296,6 +307,7 @@ def bench_sweep(dims, ms, copy_rate, results, reps):
                   f" [{cfg_str(c_b)}]  gain {t_h / t_b:5.3f}x", flush=True)
         del sh
         torch.cuda.empty_cache()
+        save()
     for m in ms:
         rows = [r for r in best_rows if r["M"] == m]
         if len(rows) == len(shapes(dims)):
@@ -351,17 +363,27 @@ def main(argv=None):
     for m in set(ms) | set(sweep_ms):
         if not 1 <= m <= G.MAX_M:
             ap.error(f"M = {m}: expected 1 to {G.MAX_M}")
+
+    def save():
+        # After every section (and every sweep shape): a run cut short by a time limit keeps
+        # what it measured.
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "results": results}, f, indent=1)
+
     bench_shapes(dims, ms, rate, results, args.reps)
+    save()
     bench_host(dims, results)
+    save()
     if not args.no_step:
         bench_step(dims, tuple(int(v) for v in args.step_m.split(",")), rate, results,
                    max(5, args.reps // 5))
+        save()
     if args.sweep:
-        bench_sweep(dims, sweep_ms, rate, results, args.sweep_reps)
+        bench_sweep(dims, sweep_ms, rate, results, args.sweep_reps, save)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
+    meta["total_s"] = time.perf_counter() - t0
+    save()
     return 0
 
 
