@@ -357,3 +357,43 @@ def test_cuda_layered_load_orders_each_layer_without_host_sync():
         assert torch.equal(hu8[i], before[:, :, i]), i  # the swap-out read the old blocks
         for layer in range(layers):
             assert torch.equal(got[layer][:, i].cpu(), host_in[i, layer]), (i, layer)
+
+
+def test_layered_transfer_addresses_and_pitches(monkeypatch):
+    """The CUDA branch of one strided transfer, its addresses and pitches checked on the CPU:
+    ``cudaMemcpy2DAsync`` is replaced by the same 2-D copy done with ``memmove`` over the host
+    addresses the engine computes, which must move exactly the bytes the CPU branch moves."""
+    import ctypes
+
+    from pagedkv import _cudart
+
+    calls = []
+
+    def memcpy2d(dst, dpitch, src, spitch, width, height, kind, stream):
+        assert kind == _cudart.HOST_TO_DEVICE and stream == 1234
+        calls.append((dpitch, spitch, width, height))
+        for r in range(height):
+            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+
+    spec = _spec("float32", layers=4)
+    eng = SwapEngine(_filled_pool(spec, 8), 12, staging_blocks=8)
+    g = torch.Generator().manual_seed(12)
+    eng.host.raw.copy_(torch.randint(0, 256, eng.host.raw.shape, generator=g, dtype=torch.uint8))
+    lb = eng._layer_bytes()
+    want = eng._stage_in_bytes().clone().fill_(7)
+    got = want.clone()
+
+    class _Stream:
+        cuda_stream = 1234
+
+    for h, layer, count, off in ((0, 0, 3, 0), (5, 3, 4, 3 * lb), (11, 2, 1, 9 * lb)):
+        eng._copy_layer(want, off, h, layer, count, None)  # the CPU branch: torch copy_
+        monkeypatch.setattr(_cudart, "memcpy2d_async", memcpy2d)
+        monkeypatch.setattr(eng, "is_cuda", True)
+        eng._copy_layer(got, off, h, layer, count, _Stream())
+        monkeypatch.undo()
+        assert torch.equal(got, want), (h, layer, count)
+        for i in range(count):  # and the bytes are layer `layer` of host block h + i
+            assert torch.equal(want[off + i * lb:off + (i + 1) * lb],
+                               eng.host.raw[h + i, layer * lb:(layer + 1) * lb])
+    assert calls == [(lb, spec.bytes_per_block, lb, c) for c in (3, 4, 1)]
