@@ -397,3 +397,22 @@ def test_layered_transfer_addresses_and_pitches(monkeypatch):
             assert torch.equal(want[off + i * lb:off + (i + 1) * lb],
                                eng.host.raw[h + i, layer * lb:(layer + 1) * lb])
     assert calls == [(lb, spec.bytes_per_block, lb, c) for c in (3, 4, 1)]
+
+
+@pytest.mark.gpu
+def test_cudart_strided_copy_on_cuda():
+    """``cudaMemcpy2DAsync`` through ``pagedkv._cudart``: rows of a pinned host tensor, a pitch
+    apart, land packed in device memory on the stream given, and only there."""
+    from pagedkv import _cudart
+
+    assert _cudart.available()
+    rows, width, pitch = 7, 4096, 3 * 4096
+    host = torch.randint(0, 256, (rows, pitch), dtype=torch.uint8).pin_memory()
+    dev = torch.full((rows + 1, width), 7, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    _cudart.memcpy2d_async(dev.data_ptr(), width, host.data_ptr() + width, pitch, width, rows,
+                           _cudart.HOST_TO_DEVICE, stream.cuda_stream)
+    stream.synchronize()
+    assert torch.equal(dev[:rows].cpu(), host[:, width:2 * width])
+    assert bool((dev[rows] == 7).all())
