@@ -40,11 +40,15 @@ def _prompts(seed: int = 0, n: int = 6, length: int = 100) -> List[List[int]]:
 
 
 def _run(model_dir: str, rounds: int = 2, prompts: Any = None, device: str = "cpu",
-         **kw: Any) -> Tuple[List[List[int]], Any, Any]:
+         on_engine: Any = None, **kw: Any) -> Tuple[List[List[int]], Any, Any]:
+    """Runs the workload (each prompt alone, ``rounds`` times) on a fresh LLM; ``on_engine``,
+    if given, is called with the LLM before the first prompt."""
     llm = pagedkv.LLM(model_dir, device=device, num_blocks=POOL, block_size=BS, max_num_seqs=2,
                       progress=False, **kw)
     outs = []
     try:
+        if on_engine is not None:
+            on_engine(llm)
         for _ in range(rounds):
             for p in prompts or _prompts():
                 out = llm.generate([{"prompt_token_ids": p}], SP, use_tqdm=False)
@@ -118,26 +122,19 @@ def test_layerwise_loads_keep_outputs_and_wait_layer_by_layer(model_dir: str,
     """``layerwise_loads``: the host tier's hits load layer by layer, the outputs are the
     baseline's, and each such step's forward waits for layers 0, 1, ... in order, each once,
     through the fused forward and through transformers' own module forwards."""
-    llm = pagedkv.LLM(model_dir, device="cpu", num_blocks=POOL, block_size=BS, max_num_seqs=2,
-                      progress=False, host_cache_memory="1MiB", layerwise_loads=True,
-                      fused_model=fused)
-    try:
-        runner = llm.llm_engine.runner
+    seen: Dict[str, Any] = {}
+
+    def record(llm: Any) -> None:
+        runner = seen["runner"] = llm.llm_engine.runner
         assert runner.layerwise_loads and runner.fused == fused
-        rec = _RecordingSwap(runner.swap)
-        runner.swap = rec
-        outs = []
-        for _ in range(2):
-            for p in _prompts():
-                out = llm.generate([{"prompt_token_ids": p}], SP, use_tqdm=False)
-                outs.append(list(out[0].outputs[0].token_ids))
-        llm.llm_engine.manager.check_invariants()
-        hits = llm.stats().prefix_hits_by_tier
-    finally:
-        llm.shutdown()
+        runner.swap = seen["rec"] = _RecordingSwap(runner.swap)
+
+    outs, stats, _ = _run(model_dir, on_engine=record, host_cache_memory="1MiB",
+                          layerwise_loads=True, fused_model=fused)
     assert outs == baseline
-    assert hits.get("host", 0) >= 6 * 6 * BS // 2
-    layers = runner.spec.num_layers
+    assert stats.prefix_hits_by_tier.get("host", 0) >= 6 * 6 * BS // 2
+    rec = seen["rec"]
+    layers = seen["runner"].spec.num_layers
     assert rec.loads >= 6 and rec.real.num_layered_swap_ins == rec.loads
     assert rec.waits == list(range(layers)) * rec.loads
     assert not rec.pending
@@ -242,21 +239,12 @@ def test_gpu_layerwise_loads_keep_greedy_outputs(model_dir: str) -> None:
 
     kw: Dict[str, Any] = dict(device="cuda", dtype=torch.float32)
     base, _, _ = _run(model_dir, **kw)
-    llm = pagedkv.LLM(model_dir, num_blocks=POOL, block_size=BS, max_num_seqs=2, progress=False,
-                      host_cache_memory="1MiB", layerwise_loads=True, **kw)
-    try:
-        outs = []
-        for _ in range(2):
-            for p in _prompts():
-                out = llm.generate([{"prompt_token_ids": p}], SP, use_tqdm=False)
-                outs.append(list(out[0].outputs[0].token_ids))
-        llm.llm_engine.manager.check_invariants()
-        layered = llm.llm_engine.runner.swap.num_layered_swap_ins
-        hits = llm.stats().prefix_hits_by_tier
-    finally:
-        llm.shutdown()
+    seen: Dict[str, Any] = {}
+    outs, stats, _ = _run(model_dir, on_engine=lambda llm: seen.setdefault("llm", llm),
+                          host_cache_memory="1MiB", layerwise_loads=True, **kw)
     assert outs == base
-    assert hits["host"] >= 6 * 6 * BS // 2 and layered >= 6
+    layered = seen["llm"].llm_engine.runner.swap.num_layered_swap_ins
+    assert stats.prefix_hits_by_tier["host"] >= 6 * 6 * BS // 2 and layered >= 6
 
 
 def test_tier_settings_are_checked(model_dir: str, tmp_path: Any) -> None:
