@@ -219,37 +219,43 @@ class SwapEngine:
                 field="staging_blocks", value=staging_blocks, reason="must be >= 1")
         self.staging_blocks = staging_blocks
         if self.is_cuda:
-            # Two halves per direction: the gather (scatter) of one chunk overlaps the transfer
-            # of the other, so a long swap runs at the link's rate.
-            self._half = max(1, staging_blocks // 2)
-            shape = (2, self._half) + tuple(self._host_blocks.shape[1:])
-            nbytes = 2 * self._half * bpb
-            self._stage_out = allocate("swap-out staging", nbytes,
-                                       lambda: torch.empty(shape, dtype=wdt, device=self.device))
-            self._stage_in = allocate("swap-in staging", nbytes,
-                                      lambda: torch.empty(shape, dtype=wdt, device=self.device))
-            # Swap-out: gathers on one stream, device-to-host transfers on another; swap-in:
-            # host-to-device transfers, then scatters. `out_stream` / `in_stream` end each one.
-            self._gather_stream = torch.cuda.Stream(self.device)
-            self.out_stream = torch.cuda.Stream(self.device)
-            self._load_stream = torch.cuda.Stream(self.device)
-            self.in_stream = torch.cuda.Stream(self.device)
-            # Host pool safe (after the last transfer of each direction).
-            self._out_done: Optional[torch.cuda.Event] = None
-            self._in_done: Optional[torch.cuda.Event] = None
-            # Events the caller has not waited on yet.
-            self._pending: list = []
-            # Per-block order (module docs): the log entry of the last chunk that gathered /
-            # scattered each device block, and that wrote / read each host block (-1: none).
-            self._gathers, self._scatters = _EventLog(), _EventLog()
-            self._writes, self._reads = _EventLog(), _EventLog()
-            self._dev_gathered = np.full(N, -1, dtype=np.int64)
-            self._dev_scattered = np.full(N, -1, dtype=np.int64)
-            self._host_written = np.full(host.num_blocks, -1, dtype=np.int64)
-            self._host_read = np.full(host.num_blocks, -1, dtype=np.int64)
-            # The last event that used each staging half (a transfer out, a scatter in).
-            self._out_half_free: list = [None, None]
-            self._in_half_free: list = [None, None]
+            self._init_streams()
+
+    def _init_streams(self) -> None:
+        """The CUDA side: staging halves, side streams, and the per-block event bookkeeping."""
+        bpb, wdt = self.pool.spec.bytes_per_block, self._wdt
+        N, staging_blocks = self.pool.num_blocks, self.staging_blocks
+        # Two halves per direction: the gather (scatter) of one chunk overlaps the transfer
+        # of the other, so a long swap runs at the link's rate.
+        self._half = max(1, staging_blocks // 2)
+        shape = (2, self._half) + tuple(self._host_blocks.shape[1:])
+        nbytes = 2 * self._half * bpb
+        self._stage_out = allocate("swap-out staging", nbytes,
+                                   lambda: torch.empty(shape, dtype=wdt, device=self.device))
+        self._stage_in = allocate("swap-in staging", nbytes,
+                                  lambda: torch.empty(shape, dtype=wdt, device=self.device))
+        # Swap-out: gathers on one stream, device-to-host transfers on another; swap-in:
+        # host-to-device transfers, then scatters. `out_stream` / `in_stream` end each one.
+        self._gather_stream = torch.cuda.Stream(self.device)
+        self.out_stream = torch.cuda.Stream(self.device)
+        self._load_stream = torch.cuda.Stream(self.device)
+        self.in_stream = torch.cuda.Stream(self.device)
+        # Host pool safe (after the last transfer of each direction).
+        self._out_done: Optional[torch.cuda.Event] = None
+        self._in_done: Optional[torch.cuda.Event] = None
+        # Events the caller has not waited on yet.
+        self._pending: list = []
+        # Per-block order (module docs): the log entry of the last chunk that gathered /
+        # scattered each device block, and that wrote / read each host block (-1: none).
+        self._gathers, self._scatters = _EventLog(), _EventLog()
+        self._writes, self._reads = _EventLog(), _EventLog()
+        self._dev_gathered = np.full(N, -1, dtype=np.int64)
+        self._dev_scattered = np.full(N, -1, dtype=np.int64)
+        self._host_written = np.full(self.host.num_blocks, -1, dtype=np.int64)
+        self._host_read = np.full(self.host.num_blocks, -1, dtype=np.int64)
+        # The last event that used each staging half (a transfer out, a scatter in).
+        self._out_half_free: list = [None, None]
+        self._in_half_free: list = [None, None]
 
     # --------------------------------------------------------------------------- validation
 
