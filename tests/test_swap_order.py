@@ -245,7 +245,7 @@ def _forward(world: World, eng: S.SwapEngine, pool: Any, reads: List[int], write
 
 
 def _workload(world: World, eng: S.SwapEngine, pool: Any, seed: int, steps: int,
-              by_layer: float) -> Dict[str, int]:
+              by_layer: float, skip_forward: float) -> Dict[str, int]:
     rng = random.Random(seed)
     n, nh = pool.num_blocks, eng.host.num_blocks
     kv = pool.kv.view(torch.uint8)
@@ -253,7 +253,7 @@ def _workload(world: World, eng: S.SwapEngine, pool: Any, seed: int, steps: int,
     free = set(range(n)) - live
     host_free = set(range(nh))
     host_held: Dict[int, torch.Tensor] = {}  # host slot -> the bytes it must hold
-    counts = {"out": 0, "in": 0, "layered": 0}
+    counts = {"out": 0, "in": 0, "layered": 0, "bursts": 0}
     for _ in range(steps):
         # Write-back: some live blocks leave the GPU for free host slots.
         k = min(len(live) - 1, len(host_free), rng.randrange(0, 7))
@@ -287,24 +287,34 @@ def _workload(world: World, eng: S.SwapEngine, pool: Any, seed: int, steps: int,
         for h in rng.sample(sorted(host_held), rng.randrange(0, len(host_held) + 1) // 2):
             del host_held[h]
             host_free.add(h)
-        # The forward: reads every live block, writes new tokens into fresh blocks.
-        fresh = rng.sample(sorted(free), min(len(free), rng.randrange(0, 3)))
-        reads = sorted(live)
-        # Its reads see the loaded bytes (the copies ran in program order here).
+        # Its reads will see the loaded bytes (the copies ran in program order here).
         for d, want in expect.items():
             assert torch.equal(kv[:, :, d], want), d
-        _forward(world, eng, pool, reads, fresh, layered, rng)
+        if rng.random() < skip_forward:
+            # Swaps queued back to back, no forward and so no wait between them: the engine's
+            # per-block order alone must keep the next swaps behind these.
+            counts["bursts"] += 1
+            continue
+        # The forward: reads every live block, writes new tokens into fresh blocks.
+        fresh = rng.sample(sorted(free), min(len(free), rng.randrange(0, 3)))
+        _forward(world, eng, pool, sorted(live), fresh, layered, rng)
         live |= set(fresh)
         free -= set(fresh)
+        # Some sequences finish: their blocks are free without a write-back, and a later load
+        # may fill them while this forward still reads them.
+        done = rng.sample(sorted(live), min(len(live) - 1, rng.randrange(0, 3)))
+        live -= set(done)
+        free |= set(done)
     return counts
 
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("staging", [2, 5, 16])
 def test_swaps_and_forwards_have_no_unordered_access(monkeypatch, seed, staging):
-    """Random write-backs, loads (whole-block and by layer), host slots dropped and reused, and
-    forwards: every pair of conflicting accesses is ordered, with events that complete (0.3)
-    or never do (0.0)."""
+    """Random write-backs, loads (whole-block and by layer), host slots dropped and reused,
+    blocks freed without a write-back and reloaded, steps whose swaps follow the last ones with
+    no forward (no wait) between, and forwards: every pair of conflicting accesses is ordered,
+    with events that complete (0.3) or never do (0.0)."""
     for completes in (0.0, 0.3):
         eng, pool = _engine(layers=3, blocks=24, host_blocks=20, staging=staging)
         world = World(cell=eng._chunk, seed=seed, completes=completes)
@@ -312,7 +322,7 @@ def test_swaps_and_forwards_have_no_unordered_access(monkeypatch, seed, staging)
             eng.is_cuda, eng.host.pinned = True, True
             eng.max_layer_runs = 64
             eng._init_streams()
-            counts = _workload(world, eng, pool, seed, steps=10, by_layer=0.5)
+            counts = _workload(world, eng, pool, seed, steps=12, by_layer=0.5, skip_forward=0.3)
         monkeypatch.undo()
         assert counts["out"] and counts["in"] and counts["layered"], counts
         assert world.num_accesses > 50
