@@ -211,6 +211,33 @@ def test_a_dead_remote_server_only_costs_misses(model_dir: str, baseline: List[L
     assert stores["remote"].errors + stores["remote"].unavailable + stores["remote"].timeouts > 0
 
 
+def test_a_forward_that_raises_still_waits_for_every_layer(model_dir: str) -> None:
+    """A layer-by-layer step whose forward raises part-way: the runner still waits for every
+    layer before the error leaves it, so no later work can read a block still being loaded."""
+    seen: Dict[str, Any] = {}
+
+    class _Boom(RuntimeError):
+        pass
+
+    def arm(llm: Any) -> None:
+        runner = llm.llm_engine.runner
+        rec = seen["rec"] = _RecordingSwap(runner.swap)
+        real = rec.wait_layer
+
+        def wait_layer(layer: int, stream: Any = None) -> None:
+            real(layer, stream)
+            if layer == 1:
+                raise _Boom("layer 1")
+
+        rec.wait_layer = wait_layer  # type: ignore[method-assign]
+        runner.swap = rec
+
+    with pytest.raises(_Boom):
+        _run(model_dir, on_engine=arm, host_cache_memory="1MiB", layerwise_loads=True)
+    rec = seen["rec"]
+    assert rec.loads == 1 and rec.waits == [0, 1] and not rec.pending
+
+
 @pytest.mark.gpu
 def test_gpu_host_and_disk_tiers_keep_greedy_outputs(model_dir: str, tmp_path: Any) -> None:
     """On CUDA (compiled kernels, fp32, the pinned host tier and its side-stream copies): the

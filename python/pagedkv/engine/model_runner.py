@@ -546,9 +546,12 @@ class ModelRunner:
                                    max_q_len=int(step.max_query_len) or int(np.diff(qsl).max()))
         meta.layer_ready = layer_ready
         last_d = torch.from_numpy(last).to(self.device, non_blocking=True)
-        out = self._forward(meta, ids_d[None], pos_d[None], last_d)[0].float()
-        if layer_ready is not None:
-            self.swap.wait()  # whatever layer the forward did not wait for, later steps do
+        try:
+            out = self._forward(meta, ids_d[None], pos_d[None], last_d)[0].float()
+        finally:
+            if layer_ready is not None:
+                # Whatever layer the forward did not wait for (it raised), later work does.
+                self.swap.wait()
         if self.is_cuda:
             self._inputs_copied.synchronize()
         return out
@@ -600,10 +603,11 @@ class ModelRunner:
         ids_t = torch.from_numpy(ids)[None]
         pos_t = torch.from_numpy(pos)[None]
         meta.layer_ready = layer_ready
-        out = self._forward(meta, ids_t, pos_t, torch.from_numpy(last))[0].float()
-        if layer_ready is not None:
-            self.swap.wait()
-        return out
+        try:
+            return self._forward(meta, ids_t, pos_t, torch.from_numpy(last))[0].float()
+        finally:
+            if layer_ready is not None:
+                self.swap.wait()
 
     @torch.inference_mode()
     def _forward(self, meta: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor,
