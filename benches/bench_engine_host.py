@@ -13,6 +13,11 @@ For each batch size: the batch is admitted and prefilled, then ``--steps`` decod
 one by one; the table gives the median and p90 per step and per sequence. ``--profile B`` prints a
 cProfile table of batch ``B``'s steps. ``--json`` writes the figures.
 
+``--ttft N [N ...]``: instead, the host time of one ``generate`` call (``max_tokens=1``) of an
+``N``-token prompt whose full blocks are cached, in the GPU pool (``gpu``) or only in the host
+tier (``host``: another prompt of the same length evicted them first), with the same stub: what
+a prefix hit's time to first token pays on the host besides the forward and its loads.
+
 Usage (repository root): ``PYTHONPATH=python python benches/bench_engine_host.py
 [--batches 1,32,128,256] [--steps 60] [--json out.json] [--profile 256]``.
 """
@@ -93,6 +98,41 @@ def run(loaded, batch: int, steps: int, prompt: int, profile: bool) -> dict:
             "per_seq_us": med * 1e6 / batch, "steps": steps}
 
 
+def run_ttft(n: int, tier: str, reps: int) -> dict:
+    import random
+
+    import pagedkv
+
+    loaded = build(n + 64)
+    vocab = int(loaded.config.vocab_size)
+    kw = {"host_cache_memory": "256MiB"} if tier == "host" else {}
+    llm = pagedkv.LLM(loaded, device="cpu", num_blocks=n // 16 * 102 // 100 + 32, block_size=16,
+                      max_num_seqs=4, max_num_batched_tokens=8192, progress=False, **kw)
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(n))
+    llm.llm_engine.runner.execute = (
+        lambda ids, pos, step, rows, extra_logit_indices=None: logits[:len(rows)])
+    rng = random.Random(n)
+    prompt = [rng.randrange(vocab) for _ in range(n)]
+    sp = pagedkv.SamplingParams(temperature=0.0, max_tokens=1)
+
+    def gen(ids):
+        llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+
+    gen(prompt)
+    times = []
+    before = dict(llm.stats().prefix_hits_by_tier)
+    for _ in range(reps):
+        if tier == "host":
+            gen([rng.randrange(vocab) for _ in range(n)])  # evicts the prompt's blocks
+        t0 = time.perf_counter()
+        gen(prompt)
+        times.append(time.perf_counter() - t0)
+    hits = {k: v - before.get(k, 0) for k, v in llm.stats().prefix_hits_by_tier.items()}
+    llm.shutdown()
+    return {"prompt": n, "tier": tier, "median_ms": statistics.median(times) * 1e3,
+            "min_ms": min(times) * 1e3, "hits_by_tier": hits, "reps": reps}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,32,128,256")
@@ -100,7 +140,20 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--profile", type=int, default=0, help="print a cProfile table at this batch")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ttft", type=int, nargs="+", default=None,
+                    help="time generate() of cached N-token prompts instead (GPU and host tier)")
+    ap.add_argument("--reps", type=int, default=9, help="generate() calls per --ttft figure")
     args = ap.parse_args(argv)
+    if args.ttft:
+        rows = [run_ttft(n, tier, args.reps) for n in args.ttft for tier in ("gpu", "host")]
+        print(f"{'prompt':>7} {'cached in':>9} {'median':>9} {'min':>9}  hits")
+        for r in rows:
+            print(f"{r['prompt']:>7} {r['tier']:>9} {r['median_ms']:>7.2f}ms {r['min_ms']:>7.2f}ms  "
+                  f"{r['hits_by_tier']}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ttft": rows, "args": vars(args)}, f, indent=2)
+        return 0
     batches = [int(b) for b in args.batches.split(",")]
     loaded = build(args.prompt + args.steps + 64)
     rows = [run(loaded, b, args.steps, args.prompt, b == args.profile) for b in batches]

@@ -357,7 +357,8 @@ def test_unknown_model_path(tmp_path):
         LLM(str(tmp_path / "no-such-model"), progress=False, device="cpu")
 
 
-@pytest.mark.parametrize("prompt", [[], "", [1.5], [-1], [VOCAB], list(range(MAX_LEN)), b"w1"])
+@pytest.mark.parametrize("prompt", [[], "", [1.5], [-1], [VOCAB], [1, 2**70], [2, True],
+                                    list(range(MAX_LEN)), b"w1"])
 def test_bad_prompts_rejected_nothing_queued(model_dir, prompt):
     llm = _llm(model_dir)
     good = _prompts(15, [5])[0]

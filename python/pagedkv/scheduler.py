@@ -143,12 +143,26 @@ class Sequence:
                  "admitted_order", "n", "data")
 
     def __init__(self, seq_id: int, token_ids: SequenceT[int], *, request_id: str = "",
-                 cache_salt: Union[bytes, str, None] = None, arrival: float = 0.0) -> None:
+                 cache_salt: Union[bytes, str, None] = None, arrival: float = 0.0,
+                 own: bool = False) -> None:
+        """``own=True``: ``token_ids`` is a new list of plain ints that the sequence keeps as its
+        own (no copy, no conversion of each token: a 32K-token prompt's ~1.4 ms); the caller
+        has checked it and does not use it again. Otherwise the ids are copied as ints."""
         if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)) or seq_id < 0:
             raise InvalidArgumentError(
                 f"invalid argument: seq_id = {seq_id!r}: must be a non-negative integer",
                 what="seq_id", value=seq_id, reason="must be a non-negative integer")
-        tokens = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(map(int, token_ids))
+        if own:
+            if type(token_ids) is not list:
+                raise InvalidArgumentError(
+                    f"invalid argument: token_ids: own=True takes a list, got "
+                    f"{type(token_ids).__name__}", what="token_ids", value=-1,
+                    reason="own=True takes a list")
+            tokens = token_ids
+        elif isinstance(token_ids, np.ndarray):
+            tokens = token_ids.tolist()
+        else:
+            tokens = list(map(int, token_ids))
         if not tokens:
             raise InvalidArgumentError(
                 f"invalid argument: token_ids of sequence {seq_id}: a prompt needs at least one token",

@@ -35,6 +35,7 @@ Invariants of this module:
 
 from __future__ import annotations
 
+import array
 import itertools
 import logging
 import math
@@ -45,6 +46,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, overload
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -537,10 +539,15 @@ class LLMEngine:
         """``seq``'s token ids as a new list of ints, each checked against the vocabulary."""
         ids = list(seq)
         # The common case (a list of plain ints) is checked at C speed: the per-token loop
-        # costs a 32K-token prompt ~4.7 ms of its time to first token (1.4 ms this way).
+        # costs a 32K-token prompt ~4.7 ms of its time to first token; the type set and one
+        # packing into int64s (whose min and max numpy then reads) ~1.1 ms.
         if ids and set(map(type, ids)) == {int}:
-            lo, hi = min(ids), max(ids)
-            if lo >= 0 and not (self.vocab_size and hi >= self.vocab_size):
+            try:
+                packed = np.frombuffer(array.array("q", ids), dtype=np.int64)
+            except OverflowError:  # beyond int64: outside any vocabulary, the loop says which
+                packed = None
+            if packed is not None and packed.min() >= 0 and not (
+                    self.vocab_size and packed.max() >= self.vocab_size):
                 return ids
         out = []
         for t in ids:
@@ -686,8 +693,10 @@ class LLMEngine:
         return text
 
     def _new_sequence(self, req: _Request, index: int, token_ids: List[int]) -> Any:
+        # `token_ids` is always a fresh copy of checked ids: the sequence takes it as is.
         seq = SchedulerSequence(next(self._seq_ids), token_ids, request_id=req.request_id,
-                       cache_salt=req.cache_salt, arrival=req.metrics.arrival_time)
+                                cache_salt=req.cache_salt, arrival=req.metrics.arrival_time,
+                                own=True)
         seq.data = (req, index)
         req.seqs[index] = seq
         return seq
