@@ -33,6 +33,19 @@ def test_each_tier_adds_hits_and_the_gpu_share_stays() -> None:
     assert disk.modelled_ttft_mean_s < none.modelled_ttft_mean_s
 
 
+def test_a_burst_of_host_hits_fits_one_step() -> None:
+    """Many requests arriving together, each with a prefix the host tier holds, admitted in
+    one step: their loads outnumber two whole sequences' blocks (the step buffers' old swap
+    capacity, which made the step fail with BufferTooSmallError)."""
+    wl = WorkloadConfig(num_requests=300, arrival_rate=200.0, prompt_median=200,
+                        output_median=4, max_model_len=256, num_prefixes=60, prefix_len=160,
+                        prefix_fraction=1.0, seed=1)
+    sim = SimConfig(num_blocks=120, block_size=16, max_num_seqs=64,
+                    preemption_mode="recompute")
+    none, host = simulate_tiers(wl, sim, [0, 600], [0])
+    assert none.hits_by_tier["host"] == 0 and host.hits_by_tier["host"] > 0.2
+
+
 def test_tier_settings_are_checked() -> None:
     with pytest.raises(InvalidConfigError, match="disk_cache_blocks"):
         SimConfig(num_blocks=16, disk_cache_blocks=4)

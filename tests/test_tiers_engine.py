@@ -83,6 +83,30 @@ def test_host_tier_serves_evicted_prefixes_with_the_same_outputs(model_dir: str,
     assert 0 < stats.tier_usage_bytes["host"] <= 2**20
 
 
+def test_one_step_may_load_more_blocks_than_two_sequences_hold(model_dir: str) -> None:
+    """Many prompts admitted in one step, each with its blocks in the host tier: the step's
+    swap-in list holds more pairs than two whole sequences' worth (what the step buffers used to
+    carry: the step then failed with BufferTooSmallError), and the outputs are a tierless run's."""
+    prompts = _prompts(seed=5, n=40, length=100)
+    kw: Dict[str, Any] = dict(device="cpu", num_blocks=200, block_size=BS, max_num_seqs=16,
+                              progress=False)
+    outs = {}
+    for label, tier in (("none", {}), ("host", {"host_cache_memory": "4MiB"})):
+        llm = pagedkv.LLM(model_dir, **kw, **tier)
+        try:
+            reqs = [{"prompt_token_ids": p} for p in prompts]
+            llm.generate(reqs, SP, use_tqdm=False)
+            got = llm.generate(reqs, SP, use_tqdm=False)
+            outs[label] = [list(o.outputs[0].token_ids) for o in got]
+            llm.llm_engine.manager.check_invariants()
+            hits = llm.stats().prefix_hits_by_tier
+        finally:
+            llm.shutdown()
+    assert outs["host"] == outs["none"]
+    # More host-tier blocks came back than 2 x 32 (two sequences of this model's context).
+    assert hits["host"] // BS > 2 * (512 // BS)
+
+
 class _RecordingSwap:
     """The runner's swap engine, recording the per-layer waits its forwards make. On the CPU a
     layer-by-layer load is synchronous (nothing pends), so this wrapper reports it pending until

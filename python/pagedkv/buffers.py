@@ -191,7 +191,11 @@ class StepBuffers:
             (each sequence copies at most its tail block per step).
         max_swaps: Most pairs of each swap list (``swap_out``, ``swap_in``) one step can carry;
             more stay queued for later steps. Defaults to ``2 * max_blocks_per_seq`` (two whole
-            sequences each way per step).
+            sequences each way per step). With a host tier give at least the pool's block count
+            (the engine does): a step must carry the loads of every prompt it admits and the
+            write-backs of every block its allocations evict, which two sequences' worth does
+            not bound (the step then fails with ``BufferTooSmallError``); each list names a
+            device block at most once, so the block count always suffices.
         device: Where the mirrors live. ``None`` picks ``"cuda"`` when available and otherwise keeps
             no mirror; ``"cpu"`` also keeps none (the mirrors are the host tensors). The
             ``"numpy"`` backend takes only ``None`` or ``"cpu"``.

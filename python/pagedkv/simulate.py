@@ -348,8 +348,10 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     budget = sim.max_prefill_tokens + sim.max_num_seqs
     # The step buffers a real engine would hand to its kernels. Building each step is what offers
     # newly full blocks to the prefix cache and drains the copy-on-write queue.
+    # Swap lists as long as the pool, as the engine's: every device block may move in one step.
     mgr.attach_buffers(StepBuffers(sim.max_num_seqs, max(budget, workload.max_model_len), max_blocks,
-                                   max_copies=sim.max_num_seqs, device="cpu", backend="numpy"))
+                                   max_copies=sim.max_num_seqs, device="cpu", backend="numpy",
+                                   max_swaps=max(2 * max_blocks, sim.num_blocks)))
     sched = Scheduler(mgr, max_num_seqs=sim.max_num_seqs, max_num_batched_tokens=budget,
                       preemption_mode=sim.preemption_mode)
     tiers = None

@@ -190,8 +190,12 @@ class ModelRunner:
             # One manager serves every rank's pool: all pools get the smallest rank's block count.
             self.num_blocks = tensor_parallel.min_int(self.num_blocks)
         self.pool = KVPool(self.spec, self.num_blocks, self.device, zero=True)
+        # Swap lists as long as the pool: a step may have to carry a swap for every device block
+        # (a host-tier hit's loads for each admitted prompt, the write-backs of every block its
+        # allocations evict), and each list names a device block once.
         self.buffers = StepBuffers(max_num_seqs, self.max_num_batched_tokens,
-                                   self.max_blocks_per_seq, device=self.device, csr=False)
+                                   self.max_blocks_per_seq, device=self.device, csr=False,
+                                   max_swaps=max(2 * self.max_blocks_per_seq, self.num_blocks))
         self.is_cuda = self.device.type == "cuda"
         attention_backend = config.attention_backend
         if attention_backend == "auto":
