@@ -218,16 +218,16 @@ class SwapEngine:
                 f"staging_blocks must be an integer >= 1, got {staging_blocks!r}",
                 field="staging_blocks", value=staging_blocks, reason="must be >= 1")
         self.staging_blocks = staging_blocks
+        # Two halves per direction: the gather (scatter) of one chunk overlaps the transfer of
+        # the other, so a long swap runs at the link's rate.
+        self._half = max(1, staging_blocks // 2)
         if self.is_cuda:
             self._init_streams()
 
     def _init_streams(self) -> None:
         """The CUDA side: staging halves, side streams, and the per-block event bookkeeping."""
         bpb, wdt = self.pool.spec.bytes_per_block, self._wdt
-        N, staging_blocks = self.pool.num_blocks, self.staging_blocks
-        # Two halves per direction: the gather (scatter) of one chunk overlaps the transfer
-        # of the other, so a long swap runs at the link's rate.
-        self._half = max(1, staging_blocks // 2)
+        N = self.pool.num_blocks
         shape = (2, self._half) + tuple(self._host_blocks.shape[1:])
         nbytes = 2 * self._half * bpb
         self._stage_out = allocate("swap-out staging", nbytes,
@@ -437,7 +437,7 @@ class SwapEngine:
         if self.is_cuda:
             return self._stage_in.view(torch.uint8).view(-1)
         if self._stage_in_cpu is None:
-            nbytes = 2 * max(1, self.staging_blocks // 2) * self.pool.spec.bytes_per_block
+            nbytes = 2 * self._half * self.pool.spec.bytes_per_block
             self._stage_in_cpu = allocate("swap-in staging (layer by layer)", nbytes,
                                           lambda: torch.empty(nbytes, dtype=torch.uint8))
         return self._stage_in_cpu

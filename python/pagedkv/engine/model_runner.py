@@ -550,12 +550,7 @@ class ModelRunner:
                                    max_q_len=int(step.max_query_len) or int(np.diff(qsl).max()))
         meta.layer_ready = layer_ready
         last_d = torch.from_numpy(last).to(self.device, non_blocking=True)
-        try:
-            out = self._forward(meta, ids_d[None], pos_d[None], last_d)[0].float()
-        finally:
-            if layer_ready is not None:
-                # Whatever layer the forward did not wait for (it raised), later work does.
-                self.swap.wait()
+        out = self._forward(meta, ids_d[None], pos_d[None], last_d)[0].float()
         if self.is_cuda:
             self._inputs_copied.synchronize()
         return out
@@ -607,21 +602,23 @@ class ModelRunner:
         ids_t = torch.from_numpy(ids)[None]
         pos_t = torch.from_numpy(pos)[None]
         meta.layer_ready = layer_ready
-        try:
-            return self._forward(meta, ids_t, pos_t, torch.from_numpy(last))[0].float()
-        finally:
-            if layer_ready is not None:
-                self.swap.wait()
+        return self._forward(meta, ids_t, pos_t, torch.from_numpy(last))[0].float()
 
     @torch.inference_mode()
     def _forward(self, meta: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor,
                  keep: Any) -> torch.Tensor:
-        if self.fused:
-            return _fused.fused_forward(self.model, meta, ids, pos, keep)
-        with forward_context(meta, self.model):
-            out = self.model(input_ids=ids, position_ids=pos, use_cache=False,
-                             logits_to_keep=keep)
-        return out.logits
+        try:
+            if self.fused:
+                return _fused.fused_forward(self.model, meta, ids, pos, keep)
+            with forward_context(meta, self.model):
+                out = self.model(input_ids=ids, position_ids=pos, use_cache=False,
+                                 logits_to_keep=keep)
+            return out.logits
+        finally:
+            if meta.layer_ready is not None:
+                # A forward that waits layer by layer: whatever layer it did not wait for (it
+                # raised), later work does.
+                self.swap.wait()
 
     # ------------------------------------------------------------------------------ CUDA
 
