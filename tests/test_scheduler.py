@@ -270,16 +270,16 @@ def test_a_sequence_owns_a_checked_list_or_copies_ints():
     import numpy as np
 
     ids = [3, 4, 5]
-    own = Sequence(0, ids, own=True)
+    own = Sequence(0, ids, _own=True)
     assert own.token_ids is ids and own.num_prompt_tokens == 3
     copied = Sequence(1, ids)
     assert copied.token_ids == ids and copied.token_ids is not ids
     arr = Sequence(2, np.array([7, 8], dtype=np.int64))
     assert arr.token_ids == [7, 8] and all(type(t) is int for t in arr.token_ids)
-    with pytest.raises(InvalidArgumentError, match="own=True takes a list"):
-        Sequence(3, (1, 2), own=True)
+    with pytest.raises(InvalidArgumentError, match="_own=True takes a list"):
+        Sequence(3, (1, 2), _own=True)
     with pytest.raises(InvalidArgumentError):
-        Sequence(4, [], own=True)
+        Sequence(4, [], _own=True)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -144,20 +144,22 @@ class Sequence:
 
     def __init__(self, seq_id: int, token_ids: SequenceT[int], *, request_id: str = "",
                  cache_salt: Union[bytes, str, None] = None, arrival: float = 0.0,
-                 own: bool = False) -> None:
-        """``own=True``: ``token_ids`` is a new list of plain ints that the sequence keeps as its
-        own (no copy, no conversion of each token: a 32K-token prompt's ~1.4 ms); the caller
-        has checked it and does not use it again. Otherwise the ids are copied as ints."""
+                 _own: bool = False) -> None:
+        """The ids are copied as ints. ``_own=True`` is the engine's alone: ``token_ids`` is a
+        new list of plain ints it has checked against the vocabulary and does not use again,
+        which the sequence keeps as is (no copy, no conversion of each token: a 32K-token
+        prompt's ~1.4 ms). Unchecked ids would be refused only when the sequence is admitted,
+        inside a step, so other callers keep the converting path."""
         if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)) or seq_id < 0:
             raise InvalidArgumentError(
                 f"invalid argument: seq_id = {seq_id!r}: must be a non-negative integer",
                 what="seq_id", value=seq_id, reason="must be a non-negative integer")
-        if own:
+        if _own:
             if type(token_ids) is not list:
                 raise InvalidArgumentError(
-                    f"invalid argument: token_ids: own=True takes a list, got "
+                    f"invalid argument: token_ids: _own=True takes a list, got "
                     f"{type(token_ids).__name__}", what="token_ids", value=-1,
-                    reason="own=True takes a list")
+                    reason="_own=True takes a list")
             tokens = token_ids
         elif isinstance(token_ids, np.ndarray):
             tokens = token_ids.tolist()

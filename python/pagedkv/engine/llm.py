@@ -696,7 +696,7 @@ class LLMEngine:
         # `token_ids` is always a fresh copy of checked ids: the sequence takes it as is.
         seq = SchedulerSequence(next(self._seq_ids), token_ids, request_id=req.request_id,
                                 cache_salt=req.cache_salt, arrival=req.metrics.arrival_time,
-                                own=True)
+                                _own=True)
         seq.data = (req, index)
         req.seqs[index] = seq
         return seq
