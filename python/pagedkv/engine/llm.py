@@ -465,7 +465,7 @@ class LLMEngine:
         self._request_ids = itertools.count()
         # Seeds for requests that give none: drawn once per request, so even an unseeded request
         # resumes unchanged after a preemption.
-        self._seed_rng = random.Random()
+        self._seed_rng = random.Random(config.seed)
         self._token_text: Dict[int, str] = {}
         self.reset_stats()
 
