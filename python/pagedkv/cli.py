@@ -682,6 +682,34 @@ def _given_flags(p: argparse.ArgumentParser, argv: Sequence[str], flags: Sequenc
     return sorted(found)
 
 
+def serve_flags_markdown() -> str:
+    """The flag tables of ``docs/serve.md`` (one per help group), from the parser itself: the
+    docs show what ``pagedkv serve --help`` does, and a test keeps them equal."""
+    p = _Parser(prog="pagedkv serve")
+    _add_serve_args(p)
+    out: list[str] = []
+    for group in p._action_groups:
+        rows = []
+        for a in group._group_actions:
+            if a.help == argparse.SUPPRESS or isinstance(a, argparse._HelpAction):
+                continue
+            if not a.option_strings:
+                names = f"`{a.metavar}`"
+            elif a.nargs == 0:
+                names = " / ".join(f"`{o}`" for o in a.option_strings)
+            else:
+                value = "\\|".join(map(str, a.choices)) if a.choices else str(a.metavar or
+                                                                             a.dest.upper())
+                first, *aliases = a.option_strings
+                value = value.replace("|", "\\|") if not a.choices else value
+                names = " / ".join([f"`{first} {value}`", *(f"`{o}`" for o in aliases)])
+            text = str(a.help).replace("%%", "%").replace("|", "\\|")
+            rows.append(f"| {names} | {text} |")
+        if rows:
+            out += [f"**{group.title}**", "", "| option | meaning |", "| --- | --- |", *rows, ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
 def _config_path(p: argparse.ArgumentParser, argv: Sequence[str]) -> Optional[str]:
     path = None
     for i, a in enumerate(argv):

@@ -625,6 +625,9 @@ def serve(model: Optional[str], *, host: str = "127.0.0.1", port: int = 8000,
                             chat_template=chat_template)
             server = uvicorn.Server(uvicorn.Config(app, host=host, port=bound,
                                                    log_level=log_level))
+            # uvicorn names the address only when it binds it itself.
+            logger.info("serving on http://%s:%d (Ctrl+C to quit)",
+                        f"[{host}]" if ":" in host else host, bound)
             server.run(sockets=[sock])
         finally:
             llm.shutdown()
