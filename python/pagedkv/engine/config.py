@@ -34,8 +34,29 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def _bad(name: str, value: Any, reason: str) -> ConfigArgumentError:
+    value = _redacted(name, value)
     return ConfigArgumentError(f"invalid config: {name} = {value!r}: {reason}", field=name,
                                value=value, reason=reason)
+
+
+def _redacted(name: str, value: Any) -> Any:
+    """A secret field's value as an error may show it: the hash key not at all, a URL without its
+    password."""
+    if name == "hash_seed" and value is not None:
+        return "<secret>"
+    if name == "remote_cache_url" and isinstance(value, str):
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(value)
+            if parts.password is None:
+                return value
+            netloc = parts.netloc.rpartition("@")
+            user = netloc[0].partition(":")[0]
+            return parts._replace(netloc=f"{user}:***@{netloc[2]}").geturl()
+        except ValueError:
+            return "<secret>"
+    return value
 
 
 #: Most rows :func:`pagedkv.kernels.linear_small_m` serves (its ``MAX_M``; not imported here,
