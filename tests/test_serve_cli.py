@@ -478,3 +478,24 @@ def test_max_model_len_and_seed(tiny_dir):
                  progress=False) as llm:
             runs.append([o.outputs[0].token_ids for o in llm.generate(["w5 w6"] * 2, params)])
     assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_gpu_memory_utilization_sizes_the_cuda_pool(monkeypatch):
+    """The CUDA branch of the pool sizing, with the device's free memory faked: the pool is the
+    given share of it, less the reserve (the default share without the knob)."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from pagedkv.engine import model_runner as mr
+
+    free = 40 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * 2**30))
+    runner = SimpleNamespace(spec=SimpleNamespace(bytes_per_block=2**20),
+                             device=torch.device("cuda"))
+    size = mr.ModelRunner._size_pool
+    assert size(runner, None, None, 0.5) == (free // 2 - mr.DEFAULT_GPU_RESERVE) // 2**20
+    assert size(runner, None, None, None) == \
+        (int(free * mr.DEFAULT_GPU_FRACTION) - mr.DEFAULT_GPU_RESERVE) // 2**20
+    assert size(runner, 7, None, None) == 7
+    with pytest.raises(mr.CapacityError):
+        size(runner, None, None, 0.1)  # 4 GiB of 40 is all reserve
