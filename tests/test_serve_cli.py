@@ -268,7 +268,11 @@ def test_secrets_from_files(captured, capsys, tmp_path, monkeypatch):
     seed.write_text("not a number")
     assert main(["serve", "--hash-seed-file", str(seed)]) == 2
     err = capsys.readouterr().err
-    assert "--hash-seed-file: the hash seed is not an integer" in err and "not a number" not in err
+    assert "--hash-seed-file: not an integer" in err and "not a number" not in err
+    monkeypatch.setenv("PAGEDKV_HASH_SEED", str(2**64 + 4242))
+    assert main(["serve"]) == 2  # out of range: refused by the config, without the value
+    err = capsys.readouterr().err
+    assert "hash_seed" in err and "4242" not in err, err
 
 
 def test_router_hash_seed_from_env_or_file(monkeypatch, capsys, tmp_path):

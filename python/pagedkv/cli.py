@@ -4,7 +4,8 @@ Owns argument parsing and the mapping from flags to the demo's, planner's, simul
 benchmark's configuration objects; the computing lives in :mod:`pagedkv.demo`, :mod:`pagedkv.capacity`,
 :mod:`pagedkv.simulate` and :mod:`pagedkv.serve`. Subcommands are
 registered in :data:`SUBCOMMANDS` (name → (add-arguments function, handler)), so further ones
-(``bench``, ``demo``) plug in without touching the others.
+(``bench``, ``demo``) plug in without touching the others. ``serve``'s engine flags are generated
+from :class:`~pagedkv.engine.config.EngineConfig`'s fields (:func:`serve_engine_fields`).
 
 Invariants: a user error — a bad flag, a bad value, a configuration the pool cannot hold — prints
 exactly one line, ``pagedkv <cmd>: error: <message>``, on stderr and exits with status 2; no
@@ -499,11 +500,9 @@ def _int_any_base(text: str) -> int:
 
 def serve_engine_fields() -> list[tuple[Any, str]]:
     """The :class:`~pagedkv.engine.config.EngineConfig` fields ``pagedkv serve`` takes as flags,
-    each with its kind: ``bool``, ``int``, ``float``, ``size`` (bytes or ``"4GiB"``) or ``str``.
-
-    Raises:
-        TypeError: A field's type is none of those (give it ``metadata={"cli": False}``).
-    """
+    each with its kind: ``bool``, ``int``, ``float``, ``size`` (bytes or ``"4GiB"``) or ``str``
+    (also any other type: the flag's text goes to the config as it is, which validates it; a
+    field the command line cannot express has ``metadata={"cli": False}``)."""
     import dataclasses
     import types
     import typing
@@ -526,10 +525,8 @@ def serve_engine_fields() -> list[tuple[Any, str]]:
             kind = "float"
         elif args == {int, str}:
             kind = "size"
-        elif args == {str}:
+        else:  # a string, or a type with no command-line form: the text, for the config to check
             kind = "str"
-        else:
-            raise TypeError(f"EngineConfig.{f.name}: no command-line form for {tp}")
         out.append((f, kind))
     return out
 
@@ -595,7 +592,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                            help=f"read {name}'s value from FILE (keeps it off the command line)")
 
 
-#: Flags whose value is a secret (serve and router): on the command line, they draw a warning.
+#: Flags whose value is a secret (serve and router; a serve engine flag is one when its field
+#: has ``metadata["secret_env"]``): on the command line, they draw a warning.
 _SECRET_FLAGS = ("--api-key", "--hash-seed", "--remote-cache-url")
 
 
@@ -660,7 +658,9 @@ def _wrap_parse(p: argparse.ArgumentParser, *, config: bool) -> None:
         path = _config_path(p, given) if config else None
         from_file = [] if path is None else _config_argv(p, path)
         ns, extras = parse(from_file + given, namespace)
-        ns.argv_secrets = _given_flags(p, given, _SECRET_FLAGS)
+        secret = [*_SECRET_FLAGS, *(_flag(f.name) for f, _k in serve_engine_fields()
+                                    if f.metadata.get("secret_env"))] if config else _SECRET_FLAGS
+        ns.argv_secrets = _given_flags(p, given, secret)
         ns.model_from_file = "--model" in from_file
         return ns, extras
 
@@ -830,26 +830,53 @@ def _hash_seed_value(args: argparse.Namespace, prog: str) -> Optional[int]:
 
 def _serve_engine_config(args: argparse.Namespace) -> Any:
     """The :class:`~pagedkv.engine.config.EngineConfig` of the generated flags (a flag not given
-    keeps the field's default), secrets resolved from their flag, file or environment."""
+    keeps the field's default). A secret field (``metadata["secret_env"]``) not given as a flag
+    comes from its ``--x-file`` (with ``metadata["secret_file"]``), else its environment
+    variable; given as a flag on the command line, it draws a warning (a URL only when it holds a
+    password)."""
     from .engine.config import EngineConfig
 
+    prog = "pagedkv serve"
     values = {}
-    for f, _kind in serve_engine_fields():
+    for f, kind in serve_engine_fields():
         value = getattr(args, f.name, None)
+        env = f.metadata.get("secret_env")
+        if env:
+            flag = _flag(f.name)
+            file = getattr(args, f.name + "_file", None)
+            if value is not None:
+                if file is not None:
+                    raise UsageError(f"give {flag} or {flag}-file, not both")
+                if flag in args.argv_secrets and not (
+                        isinstance(value, str) and "://" in value and not _has_password(value)):
+                    instead = f"${env}" + (f" or {flag}-file" if f.metadata.get("secret_file")
+                                           else "")
+                    _warn_argv_secret(flag, instead, prog)
+            else:
+                text = _secret(flag, None, file, (env,), (), prog)
+                if text is not None:
+                    value = _secret_value(text, kind, flag if file is None else flag + "-file",
+                                          env if file is None else None)
         if value is not None:
             values[f.name] = value
-    prog = "pagedkv serve"
-    seed = _hash_seed_value(args, prog)
-    if seed is not None:
-        values["hash_seed"] = seed
-    url = _secret("--remote-cache-url", args.remote_cache_url, None,
-                  ("PAGEDKV_REMOTE_CACHE_URL",), (), prog)
-    if url is not None:
-        if "--remote-cache-url" in args.argv_secrets and _has_password(url):
-            _warn_argv_secret("--remote-cache-url with a password", "$PAGEDKV_REMOTE_CACHE_URL",
-                              prog)
-        values["remote_cache_url"] = url
     return EngineConfig(**values)
+
+
+def _secret_value(text: str, kind: str, flag: str, env: Optional[str]) -> Any:
+    """A secret read from a file or the environment, converted as its flag's type would (an
+    error names where it came from, never the value)."""
+    source = f"${env}" if env else flag
+    try:
+        if kind == "int":
+            return int(text, 0)
+        if kind == "float":
+            return float(text)
+        if kind == "size":
+            return parse_bytes(text)
+    except (ValueError, InvalidConfigError):
+        raise UsageError(f"{source}: not {'an integer' if kind == 'int' else 'a ' + kind}") \
+            from None
+    return text
 
 
 def _has_password(url: str) -> bool:
