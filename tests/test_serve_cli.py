@@ -503,3 +503,21 @@ def test_gpu_memory_utilization_sizes_the_cuda_pool(monkeypatch):
     assert size(runner, 7, None, None) == 7
     with pytest.raises(mr.CapacityError):
         size(runner, None, None, 0.1)  # 4 GiB of 40 is all reserve
+
+
+def test_bind_socket_errors_are_typed():
+    from pagedkv.errors import InvalidConfigError
+    from pagedkv.serve.launch import bind_socket
+
+    with pytest.raises(InvalidConfigError, match="cannot listen on no.such.host.invalid:0"):
+        bind_socket("no.such.host.invalid", 0)
+    with pytest.raises(InvalidConfigError, match="cannot listen on 192.0.2.1:0"):
+        bind_socket("192.0.2.1", 0)  # TEST-NET-1: not an address of this machine
+    sock = bind_socket("127.0.0.1", 0)
+    try:
+        sock.listen(1)
+        with pytest.raises(InvalidConfigError, match="address already in use") as info:
+            bind_socket("127.0.0.1", sock.getsockname()[1])
+        assert info.value.field == "port"
+    finally:
+        sock.close()

@@ -578,8 +578,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         if "choices" in f.metadata:
             kw["choices"] = tuple(f.metadata["choices"])
         elif kind == "int":
-            kw.update(type=_hash_seed if f.name == "hash_seed" else _int_any_base,
-                      metavar="KEY" if env else "N")
+            kw.update(type=_int_any_base, metavar="KEY" if env else "N")
         elif kind == "float":
             kw.update(type=_float, metavar="X")
         elif kind == "size":

@@ -30,21 +30,16 @@ logger = logging.getLogger("pagedkv.serve")
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (``port`` 0: a free one; read it from
-    ``getsockname()``), with ``SO_REUSEADDR`` as uvicorn sets it.
+    ``getsockname()``), as uvicorn would bind it (IPv6 when ``host`` has a colon, else IPv4;
+    ``SO_REUSEADDR``).
 
     Raises:
         InvalidConfigError: The address does not resolve, is in use, or cannot be bound here.
     """
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise InvalidConfigError(f"cannot listen on {host}:{port}: {exc.strerror}", field="host",
-                                 value=host, reason="does not resolve") from None
-    family, kind, proto, _name, address = infos[0]
-    sock = socket.socket(family, kind, proto)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
+        sock.bind((host, port))
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
