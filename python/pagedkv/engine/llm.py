@@ -269,6 +269,10 @@ class LLMEngine:
         kv_events_replay_endpoint: The ZeroMQ endpoint (bound) consumers replay missed batches
             from; needs ``kv_events_endpoint``.
         kv_events_topic: The topic frame of every event message.
+        gpu_memory_utilization: CUDA only: the KV pool's share of the device memory free after
+            loading (default 0.85, less a 4 GiB reserve); exclusive with ``num_blocks`` and
+            ``kv_cache_memory``.
+        seed: Seeds the sampling seeds of requests that give none (``None``: random).
 
     Raises:
         ModelLoadError: ``model`` does not exist, is not a model directory or ``.gguf`` file, or is
@@ -315,6 +319,8 @@ class LLMEngine:
         kv_events_endpoint: Optional[str] = None,
         kv_events_replay_endpoint: Optional[str] = None,
         kv_events_topic: str = "",
+        gpu_memory_utilization: Optional[float] = None,
+        seed: Optional[int] = None,
     ) -> None:
         config = EngineConfig(
             kv_cache_memory=kv_cache_memory, num_blocks=num_blocks, block_size=block_size,
@@ -332,6 +338,7 @@ class LLMEngine:
             remote_cache_timeout_s=remote_cache_timeout_s, hash_seed=hash_seed,
             kv_events_endpoint=kv_events_endpoint,
             kv_events_replay_endpoint=kv_events_replay_endpoint, kv_events_topic=kv_events_topic,
+            gpu_memory_utilization=gpu_memory_utilization, seed=seed,
         )
         self._setup(model, device, dtype, config)
 
@@ -465,7 +472,7 @@ class LLMEngine:
         self._request_ids = itertools.count()
         # Seeds for requests that give none: drawn once per request, so even an unseeded request
         # resumes unchanged after a preemption.
-        self._seed_rng = random.Random()
+        self._seed_rng = random.Random(config.seed)
         self._token_text: Dict[int, str] = {}
         self.reset_stats()
 

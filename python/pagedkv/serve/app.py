@@ -580,26 +580,59 @@ def _usage(prompt: int, completion: int) -> Dict[str, int]:
 def serve(model: Optional[str], *, host: str = "127.0.0.1", port: int = 8000,
           served_model_name: Optional[str] = None, max_queue_size: Optional[int] = None,
           api_key: Optional[str] = None, chat_template: Optional[str] = None,
-          log_level: str = "info", **engine_args: Any) -> None:
-    """Builds the engine and serves it until interrupted (``pagedkv serve``)."""
+          log_level: str = "info", engine_config: Any = None,
+          max_model_len: Optional[int] = None, tokenizer: Optional[str] = None,
+          **engine_args: Any) -> None:
+    """Binds ``host:port``, builds the engine, and serves it until interrupted (``pagedkv serve``).
+
+    The port is bound before the model loads (a port in use fails at once, with
+    :class:`~pagedkv.errors.InvalidConfigError`), and the bound socket is handed to uvicorn.
+    The engine's settings are ``engine_config`` (an :class:`~pagedkv.engine.config.EngineConfig`)
+    or ``engine_args`` (its fields, plus ``device`` and ``dtype``), not both;
+    ``max_model_len`` and ``tokenizer`` as for :func:`pagedkv.serve.launch.build_async_llm`.
+    """
     import os
 
     import uvicorn
 
+    from ..engine.config import EngineConfig
+    from .launch import bind_socket, build_async_llm
+
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise InvalidConfigError(f"port must be an int in [0, 65535], got {port!r}", field="port",
                                  value=port, reason="out of range")
+    device, dtype = engine_args.pop("device", None), engine_args.pop("dtype", None)
+    if engine_config is not None and engine_args:
+        raise InvalidConfigError(f"give engine_config or its fields, not both (got "
+                                 f"{', '.join(sorted(engine_args))})", field="engine_config",
+                                 value=sorted(engine_args), reason="exclusive")
+    config = engine_config if engine_config is not None else EngineConfig(**engine_args)
     if chat_template is not None and os.path.isfile(chat_template):
         with open(chat_template, encoding="utf-8") as f:
             chat_template = f.read()
-    llm = AsyncLLM(model, max_queue_size=max_queue_size, **engine_args)
-    name = served_model_name or default_model_name(model)
-    # The engine itself warns at start-up when the KV pool, not the model, bounds a sequence.
-    app = build_app(llm, served_model_name=name, api_key=api_key, chat_template=chat_template)
+    sock = bind_socket(host, port)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        bound = sock.getsockname()[1]
+        logger.info("bound %s:%d; loading the model", host, bound)
+        llm = build_async_llm(model, config=config, max_queue_size=max_queue_size,
+                              device=device, dtype=dtype, max_model_len=max_model_len,
+                              tokenizer=tokenizer)
+        try:
+            name = served_model_name or default_model_name(model)
+            # The engine itself warns at start-up when the KV pool, not the model, bounds a
+            # sequence.
+            app = build_app(llm, served_model_name=name, api_key=api_key,
+                            chat_template=chat_template)
+            server = uvicorn.Server(uvicorn.Config(app, host=host, port=bound,
+                                                   log_level=log_level))
+            # uvicorn names the address only when it binds it itself.
+            logger.info("serving on http://%s:%d (Ctrl+C to quit)",
+                        f"[{host}]" if ":" in host else host, bound)
+            server.run(sockets=[sock])
+        finally:
+            llm.shutdown()
     finally:
-        llm.shutdown()
+        sock.close()
 
 
 def default_model_name(model: Optional[str]) -> str:
