@@ -228,7 +228,8 @@ def test_errors_are_openai_shaped(server, client):
     # A field the server does not use is accepted (tests/test_serve_clients.py); one that would
     # change the output and is not implemented is a 400 naming it.
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=NAME, prompt="w3", extra_body={"guided_json": {"type": "object"}})
+        client.completions.create(model=NAME, prompt="w3",
+                                  extra_body={"guided_json": {"type": "object"}})
     assert info.value.body["param"] == "guided_json"
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=NAME, prompt=" ".join(["w3"] * 400), max_tokens=4)

@@ -44,7 +44,8 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import (Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Set, Tuple,
+                    TypeVar, Union)
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -117,7 +118,7 @@ class ServerState:
         self.max_prompt_bytes = max_prompt_bytes
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
-        self._logged_fields: set = set()
+        self._logged_fields: Set[str] = set()
 
     def log_ignored(self, names: List[str]) -> None:
         """Logs each ignored field name the first time a request carries it."""
@@ -269,7 +270,8 @@ def build_app(llm: AsyncLLM, *, served_model_name: str, api_key: Optional[str] =
         param = ".".join(loc) or None
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
-            param, msg = None, f"the body is not valid JSON: {first.get('ctx', {}).get('error', msg)}"
+            reason = first.get("ctx", {}).get("error", msg)
+            param, msg = None, f"the body is not valid JSON: {reason}"
         # ascii(): a message naming a client's value must stay encodable (lone surrogates).
         text = f"{param}: {msg}" if param else str(msg)
         return err(400, ascii(text)[1:-1] if not text.isascii() else text,
@@ -972,7 +974,7 @@ def _protocol_class(max_connections: int, header_timeout_s: float,
                             b"connection: close\r\n\r\n")
             transport.close()
 
-    class BoundedH11Protocol(H11Protocol):  # type: ignore[misc]
+    class BoundedH11Protocol(H11Protocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._deadline: Optional[asyncio.TimerHandle] = None
