@@ -188,6 +188,23 @@ def test_logprobs_capped(client):
     assert all(20 <= len(top) <= 21 for top in r.choices[0].logprobs.top_logprobs)  # + chosen
 
 
+def test_stop_lists_capped(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=NAME, prompt="w3", max_tokens=2,
+                                  stop=[f"w{i}x" for i in range(65)])
+    assert info.value.body["param"] == "stop" and "64" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=NAME, prompt="w3", max_tokens=2, stop="x" * 1025)
+    assert info.value.body["param"] == "stop" and "1024" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=NAME, prompt="w3", max_tokens=2,
+                                  extra_body={"stop_token_ids": [5] * 1025})
+    assert info.value.body["param"] == "stop_token_ids"
+    r = client.completions.create(model=NAME, prompt="w3", max_tokens=2,
+                                  stop=[f"w{i}x" for i in range(64)])
+    assert r.choices[0].finish_reason == "length"
+
+
 def test_max_logprobs_is_a_build_app_parameter(model_dir):
     s = Server(model_dir, app_args={"max_logprobs": 2})
     try:

@@ -15,7 +15,8 @@ Invariants:
   engine is handed token ids. Every size a client controls is capped before any work scales with
   it: the body (``max_body_bytes``, 413), a prompt's bytes (``max_prompt_bytes``, derived from
   ``max_model_len``), ``logprobs`` / ``top_logprobs`` (``max_logprobs``), ``n`` (the engine's
-  ``max_num_seqs``); and, under :func:`uvicorn_config`, the connections and the time to send a
+  ``max_num_seqs``), stop lists (:data:`MAX_STOP_STRINGS`, :data:`MAX_STOP_BYTES`,
+  :data:`MAX_STOP_TOKEN_IDS`); and, under :func:`uvicorn_config`, the connections and the time to send a
   request's head and body;
 * every error response is OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
   unknown routes and methods and unparsable bodies included: a bad request (bad value, a field
@@ -81,6 +82,11 @@ DEFAULT_KEEP_ALIVE_S = 5
 #: A prompt's bytes are capped at ``max_model_len`` times the longest token's bytes, and never
 #: fewer than this many bytes per token.
 MIN_BYTES_PER_TOKEN = 16
+#: Stop lists: at most this many stop strings, of at most this many UTF-8 bytes each, and this
+#: many stop token ids (each is checked against every generated token on the engine thread).
+MAX_STOP_STRINGS = 64
+MAX_STOP_BYTES = 1024
+MAX_STOP_TOKEN_IDS = 1024
 #: The body cap's floor (``max_body_bytes`` defaults to the larger of this and 2 x the prompt cap).
 MIN_BODY_BYTES = 16 << 20
 
@@ -356,6 +362,19 @@ def build_app(llm: AsyncLLM, *, served_model_name: str, api_key: Optional[str] =
         ignored = getattr(req, "ignored_fields", None)
         if ignored is not None:
             state.log_ignored(ignored())
+        stop = getattr(req, "stop", None)
+        stops = [stop] if isinstance(stop, str) else list(stop or ())
+        ids = getattr(req, "stop_token_ids", None) or ()
+        checks = [("stop", len(stops), MAX_STOP_STRINGS, "stop strings"),
+                  ("stop_token_ids", len(ids), MAX_STOP_TOKEN_IDS, "stop token ids")]
+        if len(stops) <= MAX_STOP_STRINGS:
+            checks.append(("stop", max((len(x.encode("utf-8")) for x in stops), default=0),
+                           MAX_STOP_BYTES, "bytes in one stop string"))
+        for what, n, limit, unit in checks:
+            if n > limit:
+                raise InvalidArgumentError(
+                    f"invalid argument: {what}: {n} {unit}, more than the server's limit {limit}",
+                    what=what, value=f"<{n} {unit}>", reason=f"more than {limit} {unit}")
 
     def check_bytes(what: str, nbytes: int) -> None:
         if nbytes > state.max_prompt_bytes:

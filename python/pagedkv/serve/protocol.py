@@ -79,8 +79,10 @@ def find_lone_surrogate(value: Any, path: str = "") -> Optional[str]:
                     return where or "body"
                 stack.append((key, x))
         elif isinstance(v, (list, tuple)):
+            # Token-id lists are long and hold no string: only containers and strings are pushed.
             stack.extend((f"{where}.{i}" if where else str(i), x)
-                         for i, x in reversed(list(enumerate(v))))
+                         for i, x in reversed(list(enumerate(v)))
+                         if isinstance(x, (str, list, tuple, dict, BaseModel)))
     return None
 
 
