@@ -191,16 +191,18 @@ def build_app(llm: AsyncLLM, *, served_model_name: str, api_key: Optional[str] =
     bytes (at least :data:`MIN_BYTES_PER_TOKEN`), which no prompt that fits can exceed.
     ``max_body_bytes``: the most bytes of a request body (413 above). ``None``: twice the prompt
     cap, at least :data:`MIN_BODY_BYTES`.
-    ``tokenizer_workers``: threads tokenizing prompts and rendering chats.
+    ``tokenizer_workers``: threads tokenizing prompts and rendering chats, each with its own copy
+    of the tokenizer; 0 tokenizes on the engine thread between steps (a long prompt then stalls
+    every stream: for comparison only).
 
     Raises:
-        InvalidConfigError: A cap or ``tokenizer_workers`` that is not a positive int
-            (``max_logprobs`` may be 0).
+        InvalidConfigError: A cap that is not a positive int (``max_logprobs`` may be 0), or
+            ``tokenizer_workers`` not an int >= 0.
     """
     for field, value, low in (("max_logprobs", max_logprobs, 0),
                               ("max_prompt_bytes", max_prompt_bytes, 1),
                               ("max_body_bytes", max_body_bytes, 1),
-                              ("tokenizer_workers", tokenizer_workers, 1)):
+                              ("tokenizer_workers", tokenizer_workers, 0)):
         if value is None and field in ("max_prompt_bytes", "max_body_bytes"):
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -233,7 +235,7 @@ def build_app(llm: AsyncLLM, *, served_model_name: str, api_key: Optional[str] =
                         max_logprobs=max_logprobs, max_prompt_bytes=max_prompt_bytes,
                         max_body_bytes=max_body_bytes)
     tokenizers: Optional[_Tokenizers] = None
-    if base_tokenizer is not None:
+    if base_tokenizer is not None and tokenizer_workers > 0:
         try:
             tokenizers = _Tokenizers(base_tokenizer, tokenizer_workers)
         except Exception as exc:  # a tokenizer that cannot be copied: the engine thread's
