@@ -43,7 +43,8 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 def test_unused_fields_are_accepted_and_logged_once(server, client, caplog):
     caplog.set_level(logging.WARNING, logger="pagedkv.serve")
     extra = {"store": True, "metadata": {"k": "v"}, "parallel_tool_calls": False,
-             "service_tier": "auto", "reasoning_effort": "low", "user": "u1"}
+             "service_tier": "auto", "reasoning_effort": "low", "user": "u1",
+             "tool_choice": "auto"}
     for _ in range(2):
         r = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=2, **extra,
                                            extra_body={"some_future_field": {"x": 1}})

@@ -235,7 +235,7 @@ class ChatCompletionRequest(_Sampling):
                                         "template places the special tokens; only false")
         if self.tools:
             raise UnsupportedFieldError("tools", "tools are not supported")
-        if self.tool_choice not in (None, "none"):
+        if self.tool_choice not in (None, "none", "auto"):  # without tools, "auto" is "none"
             raise UnsupportedFieldError("tool_choice", "tool_choice is not supported")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise UnsupportedFieldError("response_format",
