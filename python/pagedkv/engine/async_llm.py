@@ -189,8 +189,10 @@ class AsyncLLM:
 
     @property
     def tokenizer(self) -> Any:
-        """The model's tokenizer (``None`` if it has none). Its use from the event loop thread
-        races the engine thread's; run tokenization through :meth:`call`."""
+        """The model's tokenizer (``None`` if it has none). The engine thread uses it (to
+        tokenize string prompts and to detokenize), so another thread must not: tokenize on a
+        copy (``copy.deepcopy``; the server keeps one per worker thread) and pass
+        ``{"prompt": text, "prompt_token_ids": ids}``, or go through :meth:`call`."""
         return self.engine.tokenizer
 
     def get_tokenizer(self) -> Any:
