@@ -13,7 +13,12 @@ round of each is reported:
   median and p90 milliseconds per request;
 * ``throughput``: the same number of requests with ``--concurrency`` in flight: requests/s.
 
-A third figure is what the off-thread path buys: ``stall``, the longest gap between two chunks of
+The HTTP figures carry the noise of a shared machine; ``hop`` isolates the path itself, in process
+with no HTTP: the median microseconds to get a short prompt's ids through a worker thread
+(``_Tokenizers.run``) against through the engine thread (``AsyncLLM.call``, idle engine) and
+against tokenizing inline on the event loop (no hop at all), ``--hops`` times each.
+
+A last figure is what the off-thread path buys: ``stall``, the longest gap between two chunks of
 a running stream while a prompt of ``--big-kib`` KiB is tokenized (engine thread: the stream waits
 for the whole tokenization; worker: it does not).
 
@@ -37,6 +42,10 @@ import time
 from typing import Any, Dict, List
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+#: Without TCP_NODELAY the client's separate writes of head and body meet the server's delayed ACK
+#: (~40 ms on Linux), which would hide everything measured here.
+NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 
 PROMPT = ("The quick brown fox number {i} jumps over the lazy dog while the "
           "committee reviews the quarterly report.")
@@ -91,7 +100,7 @@ def latency(url: str, n: int, offset: int) -> Dict[str, float]:
     import httpx
 
     times = []
-    with httpx.Client(timeout=60) as c:
+    with httpx.Client(timeout=60, transport=httpx.HTTPTransport(socket_options=NODELAY)) as c:
         for i in range(n):
             t = time.perf_counter()
             r = c.post(f"{url}/v1/completions", json={
@@ -107,7 +116,8 @@ async def _throughput(url: str, n: int, concurrency: int, offset: int) -> float:
 
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as c:
+    transport = httpx.AsyncHTTPTransport(socket_options=NODELAY, limits=limits)
+    async with httpx.AsyncClient(timeout=60, transport=transport) as c:
         async def one(i: int) -> None:
             async with sem:
                 r = await c.post(f"{url}/v1/completions", json={
@@ -148,12 +158,38 @@ async def _stall(url: str, big_kib: int) -> float:
     return 1e3 * max(gaps, default=0.0)
 
 
+async def _hops(llm: Any, n: int) -> Dict[str, float]:
+    """Median microseconds of one short prompt's tokenization by each path."""
+    from pagedkv.serve.app import _encode_all, _Tokenizers
+
+    tok = llm.get_tokenizer()
+    workers = _Tokenizers(tok, 2)
+    inline_tok = __import__("copy").deepcopy(tok)
+    out: Dict[str, List[float]] = {"inline": [], "worker": [], "engine": []}
+    try:
+        for i in range(n):
+            texts = [PROMPT.format(i=i)]
+            t = time.perf_counter()
+            _encode_all(inline_tok, texts, True)
+            out["inline"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await workers.run(_encode_all, texts, True)
+            out["worker"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await llm.call(lambda e: _encode_all(e.tokenizer, texts, True))
+            out["engine"].append(time.perf_counter() - t)
+    finally:
+        workers.shutdown()
+    return {k: 1e6 * statistics.median(v) for k, v in out.items()}
+
+
 def main(argv: Any = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--big-kib", type=int, default=256)
+    p.add_argument("--hops", type=int, default=2000)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -162,6 +198,14 @@ def main(argv: Any = None) -> int:
         a: {"p50_ms": [], "p90_ms": [], "req_per_s": [], "stall_ms": []} for a in arms}
     with tempfile.TemporaryDirectory() as d:
         model_dir = build_model(d)
+        from pagedkv import AsyncLLM
+
+        llm = AsyncLLM(model_dir, device="cpu", num_blocks=64, block_size=16)
+        try:
+            hops = asyncio.run(_hops(llm, args.hops))
+        finally:
+            llm.shutdown()
+        print("hop (us): " + ", ".join(f"{k} {v:.1f}" for k, v in hops.items()), file=sys.stderr)
         offset = 0
         for r in range(args.rounds):
             for arm, workers in arms.items():
@@ -194,11 +238,15 @@ def main(argv: Any = None) -> int:
         print(f"{names[arm]:<22}{b['p50_ms']:>9.2f}{b['p90_ms']:>9.2f}{b['req_per_s']:>14.1f}"
               f"{b['stall_ms']:>10.1f}")
     delta = best["worker"]["p50_ms"] - best["engine"]["p50_ms"]
-    print(f"added p50 latency off-thread: {delta:+.3f} ms per request")
+    print(f"added p50 latency off-thread (HTTP, noisy): {delta:+.3f} ms per request")
+    print(f"\none short prompt's ids, median of {args.hops} (us): inline on the loop "
+          f"{hops['inline']:.1f}, worker thread {hops['worker']:.1f}, engine thread "
+          f"{hops['engine']:.1f}; the worker hop adds {hops['worker'] - hops['inline']:.1f} us "
+          f"over inline, {hops['worker'] - hops['engine']:+.1f} us against the engine thread")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rounds": results, "best": best,
-                       "added_p50_ms": delta}, f, indent=2)
+                       "added_p50_ms": delta, "hop_us": hops}, f, indent=2)
     return 0
 
 

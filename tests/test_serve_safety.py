@@ -361,3 +361,18 @@ def test_a_stream_outlives_the_deadlines(model_dir):
             assert h.get(f"{s.url}/health").status_code == 200
     finally:
         s.stop()
+
+
+def test_responses_are_not_held_by_nagle(server):
+    # A socket bound by the caller (proto 0, as these tests and `uvicorn --workers` bind) gets no
+    # TCP_NODELAY from asyncio; the server sets it, or a response's body would wait for the
+    # client's delayed ACK of its head (~40 ms per request, and per streamed chunk).
+    import socket as socket_
+
+    with httpx.Client(timeout=30) as h:
+        assert h.get(f"{server.url}/health").status_code == 200
+        conns = list(server.server.server_state.connections)
+        assert conns
+        for proto in conns:
+            sock = proto.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket_.IPPROTO_TCP, socket_.TCP_NODELAY) != 0

@@ -41,6 +41,7 @@ import copy
 import json
 import logging
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -1003,6 +1004,15 @@ def _protocol_class(max_connections: int, header_timeout_s: float,
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            # asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP; one bound by
+            # the caller as socket.socket() (proto 0) would hold a response's body until the
+            # client's delayed ACK of its head (~40 ms on Linux).
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                except OSError:  # pragma: no cover - not TCP after all
+                    pass
             if len(self.connections) > max_connections:
                 logger.warning("%d connections open (max_connections %d): one refused",
                                len(self.connections), max_connections)
