@@ -376,3 +376,42 @@ def test_responses_are_not_held_by_nagle(server):
         for proto in conns:
             sock = proto.transport.get_extra_info("socket")
             assert sock.getsockopt(socket_.IPPROTO_TCP, socket_.TCP_NODELAY) != 0
+
+
+def test_pagedkv_serve_applies_the_bounds(model_dir):
+    # The command's own path (serve(): its socket bound before the model loads, then uvicorn
+    # through uvicorn_config): a client that never completes its head is answered 408 and closed
+    # at the default deadline, and the server keeps serving.
+    from test_serve_cli import ENGINE_ARGV, _env, _Proc
+
+    from pagedkv.serve.app import DEFAULT_HEADER_TIMEOUT_S
+
+    proc = _Proc([model_dir, *ENGINE_ARGV, "--served-model-name", NAME], _env())
+    sock = None
+    try:
+        port = int(proc.wait_for(r"serving on http://127\.0\.0\.1:(\d+)").group(1))
+        deadline = time.monotonic() + 30
+        while True:  # uvicorn may still be starting
+            try:
+                sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")  # never finished
+        sock.settimeout(DEFAULT_HEADER_TIMEOUT_S + 20)
+        got = b""
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                break
+            got += data
+        assert got.startswith(b"HTTP/1.1 408"), got
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                          max_retries=0, timeout=60)
+        r = c.completions.create(model=NAME, prompt="w3 w4", max_tokens=2)
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        if sock is not None:
+            sock.close()
+        proc.stop()
