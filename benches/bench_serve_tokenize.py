@@ -230,8 +230,8 @@ def main(argv: Any = None) -> int:
             for a, v in results.items()}
     print(f"\nshort prompt, max_tokens=1, {args.requests} requests; best of {args.rounds} rounds; "
           f"stall: a {args.big_kib} KiB prompt during a stream")
-    print(f"{'tokenized on':<22}{'p50 ms':>9}{'p90 ms':>9}{'req/s (c=' + str(args.concurrency) + ')':>14}"
-          f"{'stall ms':>10}")
+    rps_head = f"req/s (c={args.concurrency})"
+    print(f"{'tokenized on':<22}{'p50 ms':>9}{'p90 ms':>9}{rps_head:>14}{'stall ms':>10}")
     names = {"worker": "worker threads (2)", "engine": "engine thread"}
     for arm in arms:
         b = best[arm]

@@ -16,8 +16,10 @@ Invariants:
   it: the body (``max_body_bytes``, 413), a prompt's bytes (``max_prompt_bytes``, derived from
   ``max_model_len``), ``logprobs`` / ``top_logprobs`` (``max_logprobs``), ``n`` (the engine's
   ``max_num_seqs``), stop lists (:data:`MAX_STOP_STRINGS`, :data:`MAX_STOP_BYTES`,
-  :data:`MAX_STOP_TOKEN_IDS`); and, under :func:`uvicorn_config`, the connections and the time to send a
-  request's head and body;
+  :data:`MAX_STOP_TOKEN_IDS`); and, under :func:`uvicorn_config`, the connections and the time
+  to send a request's head and body (never the time to read an answer);
+* every client connection has ``TCP_NODELAY`` (:func:`uvicorn_config`), whoever bound the
+  listening socket: a response's pieces are not held for the client's delayed ACK;
 * every error response is OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
   unknown routes and methods and unparsable bodies included: a bad request (bad value, a field
   that would change the output and is not implemented, a string with a lone surrogate, a prompt
@@ -1081,7 +1083,8 @@ def uvicorn_config(app: Any, *, host: str = "127.0.0.1", port: int = 8000,
                    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                    keep_alive_s: int = DEFAULT_KEEP_ALIVE_S, **config: Any) -> Any:
     """A ``uvicorn.Config`` serving ``app`` with the slow-client bounds of :func:`_protocol_class`
-    (``max_connections``, ``header_timeout_s``, ``body_timeout_s``), ``keep_alive_s`` as uvicorn's
+    (``max_connections``, ``header_timeout_s``, ``body_timeout_s``; and ``TCP_NODELAY`` on every
+    connection, which asyncio sets only on sockets it created), ``keep_alive_s`` as uvicorn's
     ``timeout_keep_alive``, and uvicorn's ``limit_concurrency`` above the connection cap (its 503
     for too many running requests). ``config``: more ``uvicorn.Config`` keywords.
 
