@@ -31,7 +31,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pagedkv import _cudart  # noqa: E402
-from pagedkv import swap as S  # noqa: E402
+from pagedkv.tiers import host as S  # noqa: E402
 from pagedkv.config import CacheSpec  # noqa: E402
 from pagedkv.kv_pool import KVPool  # noqa: E402
 

@@ -128,7 +128,7 @@ def test_host_pool_blocks_round_trip_through_the_tiers(tmp_path):
     """A real host tier: blocks spilled from HostKVPool slots come back verbatim into other slots."""
     torch = pytest.importorskip("torch")
     from pagedkv.config import CacheSpec
-    from pagedkv.swap import HostKVPool
+    from pagedkv.tiers.host import HostKVPool
     from pagedkv.tiers import fingerprint_for_spec
 
     spec = CacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", block_size=16)

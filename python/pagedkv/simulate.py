@@ -356,7 +356,7 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
                       preemption_mode=sim.preemption_mode)
     tiers = None
     if sim.host_cache_blocks or model_ttft:
-        from .tier_model import ModelledDiskTier
+        from .tiers.model import ModelledDiskTier
 
         tiers = ModelledDiskTier(mgr, sim.disk_cache_blocks, host_cache=bool(sim.host_cache_blocks),
                                  block_size=B,

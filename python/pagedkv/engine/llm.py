@@ -60,7 +60,7 @@ from ..scheduler import Sequence as SchedulerSequence
 from .config import EngineConfig
 from .loader import LoadedModel, default_model_path, load_model
 from .model_runner import ModelRunner, build_rank_runner
-from .tier_cache import build_tier_cache, manager_tier_args
+from ..tiers.cache import build_tier_cache, manager_tier_args
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import SamplerRow, sample_batch, sample_seed
 from .sampling_params import RequestOutputKind, SamplingParams

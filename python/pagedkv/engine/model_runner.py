@@ -50,7 +50,7 @@ from ..config import CacheSpec, CapacityError
 from ..errors import InvalidArgumentError, InvalidConfigError
 from ..kv_pool import KVPool
 from ..manager import BlockManager
-from ..swap import SwapEngine
+from ..tiers.host import SwapEngine
 from . import attention as _attention
 from . import fused as _fused
 from .config import EngineConfig

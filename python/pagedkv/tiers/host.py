@@ -71,11 +71,11 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from . import _cudart
-from ._checks import allocate, check_flag
-from .config import CacheSpec
-from .errors import InvalidArgumentError, InvalidBlockError, InvalidConfigError
-from .kv_pool import KVPool
+from .. import _cudart
+from .._checks import allocate, check_flag
+from ..config import CacheSpec
+from ..errors import InvalidArgumentError, InvalidBlockError, InvalidConfigError
+from ..kv_pool import KVPool
 
 __all__ = ["HostKVPool", "SwapEngine", "DEFAULT_STAGING_BYTES"]
 
