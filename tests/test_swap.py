@@ -1,4 +1,4 @@
-"""``pagedkv.swap``: the host KV pool and the swap copies, on the CPU and (gpu-marked) on CUDA.
+"""``pagedkv.tiers.host``: the host KV pool and the swap copies, on the CPU and (gpu-marked) on CUDA.
 
 Every test fills the device pool with distinct random bytes, swaps blocks out to the host and back
 into other device blocks, and compares contents exactly (every layer's K and V) with what the

@@ -1,6 +1,6 @@
 """The swap engine's GPU ordering, checked on the CPU by a happens-before race detector.
 
-The CUDA branches of :class:`pagedkv.swap.SwapEngine` (whole-block swap-outs and swap-ins with
+The CUDA branches of :class:`pagedkv.tiers.host.SwapEngine` (whole-block swap-outs and swap-ins with
 their per-block order, and the layer-by-layer loads) run here against stand-in streams and
 events. Every copy the engine queues, and every read and write of the cache the test's forward
 queues on the compute stream the way the model runner does (``wait`` before the forward, or
