@@ -237,6 +237,17 @@ def test_a_third_backend_is_one_line_and_its_figures_are_keyed_by_name(tmp_path:
         assert totals["usage"]["mem"] == len(stores[1].blocks) * SPEC.bytes_per_block
         stored = [e for e in w.sink.take() if isinstance(e, BlockStored) and e.medium == "STORAGE"]
         assert {e.locality for e in stored} == {"LOCAL"}
+        # The Prometheus collector labels the figures with the store's name.
+        pytest.importorskip("prometheus_client")
+        from pagedkv.metrics import PagedKVCollector
+
+        col = PagedKVCollector(w.m, bytes_per_block=SPEC.bytes_per_block, max_age_s=0.0,
+                               tiers=lambda: w.tiers.totals(SPEC.bytes_per_block))
+        written = {s.labels["tier"]: s.value for fam in col.collect()
+                   if fam.name == "pagedkv_tier_written_bytes" for s in fam.samples
+                   if s.name.endswith("_total")}
+        assert written["mem"] == written["disk"] == totals["bytes_written"]["mem"]
+        assert written["host"] > 0
     finally:
         w.tiers.close()
 
