@@ -421,3 +421,29 @@ def test_host_pool_blocks_round_trip_through_a_disk_store(tmp_path: Any) -> None
         for i, m in enumerate(metas):
             assert d.get_into(m, host.raw[5 + i].numpy())
     assert torch.equal(host.kv[5:8].view(torch.int16), host.kv[0:3].view(torch.int16))
+
+
+# ------------------------------------------------------------------ the package's edges
+
+
+def test_the_tiers_package_stands_apart_from_the_engine() -> None:
+    """``import pagedkv.tiers`` loads neither torch nor redis; no module of it loads the engine."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    import pagedkv.tiers as tiers
+
+    code = (
+        "import sys, importlib, pagedkv.tiers\n"
+        "assert 'torch' not in sys.modules and 'redis' not in sys.modules, 'heavy import'\n"
+        "for m in ('store', 'cache', 'model', 'disk', 'record', 'fingerprint', 'host'):\n"
+        "    importlib.import_module('pagedkv.tiers.' + m)\n"
+        "bad = [m for m in sys.modules if m.startswith('pagedkv.engine')]\n"
+        "assert not bad, bad\n"
+    )
+    pkg = str(Path(tiers.__file__).resolve().parent.parent.parent)
+    env = dict(os.environ, PYTHONPATH=pkg)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
