@@ -382,9 +382,9 @@ class TierOrderError(PagedKVError, RuntimeError):
     """A step's swap-outs were about to run while the host tier still held blocks the manager had
     demoted and nobody had copied out: ``TierCache.after_schedule`` must run between
     ``Scheduler.schedule`` and the step's execution (the swap-outs reuse the demoted slots).
-    Nothing was queued.
+    Nothing was queued, and the demoted blocks were handed to the lower tiers before the raise.
 
-    Attributes: ``pending`` (demotions not taken), ``rule`` (the order that was broken).
+    Attributes: ``pending`` (the demotions that had not been taken), ``rule`` (the order broken).
     """
 
     pending: int
