@@ -258,6 +258,9 @@ def test_a_name_is_taken_once(tmp_path: Any, monkeypatch: Any, mem_backend: None
     monkeypatch.setattr(MemStore, "name", "host")
     with pytest.raises(InvalidConfigError, match="'host' is taken"):
         build_stores(types.SimpleNamespace(), FP, SPEC.bytes_per_block)
+    monkeypatch.setattr(MemStore, "name", "mem")
+    with pytest.raises(InvalidConfigError, match="'mem' is taken"):
+        World(tmp_path, stores=[MemStore(SPEC.bytes_per_block), MemStore(SPEC.bytes_per_block)])
 
 
 # ------------------------------------------------------------------ evictions as events

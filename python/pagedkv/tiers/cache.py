@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Protocol, Sequence, Tupl
 
 import numpy as np
 
-from ..errors import TierOrderError
+from ..errors import InvalidConfigError, TierOrderError
 from .disk import load_or_create_hash_key
 from .fingerprint import fingerprint_for_spec
 from .record import BlockMeta
@@ -157,6 +157,9 @@ class TierCache:
             its bytes); beyond it a demotion is dropped and counted.
         events: A KV-event sink told of every block a lower tier stores or drops
             (``medium="STORAGE"``, ``locality`` the store's); None: no events.
+
+    Raises:
+        InvalidConfigError: Two stores share a name, or one is named ``gpu`` or ``host``.
     """
 
     def __init__(self, manager: "BlockManager", swap: "SwapEngine",
@@ -171,6 +174,11 @@ class TierCache:
         self.block_size = block_size
         self.block_bytes = int(self.host.shape[1])
         names = [s.name for s in self.stores]
+        for i, name in enumerate(names):
+            if name in names[:i] or name in ("gpu", "host"):
+                raise InvalidConfigError(
+                    f"tier store name {name!r} is taken (stores: {', '.join(names)}; gpu, host)",
+                    field="name", value=name, reason="must be unique, not gpu or host")
         #: Each store's read rate, bytes/s: measured (an EWMA over its reads), else as given.
         self.load_bytes_per_s = {n: float(r) for n, r in (load_bytes_per_s or {}).items()}
         self.prefill_tokens_per_s = prefill_tokens_per_s
