@@ -177,3 +177,46 @@ def test_engine_config_kv_events_bind_reaches_the_publisher() -> None:
     with pytest.raises(ConfigArgumentError) as err:
         EngineConfig(kv_events_bind="127.0.0.1:5557")
     assert err.value.fields["field"] == "kv_events_bind"
+
+
+def test_an_endless_replay_answer_is_capped_by_bytes() -> None:
+    """A replay peer that answers without end (never the end marker): the subscriber abandons the
+    answer once it passes max_replay_bytes, long before its time limit, and forgets the
+    publisher rather than apply a partial history."""
+    from pagedkv.events import EventSubscriber, encode_batch
+
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind("tcp://127.0.0.1:*")
+    replay = ctx.socket(zmq.ROUTER)
+    replay.setsockopt(zmq.LINGER, 0)
+    replay.bind("tcp://127.0.0.1:*")
+    resets: List[int] = []
+    applied: List[int] = []
+    sub = EventSubscriber(pub.getsockopt_string(zmq.LAST_ENDPOINT),
+                          replay.getsockopt_string(zmq.LAST_ENDPOINT),
+                          on_batch=lambda b: applied.append(1), on_reset=lambda: resets.append(1),
+                          replay_timeout_s=60.0, max_replay_bytes=4 << 20)
+    try:
+        time.sleep(0.3)
+        one = encode_batch(stored(1))
+        pub.send_multipart((b"", (0).to_bytes(8, "big"), one))
+        wait_for(lambda: applied == [1])
+        pub.send_multipart((b"", (5).to_bytes(8, "big"), one))  # a gap: 1..4 are asked for
+        assert replay.poll(10_000)
+        client, _, start = replay.recv_multipart()
+        assert int.from_bytes(start, "big") == 1
+        filler = encode_batch(stored(2, 20_000))  # ~0.4 MB a batch
+        sent = 0
+        while sub.oversized_replays == 0 and sent < 200:  # 80 MB if never capped
+            replay.send_multipart((client, b"", b"", (1 + sent).to_bytes(8, "big"), filler))
+            sent += 1
+            time.sleep(0.01)
+        wait_for(lambda: sub.oversized_replays == 1)
+        assert sent < 40
+        wait_for(lambda: sub.tracker.lost_resets == 1 and resets == [1])
+    finally:
+        sub.close()
+        pub.close()
+        replay.close()
