@@ -135,3 +135,20 @@ def test_bad_bounds_are_refused(kwargs: dict, what: str) -> None:
     with pytest.raises(InvalidArgumentError) as err:
         PrefixIndex(**kwargs)
     assert err.value.fields["what"] == what
+
+
+def test_router_cli_index_flags() -> None:
+    import argparse
+
+    from pagedkv import cli
+
+    p = argparse.ArgumentParser()
+    cli._add_router_args(p)
+    args = p.parse_args(["--replica", "http://127.0.0.1:1", "--index-memory", "1MiB",
+                         "--index-ttl", "STORAGE=5", "--index-ttl", "CPU=none"])
+    assert cli._router_index_args(args) == {"index_max_bytes": 1 << 20,
+                                            "index_ttl_s": {"STORAGE": 5.0, "CPU": None}}
+    for bad in (["--index-ttl", "STORAGE=0"], ["--index-ttl", "600"],
+                ["--index-memory", "lots"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--replica", "http://127.0.0.1:1", *bad])
