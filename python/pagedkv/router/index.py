@@ -22,9 +22,10 @@ Invariants:
   tier least recently stored first), and ``"GPU"`` entries only when no other is left, so lower
   tiers can never crowd out the blocks a replica holds on its devices (evictions are counted in
   :attr:`PrefixIndex.evicted`);
-* a batch is applied in slices of :data:`APPLY_SLICE` hashes, the lock taken per slice: a request
-  looking up the index (:meth:`PrefixIndex.match`) waits for one slice at most, never for a whole
-  giant batch (a lookup may see a batch half applied; the index is a hint);
+* a batch is applied in slices of :data:`APPLY_SLICE` hashes, the lock taken per slice and the GIL
+  given up between slices: a request looking up the index (:meth:`PrefixIndex.match`) waits for
+  one slice at most, never for a whole giant batch (a lookup may see a batch half applied; the
+  index is a hint);
 * every method takes the one lock, so subscriber threads and the request path may call
   concurrently. A stale entry costs a cache miss on the chosen replica, never a wrong answer
   (the replica verifies its own cache).
@@ -75,6 +76,13 @@ def _key(wire: WireHash) -> Optional[int]:
     """The index key of a wire hash; None for one no prompt hashes to (outside [0, 2**128))."""
     h = hash_from_wire(wire)
     return h if 0 <= h < _HASH_LIMIT else None
+
+
+def _yield_between(start: int, total: int) -> None:
+    """Between two slices of one event: lets the request path's threads run (gives the GIL up)
+    before the next slice, so a lookup waits for one slice, not for the batch."""
+    if start + APPLY_SLICE < total:
+        time.sleep(0)
 
 
 def _bad(what: str, value: object, reason: str) -> Exception:
@@ -189,6 +197,7 @@ class PrefixIndex:
                             if k is not None]
                     with self._lock:
                         self._store(replica, tier, keys)
+                    _yield_between(start, len(wires))
             elif isinstance(event, BlockRemoved):
                 wires = event.block_hashes
                 for start in range(0, len(wires), APPLY_SLICE):
@@ -196,6 +205,7 @@ class PrefixIndex:
                             if k is not None]
                     with self._lock:
                         self._remove(replica, event.medium, keys)
+                    _yield_between(start, len(wires))
             elif isinstance(event, AllBlocksCleared):
                 with self._lock:
                     self._clear(replica)
