@@ -723,6 +723,11 @@ def _model_apply(model: Dict[Tuple[int, int], Set[str]], op: Tuple[Any, ...]) ->
     kind, r, hashes, medium, _bs = op
     keys = [k for _, k in hashes if k is not None]
     if kind == "stored":
+        from pagedkv.router.index import MAX_TIERS_PER_REPLICA
+
+        live = {t for (mr, _h), ts in model.items() if mr == r for t in ts}
+        if (medium or "GPU") not in live and len(live) >= MAX_TIERS_PER_REPLICA:
+            return  # one tier too many: not indexed
         for h in keys:
             model.setdefault((r, h), set()).add(medium or "GPU")
     elif kind == "removed":
