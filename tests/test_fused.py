@@ -7,9 +7,9 @@ copy, the model's own forward unchanged); models the fused forward cannot run ar
 Under ``TRITON_INTERPRET=1``: each Triton kernel against its PyTorch reference on small shapes,
 fp32 and bf16 (in bf16 within two units in the last place: Triton's interpreter truncates where
 compiled code rounds to nearest); the kernels' runner against the dense model, its one-row linear
-layers through the GEMV and larger ones through cuBLAS (counted). ``gpu``: the kernels compiled against the references (bf16,
-within one unit in the last place), and the fused forward in
-CUDA graphs and eager against the unfused one in bf16.
+layers through the GEMV and larger ones through cuBLAS (counted). ``gpu``: the kernels compiled
+against the references (bf16, within one unit in the last place), and the fused forward in CUDA
+graphs and eager against the unfused one in bf16.
 """
 
 from __future__ import annotations
