@@ -90,8 +90,7 @@ def test_one_default_block_size_everywhere():
 def test_engine_and_llm_keywords_default_to_the_config_defaults():
     """LLMEngine spells every config knob with its default; LLM the ones it names."""
     defaults = _field_defaults()
-    runner_only = {"attention_backend", "decode_planner", "fused_model", "cuda_graph_pieces",
-                   "small_batch_gemv", "layerwise_loads"}
+    runner_only = {"attention_backend", "decode_planner", "fused_model", "cuda_graph_pieces"}
     engine = inspect.signature(pagedkv.LLMEngine.__init__).parameters
     knobs = {n: p.default for n, p in engine.items() if n not in ("self", "model", "device",
                                                                   "dtype")}
@@ -127,10 +126,6 @@ def test_engine_and_llm_keywords_default_to_the_config_defaults():
         (dict(cuda_graphs="false"), "cuda_graphs"),
         (dict(cuda_graph_pieces=0), "cuda_graph_pieces"),
         (dict(cuda_graph_pieces=2.0), "cuda_graph_pieces"),
-        (dict(small_batch_gemv=-1), "small_batch_gemv"),
-        (dict(small_batch_gemv=17), "small_batch_gemv"),
-        (dict(small_batch_gemv=True), "small_batch_gemv"),
-        (dict(layerwise_loads="yes"), "layerwise_loads"),
         (dict(enable_chunked_prefill=1), "enable_chunked_prefill"),
     ],
 )
@@ -140,6 +135,19 @@ def test_config_refuses_bad_fields_naming_them(kwargs, field):
     assert info.value.field == info.value.what == field
     assert info.value.value == kwargs[field]
     assert field in str(info.value)
+
+
+@pytest.mark.parametrize("name, value", [("small_batch_gemv", 1), ("small_batch_gemv", 0),
+                                         ("layerwise_loads", True), ("layerwise_loads", False)])
+def test_removed_settings_are_unknown_keywords(name, value):
+    """Settings removed after measurement (the GEMV is the one-row default with no setting;
+    layer-by-layer loads are gone) are not fields: every entry point refuses them as unknown
+    keywords, before loading anything."""
+    assert name not in {f.name for f in dataclasses.fields(EngineConfig)}
+    for make in (EngineConfig, pagedkv.LLMEngine, pagedkv.LLM,
+                 lambda **kw: dataclasses.replace(EngineConfig(), **kw)):
+        with pytest.raises(TypeError, match=name):
+            make(**{name: value})
 
 
 def test_config_normalises_byte_sizes_is_frozen_and_revalidates_on_replace():

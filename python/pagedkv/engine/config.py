@@ -59,11 +59,6 @@ def _redacted(name: str, value: Any) -> Any:
     return value
 
 
-#: Most rows :func:`pagedkv.kernels.linear_small_m` serves (its ``MAX_M``; not imported here,
-#: so that reading a config does not import Triton).
-GEMV_MAX_ROWS = 16
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -81,17 +76,12 @@ class EngineConfig:
       (kernels only);
     * ``fused_model``: run Llama/Mistral/Qwen2 models through the fused forward
       (:mod:`pagedkv.engine.fused`: one Q|K|V and one gate|up GEMM, fused RMSNorm + residual,
-      RoPE and SiLU-times-up kernels); ``False`` runs transformers' own module forwards;
+      RoPE and SiLU-times-up kernels; on the kernels, a linear layer of one row through the
+      weight-streaming GEMV :func:`pagedkv.kernels.linear_small_m`, larger ones through cuBLAS,
+      with no setting); ``False`` runs transformers' own module forwards;
     * ``cuda_graph_pieces``: with the fused forward, capture each decode step as this many CUDA
       graphs of consecutive layers, so the GPU starts on the first while the host launches the
       rest (:meth:`~pagedkv.engine.model_runner.ModelRunner.capture_graphs`); 1: one graph;
-    * ``small_batch_gemv``: with the fused forward on the kernels, steps of at most this many
-      rows run their linear layers through the weight-streaming GEMV
-      (:func:`pagedkv.kernels.linear_small_m`, at most 16 rows) instead of cuBLAS; 0: never;
-    * ``layerwise_loads``: a step's loads from the host pool (prefix hits of the host tier,
-      swapped-in sequences) go layer by layer, and each layer of the step's forward waits only
-      for its own slices (:meth:`pagedkv.tiers.host.SwapEngine.swap_in` with ``by_layer``): the forward
-      overlaps the load. Eager steps only (a CUDA-graph decode step waits for the whole load).
 
     the tiers of the prefix cache below the GPU (``docs/tiers.md``; :class:`~pagedkv.engine.llm.
     LLMEngine` documents each): ``host_cache_memory``, ``host_cache_write_through``,
@@ -199,11 +189,6 @@ class EngineConfig:
         "help": "run Llama/Mistral/Qwen2 through the fused forward (off: transformers' modules)"})
     cuda_graph_pieces: int = field(default=1, metadata={
         "help": "with the fused forward, capture each decode step as this many CUDA graphs"})
-    small_batch_gemv: int = field(default=0, metadata={
-        "help": f"steps of at most this many rows use the weight-streaming GEMV, in [0, "
-                f"{GEMV_MAX_ROWS}] (0: never)"})
-    layerwise_loads: bool = field(default=False, metadata={
-        "help": "load a step's host-pool blocks layer by layer, overlapping the forward"})
     seed: Optional[int] = field(default=None, metadata={
         "help": "seed of the seeds drawn for requests that give none, so a rerun samples the "
                 "same (default: random)"})
@@ -218,9 +203,6 @@ class EngineConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise _bad(name, value, "must be an int >= 1")
-        if not _is_int(self.small_batch_gemv) or not 0 <= self.small_batch_gemv <= GEMV_MAX_ROWS:
-            raise _bad("small_batch_gemv", self.small_batch_gemv,
-                       f"must be an int in [0, {GEMV_MAX_ROWS}]")
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise _bad("num_blocks", self.num_blocks, "exclusive with kv_cache_memory")
         u = self.gpu_memory_utilization
@@ -279,8 +261,7 @@ class EngineConfig:
         if not isinstance(self.kv_events_topic, str):
             raise _bad("kv_events_topic", self.kv_events_topic, "must be a string")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "cuda_graphs", "progress",
-                     "record_steps", "decode_planner", "host_cache_write_through", "fused_model",
-                     "layerwise_loads"):
+                     "record_steps", "decode_planner", "host_cache_write_through", "fused_model"):
             value = getattr(self, name)
             if value is not True and value is not False:
                 raise _bad(name, value, f"must be a bool, got {type(value).__name__}")

@@ -111,9 +111,9 @@ class ModelRunner:
             reads the pool's (``block_size``, ``num_blocks`` or ``kv_cache_memory``), the step
             shape's (``max_num_seqs``, ``max_num_batched_tokens``, raised to ``max_num_seqs`` if
             below), ``cuda_graphs``, ``cuda_graph_pieces``, ``attention_backend``,
-            ``decode_planner``, ``fused_model``, ``small_batch_gemv``
-            and ``record_steps``. Neither ``num_blocks`` nor ``kv_cache_memory``: 256 MiB on the
-            CPU; on CUDA 85% of the free memory minus a 4 GiB reserve.
+            ``decode_planner``, ``fused_model`` and ``record_steps``. Neither ``num_blocks`` nor
+            ``kv_cache_memory``: 256 MiB on the CPU; on CUDA 85% of the free memory minus a
+            4 GiB reserve.
         tensor_parallel: A :class:`pagedkv.distributed.TPGroup`: cut the model to this rank's
             shard (:func:`pagedkv.distributed.shard_model`), hold only this rank's KV heads in the
             pool, agree on the block count with the other ranks (the smallest), and exchange each
@@ -172,10 +172,6 @@ class ModelRunner:
         self.fused = bool(config.fused_model) and _fused.fuse_model(self.model)
         if self.fused and self.device.type == "cuda":
             torch.cuda.empty_cache()
-        #: Rows up to which the fused forward's linear layers use the GEMV (``small_batch_gemv``).
-        self.gemv_rows = int(config.small_batch_gemv) if self.fused else 0
-        #: Whether an eager step's host loads go layer by layer (``layerwise_loads``).
-        self.layerwise_loads = bool(config.layerwise_loads)
         self.spec = CacheSpec(num_layers=int(cfg.num_hidden_layers), num_kv_heads=num_kv,
                               head_dim=_head_dim(cfg), dtype=str(self.dtype).rpartition(".")[2],
                               block_size=block_size)
@@ -203,6 +199,12 @@ class ModelRunner:
             attention_backend = "triton" if self.is_cuda else "torch"
         self.attention_backend = attention_backend
         self.use_kernels = attention_backend == "triton"
+        #: Internal: the fused forward runs a linear layer (projections, LM head) whose input has
+        #: at most this many rows through :func:`pagedkv.kernels.linear_small_m`, larger ones
+        #: through cuBLAS (``F.linear``). 1 when fused on the kernels (the GEMV won at one row and
+        #: lost above, docs/performance.md), else 0 (never). Benches set it to 0 before capturing
+        #: graphs to time the cuBLAS path; graphs keep the value they were captured with.
+        self.gemv_rows = 1 if self.fused and self.use_kernels else 0
         _attention.register()
         t = self.max_num_batched_tokens
         if self.is_cuda:
@@ -518,12 +520,8 @@ class ModelRunner:
         # A step with extra logits rows is never replayed: a graph keeps one row per sequence.
         decode = t == n and not (extra is not None and extra.size)
         graph_bs = self._graph_size(n) if decode else None
-        layer_ready = None
         if n_out or n_in:
-            # Layer by layer where the forward runs eagerly, layer after layer, in this call, and
-            # no copy-on-write copy reads whole blocks before it.
-            by_layer = self.layerwise_loads and graph_bs is None and not step.num_copies
-            layer_ready = self._apply_swaps(host, n_out, n_in, by_layer=by_layer)
+            self._apply_swaps(host, n_out, n_in)
         if step.num_copies:
             # Copy-on-write before any layer writes: the copies carry the shared prefix of a block
             # into its private copy, and this step's new tokens land in the copy.
@@ -538,7 +536,7 @@ class ModelRunner:
         if not self.use_kernels:
             if ids is None:  # the step's batch arrived on the device (TP over NCCL)
                 ids, pos = self._ids_dev[:t].cpu().numpy(), self._pos_dev[:t].cpu().numpy()
-            return self._run_cpu(ids, pos, dev, n, qsl, last, layer_ready)
+            return self._run_cpu(ids, pos, dev, n, qsl, last)
         if inputs_on_device:
             ids_d, pos_d = self._ids_dev[:t], self._pos_dev[:t]
         elif self.is_cuda:
@@ -558,7 +556,6 @@ class ModelRunner:
             meta = self._cuda_meta("prefill", dev.slot_mapping, dev.block_tables, dev.seq_lens,
                                    dev.query_start_loc, max_seq_len=int(step.max_seq_len),
                                    max_q_len=int(step.max_query_len) or int(np.diff(qsl).max()))
-        meta.layer_ready = layer_ready
         last_d = torch.from_numpy(last).to(self.device, non_blocking=True)
         out = self._forward(meta, ids_d[None], pos_d[None], last_d)[0].float()
         if self.is_cuda:
@@ -583,10 +580,8 @@ class ModelRunner:
         rec["addresses"] = tuple(tns.data_ptr() for _, tns in self.buffers.device.items())
         return rec
 
-    def _apply_swaps(self, host: Any, n_out: int, n_in: int, *, by_layer: bool = False) -> Any:
-        """Queues the step's swaps and makes the forward's stream wait for them; returns the
-        per-layer wait (:meth:`~pagedkv.tiers.host.SwapEngine.wait_layer`) when the loads went layer
-        by layer, else None (the forward then waits for nothing more)."""
+    def _apply_swaps(self, host: Any, n_out: int, n_in: int) -> None:
+        """Queues the step's swaps and makes the forward's stream wait for them."""
         if self.swap is None:
             raise InvalidConfigError(
                 "the step carries swaps but the runner has no host pool (call enable_swap with the "
@@ -596,14 +591,11 @@ class ModelRunner:
         if n_out:
             self.swap.swap_out(host.swap_out[:n_out])
         if n_in:
-            self.swap.swap_in(host.swap_in[:n_in], by_layer=by_layer)
-        # Only this step's forward waits (on the GPU) for the device side of its swaps: for
-        # layer-by-layer loads, each layer for its own slices.
-        layered = self.swap.layers_pending
-        self.swap.wait(layers=not layered)
-        return self.swap.wait_layer if layered else None
+            self.swap.swap_in(host.swap_in[:n_in])
+        # Only this step's forward waits (on the GPU) for the device side of its swaps.
+        self.swap.wait()
 
-    def _run_cpu(self, ids, pos, dev, n, qsl, last, layer_ready=None) -> torch.Tensor:
+    def _run_cpu(self, ids, pos, dev, n, qsl, last) -> torch.Tensor:
         q_lens = torch.from_numpy(np.diff(qsl).astype(np.int64))
         seq_lens = dev.seq_lens.to(torch.int64)
         meta = AttentionMetadata("cpu", self.pool.k_caches, self.pool.v_caches, dev.slot_mapping,
@@ -611,24 +603,17 @@ class ModelRunner:
         _attention.build_cpu_metadata(meta, self.block_size, q_lens, seq_lens)
         ids_t = torch.from_numpy(ids)[None]
         pos_t = torch.from_numpy(pos)[None]
-        meta.layer_ready = layer_ready
         return self._forward(meta, ids_t, pos_t, torch.from_numpy(last))[0].float()
 
     @torch.inference_mode()
     def _forward(self, meta: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor,
                  keep: Any) -> torch.Tensor:
-        try:
-            if self.fused:
-                return _fused.fused_forward(self.model, meta, ids, pos, keep)
-            with forward_context(meta, self.model):
-                out = self.model(input_ids=ids, position_ids=pos, use_cache=False,
-                                 logits_to_keep=keep)
-            return out.logits
-        finally:
-            if meta.layer_ready is not None:
-                # A forward that waits layer by layer: whatever layer it did not wait for (it
-                # raised), later work does.
-                self.swap.wait()
+        if self.fused:
+            return _fused.fused_forward(self.model, meta, ids, pos, keep)
+        with forward_context(meta, self.model):
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=False,
+                             logits_to_keep=keep)
+        return out.logits
 
     # ------------------------------------------------------------------------------ CUDA
 
