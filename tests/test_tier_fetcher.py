@@ -10,10 +10,12 @@ import pytest
 
 from pagedkv.errors import InvalidArgumentError, InvalidConfigError
 from pagedkv.tiers import BlockMeta, DiskStore, RemoteStore, TierFetcher, fingerprint
+from pagedkv.tiers.secret import TierSecret
 
 FP = fingerprint("test/tiny-llama", "bfloat16", 16, 2, 2, 8)
 BLOCK = 8192
 TOKENS = 16
+SECRET = TierSecret(b"test fleet secret of at least 32 bytes", source="test")
 
 
 def meta(i: int) -> BlockMeta:
@@ -72,12 +74,12 @@ def test_a_block_that_fails_its_check_ends_the_prefix(tmp_path):
 
 
 def test_disk_in_front_of_a_shared_remote(tmp_path, redis_server):
-    other_engine = RemoteStore(redis_server.url, FP, BLOCK)
+    other_engine = RemoteStore(redis_server.url, FP, BLOCK, secret=SECRET)
     for i in range(5):
         other_engine.put(meta(i), payload(i))
     local = disk(tmp_path / "d")
     local.put(meta(0), payload(0))
-    remote = RemoteStore(redis_server.url, FP, BLOCK, timeout_s=0.05, backoff_s=60)
+    remote = RemoteStore(redis_server.url, FP, BLOCK, timeout_s=0.05, backoff_s=60, secret=SECRET)
     with TierFetcher([local, remote]) as f:
         outs = buffers(6)
         assert f.fetch_into([meta(i) for i in range(6)], outs).result() == 5

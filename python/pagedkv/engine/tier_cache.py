@@ -399,18 +399,28 @@ def tier_fingerprint(model_path: str, spec: Any, *, tp_rank: int = 0, tp_size: i
 
 
 def build_stores(config: Any, fp: bytes, block_bytes: int) -> List[Tuple[str, Any]]:
-    """The lower tiers ``config`` asks for, disk first."""
+    """The lower tiers ``config`` asks for, disk first; records authenticated under the tier
+    secret (``tier_secret_file``, else ``PAGEDKV_TIER_SECRET``; the disk tier's own without one)."""
+    from ..tiers.secret import load_tier_secret
+
     stores: List[Tuple[str, Any]] = []
+    secret = load_tier_secret(getattr(config, "tier_secret_file", None))
     if config.disk_cache_dir is not None:
         from ..tiers import DiskStore
 
         stores.append(("disk", DiskStore(config.disk_cache_dir, int(config.disk_cache_memory),
-                                         fp, block_bytes)))
+                                         fp, block_bytes, secret=secret)))
     if config.remote_cache_url is not None:
         from ..tiers import RemoteStore
 
-        stores.append(("remote", RemoteStore(config.remote_cache_url, fp, block_bytes,
-                                             timeout_s=config.remote_cache_timeout_s)))
+        try:
+            stores.append(("remote", RemoteStore(config.remote_cache_url, fp, block_bytes,
+                                                 timeout_s=config.remote_cache_timeout_s,
+                                                 secret=secret)))
+        except BaseException:
+            for _, store in stores:
+                store.close()
+            raise
     return stores
 
 
