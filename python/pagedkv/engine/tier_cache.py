@@ -391,11 +391,15 @@ def _meta(h: int, parent: Optional[int], salt: int, tokens: Sequence[int]) -> An
 
 
 def tier_fingerprint(model_path: str, spec: Any, *, tp_rank: int = 0, tp_size: int = 1) -> bytes:
-    """The identity every lower-tier record carries: model, dtype, block size, layout, TP rank.
-    A record whose fingerprint differs is foreign (a miss), so nothing crosses models."""
+    """The identity every lower-tier record carries: the model's weights digest, dtype, block
+    size, layout, TP rank. A record whose fingerprint differs is foreign (a miss), so nothing
+    crosses models."""
     from ..tiers import fingerprint_for_spec
+    from ..tiers.fingerprint import model_identity
 
-    return fingerprint_for_spec(str(model_path), spec, tp_rank=tp_rank, tp_size=tp_size)
+    # The checkpoint's contents, not its path: new weights saved at the same path are another model.
+    return fingerprint_for_spec(model_identity(str(model_path)), spec, tp_rank=tp_rank,
+                                tp_size=tp_size)
 
 
 def build_stores(config: Any, fp: bytes, block_bytes: int) -> List[Tuple[str, Any]]:
