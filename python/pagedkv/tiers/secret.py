@@ -34,7 +34,7 @@ import os
 import stat
 from typing import Mapping, Optional
 
-from ..errors import CacheIOError, TierSecretError, UnsafePathError
+from ..errors import CacheIOError, InvalidConfigError, TierSecretError, UnsafePathError
 
 __all__ = [
     "ENV_VAR",
@@ -146,7 +146,8 @@ def open_private_dir(path: str) -> int:
     """An ``O_DIRECTORY`` descriptor of ``path``, created 0700 (with missing parents) if absent.
 
     Refused (:class:`~pagedkv.errors.UnsafePathError`): a symbolic link, a directory not owned by
-    this user or writable by group/others. An existing safe directory is tightened to 0700. An
+    this user or writable by group/others; a file in its place is an
+    :class:`~pagedkv.errors.InvalidConfigError`. An existing safe directory is tightened to 0700. An
     ``OSError`` (a read-only file system, a full disk) raises :class:`~pagedkv.errors.CacheIOError`.
     """
     try:
@@ -159,9 +160,12 @@ def open_private_dir(path: str) -> int:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise UnsafePathError(
-                f"cache directory {path!r} is a symbolic link or not a directory: refused",
-                path=path, reason="symlink or not a directory",
+            if os.path.islink(path):
+                raise UnsafePathError(f"cache directory {path!r} is a symbolic link: refused",
+                                      path=path, reason="symlink") from None
+            raise InvalidConfigError(
+                f"cache directory {path!r} is not a directory", field="path", value=path,
+                reason="not a directory",
             ) from None
         raise _io_error(path, exc, "cache directory cannot be opened:") from None
     try:
@@ -278,4 +282,4 @@ def load_tier_secret(path: Optional[str] = None, *,
     value = env.get(ENV_VAR)
     if value is None or value == "":
         return None
-    return TierSecret(value.encode("utf-8"), source=f"env {ENV_VAR}")
+    return TierSecret(value.encode("utf-8", "surrogateescape"), source=f"env {ENV_VAR}")
