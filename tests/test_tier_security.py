@@ -292,6 +292,17 @@ def test_tier_secret_sources_and_refusals(tmp_path: Any) -> None:
         pickle.dumps(env)
 
 
+def test_stores_without_a_secret_argument_take_the_environments(tmp_path: Any, redis_url: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, SECRET_TEXT)
+    with RemoteStore(redis_url, FP, BLOCK) as r, disk(tmp_path / "d", secret=None) as d:
+        assert r.secret == SECRET and d.secret == SECRET
+        assert r.put(meta(0), payload(0)) and d.put(meta(0), payload(0))
+    assert not (tmp_path / "d" / TIER_KEY_FILE).exists()
+    with RemoteStore(redis_url, FP, BLOCK, secret=SECRET) as r, disk(tmp_path / "d") as d:
+        assert r.get(meta(0)) == payload(0) and d.get(meta(0)) == payload(0)
+
+
 @as_root
 def test_a_secret_file_owned_by_another_user_is_refused(tmp_path: Any) -> None:
     path = tmp_path / "secret"

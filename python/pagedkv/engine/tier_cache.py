@@ -391,24 +391,20 @@ def _meta(h: int, parent: Optional[int], salt: int, tokens: Sequence[int]) -> An
 
 
 def tier_fingerprint(model_path: str, spec: Any, *, tp_rank: int = 0, tp_size: int = 1) -> bytes:
-    """The identity every lower-tier record carries: the model's weights digest, dtype, block
-    size, layout, TP rank. A record whose fingerprint differs is foreign (a miss), so nothing
-    crosses models."""
+    """The identity every lower-tier record carries: model, dtype, block size, layout, TP rank.
+    A record whose fingerprint differs is foreign (a miss), so nothing crosses models."""
     from ..tiers import fingerprint_for_spec
-    from ..tiers.fingerprint import model_identity
 
-    # The checkpoint's contents, not its path: new weights saved at the same path are another model.
-    return fingerprint_for_spec(model_identity(str(model_path)), spec, tp_rank=tp_rank,
-                                tp_size=tp_size)
+    return fingerprint_for_spec(str(model_path), spec, tp_rank=tp_rank, tp_size=tp_size)
 
 
 def build_stores(config: Any, fp: bytes, block_bytes: int) -> List[Tuple[str, Any]]:
     """The lower tiers ``config`` asks for, disk first; records authenticated under the tier
     secret (``tier_secret_file``, else ``PAGEDKV_TIER_SECRET``; the disk tier's own without one)."""
-    from ..tiers.secret import load_tier_secret
+    from ..tiers.secret import secret_for_config
 
     stores: List[Tuple[str, Any]] = []
-    secret = load_tier_secret(getattr(config, "tier_secret_file", None))
+    secret = secret_for_config(config)
     if config.disk_cache_dir is not None:
         from ..tiers import DiskStore
 

@@ -73,7 +73,13 @@ from .record import (
     record_size,
     verify_split,
 )
-from .secret import TierSecret, create_secret_file, open_private_dir, open_private_file
+from .secret import (
+    TierSecret,
+    create_secret_file,
+    load_tier_secret,
+    open_private_dir,
+    open_private_file,
+)
 
 __all__ = [
     "DiskStore",
@@ -209,7 +215,8 @@ class DiskStore:
         fingerprint: :func:`pagedkv.tiers.fingerprint.fingerprint` of the engine's layout.
         block_bytes: Bytes of one block (``CacheSpec.bytes_per_block``); every payload has this size.
         secret: The fleet's tier secret (:func:`pagedkv.tiers.secret.load_tier_secret`); ``None``:
-            the store's own, kept in the directory (:func:`load_or_create_tier_key`).
+            ``PAGEDKV_TIER_SECRET`` if set, else the store's own, kept in the directory
+            (:func:`load_or_create_tier_key`).
         threads: Worker threads for the I/O.
         max_tokens: Token ids a record may carry (the block size); sizes the slots.
 
@@ -287,7 +294,9 @@ class DiskStore:
                     field="path", value=self.path, reason="locked",
                 ) from None
             #: The key every record is authenticated with (``secret``, or the directory's own).
-            self.secret = secret if secret is not None else load_or_create_tier_key(self.path)
+            if secret is None:
+                secret = load_tier_secret() or load_or_create_tier_key(self.path)
+            self.secret = secret
             try:
                 self._scan()
             except OSError as exc:

@@ -116,12 +116,14 @@ def fingerprint(
 
 
 def fingerprint_for_spec(model: str, spec: Any, tp_rank: int = 0, tp_size: int = 1) -> bytes:
-    """:func:`fingerprint` of a :class:`pagedkv.config.CacheSpec` (its dtype, block size, dims).
+    """:func:`fingerprint` of a :class:`pagedkv.config.CacheSpec` (its dtype, block size, dims)
+    for the checkpoint ``model``, named by its contents (:func:`model_identity`: a path holding
+    weights is their digest; anything else is used as given).
 
     An MLA spec (one latent per token) is told apart from a K/V spec of the same dims.
     """
     fp = fingerprint(
-        model, spec.dtype, spec.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim, tp_rank, tp_size
+        model_identity(model) if isinstance(model, str) and model else model, spec.dtype, spec.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim, tp_rank, tp_size
     )
     if getattr(spec, "mla", False):
         fp = xxhash.xxh3_128_digest(b"mla\x00" + fp)

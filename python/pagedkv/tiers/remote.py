@@ -53,7 +53,7 @@ from .record import (
     encode_into,
     record_size,
 )
-from .secret import ENV_VAR, TierSecret
+from .secret import ENV_VAR, TierSecret, load_tier_secret
 
 __all__ = ["RemoteStore", "KEY_PREFIX"]
 
@@ -73,7 +73,8 @@ class RemoteStore:
         ttl_s: Expiry of stored blocks (``None``: the server's eviction policy alone).
         backoff_s: How long a failure keeps the store from touching the server.
         threads: Worker threads for ``*_async``.
-        secret: The fleet's tier secret (:func:`pagedkv.tiers.secret.load_tier_secret`); required.
+        secret: The fleet's tier secret (:func:`pagedkv.tiers.secret.load_tier_secret`); ``None``:
+            ``PAGEDKV_TIER_SECRET``, and without it the store refuses to start.
 
     Raises:
         TierSecretError: ``secret`` is missing.
@@ -92,6 +93,8 @@ class RemoteStore:
         threads: int = 2,
         secret: Optional[TierSecret] = None,
     ) -> None:
+        if secret is None:
+            secret = load_tier_secret()
         if secret is None:
             raise TierSecretError(
                 f"a shared remote tier needs a tier secret to authenticate its records: set "

@@ -41,6 +41,7 @@ __all__ = [
     "MIN_SECRET_BYTES",
     "TierSecret",
     "load_tier_secret",
+    "secret_for_config",
     "open_private_dir",
     "open_private_file",
     "check_private_fd",
@@ -283,3 +284,9 @@ def load_tier_secret(path: Optional[str] = None, *,
     if value is None or value == "":
         return None
     return TierSecret(value.encode("utf-8", "surrogateescape"), source=f"env {ENV_VAR}")
+
+
+def secret_for_config(config: object) -> Optional[TierSecret]:
+    """:func:`load_tier_secret` of an engine config's ``tier_secret_file`` (the environment
+    without one): what a store built from a config authenticates its records with."""
+    return load_tier_secret(getattr(config, "tier_secret_file", None))
