@@ -521,3 +521,20 @@ def test_bind_socket_errors_are_typed():
         assert info.value.field == "port"
     finally:
         sock.close()
+
+
+def test_client_limit_flags_reach_serve(monkeypatch):
+    """--max-logprobs and the connection limits reach serve() under its keyword names; the ones
+    not given keep serve()'s own defaults (they are not passed)."""
+    from pagedkv import cli
+
+    seen = {}
+    monkeypatch.setattr("pagedkv.serve.app.serve", lambda model, **kw: seen.update(kw))
+    args = build_parser().parse_args(
+        ["serve", "some-model", "--max-logprobs", "5", "--max-connections", "7",
+         "--header-timeout", "2.5", "--timeout-keep-alive", "3"])
+    assert cli._serve_limits(args) == {"max_logprobs": 5, "max_connections": 7,
+                                       "header_timeout_s": 2.5, "keep_alive_s": 3}
+    for bad in (["--max-logprobs", "-1"], ["--header-timeout", "0"], ["--max-connections", "0"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "m", *bad])

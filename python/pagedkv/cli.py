@@ -21,7 +21,7 @@ import json
 import re
 import sys
 import time
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from typing import Any, Callable, Dict, NoReturn, Optional, Sequence
 
 from ._checks import DEFAULT_BLOCK_SIZE
 from .config import (
@@ -85,6 +85,13 @@ def _nonneg_float(text: str) -> float:
     v = _float(text)
     if not 0 <= v < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    v = _float(text)
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
     return v
 
 
@@ -628,6 +635,23 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="uvicorn's log level (default: info)")
+    g = p.add_argument_group("limits on what a client controls (docs/serve.md)")
+    g.add_argument("--max-logprobs", type=_nonneg_int, default=None, metavar="N",
+                   help="most logprobs / top_logprobs a request may ask for; above it a 400 "
+                        "(default: 20, as vLLM)")
+    g.add_argument("--max-prompt-bytes", type=_positive_int, default=None, metavar="N",
+                   help="refuse a text prompt of more bytes before tokenizing it (default: "
+                        "derived from the model's context)")
+    g.add_argument("--max-connections", type=_positive_int, default=None, metavar="N",
+                   help="open connections at most; above it a 503 and close (default: 1024, "
+                        "lowered to the open-file limit)")
+    g.add_argument("--header-timeout", type=_positive_float, default=None, metavar="S",
+                   help="seconds a client has to send a request's headers (default: 10)")
+    g.add_argument("--body-timeout", type=_positive_float, default=None, metavar="S",
+                   help="seconds a client has to send a request's body (default: 30)")
+    g.add_argument("--timeout-keep-alive", "--keep-alive-timeout", dest="keep_alive",
+                   type=_positive_int, default=None, metavar="S",
+                   help="seconds an idle keep-alive connection stays open (default: 5)")
     g = p.add_argument_group("model")
     g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     g.add_argument("--dtype", default=None,
@@ -939,8 +963,18 @@ def _run_serve(args: argparse.Namespace) -> int:
           served_model_name=args.served_model_name, max_queue_size=args.max_queue_size,
           api_key=api_key, chat_template=args.chat_template, log_level=args.log_level,
           engine_config=config, device=args.device, dtype=args.dtype,
-          max_model_len=args.max_model_len, tokenizer=args.tokenizer)
+          max_model_len=args.max_model_len, tokenizer=args.tokenizer, **_serve_limits(args))
     return 0
+
+
+def _serve_limits(args: argparse.Namespace) -> Dict[str, Any]:
+    """The client-facing limits given on the command line, by :func:`serve`'s keyword (the rest
+    keep serve's defaults)."""
+    names = {"max_logprobs": "max_logprobs", "max_prompt_bytes": "max_prompt_bytes",
+             "max_connections": "max_connections", "header_timeout": "header_timeout_s",
+             "body_timeout": "body_timeout_s", "keep_alive": "keep_alive_s"}
+    return {kw: getattr(args, dest) for dest, kw in names.items()
+            if getattr(args, dest) is not None}
 
 
 # --------------------------------------------------------------------------------------- router

@@ -376,6 +376,23 @@ class EngineDeadError(PagedKVError, RuntimeError):
     field_names = ("reason",)
 
 
+# Raised by the tiered prefix cache (pagedkv.tiers), not the core; kept out of `__all__` for the
+# same reason as ModelLoadError.
+class TierOrderError(PagedKVError, RuntimeError):
+    """A step's swap-outs were about to run while the host tier still held blocks the manager had
+    demoted and nobody had copied out: ``TierCache.after_schedule`` must run between
+    ``Scheduler.schedule`` and the step's execution (the swap-outs reuse the demoted slots).
+    Nothing was queued, and the demoted blocks were handed to the lower tiers before the raise.
+
+    Attributes: ``pending`` (the demotions that had not been taken), ``rule`` (the order broken).
+    """
+
+    pending: int
+    rule: str
+
+    field_names = ("pending", "rule")
+
+
 # Raised by the tiers below the host (pagedkv.tiers), not the core; kept out of `__all__` for the
 # same reason as ModelLoadError.
 class TierSecretError(InvalidConfigError):

@@ -90,7 +90,7 @@ class EngineConfig:
       (:func:`pagedkv.kernels.linear_small_m`, at most 16 rows) instead of cuBLAS; 0: never;
     * ``layerwise_loads``: a step's loads from the host pool (prefix hits of the host tier,
       swapped-in sequences) go layer by layer, and each layer of the step's forward waits only
-      for its own slices (:meth:`pagedkv.swap.SwapEngine.swap_in` with ``by_layer``): the forward
+      for its own slices (:meth:`pagedkv.tiers.host.SwapEngine.swap_in` with ``by_layer``): the forward
       overlaps the load. Eager steps only (a CUDA-graph decode step waits for the whole load).
 
     the tiers of the prefix cache below the GPU (``docs/tiers.md``; :class:`~pagedkv.engine.llm.

@@ -57,10 +57,10 @@ from ..errors import InvalidArgumentError, OutOfBlocksError
 from ..manager import CostModel
 from ..scheduler import Scheduler, SequenceStatus
 from ..scheduler import Sequence as SchedulerSequence
+from ..tiers.cache import build_tier_cache, manager_tier_args
 from .config import EngineConfig
 from .loader import LoadedModel, default_model_path, load_model
 from .model_runner import ModelRunner, build_rank_runner
-from .tier_cache import build_tier_cache, manager_tier_args
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import SamplerRow, sample_batch, sample_seed
 from .sampling_params import RequestOutputKind, SamplingParams
@@ -417,12 +417,6 @@ class LLMEngine:
                 _set_cost_model(self.manager, self.cost_rates, self.runner.spec.bytes_per_token,
                                 config.max_num_batched_tokens if config.enable_chunked_prefill
                                 else 0)
-            self.scheduler = Scheduler(
-                self.manager, max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                preemption_mode=config.preemption_mode,
-            )
             #: The step's KV-event publisher (None without ``kv_events_endpoint``); a lower tier
             #: adds its events to ``kv_events.sink``.
             self.kv_events: Any = None
@@ -432,16 +426,20 @@ class LLMEngine:
                 self.kv_events = StepEventPublisher(self.manager, config.kv_events_endpoint,
                                                     config.kv_events_replay_endpoint,
                                                     config.kv_events_topic)
-            #: The tiers below the GPU (:mod:`pagedkv.engine.tier_cache`); None without a host tier.
+            #: The tiers below the GPU (:mod:`pagedkv.tiers`); None without a host tier.
             self.tiers = build_tier_cache(
                 config, self.runner, self.manager, str(path),
                 self.cost_rates[1] if self.cost_rates else None,
                 events=self.kv_events.sink if self.kv_events is not None else None)
-            self.scheduler.admission_gate = self.tiers
-            if config.host_blocks(self.runner.spec.bytes_per_block) == \
-                    config.host_cache_blocks(self.runner.spec.bytes_per_block):
-                # The host pool is the host tier's alone: preemption recomputes, as without it.
-                self.scheduler.can_swap = False
+            bpb = self.runner.spec.bytes_per_block
+            self.scheduler = Scheduler(
+                self.manager, max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                preemption_mode=config.preemption_mode, admission_gate=self.tiers,
+                # A host pool that is the host tier's alone: preemption recomputes, as without it.
+                can_swap=False if config.host_blocks(bpb) == config.host_cache_blocks(bpb) else None,
+            )
             bar.update(1)
         except BaseException:
             if self._tp is not None:

@@ -7,7 +7,7 @@ CUDA the captured decode graphs.
 
 One :meth:`ModelRunner.execute`:
 
-1. applies the step's swap lists (with a host pool: :class:`~pagedkv.swap.SwapEngine`, swap-outs
+1. applies the step's swap lists (with a host pool: :class:`~pagedkv.tiers.host.SwapEngine`, swap-outs
    then swap-ins, on side streams; the forward's stream waits for them only in a step that has
    swaps) and its copy list (copy-on-write pairs the manager emitted) to the pool, before any
    layer reads or writes it — a block a swap-out frees may be written by this very step;
@@ -50,7 +50,7 @@ from ..config import CacheSpec, CapacityError
 from ..errors import ConfigArgumentError, InvalidArgumentError, InvalidConfigError
 from ..kv_pool import KVPool
 from ..manager import BlockManager
-from ..swap import SwapEngine
+from ..tiers.host import SwapEngine
 from . import attention as _attention
 from . import fused as _fused
 from .config import EngineConfig
@@ -585,7 +585,7 @@ class ModelRunner:
 
     def _apply_swaps(self, host: Any, n_out: int, n_in: int, *, by_layer: bool = False) -> Any:
         """Queues the step's swaps and makes the forward's stream wait for them; returns the
-        per-layer wait (:meth:`~pagedkv.swap.SwapEngine.wait_layer`) when the loads went layer
+        per-layer wait (:meth:`~pagedkv.tiers.host.SwapEngine.wait_layer`) when the loads went layer
         by layer, else None (the forward then waits for nothing more)."""
         if self.swap is None:
             raise InvalidConfigError(

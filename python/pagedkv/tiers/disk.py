@@ -79,6 +79,7 @@ from .secret import (
     load_tier_secret,
     open_private_dir,
     open_private_file,
+    secret_for_config,
 )
 
 __all__ = [
@@ -710,6 +711,25 @@ class DiskStore:
             f"DiskStore({self.path!r}, slots={self.num_slots}, slot_bytes={self.slot_bytes}, "
             f"blocks={len(self)})"
         )
+
+    # ------------------------------------------------- as a backend (pagedkv.tiers.store.BlockStore)
+
+    #: The tier's name in the engine's figures, and its KV events' locality.
+    name = "disk"
+    locality = "LOCAL"
+
+    # take_removed: with the eviction code above (it reports what this store evicted).
+
+    @classmethod
+    def from_config(cls, config: object, fingerprint: bytes, block_bytes: int) -> Optional["DiskStore"]:
+        """The store ``config.disk_cache_dir`` / ``config.disk_cache_memory`` ask for, or None
+        without a ``disk_cache_dir`` (the registry's factory, :mod:`pagedkv.tiers.store`); its
+        records authenticated under :func:`~pagedkv.tiers.secret.secret_for_config`."""
+        path = getattr(config, "disk_cache_dir", None)
+        if path is None:
+            return None
+        return cls(path, int(getattr(config, "disk_cache_memory")), fingerprint, block_bytes,
+                   secret=secret_for_config(config))
 
 
 def _preallocate(fd: int, size: int) -> None:
