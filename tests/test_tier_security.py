@@ -173,7 +173,7 @@ def _engine(model_dir: str, prompts: List[List[int]],
                 for p in prompts]
         stats = llm.stats()
         tiers = llm.llm_engine.tiers
-        stores = {name: s.stats() for name, s in tiers.stores} if tiers else {}
+        stores = {s.name: s.stats() for s in tiers.stores} if tiers else {}
     finally:
         llm.shutdown()
     return outs, stats, stores
@@ -257,7 +257,7 @@ def test_a_remote_tier_without_a_secret_refuses_to_start(model_dir: str, tmp_pat
                       host_cache_memory="64KiB", remote_cache_url="redis://127.0.0.1:1/0",
                       tier_secret_file=str(path))
     try:
-        (store,) = [s for name, s in llm.llm_engine.tiers.stores if name == "remote"]
+        (store,) = [s for s in llm.llm_engine.tiers.stores if s.name == "remote"]
         assert store.secret == SECRET and store.secret.key_id == SECRET.key_id
     finally:
         llm.shutdown()
