@@ -733,6 +733,11 @@ def _model_apply(model: Dict[Tuple[int, int], Set[str]], op: Tuple[Any, ...]) ->
     kind, r, hashes, medium, _bs = op
     keys = [k for _, k in hashes if k is not None]
     if kind == "stored":
+        from pagedkv.router.index import MAX_TIERS_PER_REPLICA
+
+        live = {t for (mr, _h), ts in model.items() if mr == r for t in ts}
+        if (medium or "GPU") not in live and len(live) >= MAX_TIERS_PER_REPLICA:
+            return  # one tier too many: not indexed
         for h in keys:
             model.setdefault((r, h), set()).add(medium or "GPU")
     elif kind == "removed":
@@ -778,8 +783,8 @@ def _check_against_model(index: Any, model: Dict[Tuple[int, int], Set[str]]) -> 
             if n:
                 want[r] = n
         assert index.match(chain) == want
-    # Nothing left behind by add/remove cycles (no empty holder maps or tier sets).
-    assert all(holders and all(holders.values()) for holders in index._where.values())
+    # Nothing left behind by add/remove cycles (no empty tier maps).
+    assert all(all(rep.tiers.values()) for rep in index._replicas.values())
 
 
 @settings(max_examples=200, deadline=None)
@@ -813,43 +818,53 @@ def test_index_follows_its_model_under_any_events(ops: List[Tuple[Any, ...]],
 
 
 def test_index_growth_is_bounded_per_replica() -> None:
+    """A replica that stores and never removes fills its own bound and no more: the oldest entries
+    make room (so its latest blocks are indexed), the other replica keeps its own, hashes no
+    prompt has and tiers past the bound are never kept."""
     events = _events()
     from pagedkv.router import PrefixIndex
+    from pagedkv.router.index import ENTRY_BYTES, MAX_TIERS_PER_REPLICA
 
     with pytest.raises(InvalidArgumentError) as err:
-        PrefixIndex(max_entries_per_replica=0)
-    assert err.value.fields["what"] == "max_entries_per_replica" and "0" in str(err.value)
+        PrefixIndex(max_bytes_per_replica=ENTRY_BYTES - 1)
+    assert err.value.fields["what"] == "max_bytes_per_replica" and str(ENTRY_BYTES - 1) in str(
+        err.value)
 
     def stored(hashes: List[Any], medium: str = "GPU") -> Any:
         return events.KVEventBatch(ts=0.0, events=[events.BlockStored(
             block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=1, lora_id=None,
             medium=medium, lora_name=None)])
 
-    index = PrefixIndex(max_entries_per_replica=50)
+    index = PrefixIndex(max_bytes_per_replica=50 * ENTRY_BYTES)
     index.apply(1, stored(list(range(10_000_000, 10_000_010))))
     # Replica 0 stores 10 000 new blocks, one block in 1 000 tiers, and hashes no prompt has.
     index.apply(0, stored(list(range(10_000))))
+    assert index.blocks(0) == 50 and index.match(list(range(9_950, 10_000))) == {0: 50}
+    assert index.match([0]) == {}  # the oldest made room
     index.apply(0, events.KVEventBatch(ts=0.0, events=[events.BlockStored(
         block_hashes=[5_000_000], parent_block_hash=None, token_ids=[], block_size=1,
         lora_id=None, medium=f"T{k}", lora_name=None) for k in range(1_000)]))
     index.apply(0, stored([b"\x01" * 1_000, -1, 1 << 128]))
-    assert index.blocks(0) == 50 and index.match(list(range(60))) == {0: 50}
-    assert sum(len(index.tiers(0, h)) for h in range(10_000)) == 50
-    assert index.refused[0] == (10_000 - 50) + 1_000
-    assert len(index._where) == 60  # replica 0's 50 and replica 1's 10, nothing else
+    # At the bound, each new lower-tier entry evicts the previous one, never a GPU entry twice.
+    assert index.entries(0) == 50 and index.tiers(0, 5_000_000) == {"T999"}
+    assert index.match(list(range(9_951, 10_000))) == {0: 49} and index.match([9_950]) == {}
+    assert not index.refused
+    # Below the bound, a replica has at most MAX_TIERS_PER_REPLICA tiers.
+    roomy = PrefixIndex()
+    roomy.apply(0, events.KVEventBatch(ts=0.0, events=[events.BlockStored(
+        block_hashes=[5_000_000], parent_block_hash=None, token_ids=[], block_size=1,
+        lora_id=None, medium=f"T{k}", lora_name=None) for k in range(1_000)]))
+    assert len(roomy.tiers(0, 5_000_000)) == MAX_TIERS_PER_REPLICA
+    assert roomy.refused[0] == 1_000 - MAX_TIERS_PER_REPLICA
     # The other replica is untouched and still has its own room.
-    assert index.blocks(1) == 10 and 1 not in index.refused
+    assert index.blocks(1) == 10 and not index.evicted.get(1)
     index.apply(1, stored(list(range(20_000_000, 20_000_005))))
     assert index.blocks(1) == 15
-    # Removals make room again; AllBlocksCleared frees all of it.
-    index.apply(0, events.KVEventBatch(ts=0.0, events=[
-        events.BlockRemoved(block_hashes=list(range(10)), medium=None)]))
-    index.apply(0, stored(list(range(30_000, 30_020))))
-    assert index.blocks(0) == 50 and index.match([30_009]) == {0: 1}
-    assert index.match([30_010]) == {}
+    # AllBlocksCleared frees all of it.
     index.apply(0, events.KVEventBatch(ts=0.0, events=[events.AllBlocksCleared()]))
     index.apply(0, stored(list(range(40_000, 40_050))))
     assert index.blocks(0) == 50 and index.blocks(1) == 15
+    assert index.match(list(range(40_000, 40_050))) == {0: 50}
 
 
 # ====================================================================== the router's event path

@@ -1012,9 +1012,52 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    help="the replicas' event topic (default: empty)")
     g.add_argument("--health-interval", type=_float, default=1.0, metavar="S",
                    help="seconds between health probes (default: 1)")
+    g.add_argument("--index-memory", type=_router_bytes, default=None, metavar="BYTES",
+                   help="bound of one replica's entries in the prefix index, e.g. 256MiB "
+                        "(default: 256MiB); past it the oldest lower-tier entries go first")
+    g.add_argument("--index-ttl", action="append", type=_router_ttl, default=[],
+                   metavar="TIER=SECONDS",
+                   help="age out a tier's index entries SECONDS after they were last stored "
+                        "('none': never); repeatable (default: STORAGE=600, whose removals a "
+                        "shared tier cannot report)")
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     _wrap_parse(p, config=False)
+
+
+def _router_index_args(args: argparse.Namespace) -> dict[str, Any]:
+    from .router.index import DEFAULT_TTL_S
+
+    out: dict[str, Any] = {}
+    if args.index_memory is not None:
+        out["index_max_bytes"] = args.index_memory
+    if args.index_ttl:
+        out["index_ttl_s"] = {**DEFAULT_TTL_S, **dict(args.index_ttl)}
+    return out
+
+
+def _router_bytes(text: str) -> int:
+    from .config import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except Exception as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _router_ttl(text: str) -> tuple[str, Optional[float]]:
+    tier, sep, value = text.partition("=")
+    if not sep or not tier:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected TIER=SECONDS, e.g. STORAGE=600")
+    if value.lower() == "none":
+        return tier, None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: SECONDS must be a positive number or none")
+    return tier, seconds
 
 
 def _run_router(args: argparse.Namespace) -> int:
@@ -1051,7 +1094,7 @@ def _run_router(args: argparse.Namespace) -> int:
     run(replicas, host=args.host, port=args.port, log_level=args.log_level,
         block_size=args.block_size, hash_seed=hash_seed, tokenizer=tokenizer,
         chat_template=template, policy=args.policy, health_interval_s=args.health_interval,
-        topic=args.kv_events_topic)
+        topic=args.kv_events_topic, **_router_index_args(args))
     return 0
 
 

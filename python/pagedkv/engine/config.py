@@ -207,6 +207,9 @@ class EngineConfig:
     seed: Optional[int] = field(default=None, metadata={
         "help": "seed of the seeds drawn for requests that give none, so a rerun samples the "
                 "same (default: random)"})
+    kv_events_bind: Optional[str] = field(default=None, metadata={
+        "help": "bind the KV-event PUB socket here whatever its host, e.g. tcp://127.0.0.1:5557 "
+                "(loopback only; kv_events_endpoint connects a non-wildcard host)"})
     tier_secret_file: Optional[str] = field(default=None, metadata={
         "help": "a file of the engine's user (mode 0600) holding the fleet's tier secret, which "
                 "authenticates disk and remote tier records (default: PAGEDKV_TIER_SECRET; a "
@@ -272,13 +275,14 @@ class EngineConfig:
         if self.hash_seed is not None and not (_is_int(self.hash_seed)
                                                and 0 <= self.hash_seed < 1 << 64):
             raise _bad("hash_seed", self.hash_seed, "must be an int in [0, 2**64)")
-        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_bind"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and "://" in value):
                 raise _bad(name, value, "must be a ZeroMQ endpoint such as 'tcp://*:5557'")
-        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+        if (self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None
+                and self.kv_events_bind is None):
             raise _bad("kv_events_replay_endpoint", self.kv_events_replay_endpoint,
-                       "needs kv_events_endpoint")
+                       "needs kv_events_endpoint or kv_events_bind")
         if not isinstance(self.kv_events_topic, str):
             raise _bad("kv_events_topic", self.kv_events_topic, "must be a string")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "cuda_graphs", "progress",
