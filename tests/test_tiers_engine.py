@@ -157,7 +157,8 @@ def test_corrupt_disk_blocks_are_misses_never_wrong_kv(model_dir: str, baseline:
 
 
 def test_two_engines_share_the_remote_tier(model_dir: str, baseline: List[List[int]],
-                                           redis_url: str) -> None:
+                                           redis_url: str, monkeypatch: Any) -> None:
+    monkeypatch.setenv("PAGEDKV_TIER_SECRET", "a fleet secret shared by both test engines")
     args: Dict[str, Any] = dict(host_cache_memory="64KiB", remote_cache_url=redis_url,
                                 remote_cache_timeout_s=1.0, hash_seed=1234)
     first, s1, _ = _run(model_dir, rounds=1, prompts=_prompts() + _prompts(seed=1), **args)
@@ -171,7 +172,8 @@ def test_two_engines_share_the_remote_tier(model_dir: str, baseline: List[List[i
 
 
 def test_a_dead_remote_server_only_costs_misses(model_dir: str, baseline: List[List[int]],
-                                                redis_server: Any) -> None:
+                                                redis_server: Any, monkeypatch: Any) -> None:
+    monkeypatch.setenv("PAGEDKV_TIER_SECRET", "a fleet secret shared by both test engines")
     url = redis_server.url
     redis_server.stop()
     outs, stats, stores = _run(model_dir, host_cache_memory="64KiB", remote_cache_url=url,

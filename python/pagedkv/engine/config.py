@@ -195,6 +195,10 @@ class EngineConfig:
     kv_events_bind: Optional[str] = field(default=None, metadata={
         "help": "bind the KV-event PUB socket here whatever its host, e.g. tcp://127.0.0.1:5557 "
                 "(loopback only; kv_events_endpoint connects a non-wildcard host)"})
+    tier_secret_file: Optional[str] = field(default=None, metadata={
+        "help": "a file of the engine's user (mode 0600) holding the fleet's tier secret, which "
+                "authenticates disk and remote tier records (default: PAGEDKV_TIER_SECRET; a "
+                "remote tier needs one)"})
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -247,6 +251,9 @@ class EngineConfig:
                                                   and 0 <= self.step_floor_s < math.inf):
             raise _bad("step_floor_s", self.step_floor_s, "must be a number >= 0")
         self._check_tiers()
+        if self.tier_secret_file is not None and not (isinstance(self.tier_secret_file, str)
+                                                      and self.tier_secret_file):
+            raise _bad("tier_secret_file", self.tier_secret_file, "must be a non-empty path string")
         if self.hash_seed is not None and not (_is_int(self.hash_seed)
                                                and 0 <= self.hash_seed < 1 << 64):
             raise _bad("hash_seed", self.hash_seed, "must be an int in [0, 2**64)")

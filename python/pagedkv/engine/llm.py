@@ -273,6 +273,9 @@ class LLMEngine:
             loading (default 0.85, less a 4 GiB reserve); exclusive with ``num_blocks`` and
             ``kv_cache_memory``.
         seed: Seeds the sampling seeds of requests that give none (``None``: random).
+        tier_secret_file: A 0600 file of the engine's user holding the fleet's tier secret
+            (authenticates disk and remote tier records; ``docs/tiers.md``, "Trust");
+            ``None``: ``PAGEDKV_TIER_SECRET``. A remote tier without either refuses to start.
 
     Raises:
         ModelLoadError: ``model`` does not exist, is not a model directory or ``.gguf`` file, or is
@@ -321,6 +324,7 @@ class LLMEngine:
         kv_events_topic: str = "",
         gpu_memory_utilization: Optional[float] = None,
         seed: Optional[int] = None,
+        tier_secret_file: Optional[str] = None,
     ) -> None:
         config = EngineConfig(
             kv_cache_memory=kv_cache_memory, num_blocks=num_blocks, block_size=block_size,
@@ -339,6 +343,7 @@ class LLMEngine:
             kv_events_endpoint=kv_events_endpoint,
             kv_events_replay_endpoint=kv_events_replay_endpoint, kv_events_topic=kv_events_topic,
             gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+            tier_secret_file=tier_secret_file,
         )
         self._setup(model, device, dtype, config)
 
