@@ -13,6 +13,12 @@ if TYPE_CHECKING:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
+    # pagedkv's cache (converted models, measured rates) goes to a fresh directory per run, never
+    # the user's; subprocesses inherit it.
+    import os
+    import tempfile
+
+    os.environ["PAGEDKV_CACHE_DIR"] = tempfile.mkdtemp(prefix="pagedkv-test-cache-")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
