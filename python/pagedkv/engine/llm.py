@@ -64,6 +64,7 @@ from .tier_cache import build_tier_cache, manager_tier_args
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import SamplerRow, sample_batch, sample_seed
 from .sampling_params import RequestOutputKind, SamplingParams
+from .summary import log_startup
 
 __all__ = ["LLM", "LLMEngine", "EngineStats"]
 
@@ -468,6 +469,7 @@ class LLMEngine:
         self._seed_rng = random.Random()
         self._token_text: Dict[int, str] = {}
         self.reset_stats()
+        log_startup(self)
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel ranks (STOP to every rank, spawned processes joined) and
@@ -1044,7 +1046,7 @@ def _set_cost_model(manager: Any, rates: Tuple[float, float, float], kv_bytes_pe
 
 
 def _stage_bar(enabled: bool, total: int, desc: str) -> Any:
-    return tqdm(total=total, desc=desc, disable=not enabled, leave=False,
+    return tqdm(total=total, desc=desc, disable=not enabled or None, leave=False,
                 bar_format="{desc}: {n}/{total} stages [{elapsed}]")
 
 
@@ -1221,7 +1223,8 @@ class LLM:
 
         results: Dict[str, RequestOutput] = {}
         pending = set(ids)
-        bar = tqdm(total=n, desc="generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        bar = tqdm(total=n, desc="generating", unit="req", disable=not use_tqdm or None,
+                   dynamic_ncols=True)
         gen_before = engine._counters["num_generated_tokens"]
         try:
             while pending:

@@ -29,6 +29,7 @@ import importlib.util
 import json
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -192,6 +193,7 @@ def load_model(path: Union[str, os.PathLike], *, device: Any = "cpu", dtype: Any
     torch_dtype = _resolve_dtype(dtype, dev)
 
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_bars_on_a_terminal_only())
         if os.path.isfile(path):
             if not path.lower().endswith(".gguf"):
                 raise ModelLoadError(f"{path}: a model file must be .gguf (or pass a directory)",
@@ -248,6 +250,24 @@ def _dir_model_type(directory: str, path: str) -> str:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{cfg_path}: unreadable: {exc}", path=path,
                              reason="bad config.json") from None
+
+
+@contextlib.contextmanager
+def _bars_on_a_terminal_only() -> Any:
+    """transformers draws its loading bars on stderr whatever it is; while inside, it draws them
+    only when stderr is a terminal (tqdm's own ``disable=None`` rule)."""
+    from transformers.utils import logging as hf_logging
+
+    stream = sys.stderr
+    tty = bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
+    if tty or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 #: Serializes the swap of ``gguf.GGUFReader`` (module state) between threads loading at once.
