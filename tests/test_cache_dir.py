@@ -131,7 +131,7 @@ def test_file_digest_changes_with_content_and_mtime(tmp_path):
 
 # --------------------------------------------------------------------------------- GGUF models
 
-def test_gguf_converted_once_and_reloaded_without_parsing(cache, monkeypatch):
+def test_gguf_converted_once_and_reloaded_without_parsing(cache, monkeypatch, capfd):
     torch = pytest.importorskip("torch")
     gguf = pytest.importorskip("gguf")
     pytest.importorskip("transformers")
@@ -152,8 +152,12 @@ def test_gguf_converted_once_and_reloaded_without_parsing(cache, monkeypatch):
             super().__init__(*a, **k)
 
     monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    capfd.readouterr()
     first = loader.load_model(path)
     assert len(parses) == 1  # transformers alone would build four readers, the type check one more
+    # stderr is not a terminal here: no bar of transformers' (de-quantizing, loading weights).
+    err = capfd.readouterr().err
+    assert "it/s" not in err and "\r" not in err, err[-500:]
     entry = cache / "models" / loader.gguf_cache_key(path)
     assert (entry / "model.safetensors").is_file() and (entry / "tokenizer.json").is_file()
 

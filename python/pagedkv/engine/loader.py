@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import logging
@@ -279,7 +280,8 @@ def _one_gguf_parse(path: Optional[str]) -> Any:
     """While inside, every ``gguf.GGUFReader(path)`` returns one shared reader: transformers builds
     a reader for the config, the weights and the tokenizer in turn, and building one is most of a
     GGUF load (the header's tokenizer arrays are parsed in Python). Other paths, and any call with
-    more arguments, get a fresh reader as usual. ``path=None``: does nothing."""
+    more arguments, get a fresh reader as usual. transformers' de-quantizing progress bar is drawn
+    only on a terminal meanwhile. ``path=None``: does nothing."""
     if path is None:
         yield
         return
@@ -288,9 +290,16 @@ def _one_gguf_parse(path: Optional[str]) -> Any:
     except ImportError:
         yield
         return
+    try:  # its "de-quantizing" bar: on a terminal only, like every bar of the package
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        gguf_utils = None
     target = os.path.realpath(path)
     with _GGUF_LOCK:
         original = gguf.GGUFReader
+        bar = getattr(gguf_utils, "tqdm", None)
+        if bar is not None:
+            gguf_utils.tqdm = functools.partial(bar, disable=None)
         shared: list = []
 
         def reader(p: Any, *args: Any, **kwargs: Any) -> Any:
@@ -305,6 +314,8 @@ def _one_gguf_parse(path: Optional[str]) -> Any:
             yield
         finally:
             gguf.GGUFReader = original  # type: ignore[misc]
+            if bar is not None:
+                gguf_utils.tqdm = bar
 
 
 def gguf_cache_key(path: str) -> str:
