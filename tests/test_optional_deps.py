@@ -51,11 +51,11 @@ def test_extras_match_pyproject():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "pyproject.toml"), "rb") as fh:
         extras = tomllib.load(fh)["project"]["optional-dependencies"]
-    dist = {"zmq": "pyzmq"}
+    dist = {"zmq": "pyzmq", "yaml": "PyYAML"}
     for module, extra in _optional.EXTRAS.items():
         names = {re.split(r"[<>=;\[ ]", r, maxsplit=1)[0] for r in extras[extra]}
-        assert dist.get(module, module).replace("_", "-") in {n.replace("_", "-") for n in names}, \
-            (module, extra)
+        assert dist.get(module, module).replace("_", "-").lower() in {
+            n.replace("_", "-").lower() for n in names}, (module, extra)
     # Every dependency of an extra with a Python floor carries its marker; none without one.
     for extra, reqs in extras.items():
         need = _optional.EXTRA_PYTHON.get(extra)

@@ -1,4 +1,4 @@
-"""``pagedkv.swap``: the host KV pool and the swap copies, on the CPU and (gpu-marked) on CUDA.
+"""``pagedkv.tiers.host``: the host KV pool and the swap copies, on the CPU and (gpu-marked) on CUDA.
 
 Every test fills the device pool with distinct random bytes, swaps blocks out to the host and back
 into other device blocks, and compares contents exactly (every layer's K and V) with what the
@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from pagedkv.config import CacheSpec  # noqa: E402
 from pagedkv.errors import InvalidArgumentError, InvalidBlockError, InvalidConfigError  # noqa: E402
 from pagedkv.kv_pool import KVPool  # noqa: E402
-from pagedkv.swap import HostKVPool, SwapEngine, _runs  # noqa: E402
+from pagedkv.tiers.host import HostKVPool, SwapEngine, _runs  # noqa: E402
 
 
 def _spec(dtype="float32", block_size=4, layers=3):

@@ -1,6 +1,6 @@
 """The swap engine's GPU ordering, checked on the CPU by a happens-before race detector.
 
-The CUDA branches of :class:`pagedkv.swap.SwapEngine` (whole-block swap-outs and swap-ins with
+The CUDA branches of :class:`pagedkv.tiers.host.SwapEngine` (whole-block swap-outs and swap-ins with
 their per-block order, and the layer-by-layer loads) run here against stand-in streams and
 events. Every copy the engine queues, and every read and write of the cache the test's forward
 queues on the compute stream the way the model runner does (``wait`` before the forward, or
@@ -31,7 +31,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pagedkv import _cudart  # noqa: E402
-from pagedkv import swap as S  # noqa: E402
+from pagedkv.tiers import host as S  # noqa: E402
 from pagedkv.config import CacheSpec  # noqa: E402
 from pagedkv.kv_pool import KVPool  # noqa: E402
 

@@ -56,7 +56,7 @@ def _run(model_dir: str, rounds: int = 2, prompts: Any = None, device: str = "cp
         llm.llm_engine.manager.check_invariants()
         stats = llm.stats()
         tiers = llm.llm_engine.tiers
-        store_stats = {name: s.stats() for name, s in tiers.stores} if tiers else {}
+        store_stats = {s.name: s.stats() for s in tiers.stores} if tiers else {}
     finally:
         llm.shutdown()
     return outs, stats, store_stats

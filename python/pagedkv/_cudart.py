@@ -2,11 +2,11 @@
 
 Owns :func:`memcpy2d_async` and :func:`available`.
 
-Why: a host-tier block holds all of its layers side by side (:mod:`pagedkv.swap`), so one layer's
+Why: a host-tier block holds all of its layers side by side (:mod:`pagedkv.tiers.host`), so one layer's
 slice of a run of consecutive host blocks is ``height`` rows of ``width`` bytes, ``pitch`` bytes
 apart. ``cudaMemcpy2DAsync`` moves such a slice in one DMA transfer, at the link's rate for rows of
 tens of KiB; PyTorch's ``copy_`` of a non-contiguous pinned view first packs it on the host. The
-layer-by-layer loads (:meth:`pagedkv.swap.SwapEngine.swap_in` with ``by_layer``) need exactly this.
+layer-by-layer loads (:meth:`pagedkv.tiers.host.SwapEngine.swap_in` with ``by_layer``) need exactly this.
 
 The runtime library is the one the process already loaded with torch (found through
 ``/proc/self/maps``), else the first of ``libcudart.so.13`` / ``.12`` / ``libcudart.so`` that

@@ -42,6 +42,7 @@ EXTRAS: dict[str, str] = {
     "uvicorn": "serve",
     "pydantic": "serve",
     "httpx": "serve",
+    "yaml": "serve",
     "msgspec": "events",
     "zmq": "events",
     "xxhash": "router",

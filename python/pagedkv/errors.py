@@ -85,7 +85,7 @@ class MissingDependencyError(PagedKVError, ImportError):
     """An optional dependency is not installed; the message names the extra that installs it.
 
     ``str(err)`` is one line, e.g. ``--plot needs matplotlib, which is not installed: pip install
-    'pagedkv[plot]'``.
+    '.[plot]' in a clone of the pagedkv repository``.
 
     Attributes: ``module`` (the top-level module missing), ``extra`` (the ``pagedkv[...]`` extra).
     """
@@ -374,3 +374,20 @@ class EngineDeadError(PagedKVError, RuntimeError):
     reason: str
 
     field_names = ("reason",)
+
+
+# Raised by the tiered prefix cache (pagedkv.tiers), not the core; kept out of `__all__` for the
+# same reason as ModelLoadError.
+class TierOrderError(PagedKVError, RuntimeError):
+    """A step's swap-outs were about to run while the host tier still held blocks the manager had
+    demoted and nobody had copied out: ``TierCache.after_schedule`` must run between
+    ``Scheduler.schedule`` and the step's execution (the swap-outs reuse the demoted slots).
+    Nothing was queued, and the demoted blocks were handed to the lower tiers before the raise.
+
+    Attributes: ``pending`` (the demotions that had not been taken), ``rule`` (the order broken).
+    """
+
+    pending: int
+    rule: str
+
+    field_names = ("pending", "rule")

@@ -88,8 +88,10 @@ def _prometheus() -> Any:
         import prometheus_client  # noqa: F401
         from prometheus_client import core
     except ImportError:
+        from ._optional import install_hint
+
         raise MetricsUnavailableError(
-            "metrics need prometheus_client: pip install 'pagedkv[metrics]'") from None
+            f"metrics need prometheus_client: {install_hint('metrics')}") from None
     return core
 
 
@@ -239,7 +241,7 @@ class PagedKVCollector:
         step_wait_s: With a scheduler, how long a scrape waits for the step thread to take the
             snapshot at its next step before reading it itself (seconds, ``>= 0``).
         tiers: With a tiered prefix cache, a callable returning its cumulative figures per tier
-            (:meth:`pagedkv.engine.tier_cache.TierCache.totals`): exported with a ``tier`` label.
+            (:meth:`pagedkv.tiers.TierCache.totals`): exported with a ``tier`` label.
 
     Register it with ``prometheus_client.REGISTRY.register(collector)`` or pass it to
     :func:`start_metrics_server`.

@@ -18,7 +18,7 @@ imports neither torch nor the extension.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from .._checks import DEFAULT_BLOCK_SIZE, check_block_size
@@ -34,8 +34,29 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def _bad(name: str, value: Any, reason: str) -> ConfigArgumentError:
+    value = _redacted(name, value)
     return ConfigArgumentError(f"invalid config: {name} = {value!r}: {reason}", field=name,
                                value=value, reason=reason)
+
+
+def _redacted(name: str, value: Any) -> Any:
+    """A secret field's value as an error may show it: the hash key not at all, a URL without its
+    password."""
+    if name == "hash_seed" and value is not None:
+        return "<secret>"
+    if name == "remote_cache_url" and isinstance(value, str):
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(value)
+            if parts.password is None:
+                return value
+            netloc = parts.netloc.rpartition("@")
+            user = netloc[0].partition(":")[0]
+            return parts._replace(netloc=f"{user}:***@{netloc[2]}").geturl()
+        except ValueError:
+            return "<secret>"
+    return value
 
 
 #: Most rows :func:`pagedkv.kernels.linear_small_m` serves (its ``MAX_M``; not imported here,
@@ -69,7 +90,7 @@ class EngineConfig:
       (:func:`pagedkv.kernels.linear_small_m`, at most 16 rows) instead of cuBLAS; 0: never;
     * ``layerwise_loads``: a step's loads from the host pool (prefix hits of the host tier,
       swapped-in sequences) go layer by layer, and each layer of the step's forward waits only
-      for its own slices (:meth:`pagedkv.swap.SwapEngine.swap_in` with ``by_layer``): the forward
+      for its own slices (:meth:`pagedkv.tiers.host.SwapEngine.swap_in` with ``by_layer``): the forward
       overlaps the load. Eager steps only (a CUDA-graph decode step waits for the whole load).
 
     the tiers of the prefix cache below the GPU (``docs/tiers.md``; :class:`~pagedkv.engine.llm.
@@ -82,48 +103,110 @@ class EngineConfig:
     * ``kv_events_endpoint``: publish the cache's block events there over ZeroMQ in vLLM's format
       (``tcp://*:5557`` binds, ``tcp://host:port`` connects); ``None``: no events;
     * ``kv_events_replay_endpoint``: where consumers ask for missed batches (bound);
-    * ``kv_events_topic``: the first frame of every event message.
+    * ``kv_events_topic``: the first frame of every event message;
+
+    and ``gpu_memory_utilization`` (CUDA: the pool's share of the memory free after loading;
+    exclusive with ``num_blocks`` and ``kv_cache_memory``) and ``seed`` (seeds the per-request
+    seeds of requests that give none; ``None``: random).
+
+    Each field's ``metadata["help"]`` is its one-line description: ``pagedkv serve`` builds its
+    engine flags from the fields (``--block-size`` for ``block_size``), so a new knob is one field
+    here (``metadata["cli"] = False`` keeps it off the command line; ``"choices"`` lists the
+    values; ``"secret_env"`` names the environment variable a secret is read from).
 
     Raises:
         ConfigArgumentError: A field is out of its domain, or two exclusive fields are both given
-            (``num_blocks`` and ``kv_cache_memory``; ``swap_space`` and ``num_host_blocks``).
+            (``num_blocks``, ``kv_cache_memory`` and ``gpu_memory_utilization``; ``swap_space``
+            and ``num_host_blocks``).
     """
 
-    kv_cache_memory: Union[int, str, None] = None
-    num_blocks: Optional[int] = None
-    block_size: int = DEFAULT_BLOCK_SIZE
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    watermark_blocks: Optional[int] = None
-    cuda_graphs: bool = True
-    progress: bool = False
-    swap_space: Union[int, str, None] = None
-    num_host_blocks: Optional[int] = None
-    preemption_mode: str = "auto"
-    host_link_bytes_per_s: Optional[float] = None
-    prefill_tokens_per_s: Optional[float] = None
-    step_floor_s: Optional[float] = None
-    tensor_parallel_size: int = 1
-    record_steps: bool = False
-    tp_timeout_s: float = 600.0
-    attention_backend: str = "auto"
-    decode_planner: bool = True
-    host_cache_memory: Union[int, str, None] = None
-    host_cache_write_through: bool = False
-    disk_cache_dir: Optional[str] = None
-    disk_cache_memory: Union[int, str, None] = None
-    remote_cache_url: Optional[str] = None
-    remote_cache_timeout_s: float = 0.05
-    hash_seed: Optional[int] = None
-    kv_events_endpoint: Optional[str] = None
-    kv_events_replay_endpoint: Optional[str] = None
-    kv_events_topic: str = ""
-    fused_model: bool = True
-    cuda_graph_pieces: int = 1
-    small_batch_gemv: int = 0
-    layerwise_loads: bool = False
+    kv_cache_memory: Union[int, str, None] = field(default=None, metadata={
+        "help": "KV pool size in bytes, e.g. 4GiB (exclusive with num_blocks and "
+                "gpu_memory_utilization)"})
+    num_blocks: Optional[int] = field(default=None, metadata={
+        "help": "KV pool size in blocks (default: sized from memory)"})
+    gpu_memory_utilization: Optional[float] = field(default=None, metadata={
+        "help": "CUDA only: the KV pool takes this fraction of the device memory free once the "
+                "model is loaded, less a 4 GiB reserve, in (0, 1] (default: 0.85; the CPU pool "
+                "is 256 MiB unless kv_cache_memory or num_blocks says otherwise)"})
+    block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "tokens per block"})
+    max_num_seqs: int = field(default=256, metadata={"help": "most sequences in one step"})
+    max_num_batched_tokens: int = field(default=2048, metadata={
+        "help": "token budget of one step (decodes plus prefill chunks)"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV blocks of prompts that share a prefix"})
+    enable_chunked_prefill: bool = field(default=True, metadata={
+        "help": "split long prompts into chunks across steps (off: one step per prompt)"})
+    watermark_blocks: Optional[int] = field(default=None, metadata={
+        "help": "blocks kept back from admissions (default: the manager's)"})
+    cuda_graphs: bool = field(default=True, metadata={
+        "help": "run decode steps through CUDA graphs (off: eagerly)"})
+    progress: bool = field(default=False, metadata={
+        "help": "progress bars while loading and generating", "cli": False})
+    swap_space: Union[int, str, None] = field(default=None, metadata={
+        "help": "host memory for swapped-out KV blocks, e.g. 4GiB (default: none; preemption "
+                "recomputes)"})
+    num_host_blocks: Optional[int] = field(default=None, metadata={
+        "help": "host KV blocks for swapped-out sequences (exclusive with swap_space)"})
+    preemption_mode: str = field(default="auto", metadata={
+        "help": "reclaim preempted sequences by the cost model (auto), swap or recompute",
+        "choices": PREEMPTION_MODES})
+    host_link_bytes_per_s: Optional[float] = field(default=None, metadata={
+        "help": "cost model: host-link bandwidth in bytes/s (default: measured at start-up)"})
+    prefill_tokens_per_s: Optional[float] = field(default=None, metadata={
+        "help": "cost model: prefill throughput in tokens/s (default: measured at start-up)"})
+    step_floor_s: Optional[float] = field(default=None, metadata={
+        "help": "cost model: what a step costs however few tokens it carries, in seconds "
+                "(default: measured at start-up)"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks the model's heads are split over"})
+    record_steps: bool = field(default=False, metadata={
+        "help": "keep every step's inputs (tests of tensor parallelism)", "cli": False})
+    tp_timeout_s: float = field(default=600.0, metadata={
+        "help": "seconds a tensor-parallel rank waits for the others"})
+    attention_backend: str = field(default="auto", metadata={
+        "help": "auto (Triton kernels on CUDA, plain PyTorch on the CPU), torch or triton",
+        "choices": ATTENTION_BACKENDS})
+    decode_planner: bool = field(default=True, metadata={
+        "help": "plan each decode step's split-K work from the batch's lengths (kernels only)"})
+    host_cache_memory: Union[int, str, None] = field(default=None, metadata={
+        "help": "pinned host memory for the host tier of the prefix cache, e.g. 16GiB "
+                "(default: none)"})
+    host_cache_write_through: bool = field(default=False, metadata={
+        "help": "copy blocks to the host tier when cached, not when evicted"})
+    disk_cache_dir: Optional[str] = field(default=None, metadata={
+        "help": "directory of the disk tier (needs host_cache_memory and disk_cache_memory)"})
+    disk_cache_memory: Union[int, str, None] = field(default=None, metadata={
+        "help": "size cap of the disk tier, e.g. 200GiB"})
+    remote_cache_url: Optional[str] = field(default=None, repr=False, metadata={
+        "help": "a Redis/Valkey server shared by replicas, e.g. redis://127.0.0.1:6379/0 (needs "
+                "host_cache_memory and a shared hash_seed)",
+        "secret_env": "PAGEDKV_REMOTE_CACHE_URL"})
+    remote_cache_timeout_s: float = field(default=0.05, metadata={
+        "help": "seconds one remote-tier request may take before it counts as a miss"})
+    hash_seed: Optional[int] = field(default=None, repr=False, metadata={
+        "help": "key of the prefix hash, an int in [0, 2**64); replicas behind one router share "
+                "it; keep it secret (default: a fresh random key)",
+        "secret_env": "PAGEDKV_HASH_SEED", "secret_file": True})
+    kv_events_endpoint: Optional[str] = field(default=None, metadata={
+        "help": "publish KV-cache block events over ZeroMQ in vLLM's format, e.g. tcp://*:5557 "
+                "(binds) or tcp://host:5557 (connects) (default: off)"})
+    kv_events_replay_endpoint: Optional[str] = field(default=None, metadata={
+        "help": "bind a replay socket for missed event batches, e.g. tcp://*:5558"})
+    kv_events_topic: str = field(default="", metadata={
+        "help": "topic frame of every event message"})
+    fused_model: bool = field(default=True, metadata={
+        "help": "run Llama/Mistral/Qwen2 through the fused forward (off: transformers' modules)"})
+    cuda_graph_pieces: int = field(default=1, metadata={
+        "help": "with the fused forward, capture each decode step as this many CUDA graphs"})
+    small_batch_gemv: int = field(default=0, metadata={
+        "help": f"steps of at most this many rows use the weight-streaming GEMV, in [0, "
+                f"{GEMV_MAX_ROWS}] (0: never)"})
+    layerwise_loads: bool = field(default=False, metadata={
+        "help": "load a step's host-pool blocks layer by layer, overlapping the forward"})
+    seed: Optional[int] = field(default=None, metadata={
+        "help": "seed of the seeds drawn for requests that give none, so a rerun samples the "
+                "same (default: random)"})
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -137,6 +220,15 @@ class EngineConfig:
                        f"must be an int in [0, {GEMV_MAX_ROWS}]")
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise _bad("num_blocks", self.num_blocks, "exclusive with kv_cache_memory")
+        u = self.gpu_memory_utilization
+        if u is not None:
+            if not (_is_number(u) and 0 < u <= 1):
+                raise _bad("gpu_memory_utilization", u, "must be a number in (0, 1]")
+            if self.num_blocks is not None or self.kv_cache_memory is not None:
+                raise _bad("gpu_memory_utilization", u,
+                           "exclusive with num_blocks and kv_cache_memory")
+        if self.seed is not None and not (_is_int(self.seed) and self.seed >= 0):
+            raise _bad("seed", self.seed, "must be an int >= 0")
         if self.num_blocks is not None and (not _is_int(self.num_blocks) or self.num_blocks < 1):
             raise _bad("num_blocks", self.num_blocks, "must be an int >= 1")
         if self.swap_space is not None and self.num_host_blocks is not None:

@@ -57,10 +57,10 @@ from ..errors import InvalidArgumentError, OutOfBlocksError
 from ..manager import CostModel
 from ..scheduler import Scheduler, SequenceStatus
 from ..scheduler import Sequence as SchedulerSequence
+from ..tiers.cache import build_tier_cache, manager_tier_args
 from .config import EngineConfig
 from .loader import LoadedModel, default_model_path, load_model
 from .model_runner import ModelRunner, build_rank_runner
-from .tier_cache import build_tier_cache, manager_tier_args
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import SamplerRow, sample_batch, sample_seed
 from .sampling_params import RequestOutputKind, SamplingParams
@@ -270,6 +270,10 @@ class LLMEngine:
         kv_events_replay_endpoint: The ZeroMQ endpoint (bound) consumers replay missed batches
             from; needs ``kv_events_endpoint``.
         kv_events_topic: The topic frame of every event message.
+        gpu_memory_utilization: CUDA only: the KV pool's share of the device memory free after
+            loading (default 0.85, less a 4 GiB reserve); exclusive with ``num_blocks`` and
+            ``kv_cache_memory``.
+        seed: Seeds the sampling seeds of requests that give none (``None``: random).
 
     Raises:
         ModelLoadError: ``model`` does not exist, is not a model directory or ``.gguf`` file, or is
@@ -316,6 +320,8 @@ class LLMEngine:
         kv_events_endpoint: Optional[str] = None,
         kv_events_replay_endpoint: Optional[str] = None,
         kv_events_topic: str = "",
+        gpu_memory_utilization: Optional[float] = None,
+        seed: Optional[int] = None,
     ) -> None:
         config = EngineConfig(
             kv_cache_memory=kv_cache_memory, num_blocks=num_blocks, block_size=block_size,
@@ -333,6 +339,7 @@ class LLMEngine:
             remote_cache_timeout_s=remote_cache_timeout_s, hash_seed=hash_seed,
             kv_events_endpoint=kv_events_endpoint,
             kv_events_replay_endpoint=kv_events_replay_endpoint, kv_events_topic=kv_events_topic,
+            gpu_memory_utilization=gpu_memory_utilization, seed=seed,
         )
         self._setup(model, device, dtype, config)
 
@@ -406,12 +413,6 @@ class LLMEngine:
                 _set_cost_model(self.manager, self.cost_rates, self.runner.spec.bytes_per_token,
                                 config.max_num_batched_tokens if config.enable_chunked_prefill
                                 else 0)
-            self.scheduler = Scheduler(
-                self.manager, max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                preemption_mode=config.preemption_mode,
-            )
             #: The step's KV-event publisher (None without ``kv_events_endpoint``); a lower tier
             #: adds its events to ``kv_events.sink``.
             self.kv_events: Any = None
@@ -421,16 +422,20 @@ class LLMEngine:
                 self.kv_events = StepEventPublisher(self.manager, config.kv_events_endpoint,
                                                     config.kv_events_replay_endpoint,
                                                     config.kv_events_topic)
-            #: The tiers below the GPU (:mod:`pagedkv.engine.tier_cache`); None without a host tier.
+            #: The tiers below the GPU (:mod:`pagedkv.tiers`); None without a host tier.
             self.tiers = build_tier_cache(
                 config, self.runner, self.manager, str(path),
                 self.cost_rates[1] if self.cost_rates else None,
                 events=self.kv_events.sink if self.kv_events is not None else None)
-            self.scheduler.admission_gate = self.tiers
-            if config.host_blocks(self.runner.spec.bytes_per_block) == \
-                    config.host_cache_blocks(self.runner.spec.bytes_per_block):
-                # The host pool is the host tier's alone: preemption recomputes, as without it.
-                self.scheduler.can_swap = False
+            bpb = self.runner.spec.bytes_per_block
+            self.scheduler = Scheduler(
+                self.manager, max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                preemption_mode=config.preemption_mode, admission_gate=self.tiers,
+                # A host pool that is the host tier's alone: preemption recomputes, as without it.
+                can_swap=False if config.host_blocks(bpb) == config.host_cache_blocks(bpb) else None,
+            )
             bar.update(1)
         except BaseException:
             if self._tp is not None:
@@ -466,7 +471,7 @@ class LLMEngine:
         self._request_ids = itertools.count()
         # Seeds for requests that give none: drawn once per request, so even an unseeded request
         # resumes unchanged after a preemption.
-        self._seed_rng = random.Random()
+        self._seed_rng = random.Random(config.seed)
         self._token_text: Dict[int, str] = {}
         self.reset_stats()
         log_startup(self)

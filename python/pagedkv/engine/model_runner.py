@@ -7,7 +7,7 @@ CUDA the captured decode graphs.
 
 One :meth:`ModelRunner.execute`:
 
-1. applies the step's swap lists (with a host pool: :class:`~pagedkv.swap.SwapEngine`, swap-outs
+1. applies the step's swap lists (with a host pool: :class:`~pagedkv.tiers.host.SwapEngine`, swap-outs
    then swap-ins, on side streams; the forward's stream waits for them only in a step that has
    swaps) and its copy list (copy-on-write pairs the manager emitted) to the pool, before any
    layer reads or writes it — a block a swap-out frees may be written by this very step;
@@ -52,10 +52,10 @@ from ..buffers import StepBuffers
 from ..distributed.step_broadcast import CMD_STEP, CMD_STOP, StepBroadcaster
 from ..distributed.tp import TPGroup, shard_model
 from ..config import CacheSpec, CapacityError
-from ..errors import InvalidArgumentError, InvalidConfigError
+from ..errors import ConfigArgumentError, InvalidArgumentError, InvalidConfigError
 from ..kv_pool import KVPool
 from ..manager import BlockManager
-from ..swap import SwapEngine
+from ..tiers.host import SwapEngine
 from . import attention as _attention
 from . import fused as _fused
 from .config import EngineConfig
@@ -228,7 +228,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = config.step_token_budget
-        self.num_blocks = self._size_pool(config.num_blocks, config.kv_cache_memory)
+        self.num_blocks = self._size_pool(config.num_blocks, config.kv_cache_memory,
+                                          config.gpu_memory_utilization)
         if tensor_parallel is not None:
             # One manager serves every rank's pool: all pools get the smallest rank's block count.
             self.num_blocks = tensor_parallel.min_int(self.num_blocks)
@@ -297,16 +298,25 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------ set-up
 
-    def _size_pool(self, num_blocks: Optional[int], kv_cache_memory: Any) -> int:
-        # The config validated both (and stored the budget as bytes).
+    def _size_pool(self, num_blocks: Optional[int], kv_cache_memory: Any,
+                   gpu_memory_utilization: Optional[float] = None) -> int:
+        # The config validated all three (exclusive; the budget stored as bytes).
         per_block = self.spec.bytes_per_block
         if num_blocks is not None:
             return num_blocks
+        if gpu_memory_utilization is not None and self.device.type != "cuda":
+            raise ConfigArgumentError(
+                f"invalid config: gpu_memory_utilization = {gpu_memory_utilization!r}: a share "
+                f"of free CUDA memory, and the model is on {self.device}; size the pool with "
+                f"kv_cache_memory or num_blocks", field="gpu_memory_utilization",
+                value=gpu_memory_utilization, reason="CUDA only")
         if kv_cache_memory is not None:
             budget = int(kv_cache_memory)
         elif self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
-            budget = int(free * DEFAULT_GPU_FRACTION) - DEFAULT_GPU_RESERVE
+            fraction = (DEFAULT_GPU_FRACTION if gpu_memory_utilization is None
+                        else gpu_memory_utilization)
+            budget = int(free * fraction) - DEFAULT_GPU_RESERVE
         else:
             budget = DEFAULT_CPU_KV_BYTES
         blocks = budget // per_block if budget > 0 else 0
@@ -683,7 +693,7 @@ class ModelRunner:
 
     def _apply_swaps(self, host: Any, n_out: int, n_in: int, *, by_layer: bool = False) -> Any:
         """Queues the step's swaps and makes the forward's stream wait for them; returns the
-        per-layer wait (:meth:`~pagedkv.swap.SwapEngine.wait_layer`) when the loads went layer
+        per-layer wait (:meth:`~pagedkv.tiers.host.SwapEngine.wait_layer`) when the loads went layer
         by layer, else None (the forward then waits for nothing more)."""
         if self.swap is None:
             raise InvalidConfigError(

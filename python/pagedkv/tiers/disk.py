@@ -602,6 +602,25 @@ class DiskStore:
             f"blocks={len(self)})"
         )
 
+    # ------------------------------------------------- as a backend (pagedkv.tiers.store.BlockStore)
+
+    #: The tier's name in the engine's figures, and its KV events' locality.
+    name = "disk"
+    locality = "LOCAL"
+
+    def take_removed(self) -> List[int]:
+        """Hashes of the blocks evicted since the last call (not recorded yet: ``[]``)."""
+        return []
+
+    @classmethod
+    def from_config(cls, config: object, fingerprint: bytes, block_bytes: int) -> Optional["DiskStore"]:
+        """The store ``config.disk_cache_dir`` / ``config.disk_cache_memory`` ask for, or None
+        without a ``disk_cache_dir`` (the registry's factory, :mod:`pagedkv.tiers.store`)."""
+        path = getattr(config, "disk_cache_dir", None)
+        if path is None:
+            return None
+        return cls(path, int(getattr(config, "disk_cache_memory")), fingerprint, block_bytes)
+
 
 def _preallocate(fd: int, size: int) -> None:
     """Reserve ``size`` bytes for ``fd`` (a file system without fallocate gets a sparse file)."""

@@ -378,6 +378,29 @@ class RemoteStore:
     def __repr__(self) -> str:
         return f"RemoteStore({self.url!r}, fingerprint={self.fingerprint.hex()})"
 
+    # ------------------------------------------------- as a backend (pagedkv.tiers.store.BlockStore)
+
+    #: The tier's name in the engine's figures, and its KV events' locality.
+    name = "remote"
+    locality = "REMOTE"
+
+    def take_removed(self) -> list[int]:
+        """Always ``[]``: the server evicts (and expires) blocks by its own policy, unseen here."""
+        return []
+
+    @classmethod
+    def from_config(cls, config: object, fingerprint: bytes,
+                    block_bytes: int) -> Optional["RemoteStore"]:
+        """The store ``config.remote_cache_url`` asks for (with ``remote_cache_timeout_s``), or
+        None without one (the registry's factory, :mod:`pagedkv.tiers.store`)."""
+        url = getattr(config, "remote_cache_url", None)
+        if url is None:
+            return None
+        timeout = getattr(config, "remote_cache_timeout_s", None)
+        if timeout is None:
+            return cls(url, fingerprint, block_bytes)
+        return cls(url, fingerprint, block_bytes, timeout_s=timeout)
+
 
 def _python_packer(redis: Any) -> dict[str, Any]:
     """``command_packer=`` redis-py's pure-Python serializer, where this redis-py has one.

@@ -66,16 +66,16 @@ This module imports torch at import time; ``import pagedkv`` does not import thi
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
-from . import _cudart
-from ._checks import allocate, check_flag
-from .config import CacheSpec
-from .errors import InvalidArgumentError, InvalidBlockError, InvalidConfigError
-from .kv_pool import KVPool
+from .. import _cudart
+from .._checks import allocate, check_flag
+from ..config import CacheSpec
+from ..errors import InvalidArgumentError, InvalidBlockError, InvalidConfigError
+from ..kv_pool import KVPool
 
 __all__ = ["HostKVPool", "SwapEngine", "DEFAULT_STAGING_BYTES"]
 
@@ -210,6 +210,11 @@ class SwapEngine:
         # Per-layer events of the last layer-by-layer swap-in the caller has not waited on.
         self._layer_pending: list = []
         self._stage_in_cpu: Optional[torch.Tensor] = None
+        # Host pool safe (after the last transfer of each direction; CUDA only).
+        self._out_done: Optional[torch.cuda.Event] = None
+        self._in_done: Optional[torch.cuda.Event] = None
+        # Called before every non-empty swap-out (add_swap_out_check).
+        self._swap_out_checks: List[Callable[[], None]] = []
         if staging_blocks is None:
             staging_blocks = max(1, min(host.num_blocks, DEFAULT_STAGING_BYTES // bpb))
         if isinstance(staging_blocks, bool) or not isinstance(staging_blocks, int) \
@@ -240,9 +245,6 @@ class SwapEngine:
         self.out_stream = torch.cuda.Stream(self.device)
         self._load_stream = torch.cuda.Stream(self.device)
         self.in_stream = torch.cuda.Stream(self.device)
-        # Host pool safe (after the last transfer of each direction).
-        self._out_done: Optional[torch.cuda.Event] = None
-        self._in_done: Optional[torch.cuda.Event] = None
         # Events the caller has not waited on yet.
         self._pending: list = []
         # Per-block order (module docs): the log entry of the last chunk that gathered /
@@ -300,6 +302,26 @@ class SwapEngine:
 
     # ------------------------------------------------------------------------------ copies
 
+    def add_swap_out_check(self, check: Callable[[], None]) -> None:
+        """Calls ``check()`` before every non-empty :meth:`swap_out` is queued (after its pairs
+        are validated): it raises to refuse the swap-out, which then changes nothing. How the
+        tiered cache makes sure the host slots a step's swap-outs overwrite were copied out first
+        (:meth:`pagedkv.tiers.TierCache.check_drained`)."""
+        self._swap_out_checks.append(check)
+
+    def host_written(self) -> None:
+        """Blocks the host until every device-to-host transfer queued so far has landed in the
+        host pool (a host slot read after it holds what the swap-outs wrote). No-op on the CPU."""
+        if self._out_done is not None:
+            self._out_done.synchronize()
+
+    def host_read(self) -> None:
+        """Blocks the host until every host-to-device transfer queued so far has read its host
+        slots (they may then be overwritten). No-op on the CPU."""
+        if self._in_done is not None:
+            self._in_done.synchronize()
+
+
     def swap_out(self, pairs: PairsLike) -> int:
         """Copies device block ``d`` to host block ``h`` for each ``(d, h)``; returns the count.
 
@@ -310,11 +332,14 @@ class SwapEngine:
         Raises:
             InvalidBlockError: An id is outside its pool.
             InvalidArgumentError: Malformed pairs, or a host block appears twice.
+            Whatever a check added by :meth:`add_swap_out_check` raises (nothing queued).
         """
         dev, host = self._pairs(pairs, self.pool.num_blocks, self.host.num_blocks, "device", "host")
         n = int(dev.size)
         if n == 0:
             return 0
+        for check in self._swap_out_checks:
+            check()
         order = np.argsort(host, kind="stable")
         dev, host = dev[order], host[order]
         if not self.is_cuda:
