@@ -21,6 +21,15 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["PAGEDKV_CACHE_DIR"] = tempfile.mkdtemp(prefix="pagedkv-test-cache-")
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import os
+    import shutil
+
+    path = os.environ.get("PAGEDKV_CACHE_DIR", "")
+    if os.path.basename(path).startswith("pagedkv-test-cache-"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not any(item.get_closest_marker("gpu") for item in items):
         return
