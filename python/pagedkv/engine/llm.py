@@ -64,6 +64,7 @@ from .model_runner import ModelRunner, build_rank_runner
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import SamplerRow, sample_batch, sample_seed
 from .sampling_params import RequestOutputKind, SamplingParams
+from .summary import log_startup
 
 __all__ = ["LLM", "LLMEngine", "EngineStats"]
 
@@ -478,6 +479,7 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._token_text: Dict[int, str] = {}
         self.reset_stats()
+        log_startup(self)
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel ranks (STOP to every rank, spawned processes joined) and
@@ -1054,7 +1056,7 @@ def _set_cost_model(manager: Any, rates: Tuple[float, float, float], kv_bytes_pe
 
 
 def _stage_bar(enabled: bool, total: int, desc: str) -> Any:
-    return tqdm(total=total, desc=desc, disable=not enabled, leave=False,
+    return tqdm(total=total, desc=desc, disable=not enabled or None, leave=False,
                 bar_format="{desc}: {n}/{total} stages [{elapsed}]")
 
 
@@ -1231,7 +1233,8 @@ class LLM:
 
         results: Dict[str, RequestOutput] = {}
         pending = set(ids)
-        bar = tqdm(total=n, desc="generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        bar = tqdm(total=n, desc="generating", unit="req", disable=not use_tqdm or None,
+                   dynamic_ncols=True)
         gen_before = engine._counters["num_generated_tokens"]
         try:
             while pending:
