@@ -129,9 +129,7 @@ pub fn peak_decode_blocks(kind: AttentionKind, max_len: usize, block_size: usize
     let all = max_len.div_ceil(b);
     match kind {
         AttentionKind::Full => all,
-        AttentionKind::Sliding { window } => {
-            all.min((window as usize - 1).div_ceil(b) + 1)
-        }
+        AttentionKind::Sliding { window } => all.min((window as usize - 1).div_ceil(b) + 1),
         AttentionKind::Chunked { chunk } => {
             let c = chunk as usize;
             all.min((c + b - gcd(b, c)).div_ceil(b))
@@ -168,7 +166,10 @@ mod tests {
     use super::*;
 
     fn brute_peak(kind: AttentionKind, max_len: usize, b: usize) -> usize {
-        (1..=max_len).map(|l| live_blocks(kind, l, 1, b)).max().unwrap_or(0)
+        (1..=max_len)
+            .map(|l| live_blocks(kind, l, 1, b))
+            .max()
+            .unwrap_or(0)
     }
 
     #[test]
@@ -200,13 +201,21 @@ mod tests {
             for w in 1..40u32 {
                 for l in [1usize, 5, 17, 64, 130] {
                     let s = AttentionKind::Sliding { window: w };
-                    assert_eq!(peak_decode_blocks(s, l, b), brute_peak(s, l, b), "W={w} B={b} L={l}");
+                    assert_eq!(
+                        peak_decode_blocks(s, l, b),
+                        brute_peak(s, l, b),
+                        "W={w} B={b} L={l}"
+                    );
                     let c = AttentionKind::Chunked { chunk: w };
                     assert!(peak_decode_blocks(c, l, b) >= brute_peak(c, l, b));
                     // Exact once the run covers every chunk offset (lcm(B, C) plus a chunk).
                     let lcm = b * w as usize / gcd(b, w as usize);
                     let long = lcm + w as usize;
-                    assert_eq!(peak_decode_blocks(c, long, b), brute_peak(c, long, b), "C={w} B={b}");
+                    assert_eq!(
+                        peak_decode_blocks(c, long, b),
+                        brute_peak(c, long, b),
+                        "C={w} B={b}"
+                    );
                 }
             }
         }

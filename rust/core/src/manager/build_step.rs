@@ -13,13 +13,13 @@
 //! - Block-table rows are written incrementally (see `StepCache`): a row is rewritten in full
 //!   whenever its sequence's uid or table version changed, so a stale entry is never left behind.
 
-use super::tier::{offload, registered};
 use super::groups::write_groups;
+use super::tier::{offload, registered};
 use super::{BlockManager, Seq};
 use crate::error::{Error, Result};
 use crate::events::Medium;
-use crate::prefix::FastMap;
 use crate::groups::group_hash;
+use crate::prefix::FastMap;
 use crate::step::{GroupStepBuffers, StepBuffers, StepInfo};
 use crate::swap::HostBlockId;
 use crate::{BlockId, SeqId};
@@ -111,6 +111,16 @@ impl BlockManager {
             out.copies.len() / 2,
         )?;
         let idx = std::mem::take(&mut self.batch_idx);
+
+        let num_copies = match &swaps {
+            Some(plan) => self.emit_copies_masked(&plan.emit_cow, out.copies),
+            None => self.emit_copies(&needed, out.copies),
+        };
+        let (num_swap_out, num_swap_in, swap_result) =
+            self.emit_swaps(swaps, out.swap_out, out.swap_in);
+        // Windowed groups release what no query of this step or a later one reads. After the
+        // copies are emitted (a released copy destination drops its queued copy, which must not
+        // shift the emitted mask) and before the rows are written (they show the null entries).
         let mut release_result = Ok(());
         if self.windowed {
             for (k, &i) in idx.iter().enumerate() {
@@ -120,7 +130,6 @@ impl BlockManager {
                 }
             }
         }
-
         let bs = self.bs;
         let stride = out.block_table_stride;
         let marks = self
@@ -149,12 +158,6 @@ impl BlockManager {
             );
         }
 
-        let num_copies = match &swaps {
-            Some(plan) => self.emit_copies_masked(&plan.emit_cow, out.copies),
-            None => self.emit_copies(&needed, out.copies),
-        };
-        let (num_swap_out, num_swap_in, swap_result) =
-            self.emit_swaps(swaps, out.swap_out, out.swap_in);
         let mut result = swap_result.and(release_result);
         if self.pending.is_empty() {
             while let Some(b) = self.deferred.pop() {
@@ -296,7 +299,9 @@ impl BlockManager {
         // Device blocks this step's forward writes: every block of a scheduled table.
         let mut scheduled: FastMap<BlockId, ()> = FastMap::default();
         for &i in &self.batch_idx {
-            for &b in &self.slots[i as usize].table.blocks {
+            let s = &self.slots[i as usize];
+            let extra = s.extra.iter().flat_map(|t| &t.blocks[t.start..]);
+            for &b in s.table.blocks.iter().chain(extra) {
                 scheduled.insert(b, ());
             }
         }
@@ -536,7 +541,10 @@ impl BlockManager {
         }
         let mut needed = vec![false; self.pending.len()];
         for &i in &self.batch_idx {
-            for b in &self.slots[i as usize].table.blocks {
+            let s = &self.slots[i as usize];
+            // Every group's blocks: a copy into any of them must run before this step.
+            let extra = s.extra.iter().flat_map(|t| &t.blocks[t.start..]);
+            for b in s.table.blocks.iter().chain(extra) {
                 if let Some(js) = at.get(b) {
                     for &j in js {
                         needed[j] = true;

@@ -205,7 +205,13 @@ impl BlockManager {
 
     /// Group `g`'s (`g >= 1`) cached block for block index `i` of a prompt: present under
     /// `group_hash(hashes[i], g)` and, in verify mode, holding the same token ids.
-    fn group_hit(&self, g: usize, hashes: &[u128], tokens: &[TokenId], i: usize) -> Option<BlockId> {
+    fn group_hit(
+        &self,
+        g: usize,
+        hashes: &[u128],
+        tokens: &[TokenId],
+        i: usize,
+    ) -> Option<BlockId> {
         let bs = self.bs;
         let b = self.prefix.lookup(group_hash(hashes[i], g))?;
         self.prefix
@@ -281,9 +287,9 @@ impl BlockManager {
             t.start = lo;
             t.version += 1;
             for i in lo..k {
-                let b = self
-                    .group_hit(gi + 1, hashes, tokens, i)
-                    .ok_or_else(|| Error::InvariantViolation(format!("group {} hit {i} vanished", gi + 1)))?;
+                let b = self.group_hit(gi + 1, hashes, tokens, i).ok_or_else(|| {
+                    Error::InvariantViolation(format!("group {} hit {i} vanished", gi + 1))
+                })?;
                 self.pin_hit(b)?;
                 t.blocks.push(b);
             }
@@ -325,7 +331,11 @@ impl BlockManager {
         };
         for gb in groups {
             small("group_slot_mapping", tokens, gb.slot_mapping.len())?;
-            small("group_block_table_stride", max_blocks, gb.block_table_stride)?;
+            small(
+                "group_block_table_stride",
+                max_blocks,
+                gb.block_table_stride,
+            )?;
             small(
                 "group_block_tables",
                 batch.saturating_mul(gb.block_table_stride),

@@ -151,7 +151,9 @@ impl BlockManager {
                         continue;
                     }
                     if b as usize >= n {
-                        return bad(format!("sequence {id}: group {g} block {b} outside the pool"));
+                        return bad(format!(
+                            "sequence {id}: group {g} block {b} outside the pool"
+                        ));
                     }
                     occ[b as usize] += 1;
                     if let Some(h) = self.prefix.hash_of(b) {
