@@ -106,6 +106,19 @@ pub fn dead_blocks(kind: AttentionKind, c: usize, block_size: usize) -> usize {
     kind.first_needed(c) / block_size
 }
 
+/// The first position `c` from which the first `blocks` blocks of a table are dead (`c` with
+/// `first_needed(c) >= blocks * B`); `usize::MAX` for a full group, which releases nothing. A
+/// manager compares the step's first position with this instead of dividing every step.
+#[inline]
+pub fn release_threshold(kind: AttentionKind, blocks: usize, block_size: usize) -> usize {
+    let pos = blocks * block_size;
+    match kind {
+        AttentionKind::Full => usize::MAX,
+        AttentionKind::Sliding { window } => pos + window as usize - 1,
+        AttentionKind::Chunked { chunk } => pos.div_ceil(chunk as usize) * chunk as usize,
+    }
+}
+
 /// Non-null entries of a group's table once a step computing the last `num_new` of `len` tokens
 /// is built (`1 <= num_new <= len`): `ceil(len / B) - dead_blocks(len - num_new)`.
 pub fn live_blocks(kind: AttentionKind, len: usize, num_new: usize, block_size: usize) -> usize {
@@ -182,6 +195,25 @@ mod tests {
         assert_eq!(c.first_needed(7), 0);
         assert_eq!(c.first_needed(8), 8);
         assert_eq!(AttentionKind::Full.first_needed(1000), 0);
+    }
+
+    #[test]
+    fn release_threshold_is_the_first_dead_position() {
+        for b in [1usize, 3, 4, 16] {
+            for w in 1..30u32 {
+                for kind in [
+                    AttentionKind::Sliding { window: w },
+                    AttentionKind::Chunked { chunk: w },
+                ] {
+                    for j in 1..6 {
+                        let c = release_threshold(kind, j, b);
+                        assert!(dead_blocks(kind, c, b) >= j, "{kind:?} B={b} j={j}");
+                        assert!(dead_blocks(kind, c - 1, b) < j, "{kind:?} B={b} j={j}");
+                    }
+                }
+            }
+        }
+        assert_eq!(release_threshold(AttentionKind::Full, 3, 16), usize::MAX);
     }
 
     #[test]

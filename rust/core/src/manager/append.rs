@@ -279,6 +279,7 @@ impl BlockManager {
         child_state.order = ps.order;
         child_state.group = ps.group;
         child_state.extra.clone_from(&ps.extra);
+        child_state.next_release = ps.next_release;
         let extra_blocks = child_state.extra.iter().flat_map(|t| &t.blocks[t.start..]);
         for &b in child_state.table.blocks.iter().chain(extra_blocks) {
             if self.pool.incref_mut(b)? == 2 {

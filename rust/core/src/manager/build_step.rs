@@ -124,9 +124,12 @@ impl BlockManager {
         let mut release_result = Ok(());
         if self.windowed {
             for (k, &i) in idx.iter().enumerate() {
-                let c = self.slots[i as usize].table.num_tokens - num_new[k] as usize;
-                if let Err(e) = self.release_dead(i as usize, c) {
-                    release_result = Err(e);
+                let s = &self.slots[i as usize];
+                let c = s.table.num_tokens - num_new[k] as usize;
+                if c >= s.next_release {
+                    if let Err(e) = self.release_dead(i as usize, c) {
+                        release_result = Err(e);
+                    }
                 }
             }
         }

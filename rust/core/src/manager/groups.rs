@@ -23,7 +23,7 @@
 
 use super::{BlockManager, GroupTable, Seq};
 use crate::error::{Error, Result};
-use crate::groups::{dead_blocks, group_hash, AttentionKind, NULL_BLOCK};
+use crate::groups::{dead_blocks, group_hash, release_threshold, AttentionKind, NULL_BLOCK};
 use crate::pool::BlockPool;
 use crate::step::{GroupStepBuffers, StepCache};
 use crate::swap::SeqState;
@@ -189,7 +189,21 @@ impl BlockManager {
             t.start = dead;
             t.version += 1;
         }
+        self.set_next_release(slot);
         result
+    }
+
+    /// Recomputes `slot`'s `next_release` from its tables' null prefixes.
+    pub(super) fn set_next_release(&mut self, slot: usize) {
+        let bs = self.bs;
+        let s = &mut self.slots[slot];
+        s.next_release = self
+            .kinds
+            .iter()
+            .zip(&s.extra)
+            .map(|(&k, t)| release_threshold(k, t.start + 1, bs))
+            .min()
+            .unwrap_or(usize::MAX);
     }
 
     /// Takes a reference to a prefix hit `b` (reviving it from the LRU if cached-free).
@@ -295,6 +309,7 @@ impl BlockManager {
             }
         }
         self.slots[slot].extra = extra;
+        self.set_next_release(slot);
         Ok(())
     }
 
@@ -365,14 +380,25 @@ pub(super) fn write_groups(
             let t = &s.extra[g];
             let len = s.table.num_tokens;
             let n = n as usize;
-            for (w, p) in (len - n..len).enumerate() {
-                gb.slot_mapping[tok + w] = t.blocks[p / bs] as i64 * bs as i64 + (p % bs) as i64;
+            let nb = t.blocks.len();
+            if n == 1 {
+                // The decode case, without a division: the new token is in the tail block.
+                let off = len - 1 - (nb - 1) * bs;
+                gb.slot_mapping[tok] = t.blocks[nb - 1] as i64 * bs as i64 + off as i64;
+            } else {
+                for (w, p) in (len - n..len).enumerate() {
+                    gb.slot_mapping[tok + w] =
+                        t.blocks[p / bs] as i64 * bs as i64 + (p % bs) as i64;
+                }
             }
             tok += n;
-            let nb = t.blocks.len();
             let from = marks[k].valid_prefix(s.uid, t.version, nb);
             let row = &mut gb.block_tables[k * stride + from..k * stride + nb];
-            row.copy_from_slice(crate::table::as_i32(&t.blocks[from..]));
+            match row.len() {
+                0 => {}
+                1 => row[0] = t.blocks[nb - 1] as i32,
+                _ => row.copy_from_slice(crate::table::as_i32(&t.blocks[from..])),
+            }
             marks[k].set(s.uid, t.version, nb);
         }
     }

@@ -8,7 +8,7 @@
 
 use super::BlockManager;
 use crate::error::{Error, Result};
-use crate::groups::{group_hash, NULL_BLOCK};
+use crate::groups::{group_hash, release_threshold, NULL_BLOCK};
 use crate::swap::SeqState;
 use crate::table::blocks_for;
 
@@ -117,6 +117,21 @@ impl BlockManager {
                     s.extra.len(),
                     self.num_groups()
                 ));
+            }
+            if !self.kinds.is_empty() {
+                let next = self
+                    .kinds
+                    .iter()
+                    .zip(&s.extra)
+                    .map(|(&k, gt)| release_threshold(k, gt.start + 1, bs))
+                    .min()
+                    .unwrap_or(usize::MAX);
+                if s.next_release != next {
+                    return bad(format!(
+                        "sequence {id}: next release at {} but its tables say {next}",
+                        s.next_release
+                    ));
+                }
             }
             for (gi, gt) in s.extra.iter().enumerate() {
                 let g = gi + 1;

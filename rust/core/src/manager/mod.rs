@@ -169,6 +169,9 @@ struct Seq {
     swap_epoch: u64,
     /// Tables of groups `1..G` (empty for a one-group manager).
     extra: Vec<GroupTable>,
+    /// The first position from which a step releases another block of some windowed group
+    /// (`usize::MAX` when none can): a step compares instead of dividing.
+    next_release: usize,
 }
 
 /// The block manager. See the module documentation for the rules it keeps.
