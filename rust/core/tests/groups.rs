@@ -72,6 +72,9 @@ fn bad_group_configs_are_typed_errors() {
     let mut c = cfg(8, 4, vec![FULL, AttentionKind::Sliding { window: 8 }]);
     c.num_host_blocks = 4;
     assert_eq!(field(c).0, "num_host_blocks");
+    let mut c = cfg(8, 4, vec![FULL, AttentionKind::Chunked { chunk: 8 }]);
+    c.kv_event_capacity = 16;
+    assert_eq!(field(c).0, "kv_event_capacity");
     let (f, _) = field(cfg(8, 4, vec![FULL; 17]));
     assert_eq!(f, "groups");
     // One Full group is the manager without groups.

@@ -1180,6 +1180,7 @@ fn hybrid_config() -> impl Strategy<Value = ManagerConfig> {
         c.num_host_blocks = 0;
         c.host_cache = false;
         c.host_write_through = false;
+        c.kv_event_capacity = 0;
         c.num_blocks *= 2;
         let (a, b) = (
             AttentionKind::Sliding { window: w },

@@ -18,8 +18,8 @@
 //!   every other group `g` has `[dead_blocks(kind_g, k * B, B), k)` cached: exactly the blocks
 //!   the first computed position `k * B` and every later one read. The blocks before that range
 //!   enter the group's table as null entries.
-//! - Only group 0 is offloaded, swapped, published as KV events or offered to the host tier: the
-//!   configuration refuses swap (and with it the tier) when there is more than one group.
+//! - Swap, the host tier and KV events know one group: the configuration refuses them
+//!   (`num_host_blocks`, `kv_event_capacity` must be 0) when there is more than one group.
 
 use super::{BlockManager, GroupTable, Seq};
 use crate::error::{Error, Result};
