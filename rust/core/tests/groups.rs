@@ -310,17 +310,14 @@ fn hit_shortens_to_a_boundary_whose_window_is_complete() {
     b.step(&mut m, &[1], &[25]).unwrap();
     let g0 = m.block_table(1).unwrap().to_vec();
     let g1 = m.block_table_group(1, 1).unwrap().to_vec();
-    // Group 1 is released first, tail first: the LRU's oldest are group 1's blocks 5, 4, ...
     m.free(1).unwrap();
     assert_eq!(
         (m.stats().free_blocks, m.stats().cached_free_blocks),
         (18, 12)
     );
-    // A 40-token filler takes 10 blocks per group: the 18 free ones and the 2 oldest cached.
-    let filler: Vec<u32> = (1000..1040).collect();
-    m.admit(9, &filler).unwrap();
-    assert_eq!(m.stats().evictions, 2);
-    m.free(9).unwrap();
+    // Evict two chosen sliding blocks (5 and 4) by hand.
+    assert!(m.debug_evict_block(g1[5]) && m.debug_evict_block(g1[4]));
+    assert!(!m.debug_evict_block(g1[4]), "no longer cached-free");
     let cached = |blk: u32| m.block_hash(blk).is_some();
     assert!(!cached(g1[5]) && !cached(g1[4]) && cached(g1[3]) && cached(g1[2]));
     assert!(g0[..6].iter().all(|&x| cached(x)));
@@ -373,4 +370,37 @@ fn fork_copies_every_groups_shared_tail() {
     m.free(2).unwrap();
     m.check_invariants().unwrap();
     assert_eq!(m.num_free_blocks(), 64);
+}
+
+#[test]
+fn eviction_takes_whole_boundaries_from_the_top() {
+    // B = 4, sliding W = 4. A freed 17-token sequence leaves 4 full blocks per group cached.
+    // Released by position from the tail, each position's sliding block before group 0's, two
+    // evictions take position 3 of both groups: boundary 3 (12 tokens) still hits. Releasing all
+    // of the sliding group first would have evicted its blocks 3 and 2, leaving only boundary 2.
+    let s = AttentionKind::Sliding { window: 4 };
+    let mut m = BlockManager::new(cfg(12, 4, vec![FULL, s])).unwrap();
+    let mut b = Bufs::new(&m);
+    let p: Vec<u32> = (0..17).collect();
+    m.admit(1, &p).unwrap(); // 5 blocks per group
+    b.step(&mut m, &[1], &[17]).unwrap();
+    let (g0, g1) = (
+        m.block_table(1).unwrap().to_vec(),
+        m.block_table_group(1, 1).unwrap().to_vec(),
+    );
+    m.free(1).unwrap();
+    assert_eq!(
+        (m.stats().free_blocks, m.stats().cached_free_blocks),
+        (4, 8)
+    );
+    // A 6-block filler (3 per group): the 4 free blocks and the 2 oldest cached ones.
+    m.admit(9, &(1000..1012).collect::<Vec<_>>()).unwrap();
+    assert_eq!(m.stats().evictions, 2);
+    let cached = |blk: u32| m.block_hash(blk).is_some();
+    assert!(!cached(g1[3]) && !cached(g0[3]));
+    assert!(cached(g1[2]) && cached(g0[2]));
+    m.free(9).unwrap();
+    let r = m.admit(2, &p).unwrap();
+    assert_eq!(r.cached_tokens, 12);
+    m.check_invariants().unwrap();
 }

@@ -18,6 +18,15 @@
 //!   every other group `g` has `[dead_blocks(kind_g, k * B, B), k)` cached: exactly the blocks
 //!   the first computed position `k * B` and every later one read. The blocks before that range
 //!   enter the group's table as null entries.
+//! - Eviction policy: cached-free blocks are evicted oldest first, and a freed sequence releases
+//!   its blocks by position from the tail, each position's other-group blocks before group 0's
+//!   (`release_table`). A hit at boundary `k` needs group 0's `[0, k)`, so once group 0's block
+//!   `j` is gone no boundary past `j` can be completed, and a windowed group's block `i >= j`,
+//!   which serves only boundaries past `i`, can complete none: it is released, hence evicted,
+//!   before group 0's block `j`. The cache thus loses whole boundaries from the top, one at a time,
+//!   instead of all of a sliding group's blocks before any of group 0's (which would leave group 0
+//!   cached and every hit gone). Blocks a windowed group released mid-run (the oldest positions,
+//!   serving only short boundaries) are older still and go first.
 //! - Swap, the host tier and KV events know one group: the configuration refuses them
 //!   (`num_host_blocks`, `kv_event_capacity` must be 0) when there is more than one group.
 
@@ -26,7 +35,6 @@ use crate::error::{Error, Result};
 use crate::groups::{dead_blocks, group_hash, release_threshold, AttentionKind, NULL_BLOCK};
 use crate::pool::BlockPool;
 use crate::step::{GroupStepBuffers, StepCache};
-use crate::swap::SeqState;
 use crate::{BlockId, SeqId, TokenId};
 
 impl BlockManager {
@@ -81,28 +89,6 @@ impl BlockManager {
                 .iter()
                 .map(|t| t.blocks.len() - t.start)
                 .sum::<usize>())
-    }
-
-    /// Drops every reference the extra groups' tables of `slot` hold (tail first) and empties
-    /// them. Every block is released even when one fails; the last error is returned.
-    pub(super) fn release_extra(&mut self, slot: usize) -> Result<()> {
-        let mut result = Ok(());
-        let running = self.slots[slot].state == SeqState::Running;
-        for g in 0..self.slots[slot].extra.len() {
-            let mut t = std::mem::take(&mut self.slots[slot].extra[g]);
-            if running {
-                for &b in t.blocks[t.start..].iter().rev() {
-                    if let Err(e) = self.drop_ref(b) {
-                        result = Err(e);
-                    }
-                }
-            }
-            t.blocks.clear();
-            t.start = 0;
-            t.version += 1;
-            self.slots[slot].extra[g] = t;
-        }
-        result
     }
 
     /// Appends `count` fresh blocks to every extra group's table of `slot`. The caller has

@@ -465,19 +465,30 @@ impl BlockManager {
         Ok(())
     }
 
-    /// Drops every reference `slot`'s table holds, last block first — device blocks while it
+    /// Drops every reference `slot`'s tables hold, last block first — device blocks while it
     /// runs, host blocks while it is swapped out (a recompute-preempted table is empty) — and
-    /// empties the table, keeping its allocation; a running sequence's tokens leave
+    /// empties the tables, keeping their allocations; a running sequence's tokens leave
     /// `used_tokens`. Every block is released even when one fails; the last error is returned.
+    ///
+    /// With KV cache groups the groups are interleaved by position, from the tail: position
+    /// `j`'s blocks of the other groups, then group 0's. Cached-free blocks are evicted in the
+    /// order they are released, so the cache loses one whole boundary at a time (boundary `j + 1`
+    /// needs group 0's block `j`, and a windowed group's block `j` serves only boundaries past
+    /// `j`): a windowed group's block is never kept after the group-0 block every boundary it
+    /// serves needs.
     fn release_table(&mut self, slot: usize) -> Result<()> {
-        let mut result = if self.kinds.is_empty() {
-            Ok(())
-        } else {
-            self.release_extra(slot)
-        };
+        let mut result = Ok(());
         let blocks = std::mem::take(&mut self.slots[slot].table.blocks);
+        let mut extra = std::mem::take(&mut self.slots[slot].extra);
         let state = self.slots[slot].state;
-        for &b in blocks.iter().rev() {
+        for (j, &b) in blocks.iter().enumerate().rev() {
+            for t in &extra {
+                if state == SeqState::Running && j >= t.start {
+                    if let Err(e) = self.drop_ref(t.blocks[j]) {
+                        result = Err(e);
+                    }
+                }
+            }
             let r = if state == SeqState::Running {
                 self.drop_ref(b)
             } else {
@@ -487,7 +498,13 @@ impl BlockManager {
                 result = Err(e);
             }
         }
+        for t in &mut extra {
+            t.blocks.clear();
+            t.start = 0;
+            t.version += 1;
+        }
         let s = &mut self.slots[slot];
+        s.extra = extra;
         s.table.blocks = blocks;
         s.table.blocks.clear();
         if state == SeqState::Running {
@@ -579,6 +596,22 @@ impl BlockManager {
             crate::prefix::probe_cost(self.index.hasher(), self.index.keys()),
             self.prefix.map_probe_cost(),
         )
+    }
+
+    /// Test hook: evicts cached-free block `b` now, whatever its place in the LRU (it loses its
+    /// hash and goes to the free list). Returns false if `b` is not cached-free.
+    #[doc(hidden)]
+    pub fn debug_evict_block(&mut self, b: BlockId) -> bool {
+        if (b as usize) >= self.cfg.num_blocks as usize || !self.prefix.in_lru(b) {
+            return false;
+        }
+        self.prefix.lru_remove(b);
+        if let Some(h) = self.prefix.hash_of(b) {
+            self.events.removed(Medium::Gpu, h);
+        }
+        self.prefix.unregister(b);
+        self.counters.evictions += 1;
+        self.pool.release_mut(b).is_ok()
     }
 
     /// Test hook: re-labels hashed block `b` with `hash`, forging a hash collision (the block keeps
