@@ -24,7 +24,8 @@
 //!
 //! The main types are re-exported here: [`BlockManager`], [`ManagerConfig`], [`AdmitResult`],
 //! [`AdmitRequest`], [`SeqKeys`] and [`MmInput`] (hashing keys), [`StepBuffers`],
-//! [`OwnedStepBuffers`], [`StepLayout`], [`StepInfo`], [`Stats`], [`Error`].
+//! [`OwnedStepBuffers`], [`StepLayout`], [`StepInfo`], [`Stats`], [`Error`], [`AttentionKind`]
+//! (the attention kind of a KV cache group).
 //!
 //! # The main flow
 //!
