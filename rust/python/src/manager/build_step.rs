@@ -4,13 +4,13 @@
 //! Invariant: a registration holds a strong reference to its arena and the arena's single-owner
 //! claim for this manager, so the raw addresses the core writes through stay valid and unshared.
 
-use pagedkv::step::{RegisteredBuffers, StepInfo};
+use pagedkv::step::{GroupStepBuffers, RegisteredBuffers, StepInfo};
 use pagedkv::{Error, SeqId};
 use pyo3::prelude::*;
 use pyo3::types::PyInt;
 
 use super::{scratch, PyBlockManager, State, COUNTS, DETACH_MIN, SEQS};
-use crate::buffers::PyStepArena;
+use crate::buffers::{GroupRaw, PyStepArena};
 use crate::convert::{scalar, with_ids};
 use crate::errors::{invalid_arg, CoreResultExt};
 
@@ -20,6 +20,10 @@ type StepTuple = (usize, usize, usize, usize, usize, usize, usize, usize);
 /// Step buffers registered with the core, and the arena that owns their memory.
 pub(super) struct Registered {
     bufs: RegisteredBuffers,
+    /// The arena's fields for KV cache groups `1..G` (as many as the manager has groups).
+    groups: Vec<GroupRaw>,
+    /// Row width of every group's block tables (the layout's `max_blocks_per_seq`).
+    group_stride: usize,
     /// The arena the raw pointers point into; this strong reference keeps it allocated.
     arena: Py<PyStepArena>,
     /// The manager id that claimed the arena; given back when the registration goes.
@@ -46,7 +50,25 @@ impl State {
         // writes the host buffers while a step fills them is the documented contract of
         // `StepBuffers` (do not touch them, or copy from them, during a step).
         let mut out = unsafe { reg.bufs.as_step_buffers() };
-        self.inner.build_step(seqs, counts, &mut out)
+        if reg.groups.is_empty() {
+            return self.inner.build_step(seqs, counts, &mut out);
+        }
+        let stride = reg.group_stride;
+        let mut groups: Vec<GroupStepBuffers<'_>> = reg
+            .groups
+            .iter()
+            .map(|&[(sp, sn), (tp, tn)]| GroupStepBuffers {
+                // SAFETY: as above: each field is `len` elements of its dtype at a 64-byte aligned
+                // offset of the arena `reg.arena` keeps allocated, disjoint from every other field
+                // (the arena's placement), non-empty (so the address is not null); nothing else
+                // refers to it while the lock is held.
+                slot_mapping: unsafe { std::slice::from_raw_parts_mut(sp as *mut i64, sn) },
+                block_tables: unsafe { std::slice::from_raw_parts_mut(tp as *mut i32, tn) },
+                block_table_stride: stride,
+            })
+            .collect();
+        self.inner
+            .build_step_groups(seqs, counts, &mut out, &mut groups)
     }
 }
 
@@ -72,7 +94,21 @@ impl PyBlockManager {
             )
         })?;
         let a = arena.get();
+        let want = self.cfg.num_groups();
+        if a.num_groups() != want {
+            return Err(Error::BufferInvalid {
+                buffer: "step buffers",
+                expected: "one slot mapping and block-table buffer per KV cache group of the manager",
+                got: format!(
+                    "buffers for {} KV cache group(s), the manager has {want} (StepBuffers(num_groups={want}))",
+                    a.num_groups()
+                ),
+            })
+            .py();
+        }
         let bufs = RegisteredBuffers::new(a.layout(), a.raw()).py()?;
+        let groups = a.group_raw();
+        let group_stride = a.layout().max_blocks_per_seq;
         let arena = arena.clone().unbind();
         let id = self.id;
         // The replaced registration is dropped after the lock is released (dropping the last
@@ -99,6 +135,8 @@ impl PyBlockManager {
             st.inner.invalidate_step_cache();
             let old = st.registered.replace(Registered {
                 bufs,
+                groups,
+                group_stride,
                 arena,
                 owner: id,
             });

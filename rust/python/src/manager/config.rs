@@ -10,11 +10,12 @@ use pyo3::prelude::*;
 use super::{opt, PyBlockManager, State, NEXT_ID};
 use crate::convert::{count, flag, scalar};
 use crate::errors::CoreResultExt;
+use crate::groups::{kind_tuple, kinds_of};
 
 #[pymethods]
 impl PyBlockManager {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size=None, watermark_blocks=None, max_blocks_per_seq=None, enable_prefix_caching=None, verify_prefix=None, hash_seed=None, num_host_blocks=None, kv_event_capacity=None, host_cache=None, host_write_through=None, host_load_min_blocks=None))]
+    #[pyo3(signature = (num_blocks, block_size=None, watermark_blocks=None, max_blocks_per_seq=None, enable_prefix_caching=None, verify_prefix=None, hash_seed=None, num_host_blocks=None, kv_event_capacity=None, host_cache=None, host_write_through=None, host_load_min_blocks=None, groups=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
@@ -29,6 +30,7 @@ impl PyBlockManager {
         host_cache: Option<Bound<'_, PyAny>>,
         host_write_through: Option<Bound<'_, PyAny>>,
         host_load_min_blocks: Option<Bound<'_, PyAny>>,
+        groups: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let num_blocks = scalar::<u32>("num_blocks", num_blocks)?;
         let block_size = match opt(&block_size) {
@@ -66,6 +68,9 @@ impl PyBlockManager {
         }
         if let Some(n) = opt(&host_load_min_blocks) {
             cfg.host_load_min_blocks = scalar::<u32>("host_load_min_blocks", n)?;
+        }
+        if let Some(g) = opt(&groups) {
+            cfg.groups = kinds_of("groups", g)?;
         }
         let inner = BlockManager::new(cfg).py()?;
         Ok(Self {
@@ -111,6 +116,21 @@ impl PyBlockManager {
     #[getter]
     fn num_host_blocks(&self) -> u32 {
         self.cfg.num_host_blocks
+    }
+
+    /// Number of KV cache groups (1 for a manager configured without groups).
+    #[getter]
+    fn num_groups(&self) -> usize {
+        self.cfg.num_groups()
+    }
+
+    /// The KV cache groups as `(kind, size)` tuples, group `g` at index `g` (size 0 for full).
+    #[getter]
+    fn groups(&self) -> Vec<(&'static str, u32)> {
+        (0..self.cfg.num_groups())
+            .filter_map(|g| self.cfg.group_kind(g))
+            .map(kind_tuple)
+            .collect()
     }
 
     #[getter]

@@ -1,13 +1,14 @@
 //! Read-only queries (membership, lengths, block tables, hashes, refcounts), the counters, the
 //! KV-event ring, the prefix-cache reset and `check_invariants`.
 
+use pagedkv::groups::NULL_BLOCK;
 use pagedkv::metrics::Stats;
 use pagedkv::BlockId;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList};
 
-use super::{seq, PyBlockManager};
-use crate::convert::scalar;
+use super::{opt, seq, PyBlockManager};
+use crate::convert::{count, scalar};
 use crate::errors::CoreResultExt;
 
 fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
@@ -76,15 +77,31 @@ impl PyBlockManager {
         self.with(py, |st| st.inner.seq_len(id)).py()
     }
 
-    /// A live sequence's block table, as a list of block ids.
+    /// A live sequence's block table in KV cache group `group` (default 0), as a list of block
+    /// ids; -1 for a position the group released.
+    #[pyo3(signature = (seq_id, group=None))]
     fn block_table<'py>(
         &self,
         py: Python<'py>,
         seq_id: &Bound<'py, PyAny>,
+        group: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
         let id = seq("seq_id", seq_id)?;
+        let g = opt(&group).map(|g| count("group", g)).transpose()?;
+        let Some(g) = g.filter(|&g| g != 0) else {
+            let table = self
+                .with(py, |st| st.inner.block_table(id).map(<[BlockId]>::to_vec))
+                .py()?;
+            return PyList::new(py, table);
+        };
         let table = self
-            .with(py, |st| st.inner.block_table(id).map(<[BlockId]>::to_vec))
+            .with(py, |st| {
+                st.inner.block_table_group(id, g).map(|t| {
+                    t.iter()
+                        .map(|&b| if b == NULL_BLOCK { -1 } else { i64::from(b) })
+                        .collect::<Vec<i64>>()
+                })
+            })
             .py()?;
         PyList::new(py, table)
     }
