@@ -27,8 +27,14 @@ fp8 cache (float8_e4m3fn): entries are `x / scale` per kv head (`k_scale`, `v_sc
 scale folds into the softmax scale, the V scale into the output, and tiles are widened to fp16
 (or q's dtype) for the tensor-core products.
 
-Invariants: only `ceil(seq_len / block_size)` block-table entries of a row are read (stale
-columns past them never are); masked K/V lanes load zeros, so stale or NaN pool contents past a
+Local attention (`window`, `chunk`, `sinks`; docs/kernels.md): the key range starts at the
+first key the query reaches (`seq_len - window`, or its chunk's start) and split-K, the split
+heuristic and planned items all divide only that range, so a sliding layer's cost is bounded by
+its window; sinks join the softmax denominator at the end (in the merge when split).
+
+Invariants: only `ceil(seq_len / block_size)` block-table entries of a row are read, from the
+block of the first reachable key on (stale columns past them, and released entries before a
+window, never are); masked K/V lanes load zeros, so stale or NaN pool contents past a
 sequence's end cannot reach the output; a sequence of length 0 yields zeros. Bounds by
 construction (docs/kernels.md, "Bounds contract"): whatever `seq_lens` and the table hold, no
 access leaves the pool, the table rows, `q`, `out` or the workspace: a length is clamped to

@@ -30,8 +30,13 @@ weight); one whose keys include an out-of-pool position at or before the row wri
 makes the merge write zeros, so the `first_bad` rule holds across splits. Split 0 alone
 zero-fills the rows past `max_q_len`. S = 1 is the single-kernel path, no workspace.
 
-Invariants: a query at position p sees exactly the keys at positions 0..p of its own sequence;
-only `ceil(seq_len / block_size)` block-table entries are read; masked K/V lanes load zeros so
+Local attention (`window`, `chunk`, `sinks`; docs/kernels.md): a row tile's key loops start at
+the first key its first row reaches; tiles some rows see only in part are masked per row, the
+ones all rows see whole run unmasked; splits cut the range from that first key.
+
+Invariants: a query at position p sees exactly the keys at positions 0..p of its own sequence
+(within its window or chunk when given); only `ceil(seq_len / block_size)` block-table entries
+are read, none wholly before the first key the row tile reaches; masked K/V lanes load zeros so
 stale pool contents cannot leak into the output; every output row of a valid query token is
 written, rows no sequence claims are untouched. Bounds by construction (docs/kernels.md,
 "Bounds contract"): whatever the index tensors and `max_q_len` say, no access leaves the pool,
