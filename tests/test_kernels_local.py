@@ -264,3 +264,24 @@ def test_prefill_local_gpu(device, dtype, window, chunk, sinks):
         err = prefill_case(device, dtype, seqs, 16, 8, 4, 128, seed=3, window=window,
                            chunk=chunk, sinks=sinks, max_seq_len=msl)
         assert err < TOL[dtype], (msl, err)
+
+
+@pytest.mark.parametrize("device", DEVICES[:1])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_window_bounds(device, num_splits):
+    # An out-of-pool id inside the window zeroes its sequence (bounds contract); garbage ids
+    # wholly before the window are never read, so their sequence stays exact.
+    gen = torch.Generator().manual_seed(4)
+    lens = [50, 50, 50]
+    k, vv, bt = make_paged(lens, 8, 1, 32, torch.float32, "cpu", gen)
+    bt[0, 5] = 1 << 30          # block 5 holds keys 40..47: inside the window of 20 (30..49)
+    bt[1, :3] = -(1 << 31)      # keys 0..23: wholly before the window
+    bt[2, :3] = 1 << 30
+    q = torch.randn(3, 2, 32, generator=gen)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    ref = R.ref_paged_decode(q, k, vv, bt, sl, window=20)
+    assert ref[0].abs().sum() == 0 and ref[1].abs().sum() > 0
+    t = lambda x: x.to(device)  # noqa: E731
+    out = K.paged_decode(t(q), t(k), t(vv), t(bt), t(sl), window=20, num_splits=num_splits)
+    assert out[0].abs().sum() == 0
+    assert rel_err(out[1:].cpu(), ref[1:]) < TOL[torch.float32]
