@@ -17,6 +17,12 @@ paged metadata instead. Per layer (``module.layer_idx``) the function
 
 It returns ``[1, T, Hq, D]``, the layout transformers' own functions return.
 
+Local attention comes from the module's own call: ``sliding_window`` (Mistral, Qwen2, Gemma 3,
+gpt-oss: a query at position p sees keys ``[p - W + 1, p]``), ``s_aux`` (gpt-oss's per-head sinks)
+and, for a layer whose ``config.layer_types`` entry is ``"chunked_attention"`` (Llama 4),
+``config.attention_chunk_size``. Both paths honour them (docs/kernels.md); the kernels skip the
+keys before the window rather than masking them.
+
 CPU path (plain PyTorch): ``index_copy_`` into the flattened pool, one gather of every sequence's
 K/V padded to the batch's longest context (``gather_slots``), one batched SDPA call with GQA and a
 boolean mask, and one gather back to packed rows. The index tensors are built once per step
@@ -75,14 +81,49 @@ def pagedkv_attention(
     q = query[0].transpose(0, 1).contiguous()
     k = key[0].transpose(0, 1).contiguous()
     v = value[0].transpose(0, 1).contiguous()
+    window, chunk, sinks = _local(module, kwargs)
     if meta.mode == "cpu":
-        out = _cpu_attention(q, k, v, k_cache, v_cache, meta, scaling)
+        out = _cpu_attention(q, k, v, k_cache, v_cache, meta, scaling, window, chunk, sinks)
     else:
-        out = _cuda_attention(q, k, v, k_cache, v_cache, meta, scaling)
+        out = _cuda_attention(q, k, v, k_cache, v_cache, meta, scaling, window, chunk, sinks)
     return out.unsqueeze(0), None
 
 
-def _cpu_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scaling):
+def _local(module: Any, kwargs: dict) -> tuple:
+    """(window, chunk, sinks) of this layer's call: None where it attends fully / has none."""
+    window = kwargs.get("sliding_window") or None
+    sinks = kwargs.get("s_aux")
+    chunk = None
+    cfg = getattr(module, "config", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and types[module.layer_idx] == "chunked_attention":
+        chunk = getattr(cfg, "attention_chunk_size", None) or None
+    if sinks is not None:
+        sinks = sinks.detach()
+    return window, chunk, sinks
+
+
+def _local_mask(meta: AttentionMetadata, window, chunk):
+    """The CPU mask with the window / chunk bound applied (padding rows keep key 0)."""
+    mask = meta.attn_mask  # [n, 1, Q, L]
+    n, _, max_q, length = mask.shape
+    qsl = meta.query_start_loc.to(torch.int64)
+    q_lens = qsl[1 : n + 1] - qsl[:n]
+    j = torch.arange(max_q)
+    q_pos = (meta.seq_lens[:n].to(torch.int64) - q_lens)[:, None] + j[None, :]  # [n, Q]
+    key_pos = torch.arange(length)
+    keep = torch.ones(n, max_q, length, dtype=torch.bool)
+    if window:
+        keep &= key_pos[None, None, :] > q_pos[:, :, None] - window
+    if chunk:
+        keep &= key_pos[None, None, :] >= (q_pos // chunk * chunk)[:, :, None]
+    mask = mask & keep[:, None]
+    mask[:, 0, :, 0] |= ~(j[None, :] < q_lens[:, None])
+    return mask
+
+
+def _cpu_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scaling, window=None,
+                   chunk=None, sinks=None):
     nb, bs, hkv, d = k_cache.shape
     flat_k = k_cache.view(nb * bs, hkv, d)
     flat_v = v_cache.view(nb * bs, hkv, d)
@@ -93,30 +134,45 @@ def _cpu_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scaling):
     keys = flat_k[meta.gather_slots].transpose(1, 2)
     values = flat_v[meta.gather_slots].transpose(1, 2)
     qp = q[meta.q_index].transpose(1, 2)  # [n, Hq, Q, D]
-    o = F.scaled_dot_product_attention(
-        qp, keys, values, attn_mask=meta.attn_mask, scale=scaling,
-        enable_gqa=qp.shape[1] != keys.shape[1],
-    )
+    mask = meta.attn_mask if not (window or chunk) else _local_mask(meta, window, chunk)
+    if sinks is None:
+        o = F.scaled_dot_product_attention(
+            qp, keys, values, attn_mask=mask, scale=scaling,
+            enable_gqa=qp.shape[1] != keys.shape[1],
+        )
+    else:
+        # SDPA has no sinks: one more logit column per head (no value), dropped after softmax.
+        g = qp.shape[1] // keys.shape[1]
+        kk = keys.repeat_interleave(g, dim=1).float()
+        vv = values.repeat_interleave(g, dim=1).float()
+        sc = scaling if scaling is not None else d ** -0.5
+        s = (qp.float() @ kk.transpose(-1, -2)) * sc
+        s = s.masked_fill(~mask, float("-inf"))
+        sk = sinks.float().view(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
+        p = torch.softmax(torch.cat([s, sk], dim=-1), dim=-1)[..., :-1]
+        o = (p @ vv).to(qp.dtype)
     hq = q.shape[1]
     # [n, Hq, Q, D] -> [n * Q, Hq, D] -> the packed rows
     return o.transpose(1, 2).reshape(-1, hq, d)[meta.out_index]
 
 
-def _cuda_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scaling):
+def _cuda_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scaling, window=None,
+                    chunk=None, sinks=None):
     from ..kernels import paged_decode, paged_prefill, scatter_kv
 
     scatter_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    local = dict(window=window, chunk=chunk, sinks=sinks)
     if meta.mode == "decode":
         if meta.plan is not None:
             return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                scale=scaling, plan=meta.plan)
+                                scale=scaling, plan=meta.plan, **local)
         return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale=scaling,
-                            workspace=meta.workspace, max_seq_len=meta.max_seq_len)
+                            workspace=meta.workspace, max_seq_len=meta.max_seq_len, **local)
     # The context bound lets a step of few new tokens over a long context split the keys
     # across programs (a prefix hit's last block, a chat turn after a long history).
     return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                          meta.query_start_loc, meta.max_q_len, scale=scaling,
-                         max_seq_len=meta.max_seq_len or None)
+                         max_seq_len=meta.max_seq_len or None, **local)
 
 
 def build_cpu_metadata(meta: AttentionMetadata, block_size: int, q_lens: torch.Tensor,
@@ -134,8 +190,10 @@ def build_cpu_metadata(meta: AttentionMetadata, block_size: int, q_lens: torch.T
     width = -(-max_len // block_size)
     tables = meta.block_tables[:, :width].to(torch.int64)
     key_pos = torch.arange(max_len)
-    slots = tables[:, key_pos // block_size] * block_size + key_pos % block_size
-    valid_key = key_pos[None, :] < seq_lens[:, None]
+    col = tables[:, key_pos // block_size]
+    slots = col * block_size + key_pos % block_size
+    # Released blocks (-1, before a sliding window) are never gathered: slot 0 stands in, masked.
+    valid_key = (key_pos[None, :] < seq_lens[:, None]) & (col >= 0)
     meta.gather_slots = torch.where(valid_key, slots, torch.zeros((), dtype=torch.int64))
     qsl = meta.query_start_loc.to(torch.int64)
     j = torch.arange(max_q)

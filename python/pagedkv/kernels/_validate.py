@@ -223,6 +223,24 @@ def check_scale(scale: Optional[float], head_dim: int) -> float:
     return s
 
 
+def check_local(window, chunk) -> tuple:
+    """Checks the local-attention bounds `window` and `chunk` (None, or an int >= 1); returns
+    them as ints, 0 for None (the kernels' "unused")."""
+    win = 0 if window is None else check_int("window", window, 1, 1 << 30)
+    chk = 0 if chunk is None else check_int("chunk", chunk, 1, 1 << 30)
+    return win, chk
+
+
+def check_sinks(sinks, q_heads: int, device: torch.device) -> None:
+    """Checks attention sinks: None, or a contiguous float tensor `[q_heads]` on `device`."""
+    if sinks is None:
+        return
+    check_tensor("sinks", sinks, ndim=1, dtypes=ACT_DTYPES)
+    check_dim("sinks", sinks, 0, q_heads, "one logit per query head")
+    check_same_device(device, sinks=sinks)
+    check_contiguous("sinks", sinks)
+
+
 def check_int(name: str, value, lo: int, hi: Optional[int] = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise KernelDTypeError(f"{name}: expected an int, got {type(value).__name__}")

@@ -27,8 +27,14 @@ fp8 cache (float8_e4m3fn): entries are `x / scale` per kv head (`k_scale`, `v_sc
 scale folds into the softmax scale, the V scale into the output, and tiles are widened to fp16
 (or q's dtype) for the tensor-core products.
 
-Invariants: only `ceil(seq_len / block_size)` block-table entries of a row are read (stale
-columns past them never are); masked K/V lanes load zeros, so stale or NaN pool contents past a
+Local attention (`window`, `chunk`, `sinks`; docs/kernels.md): the key range starts at the
+first key the query reaches (`seq_len - window`, or its chunk's start) and split-K, the split
+heuristic and planned items all divide only that range, so a sliding layer's cost is bounded by
+its window; sinks join the softmax denominator at the end (in the merge when split).
+
+Invariants: only `ceil(seq_len / block_size)` block-table entries of a row are read, from the
+block of the first reachable key on (stale columns past them, and released entries before a
+window, never are); masked K/V lanes load zeros, so stale or NaN pool contents past a
 sequence's end cannot reach the output; a sequence of length 0 yields zeros. Bounds by
 construction (docs/kernels.md, "Bounds contract"): whatever `seq_lens` and the table hold, no
 access leaves the pool, the table rows, `q`, `out` or the workspace: a length is clamped to
@@ -231,7 +237,21 @@ class DecodePlanBuffers:
         self.chunk = 0
 
 
-@triton.jit(do_not_specialize=["num_blocks", "seq_cap", "num_seqs"])
+@triton.jit
+def _first_key(seq_len, window, chunk, LIMITED: tl.constexpr):
+    """First key position a decode query (at position `seq_len - 1`) attends: 0 for full
+    attention; `seq_len - window` for a sliding window (keys `[p - window + 1, p]`); the start of
+    the query's chunk, `floor(p / chunk) * chunk`, for chunked attention (both when both are
+    set). `window` and `chunk` are 0 when unused."""
+    lo = seq_len * 0
+    if LIMITED:
+        lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), lo)
+        p = tl.maximum(seq_len - 1, 0)
+        lo = tl.where(chunk > 0, tl.maximum(lo, (p // tl.maximum(chunk, 1)) * chunk), lo)
+    return lo
+
+
+@triton.jit(do_not_specialize=["num_blocks", "seq_cap", "num_seqs", "window", "chunk"])
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -244,6 +264,7 @@ def _decode_kernel(
     plan_ptr,
     ksc_ptr,
     vsc_ptr,
+    sinks_ptr,
     qk_scale,
     stride_qs,
     stride_qh,
@@ -257,6 +278,8 @@ def _decode_kernel(
     items_off,
     max_rows,
     scale_stride,
+    window,
+    chunk,
     BLOCK_SIZE: tl.constexpr,
     KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -269,6 +292,8 @@ def _decode_kernel(
     KV_FP8: tl.constexpr,
     F16: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    LIMITED: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # The pool is contiguous (checked on the host): its strides follow from the constexprs, so
     # they are compile-time constants here.
@@ -296,8 +321,11 @@ def _decode_kernel(
         row = tl.minimum(tl.maximum(row_raw, 0), max_rows - 1)
         seq_len = tl.load(seq_lens_ptr + seq)
         seq_len = tl.minimum(tl.maximum(seq_len, 0), seq_cap)
-        start = tl.maximum(t_lo, 0)
-        end = tl.where(live, tl.minimum(t_hi, seq_len), 0)
+        # Item ranges count from the first key the window reaches (0 without one), so a plan
+        # built over the window-clipped lengths covers exactly the reachable keys.
+        key_lo = _first_key(seq_len, window, chunk, LIMITED)
+        start = key_lo + tl.maximum(t_lo, 0)
+        end = tl.where(live, key_lo + tl.minimum(t_hi, seq_len - key_lo), 0)
     else:
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -306,12 +334,15 @@ def _decode_kernel(
         # size) is clamped, so no table column past the row's width is ever read.
         seq_len = tl.load(seq_lens_ptr + seq)
         seq_len = tl.minimum(tl.maximum(seq_len, 0), seq_cap)
+        # Skip, not mask: the key loop starts at the first key the window or chunk reaches, so
+        # no table entry before that key's block is read (they may be released, -1).
+        key_lo = _first_key(seq_len, window, chunk, LIMITED)
         if SPLIT:
-            per = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
-            start = split * per
+            per = tl.cdiv(tl.cdiv(seq_len - key_lo, num_splits), TILE_N) * TILE_N
+            start = key_lo + split * per
             end = tl.minimum(start + per, seq_len)
         else:
-            start = 0
+            start = key_lo
             end = seq_len
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -407,6 +438,16 @@ def _decode_kernel(
     o = tl.where(seq_bad, 0.0, acc / l_safe[:, None])
     if KV_FP8:
         o = o * tl.load(vsc_ptr + kvh * scale_stride)
+    if HAS_SINKS:
+        # A sink joins the denominator with exp(sink) and adds no value. acc and l_i are
+        # relative to m_i (log2 units); exp2(sink - m_i) may overflow to inf, which is the
+        # right limit (the sink takes all the weight: zeros), also for an empty range.
+        s2 = tl.load(sinks_ptr + qh, mask=g_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        o_final = tl.where(seq_bad, 0.0, acc / (l_i + tl.math.exp2(s2 - m_i))[:, None])
+        if KV_FP8:
+            o_final = o_final * tl.load(vsc_ptr + kvh * scale_stride)
+    else:
+        o_final = o
     lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
     # +inf marks a split that met an out-of-pool id: the merge then zeroes the sequence, so
     # the result does not depend on how the sequence was split.
@@ -426,7 +467,7 @@ def _decode_kernel(
         om = g_ok & live
         tl.store(
             out_ptr + seq64 * stride_os + qh[:, None] * stride_oh + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty),
+            o_final.to(out_ptr.dtype.element_ty),
             mask=(om & direct)[:, None],
         )
         prow = row.to(tl.int64) * (KV_HEADS * GROUP) + qh
@@ -436,7 +477,7 @@ def _decode_kernel(
     elif not SPLIT:
         tl.store(
             out_ptr + seq64 * stride_os + qh[:, None] * stride_oh + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty),
+            o_final.to(out_ptr.dtype.element_ty),
             mask=g_ok[:, None],
         )
     else:
@@ -470,15 +511,27 @@ def _fold_pieces(po_ptr, prow, lse, m, den, num, poisoned, HEAD_DIM: tl.constexp
 
 
 @triton.jit
+def _sink_den(den, m, sinks_ptr, h, HAS_SINKS: tl.constexpr):
+    """The merged denominator with head `h`'s sink added (exp(sink), relative to the running
+    max `m`, log2 units); an all-empty head (m = -inf) gets inf, so its output is zeros."""
+    if HAS_SINKS:
+        s2 = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        den = den + tl.math.exp2(s2 - m)
+    return den
+
+
+@triton.jit
 def _merge_kernel(
     po_ptr,
     pl_ptr,
     out_ptr,
+    sinks_ptr,
     stride_os,
     stride_oh,
     num_splits,
     HEAD_DIM: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # The heuristic's splits, layout [num_seqs, q_heads, num_splits, HEAD_DIM]: all folded at once.
     seq = tl.program_id(0)
@@ -492,6 +545,7 @@ def _merge_kernel(
         tl.zeros([1], dtype=tl.float32), tl.zeros([HEAD_DIM], dtype=tl.float32),
         tl.zeros([1], dtype=tl.int32), HEAD_DIM,
     )
+    den = _sink_den(den, m, sinks_ptr, h, HAS_SINKS)
     res = num / tl.where(den > 0.0, den, 1.0)
     res = tl.where(poisoned > 0, 0.0, res)
     tl.store(
@@ -506,11 +560,13 @@ def _merge_planned_kernel(
     pl_ptr,
     plan_ptr,
     out_ptr,
+    sinks_ptr,
     stride_os,
     stride_oh,
     max_rows,
     HEAD_DIM: tl.constexpr,
     ROWS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # Sequence `seq`'s partial rows are [indptr[seq], indptr[seq + 1]) (seq-major); a sequence
     # with fewer than two was written directly by the main kernel. Rows are folded in ROWS at a
@@ -534,6 +590,7 @@ def _merge_planned_kernel(
         rows = r.to(tl.int64) * nh + h
         lse = tl.load(pl_ptr + rows, mask=r < hi, other=float("-inf"))
         m, den, num, poisoned = _fold_pieces(po_ptr, rows, lse, m, den, num, poisoned, HEAD_DIM)
+    den = _sink_den(den, m, sinks_ptr, h, HAS_SINKS)
     res = num / tl.where(den > 0.0, den, 1.0)
     res = tl.where(poisoned > 0, 0.0, res)
     tl.store(
@@ -585,13 +642,15 @@ class _DecodeCall:
     __slots__ = ("main", "merge", "grid", "merge_grid", "po", "pl", "plan", "workspace",
                  "num_seqs", "kv_heads", "cacheable", "plain", "ks", "vs")
 
-    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale):
+    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale,
+                 sinks=None):
         if out is None:
             out = torch.empty_like(q)
         # Scales: a float's device tensor lives in the call (its value is in the signature), a
         # tensor comes per call; without fp8 seq_lens stands in (never read).
         ks = self.ks if self.ks is not None else (k_scale if k_scale is not None else seq_lens)
         vs = self.vs if self.vs is not None else (v_scale if v_scale is not None else seq_lens)
+        sk = sinks if sinks is not None else seq_lens  # read only with sinks
         plan = self.plan
         if plan is not None:
             if plan.num_seqs != self.num_seqs:
@@ -604,20 +663,20 @@ class _DecodeCall:
                 # Nothing split: the plain one-program-per-(sequence, kv head) kernel, faster
                 # than the work-list one at uniform lengths (measured, docs/performance.md).
                 self.plain((self.num_seqs, self.kv_heads, 1), q, k_cache, v_cache,
-                           block_tables, seq_lens, out, out, out, seq_lens, ks, vs)
+                           block_tables, seq_lens, out, out, out, seq_lens, ks, vs, sk)
                 return out
             n_items = plan.capacity if capturing else plan.num_items
             self.main((n_items * self.kv_heads,), q, k_cache, v_cache, block_tables, seq_lens,
-                      out, self.po, self.pl, plan.meta, ks, vs)
+                      out, self.po, self.pl, plan.meta, ks, vs, sk)
             if capturing or n_items > self.num_seqs:
-                self.merge(self.merge_grid, self.po, self.pl, plan.meta, out)
+                self.merge(self.merge_grid, self.po, self.pl, plan.meta, out, sk)
             return out
         po = out if self.po is None else self.po
         pl = out if self.pl is None else self.pl
         self.main(self.grid, q, k_cache, v_cache, block_tables, seq_lens, out, po, pl, seq_lens,
-                  ks, vs)
+                  ks, vs, sk)
         if self.merge is not None:
-            self.merge(self.merge_grid, po, pl, out)
+            self.merge(self.merge_grid, po, pl, out, sk)
         return out
 
 
@@ -638,6 +697,9 @@ def paged_decode(
     plan: Optional[DecodePlanBuffers] = None,
     k_scale=None,
     v_scale=None,
+    window: Optional[int] = None,
+    chunk: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Decode attention for `q` (one token per sequence) over the paged cache; returns `out`.
 
@@ -656,6 +718,16 @@ def paged_decode(
     `v8 * v_scale` (float, or float32 tensor `[kv_heads]`, as written by `scatter_kv`); `q` and
     `out` are then bf16, fp16 or fp32.
 
+    Local attention (docs/kernels.md, "Sliding window, chunked attention and sinks"): with
+    `window` W the query at position `p = seq_len - 1` attends keys `[p - W + 1, p]` (W counts
+    the query itself, as transformers' `sliding_window`); with `chunk` C keys
+    `[floor(p / C) * C, p]`. The key loop starts at that first key (split-K divides only the
+    reachable range, and the heuristic sees at most W or C keys), so the step's cost does not
+    grow with the context and no table entry before the first key's block is read (those may
+    hold -1). With a `plan`, item ranges count from that first key: build it over the clipped
+    lengths `min(seq_len, W)` for balance. `sinks` (float tensor `[q_heads]`, gpt-oss) adds
+    `exp(sinks[h])` to head h's softmax denominator, with no value.
+
     Host cost: the checks and the launch configuration are computed once per call signature
     (shapes, strides, dtypes, devices and alignment of the tensors, and the host arguments) and
     cached; a repeated signature launches the compiled kernels directly (`_launch.py`).
@@ -673,26 +745,31 @@ def paged_decode(
                 if type(max_seq_len) is int and max_seq_len >= 0 else ("raw", max_seq_len),
                 None if config is None else tuple(sorted(config.items())),
                 v.scale_key(k_scale), v.scale_key(v_scale),
+                window, chunk, None if sinks is None else L.tensor_key(sinks),
             )
             call = _CACHE.get(key)
         except (AttributeError, TypeError):
             key = call = None
         if call is not None:
-            return call(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale)
+            return call(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale, sinks)
     call = _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace,
-                    num_splits, max_seq_len, check_indices, config, plan, k_scale, v_scale)
+                    num_splits, max_seq_len, check_indices, config, plan, k_scale, v_scale,
+                    window, chunk, sinks)
     if call is None:  # an empty batch
         return torch.empty_like(q) if out is None else out
     if key is not None and call.cacheable:
         _CACHE.put(key, call)
-    return call(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale)
+    return call(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale, sinks)
 
 
 def _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace, num_splits,
-             max_seq_len, check_indices, config, plan, k_scale, v_scale) -> Optional[_DecodeCall]:
+             max_seq_len, check_indices, config, plan, k_scale, v_scale, window=None, chunk=None,
+             sinks=None) -> Optional[_DecodeCall]:
     num_blocks, block_size, kv_heads, head_dim = _check_decode_args(
         q, k_cache, v_cache, block_tables, seq_lens, out
     )
+    win, chk = v.check_local(window, chunk)
+    v.check_sinks(sinks, q.shape[1], k_cache.device)
     fp8 = k_cache.dtype == v.FP8
     ks, vs, k_stride = v.kv_scales(k_scale, v_scale, kv_heads, k_cache.device, fp8)
     sc = v.check_scale(scale, head_dim)
@@ -705,7 +782,8 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace,
         max_seq_len = table_cap
     v.check_int("max_seq_len", max_seq_len, 0)
     if check_indices:
-        _check_indices(block_tables, seq_lens, num_seqs, num_blocks, block_size, seq_cap)
+        _check_indices(block_tables, seq_lens, num_seqs, num_blocks, block_size, seq_cap,
+                       win, chk)
     if plan is not None:
         if not isinstance(plan, DecodePlanBuffers):
             raise v.KernelDTypeError(f"plan: expected a DecodePlan, got {type(plan).__name__}")
@@ -739,8 +817,14 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace,
     if plan is None:
         if num_splits is None:
             max_splits = workspace.max_splits if workspace is not None else DEFAULT_MAX_SPLITS
+            # A window or chunk bounds the keys a query reaches: split only that range.
+            reach = max_seq_len
+            if win:
+                reach = min(reach, win)
+            if chk:
+                reach = min(reach, chk)
             num_splits = choose_num_splits(
-                num_seqs, kv_heads, max_seq_len, _num_sms(q.device), max_splits=max_splits
+                num_seqs, kv_heads, reach, _num_sms(q.device), max_splits=max_splits
             )
         else:
             v.check_int("num_splits", num_splits, 1, 4096)
@@ -757,6 +841,8 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace,
     f16 = fp8 and q.dtype != torch.float32 and cfg["FP8_COMPUTE"] == "fp16"
     # The out strides the kernels are specialized on: `out`'s, or those empty_like(q) gives.
     o_ref = out if out is not None else torch.empty_like(q)
+    limited = bool(win or chk)
+    has_sinks = sinks is not None
     call = _DecodeCall()
     call.plan, call.workspace, call.num_seqs, call.kv_heads = plan, workspace, num_seqs, kv_heads
     call.po = call.pl = call.merge = None
@@ -785,10 +871,11 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace,
         _decode_kernel,
         (sc * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0),
          o_ref.stride(0), o_ref.stride(1), ns, num_blocks, seq_cap, num_seqs, items_off,
-         max_rows, k_stride),
+         max_rows, k_stride, win, chk),
         dict(BLOCK_SIZE=block_size, KV_HEADS=kv_heads, HEAD_DIM=head_dim, GROUP=group,
              GROUP_PAD=group_pad, TILE_N=cfg["TILE_N"], SPLIT=split, PLANNED=plan is not None,
              PRECISION=precision, KV_FP8=fp8, F16=f16, SWAP_AB=bool(cfg["SWAP_AB"]),
+             LIMITED=limited, HAS_SINKS=has_sinks,
              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
     )
     call.merge_grid = (num_seqs, q_heads)
@@ -797,26 +884,40 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace,
         call.plain = L.Launch(
             _decode_kernel,
             (sc * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0),
-             o_ref.stride(0), o_ref.stride(1), 1, num_blocks, seq_cap, num_seqs, 0, 1, k_stride),
+             o_ref.stride(0), o_ref.stride(1), 1, num_blocks, seq_cap, num_seqs, 0, 1, k_stride,
+             win, chk),
             dict(BLOCK_SIZE=block_size, KV_HEADS=kv_heads, HEAD_DIM=head_dim, GROUP=group,
                  GROUP_PAD=group_pad, TILE_N=cfg["TILE_N"], SPLIT=False, PLANNED=False,
                  PRECISION=precision, KV_FP8=fp8, F16=f16, SWAP_AB=bool(cfg["SWAP_AB"]),
+                 LIMITED=limited, HAS_SINKS=has_sinks,
                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
         )
         call.merge = L.Launch(
             _merge_planned_kernel, (o_ref.stride(0), o_ref.stride(1), max_rows),
-            dict(HEAD_DIM=head_dim, ROWS=16, num_warps=4),
+            dict(HEAD_DIM=head_dim, ROWS=16, HAS_SINKS=has_sinks, num_warps=4),
         )
     elif split:
         call.merge = L.Launch(
             _merge_kernel, (o_ref.stride(0), o_ref.stride(1), num_splits),
             dict(HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits),
-                 num_warps=4 if head_dim * num_splits <= 8192 else 8),
+                 HAS_SINKS=has_sinks, num_warps=4 if head_dim * num_splits <= 8192 else 8),
         )
     return call
 
 
-def _check_indices(block_tables, seq_lens, num_seqs, num_blocks, block_size, seq_cap):
+def local_first_key(seq_len: int, window: int = 0, chunk: int = 0) -> int:
+    """Host twin of the kernels' `_first_key`: the first key position the query at position
+    `seq_len - 1` attends (0 without a window or chunk; `window`/`chunk` 0 mean unused)."""
+    lo = 0
+    if window:
+        lo = max(lo, seq_len - window)
+    if chunk and seq_len > 0:
+        lo = max(lo, (seq_len - 1) // chunk * chunk)
+    return lo
+
+
+def _check_indices(block_tables, seq_lens, num_seqs, num_blocks, block_size, seq_cap, window=0,
+                   chunk=0):
     sl = seq_lens[:num_seqs].to("cpu")
     bad = ((sl < 0) | (sl > seq_cap)).nonzero()
     if bad.numel():
@@ -827,11 +928,14 @@ def _check_indices(block_tables, seq_lens, num_seqs, num_blocks, block_size, seq
         )
     bt = block_tables[:num_seqs].to("cpu")
     for i in range(num_seqs):
-        nb = -(-int(sl[i]) // block_size)
-        row = bt[i, :nb]
+        n = int(sl[i])
+        nb = -(-n // block_size)
+        # Entries before the first key the window or chunk reaches are never read.
+        b0 = local_first_key(n, window, chunk) // block_size
+        row = bt[i, b0:nb]
         badb = ((row < 0) | (row >= num_blocks)).nonzero()
         if badb.numel():
-            j = int(badb[0, 0])
+            j = b0 + int(badb[0, 0])
             raise v.KernelIndexError(
                 f"block_tables[{i}, {j}]: is {int(row[j])}, expected in [0, {num_blocks})"
             )

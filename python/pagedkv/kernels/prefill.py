@@ -30,8 +30,13 @@ weight); one whose keys include an out-of-pool position at or before the row wri
 makes the merge write zeros, so the `first_bad` rule holds across splits. Split 0 alone
 zero-fills the rows past `max_q_len`. S = 1 is the single-kernel path, no workspace.
 
-Invariants: a query at position p sees exactly the keys at positions 0..p of its own sequence;
-only `ceil(seq_len / block_size)` block-table entries are read; masked K/V lanes load zeros so
+Local attention (`window`, `chunk`, `sinks`; docs/kernels.md): a row tile's key loops start at
+the first key its first row reaches; tiles some rows see only in part are masked per row, the
+ones all rows see whole run unmasked; splits cut the range from that first key.
+
+Invariants: a query at position p sees exactly the keys at positions 0..p of its own sequence
+(within its window or chunk when given); only `ceil(seq_len / block_size)` block-table entries
+are read, none wholly before the first key the row tile reaches; masked K/V lanes load zeros so
 stale pool contents cannot leak into the output; every output row of a valid query token is
 written, rows no sequence claims are untouched. Bounds by construction (docs/kernels.md,
 "Bounds contract"): whatever the index tensors and `max_q_len` say, no access leaves the pool,
@@ -50,7 +55,7 @@ import triton.language as tl
 
 from . import _launch as L
 from . import _validate as v
-from .decode import _num_sms
+from .decode import _num_sms, local_first_key
 
 __all__ = ["paged_prefill", "prefill_config"]
 
@@ -130,9 +135,9 @@ def _tile_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> dict:
 @triton.jit
 def _tile_step(
     q, acc, m_i, l_i, first_bad, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
-    last_blk, blk0, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+    last_blk, blk0, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, row_lo,
     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, LIMITED: tl.constexpr,
 ):
     offs_t = n0 + offs_n
     if MASKED:
@@ -156,6 +161,8 @@ def _tile_step(
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if MASKED:
         allowed = (offs_t[None, :] <= q_pos[:, None]) & t_ok[None, :]
+        if LIMITED:
+            allowed = allowed & (offs_t[None, :] >= row_lo[:, None])
         s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # Padding rows past q_len can be fully masked in a tile; keep their arithmetic finite.
@@ -173,8 +180,18 @@ def _tile_step(
     return acc, m_new, l_i, first_bad
 
 
+@triton.jit
+def _first_key_at(pos, window, attn_chunk):
+    """First key position a query at position `pos` attends (`window`, `attn_chunk`: 0 when
+    unused): `pos - window + 1` for a sliding window, `floor(pos / C) * C` for chunks."""
+    lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+    p = tl.maximum(pos, 0)
+    return tl.where(attn_chunk > 0, tl.maximum(lo, (p // tl.maximum(attn_chunk, 1)) * attn_chunk),
+                    lo)
+
+
 @triton.jit(do_not_specialize=["total", "num_blocks", "seq_cap", "max_q_len", "num_splits",
-                              "chunk"])
+                              "chunk", "window", "attn_chunk"])
 def _prefill_kernel(
     q_ptr,
     k_ptr,
@@ -187,6 +204,7 @@ def _prefill_kernel(
     ksc_ptr,
     vsc_ptr,
     ws_ptr,
+    sinks_ptr,
     num_splits,
     chunk,
     qk_scale,
@@ -205,6 +223,8 @@ def _prefill_kernel(
     num_blocks,
     seq_cap,
     scale_stride,
+    window,
+    attn_chunk,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
@@ -216,6 +236,8 @@ def _prefill_kernel(
     KV_FP8: tl.constexpr,
     F16: tl.constexpr,
     SPLIT: tl.constexpr,
+    LIMITED: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # A tile has BLOCK_M rows = (token, head) pairs: HEADS_PER_ROW_TILE consecutive query heads
     # of one kv group for each of BLOCK_T tokens. With 1 head per tile it is the classic layout;
@@ -295,11 +317,27 @@ def _prefill_kernel(
     # where masking the K/V loads on each loaded id would not (more spills, measured in SASS).
     first_bad = tl.full([BLOCK_N], 0x7FFFFFFF, dtype=tl.int32)
     last_blk = (num_blocks - 1).to(tl.uint32)
-    blk0 = tl.load(bt_row, mask=seq_cap > 0, other=0).to(tl.uint32, bitcast=True)
-    blk0 = tl.minimum(blk0, last_blk)
     last_pos = tl.minimum(ctx + first + BLOCK_T, seq_len)
     hi = tl.where(active, last_pos, 0)
     full_end = tl.where(active, ((ctx + first + 1) // BLOCK_N) * BLOCK_N, 0)
+    # Local attention (sliding window / chunks). Skip, not mask: the keys start at `base`, the
+    # first key the tile's first row reaches, so no table entry before its block is read (they
+    # may be released, -1). Key tiles step from `base`; `u0` (the first tile boundary at or past
+    # the last row's first key) and `full_end` bound the tiles every row sees whole, which run
+    # unmasked; the tiles before u0 and from full_end on are masked per row.
+    base = 0
+    u0 = 0
+    row_lo = q_pos
+    if LIMITED:
+        base = _first_key_at(ctx + first, window, attn_chunk)
+        row_lo = _first_key_at(q_pos, window, attn_chunk)
+        lo_max = _first_key_at(ctx + first + BLOCK_T - 1, window, attn_chunk)
+        u0 = base + tl.cdiv(tl.maximum(lo_max - base, 0), BLOCK_N) * BLOCK_N
+        fe = base + (tl.maximum(ctx + first + 1 - base, 0) // BLOCK_N) * BLOCK_N
+        full_end = tl.where(active, tl.maximum(fe, u0), u0)
+    blk0 = tl.load(bt_row + base // BLOCK_SIZE, mask=seq_cap > 0, other=0).to(
+        tl.uint32, bitcast=True)
+    blk0 = tl.minimum(blk0, last_blk)
 
     if KV_FP8:
         # fp8 cache: the kv head's K scale folds into the softmax scale, its V scale into the
@@ -308,31 +346,47 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    lo = 0
+    lo = base
+    full_lo = u0
     full_stop = full_end
     mask_lo = full_end
     if SPLIT:
-        # This split's keys: [lo, hi) within the tile's [0, hi). lo and chunk are whole key
-        # tiles, so the two loops below cut the unsplit kernel's tiles, never a tile; the last
-        # split runs to hi, so a host bound below the real lengths still covers every key.
-        lo = split * chunk
+        # This split's keys: [lo, hi) within the tile's [base, hi). lo and chunk are whole key
+        # tiles from base, so the loops below cut the unsplit kernel's tiles, never a tile; the
+        # last split runs to hi, so a host bound below the real lengths still covers every key.
+        lo = base + split * chunk
         hi = tl.where(split == num_splits - 1, hi, tl.minimum(hi, lo + chunk))
+        full_lo = tl.maximum(u0, lo)
         full_stop = tl.minimum(full_end, hi)
         mask_lo = tl.maximum(full_end, lo)
-    for n0 in range(lo, full_stop, BLOCK_N):
+    if LIMITED:
+        # Tiles some rows see only in part (their window starts inside): masked.
+        for n0 in range(lo, tl.minimum(u0, hi), BLOCK_N):
+            acc, m_i, l_i, first_bad = _tile_step(
+                q, acc, m_i, l_i, first_bad, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos,
+                seq_len, last_blk, blk0, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+                row_lo, BLOCK_SIZE, True, PRECISION, KV_FP8, LIMITED,
+            )
+    for n0 in range(full_lo, full_stop, BLOCK_N):
         acc, m_i, l_i, first_bad = _tile_step(
             q, acc, m_i, l_i, first_bad, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
-            last_blk, blk0, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
-            BLOCK_SIZE, False, PRECISION, KV_FP8,
+            last_blk, blk0, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, row_lo,
+            BLOCK_SIZE, False, PRECISION, KV_FP8, LIMITED,
         )
     for n0 in range(mask_lo, hi, BLOCK_N):
         acc, m_i, l_i, first_bad = _tile_step(
             q, acc, m_i, l_i, first_bad, k_head, v_head, bt_row, n0, offs_n, offs_d, q_pos, seq_len,
-            last_blk, blk0, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
-            BLOCK_SIZE, True, PRECISION, KV_FP8,
+            last_blk, blk0, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, row_lo,
+            BLOCK_SIZE, True, PRECISION, KV_FP8, LIMITED,
         )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    if HAS_SINKS and not SPLIT:
+        # A sink joins the denominator with exp(sink), no value (log2 units, relative to m_i;
+        # an overflow to inf gives the right limit, zeros). Split runs add it in the merge.
+        s2 = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        o = acc / (l_i + tl.math.exp2(s2 - m_i))[:, None]
+    else:
+        o = acc / l_safe[:, None]
     if KV_FP8:
         o = o * tl.load(vsc_ptr + kvh * scale_stride)
     bad = q_pos >= tl.min(first_bad, 0)
@@ -363,6 +417,7 @@ def _prefill_combine_kernel(
     ws_ptr,
     qsl_ptr,
     out_ptr,
+    sinks_ptr,
     max_q_len,
     num_splits,
     stride_ot,
@@ -373,6 +428,7 @@ def _prefill_combine_kernel(
     BLOCK_M: tl.constexpr,
     SUB_M: tl.constexpr,
     SPLIT_B: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # Program (row tile * sub-tiles + sub-tile, head slot, sequence): the split kernel's row tile
     # cut into SUB_M-row pieces (a whole tile's fp32 rows per split would not fit in registers,
@@ -426,6 +482,10 @@ def _prefill_combine_kernel(
         den = den * alpha + tl.sum(w, 0)
         num = num * alpha[:, None] + tl.sum(w[:, :, None] * part, 0)
         m = m_new
+    if HAS_SINKS:
+        # The sink joins the merged denominator (relative to m; all-empty rows get inf: zeros).
+        s2 = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        den = den + tl.math.exp2(s2 - m)
     o = num / tl.where(den > 0.0, den, 1.0)[:, None]
     o = tl.where(bad[:, None], 0.0, o)
     rows = (q_start + tok).to(tl.int64)
@@ -452,6 +512,9 @@ def paged_prefill(
     k_scale=None,
     v_scale=None,
     max_seq_len: Optional[int] = None,
+    window: Optional[int] = None,
+    chunk: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix and themselves.
 
@@ -470,6 +533,10 @@ def paged_prefill(
     Returns `out` (allocated like `q` when not given).
     The checks and launch configuration are cached per call signature (`_launch.py`).
     An fp8 cache is read as `k8 * k_scale`, `v8 * v_scale` (as for `paged_decode`).
+    `window`, `chunk` and `sinks` as for `paged_decode`, per query row: the row at position p
+    attends keys `[p - window + 1, p]`, or `[floor(p / chunk) * chunk, p]`; each row tile's key
+    loop starts at the first key its first row reaches (the split count sees at most the window
+    or chunk plus `max_q_len` keys), and no table entry before that key's block is read.
     """
     key = None
     if not check_indices:
@@ -480,21 +547,23 @@ def paged_prefill(
                    scale, None if config is None else tuple(sorted(config.items())),
                    type(max_q_len) is int and max_q_len >= 0,
                    max_seq_len is None or (type(max_seq_len) is int and max_seq_len >= 0),
-                   v.scale_key(k_scale), v.scale_key(v_scale))
+                   v.scale_key(k_scale), v.scale_key(v_scale),
+                   window, chunk, None if sinks is None else L.tensor_key(sinks))
             call = _CACHE.get(key)
         except (AttributeError, TypeError):
             key = call = None
         if call is not None:
             return call(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-                        max_q_len, max_seq_len, k_scale, v_scale)
+                        max_q_len, max_seq_len, k_scale, v_scale, sinks)
     call = _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q_len,
-                    max_seq_len, scale, out, check_indices, config, k_scale, v_scale)
+                    max_seq_len, scale, out, check_indices, config, k_scale, v_scale,
+                    window, chunk, sinks)
     if call is None:
         return torch.empty_like(q) if out is None else out
     if key is not None:
         _CACHE.put(key, call)
     return call(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, max_q_len,
-                max_seq_len, k_scale, v_scale)
+                max_seq_len, k_scale, v_scale, sinks)
 
 
 class _PrefillCall:
@@ -503,22 +572,28 @@ class _PrefillCall:
     split count and chunk are unspecialized arguments), so the signature need not hold them."""
 
     __slots__ = ("launch", "split_launch", "combine_launch", "block_t", "block_n", "g1", "g2",
-                 "total", "heads", "head_dim", "subs", "seq_cap", "sms", "splits", "ks", "vs")
+                 "total", "heads", "head_dim", "subs", "seq_cap", "sms", "splits", "ks", "vs",
+                 "reach")
 
     def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, qsl, out, max_q_len,
-                 max_seq_len, k_scale, v_scale):
+                 max_seq_len, k_scale, v_scale, sinks=None):
         if out is None:
             out = torch.empty_like(q)
         # A float scale's tensor lives in the call, a tensor comes per call; without fp8
         # seq_lens stands in (never read).
         ks = self.ks if self.ks is not None else (k_scale if k_scale is not None else seq_lens)
         vs = self.vs if self.vs is not None else (v_scale if v_scale is not None else seq_lens)
+        sk = sinks if sinks is not None else seq_lens  # read only with sinks
         # No sequence has more rows than q, so a larger bound only sizes an idle grid: cap it.
         # At least one row tile, so rows a wrong max_q_len of 0 leaves out are still zeroed.
         mq = min(max_q_len, self.total)
         tiles = max(1, -(-mq // self.block_t))
         splits = 1
         msl = self.seq_cap if max_seq_len is None else min(max_seq_len, self.seq_cap)
+        if self.reach:
+            # A row tile's keys start at its first row's first key: at most the window (or
+            # chunk) plus the tile's other rows.
+            msl = min(msl, self.reach + mq)
         if mq > 0 and (self.splits is not None or max_seq_len is not None):
             splits = self.splits
             if splits is None:
@@ -527,14 +602,14 @@ class _PrefillCall:
         if splits <= 1:
             # out stands in for the workspace (never read).
             self.launch((tiles, self.g1, self.g2), q, k_cache, v_cache, block_tables, seq_lens,
-                        qsl, out, mq, ks, vs, out, 1, 0)
+                        qsl, out, mq, ks, vs, out, sk, 1, 0)
             return out
         chunk = _split_chunk(msl, splits, self.block_n)
         ws = torch.empty(splits * self.g2 * mq * self.heads * (self.head_dim + 1),
                          dtype=torch.float32, device=q.device)
         self.split_launch((tiles, self.g1, self.g2 * splits), q, k_cache, v_cache, block_tables,
-                          seq_lens, qsl, out, mq, ks, vs, ws, splits, chunk)
-        self.combine_launch((tiles * self.subs, self.g1, self.g2), ws, qsl, out, mq, splits)
+                          seq_lens, qsl, out, mq, ks, vs, ws, sk, splits, chunk)
+        self.combine_launch((tiles * self.subs, self.g1, self.g2), ws, qsl, out, sk, mq, splits)
         return out
 
 
@@ -542,8 +617,10 @@ _CACHE = L.LaunchCache()
 
 
 def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q_len,
-             max_seq_len, scale, out, check_indices, config, k_scale, v_scale):
+             max_seq_len, scale, out, check_indices, config, k_scale, v_scale, window=None,
+             chunk=None, sinks=None):
     num_blocks, block_size, kv_heads, head_dim = v.check_cache_pair(k_cache, v_cache)
+    win, chk = v.check_local(window, chunk)
     dev = k_cache.device
     fp8 = k_cache.dtype == v.FP8
     v.check_tensor("q", q, ndim=3, dtypes=v.act_dtypes(k_cache.dtype))
@@ -585,11 +662,13 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q
                 f"out: shape is {tuple(out.shape)}, expected {tuple(q.shape)} (as q)"
             )
         v.check_inner_contiguous("out", out, 1)
+    v.check_sinks(sinks, q_heads, dev)
     sc = v.check_scale(scale, head_dim)
     seq_cap = min(block_tables.shape[1] * block_size, MAX_SEQ_CAP)
     if check_indices:
         _check_indices(block_tables, seq_lens, query_start_loc, total, max_q_len, num_blocks,
-                       block_size, seq_cap if max_seq_len is None else min(seq_cap, max_seq_len))
+                       block_size, seq_cap if max_seq_len is None else min(seq_cap, max_seq_len),
+                       win, chk)
     if num_seqs == 0 or total == 0:
         return None
     interpret = L.interpreting()
@@ -613,6 +692,7 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q
     call.block_t, call.g1, call.g2, call.total = block_t, q_heads // per_tile, num_seqs, total
     call.block_n, call.heads, call.head_dim = cfg["BLOCK_N"], q_heads, head_dim
     call.seq_cap, call.sms, call.splits = seq_cap, _num_sms(dev), splits
+    call.reach = min(x for x in (win, chk, 1 << 62) if x) if (win or chk) else 0
     call.ks = ks if fp8 and not isinstance(k_scale, torch.Tensor) else None
     call.vs = vs if fp8 and not isinstance(v_scale, torch.Tensor) else None
     tail = (sc * _LOG2E,
@@ -621,11 +701,12 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0),
             o_ref.stride(0), o_ref.stride(1),
-            total, num_blocks, seq_cap, k_stride)
+            total, num_blocks, seq_cap, k_stride, win, chk)
     consts = dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group,
                   HEADS_PER_ROW_TILE=per_tile, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                   PRECISION=precision, ZERO_T=triton.next_power_of_2(block_t), KV_FP8=fp8,
-                  F16=f16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  F16=f16, LIMITED=bool(win or chk), HAS_SINKS=sinks is not None,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     call.launch = L.Launch(_prefill_kernel, tail, dict(consts, SPLIT=False))
     call.split_launch = L.Launch(_prefill_kernel, tail, dict(consts, SPLIT=True))
     # Merge steps of 4 splits x 8 rows: no spills at head_dim 64 to 256 in the sm_90 build
@@ -636,12 +717,14 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q
         _prefill_combine_kernel,
         (o_ref.stride(0), o_ref.stride(1), total),
         dict(HEAD_DIM=head_dim, HEADS_PER_ROW_TILE=per_tile, BLOCK_M=cfg["BLOCK_M"], SUB_M=sub_m,
-             SPLIT_B=4, num_warps=4, num_stages=1 if interpret else 2),
+             SPLIT_B=4, HAS_SINKS=sinks is not None, num_warps=4,
+             num_stages=1 if interpret else 2),
     )
     return call
 
 
-def _check_indices(block_tables, seq_lens, qsl, total, max_q_len, num_blocks, block_size, seq_cap):
+def _check_indices(block_tables, seq_lens, qsl, total, max_q_len, num_blocks, block_size, seq_cap,
+                   window=0, chunk=0):
     sl = seq_lens.to("cpu").tolist()
     qs = qsl.to("cpu").tolist()
     if qs[0] != 0 or qs[-1] > total:
@@ -658,10 +741,12 @@ def _check_indices(block_tables, seq_lens, qsl, total, max_q_len, num_blocks, bl
         if n < ql or n > seq_cap:
             raise v.KernelIndexError(f"seq_lens[{i}]: is {n}, expected in [{ql}, {seq_cap}]")
         nb = -(-n // block_size)
-        row = bt[i, :nb]
+        # Entries before the first key the first new row reaches are never read.
+        b0 = local_first_key(n - ql + 1, window, chunk) // block_size
+        row = bt[i, b0:nb]
         bad = ((row < 0) | (row >= num_blocks)).nonzero()
         if bad.numel():
-            j = int(bad[0, 0])
+            j = b0 + int(bad[0, 0])
             raise v.KernelIndexError(
                 f"block_tables[{i}, {j}]: is {int(row[j])}, expected in [0, {num_blocks})"
             )
