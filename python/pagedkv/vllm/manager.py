@@ -111,7 +111,11 @@ class PagedKVCacheManager(StockKVCacheManager):
         )
         self._drop_eagle = 0 in getattr(coord, "drop_eagle_group_ids", ())
         self._release_mode = pool._release_mode
-        self._empty_blocks = self.empty_kv_cache_blocks.blocks
+        # vLLM's cache_full_blocks adds nothing but the keys when no event is published and the
+        # spec is prefix-cacheable (full attention: every block is reachable).
+        self._cache_direct = (
+            not self.enable_kv_cache_events and stm.kv_cache_spec.prefix_cacheable
+        )
         if not self.fast:
             logger.info(
                 "pagedkv KV cache manager: %s uses vLLM's manager code over pagedkv's pool",
@@ -220,14 +224,38 @@ class PagedKVCacheManager(StockKVCacheManager):
                 stm.new_block_ids.extend([b.block_id for b in new])
         if not delay_cache_blocks and self.enable_caching:
             # vLLM's cache_blocks, skipped when no block became full (most decode steps).
-            to_cache = main if main < request.num_tokens else request.num_tokens
             hashed = len(request.block_hashes) * bs
-            full = (to_cache if to_cache < hashed else hashed) // bs
+            full = (main if main < hashed else hashed) // bs
             if full > stm.num_cached_block.get(rid, 0):
-                self.coordinator.cache_blocks(request, to_cache)
+                nt = request.num_tokens
+                to_cache = main if main < nt else nt
+                full = (to_cache if to_cache < hashed else hashed) // bs
+                cached = stm.num_cached_block.get(rid, 0)
+                if full > cached:
+                    self._cache(request, req_blocks, cached, full, to_cache)
         if n_new:
             return KVCacheBlocks((new,))
         return self.empty_kv_cache_blocks
+
+    def _cache(
+        self, request: Any, req_blocks: list[Any], cached: int, full: int, to_cache: int
+    ) -> None:
+        """Key blocks ``cached:full`` of a request by vLLM's block hashes, as vLLM's
+        ``cache_blocks`` would; directly into the core when no event is published and no block
+        is being promoted from a partial key, else through vLLM's code."""
+        pool = self._pool
+        if self._cache_direct:
+            new = req_blocks[cached:full]
+            if not any(b.block_hash is not None for b in new):
+                bs = self._bs
+                hashes = request.block_hashes
+                insert = pool._insert_block_hash
+                for i, blk in enumerate(new, cached):
+                    if not blk.is_null:
+                        insert(make_block_hash_with_group_id(hashes[i], 0), blk, (i + 1) * bs)
+                self._stm.num_cached_block[request.request_id] = full
+                return
+        self.coordinator.cache_blocks(request, to_cache)
 
     def free(self, request: Any) -> None:
         if not self.fast:
