@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import os
 from typing import Any
-import weakref
 
 import pytest
 
 _MANAGER = os.environ.get("PAGEDKV_VLLM_TEST_MANAGER", "0") not in ("", "0")
-#: pagedkv managers built since the last test ended (held weakly).
-_managers: weakref.WeakSet[Any] = weakref.WeakSet()
+#: pagedkv managers built since the last test ended (held until then: a test's manager is
+#: usually unreachable once the test function returns).
+_managers: list[Any] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -37,7 +37,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
         def tracked_init(self: Any, *args: Any, **kwargs: Any) -> None:
             init(self, *args, **kwargs)
-            _managers.add(self)
+            _managers.append(self)
 
         PagedKVCacheManager.__init__ = tracked_init  # type: ignore[method-assign]
     config.addinivalue_line("markers", "pagedkv_pool: the run uses pagedkv's block pool")
