@@ -161,6 +161,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench_vllm.json")
     ap.add_argument("--profile", action="store_true", help="also print where each pool's time goes")
+    ap.add_argument(
+        "--split",
+        action="store_true",
+        help="also time allocate_slots(req, 1) alone over the 256 running requests (after 60 "
+        "steps; 20 rounds, no token appended between rounds) on each manager",
+    )
     args = ap.parse_args()
     init_none_hash(sha256)
 
@@ -205,6 +211,20 @@ def main() -> None:
         for r in res.values()
     )
     print(f"same admissions and hits on all three: {same}")
+    if args.split:
+        print(f"\n{'pool / manager':<16} {'median µs for 256 allocate_slots(req, 1)':>42}")
+        for name in managers:
+            r = Runner(pools.get(name, PagedKVBlockPool), args, managers[name])
+            for _ in range(60):
+                r.step()
+            ts = []
+            for _ in range(20):
+                t0 = time.perf_counter_ns()
+                for req, _out in r.running:
+                    r.m.allocate_slots(req, 1)
+                ts.append(time.perf_counter_ns() - t0)
+            res[name]["allocate_slots_256_us"] = statistics.median(ts) / 1e3
+            print(f"{name:<16} {res[name]['allocate_slots_256_us']:>42.0f}")
     with open(args.json, "w") as f:
         json.dump({"args": vars(args), "results": res}, f, indent=2)
     if args.profile:
