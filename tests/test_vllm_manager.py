@@ -237,3 +237,23 @@ def test_activation_rebinds_the_schedulers_manager() -> None:
     finally:
         deactivate_manager()
     assert scheduler.KVCacheManager is before and not is_manager_active()
+
+
+def test_register_switches_on_the_manager_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.core.sched import scheduler
+
+    from pagedkv.vllm import register
+
+    stock_cls = scheduler.KVCacheManager
+    try:
+        monkeypatch.setenv("PAGEDKV_VLLM_MANAGER", "0")
+        monkeypatch.delenv("PAGEDKV_VLLM_POOL", raising=False)
+        register()
+        assert scheduler.KVCacheManager is stock_cls
+        monkeypatch.setenv("PAGEDKV_VLLM_MANAGER", "1")
+        register()
+        assert scheduler.KVCacheManager is DropInKVCacheManager
+    finally:
+        deactivate_manager()
+    assert scheduler.KVCacheManager is stock_cls
+
