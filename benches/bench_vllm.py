@@ -171,7 +171,11 @@ def main() -> None:
     init_none_hash(sha256)
 
     pools = {"vllm": StockBlockPool, "pagedkv": PagedKVBlockPool}
-    managers = {"vllm": KVCacheManager, "pagedkv": KVCacheManager, "pagedkv-manager": PagedKVCacheManager}
+    managers = {
+        "vllm": KVCacheManager,
+        "pagedkv": KVCacheManager,
+        "pagedkv-manager": PagedKVCacheManager,
+    }
     runners = {
         name: Runner(pools.get(name, PagedKVBlockPool), args, managers[name]) for name in managers
     }

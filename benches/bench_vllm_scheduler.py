@@ -183,7 +183,8 @@ def main() -> None:
     print(
         f"vLLM Scheduler step (schedule + update_from_output), {args.seqs} max running, "
         f"{args.steps} steps (+{args.warmup} warm-up), block {args.block_size}, "
-        f"{args.num_blocks} blocks, prefix caching on, CPU {platform.processor() or platform.machine()}"
+        f"{args.num_blocks} blocks, prefix caching on, "
+        f"CPU {platform.processor() or platform.machine()}"
     )
     print(f"{'KV cache manager':<18} {'median µs/step':>15} {'p90 µs':>10} {'speed-up':>9} "
           f"{'running':>8} {'finished':>9}")

@@ -129,7 +129,8 @@ def _replay(seed: int, num_blocks: int, caching: bool, events: bool, lookahead: 
     for step in range(160):
         for _ in range(rng.randrange(0, 3)):
             n += 1
-            prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 9))]
+            suffix = [rng.randrange(1000) for _ in range(rng.randrange(1, 9))]
+            prompt = rng.choice(prefixes) + suffix
             waiting.append(_Twin(f"r{n}", prompt, rng.randrange(1, 20)))
         # Admissions: lookup, then a first chunk (chunked prefill when the prompt is long).
         still: list[_Twin] = []
@@ -160,7 +161,10 @@ def _replay(seed: int, num_blocks: int, caching: bool, events: bool, lookahead: 
             r0 = t.reqs[0]
             todo = r0.num_tokens - r0.num_computed_tokens
             new = todo if todo > 0 else 1
-            got = [m.allocate_slots(r, new, num_lookahead_tokens=lookahead) for m, r in zip(ms, t.reqs)]
+            got = [
+                m.allocate_slots(r, new, num_lookahead_tokens=lookahead)
+                for m, r in zip(ms, t.reqs)
+            ]
             assert _ids(got[0]) == _ids(got[1]), step
             if got[0] is None:
                 # Preempted: freed and back to the queue (as the scheduler does).
