@@ -1,4 +1,5 @@
-"""vLLM's KVCacheManager per-step cost with vLLM's BlockPool vs pagedkv's (CPU only).
+"""vLLM's KVCacheManager per-step cost: vLLM's manager on vLLM's BlockPool, on pagedkv's pool, and
+pagedkv's whole drop-in manager (CPU only).
 
 The trace: 256 running sequences decode one token per step; a sequence that reaches its output
 length is freed and a new one admitted in its place. Prompts share one of 8 system prefixes (so
@@ -6,7 +7,8 @@ admissions hit the prefix cache) and end in a unique suffix; the pool is sized s
 cached blocks are evicted as new blocks are needed (eviction active). Both managers run the same
 seeded trace in one process, interleaved step by step, and each step's wall time (every
 get_computed_blocks / allocate_slots / free call of the step, as vLLM's scheduler makes them) is
-recorded. Prints a table and writes JSON. Needs vLLM importable (scripts/test_vllm.sh installs it
+recorded. The third runner is pagedkv's drop-in manager (pagedkv.vllm.manager), driven by the same
+calls. Prints a table and writes JSON. Needs vLLM importable (scripts/test_vllm.sh installs it
 into .vllm-test/site): ``PYTHONPATH=.vllm-test/site:python python benches/bench_vllm.py``.
 """
 
@@ -32,6 +34,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
+from pagedkv.vllm.manager import PagedKVCacheManager
 from pagedkv.vllm.pool import PagedKVBlockPool, StockBlockPool
 
 
@@ -41,7 +44,9 @@ POOL_METHODS = {
 }
 
 
-def make_manager(pool_cls: type, num_blocks: int, block_size: int) -> KVCacheManager:
+def make_manager(
+    pool_cls: type, num_blocks: int, block_size: int, manager_cls: type = KVCacheManager
+) -> KVCacheManager:
     cfg = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
@@ -57,7 +62,7 @@ def make_manager(pool_cls: type, num_blocks: int, block_size: int) -> KVCacheMan
     saved = kv_cache_coordinator.BlockPool
     kv_cache_coordinator.BlockPool = pool_cls  # type: ignore[misc]
     try:
-        return KVCacheManager(
+        return manager_cls(
             cfg,
             max_model_len=8192,
             scheduler_block_size=block_size,
@@ -87,8 +92,10 @@ class Trace:
 
 
 class Runner:
-    def __init__(self, pool_cls: type, args: argparse.Namespace) -> None:
-        self.m = make_manager(pool_cls, args.num_blocks, args.block_size)
+    def __init__(
+        self, pool_cls: type, args: argparse.Namespace, manager_cls: type = KVCacheManager
+    ) -> None:
+        self.m = make_manager(pool_cls, args.num_blocks, args.block_size, manager_cls)
         self.hasher = get_request_block_hasher(args.block_size, sha256)
         self.trace = Trace(args.seed, args.prefix_len, args.suffix_len, (args.min_out, args.max_out))
         self.running: list[tuple[Request, int]] = []
@@ -154,12 +161,25 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench_vllm.json")
     ap.add_argument("--profile", action="store_true", help="also print where each pool's time goes")
+    ap.add_argument(
+        "--split",
+        action="store_true",
+        help="also time allocate_slots(req, 1) alone over the 256 running requests (after 60 "
+        "steps; 20 rounds, no token appended between rounds) on each manager",
+    )
     args = ap.parse_args()
     init_none_hash(sha256)
 
     pools = {"vllm": StockBlockPool, "pagedkv": PagedKVBlockPool}
-    runners = {name: Runner(cls, args) for name, cls in pools.items()}
-    times: dict[str, list[int]] = {name: [] for name in pools}
+    managers = {
+        "vllm": KVCacheManager,
+        "pagedkv": KVCacheManager,
+        "pagedkv-manager": PagedKVCacheManager,
+    }
+    runners = {
+        name: Runner(pools.get(name, PagedKVBlockPool), args, managers[name]) for name in managers
+    }
+    times: dict[str, list[int]] = {name: [] for name in runners}
     for i in range(args.warmup + args.steps):
         for name, r in runners.items():  # interleaved: both see the same machine noise
             t = r.step()
@@ -182,15 +202,33 @@ def main() -> None:
     base = res["vllm"]["median_us"]
     print(f"{args.seqs}-sequence decode, {args.steps} steps (+{args.warmup} warm-up), "
           f"block {args.block_size}, {args.num_blocks} blocks, CPU {platform.processor() or platform.machine()}")
-    print(f"{'pool':<10} {'median µs/step':>15} {'p90 µs':>10} {'vs vLLM':>8} "
+    print(f"{'pool / manager':<16} {'median µs/step':>15} {'p90 µs':>10} {'vs vLLM':>8} "
           f"{'admitted':>9} {'hit ratio':>10} {'evictions':>10}")
     for name, r in res.items():
         ev = "-" if r["evictions"] is None else str(r["evictions"])
-        print(f"{name:<10} {r['median_us']:>15.0f} {r['p90_us']:>10.0f} "
+        print(f"{name:<16} {r['median_us']:>15.0f} {r['p90_us']:>10.0f} "
               f"{base / r['median_us']:>7.2f}x {r['admitted']:>9} {r['prefix_hit_ratio']:>10.3f} "
               f"{ev:>10}")
-    same = res["vllm"]["admitted"] == res["pagedkv"]["admitted"]
-    print(f"same admissions and hits on both pools: {same and res['vllm']['prefix_hit_ratio'] == res['pagedkv']['prefix_hit_ratio']}")
+    same = all(
+        (r["admitted"], r["prefix_hit_ratio"])
+        == (res["vllm"]["admitted"], res["vllm"]["prefix_hit_ratio"])
+        for r in res.values()
+    )
+    print(f"same admissions and hits on all three: {same}")
+    if args.split:
+        print(f"\n{'pool / manager':<16} {'median µs for 256 allocate_slots(req, 1)':>42}")
+        for name in managers:
+            r = Runner(pools.get(name, PagedKVBlockPool), args, managers[name])
+            for _ in range(60):
+                r.step()
+            ts = []
+            for _ in range(20):
+                t0 = time.perf_counter_ns()
+                for req, _out in r.running:
+                    r.m.allocate_slots(req, 1)
+                ts.append(time.perf_counter_ns() - t0)
+            res[name]["allocate_slots_256_us"] = statistics.median(ts) / 1e3
+            print(f"{name:<16} {res[name]['allocate_slots_256_us']:>42.0f}")
     with open(args.json, "w") as f:
         json.dump({"args": vars(args), "results": res}, f, indent=2)
     if args.profile:

@@ -1,15 +1,20 @@
-"""pagedkv inside vLLM v1: a drop-in ``BlockPool`` backed by pagedkv's Rust core.
+"""pagedkv inside vLLM v1: a drop-in ``KVCacheManager`` and ``BlockPool`` on pagedkv's Rust core.
 
-This package owns the adapter (:mod:`pagedkv.vllm.pool`), its activation (:func:`activate`,
-also run by the ``vllm.general_plugins`` entry point ``pagedkv``) and a pytest plugin
-(:mod:`pagedkv.vllm.pytest_plugin`) that runs vLLM's own tests with the pool swapped in.
+This package owns the adapters (:mod:`pagedkv.vllm.pool`, the block pool;
+:mod:`pagedkv.vllm.manager`, the whole KV cache manager over that pool), their activation
+(:func:`activate`, :func:`activate_manager`, also run by the ``vllm.general_plugins`` entry point
+``pagedkv``) and a pytest plugin (:mod:`pagedkv.vllm.pytest_plugin`) that runs vLLM's own tests
+with them swapped in.
 
 Activation is one line of configuration: with ``pagedkv[vllm]`` installed, vLLM loads every
 ``vllm.general_plugins`` entry point in each process before it builds the scheduler; pagedkv's
-plugin rebinds ``vllm.v1.core.kv_cache_coordinator.BlockPool`` only when
-``PAGEDKV_VLLM_POOL=1`` is set, so installing the package alone changes nothing::
+plugin rebinds the scheduler's ``KVCacheManager`` only when ``PAGEDKV_VLLM_MANAGER=1`` is set,
+and ``vllm.v1.core.kv_cache_coordinator.BlockPool`` only when ``PAGEDKV_VLLM_POOL=1`` is set, so
+installing the package alone changes nothing::
 
-    PAGEDKV_VLLM_POOL=1 vllm serve ...            # or VLLM_PLUGINS=pagedkv to load only ours
+    PAGEDKV_VLLM_MANAGER=1 vllm serve ...         # the whole manager (implies the pool)
+    PAGEDKV_VLLM_POOL=1 vllm serve ...            # the pool only, under vLLM's manager
+    # VLLM_PLUGINS=pagedkv loads only pagedkv's plugin
 
 Importing this package does not import vLLM; :func:`activate` does.
 """
@@ -19,7 +24,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["activate", "deactivate", "is_active", "register"]
+__all__ = [
+    "activate",
+    "activate_manager",
+    "deactivate",
+    "deactivate_manager",
+    "is_active",
+    "is_manager_active",
+    "register",
+]
 
 _saved: dict[str, Any] = {}
 
@@ -65,7 +78,58 @@ def is_active() -> bool:
     return kv_cache_coordinator.BlockPool is PagedKVBlockPool
 
 
+def activate_manager(*, also_manager_module: bool = False) -> type:
+    """Make vLLM's scheduler build pagedkv's KV cache manager.
+
+    Rebinds ``vllm.v1.core.sched.scheduler.KVCacheManager`` (the name ``Scheduler.__init__``
+    calls) to :class:`~pagedkv.vllm.manager.DropInKVCacheManager`: pagedkv's manager (on the
+    pagedkv pool) for one KV cache group, vLLM's own manager for hybrid models. With
+    ``also_manager_module``, ``vllm.v1.core.kv_cache_manager.KVCacheManager`` is rebound too
+    (tests that build a manager directly). Idempotent; returns the class.
+    """
+    from vllm.v1.core import kv_cache_manager
+    from vllm.v1.core.sched import scheduler
+
+    from pagedkv.vllm.manager import DropInKVCacheManager
+
+    if "scheduler" not in _saved:
+        _saved["scheduler"] = scheduler.KVCacheManager
+    scheduler.KVCacheManager = DropInKVCacheManager  # type: ignore[misc]
+    if also_manager_module:
+        if "manager_module" not in _saved:
+            _saved["manager_module"] = kv_cache_manager.KVCacheManager
+        kv_cache_manager.KVCacheManager = DropInKVCacheManager  # type: ignore[misc]
+    return DropInKVCacheManager
+
+
+def deactivate_manager() -> None:
+    """Undo :func:`activate_manager`: vLLM's own manager again."""
+    from vllm.v1.core import kv_cache_manager
+    from vllm.v1.core.sched import scheduler
+
+    if "scheduler" in _saved:
+        scheduler.KVCacheManager = _saved.pop("scheduler")
+    if "manager_module" in _saved:
+        kv_cache_manager.KVCacheManager = _saved.pop("manager_module")
+
+
+def is_manager_active() -> bool:
+    """Whether vLLM's scheduler builds pagedkv's KV cache manager."""
+    from vllm.v1.core.sched import scheduler
+
+    from pagedkv.vllm.manager import DropInKVCacheManager
+
+    return scheduler.KVCacheManager is DropInKVCacheManager
+
+
+def _on(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0", "false", "False")
+
+
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: activates when ``PAGEDKV_VLLM_POOL=1``."""
-    if os.environ.get("PAGEDKV_VLLM_POOL", "0") not in ("", "0", "false", "False"):
+    """The ``vllm.general_plugins`` entry point: activates the manager when
+    ``PAGEDKV_VLLM_MANAGER=1``, the pool alone when ``PAGEDKV_VLLM_POOL=1``."""
+    if _on("PAGEDKV_VLLM_MANAGER"):
+        activate_manager()
+    if _on("PAGEDKV_VLLM_POOL"):
         activate()

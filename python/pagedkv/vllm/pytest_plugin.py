@@ -5,24 +5,49 @@ imported, it rebinds vLLM's ``BlockPool`` both where the KV cache coordinator lo
 ``vllm.v1.core.block_pool`` (tests that build a pool directly import it from there), so every
 pool a test makes is pagedkv's. After each test it checks that every live pagedkv pool is
 coherent with its core; a test that leaves one incoherent fails.
+
+With ``PAGEDKV_VLLM_TEST_MANAGER=1`` it also rebinds vLLM's ``KVCacheManager`` (in the
+scheduler's module and in ``vllm.v1.core.kv_cache_manager``) to pagedkv's drop-in manager
+(:mod:`pagedkv.vllm.manager`), and checks every pagedkv manager a test built after it.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
+
+_MANAGER = os.environ.get("PAGEDKV_VLLM_TEST_MANAGER", "0") not in ("", "0")
+#: pagedkv managers built since the last test ended (held until then: a test's manager is
+#: usually unreachable once the test function returns).
+_managers: list[Any] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
     from pagedkv.vllm import activate
 
     activate(also_block_pool_module=True)
+    if _MANAGER:
+        from pagedkv.vllm import activate_manager
+        from pagedkv.vllm.manager import PagedKVCacheManager
+
+        activate_manager(also_manager_module=True)
+        init = PagedKVCacheManager.__init__
+
+        def tracked_init(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            _managers.append(self)
+
+        PagedKVCacheManager.__init__ = tracked_init  # type: ignore[method-assign]
     config.addinivalue_line("markers", "pagedkv_pool: the run uses pagedkv's block pool")
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return "pagedkv: vLLM BlockPool -> pagedkv.vllm.pool.PagedKVBlockPool"
+    line = "pagedkv: vLLM BlockPool -> pagedkv.vllm.pool.PagedKVBlockPool"
+    if _MANAGER:
+        line += "; KVCacheManager -> pagedkv.vllm.manager.DropInKVCacheManager"
+    return line
 
 
 @pytest.hookimpl(wrapper=True)
@@ -33,15 +58,26 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
     pools = list(PagedKVBlockPool._live)
     PagedKVBlockPool._live.clear()
     _checked[0] += len(pools)
+    managers = list(_managers)
+    _managers.clear()
+    _checked_managers[0] += len(managers)
+    for m in managers:
+        m.check_coherence()
     for p in pools:
         p.check_coherence()
     return result
 
 
 _checked = [0]
+_checked_managers = [0]
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     terminalreporter.write_line(
         f"pagedkv: {_checked[0]} pagedkv block pools built by tests, each checked against its core"
     )
+    if _MANAGER:
+        terminalreporter.write_line(
+            f"pagedkv: {_checked_managers[0]} pagedkv KV cache managers built by tests, "
+            f"each checked against its pool"
+        )
