@@ -28,6 +28,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from pagedkv.errors import InvalidArgumentError, ModelLoadError  # noqa: E402
 from pagedkv.engine.loader import default_model_path, load_model  # noqa: E402
 from pagedkv.engine.model_runner import ModelRunner, graph_batch_sizes  # noqa: E402
+from pagedkv.engine.core import build_block_manager  # noqa: E402
 
 ATOL = 1e-4
 BLOCK = 4
@@ -65,7 +66,7 @@ class Driver:
 
     def __init__(self, runner: ModelRunner, **manager_kwargs):
         self.runner = runner
-        self.mgr = runner.new_block_manager(**manager_kwargs)
+        self.mgr = build_block_manager(runner, **manager_kwargs)
         self.tokens: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
 

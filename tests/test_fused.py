@@ -28,6 +28,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from pagedkv.engine import fused  # noqa: E402
 from pagedkv.engine.loader import LoadedModel  # noqa: E402
 from pagedkv.engine.model_runner import ModelRunner  # noqa: E402
+from pagedkv.engine.core import build_block_manager  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 VOCAB = 128
@@ -59,7 +60,7 @@ def _loaded(model):
 def _drive(runner, prompts, steps, feed=None):
     """Prefill every prompt in one step, then ``steps`` decode steps (greedy, or the tokens of
     ``feed``: another run's logits, teacher forcing); the logits of each step."""
-    mgr = runner.new_block_manager(enable_prefix_caching=False)
+    mgr = build_block_manager(runner, enable_prefix_caching=False)
     sids = list(range(len(prompts)))
     for s, p in zip(sids, prompts):
         mgr.admit(s, p)

@@ -212,7 +212,7 @@ def _render_chat(engine: Any, messages: List[Dict[str, Any]], template: Optional
                  kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """The conversation as a prompt, rendered as :meth:`pagedkv.LLM.chat` renders it. Runs on the
     engine thread: the tokenizer is not shared across threads."""
-    from ..engine.chat import render_conversations
+    from ..chat import render_conversations
 
     return render_conversations(engine.tokenizer, messages, chat_template=template,
                                 add_generation_prompt=add_generation_prompt,
