@@ -74,18 +74,11 @@ def build_app(llm: AsyncLLM, *, served_model_name: str, api_key: Optional[str] =
     """
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-    from ..metrics import PagedKVCollector
-
     labels = {"model_name": served_model_name}
     metrics = RequestMetrics(labels=labels)
     llm.observers.append(metrics)
     registry = CollectorRegistry(auto_describe=False)
-    engine = llm.engine
-    bpb = int(engine.runner.spec.bytes_per_block)
-    tiers = getattr(engine, "tiers", None)
-    registry.register(PagedKVCollector(
-        engine.manager, engine.scheduler, labels=labels, bytes_per_block=bpb,
-        tiers=(lambda: tiers.totals(bpb)) if tiers is not None else None))
+    registry.register(llm.engine.metrics_collector(labels=labels))
     registry.register(metrics)
     state = ServerState(llm, served_model_name, api_key, chat_template, metrics, registry)
 
