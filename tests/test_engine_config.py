@@ -87,21 +87,37 @@ def test_one_default_block_size_everywhere():
 # ------------------------------------------------------------------------------ EngineConfig
 
 
-def test_engine_and_llm_keywords_default_to_the_config_defaults():
-    """LLMEngine spells every config knob with its default; LLM the ones it names."""
+def test_engine_and_llm_keywords_are_the_config_fields():
+    """LLMEngine and LLM take every config knob by keyword, each with the field's default: their
+    signatures are generated from EngineConfig, not a second list (LLM shows its loading bar by
+    default)."""
     defaults = _field_defaults()
-    runner_only = {"attention_backend", "decode_planner", "fused_model", "cuda_graph_pieces",
-                   "small_batch_gemv", "layerwise_loads"}
     engine = inspect.signature(pagedkv.LLMEngine.__init__).parameters
     knobs = {n: p.default for n, p in engine.items() if n not in ("self", "model", "device",
                                                                   "dtype")}
-    assert set(knobs) == set(defaults) - runner_only
-    assert knobs == {n: defaults[n] for n in knobs}
+    assert knobs == defaults
+    assert all(engine[n].kind is inspect.Parameter.KEYWORD_ONLY for n in knobs)
     llm = inspect.signature(pagedkv.LLM.__init__).parameters
+    assert set(defaults) <= set(llm)
     for name, p in llm.items():
         if name in defaults and name != "progress":  # LLM shows its loading bar by default
             assert p.default == defaults[name], name
     assert llm["progress"].default is True
+
+
+@pytest.mark.parametrize("cls", ["LLMEngine", "LLM"])
+def test_unknown_engine_keyword_is_a_typed_error_naming_it(cls):
+    """A keyword that is no EngineConfig field is refused (before any model is loaded) with an
+    InvalidArgumentError naming it, and the closest field when there is one."""
+    with pytest.raises(InvalidArgumentError, match=r"unknown keyword 'num_block'.*'num_blocks'") as e:
+        getattr(pagedkv, cls)(None, device="cpu", num_block=8)
+    assert e.value.what == "num_block"
+    with pytest.raises(InvalidArgumentError, match=r"unknown keyword 'frobnicate'") as e:
+        getattr(pagedkv, cls)(None, device="cpu", frobnicate=True)
+    assert e.value.what == "frobnicate"
+    # A bad value of a real field is still the config's own error.
+    with pytest.raises(ConfigArgumentError, match="num_blocks"):
+        getattr(pagedkv, cls)(None, device="cpu", num_blocks=0)
 
 
 @pytest.mark.parametrize(

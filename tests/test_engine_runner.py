@@ -278,7 +278,7 @@ def test_kernel_path_interpreted_matches_dense(loaded, planner):
     assert (d.runner.decode_plan is not None) == planner
     if planner:
         # Chunks of 4 tokens: every sequence is split, so the merge path runs too.
-        from pagedkv.kernels import DecodePlan
+        from pagedkv.decode_plan import DecodePlan
 
         p = d.runner.decode_plan
         d.runner.decode_plan = DecodePlan(p.max_num_seqs, p.num_q_heads, p.num_kv_heads,

@@ -13,6 +13,7 @@ ranks before it propagates; nothing here runs a step.
 from __future__ import annotations
 
 import difflib
+import inspect
 import logging
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Union
@@ -30,7 +31,7 @@ from .model_runner import ModelRunner, build_rank_runner
 from .output_processor import OutputProcessor
 from .stats import StatsTracker
 
-__all__ = ["EngineParts", "build_engine", "config_from_kwargs"]
+__all__ = ["EngineParts", "build_engine", "config_from_kwargs", "keyword_signature"]
 
 logger = logging.getLogger("pagedkv")
 
@@ -141,3 +142,18 @@ def config_from_kwargs(engine_args: Dict[str, Any]) -> EngineConfig:
             raise InvalidArgumentError(f"invalid argument: unknown keyword {key!r}: {reason}",
                                        what=key, value=engine_args[key], reason=reason)
     return EngineConfig(**engine_args)
+
+
+def keyword_signature(func: Any, **defaults: Any) -> inspect.Signature:
+    """``func``'s signature with its ``**engine_args`` spelled out as one keyword per
+    :class:`EngineConfig` field, each with the field's default (or the one in ``defaults``), so
+    help and introspection list every knob without a second list to keep in step."""
+    sig = inspect.signature(func)
+    params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    named = {p.name for p in params}
+    for f in fields(EngineConfig):
+        if f.name not in named:
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
+                                            default=defaults.get(f.name, f.default),
+                                            annotation=f.type))
+    return sig.replace(parameters=params)

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from ..distributed.launch import build_worker, dist_rank, serve_until_end
 from ..distributed.step_broadcast import CMD_STOP
-from .builder import config_from_kwargs
+from .builder import config_from_kwargs, keyword_signature
 from .config import EngineConfig
 from .input_processor import bad_argument, final_only, normalize_prompts, per_prompt
 from .llm_engine import LLMEngine
@@ -252,3 +252,7 @@ class LLM:
                                        continue_final_message=continue_final_message,
                                        chat_template_kwargs=chat_template_kwargs)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
+
+
+# Every EngineConfig field, with its default, in the constructor's signature (help, IDEs).
+setattr(LLM.__init__, "__signature__", keyword_signature(LLM.__init__))

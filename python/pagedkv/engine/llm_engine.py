@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple, Union
 
-from .builder import build_engine, config_from_kwargs
+from .builder import build_engine, config_from_kwargs, keyword_signature
 from .config import EngineConfig
 from .input_processor import ValidatedRequest, bad_argument
 from .loader import LoadedModel
@@ -383,3 +383,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """What the engine has done since it was created (or :meth:`reset_stats`)."""
         return self._stats.snapshot()
+
+
+# Every EngineConfig field, with its default, in the constructor's signature (help, IDEs).
+setattr(LLMEngine.__init__, "__signature__", keyword_signature(LLMEngine.__init__))
