@@ -105,6 +105,16 @@ def test_engine_and_llm_keywords_are_the_config_fields():
     assert llm["progress"].default is True
 
 
+def test_every_config_field_has_help_and_the_engine_documents_it():
+    """Each knob's description lives once, on its field (``metadata["help"]``, plain text for
+    command-line help); LLMEngine's docstring lists them all, generated from the fields."""
+    doc = pagedkv.LLMEngine.__doc__ or ""
+    for f in dataclasses.fields(EngineConfig):
+        text = f.metadata.get("help")
+        assert isinstance(text, str) and len(text) > 10 and "``" not in text, f.name
+        assert f"{f.name} (default {f.default!r}): " in doc, f.name
+
+
 @pytest.mark.parametrize("cls", ["LLMEngine", "LLM"])
 def test_unknown_engine_keyword_is_a_typed_error_naming_it(cls):
     """A keyword that is no EngineConfig field is refused (before any model is loaded) with an

@@ -4,9 +4,10 @@ Owns :func:`render_conversations`, which :meth:`pagedkv.LLM.chat`, the server's 
 router use (a neutral module: the router renders chats without importing the engine).
 
 Invariants: every conversation is checked and rendered before any is handed on, so a bad one
-leaves the engine untouched; a rendered prompt is tokenized with ``add_special_tokens=False`` (the template already
-placed BOS and the role markers), so its ids are exactly what ``apply_chat_template`` would give;
-the prompt handed on carries both the rendered text and those ids.
+leaves the engine untouched; a rendered prompt is tokenized with ``add_special_tokens=False``
+(the template already placed BOS and the role markers), so its ids are exactly what
+``apply_chat_template`` would give; the prompt handed on carries both the rendered text and
+those ids.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
+import textwrap
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Union
 
@@ -31,7 +32,8 @@ from .model_runner import ModelRunner, build_rank_runner
 from .output_processor import OutputProcessor
 from .stats import StatsTracker
 
-__all__ = ["EngineParts", "build_engine", "config_from_kwargs", "keyword_signature"]
+__all__ = ["EngineParts", "build_engine", "config_from_kwargs", "keyword_signature",
+           "settings_doc"]
 
 logger = logging.getLogger("pagedkv")
 
@@ -157,3 +159,15 @@ def keyword_signature(func: Any, **defaults: Any) -> inspect.Signature:
                                             default=defaults.get(f.name, f.default),
                                             annotation=f.type))
     return sig.replace(parameters=params)
+
+
+def settings_doc(indent: int = 4) -> str:
+    """A docstring section listing every :class:`EngineConfig` field with its default and its
+    help (``field.metadata["help"]``), wrapped to 100 columns."""
+    pad = " " * indent
+    lines = ["", pad + "Settings (EngineConfig's fields, keywords of the constructor):", ""]
+    for f in fields(EngineConfig):
+        head = f"{pad}    {f.name} (default {f.default!r}): "
+        lines.extend(textwrap.wrap(head + f.metadata.get("help", ""), width=100,
+                                   subsequent_indent=pad + "        "))
+    return "\n".join(lines) + "\n"

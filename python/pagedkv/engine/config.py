@@ -1,11 +1,11 @@
 """The engine's settings: one object, validated once.
 
-Owns :class:`EngineConfig`, every knob of :class:`~pagedkv.engine.llm.LLMEngine` (and so of
-:class:`~pagedkv.engine.llm.LLM`), :class:`~pagedkv.engine.model_runner.ModelRunner` and the
-tensor-parallel worker spec, each with its default. What model runs (a path or a loaded model),
-on which device and in which dtype stay the constructors' own arguments: a config says how the
-engine serves a model, not which one, and stays picklable for the ranks a tensor-parallel engine
-spawns.
+Owns :class:`EngineConfig`, every knob of :class:`~pagedkv.engine.llm_engine.LLMEngine` (and so
+of :class:`~pagedkv.engine.llm.LLM`), :class:`~pagedkv.engine.model_runner.ModelRunner` and the
+tensor-parallel worker spec, each with its default and its help text. What model runs (a path
+or a loaded model), on which device and in which dtype stay the constructors' own arguments: a
+config says how the engine serves a model, not which one, and stays picklable for the ranks a
+tensor-parallel engine spawns.
 
 Invariants: a constructed config is valid and immutable (``__post_init__`` checks every field, in
 one place, and raises :class:`~pagedkv.errors.ConfigArgumentError` naming the field, its value and
@@ -18,7 +18,7 @@ imports neither torch nor the extension.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from .._checks import DEFAULT_BLOCK_SIZE, check_block_size
@@ -51,79 +51,119 @@ def _is_int(value: Any) -> bool:
 class EngineConfig:
     """How an engine serves its model: KV pool, scheduler, preemption, tensor parallelism.
 
-    The fields are :class:`~pagedkv.engine.llm.LLMEngine`'s keyword arguments of the same names
-    (see there), plus the model runner's own:
-
-    * ``attention_backend``: ``"auto"`` (the Triton kernels on CUDA, plain PyTorch on the CPU),
-      ``"torch"`` or ``"triton"`` (on the CPU only under ``TRITON_INTERPRET=1``);
-    * ``decode_planner``: plan each decode step's split-K work from the batch's real lengths
-      (kernels only);
-    * ``fused_model``: run Llama/Mistral/Qwen2 models through the fused forward
-      (:mod:`pagedkv.engine.fused`: one Q|K|V and one gate|up GEMM, fused RMSNorm + residual,
-      RoPE and SiLU-times-up kernels); ``False`` runs transformers' own module forwards;
-    * ``cuda_graph_pieces``: with the fused forward, capture each decode step as this many CUDA
-      graphs of consecutive layers, so the GPU starts on the first while the host launches the
-      rest (:meth:`~pagedkv.engine.model_runner.ModelRunner.capture_graphs`); 1: one graph;
-    * ``small_batch_gemv``: with the fused forward on the kernels, steps of at most this many
-      rows run their linear layers through the weight-streaming GEMV
-      (:func:`pagedkv.kernels.linear_small_m`, at most 16 rows) instead of cuBLAS; 0: never;
-    * ``layerwise_loads``: a step's loads from the host pool (prefix hits of the host tier,
-      swapped-in sequences) go layer by layer, and each layer of the step's forward waits only
-      for its own slices (:meth:`pagedkv.swap.SwapEngine.swap_in` with ``by_layer``): the forward
-      overlaps the load. Eager steps only (a CUDA-graph decode step waits for the whole load).
-
-    the tiers of the prefix cache below the GPU (``docs/tiers.md``; :class:`~pagedkv.engine.llm.
-    LLMEngine` documents each): ``host_cache_memory``, ``host_cache_write_through``,
-    ``disk_cache_dir``, ``disk_cache_memory``, ``remote_cache_url``, ``remote_cache_timeout_s``;
-    and the KV-event and hash settings (``docs/kv-events.md``):
-
-    * ``hash_seed``: the prefix hash's key (``None``: a fresh secret per engine); replicas behind
-      one prefix-aware router share one, so the router computes the hashes they publish;
-    * ``kv_events_endpoint``: publish the cache's block events there over ZeroMQ in vLLM's format
-      (``tcp://*:5557`` binds, ``tcp://host:port`` connects); ``None``: no events;
-    * ``kv_events_replay_endpoint``: where consumers ask for missed batches (bound);
-    * ``kv_events_topic``: the first frame of every event message.
+    This is the one list of the engine's knobs: :class:`~pagedkv.engine.llm_engine.LLMEngine`
+    and :class:`~pagedkv.engine.llm.LLM` take each field as a keyword of the same name (their
+    signatures are generated from these fields), and each field's ``metadata["help"]`` is its
+    one-paragraph description (plain text, for generated documentation and command-line help).
+    The groups: the KV pool and the step (``kv_cache_memory`` .. ``progress``), preemption and
+    its cost model (``swap_space`` .. ``step_floor_s``), tensor parallelism (``docs/tp.md``), the
+    model runner's own (``attention_backend``, ``decode_planner``, ``fused_model``,
+    ``cuda_graph_pieces``, ``small_batch_gemv``, ``layerwise_loads``), the tiers of the prefix
+    cache below the GPU (``host_cache_*``, ``disk_cache_*``, ``remote_cache_*``;
+    ``docs/tiers.md``), and the hash and KV-event settings (``docs/kv-events.md``).
 
     Raises:
         ConfigArgumentError: A field is out of its domain, or two exclusive fields are both given
             (``num_blocks`` and ``kv_cache_memory``; ``swap_space`` and ``num_host_blocks``).
     """
 
-    kv_cache_memory: Union[int, str, None] = None
-    num_blocks: Optional[int] = None
-    block_size: int = DEFAULT_BLOCK_SIZE
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    watermark_blocks: Optional[int] = None
-    cuda_graphs: bool = True
-    progress: bool = False
-    swap_space: Union[int, str, None] = None
-    num_host_blocks: Optional[int] = None
-    preemption_mode: str = "auto"
-    host_link_bytes_per_s: Optional[float] = None
-    prefill_tokens_per_s: Optional[float] = None
-    step_floor_s: Optional[float] = None
-    tensor_parallel_size: int = 1
-    record_steps: bool = False
-    tp_timeout_s: float = 600.0
-    attention_backend: str = "auto"
-    decode_planner: bool = True
-    host_cache_memory: Union[int, str, None] = None
-    host_cache_write_through: bool = False
-    disk_cache_dir: Optional[str] = None
-    disk_cache_memory: Union[int, str, None] = None
-    remote_cache_url: Optional[str] = None
-    remote_cache_timeout_s: float = 0.05
-    hash_seed: Optional[int] = None
-    kv_events_endpoint: Optional[str] = None
-    kv_events_replay_endpoint: Optional[str] = None
-    kv_events_topic: str = ""
-    fused_model: bool = True
-    cuda_graph_pieces: int = 1
-    small_batch_gemv: int = 0
-    layerwise_loads: bool = False
+    kv_cache_memory: Union[int, str, None] = field(default=None, metadata={"help": (
+        "Bytes of KV pool (int or '4GiB'; the runner sizes the pool from it); exclusive with "
+        "num_blocks. Neither: the runner's default sizing.")})
+    num_blocks: Optional[int] = field(default=None, metadata={"help": (
+        "Blocks in the KV pool; exclusive with kv_cache_memory.")})
+    block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": (
+        "Tokens per KV block (a power of two).")})
+    max_num_seqs: int = field(default=256, metadata={"help": "Most sequences in one step."})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": (
+        "Token budget of one step (decodes plus prefill chunks); longer prompts are prefilled in "
+        "chunks.")})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": (
+        "Share and cache full KV blocks by prefix hash.")})
+    enable_chunked_prefill: bool = field(default=True, metadata={"help": (
+        "Split prompts over steps to fit max_num_batched_tokens.")})
+    watermark_blocks: Optional[int] = field(default=None, metadata={"help": (
+        "Blocks kept back from admissions (None: the manager's default).")})
+    cuda_graphs: bool = field(default=True, metadata={"help": (
+        "Capture decode steps in CUDA graphs (CUDA only).")})
+    progress: bool = field(default=False, metadata={"help": "Show a progress bar while loading."})
+    swap_space: Union[int, str, None] = field(default=None, metadata={"help": (
+        "Bytes of pinned host memory for swapped-out KV blocks (int or '4GiB'); exclusive with "
+        "num_host_blocks. Neither: no host pool, every preemption recomputes.")})
+    num_host_blocks: Optional[int] = field(default=None, metadata={"help": (
+        "Blocks in the host KV pool; exclusive with swap_space.")})
+    preemption_mode: str = field(default="auto", metadata={"help": (
+        "'auto' (the cost model picks swap or recompute per victim), 'swap' (swap whenever the "
+        "host pool has room) or 'recompute'.")})
+    host_link_bytes_per_s: Optional[float] = field(default=None, metadata={"help": (
+        "Host-link bandwidth for the cost model; None: measured at start-up (with a host pool and "
+        "preemption_mode 'auto').")})
+    prefill_tokens_per_s: Optional[float] = field(default=None, metadata={"help": (
+        "Prefill throughput for the cost model; None: measured likewise.")})
+    step_floor_s: Optional[float] = field(default=None, metadata={"help": (
+        "Seconds a step costs however few tokens it carries (the cost model's step floor: "
+        "recompute tokens that fit under it ride along for free); None: measured when the rates "
+        "are, else 0.")})
+    tensor_parallel_size: int = field(default=1, metadata={"help": (
+        "Ranks the model's heads are split over (docs/tp.md). Above 1, without a "
+        "torch.distributed process group this process becomes rank 0 and spawns the others; with "
+        "one (torchrun), the group's size must match.")})
+    record_steps: bool = field(default=False, metadata={"help": (
+        "With tensor parallelism, every rank records what each step ran "
+        "(LLMEngine.tp_step_records after shutdown).")})
+    tp_timeout_s: float = field(default=600.0, metadata={"help": (
+        "Timeout of the tensor-parallel process group's collectives, seconds.")})
+    attention_backend: str = field(default="auto", metadata={"help": (
+        "'auto' (the Triton kernels on CUDA, plain PyTorch on the CPU), 'torch' or 'triton' (on "
+        "the CPU only under TRITON_INTERPRET=1).")})
+    decode_planner: bool = field(default=True, metadata={"help": (
+        "Plan each decode step's split-K work from the batch's real lengths (kernels only).")})
+    host_cache_memory: Union[int, str, None] = field(default=None, metadata={"help": (
+        "Bytes of pinned host memory for the host tier of the prefix cache (int or '16GiB'): "
+        "blocks the GPU pool evicts are kept there and loaded again on a hit (docs/tiers.md); "
+        "shares the host pool with swap_space. None: no host tier.")})
+    host_cache_write_through: bool = field(default=False, metadata={"help": (
+        "Copy each block to the host tier when it is first cached instead of when the GPU pool "
+        "evicts it.")})
+    disk_cache_dir: Optional[str] = field(default=None, metadata={"help": (
+        "A directory (created owner-only) for the disk tier: blocks the host tier drops are "
+        "written there and found again, also by a restarted engine of the same model and "
+        "configuration. Needs host_cache_memory and disk_cache_memory.")})
+    disk_cache_memory: Union[int, str, None] = field(default=None, metadata={"help": (
+        "The disk tier's size cap in bytes (int or '200GiB').")})
+    remote_cache_url: Optional[str] = field(default=None, metadata={"help": (
+        "A Redis or Valkey server (redis://host:port/db) shared by several engines as the remote "
+        "tier (extra pagedkv[remote]). Needs host_cache_memory.")})
+    remote_cache_timeout_s: float = field(default=0.05, metadata={"help": (
+        "Per-operation timeout of the remote tier, seconds: a slow or dead server is a miss, "
+        "never a stalled step.")})
+    hash_seed: Optional[int] = field(default=None, metadata={"help": (
+        "The prefix-hash key (u64). None: a random per-process key, or with a disk tier the key "
+        "kept (owner-only) in disk_cache_dir. Engines sharing a remote tier or a prefix-aware "
+        "router must share it (docs/prefix-hash.md, docs/router.md). Treat it as a secret.")})
+    kv_events_endpoint: Optional[str] = field(default=None, metadata={"help": (
+        "Publish the KV cache's block events (stored, removed, cleared) on this ZeroMQ endpoint, "
+        "one vLLM-format batch per step ('tcp://*:5557' binds, 'tcp://host:port' connects; "
+        "docs/kv-events.md). None: off.")})
+    kv_events_replay_endpoint: Optional[str] = field(default=None, metadata={"help": (
+        "The ZeroMQ endpoint (bound) consumers replay missed event batches from; needs "
+        "kv_events_endpoint.")})
+    kv_events_topic: str = field(default="", metadata={"help": (
+        "The topic frame of every KV-event message.")})
+    fused_model: bool = field(default=True, metadata={"help": (
+        "Run Llama/Mistral/Qwen2 models through the fused forward (one Q|K|V and one gate|up "
+        "GEMM, fused RMSNorm + residual, RoPE and SiLU-times-up kernels); False runs "
+        "transformers' own module forwards.")})
+    cuda_graph_pieces: int = field(default=1, metadata={"help": (
+        "With the fused forward, capture each decode step as this many CUDA graphs of consecutive "
+        "layers, so the GPU starts on the first while the host launches the rest; 1: one graph.")})
+    small_batch_gemv: int = field(default=0, metadata={"help": (
+        "With the fused forward on the kernels, steps of at most this many rows (at most 16) run "
+        "their linear layers through the weight-streaming GEMV instead of cuBLAS; 0: never.")})
+    layerwise_loads: bool = field(default=False, metadata={"help": (
+        "Loads from the host pool (host-tier prefix hits, swapped-in sequences) go layer by layer "
+        "and each layer of the step's forward waits only for its own slices, so the forward "
+        "overlaps the load. Eager steps only.")})
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple, Union
 
-from .builder import build_engine, config_from_kwargs, keyword_signature
+from .builder import build_engine, config_from_kwargs, keyword_signature, settings_doc
 from .config import EngineConfig
 from .input_processor import ValidatedRequest, bad_argument
 from .loader import LoadedModel
@@ -47,63 +47,9 @@ class LLMEngine:
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``; ``None``: CUDA when available, else the CPU.
         dtype: Weights and KV dtype (``torch.dtype`` or its name); ``None``: the loader's default
             (float32 on the CPU, the checkpoint's dtype on a GPU).
-        **engine_args: Any :class:`~pagedkv.engine.config.EngineConfig` field, by name (the
-            settings below, and the model runner's own listed there); each defaults to the
-            field's default.
-        kv_cache_memory: Bytes of KV pool (the runner sizes the pool from it); exclusive with
-            ``num_blocks``. Neither: the runner's default sizing.
-        num_blocks: Blocks in the KV pool.
-        block_size: Tokens per block.
-        max_num_seqs: Most sequences in one step.
-        max_num_batched_tokens: Token budget of one step (decodes plus prefill chunks); prompts
-            longer than this are prefilled in chunks.
-        enable_prefix_caching: Share and cache full KV blocks by prefix hash.
-        enable_chunked_prefill: Split prompts over steps to fit ``max_num_batched_tokens``.
-        watermark_blocks: Blocks kept back from admissions (``None``: the manager's default).
-        cuda_graphs: Capture decode steps in CUDA graphs (CUDA only).
-        progress: Show a progress bar while loading.
-        swap_space: Bytes of host (pinned) memory for swapped-out KV blocks (int or ``"4GiB"``);
-            exclusive with ``num_host_blocks``. Neither: no host pool, every preemption recomputes.
-        num_host_blocks: Blocks in the host KV pool.
-        preemption_mode: ``"auto"`` (the cost model picks swap or recompute per victim),
-            ``"swap"`` (swap whenever the host pool has room) or ``"recompute"``.
-        host_link_bytes_per_s: Host-link bandwidth for the cost model; ``None``: measured at
-            start-up (with a host pool and ``preemption_mode="auto"``).
-        prefill_tokens_per_s: Prefill throughput for the cost model; ``None``: measured likewise.
-        step_floor_s: Seconds a step costs however few tokens it carries (the cost model's step
-            floor: recompute tokens that fit under it ride along for free); ``None``: measured
-            when the rates are, else 0 (a linear model).
-        tensor_parallel_size: Ranks the model's heads are split over (``docs/tp.md``). Above 1,
-            without a torch.distributed process group this process becomes rank 0 and spawns the
-            others (rank ``r`` on ``cuda:r``, or the CPU with gloo); with one (``torchrun``), the
-            group's size must match and this must be its rank 0 (the others construct
-            :class:`LLM`). Call :meth:`shutdown` when done (also run at interpreter exit).
-        record_steps: With tensor parallelism, every rank records what each step ran (its step
-            tables and batch); :attr:`tp_step_records` has them, per rank, after :meth:`shutdown`.
-        tp_timeout_s: Timeout of the tensor-parallel process group's collectives.
-        host_cache_memory: Bytes of pinned host memory for the host tier of the prefix cache (int
-            or ``"16GiB"``): cached blocks the GPU pool evicts are written back there and loaded
-            again on a hit (``docs/tiers.md``). It shares the host pool with ``swap_space``;
-            swapped blocks take precedence. ``None``: no host tier.
-        host_cache_write_through: Copy each block to the host tier when it is first cached
-            instead of when the GPU pool evicts it.
-        disk_cache_dir: A directory for the disk tier (created owner-only): blocks the host
-            tier drops are written there and found again, also by a restarted engine of the same
-            model and configuration. Needs ``host_cache_memory`` and ``disk_cache_memory``.
-        disk_cache_memory: The disk tier's size cap in bytes (int or ``"200GiB"``).
-        remote_cache_url: A Redis or Valkey server (``redis://host:port/db``) shared by several
-            engines as the remote tier (extra ``pagedkv[remote]``). Needs ``host_cache_memory``.
-        remote_cache_timeout_s: Per-operation timeout of the remote tier; a slow or dead server
-            is a miss, never a stalled step.
-        hash_seed: The prefix-hash key (u64). ``None``: a random per-process key, or with a disk
-            tier the key kept (owner-only) in ``disk_cache_dir``. Engines sharing a remote tier
-            or a prefix-aware router must share it (``docs/prefix-hash.md`` says what that gives up;
-            ``docs/router.md``). Treat it as a secret.
-        kv_events_endpoint: Publish the KV cache's block events (stored, removed, cleared) on this
-            ZeroMQ endpoint, one vLLM-format batch per step (``docs/kv-events.md``); ``None``: off.
-        kv_events_replay_endpoint: The ZeroMQ endpoint (bound) consumers replay missed batches
-            from; needs ``kv_events_endpoint``.
-        kv_events_topic: The topic frame of every event message.
+        **engine_args: Any :class:`~pagedkv.engine.config.EngineConfig` field, by name, each
+            defaulting to the field's default (the signature lists them all). Each field's help
+            is appended below ("Settings"); the config's docstring groups them.
 
     Raises:
         ModelLoadError: ``model`` does not exist, is not a model directory or ``.gguf`` file, or is
@@ -385,5 +331,7 @@ class LLMEngine:
         return self._stats.snapshot()
 
 
-# Every EngineConfig field, with its default, in the constructor's signature (help, IDEs).
+# Every EngineConfig field, with its default, in the constructor's signature and its help in the
+# class's docstring (help(), IDEs): generated, so a new knob is one field.
 setattr(LLMEngine.__init__, "__signature__", keyword_signature(LLMEngine.__init__))
+LLMEngine.__doc__ = (LLMEngine.__doc__ or "") + settings_doc()
