@@ -78,7 +78,8 @@ def build_app(llm: AsyncLLM, *, served_model_name: str, api_key: Optional[str] =
     metrics = RequestMetrics(labels=labels)
     llm.observers.append(metrics)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(llm.engine.metrics_collector(labels=labels))
+    engine = llm.engine
+    registry.register(engine.metrics_collector(labels=labels))
     registry.register(metrics)
     state = ServerState(llm, served_model_name, api_key, chat_template, metrics, registry)
 
