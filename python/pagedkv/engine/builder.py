@@ -107,7 +107,7 @@ def build_engine(config: EngineConfig, model: Union[str, LoadedModel, None],
         max_num_seqs=core.scheduler.max_num_seqs, tensor_parallel=tp is not None)
     outputs = OutputProcessor(
         tokenizer, eos_token_ids=frozenset(int(t) for t in (loaded.eos_token_ids or ())),
-        max_model_len=max_model_len, on_token=stats.on_token)
+        max_model_len=max_model_len, on_first_token=stats.on_first_token)
     return EngineParts(config, loaded, str(path), torch.device(device), core, inputs, outputs,
                        stats, context, max_model_len)
 

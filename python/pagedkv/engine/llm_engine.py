@@ -301,7 +301,8 @@ class LLMEngine:
         for req in finished:
             self._requests.pop(req.request_id, None)
             self._stats.on_finished(req)
-        self._stats.record_step(len(ran.batch.seqs), time.perf_counter() - started)
+        self._stats.record_step(len(ran.batch.seqs), len(ran.sampled),
+                                time.perf_counter() - started)
         core.end_step()
         return outputs
 

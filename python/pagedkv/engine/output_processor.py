@@ -31,16 +31,16 @@ class OutputProcessor:
         tokenizer: The model's tokenizer (``None``: no text, token ids only).
         eos_token_ids: The model's end-of-sequence tokens.
         max_model_len: The longest sequence served (a sample reaching it ends with ``"length"``).
-        on_token: Called with ``(request, first)`` for every generated token (``first``: the
-            request's first token): the engine's counters.
+        on_first_token: Called with a request when its first token is processed (its time to
+            first token and prefix hits are known then): the engine's counters.
     """
 
     def __init__(self, tokenizer: Any, *, eos_token_ids: FrozenSet[int], max_model_len: int,
-                 on_token: Callable[[Request, bool], None]) -> None:
+                 on_first_token: Callable[[Request], None]) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self._on_token = on_token
+        self._on_first_token = on_first_token
         self._token_text: Dict[int, str] = {}
 
     def add_request(self, req: Request) -> None:
@@ -105,11 +105,10 @@ class OutputProcessor:
 
     def _after_token(self, req: Request, index: int, seq: Any, token: int, now: float,
                      logprobs: Any) -> bool:
-        first = req.metrics.first_token_time is None
-        if first:
+        if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
             req.metrics.num_cached_tokens = int(getattr(req.seqs[0], "num_cached_tokens", 0) or 0)
-        self._on_token(req, first)
+            self._on_first_token(req)
         params = req.params
         state = req.states[index]
         if logprobs is not None:

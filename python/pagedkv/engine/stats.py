@@ -116,13 +116,11 @@ class StatsTracker:
         self.counters["num_requests"] += 1
         self.counters["num_prompt_tokens"] += num_prompt_tokens
 
-    def on_token(self, req: Any, first: bool) -> None:
-        """One generated token of ``req`` (``first``: its first, whose prefix hits count)."""
+    def on_first_token(self, req: Any) -> None:
+        """``req``'s first token: its prompt and prefix hits count for the request hit ratio."""
         c = self.counters
-        if first:
-            c["request_hit_tokens"] += req.metrics.num_cached_tokens
-            c["request_prompt_tokens"] += len(req.prompt_token_ids)
-        c["num_generated_tokens"] += 1
+        c["request_hit_tokens"] += req.metrics.num_cached_tokens
+        c["request_prompt_tokens"] += len(req.prompt_token_ids)
 
     def on_finished(self, req: Any) -> None:
         self.counters["num_finished_requests"] += 1
@@ -130,11 +128,12 @@ class StatsTracker:
         if ttft is not None:
             self._ttfts.append(ttft)
 
-    def record_step(self, num_seqs: int, elapsed: float) -> None:
-        """A step that ran ``num_seqs`` sequences in ``elapsed`` seconds; samples the pool's
-        utilization after it."""
+    def record_step(self, num_seqs: int, num_tokens: int, elapsed: float) -> None:
+        """A step that ran ``num_seqs`` sequences and generated ``num_tokens`` in ``elapsed``
+        seconds; samples the pool's utilization after it."""
         c = self.counters
         c["num_steps"] += 1
+        c["num_generated_tokens"] += num_tokens
         c["peak_running_seqs"] = max(c["peak_running_seqs"], num_seqs)
         self.busy += elapsed
         s = self.core.manager.stats()
