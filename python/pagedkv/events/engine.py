@@ -1,6 +1,6 @@
 """The engine's end of KV events: drain the block manager once per step, publish one batch.
 
-Owns :class:`StepEventPublisher`, which :class:`~pagedkv.engine.llm.LLMEngine` builds when
+Owns :class:`StepEventPublisher`, which the engine core (:mod:`pagedkv.engine.core`) builds when
 ``kv_events_endpoint`` is set. Invariants: the core's ring is drained exactly once per engine step
 (from the engine thread, the manager's only caller), and its events and the lower tiers' (added to
 :attr:`StepEventPublisher.sink` from Python) leave as one :class:`KVEventBatch` per step that has
