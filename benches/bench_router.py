@@ -9,6 +9,14 @@ and one that sees a third of them (cache-aware) keeps them. Reported per policy:
 whether every output equals the other policy's (greedy).
 
     PYTHONPATH=python python benches/bench_router.py [--users 6] [--json out.json]
+
+``--index`` measures the router's index instead, the previous implementation (loaded from git,
+``--baseline-ref``) beside the current one: bytes per indexed (block, tier) entry (tracemalloc,
+200 000 GPU entries), and the latency of requests placed through a real router (uvicorn, httpx,
+a stub replica) while one batch of 10^6 stored hashes is applied from another thread, as a
+subscriber thread does.
+
+    PYTHONPATH=python python benches/bench_router.py --index [--json out.json]
 """
 
 from __future__ import annotations
@@ -142,14 +150,160 @@ def run_policy(model: str, policy: str, prompts: List[List[int]], args: Any) -> 
             r["proc"].wait(30)
 
 
+BASELINE_REF = "89f02e5"  # the index before it was made compact, TTL'd and sliced
+
+
+def load_baseline_index(ref: str) -> Any:
+    """The PrefixIndex class of ``ref``'s python/pagedkv/router/index.py (None without git)."""
+    import importlib.util
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    try:
+        src = subprocess.run(["git", "show", f"{ref}:python/pagedkv/router/index.py"], cwd=root,
+                             capture_output=True, check=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    spec = importlib.util.spec_from_loader("pagedkv.router._baseline_index", loader=None)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    mod.__package__ = "pagedkv.router"
+    exec(compile(src, f"{ref}:index.py", "exec"), mod.__dict__)
+    return mod.PrefixIndex
+
+
+def stored_batch(hashes: List[int], medium: str = "GPU") -> Any:
+    from pagedkv.events import BlockStored, KVEventBatch, hash_to_wire
+
+    return KVEventBatch(ts=0.0, events=[BlockStored(
+        block_hashes=[hash_to_wire(h) for h in hashes], parent_block_hash=None, token_ids=[],
+        block_size=BLOCK, lora_id=None, medium=medium, lora_name=None)])
+
+
+def bytes_per_entry(index_cls: Any, n: int) -> float:
+    import gc
+    import tracemalloc
+
+    rng = random.Random(1)
+    batch = stored_batch([rng.getrandbits(128) for _ in range(n)])
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = index_cls()
+    index.apply(0, batch)
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert index.blocks(0) == n
+    return (after - before) / n
+
+
+def latency_during_batch(index_cls: Any, n: int) -> Dict[str, Any]:
+    """Requests through a real router while one n-hash batch is applied on another thread."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from pagedkv import hash_prompt
+
+    stub = FastAPI()
+
+    @stub.post("/v1/completions")
+    async def completions() -> Any:
+        return JSONResponse({"choices": [{"text": ""}]})
+
+    @stub.get("/health")
+    async def health() -> Any:
+        return JSONResponse({})
+
+    def serve(app: Any) -> tuple[Any, str, threading.Thread]:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        th.start()
+        while not server.started:
+            time.sleep(0.02)
+        return server, f"http://127.0.0.1:{sock.getsockname()[1]}", th
+
+    stub_server, stub_url, stub_th = serve(stub)
+    router = Router([ReplicaSpec(stub_url)], block_size=BLOCK, hash_seed=KEY,
+                    health_interval_s=3600)
+    router.index = index_cls()
+    prompt = list(range(3, 3 + 4 * BLOCK + 1))
+    router.index.apply(0, stored_batch(hash_prompt(prompt, BLOCK, KEY)))
+    front, url, front_th = serve(build_app(router))
+    big = stored_batch(list(range(10, 10 + n)))
+    done = threading.Event()
+    span: Dict[str, float] = {}
+
+    def apply() -> None:
+        span["t0"] = time.perf_counter()
+        router._on_batch(0, big)
+        span["t1"] = time.perf_counter()
+        done.set()
+
+    async def requests() -> List[tuple[float, float]]:
+        out = []
+        async with httpx.AsyncClient(timeout=120) as client:
+            for _ in range(5):  # warm up
+                await client.post(url + "/v1/completions", json={"prompt": prompt})
+            threading.Thread(target=apply, daemon=True).start()
+            while not done.is_set():
+                t0 = time.perf_counter()
+                r = await client.post(url + "/v1/completions", json={"prompt": prompt})
+                assert r.status_code == 200
+                out.append((t0, time.perf_counter() - t0))
+        return out
+
+    lat = asyncio.run(requests())
+    during = [d for t0, d in lat if t0 < span["t1"]]
+    front.should_exit = stub_server.should_exit = True
+    front_th.join(10)
+    stub_th.join(10)
+    return dict(batch_apply_s=span["t1"] - span["t0"], requests=len(during),
+                worst_ms=max(during) * 1e3, p50_ms=pct(during, 50) * 1e3,
+                matched=router.stats.matched_blocks)
+
+
+def index_bench(args: Any) -> None:
+    from pagedkv.router import PrefixIndex
+
+    impls = []
+    baseline = load_baseline_index(args.baseline_ref)
+    if baseline is None:
+        print(f"(no baseline: git show {args.baseline_ref} failed)")
+    else:
+        impls.append((f"before ({args.baseline_ref})", baseline))
+    impls.append(("after", PrefixIndex))
+    rows = []
+    for name, cls in impls:
+        row: Dict[str, Any] = dict(impl=name, bytes_per_entry=bytes_per_entry(cls, args.entries))
+        row.update(latency_during_batch(cls, args.batch_hashes))
+        rows.append(row)
+        print(f"measured {name}", flush=True)
+    print(f"{'index':<18} {'B/entry':>8} {'batch apply s':>13} {'requests':>8} "
+          f"{'worst ms':>9} {'p50 ms':>7}")
+    for r in rows:
+        print(f"{r['impl']:<18} {r['bytes_per_entry']:>8.1f} {r['batch_apply_s']:>13.2f} "
+              f"{r['requests']:>8} {r['worst_ms']:>9.1f} {r['p50_ms']:>7.1f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"index": rows, "args": vars(args)}, fh, indent=2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--index", action="store_true",
+                    help="measure the index (bytes per entry, latency during a giant batch)")
+    ap.add_argument("--baseline-ref", default=BASELINE_REF)
+    ap.add_argument("--entries", type=int, default=200_000)
+    ap.add_argument("--batch-hashes", type=int, default=1_000_000)
     ap.add_argument("--tenants", type=int, default=16)
     ap.add_argument("--users", type=int, default=6)
     ap.add_argument("--concurrency", type=int, default=6)
     ap.add_argument("--num-blocks", type=int, default=48)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.index:
+        index_bench(args)
+        return
     rng = random.Random(0)
     systems = [[rng.randrange(3, 120) for _ in range(4 * BLOCK)] for _ in range(args.tenants)]
     prompts = [systems[t] + [rng.randrange(3, 120) for _ in range(BLOCK)]

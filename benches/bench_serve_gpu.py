@@ -123,7 +123,7 @@ class Server:
     def __init__(self, llm: Any) -> None:
         import uvicorn
 
-        from pagedkv.serve.app import build_app
+        from pagedkv.serve.app import build_app, uvicorn_config
 
         self.llm = llm
         app = build_app(llm, served_model_name=NAME)
@@ -131,9 +131,10 @@ class Server:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        # uvicorn.run's defaults (the event loop it picks, h11, no concurrency limit), as `serve`
-        # has them; only the log level is quieter, and no lifespan (the app defines none).
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        # uvicorn as `serve` configures it (its bounds, TCP_NODELAY on every connection, which
+        # asyncio does not set on a socket bound here); only the log level is quieter, and no
+        # lifespan (the app defines none).
+        self.server = uvicorn.Server(uvicorn_config(app, log_level="warning", lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
                                        name="uvicorn", daemon=True)
         self.thread.start()

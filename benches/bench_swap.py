@@ -89,7 +89,7 @@ def spec_8b():
 
 def bandwidth(args) -> dict:
     from pagedkv.kv_pool import KVPool
-    from pagedkv.swap import SwapEngine
+    from pagedkv.tiers.host import SwapEngine
 
     spec = spec_8b()
     n = args.swap_blocks

@@ -10,9 +10,7 @@ At Llama-3-8B dimensions (random bf16 weights, ``benches/_dims.py``), for each p
    ``generate`` call (one token);
 4. ``recompute``: the same prompt under another tenant's ``cache_salt`` (nothing cached for it):
    a full prefill, same engine, same step;
-5. ``copy``: a plain pinned host-to-device ``copy_`` of the same KV bytes, the bound on a load;
-6. ``--layerwise``: steps 2-3 again with the runner's ``layerwise_loads`` on (same engine): the
-   blocks load layer by layer and each layer of the forward waits only for its own slices.
+5. ``copy``: a plain pinned host-to-device ``copy_`` of the same KV bytes, the bound on a load.
 
 Also (``--reuse``) a reuse workload: ``--reuse-prompts`` unique prompts of ``--reuse-len`` tokens,
 whose KV is several times the GPU pool, each asked twice in two passes; throughput of the second
@@ -116,15 +114,13 @@ def run_lengths(loaded, args) -> list:
                       max_num_seqs=4, max_num_batched_tokens=args.chunk,
                       host_cache_memory=args.host_cache, progress=False)
     kv_token = llm.llm_engine.runner.spec.bytes_per_token
-    runner = llm.llm_engine.runner
 
     def evict_others():
         for _ in range(2):
             ttft(llm, torch.randint(0, vocab, (llm.max_model_len - 1,), generator=g).tolist())
 
     for n in args.lens:
-        host_t, rec_t, lay_t = [], [], []
-        layered = 0
+        host_t, rec_t = [], []
         for rep in range(args.reps):
             a = torch.randint(0, vocab, (n,), generator=g).tolist()
             ttft(llm, a)
@@ -137,21 +133,11 @@ def run_lengths(loaded, args) -> list:
             if gpu_hits:
                 print(f"  warning: {gpu_hits} tokens of the {n}-token prompt were still on the GPU")
             rec_t.append(ttft(llm, a, salt=f"other-tenant-{n}-{rep}"))
-            if args.layerwise:
-                evict_others()
-                runner.layerwise_loads = True
-                k0 = runner.swap.num_layered_swap_ins
-                lay_t.append(ttft(llm, a))
-                layered += runner.swap.num_layered_swap_ins - k0
-                runner.layerwise_loads = False
         if args.profile_dir and n in args.profile_lens:
-            for by_layer in ([False, True] if args.layerwise else [False]):
-                a = torch.randint(0, vocab, (n,), generator=g).tolist()
-                ttft(llm, a)
-                evict_others()
-                runner.layerwise_loads = by_layer
-                profiled(llm, a, args.profile_dir, f"host_{'layered_' if by_layer else ''}{n}")
-                runner.layerwise_loads = False
+            a = torch.randint(0, vocab, (n,), generator=g).tolist()
+            ttft(llm, a)
+            evict_others()
+            profiled(llm, a, args.profile_dir, f"host_{n}")
         full = (n // bs) * bs
         cp = copy_time(full * kv_token, args.device)
         h, r = statistics.median(host_t), statistics.median(rec_t)
@@ -160,12 +146,6 @@ def run_lengths(loaded, args) -> list:
                      "gpu_hit_tokens": gpu_hits, "load_fraction_of_copy": cp / h})
         line = (f"  {n:>6} tokens: host {h*1e3:8.2f} ms   recompute {r*1e3:8.2f} ms   "
                 f"x{r/h:5.1f}   plain copy {cp*1e3:6.2f} ms   host hits {hits}")
-        if lay_t:
-            lt = statistics.median(lay_t)
-            rows[-1].update({"host_layered_ttft_ms": lt * 1e3, "speedup_layered": r / lt,
-                             "layered_swap_ins": layered})
-            line += (f"\n  {'':>6}         by layer {lt*1e3:8.2f} ms   x{r/lt:5.1f}   "
-                     f"({layered} of {args.reps} loads went layer by layer)")
         print(line, flush=True)
     llm.shutdown()
     return rows
@@ -180,14 +160,11 @@ def run_reuse(loaded, args) -> dict:
                for _ in range(args.reuse_prompts)]
     sp = pagedkv.SamplingParams(temperature=0.0, max_tokens=1)
     out = {}
-    arms = [("no tier", None, False), ("host tier", args.reuse_host, False)]
-    if args.layerwise:
-        arms.append(("by layer", args.reuse_host, True))
-    for label, host, by_layer in arms:
+    for label, host in (("no tier", None), ("host tier", args.reuse_host)):
         llm = pagedkv.LLM(loaded, device=args.device, num_blocks=args.reuse_blocks,
                           block_size=args.block_size, max_num_seqs=256,
                           max_num_batched_tokens=args.chunk, host_cache_memory=host,
-                          progress=False, layerwise_loads=by_layer)
+                          progress=False)
         llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         sync()
         t0 = time.perf_counter()
@@ -206,9 +183,6 @@ def run_reuse(loaded, args) -> dict:
             torch.cuda.empty_cache()
     out["speedup"] = out["no tier"]["seconds"] / out["host tier"]["seconds"]
     out["same_outputs"] = out["no tier"]["first_tokens"] == out["host tier"]["first_tokens"]
-    if args.layerwise:
-        out["speedup_layered"] = out["no tier"]["seconds"] / out["by layer"]["seconds"]
-        out["same_outputs"] &= out["no tier"]["first_tokens"] == out["by layer"]["first_tokens"]
     return out
 
 
@@ -227,8 +201,6 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse-blocks", type=int, default=8192, help="GPU pool of the reuse run")
     ap.add_argument("--reuse-host", default="80GiB")
     ap.add_argument("--skip-lens", action="store_true")
-    ap.add_argument("--layerwise", action="store_true",
-                    help="also time the host tier with layerwise_loads on (TTFT and reuse)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile-dir", default=None,
                     help="profile one more host-tier TTFT per --profile-lens length: tables "

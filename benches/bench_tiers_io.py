@@ -42,6 +42,10 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 
 from pagedkv.tiers import BlockMeta, DiskStore, RemoteStore, fingerprint
+from pagedkv.tiers.secret import TierSecret
+
+#: A throwaway tier secret: the records are authenticated as in production.
+SECRET = TierSecret(os.urandom(32).hex().encode(), source="bench")
 
 MIB = 1 << 20
 TOKENS = 16
@@ -151,7 +155,7 @@ def failure_rows(proc: "subprocess.Popen[bytes]", url: str, fp: bytes, block_byt
     """What a miss costs while the server does not answer (SIGSTOP): the call that times out
     (``timeout_s`` = 50 ms, the default) and the calls during the back-off after it."""
     rows = []
-    with RemoteStore(url, fp, block_bytes, timeout_s=0.05, backoff_s=60) as s:
+    with RemoteStore(url, fp, block_bytes, timeout_s=0.05, backoff_s=60, secret=SECRET) as s:
         s.put(meta, data)
         proc.send_signal(signal.SIGSTOP)
         try:
@@ -232,7 +236,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if url is not None:
             rows += median_of(args.reps, lambda: run_store(
                 f"redis {version or ''}".strip(),
-                lambda: RemoteStore(url, fp, args.block_bytes, timeout_s=args.timeout_s, threads=args.threads),
+                lambda: RemoteStore(url, fp, args.block_bytes, timeout_s=args.timeout_s, threads=args.threads,
+                                    secret=SECRET),
                 metas, data, args.block_bytes,
             ))
         else:

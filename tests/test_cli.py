@@ -23,9 +23,12 @@ HELP_WORDS = {
     "demo": ("--json", "--model"),
     "plan": ("--json", "--model", "--gpu-mem"),
     "simulate": ("--json", "--model", "--gpu-mem"),
-    "serve": ("MODEL", "--model", "--host", "--port", "--max-queue-size", "--num-blocks"),
+    "serve": ("MODEL", "--model", "--host", "--port", "--max-queue-size", "--num-blocks",
+              "--config", "--api-key-file", "--hash-seed-file", "--gpu-memory-utilization",
+              "--max-model-len", "--enable-prefix-caching", "--no-prefix-caching"),
     "bench serve": ("--url", "--num-prompts", "--request-rate", "--dataset", "--json"),
-    "router": ("--replica", "--events", "--replay", "--hash-seed", "--policy", "--model"),
+    "router": ("--replica", "--events", "--replay", "--hash-seed", "--hash-seed-file", "--policy",
+               "--model"),
 }
 
 

@@ -6,9 +6,10 @@ greedy outputs with ``fused_model`` on and off; the fused weights are views of t
 copy, the model's own forward unchanged); models the fused forward cannot run are left alone.
 Under ``TRITON_INTERPRET=1``: each Triton kernel against its PyTorch reference on small shapes,
 fp32 and bf16 (in bf16 within two units in the last place: Triton's interpreter truncates where
-compiled code rounds to nearest). ``gpu``: the kernels compiled against the references (bf16,
-within one unit in the last place), and the fused forward in
-CUDA graphs and eager against the unfused one in bf16.
+compiled code rounds to nearest); the kernels' runner against the dense model, its one-row linear
+layers through the GEMV and larger ones through cuBLAS (counted). ``gpu``: the kernels compiled
+against the references (bf16, within one unit in the last place), and the fused forward in CUDA
+graphs and eager against the unfused one in bf16.
 """
 
 from __future__ import annotations
@@ -220,25 +221,30 @@ def test_silu_mul_kernel_matches_reference(dtype):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("gemv", [0, 16])
-def test_interpreted_fused_kernel_runner_matches_dense(gemv, monkeypatch):
-    """The kernels' runner (interpreted) against the dense model; with ``small_batch_gemv`` the
-    decode steps' (and the small prefill's) linear layers and LM head run the GEMV, the down
-    projection's with SiLU-times-up applied to its input."""
+@pytest.mark.parametrize("batch, cublas", [(1, False), (1, True), (2, False)])
+def test_interpreted_fused_kernel_runner_matches_dense(batch, cublas, monkeypatch):
+    """The kernels' runner (interpreted) against the dense model. By default every linear layer
+    of one row runs the GEMV (a one-sequence decode step's projections and LM head, the down
+    projection's with SiLU-times-up applied to its input; the prefill's LM head, which keeps one
+    row) and every larger one cuBLAS; ``gemv_rows = 0`` (what the benches compare against) runs
+    cuBLAS throughout."""
     from pagedkv.kernels import gemv as gemv_mod
 
     calls = []
     real = gemv_mod.linear_small_m
     monkeypatch.setattr(gemv_mod, "linear_small_m",
-                        lambda *a, **k: calls.append(k.get("silu_mul_input", False))
-                        or real(*a, **k))
+                        lambda x, *a, **k: calls.append((x.shape[0],
+                                                         k.get("silu_mul_input", False)))
+                        or real(x, *a, **k))
     model = _model("llama", seed=9)
     runner = ModelRunner(_loaded(model), block_size=4, num_blocks=64, max_num_seqs=4,
-                         max_num_batched_tokens=64, attention_backend="triton",
-                         small_batch_gemv=gemv)
-    assert runner.fused and runner.gemv_rows == gemv
-    prompts = [[3, 17, 99, 4, 5], [8, 1]]
-    logits = _drive(runner, prompts, 2)
+                         max_num_batched_tokens=64, attention_backend="triton")
+    assert runner.fused and runner.gemv_rows == 1
+    if cublas:
+        runner.gemv_rows = 0
+    prompts = [[3, 17, 99, 4, 5], [8, 1]][:batch]
+    steps = 2
+    logits = _drive(runner, prompts, steps)
     seqs = [list(p) for p in prompts]
     for step in logits[:-1]:
         for k in range(len(seqs)):
@@ -247,9 +253,46 @@ def test_interpreted_fused_kernel_runner_matches_dense(gemv, monkeypatch):
         ref = model(torch.tensor([s])).logits[0, -1]
         torch.testing.assert_close(logits[-1][k], ref, atol=1e-4, rtol=0)
     layers = model.config.num_hidden_layers
-    # Per step 4 projections a layer and the LM head; the 7-token prefill has 7 rows.
-    assert len(calls) == (0 if gemv == 0 else 3 * (4 * layers + 1))
-    assert sum(calls) == (0 if gemv == 0 else 3 * layers)  # one gated call a layer and step
+    assert all(rows == 1 for rows, _ in calls)
+    if batch == 1 and not cublas:
+        # Each decode step: 4 projections a layer (one gated) and the LM head; the 5-token
+        # prefill: its LM head only.
+        assert len(calls) == steps * (4 * layers + 1) + 1
+        assert sum(g for _, g in calls) == steps * layers
+    else:
+        assert calls == []
+
+
+@needs_interpreter
+def test_interpreted_one_row_step_keeping_no_row(monkeypatch):
+    """A one-row step that samples no row: its projections run the GEMV, its LM head (no row)
+    stays on cuBLAS instead of asking the GEMV for zero rows."""
+    from pagedkv.kernels import gemv as gemv_mod
+
+    calls = []
+    real = gemv_mod.linear_small_m
+    monkeypatch.setattr(gemv_mod, "linear_small_m",
+                        lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    model = _model("llama", seed=9)
+    runner = ModelRunner(_loaded(model), block_size=4, num_blocks=64, max_num_seqs=4,
+                         max_num_batched_tokens=64, attention_backend="triton")
+    mgr = build_block_manager(runner, enable_prefix_caching=False)
+    mgr.admit(0, [3, 17, 99, 4, 5])
+    runner.execute(np.array([3, 17, 99, 4, 5]), np.arange(5), mgr.step([0], [5]), [0])
+    mgr.append_batch(np.array([0]), np.array([7]))
+    calls.clear()
+    out = runner.execute(np.array([7]), np.array([5]), mgr.step([0], 1), [])
+    assert out.shape == (0, VOCAB)
+    assert calls == [1] * (4 * model.config.num_hidden_layers)
+
+
+def test_the_cpu_path_never_uses_the_gemv():
+    runner = ModelRunner(_loaded(_model("llama")), block_size=4, num_blocks=16,
+                         attention_backend="torch")
+    assert runner.fused and runner.gemv_rows == 0
+    plain = ModelRunner(_loaded(_model("llama")), block_size=4, num_blocks=16,
+                        attention_backend="torch", fused_model=False)
+    assert not plain.fused and plain.gemv_rows == 0
 
 
 # ---------------------------------------------------------------------------------------- GPU
@@ -307,10 +350,3 @@ def test_gpu_fused_equals_unfused_bf16(graphs):
         assert (la - lb).abs().max().item() < 0.1
         agree.append((a.argmax(-1) == b.argmax(-1)).float())
     assert torch.cat(agree).mean().item() >= 0.9
-
-
-def test_config_gemv_limit_is_the_kernels():
-    from pagedkv.engine.config import GEMV_MAX_ROWS
-    from pagedkv.kernels.gemv import MAX_M
-
-    assert GEMV_MAX_ROWS == MAX_M

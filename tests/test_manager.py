@@ -156,7 +156,8 @@ def test_admit_allocates_ceil_blocks() -> None:
     m = BlockManager(32, 4, watermark_blocks=0)
     r = m.admit(1, list(range(10)))
     assert isinstance(r, AdmitResult)
-    assert r == AdmitResult(cached_tokens=0, new_blocks=3, num_blocks=3, num_tokens=10)
+    assert r == AdmitResult(cached_tokens=0, new_blocks=3, num_blocks=3, num_tokens=10,
+                           cached_tokens_gpu=0, cached_tokens_host=0)
     table = m.block_table(1)
     assert len(table) == 3 and len(set(table)) == 3
     assert all(0 <= b < 32 for b in table)
@@ -611,9 +612,10 @@ def _stepped(m: BlockManager, seq: int, toks, **keys) -> AdmitResult:
 def test_prefix_hits_after_step_and_share_blocks() -> None:
     m, _ = manager_with_buffers(block_size=4)
     prompt = list(range(100, 109))  # 2 full blocks + 1 token
-    assert _stepped(m, 1, prompt) == AdmitResult(0, 3, 3, 9)
+    assert _stepped(m, 1, prompt) == AdmitResult(0, 3, 3, 9, 0, 0)
     r = m.admit(2, prompt)
-    assert r == AdmitResult(cached_tokens=8, new_blocks=1, num_blocks=3, num_tokens=9)
+    assert r == AdmitResult(cached_tokens=8, new_blocks=1, num_blocks=3, num_tokens=9,
+                           cached_tokens_gpu=8, cached_tokens_host=0)
     assert m.block_table(2)[:2] == m.block_table(1)[:2]
     assert m.block_table(2)[2] != m.block_table(1)[2]
     assert [m.block_refcount(x) for x in m.block_table(1)[:2]] == [2, 2]

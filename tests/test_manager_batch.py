@@ -59,10 +59,12 @@ def test_cached_prompt_admitted_in_chunks_reuses_4080_tokens() -> None:
     m = make(1024)
     toks = prompt(4096, 0)
     first = chunked_prefill(m, 1, toks, 512)
-    assert first == AdmitResult(cached_tokens=0, new_blocks=32, num_blocks=32, num_tokens=512)
+    assert first == AdmitResult(cached_tokens=0, new_blocks=32, num_blocks=32, num_tokens=512,
+                                cached_tokens_gpu=0, cached_tokens_host=0)
     m.free(1)
     r = m.admit(2, toks, max_new_tokens=512)
-    assert r == AdmitResult(cached_tokens=4080, new_blocks=1, num_blocks=256, num_tokens=4096)
+    assert r == AdmitResult(cached_tokens=4080, new_blocks=1, num_blocks=256, num_tokens=4096,
+                            cached_tokens_gpu=4080, cached_tokens_host=0)
     assert m.seq_len(2) == 4096
     m.check_invariants()
     m.free(2)

@@ -195,7 +195,8 @@ class ManagerMachine(RuleBasedStateMachine):
         new = nb - len(hits)
         if hits:
             event("admit: prefix hit")
-        assert tuple(res) == (len(hits) * self.B, new, nb, n)
+        # No host tier here: every cached token is a GPU hit.
+        assert tuple(res) == (len(hits) * self.B, new, nb, n, len(hits) * self.B, 0)
         table = self.m.block_table(sid)
         assert table[: len(hits)] == hits
         for b in hits:

@@ -308,3 +308,67 @@ def test_property_any_pressure_same_outputs_no_leaks(num_blocks, block_size, bud
     out = run(m, s, [Sequence(i, p) for i, p in enumerate(ps)], max_tokens=max_tokens)
     for i, p in enumerate(ps):
         assert out[i] == reference(p, max_tokens)
+
+
+# ------------------------------------------------------------------ constructor: gate, can_swap
+
+
+class HoldGate:
+    """An admission gate holding back the ids in ``hold`` (what a tier cache does while a
+    prompt's blocks are fetched), recording what the scheduler tells it."""
+
+    def __init__(self, hold):
+        self.hold = set(hold)
+        self.admitted_ids = []
+        self.forgotten = []
+
+    def ready(self, seq):
+        return seq.seq_id not in self.hold
+
+    def admitted(self, seq, result):
+        self.admitted_ids.append((seq.seq_id, result.cached_tokens_gpu, result.cached_tokens_host))
+
+    def forget(self, seq):
+        self.forgotten.append(seq.seq_id)
+
+
+def test_the_admission_gate_is_a_constructor_argument():
+    m, _ = make()
+    gate = HoldGate({0})
+    s = Scheduler(m, max_num_seqs=8, max_num_batched_tokens=32, admission_gate=gate)
+    assert s.admission_gate is gate
+    held, other, gone = Sequence(0, list(range(6))), Sequence(1, list(range(50, 56))), \
+        Sequence(2, list(range(90, 96)))
+    gate.hold.add(2)
+    for q in (held, other, gone):
+        s.add(q)
+    b = s.schedule()
+    assert [q.seq_id for q in b.seqs] == [1]  # the one behind the held one goes first
+    assert gate.admitted_ids == [(1, 0, 0)]
+    s.postprocess(b, [None])
+    s.finish(gone)  # left while held: the gate forgets it
+    assert gate.forgotten == [2]
+    gate.hold.clear()
+    b = s.schedule()
+    assert 0 in [q.seq_id for q in b.seqs] and gate.admitted_ids[-1][0] == 0
+
+
+def test_can_swap_is_a_constructor_argument():
+    m = BlockManager(24, 4, watermark_blocks=1, num_host_blocks=32)
+    m.attach_buffers(StepBuffers(6, 64 + 6 + 64, 24, max_copies=24, device="cpu"))
+    assert Scheduler(m).can_swap is True
+    s = Scheduler(m, max_num_seqs=6, max_num_batched_tokens=64, preemption_mode="swap",
+                  can_swap=False)
+    assert s.can_swap is False
+    ps = prompts(6, base_len=8)
+    out = run(m, s, [Sequence(i, p) for i, p in enumerate(ps)], max_tokens=16)
+    # A host pool kept out of preemption: every preemption recomputes, even in "swap" mode.
+    assert s.num_preemptions > 0
+    assert s.num_preemptions_by_mode == {"swap": 0, "recompute": s.num_preemptions}
+    for i, p in enumerate(ps):
+        assert out[i] == reference(p, 16)
+    no_host, _ = make()
+    with pytest.raises(InvalidConfigError, match="can_swap = True"):
+        Scheduler(no_host, can_swap=True)
+    with pytest.raises(InvalidConfigError, match="can_swap = 'yes'"):
+        Scheduler(m, can_swap="yes")  # type: ignore[arg-type]

@@ -1,11 +1,10 @@
 """The swap engine's GPU ordering, checked on the CPU by a happens-before race detector.
 
-The CUDA branches of :class:`pagedkv.swap.SwapEngine` (whole-block swap-outs and swap-ins with
-their per-block order, and the layer-by-layer loads) run here against stand-in streams and
-events. Every copy the engine queues, and every read and write of the cache the test's forward
-queues on the compute stream the way the model runner does (``wait`` before the forward, or
-``wait(layers=False)`` then ``wait_layer(l)`` before layer ``l``), is recorded with the bytes it
-reads and writes and a vector clock. Two accesses to the same bytes, at least one a write, are a
+The CUDA branches of :class:`pagedkv.tiers.host.SwapEngine` (swap-outs and swap-ins with their
+per-block order) run here against stand-in streams and events. Every copy the engine queues, and
+every read and write of the cache the test's forward queues on the compute stream the way the
+model runner does (``wait`` before the forward), is recorded with the bytes it reads and writes
+and a vector clock. Two accesses to the same bytes, at least one a write, are a
 race unless the first happens before the second through the streams' order and the engine's own
 event waits. The stand-in events report completion only when a seeded coin says so (a GPU may
 be arbitrarily slow or fast; a completion the host observes orders what the event covers before
@@ -21,7 +20,6 @@ forward reads every live block and writes new tokens into fresh blocks.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import random
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -30,8 +28,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pagedkv import _cudart  # noqa: E402
-from pagedkv import swap as S  # noqa: E402
+from pagedkv.tiers import host as S  # noqa: E402
 from pagedkv.config import CacheSpec  # noqa: E402
 from pagedkv.kv_pool import KVPool  # noqa: E402
 
@@ -64,9 +61,6 @@ class World:
         # per cell: (last write, reads since it); an access is (stream id, clock, what)
         self.cells: Dict[int, Tuple[Optional[tuple], list]] = {}
         self.num_accesses = 0
-
-    def stream_of(self, handle: int) -> "FakeStream":
-        return self.streams[handle - 1000]
 
     def _cells(self, ranges: List[Tuple[int, int]]) -> List[int]:
         out = []
@@ -116,10 +110,6 @@ class FakeStream:
         world.streams.append(self)
         self.vc: Clock = {}
         self.n = 0
-
-    @property
-    def cuda_stream(self) -> int:
-        return 1000 + self.id
 
     def wait_stream(self, other: "FakeStream") -> None:
         self.vc = _join(self.vc, other.vc)
@@ -171,8 +161,7 @@ def _rows(t: torch.Tensor, dim: int, idx: torch.Tensor) -> List[Tuple[int, int]]
 
 @contextlib.contextmanager
 def instrumented(world: World, monkeypatch: Any):
-    """Routes torch.cuda's streams and events, the engine's copies and the strided transfer
-    through ``world``."""
+    """Routes torch.cuda's streams and events and the engine's copies through ``world``."""
     FakeEvent.world = world
     real_copy, real_index_copy = torch.Tensor.copy_, torch.Tensor.index_copy_
     real_index_select = torch.index_select
@@ -197,14 +186,6 @@ def instrumented(world: World, monkeypatch: Any):
         world.access(world.current, _rows(src, dim, index), ranges(out), "index_select")
         return real_index_select(src, dim, index, out=out)
 
-    def memcpy2d(dst, dpitch, src, spitch, width, height, kind, stream):
-        world.access(world.stream_of(stream), [(src + r * spitch, src + r * spitch + width)
-                                               for r in range(height)],
-                     [(dst + r * dpitch, dst + r * dpitch + width) for r in range(height)],
-                     "memcpy2d")
-        for r in range(height):
-            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
-
     monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: FakeStream(world))
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: world.current)
@@ -212,8 +193,6 @@ def instrumented(world: World, monkeypatch: Any):
     monkeypatch.setattr(torch.Tensor, "copy_", copy_)
     monkeypatch.setattr(torch.Tensor, "index_copy_", index_copy_)
     monkeypatch.setattr(torch, "index_select", index_select)
-    monkeypatch.setattr(_cudart, "memcpy2d_async", memcpy2d)
-    monkeypatch.setattr(_cudart, "available", lambda: True)
     yield
 
 
@@ -225,27 +204,27 @@ def _engine(layers: int, blocks: int, host_blocks: int, staging: int) -> Tuple[S
     return eng, pool
 
 
+def _cell(pool: Any) -> int:
+    """Bytes of one block of one layer's K (or V): the unit the engine's copies index."""
+    return pool.kv[0, 0, 0].numel() * pool.kv.element_size()
+
+
 def _forward(world: World, eng: S.SwapEngine, pool: Any, reads: List[int], writes: List[int],
-             layered: bool, rng: random.Random) -> None:
+             rng: random.Random) -> None:
     """The runner's protocol around one eager forward on the compute stream: wait for the
-    swaps (per layer when the loads went by layer), then per layer read the live blocks and
-    write new tokens into ``writes``; finally wait for every layer."""
-    eng.wait(layers=not layered)
+    swaps, then per layer read the live blocks and write new tokens into ``writes``."""
+    eng.wait()
     kv = pool.kv.view(torch.uint8)
     for layer in range(pool.spec.num_layers):
-        if layered:
-            eng.wait_layer(layer)
         r = [x for b in reads for kvi in (0, 1) for x in ranges(kv[layer, kvi, b])]
         w = [x for b in writes for kvi in (0, 1) for x in ranges(kv[layer, kvi, b])]
         world.access(world.default, r, w, f"forward layer {layer}")
         for b in writes:
             kv[layer, :, b].fill_(rng.randrange(256))  # its own bytes: unrecorded, not a copy
-    if layered:
-        eng.wait()
 
 
 def _workload(world: World, eng: S.SwapEngine, pool: Any, seed: int, steps: int,
-              by_layer: float, skip_forward: float) -> Dict[str, int]:
+              skip_forward: float) -> Dict[str, int]:
     rng = random.Random(seed)
     n, nh = pool.num_blocks, eng.host.num_blocks
     kv = pool.kv.view(torch.uint8)
@@ -253,7 +232,7 @@ def _workload(world: World, eng: S.SwapEngine, pool: Any, seed: int, steps: int,
     free = set(range(n)) - live
     host_free = set(range(nh))
     host_held: Dict[int, torch.Tensor] = {}  # host slot -> the bytes it must hold
-    counts = {"out": 0, "in": 0, "layered": 0, "bursts": 0}
+    counts = {"out": 0, "in": 0, "bursts": 0}
     for _ in range(steps):
         # Write-back: some live blocks leave the GPU for free host slots.
         k = min(len(live) - 1, len(host_free), rng.randrange(0, 7))
@@ -273,12 +252,8 @@ def _workload(world: World, eng: S.SwapEngine, pool: Any, seed: int, steps: int,
         in_host = rng.sample(sorted(host_held), k)
         pref = [d for d in out_dev if d in free] + sorted(free - set(out_dev))
         in_dev = pref[:k] if rng.random() < 0.7 else rng.sample(sorted(free), k)
-        layered = bool(in_host) and rng.random() < by_layer
-        before = eng.num_layered_swap_ins
-        eng.swap_in(list(zip(in_host, in_dev)), by_layer=layered)
-        layered = eng.num_layered_swap_ins > before
+        eng.swap_in(list(zip(in_host, in_dev)))
         counts["in"] += len(in_host)
-        counts["layered"] += int(layered)
         expect = {d: host_held[h] for h, d in zip(in_host, in_dev)}
         live |= set(in_dev)
         free -= set(in_dev)
@@ -297,7 +272,7 @@ def _workload(world: World, eng: S.SwapEngine, pool: Any, seed: int, steps: int,
             continue
         # The forward: reads every live block, writes new tokens into fresh blocks.
         fresh = rng.sample(sorted(free), min(len(free), rng.randrange(0, 3)))
-        _forward(world, eng, pool, sorted(live), fresh, layered, rng)
+        _forward(world, eng, pool, sorted(live), fresh, rng)
         live |= set(fresh)
         free -= set(fresh)
         # Some sequences finish: their blocks are free without a write-back, and a later load
@@ -311,46 +286,39 @@ def _workload(world: World, eng: S.SwapEngine, pool: Any, seed: int, steps: int,
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("staging", [2, 5, 16])
 def test_swaps_and_forwards_have_no_unordered_access(monkeypatch, seed, staging):
-    """Random write-backs, loads (whole-block and by layer), host slots dropped and reused,
+    """Random write-backs, loads, host slots dropped and reused,
     blocks freed without a write-back and reloaded, steps whose swaps follow the last ones with
     no forward (no wait) between, and forwards: every pair of conflicting accesses is ordered,
     with events that complete (0.3) or never do (0.0)."""
     for completes in (0.0, 0.3):
         eng, pool = _engine(layers=3, blocks=24, host_blocks=20, staging=staging)
-        world = World(cell=eng._chunk, seed=seed, completes=completes)
+        world = World(cell=_cell(pool), seed=seed, completes=completes)
         with instrumented(world, monkeypatch):
             eng.is_cuda, eng.host.pinned = True, True
-            eng.max_layer_runs = 64
             eng._init_streams()
-            counts = _workload(world, eng, pool, seed, steps=12, by_layer=0.5, skip_forward=0.3)
+            counts = _workload(world, eng, pool, seed, steps=12, skip_forward=0.3)
         monkeypatch.undo()
-        assert counts["out"] and counts["in"] and counts["layered"], counts
+        assert counts["out"] and counts["in"], counts
         assert world.num_accesses > 50
 
 
 def test_the_detector_finds_a_missing_wait(monkeypatch):
-    """The checker is not vacuous: a forward that skips the runner's wait, or a layer that reads
-    before its own slices are in, is reported."""
-    for skip in ("wait", "wait_layer"):
+    """The checker is not vacuous: a forward that skips the runner's wait is reported, and one
+    that waits is not."""
+    for skip in (True, False):
         eng, pool = _engine(layers=3, blocks=12, host_blocks=8, staging=4)
-        world = World(cell=eng._chunk, seed=0, completes=0.0)
+        world = World(cell=_cell(pool), seed=0, completes=0.0)
         with instrumented(world, monkeypatch):
             eng.is_cuda, eng.host.pinned = True, True
             eng._init_streams()
             eng.swap_out([(0, 0), (1, 1)])
             eng.synchronize()
-            eng.swap_in([(0, 5), (1, 6)], by_layer=skip == "wait_layer")
-            if skip == "wait":
+            eng.swap_in([(0, 5), (1, 6)])
+            read = ranges(pool.kv.view(torch.uint8)[0, 0, 5])
+            if skip:
                 with pytest.raises(Race, match="forward layer 0"):
-                    world.access(world.default, ranges(pool.kv.view(torch.uint8)[0, 0, 5]), [],
-                                 "forward layer 0")
+                    world.access(world.default, read, [], "forward layer 0")
             else:
-                assert eng.layers_pending
-                eng.wait(layers=False)
-                eng.wait_layer(0)
-                world.access(world.default, ranges(pool.kv.view(torch.uint8)[0, 0, 5]), [],
-                             "forward layer 0")
-                with pytest.raises(Race, match="forward layer 1"):
-                    world.access(world.default, ranges(pool.kv.view(torch.uint8)[1, 0, 5]), [],
-                                 "forward layer 1")
+                eng.wait()
+                world.access(world.default, read, [], "forward layer 0")
         monkeypatch.undo()

@@ -21,6 +21,7 @@ from pagedkv.tiers import BlockMeta, DiskStore, Reason, fingerprint, load_or_cre
 from pagedkv.tiers.disk import HASH_KEY_FILE
 from pagedkv.tiers.record import (
     HEADER_BYTES,
+    TRAILER_BYTES,
     decode,
     decode_checked,
     encode,
@@ -29,7 +30,10 @@ from pagedkv.tiers.record import (
     record_size,
 )
 
+from pagedkv.tiers.secret import TierSecret
+
 FP = fingerprint("test/tiny-llama", "bfloat16", 16, 2, 2, 8)
+SECRET = TierSecret(b"test fleet secret of at least 32 bytes", source="test")
 OTHER_FP = fingerprint("test/other-model", "bfloat16", 16, 2, 2, 8)
 BLOCK = 8192  # bytes of one test block
 TOKENS = 16
@@ -47,7 +51,7 @@ def payload(i: int) -> bytes:
 
 
 def store(path: "os.PathLike[str]", slots: int = 8, fp: bytes = FP, **kw: int) -> DiskStore:
-    s = DiskStore(path, slots * 12288, fp, BLOCK, max_tokens=TOKENS, **kw)
+    s = DiskStore(path, slots * 12288, fp, BLOCK, max_tokens=TOKENS, secret=SECRET, **kw)
     assert s.num_slots == slots and s.slot_bytes == 12288
     return s
 
@@ -60,7 +64,7 @@ def segment_file(path: "os.PathLike[str]") -> str:
 def decode_args(m: BlockMeta, n: int = BLOCK) -> dict:
     return dict(
         fingerprint=FP, block_hash=m.block_hash, token_ids=m.token_ids, salt_digest=m.salt_digest,
-        payload_len=n,
+        payload_len=n, secret=SECRET,
     )
 
 
@@ -69,22 +73,22 @@ def decode_args(m: BlockMeta, n: int = BLOCK) -> dict:
 
 def test_record_round_trip_and_header():
     m = meta(3, parent=1234)
-    rec = encode(FP, m, payload(3))
-    assert len(rec) == record_size(TOKENS, BLOCK) == HEADER_BYTES + 4 * TOKENS + BLOCK + 16
+    rec = encode(FP, m, payload(3), secret=SECRET)
+    assert len(rec) == record_size(TOKENS, BLOCK) == HEADER_BYTES + 4 * TOKENS + BLOCK + TRAILER_BYTES
     out = decode(rec, **decode_args(m))
     assert out is not None and bytes(out) == payload(3)
     header = parse_header(rec)
     assert header is not None
     assert (header.block_hash, header.parent_hash, header.salt_digest) == (m.block_hash, 1234, 7)
     assert (header.fingerprint, header.token_count, header.payload_len) == (FP, TOKENS, BLOCK)
-    assert parse_header(encode(FP, meta(4), payload(4))).parent_hash is None
+    assert parse_header(encode(FP, meta(4), payload(4), secret=SECRET)).parent_hash is None
     buf = bytearray(len(rec) + 100)
-    assert encode_into(buf, FP, m, payload(3)) == len(rec) and bytes(buf[: len(rec)]) == rec
+    assert encode_into(buf, FP, m, payload(3), secret=SECRET) == len(rec) and bytes(buf[: len(rec)]) == rec
 
 
 def test_record_refusals_name_their_reason():
     m = meta(1)
-    rec = bytearray(encode(FP, m, payload(1)))
+    rec = bytearray(encode(FP, m, payload(1), secret=SECRET))
     cases = {
         Reason.FOREIGN: dict(decode_args(m), fingerprint=OTHER_FP),
         Reason.HASH_MISMATCH: dict(decode_args(m), block_hash=m.block_hash + 1),
@@ -122,8 +126,8 @@ def test_record_property_round_trip_and_any_flipped_bit_is_refused(
     block_hash, parent, salt, tokens, body, flip, bit
 ):
     m = BlockMeta(block_hash, parent, salt, tokens)
-    rec = encode(FP, m, body)
-    args = dict(fingerprint=FP, block_hash=block_hash, token_ids=tokens, salt_digest=salt, payload_len=len(body))
+    rec = encode(FP, m, body, secret=SECRET)
+    args = dict(fingerprint=FP, block_hash=block_hash, token_ids=tokens, salt_digest=salt, payload_len=len(body), secret=SECRET)
     out, reason = decode_checked(rec, **args)
     assert reason is Reason.OK and bytes(out) == body
     header = parse_header(rec)
@@ -316,7 +320,7 @@ def test_foreign_record_written_under_a_stored_hash_is_refused(tmp_path):
     with store(tmp_path) as s:
         s.put(meta(0), payload(0))
         with open(segment_file(tmp_path), "r+b") as f:
-            f.write(encode(OTHER_FP, meta(0), payload(0)))
+            f.write(encode(OTHER_FP, meta(0), payload(0), secret=SECRET))
         assert s.get(meta(0)) is None and s.stats().foreign == 1
 
 

@@ -16,7 +16,10 @@ from pagedkv.errors import InvalidArgumentError, InvalidConfigError
 from pagedkv.tiers import BlockMeta, Reason, RemoteStore, fingerprint
 from pagedkv.tiers.record import encode, record_size
 
+from pagedkv.tiers.secret import TierSecret
+
 FP = fingerprint("test/tiny-llama", "bfloat16", 16, 2, 2, 8)
+SECRET = TierSecret(b"test fleet secret of at least 32 bytes", source="test")
 OTHER_FP = fingerprint("test/tiny-llama", "bfloat16", 16, 2, 2, 8, tp_rank=1, tp_size=2)
 BLOCK = 8192
 TOKENS = 16
@@ -50,7 +53,7 @@ def wait_until(predicate, limit_s: float = 10.0) -> bool:
 
 
 def test_round_trip_keys_and_ttl(redis_server):
-    with RemoteStore(redis_server.url, FP, BLOCK) as s:
+    with RemoteStore(redis_server.url, FP, BLOCK, secret=SECRET) as s:
         assert s.get(meta(0)) is None and s.stats().misses == 1
         assert s.put(meta(0), payload(0))
         assert s.put_async(meta(1), np.frombuffer(payload(1), np.uint8)).result()
@@ -65,20 +68,20 @@ def test_round_trip_keys_and_ttl(redis_server):
         assert (st.hits, st.misses, st.puts, st.errors, st.timeouts) == (4, 1, 2, 0, 0)
         assert st.bytes_written == 2 * record_size(TOKENS, BLOCK) and st.usage_bytes is None
         key = s.key(meta(0).block_hash)
-        assert key == f"pagedkv:{FP.hex()}:{meta(0).block_hash:032x}".encode()
+        assert key == f"pagedkv:{FP.hex()}:{SECRET.key_id}:{meta(0).block_hash:032x}".encode()
         client = raw_client(redis_server)
-        assert client.get(key) == encode(FP, meta(0), payload(0))
+        assert client.get(key) == encode(FP, meta(0), payload(0), secret=SECRET)
         assert client.ttl(key) == -1  # no expiry unless asked
         assert s.remove(meta(0).block_hash) and not s.contains(meta(0).block_hash)
-    with RemoteStore(redis_server.url, FP, BLOCK, ttl_s=30) as s:
+    with RemoteStore(redis_server.url, FP, BLOCK, secret=SECRET, ttl_s=30) as s:
         s.put(meta(5), payload(5))
         assert 0 < raw_client(redis_server).pttl(s.key(meta(5).block_hash)) <= 30_000
 
 
 def test_two_engines_share_one_server(redis_url):
-    a = RemoteStore(redis_url, FP, BLOCK)
-    b = RemoteStore(redis_url, FP, BLOCK)
-    other = RemoteStore(redis_url, OTHER_FP, BLOCK)
+    a = RemoteStore(redis_url, FP, BLOCK, secret=SECRET)
+    b = RemoteStore(redis_url, FP, BLOCK, secret=SECRET)
+    other = RemoteStore(redis_url, OTHER_FP, BLOCK, secret=SECRET)
     try:
         for i in range(4):
             a.put(meta(i), payload(i))
@@ -97,7 +100,7 @@ def test_two_engines_share_one_server(redis_url):
 
 def test_corrupted_value_is_a_miss_and_is_deleted(redis_server):
     client = raw_client(redis_server)
-    with RemoteStore(redis_server.url, FP, BLOCK) as s:
+    with RemoteStore(redis_server.url, FP, BLOCK, secret=SECRET) as s:
         s.put(meta(0), payload(0))
         s.put(meta(1), payload(1))
         key = s.key(meta(0).block_hash)
@@ -106,9 +109,9 @@ def test_corrupted_value_is_a_miss_and_is_deleted(redis_server):
         client.set(key, bytes(value))
         assert s.get(meta(0)) is None
         assert s.stats().corrupt == 1 and client.exists(key) == 0
-        client.set(s.key(meta(1).block_hash), encode(FP, meta(1), payload(1))[:-300])  # truncated
+        client.set(s.key(meta(1).block_hash), encode(FP, meta(1), payload(1), secret=SECRET)[:-300])  # truncated
         assert s.get(meta(1)) is None and s.stats().corrupt == 2
-        client.set(s.key(meta(2).block_hash), encode(OTHER_FP, meta(2), payload(2)))
+        client.set(s.key(meta(2).block_hash), encode(OTHER_FP, meta(2), payload(2), secret=SECRET))
         assert s.get(meta(2)) is None and s.stats().foreign == 1
         client.set(s.key(meta(3).block_hash), b"not a record")
         assert s.get(meta(3)) is None and s.stats().corrupt == 3
@@ -116,7 +119,7 @@ def test_corrupted_value_is_a_miss_and_is_deleted(redis_server):
 
 
 def test_killed_server_degrades_to_misses_then_recovers_on_restart(redis_server):
-    with RemoteStore(redis_server.url, FP, BLOCK, timeout_s=0.05, backoff_s=0.2) as s:
+    with RemoteStore(redis_server.url, FP, BLOCK, secret=SECRET, timeout_s=0.05, backoff_s=0.2) as s:
         s.put(meta(0), payload(0))
         assert s.get(meta(0)) == payload(0)
         redis_server.kill()
@@ -136,7 +139,7 @@ def test_killed_server_degrades_to_misses_then_recovers_on_restart(redis_server)
 
 def test_paused_server_times_out_within_the_bound(redis_server):
     """A server that accepts connections but never answers: a timeout, then back-off."""
-    with RemoteStore(redis_server.url, FP, BLOCK, timeout_s=0.05, backoff_s=0.2) as s:
+    with RemoteStore(redis_server.url, FP, BLOCK, secret=SECRET, timeout_s=0.05, backoff_s=0.2) as s:
         s.put(meta(0), payload(0))
         redis_server.pause()
         try:
@@ -150,16 +153,16 @@ def test_paused_server_times_out_within_the_bound(redis_server):
 
 def test_bad_arguments_raise_typed_errors(redis_server):
     with pytest.raises(InvalidConfigError, match=r"timeout_s must be a positive number of seconds, got 0"):
-        RemoteStore(redis_server.url, FP, BLOCK, timeout_s=0)
+        RemoteStore(redis_server.url, FP, BLOCK, secret=SECRET, timeout_s=0)
     with pytest.raises(InvalidConfigError, match=r"ttl_s"):
-        RemoteStore(redis_server.url, FP, BLOCK, ttl_s=-1)
+        RemoteStore(redis_server.url, FP, BLOCK, secret=SECRET, ttl_s=-1)
     with pytest.raises(InvalidConfigError, match=r"fingerprint must be 16 bytes"):
-        RemoteStore(redis_server.url, b"x", BLOCK)
+        RemoteStore(redis_server.url, b"x", BLOCK, secret=SECRET)
     with pytest.raises(InvalidConfigError, match=r"remote url 'http://x' is not a Redis URL"):
-        RemoteStore("http://x", FP, BLOCK)
+        RemoteStore("http://x", FP, BLOCK, secret=SECRET)
     with pytest.raises(InvalidConfigError, match=r"remote url must be a non-empty string .* got None"):
-        RemoteStore(None, FP, BLOCK)  # type: ignore[arg-type]
-    with RemoteStore(redis_server.url, FP, BLOCK) as s:
+        RemoteStore(None, FP, BLOCK, secret=SECRET)  # type: ignore[arg-type]
+    with RemoteStore(redis_server.url, FP, BLOCK, secret=SECRET) as s:
         with pytest.raises(InvalidArgumentError, match=r"data holds 10 bytes; this store's blocks are 8192"):
             s.put(meta(0), b"0123456789")
         with pytest.raises(InvalidArgumentError, match=r"block hash must be an integer"):
@@ -168,7 +171,7 @@ def test_bad_arguments_raise_typed_errors(redis_server):
 
 
 def test_reason_counters_cover_every_reason():
-    assert {r.counter for r in Reason} == {"hits", "corrupt", "foreign", "mismatched"}
+    assert {r.counter for r in Reason} == {"hits", "corrupt", "foreign", "mismatched", "unauthenticated"}
 
 
 def test_without_redis_py_the_error_names_the_extra(monkeypatch, tmp_path):
@@ -178,13 +181,13 @@ def test_without_redis_py_the_error_names_the_extra(monkeypatch, tmp_path):
 
     monkeypatch.setitem(sys.modules, "redis", None)
     with pytest.raises(MissingDependencyError, match=r"pip install 'pagedkv\[remote\]'"):
-        RemoteStore("redis://127.0.0.1:1/0", FP, BLOCK)
+        RemoteStore("redis://127.0.0.1:1/0", FP, BLOCK, secret=SECRET)
 
 
 def test_use_after_close_raises_store_closed(redis_server):
     from pagedkv.tiers import StoreClosedError
 
-    s = RemoteStore(redis_server.url, FP, BLOCK)
+    s = RemoteStore(redis_server.url, FP, BLOCK, secret=SECRET)
     s.put(meta(0), payload(0))
     s.close()
     s.close()  # idempotent
@@ -226,7 +229,7 @@ def test_a_server_answering_garbage_is_a_counted_miss():
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        with RemoteStore(f"redis://127.0.0.1:{port}/0", FP, BLOCK, timeout_s=0.5, backoff_s=60) as s:
+        with RemoteStore(f"redis://127.0.0.1:{port}/0", FP, BLOCK, secret=SECRET, timeout_s=0.5, backoff_s=60) as s:
             assert s.get(meta(0)) is None
             assert not s.put(meta(0), payload(0))
             st = s.stats()
@@ -240,7 +243,7 @@ def test_a_server_answering_garbage_is_a_counted_miss():
 def test_an_error_reply_fails_only_its_call(redis_server):
     """A full server (maxmemory reached, noeviction) refuses writes with -OOM but still serves reads:
     the put is a counted drop and the store does not back off."""
-    with RemoteStore(redis_server.url, FP, BLOCK, backoff_s=60) as s:
+    with RemoteStore(redis_server.url, FP, BLOCK, secret=SECRET, backoff_s=60) as s:
         s.put(meta(0), payload(0))
         client = raw_client(redis_server)
         client.config_set("maxmemory-policy", "noeviction")

@@ -56,7 +56,7 @@ def _run(model_dir: str, rounds: int = 2, prompts: Any = None, device: str = "cp
         llm.llm_engine.manager.check_invariants()
         stats = llm.stats()
         tiers = llm.llm_engine.tiers
-        store_stats = {name: s.stats() for name, s in tiers.stores} if tiers else {}
+        store_stats = {s.name: s.stats() for s in tiers.stores} if tiers else {}
     finally:
         llm.shutdown()
     return outs, stats, store_stats
@@ -69,9 +69,12 @@ def baseline(model_dir: str) -> List[List[int]]:
     return outs
 
 
+@pytest.mark.parametrize("fused", [True, False])
 def test_host_tier_serves_evicted_prefixes_with_the_same_outputs(model_dir: str,
-                                                                 baseline: List[List[int]]) -> None:
-    outs, stats, _ = _run(model_dir, host_cache_memory="1MiB")
+                                                                 baseline: List[List[int]],
+                                                                 fused: bool) -> None:
+    """Through the fused forward and through transformers' own module forwards."""
+    outs, stats, _ = _run(model_dir, host_cache_memory="1MiB", fused_model=fused)
     assert outs == baseline
     hits = stats.prefix_hits_by_tier
     assert set(hits) == {"gpu", "host"}
@@ -105,63 +108,6 @@ def test_one_step_may_load_more_blocks_than_two_sequences_hold(model_dir: str) -
     assert outs["host"] == outs["none"]
     # More host-tier blocks came back than 2 x 32 (two sequences of this model's context).
     assert hits["host"] // BS > 2 * (512 // BS)
-
-
-class _RecordingSwap:
-    """The runner's swap engine, recording the per-layer waits its forwards make. On the CPU a
-    layer-by-layer load is synchronous (nothing pends), so this wrapper reports it pending until
-    the runner waits for every layer, as a CUDA engine would."""
-
-    def __init__(self, real: Any) -> None:
-        self.real, self.waits, self.pending, self.loads = real, [], False, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
-
-    def swap_in(self, pairs: Any, *, by_layer: bool = False) -> int:
-        before = self.real.num_layered_swap_ins
-        n = self.real.swap_in(pairs, by_layer=by_layer)
-        if self.real.num_layered_swap_ins > before:
-            self.pending, self.loads = True, self.loads + 1
-        return n
-
-    @property
-    def layers_pending(self) -> bool:
-        return self.pending
-
-    def wait(self, stream: Any = None, *, layers: bool = True) -> None:
-        if layers:
-            self.pending = False
-        self.real.wait(stream, layers=layers)
-
-    def wait_layer(self, layer: int, stream: Any = None) -> None:
-        assert self.pending, "a layer wait outside a layer-by-layer step"
-        self.waits.append(layer)
-
-
-@pytest.mark.parametrize("fused", [True, False])
-def test_layerwise_loads_keep_outputs_and_wait_layer_by_layer(model_dir: str,
-                                                              baseline: List[List[int]],
-                                                              fused: bool) -> None:
-    """``layerwise_loads``: the host tier's hits load layer by layer, the outputs are the
-    baseline's, and each such step's forward waits for layers 0, 1, ... in order, each once,
-    through the fused forward and through transformers' own module forwards."""
-    seen: Dict[str, Any] = {}
-
-    def record(llm: Any) -> None:
-        runner = seen["runner"] = llm.llm_engine.runner
-        assert runner.layerwise_loads and runner.fused == fused
-        runner.swap = seen["rec"] = _RecordingSwap(runner.swap)
-
-    outs, stats, _ = _run(model_dir, on_engine=record, host_cache_memory="1MiB",
-                          layerwise_loads=True, fused_model=fused)
-    assert outs == baseline
-    assert stats.prefix_hits_by_tier.get("host", 0) >= 6 * 6 * BS // 2
-    rec = seen["rec"]
-    layers = seen["runner"].spec.num_layers
-    assert rec.loads >= 6 and rec.real.num_layered_swap_ins == rec.loads
-    assert rec.waits == list(range(layers)) * rec.loads
-    assert not rec.pending
 
 
 def test_disk_tier_serves_what_the_host_tier_dropped(model_dir: str, baseline: List[List[int]],
@@ -211,7 +157,8 @@ def test_corrupt_disk_blocks_are_misses_never_wrong_kv(model_dir: str, baseline:
 
 
 def test_two_engines_share_the_remote_tier(model_dir: str, baseline: List[List[int]],
-                                           redis_url: str) -> None:
+                                           redis_url: str, monkeypatch: Any) -> None:
+    monkeypatch.setenv("PAGEDKV_TIER_SECRET", "a fleet secret shared by both test engines")
     args: Dict[str, Any] = dict(host_cache_memory="64KiB", remote_cache_url=redis_url,
                                 remote_cache_timeout_s=1.0, hash_seed=1234)
     first, s1, _ = _run(model_dir, rounds=1, prompts=_prompts() + _prompts(seed=1), **args)
@@ -225,7 +172,8 @@ def test_two_engines_share_the_remote_tier(model_dir: str, baseline: List[List[i
 
 
 def test_a_dead_remote_server_only_costs_misses(model_dir: str, baseline: List[List[int]],
-                                                redis_server: Any) -> None:
+                                                redis_server: Any, monkeypatch: Any) -> None:
+    monkeypatch.setenv("PAGEDKV_TIER_SECRET", "a fleet secret shared by both test engines")
     url = redis_server.url
     redis_server.stop()
     outs, stats, stores = _run(model_dir, host_cache_memory="64KiB", remote_cache_url=url,
@@ -233,33 +181,6 @@ def test_a_dead_remote_server_only_costs_misses(model_dir: str, baseline: List[L
     assert outs == baseline
     assert stats.prefix_hits_by_tier.get("remote", 0) == 0
     assert stores["remote"].errors + stores["remote"].unavailable + stores["remote"].timeouts > 0
-
-
-def test_a_forward_that_raises_still_waits_for_every_layer(model_dir: str) -> None:
-    """A layer-by-layer step whose forward raises part-way: the runner still waits for every
-    layer before the error leaves it, so no later work can read a block still being loaded."""
-    seen: Dict[str, Any] = {}
-
-    class _Boom(RuntimeError):
-        pass
-
-    def arm(llm: Any) -> None:
-        runner = llm.llm_engine.runner
-        rec = seen["rec"] = _RecordingSwap(runner.swap)
-        real = rec.wait_layer
-
-        def wait_layer(layer: int, stream: Any = None) -> None:
-            real(layer, stream)
-            if layer == 1:
-                raise _Boom("layer 1")
-
-        rec.wait_layer = wait_layer  # type: ignore[method-assign]
-        runner.swap = rec
-
-    with pytest.raises(_Boom):
-        _run(model_dir, on_engine=arm, host_cache_memory="1MiB", layerwise_loads=True)
-    rec = seen["rec"]
-    assert rec.loads == 1 and rec.waits == [0, 1] and not rec.pending
 
 
 @pytest.mark.gpu
@@ -279,23 +200,6 @@ def test_gpu_host_and_disk_tiers_keep_greedy_outputs(model_dir: str, tmp_path: A
                                disk_cache_dir=str(tmp_path / "kv"), disk_cache_memory="64MiB", **kw)
     assert outs == base
     assert stats.prefix_hits_by_tier["disk"] > 0 and stores["disk"].corrupt == 0
-
-
-@pytest.mark.gpu
-def test_gpu_layerwise_loads_keep_greedy_outputs(model_dir: str) -> None:
-    """On CUDA: the host tier's hits load layer by layer (strided transfers, per-layer events,
-    each layer of the eager forward waiting for its own), with the outputs of a run without
-    tiers token for token."""
-    import torch
-
-    kw: Dict[str, Any] = dict(device="cuda", dtype=torch.float32)
-    base, _, _ = _run(model_dir, **kw)
-    seen: Dict[str, Any] = {}
-    outs, stats, _ = _run(model_dir, on_engine=lambda llm: seen.setdefault("llm", llm),
-                          host_cache_memory="1MiB", layerwise_loads=True, **kw)
-    assert outs == base
-    layered = seen["llm"].llm_engine.runner.swap.num_layered_swap_ins
-    assert stats.prefix_hits_by_tier["host"] >= 6 * 6 * BS // 2 and layered >= 6
 
 
 def test_tier_settings_are_checked(model_dir: str, tmp_path: Any) -> None:

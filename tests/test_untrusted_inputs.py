@@ -38,12 +38,15 @@ from pagedkv.tiers.record import (
     decode,
     decode_checked,
     encode,
+    TRAILER_BYTES,
     parse_header,
     verify_split,
 )
+from pagedkv.tiers.secret import TierSecret
 from polling import wait_for  # noqa: E402
 
 FP = fingerprint("test/untrusted", "bfloat16", 16, 2, 2, 8)
+SECRET = TierSecret(b"test fleet secret of at least 32 bytes", source="test")
 U32 = (1 << 32) - 1
 U64 = (1 << 64) - 1
 U128 = (1 << 128) - 1
@@ -395,7 +398,7 @@ def test_tracker_applies_each_batch_once_in_order_whatever_the_peer_says(
 
 _FAULTS = ("none", "trailing", "magic", "version", "fingerprint", "hash", "salt", "token_count",
            "payload_len", "token_value", "unchecked_header", "payload_byte", "checksum_byte",
-           "truncate")
+           "truncate", "mac_byte")
 #: Faults the identity checks see: the same reason whether or not the checksum was recomputed.
 _EXPECTED = {
     "none": Reason.OK, "trailing": Reason.OK, "magic": Reason.BAD_MAGIC,
@@ -403,7 +406,7 @@ _EXPECTED = {
     "salt": Reason.SALT_MISMATCH, "token_count": Reason.TOKENS_MISMATCH,
     "payload_len": Reason.LENGTH_MISMATCH, "token_value": Reason.TOKENS_MISMATCH,
     "payload_byte": Reason.CHECKSUM, "checksum_byte": Reason.CHECKSUM,
-    "truncate": Reason.TRUNCATED,
+    "truncate": Reason.TRUNCATED, "mac_byte": Reason.UNAUTHENTICATED,
 }
 
 
@@ -415,15 +418,16 @@ def _other(draw: Any, strategy: Any, not_this: Any) -> Any:
 def faulty_records(draw: Any, payload_size: Optional[int] = None, max_tokens: int = 8
                    ) -> Tuple[BlockMeta, bytes, bytes, str, Reason]:
     """``(meta, payload, record bytes, fault, expected reason)``: a record of ``meta`` with one
-    fault; ``forge`` (drawn) recomputes the checksum, as a writer with access to the store could."""
+    fault; ``forge`` (drawn) recomputes the checksum, as a writer with access to the store but
+    not to the tier secret could: the MAC then refuses what the checksum no longer does."""
     n = draw(st.integers(0, max_tokens))
     tokens = draw(st.lists(st.integers(0, U32), min_size=n, max_size=n))
     size = payload_size or draw(st.integers(1, 96))
     payload = draw(st.binary(min_size=size, max_size=size))
     meta = BlockMeta(draw(st.integers(0, U128)), draw(st.none() | st.integers(0, U128)),
                      draw(st.integers(0, U128)), tokens)
-    rec = bytearray(encode(FP, meta, payload))
-    end = len(rec) - CHECKSUM_BYTES
+    rec = bytearray(encode(FP, meta, payload, secret=SECRET))
+    end = len(rec) - TRAILER_BYTES
     fault = draw(st.sampled_from(_FAULTS))
     if fault == "token_value" and n == 0:
         fault = "token_count"
@@ -454,15 +458,20 @@ def faulty_records(draw: Any, payload_size: Optional[int] = None, max_tokens: in
     elif fault == "unchecked_header":  # flags, parent hash, reserved: covered by the checksum only
         off = draw(st.sampled_from([6, 7, *range(40, 56), *range(76, 80)]))
         rec[off] ^= draw(st.integers(1, 255))
-        expected = Reason.OK if forge else Reason.CHECKSUM
+        expected = Reason.UNAUTHENTICATED if forge else Reason.CHECKSUM
     elif fault == "payload_byte":
         rec[HEADER_BYTES + 4 * n + draw(st.integers(0, size - 1))] ^= draw(st.integers(1, 255))
-        forge = False  # a forged payload is the store's content, not a decoding fault
+        # Other KV under a recomputed checksum: only the MAC tells it from the stored block.
+        expected = Reason.UNAUTHENTICATED if forge else Reason.CHECKSUM
     elif fault == "checksum_byte":
         rec[end + draw(st.integers(0, CHECKSUM_BYTES - 1))] ^= draw(st.integers(1, 255))
         forge = False
     elif fault == "truncate":
         del rec[draw(st.integers(0, len(rec) - 1)):]
+        forge = False
+    elif fault == "mac_byte":
+        rec[end + CHECKSUM_BYTES + draw(st.integers(0, TRAILER_BYTES - CHECKSUM_BYTES - 1))] ^= \
+            draw(st.integers(1, 255))
         forge = False
     if forge and fault != "trailing":
         rec[end:end + CHECKSUM_BYTES] = xxhash.xxh3_128_digest(bytes(rec[:end]))
@@ -472,7 +481,7 @@ def faulty_records(draw: Any, payload_size: Optional[int] = None, max_tokens: in
 
 def _expect(meta: BlockMeta, payload_len: int) -> Dict[str, Any]:
     return dict(fingerprint=FP, block_hash=meta.block_hash, token_ids=list(meta.token_ids),
-                salt_digest=meta.salt_digest, payload_len=payload_len)
+                salt_digest=meta.salt_digest, payload_len=payload_len, secret=SECRET)
 
 
 @settings(max_examples=200, deadline=None)
@@ -494,7 +503,7 @@ def test_record_single_faults_are_refused_with_their_reason(case: Any) -> None:
     else:
         assert header is not None
         assert header.record_size == HEADER_BYTES + 4 * header.token_count + \
-            header.payload_len + CHECKSUM_BYTES
+            header.payload_len + TRAILER_BYTES
     # The disk reader's path: the record read as three pieces of the expected sizes.
     if fault not in ("trailing", "truncate"):
         t = HEADER_BYTES + 4 * len(meta.token_ids)
@@ -514,7 +523,7 @@ def test_record_valid_header_then_any_bytes_is_a_miss(
     do, unless the bytes are the real record."""
     meta = BlockMeta(5, None, 6, tokens)
     payload = bytes(range(size))
-    real = encode(FP, meta, payload)
+    real = encode(FP, meta, payload, secret=SECRET)
     rec = real[:min(cut, len(real))] + tail
     out, reason = decode_checked(rec, **_expect(meta, size))
     if rec[:len(real)] == real:
@@ -541,7 +550,7 @@ def test_disk_slot_holding_a_faulty_record_is_a_miss_after_restart(
     if meta.block_hash == GENUINE.block_hash:
         return
     path = tmp_path_factory.mktemp("disk")
-    s = DiskStore(path, 4 * 4096, FP, DISK_BLOCK, max_tokens=DISK_TOKENS)
+    s = DiskStore(path, 4 * 4096, FP, DISK_BLOCK, max_tokens=DISK_TOKENS, secret=SECRET)
     assert s.slot_bytes == 4096 and s.put(GENUINE, GENUINE_PAYLOAD)
     s.close()
     (name,) = [p for p in path.iterdir() if p.suffix == ".pkv"]
@@ -549,10 +558,10 @@ def test_disk_slot_holding_a_faulty_record_is_a_miss_after_restart(
         f.seek(s.slot_bytes)
         f.write(rec)
     # The slot's unwritten bytes are zeros: a record cut where the real one held zeros is whole.
-    real = encode(FP, meta, payload)
+    real = encode(FP, meta, payload, secret=SECRET)
     if (rec + bytes(len(real)))[:len(real)] == real:
         expected = Reason.OK
-    s = DiskStore(path, 4 * 4096, FP, DISK_BLOCK, max_tokens=DISK_TOKENS)
+    s = DiskStore(path, 4 * 4096, FP, DISK_BLOCK, max_tokens=DISK_TOKENS, secret=SECRET)
     try:
         got = s.get(meta)
         if expected is Reason.OK:
@@ -584,7 +593,7 @@ def test_remote_value_holding_a_faulty_record_is_a_counted_miss(redis_server: An
 
     meta, payload, rec, fault, expected = case
     client = redis.Redis.from_url(redis_server.url)
-    with RemoteStore(redis_server.url, FP, DISK_BLOCK, timeout_s=2.0) as s:
+    with RemoteStore(redis_server.url, FP, DISK_BLOCK, timeout_s=2.0, secret=SECRET) as s:
         key = s.key(meta.block_hash)
         client.set(key, rec)
         before = s.stats()
@@ -672,7 +681,8 @@ def test_remote_non_bulk_reply_is_a_counted_miss(reply: bytes) -> None:
 
     server = _FakeRedis(reply)
     try:
-        with RemoteStore(server.url, FP, DISK_BLOCK, timeout_s=2.0, backoff_s=0) as s:
+        with RemoteStore(server.url, FP, DISK_BLOCK, timeout_s=2.0, backoff_s=0,
+                         secret=SECRET) as s:
             assert s.get_async(GENUINE).result(10) is None
             assert s.get(GENUINE) is None
             st_ = s.stats()
@@ -723,6 +733,11 @@ def _model_apply(model: Dict[Tuple[int, int], Set[str]], op: Tuple[Any, ...]) ->
     kind, r, hashes, medium, _bs = op
     keys = [k for _, k in hashes if k is not None]
     if kind == "stored":
+        from pagedkv.router.index import MAX_TIERS_PER_REPLICA
+
+        live = {t for (mr, _h), ts in model.items() if mr == r for t in ts}
+        if (medium or "GPU") not in live and len(live) >= MAX_TIERS_PER_REPLICA:
+            return  # one tier too many: not indexed
         for h in keys:
             model.setdefault((r, h), set()).add(medium or "GPU")
     elif kind == "removed":
@@ -768,8 +783,8 @@ def _check_against_model(index: Any, model: Dict[Tuple[int, int], Set[str]]) -> 
             if n:
                 want[r] = n
         assert index.match(chain) == want
-    # Nothing left behind by add/remove cycles (no empty holder maps or tier sets).
-    assert all(holders and all(holders.values()) for holders in index._where.values())
+    # Nothing left behind by add/remove cycles (no empty tier maps).
+    assert all(all(rep.tiers.values()) for rep in index._replicas.values())
 
 
 @settings(max_examples=200, deadline=None)
@@ -803,43 +818,53 @@ def test_index_follows_its_model_under_any_events(ops: List[Tuple[Any, ...]],
 
 
 def test_index_growth_is_bounded_per_replica() -> None:
+    """A replica that stores and never removes fills its own bound and no more: the oldest entries
+    make room (so its latest blocks are indexed), the other replica keeps its own, hashes no
+    prompt has and tiers past the bound are never kept."""
     events = _events()
     from pagedkv.router import PrefixIndex
+    from pagedkv.router.index import ENTRY_BYTES, MAX_TIERS_PER_REPLICA
 
     with pytest.raises(InvalidArgumentError) as err:
-        PrefixIndex(max_entries_per_replica=0)
-    assert err.value.fields["what"] == "max_entries_per_replica" and "0" in str(err.value)
+        PrefixIndex(max_bytes_per_replica=ENTRY_BYTES - 1)
+    assert err.value.fields["what"] == "max_bytes_per_replica" and str(ENTRY_BYTES - 1) in str(
+        err.value)
 
     def stored(hashes: List[Any], medium: str = "GPU") -> Any:
         return events.KVEventBatch(ts=0.0, events=[events.BlockStored(
             block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=1, lora_id=None,
             medium=medium, lora_name=None)])
 
-    index = PrefixIndex(max_entries_per_replica=50)
+    index = PrefixIndex(max_bytes_per_replica=50 * ENTRY_BYTES)
     index.apply(1, stored(list(range(10_000_000, 10_000_010))))
     # Replica 0 stores 10 000 new blocks, one block in 1 000 tiers, and hashes no prompt has.
     index.apply(0, stored(list(range(10_000))))
+    assert index.blocks(0) == 50 and index.match(list(range(9_950, 10_000))) == {0: 50}
+    assert index.match([0]) == {}  # the oldest made room
     index.apply(0, events.KVEventBatch(ts=0.0, events=[events.BlockStored(
         block_hashes=[5_000_000], parent_block_hash=None, token_ids=[], block_size=1,
         lora_id=None, medium=f"T{k}", lora_name=None) for k in range(1_000)]))
     index.apply(0, stored([b"\x01" * 1_000, -1, 1 << 128]))
-    assert index.blocks(0) == 50 and index.match(list(range(60))) == {0: 50}
-    assert sum(len(index.tiers(0, h)) for h in range(10_000)) == 50
-    assert index.refused[0] == (10_000 - 50) + 1_000
-    assert len(index._where) == 60  # replica 0's 50 and replica 1's 10, nothing else
+    # At the bound, each new lower-tier entry evicts the previous one, never a GPU entry twice.
+    assert index.entries(0) == 50 and index.tiers(0, 5_000_000) == {"T999"}
+    assert index.match(list(range(9_951, 10_000))) == {0: 49} and index.match([9_950]) == {}
+    assert not index.refused
+    # Below the bound, a replica has at most MAX_TIERS_PER_REPLICA tiers.
+    roomy = PrefixIndex()
+    roomy.apply(0, events.KVEventBatch(ts=0.0, events=[events.BlockStored(
+        block_hashes=[5_000_000], parent_block_hash=None, token_ids=[], block_size=1,
+        lora_id=None, medium=f"T{k}", lora_name=None) for k in range(1_000)]))
+    assert len(roomy.tiers(0, 5_000_000)) == MAX_TIERS_PER_REPLICA
+    assert roomy.refused[0] == 1_000 - MAX_TIERS_PER_REPLICA
     # The other replica is untouched and still has its own room.
-    assert index.blocks(1) == 10 and 1 not in index.refused
+    assert index.blocks(1) == 10 and not index.evicted.get(1)
     index.apply(1, stored(list(range(20_000_000, 20_000_005))))
     assert index.blocks(1) == 15
-    # Removals make room again; AllBlocksCleared frees all of it.
-    index.apply(0, events.KVEventBatch(ts=0.0, events=[
-        events.BlockRemoved(block_hashes=list(range(10)), medium=None)]))
-    index.apply(0, stored(list(range(30_000, 30_020))))
-    assert index.blocks(0) == 50 and index.match([30_009]) == {0: 1}
-    assert index.match([30_010]) == {}
+    # AllBlocksCleared frees all of it.
     index.apply(0, events.KVEventBatch(ts=0.0, events=[events.AllBlocksCleared()]))
     index.apply(0, stored(list(range(40_000, 40_050))))
     assert index.blocks(0) == 50 and index.blocks(1) == 15
+    assert index.match(list(range(40_000, 40_050))) == {0: 50}
 
 
 # ====================================================================== the router's event path

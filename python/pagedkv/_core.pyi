@@ -16,6 +16,8 @@ import numpy.typing as npt
 
 _Ids = Union[Sequence[int], npt.NDArray[np.integer[Any]]]
 _Keys = Union[bytes, bytearray]
+#: ``(cached_tokens, new_blocks, num_blocks, num_tokens, cached_tokens_gpu, cached_tokens_host)``.
+_AdmitTuple = Tuple[int, int, int, int, int, int]
 
 __all__ = [
     "__version__",
@@ -67,22 +69,6 @@ class BlockManager:
     def host_write_through(self) -> bool: ...
     @property
     def host_load_min_blocks(self) -> int: ...
-    def admit_tiered(
-        self,
-        seq_id: int,
-        token_ids: _Ids,
-        cache_salt: Union[bytes, bytearray, str, None] = ...,
-        adapter_id: Optional[int] = ...,
-        mm_inputs: Optional[Sequence[Tuple[int, int, _Keys]]] = ...,
-        extra_keys: Optional[_Keys] = ...,
-        max_new_tokens: Optional[int] = ...,
-    ) -> Tuple[int, int, int, int, int, int]:
-        """Returns ``(cached_tokens, new_blocks, num_blocks, num_tokens, cached_tokens_gpu,
-        cached_tokens_host)``: host tokens are loaded by the next step's swap-in list."""
-    def resume_tiered(
-        self, seq_id: int, max_new_tokens: Optional[int] = ...
-    ) -> Tuple[int, int, int, int, int, int]:
-        """As :meth:`admit_tiered`, for a preempted sequence."""
     def lookup_tiers(
         self,
         token_ids: _Ids,
@@ -140,8 +126,9 @@ class BlockManager:
         mm_inputs: Optional[Sequence[Tuple[int, int, _Keys]]] = ...,
         extra_keys: Optional[_Keys] = ...,
         max_new_tokens: Optional[int] = ...,
-    ) -> Tuple[int, int, int, int]:
-        """Returns ``(cached_tokens, new_blocks, num_blocks, num_tokens)``.
+    ) -> _AdmitTuple:
+        """Returns ``(cached_tokens, new_blocks, num_blocks, num_tokens, cached_tokens_gpu,
+        cached_tokens_host)``: host tokens are loaded by the next step's swap-in list.
 
         An empty ``cache_salt`` hashes as no salt here; :class:`pagedkv.BlockManager` refuses it."""
     def admit_batch(
@@ -150,8 +137,8 @@ class BlockManager:
         prompts: Sequence[_Ids],
         cache_salts: Optional[Sequence[Union[bytes, bytearray, str, None]]] = ...,
         max_new_tokens: Union[int, Sequence[Optional[int]], None] = ...,
-    ) -> list[Tuple[int, int, int, int]]:
-        """The admitted prefix's ``(cached_tokens, new_blocks, num_blocks, num_tokens)``.
+    ) -> list[_AdmitTuple]:
+        """The admitted prefix's tuples, as :meth:`admit`'s.
 
         An empty salt hashes as no salt here; :class:`pagedkv.BlockManager` refuses it."""
     def free_batch(self, seq_ids: _Ids) -> None: ...
@@ -190,10 +177,8 @@ class BlockManager:
     def recompute(self, seq_id: int) -> None: ...
     def resume(
         self, seq_id: int, max_new_tokens: Optional[int] = ...
-    ) -> Tuple[int, int, int, int]:
-        """Returns ``(cached_tokens, new_blocks, num_blocks, num_tokens)``.
-
-        An empty ``cache_salt`` hashes as no salt here; :class:`pagedkv.BlockManager` refuses it."""
+    ) -> _AdmitTuple:
+        """As :meth:`admit`'s tuple, for a sequence preempted by recompute."""
     def choose_victim(self) -> Optional[list[int]]: ...
     def decide(
         self,

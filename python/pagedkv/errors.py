@@ -374,3 +374,66 @@ class EngineDeadError(PagedKVError, RuntimeError):
     reason: str
 
     field_names = ("reason",)
+
+
+# Raised by the tiered prefix cache (pagedkv.tiers), not the core; kept out of `__all__` for the
+# same reason as ModelLoadError.
+class TierOrderError(PagedKVError, RuntimeError):
+    """A step's swap-outs were about to run while the host tier still held blocks the manager had
+    demoted and nobody had copied out: ``TierCache.after_schedule`` must run between
+    ``Scheduler.schedule`` and the step's execution (the swap-outs reuse the demoted slots).
+    Nothing was queued, and the demoted blocks were handed to the lower tiers before the raise.
+
+    Attributes: ``pending`` (the demotions that had not been taken), ``rule`` (the order broken).
+    """
+
+    pending: int
+    rule: str
+
+    field_names = ("pending", "rule")
+
+
+# Raised by the tiers below the host (pagedkv.tiers), not the core; kept out of `__all__` for the
+# same reason as ModelLoadError.
+class TierSecretError(InvalidConfigError):
+    """The tier secret (the key that authenticates disk and remote tier records) is missing where
+    one is required (a shared remote tier), or is too short. Never carries the secret itself.
+
+    Attributes: ``field`` (where the secret was looked for), ``value`` (a file path or the
+    variable's name, never the secret), ``reason``.
+    """
+
+    field: Optional[str]
+    value: object
+    reason: Optional[str]
+
+    field_names = ("field", "value", "reason")
+
+
+class UnsafePathError(PagedKVError, PermissionError):
+    """A file or directory pagedkv would trust is not safe to use: not owned by the process's
+    user, writable by group or others (readable too, for a secret), reached through a symbolic
+    link, hard-linked elsewhere (``st_nlink > 1``), or not the kind of file expected. Nothing was
+    read from it or written through it.
+
+    Attributes: ``path``, ``reason``.
+    """
+
+    path: str
+    reason: str
+
+    field_names = ("path", "reason")
+
+
+class CacheIOError(PagedKVError, OSError):
+    """A disk tier's directory or one of its files could not be prepared at start-up (a full
+    disk, a read-only file system, an I/O error). Once running, I/O errors are counted misses.
+
+    Attributes: ``path``, ``errno``, ``reason``.
+    """
+
+    path: str
+    errno: Optional[int]  # type: ignore[assignment]
+    reason: str
+
+    field_names = ("path", "errno", "reason")

@@ -61,6 +61,11 @@ class AdmitResult(NamedTuple):
     #: len(prompt) - cached_tokens)``, the whole prompt without ``max_new_tokens``. The first step
     #: computes ``[cached_tokens, num_tokens)``; the rest of the prompt is fed with :meth:`append`.
     num_tokens: int
+    #: Of ``cached_tokens``, those found on the device (shared blocks).
+    cached_tokens_gpu: int
+    #: Of ``cached_tokens``, those found in the host tier: loaded into freshly allocated device
+    #: blocks by the next step's swap-in list, not computed (0 without a host tier).
+    cached_tokens_host: int
 
 
 class CostModel(NamedTuple):

@@ -239,7 +239,7 @@ class PagedKVCollector:
         step_wait_s: With a scheduler, how long a scrape waits for the step thread to take the
             snapshot at its next step before reading it itself (seconds, ``>= 0``).
         tiers: With a tiered prefix cache, a callable returning its cumulative figures per tier
-            (:meth:`pagedkv.engine.tier_cache.TierCache.totals`): exported with a ``tier`` label.
+            (:meth:`pagedkv.tiers.TierCache.totals`): exported with a ``tier`` label.
 
     Register it with ``prometheus_client.REGISTRY.register(collector)`` or pass it to
     :func:`start_metrics_server`.

@@ -293,11 +293,21 @@ class Scheduler:
             off, a prompt runs whole, in a step of its own if it exceeds the budget.
         preemption_mode: ``"auto"`` (the manager's cost model per victim), ``"swap"`` or
             ``"recompute"``; without a host pool every preemption recomputes.
+        admission_gate: Asked before a waiting sequence is admitted (:attr:`admission_gate`);
+            None: every sequence is ready.
+        can_swap: Whether preemption may swap (:attr:`can_swap`). None: when the manager has a
+            host pool; False keeps a host pool that is the prefix cache's host tier alone out
+            of preemption. True without a host pool is refused.
+
+    Raises:
+        InvalidConfigError: A size is not an int >= 1, ``preemption_mode`` is unknown,
+            ``can_swap`` is not a bool or None, or True without a host pool.
     """
 
     def __init__(self, manager: "BlockManager", *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
-                 preemption_mode: str = "auto") -> None:
+                 preemption_mode: str = "auto", admission_gate: Optional["AdmissionGate"] = None,
+                 can_swap: Optional[bool] = None) -> None:
         self.manager = manager
         if preemption_mode not in PREEMPTION_MODES:
             raise InvalidConfigError(
@@ -305,7 +315,13 @@ class Scheduler:
                 f"{', '.join(PREEMPTION_MODES)}", field="preemption_mode", value=preemption_mode,
                 reason="must be 'auto', 'swap' or 'recompute'")
         #: Swap needs a manager with a host pool; without one every preemption is a recompute.
-        self.can_swap = bool(getattr(manager, "num_host_blocks", 0)) and hasattr(manager, "swap_out")
+        has_host = bool(getattr(manager, "num_host_blocks", 0)) and hasattr(manager, "swap_out")
+        if can_swap is not None and (not isinstance(can_swap, bool) or (can_swap and not has_host)):
+            raise InvalidConfigError(
+                f"invalid scheduler config: can_swap = {can_swap!r}: must be a bool or None, and "
+                "True needs a manager with a host pool", field="can_swap", value=can_swap,
+                reason="must be a bool or None; True needs num_host_blocks > 0")
+        self.can_swap = has_host if can_swap is None else can_swap
         self.preemption_mode = preemption_mode
         self.max_num_seqs = _check_int("max_num_seqs", max_num_seqs, 1)
         self.max_num_batched_tokens = _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
@@ -339,11 +355,11 @@ class Scheduler:
         #: own thread (:mod:`pagedkv.metrics`).
         self.metrics_hook: Optional[Callable[[], None]] = None
         #: Asked before a waiting sequence is admitted (the tiered prefix cache's
-        #: :class:`~pagedkv.engine.tier_cache.TierCache`): ``ready(seq)`` False keeps it waiting
+        #: :class:`~pagedkv.tiers.TierCache`): ``ready(seq)`` False keeps it waiting
         #: while its cached blocks are fetched from a lower tier, and the sequences behind it may
         #: be admitted meanwhile; ``admitted(seq, admit_result)`` once it is, ``forget(seq)``
         #: when it leaves unadmitted. None: all ready.
-        self.admission_gate: Optional[AdmissionGate] = None
+        self.admission_gate: Optional[AdmissionGate] = admission_gate
 
     # ------------------------------------------------------------------------------ queues
 

@@ -352,11 +352,9 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     mgr.attach_buffers(StepBuffers(sim.max_num_seqs, max(budget, workload.max_model_len), max_blocks,
                                    max_copies=sim.max_num_seqs, device="cpu", backend="numpy",
                                    max_swaps=max(2 * max_blocks, sim.num_blocks)))
-    sched = Scheduler(mgr, max_num_seqs=sim.max_num_seqs, max_num_batched_tokens=budget,
-                      preemption_mode=sim.preemption_mode)
     tiers = None
     if sim.host_cache_blocks or model_ttft:
-        from .tier_model import ModelledDiskTier
+        from .tiers.model import ModelledDiskTier
 
         tiers = ModelledDiskTier(mgr, sim.disk_cache_blocks, host_cache=bool(sim.host_cache_blocks),
                                  block_size=B,
@@ -364,9 +362,10 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
                                  prefill_tokens_per_s=sim.prefill_tokens_per_s,
                                  host_bytes_per_s=sim.host_link_bytes_per_s,
                                  disk_bytes_per_s=sim.disk_bytes_per_s)
-        sched.admission_gate = tiers
-    if not sim.num_host_blocks:
-        sched.can_swap = False  # a host tier alone does not make preemption swap
+    # A host tier alone does not make preemption swap.
+    sched = Scheduler(mgr, max_num_seqs=sim.max_num_seqs, max_num_batched_tokens=budget,
+                      preemption_mode=sim.preemption_mode, admission_gate=tiers,
+                      can_swap=None if sim.num_host_blocks else False)
     capacity = sim.num_blocks * B
     sharing = workload.sharing
     n_req = len(requests)

@@ -53,6 +53,9 @@ class RequestObserver(Protocol):
 
     Times are seconds. ``on_tokens`` is called once per step in which a request produced tokens
     (``since_last_s`` is the time since its previous step with tokens, ``None`` for its first).
+    An observer may also define ``on_cached_tokens(num_cached_tokens, num_prompt_tokens)``: it is
+    then called once per request, with its first token, with the prompt tokens the prefix cache
+    served (any tier; :attr:`RequestOutput.num_cached_tokens`).
     """
 
     def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None: ...
@@ -187,8 +190,10 @@ class AsyncLLM:
 
     @property
     def tokenizer(self) -> Any:
-        """The model's tokenizer (``None`` if it has none). Its use from the event loop thread
-        races the engine thread's; run tokenization through :meth:`call`."""
+        """The model's tokenizer (``None`` if it has none). The engine thread uses it (to
+        tokenize string prompts and to detokenize), so another thread must not: tokenize on a
+        copy (``copy.deepcopy``; the server keeps one per worker thread) and pass
+        ``{"prompt": text, "prompt_token_ids": ids}``, or go through :meth:`call`."""
         return self.engine.tokenizer
 
     def get_tokenizer(self) -> Any:
@@ -445,6 +450,9 @@ class AsyncLLM:
                 for obs in self.observers:
                     obs.on_first_token((first if first is not None else now) - track.arrival,
                                        len(out.prompt_token_ids))
+                    on_cached = getattr(obs, "on_cached_tokens", None)
+                    if on_cached is not None:
+                        on_cached(out.num_cached_tokens, len(out.prompt_token_ids))
             for obs in self.observers:
                 obs.on_tokens(new, None if track.last is None else now - track.last)
             track.last = now

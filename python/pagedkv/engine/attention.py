@@ -68,8 +68,6 @@ def pagedkv_attention(
     """The registered attention function: write K/V to the pool, attend through the block tables."""
     meta = current_metadata()
     layer = module.layer_idx
-    if meta.layer_ready is not None:
-        meta.layer_ready(layer)
     k_cache = meta.k_caches[layer]
     v_cache = meta.v_caches[layer]
     # [1, H, T, D] -> [T, H, D]. After RoPE transformers' tensors are [1, T, H, D] in memory, so

@@ -104,7 +104,8 @@ def build_engine(config: EngineConfig, model: Union[str, LoadedModel, None],
     inputs = InputProcessor(
         tokenizer, vocab_size=int(getattr(loaded.config, "vocab_size", 0) or 0),
         max_model_len=max_model_len, model_context_len=context,
-        max_num_seqs=core.scheduler.max_num_seqs, tensor_parallel=tp is not None)
+        max_num_seqs=core.scheduler.max_num_seqs, tensor_parallel=tp is not None,
+        seed=config.seed)
     outputs = OutputProcessor(
         tokenizer, eos_token_ids=frozenset(int(t) for t in (loaded.eos_token_ids or ())),
         max_model_len=max_model_len, on_first_token=stats.on_first_token)

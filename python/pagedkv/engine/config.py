@@ -1,11 +1,11 @@
 """The engine's settings: one object, validated once.
 
-Owns :class:`EngineConfig`, every knob of :class:`~pagedkv.engine.llm_engine.LLMEngine` (and so
-of :class:`~pagedkv.engine.llm.LLM`), :class:`~pagedkv.engine.model_runner.ModelRunner` and the
-tensor-parallel worker spec, each with its default and its help text. What model runs (a path
-or a loaded model), on which device and in which dtype stay the constructors' own arguments: a
-config says how the engine serves a model, not which one, and stays picklable for the ranks a
-tensor-parallel engine spawns.
+Owns :class:`EngineConfig`, every knob of :class:`~pagedkv.engine.llm.LLMEngine` (and so of
+:class:`~pagedkv.engine.llm.LLM`), :class:`~pagedkv.engine.model_runner.ModelRunner` and the
+tensor-parallel worker spec, each with its default. What model runs (a path or a loaded model),
+on which device and in which dtype stay the constructors' own arguments: a config says how the
+engine serves a model, not which one, and stays picklable for the ranks a tensor-parallel engine
+spawns.
 
 Invariants: a constructed config is valid and immutable (``__post_init__`` checks every field, in
 one place, and raises :class:`~pagedkv.errors.ConfigArgumentError` naming the field, its value and
@@ -34,13 +34,29 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def _bad(name: str, value: Any, reason: str) -> ConfigArgumentError:
+    value = _redacted(name, value)
     return ConfigArgumentError(f"invalid config: {name} = {value!r}: {reason}", field=name,
                                value=value, reason=reason)
 
 
-#: Most rows :func:`pagedkv.kernels.linear_small_m` serves (its ``MAX_M``; not imported here,
-#: so that reading a config does not import Triton).
-GEMV_MAX_ROWS = 16
+def _redacted(name: str, value: Any) -> Any:
+    """A secret field's value as an error may show it: the hash key not at all, a URL without its
+    password."""
+    if name == "hash_seed" and value is not None:
+        return "<secret>"
+    if name == "remote_cache_url" and isinstance(value, str):
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(value)
+            if parts.password is None:
+                return value
+            netloc = parts.netloc.rpartition("@")
+            user = netloc[0].partition(":")[0]
+            return parts._replace(netloc=f"{user}:***@{netloc[2]}").geturl()
+        except ValueError:
+            return "<secret>"
+    return value
 
 
 def _is_int(value: Any) -> bool:
@@ -51,119 +67,138 @@ def _is_int(value: Any) -> bool:
 class EngineConfig:
     """How an engine serves its model: KV pool, scheduler, preemption, tensor parallelism.
 
-    This is the one list of the engine's knobs: :class:`~pagedkv.engine.llm_engine.LLMEngine`
-    and :class:`~pagedkv.engine.llm.LLM` take each field as a keyword of the same name (their
-    signatures are generated from these fields), and each field's ``metadata["help"]`` is its
-    one-paragraph description (plain text, for generated documentation and command-line help).
-    The groups: the KV pool and the step (``kv_cache_memory`` .. ``progress``), preemption and
-    its cost model (``swap_space`` .. ``step_floor_s``), tensor parallelism (``docs/tp.md``), the
-    model runner's own (``attention_backend``, ``decode_planner``, ``fused_model``,
-    ``cuda_graph_pieces``, ``small_batch_gemv``, ``layerwise_loads``), the tiers of the prefix
-    cache below the GPU (``host_cache_*``, ``disk_cache_*``, ``remote_cache_*``;
-    ``docs/tiers.md``), and the hash and KV-event settings (``docs/kv-events.md``).
+    The fields are :class:`~pagedkv.engine.llm.LLMEngine`'s keyword arguments of the same names
+    (see there), plus the model runner's own:
+
+    * ``attention_backend``: ``"auto"`` (the Triton kernels on CUDA, plain PyTorch on the CPU),
+      ``"torch"`` or ``"triton"`` (on the CPU only under ``TRITON_INTERPRET=1``);
+    * ``decode_planner``: plan each decode step's split-K work from the batch's real lengths
+      (kernels only);
+    * ``fused_model``: run Llama/Mistral/Qwen2 models through the fused forward
+      (:mod:`pagedkv.engine.fused`: one Q|K|V and one gate|up GEMM, fused RMSNorm + residual,
+      RoPE and SiLU-times-up kernels; on the kernels, a linear layer of one row through the
+      weight-streaming GEMV :func:`pagedkv.kernels.linear_small_m`, larger ones through cuBLAS,
+      with no setting); ``False`` runs transformers' own module forwards;
+    * ``cuda_graph_pieces``: with the fused forward, capture each decode step as this many CUDA
+      graphs of consecutive layers, so the GPU starts on the first while the host launches the
+      rest (:meth:`~pagedkv.engine.model_runner.ModelRunner.capture_graphs`); 1: one graph;
+
+    the tiers of the prefix cache below the GPU (``docs/tiers.md``; :class:`~pagedkv.engine.llm.
+    LLMEngine` documents each): ``host_cache_memory``, ``host_cache_write_through``,
+    ``disk_cache_dir``, ``disk_cache_memory``, ``remote_cache_url``, ``remote_cache_timeout_s``;
+    and the KV-event and hash settings (``docs/kv-events.md``):
+
+    * ``hash_seed``: the prefix hash's key (``None``: a fresh secret per engine); replicas behind
+      one prefix-aware router share one, so the router computes the hashes they publish;
+    * ``kv_events_endpoint``: publish the cache's block events there over ZeroMQ in vLLM's format
+      (``tcp://*:5557`` binds, ``tcp://host:port`` connects); ``None``: no events;
+    * ``kv_events_replay_endpoint``: where consumers ask for missed batches (bound);
+    * ``kv_events_topic``: the first frame of every event message;
+
+    and ``gpu_memory_utilization`` (CUDA: the pool's share of the memory free after loading;
+    exclusive with ``num_blocks`` and ``kv_cache_memory``) and ``seed`` (seeds the per-request
+    seeds of requests that give none; ``None``: random).
+
+    Each field's ``metadata["help"]`` is its one-line description: ``pagedkv serve`` builds its
+    engine flags from the fields (``--block-size`` for ``block_size``), so a new knob is one field
+    here (``metadata["cli"] = False`` keeps it off the command line; ``"choices"`` lists the
+    values; ``"secret_env"`` names the environment variable a secret is read from).
 
     Raises:
         ConfigArgumentError: A field is out of its domain, or two exclusive fields are both given
-            (``num_blocks`` and ``kv_cache_memory``; ``swap_space`` and ``num_host_blocks``).
+            (``num_blocks``, ``kv_cache_memory`` and ``gpu_memory_utilization``; ``swap_space``
+            and ``num_host_blocks``).
     """
 
-    kv_cache_memory: Union[int, str, None] = field(default=None, metadata={"help": (
-        "Bytes of KV pool (int or '4GiB'; the runner sizes the pool from it); exclusive with "
-        "num_blocks. Neither: the runner's default sizing.")})
-    num_blocks: Optional[int] = field(default=None, metadata={"help": (
-        "Blocks in the KV pool; exclusive with kv_cache_memory.")})
-    block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": (
-        "Tokens per KV block (a power of two).")})
-    max_num_seqs: int = field(default=256, metadata={"help": "Most sequences in one step."})
-    max_num_batched_tokens: int = field(default=2048, metadata={"help": (
-        "Token budget of one step (decodes plus prefill chunks); longer prompts are prefilled in "
-        "chunks.")})
-    enable_prefix_caching: bool = field(default=True, metadata={"help": (
-        "Share and cache full KV blocks by prefix hash.")})
-    enable_chunked_prefill: bool = field(default=True, metadata={"help": (
-        "Split prompts over steps to fit max_num_batched_tokens.")})
-    watermark_blocks: Optional[int] = field(default=None, metadata={"help": (
-        "Blocks kept back from admissions (None: the manager's default).")})
-    cuda_graphs: bool = field(default=True, metadata={"help": (
-        "Capture decode steps in CUDA graphs (CUDA only).")})
-    progress: bool = field(default=False, metadata={"help": "Show a progress bar while loading."})
-    swap_space: Union[int, str, None] = field(default=None, metadata={"help": (
-        "Bytes of pinned host memory for swapped-out KV blocks (int or '4GiB'); exclusive with "
-        "num_host_blocks. Neither: no host pool, every preemption recomputes.")})
-    num_host_blocks: Optional[int] = field(default=None, metadata={"help": (
-        "Blocks in the host KV pool; exclusive with swap_space.")})
-    preemption_mode: str = field(default="auto", metadata={"help": (
-        "'auto' (the cost model picks swap or recompute per victim), 'swap' (swap whenever the "
-        "host pool has room) or 'recompute'.")})
-    host_link_bytes_per_s: Optional[float] = field(default=None, metadata={"help": (
-        "Host-link bandwidth for the cost model; None: measured at start-up (with a host pool and "
-        "preemption_mode 'auto').")})
-    prefill_tokens_per_s: Optional[float] = field(default=None, metadata={"help": (
-        "Prefill throughput for the cost model; None: measured likewise.")})
-    step_floor_s: Optional[float] = field(default=None, metadata={"help": (
-        "Seconds a step costs however few tokens it carries (the cost model's step floor: "
-        "recompute tokens that fit under it ride along for free); None: measured when the rates "
-        "are, else 0.")})
-    tensor_parallel_size: int = field(default=1, metadata={"help": (
-        "Ranks the model's heads are split over (docs/tp.md). Above 1, without a "
-        "torch.distributed process group this process becomes rank 0 and spawns the others; with "
-        "one (torchrun), the group's size must match.")})
-    record_steps: bool = field(default=False, metadata={"help": (
-        "With tensor parallelism, every rank records what each step ran "
-        "(LLMEngine.tp_step_records after shutdown).")})
-    tp_timeout_s: float = field(default=600.0, metadata={"help": (
-        "Timeout of the tensor-parallel process group's collectives, seconds.")})
-    attention_backend: str = field(default="auto", metadata={"help": (
-        "'auto' (the Triton kernels on CUDA, plain PyTorch on the CPU), 'torch' or 'triton' (on "
-        "the CPU only under TRITON_INTERPRET=1).")})
-    decode_planner: bool = field(default=True, metadata={"help": (
-        "Plan each decode step's split-K work from the batch's real lengths (kernels only).")})
-    host_cache_memory: Union[int, str, None] = field(default=None, metadata={"help": (
-        "Bytes of pinned host memory for the host tier of the prefix cache (int or '16GiB'): "
-        "blocks the GPU pool evicts are kept there and loaded again on a hit (docs/tiers.md); "
-        "shares the host pool with swap_space. None: no host tier.")})
-    host_cache_write_through: bool = field(default=False, metadata={"help": (
-        "Copy each block to the host tier when it is first cached instead of when the GPU pool "
-        "evicts it.")})
-    disk_cache_dir: Optional[str] = field(default=None, metadata={"help": (
-        "A directory (created owner-only) for the disk tier: blocks the host tier drops are "
-        "written there and found again, also by a restarted engine of the same model and "
-        "configuration. Needs host_cache_memory and disk_cache_memory.")})
-    disk_cache_memory: Union[int, str, None] = field(default=None, metadata={"help": (
-        "The disk tier's size cap in bytes (int or '200GiB').")})
-    remote_cache_url: Optional[str] = field(default=None, metadata={"help": (
-        "A Redis or Valkey server (redis://host:port/db) shared by several engines as the remote "
-        "tier (extra pagedkv[remote]). Needs host_cache_memory.")})
-    remote_cache_timeout_s: float = field(default=0.05, metadata={"help": (
-        "Per-operation timeout of the remote tier, seconds: a slow or dead server is a miss, "
-        "never a stalled step.")})
-    hash_seed: Optional[int] = field(default=None, metadata={"help": (
-        "The prefix-hash key (u64). None: a random per-process key, or with a disk tier the key "
-        "kept (owner-only) in disk_cache_dir. Engines sharing a remote tier or a prefix-aware "
-        "router must share it (docs/prefix-hash.md, docs/router.md). Treat it as a secret.")})
-    kv_events_endpoint: Optional[str] = field(default=None, metadata={"help": (
-        "Publish the KV cache's block events (stored, removed, cleared) on this ZeroMQ endpoint, "
-        "one vLLM-format batch per step ('tcp://*:5557' binds, 'tcp://host:port' connects; "
-        "docs/kv-events.md). None: off.")})
-    kv_events_replay_endpoint: Optional[str] = field(default=None, metadata={"help": (
-        "The ZeroMQ endpoint (bound) consumers replay missed event batches from; needs "
-        "kv_events_endpoint.")})
-    kv_events_topic: str = field(default="", metadata={"help": (
-        "The topic frame of every KV-event message.")})
-    fused_model: bool = field(default=True, metadata={"help": (
-        "Run Llama/Mistral/Qwen2 models through the fused forward (one Q|K|V and one gate|up "
-        "GEMM, fused RMSNorm + residual, RoPE and SiLU-times-up kernels); False runs "
-        "transformers' own module forwards.")})
-    cuda_graph_pieces: int = field(default=1, metadata={"help": (
-        "With the fused forward, capture each decode step as this many CUDA graphs of consecutive "
-        "layers, so the GPU starts on the first while the host launches the rest; 1: one graph.")})
-    small_batch_gemv: int = field(default=0, metadata={"help": (
-        "With the fused forward on the kernels, steps of at most this many rows (at most 16) run "
-        "their linear layers through the weight-streaming GEMV instead of cuBLAS; 0: never.")})
-    layerwise_loads: bool = field(default=False, metadata={"help": (
-        "Loads from the host pool (host-tier prefix hits, swapped-in sequences) go layer by layer "
-        "and each layer of the step's forward waits only for its own slices, so the forward "
-        "overlaps the load. Eager steps only.")})
+    kv_cache_memory: Union[int, str, None] = field(default=None, metadata={
+        "help": "KV pool size in bytes, e.g. 4GiB (exclusive with num_blocks and "
+                "gpu_memory_utilization)"})
+    num_blocks: Optional[int] = field(default=None, metadata={
+        "help": "KV pool size in blocks (default: sized from memory)"})
+    gpu_memory_utilization: Optional[float] = field(default=None, metadata={
+        "help": "CUDA only: the KV pool takes this fraction of the device memory free once the "
+                "model is loaded, less a 4 GiB reserve, in (0, 1] (default: 0.85; the CPU pool "
+                "is 256 MiB unless kv_cache_memory or num_blocks says otherwise)"})
+    block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "tokens per block"})
+    max_num_seqs: int = field(default=256, metadata={"help": "most sequences in one step"})
+    max_num_batched_tokens: int = field(default=2048, metadata={
+        "help": "token budget of one step (decodes plus prefill chunks)"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV blocks of prompts that share a prefix"})
+    enable_chunked_prefill: bool = field(default=True, metadata={
+        "help": "split long prompts into chunks across steps (off: one step per prompt)"})
+    watermark_blocks: Optional[int] = field(default=None, metadata={
+        "help": "blocks kept back from admissions (default: the manager's)"})
+    cuda_graphs: bool = field(default=True, metadata={
+        "help": "run decode steps through CUDA graphs (off: eagerly)"})
+    progress: bool = field(default=False, metadata={
+        "help": "progress bars while loading and generating", "cli": False})
+    swap_space: Union[int, str, None] = field(default=None, metadata={
+        "help": "host memory for swapped-out KV blocks, e.g. 4GiB (default: none; preemption "
+                "recomputes)"})
+    num_host_blocks: Optional[int] = field(default=None, metadata={
+        "help": "host KV blocks for swapped-out sequences (exclusive with swap_space)"})
+    preemption_mode: str = field(default="auto", metadata={
+        "help": "reclaim preempted sequences by the cost model (auto), swap or recompute",
+        "choices": PREEMPTION_MODES})
+    host_link_bytes_per_s: Optional[float] = field(default=None, metadata={
+        "help": "cost model: host-link bandwidth in bytes/s (default: measured at start-up)"})
+    prefill_tokens_per_s: Optional[float] = field(default=None, metadata={
+        "help": "cost model: prefill throughput in tokens/s (default: measured at start-up)"})
+    step_floor_s: Optional[float] = field(default=None, metadata={
+        "help": "cost model: what a step costs however few tokens it carries, in seconds "
+                "(default: measured at start-up)"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks the model's heads are split over"})
+    record_steps: bool = field(default=False, metadata={
+        "help": "keep every step's inputs (tests of tensor parallelism)", "cli": False})
+    tp_timeout_s: float = field(default=600.0, metadata={
+        "help": "seconds a tensor-parallel rank waits for the others"})
+    attention_backend: str = field(default="auto", metadata={
+        "help": "auto (Triton kernels on CUDA, plain PyTorch on the CPU), torch or triton",
+        "choices": ATTENTION_BACKENDS})
+    decode_planner: bool = field(default=True, metadata={
+        "help": "plan each decode step's split-K work from the batch's lengths (kernels only)"})
+    host_cache_memory: Union[int, str, None] = field(default=None, metadata={
+        "help": "pinned host memory for the host tier of the prefix cache, e.g. 16GiB "
+                "(default: none)"})
+    host_cache_write_through: bool = field(default=False, metadata={
+        "help": "copy blocks to the host tier when cached, not when evicted"})
+    disk_cache_dir: Optional[str] = field(default=None, metadata={
+        "help": "directory of the disk tier (needs host_cache_memory and disk_cache_memory)"})
+    disk_cache_memory: Union[int, str, None] = field(default=None, metadata={
+        "help": "size cap of the disk tier, e.g. 200GiB"})
+    remote_cache_url: Optional[str] = field(default=None, repr=False, metadata={
+        "help": "a Redis/Valkey server shared by replicas, e.g. redis://127.0.0.1:6379/0 (needs "
+                "host_cache_memory and a shared hash_seed)",
+        "secret_env": "PAGEDKV_REMOTE_CACHE_URL"})
+    remote_cache_timeout_s: float = field(default=0.05, metadata={
+        "help": "seconds one remote-tier request may take before it counts as a miss"})
+    hash_seed: Optional[int] = field(default=None, repr=False, metadata={
+        "help": "key of the prefix hash, an int in [0, 2**64); replicas behind one router share "
+                "it; keep it secret (default: a fresh random key)",
+        "secret_env": "PAGEDKV_HASH_SEED", "secret_file": True})
+    kv_events_endpoint: Optional[str] = field(default=None, metadata={
+        "help": "publish KV-cache block events over ZeroMQ in vLLM's format, e.g. tcp://*:5557 "
+                "(binds) or tcp://host:5557 (connects) (default: off)"})
+    kv_events_replay_endpoint: Optional[str] = field(default=None, metadata={
+        "help": "bind a replay socket for missed event batches, e.g. tcp://*:5558"})
+    kv_events_topic: str = field(default="", metadata={
+        "help": "topic frame of every event message"})
+    fused_model: bool = field(default=True, metadata={
+        "help": "run Llama/Mistral/Qwen2 through the fused forward (off: transformers' modules)"})
+    cuda_graph_pieces: int = field(default=1, metadata={
+        "help": "with the fused forward, capture each decode step as this many CUDA graphs"})
+    seed: Optional[int] = field(default=None, metadata={
+        "help": "seed of the seeds drawn for requests that give none, so a rerun samples the "
+                "same (default: random)"})
+    kv_events_bind: Optional[str] = field(default=None, metadata={
+        "help": "bind the KV-event PUB socket here whatever its host, e.g. tcp://127.0.0.1:5557 "
+                "(loopback only; kv_events_endpoint connects a non-wildcard host)"})
+    tier_secret_file: Optional[str] = field(default=None, metadata={
+        "help": "a file of the engine's user (mode 0600) holding the fleet's tier secret, which "
+                "authenticates disk and remote tier records (default: PAGEDKV_TIER_SECRET; a "
+                "remote tier needs one)"})
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -172,11 +207,17 @@ class EngineConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise _bad(name, value, "must be an int >= 1")
-        if not _is_int(self.small_batch_gemv) or not 0 <= self.small_batch_gemv <= GEMV_MAX_ROWS:
-            raise _bad("small_batch_gemv", self.small_batch_gemv,
-                       f"must be an int in [0, {GEMV_MAX_ROWS}]")
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise _bad("num_blocks", self.num_blocks, "exclusive with kv_cache_memory")
+        u = self.gpu_memory_utilization
+        if u is not None:
+            if not (_is_number(u) and 0 < u <= 1):
+                raise _bad("gpu_memory_utilization", u, "must be a number in (0, 1]")
+            if self.num_blocks is not None or self.kv_cache_memory is not None:
+                raise _bad("gpu_memory_utilization", u,
+                           "exclusive with num_blocks and kv_cache_memory")
+        if self.seed is not None and not (_is_int(self.seed) and self.seed >= 0):
+            raise _bad("seed", self.seed, "must be an int >= 0")
         if self.num_blocks is not None and (not _is_int(self.num_blocks) or self.num_blocks < 1):
             raise _bad("num_blocks", self.num_blocks, "must be an int >= 1")
         if self.swap_space is not None and self.num_host_blocks is not None:
@@ -210,21 +251,24 @@ class EngineConfig:
                                                   and 0 <= self.step_floor_s < math.inf):
             raise _bad("step_floor_s", self.step_floor_s, "must be a number >= 0")
         self._check_tiers()
+        if self.tier_secret_file is not None and not (isinstance(self.tier_secret_file, str)
+                                                      and self.tier_secret_file):
+            raise _bad("tier_secret_file", self.tier_secret_file, "must be a non-empty path string")
         if self.hash_seed is not None and not (_is_int(self.hash_seed)
                                                and 0 <= self.hash_seed < 1 << 64):
             raise _bad("hash_seed", self.hash_seed, "must be an int in [0, 2**64)")
-        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_bind"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and "://" in value):
                 raise _bad(name, value, "must be a ZeroMQ endpoint such as 'tcp://*:5557'")
-        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+        if (self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None
+                and self.kv_events_bind is None):
             raise _bad("kv_events_replay_endpoint", self.kv_events_replay_endpoint,
-                       "needs kv_events_endpoint")
+                       "needs kv_events_endpoint or kv_events_bind")
         if not isinstance(self.kv_events_topic, str):
             raise _bad("kv_events_topic", self.kv_events_topic, "must be a string")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "cuda_graphs", "progress",
-                     "record_steps", "decode_planner", "host_cache_write_through", "fused_model",
-                     "layerwise_loads"):
+                     "record_steps", "decode_planner", "host_cache_write_through", "fused_model"):
             value = getattr(self, name)
             if value is not True and value is not False:
                 raise _bad(name, value, f"must be a bool, got {type(value).__name__}")

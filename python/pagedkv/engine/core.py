@@ -33,10 +33,10 @@ from ..errors import OutOfBlocksError
 from ..manager import BlockManager, CostModel
 from ..scheduler import Scheduler, SequenceStatus
 from ..scheduler import Sequence as SchedulerSequence
+from ..tiers.cache import build_tier_cache, manager_tier_args
 from .config import EngineConfig
 from .request import PromptLogprobStretch, Request, SampledToken
 from .sampler import SamplerRow, sample_batch
-from .tier_cache import build_tier_cache, manager_tier_args
 
 __all__ = ["EngineCore", "CoreStep", "build_block_manager"]
 
@@ -94,7 +94,7 @@ class EngineCore:
         #: The step's KV-event publisher (None without ``kv_events_endpoint``); a lower tier
         #: adds its events to ``kv_events.sink``.
         self.kv_events = kv_events
-        #: The tiers below the GPU (:mod:`pagedkv.engine.tier_cache`); None without a host tier.
+        #: The tiers below the GPU (:mod:`pagedkv.tiers`); None without a host tier.
         self.tiers = tiers
         #: ``(host link bytes/s, prefill tokens/s, step floor s)`` of the cost model, or None.
         self.cost_rates = cost_rates
@@ -125,7 +125,9 @@ class EngineCore:
                     floor = floor if floor is not None else measured.step_floor_s
                 cost_rates = (float(link), float(tps), float(floor or 0.0))
         extra.update(manager_tier_args(config))
-        if config.kv_events_endpoint is not None:
+        # KV events need the optional extra (msgspec, pyzmq): imported only when asked for.
+        events = config.kv_events_endpoint is not None or config.kv_events_bind is not None
+        if events:
             from ..events.engine import KV_EVENT_CAPACITY
 
             extra["kv_event_capacity"] = KV_EVENT_CAPACITY
@@ -134,29 +136,25 @@ class EngineCore:
         if cost_rates is not None:
             _set_cost_model(manager, cost_rates, runner.spec.bytes_per_token,
                             config.max_num_batched_tokens if config.enable_chunked_prefill else 0)
-        scheduler = Scheduler(
-            manager, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            preemption_mode=config.preemption_mode,
-        )
         kv_events: Any = None
-        if config.kv_events_endpoint is not None:
+        if events:
             from ..events.engine import StepEventPublisher
 
-            kv_events = StepEventPublisher(manager, config.kv_events_endpoint,
-                                           config.kv_events_replay_endpoint,
-                                           config.kv_events_topic)
+            kv_events = StepEventPublisher.from_config(manager, config)
         # The tiers below the GPU, and the scheduler's admission gate on them.
         tiers = build_tier_cache(
             config, runner, manager, model_path,
             cost_rates[1] if cost_rates else None,
             events=kv_events.sink if kv_events is not None else None)
-        scheduler.admission_gate = tiers
-        if config.host_blocks(runner.spec.bytes_per_block) == \
-                config.host_cache_blocks(runner.spec.bytes_per_block):
-            # The host pool is the host tier's alone: preemption recomputes, as without it.
-            scheduler.can_swap = False
+        bpb = runner.spec.bytes_per_block
+        scheduler = Scheduler(
+            manager, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            preemption_mode=config.preemption_mode, admission_gate=tiers,
+            # A host pool that is the host tier's alone: preemption recomputes, as without it.
+            can_swap=False if config.host_blocks(bpb) == config.host_cache_blocks(bpb) else None,
+        )
         return cls(config, runner, manager, scheduler, tp=tp, kv_events=kv_events, tiers=tiers,
                    cost_rates=cost_rates)
 

@@ -43,8 +43,6 @@ class AttentionMetadata:
     row of each padded query (0 for padding), ``attn_mask`` bool ``[n, 1, Q, L]``, ``out_index``
     int64 ``[T]`` position of each new token in the flattened ``[n * Q]`` padded output.
 
-    ``layer_ready``: ``None``, or a callable the attention calls with the layer index first.
-
     CUDA extras: ``max_q_len`` (host bound for the prefill grid), ``max_seq_len`` (host bound on
     the context, for the decode and prefill split-K choices), ``workspace`` (the split-K scratch), ``plan`` (a
     :class:`pagedkv.decode_plan.DecodePlan` updated for this decode step; replaces the workspace).
@@ -65,12 +63,10 @@ class AttentionMetadata:
     max_seq_len: int = 0
     workspace: Any = None
     plan: Any = None
-    #: Steps of at most this many rows run the fused forward's linear layers through
-    #: :func:`pagedkv.kernels.linear_small_m` (``small_batch_gemv``; 0: never).
+    #: The fused forward runs a linear layer whose input has at most this many rows (and at
+    #: least one) through :func:`pagedkv.kernels.linear_small_m`, larger ones through cuBLAS: the
+    #: runner's ``gemv_rows`` (1 on the kernels; 0: never).
     gemv_rows: int = 0
-    #: Called with a layer's index before that layer touches the cache: a step whose host loads
-    #: go layer by layer (``layerwise_loads``) waits there for that layer's slices only.
-    layer_ready: Any = None
 
 
 class _Current(threading.local):

@@ -10,10 +10,14 @@ and four multiplies per tensor, the residual adds, SiLU and the gate multiply) a
 for Q, K, V, gate and up. The fused forward runs per layer: one GEMM for Q|K|V, one RoPE launch
 rotating Q and K in place in that GEMM's output, pagedkv's attention on views of it, the output
 GEMM, one residual-add + RMSNorm launch, one GEMM for gate|up, one SiLU-times-up launch, the down
-GEMM, and one residual-add + RMSNorm launch (:mod:`pagedkv.kernels.elementwise`). With
-``small_batch_gemv`` and a step of at most that many rows, the projections run through
-:func:`pagedkv.kernels.linear_small_m` and the down projection's GEMV computes SiLU-times-up
-as it loads its input (no separate launch).
+GEMM, and one residual-add + RMSNorm launch (:mod:`pagedkv.kernels.elementwise`). On the
+kernels, a linear layer whose input has one row (every projection of a one-token step, and the
+LM head of any step that keeps one row) runs through the weight-streaming GEMV
+:func:`pagedkv.kernels.linear_small_m` instead of cuBLAS, and the down projection's GEMV computes
+SiLU-times-up as it loads its input (no separate launch); measured on an H100, the GEMV wins at
+one row and loses from two up, so larger inputs stay on cuBLAS (``docs/performance.md``). The
+bound is :attr:`AttentionMetadata.gemv_rows` (the runner's ``gemv_rows``: 1 on the kernels,
+0 on the CPU path).
 
 The architecture still comes from transformers' classes: the embedding, the rotary embedding
 module (cos/sin per position, every ``rope_type`` it implements), the norms' weights and
@@ -222,8 +226,9 @@ def fused_epilogue(model: Any, meta: AttentionMetadata, h: torch.Tensor, residua
 
 
 def _small(meta: AttentionMetadata, x: torch.Tensor) -> bool:
-    """Whether the step's linear layers run through the GEMV (``small_batch_gemv``)."""
-    return bool(meta.gemv_rows) and meta.mode != "cpu" and x.shape[0] <= meta.gemv_rows
+    """Whether a linear layer on ``x`` runs through the GEMV: on the kernels, ``x`` has at least
+    one row and at most ``meta.gemv_rows`` (an LM head that keeps no row stays on cuBLAS)."""
+    return meta.mode != "cpu" and 0 < x.shape[0] <= meta.gemv_rows
 
 
 def _linear(meta: AttentionMetadata, x: torch.Tensor, w: torch.Tensor,
@@ -239,8 +244,6 @@ def _linear(meta: AttentionMetadata, x: torch.Tensor, w: torch.Tensor,
 
 def _attend(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor,
             v: torch.Tensor, scaling: float) -> torch.Tensor:
-    if meta.layer_ready is not None:
-        meta.layer_ready(layer)
     kc, vc = meta.k_caches[layer], meta.v_caches[layer]
     if meta.mode == "cpu":
         # The CPU path's index_copy_ and gathers want packed rows.

@@ -116,10 +116,12 @@ class InputProcessor:
         model_context_len: The model's own context.
         max_num_seqs: Most sequences in one step (bounds ``n``).
         tensor_parallel: Whether steps run tensor-parallel (no prompt logprobs then).
+        seed: Seeds the draws of seeds for requests that give none (``None``: random).
     """
 
     def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int,
-                 model_context_len: int, max_num_seqs: int, tensor_parallel: bool) -> None:
+                 model_context_len: int, max_num_seqs: int, tensor_parallel: bool,
+                 seed: Optional[int] = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -129,7 +131,7 @@ class InputProcessor:
         self._request_ids = itertools.count()
         # Seeds for requests that give none: drawn once per request, so even an unseeded request
         # resumes unchanged after a preemption.
-        self._seed_rng = random.Random()
+        self._seed_rng = random.Random(seed)
 
     # ---------------------------------------------------------------------------- prompts
 

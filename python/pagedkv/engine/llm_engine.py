@@ -132,13 +132,13 @@ class LLMEngine:
 
     @property
     def tiers(self) -> Any:
-        """The tiers below the GPU (:mod:`pagedkv.engine.tier_cache`); None without a host tier
+        """The tiers below the GPU (:mod:`pagedkv.tiers`); None without a host tier
         (and after :meth:`shutdown`)."""
         return self.core.tiers
 
     @property
     def kv_events(self) -> Any:
-        """The step's KV-event publisher (None without ``kv_events_endpoint``)."""
+        """The step's KV-event publisher (None without ``kv_events_endpoint`` / ``kv_events_bind``)."""
         return self.core.kv_events
 
     @property

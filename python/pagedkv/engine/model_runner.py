@@ -8,7 +8,7 @@ the captured decode graphs.
 
 One :meth:`ModelRunner.execute`:
 
-1. applies the step's swap lists (with a host pool: :class:`~pagedkv.swap.SwapEngine`, swap-outs
+1. applies the step's swap lists (with a host pool: :class:`~pagedkv.tiers.host.SwapEngine`, swap-outs
    then swap-ins, on side streams; the forward's stream waits for them only in a step that has
    swaps) and its copy list (copy-on-write pairs the manager emitted) to the pool, before any
    layer reads or writes it — a block a swap-out frees may be written by this very step;
@@ -48,10 +48,10 @@ from ..buffers import StepBuffers
 from ..distributed.step_broadcast import CMD_STEP, CMD_STOP, StepBroadcaster
 from ..distributed.tp import TPGroup, shard_model
 from ..config import CacheSpec, CapacityError
-from ..errors import InvalidArgumentError, InvalidConfigError
+from ..errors import ConfigArgumentError, InvalidArgumentError, InvalidConfigError
 from ..kv_pool import KVPool
 from ..manager import BlockManager
-from ..swap import SwapEngine
+from ..tiers.host import SwapEngine
 from . import attention as _attention
 from . import fused as _fused
 from .config import EngineConfig
@@ -112,9 +112,9 @@ class ModelRunner:
             reads the pool's (``block_size``, ``num_blocks`` or ``kv_cache_memory``), the step
             shape's (``max_num_seqs``, ``max_num_batched_tokens``, raised to ``max_num_seqs`` if
             below), ``cuda_graphs``, ``cuda_graph_pieces``, ``attention_backend``,
-            ``decode_planner``, ``fused_model``, ``small_batch_gemv``
-            and ``record_steps``. Neither ``num_blocks`` nor ``kv_cache_memory``: 256 MiB on the
-            CPU; on CUDA 85% of the free memory minus a 4 GiB reserve.
+            ``decode_planner``, ``fused_model`` and ``record_steps``. Neither ``num_blocks`` nor
+            ``kv_cache_memory``: 256 MiB on the CPU; on CUDA 85% of the free memory minus a
+            4 GiB reserve.
         tensor_parallel: A :class:`pagedkv.distributed.TPGroup`: cut the model to this rank's
             shard (:func:`pagedkv.distributed.shard_model`), hold only this rank's KV heads in the
             pool, agree on the block count with the other ranks (the smallest), and exchange each
@@ -173,10 +173,6 @@ class ModelRunner:
         self.fused = bool(config.fused_model) and _fused.fuse_model(self.model)
         if self.fused and self.device.type == "cuda":
             torch.cuda.empty_cache()
-        #: Rows up to which the fused forward's linear layers use the GEMV (``small_batch_gemv``).
-        self.gemv_rows = int(config.small_batch_gemv) if self.fused else 0
-        #: Whether an eager step's host loads go layer by layer (``layerwise_loads``).
-        self.layerwise_loads = bool(config.layerwise_loads)
         self.spec = CacheSpec(num_layers=int(cfg.num_hidden_layers), num_kv_heads=num_kv,
                               head_dim=_head_dim(cfg), dtype=str(self.dtype).rpartition(".")[2],
                               block_size=block_size)
@@ -186,7 +182,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = config.step_token_budget
-        self.num_blocks = self._size_pool(config.num_blocks, config.kv_cache_memory)
+        self.num_blocks = self._size_pool(config.num_blocks, config.kv_cache_memory,
+                                          config.gpu_memory_utilization)
         if tensor_parallel is not None:
             # One manager serves every rank's pool: all pools get the smallest rank's block count.
             self.num_blocks = tensor_parallel.min_int(self.num_blocks)
@@ -203,6 +200,12 @@ class ModelRunner:
             attention_backend = "triton" if self.is_cuda else "torch"
         self.attention_backend = attention_backend
         self.use_kernels = attention_backend == "triton"
+        #: Internal: the fused forward runs a linear layer (projections, LM head) whose input has
+        #: at most this many rows through :func:`pagedkv.kernels.linear_small_m`, larger ones
+        #: through cuBLAS (``F.linear``). 1 when fused on the kernels (the GEMV won at one row and
+        #: lost above, docs/performance.md), else 0 (never). Benches set it to 0 before capturing
+        #: graphs to time the cuBLAS path; graphs keep the value they were captured with.
+        self.gemv_rows = 1 if self.fused and self.use_kernels else 0
         _attention.register()
         t = self.max_num_batched_tokens
         if self.is_cuda:
@@ -255,16 +258,25 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------ set-up
 
-    def _size_pool(self, num_blocks: Optional[int], kv_cache_memory: Any) -> int:
-        # The config validated both (and stored the budget as bytes).
+    def _size_pool(self, num_blocks: Optional[int], kv_cache_memory: Any,
+                   gpu_memory_utilization: Optional[float] = None) -> int:
+        # The config validated all three (exclusive; the budget stored as bytes).
         per_block = self.spec.bytes_per_block
         if num_blocks is not None:
             return num_blocks
+        if gpu_memory_utilization is not None and self.device.type != "cuda":
+            raise ConfigArgumentError(
+                f"invalid config: gpu_memory_utilization = {gpu_memory_utilization!r}: a share "
+                f"of free CUDA memory, and the model is on {self.device}; size the pool with "
+                f"kv_cache_memory or num_blocks", field="gpu_memory_utilization",
+                value=gpu_memory_utilization, reason="CUDA only")
         if kv_cache_memory is not None:
             budget = int(kv_cache_memory)
         elif self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
-            budget = int(free * DEFAULT_GPU_FRACTION) - DEFAULT_GPU_RESERVE
+            fraction = (DEFAULT_GPU_FRACTION if gpu_memory_utilization is None
+                        else gpu_memory_utilization)
+            budget = int(free * fraction) - DEFAULT_GPU_RESERVE
         else:
             budget = DEFAULT_CPU_KV_BYTES
         blocks = budget // per_block if budget > 0 else 0
@@ -499,12 +511,8 @@ class ModelRunner:
         # A step with extra logits rows is never replayed: a graph keeps one row per sequence.
         decode = t == n and not (extra is not None and extra.size)
         graph_bs = self._graph_size(n) if decode else None
-        layer_ready = None
         if n_out or n_in:
-            # Layer by layer where the forward runs eagerly, layer after layer, in this call, and
-            # no copy-on-write copy reads whole blocks before it.
-            by_layer = self.layerwise_loads and graph_bs is None and not step.num_copies
-            layer_ready = self._apply_swaps(host, n_out, n_in, by_layer=by_layer)
+            self._apply_swaps(host, n_out, n_in)
         if step.num_copies:
             # Copy-on-write before any layer writes: the copies carry the shared prefix of a block
             # into its private copy, and this step's new tokens land in the copy.
@@ -519,7 +527,7 @@ class ModelRunner:
         if not self.use_kernels:
             if ids is None:  # the step's batch arrived on the device (TP over NCCL)
                 ids, pos = self._ids_dev[:t].cpu().numpy(), self._pos_dev[:t].cpu().numpy()
-            return self._run_cpu(ids, pos, dev, n, qsl, last, layer_ready)
+            return self._run_cpu(ids, pos, dev, n, qsl, last)
         if inputs_on_device:
             ids_d, pos_d = self._ids_dev[:t], self._pos_dev[:t]
         elif self.is_cuda:
@@ -539,7 +547,6 @@ class ModelRunner:
             meta = self._cuda_meta("prefill", dev.slot_mapping, dev.block_tables, dev.seq_lens,
                                    dev.query_start_loc, max_seq_len=int(step.max_seq_len),
                                    max_q_len=int(step.max_query_len) or int(np.diff(qsl).max()))
-        meta.layer_ready = layer_ready
         last_d = torch.from_numpy(last).to(self.device, non_blocking=True)
         out = self._forward(meta, ids_d[None], pos_d[None], last_d)[0].float()
         if self.is_cuda:
@@ -564,10 +571,8 @@ class ModelRunner:
         rec["addresses"] = tuple(tns.data_ptr() for _, tns in self.buffers.device.items())
         return rec
 
-    def _apply_swaps(self, host: Any, n_out: int, n_in: int, *, by_layer: bool = False) -> Any:
-        """Queues the step's swaps and makes the forward's stream wait for them; returns the
-        per-layer wait (:meth:`~pagedkv.swap.SwapEngine.wait_layer`) when the loads went layer
-        by layer, else None (the forward then waits for nothing more)."""
+    def _apply_swaps(self, host: Any, n_out: int, n_in: int) -> None:
+        """Queues the step's swaps and makes the forward's stream wait for them."""
         if self.swap is None:
             raise InvalidConfigError(
                 "the step carries swaps but the runner has no host pool (call enable_swap with the "
@@ -577,14 +582,11 @@ class ModelRunner:
         if n_out:
             self.swap.swap_out(host.swap_out[:n_out])
         if n_in:
-            self.swap.swap_in(host.swap_in[:n_in], by_layer=by_layer)
-        # Only this step's forward waits (on the GPU) for the device side of its swaps: for
-        # layer-by-layer loads, each layer for its own slices.
-        layered = self.swap.layers_pending
-        self.swap.wait(layers=not layered)
-        return self.swap.wait_layer if layered else None
+            self.swap.swap_in(host.swap_in[:n_in])
+        # Only this step's forward waits (on the GPU) for the device side of its swaps.
+        self.swap.wait()
 
-    def _run_cpu(self, ids, pos, dev, n, qsl, last, layer_ready=None) -> torch.Tensor:
+    def _run_cpu(self, ids, pos, dev, n, qsl, last) -> torch.Tensor:
         q_lens = torch.from_numpy(np.diff(qsl).astype(np.int64))
         seq_lens = dev.seq_lens.to(torch.int64)
         meta = AttentionMetadata("cpu", self.pool.k_caches, self.pool.v_caches, dev.slot_mapping,
@@ -592,24 +594,17 @@ class ModelRunner:
         _attention.build_cpu_metadata(meta, self.block_size, q_lens, seq_lens)
         ids_t = torch.from_numpy(ids)[None]
         pos_t = torch.from_numpy(pos)[None]
-        meta.layer_ready = layer_ready
         return self._forward(meta, ids_t, pos_t, torch.from_numpy(last))[0].float()
 
     @torch.inference_mode()
     def _forward(self, meta: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor,
                  keep: Any) -> torch.Tensor:
-        try:
-            if self.fused:
-                return _fused.fused_forward(self.model, meta, ids, pos, keep)
-            with forward_context(meta, self.model):
-                out = self.model(input_ids=ids, position_ids=pos, use_cache=False,
-                                 logits_to_keep=keep)
-            return out.logits
-        finally:
-            if meta.layer_ready is not None:
-                # A forward that waits layer by layer: whatever layer it did not wait for (it
-                # raised), later work does.
-                self.swap.wait()
+        if self.fused:
+            return _fused.fused_forward(self.model, meta, ids, pos, keep)
+        with forward_context(meta, self.model):
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=False,
+                             logits_to_keep=keep)
+        return out.logits
 
     # ------------------------------------------------------------------------------ CUDA
 

@@ -12,15 +12,19 @@ Wire protocol (vLLM 0.33's, ``docs/kv-events.md``):
   :class:`~pagedkv.events.schema.KVEventBatch`;
 * the replay socket (ROUTER) takes ``(b"", start_seq)`` from a DEALER and answers every buffered
   batch with ``seq >= start_seq`` as ``(b"", topic, seq, payload)``, then ``(b"", b"", -1, b"")``
-  (``-1`` as 8 bytes big-endian signed). The buffer keeps the last ``buffer_steps`` batches.
+  (``-1`` as 8 bytes big-endian signed). The buffer keeps the last ``buffer_steps`` batches;
+  a replay covers the batches sent up to its request.
 
 Invariants: the engine thread never blocks on the network: :meth:`ZmqEventPublisher.publish`
 encodes nothing and only appends to a bounded queue; a full queue drops the batch and counts it
 (:attr:`ZmqEventPublisher.dropped_batches`), and the sequence numbers stay dense (a dropped batch
 takes none), so a consumer's gap check only sees what was lost on the network. Only the publisher
-thread touches the sockets. Endpoints are bound when they name a wildcard host (``*``, ``::``) or
-are ``ipc://`` / ``inproc://``, and connected otherwise (vLLM's rule); the replay endpoint is
-always bound. Nothing is pickled.
+thread touches the sockets, and it never waits on a replay peer: live batches go first, replays
+are sent a bounded slice per round without blocking (at most ``replay_hwm`` messages queued per
+peer, ``max_replay_peers`` replays at once, a peer that reads nothing for ``replay_stall_s`` loses
+its replay). ``endpoint`` follows vLLM's rule (bound when it names a wildcard host, ``*`` or
+``::``, or is ``ipc://`` / ``inproc://``; connected otherwise); ``bind`` is always bound, so a
+fixed port can listen on loopback only; the replay endpoint is always bound. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -29,8 +33,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
-from typing import Deque, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .schema import (
     AllBlocksCleared,
@@ -43,7 +46,8 @@ from .schema import (
 )
 
 __all__ = ["EventSink", "ZmqEventPublisher", "CoreEvent", "END_SEQ", "DEFAULT_BUFFER_STEPS",
-           "DEFAULT_HWM", "DEFAULT_MAX_QUEUE_SIZE"]
+           "DEFAULT_HWM", "DEFAULT_MAX_QUEUE_SIZE", "DEFAULT_REPLAY_HWM", "DEFAULT_MAX_REPLAY_PEERS",
+           "DEFAULT_REPLAY_STALL_S"]
 
 logger = logging.getLogger("pagedkv.events")
 
@@ -51,6 +55,16 @@ logger = logging.getLogger("pagedkv.events")
 DEFAULT_BUFFER_STEPS = 10_000
 DEFAULT_HWM = 100_000
 DEFAULT_MAX_QUEUE_SIZE = 100_000
+#: Replay bounds: messages queued towards one peer, replays in progress, seconds a replay may
+#: stall (a subscriber gives up on an answer after 2 s).
+DEFAULT_REPLAY_HWM = 1_000
+DEFAULT_MAX_REPLAY_PEERS = 32
+DEFAULT_REPLAY_STALL_S = 2.0
+#: Per round of the publisher thread: live batches sent, replay requests taken, replay messages
+#: sent (shared among the peers). A live batch waits for one round's replay slice at most.
+_LIVE_PER_ROUND = 1_024
+_REQUESTS_PER_ROUND = 64
+_REPLAY_PER_ROUND = 64
 #: The replay stream's end marker: -1 as 8 bytes big-endian signed.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -157,12 +171,25 @@ class EventSink:
         return events
 
 
+class _Replay:
+    """One peer's replay in progress: the next batch to send, the last to send, when it last
+    moved."""
+
+    __slots__ = ("next_seq", "end_seq", "progress")
+
+    def __init__(self, next_seq: int, end_seq: int, now: float) -> None:
+        self.next_seq = next_seq
+        self.end_seq = end_seq
+        self.progress = now
+
+
 class ZmqEventPublisher:
     """Sends :class:`KVEventBatch` es on a PUB socket, keeps the last ones for replay.
 
     Args:
-        endpoint: The PUB endpoint (``tcp://*:5557`` binds, ``tcp://host:5557`` connects; a
-            ``tcp://HOST:*`` wildcard port binds a free one, read back from :attr:`endpoint`).
+        endpoint: The PUB endpoint, vLLM's rule (``tcp://*:5557`` binds, ``tcp://host:5557``
+            connects; a ``tcp://HOST:*`` wildcard port binds a free one, read back from
+            :attr:`endpoint`), or None with ``bind``.
         replay_endpoint: The ROUTER endpoint replay requests come to (bound), or None.
         topic: The first frame of every message (subscribers filter on its prefix).
         buffer_steps: Batches kept for replay.
@@ -170,61 +197,101 @@ class ZmqEventPublisher:
             it drops for that subscriber).
         max_queue_size: Batches waiting for the thread before :meth:`publish` drops.
         data_parallel_rank: Written into batches that carry none.
+        bind: An endpoint the PUB socket always binds, whatever its host
+            (``tcp://127.0.0.1:5557``: listen on loopback only); with or instead of ``endpoint``.
+        replay_hwm: Replay messages queued towards one peer at most (the ROUTER's high-water
+            mark); a peer that reads slower waits, one that reads nothing for ``replay_stall_s``
+            loses its replay (it then counts the batches as lost).
+        max_replay_peers: Replays in progress at once; a request beyond gets only the end marker
+            (an empty answer) at once.
+        replay_stall_s: Seconds a replay may make no progress before it is dropped.
 
     Raises:
         InvalidArgumentError: A size is not a positive int, or an endpoint is malformed or taken
             (ZeroMQ's message is kept).
     """
 
-    def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, *, topic: str = "",
-                 buffer_steps: int = DEFAULT_BUFFER_STEPS, hwm: int = DEFAULT_HWM,
-                 max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
-                 data_parallel_rank: int = 0) -> None:
+    def __init__(self, endpoint: Optional[str], replay_endpoint: Optional[str] = None, *,
+                 topic: str = "", buffer_steps: int = DEFAULT_BUFFER_STEPS, hwm: int = DEFAULT_HWM,
+                 max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, data_parallel_rank: int = 0,
+                 bind: Optional[str] = None, replay_hwm: int = DEFAULT_REPLAY_HWM,
+                 max_replay_peers: int = DEFAULT_MAX_REPLAY_PEERS,
+                 replay_stall_s: float = DEFAULT_REPLAY_STALL_S) -> None:
         import zmq
 
         for name, value in (("buffer_steps", buffer_steps), ("hwm", hwm),
-                            ("max_queue_size", max_queue_size)):
+                            ("max_queue_size", max_queue_size), ("replay_hwm", replay_hwm),
+                            ("max_replay_peers", max_replay_peers)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise _bad(name, value, "must be an int >= 1")
+        if (isinstance(replay_stall_s, bool) or not isinstance(replay_stall_s, (int, float))
+                or not 0 < replay_stall_s < float("inf")):
+            raise _bad("replay_stall_s", replay_stall_s, "must be a positive number of seconds")
         if not isinstance(topic, str):
             raise _bad("topic", topic, "must be a string")
+        if endpoint is None and bind is None:
+            raise _bad("endpoint", None, "an endpoint or a bind endpoint is needed")
+        for name, value in (("endpoint", endpoint), ("bind", bind)):
+            if value is not None and not (isinstance(value, str) and "://" in value):
+                raise _bad(name, value, "must be a ZeroMQ endpoint such as 'tcp://127.0.0.1:5557'")
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay: Optional[zmq.Socket[bytes]] = None
+        failing: Optional[str] = bind
         try:
             self._pub.set_hwm(hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
-            if is_bind_endpoint(endpoint):
-                self._pub.bind(endpoint)
-                endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-            else:
-                self._pub.connect(endpoint)
+            if bind is not None:
+                self._pub.bind(bind)
+                bind = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            failing = endpoint
+            if endpoint is not None:
+                if is_bind_endpoint(endpoint):
+                    self._pub.bind(endpoint)
+                    endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+                else:
+                    self._pub.connect(endpoint)
             if replay_endpoint is not None:
+                failing = replay_endpoint
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                # Room for a whole replay and its end marker even when the reader is slow.
-                self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                # A full peer (or one gone) answers EAGAIN / EHOSTUNREACH instead of dropping
+                # silently: the thread then moves on to others, and to live batches.
+                self._replay.setsockopt(zmq.SNDHWM, replay_hwm)
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 self._replay.bind(replay_endpoint)
                 replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
             self._close_sockets()
-            raise _bad("endpoint", replay_endpoint if self._replay is not None else endpoint,
-                       f"ZeroMQ refused it: {exc}") from None
-        #: The PUB endpoint, with the port a wildcard bind chose.
-        self.endpoint: str = endpoint
+            what = "bind" if failing is not None and failing == bind else "endpoint"
+            raise _bad(what, failing, f"ZeroMQ refused it: {exc}") from None
+        #: The PUB endpoint (the bind endpoint when only ``bind`` was given), with the port a
+        #: wildcard bind chose.
+        self.endpoint: str = endpoint if endpoint is not None else bind  # type: ignore[assignment]
+        #: The endpoint bound through ``bind`` (None without), with the port a wildcard chose.
+        self.bind: Optional[str] = bind
         #: The replay endpoint, with the port a wildcard bind chose (None without replay).
         self.replay_endpoint: Optional[str] = replay_endpoint
         self._topic = topic.encode("utf-8")
         self._rank = data_parallel_rank
         self._queue: "queue.Queue[Optional[KVEventBatch]]" = queue.Queue(maxsize=max_queue_size)
-        self._buffer: Deque[Tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        # The replay buffer: a ring, slot seq % buffer_steps holds batch seq (O(1) by seq).
+        self._ring: List[Optional[bytes]] = [None] * buffer_steps
+        self._buffer_steps = buffer_steps
+        self._replays: Dict[bytes, _Replay] = {}
+        self._max_replay_peers = max_replay_peers
+        self._replay_stall_s = float(replay_stall_s)
         self._next_seq = 0
         self._dropped = 0
         self._sent = 0
+        #: Replay messages sent, replays dropped for a stalled or vanished peer, requests
+        #: answered empty because ``max_replay_peers`` replays were in progress.
+        self.replay_messages_sent = 0
+        self.replays_aborted = 0
+        self.replays_refused = 0
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="pagedkv-kv-events", daemon=True)
         self._thread.start()
-
     @property
     def dropped_batches(self) -> int:
         """Batches :meth:`publish` dropped because the queue was full."""
@@ -284,41 +351,116 @@ class ZmqEventPublisher:
     # ------------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
+        """Live batches first: each round sends every queued batch (up to a bound), then takes
+        new replay requests, then sends a bounded slice of the replays in progress; the thread
+        never waits on a replay peer (non-blocking sends, a peer that is full is skipped)."""
         while True:
+            busy = False
+            for _ in range(_LIVE_PER_ROUND):
+                try:
+                    batch = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if batch is None:
+                    return
+                self._send_live(batch)
+                busy = True
             if self._replay is not None:
                 try:
-                    while self._replay.poll(0):
-                        self._serve_replay()
+                    busy = self._accept_replays() or busy
+                    busy = self._replay_round() or busy
                 except Exception:  # a malformed request must not stop publishing
-                    logger.exception("kv events: replay request failed")
+                    logger.exception("kv events: serving a replay failed")
+            if busy:
+                continue
             try:
-                batch = self._queue.get(timeout=0.05)
+                batch = self._queue.get(timeout=0.005 if self._replays else 0.05)
             except queue.Empty:
                 continue
             if batch is None:
                 return
-            try:
-                payload = encode_batch(batch)
-                seq = self._next_seq.to_bytes(8, "big", signed=True)
-                self._pub.send_multipart((self._topic, seq, payload))
-                self._buffer.append((self._next_seq, payload))
-                self._next_seq += 1
-                self._sent += 1
-            except Exception:
-                logger.exception("kv events: publishing a batch failed")
-                time.sleep(0.05)
+            self._send_live(batch)
 
-    def _serve_replay(self) -> None:
+    def _send_live(self, batch: KVEventBatch) -> None:
+        try:
+            payload = encode_batch(batch)
+            seq = self._next_seq.to_bytes(8, "big", signed=True)
+            self._pub.send_multipart((self._topic, seq, payload))
+            self._ring[self._next_seq % self._buffer_steps] = payload
+            self._next_seq += 1
+            self._sent += 1
+        except Exception:
+            logger.exception("kv events: publishing a batch failed")
+            time.sleep(0.05)
+
+    def _accept_replays(self) -> bool:
         assert self._replay is not None
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
-            logger.warning("kv events: ignoring a malformed replay request (%d frames)",
-                           len(frames))
-            return
-        client, _, start = frames
-        start_seq = int.from_bytes(start, "big", signed=True)
-        for seq, payload in list(self._buffer):
-            if seq >= start_seq:
-                self._replay.send_multipart((client, b"", self._topic,
-                                             seq.to_bytes(8, "big", signed=True), payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+        accepted = 0
+        while accepted < _REQUESTS_PER_ROUND and self._replay.poll(0):
+            accepted += 1
+            frames = self._replay.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                logger.warning("kv events: ignoring a malformed replay request (%d frames)",
+                               len(frames))
+                continue
+            client, _, start = frames
+            start_seq = max(int.from_bytes(start, "big", signed=True),
+                            self._next_seq - self._buffer_steps, 0)
+            if client not in self._replays and len(self._replays) >= self._max_replay_peers:
+                self.replays_refused += 1
+                self._send_replay(client, (b"", END_SEQ, b""))
+                continue
+            # One replay per peer: a new request replaces the one in progress.
+            self._replays[client] = _Replay(start_seq, self._next_seq - 1, time.monotonic())
+        return accepted > 0
+
+    def _send_replay(self, client: bytes, frames: Tuple[bytes, bytes, bytes]) -> Optional[bool]:
+        """Sends one replay message without blocking: True sent, False the peer is full (try
+        later), None the peer is gone."""
+        import zmq
+
+        assert self._replay is not None
+        try:
+            self._replay.send_multipart((client, b"") + frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError:  # EHOSTUNREACH: the peer disconnected
+            return None
+        self.replay_messages_sent += 1
+        return True
+
+    def _replay_round(self) -> bool:
+        """Sends up to ``_REPLAY_PER_ROUND`` replay messages, shared among the peers."""
+        if not self._replays:
+            return False
+        now = time.monotonic()
+        share = max(1, _REPLAY_PER_ROUND // len(self._replays))
+        busy = False
+        for client, rep in list(self._replays.items()):
+            for _ in range(share):
+                done = rep.next_seq > rep.end_seq
+                if done:
+                    sent = self._send_replay(client, (b"", END_SEQ, b""))
+                elif rep.next_seq < self._next_seq - self._buffer_steps:
+                    sent = None  # the ring moved past it: this replay cannot finish
+                else:
+                    payload = self._ring[rep.next_seq % self._buffer_steps]
+                    assert payload is not None
+                    sent = self._send_replay(
+                        client, (self._topic, rep.next_seq.to_bytes(8, "big", signed=True),
+                                 payload))
+                if sent is False:
+                    if now - rep.progress > self._replay_stall_s:
+                        logger.warning("kv events: a replay peer read nothing for %.1f s; "
+                                       "dropping its replay", self._replay_stall_s)
+                        self.replays_aborted += 1
+                        del self._replays[client]
+                    break
+                if sent is None or done:
+                    self.replays_aborted += sent is None and not done
+                    del self._replays[client]
+                    break
+                rep.next_seq += 1
+                rep.progress = now
+                busy = True
+        return busy

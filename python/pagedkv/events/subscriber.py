@@ -35,13 +35,20 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from .publisher import END_SEQ
 from .schema import KVEventBatch, decode_batch
 
-__all__ = ["SequenceTracker", "EventSubscriber", "Replay"]
+__all__ = ["SequenceTracker", "EventSubscriber", "Replay", "DEFAULT_MAX_REPLAY_BYTES",
+           "DEFAULT_MAX_REPLAY_BATCHES"]
 
 logger = logging.getLogger("pagedkv.events")
 
 #: Fetches the buffered batches from a sequence number on: ``[(seq, payload), ...]`` in order, or
 #: None when no replay is possible (no socket, no answer in time).
 Replay = Callable[[int], Optional[List[Tuple[int, bytes]]]]
+
+#: The most one replay answer may hold (payload bytes, batches): an answer past either is
+#: abandoned (counted as unanswered), so a publisher that answers without end cannot make the
+#: consumer hold more. The batch bound is twice vLLM's ``buffer_steps``.
+DEFAULT_MAX_REPLAY_BYTES = 64 << 20
+DEFAULT_MAX_REPLAY_BATCHES = 20_000
 
 
 class SequenceTracker:
@@ -118,6 +125,12 @@ class SequenceTracker:
             self.applied = None
         for seq, payload in got or ():
             if seq >= start and (self.applied is None or seq > self.applied):
+                if self.applied is not None and seq != self.applied + 1:
+                    # A hole inside the answer: what follows it cannot be applied in order.
+                    self.lost_resets += 1
+                    self._reset()
+                    self.applied = None
+                    break
                 self._apply_one(seq, payload)
 
     def _apply_one(self, seq: int, payload: bytes) -> None:
@@ -139,11 +152,15 @@ class EventSubscriber:
             :meth:`resync`).
         topic: Prefix of the topics to receive ("" for all).
         replay_timeout_s: How long a replay may take before it counts as unanswered.
+        max_replay_bytes, max_replay_batches: The most one replay answer may hold; a longer one
+            counts as unanswered.
     """
 
     def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, *,
                  on_batch: Callable[[KVEventBatch], None], on_reset: Callable[[], None],
-                 topic: str = "", replay_timeout_s: float = 2.0) -> None:
+                 topic: str = "", replay_timeout_s: float = 2.0,
+                 max_replay_bytes: int = DEFAULT_MAX_REPLAY_BYTES,
+                 max_replay_batches: int = DEFAULT_MAX_REPLAY_BATCHES) -> None:
         import zmq
 
         from .publisher import is_bind_endpoint
@@ -162,6 +179,10 @@ class EventSubscriber:
         self.replay_endpoint = replay_endpoint
         self._on_batch = on_batch
         self._timeout_ms = int(replay_timeout_s * 1000)
+        self._max_replay_bytes = max_replay_bytes
+        self._max_replay_batches = max_replay_batches
+        #: Replay answers abandoned for exceeding a bound.
+        self.oversized_replays = 0
         self._dealer: Optional["zmq.Socket[bytes]"] = None
         self._resync = threading.Event()
         self._stop = threading.Event()
@@ -237,6 +258,7 @@ class EventSubscriber:
             self._dealer.connect(self.replay_endpoint)  # type: ignore[arg-type]
         self._dealer.send_multipart((b"", start.to_bytes(8, "big", signed=True)))
         out: List[Tuple[int, bytes]] = []
+        held = 0
         # The whole replay is bounded, not each message: a peer that keeps sending (anything but
         # the end marker) must not hold this thread, nor make ``out`` grow, for ever.
         deadline = time.monotonic() + self._timeout_ms / 1000
@@ -254,3 +276,12 @@ class EventSubscriber:
             if seq_bytes == END_SEQ:
                 return out
             out.append((int.from_bytes(seq_bytes, "big", signed=True), payload))
+            held += len(payload)
+            if held > self._max_replay_bytes or len(out) > self._max_replay_batches:
+                self.oversized_replays += 1
+                logger.warning("kv events: a replay answer from %s passed %d bytes or %d "
+                               "batches; abandoned", self.replay_endpoint,
+                               self._max_replay_bytes, self._max_replay_batches)
+                self._dealer.close(linger=0)
+                self._dealer = None
+                return None

@@ -13,20 +13,27 @@ each), else to the least loaded. ``policy="round_robin"`` ignores the index (the
 
 Invariants: only up replicas are chosen while one is up; a replica is marked down when a request
 or a health probe cannot reach it, and up again when a probe answers, at which point its index is
-dropped and its event stream resynchronised (it may have restarted); a request that could not be
-sent is retried on the next choice, one that reached a replica is never resent (generation is not
-idempotent); the response's status, body and stream chunks are the replica's, unchanged, plus an
-``x-pagedkv-replica`` header naming it.
+dropped and its event stream resynchronised (it may have restarted); a request is retried on the
+next choice only when its connection could not be opened (nothing was sent): once a byte of it
+left, it is never resent (generation is not idempotent), and a replica that then fails answers
+502; a client that goes away closes the request to the replica (which then stops generating);
+the response's status, body and stream chunks are the replica's, unchanged, plus an
+``x-pagedkv-replica`` header naming it; every error the router makes itself (a body that does not
+parse, an unknown route or method, no replica reachable, a replica failing mid-request) is
+OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; placement (tokenizing,
+hashing, the index lookup) runs off the event loop. Health probes log at debug only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Dict, List, Optional, Sequence
+from typing import (Any, AsyncIterator, Awaitable, Dict, List, Optional, Sequence, TypeVar,
+                    Union)
 
 import httpx
 from fastapi import FastAPI, Request
@@ -34,13 +41,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from ..events.schema import BlockStored, KVEventBatch
 from ..hashing import hash_prompt
-from .index import PrefixIndex
+from .index import DEFAULT_MAX_BYTES_PER_REPLICA, PrefixIndex
 
 __all__ = ["ReplicaSpec", "Router", "build_app", "POLICIES"]
 
 logger = logging.getLogger("pagedkv.router")
 
 POLICIES = ("prefix", "round_robin")
+T = TypeVar("T")
 
 
 def _bad(what: str, value: object, reason: str) -> Exception:
@@ -97,6 +105,9 @@ class Router:
         policy: ``"prefix"`` (cache-aware) or ``"round_robin"``.
         health_interval_s: Seconds between health probes of every replica.
         topic: The event topic to subscribe to.
+        index_max_bytes: The index's bound per replica, in bytes (:class:`PrefixIndex`).
+        index_ttl_s: Time-to-live of index entries by tier (None: the index's default, which
+            ages out ``"STORAGE"`` entries, whose removals a shared tier cannot report).
 
     Raises:
         InvalidArgumentError: No replica, a bad policy, block size or hash key.
@@ -105,7 +116,9 @@ class Router:
     def __init__(self, replicas: Sequence[ReplicaSpec], *, block_size: int,
                  hash_seed: Optional[int], tokenizer: Any = None,
                  chat_template: Optional[str] = None, policy: str = "prefix",
-                 health_interval_s: float = 1.0, topic: str = "") -> None:
+                 health_interval_s: float = 1.0, topic: str = "",
+                 index_max_bytes: int = DEFAULT_MAX_BYTES_PER_REPLICA,
+                 index_ttl_s: Optional[Dict[str, Optional[float]]] = None) -> None:
         if not replicas:
             raise _bad("replicas", list(replicas), "at least one replica is needed")
         if policy not in POLICIES:
@@ -122,7 +135,7 @@ class Router:
         self.policy = policy
         self.health_interval_s = health_interval_s
         self.topic = topic
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(index_max_bytes, ttl_s=index_ttl_s)
         self.stats = RouterStats()
         self._rr = itertools.count()
         self._tok_lock = threading.Lock()
@@ -174,7 +187,7 @@ class Router:
     def mark_up(self, i: int) -> None:
         rep = self.replicas[i]
         if not rep.up:
-            logger.info("replica %s is up again; re-indexing it", rep.spec.url)
+            logger.warning("replica %s is up again; re-indexing it", rep.spec.url)
             # It may have restarted unseen: what it cached before is gone or unknown.
             self.index.clear(i)
             if rep.subscriber is not None:
@@ -226,6 +239,12 @@ class Router:
             logger.debug("cannot tokenize a request: %s", exc)
         return None
 
+    def place(self, path: str, body: Dict[str, Any]) -> List[int]:
+        """:meth:`choose` for a request body (its tokens and salt); blocking, so the app calls
+        it off the event loop."""
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        return self.choose(self.prompt_tokens(path, body), salt)
+
     def choose(self, tokens: Optional[List[int]], salt: Optional[str]) -> List[int]:
         """Replica ids in the order to try them: the best first, then the others by load."""
         up = [i for i, r in enumerate(self.replicas) if r.up]
@@ -258,10 +277,64 @@ def _forward_headers(headers: Any) -> Dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() in keep}
 
 
+def error_body(message: str, type_: str, param: Optional[str] = None,
+               code: Union[int, str, None] = None) -> Dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _error(status: int, message: str, type_: str, param: Optional[str] = None,
+           code: Union[int, str, None] = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the replica's answer was complete."""
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (``http.disconnect``); the body was read already."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_gone(watcher: "asyncio.Future[None]", aw: Awaitable[T]) -> T:
+    """``await aw``, unless the client goes first: then ``aw`` is cancelled and
+    :class:`_ClientGone` raised."""
+    task = asyncio.ensure_future(aw)
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise _ClientGone
+
+
+class _HealthLogFilter(logging.Filter):
+    """Keeps httpx's per-request INFO line off the log for the router's health probes (they are
+    logged at debug on ``pagedkv.router``); every other request's line passes."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        super().__init__()
+        self.urls = {u + "/health" for u in urls}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if len(args) >= 2 and str(args[1]) in self.urls:
+            logger.debug("health probe: %s", record.getMessage())
+            return False
+        return True
+
+
 def build_app(router: Router) -> Any:
     """The router's FastAPI app; its lifespan starts the subscribers and the health loop."""
-    import contextlib
     import json
+
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     state: Dict[str, Any] = {}
 
@@ -274,6 +347,8 @@ def build_app(router: Router) -> Any:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=2.0))
         state["client"] = client
+        quiet = _HealthLogFilter([r.spec.url for r in router.replicas])
+        logging.getLogger("httpx").addFilter(quiet)
         router.start()
         task = asyncio.create_task(health_loop(client))
         try:
@@ -284,63 +359,132 @@ def build_app(router: Router) -> Any:
                 await task
             router.close()
             await client.aclose()
+            logging.getLogger("httpx").removeFilter(quiet)
 
     app = FastAPI(title="pagedkv router", lifespan=lifespan)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
+            exc.status_code, "invalid_request_error" if exc.status_code < 500 else "api_error")
+        return JSONResponse(error_body(str(exc.detail), kind, None, exc.status_code),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(400, f"invalid request: {exc.errors()[:1]}", "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _internal(_request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("router: a request failed")
+        return _error(500, f"the router failed: {type(exc).__name__}", "api_error")
+
+    def parse_body(raw: bytes) -> Union[Dict[str, Any], JSONResponse]:
+        if not raw:
+            return {}
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            return _error(400, "the request body is nested deeper than the JSON parser allows",
+                          "invalid_request_error", None, "invalid_json")
+        except ValueError as exc:
+            return _error(400, f"the request body is not JSON: {exc}", "invalid_request_error",
+                          None, "invalid_json")
+        if not isinstance(body, dict):
+            return _error(400, f"the request body must be a JSON object, not "
+                               f"{type(body).__name__}", "invalid_request_error", None,
+                          "invalid_json")
+        return body
+
     async def proxy(request: Request, path: str) -> Response:
         raw = await request.body()
-        try:
-            body = json.loads(raw) if raw else {}
-        except ValueError:
-            body = {}
-        if not isinstance(body, dict):
-            body = {}
-        tokens = await asyncio.to_thread(router.prompt_tokens, path, body)
-        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        order = router.choose(tokens, salt)
+        body = parse_body(raw)
+        if isinstance(body, JSONResponse):
+            return body
+        order = await asyncio.to_thread(router.place, path, body)
         client: httpx.AsyncClient = state["client"]
         headers = _forward_headers(request.headers)
-        for attempt, i in enumerate(order):
-            rep = router.replicas[i]
-            req = client.build_request("POST", rep.spec.url + path, content=raw, headers=headers)
-            rep.in_flight += 1
-            try:
-                resp = await client.send(req, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
-                rep.in_flight -= 1
-                logger.warning("replica %s unreachable (%s); trying the next", rep.spec.url, exc)
-                router.mark_down(i)
-                router.stats.retries += 1
-                continue
-            except BaseException:
-                rep.in_flight -= 1
-                raise
-            rep.routed += 1
-            out_headers = {"x-pagedkv-replica": rep.spec.url}
-            media = resp.headers.get("content-type", "application/json")
-            if media.startswith("text/event-stream"):
-                async def chunks(resp: httpx.Response = resp, rep: _Replica = rep
-                                 ) -> AsyncIterator[bytes]:
-                    try:
-                        async for chunk in resp.aiter_raw():
-                            yield chunk
-                    finally:
-                        rep.in_flight -= 1
-                        await resp.aclose()
-
-                return StreamingResponse(chunks(), status_code=resp.status_code,
-                                         media_type=media, headers=out_headers)
-            try:
-                content = await resp.aread()
-            finally:
-                rep.in_flight -= 1
-                await resp.aclose()
-            return Response(content, status_code=resp.status_code, media_type=media,
-                            headers=out_headers)
+        watcher = asyncio.ensure_future(_disconnected(request))
+        handed_off = False
+        try:
+            for i in order:
+                rep = router.replicas[i]
+                req = client.build_request("POST", rep.spec.url + path, content=raw,
+                                           headers=headers)
+                rep.in_flight += 1
+                try:
+                    resp = await _unless_gone(watcher, client.send(req, stream=True))
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                    # The connection never opened: nothing of the request left, it may go on.
+                    rep.in_flight -= 1
+                    logger.warning("replica %s unreachable (%s); trying the next", rep.spec.url,
+                                   exc)
+                    router.mark_down(i)
+                    router.stats.retries += 1
+                    continue
+                except _ClientGone:
+                    rep.in_flight -= 1
+                    return Response(status_code=499)
+                except httpx.HTTPError as exc:
+                    # The request (or part of it) reached the replica: never resent.
+                    rep.in_flight -= 1
+                    router.stats.failed += 1
+                    logger.warning("replica %s failed after the request was sent (%s); not "
+                                   "resent", rep.spec.url, exc)
+                    return _error(502, f"the replica failed after the request was sent "
+                                       f"({type(exc).__name__}); it is not resent, since "
+                                       f"generation is not idempotent", "api_error", None,
+                                  "replica_failed")
+                except BaseException:
+                    rep.in_flight -= 1
+                    raise
+                rep.routed += 1
+                out_headers = {"x-pagedkv-replica": rep.spec.url}
+                media = resp.headers.get("content-type", "application/json")
+                if media.startswith("text/event-stream"):
+                    handed_off = True
+                    return StreamingResponse(
+                        _stream(resp, rep, watcher), status_code=resp.status_code,
+                        media_type=media, headers=out_headers)
+                try:
+                    content = await _unless_gone(watcher, resp.aread())
+                except _ClientGone:
+                    return Response(status_code=499)
+                except httpx.HTTPError as exc:
+                    router.stats.failed += 1
+                    return _error(502, f"the replica failed mid-answer ({type(exc).__name__})",
+                                  "api_error", None, "replica_failed")
+                finally:
+                    rep.in_flight -= 1
+                    await resp.aclose()
+                return Response(content, status_code=resp.status_code, media_type=media,
+                                headers=out_headers)
+        finally:
+            if not handed_off:
+                watcher.cancel()
         router.stats.failed += 1
-        return JSONResponse({"error": {"message": "no replica could be reached",
-                                       "type": "service_unavailable", "code": 503}},
-                            status_code=503)
+        return _error(503, "no replica could be reached", "service_unavailable_error", None,
+                      "no_replica")
+
+    async def _stream(resp: httpx.Response, rep: _Replica,
+                      watcher: "asyncio.Future[None]") -> AsyncIterator[bytes]:
+        """The replica's chunks, until it ends or the client goes (then the upstream request is
+        closed, which the replica sees as its client gone)."""
+        try:
+            chunks = resp.aiter_raw().__aiter__()
+            while True:
+                try:
+                    chunk = await _unless_gone(watcher, chunks.__anext__())
+                except (StopAsyncIteration, _ClientGone):
+                    return
+                except httpx.HTTPError as exc:
+                    logger.warning("replica %s failed mid-stream (%s)", rep.spec.url, exc)
+                    return
+                yield chunk
+        finally:
+            watcher.cancel()
+            rep.in_flight -= 1
+            await resp.aclose()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -364,8 +508,7 @@ def build_app(router: Router) -> Any:
                 continue
             return Response(r.content, status_code=r.status_code,
                             media_type=r.headers.get("content-type"))
-        return JSONResponse({"error": {"message": "no replica is up", "code": 503}},
-                            status_code=503)
+        return _error(503, "no replica is up", "service_unavailable_error", None, "no_replica")
 
     @app.get("/health")
     async def health() -> Response:
@@ -374,15 +517,20 @@ def build_app(router: Router) -> Any:
 
     @app.get("/router/state")
     async def router_state() -> Dict[str, Any]:
+        index = router.index
         return {
             "policy": router.policy,
             "replicas": [{"url": r.spec.url, "up": r.up, "in_flight": r.in_flight,
-                          "routed": r.routed, "indexed_blocks": router.index.blocks(i),
+                          "routed": r.routed, "indexed_blocks": index.blocks(i),
+                          "indexed_entries": index.entries(i),
+                          "evicted_entries": index.evicted.get(i, 0),
+                          "expired_entries": index.expired.get(i, 0),
                           "events": None if r.subscriber is None else {
                               "applied": r.subscriber.tracker.applied_batches,
                               "replays": r.subscriber.tracker.replays,
                               "restarts": r.subscriber.tracker.restarts,
-                              "lost_resets": r.subscriber.tracker.lost_resets}}
+                              "lost_resets": r.subscriber.tracker.lost_resets,
+                              "oversized_replays": r.subscriber.oversized_replays}}
                          for i, r in enumerate(router.replicas)],
             "stats": {k: v for k, v in vars(router.stats).items() if k != "extra"},
         }

@@ -15,6 +15,11 @@ gives its ``vllm:*`` counterparts:
 ``pagedkv_generation_tokens_total``                     tokens generated, over all samples
 ``pagedkv_request_success_total{finished_reason}``      requests ended: ``stop``, ``length`` or
                                                         ``abort``
+``pagedkv_request_cached_prompt_tokens``                histogram: per request, the prompt tokens
+                                                        the prefix cache served (any tier)
+``pagedkv_cached_prompt_tokens_total``                  their sum (with
+                                                        ``pagedkv_prompt_tokens_total``: the share
+                                                        of prompt tokens not recomputed)
 ======================================================  =========================================
 
 The running / waiting request gauges (``pagedkv_num_requests_running`` / ``_waiting``) come from
@@ -31,7 +36,8 @@ import bisect
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["RequestMetrics", "Histogram", "TTFT_BUCKETS", "ITL_BUCKETS", "E2E_BUCKETS"]
+__all__ = ["RequestMetrics", "Histogram", "TTFT_BUCKETS", "ITL_BUCKETS", "E2E_BUCKETS",
+           "CACHED_TOKENS_BUCKETS"]
 
 #: Upper bounds, seconds. Roughly 1-2.5-5 per decade, from what a GPU step costs to what a long
 #: generation on a loaded CPU costs.
@@ -40,6 +46,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0,
                1000.0)
+
+#: Upper bounds, tokens: none, then powers of 4 from one small block to a long context.
+CACHED_TOKENS_BUCKETS = (0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0)
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -83,7 +92,9 @@ class RequestMetrics:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
+        self.cached = Histogram(CACHED_TOKENS_BUCKETS)
         self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
         self.generation_tokens = 0
         self.finished: Dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
         self._label_names = sorted(labels or {})
@@ -95,6 +106,11 @@ class RequestMetrics:
         with self._lock:
             self.ttft.observe(ttft_s)
             self.prompt_tokens += num_prompt_tokens
+
+    def on_cached_tokens(self, num_cached_tokens: int, num_prompt_tokens: int) -> None:
+        with self._lock:
+            self.cached.observe(float(num_cached_tokens))
+            self.cached_prompt_tokens += num_cached_tokens
 
     def on_tokens(self, num_new_tokens: int, since_last_s: Optional[float]) -> None:
         with self._lock:
@@ -116,7 +132,9 @@ class RequestMetrics:
                 "ttft": (self.ttft.cumulative(), self.ttft.sum, self.ttft.count),
                 "itl": (self.itl.cumulative(), self.itl.sum, self.itl.count),
                 "e2e": (self.e2e.cumulative(), self.e2e.sum, self.e2e.count),
+                "cached": (self.cached.cumulative(), self.cached.sum, self.cached.count),
                 "prompt_tokens": self.prompt_tokens,
+                "cached_prompt_tokens": self.cached_prompt_tokens,
                 "generation_tokens": self.generation_tokens,
                 "finished": dict(self.finished),
             }
@@ -136,6 +154,8 @@ class RequestMetrics:
              "Time between two consecutive steps that gave a request new tokens."),
             ("e2e", "pagedkv_e2e_request_latency_seconds",
              "Time from a request's arrival to its end (finished or aborted)."),
+            ("cached", "pagedkv_request_cached_prompt_tokens",
+             "Prompt tokens of a request served from the prefix cache (any tier)."),
         ):
             buckets, total, _count = d[key]
             h = core.HistogramMetricFamily(name, doc, labels=names)
@@ -146,6 +166,9 @@ class RequestMetrics:
              "Prompt tokens of requests that started generating."),
             ("generation_tokens", "pagedkv_generation_tokens_total",
              "Tokens generated, over all samples."),
+            ("cached_prompt_tokens", "pagedkv_cached_prompt_tokens_total",
+             "Prompt tokens served from the prefix cache (any tier), of requests that started "
+             "generating."),
         ):
             c = core.CounterMetricFamily(name, doc, labels=names)
             c.add_metric(values, d[key])

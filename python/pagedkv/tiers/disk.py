@@ -1,7 +1,8 @@
 """The disk tier: KV blocks in preallocated segment files on a local file system.
 
-Owns :class:`DiskStore` (one cache directory) and :func:`load_or_create_hash_key` (the prefix-hash
-key a restarted engine must reuse for its blocks to be found again).
+Owns :class:`DiskStore` (one cache directory), :func:`load_or_create_hash_key` (the prefix-hash
+key a restarted engine must reuse for its blocks to be found again) and
+:func:`load_or_create_tier_key` (the directory's own tier secret, when the engine is given none).
 
 **Layout.** Blocks live in fixed-size *slots* (one :mod:`~pagedkv.tiers.record` each, the slot size
 being the largest record rounded up to 4096 bytes) grouped into segment files of about 256 MiB,
@@ -21,11 +22,23 @@ so a reader never sees a half-written block as present. A write that a crash int
 record whose checksum fails: a miss on the next read, never wrong bytes. Nothing is fsynced: this
 is a cache, and a lost block is a miss.
 
+**Trust.** Every record carries a MAC under the store's tier secret (the fleet's, or one the store
+keeps in its directory, ``tier.key``): a record that does not verify is a counted miss
+(``unauthenticated``). The directory must be owned by the engine's user and not writable by group
+or others; the key files, the lock and the segments are opened relative to the directory's
+descriptor with ``O_NOFOLLOW`` (created with ``O_EXCL``) and refused when they are links (symbolic,
+or ``st_nlink > 1``), not owned by the user or writable by others
+(:class:`~pagedkv.errors.UnsafePathError`). An ``OSError`` at start-up (a full disk, a read-only
+file system) raises :class:`~pagedkv.errors.CacheIOError`. The directory's lock and files are
+released by :meth:`DiskStore.close`, or when the store is garbage-collected.
+
 **Invariants.** I/O errors, corruption, truncation and foreign records are misses counted in
 :meth:`DiskStore.stats`, never exceptions; bad arguments raise
 :class:`~pagedkv.errors.InvalidConfigError` / :class:`~pagedkv.errors.InvalidArgumentError` and
 change nothing. The directory is 0700 and every file in it 0600. One store at a time owns a
 directory (an exclusive ``flock`` on its ``lock`` file); tensor-parallel ranks use one directory each.
+Every hash that leaves the index without the caller asking (evicted, overwritten, dropped as bad
+bytes) is reported once by :meth:`DiskStore.take_removed` unless it is stored again first.
 """
 
 from __future__ import annotations
@@ -37,14 +50,15 @@ import os
 import re
 import secrets
 import threading
+import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
-from ..errors import InvalidArgumentError, InvalidConfigError
+from ..errors import CacheIOError, InvalidArgumentError, InvalidConfigError, UnsafePathError
 from .record import (
-    CHECKSUM_BYTES,
     FINGERPRINT_BYTES,
     HEADER_BYTES,
     BlockMeta,
@@ -52,14 +66,32 @@ from .record import (
     Reason,
     StoreClosedError,
     TierStats,
+    TRAILER_BYTES,
     as_byte_view,
     encode_parts,
     parse_header,
     record_size,
     verify_split,
 )
+from .secret import (
+    TierSecret,
+    create_secret_file,
+    load_tier_secret,
+    open_private_dir,
+    open_private_file,
+    secret_for_config,
+)
 
-__all__ = ["DiskStore", "load_or_create_hash_key", "SLOT_ALIGN", "SEGMENT_BYTES", "HASH_KEY_FILE"]
+__all__ = [
+    "DiskStore",
+    "load_or_create_hash_key",
+    "load_or_create_tier_key",
+    "SLOT_ALIGN",
+    "SEGMENT_BYTES",
+    "HASH_KEY_FILE",
+    "TIER_KEY_FILE",
+    "LOCK_FILE",
+]
 
 #: Slot size granularity: the file system's page, so a slot never shares a page with another.
 SLOT_ALIGN = 4096
@@ -67,6 +99,12 @@ SLOT_ALIGN = 4096
 SEGMENT_BYTES = 256 << 20
 #: Name of the hash-key file :func:`load_or_create_hash_key` keeps in the cache directory.
 HASH_KEY_FILE = "hash.key"
+#: Name of the tier secret a store keeps in its directory when it is given none.
+TIER_KEY_FILE = "tier.key"
+#: Name of the file whose ``flock`` says which store owns the directory.
+LOCK_FILE = "lock"
+#: How long a reader waits for a key file another process has created but not yet written.
+_KEY_WAIT_S = 1.0
 
 _SEGMENT_RE = re.compile(r"^seg-(\d+)x(\d+)-(\d{5})\.pkv$")
 _PathLike = Union[str, "os.PathLike[str]"]
@@ -81,72 +119,92 @@ def _check_int(field: str, value: Any, minimum: int) -> int:
     return value
 
 
-def _make_private_dir(path: str) -> None:
-    """Create ``path`` (and parents) if needed and make it 0700; InvalidConfigError if impossible."""
+def _load_or_create_key(path: str, name: str, make: bytes, pattern: str) -> str:
+    """The text of the key file ``name`` in the cache directory ``path``, created with ``make``
+    (``O_EXCL | O_NOFOLLOW``, 0600, one write) if absent. A racing creator's file that is still
+    empty is waited for (up to a second); one that does not match ``pattern`` raises
+    InvalidConfigError naming it (silently making a new key would turn every block into a miss)."""
+    key_path = os.path.join(path, name)
+    dir_fd = open_private_dir(path)
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        if not os.path.isdir(path):
-            raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
-        os.chmod(path, 0o700)
-    except OSError as exc:
+        create_secret_file(dir_fd, path, name, make)
+        deadline = time.monotonic() + _KEY_WAIT_S
+        while True:
+            fd = open_private_file(dir_fd, path, name, os.O_RDONLY, create=False)
+            try:
+                text = os.read(fd, 256).decode("ascii", "replace").strip()
+            except OSError as exc:
+                raise CacheIOError(
+                    f"key file {key_path!r} cannot be read: {exc.strerror or exc}", path=key_path,
+                    errno=exc.errno, reason=str(exc),
+                ) from None
+            finally:
+                os.close(fd)
+            if text or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+    except FileNotFoundError:
+        raise CacheIOError(f"key file {key_path!r} vanished while it was read", path=key_path,
+                           errno=errno.ENOENT, reason="vanished") from None
+    finally:
+        os.close(dir_fd)
+    if not re.fullmatch(pattern, text):
         raise InvalidConfigError(
-            f"cache directory {path!r} cannot be created or made private (0700): {exc.strerror or exc}",
-            field="path", value=path, reason=str(exc),
-        ) from None
-
-
-def _open_private(path: str, flags: int) -> int:
-    fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
+            f"key file {key_path!r} does not hold a key (expected {pattern}), got {text[:32]!r}",
+            field="path", value=key_path, reason="malformed key file",
+        )
+    return text
 
 
 def load_or_create_hash_key(path: _PathLike) -> int:
     """The 64-bit prefix-hash key kept in the cache directory ``path``, created on first use.
 
-    The key file (:data:`HASH_KEY_FILE`, 0600, 16 hex digits) is written to a temporary name and
-    linked into place, so two processes racing to create it agree on one key. A key file that does
-    not hold a key raises :class:`~pagedkv.errors.InvalidConfigError` naming it: silently making a
-    new key would turn every stored block into a miss.
+    The key file (:data:`HASH_KEY_FILE`, 0600, 16 hex digits) is created with ``O_EXCL`` and
+    written in one write, so two processes racing to create it agree on one key. A key file that
+    does not hold a key raises :class:`~pagedkv.errors.InvalidConfigError` naming it: silently
+    making a new key would turn every stored block into a miss. The directory and the file must
+    pass the ownership checks (:class:`~pagedkv.errors.UnsafePathError`).
     """
-    root = os.fspath(path)
-    _make_private_dir(root)
-    key_path = os.path.join(root, HASH_KEY_FILE)
-    if not os.path.exists(key_path):
-        tmp = os.path.join(root, f".{HASH_KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
-        fd = _open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        try:
-            os.write(fd, f"{secrets.randbits(64):016x}\n".encode())
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, key_path)
-        except FileExistsError:
-            pass  # another process linked its key first; everyone reads that one
-        finally:
-            os.unlink(tmp)
-    try:
-        fd = os.open(key_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        try:
-            os.fchmod(fd, 0o600)
-            text = os.read(fd, 64).decode("ascii", "replace").strip()
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise InvalidConfigError(
-            f"hash key file {key_path!r} cannot be read: {exc.strerror or exc}", field="path",
-            value=key_path, reason=str(exc),
-        ) from None
-    if not re.fullmatch(r"[0-9a-f]{16}", text):
-        raise InvalidConfigError(
-            f"hash key file {key_path!r} does not hold a key (16 hex digits), got {text[:32]!r}",
-            field="path", value=key_path, reason="malformed key file",
-        )
+    text = _load_or_create_key(os.fspath(path), HASH_KEY_FILE,
+                               f"{secrets.randbits(64):016x}\n".encode(), r"[0-9a-f]{16}")
     return int(text, 16)
+
+
+def load_or_create_tier_key(path: _PathLike) -> TierSecret:
+    """The tier secret a :class:`DiskStore` keeps in ``path`` (:data:`TIER_KEY_FILE`, 0600, 64 hex
+    digits) when the engine gives it none, created on first use like the hash key."""
+    root = os.fspath(path)
+    text = _load_or_create_key(root, TIER_KEY_FILE, f"{secrets.token_hex(32)}\n".encode(),
+                               r"[0-9a-f]{64}")
+    return TierSecret(text.encode("ascii"), source=f"file {os.path.join(root, TIER_KEY_FILE)}")
+
+
+class _Files:
+    """The descriptors a store holds (directory, lock, segments): what its finalizer releases."""
+
+    def __init__(self) -> None:
+        self.dir_fd = -1
+        self.lock_fd = -1
+        self.segments: Dict[int, int] = {}
+
+
+def _release_files(files: _Files, pool: Optional[ThreadPoolExecutor]) -> None:
+    """Close every descriptor and unlock the directory (``close``, or the store's collection)."""
+    if pool is not None:
+        # Never waits: the collector may run this on one of the pool's own threads.
+        pool.shutdown(wait=False)
+    for fd in files.segments.values():
+        os.close(fd)
+    files.segments.clear()
+    if files.lock_fd >= 0:
+        try:
+            fcntl.flock(files.lock_fd, fcntl.LOCK_UN)
+        finally:
+            os.close(files.lock_fd)
+            files.lock_fd = -1
+    if files.dir_fd >= 0:
+        os.close(files.dir_fd)
+        files.dir_fd = -1
 
 
 class DiskStore:
@@ -157,8 +215,16 @@ class DiskStore:
         capacity_bytes: Disk space the segment files may take; at least one slot.
         fingerprint: :func:`pagedkv.tiers.fingerprint.fingerprint` of the engine's layout.
         block_bytes: Bytes of one block (``CacheSpec.bytes_per_block``); every payload has this size.
+        secret: The fleet's tier secret (:func:`pagedkv.tiers.secret.load_tier_secret`); ``None``:
+            ``PAGEDKV_TIER_SECRET`` if set, else the store's own, kept in the directory
+            (:func:`load_or_create_tier_key`).
         threads: Worker threads for the I/O.
         max_tokens: Token ids a record may carry (the block size); sizes the slots.
+
+    Raises:
+        InvalidConfigError: A bad argument, or the directory is in use by another store.
+        UnsafePathError: The directory or a file in it is not the user's own (module docs).
+        CacheIOError: The directory or its files cannot be prepared (a full disk, ...).
     """
 
     def __init__(
@@ -168,6 +234,7 @@ class DiskStore:
         fingerprint: bytes,
         block_bytes: int,
         *,
+        secret: Optional[TierSecret] = None,
         threads: int = 2,
         max_tokens: int = 256,
     ) -> None:
@@ -179,6 +246,11 @@ class DiskStore:
             raise InvalidConfigError(
                 f"fingerprint must be {FINGERPRINT_BYTES} bytes, got {fingerprint!r}",
                 field="fingerprint", value=fingerprint, reason="wrong length",
+            )
+        if secret is not None and not isinstance(secret, TierSecret):
+            raise InvalidConfigError(
+                f"secret must be a pagedkv.tiers.secret.TierSecret or None, got {type(secret).__name__}",
+                field="secret", value=type(secret).__name__, reason="not a TierSecret",
             )
         self.fingerprint = bytes(fingerprint)
         need = record_size(self.max_tokens, self.block_bytes)
@@ -196,7 +268,6 @@ class DiskStore:
         #: Slots of one full segment file.
         self.slots_per_segment = self._geometry
         self.path = os.fspath(path)
-        _make_private_dir(self.path)
 
         self._lock = threading.Lock()
         self._seg_lock = threading.Lock()
@@ -205,30 +276,50 @@ class DiskStore:
         self._pending: Dict[int, int] = {}
         self._pins: Dict[int, int] = {}
         self._dead: Set[int] = set()
-        self._segments: Dict[int, int] = {}
+        #: Hashes that left the index unasked since the last take_removed (an ordered set).
+        self._removed: "OrderedDict[int, None]" = OrderedDict()
+        self._removed_cap = max(4096, 2 * self.num_slots)
+        self._files = _Files()
+        self._segments = self._files.segments
         self._stats = TierStats()
         self._closed = False
 
-        self._lock_fd = _open_private(os.path.join(self.path, "lock"), os.O_RDWR | os.O_CREAT)
+        self._files.dir_fd = open_private_dir(self.path)
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(self._lock_fd)
-            raise InvalidConfigError(
-                f"cache directory {self.path!r} is in use by another DiskStore (its lock file is held)",
-                field="path", value=self.path, reason="locked",
-            ) from None
-        try:
-            self._scan()
+            self._files.lock_fd = open_private_file(self._files.dir_fd, self.path, LOCK_FILE, os.O_RDWR)
+            try:
+                fcntl.flock(self._files.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                raise InvalidConfigError(
+                    f"cache directory {self.path!r} is in use by another DiskStore (its lock file is held)",
+                    field="path", value=self.path, reason="locked",
+                ) from None
+            #: The key every record is authenticated with (``secret``, or the directory's own).
+            if secret is None:
+                secret = load_tier_secret() or load_or_create_tier_key(self.path)
+            self.secret = secret
+            try:
+                self._scan()
+            except OSError as exc:
+                if isinstance(exc, (CacheIOError, UnsafePathError)):
+                    raise
+                raise CacheIOError(
+                    f"cache directory {self.path!r} cannot be scanned: {exc.strerror or exc}",
+                    path=self.path, errno=exc.errno, reason=str(exc),
+                ) from None
         except BaseException:
-            self._close_files()
+            _release_files(self._files, None)
             raise
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pagedkv-disk")
+        # The directory's lock goes with the store: a store nobody closed (an engine dropped
+        # without shutdown) releases it when collected, not when the process exits.
+        self._finalizer = weakref.finalize(self, _release_files, self._files, self._pool)
 
     # ---------------------------------------------------------------- geometry and start-up scan
 
     def _segment_name(self, k: int) -> str:
-        return os.path.join(self.path, f"seg-{self.slot_bytes}x{self._geometry}-{k:05d}.pkv")
+        """The file name (relative to the directory) of segment ``k``."""
+        return f"seg-{self.slot_bytes}x{self._geometry}-{k:05d}.pkv"
 
     def _segment_slots(self, k: int) -> int:
         return min(self._geometry, self.num_slots - k * self._geometry)
@@ -241,7 +332,7 @@ class DiskStore:
             with self._seg_lock:
                 fd = self._segments.get(k)
                 if fd is None:
-                    fd = _open_private(self._segment_name(k), os.O_RDWR | os.O_CREAT)
+                    fd = open_private_file(self._files.dir_fd, self.path, self._segment_name(k), os.O_RDWR)
                     try:
                         _preallocate(fd, self._segment_slots(k) * self.slot_bytes)
                     except OSError:
@@ -253,26 +344,30 @@ class DiskStore:
     def _scan(self) -> None:
         num_segments = -(-self.num_slots // self._geometry)
         found: Dict[int, str] = {}
-        for name in sorted(os.listdir(self.path)):
+        dir_fd = self._files.dir_fd
+        for name in sorted(os.listdir(dir_fd)):
             m = _SEGMENT_RE.match(name)
             if not m:
                 continue
-            full = os.path.join(self.path, name)
             k = int(m.group(3))
             if int(m.group(1)) != self.slot_bytes or int(m.group(2)) != self._geometry or k >= num_segments:
                 # Another block size's or capacity's files: their slots cannot be addressed here,
                 # and they would count against the disk.
                 self._stats.foreign += 1
-                _unlink_quietly(full)
+                _unlink_quietly(dir_fd, name)
                 continue
-            found[k] = full
+            found[k] = name
         indexed: Set[int] = set()
-        for k, full in sorted(found.items()):
+        for k, name in sorted(found.items()):
             try:
-                fd = _open_private(full, os.O_RDWR)
-            except OSError:
+                # A link (symbolic or hard) or another user's file among the segments is refused
+                # (UnsafePathError): writing through it would reach a file elsewhere.
+                fd = open_private_file(dir_fd, self.path, name, os.O_RDWR, create=False)
+            except FileNotFoundError:
+                continue
+            except CacheIOError:
                 self._stats.errors += 1
-                _unlink_quietly(full)
+                _unlink_quietly(dir_fd, name)
                 continue
             want = self._segment_slots(k) * self.slot_bytes
             try:
@@ -284,7 +379,7 @@ class DiskStore:
             except OSError:
                 self._stats.errors += 1
                 os.close(fd)
-                _unlink_quietly(full)
+                _unlink_quietly(dir_fd, name)
                 continue
             self._segments[k] = fd
             base = k * self._geometry
@@ -361,8 +456,26 @@ class DiskStore:
             if slot not in self._pins:
                 del self._index[block_hash]
                 self._stats.evictions += 1
+                self._note_removed(block_hash)
                 return slot
         return None
+
+    def _note_removed(self, block_hash: int) -> None:
+        """Remember a hash that left the index unasked, for :meth:`take_removed` (bounded: the
+        oldest are dropped when nobody drains them)."""
+        self._removed[block_hash] = None
+        self._removed.move_to_end(block_hash)
+        while len(self._removed) > self._removed_cap:
+            self._removed.popitem(last=False)
+
+    def take_removed(self) -> List[int]:
+        """The hashes this store evicted (overwritten to make room) or dropped as bad bytes
+        since the last call, oldest first; a hash stored again meanwhile is not among them (it
+        is present). Blocks dropped by :meth:`remove` are the caller's own and not reported."""
+        with self._lock:
+            out = list(self._removed)
+            self._removed.clear()
+            return out
 
     def _release(self, slot: int) -> None:
         if slot in self._pins:
@@ -370,11 +483,14 @@ class DiskStore:
         else:
             heapq.heappush(self._free, slot)
 
-    def _forget(self, block_hash: int, slot: int) -> None:
-        """Drop a bad or removed block: its magic is zeroed first, so no restart indexes it again."""
+    def _forget(self, block_hash: int, slot: int, *, report: bool = False) -> None:
+        """Drop a bad or removed block: its magic is zeroed first, so no restart indexes it again.
+        ``report``: it leaves unasked (bad bytes), so :meth:`take_removed` reports it."""
         if self._index.get(block_hash) != slot:
             return
         del self._index[block_hash]
+        if report:
+            self._note_removed(block_hash)
         k, i = divmod(slot, self._geometry)
         fd = self._segments.get(k)
         if fd is not None:
@@ -402,9 +518,9 @@ class DiskStore:
         written = 0
         try:
             fd, offset = self._locate(slot)
-            prefix, body, checksum = encode_parts(self.fingerprint, meta, view)
-            total = len(prefix) + body.nbytes + len(checksum)
-            written = os.pwritev(fd, [prefix, body, checksum], offset)
+            prefix, body, trailer = encode_parts(self.fingerprint, meta, view, secret=self.secret)
+            total = len(prefix) + body.nbytes + len(trailer)
+            written = os.pwritev(fd, [prefix, body, trailer], offset)
             ok = written == total
         except OSError:
             ok = False
@@ -412,6 +528,7 @@ class DiskStore:
             del self._pending[h]
             if ok:
                 self._index[h] = slot
+                self._removed.pop(h, None)  # present again: no longer removed
                 self._stats.puts += 1
                 self._stats.bytes_written += written
             else:
@@ -448,18 +565,18 @@ class DiskStore:
             self._pins[slot] = self._pins.get(slot, 0) + 1
         body = out if out is not None else memoryview(bytearray(self.block_bytes))
         prefix = bytearray(HEADER_BYTES + 4 * len(meta.token_ids))
-        checksum = bytearray(CHECKSUM_BYTES)
+        trailer = bytearray(TRAILER_BYTES)
         reason: Optional[Reason]
         read = 0
         try:
             fd, offset = self._locate(slot)
-            read = os.preadv(fd, [prefix, body, checksum], offset)
-            if read < len(prefix) + body.nbytes + CHECKSUM_BYTES:
+            read = os.preadv(fd, [prefix, body, trailer], offset)
+            if read < len(prefix) + body.nbytes + TRAILER_BYTES:
                 reason = Reason.TRUNCATED
             else:
                 reason = verify_split(
-                    prefix, body, checksum, fingerprint=self.fingerprint, block_hash=h,
-                    token_ids=meta.token_ids, salt_digest=meta.salt_digest,
+                    prefix, body, trailer, fingerprint=self.fingerprint, block_hash=h,
+                    token_ids=meta.token_ids, salt_digest=meta.salt_digest, secret=self.secret,
                 )
         except OSError:
             reason = None
@@ -483,9 +600,9 @@ class DiskStore:
                 counter = reason.counter
                 setattr(self._stats, counter, getattr(self._stats, counter) + 1)
                 if counter != "mismatched":
-                    # Corrupt or foreign bytes under this hash: the slot is free space. A mismatch
-                    # (another tenant's salt, a collision) is a valid block for someone else.
-                    self._forget(h, slot)
+                    # Corrupt, forged or foreign bytes under this hash: the slot is free space. A
+                    # mismatch (another tenant's salt, a collision) is a valid block for someone else.
+                    self._forget(h, slot, report=True)
         return None
 
     def get(self, meta: BlockMeta) -> Optional[bytes]:
@@ -574,21 +691,14 @@ class DiskStore:
             return len(self._index)
 
     def close(self) -> None:
-        """Finish queued I/O, close the files and release the directory's lock. Idempotent."""
+        """Finish queued I/O, close the files and release the directory's lock. Idempotent.
+
+        A store that is never closed releases them when it is garbage-collected."""
         if self._closed:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
-        self._close_files()
-
-    def _close_files(self) -> None:
-        for fd in self._segments.values():
-            os.close(fd)
-        self._segments.clear()
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-        finally:
-            os.close(self._lock_fd)
+        self._finalizer()
 
     def __enter__(self) -> "DiskStore":
         return self
@@ -602,6 +712,25 @@ class DiskStore:
             f"blocks={len(self)})"
         )
 
+    # ------------------------------------------------- as a backend (pagedkv.tiers.store.BlockStore)
+
+    #: The tier's name in the engine's figures, and its KV events' locality.
+    name = "disk"
+    locality = "LOCAL"
+
+    # take_removed: with the eviction code above (it reports what this store evicted).
+
+    @classmethod
+    def from_config(cls, config: object, fingerprint: bytes, block_bytes: int) -> Optional["DiskStore"]:
+        """The store ``config.disk_cache_dir`` / ``config.disk_cache_memory`` ask for, or None
+        without a ``disk_cache_dir`` (the registry's factory, :mod:`pagedkv.tiers.store`); its
+        records authenticated under :func:`~pagedkv.tiers.secret.secret_for_config`."""
+        path = getattr(config, "disk_cache_dir", None)
+        if path is None:
+            return None
+        return cls(path, int(getattr(config, "disk_cache_memory")), fingerprint, block_bytes,
+                   secret=secret_for_config(config))
+
 
 def _preallocate(fd: int, size: int) -> None:
     """Reserve ``size`` bytes for ``fd`` (a file system without fallocate gets a sparse file)."""
@@ -613,8 +742,8 @@ def _preallocate(fd: int, size: int) -> None:
         os.ftruncate(fd, size)
 
 
-def _unlink_quietly(path: str) -> None:
+def _unlink_quietly(dir_fd: int, name: str) -> None:
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass

@@ -3,7 +3,10 @@
 Owns the record format shared by every tier below the host (:mod:`pagedkv.tiers.disk`,
 :mod:`pagedkv.tiers.remote`), :class:`BlockMeta` (a block's identity), :class:`Reason` (why a
 record was refused), :class:`TierStats` (the counters both stores report) and
-:class:`StoreClosedError` (a store used after ``close``).
+:class:`StoreClosedError` (a store used after ``close``). Every record is authenticated: a keyed
+MAC under the fleet's :class:`~pagedkv.tiers.secret.TierSecret` (not the prefix-hash key) covers
+its identity and its payload, so a party that can write to a tier but does not hold the secret
+cannot make a reader serve anything it did not write.
 
 A record is, little-endian::
 
@@ -13,22 +16,31 @@ A record is, little-endian::
     token ids              token_count x u32
     payload                payload_len bytes, the host block verbatim
     checksum               XXH3-128 of header + token ids + payload (16 bytes)
+    mac                    HMAC-SHA256 of header + token ids + payload under the tier secret
+                           (32 bytes)
+
+The checksum tells accidental damage (a torn write, bit rot: ``corrupt``) from a record that is
+intact but not written under this secret (re-encoded, swapped between keys, another fleet's:
+``unauthenticated``); only the MAC protects.
 
 Invariants:
 
 * :func:`decode` never returns bytes that did not verify: magic, version, fingerprint, hash,
-  salt digest, token ids, lengths and the checksum must all match what the caller expects, or the
-  answer is ``None`` with the :class:`Reason` for the caller's counters;
+  salt digest, token ids, lengths, the checksum and the MAC must all match what the caller
+  expects, or the answer is ``None`` with the :class:`Reason` for the caller's counters;
 * :func:`decode` never raises on the record's content (any byte string is a valid input); only a
   malformed *expectation* (a hash outside u128, a token id outside u32) raises
   :class:`~pagedkv.errors.InvalidArgumentError`;
 * the payload is never copied by :func:`encode_parts`: a writer sends the prefix, the caller's
-  payload buffer and the checksum as three pieces (``os.pwritev``).
+  payload buffer and the trailer (checksum and MAC) as three pieces (``os.pwritev``);
+* no record is written or read without a :class:`~pagedkv.tiers.secret.TierSecret`; the MAC is
+  compared in constant time.
 """
 
 from __future__ import annotations
 
 import enum
+import hmac
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Tuple, Union
@@ -37,12 +49,15 @@ import numpy as np
 import xxhash
 
 from ..errors import InvalidArgumentError, PagedKVError
+from .secret import TierSecret
 
 __all__ = [
     "MAGIC",
     "FORMAT_VERSION",
     "HEADER_BYTES",
     "CHECKSUM_BYTES",
+    "MAC_BYTES",
+    "TRAILER_BYTES",
     "FINGERPRINT_BYTES",
     "BlockMeta",
     "Header",
@@ -63,9 +78,12 @@ __all__ = [
 MAGIC = b"PKVB"
 #: Bumped whenever the layout above changes; it is also hashed into every fingerprint, so a new
 #: format never reads an old one's records as its own.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FINGERPRINT_BYTES = 16
 CHECKSUM_BYTES = 16
+MAC_BYTES = 32
+#: Checksum and MAC, after the payload.
+TRAILER_BYTES = CHECKSUM_BYTES + MAC_BYTES
 _FLAG_HAS_PARENT = 1
 _U128 = 1 << 128
 _U32_MAX = (1 << 32) - 1
@@ -103,6 +121,7 @@ class Reason(str, enum.Enum):
     TOKENS_MISMATCH = "tokens_mismatch"
     LENGTH_MISMATCH = "length_mismatch"
     CHECKSUM = "checksum"
+    UNAUTHENTICATED = "unauthenticated"
 
     @property
     def counter(self) -> str:
@@ -111,6 +130,8 @@ class Reason(str, enum.Enum):
             return "hits"
         if self is Reason.FOREIGN:
             return "foreign"
+        if self is Reason.UNAUTHENTICATED:
+            return "unauthenticated"
         if self in (Reason.HASH_MISMATCH, Reason.SALT_MISMATCH, Reason.TOKENS_MISMATCH):
             return "mismatched"
         return "corrupt"
@@ -217,7 +238,9 @@ class TierStats:
     ``hits``/``misses`` count lookups (``get``); a miss is also counted in ``corrupt`` (bad magic,
     version, lengths or checksum, truncated), ``foreign`` (another model's or layout's record),
     ``mismatched`` (hash, salt digest or token ids differ from the request's), ``errors`` (an I/O or
-    server error) or ``timeouts`` (the remote did not answer in time) when that is why.
+    server error), ``timeouts`` (the remote did not answer in time) or ``unauthenticated`` (an intact
+    record whose MAC does not verify under this store's tier secret: forged, re-encoded, moved
+    between keys, or another fleet's) when that is why.
     ``unavailable`` counts operations skipped without I/O while a failed remote backs off.
     ``usage_bytes``/``capacity_bytes`` are ``None`` where the store cannot know them (remote).
     """
@@ -227,6 +250,7 @@ class TierStats:
     corrupt: int = 0
     foreign: int = 0
     mismatched: int = 0
+    unauthenticated: int = 0
     errors: int = 0
     timeouts: int = 0
     unavailable: int = 0
@@ -242,7 +266,7 @@ class TierStats:
 
 def record_size(token_count: int, payload_len: int) -> int:
     """Bytes of a record holding ``token_count`` tokens and a ``payload_len``-byte payload."""
-    return HEADER_BYTES + 4 * token_count + payload_len + CHECKSUM_BYTES
+    return HEADER_BYTES + 4 * token_count + payload_len + TRAILER_BYTES
 
 
 def as_byte_view(data: Buffer, what: str = "data") -> memoryview:
@@ -274,12 +298,37 @@ def _lohi(value: int) -> Tuple[int, int]:
     return value & (_U64 - 1), value >> 64
 
 
-def encode_parts(fingerprint: bytes, meta: BlockMeta, payload: Buffer) -> Tuple[bytes, memoryview, bytes]:
-    """``(prefix, payload, checksum)``: the record in three pieces, the payload not copied.
+def _check_secret(secret: Any) -> TierSecret:
+    if not isinstance(secret, TierSecret):
+        raise InvalidArgumentError(
+            f"secret must be a pagedkv.tiers.secret.TierSecret (records are authenticated), got "
+            f"{type(secret).__name__}", what="secret", value=type(secret).__name__,
+            reason="not a TierSecret",
+        )
+    return secret
 
-    ``prefix`` is the header and token ids. Writing the three pieces back to back gives the record.
+
+def _trailer(secret: TierSecret, prefix: Buffer, body: Buffer) -> bytes:
+    """Checksum and MAC of a record's prefix and payload."""
+    digest = xxhash.xxh3_128()
+    digest.update(prefix)
+    digest.update(body)
+    mac = secret.mac()
+    mac.update(prefix)
+    mac.update(body)
+    return digest.digest() + mac.digest()
+
+
+def encode_parts(
+    fingerprint: bytes, meta: BlockMeta, payload: Buffer, *, secret: TierSecret
+) -> Tuple[bytes, memoryview, bytes]:
+    """``(prefix, payload, trailer)``: the record in three pieces, the payload not copied.
+
+    ``prefix`` is the header and token ids, ``trailer`` the checksum and the MAC under ``secret``.
+    Writing the three pieces back to back gives the record.
     """
     fp = _fingerprint_bytes(fingerprint)
+    key = _check_secret(secret)
     if not isinstance(meta, BlockMeta):
         raise InvalidArgumentError(
             f"meta must be a pagedkv.tiers.BlockMeta, got {type(meta).__name__}", what="meta",
@@ -298,17 +347,15 @@ def encode_parts(fingerprint: bytes, meta: BlockMeta, payload: Buffer) -> Tuple[
         )
         + tokens.tobytes()
     )
-    digest = xxhash.xxh3_128()
-    digest.update(prefix)
-    digest.update(body)
-    return prefix, body, digest.digest()
+    return prefix, body, _trailer(key, prefix, body)
 
 
-def encode_into(out: Buffer, fingerprint: bytes, meta: BlockMeta, payload: Buffer) -> int:
+def encode_into(out: Buffer, fingerprint: bytes, meta: BlockMeta, payload: Buffer, *,
+                secret: TierSecret) -> int:
     """Write the record at the start of the writable buffer ``out``; returns its size in bytes."""
-    prefix, body, checksum = encode_parts(fingerprint, meta, payload)
+    prefix, body, trailer = encode_parts(fingerprint, meta, payload, secret=secret)
     view = as_byte_view(out, "out")
-    size = len(prefix) + body.nbytes + CHECKSUM_BYTES
+    size = len(prefix) + body.nbytes + TRAILER_BYTES
     if view.readonly or view.nbytes < size:
         raise InvalidArgumentError(
             f"out must be a writable buffer of at least {size} bytes, got {view.nbytes} "
@@ -318,14 +365,14 @@ def encode_into(out: Buffer, fingerprint: bytes, meta: BlockMeta, payload: Buffe
     n = len(prefix)
     view[:n] = prefix
     view[n : n + body.nbytes] = body
-    view[n + body.nbytes : size] = checksum
+    view[n + body.nbytes : size] = trailer
     return size
 
 
-def encode(fingerprint: bytes, meta: BlockMeta, payload: Buffer) -> bytes:
+def encode(fingerprint: bytes, meta: BlockMeta, payload: Buffer, *, secret: TierSecret) -> bytes:
     """The record as one byte string (one copy of the payload)."""
-    prefix, body, checksum = encode_parts(fingerprint, meta, payload)
-    return b"".join((prefix, body, checksum))
+    prefix, body, trailer = encode_parts(fingerprint, meta, payload, secret=secret)
+    return b"".join((prefix, body, trailer))
 
 
 def parse_header(buf: Buffer) -> Optional[Header]:
@@ -361,6 +408,7 @@ def decode_checked(
     token_ids: Union[Sequence[int], np.ndarray],
     salt_digest: int,
     payload_len: int,
+    secret: TierSecret,
 ) -> Tuple[Optional[memoryview], Reason]:
     """Verify the record at the start of ``buf`` against what the caller expects.
 
@@ -368,6 +416,7 @@ def decode_checked(
     ``buf`` may be longer than the record (a disk slot's tail is ignored).
     """
     fp = _fingerprint_bytes(fingerprint)
+    key = _check_secret(secret)
     block_hash = _check_u128("block_hash", block_hash)
     salt_digest = _check_u128("salt_digest", salt_digest)
     tokens = _expected_tokens(token_ids)
@@ -377,45 +426,58 @@ def decode_checked(
         return None, reason
     tok_end = HEADER_BYTES + 4 * len(tokens)
     end = tok_end + payload_len
-    if view.nbytes < end + CHECKSUM_BYTES:
+    if view.nbytes < end + TRAILER_BYTES:
         return None, Reason.TRUNCATED
-    if xxhash.xxh3_128_digest(view[:end]) != bytes(view[end : end + CHECKSUM_BYTES]):
-        return None, Reason.CHECKSUM
-    return view[tok_end:end], Reason.OK
+    reason = _check_trailer(key, view[:tok_end], view[tok_end:end], view[end : end + TRAILER_BYTES])
+    return (view[tok_end:end], reason) if reason is Reason.OK else (None, reason)
+
+
+def _check_trailer(secret: TierSecret, head: memoryview, body: memoryview, tail: memoryview) -> Reason:
+    """Checksum first (accidental damage is ``corrupt``), then the MAC (constant-time compare)."""
+    digest = xxhash.xxh3_128()
+    digest.update(head)
+    digest.update(body)
+    if digest.digest() != bytes(tail[:CHECKSUM_BYTES]):
+        return Reason.CHECKSUM
+    mac = secret.mac()
+    mac.update(head)
+    mac.update(body)
+    if not hmac.compare_digest(mac.digest(), bytes(tail[CHECKSUM_BYTES:TRAILER_BYTES])):
+        return Reason.UNAUTHENTICATED
+    return Reason.OK
 
 
 def verify_split(
     prefix: Buffer,
     payload: Buffer,
-    checksum: Buffer,
+    trailer: Buffer,
     *,
     fingerprint: bytes,
     block_hash: int,
     token_ids: Union[Sequence[int], np.ndarray],
     salt_digest: int,
+    secret: TierSecret,
 ) -> Reason:
-    """Verify a record read in three pieces (header and tokens, payload, checksum).
+    """Verify a record read in three pieces (header and tokens, payload, checksum and MAC).
 
     The reader that scatters a record's payload straight into its destination (``os.preadv`` into a
     host block) checks it here; the payload is trusted only on ``Reason.OK``.
     """
     fp = _fingerprint_bytes(fingerprint)
+    key = _check_secret(secret)
     tokens = _expected_tokens(token_ids)
     head = as_byte_view(prefix, "prefix")
     body = as_byte_view(payload, "payload")
-    tail = as_byte_view(checksum, "checksum")
+    tail = as_byte_view(trailer, "trailer")
     reason = _check_prefix(
         head, fp, _check_u128("block_hash", block_hash), _check_u128("salt_digest", salt_digest),
         tokens, body.nbytes,
     )
     if reason is not None:
         return reason
-    if head.nbytes != HEADER_BYTES + 4 * len(tokens) or tail.nbytes != CHECKSUM_BYTES:
+    if head.nbytes != HEADER_BYTES + 4 * len(tokens) or tail.nbytes != TRAILER_BYTES:
         return Reason.TRUNCATED
-    digest = xxhash.xxh3_128()
-    digest.update(head)
-    digest.update(body)
-    return Reason.OK if digest.digest() == bytes(tail) else Reason.CHECKSUM
+    return _check_trailer(key, head, body, tail)
 
 
 def _expected_tokens(token_ids: Union[Sequence[int], np.ndarray]) -> np.ndarray:
@@ -463,6 +525,7 @@ def decode(
     token_ids: Union[Sequence[int], np.ndarray],
     salt_digest: int,
     payload_len: int,
+    secret: TierSecret,
 ) -> Optional[memoryview]:
     """The verified payload of the record in ``buf`` (a view into it), or ``None``.
 
@@ -470,6 +533,6 @@ def decode(
     """
     payload, _reason = decode_checked(
         buf, fingerprint=fingerprint, block_hash=block_hash, token_ids=token_ids,
-        salt_digest=salt_digest, payload_len=payload_len,
+        salt_digest=salt_digest, payload_len=payload_len, secret=secret,
     )
     return payload

@@ -1,9 +1,18 @@
 """The remote tier: KV blocks in a Redis or Valkey server shared by several engines.
 
-Owns :class:`RemoteStore`. Keys are ``pagedkv:<fingerprint hex>:<block hash hex>`` (so engines of
-different layouts never see each other's keys), values are :mod:`~pagedkv.tiers.record` records,
-checked on every read exactly as the disk tier checks them. Engines with the same fingerprint (and
-the same hash key) share blocks: one engine's ``put`` is another's hit.
+Owns :class:`RemoteStore`. Keys are ``pagedkv:<fingerprint hex>:<key id>:<block hash hex>`` (so
+engines of different layouts, or of fleets with different tier secrets, never see each other's
+keys), values are :mod:`~pagedkv.tiers.record` records, checked on every read exactly as the disk
+tier checks them. Engines with the same fingerprint, the same tier secret and the same hash key
+share blocks: one engine's ``put`` is another's hit.
+
+**Trust.** Anyone who can write to the server (another tenant, a compromised client, a router
+holding the prefix-hash key) can put any bytes under any key. Every record therefore carries a
+MAC under the fleet's tier secret (:class:`~pagedkv.tiers.secret.TierSecret`), which only engines
+hold: a re-encoded value with a valid checksum, a real record moved to another key, or another
+fleet's record is a counted miss (``unauthenticated``) and is deleted. A store without a secret
+refuses to start (:class:`~pagedkv.errors.TierSecretError`): a shared tier that trusts whatever it
+reads would serve an attacker's KV.
 
 **Failure model.** The server is a cache, not a dependency: a dead, restarting, overloaded or
 misbehaving server turns reads into misses and writes into drops, counted in :meth:`RemoteStore.stats`
@@ -31,7 +40,7 @@ from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence, Set, Tuple, Type, TypeVar
 
 from .. import _optional
-from ..errors import InvalidArgumentError, InvalidConfigError
+from ..errors import InvalidArgumentError, InvalidConfigError, TierSecretError
 from .record import (
     FINGERPRINT_BYTES,
     BlockMeta,
@@ -44,6 +53,7 @@ from .record import (
     encode_into,
     record_size,
 )
+from .secret import ENV_VAR, TierSecret, load_tier_secret, secret_for_config
 
 __all__ = ["RemoteStore", "KEY_PREFIX"]
 
@@ -63,6 +73,12 @@ class RemoteStore:
         ttl_s: Expiry of stored blocks (``None``: the server's eviction policy alone).
         backoff_s: How long a failure keeps the store from touching the server.
         threads: Worker threads for ``*_async``.
+        secret: The fleet's tier secret (:func:`pagedkv.tiers.secret.load_tier_secret`); ``None``:
+            ``PAGEDKV_TIER_SECRET``, and without it the store refuses to start.
+
+    Raises:
+        TierSecretError: ``secret`` is missing.
+        InvalidConfigError: Another argument is out of its domain.
     """
 
     def __init__(
@@ -75,7 +91,22 @@ class RemoteStore:
         ttl_s: Optional[float] = None,
         backoff_s: float = 1.0,
         threads: int = 2,
+        secret: Optional[TierSecret] = None,
     ) -> None:
+        if secret is None:
+            secret = load_tier_secret()
+        if secret is None:
+            raise TierSecretError(
+                f"a shared remote tier needs a tier secret to authenticate its records: set "
+                f"{ENV_VAR} or EngineConfig.tier_secret_file (a 0600 file) to the fleet's secret "
+                f"(at least 32 bytes, e.g. `openssl rand -hex 32`), the same on every engine",
+                field="secret", value=ENV_VAR, reason="missing",
+            )
+        if not isinstance(secret, TierSecret):
+            raise InvalidConfigError(
+                f"secret must be a pagedkv.tiers.secret.TierSecret, got {type(secret).__name__}",
+                field="secret", value=type(secret).__name__, reason="not a TierSecret",
+            )
         if not isinstance(fingerprint, (bytes, bytearray)) or len(fingerprint) != FINGERPRINT_BYTES:
             raise InvalidConfigError(
                 f"fingerprint must be {FINGERPRINT_BYTES} bytes, got {fingerprint!r}",
@@ -117,11 +148,13 @@ class RemoteStore:
         retry = _optional.require("redis.retry", "RemoteStore")
         backoff = _optional.require("redis.backoff", "RemoteStore")
         self.fingerprint = bytes(fingerprint)
+        #: The key every record is authenticated with.
+        self.secret = secret
         self.block_bytes = block_bytes
         self.timeout_s = float(timeout_s)
         self.ttl_ms = None if ttl_s is None else max(1, int(round(ttl_s * 1000)))
         self.backoff_s = float(backoff_s)
-        self._prefix = f"{KEY_PREFIX}:{self.fingerprint.hex()}:"
+        self._prefix = f"{KEY_PREFIX}:{self.fingerprint.hex()}:{secret.key_id}:"
         try:
             self._client = redis.Redis.from_url(
                 url,
@@ -152,7 +185,7 @@ class RemoteStore:
     # ---------------------------------------------------------------- plumbing
 
     def key(self, block_hash: int) -> bytes:
-        """The server key of ``block_hash`` under this store's fingerprint."""
+        """The server key of ``block_hash`` under this store's fingerprint and secret's key id."""
         return f"{self._prefix}{self._check_hash(block_hash):032x}".encode()
 
     def _count(self, **deltas: int) -> None:
@@ -226,7 +259,7 @@ class RemoteStore:
 
     def _put_work(self, meta: BlockMeta, view: memoryview) -> bool:
         record = bytearray(record_size(len(meta.token_ids), self.block_bytes))
-        encode_into(record, self.fingerprint, meta, view)
+        encode_into(record, self.fingerprint, meta, view, secret=self.secret)
         key = self.key(meta.block_hash)
         ok, _ = self._call(lambda: self._client.set(key, memoryview(record), px=self.ttl_ms))
         if ok:
@@ -258,14 +291,15 @@ class RemoteStore:
             return None
         payload, reason = decode_checked(
             value, fingerprint=self.fingerprint, block_hash=meta.block_hash, token_ids=meta.token_ids,
-            salt_digest=meta.salt_digest, payload_len=self.block_bytes,
+            salt_digest=meta.salt_digest, payload_len=self.block_bytes, secret=self.secret,
         )
         if reason is Reason.OK:
             self._count(hits=1, bytes_read=len(value))
             return payload
         self._count(misses=1, bytes_read=len(value), **{reason.counter: 1})
         if reason.counter != "mismatched":
-            # Bad bytes under our key: delete them so every other reader is spared the miss.
+            # Bad or forged bytes under our key: delete them so every other reader is spared the
+            # miss (whoever wrote them could delete the key anyway).
             self._call(lambda: self._client.delete(key))
         return None
 
@@ -377,6 +411,32 @@ class RemoteStore:
 
     def __repr__(self) -> str:
         return f"RemoteStore({self.url!r}, fingerprint={self.fingerprint.hex()})"
+
+    # ------------------------------------------------- as a backend (pagedkv.tiers.store.BlockStore)
+
+    #: The tier's name in the engine's figures, and its KV events' locality.
+    name = "remote"
+    locality = "REMOTE"
+
+    def take_removed(self) -> list[int]:
+        """Always ``[]``: the server evicts (and expires) blocks by its own policy, unseen here."""
+        return []
+
+    @classmethod
+    def from_config(cls, config: object, fingerprint: bytes,
+                    block_bytes: int) -> Optional["RemoteStore"]:
+        """The store ``config.remote_cache_url`` asks for (with ``remote_cache_timeout_s``), or
+        None without one (the registry's factory, :mod:`pagedkv.tiers.store`); its records
+        authenticated under :func:`~pagedkv.tiers.secret.secret_for_config` (without a secret it
+        refuses to start: :class:`~pagedkv.errors.TierSecretError`)."""
+        url = getattr(config, "remote_cache_url", None)
+        if url is None:
+            return None
+        secret = secret_for_config(config)
+        timeout = getattr(config, "remote_cache_timeout_s", None)
+        if timeout is None:
+            return cls(url, fingerprint, block_bytes, secret=secret)
+        return cls(url, fingerprint, block_bytes, timeout_s=timeout, secret=secret)
 
 
 def _python_packer(redis: Any) -> dict[str, Any]:

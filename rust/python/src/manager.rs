@@ -307,10 +307,12 @@ fn parent_list(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<Option<u128>>
     Ok(out)
 }
 
-/// What `admit_tiered` / `resume_tiered` return.
-type TieredTuple = (u32, u32, u32, u32, u32, u32);
+/// What `admit`, `admit_batch` (per sequence) and `resume` return: every field of the core's
+/// `AdmitResult`, `(cached_tokens, new_blocks, num_blocks, num_tokens, cached_tokens_gpu,
+/// cached_tokens_host)`.
+type AdmitTuple = (u32, u32, u32, u32, u32, u32);
 
-fn tiered(r: &pagedkv::AdmitResult) -> TieredTuple {
+fn admit_tuple(r: &pagedkv::AdmitResult) -> AdmitTuple {
     (
         r.cached_tokens,
         r.new_blocks,
@@ -471,7 +473,8 @@ impl PyBlockManager {
     }
 
     /// Admits `seq_id` with its prompt, holding at most `max_new_tokens` tokens past the cached
-    /// prefix; returns `(cached_tokens, new_blocks, num_blocks, num_tokens)`.
+    /// prefix; returns `(cached_tokens, new_blocks, num_blocks, num_tokens, cached_tokens_gpu,
+    /// cached_tokens_host)` (host tokens are loaded by the next step's swap-in list).
     #[pyo3(signature = (seq_id, token_ids, cache_salt=None, adapter_id=None, mm_inputs=None, extra_keys=None, max_new_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn admit(
@@ -484,7 +487,7 @@ impl PyBlockManager {
         mm_inputs: Option<Bound<'_, PyAny>>,
         extra_keys: Option<Bound<'_, PyAny>>,
         max_new_tokens: Option<Bound<'_, PyAny>>,
-    ) -> PyResult<(u32, u32, u32, u32)> {
+    ) -> PyResult<AdmitTuple> {
         let id = seq("seq_id", seq_id)?;
         let keys = seq_keys(cache_salt, adapter_id, mm_inputs, extra_keys)?;
         let k = opt(&max_new_tokens)
@@ -498,12 +501,11 @@ impl PyBlockManager {
             })
         })?
         .py()?;
-        Ok((r.cached_tokens, r.new_blocks, r.num_blocks, r.num_tokens))
+        Ok(admit_tuple(&r))
     }
 
     /// Admits many sequences in order until one does not fit; every argument is validated first
-    /// (nothing admitted on error). Returns the admitted prefix's
-    /// `(cached_tokens, new_blocks, num_blocks, num_tokens)` tuples.
+    /// (nothing admitted on error). Returns the admitted prefix's tuples, as `admit`'s.
     #[pyo3(signature = (seq_ids, prompts, cache_salts=None, max_new_tokens=None))]
     fn admit_batch<'py>(
         &self,
@@ -512,7 +514,7 @@ impl PyBlockManager {
         prompts: &Bound<'py, PyAny>,
         cache_salts: Option<Bound<'py, PyAny>>,
         max_new_tokens: Option<Bound<'py, PyAny>>,
-    ) -> PyResult<Vec<(u32, u32, u32, u32)>> {
+    ) -> PyResult<Vec<AdmitTuple>> {
         let ids = ids_into::<u64>("seq_ids", seq_ids)?;
         let b = ids.len();
         let items = |what: &str, obj: &Bound<'py, PyAny>| -> PyResult<Vec<Bound<'py, PyAny>>> {
@@ -570,10 +572,7 @@ impl PyBlockManager {
         let out = self
             .run(py, total >= DETACH_MIN, |st| st.inner.admit_batch(&reqs))
             .py()?;
-        Ok(out
-            .iter()
-            .map(|r| (r.cached_tokens, r.new_blocks, r.num_blocks, r.num_tokens))
-            .collect())
+        Ok(out.iter().map(admit_tuple).collect())
     }
 
     /// Appends tokens to a live sequence.
@@ -661,54 +660,6 @@ impl PyBlockManager {
     #[getter]
     fn host_load_min_blocks(&self) -> u32 {
         self.cfg.host_load_min_blocks
-    }
-
-    /// `admit` returning `(cached_tokens, new_blocks, num_blocks, num_tokens, cached_tokens_gpu,
-    /// cached_tokens_host)`: the cached prefix split by tier (host tokens are loaded by the next
-    /// step's swap-in list, not computed).
-    #[pyo3(signature = (seq_id, token_ids, cache_salt=None, adapter_id=None, mm_inputs=None, extra_keys=None, max_new_tokens=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn admit_tiered(
-        &self,
-        py: Python<'_>,
-        seq_id: &Bound<'_, PyAny>,
-        token_ids: &Bound<'_, PyAny>,
-        cache_salt: Option<Bound<'_, PyAny>>,
-        adapter_id: Option<Bound<'_, PyAny>>,
-        mm_inputs: Option<Bound<'_, PyAny>>,
-        extra_keys: Option<Bound<'_, PyAny>>,
-        max_new_tokens: Option<Bound<'_, PyAny>>,
-    ) -> PyResult<TieredTuple> {
-        let id = seq("seq_id", seq_id)?;
-        let keys = seq_keys(cache_salt, adapter_id, mm_inputs, extra_keys)?;
-        let k = opt(&max_new_tokens)
-            .map(|k| count("max_new_tokens", k))
-            .transpose()?;
-        let r = scratch(&TOKENS, |buf| {
-            with_ids("token_ids", token_ids, buf, |toks| {
-                Ok(self.run(py, toks.len() >= DETACH_MIN, |st| {
-                    st.inner.admit_opts(id, toks, keys.as_ref(), k)
-                }))
-            })
-        })?
-        .py()?;
-        Ok(tiered(&r))
-    }
-
-    /// `resume` returning the same six fields as `admit_tiered`.
-    #[pyo3(signature = (seq_id, max_new_tokens=None))]
-    fn resume_tiered(
-        &self,
-        py: Python<'_>,
-        seq_id: &Bound<'_, PyAny>,
-        max_new_tokens: Option<Bound<'_, PyAny>>,
-    ) -> PyResult<TieredTuple> {
-        let id = seq("seq_id", seq_id)?;
-        let k = opt(&max_new_tokens)
-            .map(|k| count("max_new_tokens", k))
-            .transpose()?;
-        let r = self.run(py, true, |st| st.inner.resume(id, k)).py()?;
-        Ok(tiered(&r))
     }
 
     /// How far a prompt is cached per tier: `(gpu_blocks, host_blocks, remaining_hashes,
@@ -1075,21 +1026,21 @@ impl PyBlockManager {
         self.run(py, true, |st| st.inner.recompute(id)).py()
     }
 
-    /// Re-admits a sequence preempted by recompute from its kept tokens; returns
-    /// `(cached_tokens, new_blocks, num_blocks, num_tokens)`.
+    /// Re-admits a sequence preempted by recompute from its kept tokens; returns the same
+    /// tuple as `admit`.
     #[pyo3(signature = (seq_id, max_new_tokens=None))]
     fn resume(
         &self,
         py: Python<'_>,
         seq_id: &Bound<'_, PyAny>,
         max_new_tokens: Option<Bound<'_, PyAny>>,
-    ) -> PyResult<(u32, u32, u32, u32)> {
+    ) -> PyResult<AdmitTuple> {
         let id = seq("seq_id", seq_id)?;
         let k = opt(&max_new_tokens)
             .map(|k| count("max_new_tokens", k))
             .transpose()?;
         let r = self.run(py, true, |st| st.inner.resume(id, k)).py()?;
-        Ok((r.cached_tokens, r.new_blocks, r.num_blocks, r.num_tokens))
+        Ok(admit_tuple(&r))
     }
 
     /// The running members of the most recently admitted fork group, or None.

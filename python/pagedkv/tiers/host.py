@@ -41,20 +41,6 @@ the scatters still writing its device blocks, a host-to-device transfer for the 
 writing its host blocks, a device-to-host transfer for the swap-ins still reading its host blocks.
 So a step's loads run beside its write-backs instead of after all of them.
 
-**Layer by layer** (``swap_in(pairs, by_layer=True)``). A whole-block load must finish before
-the forward's first layer may read the cache, so a prefix hit's time to first token is the load
-plus the forward. Loaded layer by layer instead, layer ``l``'s slice of every host block (``2 *
-block_size * kv_heads * head_dim`` elements, ``bytes_per_block / num_layers`` bytes) moves with one
-strided transfer per run of consecutive host blocks (``cudaMemcpy2DAsync``, :mod:`pagedkv._cudart`:
-rows of that slice, ``bytes_per_block`` apart), is scattered into the layer's pool view, and gets
-an event of its own; the forward waits for layer ``l``'s event (:meth:`SwapEngine.wait_layer`)
-just before layer ``l``'s attention, so layer 0 computes while the later layers still load. The
-staging is a ring of places for layer slices: a layer's slices go in one piece when two layers
-fit, else in pieces of half the staging; a piece waits for the scatter of the one that used its
-place before. It falls back to the whole-block path, same result, when the CUDA runtime call is
-not available, or when the host blocks fall in more than :attr:`SwapEngine.max_layer_runs` runs
-averaging fewer than :data:`LAYER_RUN_BLOCKS` blocks (each run costs one call per layer).
-
 On the CPU both pools are plain tensors and a swap is a synchronous indexed copy.
 
 Invariants: the host pool's shape, dtype and address never change; copies move raw bytes (exact for
@@ -66,28 +52,21 @@ This module imports torch at import time; ``import pagedkv`` does not import thi
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
-from . import _cudart
-from ._checks import allocate, check_flag
-from .config import CacheSpec
-from .errors import InvalidArgumentError, InvalidBlockError, InvalidConfigError
-from .kv_pool import KVPool
+from .._checks import allocate, check_flag
+from ..config import CacheSpec
+from ..errors import InvalidArgumentError, InvalidBlockError, InvalidConfigError
+from ..kv_pool import KVPool
 
 __all__ = ["HostKVPool", "SwapEngine", "DEFAULT_STAGING_BYTES"]
 
 #: Device staging per direction when ``staging_blocks`` is not given: large enough that each
 #: transfer runs at the link's full rate, small next to a KV pool.
 DEFAULT_STAGING_BYTES = 256 * 2**20
-
-#: A layer-by-layer load of more than :attr:`SwapEngine.max_layer_runs` runs of host blocks goes
-#: whole-block unless its runs average at least this many blocks: each run costs one call per
-#: layer, and a strided transfer of fewer rows than this moves its bytes faster than the host
-#: queues the next call (about 4 x 64 KiB at Llama-3-8B's block against a few microseconds).
-LAYER_RUN_BLOCKS = 4
 
 PairsLike = Union[torch.Tensor, np.ndarray, Sequence[Sequence[int]], Sequence[int]]
 
@@ -196,20 +175,14 @@ class SwapEngine:
         # the host layout.
         self._dev_blocks = pool.kv.view(torch.uint8).view(L, 2, N, chunk).view(wdt).permute(2, 0, 1, 3)
         self._host_blocks = host.kv.view(torch.uint8).view(host.num_blocks, L, 2, chunk).view(wdt)
-        # Layer l of the device pool as [2, blocks, words]: where a layer-by-layer load scatters.
-        self._dev_layers = pool.kv.view(torch.uint8).view(L, 2, N, chunk).view(wdt)
-        self._word, self._wdt, self._chunk = word, wdt, chunk
+        self._wdt = wdt
         self.num_swapped_out = 0
         self.num_swapped_in = 0
-        #: Swap-ins that went layer by layer (``by_layer`` and the load fit; see the module docs).
-        self.num_layered_swap_ins = 0
-        #: Runs of consecutive host blocks a layer-by-layer load always takes (one strided
-        #: transfer per run and layer); past it only runs of :data:`LAYER_RUN_BLOCKS` blocks on
-        #: average, and a more scattered load goes whole-block.
-        self.max_layer_runs = 16
-        # Per-layer events of the last layer-by-layer swap-in the caller has not waited on.
-        self._layer_pending: list = []
-        self._stage_in_cpu: Optional[torch.Tensor] = None
+        # Host pool safe (after the last transfer of each direction; CUDA only).
+        self._out_done: Optional[torch.cuda.Event] = None
+        self._in_done: Optional[torch.cuda.Event] = None
+        # Called before every non-empty swap-out (add_swap_out_check).
+        self._swap_out_checks: List[Callable[[], None]] = []
         if staging_blocks is None:
             staging_blocks = max(1, min(host.num_blocks, DEFAULT_STAGING_BYTES // bpb))
         if isinstance(staging_blocks, bool) or not isinstance(staging_blocks, int) \
@@ -240,9 +213,6 @@ class SwapEngine:
         self.out_stream = torch.cuda.Stream(self.device)
         self._load_stream = torch.cuda.Stream(self.device)
         self.in_stream = torch.cuda.Stream(self.device)
-        # Host pool safe (after the last transfer of each direction).
-        self._out_done: Optional[torch.cuda.Event] = None
-        self._in_done: Optional[torch.cuda.Event] = None
         # Events the caller has not waited on yet.
         self._pending: list = []
         # Per-block order (module docs): the log entry of the last chunk that gathered /
@@ -300,6 +270,26 @@ class SwapEngine:
 
     # ------------------------------------------------------------------------------ copies
 
+    def add_swap_out_check(self, check: Callable[[], None]) -> None:
+        """Calls ``check()`` before every non-empty :meth:`swap_out` is queued (after its pairs
+        are validated): it raises to refuse the swap-out, which then changes nothing. How the
+        tiered cache makes sure the host slots a step's swap-outs overwrite were copied out first
+        (:meth:`pagedkv.tiers.TierCache.check_drained`)."""
+        self._swap_out_checks.append(check)
+
+    def host_written(self) -> None:
+        """Blocks the host until every device-to-host transfer queued so far has landed in the
+        host pool (a host slot read after it holds what the swap-outs wrote). No-op on the CPU."""
+        if self._out_done is not None:
+            self._out_done.synchronize()
+
+    def host_read(self) -> None:
+        """Blocks the host until every host-to-device transfer queued so far has read its host
+        slots (they may then be overwritten). No-op on the CPU."""
+        if self._in_done is not None:
+            self._in_done.synchronize()
+
+
     def swap_out(self, pairs: PairsLike) -> int:
         """Copies device block ``d`` to host block ``h`` for each ``(d, h)``; returns the count.
 
@@ -310,11 +300,14 @@ class SwapEngine:
         Raises:
             InvalidBlockError: An id is outside its pool.
             InvalidArgumentError: Malformed pairs, or a host block appears twice.
+            Whatever a check added by :meth:`add_swap_out_check` raises (nothing queued).
         """
         dev, host = self._pairs(pairs, self.pool.num_blocks, self.host.num_blocks, "device", "host")
         n = int(dev.size)
         if n == 0:
             return 0
+        for check in self._swap_out_checks:
+            check()
         order = np.argsort(host, kind="stable")
         dev, host = dev[order], host[order]
         if not self.is_cuda:
@@ -355,31 +348,22 @@ class SwapEngine:
         self.num_swapped_out += n
         return n
 
-    def swap_in(self, pairs: PairsLike, *, by_layer: bool = False) -> int:
+    def swap_in(self, pairs: PairsLike) -> int:
         """Copies host block ``h`` to device block ``d`` for each ``(h, d)``; returns the count.
 
         On CUDA the copies are queued on :attr:`in_stream`; call :meth:`wait` before anything
-        reads the device blocks. ``by_layer``: load layer by layer when the load allows it
-        (module docs; :attr:`num_layered_swap_ins` counts those), so that :meth:`wait_layer`
-        can let a forward's layer ``l`` start once its own slices are in; :meth:`wait` still
-        waits for every layer.
+        reads the device blocks.
 
         Raises:
             InvalidBlockError: An id is outside its pool.
             InvalidArgumentError: Malformed pairs, or a device block appears twice.
         """
-        by_layer = check_flag("by_layer", by_layer)
         host, dev = self._pairs(pairs, self.host.num_blocks, self.pool.num_blocks, "host", "device")
         n = int(dev.size)
         if n == 0:
             return 0
         order = np.argsort(host, kind="stable")
         dev, host = dev[order], host[order]
-        if by_layer and self._layered_fits(host):
-            self._swap_in_by_layer(host, dev)
-            self.num_layered_swap_ins += 1
-            self.num_swapped_in += n
-            return n
         if not self.is_cuda:
             self._dev_blocks[torch.from_numpy(dev)] = self._host_blocks[torch.from_numpy(host)]
             self.num_swapped_in += n
@@ -427,153 +411,20 @@ class SwapEngine:
         self.num_swapped_in += n
         return n
 
-    # ------------------------------------------------------------------- layer by layer
-
-    def _layer_bytes(self) -> int:
-        return 2 * self._chunk
-
-    def _stage_in_bytes(self) -> torch.Tensor:
-        """The swap-in staging as flat bytes (both halves); on the CPU allocated on first use."""
-        if self.is_cuda:
-            return self._stage_in.view(torch.uint8).view(-1)
-        if self._stage_in_cpu is None:
-            nbytes = 2 * self._half * self.pool.spec.bytes_per_block
-            self._stage_in_cpu = allocate("swap-in staging (layer by layer)", nbytes,
-                                          lambda: torch.empty(nbytes, dtype=torch.uint8))
-        return self._stage_in_cpu
-
-    def _layered_fits(self, host: np.ndarray) -> bool:
-        """Whether a load of the sorted ``host`` ids can go layer by layer (module docs)."""
-        if self.is_cuda and not (self.host.pinned and _cudart.available()):
-            return False
-        runs = len(_runs(host))
-        return runs <= self.max_layer_runs or host.size >= LAYER_RUN_BLOCKS * runs
-
-    def _copy_layer(self, stage: torch.Tensor, dst_off: int, h: int, layer: int, count: int,
-                    stream: Any) -> None:
-        """Layer ``layer``'s slice of host blocks ``h .. h + count - 1`` into ``stage`` at byte
-        ``dst_off``, packed: one strided transfer."""
-        lb, bpb = self._layer_bytes(), self.pool.spec.bytes_per_block
-        if self.is_cuda:
-            _cudart.memcpy2d_async(stage.data_ptr() + dst_off, lb,
-                                   self.host.raw.data_ptr() + h * bpb + layer * lb, bpb,
-                                   lb, count, _cudart.HOST_TO_DEVICE, stream.cuda_stream)
-        else:
-            stage[dst_off:dst_off + count * lb].view(count, lb).copy_(
-                self.host.raw[h:h + count, layer * lb:(layer + 1) * lb])
-
-    def _swap_in_by_layer(self, host: np.ndarray, dev: np.ndarray) -> None:
-        """The layer-by-layer load of sorted ``host`` ids into ``dev`` (module docs).
-
-        The work is a sequence of pieces, layer-major: layer ``l``'s slices of a range of at most
-        ``per`` blocks. A piece goes to the staging ring's next place (after the scatter of the
-        piece that held it), one strided transfer per run of consecutive host blocks inside its
-        range, then one scatter; a layer's event is recorded after its last piece's scatter."""
-        n, lb = int(host.size), self._layer_bytes()
-        layers = self.pool.spec.num_layers
-        stage = self._stage_in_bytes()
-        places = stage.numel() // lb  # layer slices the staging holds
-        # Whole layers a piece when two fit (transfer one while scattering the other), else
-        # half the staging a piece.
-        per = n if 2 * n <= places else max(1, places // 2)
-        ring = places // per
-        ranges = []
-        for c0 in range(0, n, per):
-            c1 = min(n, c0 + per)
-            ranges.append((c0, c1, [(c0 + a, c0 + b, int(host[c0 + a]))
-                                    for a, b in _runs(host[c0:c1])]))
-        cuda = self.is_cuda
-        ld = sc = None
-        if cuda:
-            caller = torch.cuda.current_stream(self.device)
-            ld, sc = self._load_stream, self.in_stream
-            self._prune()
-            # Queued forwards may still read a device block this overwrites; earlier loads may
-            # still use the staging; swap-outs may still write these host blocks or gather these
-            # device blocks (evicted blocks are often the ones a load fills).
-            sc.wait_stream(caller)
-            for ev in self._in_half_free:
-                if ev is not None:
-                    ld.wait_event(ev)
-            self._writes.wait(ld, self._host_written[host])
-            self._gathers.wait(sc, self._dev_gathered[dev])
-            with torch.cuda.stream(sc):
-                dev_idx = torch.from_numpy(dev).to(self.device, non_blocking=True)
-        else:
-            dev_idx = torch.from_numpy(dev)
-        words = self._chunk // self._word
-        scattered: list = []  # one event per piece
-        done: list = []  # one event per layer
-        loaded = rseq = None
-        k = 0
-        for layer in range(layers):
-            dst = self._dev_layers[layer]
-            for c0, c1, runs in ranges:
-                off = (k % ring) * per * lb
-                if cuda and k >= ring:
-                    ld.wait_event(scattered[k - ring])  # the place's last piece is scattered
-                for a, b, h in runs:
-                    self._copy_layer(stage, off + (a - c0) * lb, h, layer, b - a, ld)
-                src = stage[off:off + (c1 - c0) * lb].view(self._wdt).view(c1 - c0, 2, words)
-                src = src.permute(1, 0, 2)
-                if cuda:
-                    loaded, rseq = self._reads.record(ld)
-                    sc.wait_event(loaded)
-                    with torch.cuda.stream(sc):
-                        dst.index_copy_(1, dev_idx[c0:c1], src)
-                    ev = torch.cuda.Event()
-                    ev.record(sc)
-                    scattered.append(ev)
-                else:
-                    dst.index_copy_(1, dev_idx[c0:c1], src)
-                k += 1
-            if cuda:
-                done.append(scattered[-1])
-        if cuda:
-            self._host_read[host] = rseq
-            last, sseq = self._scatters.record(sc)
-            self._dev_scattered[dev] = sseq
-            self._in_half_free = [last, last]
-            self._in_done = loaded
-            if self._layer_pending:  # an earlier one nobody waited on: wait() still covers it
-                self._pending.append(self._layer_pending[-1])
-            self._layer_pending = done
-
-    @property
-    def layers_pending(self) -> bool:
-        """Whether a layer-by-layer swap-in has per-layer events the caller has not waited on."""
-        return bool(self._layer_pending)
-
-    def wait_layer(self, layer: int, stream: Optional[Any] = None) -> None:
-        """Makes ``stream`` (default: the current one) wait, on the GPU, until layer ``layer`` of
-        the last layer-by-layer swap-in is in the pool. No-op without one pending (the CPU, a
-        whole-block load, or after :meth:`wait`), and for a layer past the pool's."""
-        pending = self._layer_pending
-        if not pending or not 0 <= layer < len(pending):
-            return
-        (stream or torch.cuda.current_stream(self.device)).wait_event(pending[layer])
-
     def _prune(self) -> None:
         for log in (self._gathers, self._scatters, self._writes, self._reads):
             log.prune()
 
-    def wait(self, stream: Optional[Any] = None, *, layers: bool = True) -> None:
+    def wait(self, stream: Optional[Any] = None) -> None:
         """Makes ``stream`` (default: the current one) wait, on the GPU, until the device pool is
         consistent with every swap queued so far: swapped-out blocks gathered, swapped-in blocks
-        written. The host is not blocked. No-op on the CPU and when nothing is pending.
-
-        ``layers=False`` leaves the per-layer events of a layer-by-layer swap-in pending, for
-        :meth:`wait_layer` (a forward that waits layer by layer calls ``wait(layers=False)``
-        before it starts and ``wait()`` after it)."""
-        if not self.is_cuda or not (self._pending or (layers and self._layer_pending)):
+        written. The host is not blocked. No-op on the CPU and when nothing is pending."""
+        if not self.is_cuda or not self._pending:
             return
         stream = stream or torch.cuda.current_stream(self.device)
         for ev in self._pending:
             stream.wait_event(ev)
         self._pending.clear()
-        if layers and self._layer_pending:
-            stream.wait_event(self._layer_pending[-1])  # the scatters run in order on one stream
-            self._layer_pending = []
 
     def synchronize(self) -> None:
         """Blocks the host until every queued swap, host transfers included, has finished."""

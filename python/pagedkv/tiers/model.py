@@ -7,7 +7,7 @@ would hold them; before a waiting sequence is admitted it asks the manager how f
 chain is cached (``lookup_tiers``), finds how many of the following blocks the LRU holds, and
 moves them into reserved host blocks at once (``reserve_host_blocks`` + ``commit_host_blocks``),
 so the admission then hits them as host blocks — the same calls the engine's
-:class:`~pagedkv.engine.tier_cache.TierCache` makes, with the read taking no simulated steps.
+:class:`~pagedkv.tiers.TierCache` makes, with the read taking no simulated steps.
 
 It also models each admission's time to first token from what the prompt needed:
 ``uncached tokens / prefill rate + host-loaded bytes / host link + disk-loaded bytes / disk
@@ -21,7 +21,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+
+from .cache import WaitingSeq
+
+if TYPE_CHECKING:
+    from ..manager import AdmitResult, BlockManager
 
 
 @dataclass
@@ -49,7 +54,7 @@ class ModelledDiskTier:
         prefill_tokens_per_s, host_bytes_per_s, disk_bytes_per_s: The rates of the TTFT model.
     """
 
-    def __init__(self, manager: Any, capacity_blocks: int, *, host_cache: bool = True,
+    def __init__(self, manager: "BlockManager", capacity_blocks: int, *, host_cache: bool = True,
                  block_size: int, block_bytes: int,
                  prefill_tokens_per_s: float, host_bytes_per_s: float,
                  disk_bytes_per_s: float) -> None:
@@ -59,10 +64,10 @@ class ModelledDiskTier:
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.rates = (prefill_tokens_per_s, host_bytes_per_s, disk_bytes_per_s)
-        self.lru: "OrderedDict[int, tuple]" = OrderedDict()
+        #: hash -> (parent hash, salt digest, token ids)
+        self.lru: "OrderedDict[int, Tuple[Optional[int], int, List[int]]]" = OrderedDict()
         self.stats = TierModelStats()
         self._fetched: Dict[int, int] = {}
-        self._host_hits = 0
 
     def drain(self) -> None:
         """Takes the host tier's demotions into the modelled disk (LRU, capacity-bound)."""
@@ -80,7 +85,7 @@ class ModelledDiskTier:
                 self.lru.popitem(last=False)
                 self.stats.disk_evictions += 1
 
-    def ready(self, seq: Any) -> bool:
+    def ready(self, seq: WaitingSeq) -> bool:
         if seq.seq_id in self._fetched:
             return True
         if self.capacity <= 0:
@@ -110,17 +115,16 @@ class ModelledDiskTier:
                                         [t for block in toks for t in block], True)
         return True
 
-    def forget(self, seq: Any) -> None:
+    def forget(self, seq: WaitingSeq) -> None:
         self._fetched.pop(seq.seq_id, None)
 
-    def admitted(self, seq: Any, result: Any) -> None:
-        """Accounts one admission's hits by tier and its modelled TTFT."""
+    def admitted(self, seq: WaitingSeq, result: "AdmitResult") -> None:
+        """Accounts one admission's hits by tier (the admission's own split of its cached
+        tokens, the fetched blocks counted for the disk) and its modelled TTFT."""
         fetched_blocks = self._fetched.pop(seq.seq_id, 0)
         total = len(seq.token_ids)
-        host_hits = self.manager.stats().host_hit_tokens if self.host_cache else 0
-        host = int(host_hits - self._host_hits)
-        self._host_hits = host_hits
-        gpu = int(result.cached_tokens) - host
+        host = int(result.cached_tokens_host)
+        gpu = int(result.cached_tokens_gpu)
         disk = min(host, fetched_blocks * self.block_size)
         host -= disk
         s = self.stats

@@ -1,0 +1,581 @@
+"""The tiered prefix cache below the host tier, as the engine drives it: demotions, fetches, figures.
+
+The block manager (the Rust core) decides what lives where: which GPU blocks are written back to a
+host slot when the pool evicts them (the step's swap-out list), which host slots are loaded into
+device blocks on a hit (the swap-in list), and which host-cached blocks it drops to make room (its
+*demotions*). The swap engine moves the bytes of the first two, as it does for preemption. This
+module owns everything below the host tier:
+
+- **Demotions.** Right after a step is built, before the runner applies its swap lists, the
+  demoted host slots still hold their blocks; :meth:`TierCache.after_schedule` copies each one out
+  (once the transfers that wrote it have landed) and hands it to the stores
+  (:class:`~pagedkv.tiers.store.BlockStore`, built from the registry), whose threads write it.
+  The step's own swap-outs may then overwrite those slots. The order is enforced: the swap engine
+  asks :meth:`TierCache.check_drained` before every swap-out, which raises
+  :class:`~pagedkv.errors.TierOrderError` when the manager still holds demotions (after saving
+  them). ``after_schedule`` also drains each store's evictions (``take_removed``) and publishes
+  them.
+- **Fetches.** Before a waiting request is admitted, :meth:`TierCache.ready` asks the manager how
+  far its prompt's chain is cached on the GPU and the host, then asks the stores for the blocks
+  that follow. If they hold some and loading them is cheaper than recomputing them (each store's
+  read rate is measured, an EWMA of its reads; see :meth:`TierCache._worth_loading`), host slots
+  are reserved (never findable, never evicted while reserved) and the stores' threads read the
+  records into them; the request waits (``ready`` answers False) while the rest of the batch runs.
+  When the reads finish the verified blocks are committed to the host index and the request is
+  admitted; its admission then hits them as host blocks (loaded by the step's swap-in list). A read
+  that fails or does not verify ends the run there: those blocks are recomputed.
+
+The admission gate (``ready`` / ``admitted`` / ``forget``) is the scheduler's
+:class:`~pagedkv.scheduler.AdmissionGate`; an admission's ``cached_tokens_host`` tells how many of
+the fetched blocks it hit. Nothing here imports :mod:`pagedkv.engine`: the engine is seen through
+the protocols below.
+
+Invariants: a reserved host slot is committed or released exactly once, and only after every read
+into it has finished; no bytes reach a store unless they were read from a host slot after the
+transfer that wrote it completed; the stores verify every record (hash, tokens, salt digest,
+checksum, fingerprint) before its bytes are used, so a corrupt or foreign record is a miss.
+"""
+
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, List, Optional, Protocol, Sequence, Tuple, Union
+
+import numpy as np
+
+from ..errors import InvalidConfigError, TierOrderError
+from .disk import load_or_create_hash_key
+from .fingerprint import fingerprint_for_spec
+from .record import BlockMeta
+from .store import BlockStore, build_stores
+
+if TYPE_CHECKING:
+    from ..config import CacheSpec
+    from ..manager import AdmitResult, BlockManager
+    from .host import SwapEngine
+
+logger = logging.getLogger("pagedkv.tiers")
+
+__all__ = ["TierCache", "TierCacheStats", "build_tier_cache", "manager_tier_args",
+           "tier_fingerprint", "LOAD_RATE_WEIGHT", "PROBE_AFTER_SKIPS"]
+
+#: Weight of the newest read in each store's measured read rate (an exponentially weighted mean).
+LOAD_RATE_WEIGHT = 0.25
+#: After this many fetches in a row skipped as slower than recomputing, the next one is loaded
+#: anyway: a rate measured on a slow moment (a cold disk, a busy server) is measured again.
+PROBE_AFTER_SKIPS = 16
+
+
+class WaitingSeq(Protocol):
+    """What the cache reads of a waiting sequence (:class:`pagedkv.scheduler.Sequence`)."""
+
+    @property
+    def seq_id(self) -> int: ...
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def cache_salt(self) -> Union[bytes, str, None]: ...
+
+
+class StorageEvents(Protocol):
+    """Where the lower tiers' KV events go (:class:`pagedkv.events.EventSink`)."""
+
+    def add_stored(self, block_hashes: Sequence[int], parent_hash: Optional[int],
+                   token_ids: Sequence[int], block_size: int, *, medium: str = ...,
+                   locality: Optional[str] = ...) -> None: ...
+
+    def add_removed(self, block_hashes: Sequence[int], *, medium: str = ...,
+                    locality: Optional[str] = ...) -> None: ...
+
+
+@dataclass
+class TierCacheStats:
+    """The engine's counters of the tiers below the host since it started, per store name (each
+    store keeps its own :class:`pagedkv.tiers.TierStats` too)."""
+
+    #: Prompt tokens served from each lower tier: blocks fetched into the host tier for a
+    #: request, counted when its admission hits them.
+    fetched_tokens: Dict[str, int] = field(default_factory=dict)
+    #: Bytes read from each lower tier into host slots.
+    bytes_read: Dict[str, int] = field(default_factory=dict)
+    #: Bytes handed to each lower tier (demoted host blocks).
+    bytes_written: Dict[str, int] = field(default_factory=dict)
+    #: Blocks each lower tier reported evicted (``take_removed``), published as removed events.
+    removed_blocks: Dict[str, int] = field(default_factory=dict)
+    #: Host blocks demoted (dropped from the host tier to make room).
+    demotions: int = 0
+    #: Fetches that failed or did not verify (their blocks were recomputed).
+    failed_fetches: int = 0
+    #: Fetches not started because loading the blocks, at the stores' measured read rates, was
+    #: slower than prefilling them.
+    skipped_fetches: int = 0
+    #: Demoted blocks not written because the stores' write queue was full (they are lost, as
+    #: an evicted block is without tiers; the step never waits for a store).
+    dropped_writes: int = 0
+
+
+#: One read's outcome: whether the block verified, and the seconds the store took.
+_ReadResult = Tuple[bool, float]
+
+
+@dataclass
+class _Fetch:
+    """One request's read of consecutive blocks from the lower tiers into reserved host slots."""
+
+    slots: List[int]
+    hashes: List[int]
+    parents: List[Optional[int]]
+    tokens: List[List[int]]
+    salt_digest: int
+    #: The prompt's block index of the first fetched block (its GPU and host hits before it).
+    first: int
+    futures: List[Tuple[BlockStore, "Future[_ReadResult]"]]
+
+
+class TierCache:
+    """The lower tiers under the host tier of one engine (module docs).
+
+    Args:
+        manager: The block manager (built with ``host_cache=True``); the cache is the only caller
+            of its ``take_demotions``.
+        swap: The swap engine over the host pool (its ``host.raw`` is the ``[num_host_blocks,
+            bytes_per_block]`` uint8 view the stores read and write); the cache registers
+            :meth:`check_drained` with it.
+        stores: The lower tiers, searched in order (fastest first); names unique.
+        block_size: Tokens per block.
+        load_bytes_per_s: Starting read rate of stores (by name) until one is measured.
+        prefill_tokens_per_s: The engine's prefill rate (None: always load).
+        threads: Reader/writer threads shared by the stores.
+        max_pending_writes: Demoted blocks queued for the stores at most (each holds a copy of
+            its bytes); beyond it a demotion is dropped and counted.
+        events: A KV-event sink told of every block a lower tier stores or drops
+            (``medium="STORAGE"``, ``locality`` the store's); None: no events.
+
+    Raises:
+        InvalidConfigError: Two stores share a name, or one is named ``gpu`` or ``host``.
+    """
+
+    def __init__(self, manager: "BlockManager", swap: "SwapEngine",
+                 stores: Sequence[BlockStore], *, block_size: int,
+                 load_bytes_per_s: Optional[Dict[str, float]] = None,
+                 prefill_tokens_per_s: Optional[float] = None, threads: int = 2,
+                 max_pending_writes: int = 64, events: Optional[StorageEvents] = None) -> None:
+        self.manager = manager
+        self.swap = swap
+        self.host = swap.host.raw
+        self.stores = list(stores)
+        self.block_size = block_size
+        self.block_bytes = int(self.host.shape[1])
+        names = [s.name for s in self.stores]
+        for i, name in enumerate(names):
+            if name in names[:i] or name in ("gpu", "host"):
+                raise InvalidConfigError(
+                    f"tier store name {name!r} is taken (stores: {', '.join(names)}; gpu, host)",
+                    field="name", value=name, reason="must be unique, not gpu or host")
+        #: Each store's read rate, bytes/s: measured (an EWMA over its reads), else as given.
+        self.load_bytes_per_s = {n: float(r) for n, r in (load_bytes_per_s or {}).items()}
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.threads = threads
+        self.stats = TierCacheStats(
+            fetched_tokens=dict.fromkeys(names, 0), bytes_read=dict.fromkeys(names, 0),
+            bytes_written=dict.fromkeys(names, 0), removed_blocks=dict.fromkeys(names, 0))
+        self._fetches: Dict[int, _Fetch] = {}
+        #: Sequences whose prompt was probed and needs nothing from below (by seq id).
+        self._probed: Dict[int, bool] = {}
+        #: Per sequence, the first fetched block's index and the store of each committed fetched
+        #: block (until admitted).
+        self._fetched_by_seq: Dict[int, Tuple[int, List[str]]] = {}
+        self._skips_in_row = 0
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pagedkv-tier")
+        #: Writes to the stores in flight, each with the buffer holding its block's bytes.
+        self._writes: List[Tuple["Future[None]", np.ndarray]] = []
+        #: Buffers of finished writes, reused: a copy into warm memory is several times faster
+        #: than one into a fresh ``bytes`` (page faults), and it runs on the engine's thread.
+        self._spare: List[np.ndarray] = []
+        self.max_pending_writes = max_pending_writes
+        self.events = events
+        swap.add_swap_out_check(self.check_drained)
+
+    # ----------------------------------------------------------------------- figures
+
+    def totals(self, bytes_per_block: int) -> Dict[str, Dict[str, Optional[int]]]:
+        """Cumulative figures per tier since the engine started: ``hits`` (prompt tokens
+        served: ``gpu``, ``host`` and each store by name; a block fetched from below for a
+        request counts for that store), ``bytes_read`` (served from the tier), ``bytes_written``
+        (taken by it) and ``usage`` (bytes held now; None where unknown)."""
+        s = self.manager.stats()
+        st = self.stats
+        hits: Dict[str, Optional[int]] = {
+            "gpu": int(s.prefix_hit_tokens - s.host_hit_tokens),
+            "host": int(s.host_hit_tokens - sum(st.fetched_tokens.values()))}
+        read: Dict[str, Optional[int]] = {"host": int(s.host_loaded_blocks) * bytes_per_block}
+        written: Dict[str, Optional[int]] = {"host": int(s.offloaded_blocks) * bytes_per_block}
+        usage: Dict[str, Optional[int]] = {"host": int(s.host_cached_blocks) * bytes_per_block}
+        for store in self.stores:
+            n = store.name
+            hits[n] = st.fetched_tokens[n]
+            read[n] = st.bytes_read[n]
+            written[n] = st.bytes_written[n]
+            usage[n] = store.stats().usage_bytes
+        return {"hits": hits, "bytes_read": read, "bytes_written": written, "usage": usage}
+
+    # ----------------------------------------------------------------------- demotions
+
+    def after_schedule(self) -> None:
+        """Hands the blocks the manager demoted while building this step to the stores, and
+        publishes the blocks the stores evicted since the last step. Must run after every
+        :meth:`pagedkv.scheduler.Scheduler.schedule` and before the step executes (the swap
+        engine refuses a swap-out before it: :meth:`check_drained`)."""
+        self._drain_removed()
+        self._hand_down(self.manager.take_demotions())
+
+    def check_drained(self) -> None:
+        """Raises :class:`~pagedkv.errors.TierOrderError` when the manager holds demoted host
+        blocks that :meth:`after_schedule` has not taken: a swap-out now would overwrite their
+        slots before their bytes reach the stores. The swap engine calls it before every
+        swap-out (one ``take_demotions`` call, well under a microsecond when there are none). The
+        blocks it finds are handed to the stores before it raises (their slots still hold them:
+        nothing is queued), so a broken order loses nothing but the step."""
+        demoted = self.manager.take_demotions()
+        if demoted:
+            self._hand_down(demoted)
+            raise TierOrderError(
+                f"{len(demoted)} demoted host block(s) not copied out before a swap-out: call "
+                "TierCache.after_schedule() between Scheduler.schedule() and the step's execution",
+                pending=len(demoted), rule="after_schedule between schedule and execute")
+
+    def _hand_down(self, demoted: List[Tuple[int, int, Optional[int], int, List[int]]]) -> None:
+        """Copies demoted host blocks out of their slots for the stores' threads to write."""
+        if not demoted:
+            return
+        self.stats.demotions += len(demoted)
+        if not self.stores:
+            return  # nothing below the host tier: a demoted block is dropped (no copy, no wait)
+        self.swap.host_written()
+        self._reap_writes()
+        for slot, h, parent, salt, tokens in demoted:
+            if len(self._writes) >= self.max_pending_writes:
+                self.stats.dropped_writes += 1
+                continue
+            # The slot is reused once this step's swap-outs run: its bytes are copied now.
+            buf = self._spare.pop() if self._spare else np.empty(self.block_bytes, np.uint8)
+            np.copyto(buf, self.host[slot].numpy())
+            meta = _meta(h, parent, salt, tokens)
+            self._writes.append((self._pool.submit(self._write, meta, buf), buf))
+
+    def _drain_removed(self) -> None:
+        for store in self.stores:
+            removed = store.take_removed()
+            if not removed:
+                continue
+            self.stats.removed_blocks[store.name] += len(removed)
+            if self.events is not None:
+                self.events.add_removed([int(h) for h in removed], medium="STORAGE",
+                                        locality=store.locality)
+
+    def _reap_writes(self) -> None:
+        """Returns the buffers of finished writes to the spares."""
+        pending = []
+        for f, buf in self._writes:
+            if f.done():
+                self._spare.append(buf)
+            else:
+                pending.append((f, buf))
+        self._writes = pending
+
+    def _write(self, meta: BlockMeta, data: np.ndarray) -> None:
+        for store in self.stores:
+            try:
+                ok = store.put(meta, data)
+            except Exception as exc:  # noqa: BLE001 - a store that cannot write is a miss later
+                logger.debug("%s tier: write failed: %s", store.name, exc)
+                continue
+            if not ok:
+                continue
+            self.stats.bytes_written[store.name] += len(data)
+            if self.events is not None:
+                self.events.add_stored([meta.block_hash], meta.parent_hash,
+                                       [int(t) for t in meta.token_ids], self.block_size,
+                                       medium="STORAGE", locality=store.locality)
+
+    def _read(self, store: BlockStore, meta: BlockMeta, slot: int) -> _ReadResult:
+        # Straight into the reserved slot: nobody else reads or writes it until it is committed.
+        t0 = time.perf_counter()
+        ok = bool(store.get_into(meta, self.host[slot].numpy()))
+        return ok, time.perf_counter() - t0
+
+    # ----------------------------------------------------------------------- fetches
+
+    def ready(self, seq: WaitingSeq) -> bool:
+        """Whether ``seq`` (a waiting sequence) may be admitted now: its lower-tier blocks, if
+        any, are in host slots (or their fetch failed and they will be recomputed)."""
+        key = seq.seq_id
+        fetch = self._fetches.get(key)
+        if fetch is not None:
+            if not all(f.done() for _, f in fetch.futures):
+                return False
+            self._finish(key, fetch)
+            return True
+        if self._probed.get(key) or not self.stores:
+            return True
+        self._probed[key] = True
+        return not self._start(seq)
+
+    @property
+    def num_fetching(self) -> int:
+        """Requests waiting for their blocks from a lower tier."""
+        return len(self._fetches)
+
+    def wait(self, timeout_s: float = 0.05) -> None:
+        """Blocks until some fetch finishes (or ``timeout_s``): what an engine with nothing else
+        to run does instead of spinning."""
+        pending = [f for fetch in self._fetches.values() for _, f in fetch.futures if not f.done()]
+        if pending:
+            wait_futures(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    def admitted(self, seq: WaitingSeq, result: "AdmitResult") -> None:
+        """``seq`` was admitted with ``result``. The fetched blocks its admission hit as host
+        blocks count for the stores they came from: those past the blocks cached before them, up
+        to the admission's ``cached_tokens_host`` (a fetched block the host tier dropped again
+        before the admission, or one after a dropped block, is not a hit)."""
+        self._probed.pop(seq.seq_id, None)
+        got = self._fetched_by_seq.pop(seq.seq_id, None)
+        if got is None:
+            return
+        first, names = got
+        bs = self.block_size
+        n = min(len(names), max(0, int(result.cached_tokens) // bs - first),
+                int(result.cached_tokens_host) // bs)
+        for name in names[:n]:
+            self.stats.fetched_tokens[name] += bs
+
+    def forget(self, seq: WaitingSeq) -> None:
+        """Drops ``seq``'s state (it left unadmitted). A fetch still running is waited for and
+        its slots released: a reserved slot is released only after its reads."""
+        key = seq.seq_id
+        self._probed.pop(key, None)
+        self._fetched_by_seq.pop(key, None)
+        fetch = self._fetches.pop(key, None)
+        if fetch is not None:
+            _settle(fetch)
+            self._commit(fetch, 0, len(fetch.slots), False)
+
+    def _start(self, seq: WaitingSeq) -> bool:
+        """Starts reading ``seq``'s lower-tier blocks; True when a fetch is under way."""
+        gpu, host, rest, salt_digest, parent = self.manager.lookup_tiers(
+            seq.token_ids, cache_salt=seq.cache_salt)
+        if not rest:
+            return False
+        # The longest run the stores hold between them; each block is read from the first
+        # store (the fastest) that has the run from there on.
+        plan: List[BlockStore] = []
+        for store in self.stores:
+            n = store.longest_prefix([int(h) for h in rest[len(plan):]])
+            plan.extend([store] * n)
+            if len(plan) == len(rest):
+                break
+        # A run longer than the host tier can take now is fetched in part: its head is what
+        # an admission can use (a block after a gap in the chain is never a hit).
+        n = min(len(plan), self.manager.host_blocks_available())
+        plan = plan[:n]
+        if n == 0:
+            return False
+        if not self._worth_loading(plan):
+            self.stats.skipped_fetches += 1
+            return False
+        try:
+            slots = self.manager.reserve_host_blocks(n)
+        except Exception as exc:  # noqa: BLE001 - a full host pool only means recompute
+            logger.debug("no host slots for %d fetched blocks: %s", n, exc)
+            return False
+        # Reserving may have demoted host blocks into these very slots: save them first, and
+        # let every transfer still reading or writing a slot finish before the reads fill it.
+        self.after_schedule()
+        self.swap.host_written()
+        self.swap.host_read()
+        first = gpu + host
+        bs = self.block_size
+        ids = seq.token_ids
+        hashes = [int(h) for h in rest[:n]]
+        parents: List[Optional[int]] = [None if parent is None else int(parent)]
+        parents.extend(hashes[:-1])
+        tokens = [list(ids[(first + i) * bs:(first + i + 1) * bs]) for i in range(n)]
+        futures = []
+        for i, store in enumerate(plan):
+            meta = _meta(hashes[i], parents[i], salt_digest, tokens[i])
+            futures.append((store, self._pool.submit(self._read, store, meta, slots[i])))
+        self._fetches[seq.seq_id] = _Fetch(slots, hashes, parents, tokens, int(salt_digest),
+                                           first, futures)
+        return True
+
+    def _worth_loading(self, plan: Sequence[BlockStore]) -> bool:
+        """Load versus recompute: reading the blocks at each store's measured rate, spread over
+        the reader threads, against prefilling their tokens at the engine's rate. A store not
+        measured yet counts as free (its first reads measure it); after
+        :data:`PROBE_AFTER_SKIPS` skipped fetches in a row the next one loads anyway."""
+        if not self.prefill_tokens_per_s:
+            return True
+        load_s = 0.0
+        for store in plan:
+            rate = self.load_bytes_per_s.get(store.name)
+            if rate:
+                load_s += self.block_bytes / rate
+        load_s /= max(1, min(self.threads, len(plan)))
+        if load_s < len(plan) * self.block_size / self.prefill_tokens_per_s:
+            self._skips_in_row = 0
+            return True
+        self._skips_in_row += 1
+        if self._skips_in_row > PROBE_AFTER_SKIPS:
+            self._skips_in_row = 0
+            return True
+        return False
+
+    def _measured(self, store: BlockStore, seconds: float) -> None:
+        """Folds one verified read of ``seconds`` into ``store``'s read rate."""
+        if seconds <= 0:
+            return
+        rate = self.block_bytes / seconds
+        old = self.load_bytes_per_s.get(store.name)
+        self.load_bytes_per_s[store.name] = rate if old is None else (
+            old + LOAD_RATE_WEIGHT * (rate - old))
+
+    def _finish(self, key: int, fetch: _Fetch) -> None:
+        del self._fetches[key]
+        ok_run = 0
+        broken = False
+        for store, f in fetch.futures:
+            try:
+                good, seconds = f.result()
+            except Exception:  # noqa: BLE001 - a read that raised is a miss
+                good, seconds = False, 0.0
+            if good:
+                self._measured(store, seconds)
+            if not good:
+                broken = True
+            if broken:
+                continue
+            ok_run += 1
+            self.stats.bytes_read[store.name] += self.block_bytes
+        if ok_run < len(fetch.slots):
+            self.stats.failed_fetches += 1
+        if ok_run:
+            self._commit(fetch, 0, ok_run, True)
+            self._fetched_by_seq[key] = (fetch.first,
+                                         [s.name for s, _ in fetch.futures[:ok_run]])
+        if ok_run < len(fetch.slots):
+            self._commit(fetch, ok_run, len(fetch.slots), False)
+
+    def _commit(self, fetch: _Fetch, lo: int, hi: int, ok: bool) -> None:
+        flat = [t for block in fetch.tokens[lo:hi] for t in block]
+        self.manager.commit_host_blocks(fetch.slots[lo:hi], fetch.hashes[lo:hi],
+                                        fetch.parents[lo:hi], fetch.salt_digest, flat, ok)
+
+    def close(self) -> None:
+        """Finishes every fetch (releasing its slots) and flushes and closes the stores."""
+        for key in list(self._fetches):
+            fetch = self._fetches.pop(key)
+            _settle(fetch)
+            self._commit(fetch, 0, len(fetch.slots), False)
+        for f, _ in self._writes:
+            f.result()
+        self._writes = []
+        self._pool.shutdown(wait=True)
+        for store in self.stores:
+            store.close()
+
+
+def _settle(fetch: _Fetch) -> None:
+    """Waits for every read of ``fetch`` (a failed one only means a miss)."""
+    for _, f in fetch.futures:
+        try:
+            f.result()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _meta(h: int, parent: Optional[int], salt: int, tokens: Sequence[int]) -> BlockMeta:
+    return BlockMeta(block_hash=int(h), parent_hash=None if parent is None else int(parent),
+                     salt_digest=int(salt), token_ids=np.asarray(tokens, dtype=np.uint32))
+
+
+# --------------------------------------------------------------------------- building one
+
+
+class TierConfig(Protocol):
+    """The settings the tiers read (:class:`pagedkv.engine.config.EngineConfig`); each backend's
+    ``from_config`` reads its own besides."""
+
+    @property
+    def host_cache_memory(self) -> Union[int, str, None]: ...
+
+    @property
+    def host_cache_write_through(self) -> bool: ...
+
+    @property
+    def hash_seed(self) -> Optional[int]: ...
+
+    @property
+    def disk_cache_dir(self) -> Optional[str]: ...
+
+    @property
+    def tensor_parallel_size(self) -> int: ...
+
+
+class TierRunner(Protocol):
+    """What the tiers need of the model runner (:class:`pagedkv.engine.model_runner.ModelRunner`)."""
+
+    @property
+    def swap(self) -> Optional["SwapEngine"]: ...
+
+    @property
+    def spec(self) -> "CacheSpec": ...
+
+    @property
+    def tp_rank(self) -> int: ...
+
+
+def tier_fingerprint(model_path: str, spec: "CacheSpec", *, tp_rank: int = 0,
+                     tp_size: int = 1) -> bytes:
+    """The identity every lower-tier record carries: model, dtype, block size, layout, TP rank.
+    A record whose fingerprint differs is foreign (a miss), so nothing crosses models."""
+    return fingerprint_for_spec(str(model_path), spec, tp_rank=tp_rank, tp_size=tp_size)
+
+
+def manager_tier_args(config: TierConfig) -> Dict[str, Union[bool, int]]:
+    """The block manager's keywords for the tiers ``config`` asks for (the host tier's flags and
+    the prefix-hash key: with a disk tier and no ``hash_seed``, the key kept in its directory so
+    a restarted engine hashes as before)."""
+    args: Dict[str, Union[bool, int]] = {}
+    if config.host_cache_memory is not None:
+        args["host_cache"] = True
+        if config.host_cache_write_through:
+            args["host_write_through"] = True
+    seed = config.hash_seed
+    if seed is None and config.disk_cache_dir is not None:
+        seed = load_or_create_hash_key(config.disk_cache_dir)
+    if seed is not None:
+        args["hash_seed"] = int(seed)
+    return args
+
+
+def build_tier_cache(config: TierConfig, runner: TierRunner, manager: "BlockManager",
+                     model_path: str, prefill_tokens_per_s: Optional[float] = None,
+                     events: Optional[StorageEvents] = None) -> Optional[TierCache]:
+    """The engine's :class:`TierCache` when ``config`` has a host tier (None otherwise), over
+    the stores the registry (:mod:`pagedkv.tiers.store`) builds from ``config``."""
+    swap = runner.swap
+    if config.host_cache_memory is None or swap is None:
+        return None
+    spec = runner.spec
+    fp = tier_fingerprint(model_path, spec, tp_rank=runner.tp_rank,
+                          tp_size=config.tensor_parallel_size)
+    stores = build_stores(config, fp, spec.bytes_per_block)
+    return TierCache(manager, swap, stores, block_size=spec.block_size,
+                     prefill_tokens_per_s=prefill_tokens_per_s, events=events)
