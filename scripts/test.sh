@@ -39,6 +39,11 @@ if ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/de
 fi
 "$PY" -m pytest -q "$@"
 
+if [ "${PAGEDKV_SKIP_GUIDELLM:-0}" != 1 ]; then
+    echo "== GuideLLM (third-party load generator) against pagedkv serve"
+    bash scripts/test_guidellm.sh
+fi
+
 if [ "${PAGEDKV_SKIP_VLLM:-0}" != 1 ]; then
     echo "== vLLM 0.33.0's KV-cache tests, stock pool and pagedkv's side by side"
     bash scripts/test_vllm.sh

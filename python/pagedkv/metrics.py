@@ -88,8 +88,10 @@ def _prometheus() -> Any:
         import prometheus_client  # noqa: F401
         from prometheus_client import core
     except ImportError:
+        from ._optional import install_hint
+
         raise MetricsUnavailableError(
-            "metrics need prometheus_client: pip install 'pagedkv[metrics]'") from None
+            f"metrics need prometheus_client: {install_hint('metrics')}") from None
     return core
 
 

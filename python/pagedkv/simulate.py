@@ -257,7 +257,7 @@ class _Progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr,
-                            dynamic_ncols=True, mininterval=0.25)
+                            dynamic_ncols=True, mininterval=0.25, disable=None)
 
     def update(self, n: int = 1) -> None:
         if self.bar is not None:

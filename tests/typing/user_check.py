@@ -229,6 +229,24 @@ def hash_flow() -> List[int]:
     return hashes
 
 
+def groups_flow() -> List[int]:
+    """A hybrid model's manager: a full group beside a sliding-window one."""
+    groups = [pagedkv.KVCacheGroup.full(), pagedkv.KVCacheGroup.sliding(8)]
+    m = pagedkv.BlockManager(num_blocks=32, block_size=4, watermark_blocks=0, groups=groups)
+    bufs = pagedkv.StepBuffers(max_seqs=2, max_tokens=64, max_blocks_per_seq=16, device="cpu",
+                               num_groups=m.num_groups)
+    m.attach_buffers(bufs)
+    m.admit(1, list(range(20)))
+    m.step([1], [20])
+    m.append(1, [20])
+    info = m.step([1], 1)  # computes position 20: the window of 8 reads [13, 20]
+    assert bufs.group_views(info, 1, on_device=False).slot_mapping.shape[0] == 1
+    kind: pagedkv.KVCacheGroup = m.groups[1]
+    assert kind.size == 8
+    sliding: List[int] = m.block_table(1, group=1)
+    return sliding
+
+
 def main() -> None:
     version: str = pagedkv.__version__
     assert version
@@ -241,6 +259,8 @@ def main() -> None:
     assert allocation_failure(pagedkv.AllocationFailedError("x", what="pool", bytes=8)) == "pool: 8 bytes"
     assert len(swap_flow()) == 3
     assert len(hash_flow()) == 2
+    sliding = groups_flow()
+    assert sliding[:3] == [-1, -1, -1] and -1 not in sliding[3:]
     if os.environ.get("PAGEDKV_USER_CHECK_ENGINE"):
         assert len(engine_flow()) >= 5
         import asyncio

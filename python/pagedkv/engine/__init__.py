@@ -27,11 +27,21 @@ Layout (who owns what):
 
 Names resolve lazily (like :mod:`pagedkv`): ``import pagedkv.engine`` imports neither torch nor
 transformers until a class is touched.
+
+Importing this package sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment already sets it: every
+engine module (and so torch, through them) is imported after this line. OpenMP threads that spin
+while waiting for work take the cores other processes need; on a busy 2-core machine that made each
+CPU matmul several times slower. The OpenMP runtime reads the variable once, when torch first
+initialises it: in a process that used torch before touching ``pagedkv.LLM``, set it yourself
+before importing torch (``OMP_WAIT_POLICY=ACTIVE`` keeps spinning).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

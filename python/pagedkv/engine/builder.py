@@ -57,7 +57,7 @@ class EngineParts:
 
 
 def _stage_bar(enabled: bool, total: int, desc: str) -> Any:
-    return tqdm(total=total, desc=desc, disable=not enabled, leave=False,
+    return tqdm(total=total, desc=desc, disable=not enabled or None, leave=False,
                 bar_format="{desc}: {n}/{total} stages [{elapsed}]")
 
 

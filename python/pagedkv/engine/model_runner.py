@@ -38,6 +38,11 @@ next ``manager.step`` at once, while the GPU is still running this step's model.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
 import time
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -59,6 +64,8 @@ from .forward_context import AttentionMetadata, forward_context
 from .loader import LoadedModel, default_model_path, load_model
 
 __all__ = ["ModelRunner", "graph_batch_sizes", "build_rank_runner"]
+
+_log = logging.getLogger(__name__)
 
 #: KV budget when neither ``num_blocks`` nor ``kv_cache_memory`` is given, on the CPU.
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
@@ -90,6 +97,42 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 def _head_dim(cfg: Any) -> int:
     hd = getattr(cfg, "head_dim", None)
     return int(hd) if hd else cfg.hidden_size // cfg.num_attention_heads
+
+
+def _model_fingerprint(path: str) -> str:
+    """A digest of the model on disk: a GGUF file's (:func:`pagedkv.cache_dir.file_digest`), or a
+    directory's ``config.json`` bytes and the names, sizes and mtimes of its weight files."""
+    from ..cache_dir import file_digest
+
+    if os.path.isfile(path):
+        return file_digest(path)
+    h = hashlib.sha256()
+    with open(os.path.join(path, "config.json"), "rb") as fh:
+        h.update(fh.read())
+    for name in sorted(os.listdir(path)):
+        if name.endswith((".safetensors", ".bin", ".pt")):
+            st = os.stat(os.path.join(path, name))
+            h.update(f"{name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:32]
+
+
+def _rates_ok(r: Any, need_link: bool) -> bool:
+    """Whether a cached rates record holds usable rates."""
+    def pos(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) \
+            and x > 0
+
+    link = r["host_link_bytes_per_s"]
+    floor = r["step_floor_s"]
+    return (pos(r["prefill_tokens_per_s"]) and (pos(floor) or floor == 0)
+            and (pos(link) if need_link else link is None or pos(link)))
+
+
+def _fmt_rates(r: "Rates") -> str:
+    link = ("n/a" if math.isnan(r.host_link_bytes_per_s)
+            else f"{r.host_link_bytes_per_s / 1e9:.2f} GB/s")
+    return (f"host link {link}, prefill {r.prefill_tokens_per_s:.0f} tok/s, step floor "
+            f"{r.step_floor_s * 1e3:.2f} ms")
 
 
 class Rates(NamedTuple):
@@ -294,7 +337,72 @@ class ModelRunner:
         self.swap = SwapEngine(self.pool, num_host_blocks, staging_blocks=staging_blocks)
         return self.swap
 
-    def measure_rates(self, *, tokens: Optional[int] = None) -> "Rates":
+    def measure_rates(self, *, tokens: Optional[int] = None, cache: bool = True) -> "Rates":
+        """The cost model's rates on this device (:class:`Rates`): read from the cache directory
+        (:mod:`pagedkv.cache_dir`, ``rates/<key>.json``) when this model file, device, dtype,
+        pool, step shape, host pool and forward were measured before, else measured
+        (:meth:`measure_rates_now`) and recorded there. ``cache=False`` always measures, and
+        records nothing. A model without a path on disk (built in memory) is always measured.
+        A record is used only if its key equals this runner's (:meth:`rates_key`) and its rates
+        are finite and positive; anything else is deleted and measured again.
+        """
+        key = self.rates_key(tokens) if cache else None
+        if key is None:
+            return self.measure_rates_now(tokens=tokens)
+        from .. import cache_dir
+
+        name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+        record = cache_dir.read_json("rates", name, lambda d: d["key"] == key
+                                     and _rates_ok(d["rates"], self.swap is not None))
+        if record is not None:
+            r = record["rates"]
+            link = r["host_link_bytes_per_s"]
+            rates = Rates(float("nan") if link is None else float(link),
+                          float(r["prefill_tokens_per_s"]), float(r["step_floor_s"]))
+            _log.info("cost-model rates from the cache (%s): %s", name, _fmt_rates(rates))
+            return rates
+        t0 = time.perf_counter()
+        rates = self.measure_rates_now(tokens=tokens)
+        _log.info("cost-model rates measured in %.1f s: %s", time.perf_counter() - t0,
+                  _fmt_rates(rates))
+        link = rates.host_link_bytes_per_s
+        cache_dir.write_json("rates", name, {"key": key, "rates": {
+            "host_link_bytes_per_s": None if math.isnan(link) else link,
+            "prefill_tokens_per_s": rates.prefill_tokens_per_s,
+            "step_floor_s": rates.step_floor_s}})
+        return rates
+
+    def rates_key(self, tokens: Optional[int] = None) -> Optional[dict]:
+        """What the measured rates depend on, as a JSON-able dict; ``None`` when the model has no
+        file to fingerprint (then rates are not cached)."""
+        path = getattr(self.loaded, "path", "") or ""
+        try:
+            fingerprint = _model_fingerprint(path) if path else None
+        except OSError:
+            fingerprint = None
+        if fingerprint is None:
+            return None
+        import platform
+
+        if self.is_cuda:
+            device = torch.cuda.get_device_name(self.device)
+        else:
+            device = (f"cpu {platform.machine()} {platform.processor()} "
+                      f"{torch.get_num_threads()} threads")
+        cfg = self.engine_config
+        return {
+            "version": 1, "model": fingerprint, "device": device, "torch": torch.__version__,
+            "dtype": self.spec.dtype, "block_size": self.block_size, "num_blocks": self.num_blocks,
+            "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens":
+            self.max_num_batched_tokens, "max_model_len": self.max_model_len, "tokens": tokens,
+            "host_blocks": None if self.swap is None else int(self.swap.host.num_blocks),
+            "staging_blocks": None if self.swap is None else int(self.swap.staging_blocks),
+            "attention_backend": self.attention_backend, "fused": bool(self.fused),
+            "cuda_graphs": bool(cfg.cuda_graphs and self.graph_sizes),
+            "small_batch_gemv": self.gemv_rows, "tp_size": self.tp_size,
+        }
+
+    def measure_rates_now(self, *, tokens: Optional[int] = None) -> "Rates":
         """The cost model's rates measured on this device (:class:`Rates`).
 
         The link rate is a swap-out plus swap-in round trip of as many blocks as the staging holds

@@ -10,6 +10,11 @@
 //!   block ids into the two output buffers with no bookkeeping, the floor memory traffic sets.
 //!   `prefix_off_ids_shifted`: `prefix_off` with sequence ids `i << 32` (packed request/sample
 //!   ids), which a weak integer hash sends to one bucket.
+//! - `decode_groups_256/*`: the `decode_step_256/prefix_on` trace (append one token to each of
+//!   256 sequences, then build the step; same seeds, same re-admissions) with KV cache groups.
+//!   `one_group`: the manager without groups; `full_sliding_128`: a full group plus a sliding
+//!   group of window 128 (gpt-oss's pattern), stepped with `build_step_groups` into per-group
+//!   buffers — the second group's slot mapping, rows, growth and release ride on the same step.
 //! - `admit_4096/*`: admit a 4096-token prompt, then free it (both timed).
 //!   `prefix_off`: caching disabled. `prefix_on_cold` / `prefix_on_cold_verify`: every prompt is
 //!   new (its first token is a counter), so all 256 blocks miss, verify mode off / on.
@@ -158,6 +163,83 @@ fn decode(c: &mut Criterion) {
             black_box((&mut bt, &mut kv));
         });
     });
+    g.finish();
+}
+
+fn decode_groups(c: &mut Criterion) {
+    use pagedkv::groups::AttentionKind;
+    use pagedkv::step::OwnedGroupBuffers;
+    let mut g = c.benchmark_group("decode_groups_256");
+    for (name, groups) in [
+        ("one_group", vec![]),
+        (
+            "full_sliding_128",
+            vec![AttentionKind::Full, AttentionKind::Sliding { window: 128 }],
+        ),
+    ] {
+        g.bench_function(name, |b| {
+            const N: usize = 256;
+            const MAX_CTX: usize = 2100;
+            let ng = groups.len().max(1);
+            let mut cfg = ManagerConfig::new(
+                (ng * N * (MAX_CTX + 64 + B as usize) / B as usize) as u32 + 64,
+                B,
+            );
+            cfg.groups = groups.clone();
+            let mut m = BlockManager::new(cfg).unwrap();
+            let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+            let seqs: Vec<SeqId> = (0..N as u64).collect();
+            for &s in &seqs {
+                let n = rng.range(500, 2000);
+                m.admit(s, &rng.tokens(n)).unwrap();
+            }
+            let layout = StepLayout {
+                max_seqs: N,
+                max_tokens: N * 2048,
+                max_blocks_per_seq: (MAX_CTX + 128) / B as usize + 1,
+                max_copies: 16,
+                max_swaps: 4,
+            };
+            let mut ob = OwnedStepBuffers::new(layout);
+            let mut gob = OwnedGroupBuffers::new(layout, ng - 1);
+            let lens: Vec<u32> = seqs.iter().map(|&s| m.seq_len(s).unwrap() as u32).collect();
+            m.build_step_groups(&seqs, &lens, &mut ob.view(), &mut gob.views())
+                .unwrap();
+            let ones = vec![1u32; N];
+            let mut toks = vec![0u32; N];
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                let mut done = 0u64;
+                let mut views = gob.views();
+                while done < iters {
+                    let chunk = (iters - done).min(64);
+                    for t in toks.iter_mut() {
+                        *t = (rng.next() % 128_000) as u32;
+                    }
+                    let start = Instant::now();
+                    for _ in 0..chunk {
+                        m.append_batch(black_box(&seqs), black_box(&toks)).unwrap();
+                        black_box(
+                            m.build_step_groups(&seqs, &ones, &mut ob.view(), &mut views)
+                                .unwrap(),
+                        );
+                    }
+                    total += start.elapsed();
+                    done += chunk;
+                    for &s in &seqs {
+                        if m.seq_len(s).unwrap() > MAX_CTX {
+                            m.free(s).unwrap();
+                            let n = rng.range(500, 2000);
+                            m.admit(s, &rng.tokens(n)).unwrap();
+                            m.build_step_groups(&[s], &[n as u32], &mut ob.view(), &mut views)
+                                .unwrap();
+                        }
+                    }
+                }
+                total
+            });
+        });
+    }
     g.finish();
 }
 
@@ -408,5 +490,14 @@ fn hash_maps(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, decode, admit, hash, evict, sched, hash_maps);
+criterion_group!(
+    benches,
+    decode,
+    decode_groups,
+    admit,
+    hash,
+    evict,
+    sched,
+    hash_maps
+);
 criterion_main!(benches);

@@ -11,6 +11,7 @@
 //! - [`freelist`]: free lists of block ids — the lock-free tagged Treiber stack and a mutex baseline.
 //! - [`pool`]: the block pool — a free list plus per-block atomic reference counts.
 //! - [`table`]: one sequence's block table and token count.
+//! - [`groups`]: KV cache groups — attention kinds, dead blocks, sizing.
 //! - [`hash`]: the chained XXH3-128 prefix hash and its byte layout.
 //! - [`prefix`]: the prefix cache — hash → block map and the LRU of cached-free blocks.
 //! - [`keyed`]: caller-keyed blocks — counts, eviction order and a map from the caller's own
@@ -30,7 +31,8 @@
 //!
 //! The main types are re-exported here: [`BlockManager`], [`ManagerConfig`], [`AdmitResult`],
 //! [`AdmitRequest`], [`SeqKeys`] and [`MmInput`] (hashing keys), [`StepBuffers`],
-//! [`OwnedStepBuffers`], [`StepLayout`], [`StepInfo`], [`Stats`], [`Error`].
+//! [`OwnedStepBuffers`], [`StepLayout`], [`StepInfo`], [`Stats`], [`Error`], [`AttentionKind`]
+//! (the attention kind of a KV cache group).
 //!
 //! # The main flow
 //!
@@ -93,6 +95,7 @@ pub mod decode_plan;
 pub mod error;
 pub mod events;
 pub mod freelist;
+pub mod groups;
 pub mod hash;
 mod index_list;
 pub mod keyed;
@@ -106,6 +109,7 @@ pub mod table;
 pub mod tier;
 
 pub use error::{Error, Result};
+pub use groups::AttentionKind;
 pub use hash::{MmInput, SeqKeys};
 pub use manager::{AdmitRequest, AdmitResult, BlockManager, ManagerConfig};
 pub use metrics::Stats;

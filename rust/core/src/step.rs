@@ -81,6 +81,60 @@ pub struct StepBuffers<'a> {
     pub swap_in: &'a mut [i64],
 }
 
+/// Output buffers of one KV cache group after group 0 (see [`crate::groups`]), borrowed from the
+/// caller: the group's own slot mapping and block tables, laid out as group 0's in
+/// [`StepBuffers`]. Lengths, query offsets and the copy and swap lists are shared by all groups
+/// (pages are group-agnostic) and written once, into the [`StepBuffers`]. Rows hold
+/// [`NULL_BLOCK`](crate::groups::NULL_BLOCK) (`-1`) for released positions. The block-table
+/// buffer follows the same ownership contract as group 0's.
+#[derive(Debug)]
+pub struct GroupStepBuffers<'a> {
+    /// Physical slot of each new token in this group, batch order: `>=` total new tokens.
+    pub slot_mapping: &'a mut [i64],
+    /// `[max_seqs, block_table_stride]`, row-major.
+    pub block_tables: &'a mut [i32],
+    /// Row width of `block_tables`.
+    pub block_table_stride: usize,
+}
+
+/// Owned per-group step buffers for the groups after group 0, sized once for a [`StepLayout`]
+/// (so their addresses stay put for the buffers' life).
+#[derive(Debug, Clone, Default)]
+pub struct OwnedGroupBuffers {
+    /// One slot mapping per group after group 0 (`max_tokens` each).
+    pub slot_mappings: Vec<Vec<i64>>,
+    /// One block-table buffer per group after group 0 (`max_seqs * max_blocks_per_seq` each).
+    pub block_tables: Vec<Vec<i32>>,
+    /// Row width of every block-table buffer.
+    pub block_table_stride: usize,
+}
+
+impl OwnedGroupBuffers {
+    /// Zero-filled buffers for `extra_groups` groups (the manager's `num_groups() - 1`).
+    pub fn new(layout: StepLayout, extra_groups: usize) -> Self {
+        let t = layout.max_seqs * layout.max_blocks_per_seq;
+        Self {
+            slot_mappings: vec![vec![0; layout.max_tokens]; extra_groups],
+            block_tables: vec![vec![0; t]; extra_groups],
+            block_table_stride: layout.max_blocks_per_seq,
+        }
+    }
+
+    /// Borrowed views, one per group, for `BlockManager::build_step_groups`.
+    pub fn views(&mut self) -> Vec<GroupStepBuffers<'_>> {
+        let stride = self.block_table_stride;
+        self.slot_mappings
+            .iter_mut()
+            .zip(self.block_tables.iter_mut())
+            .map(|(s, b)| GroupStepBuffers {
+                slot_mapping: s,
+                block_tables: b,
+                block_table_stride: stride,
+            })
+            .collect()
+    }
+}
+
 /// What one step wrote: the prefixes of each buffer that are meaningful.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepInfo {

@@ -13,11 +13,19 @@
 //! its swap-in list (host → device), then its copies, then its writes; a swapped sequence's
 //! computed positions must read back their fingerprints from the host blocks its table names, and a
 //! running one's through any copies still queued for its blocks.
+//!
+//! KV cache groups: `hybrid_groups_match_model` runs the same walks on a full + sliding + chunked
+//! manager. Each group writes its own fingerprint (the position's, mixed with the group index)
+//! through its own slot mapping into the one pool, and after every step each group must read back
+//! its own fingerprint at every position a later query of that group can read, through its own
+//! table; a windowed group must have released exactly the blocks dead for the step's first new
+//! position, no more and no fewer.
 
 use std::collections::HashMap;
 
+use pagedkv::groups::{dead_blocks, AttentionKind, NULL_BLOCK};
 use pagedkv::manager::{AdmitRequest, BlockManager, ManagerConfig};
-use pagedkv::step::{OwnedStepBuffers, StepLayout};
+use pagedkv::step::{OwnedGroupBuffers, OwnedStepBuffers, StepLayout};
 use pagedkv::swap::SeqState;
 use pagedkv::table::blocks_for;
 use pagedkv::{hash::SeqKeys, Error, SeqId};
@@ -145,8 +153,15 @@ fn fingerprints(s: &ModelSeq) -> Vec<u64> {
         .collect()
 }
 
+/// Group `g`'s fingerprint of a position: group 0's is the plain one.
+fn fp_group(v: u64, g: usize) -> u64 {
+    v ^ (g as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
 struct Harness {
     m: BlockManager,
+    /// Per-group step buffers for groups after group 0 (empty for a one-group manager).
+    gob: OwnedGroupBuffers,
     model: HashMap<SeqId, ModelSeq>,
     kv: Vec<Option<u64>>,
     host_kv: Vec<Option<u64>>,
@@ -155,7 +170,7 @@ struct Harness {
 }
 
 type Snap = (
-    Vec<(SeqId, usize, Vec<u32>, SeqState)>,
+    Vec<(SeqId, usize, Vec<Vec<u32>>, SeqState)>,
     usize,
     Vec<(u32, u32)>,
     Vec<u32>,
@@ -171,7 +186,9 @@ impl Harness {
                 (
                     s,
                     self.m.seq_len(s).unwrap(),
-                    self.m.block_table(s).unwrap().to_vec(),
+                    (0..self.m.num_groups())
+                        .map(|g| self.m.block_table_group(s, g).unwrap().to_vec())
+                        .collect(),
                     self.m.seq_state(s).unwrap(),
                 )
             })
@@ -214,7 +231,11 @@ impl Harness {
         assert_eq!(r.num_tokens as usize, held);
         let nb = blocks_for(held, bs) as u32;
         assert_eq!(r.num_blocks, nb);
-        assert_eq!(r.new_blocks + r.cached_tokens_gpu / bs as u32, nb);
+        let ng = self.m.num_groups() as u32;
+        assert_eq!(
+            r.new_blocks + ng * (r.cached_tokens_gpu / bs as u32),
+            ng * nb
+        );
         assert_eq!(r.cached_tokens, r.cached_tokens_gpu + r.cached_tokens_host);
         if !self.m.config().host_cache {
             assert_eq!(r.cached_tokens_host, 0);
@@ -269,6 +290,23 @@ impl Harness {
                     "table holds unowned block {b}"
                 );
             }
+            // Other groups: same length, a null prefix, owned blocks, no block twice in any of
+            // the sequence's tables.
+            for g in 1..self.m.num_groups() {
+                let gt = self.m.block_table_group(id, g).unwrap();
+                assert_eq!(gt.len(), t.len());
+                let start = gt.iter().take_while(|&&b| b == NULL_BLOCK).count();
+                assert!(start < gt.len(), "group {g} released its tail");
+                for &b in &gt[start..] {
+                    assert_ne!(b, NULL_BLOCK, "group {g}: a null entry after a live one");
+                    assert!(self.m.block_refcount(b).unwrap() >= 1);
+                    sorted.push(b);
+                }
+            }
+            let n = sorted.len();
+            sorted.sort();
+            sorted.dedup();
+            assert_eq!(sorted.len(), n, "one block in two groups of a sequence");
         }
     }
 
@@ -315,6 +353,26 @@ impl Harness {
                     "seq {id} ({:?}) position {p} reads the wrong KV",
                     ms.state
                 );
+            }
+            if ms.state != SeqState::Running {
+                continue;
+            }
+            // Every other group reads its own KV at every position a later query can read.
+            for g in 1..self.m.num_groups() {
+                let kind = self.m.group_kind(g).unwrap();
+                let t = self.m.block_table_group(id, g).unwrap();
+                for p in kind.first_needed(ms.computed)..ms.computed {
+                    let b = t[p / self.bs];
+                    assert_ne!(
+                        b, NULL_BLOCK,
+                        "seq {id} group {g}: position {p} released too early"
+                    );
+                    assert_eq!(
+                        self.device_value(b, p % self.bs),
+                        Some(fp_group(fp[p], g)),
+                        "seq {id} group {g} position {p} reads the wrong KV"
+                    );
+                }
             }
         }
     }
@@ -466,11 +524,17 @@ impl Harness {
                     let len = ms.tokens.len();
                     let t = self.m.block_table(seq).unwrap();
                     let grow = blocks_for(len + toks.len(), self.bs) - t.len();
-                    let cow = len % self.bs != 0
-                        && self.m.block_refcount(*t.last().unwrap()).unwrap() > 1;
+                    let cows: usize = (0..self.m.num_groups())
+                        .map(|g| {
+                            let t = self.m.block_table_group(seq, g).unwrap();
+                            (len % self.bs != 0
+                                && self.m.block_refcount(*t.last().unwrap()).unwrap() > 1)
+                                as usize
+                        })
+                        .sum();
                     let fits = blocks_for(len + toks.len(), self.bs)
                         <= self.m.config().max_blocks_per_seq as usize;
-                    fits && grow + cow as usize <= self.m.num_free_blocks()
+                    fits && grow * self.m.num_groups() + cows <= self.m.num_free_blocks()
                 });
                 let r = self.m.append(seq, &toks);
                 match expect {
@@ -570,13 +634,20 @@ impl Harness {
                         .iter()
                         .filter(|&&(src, d)| {
                             seqs.iter().any(|&q| {
-                                let t = self.m.block_table(q).unwrap();
-                                t.contains(&d) || t.contains(&src)
+                                (0..self.m.num_groups()).any(|g| {
+                                    let t = self.m.block_table_group(q, g).unwrap();
+                                    t.contains(&d) || t.contains(&src)
+                                })
                             })
                         })
                         .count()
                 };
-                match self.m.build_step(&seqs, &n, &mut self.ob.view()) {
+                let mut gviews = self.gob.views();
+                let built = self
+                    .m
+                    .build_step_groups(&seqs, &n, &mut self.ob.view(), &mut gviews);
+                drop(gviews);
+                match built {
                     Ok(info) => {
                         assert!(needed <= room);
                         self.check_step_output(&seqs, &n, &info, &copies_before, swaps_queued);
@@ -820,8 +891,10 @@ impl Harness {
         assert!(left.is_empty() || info.num_copies == ob.copies.len() / 2 || swaps_queued);
         for &(src, d) in &left {
             for &q in seqs {
-                let t = self.m.block_table(q).unwrap();
-                assert!(!t.contains(&d) && !t.contains(&src));
+                for g in 0..self.m.num_groups() {
+                    let t = self.m.block_table_group(q, g).unwrap();
+                    assert!(!t.contains(&d) && !t.contains(&src));
+                }
             }
         }
         let copies = &emitted[..];
@@ -895,6 +968,32 @@ impl Harness {
             kv += t.len();
             assert_eq!(ob.kv_indptr[k + 1] as usize, kv);
             assert_eq!(ob.kv_last_page_len[k] as usize, (len - 1) % bs + 1);
+            // Other groups: their own slots and rows; a windowed group has released exactly the
+            // blocks dead for the step's first new position (never the tail).
+            let c = len - n[k] as usize;
+            let tok0 = tok - n[k] as usize;
+            for g in 1..self.m.num_groups() {
+                let kind = self.m.group_kind(g).unwrap();
+                let gt = self.m.block_table_group(s, g).unwrap();
+                let start = gt.iter().take_while(|&&b| b == NULL_BLOCK).count();
+                assert_eq!(
+                    start,
+                    dead_blocks(kind, c, bs).min(gt.len() - 1),
+                    "group {g} ({kind:?}) at c = {c}"
+                );
+                let gb = &self.gob;
+                for (j, p) in (c..len).enumerate() {
+                    let slot = gb.slot_mappings[g - 1][tok0 + j];
+                    assert_eq!(slot, gt[p / bs] as i64 * bs as i64 + (p % bs) as i64);
+                    self.kv[slot as usize] = Some(fp_group(fp[p], g));
+                }
+                let stride = gb.block_table_stride;
+                let row: Vec<u32> = gb.block_tables[g - 1][k * stride..k * stride + gt.len()]
+                    .iter()
+                    .map(|&x| x as u32)
+                    .collect();
+                assert_eq!(row, gt);
+            }
         }
         assert_eq!(
             (info.num_tokens, info.num_kv_indices, info.max_seq_len),
@@ -980,6 +1079,7 @@ proptest! {
             model: HashMap::new(),
             bs,
             ob: OwnedStepBuffers::new(layout),
+            gob: OwnedGroupBuffers::new(layout, 0),
         };
         for op in &ops {
             h.apply(op);
@@ -1038,6 +1138,7 @@ proptest! {
             model: HashMap::new(),
             bs,
             ob: OwnedStepBuffers::new(layout),
+            gob: OwnedGroupBuffers::new(layout, 0),
         };
         for op in &ops {
             h.apply(op);
@@ -1068,5 +1169,69 @@ proptest! {
         if !h.m.config().host_cache {
             prop_assert_eq!(st.host_cached_blocks + st.offloaded_blocks + st.host_hit_tokens, 0);
         }
+    }
+}
+
+/// Hybrid configurations: a full group 0, then a sliding and a chunked group (windows and chunks
+/// smaller and larger than a block, so releases happen mid-walk), with swap off (refused with
+/// groups: preemption is by recompute).
+fn hybrid_config() -> impl Strategy<Value = ManagerConfig> {
+    (config(), 1u32..12, 1u32..12, any::<bool>()).prop_map(|(mut c, w, ch, order)| {
+        c.num_host_blocks = 0;
+        c.host_cache = false;
+        c.host_write_through = false;
+        c.kv_event_capacity = 0;
+        c.num_blocks *= 2;
+        let (a, b) = (
+            AttentionKind::Sliding { window: w },
+            AttentionKind::Chunked { chunk: ch },
+        );
+        c.groups = if order {
+            vec![AttentionKind::Full, a, b]
+        } else {
+            vec![AttentionKind::Full, b, a, AttentionKind::Full]
+        };
+        c
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn hybrid_groups_match_model(
+        cfg in hybrid_config(),
+        max_copies in prop::sample::select(vec![1usize, 2, 128]),
+        ops in prop::collection::vec(op(), 1..100),
+    ) {
+        let bs = cfg.block_size as usize;
+        let layout = StepLayout {
+            max_seqs: 16,
+            max_tokens: 4096,
+            max_blocks_per_seq: cfg.max_blocks_per_seq as usize,
+            max_copies,
+            max_swaps: 4,
+        };
+        let extra = cfg.groups.len() - 1;
+        let mut h = Harness {
+            kv: vec![None; cfg.num_blocks as usize * bs],
+            host_kv: Vec::new(),
+            m: BlockManager::new(cfg).unwrap(),
+            model: HashMap::new(),
+            bs,
+            ob: OwnedStepBuffers::new(layout),
+            gob: OwnedGroupBuffers::new(layout, extra),
+        };
+        for op in &ops {
+            h.apply(op);
+        }
+        let live: Vec<SeqId> = h.model.keys().copied().collect();
+        h.apply(&Op::Step { mask: live.iter().fold(0u16, |m, &s| m | 1 << s) });
+        for s in live {
+            h.apply(&Op::Free { seq: s });
+        }
+        h.apply(&Op::Step { mask: 0 });
+        prop_assert_eq!(h.m.num_free_blocks(), h.m.config().num_blocks as usize);
+        prop_assert_eq!(h.m.stats().used_blocks, 0);
     }
 }

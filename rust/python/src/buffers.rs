@@ -12,7 +12,9 @@
 //! Invariants:
 //! - the allocation, its address and its size never change for the arena's life;
 //! - the ten fields lie at fixed, 64-byte aligned, pairwise disjoint offsets inside it (arena
-//!   order below), sized exactly for the [`StepLayout`] it was built for;
+//!   order below), sized exactly for the [`StepLayout`] it was built for; an arena for `G` KV
+//!   cache groups adds, after them, one slot mapping (`max_tokens` int64) and one block-table
+//!   buffer (`max_seqs * max_blocks_per_seq` int32) for each group `1..G`, placed the same way;
 //! - at most one manager holds it at a time ([`PyStepArena::claim`] / [`PyStepArena::release`]):
 //!   two managers writing block-table rows into one buffer would each trust incremental rows the
 //!   other overwrote;
@@ -101,6 +103,13 @@ struct PinRelease {
     synchronize: Option<Py<PyAny>>,
 }
 
+/// Element sizes of a group's two fields: its slot mapping (int64) and block tables (int32).
+const GROUP_ELEM: [usize; 2] = [8, 4];
+
+/// The raw fields of KV cache group `g >= 1`: `(slot_mapping, block_tables)`, `(address, len)`
+/// each; addresses are 0 only for empty fields (never, for a valid layout).
+pub type GroupRaw = [(usize, usize); 2];
+
 /// Host memory for the step buffers of one [`StepLayout`]; see the module doc.
 #[pyclass(frozen, weakref, module = "pagedkv._core", name = "StepArena")]
 pub struct PyStepArena {
@@ -111,6 +120,9 @@ pub struct PyStepArena {
     offsets: [usize; NBUF],
     /// Element count of each field, in [`FIELDS`] order.
     lens: [usize; NBUF],
+    /// Per KV cache group after group 0: `(byte_offset, numel)` of its slot mapping and of its
+    /// block tables.
+    group_fields: Vec<[(usize, usize); 2]>,
     /// Bytes the fields span (the allocation is this, rounded up to whole pages).
     nbytes: usize,
     /// The id of the manager the arena is attached to; 0 when none.
@@ -154,6 +166,20 @@ impl PyStepArena {
         }
     }
 
+    /// KV cache groups the arena holds buffers for (group 0's are the ten base fields).
+    pub fn num_groups(&self) -> usize {
+        1 + self.group_fields.len()
+    }
+
+    /// The fields of groups `1..G` by address, valid for the arena's life.
+    pub fn group_raw(&self) -> Vec<GroupRaw> {
+        let base = self.mem.ptr.as_ptr() as usize;
+        self.group_fields
+            .iter()
+            .map(|f| f.map(|(off, len)| (if len == 0 { 0 } else { base + off }, len)))
+            .collect()
+    }
+
     /// Takes the arena for manager `id`. `Ok(())` when it was free or already `id`'s; `Err` with
     /// nothing changed when another manager holds it.
     pub fn claim(&self, id: u64) -> Result<(), ()> {
@@ -183,8 +209,13 @@ impl PyStepArena {
 }
 
 /// Byte offsets (arena order, 64-byte aligned) and total span of fields with element counts
-/// `lens`; computed in `u128`, so no layout the caller can ask for overflows.
-fn place(lens: &[u128; NBUF]) -> ([u128; NBUF], u128) {
+/// `lens`, then of `extra` groups' two fields with counts `group_lens` each; computed in `u128`,
+/// so no layout the caller can ask for overflows.
+fn place(
+    lens: &[u128; NBUF],
+    group_lens: [u128; 2],
+    extra: usize,
+) -> ([u128; NBUF], Vec<[u128; 2]>, u128) {
     let mut offsets = [0u128; NBUF];
     let mut total = 0u128;
     for &i in &ARENA_ORDER {
@@ -192,16 +223,32 @@ fn place(lens: &[u128; NBUF]) -> ([u128; NBUF], u128) {
         offsets[i] = total;
         total += lens[i] * ELEM[i] as u128;
     }
-    (offsets, total)
+    let mut groups = Vec::with_capacity(extra);
+    for _ in 0..extra {
+        let mut g = [0u128; 2];
+        for j in 0..2 {
+            total = total.div_ceil(FIELD_ALIGN) * FIELD_ALIGN;
+            g[j] = total;
+            total += group_lens[j] * GROUP_ELEM[j] as u128;
+        }
+        groups.push(g);
+    }
+    (offsets, groups, total)
 }
+
+/// Most KV cache groups one arena holds buffers for: the core's limit on a manager's groups.
+const MAX_ARENA_GROUPS: usize = pagedkv::manager::MAX_GROUPS;
 
 #[pymethods]
 impl PyStepArena {
     /// Allocates zeroed host memory for step buffers of this layout. Sizes are counts (bools are
-    /// refused); `max_seqs`, `max_tokens`, `max_blocks_per_seq` must be in `1..=2**31 - 1`.
-    /// Raises AllocationFailedError when the memory cannot be had.
+    /// refused); `max_seqs`, `max_tokens`, `max_blocks_per_seq` must be in `1..=2**31 - 1`;
+    /// `groups` (default 1) is the number of KV cache groups, each after the first getting its
+    /// own slot mapping and block tables. Raises AllocationFailedError when the memory cannot be
+    /// had.
     #[new]
-    #[pyo3(signature = (max_seqs, max_tokens, max_blocks_per_seq, max_copies, csr, max_swaps=None))]
+    #[pyo3(signature = (max_seqs, max_tokens, max_blocks_per_seq, max_copies, csr, max_swaps=None, groups=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         max_seqs: &Bound<'_, PyAny>,
@@ -210,6 +257,7 @@ impl PyStepArena {
         max_copies: &Bound<'_, PyAny>,
         csr: &Bound<'_, PyAny>,
         max_swaps: Option<Bound<'_, PyAny>>,
+        groups: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let layout = StepLayout {
             max_seqs: count("max_seqs", max_seqs)?,
@@ -222,6 +270,20 @@ impl PyStepArena {
             },
         };
         let csr = flag("csr", csr)?;
+        let num_groups = match groups.as_ref().filter(|o| !o.is_none()) {
+            Some(g) => {
+                let n = count("groups", g)?;
+                if n == 0 || n > MAX_ARENA_GROUPS {
+                    return Err(invalid_arg(
+                        "groups",
+                        g,
+                        format!("must be in [1, {MAX_ARENA_GROUPS}]"),
+                    ));
+                }
+                n
+            }
+            None => 1,
+        };
         for (what, obj, v) in [
             ("max_seqs", max_seqs, layout.max_seqs),
             ("max_tokens", max_tokens, layout.max_tokens),
@@ -252,7 +314,8 @@ impl PyStepArena {
             2 * layout.max_swaps as u128,
             2 * layout.max_swaps as u128,
         ];
-        let (offsets, total) = place(&lens);
+        let (offsets, group_offsets, total) =
+            place(&lens, [layout.max_tokens as u128, s * b], num_groups - 1);
         let what = "step buffers (host arena)";
         if total > (isize::MAX as u128) - PAGE as u128 {
             return Err(alloc_failed(py, what, total));
@@ -268,6 +331,15 @@ impl PyStepArena {
             csr,
             offsets: offsets.map(|o| o as usize),
             lens: lens.map(|l| l as usize),
+            group_fields: group_offsets
+                .iter()
+                .map(|g| {
+                    [
+                        (g[0] as usize, layout.max_tokens),
+                        (g[1] as usize, layout.max_seqs * layout.max_blocks_per_seq),
+                    ]
+                })
+                .collect(),
             nbytes,
             owner: AtomicU64::new(0),
             unpin: Mutex::new(None),
@@ -305,6 +377,18 @@ impl PyStepArena {
     #[getter]
     fn attached(&self) -> bool {
         self.owner.load(Ordering::Acquire) != 0
+    }
+
+    /// KV cache groups the arena holds buffers for.
+    #[getter(num_groups)]
+    fn py_num_groups(&self) -> usize {
+        self.num_groups()
+    }
+
+    /// Per KV cache group after group 0: `((slot_mapping_offset, numel), (block_tables_offset,
+    /// numel))`, byte offsets into the arena.
+    fn group_fields(&self) -> Vec<[(usize, usize); 2]> {
+        self.group_fields.clone()
     }
 
     /// `{field: (byte_offset, numel)}` for the ten fields.
@@ -373,13 +457,14 @@ impl PyStepArena {
     fn __repr__(&self) -> String {
         let l = self.layout;
         format!(
-            "StepArena(max_seqs={}, max_tokens={}, max_blocks_per_seq={}, max_copies={}, max_swaps={}, csr={}, nbytes={})",
+            "StepArena(max_seqs={}, max_tokens={}, max_blocks_per_seq={}, max_copies={}, max_swaps={}, csr={}, groups={}, nbytes={})",
             l.max_seqs,
             l.max_tokens,
             l.max_blocks_per_seq,
             l.max_copies,
             l.max_swaps,
             if self.csr { "True" } else { "False" },
+            self.num_groups(),
             self.nbytes
         )
     }

@@ -4,6 +4,8 @@
 //! blocks, tables and hashes is the core's. Modules:
 //! - [`manager`]: the `BlockManager` class and the `hash_blocks` function;
 //! - [`buffers`]: the `StepArena` class, the extension-owned host memory of the step buffers;
+//! - [`groups`]: KV cache group kinds and the sizing helpers (`bytes_per_token`, `page_bytes`,
+//!   `live_blocks`, `peak_decode_blocks`);
 //! - [`plan`]: the `plan_decode` function, the core's split-K decode planner;
 //! - [`keyed`]: the `KeyedBlockPool` class, blocks keyed by caller-supplied hashes;
 //! - [`convert`]: Python ints, lists and numpy arrays to the core's id types;
@@ -18,6 +20,7 @@ use pyo3::prelude::*;
 mod buffers;
 mod convert;
 mod errors;
+mod groups;
 mod keyed;
 mod manager;
 mod plan;
@@ -43,6 +46,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<keyed::PyKeyedBlockPool>()?;
     m.add_function(wrap_pyfunction!(manager::hash_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(plan::plan_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(groups::bytes_per_token, m)?)?;
+    m.add_function(wrap_pyfunction!(groups::page_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(groups::live_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(groups::peak_decode_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(_raise_core_error, m)?)?;
     Ok(())
 }

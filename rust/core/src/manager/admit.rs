@@ -73,7 +73,7 @@ impl BlockManager {
             return Ok(false);
         }
         let held = max_new_tokens.map_or(num_tokens, |k| k.min(num_tokens));
-        Ok(self.fits(blocks_for(held, self.bs)))
+        Ok(self.fits(blocks_for(held, self.bs) * self.num_groups()))
     }
 
     /// Whether `admit_opts(_, tokens, keys, max_new_tokens)` would succeed now (for a new id),
@@ -109,7 +109,7 @@ impl BlockManager {
             true,
         );
         let held = held_tokens(n, look.cached, max_new_tokens);
-        let needed = blocks_for(held, self.bs) - hits.len() + look.revive;
+        let needed = (blocks_for(held, self.bs) - hits.len()) * self.num_groups() + look.revive;
         Ok(self.fits(needed))
     }
 
@@ -275,6 +275,15 @@ impl BlockManager {
             }
             hits.push(b);
         }
+        if !self.kinds.is_empty() && !hits.is_empty() {
+            // Other groups: the longest boundary at which each has what it reads.
+            let (k, revive) = self.group_boundary(tokens, hashes, hits.len());
+            if k < hits.len() {
+                hits.truncate(k);
+                look.revive = hits.iter().filter(|&&b| self.prefix.in_lru(b)).count();
+            }
+            look.revive += revive;
+        }
         if let Some(t) = &self.tier {
             if look.collisions == 0 {
                 for i in hits.len()..max_hit {
@@ -357,7 +366,7 @@ impl BlockManager {
         let held = held_tokens(n, look.cached, max_new_tokens);
         let nb = blocks_for(held, bs);
         let new = nb - hits.len();
-        let needed = new + look.revive;
+        let needed = new * self.num_groups() + look.revive;
         let avail = self.num_free_blocks();
         let wm = self.cfg.watermark_blocks as usize;
         let err = if needed > avail {
@@ -406,6 +415,11 @@ impl BlockManager {
             }
             blocks.push(b);
         }
+        if !self.kinds.is_empty() {
+            self.slots[slot as usize].table.blocks = blocks;
+            self.pin_extra(slot as usize, tokens, &hashes, hits.len())?;
+            blocks = std::mem::take(&mut self.slots[slot as usize].table.blocks);
+        }
         // Host hits are pinned before anything is allocated: an eviction below may offload, and
         // an offload may demote an unreferenced host-cached block, never one of these.
         if let Some(t) = self.tier.as_mut() {
@@ -419,6 +433,9 @@ impl BlockManager {
         for _ in from_pool..new {
             let b = self.evict_block()?;
             blocks.push(b);
+        }
+        if !self.kinds.is_empty() {
+            self.grow_extra(slot as usize, new)?;
         }
         let g = hits.len();
         for (k, &h) in host_hits.iter().enumerate() {
@@ -480,7 +497,7 @@ impl BlockManager {
             cached_tokens: look.cached as u32,
             cached_tokens_gpu: (look.cached - host_cached) as u32,
             cached_tokens_host: host_cached as u32,
-            new_blocks: new as u32,
+            new_blocks: (new * self.num_groups()) as u32,
             num_blocks: nb as u32,
             num_tokens: held as u32,
         })

@@ -50,7 +50,12 @@ impl BlockManager {
         }
         let grow = nb - s.table.blocks.len();
         let cow = Self::needs_cow(&self.pool, s, bs)?;
-        let needed = grow + cow as usize;
+        let extra_cows = if s.tail_maybe_shared {
+            Self::extra_shared_tails(&self.pool, s, bs)?
+        } else {
+            0
+        };
+        let needed = grow * self.num_groups() + cow as usize + extra_cows;
         let avail = self.num_free_blocks();
         if needed > avail {
             return Err(Error::OutOfBlocks {
@@ -61,11 +66,17 @@ impl BlockManager {
         if cow {
             self.cow_tail(slot)?;
         }
+        if extra_cows > 0 {
+            self.cow_extra(slot)?;
+        }
         // The old tail is ours alone now (copied or unshared) and new blocks are fresh.
         self.slots[slot].tail_maybe_shared = false;
         for _ in 0..grow {
             let b = self.alloc_block()?;
             self.slots[slot].table.blocks.push(b);
+        }
+        if grow > 0 && !self.kinds.is_empty() {
+            self.grow_extra(slot, grow)?;
         }
         let s = &mut self.slots[slot];
         s.table.num_tokens += tokens.len();
@@ -110,21 +121,32 @@ impl BlockManager {
                         break;
                     }
                 }
-                self.slots[i].tail_maybe_shared = false;
-            } else if s.tail_maybe_shared {
-                match Self::needs_cow(&self.pool, s, bs) {
-                    Ok(true) => {
-                        if let Err(e) = self.cow_tail(i) {
-                            result = Err(e);
-                            break;
-                        }
-                    }
-                    Ok(false) => self.slots[i].tail_maybe_shared = false,
-                    Err(e) => {
+                if !self.kinds.is_empty() {
+                    if let Err(e) = self.grow_extra(i, 1) {
                         result = Err(e);
                         break;
                     }
                 }
+                self.slots[i].tail_maybe_shared = false;
+            } else if s.tail_maybe_shared {
+                let step = match Self::needs_cow(&self.pool, s, bs) {
+                    Ok(true) => self.cow_tail(i),
+                    Ok(false) => Ok(()),
+                    Err(e) => Err(e),
+                }
+                .and_then(|()| {
+                    if self.kinds.is_empty() {
+                        Ok(())
+                    } else {
+                        self.cow_extra(i)
+                    }
+                });
+                if let Err(e) = step {
+                    result = Err(e);
+                    break;
+                }
+                // Every group's tail is ours alone now (copied or found unshared).
+                self.slots[i].tail_maybe_shared = false;
             }
             let s = &mut self.slots[i];
             s.table.num_tokens += 1;
@@ -180,9 +202,10 @@ impl BlockManager {
                         max_blocks_per_seq: max,
                     });
                 }
-                needed += 1;
-            } else if Self::needs_cow(&self.pool, s, bs)? {
-                needed += 1;
+                needed += self.num_groups();
+            } else if s.tail_maybe_shared {
+                needed += Self::needs_cow(&self.pool, s, bs)? as usize
+                    + Self::extra_shared_tails(&self.pool, s, bs)?;
             }
         }
         Ok(needed)
@@ -210,13 +233,7 @@ impl BlockManager {
         // A src that is itself waiting to be filled by a pending copy has the same content as that
         // copy's src when the copies run (before any write of the step): copy from there instead,
         // so no block is both a dst and a src in one step.
-        let origin = self
-            .pending
-            .iter()
-            .find(|&&(_, dst)| dst == src)
-            .map_or(src, |&(s0, _)| s0);
-        self.pending.push((origin, d));
-        self.counters.cow_copies += 1;
+        self.queue_copy(src, d);
         self.drop_ref(src)
     }
 
@@ -230,7 +247,11 @@ impl BlockManager {
         if self.index.contains_key(&child) {
             return Err(Error::DuplicateSequence { seq_id: child });
         }
-        for &b in &self.slots[p].table.blocks {
+        let extra_blocks = self.slots[p]
+            .extra
+            .iter()
+            .flat_map(|t| &t.blocks[t.start..]);
+        for &b in self.slots[p].table.blocks.iter().chain(extra_blocks) {
             if self.pool.refcount(b)? >= crate::pool::MAX_REFCOUNT {
                 return Err(Error::InvalidArgument {
                     what: "parent",
@@ -257,7 +278,10 @@ impl BlockManager {
         child_state.state = SeqState::Running;
         child_state.order = ps.order;
         child_state.group = ps.group;
-        for &b in &child_state.table.blocks {
+        child_state.extra.clone_from(&ps.extra);
+        child_state.next_release = ps.next_release;
+        let extra_blocks = child_state.extra.iter().flat_map(|t| &t.blocks[t.start..]);
+        for &b in child_state.table.blocks.iter().chain(extra_blocks) {
             if self.pool.incref_mut(b)? == 2 {
                 self.shared_blocks += 1;
             }

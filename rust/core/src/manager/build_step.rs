@@ -13,12 +13,14 @@
 //! - Block-table rows are written incrementally (see `StepCache`): a row is rewritten in full
 //!   whenever its sequence's uid or table version changed, so a stale entry is never left behind.
 
+use super::groups::write_groups;
 use super::tier::{offload, registered};
 use super::{BlockManager, Seq};
 use crate::error::{Error, Result};
 use crate::events::Medium;
+use crate::groups::group_hash;
 use crate::prefix::FastMap;
-use crate::step::{StepBuffers, StepInfo};
+use crate::step::{GroupStepBuffers, StepBuffers, StepInfo};
 use crate::swap::HostBlockId;
 use crate::{BlockId, SeqId};
 
@@ -59,11 +61,36 @@ impl BlockManager {
     /// resets the memory. So between steps the block-table buffer belongs to the manager: whoever
     /// writes into it must call [`BlockManager::invalidate_step_cache`] before the next step. The
     /// CSR page table, when requested, is packed and rewritten in full every step.
+    ///
+    /// A manager with more than one KV cache group needs [`BlockManager::build_step_groups`].
+    #[inline]
     pub fn build_step(
         &mut self,
         seqs: &[SeqId],
         num_new: &[u32],
         out: &mut StepBuffers<'_>,
+    ) -> Result<StepInfo> {
+        self.build_step_groups(seqs, num_new, out, &mut [])
+    }
+
+    /// [`BlockManager::build_step`] for a manager with KV cache groups: `out` receives group 0's
+    /// slot mapping and block tables and everything the groups share (lengths, query offsets,
+    /// the CSR page table of group 0, the copy and swap lists); `groups[g - 1]` receives group
+    /// `g`'s slot mapping and block tables. `InvalidArgument` unless `groups` has one entry per
+    /// group after group 0; `BufferTooSmall` (`group_slot_mapping`, `group_block_table_stride`,
+    /// `group_block_tables`) when one is too small. Both are checked before anything is written.
+    ///
+    /// After validation, every windowed group (sliding, chunked) of each scheduled sequence
+    /// releases the blocks no query at or after the step's first new position reads (see
+    /// [`crate::groups`]); their entries become [`NULL_BLOCK`](crate::groups::NULL_BLOCK) in the
+    /// rows this step writes. Newly full blocks of every group are offered to the prefix cache,
+    /// group `g`'s under `group_hash(h, g)`.
+    pub fn build_step_groups(
+        &mut self,
+        seqs: &[SeqId],
+        num_new: &[u32],
+        out: &mut StepBuffers<'_>,
+        groups: &mut [GroupStepBuffers<'_>],
     ) -> Result<StepInfo> {
         if seqs.len() != num_new.len() {
             return Err(Error::InvalidArgument {
@@ -75,6 +102,9 @@ impl BlockManager {
         self.resolve_batch(seqs)?;
         let (num_tokens, num_kv, max_len, max_query, csr, needed) =
             self.check_step(seqs, num_new, out)?;
+        if !self.kinds.is_empty() || !groups.is_empty() {
+            self.check_group_bufs(groups, seqs.len(), num_tokens, max_len.div_ceil(self.bs))?;
+        }
         let swaps = self.plan_swaps(
             out.swap_out.len() / 2,
             out.swap_in.len() / 2,
@@ -82,6 +112,27 @@ impl BlockManager {
         )?;
         let idx = std::mem::take(&mut self.batch_idx);
 
+        let num_copies = match &swaps {
+            Some(plan) => self.emit_copies_masked(&plan.emit_cow, out.copies),
+            None => self.emit_copies(&needed, out.copies),
+        };
+        let (num_swap_out, num_swap_in, swap_result) =
+            self.emit_swaps(swaps, out.swap_out, out.swap_in);
+        // Windowed groups release what no query of this step or a later one reads. After the
+        // copies are emitted (a released copy destination drops its queued copy, which must not
+        // shift the emitted mask) and before the rows are written (they show the null entries).
+        let mut release_result = Ok(());
+        if self.windowed {
+            for (k, &i) in idx.iter().enumerate() {
+                let s = &self.slots[i as usize];
+                let c = s.table.num_tokens - num_new[k] as usize;
+                if c >= s.next_release {
+                    if let Err(e) = self.release_dead(i as usize, c) {
+                        release_result = Err(e);
+                    }
+                }
+            }
+        }
         let bs = self.bs;
         let stride = out.block_table_stride;
         let marks = self
@@ -99,14 +150,18 @@ impl BlockManager {
             marks,
             &mut self.scratch_register,
         );
+        if !self.kinds.is_empty() {
+            write_groups(
+                &self.slots,
+                &idx,
+                num_new,
+                bs,
+                groups,
+                &mut self.group_caches,
+            );
+        }
 
-        let num_copies = match &swaps {
-            Some(plan) => self.emit_copies_masked(&plan.emit_cow, out.copies),
-            None => self.emit_copies(&needed, out.copies),
-        };
-        let (num_swap_out, num_swap_in, swap_result) =
-            self.emit_swaps(swaps, out.swap_out, out.swap_in);
-        let mut result = swap_result;
+        let mut result = swap_result.and(release_result);
         if self.pending.is_empty() {
             while let Some(b) = self.deferred.pop() {
                 if let Err(e) = self.park(b) {
@@ -172,6 +227,13 @@ impl BlockManager {
                             );
                         }
                     }
+                }
+            }
+            for (gi, t) in s.extra.iter().enumerate() {
+                for j in s.registered.max(t.start)..full {
+                    let toks = &s.tokens[j * bs..(j + 1) * bs];
+                    self.prefix
+                        .register(t.blocks[j], group_hash(s.hashes[j], gi + 1), toks);
                 }
             }
             s.registered = full;
@@ -240,7 +302,9 @@ impl BlockManager {
         // Device blocks this step's forward writes: every block of a scheduled table.
         let mut scheduled: FastMap<BlockId, ()> = FastMap::default();
         for &i in &self.batch_idx {
-            for &b in &self.slots[i as usize].table.blocks {
+            let s = &self.slots[i as usize];
+            let extra = s.extra.iter().flat_map(|t| &t.blocks[t.start..]);
+            for &b in s.table.blocks.iter().chain(extra) {
                 scheduled.insert(b, ());
             }
         }
@@ -480,7 +544,10 @@ impl BlockManager {
         }
         let mut needed = vec![false; self.pending.len()];
         for &i in &self.batch_idx {
-            for b in &self.slots[i as usize].table.blocks {
+            let s = &self.slots[i as usize];
+            // Every group's blocks: a copy into any of them must run before this step.
+            let extra = s.extra.iter().flat_map(|t| &t.blocks[t.start..]);
+            for b in s.table.blocks.iter().chain(extra) {
                 if let Some(js) = at.get(b) {
                     for &j in js {
                         needed[j] = true;

@@ -7,6 +7,7 @@
 //! casts and checks only its own totals.
 
 use crate::error::{Error, Result};
+use crate::groups::AttentionKind;
 
 /// Configuration of a [`BlockManager`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,7 +48,16 @@ pub struct ManagerConfig {
     /// With `host_cache`: a run of host hits shorter than this many blocks is recomputed instead
     /// of loaded (>= 1).
     pub host_load_min_blocks: u32,
+    /// The KV cache groups (see [`crate::groups`]), group `g` at index `g`. Empty (the default)
+    /// means one [`AttentionKind::Full`] group, exactly the manager without groups. Group 0 must
+    /// be `Full`: it carries the prefix chain. With more than one group, swap and the host tier
+    /// are refused (`num_host_blocks` must be 0; preemption is by recompute), and so are KV
+    /// events (`kv_event_capacity` must be 0: an event carries no group yet).
+    pub groups: Vec<AttentionKind>,
 }
+
+/// Most KV cache groups one manager holds.
+pub const MAX_GROUPS: usize = 16;
 
 impl ManagerConfig {
     /// Defaults: watermark 1% of the pool (at least 1, but 0 for a one-block pool), rows as wide
@@ -75,6 +85,21 @@ impl ManagerConfig {
             host_cache: false,
             host_write_through: false,
             host_load_min_blocks: 1,
+            groups: Vec::new(),
+        }
+    }
+
+    /// The number of KV cache groups (1 when `groups` is empty).
+    pub fn num_groups(&self) -> usize {
+        self.groups.len().max(1)
+    }
+
+    /// The attention kind of group `g` (`Full` for group 0 of a config without groups).
+    pub fn group_kind(&self, g: usize) -> Option<AttentionKind> {
+        if self.groups.is_empty() {
+            (g == 0).then_some(AttentionKind::Full)
+        } else {
+            self.groups.get(g).copied()
         }
     }
 
@@ -146,6 +171,45 @@ impl ManagerConfig {
         }
         if self.host_load_min_blocks == 0 {
             return bad("host_load_min_blocks", 0, "must be >= 1".into());
+        }
+        if self.groups.len() > MAX_GROUPS {
+            return bad(
+                "groups",
+                self.groups.len() as u64,
+                format!("at most {MAX_GROUPS} groups"),
+            );
+        }
+        for (g, k) in self.groups.iter().enumerate() {
+            k.validate(g)?;
+        }
+        if let Some(&k) = self.groups.first() {
+            if k != AttentionKind::Full {
+                return bad(
+                    "groups",
+                    0,
+                    format!("group 0 must be Full (it carries the prefix chain), got {k:?}"),
+                );
+            }
+        }
+        if self.groups.len() > 1 && self.num_host_blocks > 0 {
+            return bad(
+                "num_host_blocks",
+                self.num_host_blocks as u64,
+                format!(
+                    "must be 0 with {} KV cache groups: swap and the host tier hold group 0 only (preempt by recompute)",
+                    self.groups.len()
+                ),
+            );
+        }
+        if self.groups.len() > 1 && self.kv_event_capacity > 0 {
+            return bad(
+                "kv_event_capacity",
+                self.kv_event_capacity as u64,
+                format!(
+                    "must be 0 with {} KV cache groups: KV events carry no group yet",
+                    self.groups.len()
+                ),
+            );
         }
         if self.host_cache {
             let need = |what: &str| format!("host_cache needs {what}");

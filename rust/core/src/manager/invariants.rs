@@ -8,6 +8,7 @@
 
 use super::BlockManager;
 use crate::error::{Error, Result};
+use crate::groups::{group_hash, release_threshold, NULL_BLOCK};
 use crate::swap::SeqState;
 use crate::table::blocks_for;
 
@@ -42,7 +43,7 @@ impl BlockManager {
             match s.state {
                 SeqState::Running => {}
                 SeqState::Recompute => {
-                    if !t.blocks.is_empty() {
+                    if !t.blocks.is_empty() || s.extra.iter().any(|g| !g.blocks.is_empty()) {
                         return bad(format!(
                             "sequence {id} preempted by recompute holds {} blocks",
                             t.blocks.len()
@@ -107,6 +108,90 @@ impl BlockManager {
                         return bad(format!(
                             "sequence {id}: block {b} content differs from its cached tokens"
                         ));
+                    }
+                }
+            }
+            if s.extra.len() != self.kinds.len() {
+                return bad(format!(
+                    "sequence {id}: {} extra group tables for {} groups",
+                    s.extra.len(),
+                    self.num_groups()
+                ));
+            }
+            if !self.kinds.is_empty() {
+                let next = self
+                    .kinds
+                    .iter()
+                    .zip(&s.extra)
+                    .map(|(&k, gt)| release_threshold(k, gt.start + 1, bs))
+                    .min()
+                    .unwrap_or(usize::MAX);
+                if s.next_release != next {
+                    return bad(format!(
+                        "sequence {id}: next release at {} but its tables say {next}",
+                        s.next_release
+                    ));
+                }
+            }
+            for (gi, gt) in s.extra.iter().enumerate() {
+                let g = gi + 1;
+                let kind = self.kinds[gi];
+                if gt.blocks.len() != t.blocks.len() {
+                    return bad(format!(
+                        "sequence {id}: group {g} table holds {} entries, group 0 {}",
+                        gt.blocks.len(),
+                        t.blocks.len()
+                    ));
+                }
+                // Null entries: exactly the prefix [0, start), never the tail, and only blocks
+                // no query at or after the last position can read.
+                if gt.start >= gt.blocks.len().max(1)
+                    || gt.start * bs > kind.first_needed(t.num_tokens - 1)
+                {
+                    return bad(format!(
+                        "sequence {id}: group {g} ({kind:?}) releases {} of {} blocks at length {}",
+                        gt.start,
+                        gt.blocks.len(),
+                        t.num_tokens
+                    ));
+                }
+                for (j, &b) in gt.blocks.iter().enumerate() {
+                    if (j < gt.start) != (b == NULL_BLOCK) {
+                        return bad(format!(
+                            "sequence {id}: group {g} entry {j} is {b} with {} leading nulls",
+                            gt.start
+                        ));
+                    }
+                    if b == NULL_BLOCK {
+                        continue;
+                    }
+                    if b as usize >= n {
+                        return bad(format!(
+                            "sequence {id}: group {g} block {b} outside the pool"
+                        ));
+                    }
+                    occ[b as usize] += 1;
+                    if let Some(h) = self.prefix.hash_of(b) {
+                        if (j + 1) * bs > t.num_tokens {
+                            return bad(format!(
+                                "sequence {id}: group {g} partial block {b} is hashed"
+                            ));
+                        }
+                        if j < s.hashes.len()
+                            && group_hash(s.hashes[j], g) != h
+                            && !self.prefix.verifies()
+                        {
+                            return bad(format!(
+                                "sequence {id}: group {g} block {b} cached under another key"
+                            ));
+                        }
+                        if self.prefix.verifies()
+                            && self.prefix.stored_tokens(b) != &s.tokens[j * bs..(j + 1) * bs]
+                        {
+                            return bad(format!(
+                                "sequence {id}: group {g} block {b} content differs from its cached tokens"
+                            ));
+                        }
                     }
                 }
             }

@@ -52,6 +52,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::events::{KvEvent, KvEventRing, Medium};
+use crate::groups::AttentionKind;
 use crate::hash::{random_key, root_hash, Hasher, SeqKeys};
 use crate::metrics::{hist_bucket, Counters, Stats, HIST_BUCKETS};
 use crate::pool::BlockPool;
@@ -66,11 +67,12 @@ mod admit;
 mod append;
 mod build_step;
 mod config;
+mod groups;
 mod invariants;
 mod reclaim;
 mod tier;
 
-pub use config::ManagerConfig;
+pub use config::{ManagerConfig, MAX_GROUPS};
 
 /// Outcome of an admission.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,9 +85,10 @@ pub struct AdmitResult {
     /// Of `cached_tokens`, those found in the host tier: loaded by the next step's swap-in list
     /// into blocks allocated for them, not computed.
     pub cached_tokens_host: u32,
-    /// Blocks allocated for this admission (not shared from the cache), loads included.
+    /// Blocks allocated for this admission (not shared from the cache), loads included, summed
+    /// over the KV cache groups (`num_blocks - hits` per group).
     pub new_blocks: u32,
-    /// Blocks in the sequence's table, `ceil(num_tokens / B)`.
+    /// Blocks in the sequence's table, `ceil(num_tokens / B)` (every group's table has this length).
     pub num_blocks: u32,
     /// Tokens the sequence holds after admission: `cached_tokens + min(max_new_tokens, len -
     /// cached_tokens)`, the whole prompt when no `max_new_tokens` was given. The engine computes
@@ -116,6 +119,18 @@ impl<'a> AdmitRequest<'a> {
             max_new_tokens: None,
         }
     }
+}
+
+/// The block table of one extra KV cache group (group `g >= 1`) of a sequence. Its length and
+/// token count are those of the group-0 table; entries `[0, start)` are
+/// [`NULL_BLOCK`](crate::groups::NULL_BLOCK) (released or never needed), the rest are owned.
+#[derive(Debug, Clone, Default)]
+struct GroupTable {
+    blocks: Vec<BlockId>,
+    /// Leading null entries.
+    start: usize,
+    /// Bumped whenever an entry is replaced in place (a release, copy-on-write of the tail).
+    version: u64,
 }
 
 /// Per-sequence state, kept in a slab so batch calls index it directly after one lookup.
@@ -152,6 +167,11 @@ struct Seq {
     /// `cache_epoch` when it was swapped out: its hashes are re-registered on swap-in only if the
     /// prefix cache was not reset since.
     swap_epoch: u64,
+    /// Tables of groups `1..G` (empty for a one-group manager).
+    extra: Vec<GroupTable>,
+    /// The first position from which a step releases another block of some windowed group
+    /// (`usize::MAX` when none can): a step compares instead of dividing.
+    next_release: usize,
 }
 
 /// The block manager. See the module documentation for the rules it keeps.
@@ -208,6 +228,12 @@ pub struct BlockManager {
     tier: Option<HostTier>,
     /// The cost model of the host tier's load-or-recompute choice.
     host_cost: Option<CostModel>,
+    /// Attention kinds of groups `1..G` (empty for a one-group manager).
+    kinds: Vec<AttentionKind>,
+    /// Some group releases blocks (sliding or chunked).
+    windowed: bool,
+    /// What `build_step` last wrote into each extra group's block-table buffer.
+    group_caches: Vec<StepCache>,
 }
 
 impl BlockManager {
@@ -275,6 +301,9 @@ impl BlockManager {
             events,
             tier,
             host_cost: None,
+            kinds: cfg.groups.iter().skip(1).copied().collect(),
+            windowed: cfg.groups.iter().any(|k| k.is_windowed()),
+            group_caches: vec![StepCache::default(); cfg.groups.len().saturating_sub(1)],
             cfg,
         })
     }
@@ -436,15 +465,30 @@ impl BlockManager {
         Ok(())
     }
 
-    /// Drops every reference `slot`'s table holds, last block first — device blocks while it
+    /// Drops every reference `slot`'s tables hold, last block first — device blocks while it
     /// runs, host blocks while it is swapped out (a recompute-preempted table is empty) — and
-    /// empties the table, keeping its allocation; a running sequence's tokens leave
+    /// empties the tables, keeping their allocations; a running sequence's tokens leave
     /// `used_tokens`. Every block is released even when one fails; the last error is returned.
+    ///
+    /// With KV cache groups the groups are interleaved by position, from the tail: position
+    /// `j`'s blocks of the other groups, then group 0's. Cached-free blocks are evicted in the
+    /// order they are released, so the cache loses one whole boundary at a time (boundary `j + 1`
+    /// needs group 0's block `j`, and a windowed group's block `j` serves only boundaries past
+    /// `j`): a windowed group's block is never kept after the group-0 block every boundary it
+    /// serves needs.
     fn release_table(&mut self, slot: usize) -> Result<()> {
-        let blocks = std::mem::take(&mut self.slots[slot].table.blocks);
-        let state = self.slots[slot].state;
         let mut result = Ok(());
-        for &b in blocks.iter().rev() {
+        let blocks = std::mem::take(&mut self.slots[slot].table.blocks);
+        let mut extra = std::mem::take(&mut self.slots[slot].extra);
+        let state = self.slots[slot].state;
+        for (j, &b) in blocks.iter().enumerate().rev() {
+            for t in &extra {
+                if state == SeqState::Running && j >= t.start {
+                    if let Err(e) = self.drop_ref(t.blocks[j]) {
+                        result = Err(e);
+                    }
+                }
+            }
             let r = if state == SeqState::Running {
                 self.drop_ref(b)
             } else {
@@ -454,7 +498,13 @@ impl BlockManager {
                 result = Err(e);
             }
         }
+        for t in &mut extra {
+            t.blocks.clear();
+            t.start = 0;
+            t.version += 1;
+        }
         let s = &mut self.slots[slot];
+        s.extra = extra;
         s.table.blocks = blocks;
         s.table.blocks.clear();
         if state == SeqState::Running {
@@ -546,6 +596,22 @@ impl BlockManager {
             crate::prefix::probe_cost(self.index.hasher(), self.index.keys()),
             self.prefix.map_probe_cost(),
         )
+    }
+
+    /// Test hook: evicts cached-free block `b` now, whatever its place in the LRU (it loses its
+    /// hash and goes to the free list). Returns false if `b` is not cached-free.
+    #[doc(hidden)]
+    pub fn debug_evict_block(&mut self, b: BlockId) -> bool {
+        if (b as usize) >= self.cfg.num_blocks as usize || !self.prefix.in_lru(b) {
+            return false;
+        }
+        self.prefix.lru_remove(b);
+        if let Some(h) = self.prefix.hash_of(b) {
+            self.events.removed(Medium::Gpu, h);
+        }
+        self.prefix.unregister(b);
+        self.counters.evictions += 1;
+        self.pool.release_mut(b).is_ok()
     }
 
     /// Test hook: re-labels hashed block `b` with `hash`, forging a hash collision (the block keeps

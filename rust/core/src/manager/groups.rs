@@ -1,0 +1,391 @@
+//! KV cache groups in the manager: the tables of groups `1..G` beside each sequence's group-0
+//! table, their growth, copy-on-write, release of dead blocks, and the prefix-hit boundary.
+//!
+//! Invariants kept here (see [`crate::groups`] for the arithmetic):
+//! - Every group's table has the group-0 table's length, `ceil(num_tokens / B)`. Growth,
+//!   copy-on-write, forks and frees act on all groups at once; an operation that needs blocks
+//!   counts every group's before it takes any.
+//! - A group's table is `[NULL_BLOCK; start] ++ owned blocks`. `start` only grows while the
+//!   sequence lives: `build_step` releases the blocks dead for its first computed position `c`
+//!   (`dead_blocks(kind, c, B)`), so `start * B <= first_needed(num_tokens - 1)`. The tail is
+//!   never null. Full groups keep `start == 0`.
+//! - A block's refcount counts its entries in every group's table of every sequence. A released
+//!   block goes through the same `drop_ref` as a freed one: hashed, it enters the cached-free
+//!   LRU; unhashed, the free list (or waits as a pending copy's source).
+//! - The prefix cache keys group `g`'s full block `j` by `group_hash(h_j, g)`, `h_j` the chained
+//!   hash of the sequence's first `j + 1` blocks (group 0's key is `h_j` itself). An admission's
+//!   hit is the longest boundary `k` (blocks) at which group 0 has blocks `[0, k)` cached and
+//!   every other group `g` has `[dead_blocks(kind_g, k * B, B), k)` cached: exactly the blocks
+//!   the first computed position `k * B` and every later one read. The blocks before that range
+//!   enter the group's table as null entries.
+//! - Eviction policy: cached-free blocks are evicted oldest first, and a freed sequence releases
+//!   its blocks by position from the tail, each position's other-group blocks before group 0's
+//!   (`release_table`). A hit at boundary `k` needs group 0's `[0, k)`, so once group 0's block
+//!   `j` is gone no boundary past `j` can be completed, and a windowed group's block `i >= j`,
+//!   which serves only boundaries past `i`, can complete none: it is released, hence evicted,
+//!   before group 0's block `j`. The cache thus loses whole boundaries from the top, one at a time,
+//!   instead of all of a sliding group's blocks before any of group 0's (which would leave group 0
+//!   cached and every hit gone). Blocks a windowed group released mid-run (the oldest positions,
+//!   serving only short boundaries) are older still and go first.
+//! - Swap, the host tier and KV events know one group: the configuration refuses them
+//!   (`num_host_blocks`, `kv_event_capacity` must be 0) when there is more than one group.
+
+use super::{BlockManager, GroupTable, Seq};
+use crate::error::{Error, Result};
+use crate::groups::{dead_blocks, group_hash, release_threshold, AttentionKind, NULL_BLOCK};
+use crate::pool::BlockPool;
+use crate::step::{GroupStepBuffers, StepCache};
+use crate::{BlockId, SeqId, TokenId};
+
+impl BlockManager {
+    /// Number of KV cache groups (1 for a manager configured without groups).
+    #[inline]
+    pub fn num_groups(&self) -> usize {
+        1 + self.kinds.len()
+    }
+
+    /// The attention kind of group `g`; `InvalidArgument` for an unknown group.
+    pub fn group_kind(&self, g: usize) -> Result<AttentionKind> {
+        self.check_group(g)?;
+        Ok(if g == 0 {
+            AttentionKind::Full
+        } else {
+            self.kinds[g - 1]
+        })
+    }
+
+    fn check_group(&self, g: usize) -> Result<()> {
+        if g >= self.num_groups() {
+            return Err(Error::InvalidArgument {
+                what: "group",
+                value: g as i64,
+                reason: format!(
+                    "unknown KV cache group: the manager has {} (valid: 0..{})",
+                    self.num_groups(),
+                    self.num_groups()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// A sequence's block table in group `g` (group 0 is [`BlockManager::block_table`]). Released
+    /// positions hold [`NULL_BLOCK`]. `InvalidArgument` for an unknown group.
+    pub fn block_table_group(&self, seq: SeqId, g: usize) -> Result<&[BlockId]> {
+        self.check_group(g)?;
+        let s = &self.slots[self.slot_of(seq)?];
+        Ok(if g == 0 {
+            &s.table.blocks
+        } else {
+            &s.extra[g - 1].blocks
+        })
+    }
+
+    /// Blocks a sequence holds in all groups together (null entries not counted).
+    pub fn seq_blocks_held(&self, seq: SeqId) -> Result<usize> {
+        let s = &self.slots[self.slot_of(seq)?];
+        Ok(s.table.blocks.len()
+            + s.extra
+                .iter()
+                .map(|t| t.blocks.len() - t.start)
+                .sum::<usize>())
+    }
+
+    /// Appends `count` fresh blocks to every extra group's table of `slot`. The caller has
+    /// checked that enough blocks are available.
+    pub(super) fn grow_extra(&mut self, slot: usize, count: usize) -> Result<()> {
+        for g in 0..self.kinds.len() {
+            for _ in 0..count {
+                let b = self.alloc_block()?;
+                self.slots[slot].extra[g].blocks.push(b);
+            }
+        }
+        Ok(())
+    }
+
+    /// Extra groups whose partly filled tail is shared (so the next write copies it).
+    pub(super) fn extra_shared_tails(pool: &BlockPool, s: &Seq, bs: usize) -> Result<usize> {
+        if s.extra.is_empty() || s.table.num_tokens == s.table.blocks.len() * bs {
+            return Ok(0);
+        }
+        let mut n = 0;
+        for t in &s.extra {
+            if let Some(&tail) = t.blocks.last() {
+                n += (pool.refcount(tail)? > 1) as usize;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Copies every shared extra-group tail of `slot` (see `cow_tail`).
+    pub(super) fn cow_extra(&mut self, slot: usize) -> Result<()> {
+        for g in 0..self.slots[slot].extra.len() {
+            let Some(&tail) = self.slots[slot].extra[g].blocks.last() else {
+                continue;
+            };
+            if self.pool.refcount(tail)? <= 1 {
+                continue;
+            }
+            let d = self.alloc_block()?;
+            let t = &mut self.slots[slot].extra[g];
+            let last = t.blocks.len() - 1;
+            let src = std::mem::replace(&mut t.blocks[last], d);
+            t.version += 1;
+            self.queue_copy(src, d);
+            self.drop_ref(src)?;
+        }
+        Ok(())
+    }
+
+    /// Queues the copy of `src` into the fresh block `d` (copying from the origin of a pending
+    /// copy into `src`, so no block is both a dst and a src in one step).
+    pub(super) fn queue_copy(&mut self, src: BlockId, d: BlockId) {
+        let origin = self
+            .pending
+            .iter()
+            .find(|&&(_, dst)| dst == src)
+            .map_or(src, |&(s0, _)| s0);
+        self.pending.push((origin, d));
+        self.counters.cow_copies += 1;
+    }
+
+    /// Releases the blocks of `slot`'s windowed groups that no query at a position `>= c` reads,
+    /// leaving null entries.
+    pub(super) fn release_dead(&mut self, slot: usize, c: usize) -> Result<()> {
+        let bs = self.bs;
+        let mut result = Ok(());
+        for g in 0..self.kinds.len() {
+            let kind = self.kinds[g];
+            if !kind.is_windowed() {
+                continue;
+            }
+            let t = &self.slots[slot].extra[g];
+            // Never the tail: a sequence's own last block is always read.
+            let dead = dead_blocks(kind, c, bs).min(t.blocks.len().saturating_sub(1));
+            if dead <= t.start {
+                continue;
+            }
+            for j in t.start..dead {
+                let b = std::mem::replace(&mut self.slots[slot].extra[g].blocks[j], NULL_BLOCK);
+                if let Err(e) = self.drop_ref(b) {
+                    result = Err(e);
+                }
+            }
+            let t = &mut self.slots[slot].extra[g];
+            t.start = dead;
+            t.version += 1;
+        }
+        self.set_next_release(slot);
+        result
+    }
+
+    /// Recomputes `slot`'s `next_release` from its tables' null prefixes.
+    pub(super) fn set_next_release(&mut self, slot: usize) {
+        let bs = self.bs;
+        let s = &mut self.slots[slot];
+        s.next_release = self
+            .kinds
+            .iter()
+            .zip(&s.extra)
+            .map(|(&k, t)| release_threshold(k, t.start + 1, bs))
+            .min()
+            .unwrap_or(usize::MAX);
+    }
+
+    /// Takes a reference to a prefix hit `b` (reviving it from the LRU if cached-free).
+    pub(super) fn pin_hit(&mut self, b: BlockId) -> Result<()> {
+        if self.prefix.in_lru(b) {
+            self.prefix.lru_remove(b);
+            self.pool.incref_mut(b)?;
+        } else if self.pool.incref_mut(b)? == 2 {
+            self.shared_blocks += 1;
+        }
+        Ok(())
+    }
+
+    /// Group `g`'s (`g >= 1`) cached block for block index `i` of a prompt: present under
+    /// `group_hash(hashes[i], g)` and, in verify mode, holding the same token ids.
+    fn group_hit(
+        &self,
+        g: usize,
+        hashes: &[u128],
+        tokens: &[TokenId],
+        i: usize,
+    ) -> Option<BlockId> {
+        let bs = self.bs;
+        let b = self.prefix.lookup(group_hash(hashes[i], g))?;
+        self.prefix
+            .matches(b, &tokens[i * bs..(i + 1) * bs])
+            .then_some(b)
+    }
+
+    /// The longest prefix-hit boundary `k <= k0` (in blocks; group 0 has `[0, k0)` cached) at
+    /// which every extra group has the blocks it needs, and the number of those extra-group hits
+    /// that are cached-free (each takes a block off the free count when revived).
+    pub(super) fn group_boundary(
+        &self,
+        tokens: &[TokenId],
+        hashes: &[u128],
+        k0: usize,
+    ) -> (usize, usize) {
+        if k0 == 0 {
+            return (0, 0);
+        }
+        let bs = self.bs;
+        // misses[g][i]: group g misses among its blocks [0, i).
+        let mut misses: Vec<Vec<u32>> = Vec::with_capacity(self.kinds.len());
+        for g in 1..self.num_groups() {
+            let mut m = Vec::with_capacity(k0 + 1);
+            m.push(0u32);
+            for i in 0..k0 {
+                let miss = self.group_hit(g, hashes, tokens, i).is_none();
+                m.push(m[i] + miss as u32);
+            }
+            misses.push(m);
+        }
+        let mut k = k0;
+        while k > 0 {
+            let ok = self.kinds.iter().zip(&misses).all(|(&kind, m)| {
+                let lo = dead_blocks(kind, k * bs, bs);
+                m[k] == m[lo]
+            });
+            if ok {
+                break;
+            }
+            k -= 1;
+        }
+        let mut revive = 0;
+        for (gi, &kind) in self.kinds.iter().enumerate() {
+            for i in dead_blocks(kind, k * bs, bs)..k {
+                if let Some(b) = self.group_hit(gi + 1, hashes, tokens, i) {
+                    revive += self.prefix.in_lru(b) as usize;
+                }
+            }
+        }
+        (k, revive)
+    }
+
+    /// Starts the extra groups' tables of a sequence admitted at `slot` with `k` blocks hit:
+    /// null entries before each group's needed range, then the hits, pinned. Called before any
+    /// block is allocated for the admission, so an eviction cannot take a hit; the caller then
+    /// grows every table to its length with `grow_extra`.
+    pub(super) fn pin_extra(
+        &mut self,
+        slot: usize,
+        tokens: &[TokenId],
+        hashes: &[u128],
+        k: usize,
+    ) -> Result<()> {
+        let bs = self.bs;
+        let ng = self.kinds.len();
+        let mut extra = std::mem::take(&mut self.slots[slot].extra);
+        extra.resize_with(ng, GroupTable::default);
+        for (gi, t) in extra.iter_mut().enumerate() {
+            let lo = dead_blocks(self.kinds[gi], k * bs, bs);
+            t.blocks.clear();
+            t.blocks.resize(lo, NULL_BLOCK);
+            t.start = lo;
+            t.version += 1;
+            for i in lo..k {
+                let b = self.group_hit(gi + 1, hashes, tokens, i).ok_or_else(|| {
+                    Error::InvariantViolation(format!("group {} hit {i} vanished", gi + 1))
+                })?;
+                self.pin_hit(b)?;
+                t.blocks.push(b);
+            }
+        }
+        self.slots[slot].extra = extra;
+        self.set_next_release(slot);
+        Ok(())
+    }
+
+    /// Checks the per-group step buffers of a batch whose largest table has `max_blocks` entries
+    /// and whose new tokens number `tokens`.
+    pub(super) fn check_group_bufs(
+        &self,
+        groups: &[GroupStepBuffers<'_>],
+        batch: usize,
+        tokens: usize,
+        max_blocks: usize,
+    ) -> Result<()> {
+        if groups.len() != self.kinds.len() {
+            return Err(Error::InvalidArgument {
+                what: "groups.len",
+                value: groups.len() as i64,
+                reason: format!(
+                    "one step buffer set per group after group 0: {} for {} groups",
+                    self.kinds.len(),
+                    self.num_groups()
+                ),
+            });
+        }
+        let small = |buffer: &'static str, needed: usize, capacity: usize| {
+            if capacity < needed {
+                Err(Error::BufferTooSmall {
+                    buffer,
+                    needed,
+                    capacity,
+                })
+            } else {
+                Ok(())
+            }
+        };
+        for gb in groups {
+            small("group_slot_mapping", tokens, gb.slot_mapping.len())?;
+            small(
+                "group_block_table_stride",
+                max_blocks,
+                gb.block_table_stride,
+            )?;
+            small(
+                "group_block_tables",
+                batch.saturating_mul(gb.block_table_stride),
+                gb.block_tables.len(),
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Writes each extra group's slot mapping and block-table rows for the batch `idx` (slots),
+/// incrementally like group 0's (a row is rewritten in full when its table's version changed).
+pub(super) fn write_groups(
+    slots: &[Seq],
+    idx: &[u32],
+    num_new: &[u32],
+    bs: usize,
+    groups: &mut [GroupStepBuffers<'_>],
+    caches: &mut [StepCache],
+) {
+    for (g, (gb, cache)) in groups.iter_mut().zip(caches.iter_mut()).enumerate() {
+        let stride = gb.block_table_stride;
+        let marks = cache.rows_for(gb.block_tables, stride, idx.len());
+        let mut tok = 0usize;
+        for (k, (&i, &n)) in idx.iter().zip(num_new).enumerate() {
+            let s = &slots[i as usize];
+            let t = &s.extra[g];
+            let len = s.table.num_tokens;
+            let n = n as usize;
+            let nb = t.blocks.len();
+            if n == 1 {
+                // The decode case, without a division: the new token is in the tail block.
+                let off = len - 1 - (nb - 1) * bs;
+                gb.slot_mapping[tok] = t.blocks[nb - 1] as i64 * bs as i64 + off as i64;
+            } else {
+                for (w, p) in (len - n..len).enumerate() {
+                    gb.slot_mapping[tok + w] =
+                        t.blocks[p / bs] as i64 * bs as i64 + (p % bs) as i64;
+                }
+            }
+            tok += n;
+            let from = marks[k].valid_prefix(s.uid, t.version, nb);
+            let row = &mut gb.block_tables[k * stride + from..k * stride + nb];
+            match row.len() {
+                0 => {}
+                1 => row[0] = t.blocks[nb - 1] as i32,
+                _ => row.copy_from_slice(crate::table::as_i32(&t.blocks[from..])),
+            }
+            marks[k].set(s.uid, t.version, nb);
+        }
+    }
+}
