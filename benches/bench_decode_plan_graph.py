@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_kernels import decode_batch, dobench_graph_us  # noqa: E402
 
 from pagedkv import kernels as K  # noqa: E402
+from pagedkv.decode_plan import DecodePlan  # noqa: E402
 
 SHAPES = [  # (name, q_heads, kv_heads, head_dim, batch, ctx or None for the ragged batch)
     ("anchor", 32, 8, 128, 64, 4096),
@@ -54,7 +55,7 @@ def main(argv=None):
         q, kc, vc, bt = sets[0]
         out = torch.empty_like(q)
         ws = K.DecodeWorkspace(batch, qh, kh, hd, device="cuda")
-        plan = K.DecodePlan(batch, qh, kh, hd, device="cuda")
+        plan = DecodePlan(batch, qh, kh, hd, device="cuda")
         plan.update(lens)
         torch.cuda.synchronize()
         r = {"shape": name, "batch": batch, "ctx": ctx, "head_dim": hd, "kv_heads": kh,

@@ -71,9 +71,9 @@ def weight_bytes_per_step(model, batch: int) -> int:
 
 
 def run_batch(runner, batch, prompt_len, new_tokens, chunk, seed=0, breakdown=False):
-    from pagedkv.manager import BlockManager
+    from pagedkv.engine.core import build_block_manager
 
-    mgr = runner.new_block_manager(enable_prefix_caching=False)
+    mgr = build_block_manager(runner, enable_prefix_caching=False)
     g = np.random.default_rng(seed)
     vocab = runner.config.vocab_size
     prompts = [g.integers(0, vocab, prompt_len).astype(np.int64) for _ in range(batch)]

@@ -56,9 +56,9 @@ def batches(args):
 
 
 def run(runner, lens, args) -> dict:
-    from pagedkv import BlockManager  # noqa: F401  (the runner builds it)
+    from pagedkv.engine.core import build_block_manager
 
-    mgr = runner.new_block_manager(enable_prefix_caching=False)
+    mgr = build_block_manager(runner, enable_prefix_caching=False)
     ids = list(range(len(lens)))
     rng = np.random.default_rng(1)
     vocab = runner.config.vocab_size

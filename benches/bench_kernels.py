@@ -35,6 +35,7 @@ import triton
 import triton.testing
 
 from pagedkv import kernels as K
+from pagedkv.decode_plan import DecodePlan
 from pagedkv.kernels import decode as D
 
 DT = torch.bfloat16
@@ -160,7 +161,7 @@ def bench_decode(shapes, tune):
             q, kc, vc, bt = sets[i]
             return lambda: K.paged_decode(q, kc, vc, bt, sl, out=outs[i], workspace=ws, **kw)
 
-        splits = D.choose_num_splits(batch, kc0.shape[2], bt0.shape[1] * kc0.shape[1], D._num_sms(q0.device))
+        splits = D.choose_num_splits(batch, kc0.shape[2], bt0.shape[1] * kc0.shape[1], D.num_sms(q0.device))
         # correctness spot check against dense SDPA on the same tokens
         qd, kd, vd = dense_from_paged(q0, kc0, vc0, bt0, ctx)
         ref = sdpa_decode(qd, kd, vd).squeeze(2)
@@ -502,7 +503,7 @@ def bench_ragged(programs_per_sm=(2, 4, 8, 16)):  # noqa: C901
     H = kc0.shape[2]
     total = sum(lens)
     kv_bytes = 2 * total * H * kc0.shape[3] * kc0.element_size()
-    sms = D._num_sms(q0.device)
+    sms = D.num_sms(q0.device)
     print(f"ragged batch: {len(lens)} seqs, lens {min(lens)}..{max(lens)}, total {total}, "
           f"median {int(np.median(lens))}, KV {kv_bytes / 1e6:.0f} MB", flush=True)
     ref = sdpa_ref_ragged(q0, kc0, vc0, bt0, lens)
@@ -511,7 +512,7 @@ def bench_ragged(programs_per_sm=(2, 4, 8, 16)):  # noqa: C901
     variants = [("heuristic", {}), ("8 splits", {"num_splits": 8})]
     plans = {}
     for pps in programs_per_sm:
-        pl = K.DecodePlan(len(lens), q0.shape[1], H, q0.shape[2], device="cuda",
+        pl = DecodePlan(len(lens), q0.shape[1], H, q0.shape[2], device="cuda",
                           programs=pps * sms)
         pl.update(lens)
         plans[pps] = pl
@@ -561,8 +562,8 @@ def bench_anchor_plan(shapes, pps=4):
         q0, kc0, vc0, bt0 = sets[0]
         kv_bytes = 2 * batch * ctx * kc0.shape[2] * kc0.shape[3] * kc0.element_size()
         ws = K.DecodeWorkspace(batch, q0.shape[1], kc0.shape[2], q0.shape[2], device="cuda")
-        pl = K.DecodePlan(batch, q0.shape[1], kc0.shape[2], q0.shape[2], device="cuda",
-                          programs=pps * D._num_sms(q0.device))
+        pl = DecodePlan(batch, q0.shape[1], kc0.shape[2], q0.shape[2], device="cuda",
+                          programs=pps * D.num_sms(q0.device))
         pl.update([ctx] * batch)
         outs = [torch.empty_like(s[0]) for s in sets]
         for name, kw in (("heuristic", {"workspace": ws}), (f"plan {pps}/SM", {"plan": pl})):
@@ -628,7 +629,7 @@ def bench_host():
     lens = lognormal_lens()
     rs, rsl = make_ragged(lens, copies=1)
     q, kc, vc, bt = rs[0]
-    pl = K.DecodePlan(len(lens), q.shape[1], kc.shape[2], q.shape[2], device="cuda").update(lens)
+    pl = DecodePlan(len(lens), q.shape[1], kc.shape[2], q.shape[2], device="cuda").update(lens)
     rout = torch.empty_like(q)
     cases.append(("paged_decode ragged 128 (plan, out)", D._CACHE,
                   lambda q=q, kc=kc, vc=vc, bt=bt: K.paged_decode(q, kc, vc, bt, rsl, out=rout,
@@ -878,7 +879,7 @@ def compare_old(old, what=("decode", "prefill", "scatter")):
         new_fn()
         old_fn()
         same = bool(torch.equal(o_new, o_old))
-        splits = D.choose_num_splits(batch, kc.shape[2], bt.shape[1] * kc.shape[1], D._num_sms(q.device))
+        splits = D.choose_num_splits(batch, kc.shape[2], bt.shape[1] * kc.shape[1], D.num_sms(q.device))
         if not same:
             print(f"  decode b={batch} ctx={ctx}: outputs differ, max |diff| "
                   f"{(o_new.float() - o_old.float()).abs().max().item():.3e}", flush=True)

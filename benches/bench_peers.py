@@ -49,6 +49,7 @@ from bench_kernels import (  # noqa: E402
 )
 
 from pagedkv import kernels as K  # noqa: E402
+from pagedkv.decode_plan import DecodePlan  # noqa: E402
 
 DT = torch.bfloat16
 FP8 = torch.float8_e4m3fn
@@ -268,7 +269,7 @@ def decode_section(fi, builder, limit_s, with_ragged=True):
             nbytes = 2 * sum(lens) * kh * hd * kc.element_size()
             out = torch.empty_like(q)
             ws = K.DecodeWorkspace(batch, qh, kh, hd, device="cuda")
-            plan = K.DecodePlan(batch, qh, kh, hd, device="cuda")
+            plan = DecodePlan(batch, qh, kh, hd, device="cuda")
             plan.update(lens)
             heur = times(lambda: K.paged_decode(q, kc, vc, bt, sl, out=out, workspace=ws))
             ref = out.clone()
@@ -333,7 +334,7 @@ def fp8_section(fi, builder, limit_s):
             vst = torch.tensor([vs], device="cuda")
             out = torch.empty_like(q)
             out8 = torch.empty_like(q)
-            plan = K.DecodePlan(batch, 32, 8, 128, device="cuda")
+            plan = DecodePlan(batch, 32, 8, 128, device="cuda")
             plan.update(lens)
             t16 = times(lambda: K.paged_decode(q, kc, vc, bt, sl, out=out, plan=plan))
             t8 = times(lambda: K.paged_decode(q, k8, v8, bt, sl, out=out8, plan=plan,
@@ -452,7 +453,7 @@ def host_section(fi, builder, limit_s):
         q, kc, vc, bt = sets[0]
         out = torch.empty_like(q)
         ws = K.DecodeWorkspace(batch, 32, 8, 128, device="cuda")
-        plan = K.DecodePlan(batch, 32, 8, 128, device="cuda").update(lens)
+        plan = DecodePlan(batch, 32, 8, 128, device="cuda").update(lens)
         ours = host_us(lambda: K.paged_decode(q, kc, vc, bt, sl, out=out, workspace=ws))
         ours_plan = host_us(lambda: K.paged_decode(q, kc, vc, bt, sl, out=out, plan=plan))
         peer = None

@@ -86,7 +86,9 @@ def instrument(runner, times):
 
 
 def decode(runner, batch, args, times):
-    mgr = runner.new_block_manager(enable_prefix_caching=False)
+    from pagedkv.engine.core import build_block_manager
+
+    mgr = build_block_manager(runner, enable_prefix_caching=False)
     g = np.random.default_rng(0)
     vocab = runner.config.vocab_size
     sids = np.arange(batch, dtype=np.int64)

@@ -186,6 +186,7 @@ def build_model(max_model_len: int):
 
 
 def crossover(args) -> dict:
+    from pagedkv.engine.core import build_block_manager
     from pagedkv.engine.model_runner import ModelRunner
     from pagedkv.manager import CostModel
 
@@ -208,7 +209,7 @@ def crossover(args) -> dict:
            "kv_bytes_per_token": kvb, "step_budget": budget, "rows": []}
     vocab = runner.config.vocab_size
     rng = np.random.default_rng(1)
-    mgr = runner.new_block_manager(enable_prefix_caching=False, num_host_blocks=swap.host.num_blocks)
+    mgr = build_block_manager(runner, enable_prefix_caching=False, num_host_blocks=swap.host.num_blocks)
     mgr.cost_model = CostModel(rates.host_link_bytes_per_s, rates.prefill_tokens_per_s,
                                float(kvb), step_floor_s=rates.step_floor_s,
                                max_step_tokens=budget)

@@ -87,20 +87,47 @@ def test_one_default_block_size_everywhere():
 # ------------------------------------------------------------------------------ EngineConfig
 
 
-def test_engine_and_llm_keywords_default_to_the_config_defaults():
-    """LLMEngine spells every config knob with its default; LLM the ones it names."""
+def test_engine_and_llm_keywords_are_the_config_fields():
+    """LLMEngine and LLM take every config knob by keyword, each with the field's default: their
+    signatures are generated from EngineConfig, not a second list (LLM shows its loading bar by
+    default)."""
     defaults = _field_defaults()
-    runner_only = {"attention_backend", "decode_planner", "fused_model", "cuda_graph_pieces"}
     engine = inspect.signature(pagedkv.LLMEngine.__init__).parameters
     knobs = {n: p.default for n, p in engine.items() if n not in ("self", "model", "device",
                                                                   "dtype")}
-    assert set(knobs) == set(defaults) - runner_only
-    assert knobs == {n: defaults[n] for n in knobs}
+    assert knobs == defaults
+    assert all(engine[n].kind is inspect.Parameter.KEYWORD_ONLY for n in knobs)
     llm = inspect.signature(pagedkv.LLM.__init__).parameters
+    assert set(defaults) <= set(llm)
     for name, p in llm.items():
         if name in defaults and name != "progress":  # LLM shows its loading bar by default
             assert p.default == defaults[name], name
     assert llm["progress"].default is True
+
+
+def test_every_config_field_has_help_and_the_engine_documents_it():
+    """Each knob's description lives once, on its field (``metadata["help"]``, plain text for
+    command-line help); LLMEngine's docstring lists them all, generated from the fields."""
+    doc = pagedkv.LLMEngine.__doc__ or ""
+    for f in dataclasses.fields(EngineConfig):
+        text = f.metadata.get("help")
+        assert isinstance(text, str) and len(text) > 10 and "``" not in text, f.name
+        assert f"{f.name} (default {f.default!r}): " in doc, f.name
+
+
+@pytest.mark.parametrize("cls", ["LLMEngine", "LLM"])
+def test_unknown_engine_keyword_is_a_typed_error_naming_it(cls):
+    """A keyword that is no EngineConfig field is refused (before any model is loaded) with an
+    InvalidArgumentError naming it, and the closest field when there is one."""
+    with pytest.raises(InvalidArgumentError, match=r"unknown keyword 'num_block'.*'num_blocks'") as e:
+        getattr(pagedkv, cls)(None, device="cpu", num_block=8)
+    assert e.value.what == "num_block"
+    with pytest.raises(InvalidArgumentError, match=r"unknown keyword 'frobnicate'") as e:
+        getattr(pagedkv, cls)(None, device="cpu", frobnicate=True)
+    assert e.value.what == "frobnicate"
+    # A bad value of a real field is still the config's own error.
+    with pytest.raises(ConfigArgumentError, match="num_blocks"):
+        getattr(pagedkv, cls)(None, device="cpu", num_blocks=0)
 
 
 @pytest.mark.parametrize(
@@ -144,10 +171,14 @@ def test_removed_settings_are_unknown_keywords(name, value):
     layer-by-layer loads are gone) are not fields: every entry point refuses them as unknown
     keywords, before loading anything."""
     assert name not in {f.name for f in dataclasses.fields(EngineConfig)}
-    for make in (EngineConfig, pagedkv.LLMEngine, pagedkv.LLM,
-                 lambda **kw: dataclasses.replace(EngineConfig(), **kw)):
+    for make in (EngineConfig, lambda **kw: dataclasses.replace(EngineConfig(), **kw)):
         with pytest.raises(TypeError, match=name):
             make(**{name: value})
+    # The engines' keywords are checked against the fields: the package's typed error, naming it.
+    for engine in (pagedkv.LLMEngine, pagedkv.LLM):
+        with pytest.raises(InvalidArgumentError, match=f"unknown keyword '{name}'") as info:
+            engine(**{name: value})
+        assert info.value.what == name
 
 
 def test_config_normalises_byte_sizes_is_frozen_and_revalidates_on_replace():

@@ -28,6 +28,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from pagedkv.errors import InvalidArgumentError, ModelLoadError  # noqa: E402
 from pagedkv.engine.loader import default_model_path, load_model  # noqa: E402
 from pagedkv.engine.model_runner import ModelRunner, graph_batch_sizes  # noqa: E402
+from pagedkv.engine.core import build_block_manager  # noqa: E402
 
 ATOL = 1e-4
 BLOCK = 4
@@ -65,7 +66,7 @@ class Driver:
 
     def __init__(self, runner: ModelRunner, **manager_kwargs):
         self.runner = runner
-        self.mgr = runner.new_block_manager(**manager_kwargs)
+        self.mgr = build_block_manager(runner, **manager_kwargs)
         self.tokens: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
 
@@ -277,7 +278,7 @@ def test_kernel_path_interpreted_matches_dense(loaded, planner):
     assert (d.runner.decode_plan is not None) == planner
     if planner:
         # Chunks of 4 tokens: every sequence is split, so the merge path runs too.
-        from pagedkv.kernels import DecodePlan
+        from pagedkv.decode_plan import DecodePlan
 
         p = d.runner.decode_plan
         d.runner.decode_plan = DecodePlan(p.max_num_seqs, p.num_q_heads, p.num_kv_heads,

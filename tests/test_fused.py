@@ -29,6 +29,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from pagedkv.engine import fused  # noqa: E402
 from pagedkv.engine.loader import LoadedModel  # noqa: E402
 from pagedkv.engine.model_runner import ModelRunner  # noqa: E402
+from pagedkv.engine.core import build_block_manager  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 VOCAB = 128
@@ -60,7 +61,7 @@ def _loaded(model):
 def _drive(runner, prompts, steps, feed=None):
     """Prefill every prompt in one step, then ``steps`` decode steps (greedy, or the tokens of
     ``feed``: another run's logits, teacher forcing); the logits of each step."""
-    mgr = runner.new_block_manager(enable_prefix_caching=False)
+    mgr = build_block_manager(runner, enable_prefix_caching=False)
     sids = list(range(len(prompts)))
     for s, p in zip(sids, prompts):
         mgr.admit(s, p)
@@ -275,7 +276,7 @@ def test_interpreted_one_row_step_keeping_no_row(monkeypatch):
     model = _model("llama", seed=9)
     runner = ModelRunner(_loaded(model), block_size=4, num_blocks=64, max_num_seqs=4,
                          max_num_batched_tokens=64, attention_backend="triton")
-    mgr = runner.new_block_manager(enable_prefix_caching=False)
+    mgr = build_block_manager(runner, enable_prefix_caching=False)
     mgr.admit(0, [3, 17, 99, 4, 5])
     runner.execute(np.array([3, 17, 99, 4, 5]), np.arange(5), mgr.step([0], [5]), [0])
     mgr.append_batch(np.array([0]), np.array([7]))

@@ -22,6 +22,7 @@ import pytest
 from kernel_common import DEVICES, TOL, make_paged, rel_err, run_isolated, torch
 
 from pagedkv import kernels as K
+from pagedkv.decode_plan import DecodePlan
 from pagedkv.kernels import reference as R
 
 MODULE = "test_kernels_bounds"
@@ -74,7 +75,7 @@ def _decode(q, kc, vc, bt, sl, num_splits):
         # The ragged planner with chunks small enough to split these sequences. The host
         # lengths are fixed (64 each: 8-token chunks), so a valid sequence is split the same way
         # in every run whatever the device lengths say; they need not match (only balance does).
-        plan = K.DecodePlan(q.shape[0], q.shape[1], kc.shape[2], q.shape[2], device=q.device,
+        plan = DecodePlan(q.shape[0], q.shape[1], kc.shape[2], q.shape[2], device=q.device,
                             programs=64, min_chunk=8)
         plan.update([64] * q.shape[0])
         assert plan.chunk == 8 and plan.num_items > q.shape[0]

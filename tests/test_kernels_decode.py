@@ -13,6 +13,7 @@ import pytest
 from kernel_common import DEVICES, TOL, host_tensors_only, make_paged, rel_err, torch
 
 from pagedkv import kernels as K
+from pagedkv.decode_plan import DecodePlan
 from pagedkv.kernels import reference as R
 
 
@@ -265,11 +266,11 @@ def test_decode_cuda_graph_capture(device):
 
 
 def test_plan_host_covers_every_token_once():
-    plan = K.DecodePlan(16, 8, 2, 32, device="cpu", programs=40, min_chunk=64)
+    plan = DecodePlan(16, 8, 2, 32, device="cpu", programs=40, min_chunk=64)
     lens = [1, 7, 300, 33, 0, 129, 64, 1000]
     chunk, items, indptr = plan.plan_host(lens)
     assert chunk % plan.tile == 0 and chunk >= 64
-    assert K.DecodePlan(4, 8, 2, 32, device='cpu', min_chunk=8).plan_host([40])[0] == 8
+    assert DecodePlan(4, 8, 2, 32, device='cpu', min_chunk=8).plan_host([40])[0] == 8
     assert items.shape[0] <= plan.capacity
     assert indptr[-1] == items.shape[0]
     for i, n in enumerate(lens):
@@ -299,7 +300,7 @@ def _planned_case(device, dtype, lens, block_size, kv_heads, group, head_dim, se
     kc, vc, bt = make_paged(lens, block_size, kv_heads, head_dim, dtype, device, gen)
     q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype).to(device)
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
-    plan = K.DecodePlan(len(lens) + 2, kv_heads * group, kv_heads, head_dim, device=device,
+    plan = DecodePlan(len(lens) + 2, kv_heads * group, kv_heads, head_dim, device=device,
                         **plan_kw)
     plan.update(lens if plan_lens is None else plan_lens)
     out = torch.full_like(q, float("nan"))
@@ -335,7 +336,7 @@ def test_planned_decode_matches_reference_cpu(device):
 @pytest.mark.parametrize("device", DEVICES[:1])
 def test_planned_decode_checks_cpu(device):
     q, kc, vc, bt, sl = _args(device)
-    plan = K.DecodePlan(4, 4, 2, 32, device=device)
+    plan = DecodePlan(4, 4, 2, 32, device=device)
     plan.update([1, 1, 1])
     with pytest.raises(K.KernelShapeError, match="plan: was built for 3"):
         K.paged_decode(q, kc, vc, bt, sl, plan=plan)
@@ -347,7 +348,7 @@ def test_planned_decode_checks_cpu(device):
     with pytest.raises(K.KernelArgumentError, match="either a plan"):
         K.paged_decode(q, kc, vc, bt, sl, plan=plan, num_splits=2)
     with pytest.raises(K.KernelShapeError, match="plan: built for"):
-        K.paged_decode(q, kc, vc, bt, sl, plan=K.DecodePlan(4, 8, 2, 32, device=device))
+        K.paged_decode(q, kc, vc, bt, sl, plan=DecodePlan(4, 8, 2, 32, device=device))
     with pytest.raises(K.KernelShapeError, match="num_seqs"):
         plan.update([1] * 5)
 
@@ -406,7 +407,7 @@ def test_planned_decode_cuda_graph(device):
     q = torch.randn(4, kv_heads * group, hd, generator=gen).to(torch.bfloat16).to(device)
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     out = torch.empty_like(q)
-    plan = K.DecodePlan(8, kv_heads * group, kv_heads, hd, device=device)
+    plan = DecodePlan(8, kv_heads * group, kv_heads, hd, device=device)
     plan.update(lens)
     K.paged_decode(q, kc, vc, bt, sl, out=out, plan=plan)  # compile
     torch.cuda.synchronize()

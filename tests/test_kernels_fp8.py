@@ -13,6 +13,7 @@ import pytest
 from kernel_common import DEVICES, TOL, host_tensors_only, make_paged, rel_err, torch
 
 from pagedkv import kernels as K
+from pagedkv.decode_plan import DecodePlan
 from pagedkv.kernels import reference as R
 
 FP8 = torch.float8_e4m3fn
@@ -88,7 +89,7 @@ def _decode_case(device, act, lens, block_size, kv_heads, group, head_dim, seed,
     out = torch.full_like(q, float("nan")).to(device)
     kw = {}
     if mode == "plan":
-        kw["plan"] = K.DecodePlan(len(lens), q.shape[1], kv_heads, head_dim, device=device,
+        kw["plan"] = DecodePlan(len(lens), q.shape[1], kv_heads, head_dim, device=device,
                                   programs=32, min_chunk=16).update(lens)
     elif mode == "split":
         kw["num_splits"] = 3

@@ -27,7 +27,7 @@ httpx = pytest.importorskip("httpx")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pagedkv import AsyncLLM, hash_prompt  # noqa: E402
-from pagedkv.engine.chat import render_conversations  # noqa: E402
+from pagedkv.chat import render_conversations  # noqa: E402
 from pagedkv.events import EventSink, KVEventBatch, ZmqEventPublisher  # noqa: E402
 from pagedkv.router import PrefixIndex, ReplicaSpec, Router, build_app  # noqa: E402
 from pagedkv.router.app import load_tokenizer  # noqa: E402

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .manager import Stats as Stats
     from .engine.async_llm import AsyncLLM as AsyncLLM
     from .engine.llm import LLM as LLM
-    from .engine.llm import LLMEngine as LLMEngine
+    from .engine.llm_engine import LLMEngine as LLMEngine
     from .engine.outputs import CompletionOutput as CompletionOutput
     from .engine.outputs import Logprob as Logprob
     from .engine.outputs import RequestOutput as RequestOutput
@@ -59,7 +59,7 @@ _EXPORTS = {
     "CacheSpec": "config",
     "KVPool": "kv_pool",
     "LLM": "engine.llm",
-    "LLMEngine": "engine.llm",
+    "LLMEngine": "engine.llm_engine",
     "AsyncLLM": "engine.async_llm",
     "SamplingParams": "engine.sampling_params",
     "RequestOutputKind": "engine.sampling_params",

@@ -18,7 +18,7 @@ import torch
 
 from . import _core
 from .kernels import _validate as v
-from .kernels.decode import MAX_SEQ_CAP, DecodePlanBuffers, _num_sms, decode_config
+from .kernels.decode import MAX_SEQ_CAP, DecodePlanBuffers, decode_config, num_sms
 
 __all__ = ["DecodePlan", "PLAN_PROGRAMS_PER_SM", "PLAN_MIN_CHUNK"]
 
@@ -82,7 +82,7 @@ class DecodePlan(DecodePlanBuffers):
             )
         dev = torch.device(device)
         if programs is None:
-            programs = PLAN_PROGRAMS_PER_SM * _num_sms(dev)
+            programs = PLAN_PROGRAMS_PER_SM * num_sms(dev)
         v.check_int("programs", programs, 1, 1 << 24)
         # chunk >= total * kv_heads / programs, so sum(max(1, ceil(len / chunk))) <= n + programs
         # / kv_heads: the capacity never overflows.

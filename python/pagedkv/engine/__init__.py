@@ -10,9 +10,17 @@ Layout (who owns what):
   seeding) and logprobs; :mod:`.penalties` — the batched logits processing it applies first;
 * :mod:`.detokenizer`, :mod:`.output_state` — incremental text per sample, stop strings, and what
   each output reports (cumulative, delta, final only);
-* :mod:`.chat` — conversations through the tokenizer's chat template, for ``LLM.chat``;
-* :mod:`.llm` — :class:`LLMEngine` (add_request / step) and :class:`LLM` (``generate``), which tie the
-  scheduler (:mod:`pagedkv.scheduler`), the block manager and the model runner together;
+* :mod:`.request` — :class:`~.request.Request`, the engine's record of one request (shared by the
+  three units below, which do not import each other);
+* :mod:`.input_processor` — prompts, validation, tokenization, request objects;
+* :mod:`.core` — :class:`~.core.EngineCore`: the scheduler (:mod:`pagedkv.scheduler`), the block
+  manager (built there), the model runner and the tiers, one ``step``;
+* :mod:`.output_processor` — detokenization, stop strings, logprobs, :class:`RequestOutput`;
+* :mod:`.stats` — :class:`EngineStats` and the counters behind it;
+* :mod:`.builder` — one :class:`EngineConfig` (and a model) into the parts above;
+* :mod:`.llm_engine` — :class:`LLMEngine` (add_request / step), which composes them;
+* :mod:`.llm` — :class:`LLM` (``generate`` / ``chat``), the offline API over one engine
+  (conversations are rendered by :mod:`pagedkv.chat`);
 * :mod:`.async_llm` — :class:`AsyncLLM`: the engine stepped by one thread behind asyncio streams;
 * :mod:`.loader`, :mod:`.model_runner`, :mod:`.attention` — loading a transformers model and running
   one scheduler step through it with pagedkv's attention.
@@ -41,14 +49,16 @@ if TYPE_CHECKING:
 
     from .config import EngineConfig
     from .async_llm import AsyncLLM
-    from .llm import LLM, EngineStats, LLMEngine
+    from .llm import LLM
+    from .llm_engine import LLMEngine
+    from .stats import EngineStats
     from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
     from .sampling_params import RequestOutputKind, SamplingParams
 
 _EXPORTS = {
     "LLM": "llm",
-    "LLMEngine": "llm",
-    "EngineStats": "llm",
+    "LLMEngine": "llm_engine",
+    "EngineStats": "stats",
     "EngineConfig": "config",
     "AsyncLLM": "async_llm",
     "SamplingParams": "sampling_params",

@@ -39,7 +39,8 @@ from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from .llm import LLMEngine, Prompt
+    from .llm_engine import LLMEngine
+    from .request import Prompt
     from .loader import LoadedModel
 
 __all__ = ["AsyncLLM", "RequestObserver"]
@@ -148,7 +149,7 @@ class AsyncLLM:
     def __init__(self, model: Union[str, "LoadedModel", None] = None, *,
                  max_queue_size: Optional[int] = None,
                  observers: Optional[List[RequestObserver]] = None, **engine_args: Any) -> None:
-        from .llm import LLMEngine
+        from .llm_engine import LLMEngine
 
         self._setup(LLMEngine(model, **engine_args), max_queue_size, observers)
 

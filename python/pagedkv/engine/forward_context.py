@@ -45,7 +45,7 @@ class AttentionMetadata:
 
     CUDA extras: ``max_q_len`` (host bound for the prefill grid), ``max_seq_len`` (host bound on
     the context, for the decode and prefill split-K choices), ``workspace`` (the split-K scratch), ``plan`` (a
-    :class:`pagedkv.kernels.DecodePlan` updated for this decode step; replaces the workspace).
+    :class:`pagedkv.decode_plan.DecodePlan` updated for this decode step; replaces the workspace).
     """
 
     mode: str

@@ -2,8 +2,9 @@
 
 Owns :class:`ModelRunner`: the :class:`~pagedkv.kv_pool.KVPool` (sized from ``num_blocks`` or a byte
 budget through :class:`~pagedkv.config.CacheSpec`), the :class:`~pagedkv.buffers.StepBuffers` that
-the engine attaches to its :class:`~pagedkv.BlockManager`, the per-step attention metadata, and on
-CUDA the captured decode graphs.
+the engine core attaches to the :class:`~pagedkv.BlockManager` it builds around them
+(:func:`~pagedkv.engine.core.build_block_manager`), the per-step attention metadata, and on CUDA
+the captured decode graphs.
 
 One :meth:`ModelRunner.execute`:
 
@@ -495,16 +496,6 @@ class ModelRunner:
         finally:
             mgr.detach_buffers()
         return Rates(link, rate, floor)
-
-    def new_block_manager(self, **kwargs: Any):
-        """A :class:`pagedkv.BlockManager` matching this runner's pool, buffers attached.
-
-        ``kwargs`` go to the manager (``watermark_blocks``, ``enable_prefix_caching``, ...).
-        """
-        mgr = BlockManager(self.num_blocks, self.block_size,
-                           max_blocks_per_seq=self.max_blocks_per_seq, **kwargs)
-        mgr.attach_buffers(self.buffers)
-        return mgr
 
     # ------------------------------------------------------------------------------ steps
 

@@ -1,10 +1,10 @@
 """The engine's end of KV events: drain the block manager once per step, publish one batch.
 
-Owns :class:`StepEventPublisher`, which :class:`~pagedkv.engine.llm.LLMEngine` builds when
+Owns :class:`StepEventPublisher`, which the engine core (:mod:`pagedkv.engine.core`) builds when
 ``kv_events_endpoint`` or ``kv_events_bind`` is set (:func:`kv_events_enabled`,
-:meth:`StepEventPublisher.from_config`). Invariants: the core's ring is drained exactly once per engine step
-(from the engine thread, the manager's only caller), and its events and the lower tiers' (added to
-:attr:`StepEventPublisher.sink` from Python) leave as one :class:`KVEventBatch` per step that has
+:meth:`StepEventPublisher.from_config`). Invariants: the core's ring is drained exactly once per
+engine step (from the engine thread, the manager's only caller), and its events and the lower
+tiers' (added to :attr:`StepEventPublisher.sink` from Python) leave as one :class:`KVEventBatch` per step that has
 any, in the order they were recorded; a step never waits on the network (the publisher's queue is
 bounded and drops, counting); ring overflow in the core is reported by
 :attr:`StepEventPublisher.ring_dropped`. Events carry the salted, keyed hashes only: neither the

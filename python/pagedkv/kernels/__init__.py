@@ -11,13 +11,9 @@ bf16, fp16, fp32 or float8_e4m3fn (with `k_scale`/`v_scale`).
 
 This package imports torch and triton; `pagedkv` itself does not import it, so the rest of the
 package stays usable without them. It never imports the Rust extension: the kernels take device
-tensors only, and the planner that fills a plan on the host is `pagedkv.decode_plan.DecodePlan`
-(still reachable as `pagedkv.kernels.DecodePlan`, imported on first access). See docs/kernels.md.
+tensors only, and the planner that fills a plan on the host is `pagedkv.decode_plan.DecodePlan`.
+`num_sms` is the device's SM count the launch heuristics size grids by. See docs/kernels.md.
 """
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from ..decode_plan import DecodePlan as DecodePlan
 
 from ._interpreter_compat import apply as _apply_interpreter_compat
 
@@ -36,6 +32,7 @@ from .decode import (  # noqa: E402
     DecodePlanBuffers,
     DecodeWorkspace,
     choose_num_splits,
+    num_sms,
     paged_decode,
 )
 from .gemv import linear_small_m  # noqa: E402
@@ -52,23 +49,13 @@ __all__ = [
     "BlockCopier",
     "copy_blocks",
     "swap_blocks",
-    "DecodePlan",
     "DecodePlanBuffers",
     "DecodeWorkspace",
     "choose_num_splits",
+    "num_sms",
     "paged_decode",
     "linear_small_m",
     "paged_prefill",
     "scatter_kv",
 ]
 
-
-def __getattr__(name: str):
-    # The planner needs the extension, which this package must not import on its own: it is
-    # loaded only when someone asks for it by its old address.
-    if name == "DecodePlan":
-        from ..decode_plan import DecodePlan
-
-        globals()[name] = DecodePlan
-        return DecodePlan
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -61,6 +61,7 @@ __all__ = [
     "DecodePlanBuffers",
     "choose_num_splits",
     "decode_config",
+    "num_sms",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -76,7 +77,9 @@ MAX_SEQ_CAP = 1 << 30
 _SM_COUNT: dict = {}
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (cached per device), which the launch heuristics
+    size their grids by; a fixed 132 off CUDA (the interpreter has none)."""
     if device.type != "cuda":
         return 132  # the interpreter has no SMs; any fixed figure keeps the heuristic testable
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -169,7 +172,7 @@ class DecodeWorkspace:
         self.max_num_seqs = max_num_seqs
         self.max_splits = max_splits
         if capacity is None:
-            sms = _num_sms(self.device)
+            sms = num_sms(self.device)
             # Worst case over batch sizes of seqs * splits, with unbounded context length.
             capacity = 1
             for n in range(1, max_num_seqs + 1):
@@ -824,7 +827,7 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace,
             if chk:
                 reach = min(reach, chk)
             num_splits = choose_num_splits(
-                num_seqs, kv_heads, reach, _num_sms(q.device), max_splits=max_splits
+                num_seqs, kv_heads, reach, num_sms(q.device), max_splits=max_splits
             )
         else:
             v.check_int("num_splits", num_splits, 1, 4096)

@@ -60,7 +60,7 @@ import triton.language as tl
 
 from . import _launch as L
 from . import _validate as v
-from .decode import _num_sms
+from .decode import num_sms
 
 __all__ = ["MAX_M", "gemv_config", "linear_small_m"]
 
@@ -411,7 +411,7 @@ def _prepare(x, weight, bias, out, config, gated=False) -> _GemvCall:
         raise v.KernelDTypeError(f"config: expected a dict, got {type(config).__name__}")
     # A forced path starts from that path's defaults (its tiles differ).
     dot = config.get("DOT") if config is not None else None
-    cfg = gemv_config(m, n, k, dtype=x.dtype, num_sms=_num_sms(dev),
+    cfg = gemv_config(m, n, k, dtype=x.dtype, num_sms=num_sms(dev),
                       dot=dot if isinstance(dot, bool) else None)
     cfg = v.merge_config(cfg, config)
     _check_config(cfg, m)

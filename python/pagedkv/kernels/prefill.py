@@ -55,7 +55,7 @@ import triton.language as tl
 
 from . import _launch as L
 from . import _validate as v
-from .decode import _num_sms, local_first_key
+from .decode import local_first_key, num_sms
 
 __all__ = ["paged_prefill", "prefill_config"]
 
@@ -691,7 +691,7 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_q
     call = _PrefillCall()
     call.block_t, call.g1, call.g2, call.total = block_t, q_heads // per_tile, num_seqs, total
     call.block_n, call.heads, call.head_dim = cfg["BLOCK_N"], q_heads, head_dim
-    call.seq_cap, call.sms, call.splits = seq_cap, _num_sms(dev), splits
+    call.seq_cap, call.sms, call.splits = seq_cap, num_sms(dev), splits
     call.reach = min(x for x in (win, chk, 1 << 62) if x) if (win or chk) else 0
     call.ks = ks if fp8 and not isinstance(k_scale, torch.Tensor) else None
     call.vs = vs if fp8 and not isinstance(v_scale, torch.Tensor) else None

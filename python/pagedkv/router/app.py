@@ -5,7 +5,7 @@ Owns :class:`Router` (replicas, their event subscribers, health, the choice) and
 proxied chunk by chunk, ``/v1/models``, ``/health``, ``/metrics``, ``/router/state``).
 
 How a request is placed (``docs/router.md``): the router tokenizes the prompt as the replicas do
-(the model's tokenizer; for chat its chat template, as :mod:`pagedkv.engine.chat`), computes the
+(the model's tokenizer; for chat its chat template, as :mod:`pagedkv.chat`), computes the
 prompt's block hashes with the fleet's hash key and the request's ``cache_salt``
 (:func:`pagedkv.hash_prompt`), and sends it to the up replica whose published cache holds the
 longest prefix of them, ties broken by load (the router's own count of requests in flight to
@@ -215,7 +215,7 @@ class Router:
             if path.endswith("/chat/completions"):
                 if self.tokenizer is None:
                     return None
-                from ..engine.chat import render_conversations
+                from ..chat import render_conversations
 
                 with self._tok_lock:
                     rendered = render_conversations(

@@ -213,18 +213,12 @@ def build_app(llm: AsyncLLM, *, served_model_name: str, api_key: Optional[str] =
                                      field=field, value=value, reason=f"must be >= {low}")
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-    from ..metrics import PagedKVCollector
-
     labels = {"model_name": served_model_name}
     metrics = RequestMetrics(labels=labels)
     llm.observers.append(metrics)
     registry = CollectorRegistry(auto_describe=False)
     engine = llm.engine
-    bpb = int(engine.runner.spec.bytes_per_block)
-    tiers = getattr(engine, "tiers", None)
-    registry.register(PagedKVCollector(
-        engine.manager, engine.scheduler, labels=labels, bytes_per_block=bpb,
-        tiers=(lambda: tiers.totals(bpb)) if tiers is not None else None))
+    registry.register(engine.metrics_collector(labels=labels))
     registry.register(metrics)
     base_tokenizer = llm.get_tokenizer()
     if max_prompt_bytes is None:
@@ -550,7 +544,7 @@ def _render_chat(tokenizer: Any, messages: List[Dict[str, Any]], template: Optio
                  kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """The conversation as a prompt (``{"prompt", "prompt_token_ids"}``), rendered as
     :meth:`pagedkv.LLM.chat` renders it."""
-    from ..engine.chat import render_conversations
+    from ..chat import render_conversations
 
     return render_conversations(tokenizer, messages, chat_template=template,
                                 add_generation_prompt=add_generation_prompt,

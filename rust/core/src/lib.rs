@@ -20,7 +20,14 @@
 //! - [`metrics`]: cheap counters readable at any time.
 //! - [`decode_plan`]: the split-K work list of a ragged decode batch, planned from host lengths.
 //! - [`swap`]: reclamation — the host block pool, sequence states, the swap-or-recompute cost model.
+//! - [`tier`]: the host tier of the prefix cache — the host index (hash → host block), its LRU,
+//!   blocks reserved while a lower tier fills them, and the demotions the engine drains.
+//! - [`events`]: the KV-event ring — a bounded record of blocks stored in and removed from the
+//!   cache tiers, for a router or an external index to follow.
 //! - [`manager`]: the block manager tying them together.
+//!
+//! (`index_list`, private: the intrusive O(1) list behind the prefix cache's LRU and the keyed
+//! pool's free list.)
 //!
 //! The main types are re-exported here: [`BlockManager`], [`ManagerConfig`], [`AdmitResult`],
 //! [`AdmitRequest`], [`SeqKeys`] and [`MmInput`] (hashing keys), [`StepBuffers`],

@@ -1,10 +1,13 @@
 """Chat conversations to prompts, through the tokenizer's chat template.
 
-Owns :func:`render_conversations`, which :meth:`pagedkv.LLM.chat` uses. Invariants: every
-conversation is checked and rendered before any is handed on, so a bad one leaves the engine
-untouched; a rendered prompt is tokenized with ``add_special_tokens=False`` (the template already
-placed BOS and the role markers), so its ids are exactly what ``apply_chat_template`` would give;
-the prompt handed on carries both the rendered text and those ids.
+Owns :func:`render_conversations`, which :meth:`pagedkv.LLM.chat`, the server's chat route and the
+router use (a neutral module: the router renders chats without importing the engine).
+
+Invariants: every conversation is checked and rendered before any is handed on, so a bad one
+leaves the engine untouched; a rendered prompt is tokenized with ``add_special_tokens=False``
+(the template already placed BOS and the role markers), so its ids are exactly what
+``apply_chat_template`` would give; the prompt handed on carries both the rendered text and
+those ids.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Dict, List, Optional
 
-from ..errors import InvalidArgumentError
+from .errors import InvalidArgumentError
 
 __all__ = ["render_conversations"]
 

@@ -1,0 +1,317 @@
+"""The engine core: one scheduler step of one model through the paged KV cache.
+
+Owns the parts a step runs through and their wiring: the block manager (built here from the
+runner's pool and step buffers, which fix its shape; the runner only reads what it fills), the
+preemption cost model, the :class:`~pagedkv.scheduler.Scheduler`, the KV-event publisher and the
+tiers of the prefix cache below the GPU; and :meth:`EngineCore.step`: schedule, run the model,
+sample, advance, fork.
+
+Invariants:
+
+* the manager's shape is the runner's (blocks, block size, blocks per sequence) and its step
+  buffers are the runner's, so what :meth:`Scheduler.schedule` fills is what the model reads;
+* a request with ``n > 1`` is queued as one sequence; when its prompt's prefill completes, the same
+  logits seed all ``n`` samples and the other ``n - 1`` sequences are forked from it, sharing its
+  KV blocks copy-on-write (the prompt is computed once); forks are made before any sample of the
+  step finishes (a parent that ends on its first token must still be running to be forked);
+* a preempted sequence keeps its tokens and is either swapped out to the host KV pool (its blocks
+  copied back before it runs again) or recomputed, per the cost model (``preemption_mode``); since
+  draws depend only on the sample's seed and position (:mod:`.sampler`), its output is what it
+  would have been without preemption, whichever mode reclaimed it;
+* the core knows requests only through their sequences (``seq.data == (request, sample index)``):
+  which requests exist, and what they report, is the engine's and output processing's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..errors import OutOfBlocksError
+from ..manager import BlockManager, CostModel
+from ..scheduler import Scheduler, SequenceStatus
+from ..scheduler import Sequence as SchedulerSequence
+from ..tiers.cache import build_tier_cache, manager_tier_args
+from .config import EngineConfig
+from .request import PromptLogprobStretch, Request, SampledToken
+from .sampler import SamplerRow, sample_batch
+
+__all__ = ["EngineCore", "CoreStep", "build_block_manager"]
+
+
+def build_block_manager(runner: Any, **kwargs: Any) -> BlockManager:
+    """A :class:`pagedkv.BlockManager` shaped like ``runner``'s pool, its step buffers attached.
+
+    ``kwargs`` go to the manager (``watermark_blocks``, ``enable_prefix_caching``, ...).
+    """
+    mgr = BlockManager(runner.num_blocks, runner.block_size,
+                       max_blocks_per_seq=runner.max_blocks_per_seq, **kwargs)
+    mgr.attach_buffers(runner.buffers)
+    return mgr
+
+
+def _set_cost_model(manager: Any, rates: Tuple[float, float, float], kv_bytes_per_token: int,
+                    max_step_tokens: int) -> None:
+    """Gives the manager's cost model its rates: ``(host link bytes/s, prefill tokens/s, step
+    floor s)``, and the scheduler's token budget (a recompute is prefilled in chunks of it)."""
+    manager.cost_model = CostModel(host_link_bytes_per_s=rates[0], prefill_tokens_per_s=rates[1],
+                                   kv_bytes_per_token=float(kv_bytes_per_token),
+                                   step_floor_s=rates[2], max_step_tokens=max_step_tokens)
+
+
+@dataclass
+class CoreStep:
+    """What one :meth:`EngineCore.step` ran: the batch (``None``: nothing could run), every draw
+    (forked samples' first draws first, then the batch's rows in order), and the prompt-logprob
+    stretches with their logits."""
+
+    batch: Any = None
+    sampled: List[SampledToken] = field(default_factory=list)
+    prompt_logprobs: List[PromptLogprobStretch] = field(default_factory=list)
+    prompt_logits: Any = None
+    #: With no batch: whether the step waited for blocks coming from a lower tier (so requests
+    #: are left that will run, not one that never can).
+    waited: bool = False
+
+
+class EngineCore:
+    """The scheduler, the block manager, the model runner and the tiers, stepped together.
+
+    Use :meth:`create` to build one from a config and a runner.
+    """
+
+    def __init__(self, config: EngineConfig, runner: Any, manager: Any, scheduler: Scheduler, *,
+                 tp: Any = None, kv_events: Any = None, tiers: Any = None,
+                 cost_rates: Optional[Tuple[float, float, float]] = None) -> None:
+        self.config = config
+        self.runner = runner
+        self.manager = manager
+        self.scheduler = scheduler
+        #: Rank 0's handle on the tensor-parallel group (None without TP).
+        self.tp = tp
+        #: The step's KV-event publisher (None without ``kv_events_endpoint``); a lower tier
+        #: adds its events to ``kv_events.sink``.
+        self.kv_events = kv_events
+        #: The tiers below the GPU (:mod:`pagedkv.tiers`); None without a host tier.
+        self.tiers = tiers
+        #: ``(host link bytes/s, prefill tokens/s, step floor s)`` of the cost model, or None.
+        self.cost_rates = cost_rates
+        #: Called with ``(number of sequences preempted, how many by swap)`` and with the prefill
+        #: tokens of each step (the engine's counters); set by the engine.
+        self.on_preempt: Any = None
+        self.on_prefill: Any = None
+        self._seq_ids = itertools.count()
+
+    @classmethod
+    def create(cls, config: EngineConfig, runner: Any, model_path: str,
+               tp: Any = None) -> "EngineCore":
+        """Builds the manager (with the host pool and the cost model the config asks for), the
+        scheduler, the KV-event publisher and the tiers around ``runner``."""
+        host_blocks = config.host_blocks(runner.spec.bytes_per_block)
+        extra: Dict[str, Any] = {}
+        cost_rates: Optional[Tuple[float, float, float]] = None
+        if host_blocks:
+            runner.enable_swap(host_blocks)
+            extra["num_host_blocks"] = host_blocks
+            if config.preemption_mode == "auto":
+                link = config.host_link_bytes_per_s
+                tps, floor = config.prefill_tokens_per_s, config.step_floor_s
+                if link is None or tps is None:
+                    measured = runner.measure_rates()
+                    link = link if link is not None else measured.host_link_bytes_per_s
+                    tps = tps if tps is not None else measured.prefill_tokens_per_s
+                    floor = floor if floor is not None else measured.step_floor_s
+                cost_rates = (float(link), float(tps), float(floor or 0.0))
+        extra.update(manager_tier_args(config))
+        # KV events need the optional extra (msgspec, pyzmq): imported only when asked for.
+        events = config.kv_events_endpoint is not None or config.kv_events_bind is not None
+        if events:
+            from ..events.engine import KV_EVENT_CAPACITY
+
+            extra["kv_event_capacity"] = KV_EVENT_CAPACITY
+        manager = build_block_manager(runner, watermark_blocks=config.watermark_blocks,
+                                      enable_prefix_caching=config.enable_prefix_caching, **extra)
+        if cost_rates is not None:
+            _set_cost_model(manager, cost_rates, runner.spec.bytes_per_token,
+                            config.max_num_batched_tokens if config.enable_chunked_prefill else 0)
+        kv_events: Any = None
+        if events:
+            from ..events.engine import StepEventPublisher
+
+            kv_events = StepEventPublisher.from_config(manager, config)
+        # The tiers below the GPU, and the scheduler's admission gate on them.
+        tiers = build_tier_cache(
+            config, runner, manager, model_path,
+            cost_rates[1] if cost_rates else None,
+            events=kv_events.sink if kv_events is not None else None)
+        bpb = runner.spec.bytes_per_block
+        scheduler = Scheduler(
+            manager, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            preemption_mode=config.preemption_mode, admission_gate=tiers,
+            # A host pool that is the host tier's alone: preemption recomputes, as without it.
+            can_swap=False if config.host_blocks(bpb) == config.host_cache_blocks(bpb) else None,
+        )
+        return cls(config, runner, manager, scheduler, tp=tp, kv_events=kv_events, tiers=tiers,
+                   cost_rates=cost_rates)
+
+    # ---------------------------------------------------------------------------- requests
+
+    def add_request(self, req: Request) -> None:
+        """Queues ``req`` as one sequence (its samples are forked when its prefill completes)."""
+        seq = self._new_sequence(req, 0, list(req.prompt_token_ids))
+        # Admission keeps room under max_num_seqs for the samples forked from this sequence.
+        seq.n = req.params.n
+        self.scheduler.add(seq)
+
+    def _new_sequence(self, req: Request, index: int, token_ids: List[int]) -> Any:
+        # `token_ids` is always a fresh copy of checked ids: the sequence takes it as is.
+        seq = SchedulerSequence(next(self._seq_ids), token_ids, request_id=req.request_id,
+                                cache_salt=req.cache_salt, arrival=req.metrics.arrival_time,
+                                _own=True)
+        seq.data = (req, index)
+        req.seqs[index] = seq
+        return seq
+
+    def abort_request(self, req: Request) -> None:
+        """Stops ``req``'s unfinished samples and frees their blocks (cached ones stay cached)."""
+        live = [seq for i, seq in enumerate(req.seqs) if seq is not None and req.finish[i] is None]
+        self.scheduler.finish_many(live)
+
+    def finish(self, seqs: Sequence[Any]) -> None:
+        """Ends sequences whose samples finished (their blocks freed, full ones cached)."""
+        self.scheduler.finish_many(seqs)
+
+    def out_of_blocks(self, req: Request) -> OutOfBlocksError:
+        """The error for a request that cannot be scheduled even in an empty pool."""
+        needed = math.ceil(len(req.seqs[0].token_ids) / self.runner.block_size)
+        return OutOfBlocksError(
+            f"request {req.request_id!r} needs {needed} KV blocks and cannot be scheduled in a "
+            f"pool of {self.manager.num_blocks} blocks ({self.manager.watermark_blocks} held "
+            f"back); it was dropped",
+            needed=needed, available=self.manager.num_blocks - self.manager.watermark_blocks,
+        )
+
+    # -------------------------------------------------------------------------------- step
+
+    def step(self) -> CoreStep:
+        """Schedules a batch, runs it, samples its rows and forks the samples of prompts whose
+        prefill completed. ``batch`` is ``None`` when nothing ran (after waiting for blocks still
+        coming from a lower tier, if that is all that is left)."""
+        batch = self.scheduler.schedule()
+        if self.tiers is not None:
+            self.tiers.after_schedule()  # before the step's swap-outs overwrite demoted slots
+        if batch.preempted:
+            swapped = sum(seq.status is SequenceStatus.SWAPPED for seq in batch.preempted)
+            for seq in batch.preempted:
+                seq.data[0].metrics.num_preemptions += 1
+            if self.on_preempt is not None:
+                self.on_preempt(len(batch.preempted), swapped)
+        if not batch.seqs:
+            if self.kv_events is not None:
+                self.kv_events.flush()
+            if self.tiers is not None and self.tiers.num_fetching:
+                # Only requests whose blocks are still coming from a lower tier are left.
+                self.tiers.wait()
+                return CoreStep(waited=True)
+            return CoreStep()
+
+        mask = batch.sample_mask()
+        rows = [i for i, m in enumerate(mask) if m]
+        out = CoreStep(batch)
+        # Positions: the runner reads the step's own from what the manager wrote.
+        prompt_lp = self._prompt_logprob_rows(batch)
+        if prompt_lp:
+            extra = [t for _, lo, hi, at in prompt_lp for t in range(at, at + hi - lo)]
+            logits = self.runner.execute(batch.input_ids(), None, batch.step, rows,
+                                         extra_logit_indices=extra)
+            out.prompt_logprobs, out.prompt_logits = prompt_lp, logits[len(rows):]
+            logits = logits[:len(rows)]
+        else:
+            logits = self.runner.execute(batch.input_ids(), None, batch.step, rows)
+        prefill = 0
+        for seq, n_new in zip(batch.seqs, batch.num_new_tokens):
+            # A sequence that is not sampling (prefill chunks) or whose step covers more than the
+            # one decode token is computing prompt (or recomputed) tokens.
+            if n_new > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
+                prefill += n_new
+        if prefill and self.on_prefill is not None:
+            self.on_prefill(prefill)
+
+        # One draw per sampled row; a prompt whose n > 1 samples are not yet forked also draws
+        # its other samples' first tokens from the same logits row (appended after the rows).
+        sampler_rows: List[SamplerRow] = []
+        forks: List[Tuple[Request, int, Any]] = []
+        fork_rows: List[int] = []
+        for r, i in enumerate(rows):
+            seq = batch.seqs[i]
+            req, index = seq.data
+            sampler_rows.append(SamplerRow(req.params, req.seq_seeds[index],
+                                           len(seq.token_ids) - seq.num_prompt_tokens,
+                                           seq.token_ids, seq.num_prompt_tokens, req.banned))
+            if not req.forked:
+                req.forked = True
+                for child in range(1, req.params.n):
+                    forks.append((req, child, seq))
+                    fork_rows.append(r)
+        for (req, child, parent) in forks:
+            sampler_rows.append(SamplerRow(req.params, req.seq_seeds[child], 0, parent.token_ids,
+                                           parent.num_prompt_tokens, req.banned))
+        if forks:
+            logits = logits[list(range(len(rows))) + fork_rows]
+        result = sample_batch(logits, sampler_rows)
+        tokens = result.token_ids
+        row_logprobs = result.logprobs
+
+        sampled: List[Optional[int]] = [None] * len(batch.seqs)
+        for r, i in enumerate(rows):
+            sampled[i] = tokens[r]
+        self.scheduler.postprocess(batch, sampled)
+
+        draws = out.sampled
+        # Forks first: a parent that finishes on its first token must still be running to be
+        # forked.
+        for j, ((req, child, parent), tok) in enumerate(zip(forks, tokens[len(rows):])):
+            child_seq = self._new_sequence(req, child, list(req.prompt_token_ids))
+            self.scheduler.fork(parent, child_seq)
+            child_seq.append_token(tok)
+            draws.append((req, child, child_seq, tok, row_logprobs[len(rows) + j]))
+        for r, i in enumerate(rows):
+            seq = batch.seqs[i]
+            req, index = seq.data
+            draws.append((req, index, seq, tokens[r], row_logprobs[r]))
+        return out
+
+    def _prompt_logprob_rows(self, batch: Any) -> List[PromptLogprobStretch]:
+        """``(request, first position, end position, packed index of the first)`` of every
+        prompt stretch this step computes whose logits give prompt logprobs not yet collected.
+        The logits at position ``j`` are the distribution of prompt token ``j + 1``."""
+        out: List[PromptLogprobStretch] = []
+        at = 0
+        for seq, n_new in zip(batch.seqs, batch.num_new_tokens):
+            req = seq.data[0]
+            if req.prompt_logprobs is not None and seq is req.seqs[0]:
+                start = seq.num_computed_tokens
+                lo = max(start, req.prompt_lp_next)
+                hi = min(start + n_new, len(req.prompt_token_ids) - 1)
+                if lo < hi:
+                    out.append((req, lo, hi, at + lo - start))
+            at += n_new
+        return out
+
+    def end_step(self) -> None:
+        """Publishes the step's KV events (one batch per step: what it cached and evicted)."""
+        if self.kv_events is not None:
+            self.kv_events.flush()
+
+    def shutdown(self) -> None:
+        """Closes the tiers below the host (pending fetches released, writes flushed) and the
+        KV-event publisher. Idempotent. (The tensor-parallel ranks are the engine's to stop.)"""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
+        if self.kv_events is not None:
+            self.kv_events.close()
