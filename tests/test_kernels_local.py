@@ -15,6 +15,7 @@ import pytest
 from kernel_common import DEVICES, TOL, host_tensors_only, make_paged, rel_err, torch
 
 from pagedkv import kernels as K
+from pagedkv.decode_plan import DecodePlan
 from pagedkv.kernels import reference as R
 
 
@@ -46,7 +47,7 @@ def decode_case(device, dtype, lens, block_size, kv_heads, group, head_dim, seed
     out = torch.full_like(t(q), float("nan"))
     kw = dict(window=window, chunk=chunk, sinks=t(sk))
     if plan:
-        p = K.DecodePlan(len(lens) + 1, kv_heads * group, kv_heads, head_dim, device=device,
+        p = DecodePlan(len(lens) + 1, kv_heads * group, kv_heads, head_dim, device=device,
                          programs=64, min_chunk=8)
         # Planned over the clipped lengths, as a sliding layer's plan is built.
         reach = [n - f for n, f in zip(lens, firsts)]

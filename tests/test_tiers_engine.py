@@ -196,8 +196,12 @@ def test_gpu_host_and_disk_tiers_keep_greedy_outputs(model_dir: str, tmp_path: A
     assert outs == base
     assert stats.prefix_hits_by_tier["host"] >= 6 * 6 * BS // 2
     assert stats.tier_bytes_read["host"] == stats.prefix_hits_by_tier["host"] // BS * BLOCK_BYTES
+    # The tiny model prefills a block on the GPU faster than the disk tier reads it back, so the
+    # cost model would (rightly) recompute rather than fetch after the first measured read: pin
+    # the prefill rate low so this test exercises the disk path itself, every time.
     outs, stats, stores = _run(model_dir, host_cache_memory="64KiB",
-                               disk_cache_dir=str(tmp_path / "kv"), disk_cache_memory="64MiB", **kw)
+                               disk_cache_dir=str(tmp_path / "kv"), disk_cache_memory="64MiB",
+                               prefill_tokens_per_s=100.0, **kw)
     assert outs == base
     assert stats.prefix_hits_by_tier["disk"] > 0 and stores["disk"].corrupt == 0
 
