@@ -515,7 +515,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     _require_serve("pagedkv serve")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see _run_demo
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see demo._run_demo
     model = args.model_path or args.model_opt
     if args.model_path is not None and args.model_opt is not None:
         if not getattr(args, "model_from_file", False):
