@@ -1,0 +1,7 @@
+"""``python -m pagedkv.cli``: the ``pagedkv`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
