@@ -69,6 +69,7 @@ mod build_step;
 mod config;
 mod groups;
 mod invariants;
+mod provisional;
 mod reclaim;
 mod tier;
 
@@ -172,6 +173,12 @@ struct Seq {
     /// The first position from which a step releases another block of some windowed group
     /// (`usize::MAX` when none can): a step compares instead of dividing.
     next_release: usize,
+    /// Provisional tokens: the last `provisional` of `table.num_tokens` are not final (no token
+    /// ids kept, never hashed); `commit` settles them.
+    provisional: usize,
+    /// The length at the last step that scheduled this sequence while it held provisional tokens
+    /// (prefix caching only): `commit` registers the full blocks that step was built to write.
+    stepped: usize,
 }
 
 /// The block manager. See the module documentation for the rules it keeps.
@@ -696,5 +703,15 @@ fn not_running(seq_id: SeqId, state: SeqState) -> Error {
         seq_id,
         state: state.name(),
         expected: "running",
+    }
+}
+
+/// The error for a call that needs a sequence without provisional tokens (`append`, `fork`).
+#[cold]
+fn holds_provisional(seq_id: SeqId) -> Error {
+    Error::InvalidSequenceState {
+        seq_id,
+        state: "holding provisional tokens",
+        expected: "without provisional tokens (commit or rewind first)",
     }
 }
