@@ -149,6 +149,11 @@ impl BlockManager {
                     ));
                 }
             }
+            let reads_from = if self.cfg.max_provisional == 0 {
+                t.num_tokens - 1
+            } else {
+                committed
+            };
             for (gi, gt) in s.extra.iter().enumerate() {
                 let g = gi + 1;
                 let kind = self.kinds[gi];
@@ -160,9 +165,12 @@ impl BlockManager {
                     ));
                 }
                 // Null entries: exactly the prefix [0, start), never the tail, and only blocks
-                // no query at or after the last position can read.
+                // no query at or after the last position can read. With provisional tokens a step
+                // releases for a first query at most at the committed length, and a rewind makes
+                // that the next query's position: only what it reads is kept.
                 if gt.start >= gt.blocks.len().max(1)
-                    || gt.start * bs > kind.first_needed(committed - 1)
+                    || gt.start > (committed - 1) / bs
+                    || gt.start * bs > kind.first_needed(reads_from)
                 {
                     return bad(format!(
                         "sequence {id}: group {g} ({kind:?}) releases {} of {} blocks at length {}",
