@@ -106,11 +106,15 @@ enum Op {
     Provisional {
         seqs: Vec<SeqId>,
         k: u32,
+        /// Only the running ones of `seqs`, once each.
+        clamp: bool,
     },
     /// Accept the first `n` drafts of each of `seqs` (`commit` for one, `commit_batch` else).
     Commit {
         seqs: Vec<SeqId>,
         n: u32,
+        /// Only the live ones of `seqs`, once each, `n` capped by what each holds.
+        clamp: bool,
     },
     Rewind {
         seq: SeqId,
@@ -138,8 +142,10 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (seq.clone(), prop::option::of(1usize..9)).prop_map(|(seq, chunk)| Op::Resume { seq, chunk }),
         2 => (0u32..3, 1usize..24, 0u8..2, 0usize..6, any::<bool>())
             .prop_map(|(family, len, salt, k, ok)| Op::Fetch { family, len, salt, k, ok }),
-        3 => (prop::collection::vec(0u64..6, 1..4), 0u32..5).prop_map(|(seqs, k)| Op::Provisional { seqs, k }),
-        3 => (prop::collection::vec(0u64..6, 1..4), 0u32..5).prop_map(|(seqs, n)| Op::Commit { seqs, n }),
+        6 => (prop::collection::vec(0u64..6, 1..4), 0u32..4, any::<bool>())
+            .prop_map(|(seqs, k, clamp)| Op::Provisional { seqs, k, clamp }),
+        6 => (prop::collection::vec(0u64..6, 1..4), 0u32..5, any::<bool>())
+            .prop_map(|(seqs, n, clamp)| Op::Commit { seqs, n, clamp }),
         1 => seq.clone().prop_map(|seq| Op::Rewind { seq }),
     ]
 }
@@ -881,7 +887,23 @@ impl Harness {
                 }
                 r.map(|_| ())
             }
-            Op::Provisional { seqs, k } => {
+            Op::Provisional { seqs, k, clamp } => {
+                let mut seqs = seqs;
+                if clamp {
+                    let mut seen = Vec::new();
+                    seqs.retain(|s| {
+                        let keep = self
+                            .model
+                            .get(s)
+                            .is_some_and(|ms| ms.state == SeqState::Running)
+                            && !seen.contains(s);
+                        seen.push(*s);
+                        keep
+                    });
+                    if seqs.is_empty() {
+                        return;
+                    }
+                }
                 let max = self.m.config().max_provisional as usize;
                 let mut uniq = seqs.clone();
                 uniq.sort();
@@ -925,33 +947,51 @@ impl Harness {
                 }
                 r
             }
-            Op::Commit { seqs, n } => {
+            Op::Commit { seqs, n, clamp } => {
+                let mut seqs = seqs;
+                if clamp {
+                    let mut seen = Vec::new();
+                    seqs.retain(|s| {
+                        let keep = self.model.contains_key(s) && !seen.contains(s);
+                        seen.push(*s);
+                        keep
+                    });
+                    if seqs.is_empty() {
+                        return;
+                    }
+                }
+                let pairs: Vec<(SeqId, u32)> = seqs
+                    .iter()
+                    .map(|s| match self.model.get(s) {
+                        Some(ms) if clamp => (*s, n.min(ms.prov as u32)),
+                        _ => (*s, n),
+                    })
+                    .collect();
                 let mut uniq = seqs.clone();
                 uniq.sort();
                 uniq.dedup();
                 let valid = uniq.len() == seqs.len()
-                    && seqs
+                    && pairs
                         .iter()
-                        .all(|s| self.model.get(s).is_some_and(|ms| n as usize <= ms.prov));
+                        .all(|(s, n)| self.model.get(s).is_some_and(|ms| *n as usize <= ms.prov));
                 // The accepted ids are the drafts (what a step computed for those positions).
                 let mut toks = Vec::new();
-                for s in &seqs {
+                for (s, n) in &pairs {
                     if let Some(ms) = self.model.get(s) {
                         let c = ms.tokens.len() - ms.prov;
-                        let end = (c + n as usize).min(ms.tokens.len());
+                        let end = (c + *n as usize).min(ms.tokens.len());
                         toks.extend_from_slice(&ms.tokens[c..end]);
                     }
                 }
-                let r = if seqs.len() == 1 {
-                    self.m.commit(seqs[0], n as usize, &toks)
+                let r = if pairs.len() == 1 {
+                    self.m.commit(pairs[0].0, pairs[0].1 as usize, &toks)
                 } else {
-                    let pairs: Vec<(SeqId, u32)> = seqs.iter().map(|&s| (s, n)).collect();
                     self.m.commit_batch(&pairs, &toks)
                 };
                 assert_eq!(r.is_ok(), valid, "commit predicted {valid}, got {r:?}");
                 if r.is_ok() {
-                    for s in &seqs {
-                        self.model.get_mut(s).unwrap().settle(n as usize);
+                    for (s, n) in &pairs {
+                        self.model.get_mut(s).unwrap().settle(*n as usize);
                     }
                 } else {
                     assert!(matches!(
@@ -1164,8 +1204,8 @@ fn config() -> impl Strategy<Value = ManagerConfig> {
                 c.host_write_through = c.host_cache && tier == 3;
                 c.host_load_min_blocks = min_load;
                 c.kv_event_capacity = if tier == 1 { 8 } else { 0 };
-                // Provisional tokens: off (the default) or up to 1, 3 per sequence.
-                c.max_provisional = [0, 1, 3][(num_blocks % 3) as usize];
+                // Provisional tokens: off (the default) or up to 2, 4 per sequence.
+                c.max_provisional = [0, 2, 4][((num_blocks + max_row) % 3) as usize];
                 c
             },
         )

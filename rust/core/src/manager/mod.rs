@@ -38,13 +38,17 @@
 //!   tail is evicted before its prefix.
 //! - **Watermark.** Admissions must leave `watermark_blocks` free (cached-free counts as free);
 //!   appends and forks may use the reserve.
+//! - **Provisional tokens.** The last `provisional` tokens of a sequence are not final: they have
+//!   slots and table entries but no token ids or hashes, so they never reach the prefix cache;
+//!   `commit` makes some final and drops the rest (see `provisional`).
 //! - Every error leaves the manager unchanged: operations validate fully before touching state.
 //!
 //! The manager is one type whose methods live in several files, one per concern, so that each
 //! can be read beside the rules it keeps: [`ManagerConfig`] and its checks in `config`;
 //! admissions and the prefix-cache lookup in `admit`; appends, forks and frees in `append`;
 //! swap, recompute and victim choice in `reclaim`; the step and its copy and swap lists in
-//! `build_step`; the full consistency check in `invariants`. This file holds the state they
+//! `build_step`; provisional tokens (`append_provisional`, `commit`, `rewind`) in `provisional`;
+//! the full consistency check in `invariants`. This file holds the state they
 //! share, the read-only queries and stats, and the helpers through which they all allocate,
 //! release and park blocks.
 
