@@ -5,7 +5,8 @@
 //! - Validation (`check_step`, `plan_swaps`) finishes before any buffer is written, so a refused
 //!   step leaves the buffers and the manager as they were.
 //! - Full blocks are registered in the prefix cache here, by the step that schedules their last
-//!   token: only blocks whose KV a step has been built to write can ever be hit.
+//!   token: only blocks whose KV a step has been built to write can ever be hit. Blocks holding a
+//!   provisional token are not; once committed, `commit` registers those a step has scheduled.
 //! - A step's lists run swap-out, swap-in, copy-on-write, then the forward. Every queued copy a
 //!   scheduled sequence depends on is emitted by that step; the rest wait for room, so a burst of
 //!   forks or swaps never blocks stepping. One step's copy list has distinct `dst`s and no `dst`

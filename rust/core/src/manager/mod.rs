@@ -18,7 +18,8 @@
 //! - **Registration happens at step time.** A full block is offered to the prefix cache by the
 //!   `build_step` that schedules its last token, not when the token is admitted or appended. A
 //!   later admission can therefore only hit blocks whose KV a step has been built to write, and a
-//!   sequence freed before any step ran leaves nothing stale in the cache.
+//!   sequence freed before any step ran leaves nothing stale in the cache. (A block completed by
+//!   committed provisional tokens that a step already scheduled is registered by the `commit`.)
 //! - **At least one prompt token is computed.** An admission shares at most `(len - 1) / B` cached
 //!   blocks, `len` being the whole prompt's length: when the whole prompt is cached, its last block
 //!   is allocated fresh (and recomputed) rather than shared, so the engine never writes into a
