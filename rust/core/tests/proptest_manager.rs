@@ -102,6 +102,23 @@ enum Op {
         seq: SeqId,
         chunk: Option<usize>,
     },
+    /// `k` provisional tokens (draft ids) for each of `seqs` (`append_provisional` for one).
+    Provisional {
+        seqs: Vec<SeqId>,
+        k: u32,
+        /// Only the running ones of `seqs`, once each.
+        clamp: bool,
+    },
+    /// Accept the first `n` drafts of each of `seqs` (`commit` for one, `commit_batch` else).
+    Commit {
+        seqs: Vec<SeqId>,
+        n: u32,
+        /// Only the live ones of `seqs`, once each, `n` capped by what each holds.
+        clamp: bool,
+    },
+    Rewind {
+        seq: SeqId,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -125,6 +142,11 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (seq.clone(), prop::option::of(1usize..9)).prop_map(|(seq, chunk)| Op::Resume { seq, chunk }),
         2 => (0u32..3, 1usize..24, 0u8..2, 0usize..6, any::<bool>())
             .prop_map(|(family, len, salt, k, ok)| Op::Fetch { family, len, salt, k, ok }),
+        6 => (prop::collection::vec(0u64..6, 1..4), 0u32..4, any::<bool>())
+            .prop_map(|(seqs, k, clamp)| Op::Provisional { seqs, k, clamp }),
+        6 => (prop::collection::vec(0u64..6, 1..4), 0u32..5, any::<bool>())
+            .prop_map(|(seqs, n, clamp)| Op::Commit { seqs, n, clamp }),
+        1 => seq.clone().prop_map(|seq| Op::Rewind { seq }),
     ]
 }
 
@@ -137,6 +159,23 @@ struct ModelSeq {
     /// Tokens whose KV has been written (or was served from the cache).
     computed: usize,
     state: SeqState,
+    /// The last `prov` of `tokens` are provisional (draft ids).
+    prov: usize,
+}
+
+/// The draft id of a provisional token at position `p`.
+fn draft(p: usize) -> u32 {
+    50 + (p % 3) as u32
+}
+
+impl ModelSeq {
+    /// Drops the provisional tokens but the first `n` (which become committed).
+    fn settle(&mut self, n: usize) {
+        let len = self.tokens.len() - self.prov + n;
+        self.tokens.truncate(len);
+        self.computed = self.computed.min(len);
+        self.prov = 0;
+    }
 }
 
 /// Fingerprint of "the KV of position `p`": depends on the salt and tokens `0..=p`.
@@ -251,6 +290,7 @@ impl Harness {
                 salt,
                 computed: cached,
                 state: SeqState::Running,
+                prov: 0,
             },
         );
     }
@@ -259,6 +299,8 @@ impl Harness {
         assert_eq!(self.m.num_seqs(), self.model.len());
         for (&id, ms) in &self.model {
             assert_eq!(self.m.seq_len(id).unwrap(), ms.tokens.len());
+            assert_eq!(self.m.num_provisional(id).unwrap(), ms.prov);
+            assert_eq!(self.m.committed_len(id).unwrap(), ms.tokens.len() - ms.prov);
             assert_eq!(self.m.seq_state(id).unwrap(), ms.state);
             let t = self.m.block_table(id).unwrap();
             match ms.state {
@@ -518,7 +560,7 @@ impl Harness {
             }
             Op::Append { seq, toks } => {
                 let expect = self.model.get(&seq).map(|ms| {
-                    if ms.state != SeqState::Running {
+                    if ms.state != SeqState::Running || ms.prov != 0 {
                         return false;
                     }
                     let len = ms.tokens.len();
@@ -571,7 +613,8 @@ impl Harness {
                         assert!(uniq.len() < seqs.len())
                     }
                     Err(Error::InvalidSequenceState { seq_id, .. }) => {
-                        assert_ne!(self.model[seq_id].state, SeqState::Running)
+                        let ms = &self.model[seq_id];
+                        assert!(ms.state != SeqState::Running || ms.prov != 0)
                     }
                     Err(e) => assert!(
                         matches!(e, Error::OutOfBlocks { .. } | Error::SequenceTooLong { .. }),
@@ -592,7 +635,7 @@ impl Harness {
                     self.model.contains_key(&child),
                 ) {
                     (None, _) => assert_eq!(r, Err(Error::UnknownSequence { seq_id: parent })),
-                    (Some(p), _) if p.state != SeqState::Running => {
+                    (Some(p), _) if p.state != SeqState::Running || p.prov != 0 => {
                         assert!(matches!(r, Err(Error::InvalidSequenceState { .. })))
                     }
                     (Some(_), true) => {
@@ -700,6 +743,8 @@ impl Harness {
                         for s in &seqs {
                             let ms = self.model.get_mut(s).unwrap();
                             assert_eq!(ms.state, SeqState::Running);
+                            // Preemption rewinds provisional tokens.
+                            ms.settle(0);
                             ms.state = SeqState::Swapped;
                         }
                     }
@@ -740,6 +785,7 @@ impl Harness {
                 match (&r, self.model.get_mut(&seq)) {
                     (Ok(()), Some(ms)) => {
                         assert_ne!(ms.state, SeqState::Recompute);
+                        ms.settle(0);
                         ms.state = SeqState::Recompute;
                         ms.computed = 0;
                     }
@@ -793,6 +839,7 @@ impl Harness {
                             salt,
                             computed: 0,
                             state: SeqState::Running,
+                            prov: 0,
                         });
                         let mut parents = Vec::new();
                         let mut prev = first.checked_sub(1).map(|i| look.hashes[i]);
@@ -839,6 +886,131 @@ impl Harness {
                     (r, _) => panic!("resume: unexpected {r:?}"),
                 }
                 r.map(|_| ())
+            }
+            Op::Provisional { seqs, k, clamp } => {
+                let mut seqs = seqs;
+                if clamp {
+                    let mut seen = Vec::new();
+                    seqs.retain(|s| {
+                        let keep = self
+                            .model
+                            .get(s)
+                            .is_some_and(|ms| ms.state == SeqState::Running)
+                            && !seen.contains(s);
+                        seen.push(*s);
+                        keep
+                    });
+                    if seqs.is_empty() {
+                        return;
+                    }
+                }
+                let max = self.m.config().max_provisional as usize;
+                let mut uniq = seqs.clone();
+                uniq.sort();
+                uniq.dedup();
+                let r = if seqs.len() == 1 {
+                    self.m.append_provisional(seqs[0], k as usize)
+                } else {
+                    self.m.append_provisional_batch(&seqs, &vec![k; seqs.len()])
+                };
+                match &r {
+                    Ok(()) => {
+                        assert_eq!(uniq.len(), seqs.len());
+                        for s in &seqs {
+                            let ms = self.model.get_mut(s).unwrap();
+                            assert_eq!(ms.state, SeqState::Running);
+                            assert!(k >= 1 && ms.prov + k as usize <= max);
+                            let len = ms.tokens.len();
+                            ms.tokens.extend((len..len + k as usize).map(draft));
+                            ms.prov += k as usize;
+                        }
+                    }
+                    Err(Error::UnknownSequence { seq_id }) => {
+                        assert!(!self.model.contains_key(seq_id))
+                    }
+                    Err(Error::InvalidArgument { what: "seqs", .. }) => {
+                        assert!(uniq.len() < seqs.len())
+                    }
+                    Err(Error::InvalidArgument {
+                        what: "num_provisional",
+                        ..
+                    }) => assert!(seqs
+                        .iter()
+                        .any(|s| k == 0 || self.model[s].prov + k as usize > max)),
+                    Err(Error::InvalidSequenceState { seq_id, .. }) => {
+                        assert_ne!(self.model[seq_id].state, SeqState::Running)
+                    }
+                    Err(e) => assert!(
+                        matches!(e, Error::OutOfBlocks { .. } | Error::SequenceTooLong { .. }),
+                        "unexpected {e:?}"
+                    ),
+                }
+                r
+            }
+            Op::Commit { seqs, n, clamp } => {
+                let mut seqs = seqs;
+                if clamp {
+                    let mut seen = Vec::new();
+                    seqs.retain(|s| {
+                        let keep = self.model.contains_key(s) && !seen.contains(s);
+                        seen.push(*s);
+                        keep
+                    });
+                    if seqs.is_empty() {
+                        return;
+                    }
+                }
+                let pairs: Vec<(SeqId, u32)> = seqs
+                    .iter()
+                    .map(|s| match self.model.get(s) {
+                        Some(ms) if clamp => (*s, n.min(ms.prov as u32)),
+                        _ => (*s, n),
+                    })
+                    .collect();
+                let mut uniq = seqs.clone();
+                uniq.sort();
+                uniq.dedup();
+                let valid = uniq.len() == seqs.len()
+                    && pairs
+                        .iter()
+                        .all(|(s, n)| self.model.get(s).is_some_and(|ms| *n as usize <= ms.prov));
+                // The accepted ids are the drafts (what a step computed for those positions).
+                let mut toks = Vec::new();
+                for (s, n) in &pairs {
+                    if let Some(ms) = self.model.get(s) {
+                        let c = ms.tokens.len() - ms.prov;
+                        let end = (c + *n as usize).min(ms.tokens.len());
+                        toks.extend_from_slice(&ms.tokens[c..end]);
+                    }
+                }
+                let r = if pairs.len() == 1 {
+                    self.m.commit(pairs[0].0, pairs[0].1 as usize, &toks)
+                } else {
+                    self.m.commit_batch(&pairs, &toks)
+                };
+                assert_eq!(r.is_ok(), valid, "commit predicted {valid}, got {r:?}");
+                if r.is_ok() {
+                    for (s, n) in &pairs {
+                        self.model.get_mut(s).unwrap().settle(*n as usize);
+                    }
+                } else {
+                    assert!(matches!(
+                        r,
+                        Err(Error::UnknownSequence { .. } | Error::InvalidArgument { .. })
+                    ));
+                }
+                r
+            }
+            Op::Rewind { seq } => {
+                let r = self.m.rewind(seq);
+                match self.model.get_mut(&seq) {
+                    Some(ms) => {
+                        assert_eq!(r, Ok(()));
+                        ms.settle(0);
+                    }
+                    None => assert_eq!(r, Err(Error::UnknownSequence { seq_id: seq })),
+                }
+                r
             }
         };
         if res.is_err() {
@@ -970,7 +1142,8 @@ impl Harness {
             assert_eq!(ob.kv_last_page_len[k] as usize, (len - 1) % bs + 1);
             // Other groups: their own slots and rows; a windowed group has released exactly the
             // blocks dead for the step's first new position (never the tail).
-            let c = len - n[k] as usize;
+            // Releases follow the committed length.
+            let c = (len - n[k] as usize).min(len - ms.prov);
             let tok0 = tok - n[k] as usize;
             for g in 1..self.m.num_groups() {
                 let kind = self.m.group_kind(g).unwrap();
@@ -978,11 +1151,11 @@ impl Harness {
                 let start = gt.iter().take_while(|&&b| b == NULL_BLOCK).count();
                 assert_eq!(
                     start,
-                    dead_blocks(kind, c, bs).min(gt.len() - 1),
+                    dead_blocks(kind, c, bs).min(blocks_for(len - ms.prov, bs) - 1),
                     "group {g} ({kind:?}) at c = {c}"
                 );
                 let gb = &self.gob;
-                for (j, p) in (c..len).enumerate() {
+                for (j, p) in (len - n[k] as usize..len).enumerate() {
                     let slot = gb.slot_mappings[g - 1][tok0 + j];
                     assert_eq!(slot, gt[p / bs] as i64 * bs as i64 + (p % bs) as i64);
                     self.kv[slot as usize] = Some(fp_group(fp[p], g));
@@ -1031,6 +1204,8 @@ fn config() -> impl Strategy<Value = ManagerConfig> {
                 c.host_write_through = c.host_cache && tier == 3;
                 c.host_load_min_blocks = min_load;
                 c.kv_event_capacity = if tier == 1 { 8 } else { 0 };
+                // Provisional tokens: off (the default) or up to 2, 4 per sequence.
+                c.max_provisional = [0, 2, 4][((num_blocks + max_row) % 3) as usize];
                 c
             },
         )

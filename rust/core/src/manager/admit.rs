@@ -474,6 +474,8 @@ impl BlockManager {
             None => extra.map(|k| Arc::new(k.clone())),
         };
         s.tail_maybe_shared = false;
+        s.provisional = 0;
+        s.stepped = 0;
         s.uid = uid;
         s.version = 0;
         s.state = SeqState::Running;

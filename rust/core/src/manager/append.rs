@@ -14,7 +14,7 @@
 //! - `free` drops references tail first, so a freed sequence's prefix outlives its tail in the
 //!   LRU.
 
-use super::{not_running, BlockManager, Seq};
+use super::{holds_provisional, not_running, BlockManager, Seq};
 use crate::error::{Error, Result};
 use crate::events::Medium;
 use crate::pool::BlockPool;
@@ -38,6 +38,9 @@ impl BlockManager {
         let s = &self.slots[slot];
         if s.state != SeqState::Running {
             return Err(not_running(seq, s.state));
+        }
+        if s.provisional != 0 {
+            return Err(holds_provisional(seq));
         }
         let len = s.table.num_tokens;
         let nb = blocks_for(len + tokens.len(), bs);
@@ -193,6 +196,9 @@ impl BlockManager {
         let mut needed = 0usize;
         for (k, &i) in self.batch_idx.iter().enumerate() {
             let s = &self.slots[i as usize];
+            if s.provisional != 0 {
+                return Err(holds_provisional(seqs[k]));
+            }
             let nb = s.table.blocks.len();
             if s.table.num_tokens == nb * bs {
                 if nb + 1 > max {
@@ -213,7 +219,7 @@ impl BlockManager {
 
     /// Whether the tail block of `s` is shared and about to be written (so must be copied first).
     #[inline]
-    fn needs_cow(pool: &BlockPool, s: &Seq, bs: usize) -> Result<bool> {
+    pub(super) fn needs_cow(pool: &BlockPool, s: &Seq, bs: usize) -> Result<bool> {
         if !s.tail_maybe_shared || s.table.num_tokens == s.table.blocks.len() * bs {
             return Ok(false);
         }
@@ -222,7 +228,7 @@ impl BlockManager {
     }
 
     /// Replaces the shared tail block of `slot` with a fresh copy and queues the copy.
-    fn cow_tail(&mut self, slot: usize) -> Result<()> {
+    pub(super) fn cow_tail(&mut self, slot: usize) -> Result<()> {
         let d = self.alloc_block()?;
         let s = &mut self.slots[slot];
         let last = s.table.blocks.len() - 1;
@@ -243,6 +249,10 @@ impl BlockManager {
         let p = self.slot_of(parent)?;
         if self.slots[p].state != SeqState::Running {
             return Err(not_running(parent, self.slots[p].state));
+        }
+        if self.slots[p].provisional != 0 {
+            // Only committed state is shared: commit or rewind first.
+            return Err(holds_provisional(parent));
         }
         if self.index.contains_key(&child) {
             return Err(Error::DuplicateSequence { seq_id: child });
@@ -280,6 +290,8 @@ impl BlockManager {
         child_state.group = ps.group;
         child_state.extra.clone_from(&ps.extra);
         child_state.next_release = ps.next_release;
+        child_state.provisional = 0;
+        child_state.stepped = 0;
         let extra_blocks = child_state.extra.iter().flat_map(|t| &t.blocks[t.start..]);
         for &b in child_state.table.blocks.iter().chain(extra_blocks) {
             if self.pool.incref_mut(b)? == 2 {
@@ -307,6 +319,8 @@ impl BlockManager {
         s.table.num_tokens = 0;
         s.state = SeqState::Running;
         s.keys = None;
+        s.provisional = 0;
+        s.stepped = 0;
         self.free_slots.push(slot as u32);
         result
     }

@@ -5,7 +5,8 @@
 //! - Validation (`check_step`, `plan_swaps`) finishes before any buffer is written, so a refused
 //!   step leaves the buffers and the manager as they were.
 //! - Full blocks are registered in the prefix cache here, by the step that schedules their last
-//!   token: only blocks whose KV a step has been built to write can ever be hit.
+//!   token: only blocks whose KV a step has been built to write can ever be hit. Blocks holding a
+//!   provisional token are not; once committed, `commit` registers those a step has scheduled.
 //! - A step's lists run swap-out, swap-in, copy-on-write, then the forward. Every queued copy a
 //!   scheduled sequence depends on is emitted by that step; the rest wait for room, so a burst of
 //!   forks or swaps never blocks stepping. One step's copy list has distinct `dst`s and no `dst`
@@ -125,7 +126,10 @@ impl BlockManager {
         if self.windowed {
             for (k, &i) in idx.iter().enumerate() {
                 let s = &self.slots[i as usize];
-                let c = s.table.num_tokens - num_new[k] as usize;
+                // Releases follow the committed length: a rewind must find every block the
+                // positions it returns to read.
+                let c = (s.table.num_tokens - num_new[k] as usize)
+                    .min(s.table.num_tokens - s.provisional);
                 if c >= s.next_release {
                     if let Err(e) = self.release_dead(i as usize, c) {
                         release_result = Err(e);
@@ -184,59 +188,18 @@ impl BlockManager {
             }
         }
 
-        for &i in &self.scratch_register {
-            let s = &mut self.slots[i as usize];
-            let nb = s.table.blocks.len();
-            let full = if s.table.num_tokens == nb * bs {
-                nb
+        for k in 0..self.scratch_register.len() {
+            let i = self.scratch_register[k] as usize;
+            let s = &mut self.slots[i];
+            let full = if s.provisional == 0 {
+                let nb = s.table.blocks.len();
+                nb - (s.table.num_tokens != nb * bs) as usize
             } else {
-                nb - 1
+                // Provisional tokens are never hashed: only blocks full of committed tokens.
+                s.stepped = s.table.num_tokens;
+                (s.table.num_tokens - s.provisional) / bs
             };
-            self.hasher
-                .extend_chain(s.root, &s.tokens, bs, s.keys.as_deref(), &mut s.hashes);
-            for j in s.registered..full {
-                let toks = &s.tokens[j * bs..(j + 1) * bs];
-                let b = s.table.blocks[j];
-                if self.prefix.register(b, s.hashes[j], toks) {
-                    let parent = j.checked_sub(1).map(|p| s.hashes[p]);
-                    registered(
-                        self.tier.as_mut(),
-                        &mut self.host,
-                        &mut self.events,
-                        b,
-                        s.hashes[j],
-                        parent,
-                        s.root,
-                        toks,
-                    );
-                    if self.cfg.host_write_through {
-                        if let Some(t) = self.tier.as_mut() {
-                            // Queued after this step's lists: the next step copies what this
-                            // step's forward writes.
-                            offload(
-                                t,
-                                &mut self.host,
-                                &mut self.events,
-                                &mut self.counters,
-                                &mut self.swap_out_q,
-                                b,
-                                s.hashes[j],
-                                parent,
-                                s.root,
-                                toks,
-                            );
-                        }
-                    }
-                }
-            }
-            for (gi, t) in s.extra.iter().enumerate() {
-                for j in s.registered.max(t.start)..full {
-                    let toks = &s.tokens[j * bs..(j + 1) * bs];
-                    self.prefix
-                        .register(t.blocks[j], group_hash(s.hashes[j], gi + 1), toks);
-                }
-            }
-            s.registered = full;
+            self.register_upto(i, full);
         }
         self.batch_idx = idx;
         let num_kv_indices = if csr { num_kv } else { 0 };
@@ -250,6 +213,63 @@ impl BlockManager {
             num_swap_in,
             max_query_len: max_query,
         })
+    }
+
+    /// Offers `slot`'s full blocks `[registered, full)` to the prefix cache (hashing the chain as
+    /// far as its committed token ids go), with the events, tier index and write-through offloads
+    /// a registration brings. `full` counts only blocks of committed tokens a step was built to
+    /// write.
+    pub(super) fn register_upto(&mut self, i: usize, full: usize) {
+        let bs = self.bs;
+        let s = &mut self.slots[i];
+        if s.registered >= full {
+            return;
+        }
+        self.hasher
+            .extend_chain(s.root, &s.tokens, bs, s.keys.as_deref(), &mut s.hashes);
+        for j in s.registered..full {
+            let toks = &s.tokens[j * bs..(j + 1) * bs];
+            let b = s.table.blocks[j];
+            if self.prefix.register(b, s.hashes[j], toks) {
+                let parent = j.checked_sub(1).map(|p| s.hashes[p]);
+                registered(
+                    self.tier.as_mut(),
+                    &mut self.host,
+                    &mut self.events,
+                    b,
+                    s.hashes[j],
+                    parent,
+                    s.root,
+                    toks,
+                );
+                if self.cfg.host_write_through {
+                    if let Some(t) = self.tier.as_mut() {
+                        // Queued after this step's lists: the next step copies what this
+                        // step's forward writes.
+                        offload(
+                            t,
+                            &mut self.host,
+                            &mut self.events,
+                            &mut self.counters,
+                            &mut self.swap_out_q,
+                            b,
+                            s.hashes[j],
+                            parent,
+                            s.root,
+                            toks,
+                        );
+                    }
+                }
+            }
+        }
+        for (gi, t) in s.extra.iter().enumerate() {
+            for j in s.registered.max(t.start)..full {
+                let toks = &s.tokens[j * bs..(j + 1) * bs];
+                self.prefix
+                    .register(t.blocks[j], group_hash(s.hashes[j], gi + 1), toks);
+            }
+        }
+        s.registered = full;
     }
 
     /// Cancels the queued offload into host block `h` (nobody else holds `h`): it leaves the
@@ -713,8 +733,14 @@ fn write_batch(
         }
         mark.set(s.uid, s.version, nb);
         // Noted here, while the sequence's state is in cache, rather than in another pass.
-        let full = nb - (last_page < bs) as usize;
-        if caching && s.registered < full {
+        let full = if s.provisional == 0 {
+            nb - (last_page < bs) as usize
+        } else {
+            0
+        };
+        // A sequence holding provisional tokens is always noted: its step length is recorded for
+        // `commit`, and only its committed blocks are offered.
+        if caching && (s.registered < full || s.provisional != 0) {
             register.push(i);
         }
         tok += n;

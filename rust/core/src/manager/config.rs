@@ -54,6 +54,10 @@ pub struct ManagerConfig {
     /// are refused (`num_host_blocks` must be 0; preemption is by recompute), and so are KV
     /// events (`kv_event_capacity` must be 0: an event carries no group yet).
     pub groups: Vec<AttentionKind>,
+    /// Most provisional tokens a sequence may hold past its committed length (speculative drafts,
+    /// or a step scheduled before the previous one finished; see `append_provisional` and
+    /// `commit`). 0 (the default) disables them.
+    pub max_provisional: u32,
 }
 
 /// Most KV cache groups one manager holds.
@@ -86,6 +90,7 @@ impl ManagerConfig {
             host_write_through: false,
             host_load_min_blocks: 1,
             groups: Vec::new(),
+            max_provisional: 0,
         }
     }
 

@@ -159,9 +159,16 @@ impl BlockManager {
             if !kind.is_windowed() {
                 continue;
             }
-            let t = &self.slots[slot].extra[g];
-            // Never the tail: a sequence's own last block is always read.
-            let dead = dead_blocks(kind, c, bs).min(t.blocks.len().saturating_sub(1));
+            let s = &self.slots[slot];
+            let t = &s.extra[g];
+            // Never the tail: a sequence's own last block is always read. With provisional
+            // tokens, never the committed tail either: a rewind makes it the tail again.
+            let tail = if s.provisional == 0 {
+                t.blocks.len().saturating_sub(1)
+            } else {
+                (s.table.num_tokens - s.provisional).saturating_sub(1) / bs
+            };
+            let dead = dead_blocks(kind, c, bs).min(tail);
             if dead <= t.start {
                 continue;
             }

@@ -33,11 +33,25 @@ impl BlockManager {
             if t.num_tokens == 0 {
                 return bad(format!("sequence {id} is empty"));
             }
-            if self.caching && s.tokens.len() != t.num_tokens {
+            // Provisional tokens: at most `max_provisional`, only while running, and never all of
+            // a sequence; token ids, hashes and cache entries cover the committed ones only.
+            if s.provisional > self.cfg.max_provisional as usize
+                || s.provisional >= t.num_tokens
+                || (s.provisional != 0 && s.state != SeqState::Running)
+            {
                 return bad(format!(
-                    "sequence {id}: {} token ids for length {}",
+                    "sequence {id} ({}): {} provisional of {} tokens, at most {}",
+                    s.state.name(),
+                    s.provisional,
+                    t.num_tokens,
+                    self.cfg.max_provisional
+                ));
+            }
+            let committed = t.num_tokens - s.provisional;
+            if self.caching && s.tokens.len() != committed {
+                return bad(format!(
+                    "sequence {id}: {} token ids for committed length {committed}",
                     s.tokens.len(),
-                    t.num_tokens
                 ));
             }
             match s.state {
@@ -84,7 +98,7 @@ impl BlockManager {
                     t.blocks.len()
                 ));
             }
-            if s.registered > t.num_tokens / bs || s.hashes.len() > t.num_tokens / bs {
+            if s.registered > committed / bs || s.hashes.len() > committed / bs {
                 return bad(format!("sequence {id}: hashes cover a partial block"));
             }
             for (j, &b) in t.blocks.iter().enumerate() {
@@ -93,8 +107,10 @@ impl BlockManager {
                 }
                 occ[b as usize] += 1;
                 if let Some(h) = self.prefix.hash_of(b) {
-                    if (j + 1) * bs > t.num_tokens {
-                        return bad(format!("sequence {id}: partial block {b} is hashed"));
+                    if (j + 1) * bs > committed {
+                        return bad(format!(
+                            "sequence {id}: partial or provisional block {b} is hashed"
+                        ));
                     }
                     if j < s.hashes.len() && s.hashes[j] != h && !self.prefix.verifies() {
                         return bad(format!(
@@ -133,6 +149,11 @@ impl BlockManager {
                     ));
                 }
             }
+            let reads_from = if self.cfg.max_provisional == 0 {
+                t.num_tokens - 1
+            } else {
+                committed
+            };
             for (gi, gt) in s.extra.iter().enumerate() {
                 let g = gi + 1;
                 let kind = self.kinds[gi];
@@ -144,9 +165,12 @@ impl BlockManager {
                     ));
                 }
                 // Null entries: exactly the prefix [0, start), never the tail, and only blocks
-                // no query at or after the last position can read.
+                // no query at or after the last position can read. With provisional tokens a step
+                // releases for a first query at most at the committed length, and a rewind makes
+                // that the next query's position: only what it reads is kept.
                 if gt.start >= gt.blocks.len().max(1)
-                    || gt.start * bs > kind.first_needed(t.num_tokens - 1)
+                    || gt.start > (committed - 1) / bs
+                    || gt.start * bs > kind.first_needed(reads_from)
                 {
                     return bad(format!(
                         "sequence {id}: group {g} ({kind:?}) releases {} of {} blocks at length {}",
@@ -172,9 +196,9 @@ impl BlockManager {
                     }
                     occ[b as usize] += 1;
                     if let Some(h) = self.prefix.hash_of(b) {
-                        if (j + 1) * bs > t.num_tokens {
+                        if (j + 1) * bs > committed {
                             return bad(format!(
-                                "sequence {id}: group {g} partial block {b} is hashed"
+                                "sequence {id}: group {g} partial or provisional block {b} is hashed"
                             ));
                         }
                         if j < s.hashes.len()

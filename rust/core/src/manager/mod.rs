@@ -18,7 +18,8 @@
 //! - **Registration happens at step time.** A full block is offered to the prefix cache by the
 //!   `build_step` that schedules its last token, not when the token is admitted or appended. A
 //!   later admission can therefore only hit blocks whose KV a step has been built to write, and a
-//!   sequence freed before any step ran leaves nothing stale in the cache.
+//!   sequence freed before any step ran leaves nothing stale in the cache. (A block completed by
+//!   committed provisional tokens that a step already scheduled is registered by the `commit`.)
 //! - **At least one prompt token is computed.** An admission shares at most `(len - 1) / B` cached
 //!   blocks, `len` being the whole prompt's length: when the whole prompt is cached, its last block
 //!   is allocated fresh (and recomputed) rather than shared, so the engine never writes into a
@@ -38,13 +39,17 @@
 //!   tail is evicted before its prefix.
 //! - **Watermark.** Admissions must leave `watermark_blocks` free (cached-free counts as free);
 //!   appends and forks may use the reserve.
+//! - **Provisional tokens.** The last `provisional` tokens of a sequence are not final: they have
+//!   slots and table entries but no token ids or hashes, so they never reach the prefix cache;
+//!   `commit` makes some final and drops the rest (see `provisional`).
 //! - Every error leaves the manager unchanged: operations validate fully before touching state.
 //!
 //! The manager is one type whose methods live in several files, one per concern, so that each
 //! can be read beside the rules it keeps: [`ManagerConfig`] and its checks in `config`;
 //! admissions and the prefix-cache lookup in `admit`; appends, forks and frees in `append`;
 //! swap, recompute and victim choice in `reclaim`; the step and its copy and swap lists in
-//! `build_step`; the full consistency check in `invariants`. This file holds the state they
+//! `build_step`; provisional tokens (`append_provisional`, `commit`, `rewind`) in `provisional`;
+//! the full consistency check in `invariants`. This file holds the state they
 //! share, the read-only queries and stats, and the helpers through which they all allocate,
 //! release and park blocks.
 
@@ -69,6 +74,7 @@ mod build_step;
 mod config;
 mod groups;
 mod invariants;
+mod provisional;
 mod reclaim;
 mod tier;
 
@@ -172,6 +178,12 @@ struct Seq {
     /// The first position from which a step releases another block of some windowed group
     /// (`usize::MAX` when none can): a step compares instead of dividing.
     next_release: usize,
+    /// Provisional tokens: the last `provisional` of `table.num_tokens` are not final (no token
+    /// ids kept, never hashed); `commit` settles them.
+    provisional: usize,
+    /// The length at the last step that scheduled this sequence while it held provisional tokens
+    /// (prefix caching only): `commit` registers the full blocks that step was built to write.
+    stepped: usize,
 }
 
 /// The block manager. See the module documentation for the rules it keeps.
@@ -696,5 +708,15 @@ fn not_running(seq_id: SeqId, state: SeqState) -> Error {
         seq_id,
         state: state.name(),
         expected: "running",
+    }
+}
+
+/// The error for a call that needs a sequence without provisional tokens (`append`, `fork`).
+#[cold]
+fn holds_provisional(seq_id: SeqId) -> Error {
+    Error::InvalidSequenceState {
+        seq_id,
+        state: "holding provisional tokens",
+        expected: "without provisional tokens (commit or rewind first)",
     }
 }

@@ -108,7 +108,14 @@ impl BlockManager {
         if needed > available {
             return Err(Error::OutOfHostBlocks { needed, available });
         }
-        // Apply. First map every device block to its host block (queueing the copies) for all
+        // Apply. Provisional tokens are dropped first, as `rewind` does (fewer blocks to copy).
+        let mut rewound = Ok(());
+        for &i in &slots {
+            if let Err(e) = self.settle(i, 0, &[]) {
+                rewound = Err(e);
+            }
+        }
+        // First map every device block to its host block (queueing the copies) for all
         // sequences, while the pending copies the mapping consults are all still there; then drop
         // the device references.
         let mut map: FastMap<BlockId, HostBlockId> = FastMap::default();
@@ -144,7 +151,7 @@ impl BlockManager {
             // The table now names host blocks only.
             device_tables.push(std::mem::replace(&mut self.slots[i].table.blocks, hosts));
         }
-        let mut result = Ok(());
+        let mut result = rewound;
         for (&i, device) in slots.iter().zip(&device_tables) {
             // Tail first, as `free` does.
             for &b in device.iter().rev() {
@@ -305,7 +312,9 @@ impl BlockManager {
                 expected: "running or swapped",
             });
         }
-        let result = self.release_table(i);
+        // Provisional tokens are dropped first, as `rewind` does (only a running one holds any).
+        let rewound = self.settle(i, 0, &[]);
+        let result = self.release_table(i).and(rewound);
         if state == SeqState::Running {
             self.counters.preemptions_recompute += 1;
         }
