@@ -180,7 +180,7 @@ def test_without_redis_py_the_error_names_the_extra(monkeypatch, tmp_path):
     from pagedkv.errors import MissingDependencyError
 
     monkeypatch.setitem(sys.modules, "redis", None)
-    with pytest.raises(MissingDependencyError, match=r"pip install 'pagedkv\[remote\]'"):
+    with pytest.raises(MissingDependencyError, match=r"pip install '\.\[remote\]' in a clone"):
         RemoteStore("redis://127.0.0.1:1/0", FP, BLOCK, secret=SECRET)
 
 
