@@ -1,0 +1,177 @@
+"""CUDA-graph capture and replay for :class:`~pagedkv.engine.model_runner.ModelRunner`, with the
+CUDA side of a step's inputs (pinned staging, attention metadata, the decode plan's update).
+
+Owns :func:`graph_batch_sizes` (the padded decode batch sizes captured), ``_GraphMixin``
+(:meth:`~_GraphMixin.capture_graphs`, and the internal ``_stage``, ``_cuda_meta``,
+``_update_plan``, ``_graph_size``, ``_replay``) and ``_GraphChain`` (one step captured as several
+graphs of consecutive layers).
+
+Invariants: the graphs read the runner's device staging buffers and the step buffers' device
+mirrors in place, so those keep their addresses; padding rows of a replayed batch write no slot
+and read no key (slot -1, length 0); all graphs share one memory pool, captured largest first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from . import fused as _fused
+from .forward_context import AttentionMetadata
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Padded decode batch sizes to capture: 1, 2, 4, 8, then multiples of 16 up to 64, then of 32
+    up to ``max_num_seqs`` (which is always included).
+
+    Finer steps than powers of two above 16 keep padding waste under ~25% at large batches, where
+    a decode step costs the most.
+    """
+    sizes = []
+    for s in (1, 2, 4, 8):
+        if s < max_num_seqs:
+            sizes.append(s)
+    s = 16
+    while s < max_num_seqs:
+        sizes.append(s)
+        s += 16 if s < 64 else 32
+    sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+class _GraphMixin:
+    """:class:`~pagedkv.engine.model_runner.ModelRunner`'s CUDA graphs and CUDA step inputs."""
+
+    def _stage(self, ids: np.ndarray, pos: np.ndarray, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._ids_host[:t].numpy()[:] = ids
+        self._pos_host[:t].numpy()[:] = pos
+        self._ids_dev[:t].copy_(self._ids_host[:t], non_blocking=True)
+        self._pos_dev[:t].copy_(self._pos_host[:t], non_blocking=True)
+        self._inputs_copied.record()
+        return self._ids_dev[:t], self._pos_dev[:t]
+
+    def _cuda_meta(self, mode, slot_mapping, block_tables, seq_lens, qsl, *, max_q_len=0,
+                   max_seq_len=0) -> AttentionMetadata:
+        return AttentionMetadata(mode, self.pool.k_caches, self.pool.v_caches, slot_mapping,
+                                 block_tables, seq_lens, qsl, max_q_len=max_q_len,
+                                 max_seq_len=max_seq_len, workspace=self.workspace,
+                                 gemv_rows=self.gemv_rows,
+                                 plan=self.decode_plan if mode == "decode" else None)
+
+    def _update_plan(self, host: Any, n: int, bs: int) -> None:
+        """Plans a decode step of ``n`` sequences run as a batch of ``bs >= n`` rows (a graph's
+        padding rows have length 0). The plan only balances the work: the kernels read the
+        lengths from the device mirrors, so a plan from stale host lengths (a TP rank whose host
+        tables are not refreshed) costs speed, never correctness."""
+        lens = self._plan_lens
+        lens[:n] = host.seq_lens[:n].numpy()
+        lens[n:bs] = 0
+        self.decode_plan.update(lens[:bs])
+
+    def _graph_size(self, n: int) -> Optional[int]:
+        for s in self.graph_sizes:
+            if s >= n:
+                return s
+        return None
+
+    def capture_graphs(self, sizes: Optional[Sequence[int]] = None, *, pieces: int = 1) -> None:
+        """Captures one decode CUDA graph per padded batch size (default :func:`graph_batch_sizes`).
+
+        ``pieces > 1`` (fused forward only): each batch size's step is captured as that many
+        graphs of consecutive layers, replayed in turn, so the GPU starts on the first while the
+        host still launches the later ones (the same kernels on the same buffers: equal logits).
+
+        Each graph runs the whole model on ``bs`` tokens: static ids/positions (the runner's device
+        staging buffers), and the step buffers' device mirrors ``slot_mapping[:bs]``,
+        ``block_tables[:bs]``, ``seq_lens[:bs]`` in place. With the decode planner, each graph
+        launches the plan's fixed grid and reads the plan updated before each replay; without it,
+        the split count is fixed at capture from ``max_model_len`` (each sequence's own split
+        length is computed in the kernel). Graphs share one memory pool, captured largest first.
+        """
+        if not (self.is_cuda and self.use_kernels):
+            return
+        sizes = sorted(set(sizes or graph_batch_sizes(self.max_num_seqs)), reverse=True)
+        dev = self.buffers.device
+        mempool = torch.cuda.graph_pool_handle()
+        for bs in sizes:
+            if bs > self.max_num_seqs:
+                continue
+            # Padding: no slot written, no key read. Warm-up and capture see the same state.
+            dev.slot_mapping[:bs].fill_(-1)
+            dev.seq_lens[:bs].fill_(0)
+            if self.decode_plan is not None:
+                # A graph captured with a plan launches its fixed grid and reads the plan's
+                # buffers in place: each replay runs the plan updated just before it.
+                self._plan_lens[:bs] = 0
+                self.decode_plan.update(self._plan_lens[:bs])
+            meta = self._cuda_meta("decode", dev.slot_mapping[:bs], dev.block_tables[:bs],
+                                   dev.seq_lens[:bs], dev.query_start_loc[: bs + 1],
+                                   max_seq_len=self.max_model_len)
+            ids = self._ids_dev[:bs][None]
+            pos = self._pos_dev[:bs][None]
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compiles the Triton kernels, settles lazy allocations
+                    self._forward(meta, ids, pos, 0)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            if pieces > 1 and self.fused:
+                chain = _GraphChain(self.model, meta, ids, pos, pieces, mempool)
+                self._graphs[bs] = (chain, chain.logits)
+                continue
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                logits = self._forward(meta, ids, pos, 0)
+            self._graphs[bs] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+        self.graph_sizes = sorted(self._graphs)
+
+    def _replay(self, bs: int, n: int, ids_d, pos_d, last: np.ndarray) -> torch.Tensor:
+        graph, logits = self._graphs[bs]
+        if n < bs:
+            dev = self.buffers.device
+            # The mirrors past the step hold stale rows: make the padding rows inert.
+            dev.slot_mapping[n:bs].fill_(-1)
+            dev.seq_lens[n:bs].fill_(0)
+        graph.replay()
+        # Decode: batch row k's token is packed row k.
+        if last.size == n and np.array_equal(last, np.arange(n)):
+            return logits[0, :n].float()
+        idx = torch.from_numpy(last).to(self.device, non_blocking=True)
+        return logits[0].index_select(0, idx).float()
+
+
+class _GraphChain:
+    """One decode step captured as several CUDA graphs of consecutive layers (the first with the
+    embedding, the last with the final norm and LM head) in one memory pool; :meth:`replay` runs
+    them in order on the current stream. The hidden state and residual handed from one graph to
+    the next are tensors of the pool this object keeps alive, so no later capture reuses them."""
+
+    def __init__(self, model: Any, meta: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor,
+                 pieces: int, mempool: Any) -> None:
+        n_layers = int(model.config.num_hidden_layers)
+        pieces = max(1, min(pieces, n_layers))
+        cuts = [round(n_layers * k / pieces) for k in range(pieces + 1)]
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self._keep: list[torch.Tensor] = []
+        h = cos = sin = logits = torch.empty(0)
+        residual: Optional[torch.Tensor] = None
+        with torch.inference_mode():
+            for k in range(pieces):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=mempool):
+                    if k == 0:
+                        h, cos, sin = _fused.fused_prologue(model, ids, pos)
+                    h, residual = _fused.fused_layers(model, meta, h, residual, cos, sin,
+                                                      cuts[k], cuts[k + 1])
+                    if k == pieces - 1:
+                        logits = _fused.fused_epilogue(model, meta, h, residual, 0)
+                self.graphs.append(g)
+                self._keep += [h, residual, cos, sin]
+        self.logits = logits
+
+    def replay(self) -> None:
+        for g in self.graphs:
+            g.replay()
