@@ -36,6 +36,7 @@ __all__ = [
     "LOCK_FILE",
 ]
 
+#: Name of the hash-key file :func:`load_or_create_hash_key` keeps in the cache directory.
 HASH_KEY_FILE = "hash.key"
 #: Name of the tier secret a store keeps in its directory when it is given none.
 TIER_KEY_FILE = "tier.key"
