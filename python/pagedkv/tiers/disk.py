@@ -3,6 +3,10 @@
 Owns :class:`DiskStore` (one cache directory), :func:`load_or_create_hash_key` (the prefix-hash
 key a restarted engine must reuse for its blocks to be found again) and
 :func:`load_or_create_tier_key` (the directory's own tier secret, when the engine is given none).
+The store's concerns live in helper modules it is assembled from: ``_disk_files`` (the key files,
+the lock and the descriptors), ``_disk_segments`` (segment geometry and the start-up scan),
+``_disk_index`` (slots, eviction, lookups) and ``_disk_io`` (record writes and reads); every name
+above is importable from here.
 
 **Layout.** Blocks live in fixed-size *slots* (one :mod:`~pagedkv.tiers.record` each, the slot size
 being the largest record rounded up to 4096 bytes) grouped into segment files of about 256 MiB,
@@ -43,44 +47,28 @@ bytes) is reported once by :meth:`DiskStore.take_removed` unless it is stored ag
 
 from __future__ import annotations
 
-import errno
 import fcntl
-import heapq
 import os
-import re
-import secrets
 import threading
-import time
 import weakref
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Set
 
-from ..errors import CacheIOError, InvalidArgumentError, InvalidConfigError, UnsafePathError
-from .record import (
-    FINGERPRINT_BYTES,
-    HEADER_BYTES,
-    BlockMeta,
-    Buffer,
-    Reason,
-    StoreClosedError,
-    TierStats,
-    TRAILER_BYTES,
-    as_byte_view,
-    encode_parts,
-    parse_header,
-    record_size,
-    verify_split,
+from ..errors import CacheIOError, InvalidConfigError, UnsafePathError
+from ._disk_files import (
+    HASH_KEY_FILE,
+    LOCK_FILE,
+    TIER_KEY_FILE,
+    _Files,
+    _PathLike,
+    _release_files,
+    load_or_create_hash_key,
+    load_or_create_tier_key,
 )
-from .secret import (
-    TierSecret,
-    create_secret_file,
-    load_tier_secret,
-    open_private_dir,
-    open_private_file,
-    secret_for_config,
-)
+from ._disk_io import _DiskRecordIO
+from .record import FINGERPRINT_BYTES, TierStats, record_size
+from .secret import TierSecret, load_tier_secret, open_private_dir, open_private_file, secret_for_config
 
 __all__ = [
     "DiskStore",
@@ -97,17 +85,6 @@ __all__ = [
 SLOT_ALIGN = 4096
 #: Target size of one segment file (at least one slot).
 SEGMENT_BYTES = 256 << 20
-#: Name of the hash-key file :func:`load_or_create_hash_key` keeps in the cache directory.
-HASH_KEY_FILE = "hash.key"
-#: Name of the tier secret a store keeps in its directory when it is given none.
-TIER_KEY_FILE = "tier.key"
-#: Name of the file whose ``flock`` says which store owns the directory.
-LOCK_FILE = "lock"
-#: How long a reader waits for a key file another process has created but not yet written.
-_KEY_WAIT_S = 1.0
-
-_SEGMENT_RE = re.compile(r"^seg-(\d+)x(\d+)-(\d{5})\.pkv$")
-_PathLike = Union[str, "os.PathLike[str]"]
 
 
 def _check_int(field: str, value: Any, minimum: int) -> int:
@@ -119,95 +96,7 @@ def _check_int(field: str, value: Any, minimum: int) -> int:
     return value
 
 
-def _load_or_create_key(path: str, name: str, make: bytes, pattern: str) -> str:
-    """The text of the key file ``name`` in the cache directory ``path``, created with ``make``
-    (``O_EXCL | O_NOFOLLOW``, 0600, one write) if absent. A racing creator's file that is still
-    empty is waited for (up to a second); one that does not match ``pattern`` raises
-    InvalidConfigError naming it (silently making a new key would turn every block into a miss)."""
-    key_path = os.path.join(path, name)
-    dir_fd = open_private_dir(path)
-    try:
-        create_secret_file(dir_fd, path, name, make)
-        deadline = time.monotonic() + _KEY_WAIT_S
-        while True:
-            fd = open_private_file(dir_fd, path, name, os.O_RDONLY, create=False)
-            try:
-                text = os.read(fd, 256).decode("ascii", "replace").strip()
-            except OSError as exc:
-                raise CacheIOError(
-                    f"key file {key_path!r} cannot be read: {exc.strerror or exc}", path=key_path,
-                    errno=exc.errno, reason=str(exc),
-                ) from None
-            finally:
-                os.close(fd)
-            if text or time.monotonic() >= deadline:
-                break
-            time.sleep(0.01)
-    except FileNotFoundError:
-        raise CacheIOError(f"key file {key_path!r} vanished while it was read", path=key_path,
-                           errno=errno.ENOENT, reason="vanished") from None
-    finally:
-        os.close(dir_fd)
-    if not re.fullmatch(pattern, text):
-        raise InvalidConfigError(
-            f"key file {key_path!r} does not hold a key (expected {pattern}), got {text[:32]!r}",
-            field="path", value=key_path, reason="malformed key file",
-        )
-    return text
-
-
-def load_or_create_hash_key(path: _PathLike) -> int:
-    """The 64-bit prefix-hash key kept in the cache directory ``path``, created on first use.
-
-    The key file (:data:`HASH_KEY_FILE`, 0600, 16 hex digits) is created with ``O_EXCL`` and
-    written in one write, so two processes racing to create it agree on one key. A key file that
-    does not hold a key raises :class:`~pagedkv.errors.InvalidConfigError` naming it: silently
-    making a new key would turn every stored block into a miss. The directory and the file must
-    pass the ownership checks (:class:`~pagedkv.errors.UnsafePathError`).
-    """
-    text = _load_or_create_key(os.fspath(path), HASH_KEY_FILE,
-                               f"{secrets.randbits(64):016x}\n".encode(), r"[0-9a-f]{16}")
-    return int(text, 16)
-
-
-def load_or_create_tier_key(path: _PathLike) -> TierSecret:
-    """The tier secret a :class:`DiskStore` keeps in ``path`` (:data:`TIER_KEY_FILE`, 0600, 64 hex
-    digits) when the engine gives it none, created on first use like the hash key."""
-    root = os.fspath(path)
-    text = _load_or_create_key(root, TIER_KEY_FILE, f"{secrets.token_hex(32)}\n".encode(),
-                               r"[0-9a-f]{64}")
-    return TierSecret(text.encode("ascii"), source=f"file {os.path.join(root, TIER_KEY_FILE)}")
-
-
-class _Files:
-    """The descriptors a store holds (directory, lock, segments): what its finalizer releases."""
-
-    def __init__(self) -> None:
-        self.dir_fd = -1
-        self.lock_fd = -1
-        self.segments: Dict[int, int] = {}
-
-
-def _release_files(files: _Files, pool: Optional[ThreadPoolExecutor]) -> None:
-    """Close every descriptor and unlock the directory (``close``, or the store's collection)."""
-    if pool is not None:
-        # Never waits: the collector may run this on one of the pool's own threads.
-        pool.shutdown(wait=False)
-    for fd in files.segments.values():
-        os.close(fd)
-    files.segments.clear()
-    if files.lock_fd >= 0:
-        try:
-            fcntl.flock(files.lock_fd, fcntl.LOCK_UN)
-        finally:
-            os.close(files.lock_fd)
-            files.lock_fd = -1
-    if files.dir_fd >= 0:
-        os.close(files.dir_fd)
-        files.dir_fd = -1
-
-
-class DiskStore:
+class DiskStore(_DiskRecordIO):
     """KV blocks of one layout (``fingerprint``) in the directory ``path``, at most ``capacity_bytes``.
 
     Args:
@@ -315,381 +204,6 @@ class DiskStore:
         # without shutdown) releases it when collected, not when the process exits.
         self._finalizer = weakref.finalize(self, _release_files, self._files, self._pool)
 
-    # ---------------------------------------------------------------- geometry and start-up scan
-
-    def _segment_name(self, k: int) -> str:
-        """The file name (relative to the directory) of segment ``k``."""
-        return f"seg-{self.slot_bytes}x{self._geometry}-{k:05d}.pkv"
-
-    def _segment_slots(self, k: int) -> int:
-        return min(self._geometry, self.num_slots - k * self._geometry)
-
-    def _locate(self, slot: int) -> Tuple[int, int]:
-        """``(fd, offset)`` of ``slot``, creating (and preallocating) its segment on first use."""
-        k, i = divmod(slot, self._geometry)
-        fd = self._segments.get(k)
-        if fd is None:
-            with self._seg_lock:
-                fd = self._segments.get(k)
-                if fd is None:
-                    fd = open_private_file(self._files.dir_fd, self.path, self._segment_name(k), os.O_RDWR)
-                    try:
-                        _preallocate(fd, self._segment_slots(k) * self.slot_bytes)
-                    except OSError:
-                        os.close(fd)
-                        raise
-                    self._segments[k] = fd
-        return fd, i * self.slot_bytes
-
-    def _scan(self) -> None:
-        num_segments = -(-self.num_slots // self._geometry)
-        found: Dict[int, str] = {}
-        dir_fd = self._files.dir_fd
-        for name in sorted(os.listdir(dir_fd)):
-            m = _SEGMENT_RE.match(name)
-            if not m:
-                continue
-            k = int(m.group(3))
-            if int(m.group(1)) != self.slot_bytes or int(m.group(2)) != self._geometry or k >= num_segments:
-                # Another block size's or capacity's files: their slots cannot be addressed here,
-                # and they would count against the disk.
-                self._stats.foreign += 1
-                _unlink_quietly(dir_fd, name)
-                continue
-            found[k] = name
-        indexed: Set[int] = set()
-        for k, name in sorted(found.items()):
-            try:
-                # A link (symbolic or hard) or another user's file among the segments is refused
-                # (UnsafePathError): writing through it would reach a file elsewhere.
-                fd = open_private_file(dir_fd, self.path, name, os.O_RDWR, create=False)
-            except FileNotFoundError:
-                continue
-            except CacheIOError:
-                self._stats.errors += 1
-                _unlink_quietly(dir_fd, name)
-                continue
-            want = self._segment_slots(k) * self.slot_bytes
-            try:
-                size = os.fstat(fd).st_size
-                if size > want:
-                    os.ftruncate(fd, want)
-                elif size < want:
-                    _preallocate(fd, want)
-            except OSError:
-                self._stats.errors += 1
-                os.close(fd)
-                _unlink_quietly(dir_fd, name)
-                continue
-            self._segments[k] = fd
-            base = k * self._geometry
-            for i in range(self._segment_slots(k)):
-                slot = base + i
-                try:
-                    head = os.pread(fd, HEADER_BYTES, i * self.slot_bytes)
-                except OSError:
-                    self._stats.errors += 1
-                    continue
-                header = parse_header(head)
-                if header is None:
-                    continue
-                if header.fingerprint != self.fingerprint:
-                    self._stats.foreign += 1
-                    continue
-                if (
-                    header.payload_len != self.block_bytes
-                    or header.token_count > self.max_tokens
-                    or header.block_hash in self._index
-                    # A record past the end of a truncated file cannot be whole.
-                    or i * self.slot_bytes + header.record_size > size
-                ):
-                    continue
-                self._index[header.block_hash] = slot
-                indexed.add(slot)
-        self._free = [s for s in range(self.num_slots) if s not in indexed]
-        heapq.heapify(self._free)
-
-    # ---------------------------------------------------------------- argument checks
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosedError(f"{self!r} is closed", store=repr(self))
-
-    def _check_meta(self, meta: Any) -> BlockMeta:
-        self._check_open()
-        if not isinstance(meta, BlockMeta):
-            raise InvalidArgumentError(
-                f"meta must be a pagedkv.tiers.BlockMeta, got {type(meta).__name__}", what="meta",
-                value=type(meta).__name__, reason="not a BlockMeta",
-            )
-        if len(meta.token_ids) > self.max_tokens:
-            raise InvalidArgumentError(
-                f"a block of {len(meta.token_ids)} token ids exceeds this store's max_tokens "
-                f"{self.max_tokens}", what="token_ids", value=len(meta.token_ids),
-                reason=f"must be <= {self.max_tokens}",
-            )
-        return meta
-
-    def _check_payload(self, data: Buffer, what: str = "data") -> memoryview:
-        view = as_byte_view(data, what)
-        if view.nbytes != self.block_bytes:
-            raise InvalidArgumentError(
-                f"{what} holds {view.nbytes} bytes; this store's blocks are {self.block_bytes} bytes",
-                what=what, value=view.nbytes, reason=f"must be {self.block_bytes} bytes",
-            )
-        return view
-
-    def _check_hash(self, block_hash: Any) -> int:
-        if isinstance(block_hash, bool) or not isinstance(block_hash, int) or not 0 <= block_hash < 1 << 128:
-            raise InvalidArgumentError(
-                f"block hash must be an integer in [0, 2**128), got {block_hash!r}", what="block_hash",
-                value=block_hash, reason="out of range",
-            )
-        return block_hash
-
-    # ---------------------------------------------------------------- slots (under self._lock)
-
-    def _take_slot(self) -> Optional[int]:
-        if self._free:
-            return heapq.heappop(self._free)
-        for block_hash, slot in self._index.items():
-            if slot not in self._pins:
-                del self._index[block_hash]
-                self._stats.evictions += 1
-                self._note_removed(block_hash)
-                return slot
-        return None
-
-    def _note_removed(self, block_hash: int) -> None:
-        """Remember a hash that left the index unasked, for :meth:`take_removed` (bounded: the
-        oldest are dropped when nobody drains them)."""
-        self._removed[block_hash] = None
-        self._removed.move_to_end(block_hash)
-        while len(self._removed) > self._removed_cap:
-            self._removed.popitem(last=False)
-
-    def take_removed(self) -> List[int]:
-        """The hashes this store evicted (overwritten to make room) or dropped as bad bytes
-        since the last call, oldest first; a hash stored again meanwhile is not among them (it
-        is present). Blocks dropped by :meth:`remove` are the caller's own and not reported."""
-        with self._lock:
-            out = list(self._removed)
-            self._removed.clear()
-            return out
-
-    def _release(self, slot: int) -> None:
-        if slot in self._pins:
-            self._dead.add(slot)
-        else:
-            heapq.heappush(self._free, slot)
-
-    def _forget(self, block_hash: int, slot: int, *, report: bool = False) -> None:
-        """Drop a bad or removed block: its magic is zeroed first, so no restart indexes it again.
-        ``report``: it leaves unasked (bad bytes), so :meth:`take_removed` reports it."""
-        if self._index.get(block_hash) != slot:
-            return
-        del self._index[block_hash]
-        if report:
-            self._note_removed(block_hash)
-        k, i = divmod(slot, self._geometry)
-        fd = self._segments.get(k)
-        if fd is not None:
-            try:
-                os.pwrite(fd, b"\0" * 4, i * self.slot_bytes)
-            except OSError:
-                self._stats.errors += 1
-        self._release(slot)
-
-    # ---------------------------------------------------------------- writes
-
-    def _put_work(self, meta: BlockMeta, view: memoryview) -> bool:
-        h = meta.block_hash
-        with self._lock:
-            if h in self._index:
-                self._index.move_to_end(h)
-                return True
-            if h in self._pending:
-                return True
-            slot = self._take_slot()
-            if slot is None:
-                self._stats.dropped += 1
-                return False
-            self._pending[h] = slot
-        written = 0
-        try:
-            fd, offset = self._locate(slot)
-            prefix, body, trailer = encode_parts(self.fingerprint, meta, view, secret=self.secret)
-            total = len(prefix) + body.nbytes + len(trailer)
-            written = os.pwritev(fd, [prefix, body, trailer], offset)
-            ok = written == total
-        except OSError:
-            ok = False
-        with self._lock:
-            del self._pending[h]
-            if ok:
-                self._index[h] = slot
-                self._removed.pop(h, None)  # present again: no longer removed
-                self._stats.puts += 1
-                self._stats.bytes_written += written
-            else:
-                self._stats.errors += 1
-                self._stats.dropped += 1
-                heapq.heappush(self._free, slot)
-        return ok
-
-    def put(self, meta: BlockMeta, data: Buffer) -> bool:
-        """Store one block (on the caller's thread); ``True`` once it is on disk (or already was).
-
-        ``False`` when it could not be stored (every slot pinned by reads, an I/O error): counted,
-        never raised.
-        """
-        return self._put_work(self._check_meta(meta), self._check_payload(data))
-
-    def put_async(self, meta: BlockMeta, data: Buffer) -> "Future[bool]":
-        """:meth:`put` on the thread pool. ``data`` must stay unchanged until the future is done.
-
-        Arguments are checked here, on the caller's thread; the future never holds an exception.
-        """
-        return self._pool.submit(self._put_work, self._check_meta(meta), self._check_payload(data))
-
-    # ---------------------------------------------------------------- reads
-
-    def _get_work(self, meta: BlockMeta, out: Optional[memoryview]) -> Optional[memoryview]:
-        h = meta.block_hash
-        with self._lock:
-            slot = self._index.get(h)
-            if slot is None:
-                self._stats.misses += 1
-                return None
-            self._index.move_to_end(h)
-            self._pins[slot] = self._pins.get(slot, 0) + 1
-        body = out if out is not None else memoryview(bytearray(self.block_bytes))
-        prefix = bytearray(HEADER_BYTES + 4 * len(meta.token_ids))
-        trailer = bytearray(TRAILER_BYTES)
-        reason: Optional[Reason]
-        read = 0
-        try:
-            fd, offset = self._locate(slot)
-            read = os.preadv(fd, [prefix, body, trailer], offset)
-            if read < len(prefix) + body.nbytes + TRAILER_BYTES:
-                reason = Reason.TRUNCATED
-            else:
-                reason = verify_split(
-                    prefix, body, trailer, fingerprint=self.fingerprint, block_hash=h,
-                    token_ids=meta.token_ids, salt_digest=meta.salt_digest, secret=self.secret,
-                )
-        except OSError:
-            reason = None
-        with self._lock:
-            pins = self._pins[slot] - 1
-            if pins:
-                self._pins[slot] = pins
-            else:
-                del self._pins[slot]
-                if slot in self._dead:
-                    self._dead.discard(slot)
-                    heapq.heappush(self._free, slot)
-            self._stats.bytes_read += read
-            if reason is Reason.OK:
-                self._stats.hits += 1
-                return body
-            self._stats.misses += 1
-            if reason is None:
-                self._stats.errors += 1
-            else:
-                counter = reason.counter
-                setattr(self._stats, counter, getattr(self._stats, counter) + 1)
-                if counter != "mismatched":
-                    # Corrupt, forged or foreign bytes under this hash: the slot is free space. A
-                    # mismatch (another tenant's salt, a collision) is a valid block for someone else.
-                    self._forget(h, slot, report=True)
-        return None
-
-    def get(self, meta: BlockMeta) -> Optional[bytes]:
-        """The block's bytes if stored and verified, else ``None`` (on the caller's thread).
-
-        One copy more than :meth:`get_into`, which reads into the caller's buffer.
-        """
-        return self._get_bytes(self._check_meta(meta))
-
-    def get_async(self, meta: BlockMeta) -> "Future[Optional[bytes]]":
-        """:meth:`get` on the thread pool; the future never holds an exception."""
-        meta = self._check_meta(meta)
-        return self._pool.submit(self._get_bytes, meta)
-
-    def _get_bytes(self, meta: BlockMeta) -> Optional[bytes]:
-        view = self._get_work(meta, None)
-        return None if view is None else bytes(view)
-
-    def get_into(self, meta: BlockMeta, out: Buffer) -> bool:
-        """Read the block straight into the writable ``block_bytes`` buffer ``out`` (a host slot).
-
-        ``True`` when ``out`` now holds the verified block; on ``False`` its contents are unspecified.
-        """
-        view = self._check_out(out)
-        return self._get_work(self._check_meta(meta), view) is not None
-
-    def get_into_async(self, meta: BlockMeta, out: Buffer) -> "Future[bool]":
-        """:meth:`get_into` on the thread pool; ``out`` must not be touched until the future is done."""
-        view = self._check_out(out)
-        meta = self._check_meta(meta)
-        return self._pool.submit(lambda: self._get_work(meta, view) is not None)
-
-    def _check_out(self, out: Buffer) -> memoryview:
-        view = self._check_payload(out, "out")
-        if view.readonly:
-            raise InvalidArgumentError(
-                "out must be a writable buffer", what="out", value=type(out).__name__, reason="read-only"
-            )
-        return view
-
-    # ---------------------------------------------------------------- lookups and maintenance
-
-    def contains(self, block_hash: int) -> bool:
-        """Whether the block is stored (its bytes are checked only when read)."""
-        self._check_open()
-        h = self._check_hash(block_hash)
-        with self._lock:
-            return h in self._index
-
-    def longest_prefix(self, hashes: Sequence[int]) -> int:
-        """How many of the leading ``hashes`` are stored."""
-        self._check_open()
-        checked = [self._check_hash(h) for h in hashes]
-        with self._lock:
-            n = 0
-            for h in checked:
-                if h not in self._index:
-                    break
-                n += 1
-            return n
-
-    def remove(self, block_hash: int) -> bool:
-        """Drop one block; ``True`` if it was stored."""
-        self._check_open()
-        h = self._check_hash(block_hash)
-        with self._lock:
-            slot = self._index.get(h)
-            if slot is None:
-                return False
-            self._forget(h, slot)
-            return True
-
-    def stats(self) -> TierStats:
-        """A snapshot of the counters, with the blocks held and the space they use."""
-        with self._lock:
-            blocks = len(self._index)
-            return replace(
-                self._stats,
-                blocks=blocks,
-                usage_bytes=blocks * self.slot_bytes,
-                capacity_bytes=self.num_slots * self.slot_bytes,
-            )
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._index)
-
     def close(self) -> None:
         """Finish queued I/O, close the files and release the directory's lock. Idempotent.
 
@@ -730,20 +244,3 @@ class DiskStore:
             return None
         return cls(path, int(getattr(config, "disk_cache_memory")), fingerprint, block_bytes,
                    secret=secret_for_config(config))
-
-
-def _preallocate(fd: int, size: int) -> None:
-    """Reserve ``size`` bytes for ``fd`` (a file system without fallocate gets a sparse file)."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-        os.ftruncate(fd, size)
-
-
-def _unlink_quietly(dir_fd: int, name: str) -> None:
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except OSError:
-        pass
