@@ -1,0 +1,184 @@
+"""The scheduler's batch builder (:class:`_BatchMixin`, a base of
+:class:`pagedkv.scheduler.Scheduler`): one step's decodes, swap-ins, prompt chunks and admissions
+(:meth:`schedule`), built into the step buffers, and :meth:`postprocess` once the step ran.
+
+Invariants (with the scheduler's, in :mod:`pagedkv.scheduler`): a step's tokens never exceed
+``max_num_batched_tokens`` nor its sequences ``max_num_seqs`` (except one first chunk in an
+otherwise empty step); no admission and no swap-in in a step that preempted; admissions are first
+come first served among the sequences the admission gate lets in.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence as SequenceT
+
+from ._sched_preempt import _PreemptMixin
+from ._sched_seq import GATE_SCAN, AdmissionGate, ScheduledBatch, Sequence, SequenceStatus
+from .errors import InvalidArgumentError, OutOfBlocksError
+
+
+class _BatchMixin(_PreemptMixin):
+    """Building and recording the steps of :class:`pagedkv.scheduler.Scheduler` (its state is set
+    there)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    admission_gate: Optional[AdmissionGate]
+    metrics_hook: Optional[Callable[[], None]]
+    num_recomputed_tokens: int
+    num_steps: int
+    _admissions: int
+
+    def schedule(self) -> ScheduledBatch:
+        """Picks this step's batch, reserves its blocks and builds it into the step buffers.
+
+        Returns an empty batch (``is_empty``) when nothing can run. Raises
+        :class:`SchedulerCapacityError` when a lone running sequence cannot grow.
+        """
+        hook = self.metrics_hook
+        if hook is not None:
+            self.metrics_hook = None
+            hook()
+        batch = ScheduledBatch()
+        while True:
+            self._schedule_into(batch)
+            if batch.seqs or not self.running:
+                break
+            # Running sequences exist but none could be given a token (their next chunks do not
+            # fit the pool): make room by preempting the newest, then try again.
+            self._preempt_for_room(batch, self.running[-1])
+        if batch.seqs:
+            ids = [s.seq_id for s in batch.seqs]
+            batch.step = self.manager.step(ids, batch.num_new_tokens)
+            batch.buffers = getattr(self.manager, "buffers", None)
+            self.num_steps += 1
+        return batch
+
+    def _schedule_into(self, batch: ScheduledBatch) -> None:
+        m = self.manager
+        budget = self.max_num_batched_tokens
+        seqs: List[Sequence] = []
+        news: List[int] = []
+
+        # 1. Decodes, one append_batch for all; preempt the newest until the appends fit.
+        while True:
+            decodes = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]
+            if len(decodes) > self.max_num_seqs:
+                decodes = decodes[:self.max_num_seqs]
+            if not decodes:
+                break
+            try:
+                m.append_batch([s.seq_id for s in decodes], [s.token_ids[-1] for s in decodes])
+                break
+            except OutOfBlocksError:
+                self._preempt_for_room(batch, decodes[-1])
+        seqs.extend(decodes)
+        news.extend([1] * len(decodes))
+        budget -= len(decodes)
+        batch.num_decodes = len(decodes)
+
+        # 1b. Swapped-out groups come back, oldest first, unless this step had to preempt; those
+        # whose next token is a decode join this step's decodes (the swap-in pairs go out with
+        # this step, and the runner copies them in before the forward reads them).
+        if self.swapped and not batch.preempted:
+            back = self._swap_in(batch, self.max_num_seqs - sum(q.n for q in self.running))
+            dec = [q for q in back if q.num_uncomputed_tokens == 1][: self.max_num_seqs - len(seqs)]
+            if dec:
+                try:
+                    m.append_batch([q.seq_id for q in dec], [q.token_ids[-1] for q in dec])
+                except OutOfBlocksError:
+                    dec = []  # they decode next step
+                seqs.extend(dec)
+                news.extend([1] * len(dec))
+                budget -= len(dec)
+                batch.num_decodes += len(dec)
+
+        # 2. Chunks of prompts already admitted, oldest first.
+        for s in self.running:
+            if budget <= 0 or len(seqs) >= self.max_num_seqs:
+                break
+            left = s.num_uncomputed_tokens
+            if left <= 1:
+                continue
+            if left > budget and not self.enable_chunked_prefill:
+                if seqs:
+                    break
+                k = left
+            else:
+                k = min(left, budget)
+            start = s.num_computed_tokens
+            try:
+                m.append(s.seq_id, s.token_ids[start:start + k])
+            except OutOfBlocksError:
+                break
+            seqs.append(s)
+            news.append(k)
+            budget -= k
+
+        # 3. Admissions, FCFS; none in a step that preempted, nor while a swapped-out group waits to
+        # come back (it goes first). `occupied` counts the sequences the running ones will become
+        # once their pending forks are made.
+        occupied = sum(q.n for q in self.running)
+        gate = self.admission_gate
+        while self.waiting and not batch.preempted and not self.swapped and budget > 0 \
+                and len(seqs) < self.max_num_seqs:
+            at = 0 if gate is None else self._first_ready(gate)
+            if at is None:
+                break
+            s = self.waiting[at]
+            if occupied + s.n > self.max_num_seqs:
+                break
+            chunk = budget if self.enable_chunked_prefill else None
+            try:
+                r = m.admit(s.seq_id, s.token_ids, cache_salt=s.cache_salt, max_new_tokens=chunk)
+            except OutOfBlocksError:
+                break
+            k = r.num_tokens - r.cached_tokens
+            if not self.enable_chunked_prefill and k > budget and seqs:
+                m.free(s.seq_id)  # does not fit this step's budget: next step, on its own
+                break
+            if at == 0:
+                self.waiting.popleft()
+            else:
+                del self.waiting[at]
+            if gate is not None:
+                gate.admitted(s, r)
+            if s.num_preemptions:
+                self.num_recomputed_tokens += len(s.token_ids) - r.cached_tokens
+            s.status = SequenceStatus.RUNNING
+            s.num_computed_tokens = r.cached_tokens
+            s.num_cached_tokens = r.cached_tokens
+            self._admissions += 1
+            s.admitted_order = self._admissions
+            self.running.append(s)
+            occupied += s.n
+            seqs.append(s)
+            news.append(k)
+            budget -= k
+
+        batch.seqs = seqs
+        batch.num_new_tokens = news
+
+    def _first_ready(self, gate: "AdmissionGate") -> Optional[int]:
+        """Index of the first waiting sequence the gate lets in, among the first
+        :data:`GATE_SCAN` (so a long queue of fetching requests costs a bounded scan); None."""
+        for i, q in enumerate(self.waiting):
+            if i >= GATE_SCAN:
+                return None
+            if gate.ready(q):
+                return i
+        return None
+
+    def postprocess(self, batch: ScheduledBatch, sampled: SequenceT[Optional[int]]) -> None:
+        """Records that ``batch`` ran: advances each sequence past its new tokens and appends the
+        token sampled for it (``None`` where the step did not complete its known tokens)."""
+        if len(sampled) != len(batch.seqs):
+            raise InvalidArgumentError(
+                f"invalid argument: sampled has {len(sampled)} entries for a batch of "
+                f"{len(batch.seqs)}", what="sampled", value=len(sampled),
+                reason=f"must equal the batch size ({len(batch.seqs)})")
+        for s, n, t in zip(batch.seqs, batch.num_new_tokens, sampled):
+            s.num_computed_tokens += n
+            if t is not None:
+                s.token_ids.append(int(t))

@@ -1,0 +1,164 @@
+"""The simulator's inputs and results: :class:`SimConfig` (the pool and the scheduler's limits,
+validated on construction), :class:`PolicyResult` (what one policy achieved) and :class:`SimResult`
+(both policies on one workload).
+
+Invariants: a constructed :class:`SimConfig` holds only valid values (bad ones raise
+:class:`pagedkv.errors.InvalidConfigError` naming the field); the results are plain data, filled by
+:mod:`pagedkv._sim_exec` and read by the reports. Imported through :mod:`pagedkv.simulate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from ._checks import DEFAULT_BLOCK_SIZE, check_block_size
+from .errors import InvalidConfigError
+from .workload import WorkloadConfig
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The pool and the scheduler's limits.
+
+    ``watermark_blocks=None`` takes the manager's default reserve.
+    """
+
+    num_blocks: int
+    block_size: int = DEFAULT_BLOCK_SIZE
+    watermark_blocks: Optional[int] = None
+    max_num_seqs: int = 512
+    max_prefill_tokens: int = 16384
+    enable_prefix_caching: bool = True
+    check_every: int = 0
+    #: Host KV blocks for swapped-out sequences (0: every preemption recomputes).
+    num_host_blocks: int = 0
+    #: ``"auto"`` (the manager's cost model per victim), ``"swap"`` or ``"recompute"``.
+    preemption_mode: str = "auto"
+    #: The cost model's rates (``"auto"`` with a host pool): assumed, not measured, in a simulation.
+    host_link_bytes_per_s: float = 50e9
+    prefill_tokens_per_s: float = 20_000.0
+    #: Seconds a step costs however few tokens it carries (the cost model's step floor; 0: linear).
+    step_floor_s: float = 0.0
+    #: KV bytes per token, for the cost model (the model's ``CacheSpec.bytes_per_token``).
+    kv_bytes_per_token: int = 131_072
+    #: Host blocks of the prefix cache's host tier (0: none); added to ``num_host_blocks``.
+    host_cache_blocks: int = 0
+    #: Blocks of the modelled disk tier under the host tier (0: none; needs a host tier).
+    disk_cache_blocks: int = 0
+    #: The disk tier's read rate for the modelled TTFT.
+    disk_bytes_per_s: float = 3e9
+
+    def __post_init__(self) -> None:
+        # The simulation drives the block manager only: its block-size rule, not the pool's.
+        check_block_size(self.block_size, pool=False)
+        for name, minimum in (("num_blocks", 1), ("max_num_seqs", 1),
+                              ("max_prefill_tokens", 1), ("check_every", 0),
+                              ("num_host_blocks", 0), ("kv_bytes_per_token", 1),
+                              ("host_cache_blocks", 0), ("disk_cache_blocks", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise InvalidConfigError(
+                    f"invalid simulation config: {name} = {value!r}: must be an integer >= {minimum}",
+                    field=name, value=value, reason=f"must be an integer >= {minimum}",
+                )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise InvalidConfigError(
+                f"invalid simulation config: enable_prefix_caching = {self.enable_prefix_caching!r}: "
+                "must be a bool",
+                field="enable_prefix_caching", value=self.enable_prefix_caching,
+                reason="must be a bool",
+            )
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise InvalidConfigError(
+                f"invalid simulation config: preemption_mode = {self.preemption_mode!r}: must be "
+                "'auto', 'swap' or 'recompute'", field="preemption_mode",
+                value=self.preemption_mode, reason="unknown mode")
+        if self.disk_cache_blocks and not self.host_cache_blocks:
+            raise InvalidConfigError(
+                f"invalid simulation config: disk_cache_blocks = {self.disk_cache_blocks}: needs "
+                "host_cache_blocks (the disk tier is filled from the host tier)",
+                field="disk_cache_blocks", value=self.disk_cache_blocks,
+                reason="needs host_cache_blocks")
+        if self.host_cache_blocks and not self.enable_prefix_caching:
+            raise InvalidConfigError(
+                f"invalid simulation config: host_cache_blocks = {self.host_cache_blocks}: needs "
+                "enable_prefix_caching", field="host_cache_blocks",
+                value=self.host_cache_blocks, reason="needs enable_prefix_caching")
+        for name in ("host_link_bytes_per_s", "prefill_tokens_per_s", "disk_bytes_per_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise InvalidConfigError(
+                    f"invalid simulation config: {name} = {v!r}: must be a positive number",
+                    field=name, value=v, reason="must be > 0")
+        f = self.step_floor_s
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < float("inf"):
+            raise InvalidConfigError(
+                f"invalid simulation config: step_floor_s = {f!r}: must be a number >= 0",
+                field="step_floor_s", value=f, reason="must be >= 0")
+        wm = self.watermark_blocks
+        if wm is not None and (isinstance(wm, bool) or not isinstance(wm, int) or wm < 0):
+            raise InvalidConfigError(
+                f"invalid simulation config: watermark_blocks = {wm!r}: must be an integer >= 0",
+                field="watermark_blocks", value=wm, reason="must be an integer >= 0",
+            )
+
+
+@dataclass
+class PolicyResult:
+    """What one policy (paged or contiguous) achieved on the workload."""
+
+    policy: str
+    steps: int = 0
+    requests_served: int = 0
+    output_tokens: int = 0
+    peak_concurrency: int = 0
+    mean_concurrency: float = 0.0
+    kv_utilization_mean: float = 0.0
+    kv_utilization_peak: float = 0.0
+    waste_tokens_per_seq: float = 0.0
+    waste_fraction: float = 0.0
+    mean_queue_steps: float = 0.0
+    mean_latency_steps: float = 0.0
+    preemptions: int = 0
+    #: Of ``preemptions``: sequences swapped out to the host pool / freed and recomputed.
+    preemptions_swap: int = 0
+    preemptions_recompute: int = 0
+    #: Sequences swapped back in.
+    swap_ins: int = 0
+    recomputed_prompt_tokens: int = 0
+    prefix_hit_ratio: float = 0.0
+    blocks_saved_by_sharing_mean: float = 0.0
+    blocks_saved_by_sharing_peak: int = 0
+    cow_copies: int = 0
+    evictions: int = 0
+    max_concurrency_limit: int = 0
+    #: Prompt tokens served at admission by each tier (``"gpu"``, ``"host"``, ``"disk"``; paged
+    #: runs with a host tier only) over the prompt tokens admitted.
+    prefix_hits_by_tier: dict[str, int] = field(default_factory=dict)
+    admitted_prompt_tokens: int = 0
+    #: Modelled time to first token per admission (prefill of the uncached tokens plus loads
+    #: from the host and disk tiers at their rates; queueing excluded): mean and p90, seconds.
+    modelled_ttft_mean_s: float = 0.0
+    modelled_ttft_p90_s: float = 0.0
+    #: Per-step series for plots: "concurrency", "utilization", "waiting".
+    timeline: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.output_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def requests_per_step(self) -> float:
+        return self.requests_served / self.steps if self.steps else 0.0
+
+
+@dataclass
+class SimResult:
+    workload: WorkloadConfig
+    sim: SimConfig
+    watermark_blocks: int
+    paged: PolicyResult
+    contiguous: PolicyResult
