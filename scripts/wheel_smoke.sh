@@ -135,7 +135,7 @@ err=$("$venv/bin/pagedkv" demo --quiet 2>&1 >/dev/null)
 rc=$?
 set -e
 if ! { [ $rc -eq 2 ] && [ "$(printf '%s\n' "$err" | wc -l)" -eq 1 ] \
-        && [[ "$err" == *"pip install 'pagedkv["* ]]; }; then
+        && [[ "$err" == *"pip install '.["*"in a clone"* ]]; }; then
     die "pagedkv demo without torch: status $rc, stderr: $err"
 fi
 echo "wheel_smoke: $out; plan, simulate OK without torch; demo: $err"
