@@ -20,11 +20,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 
 import torch
 
 from pagedkv import kernels as K
+
+from bench_kernels import graph_time_us  # noqa: E402  (benches/ is the script's directory)
 
 DT = torch.bfloat16
 CONTEXTS = (4096, 32768, 131072)
@@ -36,32 +37,10 @@ SHAPES = (
 )
 
 
-def graph_us(fns, reps=30, inner=4):
-    """Median per-call time (µs) of the rotation `fns`, replayed as one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            for f in fns:
-                f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0 / (inner * len(fns)))
-    return statistics.median(times)
+def graph_us(fns):
+    """Median per-call time (µs) of the rotation `fns`, replayed as one CUDA graph (the kernel
+    bench's timer: 30 replays of 4 rounds of a 3-copy rotation)."""
+    return graph_time_us(fns, inner=4, reps=30)
 
 
 def make_copy(batch, ctx, q_heads, kv_heads, hd, bs, window, seed):
