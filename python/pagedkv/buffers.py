@@ -203,8 +203,9 @@ class StepBuffers:
         max_tokens: Most new tokens in one step (length of ``slot_mapping``).
         max_blocks_per_seq: Width of a block-table row; must be at least the manager's
             ``max_blocks_per_seq`` for every sequence to fit.
-        max_copies: Most pending copy-on-write pairs one step can carry; defaults to ``max_seqs``
-            (each sequence copies at most its tail block per step).
+        max_copies: Most pending copy-on-write pairs one step can carry; defaults to
+            ``max_seqs * num_groups`` (each sequence copies at most its tail block per group per
+            step).
         max_swaps: Most pairs of each swap list (``swap_out``, ``swap_in``) one step can carry;
             more stay queued for later steps. Defaults to ``2 * max_blocks_per_seq`` (two whole
             sequences each way per step). With a host tier give at least the pool's block count
@@ -253,15 +254,15 @@ class StepBuffers:
         self.max_seqs = _check_dim("max_seqs", max_seqs, 1)
         self.max_tokens = _check_dim("max_tokens", max_tokens, 1)
         self.max_blocks_per_seq = _check_dim("max_blocks_per_seq", max_blocks_per_seq, 1)
-        self.max_copies = _check_dim(
-            "max_copies", max_seqs if max_copies is None else max_copies, 0
-        )
         self.max_swaps = _check_dim(
             "max_swaps", 2 * self.max_blocks_per_seq if max_swaps is None else max_swaps, 0
         )
         self.csr = check_flag("csr", csr)
         #: KV cache groups these buffers are for.
         self.num_groups = _check_dim("num_groups", num_groups, 1)
+        self.max_copies = _check_dim(
+            "max_copies", self.max_seqs * self.num_groups if max_copies is None else max_copies, 0
+        )
         torch = self._pick_backend(backend, device)
         dev: Any
         if torch is None:

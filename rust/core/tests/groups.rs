@@ -290,6 +290,48 @@ fn prefix_hit_keeps_what_each_group_reads_and_does_not_collapse() {
     m.check_invariants().unwrap();
 }
 
+#[test]
+fn a_step_cannot_recompute_positions_a_group_released() {
+    // B = 4, sliding W = 1, chunked C = 1. Sequence 1 computes [4, 5, 6, 4]; sequence 2's prompt
+    // starts with it, so its admission hits 4 tokens and its windowed groups' block 0 is null.
+    // Recomputing the whole prompt would read and write released blocks: refused, unchanged.
+    let g = vec![
+        FULL,
+        AttentionKind::Sliding { window: 1 },
+        AttentionKind::Chunked { chunk: 1 },
+    ];
+    let mut m = BlockManager::new(cfg(48, 4, g)).unwrap();
+    let mut b = Bufs::new(&m);
+    m.admit(1, &[4, 5, 6, 4]).unwrap();
+    b.step(&mut m, &[1], &[4]).unwrap();
+    let p = [4, 5, 6, 4, 5, 6, 4, 5, 6, 4, 5];
+    assert_eq!(m.admit(2, &p).unwrap().cached_tokens, 4);
+    let before: Vec<Vec<u32>> = (0..3)
+        .map(|g| m.block_table_group(2, g).unwrap().to_vec())
+        .collect();
+    let free = m.num_free_blocks();
+    match b.step(&mut m, &[2], &[11]) {
+        Err(Error::InvalidArgument {
+            what,
+            value,
+            reason,
+        }) => {
+            assert_eq!((what, value), ("num_new", 11));
+            assert!(reason.contains("at most its last 7 of 11"), "{reason}");
+        }
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+    for (g, t) in before.iter().enumerate() {
+        assert_eq!(m.block_table_group(2, g).unwrap(), &t[..]);
+    }
+    assert_eq!(m.num_free_blocks(), free);
+    // The uncached tail steps; so does a batch holding both sequences.
+    b.step(&mut m, &[2], &[7]).unwrap();
+    m.append_batch(&[1, 2], &[0, 0]).unwrap();
+    b.step(&mut m, &[1, 2], &[1, 1]).unwrap();
+    m.check_invariants().unwrap();
+}
+
 /// The group-1 block sequence `seq` holds at index `i` (checked to be hashed: a revived hit).
 fn g1_released(m: &BlockManager, seq: u64, i: usize) -> u32 {
     let b = m.block_table_group(seq, 1).unwrap()[i];

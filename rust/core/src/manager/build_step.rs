@@ -19,7 +19,7 @@ use super::tier::{offload, registered};
 use super::{BlockManager, Seq};
 use crate::error::{Error, Result};
 use crate::events::Medium;
-use crate::groups::group_hash;
+use crate::groups::{group_hash, release_threshold};
 use crate::prefix::FastMap;
 use crate::step::{GroupStepBuffers, StepBuffers, StepInfo};
 use crate::swap::HostBlockId;
@@ -604,6 +604,9 @@ impl BlockManager {
                     ),
                 });
             }
+            if self.windowed {
+                self.check_computable(seqs[k], i as usize, n)?;
+            }
             tokens += n;
             max_query = max_query.max(n);
             kv += t.blocks.len();
@@ -658,6 +661,40 @@ impl BlockManager {
             out.copies.len(),
         )?;
         Ok((tokens, kv, max_len, max_query, csr, needed))
+    }
+}
+
+impl BlockManager {
+    /// `InvalidArgument` unless every position of the last `n` tokens of `slot` (`seq`) still has
+    /// its blocks, and the blocks its queries read, in every windowed group: a group whose table
+    /// starts with `start` null entries can compute only from the position where those blocks are
+    /// dead ([`release_threshold`]). A prefix hit's null entries and a step's releases set
+    /// `start`; a caller recomputing cached tokens past them would read and write released
+    /// blocks.
+    #[inline(never)]
+    fn check_computable(&self, seq: SeqId, slot: usize, n: usize) -> Result<()> {
+        let s = &self.slots[slot];
+        let len = s.table.num_tokens;
+        let first = self
+            .kinds
+            .iter()
+            .zip(&s.extra)
+            .filter(|(_, t)| t.start > 0)
+            .map(|(&kind, t)| release_threshold(kind, t.start, self.bs))
+            .max()
+            .unwrap_or(0);
+        if len - n < first {
+            return Err(Error::InvalidArgument {
+                what: "num_new",
+                value: n as i64,
+                reason: format!(
+                    "sequence {seq} has released the blocks of its positions before {first} in a \
+                     windowed group; a step may compute at most its last {} of {len} tokens",
+                    len - first
+                ),
+            });
+        }
+        Ok(())
     }
 }
 
