@@ -230,7 +230,7 @@ class StepBuffers:
 
     Raises:
         InvalidArgumentError: A size is not a positive int (``max_copies`` may be 0; ``num_groups``
-            at most 16), ``csr`` is not
+            at most 64), ``csr`` is not
             a bool, ``backend`` is not one of :data:`BACKENDS` or None, or ``device`` is not
             ``cpu`` or an available CUDA device (only ``cpu`` with the ``"numpy"`` backend).
         MissingDependencyError: ``backend="torch"``, or a device other than the host, without

@@ -104,7 +104,7 @@ class BlockManager(
 
     Raises:
         InvalidConfigError: A value is out of range (no blocks, block size 0, watermark ≥ pool, a
-            group 0 that is not full, more than 16 groups, swap or KV events with groups, ...).
+            group 0 that is not full, more than 64 groups, swap or KV events with groups, ...).
         InvalidArgumentError: A size is negative or not an int (a bool is not one), or a flag is
             not a bool.
     """

@@ -61,7 +61,7 @@ pub struct ManagerConfig {
 }
 
 /// Most KV cache groups one manager holds.
-pub const MAX_GROUPS: usize = 16;
+pub const MAX_GROUPS: usize = 64;
 
 impl ManagerConfig {
     /// Defaults: watermark 1% of the pool (at least 1, but 0 for a one-block pool), rows as wide

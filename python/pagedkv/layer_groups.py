@@ -1,0 +1,219 @@
+"""Which KV cache group each layer of a model belongs to, and where in a page its KV lives.
+
+Owns :func:`layer_kinds` (each layer's attention kind, read from a Hugging Face config),
+:class:`LayerGrouping` and :func:`group_layers` (the layers cut into KV cache groups of one page
+size). The manager (``groups=``) and the KV pool both follow a grouping: group ``g``'s block ``b``
+is page ``b`` of the one pool, and its ``j``-th layer's K and V live in that page's slot ``j``.
+
+Design. All groups draw pages from one pool, so a page must hold one group's layers for
+``block_size`` tokens. Every group therefore holds the same number of layers, :attr:`slots`
+(``m``); a kind with ``n`` layers gets ``ceil(n / m)`` groups, and the last one's unused slots are
+padding. :func:`group_layers` picks ``m`` to minimize the KV a sequence of ``context`` tokens
+needs, padding included, under the manager's group limit (ties: fewer groups). Gemma-3-27B (10
+full and 52 sliding layers) gets ``m = 2``: 31 groups and no padding, where one 10-layer page
+(vLLM's grouping) pads 8 sliding layers.
+
+Invariants:
+
+* Group 0 is full (the manager's rule: it carries the prefix-hash chain). A model whose every
+  layer is windowed runs as one full group: correct, since the kernels still skip keys outside
+  each layer's window, but holding every position (:attr:`LayerGrouping.saves_memory` is False).
+* Every layer is in exactly one group and one slot; groups of one kind are consecutive; a
+  group's layers are ascending, and only a kind's last group can have padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from .errors import InvalidConfigError
+from .groups import KVCacheGroup
+
+__all__ = ["LayerGrouping", "layer_kinds", "group_layers", "MAX_GROUPS"]
+
+#: Most KV cache groups one manager holds (the core's ``MAX_GROUPS``).
+MAX_GROUPS = 64
+
+_FULL = KVCacheGroup.full()
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, Mapping):
+        value = cfg.get(key, default)
+    else:
+        value = getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidConfigError(f"{name} = {value!r}: must be an int >= 1 (tokens)")
+    return value
+
+
+def layer_kinds(cfg: Any) -> List[KVCacheGroup]:
+    """Each decoder layer's attention kind, from a Hugging Face config (a mapping such as a
+    ``config.json``, or a ``PretrainedConfig``).
+
+    Read, in order: ``layer_types`` (``"full_attention"`` / ``"attention"``,
+    ``"sliding_attention"`` with ``sliding_window``, ``"chunked_attention"`` with
+    ``attention_chunk_size``); else ``sliding_window`` on every layer (Mistral), honouring
+    ``use_sliding_window`` and Qwen2's ``max_window_layers`` (layers from that index on slide), and
+    an older Gemma config's ``sliding_window_pattern`` (every ``n``-th layer full); else all full.
+    A multimodal config's ``text_config`` is read in its place.
+
+    Raises:
+        InvalidConfigError: No ``num_hidden_layers``, a ``layer_types`` of another length or with
+            an unknown entry, or a window or chunk that is not an int >= 1.
+    """
+    text = _get(cfg, "text_config")
+    if text is not None and _get(cfg, "num_hidden_layers") is None:
+        cfg = text
+    layers = _get(cfg, "num_hidden_layers")
+    _positive("num_hidden_layers", layers)
+    types = _get(cfg, "layer_types")
+    window = _get(cfg, "sliding_window")
+    if types is not None:
+        if not isinstance(types, (list, tuple)) or len(types) != layers:
+            raise InvalidConfigError(
+                f"layer_types must list one kind per layer ({layers}), got {types!r}"[:300]
+            )
+        out = []
+        for i, t in enumerate(types):
+            if t in ("full_attention", "attention"):
+                out.append(_FULL)
+            elif t == "sliding_attention":
+                out.append(KVCacheGroup.sliding(_positive("sliding_window", window)))
+            elif t == "chunked_attention":
+                chunk = _positive("attention_chunk_size", _get(cfg, "attention_chunk_size"))
+                out.append(KVCacheGroup.chunked(chunk))
+            else:
+                raise InvalidConfigError(
+                    f"layer_types[{i}] = {t!r}: not an attention layer this package knows "
+                    "(full_attention, sliding_attention, chunked_attention)"
+                )
+        return out
+    if window and _get(cfg, "use_sliding_window", True):
+        sliding = KVCacheGroup.sliding(_positive("sliding_window", window))
+        pattern = _get(cfg, "sliding_window_pattern")
+        first = _get(cfg, "max_window_layers", 0) if _get(cfg, "model_type") in (
+            "qwen2", "qwen2_moe", "qwen3", "qwen3_moe") else 0
+        out = []
+        for i in range(layers):
+            full = i < first or (pattern and (i + 1) % int(pattern) == 0)
+            out.append(_FULL if full else sliding)
+        return out
+    return [_FULL] * layers
+
+
+def _need(kind: KVCacheGroup, context: int, block_size: int) -> int:
+    """Blocks a layer of ``kind`` holds for a sequence at ``context`` tokens (its peak)."""
+    blocks = -(-context // block_size)
+    if kind.kind == "full":
+        return blocks
+    # The window plus the block it starts in (a chunk: the chunk's blocks), at most the context.
+    return min(blocks, -(-kind.size // block_size) + 1)
+
+
+@dataclass(frozen=True)
+class LayerGrouping:
+    """Layers cut into KV cache groups that share one page size.
+
+    Attributes:
+        groups: Each group's kind, group 0 full: what ``BlockManager(groups=)`` takes.
+        group_layers: Each group's model layers, ascending (fewer than :attr:`slots` only in a
+            kind's last group).
+        slots: Layers a page holds (every group's size, padding included).
+        layer_group: Each model layer's group.
+        layer_slot: Each model layer's slot in its group's pages.
+    """
+
+    groups: Tuple[KVCacheGroup, ...]
+    group_layers: Tuple[Tuple[int, ...], ...]
+    slots: int
+    layer_group: Tuple[int, ...]
+    layer_slot: Tuple[int, ...]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def padding(self) -> int:
+        """Page slots no layer uses."""
+        return self.slots * len(self.groups) - len(self.layer_group)
+
+    @property
+    def saves_memory(self) -> bool:
+        """Whether some group releases blocks (False for a one-full-group grouping)."""
+        return any(g.kind != "full" for g in self.groups)
+
+    def need_blocks(self, context: int, block_size: int) -> int:
+        """Pages one sequence of ``context`` tokens holds at its peak, summed over groups."""
+        return sum(_need(g, context, block_size) for g in self.groups)
+
+    def efficiency(self, kinds: Sequence[KVCacheGroup], context: int, block_size: int) -> float:
+        """The analytic optimum's per-sequence KV (every layer holding exactly its own blocks)
+        over this grouping's, padding included: the share of the optimum's concurrency reached."""
+        ideal = sum(_need(k, context, block_size) for k in kinds)
+        return ideal / (self.need_blocks(context, block_size) * self.slots)
+
+
+def _cut(kinds: Sequence[KVCacheGroup], m: int) -> LayerGrouping:
+    by_kind: Dict[KVCacheGroup, List[int]] = {}
+    for i, k in enumerate(kinds):
+        by_kind.setdefault(k, []).append(i)
+    order = sorted(by_kind, key=lambda k: (k.kind != "full", k.kind, k.size))
+    groups: List[KVCacheGroup] = []
+    members: List[Tuple[int, ...]] = []
+    for k in order:
+        ls = by_kind[k]
+        for s in range(0, len(ls), m):
+            groups.append(k)
+            members.append(tuple(ls[s : s + m]))
+    layer_group = [0] * len(kinds)
+    layer_slot = [0] * len(kinds)
+    for g, members_g in enumerate(members):
+        for j, layer in enumerate(members_g):
+            layer_group[layer], layer_slot[layer] = g, j
+    return LayerGrouping(tuple(groups), tuple(members), m, tuple(layer_group), tuple(layer_slot))
+
+
+def group_layers(
+    kinds: Sequence[KVCacheGroup],
+    context: int,
+    block_size: int,
+    *,
+    max_groups: int = MAX_GROUPS,
+) -> LayerGrouping:
+    """The grouping of ``kinds`` (one per layer, e.g. from :func:`layer_kinds`) whose sequences
+    of ``context`` tokens need the least KV, within ``max_groups`` groups (ties: fewer groups).
+
+    A model without a full layer gets one full group of every layer (see the module doc).
+
+    Raises:
+        InvalidConfigError: No layers, an entry that is not a :class:`KVCacheGroup`, or a
+            ``context`` / ``block_size`` / ``max_groups`` that is not an int >= 1.
+    """
+    kinds = list(kinds)
+    if not kinds or not all(isinstance(k, KVCacheGroup) for k in kinds):
+        raise InvalidConfigError("kinds must list each layer's KVCacheGroup (at least one)")
+    _positive("context", context)
+    _positive("block_size", block_size)
+    _positive("max_groups", max_groups)
+    if all(k.kind != "full" for k in kinds) or all(k.kind == "full" for k in kinds):
+        return _cut([_FULL] * len(kinds), len(kinds))
+    best: Optional[Tuple[int, int, int]] = None
+    for m in range(1, len(kinds) + 1):
+        g = _cut(kinds, m)
+        if g.num_groups > max_groups:
+            continue
+        key = (g.need_blocks(context, block_size) * m, g.num_groups, m)
+        if best is None or key < best:
+            best = key
+    if best is None:
+        raise InvalidConfigError(
+            f"the model's {len(set(kinds))} attention kinds need more than {max_groups} groups"
+        )
+    return _cut(kinds, best[2])
