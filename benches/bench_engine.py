@@ -43,6 +43,14 @@ from _dims import add_model_args, llama_config, model_dims
 
 COPY_BW = 4.24e12  # bytes/s: the H200 copy bandwidth the project's kernel targets use
 SPEC_BW = 4.8e12  # bytes/s: the H200's HBM3e bandwidth, the decode-step floor's denominator
+#: Datasheet HBM bandwidth by device name (the floor's denominator): H100 SXM 3.35 TB/s.
+SPEC_BW_BY_NAME = {"H200": 4.8e12, "H100": 3.35e12}
+
+
+def spec_bandwidth() -> float:
+    """The current device's datasheet HBM bandwidth (the H200's when the name is not known)."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return next((bw for key, bw in SPEC_BW_BY_NAME.items() if key in name), SPEC_BW)
 
 
 def build_model(args):
@@ -333,7 +341,7 @@ def engine_arm(loaded, args, batches, fused):
         wb = weight_bytes_per_step(loaded.model, b)
         roof = wb + bd.get("kv_bytes", 0)
         res["weight_bytes_per_step"] = wb
-        res["floor_ms"] = 1e3 * roof / SPEC_BW
+        res["floor_ms"] = 1e3 * roof / spec_bandwidth()
         res["floor_ms_copy_bw"] = 1e3 * roof / COPY_BW
         res["floor_fraction_step"] = res["floor_ms"] / res["decode_step_ms_median"]
         if bd:
@@ -402,7 +410,7 @@ def main(argv=None) -> int:
     loaded = build_model(args)
     report = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
               "args": vars(args), "build_s": time.perf_counter() - t0,
-              "spec_bandwidth": SPEC_BW, "copy_bandwidth": COPY_BW, "arms": {}}
+              "spec_bandwidth": spec_bandwidth(), "copy_bandwidth": COPY_BW, "arms": {}}
     # The unfused arm first: fusing re-points the model's projection weights (views, same values).
     for fused in ([False, True] if args.ab else [True]):
         report["arms"]["fused" if fused else "unfused"] = engine_arm(loaded, args, args.batches,

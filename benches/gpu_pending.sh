@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Runs, on a CUDA machine, what is built and tested on the CPU but not yet measured on a GPU, in
+# parts that each fit one 10-minute device call. Each step has its own time limit and writes its
+# log (and JSON) under $OUT as it goes, so a call cut short still returns what finished.
+# Usage (repository root): OUT=/some/dir bash benches/gpu_pending.sh [engine|groups]
+#   engine: the gpu tests changed since their last compiled run (the disk tier through the engine
+#           with a pinned prefill rate; the local-kernel plan tests); then bench_engine.py at
+#           batch 32, 128 and 256 (decode against the memory floor of the device it runs on) and
+#           transformers' compiled static-cache generate at batch 1 and 128 beside LLM.generate.
+#   groups: the gpu tests of KV cache groups (hybrid models through the engine in bf16, the
+#           window/chunk/sink kernels compiled).
+set -u -o pipefail
+. "$(dirname "$0")/gpu_env.sh"
+part="${1:-engine}"
+rc=0
+step() {  # step NAME SECONDS CMD...: runs CMD under a time limit, its output to $OUT/NAME.log
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s)"
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  local r=${PIPESTATUS[0]}
+  echo "== $name rc=$r"
+  [ "$r" -eq 0 ] || rc=1
+}
+xdist=""
+"$PY" -c "import xdist" 2>/dev/null && xdist="-n 4"
+case "$part" in
+  engine)
+    step gpu_tests_fixed 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider $xdist \
+      tests/test_tiers_engine.py tests/test_kernels_local.py
+    step bench_engine 420 "$PY" benches/bench_engine.py --batches 1,32,128,256 --llm \
+      --transformers 1,128 --json "$OUT/bench_engine.json"
+    ;;
+  groups)
+    step gpu_tests_groups 400 "$PY" -m pytest -m gpu -q -p no:cacheprovider $xdist \
+      tests/test_kernels_local.py tests/test_engine_groups.py
+    ;;
+  *)
+    echo "usage: OUT=DIR bash benches/gpu_pending.sh [engine|groups]" >&2
+    exit 2
+    ;;
+esac
+exit $rc
