@@ -25,29 +25,12 @@ from typing import Any, Dict, List
 
 import pytest
 
-from test_serve import CHAT, NAME, Server, httpx, openai  # noqa: F401  (skips as test_serve does)
-from tiny_llama import save_tiny_llama
+from serve_server import (  # noqa: F401  (fixtures; skips without the serve extras)
+    CHAT, NAME, Server, client, httpx, model_dir, openai, server,
+)
 from polling import wait_for
 
 MARK = "w99 w98 w97"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    s = Server(model_dir)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
-                         timeout=60)
 
 
 class _Gate:
