@@ -20,7 +20,8 @@ size 16. The same KV memory (``--kv-gib``) is run three ways:
 The trace: chat sessions, each a shared 512-token system prompt, a document of 2000–6000 tokens
 and then 6 turns of a user message (50–300 tokens) and an answer (100–600 tokens); each turn's
 prompt is the session's whole history plus the new message, so it can hit the history in the
-prefix cache. ``N`` turns run at once (a lockstep decode batch: one token a step each); there are
+prefix cache. A prompt is prefilled in chunks of 2048 tokens (``--prefill-chunk``), a step each,
+as an engine's chunked prefill does. ``N`` turns run at once (a lockstep decode batch: one token a step each); there are
 ``3 N`` sessions, and when a turn ends a session chosen at random among the idle ones takes the
 next turn (sessions interleave; a finished session is replaced by a new one). For each target
 occupancy (25%–95%), ``N`` is the target times the pool over the mean pages a running turn holds
@@ -30,7 +31,9 @@ share of the pool and the rest keeps cached histories. Measured after a warm-up 
 step), the mean concurrency, and the prefix hit ratio (cached prompt tokens over prompt tokens of
 the turns admitted, retries after a preemption not counted). A decode step that runs out of pages
 preempts the newest turn (freed, retried later). The ceiling is the hit ratio of an unbounded
-cache (the history's full blocks).
+cache (the history's full blocks). Of the turns after a session's first: ``whole``, the share
+whose hit covered the whole history; ``partial``, the share that hit part of it (more than the
+system prompt, less than the whole).
 
 Prints a table, writes JSON (``--json``) and plots hit ratio and concurrency against occupancy
 (``--plot``, matplotlib; skipped with a message when it is not installed).
@@ -59,6 +62,9 @@ SPEC = CacheSpec(num_layers=LAYERS, num_kv_heads=16, head_dim=128, dtype="bfloat
 LAYER_BYTES = SPEC.bytes_per_token // LAYERS  # per token
 SYSTEM = 512
 TURNS = 6
+#: Prompt tokens a prefill step computes (chunked prefill): the windowed groups hold a chunk
+#: plus a window while prefilling, not the whole prompt.
+CHUNK = 2048
 
 
 # ------------------------------------------------------------------------------------ the trace
@@ -125,11 +131,21 @@ class PagedBackend:
         self.mgr.attach_buffers(self.buf)
 
     def admit(self, rid: int, prompt: List[int]) -> Optional[int]:
+        """Admit and prefill ``prompt`` in chunks of :data:`CHUNK` tokens (a step each, as an
+        engine's chunked prefill does); the cached tokens, or None when the pool is full."""
         try:
-            res = self.mgr.admit(rid, prompt)
+            res = self.mgr.admit(rid, prompt, max_new_tokens=CHUNK)
+            self.mgr.step([rid], [res.num_tokens - res.cached_tokens])
+            held = res.num_tokens
+            while held < len(prompt):
+                chunk = prompt[held:held + CHUNK]
+                self.mgr.append(rid, chunk)
+                self.mgr.step([rid], [len(chunk)])
+                held += len(chunk)
         except OutOfBlocksError:
+            if rid in self.mgr:
+                self.mgr.free(rid)
             return None
-        self.mgr.step([rid], [len(prompt) - res.cached_tokens])
         return int(res.cached_tokens)
 
     def decode(self, rids: List[int], toks: List[int]) -> bool:
@@ -189,9 +205,16 @@ class VllmBackend:
         req = self._req(request_id=str(rid), prompt_token_ids=prompt, sampling_params=sp,
                         pooling_params=None, block_hasher=self.hasher)
         blocks, hit = self.m.get_computed_blocks(req)[:2]
-        if self.m.allocate_slots(req, len(prompt) - hit, hit, blocks) is None:
+        first = min(CHUNK, len(prompt) - hit)
+        if self.m.allocate_slots(req, first, hit, blocks) is None:
             return None
-        req.num_computed_tokens = len(prompt)
+        req.num_computed_tokens = hit + first
+        while req.num_computed_tokens < len(prompt):
+            n = min(CHUNK, len(prompt) - req.num_computed_tokens)
+            if self.m.allocate_slots(req, n) is None:
+                self.m.free(req)
+                return None
+            req.num_computed_tokens += n
         self.reqs[rid] = req
         return int(hit)
 
@@ -237,6 +260,7 @@ def run(backend: Any, n_running: int, seed: int, turns_total: int) -> Dict[str, 
     finished = 0
     started = 0
     hit = prompt_tokens = ceiling = 0
+    later = [0, 0, 0]  # later turns measured; of them, whole-history hits; partial hits
     occ_sum = conc_sum = 0.0
     steps = measured_steps = preemptions = stalls = 0
 
@@ -259,7 +283,12 @@ def run(backend: Any, n_running: int, seed: int, turns_total: int) -> Dict[str, 
         elif started >= warmup:
             hit += got
             prompt_tokens += len(prompt)
-            ceiling += min(s.computed, len(prompt) - 1) // B * B
+            best = min(s.computed, len(prompt) - 1) // B * B
+            ceiling += best
+            if best > SYSTEM:  # a later turn: its history was computed
+                later[0] += 1
+                later[1] += got >= best
+                later[2] += SYSTEM < got < best
         if first:
             started += 1
         running.append((rid, s, prompt, answer, 0))
@@ -317,6 +346,8 @@ def run(backend: Any, n_running: int, seed: int, turns_total: int) -> Dict[str, 
         "concurrency": conc_sum / measured_steps if measured_steps else 0.0,
         "hit_ratio": hit / prompt_tokens if prompt_tokens else 0.0,
         "ceiling": ceiling / prompt_tokens if prompt_tokens else 0.0,
+        "whole_history_hits": later[1] / later[0] if later[0] else 0.0,
+        "partial_history_hits": later[2] / later[0] if later[0] else 0.0,
         "preemptions": preemptions,
         "admission_stalls": stalls,
     }
@@ -330,6 +361,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--turns-per-slot", type=int, default=24,
                     help="turns run per concurrent turn after the warm-up (default 24)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--prefill-chunk", type=int, default=CHUNK,
+                    help=f"prompt tokens per prefill step (default {CHUNK})")
     ap.add_argument("--quick", action="store_true", help="16 GiB, three targets, fewer turns")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's manager")
     ap.add_argument("--json", metavar="PATH")
@@ -338,6 +371,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.quick:
         args.kv_gib, args.targets, args.turns_per_slot = 16.0, "25,70,90", 8
     targets = [int(t) / 100 for t in args.targets.split(",")]
+    globals()["CHUNK"] = args.prefill_chunk
     kv = int(args.kv_gib * 2**30)
     sizing = size_groups(SPEC, KINDS, kv, 16384)
     vllm_error = None
@@ -368,45 +402,77 @@ def main(argv: Optional[List[str]] = None) -> int:
     if vllm_error:
         print(vllm_error)
     header = (f"{'config':<7} {'target':>6} {'N':>5} {'occupancy':>9} {'concurrency':>11} "
-              f"{'hit ratio':>9} {'ceiling':>7} {'preempt':>7} {'seconds':>7}")
+              f"{'hit ratio':>9} {'ceiling':>7} {'whole':>6} {'partial':>7} {'preempt':>7} "
+              f"{'seconds':>7}")
     print(header)
-    for target in targets:
-        for name, c in configs.items():
-            n = max(1, int(target * c["pages"] / c["mean_live_pages"]))
-            if name == "vllm":
-                backend: Any = VllmBackend(kv, max_tokens)
-            else:
-                groups = None if name == "full" else sizing.groups
-                backend = PagedBackend(c["pages"], groups, n, max_tokens)
-            t0 = time.perf_counter()
-            res = run(backend, n, args.seed, (2 * 3 + args.turns_per_slot) * n)
-            res.update(config=name, target=target, seconds=time.perf_counter() - t0)
-            rows.append(res)
-            print(f"{name:<7} {target:>6.0%} {n:>5} {res['occupancy']:>9.1%} "
-                  f"{res['concurrency']:>11.1f} {res['hit_ratio']:>9.1%} {res['ceiling']:>7.1%} "
-                  f"{res['preemptions']:>7} {res['seconds']:>7.1f}")
+    # Full accounting runs fewer, longer-lived sequences: its measured occupancy falls short of
+    # the target, so one more point past the last target lets every other run be compared at
+    # its own occupancy.
+    plan = [(t, name) for t in targets for name in configs]
+    plan.append((targets[-1] + 0.1, "full"))
+    for target, name in plan:
+        c = configs[name]
+        n = max(1, round(target * c["pages"] / c["mean_live_pages"]))
+        if name == "vllm":
+            backend: Any = VllmBackend(kv, max_tokens)
+        else:
+            groups = None if name == "full" else sizing.groups
+            backend = PagedBackend(c["pages"], groups, n, max_tokens)
+        t0 = time.perf_counter()
+        res = run(backend, n, args.seed, (2 * 3 + args.turns_per_slot) * n)
+        res.update(config=name, target=target, seconds=time.perf_counter() - t0)
+        rows.append(res)
+        print(f"{name:<7} {target:>6.0%} {n:>5} {res['occupancy']:>9.1%} "
+              f"{res['concurrency']:>11.1f} {res['hit_ratio']:>9.1%} {res['ceiling']:>7.1%} "
+              f"{res['whole_history_hits']:>6.1%} {res['partial_history_hits']:>7.1%} "
+              f"{res['preemptions']:>7} {res['seconds']:>7.1f}")
+    summary = compare(rows, list(configs))
     print()
-    print(f"{'target':>6} {'groups/full hit':>15} {'groups/full conc':>16}"
-          + (f" {'vllm/full hit':>13} {'vllm/full conc':>14}" if "vllm" in configs else ""))
-    for target in targets:
-        by = {r["config"]: r for r in rows if r["target"] == target}
-        f = by["full"]
-        line = (f"{target:>6.0%} {by['groups']['hit_ratio'] / f['hit_ratio']:>15.3f} "
-                f"{by['groups']['concurrency'] / f['concurrency']:>16.2f}")
-        if "vllm" in by:
-            line += (f" {by['vllm']['hit_ratio'] / f['hit_ratio']:>13.3f} "
-                     f"{by['vllm']['concurrency'] / f['concurrency']:>14.2f}")
-        print(line)
+    print("against full-attention accounting at the same measured occupancy (full's figures "
+          "interpolated linearly between its points):")
+    print(f"{'config':<7} {'occupancy':>9} {'hit / full':>10} {'concurrency / full':>18}")
+    for c in summary:
+        hit = "—" if c["hit_vs_full"] is None else f"{c['hit_vs_full']:.3f}"
+        conc = "—" if c["concurrency_vs_full"] is None else f"{c['concurrency_vs_full']:.2f}"
+        print(f"{c['config']:<7} {c['occupancy']:>9.1%} {hit:>10} {conc:>18}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"bench": "groups_chat", "python": sys.version.split()[0],
                        "machine": platform.machine(), "kv_gib": args.kv_gib, "seed": args.seed,
                        "turns_per_slot": args.turns_per_slot, "vllm": vllm_error or "ran",
                        "configs": {k: {kk: vv for kk, vv in v.items()} for k, v in configs.items()},
-                       "rows": rows}, fh, indent=2)
+                       "rows": rows, "vs_full": summary}, fh, indent=2)
     if args.plot:
         plot(rows, list(configs), args.plot, args.kv_gib)
     return 0
+
+
+def _interp(x: float, xs: List[float], ys: List[float]) -> Optional[float]:
+    """``ys`` at ``x`` by linear interpolation over ascending ``xs``; None outside their range."""
+    if not xs or x < xs[0] or x > xs[-1]:
+        return None
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[-1]
+
+
+def compare(rows: List[Dict[str, Any]], names: List[str]) -> List[Dict[str, Any]]:
+    """Each non-full row's hit ratio and concurrency over full accounting's at its occupancy."""
+    full = sorted((r for r in rows if r["config"] == "full"), key=lambda r: r["occupancy"])
+    xs = [r["occupancy"] for r in full]
+    out = []
+    for name in names:
+        if name == "full":
+            continue
+        for r in sorted((r for r in rows if r["config"] == name), key=lambda r: r["occupancy"]):
+            h = _interp(r["occupancy"], xs, [f["hit_ratio"] for f in full])
+            c = _interp(r["occupancy"], xs, [f["concurrency"] for f in full])
+            out.append({"config": name, "target": r["target"], "occupancy": r["occupancy"],
+                        "hit_vs_full": None if not h else r["hit_ratio"] / h,
+                        "concurrency_vs_full": None if not c else r["concurrency"] / c})
+    return out
 
 
 def plot(rows: List[Dict[str, Any]], names: List[str], path: str, kv_gib: float) -> None:
