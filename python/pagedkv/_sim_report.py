@@ -143,7 +143,7 @@ def format_report(result: SimResult, *, model: Optional[str] = None, spec: Optio
                      + f") over {s.group_num_blocks:,} pages of the same memory; "
                      "'paged' counts every layer as full attention")
     lines.append("")
-    rows = [
+    rows: list[tuple[str, ...]] = [
         ("", "paged", "contiguous"),
         ("concurrency limit", f"{p.max_concurrency_limit} (max_num_seqs)", f"{c.max_concurrency_limit}"),
         ("peak concurrency", f"{p.peak_concurrency}", f"{c.peak_concurrency}"),
