@@ -202,3 +202,22 @@ def test_cli_plan_hf_config_groups(tmp_path, capsys):
     assert "KV cache groups" in capsys.readouterr().out
     assert main(argv + ["--no-kv-groups", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["groups"] is None
+
+
+def test_every_layer_windowed_plans_as_one_full_group():
+    # Mistral-7B v0.1: a sliding window on every layer. The manager needs a full group 0, so the
+    # grouping is one full group of every layer and the plan has no group section.
+    cfg = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+           "torch_dtype": "bfloat16", "sliding_window": 4096, "max_position_embeddings": 32768}
+    model = ModelConfig.from_hf_config(cfg)
+    assert model.layer_kinds == (("sliding", 4096),) * 32
+    s = size_groups(model.cache_spec(), model.layer_kinds, 10 * GiB, 8192)
+    assert s.num_groups == 1 and not s.grouping.saves_memory
+    assert s.max_seqs(8192) == s.full_max_seqs(8192)
+    plan = make_plan(model.cache_spec(), MemoryBudget(total_bytes=80 * GiB), [8192],
+                     layer_kinds=model.layer_kinds)
+    assert plan.groups is None
+    # Qwen2 with use_sliding_window false: every layer full.
+    qwen = dict(cfg, model_type="qwen2", use_sliding_window=False)
+    assert ModelConfig.from_hf_config(qwen).layer_kinds is None
