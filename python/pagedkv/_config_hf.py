@@ -26,8 +26,8 @@ from .errors import InvalidConfigError
 # linear-attention hybrids. Sizing them as attention everywhere would overstate the cache.
 _UNSIZABLE_KEYS = ("hybrid_override_pattern", "layers_block_type", "attn_layer_indices", "mamba_d_state",
                    "ssm_state_size", "linear_num_value_heads", "attn_type_list")
-# Per-layer kinds in ``layer_types`` that keep a KV cache for every token (a sliding window is
-# cached in full here: the manager does not drop blocks that leave the window).
+# Per-layer kinds in ``layer_types`` that keep a per-token KV cache (a sliding or chunked layer's
+# blocks are released once no query reads them: ModelConfig.layer_kinds and the group sizing).
 _KV_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "chunked_attention"}
 
 

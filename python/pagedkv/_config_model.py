@@ -5,21 +5,70 @@ Owns :class:`ModelConfig`: the fields needed to derive a :class:`~pagedkv.config
 (:attr:`ModelConfig.weight_params`), and :meth:`ModelConfig.from_hf_config`, which reads them with
 the helpers of :mod:`pagedkv._config_hf`. Re-exported by :mod:`pagedkv.config`.
 
+Each layer's attention kind (:attr:`ModelConfig.layer_kinds`: full, sliding window or chunked,
+read by :func:`pagedkv.layer_groups.layer_kinds`) is kept as plain ``(kind, size)`` pairs, so the
+presets need no extension import; :meth:`ModelConfig.kv_groups` gives them as
+:class:`~pagedkv.groups.KVCacheGroup` objects for the grouping and the group-aware sizing
+(:func:`pagedkv.config.size_groups`).
+
 **Invariants.** Immutable and validated on construction; a config that cannot be sized is refused
 with :class:`pagedkv.errors.InvalidConfigError` saying why, never sized as something else.
+``layer_kinds`` is ``None`` (every layer full) or lists one valid kind per layer.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ._checks import DEFAULT_BLOCK_SIZE
 from ._config_hf import _load_config_dict, _parse_mla, _parse_moe, _refuse_unsizable
 from ._config_layers import MLAConfig, MoEConfig
 from ._config_spec import DTYPE_BYTES, CacheSpec, _check_int, normalize_dtype
 from .errors import InvalidConfigError
+
+if TYPE_CHECKING:
+    from .groups import KVCacheGroup
+
+#: One layer's attention kind as plain data: ``("full", 0)``, ``("sliding", window)``,
+#: ``("chunked", chunk)``.
+LayerKind = Tuple[str, int]
+
+
+def normalize_layer_kinds(kinds: Any, num_layers: int) -> Optional[Tuple[LayerKind, ...]]:
+    """``kinds`` (one per layer: :class:`~pagedkv.groups.KVCacheGroup` objects or ``(kind, size)``
+    pairs) as a tuple of ``(kind, size)`` pairs; ``None`` stays ``None`` (every layer full).
+
+    Raises:
+        InvalidConfigError: Not one entry per layer, an unknown kind, a full layer with a size, or
+            a window or chunk that is not an int in ``[1, 2**32 - 1]``.
+    """
+    if kinds is None:
+        return None
+    if isinstance(kinds, (str, bytes)) or not isinstance(kinds, Sequence) or len(kinds) != num_layers:
+        raise InvalidConfigError(
+            f"layer_kinds must list one attention kind per layer ({num_layers}), got "
+            f"{kinds!r}"[:300], field="layer_kinds", value=kinds, reason="one kind per layer")
+    out: List[LayerKind] = []
+    for i, k in enumerate(kinds):
+        pair = (getattr(k, "kind", None), getattr(k, "size", None)) if hasattr(k, "kind") else k
+        if not isinstance(pair, (tuple, list)) or len(pair) not in (1, 2):
+            raise InvalidConfigError(f"layer_kinds[{i}] = {k!r}: not an attention kind",
+                                     field="layer_kinds", value=k, reason="not an attention kind")
+        kind = pair[0]
+        size = pair[1] if len(pair) == 2 else 0
+        if kind not in ("full", "sliding", "chunked") or isinstance(size, bool) or (
+                not isinstance(size, int)):
+            raise InvalidConfigError(
+                f"layer_kinds[{i}] = {k!r}: the kind must be 'full', 'sliding' or 'chunked' with "
+                "an int size", field="layer_kinds", value=k, reason="unknown kind")
+        if (kind == "full") != (size == 0) or not 0 <= size <= 2**32 - 1:
+            raise InvalidConfigError(
+                f"layer_kinds[{i}] = {k!r}: a full layer has size 0, a window or chunk is in "
+                "[1, 2**32 - 1] tokens", field="layer_kinds", value=k, reason="size out of range")
+        out.append((kind, size))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -59,6 +108,8 @@ class ModelConfig:
     qk_norm: bool = False
     mla: Optional[MLAConfig] = None
     moe: Optional[MoEConfig] = None
+    #: Each layer's attention kind, ``(kind, size)``; ``None``: every layer full.
+    layer_kinds: Optional[Tuple[LayerKind, ...]] = None
 
     def __post_init__(self) -> None:
         for field_name in ("hidden_size", "intermediate_size", "num_layers", "num_attention_heads",
@@ -89,6 +140,22 @@ class ModelConfig:
                     f"num_moe_layers ({self.moe.num_moe_layers}) exceeds num_layers ({self.num_layers})"
                 )
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        object.__setattr__(self, "layer_kinds",
+                           normalize_layer_kinds(self.layer_kinds, self.num_layers))
+
+    def kv_groups(self) -> List["KVCacheGroup"]:
+        """Each layer's attention kind as a :class:`~pagedkv.groups.KVCacheGroup` (every layer
+        full when :attr:`layer_kinds` is ``None``)."""
+        from .groups import KVCacheGroup
+
+        if self.layer_kinds is None:
+            return [KVCacheGroup.full()] * self.num_layers
+        return [KVCacheGroup(kind, size) for kind, size in self.layer_kinds]  # type: ignore[arg-type]
+
+    @property
+    def has_windowed_layers(self) -> bool:
+        """Whether some layer is sliding or chunked (its KV cache groups can save memory)."""
+        return self.layer_kinds is not None and any(k != "full" for k, _ in self.layer_kinds)
 
     @property
     def num_experts(self) -> int:
@@ -159,7 +226,8 @@ class ModelConfig:
         model under ``text_config`` are read from there.
 
         MLA (``kv_lora_rank`` set): ``qk_rope_head_dim``, ``qk_nope_head_dim``, ``v_head_dim``,
-        ``q_lora_rank``. MoE (``n_routed_experts``, ``num_local_experts`` or ``num_experts``):
+        ``q_lora_rank``. Each layer's attention kind: :func:`pagedkv.layer_groups.layer_kinds`
+        (``layer_types``, ``sliding_window``, ``sliding_window_pattern``, ...). MoE (``n_routed_experts``, ``num_local_experts`` or ``num_experts``):
         ``moe_intermediate_size`` (else ``intermediate_size``), ``n_shared_experts`` or
         ``shared_expert_intermediate_size``, and which layers are dense: ``first_k_dense_replace``
         and ``moe_layer_freq`` (DeepSeek), ``decoder_sparse_step`` and ``mlp_only_layers`` (Qwen).
@@ -211,7 +279,7 @@ class ModelConfig:
                         f"num_attention_heads ({heads!r})"
                     )
                 head_dim = hidden // heads
-            return cls(
+            model = cls(
                 name=name or str(cfg.get("_name_or_path") or model_type or origin),
                 hidden_size=hidden,
                 intermediate_size=need("intermediate_size"),
@@ -229,6 +297,12 @@ class ModelConfig:
                 mla=mla,
                 moe=_parse_moe(cfg, num_layers),
             )
+            from .layer_groups import layer_kinds
+
+            kinds = layer_kinds(cfg)
+            if all(k.kind == "full" for k in kinds):
+                return model
+            return replace(model, layer_kinds=tuple(k.as_tuple() for k in kinds))
         except InvalidConfigError as exc:
             if str(exc).startswith(origin):
                 raise

@@ -10,7 +10,7 @@ Invariants: a constructed :class:`SimConfig` holds only valid values (bad ones r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -50,6 +50,13 @@ class SimConfig:
     disk_cache_blocks: int = 0
     #: The disk tier's read rate for the modelled TTFT.
     disk_bytes_per_s: float = 3e9
+    #: KV cache groups of a model with sliding-window or chunked layers, ``(kind, size)`` each,
+    #: group 0 full (:attr:`pagedkv.config.GroupSizing.groups`); with :attr:`group_num_blocks`,
+    #: :func:`pagedkv.simulate.simulate` adds a paged run with these groups in a pool of that many
+    #: pages (the same memory as ``num_blocks`` full-attention blocks). ``None``: no such run.
+    groups: Optional[Tuple[Tuple[str, int], ...]] = None
+    #: Pages of the grouped pool (0 without :attr:`groups`).
+    group_num_blocks: int = 0
 
     def __post_init__(self) -> None:
         # The simulation drives the block manager only: its block-size rule, not the pool's.
@@ -98,12 +105,48 @@ class SimConfig:
             raise InvalidConfigError(
                 f"invalid simulation config: step_floor_s = {f!r}: must be a number >= 0",
                 field="step_floor_s", value=f, reason="must be >= 0")
+        self._check_groups()
         wm = self.watermark_blocks
         if wm is not None and (isinstance(wm, bool) or not isinstance(wm, int) or wm < 0):
             raise InvalidConfigError(
                 f"invalid simulation config: watermark_blocks = {wm!r}: must be an integer >= 0",
                 field="watermark_blocks", value=wm, reason="must be an integer >= 0",
             )
+
+
+    def _check_groups(self) -> None:
+        g, n = self.groups, self.group_num_blocks
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise InvalidConfigError(
+                f"invalid simulation config: group_num_blocks = {n!r}: must be an integer >= 0",
+                field="group_num_blocks", value=n, reason="must be an integer >= 0")
+        if g is None:
+            if n:
+                raise InvalidConfigError(
+                    f"invalid simulation config: group_num_blocks = {n}: needs groups",
+                    field="group_num_blocks", value=n, reason="needs groups")
+            return
+        from ._config_model import normalize_layer_kinds
+
+        if not isinstance(g, (tuple, list)) or not g:
+            raise InvalidConfigError(
+                f"invalid simulation config: groups = {g!r}: must list (kind, size) pairs",
+                field="groups", value=g, reason="must list (kind, size) pairs")
+        object.__setattr__(self, "groups", normalize_layer_kinds(g, len(g)))
+        assert self.groups is not None
+        if self.groups[0][0] != "full":
+            raise InvalidConfigError(
+                f"invalid simulation config: groups[0] = {self.groups[0]!r}: group 0 must be full",
+                field="groups", value=g, reason="group 0 must be full")
+        if n < 1:
+            raise InvalidConfigError(
+                f"invalid simulation config: group_num_blocks = {n}: groups need a pool of >= 1 "
+                "page", field="group_num_blocks", value=n, reason="must be >= 1 with groups")
+        if self.num_host_blocks or self.host_cache_blocks:
+            raise InvalidConfigError(
+                "invalid simulation config: groups with num_host_blocks or host_cache_blocks: "
+                "the manager swaps and tiers one group only", field="groups", value=g,
+                reason="no host pool with groups")
 
 
 @dataclass
@@ -162,3 +205,5 @@ class SimResult:
     watermark_blocks: int
     paged: PolicyResult
     contiguous: PolicyResult
+    #: The paged run with KV cache groups (``sim.groups``) in the same memory, else ``None``.
+    grouped: Optional[PolicyResult] = None

@@ -73,16 +73,37 @@ def _blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def _check_capacity(workload: WorkloadConfig, sim: SimConfig, watermark: int) -> None:
+def _group_need(workload: WorkloadConfig, sim: SimConfig) -> int:
+    """Pages one sample may hold at once in the grouped pool: every full group's whole table;
+    every windowed group's decode peak plus one prefill chunk's blocks (a step computing a chunk
+    holds its blocks until it is built), at most the whole table."""
+    from .groups import peak_decode_blocks
+
+    assert sim.groups is not None
+    B, mml = sim.block_size, workload.max_model_len
+    table = _blocks_for(mml, B)
+    chunk = _blocks_for(min(sim.max_prefill_tokens, mml), B)
+    return sum(table if kind == "full" else
+               min(table, peak_decode_blocks((kind, size), mml, B) + chunk)
+               for kind, size in sim.groups)
+
+
+def _check_capacity(workload: WorkloadConfig, sim: SimConfig, watermark: int,
+                    grouped: bool = False) -> None:
     """Refuse pools that cannot finish every request; a livelock is worse than an error."""
-    per_seq = _blocks_for(workload.max_model_len, sim.block_size)
+    if grouped:
+        per_seq, pool, what = _group_need(workload, sim), sim.group_num_blocks, "pages"
+        how = (f"its {len(sim.groups or ())} groups' peak (full tables, windows plus a prefill "
+               "chunk)")
+    else:
+        per_seq, pool, what = _blocks_for(workload.max_model_len, sim.block_size), sim.num_blocks, "blocks"
+        how = f"ceil(max_model_len {workload.max_model_len} / block_size {sim.block_size})"
     need = workload.n_samples * per_seq + watermark
-    if need > sim.num_blocks:
+    if need > pool:
         raise CapacityError(
-            f"pool of {sim.num_blocks} blocks cannot guarantee progress: a request needs up to "
-            f"n_samples {workload.n_samples} × ceil(max_model_len {workload.max_model_len} / "
-            f"block_size {sim.block_size}) = {workload.n_samples * per_seq} blocks, plus the "
-            f"watermark reserve of {watermark}; lower --max-model-len or enlarge the pool"
+            f"pool of {pool} {what} cannot guarantee progress: a request needs up to "
+            f"n_samples {workload.n_samples} × {how} = {workload.n_samples * per_seq} {what}, "
+            f"plus the watermark reserve of {watermark}; lower --max-model-len or enlarge the pool"
         )
     if sim.max_num_seqs < workload.n_samples:
         raise InvalidConfigError(
@@ -111,12 +132,17 @@ def _physical_tokens(mgr: Any, seqs: list[tuple[int, int]], used_blocks: int) ->
 # ---------------------------------------------------------------------------------------- paged
 
 def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimConfig,
-                    progress: bool, *, model_ttft: bool = False) -> tuple[PolicyResult, int]:
+                    progress: bool, *, model_ttft: bool = False,
+                    grouped: bool = False) -> tuple[PolicyResult, int]:
     """The paged run: the engine's scheduler with a simulated executor in place of a model.
 
     The executor "samples" each sequence's next token from the workload's predetermined outputs;
     a request with ``n_samples > 1`` forks its other samples once its prompt is computed, exactly
     as the engine does.
+
+    ``grouped``: the manager has ``sim.groups`` over ``sim.group_num_blocks`` pages; KV
+    utilization is then the share of pages held by live sequences (a page holds one group's
+    layers, so token slots are not comparable across groups), and sharing is not measured.
     """
     from .buffers import StepBuffers
     from .manager import BlockManager
@@ -128,8 +154,12 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     extra: dict[str, Any] = {"num_host_blocks": host_blocks} if host_blocks else {}
     if sim.host_cache_blocks:
         extra["host_cache"] = True
+    num_blocks = sim.group_num_blocks if grouped else sim.num_blocks
+    num_groups = len(sim.groups or ()) if grouped else 1
+    if grouped:
+        extra["groups"] = sim.groups
     mgr = BlockManager(
-        sim.num_blocks, B,
+        num_blocks, B,
         watermark_blocks=sim.watermark_blocks,
         max_blocks_per_seq=max_blocks,
         enable_prefix_caching=sim.enable_prefix_caching,
@@ -143,7 +173,7 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
                                    kv_bytes_per_token=float(sim.kv_bytes_per_token),
                                    step_floor_s=float(sim.step_floor_s),
                                    max_step_tokens=sim.max_prefill_tokens)
-    _check_capacity(workload, sim, mgr.watermark_blocks)
+    _check_capacity(workload, sim, mgr.watermark_blocks, grouped)
     # Prompt tokens of one step, plus one decode for every sequence the batch can hold: the same
     # prefill budget the contiguous run gets, with decodes never crowding it out.
     budget = sim.max_prefill_tokens + sim.max_num_seqs
@@ -151,8 +181,9 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     # newly full blocks to the prefix cache and drains the copy-on-write queue.
     # Swap lists as long as the pool, as the engine's: every device block may move in one step.
     mgr.attach_buffers(StepBuffers(sim.max_num_seqs, max(budget, workload.max_model_len), max_blocks,
-                                   max_copies=sim.max_num_seqs, device="cpu", backend="numpy",
-                                   max_swaps=max(2 * max_blocks, sim.num_blocks)))
+                                   max_copies=sim.max_num_seqs * num_groups, device="cpu",
+                                   backend="numpy", max_swaps=max(2 * max_blocks, num_blocks),
+                                   num_groups=num_groups))
     tiers = None
     if sim.host_cache_blocks or model_ttft:
         from .tiers.model import ModelledDiskTier
@@ -167,8 +198,8 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     sched = Scheduler(mgr, max_num_seqs=sim.max_num_seqs, max_num_batched_tokens=budget,
                       preemption_mode=sim.preemption_mode, admission_gate=tiers,
                       can_swap=None if sim.num_host_blocks else False)
-    capacity = sim.num_blocks * B
-    sharing = workload.sharing
+    capacity = num_blocks * B
+    sharing = workload.sharing and not grouped
     n_req = len(requests)
 
     next_arrival = 0
@@ -176,7 +207,8 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     finished = 0
     step = 0
 
-    res = PolicyResult(policy="paged", max_concurrency_limit=sim.max_num_seqs)
+    res = PolicyResult(policy="paged, groups" if grouped else "paged",
+                       max_concurrency_limit=sim.max_num_seqs)
     conc_series: list[int] = []
     util_series: list[float] = []
     wait_series: list[int] = []
@@ -245,8 +277,11 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
             logical_blocks += nb
             waste += nb * B - length
             n_seqs += 1
-        used_blocks = sim.num_blocks - mgr.num_free_blocks
-        if sharing:
+        used_blocks = num_blocks - mgr.num_free_blocks
+        if grouped:
+            physical_tokens = used_blocks * B  # pages held: the grouped pool's occupancy
+            logical_blocks = used_blocks
+        elif sharing:
             physical_tokens = _physical_tokens(
                 mgr, [(s.seq_id, s.num_computed_tokens) for s in sched.running], used_blocks)
         else:
@@ -320,10 +355,10 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
         "utilization": np.asarray(util_series, dtype=np.float32),
         "waiting": np.asarray(wait_series, dtype=np.int32),
     }
-    if len(mgr) != 0 or mgr.num_free_blocks != sim.num_blocks:
+    if len(mgr) != 0 or mgr.num_free_blocks != num_blocks:
         raise InvariantViolationError(
             f"simulation ended with {len(mgr)} live sequences and {mgr.num_free_blocks} of "
-            f"{sim.num_blocks} blocks free: blocks leaked",
+            f"{num_blocks} blocks free: blocks leaked",
             detail="leak",
         )
     return res, mgr.watermark_blocks

@@ -71,6 +71,25 @@ def result_dict(result: SimResult, *, model: Optional[str] = None, spec: Optiona
         "workload": asdict(result.workload),
         "sim": asdict(result.sim),
     }
+    g = result.grouped
+    if g is not None:
+        out.update({
+            "groups": [list(x) for x in (result.sim.groups or ())],
+            "group_num_blocks": result.sim.group_num_blocks,
+            "peak_concurrency_groups": g.peak_concurrency,
+            "mean_concurrency_groups": _r(g.mean_concurrency),
+            "page_occupancy_mean_groups": _r(g.kv_utilization_mean),
+            "page_occupancy_peak_groups": _r(g.kv_utilization_peak),
+            "preemptions_groups": g.preemptions,
+            "recomputed_prompt_tokens_groups": g.recomputed_prompt_tokens,
+            "prefix_hit_ratio_groups": _r(g.prefix_hit_ratio),
+            "evictions_groups": g.evictions,
+            "steps_groups": g.steps,
+            "tokens_per_step_groups": _r(g.tokens_per_step),
+            "requests_per_step_groups": _r(g.requests_per_step),
+            "mean_queue_steps_groups": _r(g.mean_queue_steps),
+            "mean_latency_steps_groups": _r(g.mean_latency_steps),
+        })
     if model is not None:
         out["model"] = model
     if spec is not None:
@@ -113,8 +132,18 @@ def format_report(result: SimResult, *, model: Optional[str] = None, spec: Optio
                      f"{w.prefix_fraction:.0%} of requests")
     if w.n_samples > 1:
         lines.append(f"           {w.n_samples} parallel samples per request")
+    g = result.grouped
+    if g is not None:
+        kinds: dict[str, int] = {}
+        for kind, size in s.groups or ():
+            label = kind if kind == "full" else f"{kind} {size}"
+            kinds[label] = kinds.get(label, 0) + 1
+        lines.append(f"groups     {len(s.groups or ())} KV cache groups ("
+                     + ", ".join(f"{n} {k}" for k, n in kinds.items())
+                     + f") over {s.group_num_blocks:,} pages of the same memory; "
+                     "'paged' counts every layer as full attention")
     lines.append("")
-    rows = [
+    rows: list[tuple[str, ...]] = [
         ("", "paged", "contiguous"),
         ("concurrency limit", f"{p.max_concurrency_limit} (max_num_seqs)", f"{c.max_concurrency_limit}"),
         ("peak concurrency", f"{p.peak_concurrency}", f"{c.peak_concurrency}"),
@@ -141,15 +170,47 @@ def format_report(result: SimResult, *, model: Optional[str] = None, spec: Optio
         ]
     if p.recomputed_prompt_tokens:
         rows.append(("recomputed prompt tokens", f"{p.recomputed_prompt_tokens:,}", "—"))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    if g is not None:
+        grouped = {
+            "": "paged, groups",
+            "concurrency limit": f"{g.max_concurrency_limit} (max_num_seqs)",
+            "peak concurrency": f"{g.peak_concurrency}",
+            "mean concurrency": f"{g.mean_concurrency:.1f}",
+            "KV utilization mean": f"{g.kv_utilization_mean:.1%} of pages",
+            "KV utilization peak": f"{g.kv_utilization_peak:.1%} of pages",
+            "waste slots / seq": f"{g.waste_tokens_per_seq:.1f}",
+            "waste fraction": "—",
+            "preemptions": f"{g.preemptions} (recompute {g.preemptions_recompute})",
+            "steps to finish": f"{g.steps:,}",
+            "tokens / step": f"{g.tokens_per_step:.2f}",
+            "requests / step": f"{g.requests_per_step:.4f}",
+            "mean queueing (steps)": f"{g.mean_queue_steps:.0f}",
+            "mean latency (steps)": f"{g.mean_latency_steps:.0f}",
+            "prefix hit ratio": f"{g.prefix_hit_ratio:.1%}",
+            "recomputed prompt tokens": f"{g.recomputed_prompt_tokens:,}",
+        }
+        if not any(r[0] == "prefix hit ratio" for r in rows):
+            rows.append(("prefix hit ratio", f"{p.prefix_hit_ratio:.1%}", "—"))
+        if g.recomputed_prompt_tokens and not any(r[0] == "recomputed prompt tokens" for r in rows):
+            rows.append(("recomputed prompt tokens", f"{p.recomputed_prompt_tokens:,}", "—"))
+        rows = [(r[0], grouped.get(r[0], "—"), r[1], r[2]) for r in rows]
+    ncol = len(rows[0])
+    widths = [max(len(r[i]) for r in rows) for i in range(ncol)]
     for i, r in enumerate(rows):
-        lines.append(f"{r[0].ljust(widths[0])}  {r[1].rjust(widths[1])}  {r[2].rjust(widths[2])}")
+        lines.append("  ".join([r[0].ljust(widths[0])]
+                               + [r[j].rjust(widths[j]) for j in range(1, ncol)]))
         if i == 0:
             lines.append("  ".join("-" * wd for wd in widths))
     if c.steps and p.steps:
         lines.append("")
         lines.append(f"paged finishes in {p.steps / c.steps:.2f}× the contiguous steps "
                      f"({c.steps / p.steps:.1f}× the throughput) in the same memory")
+    if g is not None and g.steps and p.steps and p.mean_concurrency:
+        hit = (f"; prefix hit ratio {g.prefix_hit_ratio:.1%} against {p.prefix_hit_ratio:.1%}"
+               if p.prefix_hit_ratio or g.prefix_hit_ratio else "")
+        lines.append(f"with groups: {g.mean_concurrency / p.mean_concurrency:.2f}× the mean "
+                     f"concurrency of full-attention accounting, {g.steps / p.steps:.2f}× its "
+                     f"steps{hit}")
     return "\n".join(lines)
 
 
@@ -168,10 +229,19 @@ def plot_timeline(result: SimResult, path: str) -> None:
     fig = Figure(figsize=(10, 6.5))
     FigureCanvasAgg(fig)
     ax_u, ax_c = fig.subplots(2, 1, sharex=True)
-    for res, color in ((p, "tab:blue"), (c, "tab:orange")):
+    runs = [(p, "tab:blue"), (c, "tab:orange")]
+    if result.grouped is not None and result.grouped.timeline:
+        runs.append((result.grouped, "tab:green"))
+    for res, color in runs:
         steps = np.arange(len(res.timeline["utilization"]))
-        ax_u.plot(steps, 100 * res.timeline["utilization"], color=color, lw=0.8, label=res.policy)
-        ax_c.plot(steps, res.timeline["concurrency"], color=color, lw=0.8, label=res.policy)
+        label = res.policy
+        if res is result.grouped:
+            label = (f"paged, {len(result.sim.groups or ())} KV cache groups (pages held; "
+                     f"hit ratio {res.prefix_hit_ratio:.0%})")
+        elif res is p and result.grouped is not None:
+            label = f"paged, counted as full attention (hit ratio {res.prefix_hit_ratio:.0%})"
+        ax_u.plot(steps, 100 * res.timeline["utilization"], color=color, lw=0.8, label=label)
+        ax_c.plot(steps, res.timeline["concurrency"], color=color, lw=0.8, label=label)
     reserved = c.timeline["concurrency"] * result.workload.max_model_len
     capacity = result.sim.num_blocks * result.sim.block_size
     ax_u.plot(np.arange(len(reserved)), 100 * reserved / capacity, color="tab:orange", lw=0.8,
@@ -180,7 +250,7 @@ def plot_timeline(result: SimResult, path: str) -> None:
     ax_u.set_ylim(0, 105)
     ax_c.set_ylabel("running sequences")
     ax_c.set_xlabel("scheduler step")
-    ax_u.legend(loc="center right")
+    ax_u.legend(loc="center right", fontsize=8)
     ax_u.set_title(f"{result.workload.num_requests} requests, {result.sim.num_blocks} blocks × "
                    f"{result.sim.block_size} tokens, max_model_len {result.workload.max_model_len}")
     for ax in (ax_u, ax_c):

@@ -12,7 +12,15 @@ allocation against contiguous max-length reservation:
   ``floor(capacity / max_model_len)`` fit, each wasting ``max_model_len − L`` slots.
 
 Both concurrency figures ignore the watermark reserve and prefix sharing: they are the upper
-bounds the memory allows. Nothing here imports torch or the extension.
+bounds the memory allows. Nothing here imports torch; the extension only for group sizing.
+
+KV cache groups: for a model whose layers mix full and sliding-window (or chunked) attention
+(``layer_kinds``), :attr:`Plan.groups` is the group-aware pool
+(:func:`pagedkv.config.size_groups`, grouping chosen for ``max_model_len``): pages of one size
+shared by every group, the per-sequence need summed over groups, and per length the concurrency
+against the analytic optimum (every layer holding exactly its own blocks), the token-exact bound,
+full-attention accounting (the rows above, which count every layer whole) and the grouping whose
+page holds the least numerous kind's layers (vLLM's).
 
 The context: ``max_model_len`` defaults to the model's own ``max_position_embeddings`` (what a server
 reserves per sequence), or to the longest planned length when that is longer or the model's is not
@@ -27,9 +35,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from .config import CacheSpec, MemoryBudget, format_bytes
+from .config import CacheSpec, GroupSizing, MemoryBudget, format_bytes, size_groups
 from .errors import InvalidConfigError
 
 __all__ = ["Plan", "PlanRow", "make_plan", "format_plan", "plan_json", "parse_seq_lens",
@@ -74,6 +82,8 @@ class Plan:
     model_max_len: Optional[int] = None
     #: Things the plan does although they are likely mistakes (one line each).
     warnings: tuple[str, ...] = ()
+    #: The group-aware pool, for a model with sliding or chunked layers (else ``None``).
+    groups: Optional[GroupSizing] = None
 
     @property
     def token_capacity(self) -> int:
@@ -123,8 +133,13 @@ def make_plan(
     model: str = "custom",
     weights_source: str = "given",
     model_max_len: Optional[int] = None,
+    layer_kinds: Optional[Sequence[Any]] = None,
 ) -> Plan:
     """Compute the pool and the per-length rows.
+
+    ``layer_kinds`` (one attention kind per layer, e.g. :attr:`ModelConfig.layer_kinds`): when
+    some layer is sliding or chunked, :attr:`Plan.groups` holds the group-aware pool, its
+    grouping chosen for ``max_model_len``.
 
     ``max_model_len`` (the contiguous reservation per sequence) defaults to ``model_max_len`` — the
     model's ``max_position_embeddings`` — or to the longest of ``seq_lens`` when that is longer or
@@ -169,9 +184,14 @@ def make_plan(
             contiguous_max_seqs=contiguous,
             contiguous_waste_tokens_per_seq=max_model_len - n,
         ))
+    groups = None
+    if layer_kinds is not None:
+        sizing = size_groups(spec, layer_kinds, budget, max_model_len)
+        if sizing.grouping.saves_memory:
+            groups = sizing
     return Plan(model=model, spec=spec, budget=budget, weights_source=weights_source,
                 num_blocks=num_blocks, max_model_len=max_model_len, rows=tuple(rows),
-                model_max_len=model_max_len, warnings=tuple(warnings))
+                model_max_len=model_max_len, warnings=tuple(warnings), groups=groups)
 
 
 def _bytes_cell(n: int) -> str:
@@ -214,12 +234,69 @@ def format_plan(plan: Plan) -> str:
         table.append((f"{r.seq_len:,}", f"{r.blocks_per_seq:,}", f"{r.paged_max_seqs:,}",
                       f"{r.paged_waste_tokens_per_seq:,}", f"{r.contiguous_max_seqs:,}",
                       f"{r.contiguous_waste_tokens_per_seq:,}", ratio))
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for i, row in enumerate(table):
-        lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines += _table(table)
+    if plan.groups is not None:
+        lines += [""] + _format_groups(plan)
     return "\n".join(lines)
+
+
+def _table(table: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    out = []
+    for i, row in enumerate(table):
+        out.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+        if i == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return out
+
+
+def _kind_label(kind: str, size: int) -> str:
+    return kind if kind == "full" else f"{kind} {size:,}"
+
+
+def _format_groups(plan: Plan) -> list[str]:
+    """The group-aware section of the report."""
+    g = plan.groups
+    assert g is not None
+    counts: dict[str, int] = {}
+    for grp in g.groups:
+        label = _kind_label(grp.kind, grp.size)
+        counts[label] = counts.get(label, 0) + 1
+    layers: dict[str, int] = {}
+    for kind, size in g.layer_kinds:
+        label = _kind_label(kind, size)
+        layers[label] = layers.get(label, 0) + 1
+    mix = ", ".join(f"{n} {label}" for label, n in layers.items())
+    cut = ", ".join(f"{n} {label}" for label, n in counts.items())
+    pad = "no padding" if not g.grouping.padding else f"{g.grouping.padding} padded slots"
+    lines = [
+        "KV cache groups (the table above counts every layer whole: full-attention accounting)",
+        f"layers            {mix}",
+        f"groups            {g.num_groups} of {g.grouping.slots} layers ({cut}), {pad}; "
+        f"chosen for {g.context:,} tokens",
+        f"bytes per token   {_bytes_cell(g.layer_bytes_per_token)} a layer, "
+        f"{_bytes_cell(g.layer_bytes_per_token * g.grouping.slots)} a group",
+        f"bytes per page    {_bytes_cell(g.page_bytes)}  = {g.grouping.slots} layers × "
+        f"{g.block_size} tokens",
+        f"pages             {g.num_blocks:,}  (pool {format_bytes(g.pool_bytes)}; "
+        f"{g.full_num_blocks:,} full-attention blocks in the same memory)",
+        "",
+    ]
+    header = ("seq len", "pages/seq", "seqs", "full-attn seqs", "gain", "optimum seqs",
+              "of optimum", "of token bound", "smallest-kind pages")
+    table = [header]
+    for r in plan.rows:
+        n = r.seq_len
+        full = g.full_max_seqs(n)
+        gain = "—" if full == 0 else f"{g.max_seqs(n) / full:.1f}×"
+        table.append((f"{n:,}", f"{g.blocks_per_seq(n):,}", f"{g.max_seqs(n):,}", f"{full:,}", gain,
+                      f"{g.optimum_seqs(n):,.2f}", f"{g.efficiency(n):.1%}",
+                      f"{g.token_efficiency(n):.1%}", f"{g.smallest_kind_page_efficiency(n):.1%}"))
+    lines += _table(table)
+    lines.append("of optimum: pages / pages per sequence over the optimum's sequences (every layer "
+                 "holding exactly its own blocks); smallest-kind pages: the same for pages of the "
+                 "least numerous kind's layer count (vLLM's grouping)")
+    return lines
 
 
 def plan_json(plan: Plan) -> str:
@@ -245,6 +322,8 @@ def plan_json(plan: Plan) -> str:
         "model_max_len": plan.model_max_len,
         "warnings": list(plan.warnings),
         "rows": [dict(asdict(r), ratio=r.ratio) for r in plan.rows],
+        "groups": (None if plan.groups is None
+                   else plan.groups.as_dict([r.seq_len for r in plan.rows])),
     }
     return json.dumps(obj, indent=2)
 

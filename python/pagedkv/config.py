@@ -12,6 +12,11 @@ This module owns the arithmetic that turns a model and a memory size into a numb
   A config it cannot size is refused with the reason, never sized as something else.
 - :class:`MemoryBudget` / :func:`num_blocks_for` — ``floor((total × utilization − weights −
   activation peak − graph reserve) / bytes_per_block)``.
+- :class:`GroupSizing` / :func:`size_groups` — the same budget for a model whose layers mix full,
+  sliding-window and chunked attention: the KV cache groups (:attr:`ModelConfig.layer_kinds` cut
+  by :func:`pagedkv.layer_groups.group_layers`), the pages of one uniform size they share, the
+  per-sequence need over every group, and the concurrency against the analytic optimum and
+  against full-attention accounting.
 - :data:`PRESETS` — a few common models, transcribed from their published ``config.json`` files.
 - :func:`parse_bytes` / :func:`format_bytes` — ``"80GiB"``-style sizes for the CLI.
 
@@ -32,7 +37,15 @@ from __future__ import annotations
 
 from ._config_layers import MLAConfig, MoEConfig
 from ._config_model import ModelConfig
-from ._config_sizing import CapacityError, MemoryBudget, format_bytes, num_blocks_for, parse_bytes
+from ._config_sizing import (
+    CapacityError,
+    GroupSizing,
+    MemoryBudget,
+    format_bytes,
+    num_blocks_for,
+    parse_bytes,
+    size_groups,
+)
 from ._config_spec import DTYPE_BYTES, CacheSpec, normalize_dtype
 from .errors import InvalidConfigError
 
@@ -40,6 +53,7 @@ __all__ = [
     "CacheSpec",
     "CapacityError",
     "DTYPE_BYTES",
+    "GroupSizing",
     "MLAConfig",
     "MemoryBudget",
     "MoEConfig",
@@ -50,7 +64,11 @@ __all__ = [
     "normalize_dtype",
     "num_blocks_for",
     "parse_bytes",
+    "size_groups",
 ]
+
+_SLIDING_1024 = ("sliding", 1024)
+_SLIDING_128 = ("sliding", 128)
 
 
 # Transcribed from each model's published config.json on the Hugging Face hub.
@@ -76,6 +94,23 @@ PRESETS: dict[str, ModelConfig] = {
                     num_attention_heads=14, num_kv_heads=2, head_dim=64, vocab_size=151936,
                     dtype="bfloat16", tie_word_embeddings=True, attention_bias=True,
                     max_position_embeddings=32768),
+        # The language model of google/gemma-3-27b-it (text_config): five sliding layers of
+        # window 1024, then a full one (sliding_window_pattern 6); Q/K norms; tied embeddings.
+        ModelConfig("gemma-3-27b", hidden_size=5376, intermediate_size=21504, num_layers=62,
+                    num_attention_heads=32, num_kv_heads=16, head_dim=128, vocab_size=262208,
+                    dtype="bfloat16", tie_word_embeddings=True, qk_norm=True,
+                    max_position_embeddings=131072,
+                    layer_kinds=tuple(("full", 0) if (i + 1) % 6 == 0 else _SLIDING_1024
+                                      for i in range(62))),
+        # openai/gpt-oss-120b: sliding (window 128) and full layers alternating, 128 experts
+        # (the weights' count is bf16; the published checkpoint stores the experts in MXFP4).
+        ModelConfig("gpt-oss-120b", hidden_size=2880, intermediate_size=2880, num_layers=36,
+                    num_attention_heads=64, num_kv_heads=8, head_dim=64, vocab_size=201088,
+                    dtype="bfloat16", attention_bias=True, max_position_embeddings=131072,
+                    moe=MoEConfig(num_experts=128, expert_intermediate_size=2880,
+                                  num_moe_layers=36),
+                    layer_kinds=tuple(_SLIDING_128 if i % 2 == 0 else ("full", 0)
+                                      for i in range(36))),
     )
 }
 

@@ -20,6 +20,13 @@ unless it is all that runs: then its newest sample alone), split by mode into
 ``preemptions_swap`` and ``preemptions_recompute``. The simulated executor moves no bytes, so a
 swap costs nothing here but host blocks.
 
+**Paged, groups** (a model with sliding-window or chunked layers, ``SimConfig.groups``) — the
+paged run again, on a manager with the model's KV cache groups over the pages the same memory
+holds (``SimConfig.group_num_blocks``, from :func:`pagedkv.config.size_groups`): windowed groups
+release what their layers no longer read, so more sequences fit. The plain paged run is the same
+model counted as full attention. The grouped run's KV utilization is the share of pages live
+sequences hold; sharing is not measured there.
+
 **Contiguous** — the same arrivals, lengths, timing and scheduler limits, but each sequence
 reserves ``max_model_len`` token slots at admission, so at most ``floor(num_blocks × block_size /
 max_model_len)`` run at once; nothing is shared and nothing is preempted.
@@ -90,7 +97,9 @@ __all__ = [
 
 def simulate(workload: WorkloadConfig, sim: SimConfig, *, progress: bool = False,
              record_timeline: bool = True) -> SimResult:
-    """Run ``workload`` paged (through the real manager) and contiguous, in ``sim``'s pool.
+    """Run ``workload`` paged (through the real manager) and contiguous, in ``sim``'s pool; with
+    ``sim.groups``, paged with KV cache groups too, in ``sim.group_num_blocks`` pages of the same
+    memory.
 
     ``progress`` shows tqdm bars on stderr. ``record_timeline=False`` drops the per-step series
     from the result (they are always gathered; this only frees them).
@@ -100,7 +109,12 @@ def simulate(workload: WorkloadConfig, sim: SimConfig, *, progress: bool = False
     requests = generate(workload)
     paged, watermark = _simulate_paged(requests, workload, sim, progress)
     contiguous = simulate_contiguous(requests, workload, sim, progress)
+    grouped = None
+    if sim.groups is not None:
+        grouped, _ = _simulate_paged(requests, workload, sim, progress, grouped=True)
     if not record_timeline:
         paged.timeline, contiguous.timeline = {}, {}
+        if grouped is not None:
+            grouped.timeline = {}
     return SimResult(workload=workload, sim=sim, watermark_blocks=watermark,
-                     paged=paged, contiguous=contiguous)
+                     paged=paged, contiguous=contiguous, grouped=grouped)

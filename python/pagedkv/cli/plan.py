@@ -23,6 +23,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
                    help="contiguous reservation per sequence (default: the model's "
                         "max_position_embeddings, or the longest --seq-lens when longer or unknown)")
+    g.add_argument("--no-kv-groups", action="store_true",
+                   help="plan a model with sliding-window or chunked layers as full attention only "
+                        "(default: add the group-aware pool: KV cache groups sharing one page size)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -35,8 +38,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         seq_lens = parse_seq_lens(args.seq_lens)
     else:
         seq_lens = default_seq_lens(args.max_model_len or model_max_len)
+    kinds = None if model is None or args.no_kv_groups else model.layer_kinds
     plan = make_plan(spec, _budget(args, weights), seq_lens, args.max_model_len,
-                     model=label, weights_source=source, model_max_len=model_max_len)
+                     model=label, weights_source=source, model_max_len=model_max_len,
+                     layer_kinds=kinds)
     for warning in plan.warnings:
         print(f"pagedkv plan: warning: {warning}", file=sys.stderr)
     print(plan_json(plan) if args.json else format_plan(plan))

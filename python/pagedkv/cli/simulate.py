@@ -1,5 +1,8 @@
 """``pagedkv simulate``: the workload simulator's flags and handler, including the tier sweep
 (``--host-cache``); the simulating lives in :mod:`pagedkv.simulate` and :mod:`pagedkv.workload`.
+A model with sliding-window or chunked layers (``--model gemma-3-27b``, ``--hf-config``) also
+runs with its KV cache groups (:func:`pagedkv.config.size_groups` at ``--max-model-len``) in the
+same memory, unless ``--no-kv-groups``.
 
 Invariant: a ``--plot`` that cannot be drawn (no matplotlib) is refused before simulating.
 """
@@ -41,6 +44,10 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--watermark-blocks", type=_nonneg_int, default=None, metavar="N",
                    help="blocks kept back from admissions (default: the manager's)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    g.add_argument("--no-kv-groups", action="store_true",
+                   help="for a model with sliding-window or chunked layers, skip the paged run "
+                        "with KV cache groups (default: run it beside full-attention accounting, "
+                        "in the same memory)")
     g.add_argument("--num-host-blocks", type=_nonneg_int, default=0, metavar="N",
                    help="host KV blocks for swapped-out sequences (default: 0, no swap)")
     g.add_argument("--preemption-mode", choices=("auto", "swap", "recompute"), default="auto",
@@ -112,12 +119,22 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from ..simulate import SimConfig, format_report, result_json, simulate
     from ..workload import WorkloadConfig
 
-    label, _model, spec, weights, _source = _resolve_model(args, default_model=SIM_DEFAULT_MODEL)
+    label, model, spec, weights, _source = _resolve_model(args, default_model=SIM_DEFAULT_MODEL)
     if args.num_blocks is not None:
         num_blocks, memory = args.num_blocks, None
+        kv_bytes = num_blocks * spec.bytes_per_block
     else:
         budget = _budget(args, weights)
         num_blocks, memory = budget.num_blocks(spec), budget
+        kv_bytes = budget.kv_bytes
+    groups, group_blocks = None, 0
+    if model is not None and model.has_windowed_layers and not args.no_kv_groups:
+        from ..config import size_groups
+
+        sizing = size_groups(spec, model.layer_kinds, kv_bytes, args.max_model_len)
+        if sizing.grouping.saves_memory:
+            groups = tuple(g.as_tuple() for g in sizing.groups)
+            group_blocks = sizing.num_blocks
     workload = WorkloadConfig(
         num_requests=args.requests, arrival_rate=args.rate,
         prompt_median=args.prompt_median, prompt_sigma=args.prompt_sigma,
@@ -133,9 +150,13 @@ def _run_simulate(args: argparse.Namespace) -> int:
                     num_host_blocks=args.num_host_blocks, preemption_mode=args.preemption_mode,
                     host_link_bytes_per_s=args.host_link_gbps * 1e9,
                     prefill_tokens_per_s=args.prefill_tps, kv_bytes_per_token=spec.bytes_per_token,
-                    step_floor_s=args.step_floor_ms / 1e3)
+                    step_floor_s=args.step_floor_ms / 1e3, groups=groups,
+                    group_num_blocks=group_blocks)
     if args.host_cache is not None:
-        return _run_tier_sweep(args, workload, sim, spec)
+        from dataclasses import replace
+
+        # The tiers hold one group's blocks: the sweep runs full-attention accounting only.
+        return _run_tier_sweep(args, workload, replace(sim, groups=None, group_num_blocks=0), spec)
     if args.disk_cache != [0]:
         raise InvalidConfigError("--disk-cache needs --host-cache (the disk tier is filled from "
                                  "the host tier)", field="disk_cache", value=args.disk_cache,
