@@ -478,6 +478,16 @@ impl PrefixCache {
         self.lru.push_back(b).is_ok()
     }
 
+    /// Moves cached-free `b` to the LRU's evicting end (the next eviction takes it); no-op if
+    /// `b` is not in the LRU.
+    #[inline]
+    pub fn lru_to_front(&mut self, b: BlockId) {
+        if self.lru.contains(b) {
+            self.lru.remove(b);
+            let _ = self.lru.push_front(b);
+        }
+    }
+
     /// Unlinks `b` from the LRU (no-op if absent).
     #[inline]
     pub fn lru_remove(&mut self, b: BlockId) {

@@ -4,7 +4,7 @@
 //! one-Full-group config behaving exactly like the manager without groups.
 
 use pagedkv::groups::{AttentionKind, NULL_BLOCK};
-use pagedkv::manager::{BlockManager, ManagerConfig};
+use pagedkv::manager::{BlockManager, ManagerConfig, MAX_GROUPS};
 use pagedkv::step::{OwnedGroupBuffers, OwnedStepBuffers, StepLayout};
 use pagedkv::Error;
 
@@ -75,7 +75,7 @@ fn bad_group_configs_are_typed_errors() {
     let mut c = cfg(8, 4, vec![FULL, AttentionKind::Chunked { chunk: 8 }]);
     c.kv_event_capacity = 16;
     assert_eq!(field(c).0, "kv_event_capacity");
-    let (f, _) = field(cfg(8, 4, vec![FULL; 17]));
+    let (f, _) = field(cfg(8, 4, vec![FULL; MAX_GROUPS + 1]));
     assert_eq!(f, "groups");
     // One Full group is the manager without groups.
     let m = BlockManager::new(cfg(8, 4, vec![FULL])).unwrap();
@@ -444,5 +444,95 @@ fn eviction_takes_whole_boundaries_from_the_top() {
     m.free(9).unwrap();
     let r = m.admit(2, &p).unwrap();
     assert_eq!(r.cached_tokens, 12);
+    m.check_invariants().unwrap();
+}
+
+/// Prefills `p` through `m` as sequence `id` in steps of `chunk` tokens (after any cached prefix).
+fn prefill_in_steps(m: &mut BlockManager, b: &mut Bufs, id: u64, p: &[u32], chunk: usize) {
+    let r = m.admit_opts(id, p, None, Some(chunk)).unwrap();
+    let (cached, mut done) = (r.cached_tokens as usize, r.num_tokens as usize);
+    b.step(m, &[id], &[(done - cached) as u32]).unwrap();
+    while done < p.len() {
+        let n = chunk.min(p.len() - done);
+        m.append(id, &p[done..done + n]).unwrap();
+        b.step(m, &[id], &[n as u32]).unwrap();
+        done += n;
+    }
+}
+
+#[test]
+fn blocks_released_past_the_shared_prefix_are_evicted_first() {
+    // B = 4, sliding W = 4. Sequence 1 prefills 24 tokens in three steps of 8: its sliding group
+    // releases blocks 0..3 mid-run. Nothing else shared its prompt, so they serve boundaries no
+    // other request has reached: they go to the LRU's evicting end, before an idle sequence's
+    // history freed earlier.
+    let s = AttentionKind::Sliding { window: 4 };
+    let mut m = BlockManager::new(cfg(40, 4, vec![FULL, s])).unwrap();
+    let mut b = Bufs::new(&m);
+    let idle: Vec<u32> = (500..509).collect(); // 9 tokens: 2 full blocks per group cached
+    m.admit(7, &idle).unwrap();
+    b.step(&mut m, &[7], &[9]).unwrap();
+    m.free(7).unwrap();
+    assert_eq!(m.stats().cached_free_blocks, 4);
+    let p: Vec<u32> = (100..124).collect();
+    prefill_in_steps(&mut m, &mut b, 1, &p, 8);
+    assert_eq!(nulls(m.block_table_group(1, 1).unwrap()), 3);
+    assert_eq!(m.stats().cached_free_blocks, 7);
+    // A filler needing the free blocks and 2 more evicts two of the three released blocks.
+    let free = m.stats().free_blocks;
+    assert_eq!(free % 2, 0);
+    let filler: Vec<u32> = (2000..2000 + 2 * (free as u32 + 2)).collect();
+    m.admit(9, &filler).unwrap();
+    assert_eq!(m.stats().evictions, 2);
+    m.free(9).unwrap();
+    assert_eq!(
+        m.admit(8, &idle).unwrap().cached_tokens,
+        8,
+        "the idle history still hits"
+    );
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn blocks_released_inside_a_shared_prefix_keep_their_recency() {
+    // B = 4, sliding W = 4: boundary k needs group 0's [0, k) and the sliding block k - 1.
+    let s = AttentionKind::Sliding { window: 4 };
+    let mut m = BlockManager::new(cfg(64, 4, vec![FULL, s])).unwrap();
+    let mut b = Bufs::new(&m);
+    let p: Vec<u32> = (100..124).collect();
+    // Run 1 releases sliding blocks 0..3 mid-run: cold, and evicted by a filler.
+    prefill_in_steps(&mut m, &mut b, 1, &p, 8);
+    m.free(1).unwrap();
+    let free = m.stats().free_blocks as u32;
+    let e = 3 + (free + 1) % 2; // a filler takes blocks in pairs (one per group)
+    let filler: Vec<u32> = (2000..2000 + 2 * (free + e)).collect();
+    m.admit(9, &filler).unwrap();
+    assert_eq!(m.stats().evictions, e as u64);
+    m.free(9).unwrap();
+    // Run 2 shares 3 blocks of group 0's prefix but no sliding window: it recomputes from 0.
+    // Its sliding blocks 0..2, released mid-run inside that shared prefix, keep their recency;
+    // block 3, past it, goes to the evicting end.
+    let q = &p[..13];
+    prefill_in_steps(&mut m, &mut b, 2, q, 4);
+    assert_eq!(m.seq_len(2).unwrap(), 13);
+    for t in 0..7u32 {
+        m.append(2, &[t]).unwrap();
+        b.step(&mut m, &[2], &[1]).unwrap();
+    }
+    assert_eq!(nulls(m.block_table_group(2, 1).unwrap()), 4);
+    // Two or three evictions take block 3 and older entries, not the window that boundary 3
+    // needs (block 2; were the blocks inside the shared prefix at the evicting end too, the
+    // second eviction would take it).
+    let free = m.stats().free_blocks as u32;
+    let before = m.stats().evictions;
+    let e = 2 + free % 2;
+    let filler: Vec<u32> = (3000..3000 + 2 * (free + e)).collect();
+    m.admit(10, &filler).unwrap();
+    assert_eq!(m.stats().evictions, before + e as u64);
+    let r = m.admit(3, q).unwrap();
+    assert_eq!(
+        r.cached_tokens, 12,
+        "a third request with the shared prefix hits boundary 3"
+    );
     m.check_invariants().unwrap();
 }

@@ -32,6 +32,8 @@ pub(super) struct Lookup {
     revive: usize,
     /// Verify-mode mismatches (served as misses).
     collisions: u64,
+    /// Group 0's device hits before the other groups shortened them (blocks).
+    group0: usize,
 }
 
 /// Tokens an admission holds: the cached prefix plus up to `max_new` more (the rest when `None`).
@@ -275,6 +277,7 @@ impl BlockManager {
             }
             hits.push(b);
         }
+        look.group0 = hits.len();
         if !self.kinds.is_empty() && !hits.is_empty() {
             // Other groups: the longest boundary at which each has what it reads.
             let (k, revive) = self.group_boundary(tokens, hashes, hits.len());
@@ -418,6 +421,7 @@ impl BlockManager {
         if !self.kinds.is_empty() {
             self.slots[slot as usize].table.blocks = blocks;
             self.pin_extra(slot as usize, tokens, &hashes, hits.len())?;
+            self.slots[slot as usize].shared_prefix = look.group0;
             blocks = std::mem::take(&mut self.slots[slot as usize].table.blocks);
         }
         // Host hits are pinned before anything is allocated: an eviction below may offload, and

@@ -290,6 +290,7 @@ impl BlockManager {
         child_state.group = ps.group;
         child_state.extra.clone_from(&ps.extra);
         child_state.next_release = ps.next_release;
+        child_state.shared_prefix = ps.shared_prefix;
         child_state.provisional = 0;
         child_state.stepped = 0;
         let extra_blocks = child_state.extra.iter().flat_map(|t| &t.blocks[t.start..]);

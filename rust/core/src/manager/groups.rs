@@ -25,8 +25,14 @@
 //!   which serves only boundaries past `i`, can complete none: it is released, hence evicted,
 //!   before group 0's block `j`. The cache thus loses whole boundaries from the top, one at a time,
 //!   instead of all of a sliding group's blocks before any of group 0's (which would leave group 0
-//!   cached and every hit gone). Blocks a windowed group released mid-run (the oldest positions,
-//!   serving only short boundaries) are older still and go first.
+//!   cached and every hit gone).
+//! - Blocks a windowed group releases mid-run serve only boundaries inside the sequence's history.
+//!   Past the prefix group 0 already had cached at admission (`Seq::shared_prefix`: a prefix
+//!   another request reached before), no other request has reached those boundaries: the
+//!   released block goes to the LRU's evicting end, before any idle history (otherwise every
+//!   running sequence would push its dead windows in as the newest entries and evict the idle
+//!   sessions' histories first). Inside that shared prefix (a system prompt, a shared document)
+//!   it keeps its recency like any freed block: the next request sharing it needs that window.
 //! - Swap, the host tier and KV events know one group: the configuration refuses them
 //!   (`num_host_blocks`, `kv_event_capacity` must be 0) when there is more than one group.
 
@@ -172,10 +178,15 @@ impl BlockManager {
             if dead <= t.start {
                 continue;
             }
+            let shared = s.shared_prefix;
             for j in t.start..dead {
                 let b = std::mem::replace(&mut self.slots[slot].extra[g].blocks[j], NULL_BLOCK);
                 if let Err(e) = self.drop_ref(b) {
                     result = Err(e);
+                } else if j >= shared {
+                    // Past the shared prefix: it serves only boundaries inside this sequence's
+                    // own history, which no other request has reached. First to go.
+                    self.prefix.lru_to_front(b);
                 }
             }
             let t = &mut self.slots[slot].extra[g];

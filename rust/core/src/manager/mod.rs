@@ -178,6 +178,11 @@ struct Seq {
     /// The first position from which a step releases another block of some windowed group
     /// (`usize::MAX` when none can): a step compares instead of dividing.
     next_release: usize,
+    /// Blocks of the prompt's prefix that group 0 already had cached when the sequence was
+    /// admitted (before the other groups shortened the hit): a prefix other requests share.
+    /// Windowed blocks released mid-run inside it keep their recency in the LRU; those past it
+    /// go to its evicting end (see `release_dead`).
+    shared_prefix: usize,
     /// Provisional tokens: the last `provisional` of `table.num_tokens` are not final (no token
     /// ids kept, never hashed); `commit` settles them.
     provisional: usize,
