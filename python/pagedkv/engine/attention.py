@@ -17,6 +17,11 @@ paged metadata instead. Per layer (``module.layer_idx``) the function
 
 It returns ``[1, T, Hq, D]``, the layout transformers' own functions return.
 
+KV cache groups (a model whose full layers sit beside sliding or chunked ones): each layer reads
+its group's slot mapping and block tables (``AttentionMetadata.groups[layer_group[layer]]``),
+whose entries before the window are ``-1`` (released); neither path reads them: the CPU path
+gathers slot 0 in their place and masks it, the kernels start at the window's first key.
+
 Local attention comes from the module's own call: ``sliding_window`` (Mistral, Qwen2, Gemma 3,
 gpt-oss: a query at position p sees keys ``[p - W + 1, p]``), ``s_aux`` (gpt-oss's per-head sinks)
 and, for a layer whose ``config.layer_types`` entry is ``"chunked_attention"`` (Llama 4),
@@ -74,6 +79,8 @@ def pagedkv_attention(
     """The registered attention function: write K/V to the pool, attend through the block tables."""
     meta = current_metadata()
     layer = module.layer_idx
+    if meta.layer_group is not None:  # KV cache groups: the layer's group's tables
+        meta = meta.groups[meta.layer_group[layer]]
     k_cache = meta.k_caches[layer]
     v_cache = meta.v_caches[layer]
     # [1, H, T, D] -> [T, H, D]. After RoPE transformers' tensors are [1, T, H, D] in memory, so

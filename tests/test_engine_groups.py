@@ -1,0 +1,205 @@
+"""The engine on models with sliding-window, chunked and sink layers, through KV cache groups.
+
+Tiny random models of each supported family with local attention (Gemma 3 text, gpt-oss, Qwen3,
+Qwen2, Mistral, Llama 4 text; fp32, seeded) are saved with ``save_pretrained`` and loaded through
+the engine's real loader. Windows of 8 tokens (Llama 4: chunks of 8) with blocks of 4 and prompts
+several windows long: greedy token ids must equal transformers' own ``generate(do_sample=False)``
+(whose cache honours the window) for a ragged batch, a second request that hits the first one's
+prefix in the cache, and a small pool that forces preemption (recomputed). The manager must hold
+fewer blocks than full accounting would (released entries read ``-1``) and keep its invariants.
+A model whose full layers sit beside windowed ones runs with several groups and refuses swap,
+the tiers below the GPU and KV events with a typed error; one whose every layer slides (Mistral)
+runs as one group, its kernels skipping keys outside the window.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from pagedkv import LLM, LLMEngine, SamplingParams  # noqa: E402
+from pagedkv.engine.builder import sequence_blocks  # noqa: E402
+from pagedkv.errors import ConfigArgumentError  # noqa: E402
+from pagedkv.layer_groups import group_layers, layer_kinds  # noqa: E402
+
+VOCAB = 128
+BLOCK = 4
+WINDOW = 8
+MAX_LEN = 256
+NEW = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=8, max_position_embeddings=MAX_LEN,
+               initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+               tie_word_embeddings=False)
+
+
+def _config(kind: str):
+    if kind == "gemma3_text":
+        return transformers.Gemma3TextConfig(
+            num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=8,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"], **_COMMON)
+    if kind == "gpt_oss":
+        common = dict(_COMMON, intermediate_size=32)
+        return transformers.GptOssConfig(
+            num_hidden_layers=2, sliding_window=WINDOW, num_local_experts=4,
+            num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"], **common)
+    if kind == "qwen3":
+        return transformers.Qwen3Config(num_hidden_layers=3, use_sliding_window=True,
+                                        sliding_window=WINDOW, max_window_layers=1, **_COMMON)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(num_hidden_layers=3, use_sliding_window=True,
+                                        sliding_window=WINDOW, max_window_layers=2, **_COMMON)
+    if kind == "mistral":
+        return transformers.MistralConfig(num_hidden_layers=2, sliding_window=WINDOW, **_COMMON)
+    if kind == "llama4_text":
+        common = dict(_COMMON, intermediate_size=32)
+        return transformers.Llama4TextConfig(
+            num_hidden_layers=4, attention_chunk_size=WINDOW, intermediate_size_mlp=64,
+            num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2, **common)
+    raise AssertionError(kind)
+
+
+#: Model -> the attention kinds its layers get (and so whether it runs with several groups).
+KINDS = ["gemma3_text", "gpt_oss", "qwen3", "qwen2", "mistral", "llama4_text"]
+HYBRID = {"gemma3_text", "gpt_oss", "qwen3", "qwen2", "llama4_text"}
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model_dir(request, tmp_path_factory):
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(_config(request.param))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "sinks" in name:  # zero at init: make them matter
+                p.normal_(0.0, 0.5 if "sinks" in name else 0.1)
+    directory = str(tmp_path_factory.mktemp(request.param))
+    model.save_pretrained(directory)
+    return request.param, directory
+
+
+@pytest.fixture(scope="module")
+def dense(model_dir):
+    """The same checkpoint loaded by transformers alone: the reference."""
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir[1],
+                                                             dtype=torch.float32).eval()
+
+
+def _llm(model_dir, **kw) -> LLM:
+    kw.setdefault("block_size", BLOCK)
+    kw.setdefault("num_blocks", 256)
+    kw.setdefault("max_num_seqs", 4)
+    kw.setdefault("max_num_batched_tokens", 32)
+    return LLM(model_dir[1], device="cpu", progress=False, **kw)
+
+
+def _reference(dense, prompt, max_new_tokens=NEW):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = dense.generate(ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _prompts(seed, lengths):
+    g = np.random.default_rng(seed)
+    return [g.integers(0, VOCAB, n).tolist() for n in lengths]
+
+
+def test_ragged_batch_matches_generate_and_releases_blocks(model_dir, dense):
+    kind, _ = model_dir
+    llm = _llm(model_dir)
+    runner = llm.llm_engine.core.runner
+    groups = runner.grouping.num_groups
+    assert (groups > 1) == (kind in HYBRID)
+    assert llm.max_model_len == MAX_LEN  # no cap at the window any more
+    prompts = _prompts(0, [41, 5, 57, 23])
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _reference(dense, p), (kind, len(p))
+
+    # Mid-run: a long sequence's windowed groups hold only their window's blocks.
+    engine = llm.llm_engine
+    manager = engine.manager
+    assert manager.num_groups == groups
+    prompt = _prompts(1, [48])[0]
+    engine.add_request("long", prompt, SamplingParams(temperature=0, max_tokens=6,
+                                                       ignore_eos=True))
+    for _ in range(4):  # two prefill chunks, then decodes
+        engine.step()
+    seq = engine.core.scheduler.running[0]
+    n_tokens = len(seq.token_ids)
+    full = -(-n_tokens // BLOCK)
+    tables = [manager.block_table(seq.seq_id, g) for g in range(groups)]
+    assert all(len(t) == full for t in tables)
+    held = sum(sum(b >= 0 for b in t) for t in tables)
+    if groups > 1:
+        assert held < groups * full
+        for g, kind_g in enumerate(runner.grouping.groups):
+            if kind_g.kind == "full":
+                assert -1 not in tables[g]
+            else:
+                # Released entries read -1; what is held is the window of the next query and
+                # the block it starts in, no more.
+                assert tables[g][0] == -1 and tables[g][-1] >= 0
+                assert sum(b >= 0 for b in tables[g]) <= -(-(WINDOW - 1) // BLOCK) + 2
+    else:
+        assert held == full
+    manager.check_invariants()
+    while engine.has_unfinished_requests():
+        engine.step()
+    manager.check_invariants()
+    assert manager.num_seqs == 0
+
+
+def test_prefix_hit_matches_generate(model_dir, dense):
+    llm = _llm(model_dir)
+    shared = _prompts(2, [40])[0]
+    first = shared + [5, 6, 7]
+    second = shared + [9, 10]
+    a = llm.generate([first], GREEDY, use_tqdm=False)[0]
+    b = llm.generate([second], GREEDY, use_tqdm=False)[0]
+    assert b.num_cached_tokens >= 36  # the shared blocks hit in every group
+    assert a.outputs[0].token_ids == _reference(dense, first)
+    assert b.outputs[0].token_ids == _reference(dense, second)
+    llm.llm_engine.manager.check_invariants()
+
+
+def test_preemption_recomputes_and_matches_generate(model_dir, dense):
+    prompts = _prompts(3, [20, 17, 23])
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    # A pool for the longest sequence at its peak (prefill chunks of 16 included), little more:
+    # three growing together must preempt.
+    grouping = group_layers(layer_kinds(_config(model_dir[0])), MAX_LEN, BLOCK)
+    peak = sequence_blocks(grouping.groups, 23 + 40, BLOCK, 16)
+    llm = _llm(model_dir, num_blocks=peak + 2, max_num_batched_tokens=16)
+    assert llm.max_model_len >= 23 + 40
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.stats().num_preemptions > 0
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _reference(dense, p, 40)
+    llm.llm_engine.manager.check_invariants()
+
+
+@pytest.mark.parametrize("setting", [
+    dict(swap_space="1MiB"), dict(num_host_blocks=8), dict(host_cache_memory="1MiB"),
+    dict(kv_events_bind="tcp://127.0.0.1:0")])
+def test_hybrid_refuses_what_groups_cannot_do(model_dir, setting):
+    kind, directory = model_dir
+    if kind not in HYBRID:
+        pytest.skip("one group: swap and tiers work")
+    with pytest.raises(ConfigArgumentError) as info:
+        LLMEngine(directory, device="cpu", block_size=BLOCK, num_blocks=64, **setting)
+    name = next(iter(setting))
+    assert info.value.field == name
+    assert directory in str(info.value) and "KV cache groups" in str(info.value)
