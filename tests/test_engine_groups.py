@@ -203,3 +203,86 @@ def test_hybrid_refuses_what_groups_cannot_do(model_dir, setting):
     name = next(iter(setting))
     assert info.value.field == name
     assert directory in str(info.value) and "KV cache groups" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+#: As tests/test_engine.py: a greedy token chosen by the engine in bf16 must be the dense bf16
+#: model's argmax up to bf16 noise (its dense log-prob may trail the maximum by at most this).
+GPU_GREEDY_MARGIN = 0.15
+GPU_WINDOW = 32
+
+
+def _gpu_config(kind: str):
+    common = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+                  initializer_range=0.05, eos_token_id=None, bos_token_id=None,
+                  pad_token_id=None, tie_word_embeddings=False)
+    if kind == "gemma3_text":
+        return transformers.Gemma3TextConfig(
+            num_hidden_layers=6, sliding_window=GPU_WINDOW, query_pre_attn_scalar=64,
+            layer_types=(["sliding_attention"] * 5 + ["full_attention"]), **common)
+    if kind == "gpt_oss":
+        return transformers.GptOssConfig(
+            num_hidden_layers=4, sliding_window=GPU_WINDOW, num_local_experts=4,
+            num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2,
+            **common)
+    if kind == "llama4_text":
+        return transformers.Llama4TextConfig(
+            num_hidden_layers=4, attention_chunk_size=GPU_WINDOW, intermediate_size_mlp=512,
+            num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2, **common)
+    if kind == "mistral":
+        return transformers.MistralConfig(num_hidden_layers=4, sliding_window=GPU_WINDOW,
+                                          **common)
+    raise AssertionError(kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gemma3_text", "gpt_oss", "llama4_text", "mistral"])
+def test_gpu_windowed_greedy_is_dense_argmax(kind, tmp_path):
+    """The whole engine on CUDA (Triton kernels, CUDA-graph decode over every group's tables):
+    ragged prompts several windows long sharing a prefix, n=2 forks, a pool small enough to
+    preempt. Every greedy token is the dense bf16 model's argmax (teacher forcing over the
+    engine's output, bf16 tolerance above), with transformers' own windowed attention."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(7)
+    cfg = _gpu_config(kind)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "sinks" in name:
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(str(tmp_path))
+    g = np.random.default_rng(3)
+    shared = g.integers(0, 1024, 40).tolist()
+    prompts = [shared + g.integers(0, 1024, n).tolist() for n in (5, 120, 37, 1, 150, 73)]
+    new = 40
+    params = [SamplingParams(temperature=0.0, max_tokens=new, n=2 if i % 3 == 0 else 1,
+                             ignore_eos=True) for i in range(len(prompts))]
+    grouping = group_layers(layer_kinds(cfg), 1024, 16)
+    peak = sequence_blocks(grouping.groups, 190 + new, 16, 128)
+    llm = LLM(str(tmp_path), device="cuda", dtype=torch.bfloat16, block_size=16,
+              num_blocks=peak + 8, max_num_seqs=8, max_num_batched_tokens=128, progress=False)
+    runner = llm.llm_engine.core.runner
+    assert runner.graph_sizes and not runner.fused
+    assert (runner.grouping.num_groups > 1) == (kind != "mistral")
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    st = llm.stats()
+    llm.llm_engine.manager.check_invariants()
+    dense = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), dtype=torch.bfloat16).to("cuda").eval()
+    worst = 0.0
+    for p, o in zip(prompts, outs):
+        for c in o.outputs:
+            assert len(c.token_ids) == new
+            ids = torch.tensor([p + c.token_ids], device="cuda")
+            with torch.no_grad():
+                lp = torch.log_softmax(dense(ids).logits[0].float(), -1)
+            pos = torch.arange(len(p) - 1, len(p) - 1 + new, device="cuda")
+            chosen = lp[pos, torch.tensor(c.token_ids, device="cuda")]
+            worst = max(worst, (lp[pos].max(-1).values - chosen).max().item())
+    print(f"{kind} on CUDA: {runner.grouping.num_groups} groups, {st.num_preemptions} "
+          f"preemptions, prefix hits {st.prefix_hits_by_tier}; worst greedy log-prob gap to the "
+          f"dense bf16 argmax {worst:.4f}")
+    assert worst <= GPU_GREEDY_MARGIN
