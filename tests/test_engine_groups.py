@@ -27,6 +27,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from pagedkv import LLM, LLMEngine, SamplingParams  # noqa: E402
 from pagedkv.engine.builder import sequence_blocks  # noqa: E402
+from pagedkv.engine.loader import load_model  # noqa: E402
 from pagedkv.errors import ConfigArgumentError  # noqa: E402
 from pagedkv.layer_groups import group_layers, layer_kinds  # noqa: E402
 
@@ -92,6 +93,12 @@ def dense(model_dir):
     """The same checkpoint loaded by transformers alone: the reference."""
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir[1],
                                                              dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    """The checkpoint through the engine's loader, once (an engine may be built around it)."""
+    return load_model(model_dir[1], device="cpu")
 
 
 def _llm(model_dir, **kw) -> LLM:
@@ -177,33 +184,88 @@ def test_prefix_hit_matches_generate(model_dir, dense):
 
 def test_preemption_recomputes_and_matches_generate(model_dir, dense):
     prompts = _prompts(3, [20, 17, 23])
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
     # A pool for the longest sequence at its peak (prefill chunks of 16 included), little more:
     # three growing together must preempt.
     grouping = group_layers(layer_kinds(_config(model_dir[0])), MAX_LEN, BLOCK)
-    peak = sequence_blocks(grouping.groups, 23 + 40, BLOCK, 16)
+    peak = sequence_blocks(grouping.groups, 23 + 28, BLOCK, 16)
     llm = _llm(model_dir, num_blocks=peak + 2, max_num_batched_tokens=16)
-    assert llm.max_model_len >= 23 + 40
+    assert llm.max_model_len >= 23 + 28
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.stats().num_preemptions > 0
     for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == _reference(dense, p, 40)
+        assert o.outputs[0].token_ids == _reference(dense, p, 28)
     llm.llm_engine.manager.check_invariants()
 
 
 @pytest.mark.parametrize("setting", [
     dict(swap_space="1MiB"), dict(num_host_blocks=8), dict(host_cache_memory="1MiB"),
-    dict(kv_events_bind="tcp://127.0.0.1:0")])
-def test_hybrid_refuses_what_groups_cannot_do(model_dir, setting):
+    dict(kv_events_bind="tcp://127.0.0.1:0"), dict(tensor_parallel_size=2)])
+def test_hybrid_refuses_what_groups_cannot_do(model_dir, loaded, setting):
     kind, directory = model_dir
     if kind not in HYBRID:
         pytest.skip("one group: swap and tiers work")
     with pytest.raises(ConfigArgumentError) as info:
-        LLMEngine(directory, device="cpu", block_size=BLOCK, num_blocks=64, **setting)
+        LLMEngine(loaded, block_size=BLOCK, num_blocks=64, **setting)
     name = next(iter(setting))
     assert info.value.field == name
     assert directory in str(info.value) and "KV cache groups" in str(info.value)
 
+
+
+def test_pool_size_and_max_model_len_follow_the_groups(model_dir, loaded, caplog):
+    """A page holds `slots` layers; max_model_len is the longest sequence whose blocks over every
+    group fit the pool above the watermark; the start-up line names the groups."""
+    from pagedkv.engine.summary import startup_summary
+
+    kind, _ = model_dir
+    engine = LLMEngine(loaded, block_size=BLOCK, kv_cache_memory=96 * 1024,
+                       max_num_batched_tokens=16, watermark_blocks=1)
+    runner = engine.core.runner
+    grouping = runner.grouping
+    spec = runner.spec
+    layer_block = 2 * BLOCK * spec.num_kv_heads * spec.head_dim * 4  # fp32 K and V, one layer
+    assert spec.num_layers == (grouping.slots if kind in HYBRID
+                               else loaded.config.num_hidden_layers)
+    assert spec.bytes_per_block == spec.num_layers * layer_block
+    assert runner.num_blocks == 96 * 1024 // spec.bytes_per_block
+    pool = runner.pool
+    assert pool.kv.shape[0] == spec.num_layers and len(pool.k_caches) == len(grouping.layer_slot)
+    for layer, slot in enumerate(grouping.layer_slot):
+        if kind in HYBRID:
+            assert pool.k_caches[layer].data_ptr() == pool.slot_k_caches[slot].data_ptr()
+    free = runner.num_blocks - 1
+    limit = engine.max_model_len
+    need = (lambda n: sequence_blocks(grouping.groups, n, BLOCK, 16)) if kind in HYBRID \
+        else (lambda n: -(-n // BLOCK))
+    assert need(limit) <= free
+    assert limit == MAX_LEN or need(limit + 1) > free
+    line = startup_summary(engine)
+    assert ("KV cache groups" in line) == (kind in HYBRID)
+
+
+def test_pool_layer_slots_share_views_and_copy_every_slot():
+    from pagedkv.config import CacheSpec
+    from pagedkv.errors import InvalidConfigError
+    from pagedkv.kv_pool import KVPool, copy_blocks_reference
+
+    spec = CacheSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", block_size=2)
+    pool = KVPool(spec, 6, layer_slot=[0, 1, 1, 0, 0])
+    assert len(pool.k_caches) == 5 and len(pool.slot_k_caches) == 2
+    assert pool.k_caches[3].data_ptr() == pool.k_caches[0].data_ptr() \
+        != pool.k_caches[1].data_ptr()
+    pool.kv.normal_()
+    ref = KVPool(spec, 6, layer_slot=[0, 1, 1, 0, 0])
+    ref.kv.copy_(pool.kv)
+    pool.copy_blocks([(1, 4), (2, 5)])
+    copy_blocks_reference(ref, [(1, 4), (2, 5)])
+    assert torch.equal(pool.kv, ref.kv)
+    assert torch.equal(pool.kv[:, :, 4], pool.kv[:, :, 1])
+    k, _ = pool.block_view(4, 5)
+    assert torch.equal(k, pool.slot_k_caches[0][5])
+    for bad in ([0, 0, 0], [0, 2], [0, True], []):
+        with pytest.raises(InvalidConfigError):
+            KVPool(spec, 6, layer_slot=bad)
 
 # ---------------------------------------------------------------------------------------------- GPU
 
