@@ -4,11 +4,14 @@ Owns start-up: loading the model (or taking a loaded one), starting tensor paral
 runner, the :class:`~.core.EngineCore` (which builds the manager, scheduler and tiers around the
 runner), ``max_model_len``, and the input and output processors and stats sized for them.
 
+Owns :func:`sequence_blocks` too: the most blocks one sequence holds over every KV cache group.
+
 Invariants: ``max_model_len`` is the model's context, or what the KV pool holds for one sequence
 above the watermark when that is less (logged at start-up; with KV cache groups, the longest
-sequence whose blocks over every group fit, :func:`sequence_blocks`), so a preempted sequence can always be
-re-admitted into an otherwise empty pool; a failure after tensor parallelism started stops its
-ranks before it propagates; nothing here runs a step.
+sequence whose blocks over every group fit, :func:`sequence_blocks`), so a preempted sequence can
+always be re-admitted into an otherwise empty pool; what several KV cache groups cannot do yet
+is refused before tensor parallelism starts; a failure after tensor parallelism started stops
+its ranks before it propagates; nothing here runs a step.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from .output_processor import OutputProcessor
 from .stats import StatsTracker
 
 __all__ = ["EngineParts", "build_engine", "config_from_kwargs", "keyword_signature",
-           "settings_doc"]
+           "settings_doc", "sequence_blocks"]
 
 logger = logging.getLogger("pagedkv")
 

@@ -190,7 +190,8 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
 
 def load_model(path: Union[str, os.PathLike], *, device: Any = "cpu", dtype: Any = None,
                load_tokenizer: bool = True) -> LoadedModel:
-    """Loads a supported causal LM (:data:`SUPPORTED_MODEL_TYPES`) from a local directory or a ``.gguf`` file.
+    """Loads a supported causal LM (:data:`SUPPORTED_MODEL_TYPES`) from a local directory or a
+    ``.gguf`` file.
 
     Args:
         path: A Hugging Face directory (``config.json`` + safetensors weights, optionally tokenizer

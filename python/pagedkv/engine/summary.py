@@ -5,8 +5,8 @@ Owns :func:`startup_summary` (the text) and :func:`log_startup` (logs it at INFO
 tokens, GiB; with KV cache groups, pages of how many layers and the groups' kinds), how many
 requests of the longest length the engine serves fit in the pool at once (its maximum concurrency
 at that length; with groups, over each group's peak need,
-:meth:`pagedkv.layer_groups.LayerGrouping.need_blocks`), the tiers of the prefix cache and swap space, and the
-preemption policy with the cost model's rates.
+:meth:`pagedkv.layer_groups.LayerGrouping.need_blocks`), the tiers of the prefix cache and swap
+space, and the preemption policy with the cost model's rates.
 
 Invariant: it only reads the built engine (no side effects, nothing measured).
 """
