@@ -8,8 +8,9 @@ several windows long: greedy token ids must equal transformers' own ``generate(d
 prefix in the cache, and a small pool that forces preemption (recomputed). The manager must hold
 fewer blocks than full accounting would (released entries read ``-1``) and keep its invariants.
 A model whose full layers sit beside windowed ones runs with several groups and refuses swap,
-the tiers below the GPU and KV events with a typed error; one whose every layer slides (Mistral)
-runs as one group, its kernels skipping keys outside the window.
+the tiers below the GPU, KV events and tensor parallelism with a typed error; one whose every layer
+slides (Mistral) runs as one group, its attention skipping keys outside the window. Under
+``TRITON_INTERPRET=1`` the Triton kernels run the same equality for gpt-oss and Llama 4.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=8, max_position_embeddings=MAX_LEN,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_LEN,
                initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None,
                tie_word_embeddings=False)
 
@@ -47,7 +48,7 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_atten
 def _config(kind: str):
     if kind == "gemma3_text":
         return transformers.Gemma3TextConfig(
-            num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=8,
+            num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=16,
             layer_types=["sliding_attention"] * 3 + ["full_attention"], **_COMMON)
     if kind == "gpt_oss":
         common = dict(_COMMON, intermediate_size=32)
@@ -167,6 +168,22 @@ def test_ragged_batch_matches_generate_and_releases_blocks(model_dir, dense):
         engine.step()
     manager.check_invariants()
     assert manager.num_seqs == 0
+
+
+def test_kernel_path_matches_generate(model_dir, dense):
+    """The Triton kernels (under TRITON_INTERPRET on the CPU) read each group's tables: sliding
+    with sinks (gpt-oss) and chunked (Llama 4) beside full layers."""
+    kind, _ = model_dir
+    if kind not in ("gpt_oss", "llama4_text") or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernel path on the CPU: gpt-oss and Llama 4, under TRITON_INTERPRET=1")
+    llm = _llm(model_dir, attention_backend="triton", max_num_batched_tokens=16)
+    assert llm.llm_engine.core.runner.grouping.num_groups > 1
+    prompts = _prompts(4, [30, 5, 21])
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _reference(dense, p, 6), (kind, len(p))
+    llm.llm_engine.manager.check_invariants()
 
 
 def test_prefix_hit_matches_generate(model_dir, dense):
