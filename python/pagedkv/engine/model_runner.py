@@ -27,6 +27,16 @@ One :meth:`ModelRunner.execute`:
 4. returns float32 logits for the requested rows only (``logits_to_keep`` with an index tensor, so
    the LM head runs on those rows alone in eager mode).
 
+KV cache groups (a model whose full layers sit beside sliding or chunked ones: Gemma 3, gpt-oss,
+Llama 4, Qwen with ``max_window_layers``): the runner cuts the layers into groups
+(:func:`pagedkv.layer_groups.group_layers`, :attr:`ModelRunner.grouping`), the manager gets
+``groups=`` (:attr:`ModelRunner.kv_groups`), the step buffers ``num_groups=``, and the pool one
+page per block holding one group's ``slots`` layers (``KVPool(layer_slot=...)``); each step's
+metadata carries every group's tables and each layer reads its group's. Swap, the tiers below the
+GPU, KV events and tensor parallelism are refused for such a model (:func:`check_groups_supported`).
+A model with one kind of layer runs exactly as before (one group; no fused forward if its layers
+slide, since the fused forward attends fully).
+
 With tensor parallelism (``tensor_parallel=``, ``docs/tp.md``) the pool holds this rank's KV heads
 only; rank 0's ``execute`` broadcasts each validated step (tables and batch, one packet) before
 step 1, and the other ranks run it from :meth:`ModelRunner.serve`; under NCCL every rank's device
@@ -109,11 +119,13 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
     Attributes:
         num_blocks, spec, pool, buffers (attach to the manager with
         ``manager.attach_buffers(runner.buffers)``), max_model_len (the model's context),
+        layer_kinds, grouping and kv_groups (the KV cache groups, the manager's ``groups=``),
         max_blocks_per_seq, graph_sizes (captured batch sizes, empty without graphs),
         engine_config.
 
     Raises:
-        ConfigArgumentError: A setting is out of range, or both budgets are given.
+        ConfigArgumentError: A setting is out of range, both budgets are given, or a setting
+            several KV cache groups cannot serve yet (:func:`check_groups_supported`).
         CapacityError: The budget holds no block.
     """
 
