@@ -65,9 +65,11 @@ def _config(kind: str):
         return transformers.MistralConfig(num_hidden_layers=2, sliding_window=WINDOW, **_COMMON)
     if kind == "llama4_text":
         common = dict(_COMMON, intermediate_size=32)
+        # floor_scale 4: the NoPE layers' query temperature varies within these short prompts.
         return transformers.Llama4TextConfig(
             num_hidden_layers=4, attention_chunk_size=WINDOW, intermediate_size_mlp=64,
-            num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2, **common)
+            num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2,
+            floor_scale=4, **common)
     raise AssertionError(kind)
 
 

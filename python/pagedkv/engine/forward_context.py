@@ -74,6 +74,10 @@ class AttentionMetadata:
     #: least one) through :func:`pagedkv.kernels.linear_small_m`, larger ones through cuBLAS: the
     #: runner's ``gemv_rows`` (1 on the kernels; 0: never).
     gemv_rows: int = 0
+    #: Llama 4's query temperature on its NoPE layers, ``(floor_scale, attn_scale)``, with
+    #: ``positions`` (int64 ``[T]``, each new token's position); None for other models.
+    temperature: Optional[tuple] = None
+    positions: Optional[torch.Tensor] = None
     #: Per KV cache group metadata (see above); None with one group.
     groups: Optional[list] = None
     #: Each model layer's group (``LayerGrouping.layer_group``); None with one group.

@@ -181,6 +181,11 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
         if self.fused and self.device.type == "cuda":
             torch.cuda.empty_cache()
         groups = self.grouping.num_groups
+        #: Llama 4's positional query temperature on its NoPE layers, ``(floor_scale,
+        #: attn_scale)``, which each step's metadata carries (see :mod:`.attention`); else None.
+        self.temperature: Optional[tuple] = None
+        if getattr(cfg, "attn_temperature_tuning", False) and getattr(cfg, "no_rope_layers", None):
+            self.temperature = (float(cfg.floor_scale), float(cfg.attn_scale))
         # With groups a page holds one group's layers (`slots` of them): the pool's unit.
         self.spec = CacheSpec(num_layers=self.grouping.slots if groups > 1
                               else int(cfg.num_hidden_layers), num_kv_heads=num_kv,

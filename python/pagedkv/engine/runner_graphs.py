@@ -56,14 +56,18 @@ class _GraphMixin:
         return self._ids_dev[:t], self._pos_dev[:t]
 
     def _cuda_meta(self, mode, slot_mapping, block_tables, seq_lens, qsl, *, max_q_len=0,
-                   max_seq_len=0, groups: Optional[Sequence[Any]] = None) -> AttentionMetadata:
+                   max_seq_len=0, groups: Optional[Sequence[Any]] = None,
+                   positions: Optional[torch.Tensor] = None) -> AttentionMetadata:
         """The step's CUDA metadata; ``groups``: groups ``1..G-1``' ``(slot_mapping,
-        block_tables)`` (device views), None with one group."""
+        block_tables)`` (device views), None with one group; ``positions``: the step's (device),
+        read by a model with a positional query temperature only."""
         meta = AttentionMetadata(mode, self.pool.k_caches, self.pool.v_caches, slot_mapping,
                                  block_tables, seq_lens, qsl, max_q_len=max_q_len,
                                  max_seq_len=max_seq_len, workspace=self.workspace,
                                  gemv_rows=self.gemv_rows,
-                                 plan=self.decode_plan if mode == "decode" else None)
+                                 plan=self.decode_plan if mode == "decode" else None,
+                                 temperature=self.temperature,
+                                 positions=positions if self.temperature is not None else None)
         if groups is not None:
             with_groups(meta, groups, self.grouping.layer_group)
         return meta
@@ -131,7 +135,8 @@ class _GraphMixin:
                     sm.fill_(-1)
             meta = self._cuda_meta("decode", dev.slot_mapping[:bs], dev.block_tables[:bs],
                                    dev.seq_lens[:bs], dev.query_start_loc[: bs + 1],
-                                   max_seq_len=self.max_model_len, groups=groups)
+                                   max_seq_len=self.max_model_len, groups=groups,
+                                   positions=self._pos_dev[:bs])
             ids = self._ids_dev[:bs][None]
             pos = self._pos_dev[:bs][None]
             side = torch.cuda.Stream(self.device)

@@ -182,12 +182,12 @@ class _StepMixin:
         if decode:
             meta = self._cuda_meta("decode", dev.slot_mapping, dev.block_tables, dev.seq_lens,
                                    dev.query_start_loc, max_seq_len=int(step.max_seq_len),
-                                   groups=groups)
+                                   groups=groups, positions=pos_d)
         else:
             meta = self._cuda_meta("prefill", dev.slot_mapping, dev.block_tables, dev.seq_lens,
                                    dev.query_start_loc, max_seq_len=int(step.max_seq_len),
                                    max_q_len=int(step.max_query_len) or int(np.diff(qsl).max()),
-                                   groups=groups)
+                                   groups=groups, positions=pos_d)
         last_d = torch.from_numpy(last).to(self.device, non_blocking=True)
         out = self._forward(meta, ids_d[None], pos_d[None], last_d)[0].float()
         if self.is_cuda:
@@ -231,7 +231,9 @@ class _StepMixin:
         q_lens = torch.from_numpy(np.diff(qsl).astype(np.int64))
         seq_lens = dev.seq_lens.to(torch.int64)
         meta = AttentionMetadata("cpu", self.pool.k_caches, self.pool.v_caches, dev.slot_mapping,
-                                 dev.block_tables, dev.seq_lens, dev.query_start_loc)
+                                 dev.block_tables, dev.seq_lens, dev.query_start_loc,
+                                 temperature=self.temperature,
+                                 positions=torch.from_numpy(pos) if self.temperature else None)
         if groups is not None:  # KV cache groups: each group's gathers and mask from its tables
             for m in with_groups(meta, groups, self.grouping.layer_group).groups or ():
                 _attention.build_cpu_metadata(m, self.block_size, q_lens, seq_lens)
