@@ -341,12 +341,14 @@ def check_groups_supported(config: EngineConfig, kinds: Sequence[Any], model: st
     if not asked:
         return
     name, value = asked[0]
-    what = {"swap_space": "swapping to host memory", "num_host_blocks": "swapping to host memory",
-            "tensor_parallel_size": "tensor parallelism", "kv_events_endpoint": "KV events",
-            "kv_events_bind": "KV events"}.get(name, "the tiers below the GPU")
+    swap = name in ("swap_space", "num_host_blocks")
+    what = ("swapping to host memory" if swap else
+            {"tensor_parallel_size": "tensor parallelism", "kv_events_endpoint": "publishing KV events",
+             "kv_events_bind": "publishing KV events"}.get(name, "a prefix-cache tier below the GPU"))
     mix = sorted({f"{k.kind}" + (f"({k.size})" if k.size else "") for k in kinds})
-    reason = (f"{what} is not supported with a model whose layers form several KV cache groups "
-              f"({', '.join(mix)} attention layers); preemption recomputes instead")
+    reason = (f"{what} is not supported yet with a model whose layers form several KV cache "
+              f"groups ({', '.join(mix)} attention layers)"
+              + ("; leave it out: preemption recomputes" if swap else ""))
     shown = "<set>" if name == "remote_cache_url" else value
     raise ConfigArgumentError(f"invalid config: {name} = {shown!r} for model "
                               f"{model or 'in memory'!r}: {reason}", field=name,
