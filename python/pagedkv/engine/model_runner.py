@@ -342,9 +342,10 @@ def check_groups_supported(config: EngineConfig, kinds: Sequence[Any], model: st
         return
     name, value = asked[0]
     swap = name in ("swap_space", "num_host_blocks")
+    events = "publishing KV events"
     what = ("swapping to host memory" if swap else
-            {"tensor_parallel_size": "tensor parallelism", "kv_events_endpoint": "publishing KV events",
-             "kv_events_bind": "publishing KV events"}.get(name, "a prefix-cache tier below the GPU"))
+            {"tensor_parallel_size": "tensor parallelism", "kv_events_endpoint": events,
+             "kv_events_bind": events}.get(name, "a prefix-cache tier below the GPU"))
     mix = sorted({f"{k.kind}" + (f"({k.size})" if k.size else "") for k in kinds})
     reason = (f"{what} is not supported yet with a model whose layers form several KV cache "
               f"groups ({', '.join(mix)} attention layers)"
