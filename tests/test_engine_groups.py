@@ -29,7 +29,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from pagedkv import LLM, LLMEngine, SamplingParams  # noqa: E402
 from pagedkv.engine.builder import sequence_blocks  # noqa: E402
 from pagedkv.engine.loader import load_model  # noqa: E402
-from pagedkv.errors import ConfigArgumentError  # noqa: E402
+from pagedkv.errors import ConfigArgumentError, ModelLoadError  # noqa: E402
 from pagedkv.layer_groups import group_layers, layer_kinds  # noqa: E402
 
 VOCAB = 128
@@ -132,6 +132,7 @@ def test_ragged_batch_matches_generate_and_releases_blocks(model_dir, dense):
     runner = llm.llm_engine.core.runner
     groups = runner.grouping.num_groups
     assert (groups > 1) == (kind in HYBRID)
+    assert runner.windowed and not runner.fused  # the fused forward attends fully
     assert llm.max_model_len == MAX_LEN  # no cap at the window any more
     prompts = _prompts(0, [41, 5, 57, 23])
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -261,6 +262,27 @@ def test_pool_size_and_max_model_len_follow_the_groups(model_dir, loaded, caplog
     assert limit == MAX_LEN or need(limit + 1) > free
     line = startup_summary(engine)
     assert ("KV cache groups" in line) == (kind in HYBRID)
+
+
+def test_softcapped_attention_is_refused(tmp_path):
+    cfg = _config("gemma3_text")
+    cfg.attn_logit_softcapping = 50.0
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
+    with pytest.raises(ModelLoadError, match="attn_logit_softcapping"):
+        load_model(str(tmp_path), device="cpu")
+
+
+def test_one_kind_of_layer_keeps_one_group_and_the_fused_forward(tmp_path):
+    """A Llama (every layer full) runs as before: one group, one pool slot per layer, the fused
+    forward, no per-group metadata; a Mistral whose layers all slide: one group, not fused."""
+    cfg = transformers.LlamaConfig(**dict(_COMMON, num_hidden_layers=2))
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
+    runner = LLMEngine(str(tmp_path), device="cpu", block_size=BLOCK,
+                       num_blocks=32).core.runner
+    assert runner.grouping.num_groups == 1 and len(runner.kv_groups) == 1
+    assert runner.fused and not runner.windowed and runner.buffers.num_groups == 1
+    assert runner.pool.kv.shape[0] == 2 and runner.temperature is None
+    assert runner._group_tables(None) is None
 
 
 def test_pool_layer_slots_share_views_and_copy_every_slot():
