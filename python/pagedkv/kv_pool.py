@@ -15,6 +15,15 @@ An fp8 pool (``float8_e4m3fn``) also holds ``k_scales[l]`` / ``v_scales[l]``: fl
 ``[num_kv_heads]`` dequantization scales per layer (views of one ``scales`` tensor, 1.0 at first),
 which ``scatter_kv`` / ``paged_decode`` / ``paged_prefill`` take as ``k_scale`` / ``v_scale``.
 
+KV cache groups (``layer_slot=``, :mod:`pagedkv.layer_groups`): a model whose layers form several
+groups (sliding-window or chunked layers beside full ones) stores, in page ``b``, the K/V of one
+group's layers, ``spec.num_layers`` of them (the grouping's ``slots``); the manager hands page
+``b`` to one group at a time. ``kv``'s first axis is then the page slot, and model layer ``l``'s
+``k_caches[l]`` / ``v_caches[l]`` are the views of its slot ``layer_slot[l]`` (layers of different
+groups share a view; they never touch the same block). ``slot_k_caches`` / ``slot_v_caches`` are
+the per-slot views themselves (one per slot, what a block copy walks); without ``layer_slot`` they
+are ``k_caches`` / ``v_caches``.
+
 Physical slot ``s`` of the manager's slot mapping is ``(block, offset) = divmod(s, block_size)``.
 
 Invariants: the pool's shape, dtype and device never change after construction; the manager, not
@@ -26,7 +35,7 @@ This module imports torch at import time; ``import pagedkv`` does not import thi
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -49,6 +58,9 @@ class KVPool:
         zero: Zero-fill the pool (default), so a freshly allocated pool holds no garbage that a
             debugging read could mistake for data. The kernels never read unwritten slots (they
             mask by sequence length), so ``zero=False`` is safe and saves one memset.
+        layer_slot: With KV cache groups: each model layer's page slot (an int in
+            ``[0, spec.num_layers)`` per layer, every slot used); ``k_caches`` then has one view
+            per model layer. None (the default): one slot per layer, ``spec.num_layers`` layers.
 
     Raises:
         InvalidConfigError: ``spec`` is not a CacheSpec or ``num_blocks`` is not an int >= 1.
@@ -58,7 +70,7 @@ class KVPool:
     """
 
     def __init__(self, spec: CacheSpec, num_blocks: int, device: Union[str, torch.device] = "cpu",
-                 *, zero: bool = True) -> None:
+                 *, zero: bool = True, layer_slot: Optional[Sequence[int]] = None) -> None:
         if not isinstance(spec, CacheSpec):
             raise InvalidConfigError(f"spec must be a CacheSpec, got {type(spec).__name__}")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
@@ -66,6 +78,14 @@ class KVPool:
                                      field="num_blocks", value=num_blocks, reason="must be >= 1")
         dev = parse_device(device)
         zero = check_flag("zero", zero)
+        slots = list(range(spec.num_layers)) if layer_slot is None else list(layer_slot)
+        if layer_slot is not None and (
+                not slots or any(isinstance(x, bool) or not isinstance(x, int) for x in slots)
+                or set(slots) != set(range(spec.num_layers))):
+            raise InvalidConfigError(
+                f"layer_slot must give each model layer a page slot in [0, {spec.num_layers}) "
+                f"and use every slot, got {slots!r}"[:300], field="layer_slot", value=len(slots),
+                reason=f"slots in [0, {spec.num_layers}), all used")
         self.spec = spec
         self.num_blocks = num_blocks
         self.dtype: torch.dtype = getattr(torch, spec.dtype)
@@ -77,8 +97,12 @@ class KVPool:
             lambda: alloc(shape, dtype=self.dtype, device=dev),
         )
         self.device: torch.device = self.kv.device
-        self.k_caches: list[torch.Tensor] = [self.kv[layer, 0] for layer in range(spec.num_layers)]
-        self.v_caches: list[torch.Tensor] = [self.kv[layer, 1] for layer in range(spec.num_layers)]
+        #: One K / V view per page slot (per layer without groups).
+        self.slot_k_caches: list[torch.Tensor] = [self.kv[s, 0] for s in range(spec.num_layers)]
+        self.slot_v_caches: list[torch.Tensor] = [self.kv[s, 1] for s in range(spec.num_layers)]
+        #: Each model layer's K / V view (its slot's).
+        self.k_caches: list[torch.Tensor] = [self.slot_k_caches[s] for s in slots]
+        self.v_caches: list[torch.Tensor] = [self.slot_v_caches[s] for s in slots]
         # Copies move raw bytes: float8 has no CPU index kernels, and a byte copy is exact for
         # every dtype (no NaN canonicalisation, no rounding).
         self._raw = self.kv.view(torch.uint8)
@@ -88,11 +112,11 @@ class KVPool:
         self.k_scales: list[torch.Tensor] = []
         self.v_scales: list[torch.Tensor] = []
         if self.dtype.itemsize == 1 and self.dtype.is_floating_point:
-            ones = torch.ones(2, spec.num_layers, spec.num_kv_heads, dtype=torch.float32,
+            ones = torch.ones(2, len(slots), spec.num_kv_heads, dtype=torch.float32,
                               device=self.device)
             self.scales = ones
-            self.k_scales = [ones[0, layer] for layer in range(spec.num_layers)]
-            self.v_scales = [ones[1, layer] for layer in range(spec.num_layers)]
+            self.k_scales = [ones[0, layer] for layer in range(len(slots))]
+            self.v_scales = [ones[1, layer] for layer in range(len(slots))]
 
     @property
     def block_size(self) -> int:
@@ -100,6 +124,8 @@ class KVPool:
 
     @property
     def num_layers(self) -> int:
+        """Layers a page holds (``spec.num_layers``): the model's layers, or with
+        ``layer_slot`` the page slots."""
         return self.spec.num_layers
 
     @property
@@ -124,10 +150,11 @@ class KVPool:
 
         Writes through the views land in the pool.
         """
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+        n = len(self.k_caches)
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
             raise InvalidArgumentError(
-                f"invalid argument: layer = {layer!r}: the pool has {self.num_layers} layers",
-                what="layer", value=layer, reason=f"must be in [0, {self.num_layers})",
+                f"invalid argument: layer = {layer!r}: the pool has {n} layers",
+                what="layer", value=layer, reason=f"must be in [0, {n})",
             )
         self._check_block(block)
         return self.k_caches[layer][block], self.v_caches[layer][block]
@@ -150,7 +177,7 @@ class KVPool:
             if self._copier is None:
                 from .kernels.copy import BlockCopier
 
-                self._copier = BlockCopier(self.k_caches + self.v_caches)
+                self._copier = BlockCopier(self.slot_k_caches + self.slot_v_caches)
             mapping = torch.stack((src, dst), dim=1).to(self.device, non_blocking=True)
             self._copier(mapping)
             return int(src.numel())
@@ -220,10 +247,11 @@ def copy_blocks_reference(pool: KVPool, pairs: Sequence[tuple[int, int]]) -> Non
     Kept for tests and for checking the Triton block-copy kernel. Sources are snapshotted first so
     the semantics equal :meth:`KVPool.copy_blocks` (all reads before all writes).
     """
-    snap = [(int(src), int(dst), [(pool.k_caches[layer][int(src)].clone(), pool.v_caches[layer][int(src)].clone())
-                                  for layer in range(pool.num_layers)])
+    ks, vs = pool.slot_k_caches, pool.slot_v_caches
+    snap = [(int(src), int(dst), [(ks[slot][int(src)].clone(), vs[slot][int(src)].clone())
+                                  for slot in range(pool.num_layers)])
             for src, dst in pairs]
-    for _src, dst, per_layer in snap:
-        for layer, (k, v) in enumerate(per_layer):
-            pool.k_caches[layer][dst].copy_(k)
-            pool.v_caches[layer][dst].copy_(v)
+    for _src, dst, per_slot in snap:
+        for slot, (k, v) in enumerate(per_slot):
+            ks[slot][dst].copy_(k)
+            vs[slot][dst].copy_(v)

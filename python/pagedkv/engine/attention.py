@@ -17,6 +17,15 @@ paged metadata instead. Per layer (``module.layer_idx``) the function
 
 It returns ``[1, T, Hq, D]``, the layout transformers' own functions return.
 
+KV cache groups (a model whose full layers sit beside sliding or chunked ones): each layer reads
+its group's slot mapping and block tables (``AttentionMetadata.groups[layer_group[layer]]``),
+whose entries before the window are ``-1`` (released); neither path reads them: the CPU path
+gathers slot 0 in their place and masks it, the kernels start at the window's first key.
+
+Llama 4's NoPE layers scale their queries by a temperature of the token's position, which
+transformers counts from the start of the call's row: on a packed step the runner's metadata
+(``temperature``, ``positions``) lets the attention rescale each query to its true position's.
+
 Local attention comes from the module's own call: ``sliding_window`` (Mistral, Qwen2, Gemma 3,
 gpt-oss: a query at position p sees keys ``[p - W + 1, p]``), ``s_aux`` (gpt-oss's per-head sinks)
 and, for a layer whose ``config.layer_types`` entry is ``"chunked_attention"`` (Llama 4),
@@ -74,6 +83,8 @@ def pagedkv_attention(
     """The registered attention function: write K/V to the pool, attend through the block tables."""
     meta = current_metadata()
     layer = module.layer_idx
+    if meta.layer_group is not None:  # KV cache groups: the layer's group's tables
+        meta = meta.groups[meta.layer_group[layer]]
     k_cache = meta.k_caches[layer]
     v_cache = meta.v_caches[layer]
     # [1, H, T, D] -> [T, H, D]. After RoPE transformers' tensors are [1, T, H, D] in memory, so
@@ -81,12 +92,31 @@ def pagedkv_attention(
     q = query[0].transpose(0, 1).contiguous()
     k = key[0].transpose(0, 1).contiguous()
     v = value[0].transpose(0, 1).contiguous()
+    if meta.temperature is not None and not module.use_rope:
+        q = _retemper(q, meta)
     window, chunk, sinks = _local(module, kwargs)
     if meta.mode == "cpu":
         out = _cpu_attention(q, k, v, k_cache, v_cache, meta, scaling, window, chunk, sinks)
     else:
         out = _cuda_attention(q, k, v, k_cache, v_cache, meta, scaling, window, chunk, sinks)
     return out.unsqueeze(0), None
+
+
+def _retemper(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Llama 4's NoPE layers scale each query by ``log1p(floor((p + 1) / floor_scale)) *
+    attn_scale + 1`` with ``p`` counted from the start of the call's row (and a cache's length):
+    on a packed step that is the token's index in the step, not its position. Rescales each
+    query to its true position's temperature."""
+    floor_scale, attn_scale = meta.temperature  # type: ignore[misc]
+    pos = meta.positions
+    t = q.shape[0]
+    idx = torch.arange(t, device=q.device, dtype=torch.float32)
+
+    def temp(x: torch.Tensor) -> torch.Tensor:
+        return torch.log1p(torch.floor((x + 1.0) / floor_scale)) * attn_scale + 1.0
+
+    ratio = temp(pos[:t].to(torch.float32)) / temp(idx)  # type: ignore[index]
+    return (q.float() * ratio[:, None, None]).to(q.dtype)
 
 
 def _local(module: Any, kwargs: dict) -> tuple:

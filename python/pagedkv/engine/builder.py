@@ -4,10 +4,14 @@ Owns start-up: loading the model (or taking a loaded one), starting tensor paral
 runner, the :class:`~.core.EngineCore` (which builds the manager, scheduler and tiers around the
 runner), ``max_model_len``, and the input and output processors and stats sized for them.
 
+Owns :func:`sequence_blocks` too: the most blocks one sequence holds over every KV cache group.
+
 Invariants: ``max_model_len`` is the model's context, or what the KV pool holds for one sequence
-above the watermark when that is less (logged at start-up), so a preempted sequence can always be
-re-admitted into an otherwise empty pool; a failure after tensor parallelism started stops its
-ranks before it propagates; nothing here runs a step.
+above the watermark when that is less (logged at start-up; with KV cache groups, the longest
+sequence whose blocks over every group fit, :func:`sequence_blocks`), so a preempted sequence can
+always be re-admitted into an otherwise empty pool; what several KV cache groups cannot do yet
+is refused before tensor parallelism starts; a failure after tensor parallelism started stops
+its ranks before it propagates; nothing here runs a step.
 """
 
 from __future__ import annotations
@@ -28,12 +32,12 @@ from .config import EngineConfig
 from .core import EngineCore
 from .input_processor import InputProcessor
 from .loader import LoadedModel, default_model_path, load_model
-from .model_runner import ModelRunner, build_rank_runner
+from .model_runner import ModelRunner, build_rank_runner, check_groups_supported
 from .output_processor import OutputProcessor
 from .stats import StatsTracker
 
 __all__ = ["EngineParts", "build_engine", "config_from_kwargs", "keyword_signature",
-           "settings_doc"]
+           "settings_doc", "sequence_blocks"]
 
 logger = logging.getLogger("pagedkv")
 
@@ -50,7 +54,7 @@ class EngineParts:
     inputs: InputProcessor
     outputs: OutputProcessor
     stats: StatsTracker
-    #: The model's own context (``max_position_embeddings``, capped at a sliding window).
+    #: The model's own context (``max_position_embeddings``).
     model_context_len: int
     #: The longest sequence (prompt and completion) served.
     max_model_len: int
@@ -79,6 +83,8 @@ def build_engine(config: EngineConfig, model: Union[str, LoadedModel, None],
     bar = _stage_bar(config.progress, total=3, desc="loading model")
     try:
         loaded = preloaded or load_model(path, device=device, dtype=dtype)
+        # What several KV cache groups cannot do yet is refused before any rank starts.
+        check_groups_supported(config, loaded.layer_kinds, str(path))
         bar.update(1)
         if config.tensor_parallel_size > 1:
             tp = start_tp(loaded, preloaded=preloaded is not None, path=str(path),
@@ -98,7 +104,8 @@ def build_engine(config: EngineConfig, model: Union[str, LoadedModel, None],
         bar.close()
 
     context = int(loaded.max_model_len)
-    max_model_len = _max_model_len(context, core.manager, config.block_size)
+    max_model_len = _max_model_len(context, core.manager, config.block_size,
+                                   _group_need(runner, config))
     stats = StatsTracker(core)
     tokenizer = loaded.tokenizer
     inputs = InputProcessor(
@@ -113,11 +120,43 @@ def build_engine(config: EngineConfig, model: Union[str, LoadedModel, None],
                        stats, context, max_model_len)
 
 
-def _max_model_len(context: int, manager: Any, block_size: int) -> int:
-    """The model's context, or less when the pool cannot hold that much for one sequence."""
+def sequence_blocks(kv_groups: Any, length: int, block_size: int, chunk: int) -> int:
+    """Most blocks one sequence of ``length`` tokens holds at once over every KV cache group,
+    prefilled in chunks of at most ``chunk`` tokens: a full group holds all
+    ``ceil(length / B)``; a sliding (chunked) group of window (chunk) ``S`` holds at most
+    ``floor((2 * chunk + S - 1) / B) + 2`` — a step's blocks are appended before the step
+    releases what its first position no longer reads, so the previous chunk's window is still
+    held — and never more than the full count."""
+    blocks = -(-length // block_size)
+    return sum(blocks if g.kind == "full"
+               else min(blocks, (2 * min(chunk, length) + g.size - 1) // block_size + 2)
+               for g in kv_groups)
+
+
+def _group_need(runner: Any, config: EngineConfig) -> Optional[Any]:
+    """With several KV cache groups: a sequence's block need as a function of its length
+    (:func:`sequence_blocks`); None with one group (a sequence holds ``ceil(len / B)``)."""
+    groups = getattr(runner, "kv_groups", ())
+    if len(groups) <= 1:
+        return None
+    chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else 1 << 62
+    return lambda length: sequence_blocks(groups, length, runner.block_size, chunk)
+
+
+def _max_model_len(context: int, manager: Any, block_size: int, need: Any = None) -> int:
+    """The model's context, or less when the pool cannot hold that much for one sequence.
+    ``need``: with KV cache groups, the blocks a sequence of a given length holds."""
     # What the pool can hold for one sequence above the watermark (so a preempted sequence can
     # always be re-admitted into an otherwise empty pool).
     room = (manager.num_blocks - manager.watermark_blocks) * block_size
+    if need is not None:
+        # The longest length whose need fits (the need grows with the length).
+        lo, hi = 0, min(context, manager.max_blocks_per_seq * block_size)
+        free = manager.num_blocks - manager.watermark_blocks
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if need(mid) <= free else (lo, mid - 1)
+        room = lo
     max_model_len = min(context, room, manager.max_blocks_per_seq * block_size)
     if max_model_len < context:
         logger.warning(

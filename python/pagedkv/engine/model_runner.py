@@ -27,6 +27,16 @@ One :meth:`ModelRunner.execute`:
 4. returns float32 logits for the requested rows only (``logits_to_keep`` with an index tensor, so
    the LM head runs on those rows alone in eager mode).
 
+KV cache groups (a model whose full layers sit beside sliding or chunked ones: Gemma 3, gpt-oss,
+Llama 4, Qwen with ``max_window_layers``): the runner cuts the layers into groups
+(:func:`pagedkv.layer_groups.group_layers`, :attr:`ModelRunner.grouping`), the manager gets
+``groups=`` (:attr:`ModelRunner.kv_groups`), the step buffers ``num_groups=``, and the pool one
+page per block holding one group's ``slots`` layers (``KVPool(layer_slot=...)``); each step's
+metadata carries every group's tables and each layer reads its group's. Swap, the tiers below the
+GPU, KV events and tensor parallelism are refused for such a model (:func:`check_groups_supported`).
+A model with one kind of layer runs exactly as before (one group; no fused forward if its layers
+slide, since the fused forward attends fully).
+
 With tensor parallelism (``tensor_parallel=``, ``docs/tp.md``) the pool holds this rank's KV heads
 only; rank 0's ``execute`` broadcasts each validated step (tables and batch, one packet) before
 step 1, and the other ranks run it from :meth:`ModelRunner.serve`; under NCCL every rank's device
@@ -45,7 +55,7 @@ next ``manager.step`` at once, while the GPU is still running this step's model.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -56,6 +66,7 @@ from ..distributed.tp import TPGroup, shard_model
 from ..config import CacheSpec, CapacityError
 from ..errors import ConfigArgumentError, InvalidArgumentError, InvalidConfigError  # noqa: F401
 from ..kv_pool import KVPool
+from ..layer_groups import group_layers
 from ..tiers.host import SwapEngine
 from . import attention as _attention
 from . import fused as _fused
@@ -67,7 +78,8 @@ from .runner_rates import (Rates, _fmt_rates, _model_fingerprint, _RatesMixin,  
                            _rates_ok)
 from .runner_steps import _as_int64, _StepMixin  # noqa: F401
 
-__all__ = ["ModelRunner", "graph_batch_sizes", "build_rank_runner"]
+__all__ = ["ModelRunner", "graph_batch_sizes", "build_rank_runner", "check_groups_supported",
+           "is_hybrid"]
 
 #: KV budget when neither ``num_blocks`` nor ``kv_cache_memory`` is given, on the CPU.
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
@@ -107,11 +119,13 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
     Attributes:
         num_blocks, spec, pool, buffers (attach to the manager with
         ``manager.attach_buffers(runner.buffers)``), max_model_len (the model's context),
+        layer_kinds, grouping and kv_groups (the KV cache groups, the manager's ``groups=``),
         max_blocks_per_seq, graph_sizes (captured batch sizes, empty without graphs),
         engine_config.
 
     Raises:
-        ConfigArgumentError: A setting is out of range, or both budgets are given.
+        ConfigArgumentError: A setting is out of range, both budgets are given, or a setting
+            several KV cache groups cannot serve yet (:func:`check_groups_supported`).
         CapacityError: The budget holds no block.
     """
 
@@ -146,18 +160,39 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
                 # The full weights the cut replaced are free: return them before sizing the pool.
                 torch.cuda.empty_cache()
             num_q, num_kv = self.head_split.q_heads, self.head_split.kv_heads
+        self.max_model_len = int(loaded.max_model_len)
+        #: Each layer's attention kind (full, sliding, chunked: :attr:`LoadedModel.layer_kinds`).
+        self.layer_kinds = loaded.layer_kinds
+        check_groups_supported(config, self.layer_kinds, loaded.path,
+                               tensor_parallel=tensor_parallel is not None)
+        #: The layers cut into KV cache groups (:func:`pagedkv.layer_groups.group_layers`): one
+        #: full group unless full layers sit beside sliding or chunked ones.
+        self.grouping = group_layers(self.layer_kinds, self.max_model_len, block_size)
+        #: The manager's ``groups=`` (one per KV cache group, group 0 full).
+        self.kv_groups = self.grouping.groups
+        #: Whether some layer attends to a window or chunk only (the fused forward does not).
+        self.windowed = any(k.kind != "full" for k in self.layer_kinds)
         #: Whether steps run through :func:`pagedkv.engine.fused.fused_forward` (``fused_model``
-        #: and a model :func:`~pagedkv.engine.fused.fusable` accepts) rather than the model's own
-        #: forward. Fused before the pool is sized: concatenating the weights frees the originals.
-        self.fused = bool(config.fused_model) and _fused.fuse_model(self.model)
+        #: and a model :func:`~pagedkv.engine.fused.fusable` accepts, every layer full) rather
+        #: than the model's own forward. Fused before the pool is sized: concatenating the
+        #: weights frees the originals.
+        self.fused = (bool(config.fused_model) and not self.windowed
+                      and _fused.fuse_model(self.model))
         if self.fused and self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.spec = CacheSpec(num_layers=int(cfg.num_hidden_layers), num_kv_heads=num_kv,
+        groups = self.grouping.num_groups
+        #: Llama 4's positional query temperature on its NoPE layers, ``(floor_scale,
+        #: attn_scale)``, which each step's metadata carries (see :mod:`.attention`); else None.
+        self.temperature: Optional[tuple] = None
+        if getattr(cfg, "attn_temperature_tuning", False) and getattr(cfg, "no_rope_layers", None):
+            self.temperature = (float(cfg.floor_scale), float(cfg.attn_scale))
+        # With groups a page holds one group's layers (`slots` of them): the pool's unit.
+        self.spec = CacheSpec(num_layers=self.grouping.slots if groups > 1
+                              else int(cfg.num_hidden_layers), num_kv_heads=num_kv,
                               head_dim=_head_dim(cfg), dtype=str(self.dtype).rpartition(".")[2],
                               block_size=block_size)
         self.num_q_heads = num_q
         self.block_size = block_size
-        self.max_model_len = int(loaded.max_model_len)
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = config.step_token_budget
@@ -166,13 +201,15 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
         if tensor_parallel is not None:
             # One manager serves every rank's pool: all pools get the smallest rank's block count.
             self.num_blocks = tensor_parallel.min_int(self.num_blocks)
-        self.pool = KVPool(self.spec, self.num_blocks, self.device, zero=True)
+        self.pool = KVPool(self.spec, self.num_blocks, self.device, zero=True,
+                           layer_slot=self.grouping.layer_slot if groups > 1 else None)
         # Swap lists as long as the pool: a step may have to carry a swap for every device block
         # (a host-tier hit's loads for each admitted prompt, the write-backs of every block its
         # allocations evict), and each list names a device block once.
         self.buffers = StepBuffers(max_num_seqs, self.max_num_batched_tokens,
                                    self.max_blocks_per_seq, device=self.device, csr=False,
-                                   max_swaps=max(2 * self.max_blocks_per_seq, self.num_blocks))
+                                   max_swaps=max(2 * self.max_blocks_per_seq, self.num_blocks),
+                                   num_groups=groups)
         self.is_cuda = self.device.type == "cuda"
         attention_backend = config.attention_backend
         if attention_backend == "auto":
@@ -272,6 +309,51 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
         """
         self.swap = SwapEngine(self.pool, num_host_blocks, staging_blocks=staging_blocks)
         return self.swap
+
+
+def is_hybrid(kinds: Sequence[Any]) -> bool:
+    """Whether layers of ``kinds`` form more than one KV cache group (full layers beside
+    sliding or chunked ones; :func:`pagedkv.layer_groups.group_layers`)."""
+    full = [k.kind == "full" for k in kinds]
+    return any(full) and not all(full)
+
+
+def check_groups_supported(config: EngineConfig, kinds: Sequence[Any], model: str = "", *,
+                           tensor_parallel: bool = False) -> None:
+    """Refuses what the cache does not do yet with more than one KV cache group (a model whose
+    full layers sit beside sliding or chunked ones): swapping to a host pool and the host, disk
+    and remote tiers of the prefix cache (they move one group's blocks), KV events (an event
+    carries no group) and tensor parallelism (its step packet carries group 0's tables only).
+    Preemption recomputes instead of swapping; prefix caching works.
+
+    Raises:
+        ConfigArgumentError: ``config`` asks for one of them (the setting, the model and the
+            reason named).
+    """
+    if not is_hybrid(kinds):
+        return
+    asked = [(name, getattr(config, name)) for name in (
+        "swap_space", "num_host_blocks", "host_cache_memory", "disk_cache_dir",
+        "remote_cache_url", "kv_events_endpoint", "kv_events_bind")
+        if getattr(config, name) is not None]
+    if tensor_parallel or config.tensor_parallel_size > 1:
+        asked.append(("tensor_parallel_size", config.tensor_parallel_size))
+    if not asked:
+        return
+    name, value = asked[0]
+    swap = name in ("swap_space", "num_host_blocks")
+    events = "publishing KV events"
+    what = ("swapping to host memory" if swap else
+            {"tensor_parallel_size": "tensor parallelism", "kv_events_endpoint": events,
+             "kv_events_bind": events}.get(name, "a prefix-cache tier below the GPU"))
+    mix = sorted({f"{k.kind}" + (f"({k.size})" if k.size else "") for k in kinds})
+    reason = (f"{what} is not supported yet with a model whose layers form several KV cache "
+              f"groups ({', '.join(mix)} attention layers)"
+              + ("; leave it out: preemption recomputes" if swap else ""))
+    shown = "<set>" if name == "remote_cache_url" else value
+    raise ConfigArgumentError(f"invalid config: {name} = {shown!r} for model "
+                              f"{model or 'in memory'!r}: {reason}", field=name,
+                              value=shown, reason=reason)
 
 
 def build_rank_runner(spec: Any, group: TPGroup, loaded: Optional[LoadedModel] = None) -> ModelRunner:

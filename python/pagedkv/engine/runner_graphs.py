@@ -3,16 +3,19 @@ CUDA side of a step's inputs (pinned staging, attention metadata, the decode pla
 
 Owns :func:`graph_batch_sizes` (the padded decode batch sizes captured), ``_GraphMixin``
 (:meth:`~_GraphMixin.capture_graphs`, and the internal ``_stage``, ``_cuda_meta``,
-``_update_plan``, ``_graph_size``, ``_replay``) and ``_GraphChain`` (one step captured as several
+``_update_plan``, ``_graph_size``, ``_replay``, ``_group_tables``), :func:`with_groups` (the
+per-group metadata of a step with KV cache groups) and ``_GraphChain`` (one step captured as several
 graphs of consecutive layers).
 
 Invariants: the graphs read the runner's device staging buffers and the step buffers' device
-mirrors in place, so those keep their addresses; padding rows of a replayed batch write no slot
+mirrors in place (every KV cache group's slot mapping and block tables included), so those keep
+their addresses; padding rows of a replayed batch write no slot
 and read no key (slot -1, length 0); all graphs share one memory pool, captured largest first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -53,12 +56,29 @@ class _GraphMixin:
         return self._ids_dev[:t], self._pos_dev[:t]
 
     def _cuda_meta(self, mode, slot_mapping, block_tables, seq_lens, qsl, *, max_q_len=0,
-                   max_seq_len=0) -> AttentionMetadata:
-        return AttentionMetadata(mode, self.pool.k_caches, self.pool.v_caches, slot_mapping,
+                   max_seq_len=0, groups: Optional[Sequence[Any]] = None,
+                   positions: Optional[torch.Tensor] = None) -> AttentionMetadata:
+        """The step's CUDA metadata; ``groups``: groups ``1..G-1``' ``(slot_mapping,
+        block_tables)`` (device views), None with one group; ``positions``: the step's (device),
+        read by a model with a positional query temperature only."""
+        meta = AttentionMetadata(mode, self.pool.k_caches, self.pool.v_caches, slot_mapping,
                                  block_tables, seq_lens, qsl, max_q_len=max_q_len,
                                  max_seq_len=max_seq_len, workspace=self.workspace,
                                  gemv_rows=self.gemv_rows,
-                                 plan=self.decode_plan if mode == "decode" else None)
+                                 plan=self.decode_plan if mode == "decode" else None,
+                                 temperature=self.temperature,
+                                 positions=positions if self.temperature is not None else None)
+        if groups is not None:
+            with_groups(meta, groups, self.grouping.layer_group)
+        return meta
+
+    def _group_tables(self, step: Any, on_device: bool = True) -> Optional[list]:
+        """Groups ``1..G-1``' slot mappings and block tables cut to ``step`` (None with one
+        group)."""
+        if self.buffers.num_groups == 1:
+            return None
+        return [self.buffers.group_views(step, g, on_device=on_device)
+                for g in range(1, self.buffers.num_groups)]
 
     def _update_plan(self, host: Any, n: int, bs: int) -> None:
         """Plans a decode step of ``n`` sequences run as a batch of ``bs >= n`` rows (a graph's
@@ -106,9 +126,17 @@ class _GraphMixin:
                 # buffers in place: each replay runs the plan updated just before it.
                 self._plan_lens[:bs] = 0
                 self.decode_plan.update(self._plan_lens[:bs])
+            groups = None
+            if self.buffers.num_groups > 1:
+                # Every group's tables at their fixed addresses, padding inert as group 0's.
+                groups = [(g.slot_mapping[:bs], g.block_tables[:bs])
+                          for g in self.buffers.groups_device]
+                for sm, _ in groups:
+                    sm.fill_(-1)
             meta = self._cuda_meta("decode", dev.slot_mapping[:bs], dev.block_tables[:bs],
                                    dev.seq_lens[:bs], dev.query_start_loc[: bs + 1],
-                                   max_seq_len=self.max_model_len)
+                                   max_seq_len=self.max_model_len, groups=groups,
+                                   positions=self._pos_dev[:bs])
             ids = self._ids_dev[:bs][None]
             pos = self._pos_dev[:bs][None]
             side = torch.cuda.Stream(self.device)
@@ -135,12 +163,27 @@ class _GraphMixin:
             # The mirrors past the step hold stale rows: make the padding rows inert.
             dev.slot_mapping[n:bs].fill_(-1)
             dev.seq_lens[n:bs].fill_(0)
+            for g in self.buffers.groups_device:
+                g.slot_mapping[n:bs].fill_(-1)
         graph.replay()
         # Decode: batch row k's token is packed row k.
         if last.size == n and np.array_equal(last, np.arange(n)):
             return logits[0, :n].float()
         idx = torch.from_numpy(last).to(self.device, non_blocking=True)
         return logits[0].index_select(0, idx).float()
+
+
+def with_groups(meta: AttentionMetadata, groups: Sequence[Any],
+                layer_group: Sequence[int]) -> AttentionMetadata:
+    """Gives ``meta`` (group 0's) one metadata object per KV cache group: groups ``1..G-1``
+    (``groups``: their ``(slot_mapping, block_tables)``) as copies of ``meta`` with their own
+    tables; each layer then reads its group's (``layer_group``). Returns ``meta``."""
+    metas = [meta]
+    for sm, bt in groups:
+        metas.append(dataclasses.replace(meta, slot_mapping=sm, block_tables=bt))
+    meta.groups = metas
+    meta.layer_group = tuple(layer_group)
+    return meta
 
 
 class _GraphChain:

@@ -23,6 +23,7 @@ from ..errors import InvalidArgumentError, InvalidConfigError
 from . import attention as _attention
 from . import fused as _fused
 from .forward_context import AttentionMetadata, forward_context
+from .runner_graphs import with_groups
 
 
 class _StepMixin:
@@ -164,7 +165,7 @@ class _StepMixin:
         if not self.use_kernels:
             if ids is None:  # the step's batch arrived on the device (TP over NCCL)
                 ids, pos = self._ids_dev[:t].cpu().numpy(), self._pos_dev[:t].cpu().numpy()
-            return self._run_cpu(ids, pos, dev, n, qsl, last)
+            return self._run_cpu(ids, pos, dev, n, qsl, last, self._group_tables(step))
         if inputs_on_device:
             ids_d, pos_d = self._ids_dev[:t], self._pos_dev[:t]
         elif self.is_cuda:
@@ -177,13 +178,16 @@ class _StepMixin:
             out = self._replay(graph_bs, n, ids_d, pos_d, last)
             self._inputs_copied.synchronize()
             return out
+        groups = self._group_tables(step)
         if decode:
             meta = self._cuda_meta("decode", dev.slot_mapping, dev.block_tables, dev.seq_lens,
-                                   dev.query_start_loc, max_seq_len=int(step.max_seq_len))
+                                   dev.query_start_loc, max_seq_len=int(step.max_seq_len),
+                                   groups=groups, positions=pos_d)
         else:
             meta = self._cuda_meta("prefill", dev.slot_mapping, dev.block_tables, dev.seq_lens,
                                    dev.query_start_loc, max_seq_len=int(step.max_seq_len),
-                                   max_q_len=int(step.max_query_len) or int(np.diff(qsl).max()))
+                                   max_q_len=int(step.max_query_len) or int(np.diff(qsl).max()),
+                                   groups=groups, positions=pos_d)
         last_d = torch.from_numpy(last).to(self.device, non_blocking=True)
         out = self._forward(meta, ids_d[None], pos_d[None], last_d)[0].float()
         if self.is_cuda:
@@ -223,12 +227,18 @@ class _StepMixin:
         # Only this step's forward waits (on the GPU) for the device side of its swaps.
         self.swap.wait()
 
-    def _run_cpu(self, ids, pos, dev, n, qsl, last) -> torch.Tensor:
+    def _run_cpu(self, ids, pos, dev, n, qsl, last, groups=None) -> torch.Tensor:
         q_lens = torch.from_numpy(np.diff(qsl).astype(np.int64))
         seq_lens = dev.seq_lens.to(torch.int64)
         meta = AttentionMetadata("cpu", self.pool.k_caches, self.pool.v_caches, dev.slot_mapping,
-                                 dev.block_tables, dev.seq_lens, dev.query_start_loc)
-        _attention.build_cpu_metadata(meta, self.block_size, q_lens, seq_lens)
+                                 dev.block_tables, dev.seq_lens, dev.query_start_loc,
+                                 temperature=self.temperature,
+                                 positions=torch.from_numpy(pos) if self.temperature else None)
+        if groups is not None:  # KV cache groups: each group's gathers and mask from its tables
+            for m in with_groups(meta, groups, self.grouping.layer_group).groups or ():
+                _attention.build_cpu_metadata(m, self.block_size, q_lens, seq_lens)
+        else:
+            _attention.build_cpu_metadata(meta, self.block_size, q_lens, seq_lens)
         ids_t = torch.from_numpy(ids)[None]
         pos_t = torch.from_numpy(pos)[None]
         return self._forward(meta, ids_t, pos_t, torch.from_numpy(last))[0].float()

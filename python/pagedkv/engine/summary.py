@@ -2,9 +2,11 @@
 
 Owns :func:`startup_summary` (the text) and :func:`log_startup` (logs it at INFO on the
 ``pagedkv.engine`` logger). The line names the model, device and dtype, the KV pool (blocks,
-tokens, GiB), how many requests of the longest length the engine serves fit in the pool at once
-(its maximum concurrency at that length), the tiers of the prefix cache and swap space, and the
-preemption policy with the cost model's rates.
+tokens, GiB; with KV cache groups, pages of how many layers and the groups' kinds), how many
+requests of the longest length the engine serves fit in the pool at once (its maximum concurrency
+at that length; with groups, over each group's peak need,
+:meth:`pagedkv.layer_groups.LayerGrouping.need_blocks`), the tiers of the prefix cache and swap
+space, and the preemption policy with the cost model's rates.
 
 Invariant: it only reads the built engine (no side effects, nothing measured).
 """
@@ -23,6 +25,15 @@ logger = logging.getLogger("pagedkv.engine")
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def _kinds(groups: Any) -> str:
+    """``"1 full, 5 sliding(1024)"``: how many groups of each kind."""
+    counts: dict = {}
+    for g in groups:
+        name = g.kind + (f"({g.size})" if g.size else "")
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{n} {name}" for name, n in counts.items())
 
 
 def startup_summary(engine: Any) -> str:
@@ -51,10 +62,19 @@ def startup_summary(engine: Any) -> str:
         preempt += (f" (cost model: host link {link_s}, prefill {tps:.0f} tok/s, "
                     f"step floor {floor * 1e3:.1f} ms)")
     tp = int(getattr(runner, "tp_size", 1))
+    grouping = getattr(runner, "grouping", None)
+    pool = f"KV pool {blocks} blocks x {bs} tokens = {tokens} tokens, {_gib(blocks * bpb)}"
+    concurrency = tokens / max(max_len, 1)
+    if grouping is not None and grouping.num_groups > 1:
+        # A page holds one group's `slots` layers; a request holds its peak over every group.
+        pool = (f"KV pool {blocks} pages x {bs} tokens x {grouping.slots} layers, "
+                f"{_gib(blocks * bpb)}, {grouping.num_groups} KV cache groups "
+                f"({_kinds(grouping.groups)})")
+        concurrency = blocks / max(grouping.need_blocks(max(max_len, 1), bs), 1)
     return (f"pagedkv engine: {model} on {engine.device} ({runner.spec.dtype}"
             f"{f', tensor parallel {tp}' if tp > 1 else ''}); "
-            f"KV pool {blocks} blocks x {bs} tokens = {tokens} tokens, {_gib(blocks * bpb)}; "
-            f"max concurrency {tokens / max(max_len, 1):.2f}x at {max_len} tokens per request; "
+            f"{pool}; "
+            f"max concurrency {concurrency:.2f}x at {max_len} tokens per request; "
             f"tiers: {', '.join(tiers)}; preemption {preempt}")
 
 

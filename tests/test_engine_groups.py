@@ -1,0 +1,391 @@
+"""The engine on models with sliding-window, chunked and sink layers, through KV cache groups.
+
+Tiny random models of each supported family with local attention (Gemma 3 text, gpt-oss, Qwen3,
+Qwen2, Mistral, Llama 4 text; fp32, seeded) are saved with ``save_pretrained`` and loaded through
+the engine's real loader. Windows of 8 tokens (Llama 4: chunks of 8) with blocks of 4 and prompts
+several windows long: greedy token ids must equal transformers' own ``generate(do_sample=False)``
+(whose cache honours the window) for a ragged batch, a second request that hits the first one's
+prefix in the cache, and a small pool that forces preemption (recomputed). The manager must hold
+fewer blocks than full accounting would (released entries read ``-1``) and keep its invariants.
+A model whose full layers sit beside windowed ones runs with several groups and refuses swap,
+the tiers below the GPU, KV events and tensor parallelism with a typed error; one whose every layer
+slides (Mistral) runs as one group, its attention skipping keys outside the window. Under
+``TRITON_INTERPRET=1`` the Triton kernels run the same equality for gpt-oss and Llama 4.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from pagedkv import LLM, LLMEngine, SamplingParams  # noqa: E402
+from pagedkv.engine.builder import sequence_blocks  # noqa: E402
+from pagedkv.engine.loader import load_model  # noqa: E402
+from pagedkv.errors import ConfigArgumentError, ModelLoadError  # noqa: E402
+from pagedkv.layer_groups import group_layers, layer_kinds  # noqa: E402
+
+VOCAB = 128
+BLOCK = 4
+WINDOW = 8
+MAX_LEN = 256
+NEW = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_LEN,
+               initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+               tie_word_embeddings=False)
+
+
+def _config(kind: str):
+    if kind == "gemma3_text":
+        return transformers.Gemma3TextConfig(
+            num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=16,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"], **_COMMON)
+    if kind == "gpt_oss":
+        common = dict(_COMMON, intermediate_size=32)
+        return transformers.GptOssConfig(
+            num_hidden_layers=2, sliding_window=WINDOW, num_local_experts=4,
+            num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"], **common)
+    if kind == "qwen3":
+        return transformers.Qwen3Config(num_hidden_layers=3, use_sliding_window=True,
+                                        sliding_window=WINDOW, max_window_layers=1, **_COMMON)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(num_hidden_layers=3, use_sliding_window=True,
+                                        sliding_window=WINDOW, max_window_layers=2, **_COMMON)
+    if kind == "mistral":
+        return transformers.MistralConfig(num_hidden_layers=2, sliding_window=WINDOW, **_COMMON)
+    if kind == "llama4_text":
+        common = dict(_COMMON, intermediate_size=32)
+        # floor_scale 4: the NoPE layers' query temperature varies within these short prompts.
+        return transformers.Llama4TextConfig(
+            num_hidden_layers=4, attention_chunk_size=WINDOW, intermediate_size_mlp=64,
+            num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2,
+            floor_scale=4, **common)
+    raise AssertionError(kind)
+
+
+#: Model -> the attention kinds its layers get (and so whether it runs with several groups).
+KINDS = ["gemma3_text", "gpt_oss", "qwen3", "qwen2", "mistral", "llama4_text"]
+HYBRID = {"gemma3_text", "gpt_oss", "qwen3", "qwen2", "llama4_text"}
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model_dir(request, tmp_path_factory):
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(_config(request.param))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "sinks" in name:  # zero at init: make them matter
+                p.normal_(0.0, 0.5 if "sinks" in name else 0.1)
+    directory = str(tmp_path_factory.mktemp(request.param))
+    model.save_pretrained(directory)
+    return request.param, directory
+
+
+@pytest.fixture(scope="module")
+def dense(model_dir):
+    """The same checkpoint loaded by transformers alone: the reference."""
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir[1],
+                                                             dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    """The checkpoint through the engine's loader, once (an engine may be built around it)."""
+    return load_model(model_dir[1], device="cpu")
+
+
+def _llm(model_dir, **kw) -> LLM:
+    kw.setdefault("block_size", BLOCK)
+    kw.setdefault("num_blocks", 256)
+    kw.setdefault("max_num_seqs", 4)
+    kw.setdefault("max_num_batched_tokens", 32)
+    return LLM(model_dir[1], device="cpu", progress=False, **kw)
+
+
+def _reference(dense, prompt, max_new_tokens=NEW):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = dense.generate(ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _prompts(seed, lengths):
+    g = np.random.default_rng(seed)
+    return [g.integers(0, VOCAB, n).tolist() for n in lengths]
+
+
+def test_ragged_batch_matches_generate_and_releases_blocks(model_dir, dense):
+    kind, _ = model_dir
+    llm = _llm(model_dir)
+    runner = llm.llm_engine.core.runner
+    groups = runner.grouping.num_groups
+    assert (groups > 1) == (kind in HYBRID)
+    assert runner.windowed and not runner.fused  # the fused forward attends fully
+    assert llm.max_model_len == MAX_LEN  # no cap at the window any more
+    prompts = _prompts(0, [41, 5, 57, 23])
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _reference(dense, p), (kind, len(p))
+
+    # Mid-run: a long sequence's windowed groups hold only their window's blocks.
+    engine = llm.llm_engine
+    manager = engine.manager
+    assert manager.num_groups == groups
+    prompt = _prompts(1, [48])[0]
+    engine.add_request("long", prompt, SamplingParams(temperature=0, max_tokens=6,
+                                                       ignore_eos=True))
+    for _ in range(4):  # two prefill chunks, then decodes
+        engine.step()
+    seq = engine.core.scheduler.running[0]
+    n_tokens = len(seq.token_ids)
+    full = -(-n_tokens // BLOCK)
+    tables = [manager.block_table(seq.seq_id, g) for g in range(groups)]
+    assert all(len(t) == full for t in tables)
+    held = sum(sum(b >= 0 for b in t) for t in tables)
+    if groups > 1:
+        assert held < groups * full
+        for g, kind_g in enumerate(runner.grouping.groups):
+            if kind_g.kind == "full":
+                assert -1 not in tables[g]
+            else:
+                # Released entries read -1; what is held is the window of the next query and
+                # the block it starts in, no more.
+                assert tables[g][0] == -1 and tables[g][-1] >= 0
+                assert sum(b >= 0 for b in tables[g]) <= -(-(WINDOW - 1) // BLOCK) + 2
+    else:
+        assert held == full
+    manager.check_invariants()
+    while engine.has_unfinished_requests():
+        engine.step()
+    manager.check_invariants()
+    assert manager.num_seqs == 0
+
+
+def test_kernel_path_matches_generate(model_dir, dense):
+    """The Triton kernels (under TRITON_INTERPRET on the CPU) read each group's tables: sliding
+    with sinks (gpt-oss) and chunked (Llama 4) beside full layers."""
+    kind, _ = model_dir
+    if kind not in ("gpt_oss", "llama4_text") or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernel path on the CPU: gpt-oss and Llama 4, under TRITON_INTERPRET=1")
+    llm = _llm(model_dir, attention_backend="triton", max_num_batched_tokens=16)
+    assert llm.llm_engine.core.runner.grouping.num_groups > 1
+    prompts = _prompts(4, [30, 5, 21])
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _reference(dense, p, 6), (kind, len(p))
+    llm.llm_engine.manager.check_invariants()
+
+
+def test_prefix_hit_matches_generate(model_dir, dense):
+    llm = _llm(model_dir)
+    shared = _prompts(2, [40])[0]
+    first = shared + [5, 6, 7]
+    second = shared + [9, 10]
+    a = llm.generate([first], GREEDY, use_tqdm=False)[0]
+    b = llm.generate([second], GREEDY, use_tqdm=False)[0]
+    assert b.num_cached_tokens >= 36  # the shared blocks hit in every group
+    assert a.outputs[0].token_ids == _reference(dense, first)
+    assert b.outputs[0].token_ids == _reference(dense, second)
+    llm.llm_engine.manager.check_invariants()
+
+
+def test_preemption_recomputes_and_matches_generate(model_dir, dense):
+    prompts = _prompts(3, [20, 17, 23])
+    params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
+    # A pool for the longest sequence at its peak (prefill chunks of 16 included), little more:
+    # three growing together must preempt.
+    grouping = group_layers(layer_kinds(_config(model_dir[0])), MAX_LEN, BLOCK)
+    peak = sequence_blocks(grouping.groups, 23 + 28, BLOCK, 16)
+    llm = _llm(model_dir, num_blocks=peak + 2, max_num_batched_tokens=16)
+    assert llm.max_model_len >= 23 + 28
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.stats().num_preemptions > 0
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _reference(dense, p, 28)
+    llm.llm_engine.manager.check_invariants()
+
+
+@pytest.mark.parametrize("setting", [
+    dict(swap_space="1MiB"), dict(num_host_blocks=8), dict(host_cache_memory="1MiB"),
+    dict(kv_events_bind="tcp://127.0.0.1:0"), dict(tensor_parallel_size=2)])
+def test_hybrid_refuses_what_groups_cannot_do(model_dir, loaded, setting):
+    kind, directory = model_dir
+    if kind not in HYBRID:
+        pytest.skip("one group: swap and tiers work")
+    with pytest.raises(ConfigArgumentError) as info:
+        LLMEngine(loaded, block_size=BLOCK, num_blocks=64, **setting)
+    name = next(iter(setting))
+    assert info.value.field == name
+    assert directory in str(info.value) and "KV cache groups" in str(info.value)
+
+
+
+def test_pool_size_and_max_model_len_follow_the_groups(model_dir, loaded, caplog):
+    """A page holds `slots` layers; max_model_len is the longest sequence whose blocks over every
+    group fit the pool above the watermark; the start-up line names the groups."""
+    from pagedkv.engine.summary import startup_summary
+
+    kind, _ = model_dir
+    engine = LLMEngine(loaded, block_size=BLOCK, kv_cache_memory=96 * 1024,
+                       max_num_batched_tokens=16, watermark_blocks=1)
+    runner = engine.core.runner
+    grouping = runner.grouping
+    spec = runner.spec
+    layer_block = 2 * BLOCK * spec.num_kv_heads * spec.head_dim * 4  # fp32 K and V, one layer
+    assert spec.num_layers == (grouping.slots if kind in HYBRID
+                               else loaded.config.num_hidden_layers)
+    assert spec.bytes_per_block == spec.num_layers * layer_block
+    assert runner.num_blocks == 96 * 1024 // spec.bytes_per_block
+    pool = runner.pool
+    assert pool.kv.shape[0] == spec.num_layers and len(pool.k_caches) == len(grouping.layer_slot)
+    for layer, slot in enumerate(grouping.layer_slot):
+        if kind in HYBRID:
+            assert pool.k_caches[layer].data_ptr() == pool.slot_k_caches[slot].data_ptr()
+    free = runner.num_blocks - 1
+    limit = engine.max_model_len
+    need = (lambda n: sequence_blocks(grouping.groups, n, BLOCK, 16)) if kind in HYBRID \
+        else (lambda n: -(-n // BLOCK))
+    assert need(limit) <= free
+    assert limit == MAX_LEN or need(limit + 1) > free
+    line = startup_summary(engine)
+    assert ("KV cache groups" in line) == (kind in HYBRID)
+
+
+def test_softcapped_attention_is_refused(tmp_path):
+    cfg = _config("gemma3_text")
+    cfg.attn_logit_softcapping = 50.0
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
+    with pytest.raises(ModelLoadError, match="attn_logit_softcapping"):
+        load_model(str(tmp_path), device="cpu")
+
+
+def test_one_kind_of_layer_keeps_one_group_and_the_fused_forward(tmp_path):
+    """A Llama (every layer full) runs as before: one group, one pool slot per layer, the fused
+    forward, no per-group metadata; a Mistral whose layers all slide: one group, not fused."""
+    cfg = transformers.LlamaConfig(**dict(_COMMON, num_hidden_layers=2))
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
+    runner = LLMEngine(str(tmp_path), device="cpu", block_size=BLOCK,
+                       num_blocks=32).core.runner
+    assert runner.grouping.num_groups == 1 and len(runner.kv_groups) == 1
+    assert runner.fused and not runner.windowed and runner.buffers.num_groups == 1
+    assert runner.pool.kv.shape[0] == 2 and runner.temperature is None
+    assert runner._group_tables(None) is None
+
+
+def test_pool_layer_slots_share_views_and_copy_every_slot():
+    from pagedkv.config import CacheSpec
+    from pagedkv.errors import InvalidConfigError
+    from pagedkv.kv_pool import KVPool, copy_blocks_reference
+
+    spec = CacheSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", block_size=2)
+    pool = KVPool(spec, 6, layer_slot=[0, 1, 1, 0, 0])
+    assert len(pool.k_caches) == 5 and len(pool.slot_k_caches) == 2
+    assert pool.k_caches[3].data_ptr() == pool.k_caches[0].data_ptr() \
+        != pool.k_caches[1].data_ptr()
+    pool.kv.normal_()
+    ref = KVPool(spec, 6, layer_slot=[0, 1, 1, 0, 0])
+    ref.kv.copy_(pool.kv)
+    pool.copy_blocks([(1, 4), (2, 5)])
+    copy_blocks_reference(ref, [(1, 4), (2, 5)])
+    assert torch.equal(pool.kv, ref.kv)
+    assert torch.equal(pool.kv[:, :, 4], pool.kv[:, :, 1])
+    k, _ = pool.block_view(4, 5)
+    assert torch.equal(k, pool.slot_k_caches[0][5])
+    for bad in ([0, 0, 0], [0, 2], [0, True], []):
+        with pytest.raises(InvalidConfigError):
+            KVPool(spec, 6, layer_slot=bad)
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+#: As tests/test_engine.py: a greedy token chosen by the engine in bf16 must be the dense bf16
+#: model's argmax up to bf16 noise (its dense log-prob may trail the maximum by at most this).
+GPU_GREEDY_MARGIN = 0.15
+GPU_WINDOW = 32
+
+
+def _gpu_config(kind: str):
+    common = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+                  initializer_range=0.05, eos_token_id=None, bos_token_id=None,
+                  pad_token_id=None, tie_word_embeddings=False)
+    if kind == "gemma3_text":
+        return transformers.Gemma3TextConfig(
+            num_hidden_layers=6, sliding_window=GPU_WINDOW, query_pre_attn_scalar=64,
+            layer_types=(["sliding_attention"] * 5 + ["full_attention"]), **common)
+    if kind == "gpt_oss":
+        return transformers.GptOssConfig(
+            num_hidden_layers=4, sliding_window=GPU_WINDOW, num_local_experts=4,
+            num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2,
+            **common)
+    if kind == "llama4_text":
+        return transformers.Llama4TextConfig(
+            num_hidden_layers=4, attention_chunk_size=GPU_WINDOW, intermediate_size_mlp=512,
+            num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2, **common)
+    if kind == "mistral":
+        return transformers.MistralConfig(num_hidden_layers=4, sliding_window=GPU_WINDOW,
+                                          **common)
+    raise AssertionError(kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gemma3_text", "gpt_oss", "llama4_text", "mistral"])
+def test_gpu_windowed_greedy_is_dense_argmax(kind, tmp_path):
+    """The whole engine on CUDA (Triton kernels, CUDA-graph decode over every group's tables):
+    ragged prompts several windows long sharing a prefix, n=2 forks, a pool small enough to
+    preempt. Every greedy token is the dense bf16 model's argmax (teacher forcing over the
+    engine's output, bf16 tolerance above), with transformers' own windowed attention."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(7)
+    cfg = _gpu_config(kind)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "sinks" in name:
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(str(tmp_path))
+    g = np.random.default_rng(3)
+    shared = g.integers(0, 1024, 40).tolist()
+    prompts = [shared + g.integers(0, 1024, n).tolist() for n in (5, 120, 37, 1, 150, 73)]
+    new = 40
+    params = [SamplingParams(temperature=0.0, max_tokens=new, n=2 if i % 3 == 0 else 1,
+                             ignore_eos=True) for i in range(len(prompts))]
+    grouping = group_layers(layer_kinds(cfg), 1024, 16)
+    peak = sequence_blocks(grouping.groups, 190 + new, 16, 128)
+    llm = LLM(str(tmp_path), device="cuda", dtype=torch.bfloat16, block_size=16,
+              num_blocks=peak + 8, max_num_seqs=8, max_num_batched_tokens=128, progress=False)
+    runner = llm.llm_engine.core.runner
+    assert runner.graph_sizes and not runner.fused
+    assert (runner.grouping.num_groups > 1) == (kind != "mistral")
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    st = llm.stats()
+    llm.llm_engine.manager.check_invariants()
+    dense = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), dtype=torch.bfloat16).to("cuda").eval()
+    worst = 0.0
+    for p, o in zip(prompts, outs):
+        for c in o.outputs:
+            assert len(c.token_ids) == new
+            ids = torch.tensor([p + c.token_ids], device="cuda")
+            with torch.no_grad():
+                lp = torch.log_softmax(dense(ids).logits[0].float(), -1)
+            pos = torch.arange(len(p) - 1, len(p) - 1 + new, device="cuda")
+            chosen = lp[pos, torch.tensor(c.token_ids, device="cuda")]
+            worst = max(worst, (lp[pos].max(-1).values - chosen).max().item())
+    print(f"{kind} on CUDA: {runner.grouping.num_groups} groups, {st.num_preemptions} "
+          f"preemptions, prefix hits {st.prefix_hits_by_tier}; worst greedy log-prob gap to the "
+          f"dense bf16 argmax {worst:.4f}")
+    assert worst <= GPU_GREEDY_MARGIN
