@@ -448,8 +448,12 @@ class PagedKVOffloadingSpec(OffloadingSpec):
     tier, over all workers), ``eviction_policy`` (``"lru"`` only), ``store_threshold``,
     ``max_tracker_size``, and vLLM's own (``block_size``, ``offload_prompt_only``, ...).
 
+    The worker (:class:`pagedkv.vllm.offload_worker.PagedKVOffloadingWorker`) runs on CUDA and,
+    unlike vLLM's CPU spec, on CPU tensors too.
+
     Raises:
-        InvalidConfigError: ``cpu_bytes_to_use`` missing or not a positive integer.
+        InvalidConfigError: ``cpu_bytes_to_use`` missing or not a positive integer; the canonical
+            host layout asked for.
     """
 
     @classmethod
@@ -476,6 +480,11 @@ class PagedKVOffloadingSpec(OffloadingSpec):
                 f"kv_connector_extra_config cpu_bytes_to_use must be a positive byte count for "
                 f"PagedKVOffloadingSpec, got {raw!r}", field="cpu_bytes_to_use", value=raw,
                 reason="must be > 0")
+        if getattr(config, "canonical_layout", False):
+            raise InvalidConfigError(
+                "PagedKVOffloadingSpec keeps each worker's own block layout; the canonical "
+                "(parallelism-free) host layout is not available", field="canonical_layout",
+                value=True, reason="must be off")
         world = max(1, config.parallel.world_size)
         #: Bytes of one chunk on one worker (unpadded), and over all workers (aligned).
         self.worker_chunk_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
