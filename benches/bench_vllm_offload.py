@@ -6,13 +6,13 @@ keys, vLLM's ``OffloadKey`` = 32 hash bytes + 4-byte group). The calls per promp
 vLLM's ``OffloadingConnector`` scheduler makes, with a ``ReqContext`` per request carrying every
 key's token position (as the connector records them):
 
-- ``store``: ``on_new_request``, ``prepare_store`` of the prompt's 256 new keys (free chunks
-  available), ``complete_store``, ``on_request_finished``;
+- ``store``: ``on_new_request``, ``prepare_store`` of the prompt's 256 new keys, ``complete_store``,
+  ``on_request_finished``, in a tier with room for every prompt of the run (no eviction);
 - ``load``: ``on_new_request``, ``lookup`` of each of the 256 keys (all hits), ``prepare_load``,
   ``touch``, ``complete_load``, ``on_request_finished``;
 - ``evict``: as ``store``, in a tier full of ready chunks: each ``prepare_store`` evicts 256.
 
-Each manager is built with ``--chunks`` chunks and warmed; the figure is the median over
+Each manager is built with ``--chunks`` chunks (``store``: enough for the run) and warmed; the figure is the median over
 ``--reps`` prompts of the wall time of one prompt's calls (the managers take turns, prompt by
 prompt, so they see the same machine load), in microseconds, and per block. Prints a table and
 writes JSON (``--json``).
@@ -91,7 +91,13 @@ def main() -> None:
 
     results: Dict[str, Dict[str, float]] = {}
     for scenario in ("store", "load", "evict"):
-        managers = {name: b() for name, b in builders.items()}
+        if scenario == "store":
+            n = (args.warmup + args.reps + 1) * nblk
+            managers = {"pagedkv": PagedKVOffloadingManager(n, enable_events=True),
+                        "vllm-lru": CPUOffloadingManager(n, "lru", enable_events=True),
+                        "vllm-arc": CPUOffloadingManager(n, "arc", enable_events=True)}
+        else:
+            managers = {name: b() for name, b in builders.items()}
         pools: Dict[str, List[List[bytes]]] = {name: [] for name in managers}
         # Setup: "load" and "evict" start from a tier full of ready chunks.
         if scenario in ("load", "evict"):
@@ -109,11 +115,9 @@ def main() -> None:
             for name, m in managers.items():
                 rc = ctx(keys)
                 if scenario == "store":
-                    # Room for the next prompt: a store without eviction.
                     t0 = time.perf_counter()
                     store(m, keys, rc)
                     t = time.perf_counter() - t0
-                    m.reset_cache()
                 elif scenario == "load":
                     t0 = time.perf_counter()
                     load(m, keys, rc)

@@ -13,9 +13,9 @@ It owns:
   offload keys (vLLM's ``OffloadKey``: block hash bytes + 4-byte big-endian group index) live in
   which host chunk. Its state is one :class:`pagedkv._core.KeyedBlockPool` of ``num_chunks``
   blocks -- the core's map from opaque keys to blocks, the reference counts and the eviction
-  order (the same core the drop-in GPU block pool runs on) -- plus two per-chunk Python arrays:
-  whether the chunk's bytes have landed (``ready``) and the chunk's key (so an eviction the core
-  reports by chunk id is reported to vLLM by key).
+  order (the same core the drop-in GPU block pool runs on) -- plus two Python dicts: the stores
+  in flight (``pending``: key -> chunk, the chunks whose bytes have not landed) and each keyed
+  chunk's key (``key_of``: so an eviction the core reports by chunk id is reported by key).
 - :class:`PagedKVLoadStoreSpec`, the chunk ids a load or store names (a ``CPULoadStoreSpec``, so
   vLLM code that reads chunk ids reads them).
 - :class:`PagedKVOffloadingSpec`, the spec: sizes the host tier from ``cpu_bytes_to_use`` and
@@ -39,10 +39,10 @@ How the manager maps vLLM's calls onto the core:
 - ``complete_store`` marks the chunks ready and releases them in key order; a failed store
   unkeys its chunks and puts them at the front (reused first).
 
-Invariants: ``ready[c]`` only for a keyed chunk; ``key_of[c]`` is the core's one key of chunk
-``c`` (None when unkeyed); a chunk with a store in flight is held exactly once by it. vLLM's own
-checks on its caller (a load of a key that is not ready, a count going below zero) are
-``InvalidArgumentError`` here, raised before anything changes.
+Invariants: ``key_of[c]`` is the core's one key of chunk ``c`` (absent when unkeyed); every
+``pending`` entry is a keyed chunk held exactly once (by its store); a keyed chunk not pending is
+ready. vLLM's own checks on its caller (a load of a key that is not ready, a count going below
+zero) are ``InvalidArgumentError`` here, raised before anything changes.
 
 Importing this module imports vLLM and checks its version: pagedkv's spec was built and tested
 against vLLM 0.33.x; any other version fails at import with :class:`pagedkv.errors.
@@ -189,11 +189,10 @@ class PagedKVOffloadingManager(OffloadingManager):
         self.pool = KeyedBlockPool(max(1, self.num_chunks), reserve_null=False)
         if self.num_chunks == 0:
             self.pool.touch([0])  # held forever: never allocated
-        n = max(1, self.num_chunks)
-        self.ready = bytearray(n)
-        self.key_of: List[Optional[OffloadKey]] = [None] * n
-        #: Chunks with a store in flight.
-        self.num_pending = 0
+        #: Stores in flight: key -> chunk.
+        self.pending: Dict[OffloadKey, int] = {}
+        #: Every keyed chunk's key.
+        self.key_of: Dict[int, OffloadKey] = {}
 
     # ------------------------------------------------------------------ figures
 
@@ -202,8 +201,13 @@ class PagedKVOffloadingManager(OffloadingManager):
         """Chunks a store may take now (never used, failed, or ready and unread)."""
         return self.pool.num_free if self.num_chunks else 0
 
+    @property
+    def num_pending(self) -> int:
+        """Chunks with a store in flight."""
+        return len(self.pending)
+
     def check_coherence(self) -> None:
-        """Checks the per-chunk arrays against the core (and the core's own invariants).
+        """Checks the Python tables against the core (and the core's own invariants).
 
         Raises:
             InvalidArgumentError: They disagree (names the chunk).
@@ -212,27 +216,19 @@ class PagedKVOffloadingManager(OffloadingManager):
         pool.check_invariants()
         if not self.num_chunks:
             return
-        pending = 0
         for c in range(self.num_chunks):
             keys = pool.keys_of(c)
-            key = self.key_of[c]
+            key = self.key_of.get(c)
             if (key is None and keys) or (key is not None and keys != [key]):
                 raise InvalidArgumentError(
                     f"chunk {c}: key {key!r}, core keys {keys!r}", what="chunk", value=c,
                     reason="key disagrees with the core")
-            if self.ready[c] and key is None:
-                raise InvalidArgumentError(f"chunk {c} is ready but unkeyed", what="chunk",
-                                           value=c, reason="ready chunk without a key")
-            if key is not None and not self.ready[c]:
-                pending += 1
-                if pool.ref_count(c) != 1:
-                    raise InvalidArgumentError(
-                        f"chunk {c} is being stored but held {pool.ref_count(c)} times",
-                        what="chunk", value=c, reason="a pending chunk is held once")
-        if pending != self.num_pending:
-            raise InvalidArgumentError(
-                f"{pending} chunks pending, counted {self.num_pending}", what="num_pending",
-                value=self.num_pending, reason="count disagrees")
+        for key, c in self.pending.items():
+            if self.key_of.get(c) != key or pool.ref_count(c) != 1:
+                raise InvalidArgumentError(
+                    f"chunk {c} is being stored under {key!r} but is keyed "
+                    f"{self.key_of.get(c)!r} and held {pool.ref_count(c)} times",
+                    what="chunk", value=c, reason="a pending chunk is keyed and held once")
 
     # ------------------------------------------------------------------ requests
 
@@ -240,26 +236,25 @@ class PagedKVOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        c = self.pool.lookup(key)
-        if c is None:
+        if self.pool.lookup(key) is None:
             return _MISS
-        return _HIT if self.ready[c] else _PENDING
+        return _PENDING if key in self.pending else _HIT
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
 
     def _ready_chunks(self, keys: Iterable[OffloadKey], what: str) -> List[int]:
-        look, ready = self.pool.lookup, self.ready
-        chunks = []
-        for key in keys:
-            c = look(key)
-            if c is None or not ready[c]:
-                raise InvalidArgumentError(
-                    f"invalid argument: {what} of key {key!r}: "
-                    f"{'not offloaded' if c is None else 'its store has not completed'}",
-                    what="keys", value=key, reason="every key must be offloaded and ready")
-            chunks.append(c)
-        return chunks
+        keys = keys if isinstance(keys, list) else list(keys)
+        chunks = self.pool.lookup_many(keys)
+        pending = self.pending
+        if None in chunks or (pending and any(map(pending.__contains__, keys))):
+            for key, c in zip(keys, chunks):
+                if c is None or key in pending:
+                    raise InvalidArgumentError(
+                        f"invalid argument: {what} of key {key!r}: "
+                        f"{'not offloaded' if c is None else 'its store has not completed'}",
+                        what="keys", value=key, reason="every key must be offloaded and ready")
+        return chunks  # type: ignore[return-value]
 
     def prepare_load(self, keys: Collection[OffloadKey],
                      req_context: ReqContext) -> LoadStoreSpec:
@@ -290,8 +285,13 @@ class PagedKVOffloadingManager(OffloadingManager):
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Moves the present, ready chunks of ``keys`` to the back of the eviction order, the
         head of ``keys`` last (evicted last). Unknown keys are ignored."""
-        look, ready = self.pool.lookup, self.ready
-        chunks = [c for c in map(look, keys) if c is not None and ready[c]]
+        keys = keys if isinstance(keys, list) else list(keys)
+        found = self.pool.lookup_many(keys)
+        pending = self.pending
+        if None in found or pending:
+            chunks = [c for key, c in zip(keys, found) if c is not None and key not in pending]
+        else:
+            chunks = found  # type: ignore[assignment]
         if chunks:
             chunks.reverse()
             self.pool.touch(chunks)
@@ -320,21 +320,17 @@ class PagedKVOffloadingManager(OffloadingManager):
         released ready chunks as needed (never one of ``keys``). None, with nothing changed, when
         too few chunks are free."""
         pool = self.pool
-        look, ready, is_free = pool.lookup, self.ready, pool.is_free
-        new: List[OffloadKey] = []
-        held: List[int] = []
-        free_held = 0
-        seen = set()
-        for key in keys:
-            c = look(key)
-            if c is None:
-                if key not in seen:
-                    seen.add(key)
-                    new.append(key)
-            elif ready[c]:
-                held.append(c)
-                if is_free(c):
-                    free_held += 1
+        keys = keys if isinstance(keys, list) else list(keys)
+        found = pool.lookup_many(keys)
+        if found.count(None) == len(keys):
+            new, held, free_held = keys, [], 0
+        else:
+            pending = self.pending
+            new = [key for key, c in zip(keys, found) if c is None]
+            held = [c for key, c in zip(keys, found) if c is not None and key not in pending]
+            free_held = sum(map(pool.is_free, held))
+        if len(set(new)) != len(new):
+            new = list(dict.fromkeys(new))
         if self.offers is not None and new:
             new = self._admit(new)
         n = len(new)
@@ -347,56 +343,45 @@ class PagedKVOffloadingManager(OffloadingManager):
         if free_held:
             pool.touch(held)
         chunks, lost = pool.allocate(n)
+        key_of = self.key_of
         evicted: List[OffloadKey] = []
         if lost:
-            key_of = self.key_of
-            for c in lost:
-                k = key_of[c]
-                if k is not None:
-                    evicted.append(k)
-                    key_of[c] = None
-                    ready[c] = 0
-            if evicted and self.events is not None:
+            # Every chunk that loses keys is keyed, and only ready chunks are free.
+            evicted = list(map(key_of.pop, lost))
+            if self.events is not None:
                 self.events.append(OffloadingEvent(keys=evicted, medium=self.medium,
                                                    removed=True))
-        insert, key_of = pool.insert, self.key_of
-        for key, c in zip(new, chunks):
-            insert(key, c)
-            key_of[c] = key
-        self.num_pending += n
+        pool.insert_many(new, chunks)
+        key_of.update(zip(chunks, new))
+        self.pending.update(zip(new, chunks))
         if free_held:
             held.reverse()
             pool.release(held)
-        return PrepareStoreOutput(keys_to_store=new, store_spec=PagedKVLoadStoreSpec(chunks),
-                                  evicted_keys=evicted)
+        return PrepareStoreOutput(keys_to_store=new if new is not keys else list(keys),
+                                  store_spec=PagedKVLoadStoreSpec(chunks), evicted_keys=evicted)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
         """Marks the chunks of ``keys`` still being stored as ready (loadable, evictable), or, on
         failure, drops them (their chunks are reused first). Keys not being stored are ignored."""
-        pool, ready, look = self.pool, self.ready, self.pool.lookup
-        done: List[OffloadKey] = []
-        chunks: List[int] = []
-        for key in dict.fromkeys(keys):
-            c = look(key)
-            if c is not None and not ready[c]:
-                done.append(key)
-                chunks.append(c)
-        if not chunks:
-            return
-        self.num_pending -= len(chunks)
+        pending = self.pending
+        keys = keys if isinstance(keys, list) else list(keys)
+        if not (all(map(pending.__contains__, keys)) and len(set(keys)) == len(keys)):
+            keys = [key for key in dict.fromkeys(keys) if key in pending]
+            if not keys:
+                return
+        chunks = list(map(pending.pop, keys))
+        pool = self.pool
         if success:
-            for c in chunks:
-                ready[c] = 1
             pool.release(chunks)
         else:
             remove, key_of = pool.remove, self.key_of
-            for key, c in zip(done, chunks):
+            for key, c in zip(keys, chunks):
                 remove(key, c)
-                key_of[c] = None
+                del key_of[c]
             pool.release(chunks, "front")
         if self.events is not None:
-            self.events.append(OffloadingEvent(keys=done, medium=self.medium,
+            self.events.append(OffloadingEvent(keys=list(keys), medium=self.medium,
                                                removed=not success, metadata_only=not success))
 
     # ------------------------------------------------------------------ the rest
