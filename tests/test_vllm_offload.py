@@ -122,18 +122,19 @@ def test_eviction_order_is_release_order_and_loads_pin() -> None:
     m = PagedKVOffloadingManager(4)
     c = stored(m, 1, 2, 3, 4)
     assert c == [0, 1, 2, 3]
+    # The store released its chunks tail first: free order 4, 3, 2, 1.
     spec = m.prepare_load(ks(3, 1), CTX)
     assert chunks(spec) == [2, 0]  # in the order of the keys
     # 3 and 1 are held by the load: a store of 3 keys cannot evict them.
     assert m.prepare_store(ks(5, 6, 7), CTX) is None
     m.complete_load(ks(3, 1), CTX)  # released tail first: 1, then 3 (3 evicted last)
     out = m.prepare_store(ks(5, 6, 7), CTX)
-    assert out is not None and out.evicted_keys == ks(2, 4, 1)
-    m.complete_store(ks(5, 6, 7), CTX)
+    assert out is not None and out.evicted_keys == ks(4, 2, 1)
+    m.complete_store(ks(5, 6, 7), CTX)  # free order: 3, 7, 6, 5
     # touch moves present keys to the back, the head evicted last; unknown keys are ignored.
     m.touch(ks(3, 99, 5), CTX)
     out = m.prepare_store(ks(8, 9), CTX)
-    assert out is not None and out.evicted_keys == ks(6, 7)
+    assert out is not None and out.evicted_keys == ks(7, 6)
     m.check_coherence()
 
 

@@ -36,8 +36,13 @@ How the manager maps vLLM's calls onto the core:
   ``allocate`` (which evicts from the front of the free list and says which chunks lost keys),
   keys the new chunks, and releases the held ones tail first; it returns None, changing nothing,
   when the free chunks not offered are too few;
-- ``complete_store`` marks the chunks ready and releases them in key order; a failed store
-  unkeys its chunks and puts them at the front (reused first).
+- ``complete_store`` marks the chunks ready and releases them tail first (the connector lists a
+  job's keys in prefix order, so the head of a prefix is evicted last); a failed store unkeys its
+  chunks and puts them at the front (reused first).
+
+The eviction order is thus the order in which chunks became free, with each request's prefix
+tail before its head: recency is set when a transfer completes (or on ``touch``), not when the
+request that caused it finishes.
 
 Invariants: ``key_of[c]`` is the core's one key of chunk ``c`` (absent when unkeyed); every
 ``pending`` entry is a keyed chunk held exactly once (by its store); a keyed chunk not pending is
@@ -373,7 +378,9 @@ class PagedKVOffloadingManager(OffloadingManager):
         chunks = list(map(pending.pop, keys))
         pool = self.pool
         if success:
+            chunks.reverse()  # tail first: the head of a prefix is evicted last
             pool.release(chunks)
+            chunks.reverse()
         else:
             remove, key_of = pool.remove, self.key_of
             for key, c in zip(keys, chunks):
