@@ -5,14 +5,16 @@ groups over three tensors of different page sizes) through the host chunk pool: 
 chunks and loaded into other blocks come back byte for byte, sub-blocks land where the layout
 says (one chunk contiguous across tensors), a group entered part way through its first chunk
 (``block_indices``) maps to the right sub-blocks, and bad transfers raise typed errors with
-nothing copied.
+nothing copied. The round trips run on CUDA too (``gpu``-marked: the staged copies, with a
+staging buffer smaller than a transfer so it goes through in pieces).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")
 
 from pagedkv.errors import InvalidArgumentError, InvalidConfigError
 from pagedkv.vllm.offload_copy import ChunkCopier
@@ -22,11 +24,15 @@ PAGES = (64, 32, 96)  # bytes per block of each tensor
 GROUPS = [[0, 1], [2]]
 
 
-def make(bpc: int = 2, chunks: int = 10):
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def make(bpc: int = 2, chunks: int = 10, device: str = "cpu"):
     g = torch.Generator().manual_seed(0)
-    tensors = [torch.randint(-128, 127, (NUM_BLOCKS, p), dtype=torch.int8, generator=g)
+    tensors = [torch.randint(-128, 127, (NUM_BLOCKS, p), dtype=torch.int8, generator=g).to(device)
                for p in PAGES]
-    return tensors, ChunkCopier(tensors, GROUPS, blocks_per_chunk=bpc, num_chunks=chunks)
+    return tensors, ChunkCopier(tensors, GROUPS, blocks_per_chunk=bpc, num_chunks=chunks,
+                                staging_chunks=2)
 
 
 def test_layout_one_contiguous_chunk_across_tensors() -> None:
@@ -43,8 +49,9 @@ def test_layout_one_contiguous_chunk_across_tensors() -> None:
     assert torch.equal(cp.host[6][192:288], u8[2][7])
 
 
-def test_round_trip_into_other_blocks() -> None:
-    tensors, cp = make(bpc=2)
+@pytest.mark.parametrize("device", DEVICES)
+def test_round_trip_into_other_blocks(device: str) -> None:
+    tensors, cp = make(bpc=2, device=device)
     before = [t.clone() for t in tensors]
     src = [0, 1, 2, 3, 10, 11]
     cp.store(7, src, [4, 2], [0, 0], [4, 2, 8])
@@ -52,6 +59,7 @@ def test_round_trip_into_other_blocks() -> None:
     for t in tensors:
         t[dst] = 0
     cp.load(8, [4, 2, 8], dst, [4, 2], [0, 0])
+    cp.wait({8})
     done = cp.finished()
     assert [(f.job_id, f.nbytes) for f in done] == [
         (7, 4 * (64 + 32) + 2 * 96), (8, 4 * (64 + 32) + 2 * 96)]
@@ -60,17 +68,19 @@ def test_round_trip_into_other_blocks() -> None:
         for t in ts:
             assert torch.equal(tensors[t][d], before[t][s]), (g, t)
     # Blocks outside the transfer are untouched (group 1's tensor for group 0's blocks).
-    assert torch.equal(tensors[2][dst[:4]], torch.zeros(4, 96, dtype=torch.int8))
+    assert torch.equal(tensors[2][dst[:4]].cpu(), torch.zeros(4, 96, dtype=torch.int8))
 
 
-def test_partial_first_chunk_maps_sub_blocks() -> None:
-    tensors, cp = make(bpc=4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_partial_first_chunk_maps_sub_blocks(device: str) -> None:
+    tensors, cp = make(bpc=4, device=device)
     # Group 0 stores logical blocks 0..7 (blocks 0..7) into chunks 1, 2.
     cp.store(1, list(range(8)), [8, 0], [0, 0], [1, 2])
     # A load of logical blocks 5..7 (a GPU prefix hit covered 0..4): chunk 2, sub-blocks 1..3.
     for t in tensors:
         t[[20, 21, 22]] = 0
     cp.load(2, [2], [20, 21, 22], [3, 0], [5, 0])
+    cp.synchronize()
     for t in GROUPS[0]:
         assert torch.equal(tensors[t][[20, 21, 22]], tensors[t][[5, 6, 7]])
 

@@ -25,7 +25,9 @@ copy per tensor, at device bandwidth), then moves each run of consecutive chunks
 ``copy_`` into pinned host memory; a load moves each run into staging and scatters from there
 (one ``index_copy_`` per tensor). Stores and loads each have their own stream (the link's two
 directions), each first waits for the work already queued on the caller's stream (which wrote,
-or still reads, the GPU blocks), and each transfer ends with an event that
+or still reads, the GPU blocks) and for the jobs of the other direction still on its host chunks
+(a load after the store that wrote them, a store after the load that reads them: the swap
+engine's per-block rule, per chunk), and each transfer ends with an event that
 :meth:`ChunkCopier.finished` polls and :meth:`ChunkCopier.wait` blocks on. A transfer larger than
 the staging buffer goes through it in pieces, in order on its stream. A store writes whole host
 chunks (the rows of the staging buffer), so a chunk a store enters part way has its other
@@ -161,6 +163,14 @@ class ChunkCopier:
                     for o, pb in zip(self.offsets, self.page_bytes)]
                 for d, s in self._stage.items()}
             self._streams = {d: torch.cuda.Stream(self.device) for d in ("store", "load")}
+            # Per chunk, the last store that wrote it and the last load that read it (a job's
+            # number, -1: none), and the events of the jobs not yet reported finished: a load
+            # waits for the stores still writing its chunks, a store for the loads still reading
+            # its chunks, and nothing else (the two directions otherwise overlap).
+            self._last = {d: np.full(max(num_chunks, 1), -1, dtype=np.int64)
+                          for d in ("store", "load")}
+            self._events: Dict[str, Dict[int, Any]] = {"store": {}, "load": {}}
+            self._seq = 0
         else:
             self.staging_chunks = 0
 
@@ -233,7 +243,7 @@ class ChunkCopier:
         """Queues the copy of GPU blocks into host chunks (module docs)."""
         plan = self.plan(block_ids, group_sizes, block_indices, chunk_ids)
         t0 = time.perf_counter()
-        ev = self._store_cuda(plan) if self.is_cuda else self._store_cpu(plan)
+        ev = self._cuda("store", plan) if self.is_cuda else self._store_cpu(plan)
         self._jobs["store"].append(_Job(job_id, self._nbytes(plan), t0, ev))
 
     def load(self, job_id: int, chunk_ids: Any, block_ids: Any, group_sizes: Sequence[int],
@@ -241,8 +251,26 @@ class ChunkCopier:
         """Queues the copy of host chunks into GPU blocks (module docs)."""
         plan = self.plan(block_ids, group_sizes, block_indices, chunk_ids)
         t0 = time.perf_counter()
-        ev = self._load_cuda(plan) if self.is_cuda else self._load_cpu(plan)
+        ev = self._cuda("load", plan) if self.is_cuda else self._load_cpu(plan)
         self._jobs["load"].append(_Job(job_id, self._nbytes(plan), t0, ev))
+
+    def _cuda(self, direction: str, plan: List[Tuple[int, np.ndarray, np.ndarray, np.ndarray]]
+              ) -> Any:
+        """Queues one CUDA transfer after the other direction's jobs on its chunks; its event."""
+        other = "load" if direction == "store" else "store"
+        st = self._streams[direction]
+        chunks = np.unique(np.concatenate([c for _, _, c, _ in plan])) if plan else None
+        if chunks is not None and chunks.size:
+            k = int(self._last[other][chunks].max())
+            ev = self._events[other].get(k)
+            if ev is not None:
+                st.wait_event(ev)
+        ev = self._store_cuda(plan) if direction == "store" else self._load_cuda(plan)
+        self._seq += 1
+        self._events[direction][self._seq] = ev
+        if chunks is not None and chunks.size:
+            self._last[direction][chunks] = self._seq
+        return ev
 
     def _store_cpu(self, plan: List[Tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> None:
         for g, blocks, chunks, subs in plan:
@@ -325,6 +353,10 @@ class ChunkCopier:
                 out.append(Finished(j.job_id, j.nbytes, now - j.t0))
                 k += 1
             del jobs[:k]
+        if self.is_cuda:
+            for events in self._events.values():
+                for seq in [q for q, ev in events.items() if ev.query()]:
+                    del events[seq]
         return out
 
     def wait(self, job_ids: Any) -> None:
