@@ -153,3 +153,14 @@ def test_random_round_trips_match_a_model() -> None:
                         want = cp.host_sections[t][int(c), s]
                     assert torch.equal(u8[t][int(b)], want), (step, t, int(b))
     assert len(cp.finished()) == 60
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_transfer_is_reported(device: str) -> None:
+    tensors, cp = make(device=device)
+    host = cp.host.clone()
+    cp.store(3, [], [0, 0], [0, 0], [])
+    cp.load(4, [], [], [0, 0], [0, 0])
+    cp.synchronize()
+    assert sorted((f.job_id, f.nbytes) for f in cp.finished()) == [(3, 0), (4, 0)]
+    assert torch.equal(cp.host, host)

@@ -259,6 +259,11 @@ class ChunkCopier:
         """Queues one CUDA transfer after the other direction's jobs on its chunks; its event."""
         other = "load" if direction == "store" else "store"
         st = self._streams[direction]
+        if not plan:  # nothing to move: done once the caller's queued work is
+            st.wait_stream(torch.cuda.current_stream(self.device))
+            ev = torch.cuda.Event()
+            ev.record(st)
+            return ev
         chunks = np.unique(np.concatenate([c for _, _, c, _ in plan])) if plan else None
         if chunks is not None and chunks.size:
             k = int(self._last[other][chunks].max())
@@ -304,6 +309,13 @@ class ChunkCopier:
             out.append((ids, part))
         return out
 
+    def _indices(self, *arrays: np.ndarray) -> Tuple[torch.Tensor, ...]:
+        """The index arrays on the device, in one pinned host-to-device copy on the current
+        stream (pinned through torch's caching host allocator, which keeps the buffer until the
+        copy has run)."""
+        host = torch.from_numpy(np.stack(arrays)).pin_memory()
+        return tuple(host.to(self.device, non_blocking=True).unbind(0))
+
     def _store_cuda(self, plan: List[Tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> Any:
         st = self._streams["store"]
         st.wait_stream(torch.cuda.current_stream(self.device))
@@ -311,8 +323,7 @@ class ChunkCopier:
         with torch.cuda.stream(st):
             for ids, part in self._pieces(plan):
                 for g, blocks, rows, subs in part:
-                    b, r, s = (torch.from_numpy(a).to(self.device, non_blocking=True)
-                               for a in (blocks, rows, subs))
+                    b, r, s = self._indices(blocks, rows, subs)
                     for t in self.groups[g]:
                         sections[t][r, s] = self.rows[t].index_select(0, b)
                 for a, z in _runs(ids):
@@ -332,8 +343,7 @@ class ChunkCopier:
                     c = int(ids[a])
                     stage[a:z].copy_(self.host[c:c + z - a], non_blocking=True)
                 for g, blocks, rows, subs in part:
-                    b, r, s = (torch.from_numpy(a).to(self.device, non_blocking=True)
-                               for a in (blocks, rows, subs))
+                    b, r, s = self._indices(blocks, rows, subs)
                     for t in self.groups[g]:
                         self.rows[t].index_copy_(0, b, sections[t][r, s])
             ev = torch.cuda.Event()
