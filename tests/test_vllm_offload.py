@@ -138,6 +138,25 @@ def test_eviction_order_is_release_order_and_loads_pin() -> None:
     m.check_coherence()
 
 
+def test_completions_as_sets_release_tail_first() -> None:
+    """vLLM's connector reports a job's keys as a set: the release order is the order in which
+    the keys were named (prepare_store / prepare_load), reversed, not the set's."""
+    m = PagedKVOffloadingManager(8)
+    prefix = ks(1, 2, 3, 4, 5, 6)
+    assert m.prepare_store(prefix, CTX) is not None
+    m.complete_store(set(reversed(prefix)), CTX)
+    out = m.prepare_store(ks(7, 8, 9), CTX)  # 2 never-used chunks, then the LRU: the tail
+    assert out is not None and out.evicted_keys == ks(6)
+    m.complete_store(ks(7, 8, 9), CTX)
+    m.prepare_load(ks(1, 2, 3), CTX)
+    m.complete_load({k(2), k(3), k(1)}, CTX)
+    out = m.prepare_store(ks(10, 11, 12, 13, 14), CTX)
+    assert out is not None and out.evicted_keys == ks(5, 4, 9, 8, 7)
+    out = m.prepare_store(ks(15), CTX)  # the loaded prefix went back tail first: 3, 2, 1
+    assert out is not None and out.evicted_keys == ks(3)
+    m.check_coherence()
+
+
 def test_failed_store_unkeys_and_frees_first() -> None:
     m = PagedKVOffloadingManager(4, enable_events=True)
     stored(m, 1)

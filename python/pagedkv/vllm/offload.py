@@ -29,15 +29,17 @@ How the manager maps vLLM's calls onto the core:
   (cached blocks are evicted after every never-used or failed chunk, oldest release first);
 - ``prepare_load`` takes one reference per key (``touch``: a free chunk is revived out of the
   free list, so no store evicts it), ``complete_load`` gives them back tail first, so the head of
-  a prefix outlives its tail; ``touch`` is both, so a touched chunk moves to the back in the same
+  a prefix outlives its tail ("tail first": the reverse of the order in which the keys were last
+  named by a ``prepare_store`` or ``prepare_load``, since vLLM's connector reports completions
+  as unordered sets); ``touch`` is both, so a touched chunk moves to the back in the same
   order;
 - ``prepare_store`` holds the offered keys that are already present for the call (an offered
   chunk is never evicted by its own store), asks the core for the missing ones in one
   ``allocate`` (which evicts from the front of the free list and says which chunks lost keys),
   keys the new chunks, and releases the held ones tail first; it returns None, changing nothing,
   when the free chunks not offered are too few;
-- ``complete_store`` marks the chunks ready and releases them tail first (the connector lists a
-  job's keys in prefix order, so the head of a prefix is evicted last); a failed store unkeys its
+- ``complete_store`` marks the chunks ready and releases them tail first (the head of a prefix is
+  evicted last); a failed store unkeys its
   chunks and puts them at the front (reused first).
 
 The eviction order is thus the order in which chunks became free, with each request's prefix
@@ -58,6 +60,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+import numpy as np
 
 from pagedkv.errors import InvalidArgumentError, InvalidConfigError, MissingDependencyError
 
@@ -198,6 +202,11 @@ class PagedKVOffloadingManager(OffloadingManager):
         self.pending: Dict[OffloadKey, int] = {}
         #: Every keyed chunk's key.
         self.key_of: Dict[int, OffloadKey] = {}
+        #: Per chunk, when a request last named it (``prepare_store`` / ``prepare_load``, in
+        #: key order): completions, which vLLM's connector reports as sets of keys, release
+        #: their chunks in the reverse of this order (tail first).
+        self.order = np.zeros(max(1, self.num_chunks), dtype=np.int64)
+        self._tick = 0
 
     # ------------------------------------------------------------------ figures
 
@@ -270,7 +279,19 @@ class PagedKVOffloadingManager(OffloadingManager):
         """
         chunks = self._ready_chunks(keys, "prepare_load")
         self.pool.touch(chunks)
-        return PagedKVLoadStoreSpec(chunks)
+        spec = PagedKVLoadStoreSpec(chunks)
+        self._stamp(spec.block_ids)
+        return spec
+
+    def _stamp(self, chunks: np.ndarray) -> None:
+        n = len(chunks)
+        self.order[chunks] = np.arange(self._tick, self._tick + n)
+        self._tick += n
+
+    def _tail_first(self, chunks: List[int]) -> np.ndarray:
+        """``chunks`` latest-named first (a prefix's tail before its head)."""
+        a = np.asarray(chunks, dtype=np.int64)
+        return a[np.argsort(-self.order[a], kind="stable")]
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Releases the references :meth:`prepare_load` took, tail first.
@@ -279,9 +300,8 @@ class PagedKVOffloadingManager(OffloadingManager):
             InvalidArgumentError: A key is missing, or its chunk is not held by a load.
         """
         chunks = self._ready_chunks(keys, "complete_load")
-        chunks.reverse()
         try:
-            self.pool.release(chunks)
+            self.pool.release(self._tail_first(chunks))
         except Exception as exc:
             raise InvalidArgumentError(
                 f"invalid argument: complete_load of a chunk no load holds: {exc}",
@@ -357,13 +377,15 @@ class PagedKVOffloadingManager(OffloadingManager):
                 self.events.append(OffloadingEvent(keys=evicted, medium=self.medium,
                                                    removed=True))
         pool.insert_many(new, chunks)
+        spec = PagedKVLoadStoreSpec(chunks)
+        self._stamp(spec.block_ids)
         key_of.update(zip(chunks, new))
         self.pending.update(zip(new, chunks))
         if free_held:
             held.reverse()
             pool.release(held)
         return PrepareStoreOutput(keys_to_store=new if new is not keys else list(keys),
-                                  store_spec=PagedKVLoadStoreSpec(chunks), evicted_keys=evicted)
+                                  store_spec=spec, evicted_keys=evicted)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
@@ -378,9 +400,7 @@ class PagedKVOffloadingManager(OffloadingManager):
         chunks = list(map(pending.pop, keys))
         pool = self.pool
         if success:
-            chunks.reverse()  # tail first: the head of a prefix is evicted last
-            pool.release(chunks)
-            chunks.reverse()
+            pool.release(self._tail_first(chunks))  # the head of a prefix is evicted last
         else:
             remove, key_of = pool.remove, self.key_of
             for key, c in zip(keys, chunks):
