@@ -174,6 +174,23 @@ def test_failed_store_unkeys_and_frees_first() -> None:
     m.check_coherence()
 
 
+def test_empty_calls_change_nothing() -> None:
+    m = PagedKVOffloadingManager(2, enable_events=True)
+    stored(m, 1)
+    list(m.take_events())
+    before = (m.pool.free_order(), m.pool.entries())
+    out = m.prepare_store([], CTX)
+    assert out is not None and out.keys_to_store == [] and out.evicted_keys == []
+    m.complete_store([], CTX)
+    m.complete_store([], CTX, success=False)
+    m.complete_store(ks(9), CTX)  # not being stored: ignored
+    assert chunks(m.prepare_load([], CTX)) == []
+    m.complete_load([], CTX)
+    m.touch([], CTX)
+    assert list(m.take_events()) == []
+    assert (m.pool.free_order(), m.pool.entries()) == before
+
+
 def test_metadata_only_removal_pruned_when_retried() -> None:
     m = PagedKVOffloadingManager(2, enable_events=True)
     m.prepare_store(ks(1), CTX)

@@ -393,6 +393,8 @@ class PagedKVOffloadingManager(OffloadingManager):
         failure, drops them (their chunks are reused first). Keys not being stored are ignored."""
         pending = self.pending
         keys = keys if isinstance(keys, list) else list(keys)
+        if not keys:
+            return
         if not (all(map(pending.__contains__, keys)) and len(set(keys)) == len(keys)):
             keys = [key for key in dict.fromkeys(keys) if key in pending]
             if not keys:
