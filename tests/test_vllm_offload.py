@@ -371,3 +371,16 @@ def test_tested_version_passes() -> None:
 
     offload._check_vllm_version(vllm.__version__)
     offload._check_vllm_version("0.33.2")
+
+
+def test_import_fails_on_another_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+    import sys
+
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    monkeypatch.delitem(sys.modules, "pagedkv.vllm.offload")
+    with pytest.raises(MissingDependencyError) as e:
+        importlib.import_module("pagedkv.vllm.offload")
+    assert "vLLM 0.33.0" in str(e.value) and "vLLM 0.34.0" in str(e.value)
