@@ -37,7 +37,7 @@ import torch
 from pagedkv.vllm.offload_copy import ChunkCopier
 
 
-def timed(fn: Callable[[], None], reps: int, warmup: int) -> float:
+def timed(fn: Callable[[], object], reps: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -107,13 +107,19 @@ def main() -> None:
         "pinned h2d": timed(lambda: dev_buf.copy_(host_buf, non_blocking=True), args.reps,
                             args.warmup),
     }
+    def store(chunks: np.ndarray) -> None:
+        j = next_job()
+        cp.store(j, gpu_ids, [n], [0], chunks)
+        cp.wait({j})
+
+    def load(chunks: np.ndarray) -> None:
+        j = next_job()
+        cp.load(j, chunks, gpu_ids, [n], [0])
+        cp.wait({j})
+
     for name, chunks in layouts.items():
-        res[f"store {name}"] = timed(
-            lambda c=chunks: (cp.store(next_job(), gpu_ids, [n], [0], c), cp.wait({job[0]})),
-            args.reps, args.warmup)
-        res[f"load {name}"] = timed(
-            lambda c=chunks: (cp.load(next_job(), c, gpu_ids, [n], [0]), cp.wait({job[0]})),
-            args.reps, args.warmup)
+        res[f"store {name}"] = timed(lambda: store(chunks), args.reps, args.warmup)
+        res[f"load {name}"] = timed(lambda: load(chunks), args.reps, args.warmup)
         cp.finished()
     print(f"\n{torch.cuda.get_device_name()}: {n} blocks x {args.layers} layers "
           f"({nbytes / 2**20:.0f} MiB), {bpc} block(s) per chunk, median of {args.reps}")

@@ -44,9 +44,9 @@ def test_insert_many_is_all_or_nothing() -> None:
         p.insert_many([b"a"], [2, 3])
     assert "2 blocks for 1 keys" in str(e.value)
     with pytest.raises(InvalidArgumentError) as e:
-        p.insert_many([b"a", "b"], [2, 3])
+        p.insert_many([b"a", "b"], [2, 3])  # type: ignore[list-item]
     assert "element 1" in str(e.value) and "bytes" in str(e.value)
     with pytest.raises(InvalidArgumentError):
-        p.lookup_many([b"a", 7])
+        p.lookup_many([b"a", 7])  # type: ignore[list-item]
     assert p.entries() == before
     p.check_invariants()

@@ -205,7 +205,7 @@ class PagedKVOffloadingManager(OffloadingManager):
         #: Per chunk, when a request last named it (``prepare_store`` / ``prepare_load``, in
         #: key order): completions, which vLLM's connector reports as sets of keys, release
         #: their chunks in the reverse of this order (tail first).
-        self.order = np.zeros(max(1, self.num_chunks), dtype=np.int64)
+        self.order: np.ndarray = np.zeros(max(1, self.num_chunks), dtype=np.int64)
         self._tick = 0
 
     # ------------------------------------------------------------------ figures
@@ -288,10 +288,11 @@ class PagedKVOffloadingManager(OffloadingManager):
         self.order[chunks] = np.arange(self._tick, self._tick + n)
         self._tick += n
 
-    def _tail_first(self, chunks: List[int]) -> np.ndarray:
+    def _tail_first(self, chunks: List[int]) -> List[int]:
         """``chunks`` latest-named first (a prefix's tail before its head)."""
         a = np.asarray(chunks, dtype=np.int64)
-        return a[np.argsort(-self.order[a], kind="stable")]
+        out: List[int] = a[np.argsort(-self.order[a], kind="stable")].tolist()
+        return out
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Releases the references :meth:`prepare_load` took, tail first.

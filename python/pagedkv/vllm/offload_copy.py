@@ -243,7 +243,11 @@ class ChunkCopier:
         """Queues the copy of GPU blocks into host chunks (module docs)."""
         plan = self.plan(block_ids, group_sizes, block_indices, chunk_ids)
         t0 = time.perf_counter()
-        ev = self._cuda("store", plan) if self.is_cuda else self._store_cpu(plan)
+        ev = None
+        if self.is_cuda:
+            ev = self._cuda("store", plan)
+        else:
+            self._store_cpu(plan)
         self._jobs["store"].append(_Job(job_id, self._nbytes(plan), t0, ev))
 
     def load(self, job_id: int, chunk_ids: Any, block_ids: Any, group_sizes: Sequence[int],
@@ -251,7 +255,11 @@ class ChunkCopier:
         """Queues the copy of host chunks into GPU blocks (module docs)."""
         plan = self.plan(block_ids, group_sizes, block_indices, chunk_ids)
         t0 = time.perf_counter()
-        ev = self._cuda("load", plan) if self.is_cuda else self._load_cpu(plan)
+        ev = None
+        if self.is_cuda:
+            ev = self._cuda("load", plan)
+        else:
+            self._load_cpu(plan)
         self._jobs["load"].append(_Job(job_id, self._nbytes(plan), t0, ev))
 
     def _cuda(self, direction: str, plan: List[Tuple[int, np.ndarray, np.ndarray, np.ndarray]]
@@ -264,16 +272,15 @@ class ChunkCopier:
             ev = torch.cuda.Event()
             ev.record(st)
             return ev
-        chunks = np.unique(np.concatenate([c for _, _, c, _ in plan])) if plan else None
-        if chunks is not None and chunks.size:
-            k = int(self._last[other][chunks].max())
-            ev = self._events[other].get(k)
-            if ev is not None:
-                st.wait_event(ev)
+        chunks = np.unique(np.concatenate([c for _, _, c, _ in plan]))
+        if chunks.size:
+            before = self._events[other].get(int(self._last[other][chunks].max()))
+            if before is not None:
+                st.wait_event(before)
         ev = self._store_cuda(plan) if direction == "store" else self._load_cuda(plan)
         self._seq += 1
         self._events[direction][self._seq] = ev
-        if chunks is not None and chunks.size:
+        if chunks.size:
             self._last[direction][chunks] = self._seq
         return ev
 
@@ -282,14 +289,12 @@ class ChunkCopier:
             b, c, s = (torch.from_numpy(a) for a in (blocks, chunks, subs))
             for t in self.groups[g]:
                 self.host_sections[t][c, s] = self.rows[t][b]
-        return None
 
     def _load_cpu(self, plan: List[Tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> None:
         for g, blocks, chunks, subs in plan:
             b, c, s = (torch.from_numpy(a) for a in (blocks, chunks, subs))
             for t in self.groups[g]:
                 self.rows[t].index_copy_(0, b, self.host_sections[t][c, s])
-        return None
 
     def _pieces(self, plan: List[Tuple[int, np.ndarray, np.ndarray, np.ndarray]]
                 ) -> List[Tuple[np.ndarray, List[Tuple[int, np.ndarray, np.ndarray, np.ndarray]]]]:
