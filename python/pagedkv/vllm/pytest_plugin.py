@@ -47,6 +47,8 @@ def _rebind_offload() -> None:
 
     cpu_manager.CPUOffloadingManager = build  # type: ignore[assignment,misc]
     cpu_spec.CPUOffloadingManager = build  # type: ignore[assignment,misc]
+
+
 #: pagedkv managers built since the last test ended (held until then: a test's manager is
 #: usually unreachable once the test function returns).
 _managers: list[Any] = []
