@@ -157,6 +157,44 @@ def test_completions_as_sets_release_tail_first() -> None:
     m.check_coherence()
 
 
+class CountingContext(ReqContext):
+    """A ReqContext whose position lookups go through an override (read key by key)."""
+
+    calls = 0
+
+    def get_offload_key_position(self, key: Any) -> Any:
+        self.calls += 1
+        return super().get_offload_key_position(key)
+
+
+@pytest.mark.parametrize("ctx_cls", [ReqContext, CountingContext])
+def test_completion_order_follows_token_positions(ctx_cls: type) -> None:
+    """With the positions vLLM's connector records, tails go first whatever the order the keys
+    were offered in, and across KV cache groups."""
+    m = PagedKVOffloadingManager(4)
+    ctx = ctx_cls(req_id="p")
+    head, tail = k(1), k(2)
+    ctx.set_offload_key_position(head, 16)
+    ctx.set_offload_key_position(tail, 32)
+    assert m.prepare_store([tail], ctx) is not None  # a backfill: the tail offered first
+    assert m.prepare_store([head], ctx) is not None
+    m.complete_store({head, tail}, ctx)
+    out = m.prepare_store(ks(3, 4, 5), CTX)  # 2 never-used chunks, then the tail
+    assert out is not None and out.evicted_keys == [tail]
+    g = [make_offload_key(b"h", 0), make_offload_key(b"t", 0), make_offload_key(b"h", 1),
+         make_offload_key(b"t", 1)]
+    m = PagedKVOffloadingManager(4)
+    ctx = ctx_cls(req_id="groups")
+    for key, pos in zip(g, (16, 32, 16, 32)):
+        ctx.set_offload_key_position(key, pos)
+    assert m.prepare_store(g, ctx) is not None
+    m.complete_store(g, ctx)
+    out = m.prepare_store(ks(8, 9), CTX)
+    assert out is not None and set(out.evicted_keys) == {g[1], g[3]}  # both groups' tails
+    if ctx_cls is CountingContext:
+        assert ctx.calls == 4  # the override was honoured
+
+
 def test_failed_store_unkeys_and_frees_first() -> None:
     m = PagedKVOffloadingManager(4, enable_events=True)
     stored(m, 1)

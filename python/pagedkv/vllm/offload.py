@@ -29,9 +29,9 @@ How the manager maps vLLM's calls onto the core:
   (cached blocks are evicted after every never-used or failed chunk, oldest release first);
 - ``prepare_load`` takes one reference per key (``touch``: a free chunk is revived out of the
   free list, so no store evicts it), ``complete_load`` gives them back tail first, so the head of
-  a prefix outlives its tail ("tail first": the reverse of the order in which the keys were last
-  named by a ``prepare_store`` or ``prepare_load``, since vLLM's connector reports completions
-  as unordered sets); ``touch`` is both, so a touched chunk moves to the back in the same
+  a prefix outlives its tail ("tail first": by the keys' token positions in the request that
+  last named them in a ``prepare_store`` or ``prepare_load``, as its ``ReqContext`` records them,
+  else by the order it named them; vLLM's connector reports completions as unordered sets); ``touch`` is both, so a touched chunk moves to the back in the same
   order;
 - ``prepare_store`` holds the offered keys that are already present for the call (an offered
   chunk is never evicted by its own store), asks the core for the missing ones in one
@@ -202,9 +202,11 @@ class PagedKVOffloadingManager(OffloadingManager):
         self.pending: Dict[OffloadKey, int] = {}
         #: Every keyed chunk's key.
         self.key_of: Dict[int, OffloadKey] = {}
-        #: Per chunk, when a request last named it (``prepare_store`` / ``prepare_load``, in
-        #: key order): completions, which vLLM's connector reports as sets of keys, release
-        #: their chunks in the reverse of this order (tail first).
+        #: Per chunk, where the request that last named it (``prepare_store`` /
+        #: ``prepare_load``) has it: the key's token position in that request when its
+        #: ``ReqContext`` records one (vLLM's connector does), else when it was named.
+        #: Completions, which the connector reports as sets of keys, release their chunks in
+        #: descending order (tail first).
         self.order: np.ndarray = np.zeros(max(1, self.num_chunks), dtype=np.int64)
         self._tick = 0
 
@@ -277,19 +279,34 @@ class PagedKVOffloadingManager(OffloadingManager):
         Raises:
             InvalidArgumentError: A key is missing or still being stored (nothing held).
         """
+        keys = keys if isinstance(keys, list) else list(keys)
         chunks = self._ready_chunks(keys, "prepare_load")
         self.pool.touch(chunks)
         spec = PagedKVLoadStoreSpec(chunks)
-        self._stamp(spec.block_ids)
+        self._stamp(spec.block_ids, keys, req_context)
         return spec
 
-    def _stamp(self, chunks: np.ndarray) -> None:
+    def _stamp(self, chunks: np.ndarray, keys: Collection[OffloadKey],
+               req_context: ReqContext) -> None:
+        """Records where each of ``chunks`` (for ``keys``, in order) sits in its request."""
         n = len(chunks)
-        self.order[chunks] = np.arange(self._tick, self._tick + n)
-        self._tick += n
+        if not n:
+            return
+        if type(req_context).get_offload_key_position is ReqContext.get_offload_key_position:
+            # vLLM 0.33's ReqContext keeps the positions in a dict: read it in one pass.
+            table = getattr(req_context, "_offload_key_positions", None)
+            get = table.get if isinstance(table, dict) else req_context.get_offload_key_position
+        else:
+            get = req_context.get_offload_key_position
+        pos = list(map(get, keys))
+        if None in pos:
+            self.order[chunks] = np.arange(self._tick, self._tick + n)
+            self._tick += n
+        else:
+            self.order[chunks] = pos
 
     def _tail_first(self, chunks: List[int]) -> List[int]:
-        """``chunks`` latest-named first (a prefix's tail before its head)."""
+        """``chunks`` tail first: by position in their request, descending (module docs)."""
         a = np.asarray(chunks, dtype=np.int64)
         out: List[int] = a[np.argsort(-self.order[a], kind="stable")].tolist()
         return out
@@ -379,7 +396,7 @@ class PagedKVOffloadingManager(OffloadingManager):
                                                    removed=True))
         pool.insert_many(new, chunks)
         spec = PagedKVLoadStoreSpec(chunks)
-        self._stamp(spec.block_ids)
+        self._stamp(spec.block_ids, new, req_context)
         key_of.update(zip(chunks, new))
         self.pending.update(zip(new, chunks))
         if free_held:
