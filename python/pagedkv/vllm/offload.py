@@ -15,7 +15,8 @@ It owns:
   blocks -- the core's map from opaque keys to blocks, the reference counts and the eviction
   order (the same core the drop-in GPU block pool runs on) -- plus two Python dicts: the stores
   in flight (``pending``: key -> chunk, the chunks whose bytes have not landed) and each keyed
-  chunk's key (``key_of``: so an eviction the core reports by chunk id is reported by key).
+  chunk's key (``key_of``: so an eviction the core reports by chunk id is reported by key), and
+  per chunk its position in the request that last named it (``order``, for completions).
 - :class:`PagedKVLoadStoreSpec`, the chunk ids a load or store names (a ``CPULoadStoreSpec``, so
   vLLM code that reads chunk ids reads them).
 - :class:`PagedKVOffloadingSpec`, the spec: sizes the host tier from ``cpu_bytes_to_use`` and
@@ -31,19 +32,18 @@ How the manager maps vLLM's calls onto the core:
   free list, so no store evicts it), ``complete_load`` gives them back tail first, so the head of
   a prefix outlives its tail ("tail first": by the keys' token positions in the request that
   last named them in a ``prepare_store`` or ``prepare_load``, as its ``ReqContext`` records them,
-  else by the order it named them; vLLM's connector reports completions as unordered sets); ``touch`` is both, so a touched chunk moves to the back in the same
-  order;
+  else by the order it named them; vLLM's connector reports completions as unordered sets);
+  ``touch`` moves the present ready chunks to the back, the first key last;
 - ``prepare_store`` holds the offered keys that are already present for the call (an offered
   chunk is never evicted by its own store), asks the core for the missing ones in one
   ``allocate`` (which evicts from the front of the free list and says which chunks lost keys),
   keys the new chunks, and releases the held ones tail first; it returns None, changing nothing,
   when the free chunks not offered are too few;
 - ``complete_store`` marks the chunks ready and releases them tail first (the head of a prefix is
-  evicted last); a failed store unkeys its
-  chunks and puts them at the front (reused first).
+  evicted last); a failed store unkeys its chunks and puts them at the front (reused first).
 
-The eviction order is thus the order in which chunks became free, with each request's prefix
-tail before its head: recency is set when a transfer completes (or on ``touch``), not when the
+The eviction order is thus the order in which chunks became free, each completion's tails
+before its heads: recency is set when a transfer completes (or on ``touch``), not when the
 request that caused it finishes.
 
 Invariants: ``key_of[c]`` is the core's one key of chunk ``c`` (absent when unkeyed); every
