@@ -4,6 +4,12 @@
 # uses the pool) -- both through pagedkv.vllm.pytest_plugin -- and print pass/fail/error per file
 # side by side, plus every test whose outcome differs from stock.
 # PAGEDKV_VLLM_MODES picks the passes (default "stock pool manager").
+# Then the offloading spec: pagedkv's tests of it (tests/test_vllm_offload*.py), and vLLM's own
+# offloading manager tests (tests/v1/kv_offload/cpu/test_manager.py) twice, "stock" and "offload"
+# (pagedkv's PagedKVOffloadingManager built wherever vLLM's CPUOffloadingManager is built with
+# the LRU policy, PAGEDKV_VLLM_TEST_OFFLOAD=1); the tests whose outcome differs are checked
+# against the list of known differences below, each with its reason (about 3 minutes on the
+# 2-core box). PAGEDKV_VLLM_SKIP_MAIN=1 runs only this offloading part.
 #
 # Needs the project venv (scripts/setup.sh). Into ./.vllm-test (ignored; PAGEDKV_VLLM_DIR to
 # move it) it installs vllm==0.33.0 and the pinned pure-Python packages of requirements/
@@ -90,28 +96,27 @@ PAGEDKV_REQUIRE_VLLM=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_kv_even
 # pagedkv's manager against vLLM's, call for call, on seeded traces.
 echo "test_vllm: drop-in manager vs vLLM's (tests/test_vllm_manager.py)"
 PAGEDKV_REQUIRE_VLLM=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_vllm_manager.py
-cd "$SRC"
-start=$(date +%s)
-for i in "${!FILES[@]}"; do
-    f=${FILES[$i]}
-    for mode in "${MODES[@]}"; do
-        plugin=()
-        [ "$mode" != stock ] && plugin=(-p pagedkv.vllm.pytest_plugin)
-        want_manager=0
-        [ "$mode" = manager ] && want_manager=1
-        t0=$(date +%s)
-        PAGEDKV_VLLM_TEST_MANAGER=$want_manager "$PY" -m pytest -q -p no:cacheprovider \
-            "${plugin[@]}" --junitxml="$OUT/$i.$mode.xml" \
-            "$f" >"$OUT/$i.$mode.log" 2>&1 || true
-        echo "test_vllm: $mode $f: $(tail -1 "$OUT/$i.$mode.log") [$(( $(date +%s) - t0 ))s]"
-    done
-done
-echo "test_vllm: done in $(( $(date +%s) - start ))s"
-"$PY" - "$OUT" "${MODES[*]}" "${FILES[@]}" <<'PYEOF'
+# pagedkv's offloading spec: its manager, worker and version gate with vLLM importable.
+echo "test_vllm: offloading spec (tests/test_vllm_offload*.py)"
+PAGEDKV_REQUIRE_VLLM=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_vllm_offload.py \
+    tests/test_vllm_offload_copy.py tests/test_vllm_offload_keyed.py
+# The per-file table and the differences from the first pass (run once per group of passes).
+SUMMARY="$OUT/summary.py"
+cat >"$SUMMARY" <<'PYEOF'
+import os
 import sys
 import xml.etree.ElementTree as ET
 
 out, modes, files = sys.argv[1], sys.argv[2].split(), sys.argv[3:]
+prefix = os.environ.get("SUMMARY_PREFIX", "")
+# Known differences, one a line: "test id<TAB>reason" (the ids the diff lines print).
+expected = {}
+if os.environ.get("SUMMARY_EXPECTED"):
+    with open(os.environ["SUMMARY_EXPECTED"]) as f:
+        for line in f:
+            if line.strip() and not line.startswith("#"):
+                name, _, why = line.rstrip("\n").partition("\t")
+                expected[name] = why
 
 def outcomes(path):
     res = {}
@@ -140,8 +145,9 @@ fmt = lambda c: f"{c[0]}/{c[1]}/{c[2]}"
 print(f"\n{'file':<50}" + "".join(f"{m + ' pass/fail/err':>24}" for m in modes))
 tot = {m: [0, 0, 0] for m in modes}
 diffs = []
+known = []
 for i, f in enumerate(files):
-    res = {m: outcomes(f"{out}/{i}.{m}.xml") for m in modes}
+    res = {m: outcomes(f"{out}/{prefix}{i}.{m}.xml") for m in modes}
     row = f"{f:<50}"
     for m in modes:
         c = counts(res[m])
@@ -153,11 +159,67 @@ for i, f in enumerate(files):
     for m in modes[1:]:
         for name in sorted(set(res[base]) | set(res[m])):
             if res[base].get(name) != res[m].get(name):
-                diffs.append(f"  [{m}] {name}: {base} {res[base].get(name)}, {m} {res[m].get(name)}")
+                line = f"  [{m}] {name}: {base} {res[base].get(name)}, {m} {res[m].get(name)}"
+                if name in expected:
+                    known.append(f"{line}\n      known: {expected.pop(name)}")
+                else:
+                    diffs.append(line)
 print(f"{'total':<50}" + "".join(f"{fmt(tot[m]):>24}" for m in modes))
-print(f"\ntests whose outcome differs from {modes[0]}: {len(diffs)}")
+if known:
+    print(f"\nknown differences from {modes[0]} (each with its reason): {len(known)}")
+    print("\n".join(known))
+if expected:
+    print(f"\nknown differences that did not occur (now the same outcome): {len(expected)}")
+    print("\n".join(f"  {n}" for n in sorted(expected)))
+print(f"\ntests whose outcome differs from {modes[0]}" + (" (not known)" if known else "")
+      + f": {len(diffs)}")
 print("\n".join(diffs))
 if diffs or any(tot[m][0] == 0 for m in modes):
     print("test_vllm: FAILED (outcomes differ, or nothing passed)")
     sys.exit(1)
 PYEOF
+cd "$SRC"
+start=$(date +%s)
+status=0
+[ "${PAGEDKV_VLLM_SKIP_MAIN:-0}" = 1 ] && FILES=()
+for i in "${!FILES[@]}"; do
+    f=${FILES[$i]}
+    for mode in "${MODES[@]}"; do
+        plugin=()
+        [ "$mode" != stock ] && plugin=(-p pagedkv.vllm.pytest_plugin)
+        want_manager=0
+        [ "$mode" = manager ] && want_manager=1
+        t0=$(date +%s)
+        PAGEDKV_VLLM_TEST_MANAGER=$want_manager "$PY" -m pytest -q -p no:cacheprovider \
+            "${plugin[@]}" --junitxml="$OUT/$i.$mode.xml" \
+            "$f" >"$OUT/$i.$mode.log" 2>&1 || true
+        echo "test_vllm: $mode $f: $(tail -1 "$OUT/$i.$mode.log") [$(( $(date +%s) - t0 ))s]"
+    done
+done
+if [ ${#FILES[@]} -gt 0 ]; then
+    echo "test_vllm: done in $(( $(date +%s) - start ))s"
+    "$PY" "$SUMMARY" "$OUT" "${MODES[*]}" "${FILES[@]}" || status=1
+fi
+
+# vLLM's offloading manager tests with pagedkv's manager in place of the CPU one ("offload").
+# Every known difference, with its reason; a difference not listed fails the run.
+OFFLOAD_FILES=(tests/v1/kv_offload/cpu/test_manager.py)
+EXPECTED="$OUT/offload-expected.txt"
+cat "$ROOT/scripts/vllm_offload_known.tsv" >"$EXPECTED"
+start=$(date +%s)
+for i in "${!OFFLOAD_FILES[@]}"; do
+    f=${OFFLOAD_FILES[$i]}
+    for mode in stock offload; do
+        plugin=()
+        want=0
+        if [ "$mode" = offload ]; then plugin=(-p pagedkv.vllm.pytest_plugin); want=1; fi
+        t0=$(date +%s)
+        PAGEDKV_VLLM_TEST_OFFLOAD=$want "$PY" -m pytest -q -p no:cacheprovider "${plugin[@]}" \
+            --junitxml="$OUT/offload.$i.$mode.xml" "$f" >"$OUT/offload.$i.$mode.log" 2>&1 || true
+        echo "test_vllm: $mode $f: $(tail -1 "$OUT/offload.$i.$mode.log") [$(( $(date +%s) - t0 ))s]"
+    done
+done
+echo "test_vllm: offloading tests done in $(( $(date +%s) - start ))s"
+SUMMARY_PREFIX=offload. SUMMARY_EXPECTED="$EXPECTED" "$PY" "$SUMMARY" "$OUT" "stock offload" \
+    "${OFFLOAD_FILES[@]}" || status=1
+exit $status

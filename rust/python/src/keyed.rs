@@ -57,6 +57,31 @@ fn key_of<'a>(what: &str, obj: &'a Bound<'_, PyAny>) -> PyResult<&'a [u8]> {
     }
 }
 
+/// A sequence of keys (`bytes` each), held as Python objects so their bytes can be borrowed.
+fn keys_of<'py>(what: &str, obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    let mut out = Vec::new();
+    for (i, item) in obj.try_iter()?.enumerate() {
+        let item = item?;
+        match item.cast_into::<PyBytes>() {
+            Ok(b) => out.push(b),
+            Err(e) => {
+                let item = e.into_inner();
+                let got = item
+                    .get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_else(|_| "?".into());
+                return Err(invalid_arg(
+                    what,
+                    &item,
+                    format!("element {i}: must be bytes, got {got}"),
+                ));
+            }
+        }
+    }
+    Ok(out)
+}
+
 fn placement(obj: &Bound<'_, PyAny>) -> PyResult<Placement> {
     match obj.extract::<String>().as_deref() {
         Ok("cache") => Ok(Placement::ByCache),
@@ -202,6 +227,45 @@ impl PyKeyedBlockPool {
     fn lookup(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
         let key = key_of("key", key)?;
         Ok(self.with(|p| p.lookup(key)))
+    }
+
+    /// The first block under each of `keys` (None where one misses), in one call.
+    fn lookup_many(&self, keys: &Bound<'_, PyAny>) -> PyResult<Vec<Option<u32>>> {
+        let keys = keys_of("keys", keys)?;
+        let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+        Ok(self.with(|p| keys.iter().map(|k| p.lookup(k)).collect()))
+    }
+
+    /// Stores `blocks[i]` under `keys[i]` for every `i`; how many pairs were new. All or nothing:
+    /// a pair the core refuses (a block out of range, the null block) undoes the ones before it.
+    fn insert_many(&self, keys: &Bound<'_, PyAny>, blocks: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let keys = keys_of("keys", keys)?;
+        let ids: Vec<u32> = ids_into("blocks", blocks)?;
+        if ids.len() != keys.len() {
+            return Err(invalid_arg(
+                "blocks",
+                blocks,
+                format!("{} blocks for {} keys", ids.len(), keys.len()),
+            ));
+        }
+        let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+        self.with(|p| {
+            let mut added: Vec<usize> = Vec::new();
+            for (i, (k, &b)) in keys.iter().zip(&ids).enumerate() {
+                match p.insert(k, b) {
+                    Ok(true) => added.push(i),
+                    Ok(false) => {}
+                    Err(e) => {
+                        for &j in added.iter().rev() {
+                            let _ = p.remove(keys[j], ids[j]);
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+            Ok(added.len())
+        })
+        .py()
     }
 
     /// The first block under `hash + group (4 bytes, big-endian)` for each group, or None if any

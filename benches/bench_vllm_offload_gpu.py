@@ -1,0 +1,139 @@
+"""pagedkv's vLLM offloading handlers on the GPU, without vLLM: stores and loads of KV blocks in
+vLLM's tensor layout through :class:`pagedkv.vllm.offload_copy.ChunkCopier`, against a plain
+pinned copy of the same bytes.
+
+The KV cache is what vLLM hands an offloading worker: one block-major tensor per layer,
+``[num_blocks, page_bytes]`` (``--layers`` tensors, page = 2 (K, V) x ``--block-size`` tokens x
+``--kv-heads`` x ``--head-dim`` x 2 bytes), all in one KV cache group. Each measurement moves
+``--blocks`` blocks (a 4096-token prompt at 16 tokens a block: 256) between scattered GPU blocks
+and host chunks of ``--blocks-per-chunk`` blocks:
+
+- ``store``: GPU blocks -> host chunks (``ChunkCopier.store``: gather into device staging in
+  chunk order, one DMA per run of consecutive chunks); the chunks are consecutive (``run``) or
+  scattered over the host pool (``scattered``);
+- ``load``: host chunks -> GPU blocks (one DMA per run into staging, one scatter per tensor);
+- ``pinned``: the baseline, one ``copy_`` of the same byte count between a contiguous device
+  buffer and pinned host memory, each direction.
+
+Each figure is the median over ``--reps`` of the wall time from submit to the job's event
+(CUDA-synchronized), after ``--warmup`` runs; the handlers' rate is reported as a fraction of the
+pinned copy's in the same direction (goal: >= 90%). Prints a table and writes JSON::
+
+    PYTHONPATH=python .venv/bin/python benches/bench_vllm_offload_gpu.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import numpy as np
+import torch
+
+from pagedkv.vllm.offload_copy import ChunkCopier
+
+
+def timed(fn: Callable[[], object], reps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out: List[float] = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--gpu-blocks", type=int, default=4096)
+    ap.add_argument("--host-chunks", type=int, default=2048)
+    ap.add_argument("--blocks", type=int, default=256)
+    ap.add_argument("--blocks-per-chunk", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default="bench_vllm_offload_gpu.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_vllm_offload_gpu: needs a CUDA device")
+    dev = torch.device("cuda")
+    page = 2 * args.block_size * args.kv_heads * args.head_dim * 2
+    tensors = [torch.randint(-128, 127, (args.gpu_blocks, page), dtype=torch.int8, device=dev)
+               for _ in range(args.layers)]
+    bpc = args.blocks_per_chunk
+    cp = ChunkCopier(tensors, [list(range(args.layers))], blocks_per_chunk=bpc,
+                     num_chunks=args.host_chunks)
+    n = args.blocks
+    nchunks = -(-n // bpc)
+    nbytes = n * page * args.layers
+    rng = np.random.default_rng(args.seed)
+    gpu_ids = rng.choice(args.gpu_blocks, size=n, replace=False)
+    layouts: Dict[str, np.ndarray] = {
+        "run": np.arange(nchunks) + 7,
+        "scattered": rng.choice(args.host_chunks, size=nchunks, replace=False),
+    }
+    job = [0]
+
+    def next_job() -> int:
+        job[0] += 1
+        return job[0]
+
+    # Correctness first: a store and a load into other blocks return the same bytes.
+    other = rng.choice(np.setdiff1d(np.arange(args.gpu_blocks), gpu_ids), size=n, replace=False)
+    cp.store(next_job(), gpu_ids, [n], [0], layouts["scattered"])
+    cp.load(next_job(), layouts["scattered"], other, [n], [0])
+    cp.synchronize()
+    g, o = torch.from_numpy(gpu_ids).to(dev), torch.from_numpy(other).to(dev)
+    for t in tensors:
+        assert torch.equal(t[g], t[o]), "round trip changed the bytes"
+    cp.finished()
+
+    dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    host_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    res: Dict[str, float] = {
+        "pinned d2h": timed(lambda: host_buf.copy_(dev_buf, non_blocking=True), args.reps,
+                            args.warmup),
+        "pinned h2d": timed(lambda: dev_buf.copy_(host_buf, non_blocking=True), args.reps,
+                            args.warmup),
+    }
+    def store(chunks: np.ndarray) -> None:
+        j = next_job()
+        cp.store(j, gpu_ids, [n], [0], chunks)
+        cp.wait({j})
+
+    def load(chunks: np.ndarray) -> None:
+        j = next_job()
+        cp.load(j, chunks, gpu_ids, [n], [0])
+        cp.wait({j})
+
+    for name, chunks in layouts.items():
+        res[f"store {name}"] = timed(lambda: store(chunks), args.reps, args.warmup)
+        res[f"load {name}"] = timed(lambda: load(chunks), args.reps, args.warmup)
+        cp.finished()
+    print(f"\n{torch.cuda.get_device_name()}: {n} blocks x {args.layers} layers "
+          f"({nbytes / 2**20:.0f} MiB), {bpc} block(s) per chunk, median of {args.reps}")
+    print(f"{'transfer':<18}{'ms':>9}{'GB/s':>9}{'of pinned':>11}")
+    out = {}
+    for name, s in res.items():
+        base = res["pinned d2h" if name.startswith(("store", "pinned d2h")) else "pinned h2d"]
+        frac = base / s
+        out[name] = {"ms": s * 1e3, "GBps": nbytes / s / 1e9, "of_pinned": frac}
+        print(f"{name:<18}{s * 1e3:>9.3f}{nbytes / s / 1e9:>9.1f}{frac:>10.0%}")
+    with open(args.json, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "machine": platform.machine(),
+                   "args": vars(args), "bytes": nbytes, "results": out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
