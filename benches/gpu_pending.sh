@@ -7,8 +7,9 @@
 #           with a pinned prefill rate; the local-kernel plan tests); then bench_engine.py at
 #           batch 32, 128 and 256 (decode against the memory floor of the device it runs on) and
 #           transformers' compiled static-cache generate at batch 1 and 128 beside LLM.generate.
-#   groups: the gpu tests of KV cache groups (hybrid models through the engine in bf16, the
-#           window/chunk/sink kernels compiled).
+#   groups: the gpu tests of KV cache groups (hybrid models through the engine in bf16, CUDA
+#           graphs over every group's buffers, the window/chunk/sink kernels compiled); then the
+#           vLLM offloading handlers' CUDA tests and their bench (benches/gpu_vllm_offload.sh).
 set -u -o pipefail
 . "$(dirname "$0")/gpu_env.sh"
 part="${1:-engine}"
@@ -32,8 +33,9 @@ case "$part" in
       --transformers 1,128 --json "$OUT/bench_engine.json"
     ;;
   groups)
-    step gpu_tests_groups 400 "$PY" -m pytest -m gpu -q -p no:cacheprovider $xdist \
+    step gpu_tests_groups 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider $xdist \
       tests/test_kernels_local.py tests/test_engine_groups.py
+    step gpu_vllm_offload 240 bash benches/gpu_vllm_offload.sh
     ;;
   *)
     echo "usage: OUT=DIR bash benches/gpu_pending.sh [engine|groups]" >&2
