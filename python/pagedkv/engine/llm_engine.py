@@ -303,7 +303,7 @@ class LLMEngine:
         for req in finished:
             self._requests.pop(req.request_id, None)
             self._stats.on_finished(req)
-        self._stats.record_step(len(ran.batch.seqs), len(ran.sampled),
+        self._stats.record_step(len(ran.batch.seqs), out.num_processed,
                                 time.perf_counter() - started)
         core.end_step()
         return outputs
