@@ -185,6 +185,20 @@ class LLMEngine:
         return PagedKVCollector(self.manager, self.scheduler, labels=labels, bytes_per_block=bpb,
                                 tiers=tiers if core.tiers is not None else None, **kwargs)
 
+    def spec_decode_collector(self, *, labels: Optional[Dict[str, str]] = None) -> Any:
+        """A :class:`pagedkv.engine.spec_decode.metrics.SpecDecodeCollector` of this engine's
+        speculative counters (vLLM's ``spec_decode`` signals), or ``None`` without
+        ``speculative_config``.
+
+        Raises:
+            MetricsUnavailableError: ``prometheus_client`` is not installed.
+        """
+        if self.core.proposer is None:
+            return None
+        from .spec_decode.metrics import SpecDecodeCollector
+
+        return SpecDecodeCollector(self.core, labels=labels)
+
     # ------------------------------------------------------------------------------ requests
 
     def get_tokenizer(self) -> Any:
