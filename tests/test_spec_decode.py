@@ -183,15 +183,21 @@ def test_logprobs_identical(model_dir):
     assert spec.stats().spec_num_accepted_tokens > 0
 
 
-def test_chunked_prefill_and_preemption_identical(model_dir):
+@pytest.mark.parametrize("reclaim", [
+    dict(preemption_mode="recompute"),
+    dict(preemption_mode="swap", num_host_blocks=64),
+], ids=["recompute", "swap"])
+def test_chunked_prefill_and_preemption_identical(model_dir, reclaim):
     # 24 blocks of 4 tokens for 4 sequences growing to ~20 + 24 tokens each: preemption.
     prompts = _prompts(6, [5, 6, 7, 4], repeat=4)
     params = SamplingParams(temperature=0.0, max_tokens=24)
     plain, spec, a, b = _both(model_dir, prompts, params, num_blocks=24, watermark_blocks=1,
-                              max_num_batched_tokens=16)
+                              max_num_batched_tokens=16, **reclaim)
     assert _ids(a) == _ids(b)
     ss = spec.stats()
     assert ss.num_preemptions > 0 and ss.spec_num_accepted_tokens > 0
+    if reclaim["preemption_mode"] == "swap":
+        assert ss.num_preemptions_swap > 0 and ss.swapped_in_blocks > 0
     spec.llm_engine.manager.check_invariants()
 
 
