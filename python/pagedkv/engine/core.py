@@ -114,6 +114,8 @@ class EngineCore:
         #: The speculative proposer (None without ``speculative_config``) and its counters:
         #: sequences drafted for, draft tokens, accepted drafts, and accepted drafts by position.
         self.proposer: Optional[Proposer] = None
+        #: The longest sequence served (the engine sets it; drafts stop short of it).
+        self.max_model_len = int(getattr(runner, "max_model_len", 0) or 0)
         self.spec_counts: Dict[str, int] = {"num_drafts": 0, "num_draft_tokens": 0,
                                             "num_accepted_tokens": 0}
         self.spec_accepted_by_pos: List[int] = []
@@ -357,7 +359,7 @@ class EngineCore:
             return None
         if spec.disable_by_batch_size is not None and len(decodes) > spec.disable_by_batch_size:
             return None
-        max_len = int(self.runner.max_model_len)
+        max_len = self.max_model_len
         limits = []
         for seq in decodes:
             req, _ = seq.data

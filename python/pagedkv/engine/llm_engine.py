@@ -98,6 +98,9 @@ class LLMEngine:
         self.vocab_size = parts.inputs.vocab_size
         #: The engine core (:class:`~.core.EngineCore`), input and output processing.
         self.core = parts.core
+        # Drafts stop short of the longest sequence served (the pool may hold less than the
+        # model's context).
+        self.core.max_model_len = parts.max_model_len
         self.input_processor = parts.inputs
         self.output_processor = parts.outputs
         self._stats = parts.stats
