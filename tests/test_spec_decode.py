@@ -183,6 +183,36 @@ def test_logprobs_identical(model_dir):
     assert spec.stats().spec_num_accepted_tokens > 0
 
 
+def test_prompt_logprobs_beside_drafts_identical(model_dir):
+    # A prompt's logprobs (extra logits rows) in the same steps as other sequences' drafts.
+    prompts = _prompts(11, [6, 5])
+    params = [SamplingParams(temperature=0.0, max_tokens=16),
+              SamplingParams(temperature=0.0, max_tokens=16, prompt_logprobs=2, logprobs=1)]
+    plain, spec = _llm(model_dir), _llm(model_dir, SPEC)
+    a = plain.generate(prompts[:1], params[0], use_tqdm=False)
+    b = spec.generate(prompts[:1], params[0], use_tqdm=False)
+    # The second request arrives while the first decodes (and drafts): one engine step each.
+    for llm in (plain, spec):
+        eng = llm.llm_engine
+        eng.add_request("x", prompts[0], params[0])
+        eng.step()
+        eng.step()
+        eng.add_request("y", prompts[1], params[1])
+        done = {}
+        while eng.get_num_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+        (a if llm is plain else b).extend([done["x"], done["y"]])
+    assert _ids(a) == _ids(b)
+    pa, pb = a[-1].prompt_logprobs, b[-1].prompt_logprobs
+    assert pa is not None and pb is not None and len(pa) == len(pb) == len(prompts[1])
+    for x, y in zip(pa[1:], pb[1:]):
+        assert x.keys() == y.keys()
+        assert all(y[t].logprob == pytest.approx(x[t].logprob, abs=1e-4) for t in x)
+    assert spec.stats().spec_num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("reclaim", [
     dict(preemption_mode="recompute"),
     dict(preemption_mode="swap", num_host_blocks=64),
