@@ -14,7 +14,7 @@ from typing import Callable, List, Optional, Sequence as SequenceT
 
 from ._sched_preempt import _PreemptMixin
 from ._sched_seq import GATE_SCAN, AdmissionGate, ScheduledBatch, Sequence, SequenceStatus
-from .errors import InvalidArgumentError, OutOfBlocksError
+from .errors import InvalidArgumentError, OutOfBlocksError, SequenceTooLongError
 
 
 class _BatchMixin(_PreemptMixin):
@@ -86,7 +86,7 @@ class _BatchMixin(_PreemptMixin):
                 rows = [(s.seq_id, len(d)) for s, d in zip(decodes, drafts) if d]
                 try:
                     m.append_provisional_batch([r[0] for r in rows], [r[1] for r in rows])
-                except OutOfBlocksError:
+                except (OutOfBlocksError, SequenceTooLongError):
                     drafts = None
                 if drafts:
                     batch.drafts = [list(d) for d in drafts]
