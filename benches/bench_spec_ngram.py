@@ -4,7 +4,8 @@ The embedded demo model (SmolLM2-135M-Instruct) answers chat prompts that ask it
 lightly edit a passage given in the prompt — the workload prompt lookup is for: the answer copies
 long runs of the prompt. For each setting (no speculation, then ``num_speculative_tokens`` k in
 ``--k``), greedy, the same prompts in one ``LLM.chat`` batch (``--batch`` at a time) and each
-timed ``--repeats`` times after a warm-up: generated tokens/s (median), steps, draft tokens,
+timed ``--repeats`` times after a warm-up, the settings round-robin (so load from other processes
+falls on all alike): generated tokens/s (median), steps, draft tokens,
 acceptance rate and mean acceptance length, and whether every output equals the plain one (it
 must: greedy acceptance keeps outputs identical).
 
@@ -52,34 +53,48 @@ def _run(llm: Any, params: Any, batch: int) -> List[List[int]]:
     return out
 
 
-def measure(model: str, k: Optional[int], args: argparse.Namespace) -> Dict[str, Any]:
-    from pagedkv import LLM, SamplingParams
+def build(model: str, k: Optional[int], args: argparse.Namespace) -> Any:
+    from pagedkv import LLM
 
     spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k,
                                    "prompt_lookup_min": args.lookup_min,
                                    "prompt_lookup_max": args.lookup_max}
-    llm = LLM(model, device="cpu", progress=False, enable_prefix_caching=False,
-              kv_cache_memory="256MiB", speculative_config=spec)
+    return LLM(model, device="cpu", progress=False, enable_prefix_caching=False,
+               kv_cache_memory="256MiB", speculative_config=spec)
+
+
+def measure(settings: List[Optional[int]], llms: List[Any], args: argparse.Namespace
+            ) -> List[Dict[str, Any]]:
+    """Times the settings round-robin (one run of each per round), so load from other processes
+    falls on all of them alike; returns one row per setting (median wall time)."""
+    from pagedkv import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    _run(llm, params, args.batch)  # warm-up
-    times, outs = [], None
+    for llm in llms:
+        _run(llm, params, args.batch)  # warm-up
+    times: List[List[float]] = [[] for _ in llms]
+    outs: List[Any] = [None] * len(llms)
     for _ in range(args.repeats):
-        llm.llm_engine.reset_stats()
-        t0 = time.perf_counter()
-        outs = _run(llm, params, args.batch)
-        times.append(time.perf_counter() - t0)
-    s = llm.llm_engine.stats()
-    gen = s.num_generated_tokens
-    wall = statistics.median(times)
-    return {
-        "k": k, "wall_s": wall, "tokens": gen, "tokens_per_s": gen / wall,
-        "steps": s.num_steps, "drafts": s.spec_num_drafts,
-        "draft_tokens": s.spec_num_draft_tokens, "accepted": s.spec_num_accepted_tokens,
-        "acceptance_rate": s.spec_acceptance_rate,
-        "mean_acceptance_length": s.spec_mean_acceptance_length,
-        "accepted_by_position": s.spec_accepted_tokens_by_position,
-        "outputs": outs,
-    }
+        for i, llm in enumerate(llms):
+            llm.llm_engine.reset_stats()
+            t0 = time.perf_counter()
+            outs[i] = _run(llm, params, args.batch)
+            times[i].append(time.perf_counter() - t0)
+    rows = []
+    for k, llm, ts, out in zip(settings, llms, times, outs):
+        s = llm.llm_engine.stats()  # the last round's
+        gen = s.num_generated_tokens
+        wall = statistics.median(ts)
+        rows.append({
+            "k": k, "wall_s": wall, "wall_s_all": ts, "tokens": gen, "tokens_per_s": gen / wall,
+            "steps": s.num_steps, "drafts": s.spec_num_drafts,
+            "draft_tokens": s.spec_num_draft_tokens, "accepted": s.spec_num_accepted_tokens,
+            "acceptance_rate": s.spec_acceptance_rate,
+            "mean_acceptance_length": s.spec_mean_acceptance_length,
+            "accepted_by_position": s.spec_accepted_tokens_by_position,
+            "outputs": out,
+        })
+    return rows
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -102,9 +117,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = args.model or default_model_path()
-    rows = [measure(model, None, args)]
-    for k in (int(x) for x in args.k.split(",") if x):
-        rows.append(measure(model, k, args))
+    settings: List[Optional[int]] = [None, *(int(x) for x in args.k.split(",") if x)]
+    rows = measure(settings, [build(model, k, args) for k in settings], args)
     base = rows[0]
     print(f"{'setting':<10} {'tok/s':>8} {'speedup':>8} {'steps':>6} {'drafts':>7} "
           f"{'draft tok':>9} {'accepted':>8} {'accept %':>8} {'mean len':>8} {'identical':>9}")
@@ -118,7 +132,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{'yes' if same else 'NO':>9}")
     result = {
         "bench": "spec_ngram", "model": model, "device": "cpu",
-        "threads": torch.get_num_threads(), "max_tokens": args.max_tokens, "batch": args.batch,
+        "threads": torch.get_num_threads(), "repeats": args.repeats, "max_tokens": args.max_tokens, "batch": args.batch,
         "prompts": len(PROMPTS), "lookup": [args.lookup_min, args.lookup_max],
         "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
     }

@@ -282,6 +282,10 @@ def test_disable_by_batch_size(model_dir):
     assert llm.stats().spec_num_drafts == 0  # three decodes: more than 2, never speculated
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
     assert llm.stats().spec_num_drafts > 0
+    llm.llm_engine.reset_stats()
+    s = llm.stats()
+    assert (s.spec_num_drafts, s.spec_num_accepted_tokens, s.spec_acceptance_rate) == (0, 0, 0.0)
+    assert s.spec_accepted_tokens_by_position == [0] * K
 
 
 def test_bad_speculative_config_raises(model_dir):
