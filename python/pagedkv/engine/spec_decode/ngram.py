@@ -40,7 +40,8 @@ def ngram_draft(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> List[i
             # The latest occurrence followed by k tokens, else the earliest (the most tokens).
             full = hits[hits + n + k <= size]
             start = int(full[-1] if full.size else hits[0]) + n
-            return arr[start:start + k].tolist()
+            draft: List[int] = arr[start:start + k].tolist()
+            return draft
     return []
 
 
