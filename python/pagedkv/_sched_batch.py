@@ -14,7 +14,7 @@ from typing import Callable, List, Optional, Sequence as SequenceT
 
 from ._sched_preempt import _PreemptMixin
 from ._sched_seq import GATE_SCAN, AdmissionGate, ScheduledBatch, Sequence, SequenceStatus
-from .errors import InvalidArgumentError, OutOfBlocksError
+from .errors import InvalidArgumentError, OutOfBlocksError, SequenceTooLongError
 
 
 class _BatchMixin(_PreemptMixin):
@@ -29,6 +29,7 @@ class _BatchMixin(_PreemptMixin):
     num_recomputed_tokens: int
     num_steps: int
     _admissions: int
+    propose: Optional[Callable[[List[Sequence], int], Optional[List[List[int]]]]]
 
     def schedule(self) -> ScheduledBatch:
         """Picks this step's batch, reserves its blocks and builds it into the step buffers.
@@ -77,6 +78,21 @@ class _BatchMixin(_PreemptMixin):
         news.extend([1] * len(decodes))
         budget -= len(decodes)
         batch.num_decodes = len(decodes)
+        # 1a. Speculative drafts for the decodes, held as provisional tokens (none when the pool
+        # cannot hold them: the step decodes plainly).
+        if decodes and self.propose is not None and budget > 0:
+            drafts = self.propose(decodes, budget)
+            if drafts and any(drafts):
+                rows = [(s.seq_id, len(d)) for s, d in zip(decodes, drafts) if d]
+                try:
+                    m.append_provisional_batch([r[0] for r in rows], [r[1] for r in rows])
+                except (OutOfBlocksError, SequenceTooLongError):
+                    drafts = None
+                if drafts:
+                    batch.drafts = [list(d) for d in drafts]
+                    for k, d in enumerate(drafts):
+                        news[k] += len(d)
+                        budget -= len(d)
 
         # 1b. Swapped-out groups come back, oldest first, unless this step had to preempt; those
         # whose next token is a decode join this step's decodes (the swap-in pairs go out with
@@ -159,6 +175,8 @@ class _BatchMixin(_PreemptMixin):
 
         batch.seqs = seqs
         batch.num_new_tokens = news
+        if batch.drafts:
+            batch.drafts.extend([] for _ in range(len(seqs) - len(batch.drafts)))
 
     def _first_ready(self, gate: "AdmissionGate") -> Optional[int]:
         """Index of the first waiting sequence the gate lets in, among the first
@@ -170,15 +188,49 @@ class _BatchMixin(_PreemptMixin):
                 return i
         return None
 
-    def postprocess(self, batch: ScheduledBatch, sampled: SequenceT[Optional[int]]) -> None:
+    def postprocess(self, batch: ScheduledBatch, sampled: SequenceT[Optional[int]],
+                    accepted: Optional[SequenceT[SequenceT[int]]] = None) -> None:
         """Records that ``batch`` ran: advances each sequence past its new tokens and appends the
-        token sampled for it (``None`` where the step did not complete its known tokens)."""
+        token sampled for it (``None`` where the step did not complete its known tokens).
+
+        With drafts (:attr:`ScheduledBatch.drafts`), ``accepted[k]`` is the prefix of sequence
+        ``k``'s drafts that verification kept: the manager commits those (one ``commit_batch``)
+        and drops the rest, the sequence advances past its known token and them, and
+        ``sampled[k]`` (the target's token after them) follows.
+        """
         if len(sampled) != len(batch.seqs):
             raise InvalidArgumentError(
                 f"invalid argument: sampled has {len(sampled)} entries for a batch of "
                 f"{len(batch.seqs)}", what="sampled", value=len(sampled),
                 reason=f"must equal the batch size ({len(batch.seqs)})")
-        for s, n, t in zip(batch.seqs, batch.num_new_tokens, sampled):
-            s.num_computed_tokens += n
+        drafts = batch.drafts
+        if drafts:
+            if accepted is None or len(accepted) != len(batch.seqs):
+                raise InvalidArgumentError(
+                    "invalid argument: accepted: a step with drafts needs one accepted prefix per "
+                    "sequence", what="accepted", value=-1 if accepted is None else len(accepted),
+                    reason=f"must have {len(batch.seqs)} entries")
+            ids: List[int] = []
+            counts: List[int] = []
+            flat: List[int] = []
+            for s, d, a in zip(batch.seqs, drafts, accepted):
+                if list(a) != d[:len(a)] or (a and not d):
+                    raise InvalidArgumentError(
+                        f"invalid argument: accepted tokens of sequence {s.seq_id} are not a "
+                        f"prefix of its drafts", what="accepted", value=s.seq_id,
+                        reason="must be a prefix of the sequence's drafts")
+                if d:
+                    ids.append(s.seq_id)
+                    counts.append(len(a))
+                    flat.extend(a)
+            self.manager.commit_batch(ids, counts, flat)
+        for k, (s, n, t) in enumerate(zip(batch.seqs, batch.num_new_tokens, sampled)):
+            if drafts and drafts[k]:
+                assert accepted is not None
+                acc = accepted[k]
+                s.num_computed_tokens += n - len(drafts[k]) + len(acc)
+                s.token_ids.extend(int(x) for x in acc)
+            else:
+                s.num_computed_tokens += n
             if t is not None:
                 s.token_ids.append(int(t))

@@ -180,6 +180,14 @@ class ScheduledBatch:
     num_decodes: int = 0
     #: The step buffers the manager built :attr:`step` into (None for an empty batch).
     buffers: Optional["StepBuffers"] = None
+    #: Speculative drafts, one list per sequence (empty: none), or ``[]`` when no sequence of the
+    #: step has any. A drafted sequence's ``num_new_tokens`` counts its last known token and its
+    #: drafts, which the manager holds as provisional tokens until :meth:`Scheduler.postprocess`.
+    drafts: List[List[int]] = field(default_factory=list)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(d) for d in self.drafts)
 
     @property
     def num_tokens(self) -> int:
@@ -195,14 +203,19 @@ class ScheduledBatch:
 
     def input_ids(self) -> np.ndarray:
         """Token ids of the step's new tokens, concatenated in batch order (int64)."""
-        if self.num_decodes == len(self.seqs):  # one new token each: no slices
+        if self.num_decodes == len(self.seqs) and not self.drafts:  # one new token each
             return np.array([s.token_ids[s.num_computed_tokens] for s in self.seqs],
                             dtype=np.int64)
         out = np.empty(self.num_tokens, dtype=np.int64)
         p = 0
-        for s, n in zip(self.seqs, self.num_new_tokens):
+        drafts = self.drafts
+        for k, (s, n) in enumerate(zip(self.seqs, self.num_new_tokens)):
             start = s.num_computed_tokens
-            out[p:p + n] = s.token_ids[start:start + n]
+            d = drafts[k] if drafts else ()
+            known = n - len(d)
+            out[p:p + known] = s.token_ids[start:start + known]
+            if d:
+                out[p + known:p + n] = d
             p += n
         return out
 
@@ -215,6 +228,9 @@ class ScheduledBatch:
 
     def sample_mask(self) -> List[bool]:
         """True where this step computes a sequence's last known token (its logits are sampled)."""
+        if self.drafts:
+            return [s.num_computed_tokens + n - len(d) == len(s.token_ids)
+                    for s, n, d in zip(self.seqs, self.num_new_tokens, self.drafts)]
         return [s.num_computed_tokens + n == len(s.token_ids)
                 for s, n in zip(self.seqs, self.num_new_tokens)]
 

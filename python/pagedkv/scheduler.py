@@ -12,6 +12,10 @@ Each step, in this order:
    sampled token) feeds it back, in one ``append_batch`` call. If the pool cannot supply the blocks
    those appends need — they may use the watermark reserve that admissions leave them, and it is
    exhausted — the most recently admitted running sequence is preempted and the call retried.
+   With :attr:`Scheduler.propose` set, the decodes then get their speculative drafts as
+   provisional tokens (one ``append_provisional_batch``; none at all when the pool cannot hold
+   them, never a preemption for a draft), within the token budget; :meth:`Scheduler.postprocess`
+   commits the accepted drafts and drops the rest.
 2. **Running prefills.** Sequences admitted earlier whose prompt is not fully computed get their
    next chunk, oldest first, while the token budget (``max_num_batched_tokens``) and the pool last.
 3. **Admissions.** Waiting sequences, first come first served, while the batch has room
@@ -168,6 +172,11 @@ class Scheduler(_BatchMixin, _PreemptMixin):
         #: be admitted meanwhile; ``admitted(seq, admit_result)`` once it is, ``forget(seq)``
         #: when it leaves unadmitted. None: all ready.
         self.admission_gate: Optional[AdmissionGate] = admission_gate
+        #: Speculative decoding (set by the engine): called with the step's decodes and the token
+        #: budget left after them, returns each decode's draft tokens (an empty list: none), which
+        #: the step computes after its known token as the manager's provisional tokens;
+        #: :meth:`postprocess` commits the accepted ones. None: no speculation.
+        self.propose: Optional[Callable[[List[Sequence], int], Optional[List[List[int]]]]] = None
 
     # ------------------------------------------------------------------------------ queues
 

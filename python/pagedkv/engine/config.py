@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 from .._checks import DEFAULT_BLOCK_SIZE, check_block_size
 from ..config import parse_bytes
 from ..errors import ConfigArgumentError, InvalidConfigError
+from .spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 __all__ = ["EngineConfig", "PREEMPTION_MODES", "ATTENTION_BACKENDS"]
 
@@ -95,7 +96,9 @@ class EngineConfig:
     * ``kv_events_replay_endpoint``: where consumers ask for missed batches (bound);
     * ``kv_events_topic``: the first frame of every event message;
 
-    and ``gpu_memory_utilization`` (CUDA: the pool's share of the memory free after loading;
+    and ``speculative_config`` (vLLM's dict, its JSON text, or a
+    :class:`~pagedkv.engine.spec_decode.SpeculativeConfig`; stored as the latter, see
+    ``docs/spec-decode.md``), and ``gpu_memory_utilization`` (CUDA: the pool's share of the memory free after loading;
     exclusive with ``num_blocks`` and ``kv_cache_memory``) and ``seed`` (seeds the per-request
     seeds of requests that give none; ``None``: random).
 
@@ -199,9 +202,18 @@ class EngineConfig:
         "help": "a file of the engine's user (mode 0600) holding the fleet's tier secret, which "
                 "authenticates disk and remote tier records (default: PAGEDKV_TIER_SECRET; a "
                 "remote tier needs one)"})
+    speculative_config: Union[str, Dict[str, Any], SpeculativeConfig, None] = field(
+        default=None, metadata={
+            "help": "speculative decoding, vLLM's JSON: e.g. {\"method\": \"ngram\", "
+                    "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 3} (default: off)"})
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
+        object.__setattr__(self, "speculative_config",
+                           parse_speculative_config(self.speculative_config))
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise _bad("speculative_config", self.speculative.as_dict() if self.speculative
+                       else None, "not supported with tensor_parallel_size > 1 yet")
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
                      "cuda_graph_pieces"):
             value = getattr(self, name)
@@ -320,6 +332,12 @@ class EngineConfig:
         if self.host_cache_memory is None:
             return 0
         return max(1, int(self.host_cache_memory) // bytes_per_block)
+
+    @property
+    def speculative(self) -> Optional[SpeculativeConfig]:
+        """The speculative settings (``speculative_config`` as parsed), or ``None``."""
+        sc = self.speculative_config
+        return sc if isinstance(sc, SpeculativeConfig) else None
 
     @property
     def step_token_budget(self) -> int:

@@ -18,6 +18,12 @@ Invariants:
   copied back before it runs again) or recomputed, per the cost model (``preemption_mode``); since
   draws depend only on the sample's seed and position (:mod:`.sampler`), its output is what it
   would have been without preemption, whichever mode reclaimed it;
+* with ``speculative_config``, each decode may carry up to ``k`` draft tokens from the proposer
+  (:mod:`.spec_decode`), held by the manager as provisional tokens: the step computes them with
+  the decode's known token, verification (:func:`~.spec_decode.verify.verify_batch`) keeps the
+  longest acceptable prefix plus one target token, and the scheduler commits the kept drafts
+  (the manager's ``commit_batch``) before the step returns, so between steps no sequence holds
+  provisional tokens; drafts never push a sequence past ``max_tokens`` or the model's context;
 * the core knows requests only through their sequences (``seq.data == (request, sample index)``):
   which requests exist, and what they report, is the engine's and output processing's.
 """
@@ -37,6 +43,8 @@ from ..tiers.cache import build_tier_cache, manager_tier_args
 from .config import EngineConfig
 from .request import PromptLogprobStretch, Request, SampledToken
 from .sampler import SamplerRow, sample_batch
+from .spec_decode import Proposer, build_proposer
+from .spec_decode.verify import VerifyRow, verify_batch
 
 __all__ = ["EngineCore", "CoreStep", "build_block_manager"]
 
@@ -107,6 +115,19 @@ class EngineCore:
         self.on_preempt: Any = None
         self.on_prefill: Any = None
         self._seq_ids = itertools.count()
+        #: The speculative proposer (None without ``speculative_config``) and its counters:
+        #: sequences drafted for, draft tokens, accepted drafts, and accepted drafts by position.
+        self.proposer: Optional[Proposer] = None
+        #: The longest sequence served (the engine sets it; drafts stop short of it).
+        self.max_model_len = int(getattr(runner, "max_model_len", 0) or 0)
+        self.spec_counts: Dict[str, int] = {"num_drafts": 0, "num_draft_tokens": 0,
+                                            "num_accepted_tokens": 0}
+        self.spec_accepted_by_pos: List[int] = []
+        spec = config.speculative
+        if spec is not None:
+            self.proposer = build_proposer(spec, int(runner.config.vocab_size))
+            self.spec_accepted_by_pos = [0] * spec.num_speculative_tokens
+            scheduler.propose = self._propose
 
     @classmethod
     def create(cls, config: EngineConfig, runner: Any, model_path: str,
@@ -135,6 +156,8 @@ class EngineCore:
             from ..events.engine import KV_EVENT_CAPACITY
 
             extra["kv_event_capacity"] = KV_EVENT_CAPACITY
+        if config.speculative is not None:
+            extra["max_provisional"] = config.speculative.num_speculative_tokens
         manager = build_block_manager(runner, watermark_blocks=config.watermark_blocks,
                                       enable_prefix_caching=config.enable_prefix_caching, **extra)
         if cost_rates is not None:
@@ -224,23 +247,37 @@ class EngineCore:
             return CoreStep()
 
         mask = batch.sample_mask()
-        rows = [i for i, m in enumerate(mask) if m]
+        drafts = batch.drafts
+        rows = [i for i, m in enumerate(mask) if m and not (drafts and drafts[i])]
+        spec_rows = [i for i, m in enumerate(mask) if m and drafts and drafts[i]]
         out = CoreStep(batch)
-        # Positions: the runner reads the step's own from what the manager wrote.
+        # Positions: the runner reads the step's own from what the manager wrote. A drafted
+        # sequence's logits come at all its positions (its known token's and each draft's).
+        extra: List[int] = []
+        if spec_rows:
+            starts = list(itertools.accumulate(batch.num_new_tokens, initial=0))
+            for i in spec_rows:
+                extra.extend(range(starts[i], starts[i + 1]))
+        num_spec = len(extra)
         prompt_lp = self._prompt_logprob_rows(batch)
         if prompt_lp:
-            extra = [t for _, lo, hi, at in prompt_lp for t in range(at, at + hi - lo)]
+            extra += [t for _, lo, hi, at in prompt_lp for t in range(at, at + hi - lo)]
+        if extra:
             logits = self.runner.execute(batch.input_ids(), None, batch.step, rows,
                                          extra_logit_indices=extra)
-            out.prompt_logprobs, out.prompt_logits = prompt_lp, logits[len(rows):]
-            logits = logits[:len(rows)]
         else:
             logits = self.runner.execute(batch.input_ids(), None, batch.step, rows)
+        if prompt_lp:
+            out.prompt_logprobs = prompt_lp
+            out.prompt_logits = logits[len(rows) + num_spec:]
+        spec_logits = logits[len(rows):len(rows) + num_spec]
+        logits = logits[:len(rows)]
         prefill = 0
         for seq, n_new in zip(batch.seqs, batch.num_new_tokens):
             # A sequence that is not sampling (prefill chunks) or whose step covers more than the
             # one decode token is computing prompt (or recomputed) tokens.
-            if n_new > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
+            if seq.num_computed_tokens < seq.num_prompt_tokens or (
+                    n_new > 1 and seq.num_computed_tokens + n_new <= len(seq.token_ids)):
                 prefill += n_new
         if prefill and self.on_prefill is not None:
             self.on_prefill(prefill)
@@ -253,9 +290,7 @@ class EngineCore:
         for r, i in enumerate(rows):
             seq = batch.seqs[i]
             req, index = seq.data
-            sampler_rows.append(SamplerRow(req.params, req.seq_seeds[index],
-                                           len(seq.token_ids) - seq.num_prompt_tokens,
-                                           seq.token_ids, seq.num_prompt_tokens, req.banned))
+            sampler_rows.append(self._sampler_row(seq))
             if not req.forked:
                 req.forked = True
                 for child in range(1, req.params.n):
@@ -273,7 +308,22 @@ class EngineCore:
         sampled: List[Optional[int]] = [None] * len(batch.seqs)
         for r, i in enumerate(rows):
             sampled[i] = tokens[r]
-        self.scheduler.postprocess(batch, sampled)
+        accepted: Optional[List[List[int]]] = None
+        verified: Dict[int, Tuple[List[int], List[Any]]] = {}
+        if spec_rows:
+            accepted = [[] for _ in batch.seqs]
+            ver = verify_batch(spec_logits, [VerifyRow(self._sampler_row(batch.seqs[i]),
+                                                       drafts[i]) for i in spec_rows])
+            for j, i in enumerate(spec_rows):
+                toks = ver.tokens[j]
+                accepted[i] = toks[:-1]
+                sampled[i] = toks[-1]
+                verified[i] = (toks, ver.logprobs[j])
+            self._count_spec([len(drafts[i]) for i in spec_rows], ver.num_accepted)
+            if self.proposer is not None:
+                self.proposer.accepted([batch.seqs[i].seq_id for i in spec_rows],
+                                       ver.num_accepted)
+        self.scheduler.postprocess(batch, sampled, accepted)
 
         draws = out.sampled
         # Forks first: a parent that finishes on its first token must still be running to be
@@ -283,11 +333,65 @@ class EngineCore:
             self.scheduler.fork(parent, child_seq)
             child_seq.append_token(tok)
             draws.append((req, child, child_seq, tok, row_logprobs[len(rows) + j]))
-        for r, i in enumerate(rows):
-            seq = batch.seqs[i]
-            req, index = seq.data
-            draws.append((req, index, seq, tokens[r], row_logprobs[r]))
+        plain = dict(zip(rows, range(len(rows))))
+        for i, seq in enumerate(batch.seqs):
+            if i in plain:
+                req, index = seq.data
+                r = plain[i]
+                draws.append((req, index, seq, tokens[r], row_logprobs[r]))
+            elif i in verified:
+                req, index = seq.data
+                toks, lps = verified[i]
+                for tok, lp in zip(toks, lps):
+                    draws.append((req, index, seq, tok, lp))
         return out
+
+    def _sampler_row(self, seq: Any) -> SamplerRow:
+        req, index = seq.data
+        return SamplerRow(req.params, req.seq_seeds[index],
+                          len(seq.token_ids) - seq.num_prompt_tokens,
+                          seq.token_ids, seq.num_prompt_tokens, req.banned)
+
+    # ------------------------------------------------------------------------- speculation
+
+    def _propose(self, decodes: List[Any], budget: int) -> Optional[List[List[int]]]:
+        """The scheduler's hook: each decode's drafts, within ``max_tokens``, the model's
+        context and the step's token budget (``None``: no speculation this step)."""
+        spec = self.config.speculative
+        proposer = self.proposer
+        if spec is None or proposer is None:
+            return None
+        if spec.disable_by_batch_size is not None and len(decodes) > spec.disable_by_batch_size:
+            return None
+        max_len = self.max_model_len
+        limits = []
+        for seq in decodes:
+            req, _ = seq.data
+            if not req.forked:
+                limits.append(0)
+                continue
+            generated = len(seq.token_ids) - seq.num_prompt_tokens
+            limits.append(max(0, min(req.params.max_tokens - generated - 1,
+                                     max_len - len(seq.token_ids) - 1)))
+        if not any(limits):
+            return None
+        drafts = proposer.propose([seq.token_ids for seq in decodes], limits).tokens
+        out: List[List[int]] = []
+        for d in drafts:
+            d = list(d[:max(0, budget)])
+            budget -= len(d)
+            out.append(d)
+        return out
+
+    def _count_spec(self, drafted: List[int], num_accepted: List[int]) -> None:
+        c = self.spec_counts
+        c["num_drafts"] += len(drafted)
+        c["num_draft_tokens"] += sum(drafted)
+        c["num_accepted_tokens"] += sum(num_accepted)
+        by_pos = self.spec_accepted_by_pos
+        for m in num_accepted:
+            for p in range(min(m, len(by_pos))):
+                by_pos[p] += 1
 
     def _prompt_logprob_rows(self, batch: Any) -> List[PromptLogprobStretch]:
         """``(request, first position, end position, packed index of the first)`` of every

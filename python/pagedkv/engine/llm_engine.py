@@ -98,6 +98,9 @@ class LLMEngine:
         self.vocab_size = parts.inputs.vocab_size
         #: The engine core (:class:`~.core.EngineCore`), input and output processing.
         self.core = parts.core
+        # Drafts stop short of the longest sequence served (the pool may hold less than the
+        # model's context).
+        self.core.max_model_len = parts.max_model_len
         self.input_processor = parts.inputs
         self.output_processor = parts.outputs
         self._stats = parts.stats
@@ -184,6 +187,20 @@ class LLMEngine:
 
         return PagedKVCollector(self.manager, self.scheduler, labels=labels, bytes_per_block=bpb,
                                 tiers=tiers if core.tiers is not None else None, **kwargs)
+
+    def spec_decode_collector(self, *, labels: Optional[Dict[str, str]] = None) -> Any:
+        """A :class:`pagedkv.engine.spec_decode.metrics.SpecDecodeCollector` of this engine's
+        speculative counters (vLLM's ``spec_decode`` signals), or ``None`` without
+        ``speculative_config``.
+
+        Raises:
+            MetricsUnavailableError: ``prometheus_client`` is not installed.
+        """
+        if self.core.proposer is None:
+            return None
+        from .spec_decode.metrics import SpecDecodeCollector
+
+        return SpecDecodeCollector(self.core, labels=labels)
 
     # ------------------------------------------------------------------------------ requests
 
@@ -303,7 +320,7 @@ class LLMEngine:
         for req in finished:
             self._requests.pop(req.request_id, None)
             self._stats.on_finished(req)
-        self._stats.record_step(len(ran.batch.seqs), len(ran.sampled),
+        self._stats.record_step(len(ran.batch.seqs), out.num_processed,
                                 time.perf_counter() - started)
         core.end_step()
         return outputs

@@ -4,7 +4,8 @@ Owns what a request's samples report: each sample's output state (:mod:`.output_
 incremental detokenization, stop strings, logprobs), prompt logprobs, the finish decision of
 every generated token, and the :class:`RequestOutput` snapshots a step returns.
 
-Invariants: every generated token is fed once to its sample's output state, so a step's work per
+Invariants: every generated token is fed once (a speculative step's several tokens of one
+sample in order, those after a finish dropped) to its sample's output state, so a step's work per
 sample does not grow with the text; a sample finishes with ``"stop"`` on an end-of-sequence token
 (unless ``ignore_eos``; no ``stop_reason`` then), a ``stop_token_ids`` entry or a stop string in
 its text (neither before ``min_tokens``, whose banned tokens are set here), and with ``"length"``
@@ -42,6 +43,9 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self._on_first_token = on_first_token
         self._token_text: Dict[int, str] = {}
+        #: Draws the latest :meth:`process_tokens` fed to a sample (a speculative step's tokens
+        #: past a sample's finish are not fed, and not counted).
+        self.num_processed = 0
 
     def add_request(self, req: Request) -> None:
         """Gives a new request its per-sample output states (and its ``min_tokens`` bans)."""
@@ -97,14 +101,34 @@ class OutputProcessor:
         draw order) and the sequences that finished."""
         touched: Dict[str, Request] = {}
         done: List[Any] = []
+        # A speculative step gives a sequence several draws, in order, all already in its
+        # token ids: the j-th of c is fed as if the c - 1 - j after it were not there yet, and a
+        # finish before the last drops those (from the ids too; they are never reported).
+        counts: Dict[int, int] = {}
+        for d in sampled:
+            counts[id(d[2])] = counts.get(id(d[2]), 0) + 1
+        seen: Dict[int, int] = {}
+        processed = 0
         for req, index, seq, token, logprobs in sampled:
             touched[req.request_id] = req
-            if self._after_token(req, index, seq, token, now, logprobs):
+            c = counts[id(seq)]
+            behind = 0
+            if c > 1:
+                j = seen.get(id(seq), 0)
+                seen[id(seq)] = j + 1
+                if req.finish[index] is not None:
+                    continue
+                behind = c - 1 - j
+            processed += 1
+            if self._after_token(req, index, seq, token, now, logprobs, behind):
+                if behind:
+                    del seq.token_ids[len(seq.token_ids) - behind:]
                 done.append(seq)
+        self.num_processed = processed
         return touched, done
 
     def _after_token(self, req: Request, index: int, seq: Any, token: int, now: float,
-                     logprobs: Any) -> bool:
+                     logprobs: Any, behind: int = 0) -> bool:
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
             req.metrics.num_cached_tokens = int(getattr(req.seqs[0], "num_cached_tokens", 0) or 0)
@@ -122,9 +146,9 @@ class OutputProcessor:
             reason = ("stop", None if eos else token)
         elif matched is not None:
             reason = ("stop", matched)
-        elif len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens:
+        elif len(seq.token_ids) - behind - seq.num_prompt_tokens >= params.max_tokens:
             reason = ("length", None)
-        elif len(seq.token_ids) >= self.max_model_len:
+        elif len(seq.token_ids) - behind >= self.max_model_len:
             reason = ("length", None)
         if reason is None:
             return False

@@ -76,6 +76,17 @@ class EngineStats:
     tier_bytes_written: Dict[str, int] = field(default_factory=dict)
     #: Bytes each tier holds now (``None`` where it cannot be known: a shared remote store).
     tier_usage_bytes: Dict[str, Optional[int]] = field(default_factory=dict)
+    #: Speculative decoding (all 0 without ``speculative_config``): sequence-steps that carried
+    #: drafts, draft tokens verified, drafts accepted, and drafts accepted at each position
+    #: (index ``j``: how often the ``j + 1``-th draft was accepted).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_tokens_by_position: List[int] = field(default_factory=list)
+    #: ``spec_num_accepted_tokens / spec_num_draft_tokens`` (0 with no drafts).
+    spec_acceptance_rate: float = 0.0
+    #: Tokens a drafted sequence-step produced on average: ``1 + accepted / drafts``.
+    spec_mean_acceptance_length: float = 0.0
 
     def as_dict(self) -> Dict[str, Any]:
         """The counters as a plain dict (for JSON)."""
@@ -111,6 +122,8 @@ class StatsTracker:
         self._swap_base = (swap.num_swapped_out, swap.num_swapped_in) if swap else (0, 0)
         tiers = core.tiers
         self._tier_base = tiers.totals(core.runner.spec.bytes_per_block) if tiers else {}
+        self._spec_base = (dict(getattr(core, "spec_counts", {})),
+                           list(getattr(core, "spec_accepted_by_pos", [])))
 
     def on_request(self, num_prompt_tokens: int) -> None:
         self.counters["num_requests"] += 1
@@ -179,7 +192,24 @@ class StatsTracker:
             num_blocks=s.num_blocks,
             block_size=s.block_size,
             **self._tier_stats(hits),
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> Dict[str, Any]:
+        """The speculative fields of :class:`EngineStats`: the core's counts less those at
+        :meth:`reset`."""
+        counts = getattr(self.core, "spec_counts", None)
+        if not counts:
+            return {}
+        base, base_pos = self._spec_base
+        d = {k: v - base.get(k, 0) for k, v in counts.items()}
+        by_pos = [v - (base_pos[i] if i < len(base_pos) else 0)
+                  for i, v in enumerate(self.core.spec_accepted_by_pos)]
+        drafts, tokens, acc = d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"]
+        return {"spec_num_drafts": drafts, "spec_num_draft_tokens": tokens,
+                "spec_num_accepted_tokens": acc, "spec_accepted_tokens_by_position": by_pos,
+                "spec_acceptance_rate": acc / tokens if tokens else 0.0,
+                "spec_mean_acceptance_length": 1.0 + acc / drafts if drafts else 0.0}
 
     def _tier_stats(self, hits: int) -> Dict[str, Any]:
         """The per-tier fields of :class:`EngineStats` (the GPU's hits alone without a host tier):

@@ -23,7 +23,8 @@ of a numpy array or a CPU tensor); the core converts to ``u32`` while checking t
 
 The class is split by concern, one mixin per module (the package's ``__init__`` keeps the class, its
 construction and its public names): ``_config`` (sizes, flags, free counts, KV events),
-``_admit`` (admission), ``_append`` (append, fork, free, prefix-cache reset), ``_step`` (step
+``_admit`` (admission), ``_append`` (append, fork, free, prefix-cache reset), ``_provisional``
+(speculative tokens: append, commit, rewind), ``_step`` (step
 buffers and :meth:`BlockManager.step`), ``_reclaim`` (swap, recompute, :meth:`BlockManager.decide`),
 ``_tiers`` (the host tier), ``_queries`` (read-only queries, stats, invariant checks); ``_base``
 holds the attributes and argument helpers they share, ``_types`` the result types.
@@ -42,6 +43,7 @@ from ._append import _AppendMixin
 # The old module's private helpers and logger, still importable from here.
 from ._base import _count, _ids, _ndarray, _new_tuple, logger  # noqa: F401
 from ._config import _ConfigMixin
+from ._provisional import _ProvisionalMixin
 from ._queries import _QueryMixin
 from ._reclaim import _ReclaimMixin
 from ._step import _StepMixin
@@ -58,7 +60,8 @@ __all__ = [
 
 
 class BlockManager(
-    _ConfigMixin, _AdmitMixin, _AppendMixin, _TierMixin, _QueryMixin, _StepMixin, _ReclaimMixin
+    _ConfigMixin, _AdmitMixin, _AppendMixin, _ProvisionalMixin, _TierMixin, _QueryMixin,
+    _StepMixin, _ReclaimMixin,
 ):
     """Paged KV cache block manager: block tables, prefix cache and step output.
 
@@ -101,6 +104,9 @@ class BlockManager(
             is built (``-1`` in :meth:`block_table`). ``None`` (the default): one full group,
             the manager without groups. More than one group needs ``num_host_blocks=0`` and
             ``kv_event_capacity=0``, and step buffers built with ``num_groups``.
+        max_provisional: Provisional tokens a sequence may hold past its committed length
+            (speculative drafts; :meth:`append_provisional`, :meth:`commit`, :meth:`rewind`).
+            0 (the default): none.
 
     Raises:
         InvalidConfigError: A value is out of range (no blocks, block size 0, watermark ≥ pool, a
@@ -129,6 +135,7 @@ class BlockManager(
         host_write_through: bool = False,
         host_load_min_blocks: int = 1,
         groups: Optional[Sequence[GroupLike]] = None,
+        max_provisional: int = 0,
     ) -> None:
         # Flags are bools only: `bool("false")` is True.
         self._core = _core.BlockManager(
@@ -145,6 +152,7 @@ class BlockManager(
             check_flag("host_write_through", host_write_through),
             host_load_min_blocks,
             groups_arg(groups),
+            max_provisional,
         )
         #: Default :class:`CostModel` of :meth:`decide` (settable).
         self.cost_model: Optional[CostModel] = cost_model

@@ -51,6 +51,11 @@ class _ConfigMixin(_ManagerBase):
         return self._core.verify_prefix
 
     @property
+    def max_provisional(self) -> int:
+        """Provisional tokens a sequence may hold past its committed length (0: none)."""
+        return self._core.max_provisional
+
+    @property
     def num_groups(self) -> int:
         """Number of KV cache groups (1 without ``groups``)."""
         return self._core.num_groups

@@ -153,6 +153,9 @@ def build_app(llm: AsyncLLM, *, served_model_name: str, api_key: Optional[str] =
     registry = CollectorRegistry(auto_describe=False)
     engine = llm.engine
     registry.register(engine.metrics_collector(labels=labels))
+    spec = engine.spec_decode_collector(labels=labels)
+    if spec is not None:
+        registry.register(spec)
     registry.register(metrics)
     base_tokenizer = llm.get_tokenizer()
     if max_prompt_bytes is None:

@@ -15,7 +15,7 @@ use crate::groups::{kind_tuple, kinds_of};
 #[pymethods]
 impl PyBlockManager {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size=None, watermark_blocks=None, max_blocks_per_seq=None, enable_prefix_caching=None, verify_prefix=None, hash_seed=None, num_host_blocks=None, kv_event_capacity=None, host_cache=None, host_write_through=None, host_load_min_blocks=None, groups=None))]
+    #[pyo3(signature = (num_blocks, block_size=None, watermark_blocks=None, max_blocks_per_seq=None, enable_prefix_caching=None, verify_prefix=None, hash_seed=None, num_host_blocks=None, kv_event_capacity=None, host_cache=None, host_write_through=None, host_load_min_blocks=None, groups=None, max_provisional=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
@@ -31,6 +31,7 @@ impl PyBlockManager {
         host_write_through: Option<Bound<'_, PyAny>>,
         host_load_min_blocks: Option<Bound<'_, PyAny>>,
         groups: Option<Bound<'_, PyAny>>,
+        max_provisional: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let num_blocks = scalar::<u32>("num_blocks", num_blocks)?;
         let block_size = match opt(&block_size) {
@@ -71,6 +72,9 @@ impl PyBlockManager {
         }
         if let Some(g) = opt(&groups) {
             cfg.groups = kinds_of("groups", g)?;
+        }
+        if let Some(k) = opt(&max_provisional) {
+            cfg.max_provisional = scalar::<u32>("max_provisional", k)?;
         }
         let inner = BlockManager::new(cfg).py()?;
         Ok(Self {
@@ -146,6 +150,12 @@ impl PyBlockManager {
     #[getter]
     fn host_load_min_blocks(&self) -> u32 {
         self.cfg.host_load_min_blocks
+    }
+
+    /// Provisional tokens a sequence may hold past its committed length (0: none).
+    #[getter]
+    fn max_provisional(&self) -> u32 {
+        self.cfg.max_provisional
     }
 
     #[getter]

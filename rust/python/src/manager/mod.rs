@@ -8,6 +8,7 @@
 //! - [`admit`]: `can_admit`, `admit`, `admit_batch`;
 //! - [`append`]: `append`, `append_batch`, `fork`, `free`, `free_batch`;
 //! - [`build_step`]: the registered step buffers and `step`;
+//! - [`provisional`]: provisional tokens (`append_provisional*`, `commit*`, `rewind`);
 //! - [`reclaim`]: swapping, recompute preemption and the cost model's choice;
 //! - [`tier`]: the host tier's lookups, reservations and demotions;
 //! - [`inspect`]: read-only queries, counters, KV events and `check_invariants`.
@@ -53,6 +54,7 @@ mod build_step;
 mod config;
 mod inspect;
 mod keys;
+mod provisional;
 mod reclaim;
 mod tier;
 
