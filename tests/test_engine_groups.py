@@ -389,3 +389,22 @@ def test_gpu_windowed_greedy_is_dense_argmax(kind, tmp_path):
           f"preemptions, prefix hits {st.prefix_hits_by_tier}; worst greedy log-prob gap to the "
           f"dense bf16 argmax {worst:.4f}")
     assert worst <= GPU_GREEDY_MARGIN
+
+
+def test_speculation_with_groups_equals_plain_greedy(model_dir, dense):
+    """N-gram drafts on a hybrid model: provisional tokens in every group, released by the
+    committed length; greedy output is transformers' and some drafts are accepted."""
+    if model_dir[0] not in ("gemma3_text", "llama4_text"):
+        pytest.skip("two hybrid kinds (sliding and chunked) cover the groups path")
+    prompts = [[(i * 7) % 13 + 3 for i in range(50)], [5, 6, 7, 8] * 11,
+               [9] * 30 + [10, 11] * 8]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = _llm(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                              "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [
+        _reference(dense, p, 24) for p in prompts]
+    stats = llm.stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
+    assert llm.llm_engine.manager.num_groups > 1
+    llm.llm_engine.manager.check_invariants()
