@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from pagedkv.config import CacheSpec  # noqa: E402
 from pagedkv.errors import InvalidArgumentError, InvalidBlockError, InvalidConfigError  # noqa: E402
 from pagedkv.kv_pool import KVPool  # noqa: E402
-from pagedkv.tiers.host import HostKVPool, SwapEngine, _runs  # noqa: E402
+from pagedkv.tiers.host import HostKVPool, SwapEngine, consecutive_runs as _runs  # noqa: E402
 
 
 def _spec(dtype="float32", block_size=4, layers=3):

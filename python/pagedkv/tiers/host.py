@@ -337,7 +337,7 @@ class SwapEngine:
             c.wait_event(gathered)
             self._reads.wait(c, self._host_read[host[c0:c1]])  # loads still reading these slots
             with torch.cuda.stream(c):
-                for a, b in _runs(host[c0:c1]):
+                for a, b in consecutive_runs(host[c0:c1]):
                     h = int(host[c0 + a])
                     self._host_blocks[h:h + (b - a)].copy_(buf[a:b], non_blocking=True)
             copied, wseq = self._writes.record(c)
@@ -393,7 +393,7 @@ class SwapEngine:
                 ld.wait_event(self._in_half_free[part])  # the half's last chunk is in the pool
             self._writes.wait(ld, self._host_written[host[c0:c1]])  # a swap-out's output
             with torch.cuda.stream(ld):
-                for a, b in _runs(host[c0:c1]):
+                for a, b in consecutive_runs(host[c0:c1]):
                     h = int(host[c0 + a])
                     buf[a:b].copy_(self._host_blocks[h:h + (b - a)], non_blocking=True)
             loaded, rseq = self._reads.record(ld)
@@ -478,8 +478,9 @@ class _EventLog:
             stream.wait_event(self._events[k - self._base])
 
 
-def _runs(sorted_ids: np.ndarray) -> list:
-    """``[(a, b), ...]``: index ranges of ``sorted_ids`` holding consecutive ids."""
+def consecutive_runs(sorted_ids: np.ndarray) -> List[Tuple[int, int]]:
+    """``[(a, b), ...]``: index ranges of ascending ``sorted_ids`` holding consecutive ids (one
+    copy per range moves a run of adjacent blocks)."""
     if sorted_ids.size == 0:
         return []
     cuts = np.flatnonzero(np.diff(sorted_ids) != 1) + 1

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from pagedkv.errors import InvalidArgumentError, InvalidConfigError
+from pagedkv.tiers.host import consecutive_runs
 
 __all__ = ["ChunkCopier", "Finished", "DEFAULT_STAGING_BYTES"]
 
@@ -331,7 +332,7 @@ class ChunkCopier:
                     b, r, s = self._indices(blocks, rows, subs)
                     for t in self.groups[g]:
                         sections[t][r, s] = self.rows[t].index_select(0, b)
-                for a, z in _runs(ids):
+                for a, z in consecutive_runs(ids):
                     c = int(ids[a])
                     self.host[c:c + z - a].copy_(stage[a:z], non_blocking=True)
             ev = torch.cuda.Event()
@@ -344,7 +345,7 @@ class ChunkCopier:
         stage, sections = self._stage["load"], self._stage_sections["load"]
         with torch.cuda.stream(st):
             for ids, part in self._pieces(plan):
-                for a, z in _runs(ids):
+                for a, z in consecutive_runs(ids):
                     c = int(ids[a])
                     stage[a:z].copy_(self.host[c:c + z - a], non_blocking=True)
                 for g, blocks, rows, subs in part:
@@ -390,13 +391,3 @@ class ChunkCopier:
         if self.is_cuda:
             for st in self._streams.values():
                 st.synchronize()
-
-
-def _runs(sorted_ids: np.ndarray) -> List[Tuple[int, int]]:
-    """``[(a, b), ...]``: index ranges of ascending ``sorted_ids`` holding consecutive ids."""
-    if sorted_ids.size == 0:
-        return []
-    cuts = np.flatnonzero(np.diff(sorted_ids) != 1) + 1
-    starts = np.concatenate(([0], cuts))
-    ends = np.concatenate((cuts, [sorted_ids.size]))
-    return list(zip(starts.tolist(), ends.tolist()))
