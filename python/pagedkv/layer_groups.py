@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .errors import InvalidConfigError
-from .groups import KVCacheGroup
+from .groups import KVCacheGroup, peak_decode_blocks
 
 __all__ = ["LayerGrouping", "layer_kinds", "group_layers", "MAX_GROUPS"]
 
@@ -108,12 +108,9 @@ def layer_kinds(cfg: Any) -> List[KVCacheGroup]:
 
 
 def _need(kind: KVCacheGroup, context: int, block_size: int) -> int:
-    """Blocks a layer of ``kind`` holds for a sequence at ``context`` tokens (its peak)."""
-    blocks = -(-context // block_size)
-    if kind.kind == "full":
-        return blocks
-    # The window plus the block it starts in (a chunk: the chunk's blocks), at most the context.
-    return min(blocks, -(-kind.size // block_size) + 1)
+    """Blocks a layer of ``kind`` holds for a sequence at ``context`` tokens (its peak: the
+    core's :func:`pagedkv.groups.peak_decode_blocks`)."""
+    return peak_decode_blocks(kind, context, block_size)
 
 
 @dataclass(frozen=True)
