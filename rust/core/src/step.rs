@@ -159,15 +159,12 @@ pub struct StepInfo {
 }
 
 /// What a block-table row holds: the first `written` entries of the table of sequence `uid` at
-/// `version`, of which the first `nulls` as null entries (a KV cache group's released blocks;
-/// a release grows the null prefix without bumping the version, so the next step writes only
-/// the entries it nulled). `uid == 0` (never handed out) means "unknown".
+/// `version`. `uid == 0` (never handed out) means "unknown".
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct RowMark {
     uid: u64,
     version: u64,
     written: usize,
-    nulls: usize,
 }
 
 impl RowMark {
@@ -188,20 +185,7 @@ impl RowMark {
             uid,
             version,
             written: nb,
-            nulls: 0,
         };
-    }
-
-    /// Leading null entries the row holds (meaningful only when [`Self::valid_prefix`] matched).
-    #[inline]
-    pub(crate) fn nulls(&self) -> usize {
-        self.nulls
-    }
-
-    /// Records that the row's first `nulls` entries are null (after [`Self::set`]).
-    #[inline]
-    pub(crate) fn set_nulls(&mut self, nulls: usize) {
-        self.nulls = nulls;
     }
 }
 

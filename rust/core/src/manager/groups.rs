@@ -189,9 +189,9 @@ impl BlockManager {
                     self.prefix.lru_to_front(b);
                 }
             }
-            // No version bump: entries only turn null, and a step writes just those
-            // (`write_groups`).
-            self.slots[slot].extra[g].start = dead;
+            let t = &mut self.slots[slot].extra[g];
+            t.start = dead;
+            t.version += 1;
         }
         self.set_next_release(slot);
         result
@@ -397,13 +397,6 @@ pub(super) fn write_groups(
             }
             tok += n;
             let from = marks[k].valid_prefix(s.uid, t.version, nb);
-            if from > 0 {
-                // Entries released since the row was written (releases keep the version).
-                let (done, upto) = (marks[k].nulls(), t.start.min(from));
-                if done < upto {
-                    gb.block_tables[k * stride + done..k * stride + upto].fill(NULL_BLOCK as i32);
-                }
-            }
             let row = &mut gb.block_tables[k * stride + from..k * stride + nb];
             match row.len() {
                 0 => {}
@@ -411,7 +404,6 @@ pub(super) fn write_groups(
                 _ => row.copy_from_slice(crate::table::as_i32(&t.blocks[from..])),
             }
             marks[k].set(s.uid, t.version, nb);
-            marks[k].set_nulls(t.start);
         }
     }
 }

@@ -135,8 +135,7 @@ struct GroupTable {
     blocks: Vec<BlockId>,
     /// Leading null entries.
     start: usize,
-    /// Bumped whenever an entry is replaced in place by another block (copy-on-write of the tail,
-    /// a new table). A release only grows `start`: step rows track the null prefix themselves.
+    /// Bumped whenever an entry is replaced in place (a release, copy-on-write of the tail).
     version: u64,
 }
 
