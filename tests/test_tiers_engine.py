@@ -125,8 +125,10 @@ def test_disk_tier_serves_what_the_host_tier_dropped(model_dir: str, baseline: L
 def test_a_restarted_engine_finds_its_prefixes_on_disk(model_dir: str, baseline: List[List[int]],
                                                        tmp_path: Any) -> None:
     kv = str(tmp_path / "kv")
+    # Recompute priced far above any disk read: every block on disk is loaded, however fast this
+    # machine prefills (the load-or-recompute choice is tested in test_tier_cache.py).
     args: Dict[str, Any] = dict(host_cache_memory="64KiB", disk_cache_dir=kv,
-                                disk_cache_memory="64MiB")
+                                disk_cache_memory="64MiB", prefill_tokens_per_s=1.0)
     # Six other prompts after the workload push its blocks out of the pool and the host tier.
     first, _, _ = _run(model_dir, rounds=1, prompts=_prompts() + _prompts(seed=1), **args)
     assert first[:6] == baseline[:6]
