@@ -10,7 +10,9 @@ Invariants: ``max_model_len`` is the model's context, or what the KV pool holds 
 above the watermark when that is less (logged at start-up; with KV cache groups, the longest
 sequence whose blocks over every group fit, :func:`sequence_blocks`), so a preempted sequence can
 always be re-admitted into an otherwise empty pool; what several KV cache groups cannot do yet
-is refused before tensor parallelism starts; a failure after tensor parallelism started stops
+is refused before tensor parallelism starts; a draft model (``speculative_config`` with a
+``model``) is loaded and checked before the target's pool is sized, which counts both models'
+bytes per block; a failure after tensor parallelism started stops
 its ranks before it propagates; nothing here runs a step.
 """
 
@@ -85,16 +87,29 @@ def build_engine(config: EngineConfig, model: Union[str, LoadedModel, None],
         loaded = preloaded or load_model(path, device=device, dtype=dtype)
         # What several KV cache groups cannot do yet is refused before any rank starts.
         check_groups_supported(config, loaded.layer_kinds, str(path))
+        draft: Any = None
+        spec = config.speculative
+        if spec is not None and spec.model is not None:
+            # A draft model: loaded (and checked) before the pool is sized for both models.
+            from .spec_decode.draft import load_draft
+
+            loaded, draft = load_draft(config, loaded)
         bar.update(1)
         if config.tensor_parallel_size > 1:
             tp = start_tp(loaded, preloaded=preloaded is not None, path=str(path),
                           config=config, build=build_rank_runner)
             runner = ModelRunner(loaded, config, tensor_parallel=tp.group)
             tp.runner = runner
+        elif draft is not None:
+            from .spec_decode.draft import build_draft_runner, draft_spec
+
+            runner = ModelRunner(loaded, config, extra_bytes_per_block=draft_spec(
+                draft, config.block_size).bytes_per_block)
+            draft = build_draft_runner(draft, runner, config)
         else:
             runner = ModelRunner(loaded, config)
         bar.update(1)
-        core = EngineCore.create(config, runner, str(path), tp)
+        core = EngineCore.create(config, runner, str(path), tp, draft=draft)
         bar.update(1)
     except BaseException:
         if tp is not None:

@@ -24,6 +24,9 @@ Invariants:
   longest acceptable prefix plus one target token, and the scheduler commits the kept drafts
   (the manager's ``commit_batch``) before the step returns, so between steps no sequence holds
   provisional tokens; drafts never push a sequence past ``max_tokens`` or the model's context;
+  a draft model (:mod:`.spec_decode.draft`, ``draft=``) keeps its KV in a pool indexed by the
+  manager's block ids and computes it, each step before the target's forward, at exactly the
+  positions the target computes (its drafts drawn into the provisional slots);
 * the core knows requests only through their sequences (``seq.data == (request, sample index)``):
   which requests exist, and what they report, is the engine's and output processing's.
 """
@@ -96,7 +99,8 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, runner: Any, manager: Any, scheduler: Scheduler, *,
                  tp: Any = None, kv_events: Any = None, tiers: Any = None,
-                 cost_rates: Optional[Tuple[float, float, float]] = None) -> None:
+                 cost_rates: Optional[Tuple[float, float, float]] = None,
+                 draft: Any = None) -> None:
         self.config = config
         self.runner = runner
         self.manager = manager
@@ -123,22 +127,28 @@ class EngineCore:
         self.spec_counts: Dict[str, int] = {"num_drafts": 0, "num_draft_tokens": 0,
                                             "num_accepted_tokens": 0}
         self.spec_accepted_by_pos: List[int] = []
+        #: A draft model's runner (:mod:`.spec_decode.draft`), or None.
+        self.draft = draft
         spec = config.speculative
         if spec is not None:
-            self.proposer = build_proposer(spec, int(runner.config.vocab_size))
+            self.proposer = build_proposer(spec, int(runner.config.vocab_size),
+                                           **({"draft": draft} if draft is not None else {}))
             self.spec_accepted_by_pos = [0] * spec.num_speculative_tokens
             scheduler.propose = self._propose
 
     @classmethod
     def create(cls, config: EngineConfig, runner: Any, model_path: str,
-               tp: Any = None) -> "EngineCore":
+               tp: Any = None, draft: Any = None) -> "EngineCore":
         """Builds the manager (with the host pool and the cost model the config asks for), the
-        scheduler, the KV-event publisher and the tiers around ``runner``."""
+        scheduler, the KV-event publisher and the tiers around ``runner`` (and ``draft``, a draft
+        model's runner whose pool shares the block ids: it gets a host pool too)."""
         host_blocks = config.host_blocks(runner.spec.bytes_per_block)
         extra: Dict[str, Any] = {}
         cost_rates: Optional[Tuple[float, float, float]] = None
         if host_blocks:
             runner.enable_swap(host_blocks)
+            if draft is not None:
+                draft.enable_swap(host_blocks)
             extra["num_host_blocks"] = host_blocks
             if config.preemption_mode == "auto":
                 link = config.host_link_bytes_per_s
@@ -161,7 +171,8 @@ class EngineCore:
         manager = build_block_manager(runner, watermark_blocks=config.watermark_blocks,
                                       enable_prefix_caching=config.enable_prefix_caching, **extra)
         if cost_rates is not None:
-            _set_cost_model(manager, cost_rates, runner.spec.bytes_per_token,
+            kv_token = runner.spec.bytes_per_token + (draft.spec.bytes_per_token if draft else 0)
+            _set_cost_model(manager, cost_rates, kv_token,
                             config.max_num_batched_tokens if config.enable_chunked_prefill else 0)
         kv_events: Any = None
         if events:
@@ -183,7 +194,7 @@ class EngineCore:
             can_swap=False if config.host_blocks(bpb) == config.host_cache_blocks(bpb) else None,
         )
         return cls(config, runner, manager, scheduler, tp=tp, kv_events=kv_events, tiers=tiers,
-                   cost_rates=cost_rates)
+                   cost_rates=cost_rates, draft=draft)
 
     # ---------------------------------------------------------------------------- requests
 
@@ -248,6 +259,13 @@ class EngineCore:
 
         mask = batch.sample_mask()
         drafts = batch.drafts
+        drawn = None
+        if self.proposer is not None and self.proposer.drafts_in_step:
+            # A draft model: its KV for the step's positions, and the drafts drawn into the
+            # provisional slots (batch.drafts filled in place).
+            drawn = self.proposer.draft_step(batch, [
+                self._sampler_row(s) if drafts and drafts[i] else None
+                for i, s in enumerate(batch.seqs)])
         rows = [i for i, m in enumerate(mask) if m and not (drafts and drafts[i])]
         spec_rows = [i for i, m in enumerate(mask) if m and drafts and drafts[i]]
         out = CoreStep(batch)
@@ -312,8 +330,10 @@ class EngineCore:
         verified: Dict[int, Tuple[List[int], List[Any]]] = {}
         if spec_rows:
             accepted = [[] for _ in batch.seqs]
-            ver = verify_batch(spec_logits, [VerifyRow(self._sampler_row(batch.seqs[i]),
-                                                       drafts[i]) for i in spec_rows])
+            ver = verify_batch(spec_logits, [
+                VerifyRow(self._sampler_row(batch.seqs[i]), drafts[i],
+                          drawn.probs_of(i) if drawn is not None else None)
+                for i in spec_rows])
             for j, i in enumerate(spec_rows):
                 toks = ver.tokens[j]
                 accepted[i] = toks[:-1]

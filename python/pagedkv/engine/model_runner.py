@@ -112,6 +112,9 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
             step through a :class:`~pagedkv.distributed.StepBroadcaster` — rank 0 sends from
             :meth:`execute`, the others run what it sends from :meth:`serve`. Every rank must
             construct its runner with the same config (the constructor runs collectives).
+        extra_bytes_per_block: Bytes of one block of another pool indexed by the same block ids
+            (a draft model's, :mod:`.spec_decode.draft`), counted when the pool is sized from a
+            byte budget, so the budget holds both.
         **knobs: :class:`EngineConfig` fields, for a runner built without an engine
             (``ModelRunner(loaded, num_blocks=64, block_size=4)``); with ``config``, they replace
             its fields.
@@ -130,13 +133,16 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
     """
 
     def __init__(self, loaded: LoadedModel, config: Optional[EngineConfig] = None, *,
-                 tensor_parallel: Any = None, **knobs: Any) -> None:
+                 tensor_parallel: Any = None, extra_bytes_per_block: int = 0,
+                 **knobs: Any) -> None:
         if config is None:
             config = EngineConfig(**knobs)
         elif knobs:
             config = dataclasses.replace(config, **knobs)
         #: The settings this runner was built with.
         self.engine_config = config
+        #: Bytes per block of a pool sharing this one's block ids, counted in the sizing.
+        self.extra_bytes_per_block = int(extra_bytes_per_block)
         block_size = config.block_size
         max_num_seqs = config.max_num_seqs
         self.loaded = loaded
@@ -277,7 +283,7 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
     def _size_pool(self, num_blocks: Optional[int], kv_cache_memory: Any,
                    gpu_memory_utilization: Optional[float] = None) -> int:
         # The config validated all three (exclusive; the budget stored as bytes).
-        per_block = self.spec.bytes_per_block
+        per_block = self.spec.bytes_per_block + self.extra_bytes_per_block
         if num_blocks is not None:
             return num_blocks
         if gpu_memory_utilization is not None and self.device.type != "cuda":
