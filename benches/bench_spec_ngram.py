@@ -1,4 +1,5 @@
-"""Speculative decoding with n-gram (prompt lookup) drafts against plain decoding, on the CPU.
+"""Speculative decoding with n-gram (prompt lookup) or draft-model drafts against plain
+decoding, on the CPU.
 
 The embedded demo model (SmolLM2-135M-Instruct) answers chat prompts that ask it to repeat or
 lightly edit a passage given in the prompt — the workload prompt lookup is for: the answer copies
@@ -9,9 +10,13 @@ falls on all alike): generated tokens/s (median), steps, draft tokens,
 acceptance rate and mean acceptance length, and whether every output equals the plain one (it
 must: greedy acceptance keeps outputs identical).
 
+``--method draft`` drafts with a draft model instead (``--draft PATH``; default: the target itself,
+so every draft is accepted and the figure is the draft model's cost at its ceiling: a draft as
+expensive as the target cannot win, a real draft is several times cheaper).
+
 Usage (repository root): ``PYTHONPATH=python python3 benches/bench_spec_ngram.py [--k 2,4]
-[--max-tokens 96] [--batch 1] [--repeats 3] [--threads N] [--json out.json]``. Prints a table,
-then one JSON line.
+[--method ngram|draft] [--draft PATH] [--max-tokens 96] [--batch 1] [--repeats 3] [--threads N]
+[--json out.json]``. Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -56,9 +61,12 @@ def _run(llm: Any, params: Any, batch: int) -> List[List[int]]:
 def build(model: str, k: Optional[int], args: argparse.Namespace) -> Any:
     from pagedkv import LLM
 
-    spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k,
-                                   "prompt_lookup_min": args.lookup_min,
-                                   "prompt_lookup_max": args.lookup_max}
+    spec: Optional[Dict[str, Any]] = None
+    if k is not None and args.method == "draft":
+        spec = {"method": "draft_model", "model": args.draft or model, "num_speculative_tokens": k}
+    elif k is not None:
+        spec = {"method": "ngram", "num_speculative_tokens": k,
+                "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
     return LLM(model, device="cpu", progress=False, enable_prefix_caching=False,
                kv_cache_memory="256MiB", speculative_config=spec)
 
@@ -101,6 +109,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model directory (default: the embedded demo)")
     ap.add_argument("--k", default="2,4", help="num_speculative_tokens values, comma-separated")
+    ap.add_argument("--method", choices=("ngram", "draft"), default="ngram",
+                    help="n-gram lookup, or a draft model (--draft)")
+    ap.add_argument("--draft", default=None,
+                    help="the draft model with --method draft (default: the target itself)")
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -120,18 +132,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     settings: List[Optional[int]] = [None, *(int(x) for x in args.k.split(",") if x)]
     rows = measure(settings, [build(model, k, args) for k in settings], args)
     base = rows[0]
-    print(f"{'setting':<10} {'tok/s':>8} {'speedup':>8} {'steps':>6} {'drafts':>7} "
+    print(f"{'setting':<12} {'tok/s':>8} {'speedup':>8} {'steps':>6} {'drafts':>7} "
           f"{'draft tok':>9} {'accepted':>8} {'accept %':>8} {'mean len':>8} {'identical':>9}")
     for r in rows:
-        name = "plain" if r["k"] is None else f"ngram k={r['k']}"
+        name = "plain" if r["k"] is None else f"{args.method} k={r['k']}"
         same = r["outputs"] == base["outputs"]
         r["identical"] = same
-        print(f"{name:<10} {r['tokens_per_s']:8.1f} {r['tokens_per_s'] / base['tokens_per_s']:7.2f}x "
+        print(f"{name:<12} {r['tokens_per_s']:8.1f} {r['tokens_per_s'] / base['tokens_per_s']:7.2f}x "
               f"{r['steps']:6d} {r['drafts']:7d} {r['draft_tokens']:9d} {r['accepted']:8d} "
               f"{100 * r['acceptance_rate']:7.1f}% {r['mean_acceptance_length']:8.2f} "
               f"{'yes' if same else 'NO':>9}")
     result = {
-        "bench": "spec_ngram", "model": model, "device": "cpu",
+        "bench": "spec_ngram" if args.method == "ngram" else "spec_draft", "model": model,
+        "draft": (args.draft or model) if args.method == "draft" else None, "device": "cpu",
         "threads": torch.get_num_threads(), "repeats": args.repeats, "max_tokens": args.max_tokens, "batch": args.batch,
         "prompts": len(PROMPTS), "lookup": [args.lookup_min, args.lookup_max],
         "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],

@@ -205,7 +205,9 @@ class EngineConfig:
     speculative_config: Union[str, Dict[str, Any], SpeculativeConfig, None] = field(
         default=None, metadata={
             "help": "speculative decoding, vLLM's JSON: e.g. {\"method\": \"ngram\", "
-                    "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 3} (default: off)"})
+                    "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 3}, or a draft "
+                    "model: {\"model\": \"path/to/draft\", \"num_speculative_tokens\": 3} "
+                    "(default: off)"})
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
