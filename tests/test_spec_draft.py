@@ -255,3 +255,30 @@ def test_serve_flag_takes_a_draft_model(monkeypatch, models):
     spec = calls[0]["engine_config"].speculative
     assert (spec.method, spec.model, spec.num_speculative_tokens) == (
         "draft_model", models["noisy"], 2)
+
+
+def test_server_with_a_draft_model_answers_the_plain_greedy_text(models):
+    for mod in ("fastapi", "uvicorn", "openai", "httpx"):
+        pytest.importorskip(mod)
+    import json
+
+    from serve_server import NAME, Server, openai
+
+    prompt = " ".join(f"w{t}" for t in _prompts(12, [7])[0])
+    want = _llm(models["target"]).generate([prompt], SamplingParams(
+        temperature=0.0, max_tokens=20), use_tqdm=False)[0].outputs[0].text
+    server = Server(models["target"], speculative_config=json.dumps(_spec(models["noisy"], 2)))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                               timeout=60)
+        got = client.completions.create(model=NAME, prompt=prompt, max_tokens=20,
+                                        temperature=0.0)
+        assert got.choices[0].text == want and got.usage.completion_tokens == 20
+        stream = client.completions.create(model=NAME, prompt=prompt, max_tokens=20,
+                                           temperature=0.0, stream=True)
+        assert "".join(c.choices[0].text for c in stream) == want
+        server.wait_idle()
+        s = server.llm.engine.stats()
+        assert s.spec_num_draft_tokens > 0 and s.spec_num_accepted_tokens > 0
+    finally:
+        server.stop()
