@@ -12,8 +12,8 @@ sequence whose blocks over every group fit, :func:`sequence_blocks`), so a preem
 always be re-admitted into an otherwise empty pool; what several KV cache groups cannot do yet
 is refused before tensor parallelism starts; a draft model (``speculative_config`` with a
 ``model``) is loaded and checked before the target's pool is sized, which counts both models'
-bytes per block; a failure after tensor parallelism started stops
-its ranks before it propagates; nothing here runs a step.
+bytes per block; a failure after tensor parallelism started stops its ranks before it
+propagates; nothing here runs a step.
 """
 
 from __future__ import annotations
