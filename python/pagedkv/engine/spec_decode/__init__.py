@@ -3,9 +3,9 @@
 One interface (:class:`~.base.Proposer`), a registry (:data:`~.base.PROPOSERS`, method name ->
 class, one module per proposer: :mod:`.ngram`, :mod:`.draft`), the settings (:mod:`.config`) and
 verification (:mod:`.verify`: greedy acceptance, rejection sampling). The engine core asks the
-proposer for
-drafts while the scheduler builds a step, holds them as the block manager's provisional tokens,
-verifies them against the step's logits and commits the accepted ones (docs/spec-decode.md).
+proposer for drafts while the scheduler builds a step, holds them as the block manager's
+provisional tokens, verifies them against the step's logits and commits the accepted ones
+(docs/spec-decode.md).
 Importing this package imports neither torch nor the extension; :mod:`.verify` and
 :mod:`.draft` need torch.
 """
