@@ -283,7 +283,7 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
     def _size_pool(self, num_blocks: Optional[int], kv_cache_memory: Any,
                    gpu_memory_utilization: Optional[float] = None) -> int:
         # The config validated all three (exclusive; the budget stored as bytes).
-        per_block = self.spec.bytes_per_block + self.extra_bytes_per_block
+        per_block = self.spec.bytes_per_block + getattr(self, "extra_bytes_per_block", 0)
         if num_blocks is not None:
             return num_blocks
         if gpu_memory_utilization is not None and self.device.type != "cuda":
