@@ -76,6 +76,8 @@ def _config(kind: str):
 #: Model -> the attention kinds its layers get (and so whether it runs with several groups).
 KINDS = ["gemma3_text", "gpt_oss", "qwen3", "qwen2", "mistral", "llama4_text"]
 HYBRID = {"gemma3_text", "gpt_oss", "qwen3", "qwen2", "llama4_text"}
+#: The families the fused forward takes (full and sliding layers, through their groups' tables).
+FUSED = {"qwen2", "mistral"}
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -132,7 +134,7 @@ def test_ragged_batch_matches_generate_and_releases_blocks(model_dir, dense):
     runner = llm.llm_engine.core.runner
     groups = runner.grouping.num_groups
     assert (groups > 1) == (kind in HYBRID)
-    assert runner.windowed and not runner.fused  # the fused forward attends fully
+    assert runner.windowed and runner.fused == (kind in FUSED)
     assert llm.max_model_len == MAX_LEN  # no cap at the window any more
     prompts = _prompts(0, [41, 5, 57, 23])
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -187,6 +189,27 @@ def test_kernel_path_matches_generate(model_dir, dense):
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == _reference(dense, p, 6), (kind, len(p))
     llm.llm_engine.manager.check_invariants()
+
+
+def test_fused_and_model_forward_agree_with_generate(model_dir, dense):
+    """Mistral (every layer slides: one group) and Qwen2 (full beside sliding: two groups) run
+    through the fused forward by default (the tests above); the model's own forward gives the
+    same tokens, and so do the fused element-wise kernels under the interpreter."""
+    kind, _ = model_dir
+    if kind not in FUSED:
+        pytest.skip("the fused forward takes Llama, Mistral and Qwen2 layouts")
+    prompts = _prompts(6, [37, 4, 52])
+    backends = [dict(fused_model=False), dict(fused_model=True)]
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        backends.append(dict(fused_model=True, attention_backend="triton",
+                             max_num_batched_tokens=16))
+    for kw in backends:
+        llm = _llm(model_dir, **kw)
+        assert llm.llm_engine.core.runner.fused == kw["fused_model"]
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            assert o.outputs[0].token_ids == _reference(dense, p), (kind, kw, len(p))
+        llm.llm_engine.manager.check_invariants()
 
 
 def test_prefix_hit_matches_generate(model_dir, dense):
@@ -274,7 +297,7 @@ def test_softcapped_attention_is_refused(tmp_path):
 
 def test_one_kind_of_layer_keeps_one_group_and_the_fused_forward(tmp_path):
     """A Llama (every layer full) runs as before: one group, one pool slot per layer, the fused
-    forward, no per-group metadata; a Mistral whose layers all slide: one group, not fused."""
+    forward, no per-group metadata."""
     cfg = transformers.LlamaConfig(**dict(_COMMON, num_hidden_layers=2))
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
     runner = LLMEngine(str(tmp_path), device="cpu", block_size=BLOCK,
@@ -368,7 +391,7 @@ def test_gpu_windowed_greedy_is_dense_argmax(kind, tmp_path):
     llm = LLM(str(tmp_path), device="cuda", dtype=torch.bfloat16, block_size=16,
               num_blocks=peak + 8, max_num_seqs=8, max_num_batched_tokens=128, progress=False)
     runner = llm.llm_engine.core.runner
-    assert runner.graph_sizes and not runner.fused
+    assert runner.graph_sizes and runner.fused == (kind == "mistral")
     assert (runner.grouping.num_groups > 1) == (kind != "mistral")
     outs = llm.generate(prompts, params, use_tqdm=False)
     st = llm.stats()

@@ -34,8 +34,9 @@ Llama 4, Qwen with ``max_window_layers``): the runner cuts the layers into group
 page per block holding one group's ``slots`` layers (``KVPool(layer_slot=...)``); each step's
 metadata carries every group's tables and each layer reads its group's. Swap, the tiers below the
 GPU, KV events and tensor parallelism are refused for such a model (:func:`check_groups_supported`).
-A model with one kind of layer runs exactly as before (one group; no fused forward if its layers
-slide, since the fused forward attends fully).
+A model with one kind of layer runs exactly as before (one group). The fused forward takes full
+and sliding layers (Mistral, Qwen2) through their groups' tables; chunked layers and the other
+families run the model's own forward.
 
 With tensor parallelism (``tensor_parallel=``, ``docs/tp.md``) the pool holds this rank's KV heads
 only; rank 0's ``execute`` broadcasts each validated step (tables and batch, one packet) before
@@ -170,14 +171,13 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
         self.grouping = group_layers(self.layer_kinds, self.max_model_len, block_size)
         #: The manager's ``groups=`` (one per KV cache group, group 0 full).
         self.kv_groups = self.grouping.groups
-        #: Whether some layer attends to a window or chunk only (the fused forward does not).
+        #: Whether some layer attends to a window or chunk only.
         self.windowed = any(k.kind != "full" for k in self.layer_kinds)
         #: Whether steps run through :func:`pagedkv.engine.fused.fused_forward` (``fused_model``
-        #: and a model :func:`~pagedkv.engine.fused.fusable` accepts, every layer full) rather
-        #: than the model's own forward. Fused before the pool is sized: concatenating the
-        #: weights frees the originals.
-        self.fused = (bool(config.fused_model) and not self.windowed
-                      and _fused.fuse_model(self.model))
+        #: and a model :func:`~pagedkv.engine.fused.fusable` accepts: full or sliding layers)
+        #: rather than the model's own forward. Fused before the pool is sized: concatenating
+        #: the weights frees the originals.
+        self.fused = bool(config.fused_model) and _fused.fuse_model(self.model)
         if self.fused and self.device.type == "cuda":
             torch.cuda.empty_cache()
         groups = self.grouping.num_groups
