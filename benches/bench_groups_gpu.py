@@ -10,7 +10,8 @@ engine size its KV pool from the memory left (``gpu_memory_utilization``), and r
   layers every block, sliding layers their window's) and against full-attention accounting
   (every layer every block);
 - with ``--run`` (the default): the engine admits ``--seqs`` sequences (default: the decode-peak
-  concurrency) of ``--context - --new`` prompt tokens and decodes ``--new`` tokens each; the
+  concurrency) of ``--context`` tokens (prompt and ``--new`` decoded tokens; by default enough new
+  tokens that the first still decodes when the last one's prefill ends); the
   most sequences it held at once (``peak_running_seqs``), the preemptions, and the wall time.
   Chunked prefill keeps a prefilling sequence's previous chunk's window too, so the peak it
   reaches sits a few sequences under the decode-peak figure.
@@ -123,17 +124,20 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     }
     if args.run:
         seqs = args.seqs or max(1, int(pages // need))
+        # Enough new tokens that the first sequence still decodes when the last one's prefill
+        # ends (a prefill chunk a step): all of them are running at once at the end.
+        new = args.new or seqs * -(-args.context // args.chunk) + 8
         g = np.random.default_rng(0)
         vocab = model.config.vocab_size
-        prompts = [g.integers(0, vocab, args.context - args.new).tolist() for _ in range(seqs)]
-        params = pagedkv.SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
+        prompts = [g.integers(0, vocab, args.context - new).tolist() for _ in range(seqs)]
+        params = pagedkv.SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         st = llm.stats()
         manager.check_invariants()
-        r.update(run_seqs=seqs, run_s=time.perf_counter() - t0,
+        r.update(run_seqs=seqs, new_tokens=new, run_s=time.perf_counter() - t0,
                  peak_running_seqs=st.peak_running_seqs, preemptions=st.num_preemptions,
-                 completed=sum(len(o.outputs[0].token_ids) == args.new for o in outs))
+                 completed=sum(len(o.outputs[0].token_ids) == new for o in outs))
     llm.shutdown()
     return r
 
@@ -143,7 +147,8 @@ def main(argv: Sequence[str] = ()) -> int:
     ap.add_argument("--model", default="gpt-oss-20b")
     ap.add_argument("--layers", type=int, default=0, help="fewer layers, same pattern")
     ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--new", type=int, default=8)
+    ap.add_argument("--new", type=int, default=0,
+                    help="new tokens a sequence (0: enough for all to run at once)")
     ap.add_argument("--seqs", type=int, default=0, help="sequences run (0: the concurrency)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
