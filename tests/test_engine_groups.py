@@ -8,7 +8,8 @@ several windows long: greedy token ids must equal transformers' own ``generate(d
 prefix in the cache, and a small pool that forces preemption (recomputed). The manager must hold
 fewer blocks than full accounting would (released entries read ``-1``) and keep its invariants.
 A model whose full layers sit beside windowed ones runs with several groups and refuses swap,
-the tiers below the GPU, KV events and tensor parallelism with a typed error; one whose every layer
+the tiers below the GPU and tensor parallelism with a typed error (KV events work:
+``tests/test_engine_kv_events.py``); one whose every layer
 slides (Mistral) runs as one group, its attention skipping keys outside the window. Under
 ``TRITON_INTERPRET=1`` the Triton kernels run the same equality for gpt-oss and Llama 4.
 """
@@ -243,7 +244,7 @@ def test_preemption_recomputes_and_matches_generate(model_dir, dense):
 
 @pytest.mark.parametrize("setting", [
     dict(swap_space="1MiB"), dict(num_host_blocks=8), dict(host_cache_memory="1MiB"),
-    dict(kv_events_bind="tcp://127.0.0.1:0"), dict(tensor_parallel_size=2)])
+    dict(tensor_parallel_size=2)])
 def test_hybrid_refuses_what_groups_cannot_do(model_dir, loaded, setting):
     kind, directory = model_dir
     if kind not in HYBRID:

@@ -33,7 +33,8 @@ Llama 4, Qwen with ``max_window_layers``): the runner cuts the layers into group
 ``groups=`` (:attr:`ModelRunner.kv_groups`), the step buffers ``num_groups=``, and the pool one
 page per block holding one group's ``slots`` layers (``KVPool(layer_slot=...)``); each step's
 metadata carries every group's tables and each layer reads its group's. Swap, the tiers below the
-GPU, KV events and tensor parallelism are refused for such a model (:func:`check_groups_supported`).
+GPU and tensor parallelism are refused for such a model (:func:`check_groups_supported`); KV events
+name each block's group.
 A model with one kind of layer runs exactly as before (one group). The fused forward takes full
 and sliding layers (Mistral, Qwen2) through their groups' tables; chunked layers and the other
 families run the model's own forward.
@@ -322,9 +323,9 @@ def check_groups_supported(config: EngineConfig, kinds: Sequence[Any], model: st
                            tensor_parallel: bool = False) -> None:
     """Refuses what the cache does not do yet with more than one KV cache group (a model whose
     full layers sit beside sliding or chunked ones): swapping to a host pool and the host, disk
-    and remote tiers of the prefix cache (they move one group's blocks), KV events (an event
-    carries no group) and tensor parallelism (its step packet carries group 0's tables only).
-    Preemption recomputes instead of swapping; prefix caching works.
+    and remote tiers of the prefix cache (they move one group's blocks) and tensor parallelism
+    (its step packet carries group 0's tables only). Preemption recomputes instead of swapping;
+    prefix caching and KV events (each naming its group) work.
 
     Raises:
         ConfigArgumentError: ``config`` asks for one of them (the setting, the model and the
@@ -334,7 +335,7 @@ def check_groups_supported(config: EngineConfig, kinds: Sequence[Any], model: st
         return
     asked = [(name, getattr(config, name)) for name in (
         "swap_space", "num_host_blocks", "host_cache_memory", "disk_cache_dir",
-        "remote_cache_url", "kv_events_endpoint", "kv_events_bind")
+        "remote_cache_url")
         if getattr(config, name) is not None]
     if tensor_parallel or config.tensor_parallel_size > 1:
         asked.append(("tensor_parallel_size", config.tensor_parallel_size))
@@ -342,10 +343,9 @@ def check_groups_supported(config: EngineConfig, kinds: Sequence[Any], model: st
         return
     name, value = asked[0]
     swap = name in ("swap_space", "num_host_blocks")
-    events = "publishing KV events"
     what = ("swapping to host memory" if swap else
-            {"tensor_parallel_size": "tensor parallelism", "kv_events_endpoint": events,
-             "kv_events_bind": events}.get(name, "a prefix-cache tier below the GPU"))
+            {"tensor_parallel_size": "tensor parallelism"}.get(
+                name, "a prefix-cache tier below the GPU"))
     mix = sorted({f"{k.kind}" + (f"({k.size})" if k.size else "") for k in kinds})
     reason = (f"{what} is not supported yet with a model whose layers form several KV cache "
               f"groups ({', '.join(mix)} attention layers)"

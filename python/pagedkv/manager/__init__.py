@@ -103,14 +103,14 @@ class BlockManager(
             pool; a sliding or chunked group releases the blocks no later query reads when a step
             is built (``-1`` in :meth:`block_table`). ``None`` (the default): one full group,
             the manager without groups. More than one group needs ``num_host_blocks=0`` and
-            ``kv_event_capacity=0``, and step buffers built with ``num_groups``.
+            step buffers built with ``num_groups``; KV events then name each block's group.
         max_provisional: Provisional tokens a sequence may hold past its committed length
             (speculative drafts; :meth:`append_provisional`, :meth:`commit`, :meth:`rewind`).
             0 (the default): none.
 
     Raises:
         InvalidConfigError: A value is out of range (no blocks, block size 0, watermark ≥ pool, a
-            group 0 that is not full, more than 64 groups, swap or KV events with groups, ...).
+            group 0 that is not full, more than 64 groups, swap with groups, ...).
         InvalidArgumentError: A size is negative or not an int (a bool is not one), or a flag is
             not a bool.
     """

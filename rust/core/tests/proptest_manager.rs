@@ -19,10 +19,12 @@
 //! through its own slot mapping into the one pool, and after every step each group must read back
 //! its own fingerprint at every position a later query of that group can read, through its own
 //! table; a windowed group must have released exactly the blocks dead for the step's first new
-//! position, no more and no fewer.
+//! position, no more and no fewer. Its KV events, replayed per (group, hash) after every
+//! operation, must equal the device prefix cache's `cached_block_keys()`.
 
 use std::collections::HashMap;
 
+use pagedkv::events::KvEventKind;
 use pagedkv::groups::{dead_blocks, AttentionKind, NULL_BLOCK};
 use pagedkv::manager::{AdmitRequest, BlockManager, ManagerConfig};
 use pagedkv::step::{OwnedGroupBuffers, OwnedStepBuffers, StepLayout};
@@ -1349,13 +1351,13 @@ proptest! {
 
 /// Hybrid configurations: a full group 0, then a sliding and a chunked group (windows and chunks
 /// smaller and larger than a block, so releases happen mid-walk), with swap off (refused with
-/// groups: preemption is by recompute).
+/// groups: preemption is by recompute), and the KV-event ring on (large enough for any walk).
 fn hybrid_config() -> impl Strategy<Value = ManagerConfig> {
     (config(), 1u32..12, 1u32..12, any::<bool>()).prop_map(|(mut c, w, ch, order)| {
         c.num_host_blocks = 0;
         c.host_cache = false;
         c.host_write_through = false;
-        c.kv_event_capacity = 0;
+        c.kv_event_capacity = 1 << 14;
         c.num_blocks *= 2;
         let (a, b) = (
             AttentionKind::Sliding { window: w },
@@ -1397,8 +1399,36 @@ proptest! {
             ob: OwnedStepBuffers::new(layout),
             gob: OwnedGroupBuffers::new(layout, extra),
         };
+        // The device tier's KV events, replayed per (group, hash), equal the prefix cache after
+        // every operation.
+        let mut held = std::collections::BTreeSet::new();
+        let mut events = Vec::new();
+        let mut balance = |m: &mut BlockManager| {
+            events.clear();
+            m.drain_events(&mut events);
+            for e in &events {
+                let g = e.group as usize;
+                match e.kind {
+                    KvEventKind::Stored => {
+                        for &x in &e.block_hashes {
+                            assert!(held.insert((g, x)), "stored twice: ({g}, {x:#x})");
+                        }
+                    }
+                    KvEventKind::Removed => {
+                        for &x in &e.block_hashes {
+                            assert!(held.remove(&(g, x)), "removed unheld: ({g}, {x:#x})");
+                        }
+                    }
+                    KvEventKind::Cleared => held.clear(),
+                }
+            }
+            assert_eq!(m.events_dropped(), 0);
+            let want: std::collections::BTreeSet<_> = m.cached_block_keys().into_iter().collect();
+            assert_eq!(held, want);
+        };
         for op in &ops {
             h.apply(op);
+            balance(&mut h.m);
         }
         let live: Vec<SeqId> = h.model.keys().copied().collect();
         h.apply(&Op::Step { mask: live.iter().fold(0u16, |m, &s| m | 1 << s) });
@@ -1406,6 +1436,7 @@ proptest! {
             h.apply(&Op::Free { seq: s });
         }
         h.apply(&Op::Step { mask: 0 });
+        balance(&mut h.m);
         prop_assert_eq!(h.m.num_free_blocks(), h.m.config().num_blocks as usize);
         prop_assert_eq!(h.m.stats().used_blocks, 0);
     }

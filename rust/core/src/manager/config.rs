@@ -51,8 +51,8 @@ pub struct ManagerConfig {
     /// The KV cache groups (see [`crate::groups`]), group `g` at index `g`. Empty (the default)
     /// means one [`AttentionKind::Full`] group, exactly the manager without groups. Group 0 must
     /// be `Full`: it carries the prefix chain. With more than one group, swap and the host tier
-    /// are refused (`num_host_blocks` must be 0; preemption is by recompute), and so are KV
-    /// events (`kv_event_capacity` must be 0: an event carries no group yet).
+    /// are refused (`num_host_blocks` must be 0; preemption is by recompute). KV events name
+    /// each block's group (see [`crate::events`]).
     pub groups: Vec<AttentionKind>,
     /// Most provisional tokens a sequence may hold past its committed length (speculative drafts,
     /// or a step scheduled before the previous one finished; see `append_provisional` and
@@ -202,16 +202,6 @@ impl ManagerConfig {
                 self.num_host_blocks as u64,
                 format!(
                     "must be 0 with {} KV cache groups: swap and the host tier hold group 0 only (preempt by recompute)",
-                    self.groups.len()
-                ),
-            );
-        }
-        if self.groups.len() > 1 && self.kv_event_capacity > 0 {
-            return bad(
-                "kv_event_capacity",
-                self.kv_event_capacity as u64,
-                format!(
-                    "must be 0 with {} KV cache groups: KV events carry no group yet",
                     self.groups.len()
                 ),
             );

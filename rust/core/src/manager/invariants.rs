@@ -24,6 +24,19 @@ impl BlockManager {
         let mut host_occ = vec![0u64; nh];
         let mut used_tokens = 0u64;
         let mut seen_slots = std::collections::HashSet::new();
+        let want = if self.kinds.is_empty() { 0 } else { n };
+        if self.block_group.len() != want
+            || self
+                .block_group
+                .iter()
+                .any(|&g| g as usize >= self.num_groups())
+        {
+            return bad(format!(
+                "{} block-group entries (want {want}) or one past the {} groups",
+                self.block_group.len(),
+                self.num_groups()
+            ));
+        }
         for (&id, &i) in &self.index {
             if !seen_slots.insert(i) {
                 return bad(format!("slot {i} used by two sequences"));
@@ -110,6 +123,12 @@ impl BlockManager {
                     if (j + 1) * bs > committed {
                         return bad(format!(
                             "sequence {id}: partial or provisional block {b} is hashed"
+                        ));
+                    }
+                    if self.block_group.get(b as usize).is_some_and(|&g| g != 0) {
+                        return bad(format!(
+                            "sequence {id}: block {b} is hashed for group {} but held by group 0",
+                            self.block_group[b as usize]
                         ));
                     }
                     if j < s.hashes.len() && s.hashes[j] != h && !self.prefix.verifies() {
@@ -199,6 +218,13 @@ impl BlockManager {
                         if (j + 1) * bs > committed {
                             return bad(format!(
                                 "sequence {id}: group {g} partial or provisional block {b} is hashed"
+                            ));
+                        }
+                        // Its removal event will name the group it was registered for.
+                        if self.block_group.get(b as usize) != Some(&(g as u8)) {
+                            return bad(format!(
+                                "sequence {id}: group {g} block {b} is hashed for group {:?}",
+                                self.block_group.get(b as usize)
                             ));
                         }
                         if j < s.hashes.len()
