@@ -20,6 +20,7 @@ from pagedkv import LLM, SamplingParams, hash_prompt  # noqa: E402
 from pagedkv.errors import ConfigArgumentError  # noqa: E402
 from pagedkv.events import BlockRemoved, BlockStored, decode_batch, hash_from_wire  # noqa: E402
 
+from polling import wait_for  # noqa: E402
 from tiny_llama import save_tiny_llama  # noqa: E402
 
 KEY = 1234
@@ -40,6 +41,8 @@ def test_engine_publishes_stored_blocks_with_the_documented_hashes(tmp_path) -> 
     try:
         prompt = list(range(10, 30))  # 5 full blocks
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+        # The publisher's thread sends what the engine queued: wait until all of it is out.
+        wait_for(lambda: pub.sent_batches == pub.queued_batches, 10)
         frames: List[list] = []
         while sub.poll(2000):
             frames.append(sub.recv_multipart())
@@ -101,8 +104,6 @@ def test_hybrid_engine_events_carry_groups_balance_and_route(tmp_path) -> None:
     subscriber sends a prompt sharing a cached prefix to this engine."""
     from pagedkv.router.app import ReplicaSpec, Router
 
-    from polling import wait_for
-
     model = _save_tiny_gemma3(str(tmp_path / "gemma3"))
     llm = LLM(model, device="cpu", num_blocks=48, block_size=4, max_num_seqs=2,
               max_num_batched_tokens=16, progress=False, hash_seed=KEY,
@@ -127,6 +128,9 @@ def test_hybrid_engine_events_carry_groups_balance_and_route(tmp_path) -> None:
         prompts = [shared + [40 + 7 * k + t for t in range(12 + 4 * (k % 2))] for k in range(8)]
         for p in prompts:
             llm.generate([p], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+        # The publisher's thread sends what the engine queued: wait until all of it is out
+        # (counting frames against sent_batches alone misses batches still queued).
+        wait_for(lambda: pub.sent_batches == pub.queued_batches, 10)
         frames: List[list] = []
         while len(frames) < pub.sent_batches and sub.poll(2000):
             frames.append(sub.recv_multipart())

@@ -357,6 +357,7 @@ class ZmqEventPublisher:
         self.replay_messages_sent = 0
         self.replays_aborted = 0
         self.replays_refused = 0
+        self._queued = 0
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="pagedkv-kv-events", daemon=True)
         self._thread.start()
@@ -369,6 +370,12 @@ class ZmqEventPublisher:
     def sent_batches(self) -> int:
         """Batches the thread has sent (the next batch's sequence number)."""
         return self._sent
+
+    @property
+    def queued_batches(self) -> int:
+        """Batches :meth:`publish` accepted: once :attr:`sent_batches` reaches it, every batch
+        published so far is on the wire (the thread sends them in order)."""
+        return self._queued
 
     def publish(self, batch: KVEventBatch) -> bool:
         """Queues ``batch`` for sending; never blocks. Returns False (and counts it) when the
@@ -383,6 +390,7 @@ class ZmqEventPublisher:
         except queue.Full:
             self._dropped += 1
             return False
+        self._queued += 1
         return True
 
     def publish_events(self, events: List[KVEvent]) -> bool:
