@@ -33,8 +33,9 @@
 //!   running sequence would push its dead windows in as the newest entries and evict the idle
 //!   sessions' histories first). Inside that shared prefix (a system prompt, a shared document)
 //!   it keeps its recency like any freed block: the next request sharing it needs that window.
-//! - Swap, the host tier and KV events know one group: the configuration refuses them
-//!   (`num_host_blocks`, `kv_event_capacity` must be 0) when there is more than one group.
+//! - Swap moves every group's held blocks to the host and back, released entries staying null
+//!   (see `reclaim`). The host tier and KV events know one group: the configuration refuses them
+//!   (`host_cache` off, `kv_event_capacity` 0) when there is more than one group.
 
 use super::{BlockManager, GroupTable, Seq};
 use crate::error::{Error, Result};
