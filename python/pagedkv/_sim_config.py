@@ -142,11 +142,11 @@ class SimConfig:
             raise InvalidConfigError(
                 f"invalid simulation config: group_num_blocks = {n}: groups need a pool of >= 1 "
                 "page", field="group_num_blocks", value=n, reason="must be >= 1 with groups")
-        if self.num_host_blocks or self.host_cache_blocks:
+        if self.host_cache_blocks:
             raise InvalidConfigError(
-                "invalid simulation config: groups with num_host_blocks or host_cache_blocks: "
-                "the manager swaps and tiers one group only", field="groups", value=g,
-                reason="no host pool with groups")
+                "invalid simulation config: groups with host_cache_blocks: the host tier indexes "
+                "one group only (num_host_blocks, swap, works)", field="groups", value=g,
+                reason="no host tier with groups")
 
 
 @dataclass
