@@ -248,6 +248,34 @@ def test_preemption_by_swap_matches_generate(model_dir, dense):
     assert engine.manager.num_free_host_blocks == 128
 
 
+def test_auto_preemption_prices_every_groups_pages(model_dir, dense):
+    """``preemption_mode="auto"`` with given rates: the cost model prices a page's bytes (one
+    group's layer slots) for every group's blocks; a link fast enough swaps every victim, one slow
+    enough recomputes each, and both give transformers' tokens."""
+    kind, _ = model_dir
+    if kind not in ("gemma3_text", "llama4_text"):
+        pytest.skip("one sliding and one chunked hybrid suffice")
+    prompts = _prompts(3, [20, 17, 23])
+    params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
+    grouping = group_layers(layer_kinds(_config(kind)), MAX_LEN, BLOCK)
+    peak = sequence_blocks(grouping.groups, 23 + 28, BLOCK, 16)
+    outs = {}
+    for mode, link, tps in (("swap", 1e15, 1.0), ("recompute", 1.0, 1e15)):
+        llm = _llm(model_dir, num_blocks=peak + 2, max_num_batched_tokens=16,
+                   num_host_blocks=128, host_link_bytes_per_s=link, prefill_tokens_per_s=tps)
+        engine = llm.llm_engine
+        runner = engine.core.runner
+        assert runner.spec.num_layers == grouping.slots < len(layer_kinds(_config(kind)))
+        assert engine.manager.cost_model.kv_bytes_per_token == runner.spec.bytes_per_token
+        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                    use_tqdm=False)]
+        stats = llm.stats()
+        assert stats.num_preemptions > 0
+        assert engine.scheduler.num_preemptions_by_mode[mode] == stats.num_preemptions
+        engine.manager.check_invariants()
+    assert outs["swap"] == outs["recompute"] == [_reference(dense, p, 28) for p in prompts]
+
+
 @pytest.mark.parametrize("setting", [
     dict(host_cache_memory="1MiB"), dict(kv_events_bind="tcp://127.0.0.1:0"),
     dict(tensor_parallel_size=2)])

@@ -346,3 +346,41 @@ def test_random_walks_keep_invariants(window: int, chunk: int, ops: list[tuple[i
             info = m.step(live, 1)
             _check_step(m, buf, info, live, [1] * len(live))
         m.check_invariants()
+
+
+def test_swap_round_trip_moves_every_group() -> None:
+    """Through the Python API: ``decide`` counts every group's blocks, ``swap_out`` copies each
+    held block of every group once, released (``-1``) entries stay released on the host and after
+    ``swap_in``, and the steps emit every pair."""
+    from pagedkv import CostModel
+
+    m = BlockManager(64, B, watermark_blocks=0, groups=HYBRID, num_host_blocks=32)
+    buf = StepBuffers(2, 64, 16, num_groups=3, backend="numpy")
+    m.attach_buffers(buf)
+    m.admit(1, list(range(30)))
+    m.step([1], [30])
+    for t in range(3):  # decodes release what no later query reads
+        m.append(1, [100 + t])
+        m.step([1], [1])
+    tables = [m.block_table(1, g) for g in range(3)]
+    held = sum(b != -1 for t in tables for b in t)
+    assert -1 in tables[1] and -1 in tables[2] and held > len(tables[0])
+    d = m.decide([1], CostModel(1e9, 1e4, 1e3))
+    assert d.swap_blocks == held and d.swap_possible
+    pairs = m.swap_out([1])
+    assert len(pairs) == held == len({d for d, _ in pairs}) == len({h for _, h in pairs})
+    host = [m.block_table(1, g) for g in range(3)]
+    assert [[b == -1 for b in t] for t in host] == [[b == -1 for b in t] for t in tables]
+    assert m.num_free_host_blocks == 32 - held
+    m.check_invariants()
+    info = m.step([], [])
+    assert info.num_swap_out == held
+    back = m.swap_in([1])
+    assert len(back) == held
+    restored = [m.block_table(1, g) for g in range(3)]
+    assert [[b == -1 for b in t] for t in restored] == [[b == -1 for b in t] for t in tables]
+    info = m.step([1], [1])
+    assert info.num_swap_in == held
+    _check_step(m, buf, info, [1], [1])
+    assert m.num_free_host_blocks == 32
+    m.check_invariants()

@@ -461,3 +461,37 @@ fn recompute_estimate_follows_the_group_hit_rule() {
     assert_eq!(d.recompute_tokens, 27);
     s.m.check_invariants().unwrap();
 }
+
+#[test]
+fn provisional_tokens_are_dropped_from_every_group_before_a_swap() {
+    let mut cfg = config(64, 64);
+    cfg.max_provisional = 6;
+    let mut s = Sim::new(64, 64, 64);
+    s.m = BlockManager::new(cfg).unwrap();
+    s.admit(1, toks(14, 30));
+    for t in 0..3 {
+        s.decode(&[1], 400 + t);
+    }
+    let committed = s.tables(1);
+    let len = s.m.seq_len(1).unwrap();
+    // Six drafts reach into two new blocks of every group.
+    s.m.append_provisional(1, 6).unwrap();
+    assert!(s.m.block_table(1).unwrap().len() > committed[0].len());
+    let out = s.m.swap_out(&[1]).unwrap();
+    assert_eq!(s.m.seq_len(1).unwrap(), len, "the drafts were rewound");
+    assert_eq!(
+        out.len(),
+        held(&committed),
+        "only the committed blocks travel"
+    );
+    assert_eq!(nulls(&s.tables(1)), nulls(&committed));
+    s.m.check_invariants().unwrap();
+    s.step(&[], &[]).unwrap();
+    s.m.swap_in(&[1]).unwrap();
+    s.step(&[1], &[1]).unwrap();
+    s.check_content(1);
+    s.m.check_invariants().unwrap();
+    s.m.free(1).unwrap();
+    assert_eq!(s.m.num_free_blocks(), 64);
+    assert_eq!(s.m.num_free_host_blocks(), 64);
+}
