@@ -495,3 +495,30 @@ fn provisional_tokens_are_dropped_from_every_group_before_a_swap() {
     assert_eq!(s.m.num_free_blocks(), 64);
     assert_eq!(s.m.num_free_host_blocks(), 64);
 }
+
+#[test]
+fn swapped_out_again_before_its_loads_ran_takes_the_host_blocks_back() {
+    let mut s = Sim::new(64, 64, 64);
+    s.admit(1, toks(22, 70));
+    for t in 0..4 {
+        s.decode(&[1], 800 + t);
+    }
+    let before = s.tables(1);
+    let n = held(&before);
+    s.m.swap_out(&[1]).unwrap();
+    s.step(&[], &[]).unwrap();
+    let host = s.tables(1);
+    s.m.swap_in(&[1]).unwrap();
+    // Out again before any step emitted the loads: no new copy, the same host blocks.
+    let out = s.m.swap_out(&[1]).unwrap();
+    assert!(out.is_empty(), "{out:?}");
+    assert_eq!(s.tables(1), host);
+    assert!(s.m.pending_swap_in().is_empty());
+    s.m.check_invariants().unwrap();
+    s.m.swap_in(&[1]).unwrap();
+    let info = s.step(&[1], &[1]).unwrap();
+    assert_eq!(info.num_swap_in, n);
+    assert_eq!(nulls(&s.tables(1)), nulls(&before));
+    s.check_content(1);
+    s.m.check_invariants().unwrap();
+}
