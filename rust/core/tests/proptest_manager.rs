@@ -19,7 +19,8 @@
 //! through its own slot mapping into the one pool, and after every step each group must read back
 //! its own fingerprint at every position a later query of that group can read, through its own
 //! table; a windowed group must have released exactly the blocks dead for the step's first new
-//! position, no more and no fewer.
+//! position, no more and no fewer. Swaps are in the hybrid walks too: a swapped sequence's every
+//! group reads its fingerprints back from the host blocks its tables name.
 
 use std::collections::HashMap;
 
@@ -314,6 +315,17 @@ impl Harness {
                     for &h in t {
                         assert!(self.m.host_block_refcount(h).unwrap() >= 1);
                     }
+                    // Other groups on the host too: as long, the released prefix still null.
+                    for g in 1..self.m.num_groups() {
+                        let gt = self.m.block_table_group(id, g).unwrap();
+                        assert_eq!(gt.len(), t.len());
+                        let start = gt.iter().take_while(|&&h| h == NULL_BLOCK).count();
+                        assert!(start < gt.len(), "swapped group {g} released its tail");
+                        for &h in &gt[start..] {
+                            assert_ne!(h, NULL_BLOCK, "swapped group {g}: a null after a live one");
+                            assert!(self.m.host_block_refcount(h).unwrap() >= 1);
+                        }
+                    }
                     continue;
                 }
             }
@@ -396,10 +408,8 @@ impl Harness {
                     ms.state
                 );
             }
-            if ms.state != SeqState::Running {
-                continue;
-            }
-            // Every other group reads its own KV at every position a later query can read.
+            // Every other group reads its own KV at every position a later query can read,
+            // from the host blocks its table names while swapped out.
             for g in 1..self.m.num_groups() {
                 let kind = self.m.group_kind(g).unwrap();
                 let t = self.m.block_table_group(id, g).unwrap();
@@ -409,8 +419,12 @@ impl Harness {
                         b, NULL_BLOCK,
                         "seq {id} group {g}: position {p} released too early"
                     );
+                    let v = match ms.state {
+                        SeqState::Swapped => self.host_value(b, p % self.bs),
+                        _ => self.device_value(b, p % self.bs),
+                    };
                     assert_eq!(
-                        self.device_value(b, p % self.bs),
+                        v,
                         Some(fp_group(fp[p], g)),
                         "seq {id} group {g} position {p} reads the wrong KV"
                     );
@@ -1348,11 +1362,11 @@ proptest! {
 }
 
 /// Hybrid configurations: a full group 0, then a sliding and a chunked group (windows and chunks
-/// smaller and larger than a block, so releases happen mid-walk), with swap off (refused with
-/// groups: preemption is by recompute).
+/// smaller and larger than a block, so releases happen mid-walk), with swap on or off (the host
+/// pool of `config`, every group's blocks moving through it) and the host tier off (refused with
+/// groups).
 fn hybrid_config() -> impl Strategy<Value = ManagerConfig> {
     (config(), 1u32..12, 1u32..12, any::<bool>()).prop_map(|(mut c, w, ch, order)| {
-        c.num_host_blocks = 0;
         c.host_cache = false;
         c.host_write_through = false;
         c.kv_event_capacity = 0;
@@ -1390,7 +1404,7 @@ proptest! {
         let extra = cfg.groups.len() - 1;
         let mut h = Harness {
             kv: vec![None; cfg.num_blocks as usize * bs],
-            host_kv: Vec::new(),
+            host_kv: vec![None; cfg.num_host_blocks as usize * bs],
             m: BlockManager::new(cfg).unwrap(),
             model: HashMap::new(),
             bs,
@@ -1408,5 +1422,9 @@ proptest! {
         h.apply(&Op::Step { mask: 0 });
         prop_assert_eq!(h.m.num_free_blocks(), h.m.config().num_blocks as usize);
         prop_assert_eq!(h.m.stats().used_blocks, 0);
+        prop_assert_eq!(
+            h.m.num_free_host_blocks(),
+            h.m.config().num_host_blocks as usize
+        );
     }
 }
