@@ -136,3 +136,5 @@ def test_grouped_run_swaps_every_group():
     assert g.preemptions_swap > 0 and g.preemptions_recompute == 0
     assert g.swap_ins == g.preemptions_swap  # each swapped sequence came back
     assert res.paged.requests_served == work.num_requests
+    assert f"{g.preemptions} (swap {g.preemptions_swap}, recompute 0)" in format_report(res)
+    assert result_dict(res)["preemptions_swap_groups"] == g.preemptions_swap

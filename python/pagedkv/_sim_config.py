@@ -33,7 +33,9 @@ class SimConfig:
     max_prefill_tokens: int = 16384
     enable_prefix_caching: bool = True
     check_every: int = 0
-    #: Host KV blocks for swapped-out sequences (0: every preemption recomputes).
+    #: Host KV blocks for swapped-out sequences (0: every preemption recomputes). With
+    #: ``groups`` the grouped run gets the same host memory in pages
+    #: (``num_host_blocks * group_num_blocks // num_blocks``).
     num_host_blocks: int = 0
     #: ``"auto"`` (the manager's cost model per victim), ``"swap"`` or ``"recompute"``.
     preemption_mode: str = "auto"

@@ -151,6 +151,9 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     B = sim.block_size
     max_blocks = _blocks_for(workload.max_model_len, B)
     host_blocks = sim.num_host_blocks + sim.host_cache_blocks
+    if grouped and host_blocks:
+        # The same host memory in pages (a page holds one group's layers, not every layer).
+        host_blocks = host_blocks * sim.group_num_blocks // sim.num_blocks
     extra: dict[str, Any] = {"num_host_blocks": host_blocks} if host_blocks else {}
     if sim.host_cache_blocks:
         extra["host_cache"] = True
