@@ -227,10 +227,14 @@ def test_preemption_by_swap_matches_generate(model_dir, dense):
     params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
     grouping = group_layers(layer_kinds(_config(model_dir[0])), MAX_LEN, BLOCK)
     peak = sequence_blocks(grouping.groups, 23 + 28, BLOCK, 16)
-    llm = _llm(model_dir, num_blocks=peak + 2, max_num_batched_tokens=16, num_host_blocks=128,
-               preemption_mode="swap")
+    # swap_space in bytes: 128 pages (a page: the group's layer slots x K and V x 4 tokens x
+    # 2 heads x 16 dims x fp32).
+    page = grouping.slots * 2 * BLOCK * 2 * 16 * 4
+    llm = _llm(model_dir, num_blocks=peak + 2, max_num_batched_tokens=16,
+               swap_space=128 * page + page // 2, preemption_mode="swap")
     engine = llm.llm_engine
     assert engine.core.runner.swap is not None
+    assert engine.core.runner.spec.bytes_per_block == page
     assert engine.manager.num_host_blocks == 128
     outs = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.stats()
