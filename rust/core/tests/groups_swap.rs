@@ -464,19 +464,26 @@ fn recompute_estimate_follows_the_group_hit_rule() {
 
 #[test]
 fn provisional_tokens_are_dropped_from_every_group_before_a_swap() {
-    let mut cfg = config(64, 64);
+    // A host pool of exactly the committed blocks (9 in three groups) is enough: the drafts
+    // own blocks are dropped by the swap's rewind, never copied or counted.
+    let host = 9;
+    let mut cfg = config(64, host);
     cfg.max_provisional = 6;
-    let mut s = Sim::new(64, 64, 64);
+    let mut s = Sim::new(64, host, 64);
     s.m = BlockManager::new(cfg).unwrap();
     s.admit(1, toks(14, 30));
     for t in 0..3 {
         s.decode(&[1], 400 + t);
     }
     let committed = s.tables(1);
+    assert_eq!(held(&committed), host as usize);
     let len = s.m.seq_len(1).unwrap();
     // Six drafts reach into two new blocks of every group.
     s.m.append_provisional(1, 6).unwrap();
     assert!(s.m.block_table(1).unwrap().len() > committed[0].len());
+    let d = s.m.decide(&[1], &CostModel::new(1e9, 1e4, 1e3)).unwrap();
+    assert_eq!(d.swap_blocks, host as u64);
+    assert!(d.swap_possible);
     let out = s.m.swap_out(&[1]).unwrap();
     assert_eq!(s.m.seq_len(1).unwrap(), len, "the drafts were rewound");
     assert_eq!(
@@ -493,7 +500,7 @@ fn provisional_tokens_are_dropped_from_every_group_before_a_swap() {
     s.m.check_invariants().unwrap();
     s.m.free(1).unwrap();
     assert_eq!(s.m.num_free_blocks(), 64);
-    assert_eq!(s.m.num_free_host_blocks(), 64);
+    assert_eq!(s.m.num_free_host_blocks(), host as usize);
 }
 
 #[test]

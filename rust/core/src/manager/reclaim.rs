@@ -24,6 +24,7 @@ use crate::events::Medium;
 use crate::groups::{dead_blocks, group_hash, NULL_BLOCK};
 use crate::prefix::FastMap;
 use crate::swap::{CostModel, Decision, HostBlockId, PreemptMode, SeqState};
+use crate::table::blocks_for;
 use crate::{BlockId, SeqId};
 
 impl BlockManager {
@@ -98,13 +99,14 @@ impl BlockManager {
     pub fn swap_out(&mut self, seqs: &[SeqId]) -> Result<Vec<(BlockId, HostBlockId)>> {
         let slots = self.resolve_in_state(seqs, SeqState::Running, "running")?;
         // Host blocks needed: one per distinct device block (of any group) whose content is not
-        // already on the host.
+        // already on the host, provisional tokens' own blocks left out (the rewind drops them).
         let mut seen: FastMap<BlockId, ()> = FastMap::default();
         let mut needed = 0usize;
         for &i in &slots {
             let s = &self.slots[i];
-            let extra = s.extra.iter().flat_map(|t| &t.blocks[t.start..]);
-            for &b in s.table.blocks.iter().chain(extra) {
+            let keep = blocks_for(s.table.num_tokens - s.provisional, self.bs);
+            let extra = s.extra.iter().flat_map(|t| &t.blocks[t.start..keep]);
+            for &b in s.table.blocks[..keep].iter().chain(extra) {
                 if seen.insert(b, ()).is_none() && self.content_origin(b).is_err() {
                     needed += 1;
                 }
@@ -478,7 +480,8 @@ impl BlockManager {
     /// (`batch_tokens`; `None` counts the running sequences outside `seqs`).
     ///
     /// Swap: 2 × the KV bytes of their distinct device blocks (whole blocks, every KV cache
-    /// group's) over the host link. Recompute: for each sequence, the tokens past the leading
+    /// group's, less the blocks only provisional tokens fill: a swap rewinds them) over the host
+    /// link. Recompute: for each sequence, the tokens past the leading
     /// full blocks that would stay cached after the preemption (blocks also held by sequences
     /// outside `seqs`; with groups, the longest boundary at which every group's blocks, found
     /// under (hash, group), would stay cached, as an admission's lookup decides), at least one
@@ -501,8 +504,10 @@ impl BlockManager {
         let mut host_needed = 0u64;
         for &i in &slots {
             let s = &self.slots[i];
-            let extra = s.extra.iter().flat_map(|t| &t.blocks[t.start..]);
-            for &b in s.table.blocks.iter().chain(extra) {
+            // A swap rewinds provisional tokens first: their own blocks do not travel.
+            let keep = blocks_for(s.table.num_tokens - s.provisional, bs);
+            let extra = s.extra.iter().flat_map(|t| &t.blocks[t.start..keep]);
+            for &b in s.table.blocks[..keep].iter().chain(extra) {
                 let c = held.entry(b).or_insert(0);
                 if *c == 0 && self.content_origin(b).is_err() {
                     host_needed += 1;
