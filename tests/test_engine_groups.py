@@ -7,9 +7,10 @@ several windows long: greedy token ids must equal transformers' own ``generate(d
 (whose cache honours the window) for a ragged batch, a second request that hits the first one's
 prefix in the cache, and a small pool that forces preemption (recomputed). The manager must hold
 fewer blocks than full accounting would (released entries read ``-1``) and keep its invariants.
-A model whose full layers sit beside windowed ones runs with several groups and refuses swap,
-the tiers below the GPU and tensor parallelism with a typed error (KV events work:
-``tests/test_engine_kv_events.py``); one whose every layer
+Preempted by swap instead (a host pool, ``preemption_mode="swap"``), every group's blocks go to
+the host and back and the tokens are the same. A model whose full layers sit beside windowed ones
+runs with several groups and refuses the tiers below the GPU and tensor parallelism with a typed
+error (KV events work: ``tests/test_engine_kv_events.py``); one whose every layer
 slides (Mistral) runs as one group, its attention skipping keys outside the window. Under
 ``TRITON_INTERPRET=1`` the Triton kernels run the same equality for gpt-oss and Llama 4.
 """
@@ -242,8 +243,68 @@ def test_preemption_recomputes_and_matches_generate(model_dir, dense):
     llm.llm_engine.manager.check_invariants()
 
 
+def test_preemption_by_swap_matches_generate(model_dir, dense):
+    """Swapped out and back in, every group's blocks (the windowed groups' released entries
+    staying released) carry the KV on: the same tokens as transformers, with swaps counted."""
+    prompts = _prompts(3, [20, 17, 23])
+    params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
+    grouping = group_layers(layer_kinds(_config(model_dir[0])), MAX_LEN, BLOCK)
+    peak = sequence_blocks(grouping.groups, 23 + 28, BLOCK, 16)
+    # swap_space in bytes: 128 pages (a page: the group's layer slots x K and V x 4 tokens x
+    # 2 heads x 16 dims x fp32).
+    page = grouping.slots * 2 * BLOCK * 2 * 16 * 4
+    llm = _llm(model_dir, num_blocks=peak + 2, max_num_batched_tokens=16,
+               swap_space=128 * page + page // 2, preemption_mode="swap")
+    engine = llm.llm_engine
+    assert engine.core.runner.swap is not None
+    assert engine.core.runner.spec.bytes_per_block == page
+    assert engine.manager.num_host_blocks == 128
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.stats()
+    assert stats.num_preemptions_swap > 0
+    assert stats.num_preemptions_swap == stats.num_preemptions
+    assert stats.swapped_out_blocks > 0 and stats.swapped_in_blocks == stats.swapped_out_blocks
+    assert engine.scheduler.num_preemptions_by_mode["swap"] == stats.num_preemptions_swap
+    runner = engine.core.runner
+    assert runner.swap.num_swapped_out == stats.swapped_out_blocks
+    assert runner.swap.num_swapped_in == stats.swapped_in_blocks
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _reference(dense, p, 28)
+    engine.manager.check_invariants()
+    assert engine.manager.num_seqs == 0
+    assert engine.manager.num_free_host_blocks == 128
+
+
+def test_auto_preemption_prices_every_groups_pages(model_dir, dense):
+    """``preemption_mode="auto"`` with given rates: the cost model prices a page's bytes (one
+    group's layer slots) for every group's blocks; a link fast enough swaps every victim, one slow
+    enough recomputes each, and both give transformers' tokens."""
+    kind, _ = model_dir
+    if kind not in ("gemma3_text", "llama4_text"):
+        pytest.skip("one sliding and one chunked hybrid suffice")
+    prompts = _prompts(3, [20, 17, 23])
+    params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
+    grouping = group_layers(layer_kinds(_config(kind)), MAX_LEN, BLOCK)
+    peak = sequence_blocks(grouping.groups, 23 + 28, BLOCK, 16)
+    outs = {}
+    for mode, link, tps in (("swap", 1e15, 1.0), ("recompute", 1.0, 1e15)):
+        llm = _llm(model_dir, num_blocks=peak + 2, max_num_batched_tokens=16,
+                   num_host_blocks=128, host_link_bytes_per_s=link, prefill_tokens_per_s=tps)
+        engine = llm.llm_engine
+        runner = engine.core.runner
+        assert runner.spec.num_layers == grouping.slots < len(layer_kinds(_config(kind)))
+        assert engine.manager.cost_model.kv_bytes_per_token == runner.spec.bytes_per_token
+        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                    use_tqdm=False)]
+        stats = llm.stats()
+        assert stats.num_preemptions > 0
+        assert engine.scheduler.num_preemptions_by_mode[mode] == stats.num_preemptions
+        engine.manager.check_invariants()
+    assert outs["swap"] == outs["recompute"] == [_reference(dense, p, 28) for p in prompts]
+
+
 @pytest.mark.parametrize("setting", [
-    dict(swap_space="1MiB"), dict(num_host_blocks=8), dict(host_cache_memory="1MiB"),
+    dict(host_cache_memory="1MiB"),
     dict(tensor_parallel_size=2)])
 def test_hybrid_refuses_what_groups_cannot_do(model_dir, loaded, setting):
     kind, directory = model_dir

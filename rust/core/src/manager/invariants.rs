@@ -95,6 +95,43 @@ impl BlockManager {
                         }
                         host_occ[h as usize] += 1;
                     }
+                    // Every other group: as long, its released prefix still null, the rest
+                    // host blocks it holds.
+                    if s.extra.len() != self.kinds.len() {
+                        return bad(format!(
+                            "swapped sequence {id}: {} extra group tables for {} groups",
+                            s.extra.len(),
+                            self.num_groups()
+                        ));
+                    }
+                    for (gi, gt) in s.extra.iter().enumerate() {
+                        let g = gi + 1;
+                        if gt.blocks.len() != t.blocks.len() || gt.start >= t.blocks.len().max(1) {
+                            return bad(format!(
+                                "swapped sequence {id}: group {g} table holds {} entries ({} released), group 0 {}",
+                                gt.blocks.len(),
+                                gt.start,
+                                t.blocks.len()
+                            ));
+                        }
+                        for (j, &h) in gt.blocks.iter().enumerate() {
+                            if (j < gt.start) != (h == NULL_BLOCK) {
+                                return bad(format!(
+                                    "swapped sequence {id}: group {g} entry {j} is {h} with {} leading nulls",
+                                    gt.start
+                                ));
+                            }
+                            if h == NULL_BLOCK {
+                                continue;
+                            }
+                            if h as usize >= nh {
+                                return bad(format!(
+                                    "swapped sequence {id}: group {g} host block {h} outside the host pool"
+                                ));
+                            }
+                            host_occ[h as usize] += 1;
+                        }
+                    }
                     continue;
                 }
             }

@@ -510,8 +510,13 @@ impl BlockManager {
         let state = self.slots[slot].state;
         for (j, &b) in blocks.iter().enumerate().rev() {
             for t in &extra {
-                if state == SeqState::Running && j >= t.start {
-                    if let Err(e) = self.drop_ref(t.blocks[j]) {
+                if j >= t.start {
+                    let r = if state == SeqState::Running {
+                        self.drop_ref(t.blocks[j])
+                    } else {
+                        self.host_drop(t.blocks[j])
+                    };
+                    if let Err(e) = r {
                         result = Err(e);
                     }
                 }
