@@ -493,3 +493,20 @@ def test_speculation_with_groups_equals_plain_greedy(model_dir, dense):
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
     assert llm.llm_engine.manager.num_groups > 1
     llm.llm_engine.manager.check_invariants()
+
+
+def test_cost_model_rates_are_measured_on_a_grouped_runner(model_dir):
+    """Unpinned rates are measured through a scratch manager on the runner's buffers: with
+    several groups it must carry the runner's groups (the buffers hold one table per group)."""
+    if model_dir[0] not in HYBRID:
+        pytest.skip("one group: measured as before")
+    llm = _llm(model_dir, swap_space="1MiB", preemption_mode="auto",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    core = llm.llm_engine.core
+    assert core.runner.grouping.num_groups > 1
+    link, tps, floor = core.cost_rates
+    assert link > 0 and tps > 0 and floor >= 0
+    assert core.spec_policy is not None and core.spec_policy.rate == tps
+    out = llm.generate([_prompts(9, [20])[0]], GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == NEW
+    llm.llm_engine.manager.check_invariants()
