@@ -2,7 +2,7 @@
 # Runs, on a CUDA machine, what is built and tested on the CPU but not yet measured on a GPU, in
 # parts that each fit one 10-minute device call. Each step has its own time limit and writes its
 # log (and JSON) under $OUT as it goes, so a call cut short still returns what finished.
-# Usage (repository root): OUT=/some/dir bash benches/gpu_pending.sh [engine|groups]
+# Usage (repository root): OUT=/some/dir bash benches/gpu_pending.sh [engine|groups|concurrency|spec]
 #   engine: the gpu tests changed since their last compiled run (the disk tier through the engine
 #           with a pinned prefill rate; the local-kernel plan tests); then bench_engine.py at
 #           batch 32, 128 and 256 (decode against the memory floor of the device it runs on) and
@@ -10,6 +10,12 @@
 #   groups: the gpu tests of KV cache groups (hybrid models through the engine in bf16, CUDA
 #           graphs over every group's buffers, the window/chunk/sink kernels compiled); then the
 #           vLLM offloading handlers' CUDA tests and their bench (benches/gpu_vllm_offload.sh).
+#   concurrency: the most 32K-token sequences a random-weight gpt-oss-20b-shaped model holds at
+#           once (engine-sized pool) against the analytic optimum and full accounting, then run
+#           (benches/bench_groups_gpu.py).
+#   spec:   speculative decoding with the oracle proposer at Llama-3-8B dimensions (k = 4,
+#           alpha 0.5/0.7/0.9, batch 1/8/64: speedup, share of the ideal, the cost model's
+#           switch-off) (benches/bench_spec_oracle.py).
 set -u -o pipefail
 . "$(dirname "$0")/gpu_env.sh"
 part="${1:-engine}"
@@ -37,8 +43,16 @@ case "$part" in
       tests/test_kernels_local.py tests/test_engine_groups.py
     step gpu_vllm_offload 240 bash benches/gpu_vllm_offload.sh
     ;;
+  concurrency)
+    step bench_groups_gpu 560 "$PY" benches/bench_groups_gpu.py --model gpt-oss-20b \
+      --context 32768 --json "$OUT/bench_groups_gpu.json"
+    ;;
+  spec)
+    step bench_spec_oracle 540 "$PY" benches/bench_spec_oracle.py --batches 1,8,64 \
+      --alphas 0.5,0.7,0.9 --k 4 --json "$OUT/bench_spec_oracle.json"
+    ;;
   *)
-    echo "usage: OUT=DIR bash benches/gpu_pending.sh [engine|groups]" >&2
+    echo "usage: OUT=DIR bash benches/gpu_pending.sh [engine|groups|concurrency|spec]" >&2
     exit 2
     ;;
 esac

@@ -7,8 +7,10 @@ several windows long: greedy token ids must equal transformers' own ``generate(d
 (whose cache honours the window) for a ragged batch, a second request that hits the first one's
 prefix in the cache, and a small pool that forces preemption (recomputed). The manager must hold
 fewer blocks than full accounting would (released entries read ``-1``) and keep its invariants.
-A model whose full layers sit beside windowed ones runs with several groups and refuses swap,
-the tiers below the GPU, KV events and tensor parallelism with a typed error; one whose every layer
+Preempted by swap instead (a host pool, ``preemption_mode="swap"``), every group's blocks go to
+the host and back and the tokens are the same. A model whose full layers sit beside windowed ones
+runs with several groups and refuses the tiers below the GPU and tensor parallelism with a typed
+error (KV events work: ``tests/test_engine_kv_events.py``); one whose every layer
 slides (Mistral) runs as one group, its attention skipping keys outside the window. Under
 ``TRITON_INTERPRET=1`` the Triton kernels run the same equality for gpt-oss and Llama 4.
 """
@@ -76,6 +78,8 @@ def _config(kind: str):
 #: Model -> the attention kinds its layers get (and so whether it runs with several groups).
 KINDS = ["gemma3_text", "gpt_oss", "qwen3", "qwen2", "mistral", "llama4_text"]
 HYBRID = {"gemma3_text", "gpt_oss", "qwen3", "qwen2", "llama4_text"}
+#: The families the fused forward takes (full and sliding layers, through their groups' tables).
+FUSED = {"qwen2", "mistral"}
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -132,7 +136,7 @@ def test_ragged_batch_matches_generate_and_releases_blocks(model_dir, dense):
     runner = llm.llm_engine.core.runner
     groups = runner.grouping.num_groups
     assert (groups > 1) == (kind in HYBRID)
-    assert runner.windowed and not runner.fused  # the fused forward attends fully
+    assert runner.windowed and runner.fused == (kind in FUSED)
     assert llm.max_model_len == MAX_LEN  # no cap at the window any more
     prompts = _prompts(0, [41, 5, 57, 23])
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -189,6 +193,27 @@ def test_kernel_path_matches_generate(model_dir, dense):
     llm.llm_engine.manager.check_invariants()
 
 
+def test_fused_and_model_forward_agree_with_generate(model_dir, dense):
+    """Mistral (every layer slides: one group) and Qwen2 (full beside sliding: two groups) run
+    through the fused forward by default (the tests above); the model's own forward gives the
+    same tokens, and so do the fused element-wise kernels under the interpreter."""
+    kind, _ = model_dir
+    if kind not in FUSED:
+        pytest.skip("the fused forward takes Llama, Mistral and Qwen2 layouts")
+    prompts = _prompts(6, [37, 4, 52])
+    backends = [dict(fused_model=False), dict(fused_model=True)]
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        backends.append(dict(fused_model=True, attention_backend="triton",
+                             max_num_batched_tokens=16))
+    for kw in backends:
+        llm = _llm(model_dir, **kw)
+        assert llm.llm_engine.core.runner.fused == kw["fused_model"]
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            assert o.outputs[0].token_ids == _reference(dense, p), (kind, kw, len(p))
+        llm.llm_engine.manager.check_invariants()
+
+
 def test_prefix_hit_matches_generate(model_dir, dense):
     llm = _llm(model_dir)
     shared = _prompts(2, [40])[0]
@@ -218,9 +243,69 @@ def test_preemption_recomputes_and_matches_generate(model_dir, dense):
     llm.llm_engine.manager.check_invariants()
 
 
+def test_preemption_by_swap_matches_generate(model_dir, dense):
+    """Swapped out and back in, every group's blocks (the windowed groups' released entries
+    staying released) carry the KV on: the same tokens as transformers, with swaps counted."""
+    prompts = _prompts(3, [20, 17, 23])
+    params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
+    grouping = group_layers(layer_kinds(_config(model_dir[0])), MAX_LEN, BLOCK)
+    peak = sequence_blocks(grouping.groups, 23 + 28, BLOCK, 16)
+    # swap_space in bytes: 128 pages (a page: the group's layer slots x K and V x 4 tokens x
+    # 2 heads x 16 dims x fp32).
+    page = grouping.slots * 2 * BLOCK * 2 * 16 * 4
+    llm = _llm(model_dir, num_blocks=peak + 2, max_num_batched_tokens=16,
+               swap_space=128 * page + page // 2, preemption_mode="swap")
+    engine = llm.llm_engine
+    assert engine.core.runner.swap is not None
+    assert engine.core.runner.spec.bytes_per_block == page
+    assert engine.manager.num_host_blocks == 128
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.stats()
+    assert stats.num_preemptions_swap > 0
+    assert stats.num_preemptions_swap == stats.num_preemptions
+    assert stats.swapped_out_blocks > 0 and stats.swapped_in_blocks == stats.swapped_out_blocks
+    assert engine.scheduler.num_preemptions_by_mode["swap"] == stats.num_preemptions_swap
+    runner = engine.core.runner
+    assert runner.swap.num_swapped_out == stats.swapped_out_blocks
+    assert runner.swap.num_swapped_in == stats.swapped_in_blocks
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _reference(dense, p, 28)
+    engine.manager.check_invariants()
+    assert engine.manager.num_seqs == 0
+    assert engine.manager.num_free_host_blocks == 128
+
+
+def test_auto_preemption_prices_every_groups_pages(model_dir, dense):
+    """``preemption_mode="auto"`` with given rates: the cost model prices a page's bytes (one
+    group's layer slots) for every group's blocks; a link fast enough swaps every victim, one slow
+    enough recomputes each, and both give transformers' tokens."""
+    kind, _ = model_dir
+    if kind not in ("gemma3_text", "llama4_text"):
+        pytest.skip("one sliding and one chunked hybrid suffice")
+    prompts = _prompts(3, [20, 17, 23])
+    params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
+    grouping = group_layers(layer_kinds(_config(kind)), MAX_LEN, BLOCK)
+    peak = sequence_blocks(grouping.groups, 23 + 28, BLOCK, 16)
+    outs = {}
+    for mode, link, tps in (("swap", 1e15, 1.0), ("recompute", 1.0, 1e15)):
+        llm = _llm(model_dir, num_blocks=peak + 2, max_num_batched_tokens=16,
+                   num_host_blocks=128, host_link_bytes_per_s=link, prefill_tokens_per_s=tps)
+        engine = llm.llm_engine
+        runner = engine.core.runner
+        assert runner.spec.num_layers == grouping.slots < len(layer_kinds(_config(kind)))
+        assert engine.manager.cost_model.kv_bytes_per_token == runner.spec.bytes_per_token
+        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                    use_tqdm=False)]
+        stats = llm.stats()
+        assert stats.num_preemptions > 0
+        assert engine.scheduler.num_preemptions_by_mode[mode] == stats.num_preemptions
+        engine.manager.check_invariants()
+    assert outs["swap"] == outs["recompute"] == [_reference(dense, p, 28) for p in prompts]
+
+
 @pytest.mark.parametrize("setting", [
-    dict(swap_space="1MiB"), dict(num_host_blocks=8), dict(host_cache_memory="1MiB"),
-    dict(kv_events_bind="tcp://127.0.0.1:0"), dict(tensor_parallel_size=2)])
+    dict(host_cache_memory="1MiB"),
+    dict(tensor_parallel_size=2)])
 def test_hybrid_refuses_what_groups_cannot_do(model_dir, loaded, setting):
     kind, directory = model_dir
     if kind not in HYBRID:
@@ -274,7 +359,7 @@ def test_softcapped_attention_is_refused(tmp_path):
 
 def test_one_kind_of_layer_keeps_one_group_and_the_fused_forward(tmp_path):
     """A Llama (every layer full) runs as before: one group, one pool slot per layer, the fused
-    forward, no per-group metadata; a Mistral whose layers all slide: one group, not fused."""
+    forward, no per-group metadata."""
     cfg = transformers.LlamaConfig(**dict(_COMMON, num_hidden_layers=2))
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
     runner = LLMEngine(str(tmp_path), device="cpu", block_size=BLOCK,
@@ -368,7 +453,7 @@ def test_gpu_windowed_greedy_is_dense_argmax(kind, tmp_path):
     llm = LLM(str(tmp_path), device="cuda", dtype=torch.bfloat16, block_size=16,
               num_blocks=peak + 8, max_num_seqs=8, max_num_batched_tokens=128, progress=False)
     runner = llm.llm_engine.core.runner
-    assert runner.graph_sizes and not runner.fused
+    assert runner.graph_sizes and runner.fused == (kind == "mistral")
     assert (runner.grouping.num_groups > 1) == (kind != "mistral")
     outs = llm.generate(prompts, params, use_tqdm=False)
     st = llm.stats()
@@ -407,4 +492,21 @@ def test_speculation_with_groups_equals_plain_greedy(model_dir, dense):
     stats = llm.stats()
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
     assert llm.llm_engine.manager.num_groups > 1
+    llm.llm_engine.manager.check_invariants()
+
+
+def test_cost_model_rates_are_measured_on_a_grouped_runner(model_dir):
+    """Unpinned rates are measured through a scratch manager on the runner's buffers: with
+    several groups it must carry the runner's groups (the buffers hold one table per group)."""
+    if model_dir[0] not in HYBRID:
+        pytest.skip("one group: measured as before")
+    llm = _llm(model_dir, swap_space="1MiB", preemption_mode="auto",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    core = llm.llm_engine.core
+    assert core.runner.grouping.num_groups > 1
+    link, tps, floor = core.cost_rates
+    assert link > 0 and tps > 0 and floor >= 0
+    assert core.spec_policy is not None and core.spec_policy.rate == tps
+    out = llm.generate([_prompts(9, [20])[0]], GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == NEW
     llm.llm_engine.manager.check_invariants()

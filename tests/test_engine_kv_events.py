@@ -18,8 +18,9 @@ zmq = pytest.importorskip("zmq")
 
 from pagedkv import LLM, SamplingParams, hash_prompt  # noqa: E402
 from pagedkv.errors import ConfigArgumentError  # noqa: E402
-from pagedkv.events import BlockStored, decode_batch, hash_from_wire  # noqa: E402
+from pagedkv.events import BlockRemoved, BlockStored, decode_batch, hash_from_wire  # noqa: E402
 
+from polling import wait_for  # noqa: E402
 from tiny_llama import save_tiny_llama  # noqa: E402
 
 KEY = 1234
@@ -40,6 +41,8 @@ def test_engine_publishes_stored_blocks_with_the_documented_hashes(tmp_path) -> 
     try:
         prompt = list(range(10, 30))  # 5 full blocks
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+        # The publisher's thread sends what the engine queued: wait until all of it is out.
+        wait_for(lambda: pub.sent_batches == pub.queued_batches, 10)
         frames: List[list] = []
         while sub.poll(2000):
             frames.append(sub.recv_multipart())
@@ -75,3 +78,98 @@ def test_bad_event_settings_are_refused(kwargs: dict, field: str) -> None:
     with pytest.raises(ConfigArgumentError) as err:
         EngineConfig(**kwargs)
     assert err.value.fields["field"] == field
+
+
+def _save_tiny_gemma3(directory: str) -> str:
+    """A tiny random Gemma 3 text model: three sliding layers (window 8) and one full layer, so
+    the engine runs it with several KV cache groups."""
+    import torch
+    import transformers
+
+    torch.manual_seed(1234)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.1,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+        num_hidden_layers=4, sliding_window=8, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
+def test_hybrid_engine_events_carry_groups_balance_and_route(tmp_path) -> None:
+    """A model with sliding and full layers publishes every group's blocks (group_idx and the
+    group's spec), its released sliding blocks' evictions as removals of their group; the stream
+    replayed per group equals the manager's cache; a router fed the stream over its own
+    subscriber sends a prompt sharing a cached prefix to this engine."""
+    from pagedkv.router.app import ReplicaSpec, Router
+
+    model = _save_tiny_gemma3(str(tmp_path / "gemma3"))
+    llm = LLM(model, device="cpu", num_blocks=48, block_size=4, max_num_seqs=2,
+              max_num_batched_tokens=16, progress=False, hash_seed=KEY,
+              kv_events_bind="tcp://127.0.0.1:*", kv_events_replay_endpoint="tcp://127.0.0.1:*")
+    engine = llm.llm_engine
+    manager = engine.manager
+    assert manager.num_groups > 1
+    kinds = [g.kind for g in manager.groups]
+    pub = engine.kv_events.publisher
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub.endpoint)
+    # Replica 0 publishes nothing; replica 1 is this engine, followed over a real subscriber.
+    router = Router([ReplicaSpec("http://127.0.0.1:9"),
+                     ReplicaSpec("http://127.0.0.1:9", pub.endpoint, pub.replay_endpoint)],
+                    block_size=4, hash_seed=KEY)
+    router.start()
+    time.sleep(0.3)
+    try:
+        shared = list(range(10, 26))  # four blocks every later prompt starts with
+        prompts = [shared + [40 + 7 * k + t for t in range(12 + 4 * (k % 2))] for k in range(8)]
+        for p in prompts:
+            llm.generate([p], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+        # The publisher's thread sends what the engine queued: wait until all of it is out
+        # (counting frames against sent_batches alone misses batches still queued).
+        wait_for(lambda: pub.sent_batches == pub.queued_batches, 10)
+        frames: List[list] = []
+        while len(frames) < pub.sent_batches and sub.poll(2000):
+            frames.append(sub.recv_multipart())
+        assert len(frames) == pub.sent_batches
+        events = [e for f in frames for e in decode_batch(f[2]).events]
+        held: set = set()
+        removed_groups = set()
+        for e in events:
+            if isinstance(e, BlockStored):
+                g = e.group_idx
+                assert g is not None and 0 <= g < len(kinds)
+                window = manager.groups[g].size if kinds[g] == "sliding" else None
+                assert (e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) == (
+                    {"full": "full_attention", "sliding": "sliding_window"}[kinds[g]], window)
+                for h in e.block_hashes:
+                    assert (g, hash_from_wire(h)) not in held
+                    held.add((g, hash_from_wire(h)))
+            elif isinstance(e, BlockRemoved):
+                assert e.group_idx is not None
+                removed_groups.add(e.group_idx)
+                for h in e.block_hashes:
+                    held.remove((e.group_idx, hash_from_wire(h)))
+            else:
+                held.clear()
+        assert sorted(held) == manager.cached_block_keys()
+        assert any(kinds[g] == "sliding" for g in removed_groups), "no sliding block evicted"
+        assert {g for g, _ in held} == set(range(len(kinds)))
+        manager.check_invariants()
+        # The last prompt's chain is cached in group 0; the router matches its shared prefix
+        # on replica 1 only, and places a new prompt sharing it there.
+        hashes = hash_prompt(prompts[-1], 4, KEY)
+        assert {(0, h) for h in hashes[:4]} <= held
+        wait_for(lambda: router.index.match(hashes[:4]).get(1, 0) == 4)
+        assert router.index.full_groups(1) == {g for g, k in enumerate(kinds) if k == "full"}
+        assert router.choose(shared + [99, 98, 97, 96, 95], None)[0] == 1
+        assert router.stats.matched_blocks == 4
+        assert engine.kv_events.ring_dropped == 0
+    finally:
+        router.close()
+        sub.close()
+        llm.shutdown()
+    assert pub.dropped_batches == 0

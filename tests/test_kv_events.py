@@ -62,6 +62,8 @@ def test_sink_converts_core_tuples_in_order() -> None:
     (lambda s: s.add_stored([1], None, [1], 0), "block_size"),
     (lambda s: s.add_removed([True]), "block_hash"),
     (lambda s: s.add_core([("moved", "GPU", [1], None, [], 1)]), "kind"),
+    (lambda s: s.add_removed([1], group_idx=-1), "group_idx"),
+    (lambda s: s.add_stored([1], None, [1], 1, group_idx=True), "group_idx"),
 ])
 def test_sink_refuses_bad_events(call: Callable[[EventSink], None], what: str) -> None:
     sink = EventSink()
@@ -70,6 +72,42 @@ def test_sink_refuses_bad_events(call: Callable[[EventSink], None], what: str) -
         call(sink)
     assert err.value.fields["what"] == what
     assert len(sink) == 1  # what was there stays
+
+
+def test_sink_names_groups_only_for_a_grouped_manager() -> None:
+    """With the manager's groups, core events carry vLLM's group fields (the spec on stores);
+    without (one group), the bytes are exactly the ungrouped ones, whatever the tuple's length."""
+    from pagedkv import KVCacheGroup
+
+    core = [("stored", "GPU", [7, 8], None, [1, 2, 3, 4], 2, 0),
+            ("stored", "GPU", [7], None, [1, 2], 2, 1),
+            ("stored", "GPU", [8], 7, [3, 4], 2, 2),
+            ("removed", "GPU", [7], None, [], 2, 1),
+            ("cleared", "GPU", [], None, [], 2, 0)]
+    sink = EventSink([KVCacheGroup.full(), KVCacheGroup.sliding(512), ("chunked", 64)])
+    sink.add_core(core)
+    ev = sink.take()
+    assert [(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+            for e in ev[:3]] == [(0, "full_attention", None), (1, "sliding_window", 512),
+                                 (2, "chunked_local_attention", None)]
+    assert isinstance(ev[3], BlockRemoved) and ev[3].group_idx == 1
+    assert isinstance(ev[4], AllBlocksCleared)
+    wire = decode_batch(encode_batch(KVEventBatch(ts=0.0, events=ev))).events
+    assert wire == ev
+    # One group: the seven-field tuples encode as the six-field ones always did.
+    plain, seven = EventSink(), EventSink()
+    plain.add_core([c[:6] for c in core[:1]] + [core[3][:6]])
+    seven.add_core([core[0], ("removed", "GPU", [7], None, [], 2, 0)])
+    a, b = plain.take(), seven.take()
+    assert encode_batch(KVEventBatch(ts=0.0, events=a)) == encode_batch(
+        KVEventBatch(ts=0.0, events=b))
+    assert a[0].group_idx is None and b"group_idx" not in encode_batch(
+        KVEventBatch(ts=0.0, events=b))
+    # A group the manager does not have is refused; what came before stays.
+    sink = EventSink([KVCacheGroup.full(), KVCacheGroup.sliding(8)])
+    with pytest.raises(InvalidArgumentError) as err:
+        sink.add_core([core[0], ("removed", "GPU", [7], None, [], 2, 2)])
+    assert err.value.fields["what"] == "group" and len(sink) == 1
 
 
 def test_decode_refuses_garbage() -> None:

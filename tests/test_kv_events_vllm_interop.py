@@ -34,7 +34,15 @@ def sample_batch() -> KVEventBatch:
     ])
     sink.add_stored([99], 7, [1, 2, 3, 4], 4, medium="STORAGE", locality="LOCAL")
     sink.add_removed([99], medium="STORAGE", locality="REMOTE")
-    return KVEventBatch(ts=1234.5, events=sink.take(), data_parallel_rank=0)
+    # A manager with KV cache groups: group_idx and the group's spec fields, as vLLM sets them.
+    grouped = EventSink([("full", 0), ("sliding", 1024), ("chunked", 64)])
+    grouped.add_core([
+        ("stored", "GPU", [5, 6], None, list(range(8)), 4, 0),
+        ("stored", "GPU", [6], 5, [4, 5, 6, 7], 4, 1),
+        ("stored", "GPU", [6], 5, [4, 5, 6, 7], 4, 2),
+        ("removed", "GPU", [6], None, [], 4, 1),
+    ])
+    return KVEventBatch(ts=1234.5, events=sink.take() + grouped.take(), data_parallel_rank=0)
 
 
 def test_vllm_decodes_pagedkv_batches_field_for_field() -> None:

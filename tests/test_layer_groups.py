@@ -82,3 +82,30 @@ def test_uniform_models_are_one_full_group() -> None:
         group_layers([], 100, 4)
     with pytest.raises(InvalidConfigError):
         group_layers(oss, 0, 16)
+
+
+@pytest.mark.parametrize("raw", [
+    {"model_type": "gemma3_text", "num_hidden_layers": 13, "sliding_window": 512},
+    {"model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 512,
+     "sliding_window_pattern": 3},
+    {"model_type": "gpt_oss", "num_hidden_layers": 5, "sliding_window": 128},
+    {"model_type": "llama4_text", "num_hidden_layers": 9, "attention_chunk_size": 8192},
+    {"model_type": "llama4_text", "num_hidden_layers": 3, "attention_chunk_size": 64,
+     "no_rope_layers": [0, 1, 1]},
+    {"model_type": "qwen2", "num_hidden_layers": 4, "sliding_window": 64,
+     "use_sliding_window": True, "max_window_layers": 1},
+    {"model_type": "mistral", "num_hidden_layers": 3, "sliding_window": 4096},
+    {"model_type": "llama", "num_hidden_layers": 3},
+])
+def test_a_config_json_without_layer_types_reads_as_transformers_fills_them(raw: dict) -> None:
+    """A ``config.json`` written without ``layer_types`` (older checkpoints) gets the kinds
+    transformers derives for its model type, so ``pagedkv plan --hf-config`` on the file and the
+    engine on the loaded config group the layers alike."""
+    transformers = pytest.importorskip("transformers")
+    built = transformers.AutoConfig.for_model(**raw)
+    if raw["model_type"] not in ("mistral", "llama"):  # these have no layer_types at all
+        assert built.layer_types is not None
+    assert layer_kinds(raw) == layer_kinds(built)
+    if raw["model_type"] in ("gemma3_text", "gpt_oss", "llama4_text"):
+        kinds = layer_kinds(raw)
+        assert FULL in kinds and any(k != FULL for k in kinds)  # hybrid, not all one kind

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from pagedkv import _core
 from pagedkv import BlockManager, KVCacheGroup, StepBuffers, StepInfo
-from pagedkv.errors import BufferInvalidError, InvalidArgumentError, InvalidConfigError
+from pagedkv.errors import (BufferInvalidError, InvalidArgumentError, InvalidConfigError,
+                            OutOfBlocksError, OutOfHostBlocksError)
 from pagedkv.groups import bytes_per_token, live_blocks, page_bytes, peak_decode_blocks
 
 B = 4
@@ -193,8 +194,10 @@ def test_bad_groups_are_typed_errors() -> None:
         _core.BlockManager(16, B, groups=[("local", 3)])
     with pytest.raises(InvalidConfigError, match="group 0 must be Full"):
         BlockManager(16, B, groups=[KVCacheGroup.sliding(4), KVCacheGroup.full()])
-    with pytest.raises(InvalidConfigError, match="num_host_blocks"):
-        BlockManager(16, B, groups=HYBRID, num_host_blocks=4)
+    # Swap works with groups; the host tier does not yet.
+    assert BlockManager(16, B, groups=HYBRID, num_host_blocks=4).num_host_blocks == 4
+    with pytest.raises(InvalidConfigError, match="host_cache"):
+        BlockManager(16, B, groups=HYBRID, num_host_blocks=4, host_cache=True)
     with pytest.raises(InvalidArgumentError):
         BlockManager(16, B, groups=KVCacheGroup.full())  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError):
@@ -253,15 +256,23 @@ def test_sizing_helpers() -> None:
 @given(
     window=st.integers(1, 12),
     chunk=st.integers(1, 12),
-    ops=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 10**6)), min_size=1, max_size=40),
+    ops=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 10**6)), min_size=1, max_size=40),
 )
 def test_random_walks_keep_invariants(window: int, chunk: int, ops: list[tuple[int, int]]) -> None:
+    """Admissions (with prefix hits), forks, frees, appends with steps, and swaps out and in:
+    every group's step output matches its table, a swap round trip keeps each group's released
+    (``-1``) entries exactly, a refused call changes nothing, and the invariants hold."""
     groups = [KVCacheGroup.full(), KVCacheGroup.sliding(window), KVCacheGroup.chunked(chunk)]
-    m = BlockManager(48, B, watermark_blocks=0, groups=groups)
+    m = BlockManager(48, B, watermark_blocks=0, groups=groups, num_host_blocks=24)
     buf = StepBuffers(4, 64, 16, num_groups=3, backend="numpy")
     m.attach_buffers(buf)
     live: list[int] = []
+    swapped: dict[int, list[list[bool]]] = {}  # id -> each group's released entries
     next_id = 1
+
+    def released(s: int) -> list[list[bool]]:
+        return [[b == -1 for b in m.block_table(s, g)] for g in range(m.num_groups)]
+
     for op, x in ops:
         if op == 0 and len(live) < 4:
             prompt = [x % 5 + i % 3 for i in range(1 + x % 13)]
@@ -290,8 +301,41 @@ def test_random_walks_keep_invariants(window: int, chunk: int, ops: list[tuple[i
             m.fork(live[x % len(live)], next_id)
             live.append(next_id)
             next_id += 1
-        elif op == 2 and live:
-            m.free(live.pop(x % len(live)))
+        elif op == 2 and (live or swapped):
+            ids = live + list(swapped)
+            victim = ids[x % len(ids)]
+            m.free(victim)
+            if victim in swapped:
+                del swapped[victim]
+            else:
+                live.remove(victim)
+        elif op == 5 and live:
+            victim = live[x % len(live)]
+            before = _snapshot(m, live + list(swapped))
+            nulls = released(victim)
+            try:
+                pairs = m.swap_out([victim])
+            except OutOfHostBlocksError:
+                assert _snapshot(m, live + list(swapped)) == before
+                continue
+            assert released(victim) == nulls
+            assert len(pairs) <= sum(not r for g in nulls for r in g)
+            live.remove(victim)
+            swapped[victim] = nulls
+        elif op == 6 and swapped and len(live) < 4:
+            ids = list(swapped)
+            back = ids[x % len(ids)]
+            before = _snapshot(m, live + ids)
+            try:
+                m.swap_in([back])
+            except OutOfBlocksError:
+                assert _snapshot(m, live + ids) == before
+                continue
+            assert released(back) == swapped.pop(back)
+            live.append(back)
+            # The step emits the swap-ins and shows every group's restored table.
+            info = m.step(live, 1)
+            _check_step(m, buf, info, live, [1] * len(live))
         elif live:
             before = _snapshot(m, live)
             try:
@@ -302,3 +346,41 @@ def test_random_walks_keep_invariants(window: int, chunk: int, ops: list[tuple[i
             info = m.step(live, 1)
             _check_step(m, buf, info, live, [1] * len(live))
         m.check_invariants()
+
+
+def test_swap_round_trip_moves_every_group() -> None:
+    """Through the Python API: ``decide`` counts every group's blocks, ``swap_out`` copies each
+    held block of every group once, released (``-1``) entries stay released on the host and after
+    ``swap_in``, and the steps emit every pair."""
+    from pagedkv import CostModel
+
+    m = BlockManager(64, B, watermark_blocks=0, groups=HYBRID, num_host_blocks=32)
+    buf = StepBuffers(2, 64, 16, num_groups=3, backend="numpy")
+    m.attach_buffers(buf)
+    m.admit(1, list(range(30)))
+    m.step([1], [30])
+    for t in range(3):  # decodes release what no later query reads
+        m.append(1, [100 + t])
+        m.step([1], [1])
+    tables = [m.block_table(1, g) for g in range(3)]
+    held = sum(b != -1 for t in tables for b in t)
+    assert -1 in tables[1] and -1 in tables[2] and held > len(tables[0])
+    d = m.decide([1], CostModel(1e9, 1e4, 1e3))
+    assert d.swap_blocks == held and d.swap_possible
+    pairs = m.swap_out([1])
+    assert len(pairs) == held == len({d for d, _ in pairs}) == len({h for _, h in pairs})
+    host = [m.block_table(1, g) for g in range(3)]
+    assert [[b == -1 for b in t] for t in host] == [[b == -1 for b in t] for t in tables]
+    assert m.num_free_host_blocks == 32 - held
+    m.check_invariants()
+    info = m.step([], [])
+    assert info.num_swap_out == held
+    back = m.swap_in([1])
+    assert len(back) == held
+    restored = [m.block_table(1, g) for g in range(3)]
+    assert [[b == -1 for b in t] for t in restored] == [[b == -1 for b in t] for t in tables]
+    info = m.step([1], [1])
+    assert info.num_swap_in == held
+    _check_step(m, buf, info, [1], [1])
+    assert m.num_free_host_blocks == 32
+    m.check_invariants()

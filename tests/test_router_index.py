@@ -152,3 +152,57 @@ def test_router_cli_index_flags() -> None:
                 ["--index-memory", "lots"]):
         with pytest.raises(SystemExit):
             p.parse_args(["--replica", "http://127.0.0.1:1", *bad])
+
+
+def test_windowed_groups_never_count_and_never_remove_the_full_groups_entries() -> None:
+    """A hybrid replica publishes every group's blocks under the same chain hashes: only the full
+    group's are matched, and a sliding group's removals (its window sliding past, its released
+    blocks evicted) leave the full group's entries."""
+    from pagedkv import KVCacheGroup
+
+    index = PrefixIndex()
+    sink = EventSink([KVCacheGroup.full(), KVCacheGroup.sliding(8), KVCacheGroup.chunked(8)])
+    chain = [11, 12, 13, 14]
+    sink.add_core([("stored", "GPU", chain, None, [1] * 16, 4, 0),
+                   ("stored", "GPU", chain, None, [1] * 16, 4, 1),
+                   ("stored", "GPU", [99], None, [1] * 4, 4, 2),
+                   ("removed", "GPU", chain[:3], None, [], 4, 1),
+                   ("removed", "GPU", [99], None, [], 4, 2)])
+    index.apply(0, KVEventBatch(ts=0.0, events=sink.take()))
+    assert index.full_groups(0) == {0}
+    assert index.match(chain) == {0: 4}
+    assert index.match([99]) == {}, "a chunked group's block is no prefix match"
+    # Replica 1 holds only a sliding group's blocks of the chain: no match.
+    sink.add_core([("stored", "GPU", chain, None, [1] * 16, 4, 1)])
+    index.apply(1, KVEventBatch(ts=0.0, events=sink.take()))
+    assert index.match(chain) == {0: 4}
+    # The full group's removal does drop the entries.
+    sink.add_core([("removed", "GPU", chain[2:], None, [], 4, 0)])
+    index.apply(0, KVEventBatch(ts=0.0, events=sink.take()))
+    assert index.match(chain) == {0: 2}
+
+
+def test_groups_are_learned_from_the_spec_kind_and_bounded() -> None:
+    from pagedkv.events import BlockRemoved, BlockStored, hash_to_wire
+    from pagedkv.router.index import MAX_GROUPS_PER_REPLICA
+
+    def stored(g: int, kind: Any, h: int) -> BlockStored:
+        return BlockStored(block_hashes=[hash_to_wire(h)], parent_block_hash=None,
+                           token_ids=[1], block_size=1, lora_id=None, medium="GPU",
+                           lora_name=None, group_idx=g, kv_cache_spec_kind=kind)
+
+    index = PrefixIndex()
+    # vLLM may number a sliding group 0 and the full one 1; an MLA group is full too; a group
+    # without a kind is full only as group 0; a removal from a group never stored is ignored.
+    events = [stored(0, "sliding_window", 5), stored(1, "full_attention", 6),
+              stored(2, "mla_attention", 7), stored(3, None, 8), stored(0, None, 9),
+              BlockRemoved(block_hashes=[hash_to_wire(6)], medium="GPU", group_idx=7)]
+    index.apply(0, KVEventBatch(ts=0.0, events=events))
+    assert index.full_groups(0) == {1, 2}
+    assert [index.match([h]).get(0, 0) for h in (5, 6, 7, 8, 9)] == [0, 1, 1, 0, 0]
+    many = [stored(g, "full_attention", 100 + g) for g in range(MAX_GROUPS_PER_REPLICA + 3)]
+    index.apply(1, KVEventBatch(ts=0.0, events=many))
+    assert len(index.full_groups(1)) == MAX_GROUPS_PER_REPLICA
+    assert index.refused[1] == 3
+    index.clear(0)
+    assert index.full_groups(0) == set()

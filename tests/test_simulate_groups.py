@@ -89,7 +89,7 @@ def test_capacity_check_counts_every_group():
     ({"groups": (("full", 0), ("window", 64)), "group_num_blocks": 10}, "layer_kinds"),
     ({"groups": (), "group_num_blocks": 10}, "groups"),
     ({"groups": (("full", 0), ("sliding", 64)), "group_num_blocks": 10,
-      "num_host_blocks": 8}, "groups"),
+      "host_cache_blocks": 8}, "groups"),
     ({"groups": (("full", 0), ("sliding", 64)), "group_num_blocks": -1}, "group_num_blocks"),
 ])
 def test_bad_group_config_is_refused(kw, field):
@@ -117,3 +117,24 @@ def test_cli_simulate_hf_config_with_groups(tmp_path, capsys):
     assert "paged, groups" in capsys.readouterr().out
     assert main(argv + ["--no-kv-groups", "--json"]) == 0
     assert "groups" not in json.loads(capsys.readouterr().out)
+
+
+def test_grouped_run_swaps_every_group():
+    """A pool too small for the workload with a host pool and ``preemption_mode="swap"``: the
+    grouped run preempts by swap (every group's blocks out and back), serves every request and
+    ends with the manager's invariants checked and nothing left allocated."""
+    from dataclasses import replace
+
+    # Long outputs arriving at once in 66 blocks (264 pages): the running sequences outgrow it.
+    work = replace(WORKLOAD, num_requests=24, arrival_rate=50.0, prompt_median=200,
+                   output_median=600)
+    sim, _ = _sim(num_blocks=66, num_host_blocks=4000, preemption_mode="swap")
+    res = simulate(work, sim)
+    g = res.grouped
+    assert g is not None
+    assert g.requests_served == work.num_requests
+    assert g.preemptions_swap > 0 and g.preemptions_recompute == 0
+    assert g.swap_ins == g.preemptions_swap  # each swapped sequence came back
+    assert res.paged.requests_served == work.num_requests
+    assert f"{g.preemptions} (swap {g.preemptions_swap}, recompute 0)" in format_report(res)
+    assert result_dict(res)["preemptions_swap_groups"] == g.preemptions_swap

@@ -117,8 +117,11 @@ class BlockManager:
     def kv_events_dropped(self) -> int: ...
     def drain_kv_events(
         self,
-    ) -> list[Tuple[str, str, list[int], Optional[int], list[int], int]]:
-        """``(kind, medium, block_hashes, parent_hash, token_ids, block_size)``, oldest first."""
+    ) -> list[Tuple[str, str, list[int], Optional[int], list[int], int, int]]:
+        """``(kind, medium, block_hashes, parent_hash, token_ids, block_size, group)``, oldest
+        first."""
+    def cached_block_keys(self) -> list[Tuple[int, int]]:
+        """``(group, hash)`` of every block of the device prefix cache, sorted."""
     @property
     def has_buffers(self) -> bool: ...
     def can_admit(

@@ -33,7 +33,9 @@ class SimConfig:
     max_prefill_tokens: int = 16384
     enable_prefix_caching: bool = True
     check_every: int = 0
-    #: Host KV blocks for swapped-out sequences (0: every preemption recomputes).
+    #: Host KV blocks for swapped-out sequences (0: every preemption recomputes). With
+    #: ``groups`` the grouped run gets the same host memory in pages
+    #: (``num_host_blocks * group_num_blocks // num_blocks``).
     num_host_blocks: int = 0
     #: ``"auto"`` (the manager's cost model per victim), ``"swap"`` or ``"recompute"``.
     preemption_mode: str = "auto"
@@ -142,11 +144,11 @@ class SimConfig:
             raise InvalidConfigError(
                 f"invalid simulation config: group_num_blocks = {n}: groups need a pool of >= 1 "
                 "page", field="group_num_blocks", value=n, reason="must be >= 1 with groups")
-        if self.num_host_blocks or self.host_cache_blocks:
+        if self.host_cache_blocks:
             raise InvalidConfigError(
-                "invalid simulation config: groups with num_host_blocks or host_cache_blocks: "
-                "the manager swaps and tiers one group only", field="groups", value=g,
-                reason="no host pool with groups")
+                "invalid simulation config: groups with host_cache_blocks: the host tier indexes "
+                "one group only (num_host_blocks, swap, works)", field="groups", value=g,
+                reason="no host tier with groups")
 
 
 @dataclass

@@ -151,6 +151,9 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     B = sim.block_size
     max_blocks = _blocks_for(workload.max_model_len, B)
     host_blocks = sim.num_host_blocks + sim.host_cache_blocks
+    if grouped and host_blocks:
+        # The same host memory in pages (a page holds one group's layers, not every layer).
+        host_blocks = host_blocks * sim.group_num_blocks // sim.num_blocks
     extra: dict[str, Any] = {"num_host_blocks": host_blocks} if host_blocks else {}
     if sim.host_cache_blocks:
         extra["host_cache"] = True
@@ -168,9 +171,14 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     if sim.num_host_blocks and sim.preemption_mode == "auto":
         from .manager import CostModel
 
+        # A swap moves pages: with groups, a page's bytes per token (the same memory over
+        # `group_num_blocks` pages instead of `num_blocks` blocks).
+        per_token = float(sim.kv_bytes_per_token)
+        if grouped:
+            per_token *= sim.num_blocks / sim.group_num_blocks
         mgr.cost_model = CostModel(host_link_bytes_per_s=sim.host_link_bytes_per_s,
                                    prefill_tokens_per_s=sim.prefill_tokens_per_s,
-                                   kv_bytes_per_token=float(sim.kv_bytes_per_token),
+                                   kv_bytes_per_token=per_token,
                                    step_floor_s=float(sim.step_floor_s),
                                    max_step_tokens=sim.max_prefill_tokens)
     _check_capacity(workload, sim, mgr.watermark_blocks, grouped)

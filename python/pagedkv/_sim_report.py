@@ -81,6 +81,7 @@ def result_dict(result: SimResult, *, model: Optional[str] = None, spec: Optiona
             "page_occupancy_mean_groups": _r(g.kv_utilization_mean),
             "page_occupancy_peak_groups": _r(g.kv_utilization_peak),
             "preemptions_groups": g.preemptions,
+            "preemptions_swap_groups": g.preemptions_swap,
             "recomputed_prompt_tokens_groups": g.recomputed_prompt_tokens,
             "prefix_hit_ratio_groups": _r(g.prefix_hit_ratio),
             "evictions_groups": g.evictions,
@@ -180,7 +181,8 @@ def format_report(result: SimResult, *, model: Optional[str] = None, spec: Optio
             "KV utilization peak": f"{g.kv_utilization_peak:.1%} of pages",
             "waste slots / seq": f"{g.waste_tokens_per_seq:.1f}",
             "waste fraction": "—",
-            "preemptions": f"{g.preemptions} (recompute {g.preemptions_recompute})",
+            "preemptions": f"{g.preemptions} (swap {g.preemptions_swap}, recompute "
+                           f"{g.preemptions_recompute})",
             "steps to finish": f"{g.steps:,}",
             "tokens / step": f"{g.tokens_per_step:.2f}",
             "requests / step": f"{g.requests_per_step:.4f}",

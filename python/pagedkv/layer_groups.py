@@ -37,6 +37,12 @@ MAX_GROUPS = 64
 
 _FULL = KVCacheGroup.full()
 
+#: Model type -> the sliding-window pattern transformers fills ``layer_types`` from when a config
+#: has none (every ``n``-th layer full; ``sliding_window_pattern`` in the config overrides it).
+_DEFAULT_PATTERNS = {"gemma3": 6, "gemma3_text": 6, "gpt_oss": 2}
+#: Llama 4 model types: their ``layer_types`` default comes from ``no_rope_layers``.
+_LLAMA4 = ("llama4", "llama4_text")
+
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
     if isinstance(cfg, Mapping):
@@ -58,10 +64,15 @@ def layer_kinds(cfg: Any) -> List[KVCacheGroup]:
 
     Read, in order: ``layer_types`` (``"full_attention"`` / ``"attention"``,
     ``"sliding_attention"`` with ``sliding_window``, ``"chunked_attention"`` with
-    ``attention_chunk_size``); else ``sliding_window`` on every layer (Mistral), honouring
-    ``use_sliding_window`` and Qwen2's ``max_window_layers`` (layers from that index on slide), and
-    an older Gemma config's ``sliding_window_pattern`` (every ``n``-th layer full); else all full.
-    A multimodal config's ``text_config`` is read in its place.
+    ``attention_chunk_size``); else what transformers derives for the model type when a
+    ``config.json`` has no ``layer_types`` (:data:`_DEFAULT_PATTERNS`: Gemma 3 every 6th layer full
+    unless ``sliding_window_pattern`` says otherwise, gpt-oss every 2nd; Llama 4's
+    ``no_rope_layers``: its RoPE layers chunked, default every 4th layer NoPE and full); else
+    ``sliding_window`` on every layer (Mistral), honouring ``use_sliding_window``, Qwen2's
+    ``max_window_layers`` (layers from that index on slide) and an older config's
+    ``sliding_window_pattern`` (every ``n``-th layer full); else all full. A multimodal config's
+    ``text_config`` is read in its place. A raw ``config.json`` and the ``PretrainedConfig``
+    transformers builds from it give the same kinds.
 
     Raises:
         InvalidConfigError: No ``num_hidden_layers``, a ``layer_types`` of another length or with
@@ -94,9 +105,21 @@ def layer_kinds(cfg: Any) -> List[KVCacheGroup]:
                     "(full_attention, sliding_attention, chunked_attention)"
                 )
         return out
+    model_type = _get(cfg, "model_type")
+    if model_type in _LLAMA4 and _get(cfg, "attention_chunk_size") is not None:
+        chunked = KVCacheGroup.chunked(
+            _positive("attention_chunk_size", _get(cfg, "attention_chunk_size")))
+        rope = _get(cfg, "no_rope_layers")
+        if not rope:
+            every = _positive("no_rope_layer_interval", _get(cfg, "no_rope_layer_interval", 4))
+            rope = [int((i + 1) % every != 0) for i in range(layers)]
+        if not isinstance(rope, (list, tuple)) or len(rope) != layers:
+            raise InvalidConfigError(
+                f"no_rope_layers must list one flag per layer ({layers}), got {rope!r}"[:300])
+        return [chunked if flag else _FULL for flag in rope]
     if window and _get(cfg, "use_sliding_window", True):
         sliding = KVCacheGroup.sliding(_positive("sliding_window", window))
-        pattern = _get(cfg, "sliding_window_pattern")
+        pattern = _get(cfg, "sliding_window_pattern", _DEFAULT_PATTERNS.get(model_type))
         first = _get(cfg, "max_window_layers", 0) if _get(cfg, "model_type") in (
             "qwen2", "qwen2_moe", "qwen3", "qwen3_moe") else 0
         out = []

@@ -47,6 +47,7 @@ from .config import EngineConfig
 from .request import PromptLogprobStretch, Request, SampledToken
 from .sampler import SamplerRow, sample_batch
 from .spec_decode import Proposer, build_proposer
+from .spec_decode.policy import DraftPolicy
 from .spec_decode.verify import VerifyRow, verify_batch
 
 __all__ = ["EngineCore", "CoreStep", "build_block_manager"]
@@ -100,6 +101,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, runner: Any, manager: Any, scheduler: Scheduler, *,
                  tp: Any = None, kv_events: Any = None, tiers: Any = None,
                  cost_rates: Optional[Tuple[float, float, float]] = None,
+                 spec_rates: Optional[Tuple[float, float]] = None,
                  draft: Any = None) -> None:
         self.config = config
         self.runner = runner
@@ -135,6 +137,11 @@ class EngineCore:
                                            **({"draft": draft} if draft is not None else {}))
             self.spec_accepted_by_pos = [0] * spec.num_speculative_tokens
             scheduler.propose = self._propose
+        #: The per-step draft-length cap from the cost model (None: every step drafts in full).
+        self.spec_policy: Optional[DraftPolicy] = None
+        if spec is not None and spec_rates is not None:
+            self.spec_policy = DraftPolicy(spec.num_speculative_tokens, *spec_rates)
+        self.spec_counts["num_steps_skipped"] = 0
 
     @classmethod
     def create(cls, config: EngineConfig, runner: Any, model_path: str,
@@ -145,6 +152,15 @@ class EngineCore:
         host_blocks = config.host_blocks(runner.spec.bytes_per_block)
         extra: Dict[str, Any] = {}
         cost_rates: Optional[Tuple[float, float, float]] = None
+        spec_rates: Optional[Tuple[float, float]] = None
+        measured: Any = None
+
+        def measure() -> Any:  # once, and only if something needs a rate the config lacks
+            nonlocal measured
+            if measured is None:
+                measured = runner.measure_rates()
+            return measured
+
         if host_blocks:
             runner.enable_swap(host_blocks)
             if draft is not None:
@@ -154,11 +170,16 @@ class EngineCore:
                 link = config.host_link_bytes_per_s
                 tps, floor = config.prefill_tokens_per_s, config.step_floor_s
                 if link is None or tps is None:
-                    measured = runner.measure_rates()
-                    link = link if link is not None else measured.host_link_bytes_per_s
-                    tps = tps if tps is not None else measured.prefill_tokens_per_s
-                    floor = floor if floor is not None else measured.step_floor_s
+                    link = link if link is not None else measure().host_link_bytes_per_s
+                    tps = tps if tps is not None else measure().prefill_tokens_per_s
+                    floor = floor if floor is not None else measure().step_floor_s
                 cost_rates = (float(link), float(tps), float(floor or 0.0))
+        if config.speculative is not None:
+            # Whether a step's drafts pay: the same cost model (spec_decode/policy.py).
+            tps, floor = config.prefill_tokens_per_s, config.step_floor_s
+            tps = tps if tps is not None else measure().prefill_tokens_per_s
+            floor = floor if floor is not None else measure().step_floor_s
+            spec_rates = (float(tps), float(floor))
         extra.update(manager_tier_args(config))
         # KV events need the optional extra (msgspec, pyzmq): imported only when asked for.
         events = config.kv_events_endpoint is not None or config.kv_events_bind is not None
@@ -194,7 +215,7 @@ class EngineCore:
             can_swap=False if config.host_blocks(bpb) == config.host_cache_blocks(bpb) else None,
         )
         return cls(config, runner, manager, scheduler, tp=tp, kv_events=kv_events, tiers=tiers,
-                   cost_rates=cost_rates, draft=draft)
+                   cost_rates=cost_rates, spec_rates=spec_rates, draft=draft)
 
     # ---------------------------------------------------------------------------- requests
 
@@ -396,6 +417,13 @@ class EngineCore:
         if not any(limits):
             return None
         drafts = proposer.propose([seq.token_ids for seq in decodes], limits).tokens
+        if self.spec_policy is not None:
+            cap = self.spec_policy.cap(len(decodes), [len(d) for d in drafts if len(d)])
+            if cap == 0:
+                if any(len(d) for d in drafts):
+                    self.spec_counts["num_steps_skipped"] += 1
+                return None
+            drafts = [d[:cap] for d in drafts]
         out: List[List[int]] = []
         for d in drafts:
             d = list(d[:max(0, budget)])
@@ -404,6 +432,8 @@ class EngineCore:
         return out
 
     def _count_spec(self, drafted: List[int], num_accepted: List[int]) -> None:
+        if self.spec_policy is not None:
+            self.spec_policy.observe(drafted, num_accepted)
         c = self.spec_counts
         c["num_drafts"] += len(drafted)
         c["num_draft_tokens"] += sum(drafted)

@@ -27,9 +27,16 @@ and re-points the original ``q_proj``/``k_proj``/``v_proj``/``gate_proj``/``up_p
 views of it: no weight is stored twice and the model's own ``forward`` (``generate``, a dense
 reference) still runs on the same object.
 
+Sliding windows (Mistral, Qwen2's ``use_sliding_window``): :func:`fuse_model` records each layer's
+window from :func:`pagedkv.layer_groups.layer_kinds` (what the engine's KV cache groups are cut
+from, so the fused layer and its group agree), and each layer attends through its KV cache group's
+tables (``AttentionMetadata.groups[layer_group[layer]]``) with its window, as the registered
+attention function does for the model's own forward.
+
 Invariants: the fused forward computes what the model's eager forward with pagedkv's attention
 computes, rounding where it rounds (see :mod:`pagedkv.kernels.elementwise`); it is used only for
-models :func:`fusable` accepts (Llama/Mistral/Qwen2 layout, SiLU MLP, no tensor parallelism), and
+models :func:`fusable` accepts (Llama/Mistral/Qwen2 layout, SiLU MLP, full or sliding layers, no
+tensor parallelism), and
 the element-wise kernels run through Triton where the attention does (CUDA, or the runner's
 ``"triton"`` backend on the CPU under ``TRITON_INTERPRET=1``), through their PyTorch references
 otherwise.
@@ -48,6 +55,8 @@ from .forward_context import AttentionMetadata
 __all__ = ["fusable", "fuse_model", "is_fused", "fused_forward"]
 
 _FUSED_ATTR = "_pagedkv_fused"
+#: Per decoder layer, its sliding window in tokens (None: it attends to the whole context).
+_WINDOWS_ATTR = "_pagedkv_windows"
 
 
 def fusable(model: Any) -> Optional[str]:
@@ -59,6 +68,10 @@ def fusable(model: Any) -> Optional[str]:
         return "tensor-parallel shards run the model's own forward"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r} is not silu"
+    from ..layer_groups import layer_kinds
+
+    if any(k.kind == "chunked" for k in layer_kinds(cfg)):
+        return "chunked attention layers run the model's own forward"
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     if layers is None or not hasattr(base, "rotary_emb") or not hasattr(model, "lm_head"):
@@ -125,12 +138,22 @@ def fuse_model(model: Any) -> bool:
         return False
     if is_fused(model):
         return True
+    windows = _layer_windows(model)
     for layer in model.model.layers:
         att, mlp = layer.self_attn, layer.mlp
         att._pagedkv_qkv = _concat_linears([att.q_proj, att.k_proj, att.v_proj])
         mlp._pagedkv_gate_up = _concat_linears([mlp.gate_proj, mlp.up_proj])
+    setattr(model, _WINDOWS_ATTR, windows)
     setattr(model, _FUSED_ATTR, True)
     return True
+
+
+def _layer_windows(model: Any) -> tuple[Optional[int], ...]:
+    """Each decoder layer's sliding window (None where it attends fully), read as the engine
+    cuts its KV cache groups (:func:`pagedkv.layer_groups.layer_kinds`)."""
+    from ..layer_groups import layer_kinds
+
+    return tuple(k.size if k.kind == "sliding" else None for k in layer_kinds(model.config))
 
 
 def _ops(meta: AttentionMetadata):
@@ -176,6 +199,7 @@ def fused_layers(model: Any, meta: AttentionMetadata, h: torch.Tensor,
     """Decoder layers ``start .. stop - 1`` on the hidden state ``h`` (the last layer's MLP
     output) and the residual stream (``None`` before layer 0); returns both after ``stop - 1``."""
     rms_norm, rope_, silu_mul = _ops(meta)
+    windows = getattr(model, _WINDOWS_ATTR, None) or ()
     t = h.shape[0]
     for i in range(start, stop):
         layer = model.model.layers[i]
@@ -193,8 +217,8 @@ def fused_layers(model: Any, meta: AttentionMetadata, h: torch.Tensor,
         q = qkv[:, : hq * hd].view(t, hq, hd)
         k = qkv[:, hq * hd:(hq + hkv) * hd].view(t, hkv, hd)
         v = qkv[:, (hq + hkv) * hd:].view(t, hkv, hd)
-        o = _attend(meta, att.layer_idx if att.layer_idx is not None else i, q, k, v,
-                    att.scaling)
+        idx = att.layer_idx if att.layer_idx is not None else i
+        o = _attend(meta, idx, q, k, v, att.scaling, windows[idx] if windows else None)
         h = _linear(meta, o.reshape(t, hq * hd), att.o_proj.weight, att.o_proj.bias)
         norm = layer.post_attention_layernorm
         x, residual = rms_norm(h, norm.weight, _eps(norm), residual)
@@ -243,10 +267,12 @@ def _linear(meta: AttentionMetadata, x: torch.Tensor, w: torch.Tensor,
 
 
 def _attend(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor,
-            v: torch.Tensor, scaling: float) -> torch.Tensor:
+            v: torch.Tensor, scaling: float, window: Optional[int] = None) -> torch.Tensor:
+    if meta.layer_group is not None:  # KV cache groups: the layer's group's tables
+        meta = meta.groups[meta.layer_group[layer]]
     kc, vc = meta.k_caches[layer], meta.v_caches[layer]
     if meta.mode == "cpu":
         # The CPU path's index_copy_ and gathers want packed rows.
         return _attention._cpu_attention(q.contiguous(), k.contiguous(), v.contiguous(), kc, vc,
-                                         meta, scaling)
-    return _attention._cuda_attention(q, k, v, kc, vc, meta, scaling)
+                                         meta, scaling, window)
+    return _attention._cuda_attention(q, k, v, kc, vc, meta, scaling, window)

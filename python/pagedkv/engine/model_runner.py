@@ -32,10 +32,12 @@ Llama 4, Qwen with ``max_window_layers``): the runner cuts the layers into group
 (:func:`pagedkv.layer_groups.group_layers`, :attr:`ModelRunner.grouping`), the manager gets
 ``groups=`` (:attr:`ModelRunner.kv_groups`), the step buffers ``num_groups=``, and the pool one
 page per block holding one group's ``slots`` layers (``KVPool(layer_slot=...)``); each step's
-metadata carries every group's tables and each layer reads its group's. Swap, the tiers below the
-GPU, KV events and tensor parallelism are refused for such a model (:func:`check_groups_supported`).
-A model with one kind of layer runs exactly as before (one group; no fused forward if its layers
-slide, since the fused forward attends fully).
+metadata carries every group's tables and each layer reads its group's. Swap moves every group's
+blocks (a page is one block id across the pool's slots) and KV events name each block's group; the
+tiers below the GPU and tensor parallelism are refused for such a model
+(:func:`check_groups_supported`). A model with one kind of layer runs exactly as before (one
+group). The fused forward takes full and sliding layers (Mistral, Qwen2) through their groups'
+tables; chunked layers and the other families run the model's own forward.
 
 With tensor parallelism (``tensor_parallel=``, ``docs/tp.md``) the pool holds this rank's KV heads
 only; rank 0's ``execute`` broadcasts each validated step (tables and batch, one packet) before
@@ -176,14 +178,13 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
         self.grouping = group_layers(self.layer_kinds, self.max_model_len, block_size)
         #: The manager's ``groups=`` (one per KV cache group, group 0 full).
         self.kv_groups = self.grouping.groups
-        #: Whether some layer attends to a window or chunk only (the fused forward does not).
+        #: Whether some layer attends to a window or chunk only.
         self.windowed = any(k.kind != "full" for k in self.layer_kinds)
         #: Whether steps run through :func:`pagedkv.engine.fused.fused_forward` (``fused_model``
-        #: and a model :func:`~pagedkv.engine.fused.fusable` accepts, every layer full) rather
-        #: than the model's own forward. Fused before the pool is sized: concatenating the
-        #: weights frees the originals.
-        self.fused = (bool(config.fused_model) and not self.windowed
-                      and _fused.fuse_model(self.model))
+        #: and a model :func:`~pagedkv.engine.fused.fusable` accepts: full or sliding layers)
+        #: rather than the model's own forward. Fused before the pool is sized: concatenating
+        #: the weights frees the originals.
+        self.fused = bool(config.fused_model) and _fused.fuse_model(self.model)
         if self.fused and self.device.type == "cuda":
             torch.cuda.empty_cache()
         groups = self.grouping.num_groups
@@ -327,10 +328,11 @@ def is_hybrid(kinds: Sequence[Any]) -> bool:
 def check_groups_supported(config: EngineConfig, kinds: Sequence[Any], model: str = "", *,
                            tensor_parallel: bool = False) -> None:
     """Refuses what the cache does not do yet with more than one KV cache group (a model whose
-    full layers sit beside sliding or chunked ones): swapping to a host pool and the host, disk
-    and remote tiers of the prefix cache (they move one group's blocks), KV events (an event
-    carries no group) and tensor parallelism (its step packet carries group 0's tables only).
-    Preemption recomputes instead of swapping; prefix caching works.
+    full layers sit beside sliding or chunked ones): the host, disk and remote tiers of the
+    prefix cache (their index and records know one group's blocks) and tensor parallelism (its
+    step packet carries group 0's tables only). Swapping to a host pool (``swap_space``,
+    ``num_host_blocks``) works: a swap moves every group's blocks. Prefix caching and KV events
+    (each naming its group) work.
 
     Raises:
         ConfigArgumentError: ``config`` asks for one of them (the setting, the model and the
@@ -339,23 +341,19 @@ def check_groups_supported(config: EngineConfig, kinds: Sequence[Any], model: st
     if not is_hybrid(kinds):
         return
     asked = [(name, getattr(config, name)) for name in (
-        "swap_space", "num_host_blocks", "host_cache_memory", "disk_cache_dir",
-        "remote_cache_url", "kv_events_endpoint", "kv_events_bind")
+        "host_cache_memory", "disk_cache_dir", "remote_cache_url")
         if getattr(config, name) is not None]
     if tensor_parallel or config.tensor_parallel_size > 1:
         asked.append(("tensor_parallel_size", config.tensor_parallel_size))
     if not asked:
         return
     name, value = asked[0]
-    swap = name in ("swap_space", "num_host_blocks")
-    events = "publishing KV events"
-    what = ("swapping to host memory" if swap else
-            {"tensor_parallel_size": "tensor parallelism", "kv_events_endpoint": events,
-             "kv_events_bind": events}.get(name, "a prefix-cache tier below the GPU"))
+    what = {"tensor_parallel_size": "tensor parallelism"}.get(
+        name, "a prefix-cache tier below the GPU")
     mix = sorted({f"{k.kind}" + (f"({k.size})" if k.size else "") for k in kinds})
     reason = (f"{what} is not supported yet with a model whose layers form several KV cache "
               f"groups ({', '.join(mix)} attention layers)"
-              + ("; leave it out: preemption recomputes" if swap else ""))
+              + ("; swap_space (preemption by swap) works" if what.startswith("a prefix") else ""))
     shown = "<set>" if name == "remote_cache_url" else value
     raise ConfigArgumentError(f"invalid config: {name} = {shown!r} for model "
                               f"{model or 'in memory'!r}: {reason}", field=name,

@@ -184,12 +184,17 @@ class _RatesMixin:
         # The decode batch: as many 16-token sequences (up to 32) as the pool, the batch size
         # and the budget leave room for beside the full chunk.
         ctx, steps = 16, 10  # 9 measured steps append one token each
-        room_blocks = self.num_blocks - 1 - -(-t // bs)
-        per_seq = -(-(ctx + steps) // bs)
+        # With KV cache groups a sequence holds a block per group for each position (at most).
+        kv_groups = list(getattr(self, "kv_groups", ()))
+        ng = max(1, len(kv_groups))
+        room_blocks = self.num_blocks - 1 - ng * -(-t // bs)
+        per_seq = ng * -(-(ctx + steps) // bs)
         b = max(0, min(32, self.max_num_seqs - 1, t - 1, room_blocks // per_seq))
         chunk = t - b
+        extra = {"groups": kv_groups} if len(kv_groups) > 1 else {}
         mgr = BlockManager(self.num_blocks, bs, watermark_blocks=0,
-                           max_blocks_per_seq=self.max_blocks_per_seq, enable_prefix_caching=False)
+                           max_blocks_per_seq=self.max_blocks_per_seq, enable_prefix_caching=False,
+                           **extra)
         mgr.attach_buffers(self.buffers)
         vocab = int(self.config.vocab_size)
         dec = list(range(1, b + 1))

@@ -87,6 +87,9 @@ class EngineStats:
     spec_acceptance_rate: float = 0.0
     #: Tokens a drafted sequence-step produced on average: ``1 + accepted / drafts``.
     spec_mean_acceptance_length: float = 0.0
+    #: Steps whose drafts the cost model dropped: verifying them would not have paid
+    #: (``pagedkv.engine.spec_decode.policy``).
+    spec_num_steps_skipped: int = 0
 
     def as_dict(self) -> Dict[str, Any]:
         """The counters as a plain dict (for JSON)."""
@@ -209,7 +212,8 @@ class StatsTracker:
         return {"spec_num_drafts": drafts, "spec_num_draft_tokens": tokens,
                 "spec_num_accepted_tokens": acc, "spec_accepted_tokens_by_position": by_pos,
                 "spec_acceptance_rate": acc / tokens if tokens else 0.0,
-                "spec_mean_acceptance_length": 1.0 + acc / drafts if drafts else 0.0}
+                "spec_mean_acceptance_length": 1.0 + acc / drafts if drafts else 0.0,
+                "spec_num_steps_skipped": d.get("num_steps_skipped", 0)}
 
     def _tier_stats(self, hits: int) -> Dict[str, Any]:
         """The per-tier fields of :class:`EngineStats` (the GPU's hits alone without a host tier):

@@ -4,7 +4,9 @@ Owns the wire schema (:mod:`.schema`: vLLM 0.33's ``KVEventBatch`` / ``BlockStor
 ``BlockRemoved`` / ``AllBlocksCleared`` as msgpack, hashes as 16 big-endian bytes), the publisher
 (:mod:`.publisher`: :class:`EventSink`, :class:`ZmqEventPublisher`) and a consumer
 (:mod:`.subscriber`: :class:`EventSubscriber`). ``docs/kv-events.md`` specifies the wire format
-and what a reader can learn from it. Needs ``msgspec`` and ``pyzmq`` (``pagedkv[serve]``).
+and what a reader can learn from it; with several KV cache groups every stored / removed event
+names its group (vLLM's ``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``),
+and a one-group engine's events leave those unset. Needs ``msgspec`` and ``pyzmq`` (``pagedkv[serve]``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ tiers' (added to :attr:`StepEventPublisher.sink` from Python) leave as one :clas
 any, in the order they were recorded; a step never waits on the network (the publisher's queue is
 bounded and drops, counting); ring overflow in the core is reported by
 :attr:`StepEventPublisher.ring_dropped`. Events carry the salted, keyed hashes only: neither the
-hash key nor any salt is ever published.
+hash key nor any salt is ever published. A manager with several KV cache groups publishes each
+stored / removed event with vLLM's ``group_idx`` (and a stored one with its group's
+``kv_cache_spec_kind`` / ``kv_cache_spec_sliding_window``); a one-group manager's events leave
+those unset, byte for byte as before.
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ class StepEventPublisher:
                  bind: Optional[str] = None) -> None:
         self._drain = manager.drain_kv_events
         self._manager = manager
+        groups = list(getattr(manager, "groups", None) or ())
         #: Where a lower tier (disk, Redis) adds its events; they leave with the next step's.
-        self.sink = EventSink()
+        #: With several KV cache groups its core events name their group and its spec.
+        self.sink = EventSink(groups if len(groups) > 1 else None)
         self.publisher = ZmqEventPublisher(endpoint, replay_endpoint, topic=topic, bind=bind)
         self._dropped_seen = 0
 

@@ -33,7 +33,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from .schema import (
     AllBlocksCleared,
@@ -45,7 +45,7 @@ from .schema import (
     hash_to_wire,
 )
 
-__all__ = ["EventSink", "ZmqEventPublisher", "CoreEvent", "END_SEQ", "DEFAULT_BUFFER_STEPS",
+__all__ = ["EventSink", "ZmqEventPublisher", "CoreEvent", "SPEC_KINDS", "group_specs", "END_SEQ", "DEFAULT_BUFFER_STEPS",
            "DEFAULT_HWM", "DEFAULT_MAX_QUEUE_SIZE", "DEFAULT_REPLAY_HWM", "DEFAULT_MAX_REPLAY_PEERS",
            "DEFAULT_REPLAY_STALL_S"]
 
@@ -69,8 +69,35 @@ _REPLAY_PER_ROUND = 64
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 #: What ``BlockManager.drain_kv_events()`` returns per event:
-#: ``(kind, medium, block_hashes, parent_hash, token_ids, block_size)``.
-CoreEvent = Tuple[str, str, List[int], Optional[int], List[int], int]
+#: ``(kind, medium, block_hashes, parent_hash, token_ids, block_size, group)`` (the six-field
+#: form without ``group`` is read as group 0).
+CoreEvent = Union[Tuple[str, str, List[int], Optional[int], List[int], int],
+                  Tuple[str, str, List[int], Optional[int], List[int], int, int]]
+
+#: A KV cache group's attention kind as vLLM's ``KVCacheSpecKind`` spells it in
+#: ``kv_cache_spec_kind`` (pagedkv's kinds: full, sliding, chunked).
+SPEC_KINDS = {"full": "full_attention", "sliding": "sliding_window",
+              "chunked": "chunked_local_attention"}
+
+
+def group_specs(groups: Sequence[object]) -> List[Tuple[str, Optional[int]]]:
+    """``(kv_cache_spec_kind, kv_cache_spec_sliding_window)`` per KV cache group, from a
+    manager's ``groups`` (:class:`~pagedkv.KVCacheGroup` objects or the core's ``(kind, size)``
+    tuples): the window for a sliding group, None otherwise (vLLM carries no chunk size).
+
+    Raises:
+        InvalidArgumentError: A group of an unknown kind.
+    """
+    out: List[Tuple[str, Optional[int]]] = []
+    for g in groups:
+        kind, size = ((getattr(g, "kind"), getattr(g, "size")) if hasattr(g, "kind")
+                      else tuple(g))  # type: ignore[call-overload]
+        spec = SPEC_KINDS.get(kind)
+        if spec is None:
+            raise _bad("groups", kind, f"a KV cache group's kind must be one of "
+                       f"{', '.join(SPEC_KINDS)}")
+        out.append((spec, int(size) if kind == "sliding" else None))
+    return out
 
 _KINDS = ("stored", "removed", "cleared")
 
@@ -80,6 +107,12 @@ def _bad(what: str, value: object, reason: str) -> Exception:
 
     return InvalidArgumentError(f"invalid argument: {what} = {value!r}: {reason}", what=what,
                                 value=value, reason=reason)
+
+
+def _check_group(group_idx: Optional[int]) -> None:
+    if group_idx is not None and (isinstance(group_idx, bool) or not isinstance(group_idx, int)
+                                  or group_idx < 0):
+        raise _bad("group_idx", group_idx, "must be None or an int >= 0")
 
 
 def is_bind_endpoint(endpoint: str) -> bool:
@@ -95,11 +128,19 @@ class EventSink:
     :meth:`add_stored` / :meth:`add_removed` from Python. Hashes are the 128-bit ints of
     ``docs/prefix-hash.md``; they become 16 big-endian bytes here. Thread-safe (a lock), so a tier's
     own thread may add events while the engine thread takes them.
+
+    Args:
+        groups: The manager's KV cache groups (as :func:`group_specs` reads them) when it has
+            more than one: the core's events then carry vLLM's ``group_idx`` (stored and
+            removed) and ``kv_cache_spec_kind`` / ``kv_cache_spec_sliding_window`` (stored).
+            None (a one-group manager): those fields stay unset, the bytes exactly as without
+            groups.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, groups: Optional[Sequence[object]] = None) -> None:
         self._events: List[KVEvent] = []
         self._lock = threading.Lock()
+        self._specs = None if groups is None else group_specs(groups)
 
     def __len__(self) -> int:
         with self._lock:
@@ -107,15 +148,21 @@ class EventSink:
 
     def add_stored(self, block_hashes: Sequence[int], parent_hash: Optional[int],
                    token_ids: Sequence[int], block_size: int, *, medium: str = "GPU",
-                   locality: Optional[str] = None) -> None:
-        """Blocks ``block_hashes`` (chain order, after ``parent_hash``) now hold ``token_ids``.
+                   locality: Optional[str] = None, group_idx: Optional[int] = None,
+                   kv_cache_spec_kind: Optional[str] = None,
+                   kv_cache_spec_sliding_window: Optional[int] = None) -> None:
+        """Blocks ``block_hashes`` (chain order, after ``parent_hash``) now hold ``token_ids``;
+        with ``group_idx``, they are that KV cache group's blocks (of the given spec kind and
+        sliding window).
 
         Raises:
             InvalidArgumentError: A hash is not a 128-bit unsigned int, ``block_size`` is not
-                positive, or ``token_ids`` is not ``len(block_hashes) * block_size`` long.
+                positive, ``token_ids`` is not ``len(block_hashes) * block_size`` long, or
+                ``group_idx`` is not None or an int >= 0.
         """
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise _bad("block_size", block_size, "must be an int >= 1")
+        _check_group(group_idx)
         hashes = [hash_to_wire(h) for h in block_hashes]
         tokens = [int(t) for t in token_ids]
         if len(tokens) != len(hashes) * block_size:
@@ -125,19 +172,24 @@ class EventSink:
         parent = None if parent_hash is None else hash_to_wire(parent_hash)
         event = BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
                             block_size=block_size, lora_id=None, medium=medium, lora_name=None,
+                            group_idx=group_idx, kv_cache_spec_kind=kv_cache_spec_kind,
+                            kv_cache_spec_sliding_window=kv_cache_spec_sliding_window,
                             locality=locality)
         with self._lock:
             self._events.append(event)
 
     def add_removed(self, block_hashes: Sequence[int], *, medium: str = "GPU",
-                    locality: Optional[str] = None) -> None:
-        """Blocks ``block_hashes`` left tier ``medium``.
+                    locality: Optional[str] = None, group_idx: Optional[int] = None) -> None:
+        """Blocks ``block_hashes`` (of KV cache group ``group_idx``, when given) left tier
+        ``medium``.
 
         Raises:
-            InvalidArgumentError: A hash is not a 128-bit unsigned int.
+            InvalidArgumentError: A hash is not a 128-bit unsigned int, or ``group_idx`` is not
+                None or an int >= 0.
         """
+        _check_group(group_idx)
         event = BlockRemoved(block_hashes=[hash_to_wire(h) for h in block_hashes],
-                             medium=medium, locality=locality)
+                             medium=medium, group_idx=group_idx, locality=locality)
         with self._lock:
             self._events.append(event)
 
@@ -148,17 +200,33 @@ class EventSink:
 
     def add_core(self, events: Iterable[CoreEvent]) -> None:
         """The tuples ``BlockManager.drain_kv_events()`` returned, in order. The core's tiers (GPU,
-        CPU) carry no ``locality``, as vLLM's own device-tier events.
+        CPU) carry no ``locality``, as vLLM's own device-tier events. With ``groups`` given to
+        the sink, each stored / removed event names its group (and a stored one the group's
+        spec); without, a group other than 0 is still named by ``group_idx`` alone.
 
         Raises:
             InvalidArgumentError: An event's kind is not ``stored`` / ``removed`` / ``cleared``,
-                or its fields are out of range (see :meth:`add_stored`); events before it stay.
+                its group is not one of the sink's ``groups``, or its fields are out of range
+                (see :meth:`add_stored`); events before it stay.
         """
-        for kind, medium, hashes, parent, tokens, block_size in events:
+        specs = self._specs
+        for event in events:
+            kind, medium, hashes, parent, tokens, block_size = event[:6]
+            group = event[6] if len(event) > 6 else 0  # type: ignore[misc]
+            idx: Optional[int] = None
+            spec: Tuple[Optional[str], Optional[int]] = (None, None)
+            if specs is not None:
+                if not 0 <= group < len(specs):
+                    raise _bad("group", group, f"the manager has {len(specs)} KV cache groups")
+                idx, spec = group, specs[group]
+            elif group:
+                idx = group
             if kind == "stored":
-                self.add_stored(hashes, parent, tokens, block_size, medium=medium)
+                self.add_stored(hashes, parent, tokens, block_size, medium=medium, group_idx=idx,
+                                kv_cache_spec_kind=spec[0],
+                                kv_cache_spec_sliding_window=spec[1])
             elif kind == "removed":
-                self.add_removed(hashes, medium=medium)
+                self.add_removed(hashes, medium=medium, group_idx=idx)
             elif kind == "cleared":
                 self.add_cleared()
             else:
@@ -289,6 +357,7 @@ class ZmqEventPublisher:
         self.replay_messages_sent = 0
         self.replays_aborted = 0
         self.replays_refused = 0
+        self._queued = 0
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="pagedkv-kv-events", daemon=True)
         self._thread.start()
@@ -301,6 +370,12 @@ class ZmqEventPublisher:
     def sent_batches(self) -> int:
         """Batches the thread has sent (the next batch's sequence number)."""
         return self._sent
+
+    @property
+    def queued_batches(self) -> int:
+        """Batches :meth:`publish` accepted: once :attr:`sent_batches` reaches it, every batch
+        published so far is on the wire (the thread sends them in order)."""
+        return self._queued
 
     def publish(self, batch: KVEventBatch) -> bool:
         """Queues ``batch`` for sending; never blocks. Returns False (and counts it) when the
@@ -315,6 +390,7 @@ class ZmqEventPublisher:
         except queue.Full:
             self._dropped += 1
             return False
+        self._queued += 1
         return True
 
     def publish_events(self, events: List[KVEvent]) -> bool:

@@ -102,15 +102,16 @@ class BlockManager(
             must be full. Each sequence gets one block table per group, all drawing on the one
             pool; a sliding or chunked group releases the blocks no later query reads when a step
             is built (``-1`` in :meth:`block_table`). ``None`` (the default): one full group,
-            the manager without groups. More than one group needs ``num_host_blocks=0`` and
-            ``kv_event_capacity=0``, and step buffers built with ``num_groups``.
+            the manager without groups. Swap moves every group's held blocks (released entries
+            stay ``-1``). More than one group needs ``host_cache=False`` and step buffers built
+            with ``num_groups``; KV events then name each block's group.
         max_provisional: Provisional tokens a sequence may hold past its committed length
             (speculative drafts; :meth:`append_provisional`, :meth:`commit`, :meth:`rewind`).
             0 (the default): none.
 
     Raises:
         InvalidConfigError: A value is out of range (no blocks, block size 0, watermark ≥ pool, a
-            group 0 that is not full, more than 64 groups, swap or KV events with groups, ...).
+            group 0 that is not full, more than 64 groups, the host tier with groups, ...).
         InvalidArgumentError: A size is negative or not an int (a bool is not one), or a flag is
             not a bool.
     """

@@ -80,10 +80,20 @@ class _ConfigMixin(_ManagerBase):
         """KV-event records the full ring overwrote before they were drained."""
         return self._core.kv_events_dropped
 
-    def drain_kv_events(self) -> List[Tuple[str, str, List[int], Optional[int], List[int], int]]:
+    def drain_kv_events(
+            self) -> List[Tuple[str, str, List[int], Optional[int], List[int], int, int]]:
         """The recorded KV events, oldest first, as ``(kind, medium, block_hashes, parent_hash,
-        token_ids, block_size)``; the ring is then empty (``docs/kv-events.md``)."""
+        token_ids, block_size, group)``, ``group`` the KV cache group of the blocks (0 for a
+        manager without groups, and for ``"cleared"``); the ring is then empty
+        (``docs/kv-events.md``)."""
         return self._core.drain_kv_events()
+
+    def cached_block_keys(self) -> List[Tuple[int, int]]:
+        """``(group, hash)`` of every block the device prefix cache holds (held by a sequence or
+        cached-free), sorted: what the device tier's stored and removed events add up to, hash
+        being the block's chained prefix hash (the same for every group). O(cached blocks); for
+        tests and diagnostics."""
+        return self._core.cached_block_keys()
 
     @property
     def num_free_blocks(self) -> int:

@@ -38,6 +38,10 @@ class _ReclaimMixin(_ManagerBase):
         :class:`~pagedkv.errors.InvalidSequenceStateError`), still known (``seq_id in manager``,
         :meth:`free` works, :meth:`block_table` lists their host blocks).
 
+        With KV cache groups every group's held blocks move (the pairs of all groups share the
+        one list: a page is group-agnostic); a sliding or chunked group's released entries stay
+        ``-1`` in its host table, and :meth:`swap_in` restores each table entry for entry.
+
         The copies are also queued and written by the next :meth:`step` into the ``swap_out``
         step buffer; the engine must run them before anything else of that step (a freed device
         block may be reused in the same step). Each copy carries the KV that steps already run
@@ -109,9 +113,10 @@ class _ReclaimMixin(_ManagerBase):
                batch_tokens: Optional[int] = None) -> Decision:
         """The cost model's choice for preempting the running ``seq_ids`` together.
 
-        Swap: 2 × the KV bytes of their distinct device blocks over the host link. Recompute: per
-        sequence, the tokens past the leading full blocks that stay cached after the preemption
-        (blocks other sequences also hold), at least one, summed over the sequences (× branches for
+        Swap: 2 × the KV bytes of their distinct device blocks (every KV cache group's) over the
+        host link. Recompute: per sequence, the tokens past the leading full blocks that stay
+        cached after the preemption (blocks other sequences also hold; with groups, the longest
+        boundary at which every group's blocks stay cached), at least one, summed over the sequences (× branches for
         a forked group), costed as what they add to the steps that carry them
         (:class:`CostModel`). Swap is chosen when the host pool has room and it is strictly
         cheaper. Read-only.

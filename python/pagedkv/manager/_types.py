@@ -67,7 +67,7 @@ class Decision(NamedTuple):
     recompute_cost_s: float
     #: Whether the host pool has room for the swap now (when not, the mode is recompute).
     swap_possible: bool
-    #: Distinct device blocks a swap would copy.
+    #: Distinct device blocks a swap would copy (over every KV cache group).
     swap_blocks: int
     #: Tokens a recompute would re-run.
     recompute_tokens: int

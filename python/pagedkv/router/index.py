@@ -15,6 +15,16 @@ Invariants:
   whose removals the replica cannot report, such as a shared Redis tier); ``BlockRemoved``
   without a medium, or ``AllBlocksCleared``, drops every tier; :meth:`PrefixIndex.clear` forgets
   one replica and no other;
+* only full-attention KV cache groups are indexed. An event without ``group_idx`` (a one-group
+  replica) is; one with a group counts when that group is known to be full for the replica:
+  learned from its ``BlockStored`` events' ``kv_cache_spec_kind`` (``"full_attention"`` or
+  ``"mla_attention"``; a store without a kind keeps what an earlier one taught of its group,
+  and a group never described is taken as full only if it is group 0, the group pagedkv's chain
+  lives in). A sliding or chunked group's blocks never count as a prefix match
+  (a hit needs the full groups' whole prefix; a window alone serves nothing), and a removal from
+  such a group, or from a group not yet known, leaves the entry the full group announced. With
+  several full groups an entry stands for the last such event of any of them. At most
+  :data:`MAX_GROUPS_PER_REPLICA` groups are learned per replica;
 * bounded whatever a replica publishes: a hash outside ``[0, 2**128)`` (never a prompt's) is not
   kept; a replica holds at most ``max_bytes_per_replica // ENTRY_BYTES`` (block, tier) entries and
   at most :data:`MAX_TIERS_PER_REPLICA` tiers. A store at the bound is always indexed: room is
@@ -50,7 +60,7 @@ from ..events.schema import (
 )
 
 __all__ = ["PrefixIndex", "DEFAULT_MAX_BYTES_PER_REPLICA", "DEFAULT_TTL_S", "ENTRY_BYTES",
-           "APPLY_SLICE", "MAX_TIERS_PER_REPLICA"]
+           "APPLY_SLICE", "MAX_TIERS_PER_REPLICA", "MAX_GROUPS_PER_REPLICA", "FULL_SPEC_KINDS"]
 
 logger = logging.getLogger("pagedkv.router")
 
@@ -68,6 +78,11 @@ DEFAULT_TTL_S: Mapping[str, float] = {"STORAGE": 600.0}
 APPLY_SLICE = 4096
 #: Distinct tiers (media) one replica may have; events naming more are not indexed.
 MAX_TIERS_PER_REPLICA = 8
+#: KV cache groups whose kind one replica may teach the index; a group beyond is not indexed.
+MAX_GROUPS_PER_REPLICA = 64
+#: ``kv_cache_spec_kind`` values (vLLM's ``KVCacheSpecKind``) whose blocks the index follows:
+#: every earlier position's KV is kept, so a block is a prefix match on its own.
+FULL_SPEC_KINDS = frozenset({"full_attention", "mla_attention"})
 _HASH_LIMIT = 1 << 128
 _DEVICE_TIER = "GPU"
 
@@ -93,9 +108,10 @@ def _bad(what: str, value: object, reason: str) -> Exception:
 
 
 class _Replica:
-    """One replica's entries: tier -> {hash: last-seen epoch}, and its counts."""
+    """One replica's entries: tier -> {hash: last-seen epoch}, its counts, and what it taught
+    the index of its KV cache groups (group -> full)."""
 
-    __slots__ = ("tiers", "entries", "blocks", "expired_at")
+    __slots__ = ("tiers", "entries", "blocks", "expired_at", "groups")
 
     def __init__(self) -> None:
         self.tiers: Dict[str, Dict[int, int]] = {}
@@ -103,6 +119,7 @@ class _Replica:
         #: Distinct hashes over all tiers.
         self.blocks = 0
         self.expired_at = -1
+        self.groups: Dict[int, bool] = {}
 
     def holds(self, h: int) -> bool:
         for entries in self.tiers.values():
@@ -151,7 +168,8 @@ class PrefixIndex:
         self.evicted: Dict[int, int] = {}
         #: Per replica: entries dropped because their TTL passed.
         self.expired: Dict[int, int] = {}
-        #: Per replica: stored entries not indexed because they named one tier too many.
+        #: Per replica: stored entries not indexed because they named one tier (or KV cache
+        #: group) too many.
         self.refused: Dict[int, int] = {}
         self._lock = threading.Lock()
 
@@ -190,6 +208,11 @@ class PrefixIndex:
         lock hold."""
         for event in batch.events:
             if isinstance(event, BlockStored):
+                if event.group_idx is not None:
+                    with self._lock:
+                        full = self._learn_group(replica, event)
+                    if not full:
+                        continue
                 tier = event.medium or _DEVICE_TIER
                 wires = event.block_hashes
                 for start in range(0, len(wires), APPLY_SLICE):
@@ -199,6 +222,11 @@ class PrefixIndex:
                         self._store(replica, tier, keys)
                     _yield_between(start, len(wires))
             elif isinstance(event, BlockRemoved):
+                if event.group_idx is not None:
+                    with self._lock:
+                        rep = self._replicas.get(replica)
+                        if rep is None or not rep.groups.get(event.group_idx, False):
+                            continue
                 wires = event.block_hashes
                 for start in range(0, len(wires), APPLY_SLICE):
                     keys = [k for k in map(_key, wires[start:start + APPLY_SLICE])
@@ -209,6 +237,36 @@ class PrefixIndex:
             elif isinstance(event, AllBlocksCleared):
                 with self._lock:
                     self._clear(replica)
+
+    def _learn_group(self, replica: int, event: BlockStored) -> bool:
+        """Notes the kind of ``event``'s group for ``replica``; whether its blocks are indexed
+        (a full-attention group, within :data:`MAX_GROUPS_PER_REPLICA`)."""
+        g = event.group_idx
+        if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+            return False
+        rep = self._replicas.get(replica)
+        if rep is None:
+            rep = self._replicas[replica] = _Replica()
+        kind = event.kv_cache_spec_kind
+        if kind is not None:
+            full = kind in FULL_SPEC_KINDS
+        else:  # what an earlier store said of the group, else group 0 only
+            full = rep.groups.get(g, g == 0)
+        if g not in rep.groups and len(rep.groups) >= MAX_GROUPS_PER_REPLICA:
+            if not self.refused.get(replica):
+                logger.warning("replica %d publishes more than %d KV cache groups (group %d is "
+                               "one too many): its blocks in those are not indexed", replica,
+                               MAX_GROUPS_PER_REPLICA, g)
+            self.refused[replica] = self.refused.get(replica, 0) + len(event.block_hashes)
+            return False
+        rep.groups[g] = full
+        return full
+
+    def full_groups(self, replica: int) -> Set[int]:
+        """The KV cache groups of ``replica`` the index follows (learned from its stores)."""
+        with self._lock:
+            rep = self._replicas.get(replica)
+            return set() if rep is None else {g for g, full in rep.groups.items() if full}
 
     def _store(self, replica: int, tier: str, keys: List[int]) -> None:
         self._epoch = self._epoch_now()

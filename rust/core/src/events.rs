@@ -3,7 +3,11 @@
 //!
 //! The manager records one fixed-size [`Record`] per block transition: a block registered under
 //! its hash (`Stored`, with its parent hash and token ids), a hash dropped (`Removed`), or the
-//! whole tier dropped (`Cleared`), each for the device (`Gpu`) or the host tier (`Host`). The
+//! whole tier dropped (`Cleared`), each for the device (`Gpu`) or the host tier (`Host`), and each
+//! (but `Cleared`, which drops every group) for one KV cache group: the record's hash is the
+//! sequence's chained prefix hash `h` of that block position, whatever the group, and `group` says
+//! whose block it is (0 for a manager without groups, so its records are exactly as before; the
+//! prefix cache keys group `g`'s block by `group_hash(h, g)`, see [`crate::groups`]). The
 //! ring is sized once (`ManagerConfig::kv_event_capacity` records, plus that many blocks of token
 //! ids in a flat arena, one slot per record), so recording is O(1) with no allocation; capacity 0
 //! (the default) disables it: nothing is recorded and each transition costs one branch.
@@ -16,11 +20,15 @@
 //! [`KvEventRing::drain`] turns records into [`KvEvent`]s, coalescing runs: consecutive `Stored`
 //! records of one medium that continue one chain (each one's parent is the previous one's hash)
 //! become one event listing their hashes and concatenated token ids, with the first one's parent;
-//! consecutive `Removed` records of one medium become one event. The allocation happens there, on
+//! consecutive `Removed` records of one medium become one event. A run never mixes groups. The allocation happens there, on
 //! the consumer's side, not on the step's.
 //!
 //! Invariants: `len <= capacity`; the live records are `head, head+1, ... (mod capacity)`, oldest
-//! first; record slot `i` owns `tokens[i*B..(i+1)*B]`.
+//! first; record slot `i` owns `tokens[i*B..(i+1)*B]`; every event of a drain holds records of one
+//! kind, medium and group. Replayed in order from the manager's start (or its last `Cleared`), the
+//! `Stored` / `Removed` events of the device tier leave exactly the set of `(group, hash)` pairs
+//! of the blocks the device prefix cache holds (`BlockManager::cached_block_keys`), group by
+//! group; `tests/events.rs` checks that balance with several groups.
 
 use crate::TokenId;
 
@@ -72,7 +80,10 @@ pub struct Record {
     pub kind: KvEventKind,
     /// Where.
     pub medium: Medium,
-    /// The block's prefix hash (0 for `Cleared`).
+    /// The KV cache group whose block it is (0 for `Cleared` and for a manager without groups).
+    pub group: u32,
+    /// The block's prefix hash (0 for `Cleared`): the chained hash of its position, the same for
+    /// every group (not the group's cache key).
     pub hash: u128,
     /// The previous block's hash in the chain, `None` for a chain's first block (`Stored` only).
     pub parent: Option<u128>,
@@ -85,6 +96,8 @@ pub struct KvEvent {
     pub kind: KvEventKind,
     /// Where.
     pub medium: Medium,
+    /// The KV cache group of every block of the event (0 for `Cleared`, which drops all groups).
+    pub group: u32,
     /// The blocks' hashes, in chain order (empty for `Cleared`).
     pub block_hashes: Vec<u128>,
     /// The first block's parent hash (`Stored` only; `None` for a chain's first block).
@@ -115,6 +128,7 @@ impl KvEventRing {
         let filler = Record {
             kind: KvEventKind::Cleared,
             medium: Medium::Gpu,
+            group: 0,
             hash: 0,
             parent: None,
         };
@@ -169,9 +183,24 @@ impl KvEventRing {
         i
     }
 
-    /// Records `Stored` for a block of `tokens` (`block_size` of them). No-op when disabled.
+    /// Records `Stored` for a group-0 block of `tokens` (`block_size` of them). No-op when
+    /// disabled.
     #[inline]
     pub fn stored(&mut self, medium: Medium, hash: u128, parent: Option<u128>, tokens: &[TokenId]) {
+        self.stored_in(medium, 0, hash, parent, tokens);
+    }
+
+    /// Records `Stored` for group `group`'s block at chain hash `hash` (not the group's cache
+    /// key), holding `tokens` (`block_size` of them). No-op when disabled.
+    #[inline]
+    pub fn stored_in(
+        &mut self,
+        medium: Medium,
+        group: u32,
+        hash: u128,
+        parent: Option<u128>,
+        tokens: &[TokenId],
+    ) {
         if !self.enabled() {
             return;
         }
@@ -179,6 +208,7 @@ impl KvEventRing {
         self.records[i] = Record {
             kind: KvEventKind::Stored,
             medium,
+            group,
             hash,
             parent,
         };
@@ -187,9 +217,15 @@ impl KvEventRing {
         self.tokens[i * bs..i * bs + n].copy_from_slice(&tokens[..n]);
     }
 
-    /// Records `Removed` for one hash. No-op when disabled.
+    /// Records `Removed` for one group-0 hash. No-op when disabled.
     #[inline]
     pub fn removed(&mut self, medium: Medium, hash: u128) {
+        self.removed_in(medium, 0, hash);
+    }
+
+    /// Records `Removed` for group `group`'s block at chain hash `hash`. No-op when disabled.
+    #[inline]
+    pub fn removed_in(&mut self, medium: Medium, group: u32, hash: u128) {
         if !self.enabled() {
             return;
         }
@@ -197,6 +233,7 @@ impl KvEventRing {
         self.records[i] = Record {
             kind: KvEventKind::Removed,
             medium,
+            group,
             hash,
             parent: None,
         };
@@ -211,6 +248,7 @@ impl KvEventRing {
         self.records[i] = Record {
             kind: KvEventKind::Cleared,
             medium,
+            group: 0,
             hash: 0,
             parent: None,
         };
@@ -228,6 +266,7 @@ impl KvEventRing {
             if let Some(last) = out[before..].last_mut() {
                 let joins = last.kind == r.kind
                     && last.medium == r.medium
+                    && last.group == r.group
                     && match r.kind {
                         KvEventKind::Stored => last.block_hashes.last().copied() == r.parent,
                         KvEventKind::Removed => true,
@@ -245,6 +284,7 @@ impl KvEventRing {
             out.push(KvEvent {
                 kind: r.kind,
                 medium: r.medium,
+                group: r.group,
                 block_hashes: if r.kind == KvEventKind::Cleared {
                     Vec::new()
                 } else {
@@ -314,6 +354,39 @@ mod tests {
         assert_eq!(out[5].kind, KvEventKind::Cleared, "clears never coalesce");
         assert!(r.is_empty());
         assert_eq!(r.drain(&mut out), 0);
+    }
+
+    #[test]
+    fn runs_never_mix_groups() {
+        let mut r = KvEventRing::new(16, 1).unwrap();
+        r.stored(Medium::Gpu, 10, None, &[1]);
+        // Group 1's block at the same position: same chain hash, its own event.
+        r.stored_in(Medium::Gpu, 1, 10, None, &[1]);
+        r.stored_in(Medium::Gpu, 1, 11, Some(10), &[2]);
+        r.stored(Medium::Gpu, 11, Some(10), &[2]);
+        r.removed_in(Medium::Gpu, 1, 10);
+        r.removed_in(Medium::Gpu, 1, 11);
+        r.removed(Medium::Gpu, 10);
+        r.cleared(Medium::Gpu);
+        let mut out = Vec::new();
+        assert_eq!(r.drain(&mut out), 6);
+        let seen: Vec<_> = out
+            .iter()
+            .map(|e| (e.kind, e.group, e.block_hashes.clone()))
+            .collect();
+        assert_eq!(
+            seen,
+            vec![
+                (KvEventKind::Stored, 0, vec![10]),
+                (KvEventKind::Stored, 1, vec![10, 11]),
+                (KvEventKind::Stored, 0, vec![11]),
+                (KvEventKind::Removed, 1, vec![10, 11]),
+                (KvEventKind::Removed, 0, vec![10]),
+                (KvEventKind::Cleared, 0, vec![]),
+            ]
+        );
+        assert_eq!(out[2].parent_hash, Some(10));
+        assert_eq!(out[1].token_ids, vec![1, 2]);
     }
 
     #[test]

@@ -174,6 +174,14 @@ pub fn group_hash(h: u128, g: usize) -> u128 {
     }
 }
 
+/// The chained hash `h` whose group-`g` key is `key`: the inverse of [`group_hash`] for that
+/// group (a KV event names a block by `h` and its group, not by the cache key).
+#[inline]
+pub fn group_unhash(key: u128, g: usize) -> u128 {
+    // The mix is an XOR with a per-group constant: its own inverse.
+    group_hash(key, g)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -271,6 +279,12 @@ mod tests {
         assert_eq!(group_hash(42, 0), 42);
         assert_ne!(group_hash(42, 1), 42);
         assert_ne!(group_hash(42, 1), group_hash(42, 2));
+        for g in 0..64 {
+            assert_eq!(
+                group_unhash(group_hash(0xDEAD_BEEF << 70, g), g),
+                0xDEAD_BEEF << 70
+            );
+        }
         assert_eq!(bytes_per_token(8, 64, 2, 12), 2 * 8 * 64 * 2 * 12);
         assert_eq!(page_bytes(&[10, 30, 20], 16), 480);
     }

@@ -285,14 +285,15 @@ impl CostModel {
 pub struct Decision {
     /// The cheaper mode (recompute when the host pool has no room for a swap).
     pub mode: PreemptMode,
-    /// 2 × the victim's KV bytes (distinct device blocks, whole blocks) / host-link bandwidth.
+    /// 2 × the victim's KV bytes (distinct device blocks of every KV cache group, whole blocks) /
+    /// host-link bandwidth.
     pub swap_cost_s: f64,
     /// Tokens to recompute after the prefix hits that would survive (summed over the branches of
     /// a forked group) / prefill throughput.
     pub recompute_cost_s: f64,
     /// Whether the host pool has room for the swap now; when not, the mode is recompute.
     pub swap_possible: bool,
-    /// Distinct device blocks a swap would copy.
+    /// Distinct device blocks a swap would copy (summed over the KV cache groups).
     pub swap_blocks: u64,
     /// Tokens a recompute would re-run.
     pub recompute_tokens: u64,

@@ -71,10 +71,14 @@ fn bad_group_configs_are_typed_errors() {
     assert_eq!(f, "groups");
     let mut c = cfg(8, 4, vec![FULL, AttentionKind::Sliding { window: 8 }]);
     c.num_host_blocks = 4;
-    assert_eq!(field(c).0, "num_host_blocks");
+    // Swap works with groups; the host tier does not (yet).
+    BlockManager::new(c.clone()).unwrap();
+    c.host_cache = true;
+    assert_eq!(field(c).0, "host_cache");
+    // KV events name each block's group (tests/events.rs): accepted with groups.
     let mut c = cfg(8, 4, vec![FULL, AttentionKind::Chunked { chunk: 8 }]);
     c.kv_event_capacity = 16;
-    assert_eq!(field(c).0, "kv_event_capacity");
+    assert!(BlockManager::new(c).is_ok());
     let (f, _) = field(cfg(8, 4, vec![FULL; MAX_GROUPS + 1]));
     assert_eq!(f, "groups");
     // One Full group is the manager without groups.

@@ -19,10 +19,14 @@
 //! through its own slot mapping into the one pool, and after every step each group must read back
 //! its own fingerprint at every position a later query of that group can read, through its own
 //! table; a windowed group must have released exactly the blocks dead for the step's first new
-//! position, no more and no fewer.
+//! position, no more and no fewer. Swaps are in the hybrid walks too: a swapped sequence's every
+//! group reads its fingerprints back from the host blocks its tables name. Its KV events, replayed
+//! per (group, hash) after every operation, must equal the device prefix cache's
+//! `cached_block_keys()`.
 
 use std::collections::HashMap;
 
+use pagedkv::events::KvEventKind;
 use pagedkv::groups::{dead_blocks, AttentionKind, NULL_BLOCK};
 use pagedkv::manager::{AdmitRequest, BlockManager, ManagerConfig};
 use pagedkv::step::{OwnedGroupBuffers, OwnedStepBuffers, StepLayout};
@@ -314,6 +318,17 @@ impl Harness {
                     for &h in t {
                         assert!(self.m.host_block_refcount(h).unwrap() >= 1);
                     }
+                    // Other groups on the host too: as long, the released prefix still null.
+                    for g in 1..self.m.num_groups() {
+                        let gt = self.m.block_table_group(id, g).unwrap();
+                        assert_eq!(gt.len(), t.len());
+                        let start = gt.iter().take_while(|&&h| h == NULL_BLOCK).count();
+                        assert!(start < gt.len(), "swapped group {g} released its tail");
+                        for &h in &gt[start..] {
+                            assert_ne!(h, NULL_BLOCK, "swapped group {g}: a null after a live one");
+                            assert!(self.m.host_block_refcount(h).unwrap() >= 1);
+                        }
+                    }
                     continue;
                 }
             }
@@ -396,10 +411,8 @@ impl Harness {
                     ms.state
                 );
             }
-            if ms.state != SeqState::Running {
-                continue;
-            }
-            // Every other group reads its own KV at every position a later query can read.
+            // Every other group reads its own KV at every position a later query can read,
+            // from the host blocks its table names while swapped out.
             for g in 1..self.m.num_groups() {
                 let kind = self.m.group_kind(g).unwrap();
                 let t = self.m.block_table_group(id, g).unwrap();
@@ -409,8 +422,12 @@ impl Harness {
                         b, NULL_BLOCK,
                         "seq {id} group {g}: position {p} released too early"
                     );
+                    let v = match ms.state {
+                        SeqState::Swapped => self.host_value(b, p % self.bs),
+                        _ => self.device_value(b, p % self.bs),
+                    };
                     assert_eq!(
-                        self.device_value(b, p % self.bs),
+                        v,
                         Some(fp_group(fp[p], g)),
                         "seq {id} group {g} position {p} reads the wrong KV"
                     );
@@ -1348,14 +1365,14 @@ proptest! {
 }
 
 /// Hybrid configurations: a full group 0, then a sliding and a chunked group (windows and chunks
-/// smaller and larger than a block, so releases happen mid-walk), with swap off (refused with
-/// groups: preemption is by recompute).
+/// smaller and larger than a block, so releases happen mid-walk), with swap on or off (the host
+/// pool of `config`, every group's blocks moving through it), the host tier off (refused with
+/// groups), and the KV-event ring on (large enough for any walk).
 fn hybrid_config() -> impl Strategy<Value = ManagerConfig> {
     (config(), 1u32..12, 1u32..12, any::<bool>()).prop_map(|(mut c, w, ch, order)| {
-        c.num_host_blocks = 0;
         c.host_cache = false;
         c.host_write_through = false;
-        c.kv_event_capacity = 0;
+        c.kv_event_capacity = 1 << 14;
         c.num_blocks *= 2;
         let (a, b) = (
             AttentionKind::Sliding { window: w },
@@ -1390,15 +1407,43 @@ proptest! {
         let extra = cfg.groups.len() - 1;
         let mut h = Harness {
             kv: vec![None; cfg.num_blocks as usize * bs],
-            host_kv: Vec::new(),
+            host_kv: vec![None; cfg.num_host_blocks as usize * bs],
             m: BlockManager::new(cfg).unwrap(),
             model: HashMap::new(),
             bs,
             ob: OwnedStepBuffers::new(layout),
             gob: OwnedGroupBuffers::new(layout, extra),
         };
+        // The device tier's KV events, replayed per (group, hash), equal the prefix cache after
+        // every operation.
+        let mut held = std::collections::BTreeSet::new();
+        let mut events = Vec::new();
+        let mut balance = |m: &mut BlockManager| {
+            events.clear();
+            m.drain_events(&mut events);
+            for e in &events {
+                let g = e.group as usize;
+                match e.kind {
+                    KvEventKind::Stored => {
+                        for &x in &e.block_hashes {
+                            assert!(held.insert((g, x)), "stored twice: ({g}, {x:#x})");
+                        }
+                    }
+                    KvEventKind::Removed => {
+                        for &x in &e.block_hashes {
+                            assert!(held.remove(&(g, x)), "removed unheld: ({g}, {x:#x})");
+                        }
+                    }
+                    KvEventKind::Cleared => held.clear(),
+                }
+            }
+            assert_eq!(m.events_dropped(), 0);
+            let want: std::collections::BTreeSet<_> = m.cached_block_keys().into_iter().collect();
+            assert_eq!(held, want);
+        };
         for op in &ops {
             h.apply(op);
+            balance(&mut h.m);
         }
         let live: Vec<SeqId> = h.model.keys().copied().collect();
         h.apply(&Op::Step { mask: live.iter().fold(0u16, |m, &s| m | 1 << s) });
@@ -1406,7 +1451,12 @@ proptest! {
             h.apply(&Op::Free { seq: s });
         }
         h.apply(&Op::Step { mask: 0 });
+        balance(&mut h.m);
         prop_assert_eq!(h.m.num_free_blocks(), h.m.config().num_blocks as usize);
         prop_assert_eq!(h.m.stats().used_blocks, 0);
+        prop_assert_eq!(
+            h.m.num_free_host_blocks(),
+            h.m.config().num_host_blocks as usize
+        );
     }
 }

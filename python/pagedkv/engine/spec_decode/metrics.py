@@ -8,6 +8,7 @@ cumulative speculative counters at scrape time:
 ``pagedkv_spec_decode_num_draft_tokens_total``                      draft tokens verified
 ``pagedkv_spec_decode_num_accepted_tokens_total``                   draft tokens accepted
 ``pagedkv_spec_decode_num_accepted_tokens_per_pos_total{position}`` accepted drafts at each position
+``pagedkv_spec_decode_num_steps_skipped_total``                     steps the cost model sent undrafted
 ==================================================================  =================================
 
 Invariants: reading changes nothing; the counters only grow (they are the core's lifetime counts,
@@ -30,6 +31,8 @@ _COUNTERS = (
      "Speculative draft tokens verified by the target model."),
     ("num_accepted_tokens", "pagedkv_spec_decode_num_accepted_tokens",
      "Speculative draft tokens accepted."),
+    ("num_steps_skipped", "pagedkv_spec_decode_num_steps_skipped",
+     "Steps whose drafts the cost model dropped (verifying them would not pay)."),
 )
 
 

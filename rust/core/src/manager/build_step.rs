@@ -231,6 +231,7 @@ impl BlockManager {
             let toks = &s.tokens[j * bs..(j + 1) * bs];
             let b = s.table.blocks[j];
             if self.prefix.register(b, s.hashes[j], toks) {
+                Self::note_block_group(&mut self.block_group, b, 0);
                 let parent = j.checked_sub(1).map(|p| s.hashes[p]);
                 registered(
                     self.tier.as_mut(),
@@ -263,10 +264,16 @@ impl BlockManager {
             }
         }
         for (gi, t) in s.extra.iter().enumerate() {
+            let g = gi + 1;
             for j in s.registered.max(t.start)..full {
                 let toks = &s.tokens[j * bs..(j + 1) * bs];
-                self.prefix
-                    .register(t.blocks[j], group_hash(s.hashes[j], gi + 1), toks);
+                let b = t.blocks[j];
+                if self.prefix.register(b, group_hash(s.hashes[j], g), toks) {
+                    Self::note_block_group(&mut self.block_group, b, g);
+                    let parent = j.checked_sub(1).map(|p| s.hashes[p]);
+                    self.events
+                        .stored_in(Medium::Gpu, g as u32, s.hashes[j], parent, toks);
+                }
             }
         }
         s.registered = full;

@@ -50,9 +50,9 @@ pub struct ManagerConfig {
     pub host_load_min_blocks: u32,
     /// The KV cache groups (see [`crate::groups`]), group `g` at index `g`. Empty (the default)
     /// means one [`AttentionKind::Full`] group, exactly the manager without groups. Group 0 must
-    /// be `Full`: it carries the prefix chain. With more than one group, swap and the host tier
-    /// are refused (`num_host_blocks` must be 0; preemption is by recompute), and so are KV
-    /// events (`kv_event_capacity` must be 0: an event carries no group yet).
+    /// be `Full`: it carries the prefix chain. With more than one group, swap moves every group's
+    /// blocks, but the host tier is refused (`host_cache` must be off: it indexes group 0 only).
+    /// KV events name each block's group (see [`crate::events`]).
     pub groups: Vec<AttentionKind>,
     /// Most provisional tokens a sequence may hold past its committed length (speculative drafts,
     /// or a step scheduled before the previous one finished; see `append_provisional` and
@@ -196,22 +196,12 @@ impl ManagerConfig {
                 );
             }
         }
-        if self.groups.len() > 1 && self.num_host_blocks > 0 {
+        if self.groups.len() > 1 && self.host_cache {
             return bad(
-                "num_host_blocks",
-                self.num_host_blocks as u64,
+                "host_cache",
+                1,
                 format!(
-                    "must be 0 with {} KV cache groups: swap and the host tier hold group 0 only (preempt by recompute)",
-                    self.groups.len()
-                ),
-            );
-        }
-        if self.groups.len() > 1 && self.kv_event_capacity > 0 {
-            return bad(
-                "kv_event_capacity",
-                self.kv_event_capacity as u64,
-                format!(
-                    "must be 0 with {} KV cache groups: KV events carry no group yet",
+                    "must be off with {} KV cache groups: the host tier indexes group 0 only (swap works)",
                     self.groups.len()
                 ),
             );

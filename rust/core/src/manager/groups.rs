@@ -33,8 +33,13 @@
 //!   running sequence would push its dead windows in as the newest entries and evict the idle
 //!   sessions' histories first). Inside that shared prefix (a system prompt, a shared document)
 //!   it keeps its recency like any freed block: the next request sharing it needs that window.
-//! - Swap, the host tier and KV events know one group: the configuration refuses them
-//!   (`num_host_blocks`, `kv_event_capacity` must be 0) when there is more than one group.
+//! - Swap moves every group's held blocks to the host and back, released entries staying null
+//!   (see `reclaim`). The host tier knows one group: the configuration refuses it (`host_cache`
+//!   off) when there is more than one group.
+//! - KV events name each block's group: a registration in group `g` records `Stored` for
+//!   `(h_j, g)`, and a hash dropped from block `b` records `Removed` for the group `b` was last
+//!   registered in (`block_group`) and the key with that group's mix undone (`group_unhash`), so
+//!   a windowed group's block released mid-run and evicted later is removed as `(h_j, g)`.
 
 use super::{BlockManager, GroupTable, Seq};
 use crate::error::{Error, Result};

@@ -24,6 +24,19 @@ impl BlockManager {
         let mut host_occ = vec![0u64; nh];
         let mut used_tokens = 0u64;
         let mut seen_slots = std::collections::HashSet::new();
+        let want = if self.kinds.is_empty() { 0 } else { n };
+        if self.block_group.len() != want
+            || self
+                .block_group
+                .iter()
+                .any(|&g| g as usize >= self.num_groups())
+        {
+            return bad(format!(
+                "{} block-group entries (want {want}) or one past the {} groups",
+                self.block_group.len(),
+                self.num_groups()
+            ));
+        }
         for (&id, &i) in &self.index {
             if !seen_slots.insert(i) {
                 return bad(format!("slot {i} used by two sequences"));
@@ -82,6 +95,43 @@ impl BlockManager {
                         }
                         host_occ[h as usize] += 1;
                     }
+                    // Every other group: as long, its released prefix still null, the rest
+                    // host blocks it holds.
+                    if s.extra.len() != self.kinds.len() {
+                        return bad(format!(
+                            "swapped sequence {id}: {} extra group tables for {} groups",
+                            s.extra.len(),
+                            self.num_groups()
+                        ));
+                    }
+                    for (gi, gt) in s.extra.iter().enumerate() {
+                        let g = gi + 1;
+                        if gt.blocks.len() != t.blocks.len() || gt.start >= t.blocks.len().max(1) {
+                            return bad(format!(
+                                "swapped sequence {id}: group {g} table holds {} entries ({} released), group 0 {}",
+                                gt.blocks.len(),
+                                gt.start,
+                                t.blocks.len()
+                            ));
+                        }
+                        for (j, &h) in gt.blocks.iter().enumerate() {
+                            if (j < gt.start) != (h == NULL_BLOCK) {
+                                return bad(format!(
+                                    "swapped sequence {id}: group {g} entry {j} is {h} with {} leading nulls",
+                                    gt.start
+                                ));
+                            }
+                            if h == NULL_BLOCK {
+                                continue;
+                            }
+                            if h as usize >= nh {
+                                return bad(format!(
+                                    "swapped sequence {id}: group {g} host block {h} outside the host pool"
+                                ));
+                            }
+                            host_occ[h as usize] += 1;
+                        }
+                    }
                     continue;
                 }
             }
@@ -110,6 +160,12 @@ impl BlockManager {
                     if (j + 1) * bs > committed {
                         return bad(format!(
                             "sequence {id}: partial or provisional block {b} is hashed"
+                        ));
+                    }
+                    if self.block_group.get(b as usize).is_some_and(|&g| g != 0) {
+                        return bad(format!(
+                            "sequence {id}: block {b} is hashed for group {} but held by group 0",
+                            self.block_group[b as usize]
                         ));
                     }
                     if j < s.hashes.len() && s.hashes[j] != h && !self.prefix.verifies() {
@@ -199,6 +255,13 @@ impl BlockManager {
                         if (j + 1) * bs > committed {
                             return bad(format!(
                                 "sequence {id}: group {g} partial or provisional block {b} is hashed"
+                            ));
+                        }
+                        // Its removal event will name the group it was registered for.
+                        if self.block_group.get(b as usize) != Some(&(g as u8)) {
+                            return bad(format!(
+                                "sequence {id}: group {g} block {b} is hashed for group {:?}",
+                                self.block_group.get(b as usize)
                             ));
                         }
                         if j < s.hashes.len()

@@ -57,7 +57,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::events::{KvEvent, KvEventRing, Medium};
-use crate::groups::AttentionKind;
+use crate::groups::{group_unhash, AttentionKind};
 use crate::hash::{random_key, root_hash, Hasher, SeqKeys};
 use crate::metrics::{hist_bucket, Counters, Stats, HIST_BUCKETS};
 use crate::pool::BlockPool;
@@ -251,6 +251,10 @@ pub struct BlockManager {
     windowed: bool,
     /// What `build_step` last wrote into each extra group's block-table buffer.
     group_caches: Vec<StepCache>,
+    /// With more than one group: the group each block was last registered in the prefix cache
+    /// for (read when its hash is dropped, to name the group and chain hash in the removal
+    /// event). Empty for a one-group manager, whose blocks are all group 0's.
+    block_group: Vec<u8>,
 }
 
 impl BlockManager {
@@ -274,6 +278,11 @@ impl BlockManager {
         let pool = BlockPool::new(cfg.num_blocks)?;
         let host = HostPool::new(cfg.num_host_blocks)?;
         let events = KvEventRing::new(cfg.kv_event_capacity, cfg.block_size)?;
+        let block_group = if cfg.groups.len() > 1 {
+            crate::error::alloc::filled_vec(cfg.num_blocks as usize, 0u8, "block groups")?
+        } else {
+            Vec::new()
+        };
         let tier = if cfg.host_cache {
             Some(HostTier::new(
                 cfg.num_host_blocks,
@@ -321,6 +330,7 @@ impl BlockManager {
             kinds: cfg.groups.iter().skip(1).copied().collect(),
             windowed: cfg.groups.iter().any(|k| k.is_windowed()),
             group_caches: vec![StepCache::default(); cfg.groups.len().saturating_sub(1)],
+            block_group,
             cfg,
         })
     }
@@ -439,7 +449,7 @@ impl BlockManager {
                 // hash `swap_in` gave it.
                 let (h, _) = self.swap_in_q.remove(pos);
                 if let Some(hash) = self.prefix.hash_of(b) {
-                    self.events.removed(Medium::Gpu, hash);
+                    self.gpu_removed(b, hash);
                 }
                 self.prefix.unregister(b);
                 self.host_drop(h)?;
@@ -500,8 +510,13 @@ impl BlockManager {
         let state = self.slots[slot].state;
         for (j, &b) in blocks.iter().enumerate().rev() {
             for t in &extra {
-                if state == SeqState::Running && j >= t.start {
-                    if let Err(e) = self.drop_ref(t.blocks[j]) {
+                if j >= t.start {
+                    let r = if state == SeqState::Running {
+                        self.drop_ref(t.blocks[j])
+                    } else {
+                        self.host_drop(t.blocks[j])
+                    };
+                    if let Err(e) = r {
                         result = Err(e);
                     }
                 }
@@ -624,7 +639,7 @@ impl BlockManager {
         }
         self.prefix.lru_remove(b);
         if let Some(h) = self.prefix.hash_of(b) {
-            self.events.removed(Medium::Gpu, h);
+            self.gpu_removed(b, h);
         }
         self.prefix.unregister(b);
         self.counters.evictions += 1;
@@ -647,6 +662,52 @@ impl BlockManager {
     /// KV-event records dropped because the ring was full (the oldest go first).
     pub fn events_dropped(&self) -> u64 {
         self.events.dropped()
+    }
+
+    /// Records that device block `b`, cached under prefix-cache key `key`, loses its hash: a
+    /// `Removed` event for the block's group and its chain hash (the key with the group's mix
+    /// undone). No-op when the ring is disabled.
+    #[inline]
+    pub(super) fn gpu_removed(&mut self, b: BlockId, key: u128) {
+        if !self.events.enabled() {
+            return;
+        }
+        let g = self.block_group.get(b as usize).map_or(0, |&g| g as usize);
+        self.events
+            .removed_in(Medium::Gpu, g as u32, group_unhash(key, g));
+    }
+
+    /// Notes that device block `b` was registered in the prefix cache for group `g` (only kept
+    /// with more than one group).
+    #[inline]
+    pub(super) fn note_block_group(block_group: &mut [u8], b: BlockId, g: usize) {
+        if let Some(slot) = block_group.get_mut(b as usize) {
+            *slot = g as u8;
+        }
+    }
+
+    /// The group and chain hash of hashed device block `b` (`None` when `b` is not in the prefix
+    /// cache or outside the pool): what its `Stored` event named.
+    pub fn block_key(&self, b: BlockId) -> Option<(usize, u128)> {
+        if (b as usize) >= self.cfg.num_blocks as usize {
+            return None;
+        }
+        let key = self.prefix.hash_of(b)?;
+        let g = self.block_group.get(b as usize).map_or(0, |&g| g as usize);
+        Some((g, group_unhash(key, g)))
+    }
+
+    /// `(group, chain hash)` of every block the device prefix cache holds (held or cached-free),
+    /// sorted: the state the device tier's `Stored` / `Removed` events add up to (see
+    /// [`crate::events`]). O(hashed blocks), for tests and diagnostics.
+    pub fn cached_block_keys(&self) -> Vec<(usize, u128)> {
+        let mut out: Vec<(usize, u128)> = self
+            .prefix
+            .entries()
+            .filter_map(|(_, b)| self.block_key(b))
+            .collect();
+        out.sort_unstable();
+        out
     }
 
     /// A snapshot of sizes and counters. O(number of sequences) for the histogram.

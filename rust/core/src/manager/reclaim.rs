@@ -2,7 +2,9 @@
 //! `resume`, victim choice, and the cost model's swap-or-recompute decision.
 //!
 //! Invariants kept here:
-//! - A swapped-out sequence's table holds host block ids only, never a mix. A sequence preempted
+//! - A swapped-out sequence's tables hold host block ids only, never a mix: with KV cache groups,
+//!   every group's table, its released entries still null (`NULL_BLOCK`), the same as before the
+//!   swap; swap-in restores each table entry for entry. A sequence preempted
 //!   by recompute holds no blocks but keeps its length and token ids, so `resume` is an admission
 //!   of the same prompt and hits whatever of it stayed cached.
 //! - A block shared within the swapped group is copied once, to one host block they all hold, and
@@ -19,8 +21,10 @@ use super::tier::registered;
 use super::{AdmitResult, BlockManager};
 use crate::error::{Error, Result};
 use crate::events::Medium;
+use crate::groups::{dead_blocks, group_hash, NULL_BLOCK};
 use crate::prefix::FastMap;
 use crate::swap::{CostModel, Decision, HostBlockId, PreemptMode, SeqState};
+use crate::table::blocks_for;
 use crate::{BlockId, SeqId};
 
 impl BlockManager {
@@ -74,8 +78,10 @@ impl BlockManager {
     /// Moves running sequences to the host pool and frees their device blocks; returns the
     /// device → host copies to make, `(device_block, host_block)`.
     ///
-    /// A block shared by several of `seqs` (a forked group) is copied once, to one host block they
-    /// all hold. A block shared with a sequence not in `seqs` is copied too and stays on the
+    /// Every held block of every KV cache group moves (one copy per distinct block; pages are
+    /// group-agnostic, so the pairs of all groups share the one list); released entries of a
+    /// windowed group stay null. A block shared by several of `seqs` (a forked group) is copied
+    /// once, to one host block they all hold. A block shared with a sequence not in `seqs` is copied too and stays on the
     /// device for its other holders. Device blocks that lose their last holder are freed at once
     /// (and may be handed out again before the next step), hashed ones dropped from the prefix
     /// cache first: a swapped-out block is not findable by prefix lookups until it is swapped back
@@ -92,11 +98,15 @@ impl BlockManager {
     /// host pool lacks the blocks (always with `num_host_blocks == 0`).
     pub fn swap_out(&mut self, seqs: &[SeqId]) -> Result<Vec<(BlockId, HostBlockId)>> {
         let slots = self.resolve_in_state(seqs, SeqState::Running, "running")?;
-        // Host blocks needed: one per distinct device block whose content is not already on the host.
+        // Host blocks needed: one per distinct device block (of any group) whose content is not
+        // already on the host, provisional tokens' own blocks left out (the rewind drops them).
         let mut seen: FastMap<BlockId, ()> = FastMap::default();
         let mut needed = 0usize;
         for &i in &slots {
-            for &b in &self.slots[i].table.blocks {
+            let s = &self.slots[i];
+            let keep = blocks_for(s.table.num_tokens - s.provisional, self.bs);
+            let extra = s.extra.iter().flat_map(|t| &t.blocks[t.start..keep]);
+            for &b in s.table.blocks[..keep].iter().chain(extra) {
                 if seen.insert(b, ()).is_none() && self.content_origin(b).is_err() {
                     needed += 1;
                 }
@@ -116,45 +126,48 @@ impl BlockManager {
             }
         }
         // First map every device block to its host block (queueing the copies) for all
-        // sequences, while the pending copies the mapping consults are all still there; then drop
-        // the device references.
+        // sequences and groups, while the pending copies the mapping consults are all still
+        // there; then drop the device references. Released (null) entries stay null.
         let mut map: FastMap<BlockId, HostBlockId> = FastMap::default();
         let mut pairs = Vec::with_capacity(needed);
         let mut device_tables = Vec::with_capacity(slots.len());
         for &i in &slots {
-            let mut hosts = Vec::with_capacity(self.slots[i].table.blocks.len());
-            for j in 0..self.slots[i].table.blocks.len() {
+            let n0 = self.slots[i].table.blocks.len();
+            let mut hosts = Vec::with_capacity(n0);
+            for j in 0..n0 {
                 let b = self.slots[i].table.blocks[j];
-                let h = match map.get(&b) {
-                    Some(&h) => {
-                        self.host.incref(h);
-                        h
-                    }
-                    None => {
-                        let h = match self.content_origin(b) {
-                            Ok(h0) => {
-                                self.host.incref(h0);
-                                h0
-                            }
-                            Err(src) => {
-                                let h = self.take_host_block()?;
-                                pairs.push((src, h));
-                                h
-                            }
-                        };
-                        map.insert(b, h);
-                        h
-                    }
-                };
-                hosts.push(h);
+                hosts.push(self.host_for(b, &mut map, &mut pairs)?);
             }
-            // The table now names host blocks only.
-            device_tables.push(std::mem::replace(&mut self.slots[i].table.blocks, hosts));
+            let mut extra_devices = Vec::with_capacity(self.kinds.len());
+            for g in 0..self.kinds.len() {
+                let t = &self.slots[i].extra[g];
+                let (lo, len) = (t.start, t.blocks.len());
+                let mut hs = Vec::with_capacity(len);
+                hs.resize(lo, NULL_BLOCK);
+                for j in lo..len {
+                    let b = self.slots[i].extra[g].blocks[j];
+                    hs.push(self.host_for(b, &mut map, &mut pairs)?);
+                }
+                let t = &mut self.slots[i].extra[g];
+                t.version += 1;
+                extra_devices.push(std::mem::replace(&mut t.blocks, hs));
+            }
+            // The tables now name host blocks only.
+            let device = std::mem::replace(&mut self.slots[i].table.blocks, hosts);
+            device_tables.push((device, extra_devices));
         }
         let mut result = rewound;
-        for (&i, device) in slots.iter().zip(&device_tables) {
-            // Tail first, as `free` does.
-            for &b in device.iter().rev() {
+        for (&i, (device, extra)) in slots.iter().zip(&device_tables) {
+            // Tail first, as `free` does, the groups interleaved by position.
+            let starts: Vec<usize> = self.slots[i].extra.iter().map(|t| t.start).collect();
+            for (j, &b) in device.iter().enumerate().rev() {
+                for (&lo, d) in starts.iter().zip(extra) {
+                    if j >= lo {
+                        if let Err(e) = self.drop_device_unhashed(d[j]) {
+                            result = Err(e);
+                        }
+                    }
+                }
                 if let Err(e) = self.drop_device_unhashed(b) {
                     result = Err(e);
                 }
@@ -174,13 +187,42 @@ impl BlockManager {
         result.map(|_| pairs)
     }
 
+    /// The host block a swap-out maps device block `b` to, taking a reference to it: the one
+    /// `map` already gave `b`, the host block of a queued swap-in still filling it, or a fresh
+    /// one (queueing the copy into `pairs`).
+    fn host_for(
+        &mut self,
+        b: BlockId,
+        map: &mut FastMap<BlockId, HostBlockId>,
+        pairs: &mut Vec<(BlockId, HostBlockId)>,
+    ) -> Result<HostBlockId> {
+        if let Some(&h) = map.get(&b) {
+            self.host.incref(h);
+            return Ok(h);
+        }
+        let h = match self.content_origin(b) {
+            Ok(h0) => {
+                self.host.incref(h0);
+                h0
+            }
+            Err(src) => {
+                let h = self.take_host_block()?;
+                pairs.push((src, h));
+                h
+            }
+        };
+        map.insert(b, h);
+        Ok(h)
+    }
+
     /// Drops one reference to device block `b` for a swap-out: a block left unreferenced loses
     /// its hash (so it is not findable while its content is on the host) and is freed.
     fn drop_device_unhashed(&mut self, b: BlockId) -> Result<()> {
         match self.pool.decref_mut(b)? {
             0 => {
-                if let Some(h) = self.prefix.hash_of(b) {
-                    self.events.removed(Medium::Gpu, h);
+                if let Some(key) = self.prefix.hash_of(b) {
+                    // The block's group and chain hash (a windowed group's block too).
+                    self.gpu_removed(b, key);
                 }
                 self.prefix.unregister(b);
                 self.unreferenced(b)
@@ -196,11 +238,12 @@ impl BlockManager {
     /// Brings swapped-out sequences back to the device; returns the host → device copies to
     /// make, `(host_block, device_block)`.
     ///
-    /// Allocates one device block per distinct host block of `seqs` (a block the group shares on
-    /// the host is shared on the device again). Like an admission it must leave the watermark
+    /// Allocates one device block per distinct host block of `seqs`, over every KV cache group's
+    /// table (a block the group shares on the host is shared on the device again; released
+    /// entries stay null). Like an admission it must leave the watermark
     /// free. The pairs are queued and emitted by the next `build_step` into `swap_in`; each host
     /// block is released once the step that emits its copy has been built. Full blocks are
-    /// offered to the prefix cache again under their hashes. The sequences become `Running`,
+    /// offered to the prefix cache again under their hashes (group `g`'s under `group_hash(h, g)`). The sequences become `Running`,
     /// with their admission order and fork group unchanged.
     ///
     /// Errors, with nothing changed: `UnknownSequence`; `InvalidSequenceState` for one not
@@ -210,7 +253,9 @@ impl BlockManager {
         let slots = self.resolve_in_state(seqs, SeqState::Swapped, "swapped")?;
         let mut seen: FastMap<HostBlockId, ()> = FastMap::default();
         for &i in &slots {
-            for &h in &self.slots[i].table.blocks {
+            let s = &self.slots[i];
+            let extra = s.extra.iter().flat_map(|t| &t.blocks[t.start..]);
+            for &h in s.table.blocks.iter().chain(extra) {
                 seen.insert(h, ());
             }
         }
@@ -238,25 +283,30 @@ impl BlockManager {
             let hosts = std::mem::take(&mut self.slots[i].table.blocks);
             let mut device = Vec::with_capacity(hosts.len());
             for &h in &hosts {
-                let b = match map.get(&h) {
-                    Some(&b) => {
-                        if self.pool.incref_mut(b)? == 2 {
-                            self.shared_blocks += 1;
-                        }
-                        b
-                    }
-                    None => {
-                        let b = self.alloc_block()?;
-                        // The queued copy holds the host block until a step emits it.
-                        self.host.incref(h);
-                        pairs.push((h, b));
-                        map.insert(h, b);
-                        b
-                    }
-                };
-                device.push(b);
+                device.push(self.device_for(h, &mut map, &mut pairs)?);
             }
-            for &h in &hosts {
+            let mut extra_hosts = Vec::with_capacity(self.kinds.len());
+            for g in 0..self.kinds.len() {
+                let hs = std::mem::take(&mut self.slots[i].extra[g].blocks);
+                let lo = self.slots[i].extra[g].start;
+                let mut ds = Vec::with_capacity(hs.len());
+                ds.resize(lo, NULL_BLOCK);
+                for &h in &hs[lo..] {
+                    ds.push(self.device_for(h, &mut map, &mut pairs)?);
+                }
+                let t = &mut self.slots[i].extra[g];
+                t.blocks = ds;
+                t.version += 1;
+                extra_hosts.push((lo, hs));
+            }
+            for (j, &h) in hosts.iter().enumerate().rev() {
+                for (lo, hs) in &extra_hosts {
+                    if j >= *lo {
+                        if let Err(e) = self.host_drop(hs[j]) {
+                            result = Err(e);
+                        }
+                    }
+                }
                 if let Err(e) = self.host_drop(h) {
                     result = Err(e);
                 }
@@ -270,6 +320,7 @@ impl BlockManager {
                     let toks = &s.tokens[j * bs..(j + 1) * bs];
                     let b = s.table.blocks[j];
                     if self.prefix.register(b, s.hashes[j], toks) {
+                        Self::note_block_group(&mut self.block_group, b, 0);
                         // No write-through here: the block's content arrives by this very swap-in.
                         registered(
                             self.tier.as_mut(),
@@ -283,6 +334,21 @@ impl BlockManager {
                         );
                     }
                 }
+                // Every other group's blocks under (hash, group), as the step registered them,
+                // each announced for its group.
+                for (gi, t) in s.extra.iter().enumerate() {
+                    let g = gi + 1;
+                    for j in t.start..upto {
+                        let toks = &s.tokens[j * bs..(j + 1) * bs];
+                        let b = t.blocks[j];
+                        if self.prefix.register(b, group_hash(s.hashes[j], g), toks) {
+                            Self::note_block_group(&mut self.block_group, b, g);
+                            let parent = j.checked_sub(1).map(|p| s.hashes[p]);
+                            self.events
+                                .stored_in(Medium::Gpu, g as u32, s.hashes[j], parent, toks);
+                        }
+                    }
+                }
             }
             s.state = SeqState::Running;
             s.version += 1;
@@ -294,6 +360,28 @@ impl BlockManager {
         self.counters.swapped_in_blocks += pairs.len() as u64;
         self.gen += 1;
         result.map(|_| pairs)
+    }
+
+    /// The device block a swap-in maps host block `h` to: the one `map` already gave `h` (one
+    /// more reference), or a fresh one whose copy is queued into `pairs` (the queued copy holds
+    /// a reference to `h` until a step emits it).
+    fn device_for(
+        &mut self,
+        h: HostBlockId,
+        map: &mut FastMap<HostBlockId, BlockId>,
+        pairs: &mut Vec<(HostBlockId, BlockId)>,
+    ) -> Result<BlockId> {
+        if let Some(&b) = map.get(&h) {
+            if self.pool.incref_mut(b)? == 2 {
+                self.shared_blocks += 1;
+            }
+            return Ok(b);
+        }
+        let b = self.alloc_block()?;
+        self.host.incref(h);
+        pairs.push((h, b));
+        map.insert(h, b);
+        Ok(b)
     }
 
     /// Preempts a sequence by recompute: frees its blocks (hashed full blocks stay cached-free,
@@ -400,9 +488,12 @@ impl BlockManager {
     /// [`BlockManager::decide`] with the tokens of other work a step carries given
     /// (`batch_tokens`; `None` counts the running sequences outside `seqs`).
     ///
-    /// Swap: 2 × the KV bytes of their distinct device blocks (whole blocks) over the host link.
-    /// Recompute: for each sequence, the tokens past the leading full blocks that would stay
-    /// cached after the preemption (blocks also held by sequences outside `seqs`), at least one
+    /// Swap: 2 × the KV bytes of their distinct device blocks (whole blocks, every KV cache
+    /// group's, less the blocks only provisional tokens fill: a swap rewinds them) over the host
+    /// link. Recompute: for each sequence, the tokens past the leading
+    /// full blocks that would stay cached after the preemption (blocks also held by sequences
+    /// outside `seqs`; with groups, the longest boundary at which every group's blocks, found
+    /// under (hash, group), would stay cached, as an admission's lookup decides), at least one
     /// token, summed over the sequences (so × branches for a forked group), costed by
     /// [`CostModel::recompute_cost`] beside `batch_tokens`. The mode is swap when the host pool
     /// has room for it and it is strictly cheaper. Read-only. Errors: as
@@ -421,7 +512,11 @@ impl BlockManager {
         let mut held: FastMap<BlockId, u32> = FastMap::default();
         let mut host_needed = 0u64;
         for &i in &slots {
-            for &b in &self.slots[i].table.blocks {
+            let s = &self.slots[i];
+            // A swap rewinds provisional tokens first: their own blocks do not travel.
+            let keep = blocks_for(s.table.num_tokens - s.provisional, bs);
+            let extra = s.extra.iter().flat_map(|t| &t.blocks[t.start..keep]);
+            for &b in s.table.blocks[..keep].iter().chain(extra) {
                 let c = held.entry(b).or_insert(0);
                 if *c == 0 && self.content_origin(b).is_err() {
                     host_needed += 1;
@@ -429,20 +524,44 @@ impl BlockManager {
                 *c += 1;
             }
         }
+        let survives = |b: BlockId| -> Result<bool> {
+            Ok(self.prefix.hash_of(b).is_some()
+                && self.pool.refcount(b)? > held.get(&b).copied().unwrap_or(0))
+        };
         let mut tokens = 0u64;
         for &i in &slots {
-            let t = &self.slots[i].table;
+            let s = &self.slots[i];
+            let t = &s.table;
             let len = t.num_tokens;
             let max_hit = (len - 1) / bs;
             let mut hits = 0usize;
             if self.caching {
                 for &b in t.blocks.iter().take(max_hit) {
-                    let survives = self.prefix.hash_of(b).is_some()
-                        && self.pool.refcount(b)? > held.get(&b).copied().unwrap_or(0);
-                    if !survives {
+                    if !survives(b)? {
                         break;
                     }
                     hits += 1;
+                }
+                // With KV cache groups a hit is a boundary at which every group has what it
+                // needs (for a windowed group, the window ending there), as the admission's
+                // lookup decides: the longest boundary whose blocks of every group, found under
+                // (hash, group), survive.
+                let complete = |k: usize| -> Result<bool> {
+                    for (gi, &kind) in self.kinds.iter().enumerate() {
+                        for j in dead_blocks(kind, k * bs, bs)..k {
+                            let found = match s.hashes.get(j) {
+                                Some(&h) => self.prefix.lookup(group_hash(h, gi + 1)),
+                                None => None,
+                            };
+                            if !found.map_or(Ok(false), survives)? {
+                                return Ok(false);
+                            }
+                        }
+                    }
+                    Ok(true)
+                };
+                while hits > 0 && !complete(hits)? {
+                    hits -= 1;
                 }
             }
             tokens += (len - hits * bs) as u64;

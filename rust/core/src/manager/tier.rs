@@ -177,7 +177,7 @@ impl BlockManager {
             });
         };
         let hash = self.prefix.last_hash(b);
-        self.events.removed(Medium::Gpu, hash);
+        self.gpu_removed(b, hash);
         self.pool.incref_mut(b)?;
         self.counters.evictions += 1;
         if let Some(t) = self.tier.as_mut() {

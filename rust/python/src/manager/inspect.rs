@@ -23,8 +23,9 @@ impl PyBlockManager {
     }
 
     /// Drains the KV-event ring, oldest first: `(kind, medium, block_hashes, parent_hash,
-    /// token_ids, block_size)` tuples, kind `"stored" | "removed" | "cleared"`, medium `"GPU" |
-    /// "CPU"`. Copied out under the lock; the Python objects are built after releasing it.
+    /// token_ids, block_size, group)` tuples, kind `"stored" | "removed" | "cleared"`, medium
+    /// `"GPU" | "CPU"`, group the KV cache group of the blocks (0 without groups, and for
+    /// `"cleared"`). Copied out under the lock; the Python objects are built after releasing it.
     fn drain_kv_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let events = self.with(py, |st| {
             let mut out = Vec::new();
@@ -41,10 +42,18 @@ impl PyBlockManager {
                     e.parent_hash,
                     e.token_ids,
                     e.block_size,
+                    e.group,
                 )
             })
             .collect::<Vec<_>>();
         PyList::new(py, items)
+    }
+
+    /// `(group, hash)` of every block the device prefix cache holds (held or cached-free),
+    /// sorted, hashes as ints: what the device tier's stored / removed events add up to.
+    /// O(hashed blocks), for tests and diagnostics.
+    fn cached_block_keys(&self, py: Python<'_>) -> Vec<(usize, u128)> {
+        self.with(py, |st| st.inner.cached_block_keys())
     }
 
     /// Forgets every prefix-cache entry; returns the number of blocks dropped from the cache.

@@ -1,0 +1,202 @@
+"""Speculative decoding's system cost, isolated from any model's acceptance: an oracle proposer.
+
+Random weights give no honest acceptance rate, so the drafts come from an *oracle*: the greedy
+continuation a plain run produced for the same prompt, each draft token kept with probability
+``alpha`` and replaced by a wrong token otherwise (drafts after a wrong one are rejected anyway; the
+oracle still proposes ``k`` so each verify pass costs what a real proposer's would). What is
+measured is then the engine: one target forward over ``k + 1`` positions per sequence, the
+commit/rewind of provisional slots, rejection bookkeeping and the cost model's switch-off.
+
+At each batch size of ``--batches`` (random prompts of ``--prompt`` tokens, ``--new`` greedy
+tokens each), in one run: plain decoding, then speculation at ``k = --k`` for each ``alpha`` of
+``--alphas``. The decode rate is ``batch * (new - 1)`` over the run's time less the time of the
+same prompts at ``max_tokens=1`` (prefill and the first token). Reported per setting: decode
+tokens/s, the speedup over plain, the mean accepted length per drafted pass against the expected
+``(1 - alpha^(k+1)) / (1 - alpha)``, the verify step's time, the *ideal* speedup (expected tokens
+per pass over the verify pass's cost, against the plain step) and the share of it reached, steps
+the cost model sent undrafted, and whether the outputs equal plain decoding's.
+
+Defaults: Llama-3-8B dimensions with random bf16 weights on CUDA (``benches/_dims.py``). A CPU
+smoke run: ``--device cpu --dtype float32 --layers 2 --hidden 256 --heads 4 --kv-heads 2 --mlp 512
+--vocab 1024 --prompt 64 --new 32 --batches 1,4``.
+
+Usage (repository root): ``PYTHONPATH=python python3 benches/bench_spec_oracle.py [--batches
+1,8,64] [--alphas 0.5,0.7,0.9] [--k 4] [--json out.json]``. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import time
+from typing import Any, Dict, List, Sequence
+
+import numpy as np
+
+import _dims
+
+
+def _ints(s: str) -> List[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def _floats(s: str) -> List[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def expected_length(alpha: float, k: int) -> float:
+    """Tokens one drafted pass yields in expectation: ``1 + alpha + ... + alpha^k``."""
+    return float(sum(alpha ** j for j in range(k + 1)))
+
+
+def make_oracle(refs: Dict[tuple, List[int]], prompt_len: int, alpha: float, k: int, vocab: int,
+                seed: int) -> Any:
+    """An oracle :class:`~pagedkv.engine.spec_decode.base.Proposer` replaying ``refs`` (prompt ->
+    plain greedy output)."""
+    from pagedkv.engine.spec_decode.base import Drafts, Proposer
+    from pagedkv.engine.spec_decode.config import SpeculativeConfig
+
+    class Oracle(Proposer):
+        method = "oracle"
+
+        def propose(self, token_ids: Sequence[Sequence[int]],
+                    limits: Sequence[int]) -> Drafts:
+            out: List[List[int]] = []
+            k = self.config.num_speculative_tokens
+            for ids, limit in zip(token_ids, limits):
+                ref = refs.get(tuple(ids[:prompt_len]), [])
+                g = len(ids) - prompt_len  # tokens generated so far: the next is ref[g]
+                rng = random.Random(hash((seed, tuple(ids[:8]), g)))
+                d = []
+                for j in range(min(k, limit)):
+                    if g + j >= len(ref):
+                        break
+                    t = ref[g + j]
+                    d.append(t if rng.random() < alpha else (t + 1) % vocab)
+                out.append(d)
+            return Drafts(out)
+
+    return Oracle(SpeculativeConfig(num_speculative_tokens=k), vocab)
+
+
+def run(args: argparse.Namespace) -> Dict[str, Any]:
+    import torch
+    import transformers
+
+    import pagedkv
+    from pagedkv.engine.loader import LoadedModel
+
+    dims = _dims.model_dims(args)
+    cfg = _dims.llama_config(dims, args.max_model_len)
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = transformers.LlamaForCausalLM._from_config(cfg, dtype=dtype)
+    model.eval().requires_grad_(False)
+    loaded = LoadedModel(model=model, tokenizer=None, config=model.config,
+                         max_model_len=args.max_model_len, eos_token_ids=[], path="random")
+    vocab = dims["vocab"]
+    rows: List[Dict[str, Any]] = []
+
+    def make(spec: Any, batch: int) -> Any:
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        blocks = batch * (-(-(args.prompt + args.new + args.k + 1) // 16)) + 64
+        return pagedkv.LLM(loaded, device=args.device, num_blocks=blocks, block_size=16,
+                           max_num_seqs=max(batch, 1), max_num_batched_tokens=args.chunk,
+                           enable_prefix_caching=False, progress=False, speculative_config=spec)
+
+    def timed(llm: Any, prompts: List[List[int]], n: int) -> tuple:
+        params = pagedkv.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+    for batch in args.batches:
+        g = np.random.default_rng(batch)
+        prompts = [g.integers(0, vocab, args.prompt).tolist() for _ in range(batch)]
+        plain = make(None, batch)
+        timed(plain, prompts[:1], 4)  # warm-up
+        s0 = plain.stats().num_steps
+        t_full, ref = timed(plain, prompts, args.new)
+        steps_plain = plain.stats().num_steps - s0
+        t_first, _ = timed(plain, prompts, 1)
+        plain.shutdown()
+        dec_plain = max(t_full - t_first, 1e-9)
+        rate_plain = batch * (args.new - 1) / dec_plain
+        step_plain = dec_plain / max(steps_plain - 1, 1)
+        rows.append({"batch": batch, "alpha": None, "tokens_per_s": rate_plain, "speedup": 1.0,
+                     "step_ms": step_plain * 1e3, "identical": True})
+        refs = {tuple(p): r for p, r in zip(prompts, ref)}
+        for alpha in args.alphas:
+            spec = {"method": "ngram", "num_speculative_tokens": args.k}
+            llm = make(spec, batch)
+            timed(llm, prompts[:1], 4)  # warm-up (no drafts: the oracle is not in yet)
+            llm.llm_engine.core.proposer = make_oracle(refs, args.prompt, alpha, args.k, vocab,
+                                                          seed=1)
+            st0 = llm.stats()
+            t_full, outs = timed(llm, prompts, args.new)
+            st = llm.stats()
+            t_first, _ = timed(llm, prompts, 1)
+            llm.shutdown()
+            steps = st.num_steps - st0.num_steps
+            drafts = st.spec_num_drafts - st0.spec_num_drafts
+            accepted = st.spec_num_accepted_tokens - st0.spec_num_accepted_tokens
+            skipped = st.spec_num_steps_skipped - st0.spec_num_steps_skipped
+            dec = max(t_full - t_first, 1e-9)
+            rate = batch * (args.new - 1) / dec
+            step = dec / max(steps - 1, 1)
+            exp = expected_length(alpha, args.k)
+            ideal = exp * step_plain / step
+            rows.append({
+                "batch": batch, "alpha": alpha, "tokens_per_s": rate, "speedup": rate / rate_plain,
+                "mean_accepted_length": 1.0 + accepted / drafts if drafts else 1.0,
+                "expected_length": exp, "step_ms": step * 1e3, "ideal_speedup": ideal,
+                "share_of_ideal": (rate / rate_plain) / ideal, "steps_skipped": skipped,
+                "identical": outs == ref,
+            })
+    dev = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+    return {"device": dev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "dims": dims, "k": args.k, "prompt": args.prompt, "new": args.new, "rows": rows}
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    _dims.add_model_args(ap)
+    ap.add_argument("--batches", type=_ints, default=[1, 8, 64])
+    ap.add_argument("--alphas", type=_floats, default=[0.5, 0.7, 0.9])
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(list(argv) or None)
+    r = run(args)
+    print(f"device {r['device']}, {r['date']}; k = {r['k']}, prompt {r['prompt']}, "
+          f"{r['new']} new tokens, dims {r['dims']}")
+    print(f"{'batch':>5} {'alpha':>5} {'tok/s':>9} {'speedup':>7} {'accepted':>8} {'expected':>8} "
+          f"{'step ms':>8} {'ideal':>6} {'share':>6} {'skipped':>7} identical")
+    for x in r["rows"]:
+        if x["alpha"] is None:
+            print(f"{x['batch']:>5} {'-':>5} {x['tokens_per_s']:>9.1f} {1.0:>7.2f} {'-':>8} "
+                  f"{'-':>8} {x['step_ms']:>8.2f} {'-':>6} {'-':>6} {'-':>7} -")
+        else:
+            print(f"{x['batch']:>5} {x['alpha']:>5.2f} {x['tokens_per_s']:>9.1f} "
+                  f"{x['speedup']:>7.2f} {x['mean_accepted_length']:>8.2f} "
+                  f"{x['expected_length']:>8.2f} {x['step_ms']:>8.2f} {x['ideal_speedup']:>6.2f} "
+                  f"{x['share_of_ideal']:>6.2f} {x['steps_skipped']:>7} {x['identical']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+    print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
