@@ -14,12 +14,12 @@
 //! - Block-table rows are written incrementally (see `StepCache`): a row is rewritten in full
 //!   whenever its sequence's uid or table version changed, so a stale entry is never left behind.
 
-use super::groups::write_groups;
+use super::groups::{register_group_blocks, write_groups};
 use super::tier::{offload, registered};
 use super::{BlockManager, Seq};
 use crate::error::{Error, Result};
 use crate::events::Medium;
-use crate::groups::{group_hash, release_threshold};
+use crate::groups::release_threshold;
 use crate::prefix::FastMap;
 use crate::step::{GroupStepBuffers, StepBuffers, StepInfo};
 use crate::swap::HostBlockId;
@@ -263,19 +263,16 @@ impl BlockManager {
                 }
             }
         }
-        for (gi, t) in s.extra.iter().enumerate() {
-            let g = gi + 1;
-            for j in s.registered.max(t.start)..full {
-                let toks = &s.tokens[j * bs..(j + 1) * bs];
-                let b = t.blocks[j];
-                if self.prefix.register(b, group_hash(s.hashes[j], g), toks) {
-                    Self::note_block_group(&mut self.block_group, b, g);
-                    let parent = j.checked_sub(1).map(|p| s.hashes[p]);
-                    self.events
-                        .stored_in(Medium::Gpu, g as u32, s.hashes[j], parent, toks);
-                }
-            }
-        }
+        let from = s.registered;
+        register_group_blocks(
+            &mut self.prefix,
+            &mut self.block_group,
+            &mut self.events,
+            s,
+            bs,
+            from,
+            full,
+        );
         s.registered = full;
     }
 

@@ -43,8 +43,10 @@
 
 use super::{BlockManager, GroupTable, Seq};
 use crate::error::{Error, Result};
+use crate::events::{KvEventRing, Medium};
 use crate::groups::{dead_blocks, group_hash, release_threshold, AttentionKind, NULL_BLOCK};
 use crate::pool::BlockPool;
+use crate::prefix::PrefixCache;
 use crate::step::{GroupStepBuffers, StepCache};
 use crate::{BlockId, SeqId, TokenId};
 
@@ -409,6 +411,33 @@ pub(super) fn write_groups(
                 _ => row.copy_from_slice(crate::table::as_i32(&t.blocks[from..])),
             }
             marks[k].set(s.uid, t.version, nb);
+        }
+    }
+}
+
+/// Registers the blocks of `s`'s groups `1..G` at block indices `from.max(start)..upto` in the
+/// prefix cache under `(chain hash, group)`, as a step does: each newly registered block's group
+/// is noted (`block_group`) and announced (`Stored` for its group). Shared by the step's
+/// registration and a swap-in's re-registration.
+pub(super) fn register_group_blocks(
+    prefix: &mut PrefixCache,
+    block_group: &mut [u8],
+    events: &mut KvEventRing,
+    s: &Seq,
+    bs: usize,
+    from: usize,
+    upto: usize,
+) {
+    for (gi, t) in s.extra.iter().enumerate() {
+        let g = gi + 1;
+        for j in from.max(t.start)..upto {
+            let toks = &s.tokens[j * bs..(j + 1) * bs];
+            let b = t.blocks[j];
+            if prefix.register(b, group_hash(s.hashes[j], g), toks) {
+                BlockManager::note_block_group(block_group, b, g);
+                let parent = j.checked_sub(1).map(|p| s.hashes[p]);
+                events.stored_in(Medium::Gpu, g as u32, s.hashes[j], parent, toks);
+            }
         }
     }
 }

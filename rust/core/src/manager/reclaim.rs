@@ -17,10 +17,10 @@
 //! - Every call checks fully first, so a refused swap, resume or decision changes nothing.
 
 use super::admit::check_max_new;
+use super::groups::register_group_blocks;
 use super::tier::registered;
 use super::{AdmitResult, BlockManager};
 use crate::error::{Error, Result};
-use crate::events::Medium;
 use crate::groups::{dead_blocks, group_hash, NULL_BLOCK};
 use crate::prefix::FastMap;
 use crate::swap::{CostModel, Decision, HostBlockId, PreemptMode, SeqState};
@@ -336,19 +336,15 @@ impl BlockManager {
                 }
                 // Every other group's blocks under (hash, group), as the step registered them,
                 // each announced for its group.
-                for (gi, t) in s.extra.iter().enumerate() {
-                    let g = gi + 1;
-                    for j in t.start..upto {
-                        let toks = &s.tokens[j * bs..(j + 1) * bs];
-                        let b = t.blocks[j];
-                        if self.prefix.register(b, group_hash(s.hashes[j], g), toks) {
-                            Self::note_block_group(&mut self.block_group, b, g);
-                            let parent = j.checked_sub(1).map(|p| s.hashes[p]);
-                            self.events
-                                .stored_in(Medium::Gpu, g as u32, s.hashes[j], parent, toks);
-                        }
-                    }
-                }
+                register_group_blocks(
+                    &mut self.prefix,
+                    &mut self.block_group,
+                    &mut self.events,
+                    s,
+                    bs,
+                    0,
+                    upto,
+                );
             }
             s.state = SeqState::Running;
             s.version += 1;
