@@ -18,6 +18,8 @@ from pagedkv import BlockManager, StepBuffers
 from pagedkv import errors as E
 
 SEED = 0x5EED
+#: Blocks in each twin's pool.
+POOL = 96
 
 
 def _pair(num_blocks: int = 64, block_size: int = 4, k: int = 3) -> tuple[BlockManager, BlockManager]:
@@ -138,9 +140,10 @@ class Twins(RuleBasedStateMachine):
     )
     def setup(self, block_size: int, k: int, caching: bool) -> None:
         self.k = k
-        self.a = BlockManager(96, block_size, max_provisional=k, hash_seed=SEED,
+        self.bs = block_size
+        self.a = BlockManager(POOL, block_size, max_provisional=k, hash_seed=SEED,
                               watermark_blocks=0, enable_prefix_caching=caching)
-        self.b = BlockManager(96, block_size, hash_seed=SEED, watermark_blocks=0,
+        self.b = BlockManager(POOL, block_size, hash_seed=SEED, watermark_blocks=0,
                               enable_prefix_caching=caching)
         for m in (self.a, self.b):
             m.attach_buffers(StepBuffers(4, 64, m.max_blocks_per_seq, device="cpu",
@@ -152,9 +155,17 @@ class Twins(RuleBasedStateMachine):
         f(self.a)
         f(self.b)
 
+    def _fits(self, grow: int, new_tokens: int = 0) -> bool:
+        """Whether the pool holds every live sequence grown by ``grow`` tokens (each counted
+        whole, forks too, plus one copy-on-write block each) and ``new_tokens`` more: the walk
+        tests provisional tokens, not running out of blocks."""
+        bs = self.bs
+        held = sum(-(-(len(t) + grow) // bs) + 1 for t in self.tokens.values())
+        return held + -(-new_tokens // bs) <= POOL
+
     @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=9))
     def admit(self, prompt: list[int]) -> None:
-        if len(self.tokens) >= 4:
+        if len(self.tokens) >= 4 or not self._fits(0, len(prompt)):
             return
         sid = self.next_id
         self.next_id += 1
@@ -168,6 +179,8 @@ class Twins(RuleBasedStateMachine):
     @rule(data=st.data())
     def speculate(self, data: st.DataObject) -> None:
         if not self.tokens:
+            return
+        if not self._fits(1 + self.k):
             return
         sid = data.draw(st.sampled_from(sorted(self.tokens)))
         bonus = data.draw(st.integers(0, 2))
@@ -193,7 +206,7 @@ class Twins(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def speculate_batch(self, data: st.DataObject) -> None:
-        if not self.tokens:
+        if not self.tokens or not self._fits(1 + self.k):
             return
         sids = sorted(self.tokens)
         counts = [data.draw(st.integers(1, self.k)) for _ in sids]
@@ -212,7 +225,7 @@ class Twins(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
-        if not self.tokens or len(self.tokens) >= 4:
+        if not self.tokens or len(self.tokens) >= 4 or not self._fits(0, 2 * self.bs):
             return
         parent = data.draw(st.sampled_from(sorted(self.tokens)))
         child = self.next_id
@@ -230,6 +243,8 @@ class Twins(RuleBasedStateMachine):
 
     @rule(probe=st.lists(st.integers(0, 2), min_size=1, max_size=16))
     def probe_hits(self, probe: list[int]) -> None:
+        if not self._fits(0, len(probe)):
+            return
         assert self.a.can_admit(probe) == self.b.can_admit(probe)
         pid = 10_000 + self.next_id
         self.next_id += 1

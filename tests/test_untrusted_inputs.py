@@ -33,6 +33,7 @@ from pagedkv.errors import InvalidArgumentError
 from pagedkv.tiers import BlockMeta, DiskStore, Reason, fingerprint
 from pagedkv.tiers.record import (
     CHECKSUM_BYTES,
+    FORMAT_VERSION,
     HEADER_BYTES,
     MAGIC,
     decode,
@@ -438,7 +439,7 @@ def faulty_records(draw: Any, payload_size: Optional[int] = None, max_tokens: in
     elif fault == "magic":
         rec[0:4] = _other(draw, st.binary(min_size=4, max_size=4), MAGIC)
     elif fault == "version":
-        rec[4:6] = _other(draw, st.integers(0, 0xFFFF), 1).to_bytes(2, "little")
+        rec[4:6] = _other(draw, st.integers(0, 0xFFFF), FORMAT_VERSION).to_bytes(2, "little")
     elif fault == "fingerprint":
         rec[8:24] = _other(draw, st.binary(min_size=16, max_size=16), FP)
     elif fault == "hash":
