@@ -1,7 +1,8 @@
 """Speculative decoding's system cost, isolated from any model's acceptance: an oracle proposer.
 
 Random weights give no honest acceptance rate, so the drafts come from an *oracle*: the greedy
-continuation a plain run produced for the same prompt, each draft token kept with probability
+continuation a plain run produced for the same prompt (on a random model made decisive,
+:func:`make_decisive`, so that continuation does not hinge on bf16 rounding), each draft token kept with probability
 ``alpha`` and replaced by a wrong token otherwise (drafts after a wrong one are rejected anyway; the
 oracle still proposes ``k`` so each verify pass costs what a real proposer's would). What is
 measured is then the engine: one target forward over ``k + 1`` positions per sequence, the
@@ -82,6 +83,31 @@ def make_oracle(refs: Dict[tuple, List[int]], prompt_len: int, alpha: float, k: 
     return Oracle(SpeculativeConfig(num_speculative_tokens=k), vocab)
 
 
+def make_decisive(model: Any, seed: int = 0) -> None:
+    """Gives a random model a greedy continuation that bf16 rounding cannot change.
+
+    A random model's top two logits are closer than bf16 rounding, so the verify pass (several
+    tokens a sequence) and plain decoding (one) pick different tokens within a few steps, and an
+    oracle replaying the plain run then proposes nothing the target accepts. Here every layer's
+    writes into the residual stream (attention and MLP output projections) are scaled by 1e-4 and
+    the LM head is the embedding under a random permutation ``p``: the last hidden state stays
+    close to the last token's embedding, so the next token is ``p(last)`` by a wide margin. Every
+    layer still runs at its full size, so the passes cost what the random model's do."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(1e-4)
+            layer.mlp.down_proj.weight.mul_(1e-4)
+        emb = model.model.embed_tokens.weight
+        if model.lm_head.weight.data_ptr() == emb.data_ptr():
+            raise ValueError("make_decisive needs an LM head apart from the embedding")
+        perm = torch.randperm(emb.shape[0], generator=g).to(emb.device)
+        # lm_head[v] = embedding[p^-1(v)]: the row of token t's embedding sits at p(t).
+        model.lm_head.weight[perm] = emb
+
+
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     import torch
     import transformers
@@ -96,6 +122,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     with torch.device(args.device):
         model = transformers.LlamaForCausalLM._from_config(cfg, dtype=dtype)
     model.eval().requires_grad_(False)
+    make_decisive(model)
     loaded = LoadedModel(model=model, tokenizer=None, config=model.config,
                          max_model_len=args.max_model_len, eos_token_ids=[], path="random")
     vocab = dims["vocab"]

@@ -293,3 +293,41 @@ def test_bad_speculative_config_raises(model_dir):
         _llm(model_dir, {"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ConfigArgumentError, match="method"):
         _llm(model_dir, {"method": "lookahead", "num_speculative_tokens": 2})
+
+
+def test_token_rows_give_each_verify_token_its_causal_length():
+    """A verify step's tokens as decode rows: sequence s's j-th of q new tokens attends to
+    ``seq_lens[s] - q + j + 1`` keys (its own included), in packed order."""
+    from pagedkv.engine.runner_graphs import token_rows
+
+    qsl = np.array([0, 4, 5, 9])  # 4, 1 and 4 new tokens
+    rows = token_rows(qsl, np.array([20, 7, 4]))
+    assert rows.dtype == np.int32
+    assert rows[0].tolist() == [0, 0, 0, 0, 1, 2, 2, 2, 2]
+    assert rows[1].tolist() == [17, 18, 19, 20, 7, 1, 2, 3, 4]
+
+
+@pytest.mark.gpu
+def test_gpu_verify_steps_replay_decode_graphs(model_dir):
+    """On CUDA with graphs, a verify step (k + 1 tokens a sequence) replays a decode graph, one
+    row per token; in fp32 the greedy outputs equal plain decoding's and the drafts are accepted."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    prompts = _prompts(11, (7, 13, 5, 21))
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outs = {}
+    for name, spec in (("plain", None), ("spec", SPEC)):
+        llm = LLM(model_dir, device="cuda", dtype=torch.float32, progress=False, block_size=16,
+                  num_blocks=128, max_num_seqs=4, speculative_config=spec)
+        runner = llm.llm_engine.core.runner
+        assert runner.graph_sizes
+        outs[name] = _ids(llm.generate(prompts, params, use_tqdm=False))
+        st = llm.stats()
+        if spec is not None:
+            assert runner.max_graph_rows == 4 * (K + 1)
+            assert runner.graph_sizes[-1] == 4 * (K + 1)
+            assert runner.graph_verify_steps > 0
+            assert st.spec_num_accepted_tokens > 0
+        llm.llm_engine.manager.check_invariants()
+        llm.shutdown()
+    assert outs["spec"] == outs["plain"]

@@ -22,6 +22,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("pagedkv._core")
+pytest.importorskip("msgspec")  # the events extra (EventSink); absent on a bare GPU machine
 
 from pagedkv.buffers import StepBuffers  # noqa: E402
 from pagedkv.config import CacheSpec  # noqa: E402

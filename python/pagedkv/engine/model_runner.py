@@ -89,6 +89,10 @@ DEFAULT_CPU_KV_BYTES = 256 * 2**20
 DEFAULT_GPU_FRACTION = 0.85
 #: ...minus this reserve for activations, logits and graphs.
 DEFAULT_GPU_RESERVE = 4 * 2**30
+#: With speculation, the most rows (tokens) a verify step may have to be replayed by a decode graph
+#: (``k + 1`` a sequence); larger verify steps run eagerly. Bounds the graphs' activations and
+#: logits (512 rows of a 128K vocabulary: 128 MiB in bf16).
+MAX_VERIFY_GRAPH_ROWS = 512
 
 
 def _head_dim(cfg: Any) -> int:
@@ -203,6 +207,18 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = config.step_token_budget
+        #: Query tokens a sequence may have in a step replayed by a decode graph: 1, or with
+        #: speculation ``k + 1`` (a verify step runs as one decode row per token).
+        self.graph_query_len = 1
+        #: Rows a decode graph and the buffers it reads hold: a row per sequence, or with
+        #: speculation a row per token of a verify step (at most :data:`MAX_VERIFY_GRAPH_ROWS`).
+        self.max_graph_rows = max_num_seqs
+        spec_cfg = config.speculative
+        if spec_cfg is not None:
+            self.graph_query_len = int(spec_cfg.num_speculative_tokens) + 1
+            self.max_graph_rows = max(max_num_seqs, min(
+                max_num_seqs * self.graph_query_len, self.max_num_batched_tokens,
+                MAX_VERIFY_GRAPH_ROWS))
         self.num_blocks = self._size_pool(config.num_blocks, config.kv_cache_memory,
                                           config.gpu_memory_utilization)
         if tensor_parallel is not None:
@@ -213,7 +229,7 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
         # Swap lists as long as the pool: a step may have to carry a swap for every device block
         # (a host-tier hit's loads for each admitted prompt, the write-backs of every block its
         # allocations evict), and each list names a device block once.
-        self.buffers = StepBuffers(max_num_seqs, self.max_num_batched_tokens,
+        self.buffers = StepBuffers(self.max_graph_rows, self.max_num_batched_tokens,
                                    self.max_blocks_per_seq, device=self.device, csr=False,
                                    max_swaps=max(2 * self.max_blocks_per_seq, self.num_blocks),
                                    num_groups=groups)
@@ -240,6 +256,11 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
             # Recorded after a step's host-to-device copies; `execute` waits on it before
             # returning, so the caller may refill the host buffers (manager.step) at once.
             self._inputs_copied = torch.cuda.Event()
+            if self.graph_query_len > 1:
+                # A verify step's rows (each token's sequence, then its length), staged as one.
+                r = self.max_graph_rows
+                self._rows_host = torch.zeros(2 * r, dtype=torch.int32, pin_memory=True)
+                self._rows_dev = torch.zeros(2 * r, dtype=torch.int32, device=self.device)
 
         #: Rank 0 broadcasts each step's tables and batch through it; the others receive.
         self.broadcaster = None
@@ -260,22 +281,26 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
         if self.use_kernels:
             from ..kernels import DecodeWorkspace
 
-            self.workspace = DecodeWorkspace(max_num_seqs, self.num_q_heads, self.spec.num_kv_heads,
-                                             self.spec.head_dim, device=self.device)
+            self.workspace = DecodeWorkspace(self.max_graph_rows, self.num_q_heads,
+                                             self.spec.num_kv_heads, self.spec.head_dim,
+                                             device=self.device)
         #: The decode planner (kernels only, ``decode_planner``): updated from the host lengths
         #: before every decode step, read by every layer's ``paged_decode`` and by the graphs.
         self.decode_plan = None
         if self.use_kernels and config.decode_planner:
             from ..decode_plan import DecodePlan
 
-            self.decode_plan = DecodePlan(max_num_seqs, self.num_q_heads, self.spec.num_kv_heads,
-                                          self.spec.head_dim, device=self.device)
+            self.decode_plan = DecodePlan(self.max_graph_rows, self.num_q_heads,
+                                          self.spec.num_kv_heads, self.spec.head_dim,
+                                          device=self.device)
             # Padded lengths of a graph batch: the step's own, zeros past them.
-            self._plan_lens = np.zeros(max_num_seqs, dtype=np.int32)
+            self._plan_lens = np.zeros(self.max_graph_rows, dtype=np.int32)
         #: The host tier (:meth:`enable_swap`); None: no swapping.
         self.swap = None
         self.graph_sizes: list[int] = []
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+        #: Steps of several tokens a sequence (speculative verify steps) replayed by a graph.
+        self.graph_verify_steps = 0
         if self.is_cuda and self.use_kernels and config.cuda_graphs:
             self.capture_graphs(pieces=config.cuda_graph_pieces)
 

@@ -3,9 +3,14 @@ CUDA side of a step's inputs (pinned staging, attention metadata, the decode pla
 
 Owns :func:`graph_batch_sizes` (the padded decode batch sizes captured), ``_GraphMixin``
 (:meth:`~_GraphMixin.capture_graphs`, and the internal ``_stage``, ``_cuda_meta``,
-``_update_plan``, ``_graph_size``, ``_replay``, ``_group_tables``), :func:`with_groups` (the
-per-group metadata of a step with KV cache groups) and ``_GraphChain`` (one step captured as several
-graphs of consecutive layers).
+``_update_plan``, ``_graph_size``, ``_replay``, ``_group_tables``, ``_verify_rows``,
+``_stage_rows``), :func:`token_rows` (a verify step's tokens as decode rows), :func:`with_groups`
+(the per-group metadata of a step with KV cache groups) and ``_GraphChain`` (one step captured as
+several graphs of consecutive layers).
+
+With speculation the graphs also replay verify steps: ``k + 1`` tokens a sequence, each run as a
+decode row of its own over its sequence's table up to its position (the runner's buffers then hold
+``max_graph_rows`` rows, more than ``max_num_seqs``).
 
 Invariants: the graphs read the runner's device staging buffers and the step buffers' device
 mirrors in place (every KV cache group's slot mapping and block tables included), so those keep
@@ -80,15 +85,46 @@ class _GraphMixin:
         return [self.buffers.group_views(step, g, on_device=on_device)
                 for g in range(1, self.buffers.num_groups)]
 
-    def _update_plan(self, host: Any, n: int, bs: int) -> None:
-        """Plans a decode step of ``n`` sequences run as a batch of ``bs >= n`` rows (a graph's
-        padding rows have length 0). The plan only balances the work: the kernels read the
-        lengths from the device mirrors, so a plan from stale host lengths (a TP rank whose host
-        tables are not refreshed) costs speed, never correctness."""
+    def _update_plan(self, row_lens: np.ndarray, bs: int) -> None:
+        """Plans a decode step of ``n = len(row_lens)`` rows run as a batch of ``bs >= n`` rows
+        (a graph's padding rows have length 0). The plan only balances the work: the kernels read
+        the lengths from the device mirrors, so a plan from stale host lengths (a TP rank whose
+        host tables are not refreshed) costs speed, never correctness."""
+        n = len(row_lens)
         lens = self._plan_lens
-        lens[:n] = host.seq_lens[:n].numpy()
+        lens[:n] = row_lens
         lens[n:bs] = 0
         self.decode_plan.update(lens[:bs])
+
+    def _verify_rows(self, step: Any, qsl: np.ndarray) -> Optional[np.ndarray]:
+        """A step of a few tokens a sequence (a speculative verify step) as decode rows: each
+        token's sequence and the length it attends to (:func:`token_rows`), or None where no
+        captured graph takes it (no speculation, a longer query, more rows than captured, tensor
+        parallelism: the other ranks' host tables are not refreshed)."""
+        n, t = int(step.num_seqs), int(step.num_tokens)
+        if (self.graph_query_len <= 1 or not self._graphs or self.broadcaster is not None
+                or t == n or t > self.graph_sizes[-1]
+                or int(np.diff(qsl).max()) > self.graph_query_len):
+            return None
+        return token_rows(qsl, self.buffers.host.seq_lens[:n].numpy())
+
+    def _stage_rows(self, rows: np.ndarray, n: int) -> None:
+        """Makes the device mirrors hold a verify step's decode rows, in place: row ``i`` of
+        every group's block tables becomes its token's sequence's row, ``seq_lens[i]`` the
+        token's own length (its position + 1). The slot mappings are per token already. Runs
+        before :meth:`_stage`, whose event then also covers this copy."""
+        t = rows.shape[1]
+        r = self.max_graph_rows
+        self._rows_host[:t].numpy()[:] = rows[0]
+        self._rows_host[r:r + t].numpy()[:] = rows[1]
+        self._rows_dev[:t].copy_(self._rows_host[:t], non_blocking=True)
+        self._rows_dev[r:r + t].copy_(self._rows_host[r:r + t], non_blocking=True)
+        idx = self._rows_dev[:t]
+        dev = self.buffers.device
+        dev.block_tables[:t].copy_(dev.block_tables[:n].index_select(0, idx))
+        for g in self.buffers.groups_device:
+            g.block_tables[:t].copy_(g.block_tables[:n].index_select(0, idx))
+        dev.seq_lens[:t].copy_(self._rows_dev[r:r + t])
 
     def _graph_size(self, n: int) -> Optional[int]:
         for s in self.graph_sizes:
@@ -112,11 +148,11 @@ class _GraphMixin:
         """
         if not (self.is_cuda and self.use_kernels):
             return
-        sizes = sorted(set(sizes or graph_batch_sizes(self.max_num_seqs)), reverse=True)
+        sizes = sorted(set(sizes or graph_batch_sizes(self.max_graph_rows)), reverse=True)
         dev = self.buffers.device
         mempool = torch.cuda.graph_pool_handle()
         for bs in sizes:
-            if bs > self.max_num_seqs:
+            if bs > self.max_graph_rows:
                 continue
             # Padding: no slot written, no key read. Warm-up and capture see the same state.
             dev.slot_mapping[:bs].fill_(-1)
@@ -171,6 +207,22 @@ class _GraphMixin:
             return logits[0, :n].float()
         idx = torch.from_numpy(last).to(self.device, non_blocking=True)
         return logits[0].index_select(0, idx).float()
+
+
+def token_rows(qsl: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+    """A step's tokens as decode rows: int32 ``[2, num_tokens]``, row 0 each token's sequence
+    (batch row), row 1 the keys it attends to (its position + 1, its own included).
+
+    Sequence ``s``'s ``j``-th new token of ``q = qsl[s + 1] - qsl[s]`` sits at position
+    ``seq_lens[s] - q + j``, so a decode row for it, reading the sequence's block table up to that
+    length, computes exactly the causal attention of the step (the step's keys are all written
+    before any row reads: ``scatter_kv`` precedes the decode kernel in every layer)."""
+    q = np.diff(qsl)
+    seq = np.repeat(np.arange(q.shape[0], dtype=np.int64), q)
+    t = seq.shape[0]
+    # Each token's length: its sequence's length less the tokens after it in the step.
+    lens = np.asarray(seq_lens, dtype=np.int64)[seq] - (qsl[1:][seq] - 1 - np.arange(t))
+    return np.stack([seq, lens]).astype(np.int32)
 
 
 def with_groups(meta: AttentionMetadata, groups: Sequence[Any],

@@ -146,9 +146,14 @@ class _StepMixin:
 
         n_out = getattr(step, "num_swap_out", 0)
         n_in = getattr(step, "num_swap_in", 0)
-        # A step with extra logits rows is never replayed: a graph keeps one row per sequence.
+        # A decode step with extra logits rows runs eagerly; a verify step (a few tokens a
+        # sequence, speculation) may replay a graph with one decode row per token, whose logits
+        # are there for every row.
         decode = t == n and not (extra is not None and extra.size)
         graph_bs = self._graph_size(n) if decode else None
+        vrows = None if decode or not self.is_cuda else self._verify_rows(step, qsl)
+        if vrows is not None:
+            graph_bs = self._graph_size(t)
         if n_out or n_in:
             self._apply_swaps(host, n_out, n_in)
         if step.num_copies:
@@ -166,16 +171,21 @@ class _StepMixin:
             if ids is None:  # the step's batch arrived on the device (TP over NCCL)
                 ids, pos = self._ids_dev[:t].cpu().numpy(), self._pos_dev[:t].cpu().numpy()
             return self._run_cpu(ids, pos, dev, n, qsl, last, self._group_tables(step))
+        if vrows is not None:
+            self._stage_rows(vrows, n)
         if inputs_on_device:
             ids_d, pos_d = self._ids_dev[:t], self._pos_dev[:t]
         elif self.is_cuda:
             ids_d, pos_d = self._stage(ids, pos, t)
         else:
             ids_d, pos_d = torch.from_numpy(ids), torch.from_numpy(pos)
-        if decode and self.decode_plan is not None:
-            self._update_plan(host, n, graph_bs or n)
+        if self.decode_plan is not None and (decode or vrows is not None):
+            self._update_plan(host.seq_lens[:n].numpy() if vrows is None else vrows[1],
+                              graph_bs or n)
         if graph_bs is not None:
-            out = self._replay(graph_bs, n, ids_d, pos_d, last)
+            if vrows is not None:
+                self.graph_verify_steps += 1
+            out = self._replay(graph_bs, n if vrows is None else t, ids_d, pos_d, last)
             self._inputs_copied.synchronize()
             return out
         groups = self._group_tables(step)
