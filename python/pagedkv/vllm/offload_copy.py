@@ -410,8 +410,10 @@ class ChunkCopier:
     def _queue(self, direction: str, plan: Plan) -> Any:
         """Queues one transfer after the other direction's jobs on its chunks; its event."""
         other = "load" if direction == "store" else "store"
-        if not plan:  # nothing to move: done once the caller's queued work is
-            st = self._streams[direction]
+        if not plan:  # nothing to move: done once the caller's queued work is, recorded on
+            # the stream that ends this direction's transfers (so it is also after them)
+            last = "scatter" if direction == "load" and self.path == "pipelined" else direction
+            st = self._streams[last]
             st.wait_stream(self._caller())
             return self._record(st)
         chunks = np.unique(np.concatenate([c for _, _, c, _ in plan]))
