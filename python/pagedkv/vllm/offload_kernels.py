@@ -53,7 +53,7 @@ def _chunk_copy_kernel(kv_base, chunk_base, tensor_off_ptr, page_ptr, section_pt
     i = tl.program_id(0)  # entry: one block
     j = tl.program_id(1)  # tensor of the group
     k = tl.program_id(2)  # tile of the page
-    page = tl.load(page_ptr + j)
+    page = tl.multiple_of(tl.load(page_ptr + j), ALIGN)
     offs = k * TILE + tl.arange(0, TILE)
     m = offs < page
     b = tl.load(blocks_ptr + i)
