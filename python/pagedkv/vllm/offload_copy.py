@@ -41,6 +41,10 @@ moves a transfer in a handful of large operations:
 - ``"indexed"`` (the only path on CPU tensors by default): one indexed assignment per tensor,
   synchronous.
 
+Not built: per-layer strided copies (one ``copy_`` moving a run of blocks of one tensor). A
+transfer's GPU blocks are scattered over the KV cache, so a run of host chunks is no run of GPU
+blocks, and such copies would stay one per block and tensor.
+
 ``"pipelined"`` and ``"direct"`` also run on CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1``; synchronous, the tests use that). ``benches/gpu_vllm_offload.sh`` measures
 every CUDA path beside a plain pinned ``copy_`` of the same bytes (docs/performance.md).
