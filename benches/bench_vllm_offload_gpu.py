@@ -6,18 +6,26 @@ The KV cache is what vLLM hands an offloading worker: one block-major tensor per
 ``[num_blocks, page_bytes]`` (``--layers`` tensors, page = 2 (K, V) x ``--block-size`` tokens x
 ``--kv-heads`` x ``--head-dim`` x 2 bytes), all in one KV cache group. Each measurement moves
 ``--blocks`` blocks (a 4096-token prompt at 16 tokens a block: 256) between scattered GPU blocks
-and host chunks of ``--blocks-per-chunk`` blocks:
+and host chunks of ``--blocks-per-chunk`` blocks, through each of the copier's CUDA paths
+(``--paths``, module docs of :mod:`pagedkv.vllm.offload_copy`; all three by default, one copier
+each over one shared pinned host pool):
 
-- ``store``: GPU blocks -> host chunks (``ChunkCopier.store``: gather into device staging in
-  chunk order, one DMA per run of consecutive chunks); the chunks are consecutive (``run``) or
-  scattered over the host pool (``scattered``);
-- ``load``: host chunks -> GPU blocks (one DMA per run into staging, one scatter per tensor);
-- ``pinned``: the baseline, one ``copy_`` of the same byte count between a contiguous device
-  buffer and pinned host memory, each direction.
+- ``pipelined``: one gather launch per group into a ring of device staging slots, the DMA of
+  each slot's runs of consecutive chunks overlapping the gather of the next (loads: DMA, then
+  one scatter launch per slot);
+- ``direct``: one launch per group and direction reading / writing the pinned pool itself;
+- ``legacy``: per-tensor indexed copies over bytes into one staging buffer, then the DMAs, all
+  on one stream (the first scheme);
+
+each as ``store`` (GPU blocks -> host chunks) and ``load`` (host chunks -> GPU blocks), the
+chunks consecutive (``run``) or scattered over the host pool (``scattered``); and the baseline
+``pinned``: one ``copy_`` of the same byte count between a contiguous device buffer and pinned
+host memory, each direction.
 
 Each figure is the median over ``--reps`` of the wall time from submit to the job's event
 (CUDA-synchronized), after ``--warmup`` runs; the handlers' rate is reported as a fraction of the
-pinned copy's in the same direction (goal: >= 90%). Prints a table and writes JSON::
+pinned copy's in the same direction (goal: >= 90%). Every path first passes a round trip checked
+byte for byte. Prints a table and writes JSON::
 
     PYTHONPATH=python .venv/bin/python benches/bench_vllm_offload_gpu.py
 """
@@ -60,6 +68,10 @@ def main() -> None:
     ap.add_argument("--host-chunks", type=int, default=2048)
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--blocks-per-chunk", type=int, default=1)
+    ap.add_argument("--paths", nargs="+", default=["pipelined", "direct", "legacy"],
+                    choices=["pipelined", "direct", "legacy"])
+    ap.add_argument("--staging-chunks", type=int, default=None,
+                    help="device staging per direction, in chunks (default: the copier's)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
@@ -72,8 +84,12 @@ def main() -> None:
     tensors = [torch.randint(-128, 127, (args.gpu_blocks, page), dtype=torch.int8, device=dev)
                for _ in range(args.layers)]
     bpc = args.blocks_per_chunk
-    cp = ChunkCopier(tensors, [list(range(args.layers))], blocks_per_chunk=bpc,
-                     num_chunks=args.host_chunks)
+    host = torch.empty((args.host_chunks, page * args.layers * bpc), dtype=torch.uint8,
+                       pin_memory=True)
+    copiers = {p: ChunkCopier(tensors, [list(range(args.layers))], blocks_per_chunk=bpc,
+                              num_chunks=args.host_chunks, host=host, path=p,
+                              staging_chunks=args.staging_chunks)
+               for p in args.paths}
     n = args.blocks
     nchunks = -(-n // bpc)
     nbytes = n * page * args.layers
@@ -89,15 +105,20 @@ def main() -> None:
         job[0] += 1
         return job[0]
 
-    # Correctness first: a store and a load into other blocks return the same bytes.
-    other = rng.choice(np.setdiff1d(np.arange(args.gpu_blocks), gpu_ids), size=n, replace=False)
-    cp.store(next_job(), gpu_ids, [n], [0], layouts["scattered"])
-    cp.load(next_job(), layouts["scattered"], other, [n], [0])
-    cp.synchronize()
-    g, o = torch.from_numpy(gpu_ids).to(dev), torch.from_numpy(other).to(dev)
-    for t in tensors:
-        assert torch.equal(t[g], t[o]), "round trip changed the bytes"
-    cp.finished()
+    # Correctness first: per path, a store and a load into other blocks return the same bytes.
+    rest = np.setdiff1d(np.arange(args.gpu_blocks), gpu_ids)
+    g = torch.from_numpy(gpu_ids).to(dev)
+    for p, cp in copiers.items():
+        other = rng.choice(rest, size=n, replace=False)
+        o = torch.from_numpy(other).to(dev)
+        for t in tensors:
+            t[o] = 0
+        cp.store(next_job(), gpu_ids, [n], [0], layouts["scattered"])
+        cp.load(next_job(), layouts["scattered"], other, [n], [0])
+        cp.synchronize()
+        for t in tensors:
+            assert torch.equal(t[g], t[o]), f"{p}: round trip changed the bytes"
+        cp.finished()
 
     dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     host_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -107,32 +128,41 @@ def main() -> None:
         "pinned h2d": timed(lambda: dev_buf.copy_(host_buf, non_blocking=True), args.reps,
                             args.warmup),
     }
-    def store(chunks: np.ndarray) -> None:
+
+    def store(cp: ChunkCopier, chunks: np.ndarray) -> None:
         j = next_job()
         cp.store(j, gpu_ids, [n], [0], chunks)
         cp.wait({j})
 
-    def load(chunks: np.ndarray) -> None:
+    def load(cp: ChunkCopier, chunks: np.ndarray) -> None:
         j = next_job()
         cp.load(j, chunks, gpu_ids, [n], [0])
         cp.wait({j})
 
-    for name, chunks in layouts.items():
-        res[f"store {name}"] = timed(lambda: store(chunks), args.reps, args.warmup)
-        res[f"load {name}"] = timed(lambda: load(chunks), args.reps, args.warmup)
-        cp.finished()
+    for p, cp in copiers.items():
+        for name, chunks in layouts.items():
+            res[f"{p} store {name}"] = timed(lambda: store(cp, chunks), args.reps, args.warmup)
+            res[f"{p} load {name}"] = timed(lambda: load(cp, chunks), args.reps, args.warmup)
+            cp.finished()
+    staging = {p: cp.staging_chunks for p, cp in copiers.items()}
     print(f"\n{torch.cuda.get_device_name()}: {n} blocks x {args.layers} layers "
-          f"({nbytes / 2**20:.0f} MiB), {bpc} block(s) per chunk, median of {args.reps}")
-    print(f"{'transfer':<18}{'ms':>9}{'GB/s':>9}{'of pinned':>11}")
+          f"({nbytes / 2**20:.0f} MiB), {bpc} block(s) per chunk, median of {args.reps}; "
+          f"staging chunks per direction {staging}")
+    print(f"{'transfer':<28}{'ms':>9}{'GB/s':>9}{'of pinned':>11}")
     out = {}
     for name, s in res.items():
-        base = res["pinned d2h" if name.startswith(("store", "pinned d2h")) else "pinned h2d"]
+        base = res["pinned h2d" if " load " in name or name == "pinned h2d" else "pinned d2h"]
         frac = base / s
         out[name] = {"ms": s * 1e3, "GBps": nbytes / s / 1e9, "of_pinned": frac}
-        print(f"{name:<18}{s * 1e3:>9.3f}{nbytes / s / 1e9:>9.1f}{frac:>10.0%}")
+        print(f"{name:<28}{s * 1e3:>9.3f}{nbytes / s / 1e9:>9.1f}{frac:>10.0%}")
+    worst = {p: min(v["of_pinned"] for k, v in out.items() if k.startswith(p + " "))
+             for p in copiers}
+    for p, w in worst.items():
+        print(f"{p}: worst row {w:.0%} of pinned ({'meets' if w >= 0.9 else 'misses'} >= 90%)")
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "machine": platform.machine(),
-                   "args": vars(args), "bytes": nbytes, "results": out}, f, indent=1)
+                   "args": vars(args), "bytes": nbytes, "staging_chunks": staging,
+                   "worst_of_pinned": worst, "results": out}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,17 @@ groups over three tensors of different page sizes) through the host chunk pool: 
 chunks and loaded into other blocks come back byte for byte, sub-blocks land where the layout
 says (one chunk contiguous across tensors), a group entered part way through its first chunk
 (``block_indices``) maps to the right sub-blocks, and bad transfers raise typed errors with
-nothing copied. The round trips run on CUDA too (``gpu``-marked: the staged copies, with a
-staging buffer smaller than a transfer so it goes through in pieces).
+nothing copied. The round trips run through every copy path (``path``): on CPU the indexed
+copies and, under Triton's interpreter (``TRITON_INTERPRET=1``; skipped without it), the
+pipelined and direct paths' kernel; on CUDA (``gpu``-marked) the pipelined, direct and legacy
+paths, with a staging buffer smaller than a transfer so it goes through in pieces and the slot
+ring turns over. The kernel (:mod:`pagedkv.vllm.offload_kernels`) is also checked alone against
+indexing, both ways, at 8-, 4- and 2-byte words, and paths a device cannot take are refused.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -26,13 +32,28 @@ GROUPS = [[0, 1], [2]]
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_kernel_cpu = pytest.mark.skipif(
+    not INTERPRET, reason="the kernel on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
+_gpu = pytest.mark.gpu
+#: (device, path) for every path each device takes.
+PATHS = [
+    pytest.param("cpu", "indexed", id="cpu-indexed"),
+    pytest.param("cpu", "pipelined", marks=_kernel_cpu, id="cpu-pipelined"),
+    pytest.param("cpu", "direct", marks=_kernel_cpu, id="cpu-direct"),
+    pytest.param("cuda", "pipelined", marks=_gpu, id="cuda-pipelined"),
+    pytest.param("cuda", "direct", marks=_gpu, id="cuda-direct"),
+    pytest.param("cuda", "legacy", marks=_gpu, id="cuda-legacy"),
+]
 
-def make(bpc: int = 2, chunks: int = 10, device: str = "cpu"):
+
+def make(bpc: int = 2, chunks: int = 10, device: str = "cpu", path=None,
+         pages=PAGES, groups=GROUPS):
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randint(-128, 127, (NUM_BLOCKS, p), dtype=torch.int8, generator=g).to(device)
-               for p in PAGES]
-    return tensors, ChunkCopier(tensors, GROUPS, blocks_per_chunk=bpc, num_chunks=chunks,
-                                staging_chunks=2)
+               for p in pages]
+    return tensors, ChunkCopier(tensors, groups, blocks_per_chunk=bpc, num_chunks=chunks,
+                                staging_chunks=2, path=path)
 
 
 def test_layout_one_contiguous_chunk_across_tensors() -> None:
@@ -49,9 +70,10 @@ def test_layout_one_contiguous_chunk_across_tensors() -> None:
     assert torch.equal(cp.host[6][192:288], u8[2][7])
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_round_trip_into_other_blocks(device: str) -> None:
-    tensors, cp = make(bpc=2, device=device)
+@pytest.mark.parametrize("device, path", PATHS)
+def test_round_trip_into_other_blocks(device: str, path: str) -> None:
+    tensors, cp = make(bpc=2, device=device, path=path)
+    assert cp.path == path
     before = [t.clone() for t in tensors]
     src = [0, 1, 2, 3, 10, 11]
     cp.store(7, src, [4, 2], [0, 0], [4, 2, 8])
@@ -71,9 +93,9 @@ def test_round_trip_into_other_blocks(device: str) -> None:
     assert torch.equal(tensors[2][dst[:4]].cpu(), torch.zeros(4, 96, dtype=torch.int8))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_partial_first_chunk_maps_sub_blocks(device: str) -> None:
-    tensors, cp = make(bpc=4, device=device)
+@pytest.mark.parametrize("device, path", PATHS)
+def test_partial_first_chunk_maps_sub_blocks(device: str, path: str) -> None:
+    tensors, cp = make(bpc=4, device=device, path=path)
     # Group 0 stores logical blocks 0..7 (blocks 0..7) into chunks 1, 2.
     cp.store(1, list(range(8)), [8, 0], [0, 0], [1, 2])
     # A load of logical blocks 5..7 (a GPU prefix hit covered 0..4): chunk 2, sub-blocks 1..3.
@@ -121,10 +143,14 @@ def test_bad_config() -> None:
         ChunkCopier([t], [[0]], blocks_per_chunk=0, num_chunks=1)
 
 
-def test_random_round_trips_match_a_model() -> None:
-    """Random stores and loads against a dict model of each chunk's sub-blocks."""
+@pytest.mark.parametrize("device, path", PATHS)
+def test_random_round_trips_match_a_model(device: str, path: str) -> None:
+    """Random stores and loads against a dict model of each chunk's sub-blocks. The staged paths
+    write whole host chunks, so there a store forgets every sub-block of the chunks it enters
+    before recording the ones it wrote."""
     rng = np.random.default_rng(1)
-    tensors, cp = make(bpc=2, chunks=16)
+    tensors, cp = make(bpc=2, chunks=16, device=device, path=path)
+    whole_chunks = path in ("pipelined", "legacy")
     u8 = [t.view(torch.uint8) for t in tensors]
     model: dict = {}  # (tensor, chunk, sub) -> bytes
     for step in range(60):
@@ -139,28 +165,154 @@ def test_random_round_trips_match_a_model() -> None:
         sizes[g], idx[g] = n, first
         if rng.random() < 0.5:
             cp.store(step, blocks, sizes, idx, chunks)
+            if whole_chunks:
+                model = {k: v for k, v in model.items() if k[1] not in set(chunks.tolist())}
             for i, b in enumerate(blocks):
                 c, s = chunks[(skip + i) // 2], (skip + i) % 2
                 for t in GROUPS[g]:
                     model[(t, int(c), s)] = u8[t][int(b)].clone()
         else:
             cp.load(step, chunks, blocks, sizes, idx)
+            cp.synchronize()
             for i, b in enumerate(blocks):
                 c, s = chunks[(skip + i) // 2], (skip + i) % 2
                 for t in GROUPS[g]:
                     want = model.get((t, int(c), s))
                     if want is None:  # never stored: whatever the host held
                         want = cp.host_sections[t][int(c), s]
-                    assert torch.equal(u8[t][int(b)], want), (step, t, int(b))
+                    assert torch.equal(u8[t][int(b)].cpu(), want.cpu()), (step, t, int(b))
     assert len(cp.finished()) == 60
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_empty_transfer_is_reported(device: str) -> None:
-    tensors, cp = make(device=device)
+@pytest.mark.parametrize("device, path", PATHS)
+def test_empty_transfer_is_reported(device: str, path: str) -> None:
+    tensors, cp = make(device=device, path=path)
     host = cp.host.clone()
     cp.store(3, [], [0, 0], [0, 0], [])
     cp.load(4, [], [], [0, 0], [0, 0])
     cp.synchronize()
     assert sorted((f.job_id, f.nbytes) for f in cp.finished()) == [(3, 0), (4, 0)]
     assert torch.equal(cp.host, host)
+
+
+# ---------------------------------------------------------------------- the kernel and the paths
+
+KERNEL_DEVICES = [pytest.param("cpu", marks=_kernel_cpu, id="cpu"),
+                  pytest.param("cuda", marks=_gpu, id="cuda")]
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("pages, word", [((64, 32, 96), 8), ((12, 20, 4), 4), ((6, 10, 2), 2)])
+def test_kernel_moves_blocks_both_ways(device: str, pages, word: int) -> None:
+    """copy_chunks against indexing: every named (block, tensor) lands at its chunk row and
+    sub-block, both ways, at the word size the page sizes allow; nothing else changes."""
+    from pagedkv.vllm.offload_kernels import WORD_DTYPES, ChunkTable, copy_chunks, word_bytes
+
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randint(-128, 127, (NUM_BLOCKS, p), dtype=torch.int8, generator=g).to(device)
+               for p in pages]
+    rows = [t.view(torch.uint8) for t in tensors]
+    assert word_bytes(pages, [r.data_ptr() for r in rows]) == word
+    bpc, nrows = 3, 5
+    offs = np.cumsum([0] + [bpc * p for p in pages])
+    chunk_bytes = int(offs[-1])
+    words = [r.view(WORD_DTYPES[word]) for r in rows]
+    group = [2, 0]  # a group's tensors in any order
+    table = ChunkTable.build(words[0], [words[t] for t in group], [pages[t] // word for t in group],
+                             [int(offs[t]) // word for t in group], chunk_bytes // word, word)
+    chunks = torch.randint(0, 256, (nrows, chunk_bytes), dtype=torch.uint8, generator=g).to(device)
+    before = chunks.clone()
+    blocks, crow, sub = [4, 17, 9, 0], [3, 0, 3, 1], [2, 0, 0, 1]
+    idx = [torch.tensor(a, dtype=torch.int64, device=device) for a in (blocks, crow, sub)]
+    copy_chunks(table, words[0], chunks.view(WORD_DTYPES[word]), *idx, chunk_bytes // word,
+                to_chunks=True)
+    want = before.clone()
+    for b, r, s in zip(blocks, crow, sub):
+        for t in group:
+            o = int(offs[t]) + s * pages[t]
+            want[r, o:o + pages[t]] = rows[t][b]
+    assert torch.equal(chunks, want)
+    # Back into other blocks: only those change.
+    kv_before = [r.clone() for r in rows]
+    dst = [20, 21, 22, 23]
+    idx[0] = torch.tensor(dst, dtype=torch.int64, device=device)
+    copy_chunks(table, words[0], chunks.view(WORD_DTYPES[word]), *idx, chunk_bytes // word,
+                to_chunks=False)
+    for t in range(len(pages)):
+        expect = kv_before[t].clone()
+        if t in group:
+            expect[dst] = kv_before[t][blocks]
+        assert torch.equal(rows[t], expect), t
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
+def test_kernel_paths_on_odd_pages_round_trip() -> None:
+    """A path through the kernel with 2-byte words (pages of 6 and 10 bytes) and one group of
+    two tensors beside an empty group: the round trip restores every byte."""
+    pages, groups = (6, 10), [[1, 0], []]
+    for path in ("pipelined", "direct"):
+        tensors, cp = make(bpc=2, chunks=6, path=path, pages=pages, groups=groups)
+        assert cp.word == 2
+        before = [t.clone() for t in tensors]
+        cp.store(1, [3, 4, 5], [3, 0], [1, 0], [5, 0])
+        cp.load(2, [5, 0], [10, 11, 12], [3, 0], [1, 0])
+        for t, b in zip(tensors, before):
+            assert torch.equal(t[[10, 11, 12]], b[[3, 4, 5]]), path
+
+
+def test_paths_a_device_cannot_take_are_refused(monkeypatch) -> None:
+    t = torch.zeros(4, 8, dtype=torch.int8)
+    with pytest.raises(InvalidConfigError) as e:
+        ChunkCopier([t], [[0]], blocks_per_chunk=1, num_chunks=1, path="fast")
+    assert e.value.field == "path"
+    with pytest.raises(InvalidConfigError):  # the legacy path is CUDA's
+        ChunkCopier([t], [[0]], blocks_per_chunk=1, num_chunks=1, path="legacy")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for path in ("pipelined", "direct"):
+        with pytest.raises(InvalidConfigError) as e:
+            ChunkCopier([t], [[0]], blocks_per_chunk=1, num_chunks=1, path=path)
+        assert "TRITON_INTERPRET" in str(e.value)
+    assert ChunkCopier([t], [[0]], blocks_per_chunk=1, num_chunks=1).path == "indexed"
+
+
+@pytest.mark.gpu
+def test_cuda_default_path_and_pinned_pool() -> None:
+    t = torch.zeros(4, 8, dtype=torch.int8, device="cuda")
+    assert ChunkCopier([t], [[0]], blocks_per_chunk=1, num_chunks=2).path == "pipelined"
+    with pytest.raises(InvalidConfigError):  # the kernel cannot address pageable memory
+        ChunkCopier([t], [[0]], blocks_per_chunk=1, num_chunks=2, path="direct",
+                    pin_memory=False)
+    with pytest.raises(InvalidConfigError):
+        ChunkCopier([t], [[0]], blocks_per_chunk=1, num_chunks=2, path="indexed")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["pipelined", "direct", "legacy"])
+def test_cuda_long_transfers_through_the_slot_ring(path: str) -> None:
+    """Transfers of many pieces (staging of 4 chunks: 2 slots of 2), back to back without a
+    wait: a load after the store of its chunks reads what the store wrote, and later stores
+    overwriting those chunks wait for the loads still reading them."""
+    g = torch.Generator().manual_seed(5)
+    nb, page, layers = 64, 4096, 4
+    tensors = [torch.randint(-128, 127, (nb, page), dtype=torch.int8, generator=g).cuda()
+               for _ in range(layers)]
+    cp = ChunkCopier(tensors, [list(range(layers))], blocks_per_chunk=1, num_chunks=40,
+                     staging_chunks=4, path=path)
+    rng = np.random.default_rng(5)
+    src, dst = rng.permutation(nb)[:20], np.arange(40, 60)
+    first = [t[src].clone() for t in tensors]
+    chunks = rng.permutation(40)[:20]
+    cp.store(1, src, [20], [0], chunks)
+    cp.load(2, chunks, dst, [20], [0])
+    # Overwrite the same chunks from other blocks, and load those too, all queued at once.
+    src2 = rng.permutation(np.arange(20, 40))
+    dst2 = np.arange(0, 20)
+    second = [t[src2].clone() for t in tensors]
+    cp.store(3, src2, [20], [0], chunks)
+    cp.load(4, chunks, dst2, [20], [0])
+    cp.wait({4})
+    cp.synchronize()
+    for t, a, b in zip(tensors, first, second):
+        assert torch.equal(t[dst], a)
+        assert torch.equal(t[dst2], b)
+    assert sorted(f.job_id for f in cp.finished()) == [1, 2, 3, 4]

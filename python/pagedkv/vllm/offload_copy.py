@@ -17,21 +17,49 @@ A transfer names GPU block ids, per group how many (``group_sizes``) and the log
 the group's first block in its request (``block_indices``: the first chunk of a group may be
 entered ``block_index % blocks_per_chunk`` sub-blocks in), and the chunk ids, group after group.
 
-**CPU tensors**: a copy is one indexed assignment per tensor (synchronous).
+**Paths** (``path``). What costs time on CUDA is not the bytes but the number of operations: a
+4096-token prompt of a 32-layer model is 256 blocks x 32 tensors = 8192 block-rows of 64 KiB,
+and one DMA or one indexed copy per row (or per tensor) is launch-bound. Every CUDA path below
+moves a transfer in a handful of large operations:
 
-**CUDA tensors** (the swap engine's scheme, :mod:`pagedkv.tiers.host`): a store gathers its GPU
-blocks into a device staging buffer laid out as host chunks in ascending chunk order (one indexed
-copy per tensor, at device bandwidth), then moves each run of consecutive chunks with one
-``copy_`` into pinned host memory; a load moves each run into staging and scatters from there
-(one ``index_copy_`` per tensor). Stores and loads each have their own stream (the link's two
-directions), each first waits for the work already queued on the caller's stream (which wrote,
-or still reads, the GPU blocks) and for the jobs of the other direction still on its host chunks
-(a load after the store that wrote them, a store after the load that reads them: the swap
-engine's per-block rule, per chunk), and each transfer ends with an event that
-:meth:`ChunkCopier.finished` polls and :meth:`ChunkCopier.wait` blocks on. A transfer larger than
-the staging buffer goes through it in pieces, in order on its stream. A store writes whole host
-chunks (the rows of the staging buffer), so a chunk a store enters part way has its other
-sub-blocks undefined, as a freshly allocated chunk's are.
+- ``"pipelined"`` (the default on CUDA): a store gathers its GPU blocks, every tensor of a group
+  in one Triton launch (:mod:`pagedkv.vllm.offload_kernels`, 8-byte words, at device
+  bandwidth), into a device staging slot laid out as host chunks in ascending chunk order, and
+  moves each run of consecutive chunks with one ``copy_`` (one DMA) into the pinned pool; a load
+  is the mirror image (one DMA per run into a slot, one scatter launch per group). The staging
+  buffer (``staging_chunks`` per direction) is a ring of slots of at most :data:`PIECE_BYTES`;
+  a transfer goes through it piece by piece, the gather (scatter) of one piece on its own stream
+  overlapping the DMA of the one before, so a long transfer runs at the link's rate plus one
+  piece's gather.
+- ``"direct"``: no staging and no DMA: the same kernel reads the GPU blocks and writes the pinned
+  host chunks directly (unified addressing maps pinned memory into the device's address space),
+  or reads them on a load; one launch per group and direction. The SMs then issue the link's
+  transactions themselves (128-byte writes, reads that must be kept in flight), which commonly
+  runs below the copy engines' rate; it needs no device memory.
+- ``"legacy"``: the first scheme, kept for the benchmark's comparison: one indexed copy per tensor
+  over bytes into a single staging buffer, then the DMAs, serialised on one stream.
+- ``"indexed"`` (the only path on CPU tensors by default): one indexed assignment per tensor,
+  synchronous.
+
+Not built: per-layer strided copies (one ``copy_`` moving a run of blocks of one tensor). A
+transfer's GPU blocks are scattered over the KV cache, so a run of host chunks is no run of GPU
+blocks, and such copies would stay one per block and tensor.
+
+``"pipelined"`` and ``"direct"`` also run on CPU tensors under Triton's interpreter
+(``TRITON_INTERPRET=1``; synchronous, the tests use that). ``benches/gpu_vllm_offload.sh`` measures
+every CUDA path beside a plain pinned ``copy_`` of the same bytes (docs/performance.md).
+
+**Ordering (CUDA).** Stores and loads each have their own DMA stream (the link's two directions;
+the pipelined path adds a gather and a scatter stream). A store's first operation (gather, or
+the whole copy) waits for the work already queued on the caller's stream, which wrote the GPU
+blocks; a load's writes into the GPU blocks (scatter, or the whole copy) wait for it too, since
+that work may still read them. A store's host writes wait for the loads still reading its host
+chunks, a load's host reads for the stores still writing them (the swap engine's per-block rule,
+per chunk; the two directions otherwise overlap). Each transfer ends with an event that
+:meth:`ChunkCopier.finished` polls and :meth:`ChunkCopier.wait` blocks on. A store writes whole
+host chunks on the staged paths (the rows of the staging buffer), so a chunk a store enters part
+way has its other sub-blocks undefined, as a freshly allocated chunk's are; the direct and CPU
+paths write only the sub-blocks named.
 
 Invariants: the host pool's shape and address never change; every transfer is validated whole
 (ids in range, counts consistent) before anything is queued, so a rejected one changes nothing;
@@ -40,6 +68,8 @@ results are reported once each, in submission order per direction.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -50,10 +80,23 @@ import torch
 from pagedkv.errors import InvalidArgumentError, InvalidConfigError
 from pagedkv.tiers.host import consecutive_runs
 
-__all__ = ["ChunkCopier", "Finished", "DEFAULT_STAGING_BYTES"]
+__all__ = ["ChunkCopier", "Finished", "DEFAULT_STAGING_BYTES", "PIECE_BYTES", "PATHS",
+           "DEFAULT_CUDA_PATH"]
 
 #: Device staging per direction when ``staging_chunks`` is not given.
 DEFAULT_STAGING_BYTES = 256 * 2**20
+
+#: The pipelined path's piece (one staging slot) at most: small enough that the first piece's
+#: gather, which nothing overlaps, is short; large enough that a piece is a few long DMAs.
+PIECE_BYTES = 32 * 2**20
+
+#: The copy paths (module docs).
+PATHS = ("pipelined", "direct", "legacy", "indexed")
+
+#: The path CUDA tensors get when ``path`` is not given.
+DEFAULT_CUDA_PATH = "pipelined"
+
+Plan = List[Tuple[int, np.ndarray, np.ndarray, np.ndarray]]
 
 
 @dataclass
@@ -70,7 +113,20 @@ class _Job:
     job_id: int
     nbytes: int
     t0: float
-    event: Any  # torch.cuda.Event or None (CPU: done at submit)
+    event: Any  # torch.cuda.Event or None (done at submit)
+
+
+class _NoStream:
+    """Stands in for a CUDA stream where copies are synchronous (CPU tensors)."""
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 class ChunkCopier:
@@ -84,17 +140,22 @@ class ChunkCopier:
         num_chunks: Host chunks (>= 0).
         pin_memory: Page-locked host memory; None: when the tensors are on CUDA.
         staging_chunks: CUDA staging per direction, in chunks; None: as many as fit
-            :data:`DEFAULT_STAGING_BYTES` (at least 1).
+            :data:`DEFAULT_STAGING_BYTES` (at least 1). The direct path has none.
         host: An existing ``[num_chunks, chunk_bytes]`` uint8 host tensor to use.
+        path: One of :data:`PATHS` (module docs); None: :data:`DEFAULT_CUDA_PATH` on CUDA,
+            ``"indexed"`` on CPU. ``"pipelined"`` and ``"direct"`` take CPU tensors only under
+            Triton's interpreter; ``"legacy"`` and ``"direct"`` need CUDA's pinned host memory
+            to be fast (``"direct"`` on CUDA refuses a pageable pool).
 
     Raises:
-        InvalidConfigError: Inconsistent tensors, groups or sizes.
+        InvalidConfigError: Inconsistent tensors, groups or sizes, or a path these tensors
+            cannot take.
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], group_tensors: Sequence[Sequence[int]],
                  *, blocks_per_chunk: int, num_chunks: int, pin_memory: Optional[bool] = None,
                  staging_chunks: Optional[int] = None,
-                 host: Optional[torch.Tensor] = None) -> None:
+                 host: Optional[torch.Tensor] = None, path: Optional[str] = None) -> None:
         if not tensors:
             raise InvalidConfigError("no KV cache tensors", field="tensors", value=0,
                                      reason="at least one")
@@ -135,6 +196,7 @@ class ChunkCopier:
             off += pb * blocks_per_chunk
         self.chunk_bytes = off
         self.is_cuda = self.device.type == "cuda"
+        self.path = self._check_path(path)
         if pin_memory is None:
             pin_memory = self.is_cuda
         if host is None:
@@ -145,6 +207,13 @@ class ChunkCopier:
                 f"host tensor {tuple(host.shape)} {host.dtype}; expected "
                 f"({num_chunks}, {self.chunk_bytes}) uint8", field="host",
                 value=tuple(host.shape), reason="shape mismatch")
+        if self.path in ("pipelined", "direct") and not host.is_contiguous():
+            raise InvalidConfigError("host tensor is not contiguous", field="host",
+                                     value=tuple(host.stride()), reason="contiguous")
+        if self.path == "direct" and self.is_cuda and not host.is_pinned():
+            raise InvalidConfigError(
+                "path 'direct' needs a pinned host pool (the GPU addresses it directly)",
+                field="host", value="pageable", reason="pinned memory")
         self.host = host
         #: Per tensor, the host pool as ``[num_chunks, blocks_per_chunk, page_bytes]`` (a view).
         self.host_sections = [
@@ -152,33 +221,96 @@ class ChunkCopier:
             for o, pb in zip(self.offsets, self.page_bytes)]
         self._jobs: Dict[str, List[_Job]] = {"store": [], "load": []}
         self._done: List[Finished] = []
+        # Per chunk, the last store that wrote it and the last load that read it (a job's
+        # number, -1: none), and the events of the jobs not yet reported finished: a load
+        # waits for the stores still writing its chunks, a store for the loads still reading
+        # its chunks, and nothing else (the two directions otherwise overlap).
+        self._last = {d: np.full(max(num_chunks, 1), -1, dtype=np.int64)
+                      for d in ("store", "load")}
+        self._events: Dict[str, Dict[int, Any]] = {"store": {}, "load": {}}
+        self._seq = 0
+        names = ("store", "load", "gather", "scatter")
         if self.is_cuda:
-            if staging_chunks is None:
-                staging_chunks = max(1, DEFAULT_STAGING_BYTES // max(1, self.chunk_bytes))
-            staging_chunks = max(1, min(int(staging_chunks), max(1, num_chunks)))
-            self.staging_chunks = staging_chunks
-            self._stage = {d: torch.empty((staging_chunks, self.chunk_bytes), dtype=torch.uint8,
-                                          device=self.device) for d in ("store", "load")}
-            self._stage_sections = {
-                d: [s[:, o:o + self.bpc * pb].unflatten(1, (self.bpc, pb))
-                    for o, pb in zip(self.offsets, self.page_bytes)]
-                for d, s in self._stage.items()}
-            self._streams = {d: torch.cuda.Stream(self.device) for d in ("store", "load")}
-            # Per chunk, the last store that wrote it and the last load that read it (a job's
-            # number, -1: none), and the events of the jobs not yet reported finished: a load
-            # waits for the stores still writing its chunks, a store for the loads still reading
-            # its chunks, and nothing else (the two directions otherwise overlap).
-            self._last = {d: np.full(max(num_chunks, 1), -1, dtype=np.int64)
-                          for d in ("store", "load")}
-            self._events: Dict[str, Dict[int, Any]] = {"store": {}, "load": {}}
-            self._seq = 0
+            self._streams: Dict[str, Any] = {d: torch.cuda.Stream(self.device) for d in names}
         else:
-            self.staging_chunks = 0
+            self._streams = {d: _NoStream() for d in names}
+        self.staging_chunks = 0
+        self.piece_chunks = 0
+        if self.path == "legacy":
+            self._init_legacy(staging_chunks)
+        elif self.path in ("pipelined", "direct"):
+            self._init_kernel(staging_chunks)
+
+    def _check_path(self, path: Optional[str]) -> str:
+        if path is None:
+            return DEFAULT_CUDA_PATH if self.is_cuda else "indexed"
+        if path not in PATHS:
+            raise InvalidConfigError(f"path must be one of {PATHS}, got {path!r}", field="path",
+                                     value=path, reason="unknown path")
+        interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        ok = {"pipelined": self.is_cuda or interpreted, "direct": self.is_cuda or interpreted,
+              "legacy": self.is_cuda, "indexed": not self.is_cuda}[path]
+        if not ok:
+            raise InvalidConfigError(
+                f"path {path!r} does not run on {self.device} tensors"
+                + ("" if self.is_cuda or path in ("legacy", "indexed")
+                   else " (outside Triton's interpreter, TRITON_INTERPRET=1)"),
+                field="path", value=path, reason=f"not available on {self.device.type}")
+        return path
+
+    def _default_staging(self, staging_chunks: Optional[int]) -> int:
+        if staging_chunks is None:
+            staging_chunks = max(1, DEFAULT_STAGING_BYTES // max(1, self.chunk_bytes))
+        return max(1, min(int(staging_chunks), max(1, self.num_chunks)))
+
+    def _init_legacy(self, staging_chunks: Optional[int]) -> None:
+        self.staging_chunks = self.piece_chunks = self._default_staging(staging_chunks)
+        self._stage = {d: torch.empty((self.staging_chunks, self.chunk_bytes),
+                                      dtype=torch.uint8, device=self.device)
+                       for d in ("store", "load")}
+        self._stage_sections = {
+            d: [s[:, o:o + self.bpc * pb].unflatten(1, (self.bpc, pb))
+                for o, pb in zip(self.offsets, self.page_bytes)]
+            for d, s in self._stage.items()}
+
+    def _init_kernel(self, staging_chunks: Optional[int]) -> None:
+        from pagedkv.vllm.offload_kernels import WORD_DTYPES, ChunkTable, word_bytes
+
+        w = word_bytes(self.page_bytes, [r.data_ptr() for r in self.rows]
+                       + [self.host.data_ptr()])
+        self.word = w
+        wdt = WORD_DTYPES[w]
+        words = [r.view(wdt) for r in self.rows]
+        self._kv_base = words[0]
+        self._chunk_words = self.chunk_bytes // w
+        self._host_words = self.host.view(wdt) if self.num_chunks else self.host
+        page_w = [pb // w for pb in self.page_bytes]
+        sec_w = [o // w for o in self.offsets]
+        self._tables = [
+            ChunkTable.build(self._kv_base, [words[t] for t in ts], [page_w[t] for t in ts],
+                             [sec_w[t] for t in ts], self._chunk_words, w) if ts else None
+            for ts in self.groups]
+        if self.path != "pipelined":
+            return
+        total = self._default_staging(staging_chunks)
+        piece = max(1, min(total // 2 if total >= 2 else 1,
+                           PIECE_BYTES // max(1, self.chunk_bytes)))
+        slots = max(1, total // piece)
+        self.piece_chunks, self.staging_chunks = piece, slots * piece
+        self._slots = slots
+        stage = {d: torch.empty((slots, piece, self.chunk_bytes), dtype=torch.uint8,
+                                device=self.device) for d in ("store", "load")}
+        self._slot_bytes = {d: list(s.unbind(0)) for d, s in stage.items()}
+        self._slot_words = {d: [s.view(wdt) for s in v] for d, v in self._slot_bytes.items()}
+        self._slot_next = {"store": 0, "load": 0}
+        # The last event that used each slot (a DMA out of it, a scatter out of it).
+        self._slot_free: Dict[str, List[Any]] = {"store": [None] * slots,
+                                                 "load": [None] * slots}
 
     # ------------------------------------------------------------------ planning
 
     def plan(self, block_ids: Any, group_sizes: Sequence[int], block_indices: Sequence[int],
-             chunk_ids: Any) -> List[Tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+             chunk_ids: Any) -> Plan:
         """Per group with blocks: ``(group, gpu_blocks, chunks, sub_blocks)``, one entry per
         block, after checking every id and count.
 
@@ -233,7 +365,7 @@ class ChunkCopier:
                 what="chunk_ids", value=int(chunks.size), reason="one chunk per block run")
         return out
 
-    def _nbytes(self, plan: List[Tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> int:
+    def _nbytes(self, plan: Plan) -> int:
         return sum(len(b) * sum(self.page_bytes[t] for t in self.groups[g])
                    for g, b, _, _ in plan)
 
@@ -245,10 +377,10 @@ class ChunkCopier:
         plan = self.plan(block_ids, group_sizes, block_indices, chunk_ids)
         t0 = time.perf_counter()
         ev = None
-        if self.is_cuda:
-            ev = self._cuda("store", plan)
-        else:
+        if self.path == "indexed":
             self._store_cpu(plan)
+        else:
+            ev = self._queue("store", plan)
         self._jobs["store"].append(_Job(job_id, self._nbytes(plan), t0, ev))
 
     def load(self, job_id: int, chunk_ids: Any, block_ids: Any, group_sizes: Sequence[int],
@@ -257,55 +389,72 @@ class ChunkCopier:
         plan = self.plan(block_ids, group_sizes, block_indices, chunk_ids)
         t0 = time.perf_counter()
         ev = None
-        if self.is_cuda:
-            ev = self._cuda("load", plan)
-        else:
+        if self.path == "indexed":
             self._load_cpu(plan)
+        else:
+            ev = self._queue("load", plan)
         self._jobs["load"].append(_Job(job_id, self._nbytes(plan), t0, ev))
 
-    def _cuda(self, direction: str, plan: List[Tuple[int, np.ndarray, np.ndarray, np.ndarray]]
-              ) -> Any:
-        """Queues one CUDA transfer after the other direction's jobs on its chunks; its event."""
+    # The stream helpers: on CPU tensors (the interpreter) streams are stand-ins, a copy runs at
+    # once and a transfer has no event.
+
+    def _caller(self) -> Any:
+        return torch.cuda.current_stream(self.device) if self.is_cuda else _NoStream()
+
+    def _on(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream) if self.is_cuda else contextlib.nullcontext()
+
+    def _record(self, stream: Any) -> Any:
+        if not self.is_cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def _queue(self, direction: str, plan: Plan) -> Any:
+        """Queues one transfer after the other direction's jobs on its chunks; its event."""
         other = "load" if direction == "store" else "store"
-        st = self._streams[direction]
-        if not plan:  # nothing to move: done once the caller's queued work is
-            st.wait_stream(torch.cuda.current_stream(self.device))
-            ev = torch.cuda.Event()
-            ev.record(st)
-            return ev
+        if not plan:  # nothing to move: done once the caller's queued work is, recorded on
+            # the stream that ends this direction's transfers (so it is also after them)
+            last = "scatter" if direction == "load" and self.path == "pipelined" else direction
+            st = self._streams[last]
+            st.wait_stream(self._caller())
+            return self._record(st)
         chunks = np.unique(np.concatenate([c for _, _, c, _ in plan]))
+        before = None
         if chunks.size:
             before = self._events[other].get(int(self._last[other][chunks].max()))
-            if before is not None:
-                st.wait_event(before)
-        ev = self._store_cuda(plan) if direction == "store" else self._load_cuda(plan)
+        run = {"legacy": (self._store_legacy, self._load_legacy),
+               "pipelined": (self._store_pipelined, self._load_pipelined),
+               "direct": (self._store_direct, self._load_direct)}[self.path]
+        ev = (run[0] if direction == "store" else run[1])(plan, before)
         self._seq += 1
-        self._events[direction][self._seq] = ev
+        if ev is not None:
+            self._events[direction][self._seq] = ev
         if chunks.size:
             self._last[direction][chunks] = self._seq
         return ev
 
-    def _store_cpu(self, plan: List[Tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> None:
+    def _store_cpu(self, plan: Plan) -> None:
         for g, blocks, chunks, subs in plan:
             b, c, s = (torch.from_numpy(a) for a in (blocks, chunks, subs))
             for t in self.groups[g]:
                 self.host_sections[t][c, s] = self.rows[t][b]
 
-    def _load_cpu(self, plan: List[Tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> None:
+    def _load_cpu(self, plan: Plan) -> None:
         for g, blocks, chunks, subs in plan:
             b, c, s = (torch.from_numpy(a) for a in (blocks, chunks, subs))
             for t in self.groups[g]:
                 self.rows[t].index_copy_(0, b, self.host_sections[t][c, s])
 
-    def _pieces(self, plan: List[Tuple[int, np.ndarray, np.ndarray, np.ndarray]]
-                ) -> List[Tuple[np.ndarray, List[Tuple[int, np.ndarray, np.ndarray, np.ndarray]]]]:
-        """Splits a plan into pieces of at most ``staging_chunks`` distinct chunks: each piece is
-        its ascending chunk ids and, per group, its entries with ``chunks`` replaced by rows of
-        the staging buffer."""
+    def _pieces(self, plan: Plan, size: int) -> List[Tuple[np.ndarray, Plan]]:
+        """Splits a plan into pieces of at most ``size`` distinct chunks: each piece is its
+        ascending chunk ids and, per group, its entries with ``chunks`` replaced by rows of the
+        staging buffer."""
         all_chunks = np.unique(np.concatenate([c for _, _, c, _ in plan]))
         out = []
-        for p0 in range(0, all_chunks.size, self.staging_chunks):
-            ids = all_chunks[p0:p0 + self.staging_chunks]
+        for p0 in range(0, all_chunks.size, size):
+            ids = all_chunks[p0:p0 + size]
             lo, hi = ids[0], ids[-1]
             part = []
             for g, blocks, chunks, subs in plan:
@@ -319,15 +468,133 @@ class ChunkCopier:
         """The index arrays on the device, in one pinned host-to-device copy on the current
         stream (pinned through torch's caching host allocator, which keeps the buffer until the
         copy has run)."""
-        host = torch.from_numpy(np.stack(arrays)).pin_memory()
-        return tuple(host.to(self.device, non_blocking=True).unbind(0))
+        host = torch.from_numpy(np.stack(arrays).astype(np.int64, copy=False))
+        if not self.is_cuda:
+            return tuple(host.unbind(0))
+        return tuple(host.pin_memory().to(self.device, non_blocking=True).unbind(0))
 
-    def _store_cuda(self, plan: List[Tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> Any:
+    def _upload(self, parts: List[Plan]) -> Tuple[Tuple[torch.Tensor, ...],
+                                                  List[List[Tuple[int, int, int]]]]:
+        """Every entry of ``parts`` (lists of ``(group, blocks, rows, subs)``) on the device in
+        one copy on the current stream: the ``blocks``, ``rows``, ``subs`` tensors and, per part,
+        each group's ``(group, start, end)`` in them."""
+        spans: List[List[Tuple[int, int, int]]] = []
+        cols: List[List[np.ndarray]] = [[], [], []]
+        n = 0
+        for part in parts:
+            sp = []
+            for g, b, r, s in part:
+                if self._tables[g] is None:
+                    continue
+                sp.append((g, n, n + len(b)))
+                n += len(b)
+                for col, a in zip(cols, (b, r, s)):
+                    col.append(a)
+            spans.append(sp)
+        if n == 0:
+            e = torch.empty(0, dtype=torch.int64, device=self.device)
+            return (e, e, e), spans
+        return self._indices(*(np.concatenate(c) for c in cols)), spans
+
+    def _launch(self, idx: Tuple[torch.Tensor, ...], spans: List[Tuple[int, int, int]],
+                chunk_base: torch.Tensor, to_chunks: bool) -> None:
+        from pagedkv.vllm.offload_kernels import copy_chunks
+
+        b, r, s = idx
+        for g, a, z in spans:
+            table = self._tables[g]
+            assert table is not None
+            copy_chunks(table, self._kv_base, chunk_base, b[a:z], r[a:z], s[a:z],
+                        self._chunk_words, to_chunks=to_chunks)
+
+    # -- pipelined: gather into a staging slot, DMA out; DMA into a slot, scatter
+
+    def _store_pipelined(self, plan: Plan, before: Any) -> Any:
+        gs, cs = self._streams["gather"], self._streams["store"]
+        gs.wait_stream(self._caller())  # the blocks hold what the caller's queued work wrote
+        if before is not None:
+            cs.wait_event(before)  # loads still reading these host chunks
+        pieces = self._pieces(plan, self.piece_chunks)
+        with self._on(gs):
+            idx, spans = self._upload([part for _, part in pieces])
+        ev = None
+        for (ids, _), sp in zip(pieces, spans):
+            slot = self._slot_next["store"]
+            self._slot_next["store"] = (slot + 1) % self._slots
+            free = self._slot_free["store"][slot]
+            if free is not None:
+                gs.wait_event(free)  # the slot's last piece has left
+            with self._on(gs):
+                self._launch(idx, sp, self._slot_words["store"][slot], True)
+            gathered = self._record(gs)
+            if gathered is not None:
+                cs.wait_event(gathered)
+            buf = self._slot_bytes["store"][slot]
+            with self._on(cs):
+                for a, z in consecutive_runs(ids):
+                    c = int(ids[a])
+                    self.host[c:c + z - a].copy_(buf[a:z], non_blocking=True)
+            ev = self._record(cs)
+            self._slot_free["store"][slot] = ev
+        return ev
+
+    def _load_pipelined(self, plan: Plan, before: Any) -> Any:
+        ls, ss = self._streams["load"], self._streams["scatter"]
+        if before is not None:
+            ls.wait_event(before)  # stores still writing these host chunks
+        ss.wait_stream(self._caller())  # queued work may still read the blocks this overwrites
+        pieces = self._pieces(plan, self.piece_chunks)
+        with self._on(ss):
+            idx, spans = self._upload([part for _, part in pieces])
+        ev = None
+        for (ids, _), sp in zip(pieces, spans):
+            slot = self._slot_next["load"]
+            self._slot_next["load"] = (slot + 1) % self._slots
+            free = self._slot_free["load"][slot]
+            if free is not None:
+                ls.wait_event(free)  # the slot's last piece is in the KV cache
+            buf = self._slot_bytes["load"][slot]
+            with self._on(ls):
+                for a, z in consecutive_runs(ids):
+                    c = int(ids[a])
+                    buf[a:z].copy_(self.host[c:c + z - a], non_blocking=True)
+            loaded = self._record(ls)
+            if loaded is not None:
+                ss.wait_event(loaded)
+            with self._on(ss):
+                self._launch(idx, sp, self._slot_words["load"][slot], False)
+            ev = self._record(ss)
+            self._slot_free["load"][slot] = ev
+        return ev
+
+    # -- direct: the kernel reads / writes the pinned host pool itself
+
+    def _direct(self, direction: str, plan: Plan, before: Any) -> Any:
+        st = self._streams[direction]
+        st.wait_stream(self._caller())
+        if before is not None:
+            st.wait_event(before)
+        with self._on(st):
+            idx, spans = self._upload([plan])
+            self._launch(idx, spans[0], self._host_words, direction == "store")
+        return self._record(st)
+
+    def _store_direct(self, plan: Plan, before: Any) -> Any:
+        return self._direct("store", plan, before)
+
+    def _load_direct(self, plan: Plan, before: Any) -> Any:
+        return self._direct("load", plan, before)
+
+    # -- legacy: per-tensor indexed copies over bytes, one staging buffer, one stream
+
+    def _store_legacy(self, plan: Plan, before: Any) -> Any:
         st = self._streams["store"]
-        st.wait_stream(torch.cuda.current_stream(self.device))
+        if before is not None:
+            st.wait_event(before)
+        st.wait_stream(self._caller())
         stage, sections = self._stage["store"], self._stage_sections["store"]
         with torch.cuda.stream(st):
-            for ids, part in self._pieces(plan):
+            for ids, part in self._pieces(plan, self.staging_chunks):
                 for g, blocks, rows, subs in part:
                     b, r, s = self._indices(blocks, rows, subs)
                     for t in self.groups[g]:
@@ -335,16 +602,16 @@ class ChunkCopier:
                 for a, z in consecutive_runs(ids):
                     c = int(ids[a])
                     self.host[c:c + z - a].copy_(stage[a:z], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(st)
-        return ev
+        return self._record(st)
 
-    def _load_cuda(self, plan: List[Tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> Any:
+    def _load_legacy(self, plan: Plan, before: Any) -> Any:
         st = self._streams["load"]
-        st.wait_stream(torch.cuda.current_stream(self.device))
+        if before is not None:
+            st.wait_event(before)
+        st.wait_stream(self._caller())
         stage, sections = self._stage["load"], self._stage_sections["load"]
         with torch.cuda.stream(st):
-            for ids, part in self._pieces(plan):
+            for ids, part in self._pieces(plan, self.staging_chunks):
                 for a, z in consecutive_runs(ids):
                     c = int(ids[a])
                     stage[a:z].copy_(self.host[c:c + z - a], non_blocking=True)
@@ -352,9 +619,7 @@ class ChunkCopier:
                     b, r, s = self._indices(blocks, rows, subs)
                     for t in self.groups[g]:
                         self.rows[t].index_copy_(0, b, sections[t][r, s])
-            ev = torch.cuda.Event()
-            ev.record(st)
-        return ev
+        return self._record(st)
 
     # ------------------------------------------------------------------ completion
 
