@@ -248,9 +248,9 @@ def shard_model(model: Any, group: TPGroup) -> HeadSplit:
     Raises:
         InvalidConfigError: The config has no ``base_model_tp_plan``, the plan uses a style other
             than ``colwise``/``rowwise`` (or ``replicated_with_grad_allreduce``, which keeps the
-            module whole: Gemma 3's per-head query and key norms), the heads do not split (:func:`head_split`), or a
-            module's features are not divisible by the group's size. Raised before any weight is
-            cut.
+            module whole: Gemma 3's per-head query and key norms), the heads do not split
+            (:func:`head_split`), or a module's features are not divisible by the group's size.
+            Raised before any weight is cut.
     """
     done = getattr(model, "_pagedkv_tp", None)
     cfg = model.config

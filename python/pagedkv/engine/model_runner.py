@@ -35,9 +35,9 @@ page per block holding one group's ``slots`` layers (``KVPool(layer_slot=...)``)
 metadata carries every group's tables and each layer reads its group's. Swap moves every group's
 blocks (a page is one block id across the pool's slots), KV events name each block's group and
 tensor parallelism's step packet carries every group's tables; the tiers below the GPU are refused
-for such a model (:func:`check_groups_supported`). A model with one kind of layer runs exactly as before (one
-group). The fused forward takes full and sliding layers (Mistral, Qwen2) through their groups'
-tables; chunked layers and the other families run the model's own forward.
+for such a model (:func:`check_groups_supported`). A model with one kind of layer runs exactly as
+before (one group). The fused forward takes full and sliding layers (Mistral, Qwen2) through their
+groups' tables; chunked layers and the other families run the model's own forward.
 
 With tensor parallelism (``tensor_parallel=``, ``docs/tp.md``) the pool holds this rank's KV heads
 only; rank 0's ``execute`` broadcasts each validated step (tables and batch, one packet) before
