@@ -11,16 +11,27 @@ other rank unpacks it into its own step buffers. Each field of the packet is cut
 extent exactly as :meth:`StepBuffers.views` cuts it, so a receiving rank's buffers then hold, in
 the step's extent, the bytes of rank 0's (stale bytes past the extent are not carried).
 
+KV cache groups: with buffers of ``G > 1`` groups (a model whose full layers sit beside sliding
+or chunked ones), the packet also carries groups ``1..G-1``' own slot mappings and block tables
+(:attr:`StepBuffers.groups_host`, what the runner's ``_group_tables`` cuts to the step; ``-1``
+where a group released a block), each cut to the step's extent like group 0's (``num_tokens``
+slots, ``num_seqs`` rows), and a receiver writes them into its own groups' buffers (the device
+mirrors under NCCL, which is where the runner reads every group's tables). A one-group packet has
+no group field: its layout, size and per-step work are those of a packet without groups.
+
 Layout (each field on a 64-byte boundary)::
 
     header int64[16] | query_start_loc | copies | swap_out | swap_in | sample_rows   <- host part
                      | seq_lens | slot_mapping | block_tables | kv_indptr | kv_indices
-                     | kv_last_page_len | input_ids | positions                       <- device part
+                     | kv_last_page_len | input_ids | positions
+                     | g1.slot_mapping | g1.block_tables | ... | g{G-1}.block_tables  <- device part
 
 Why one fixed-size packet: a collective needs the same byte count on every rank, and only rank 0
 knows the step's extent; a header-then-body exchange would be two collectives per step. The
 packet's size is set by the buffers' capacities (for Llama-3-8B dimensions with 256 sequences of
-8k tokens: about 0.6 MiB, dominated by the block tables), one broadcast per step.
+8k tokens: about 0.6 MiB, dominated by the block tables), one broadcast per step. Each group after
+the first adds its slot mapping and block tables at their capacities (about 0.5 MiB more at those
+sizes): the packet grows with the number of groups, the number of collectives does not.
 
 Transports:
 
@@ -40,7 +51,7 @@ to the device has completed; a step whose extent exceeds the buffers never reach
 manager writes at most the buffers' capacities). A receiver checks every header word (magic, size,
 sequence number, command, each count against its own buffers' capacity) before it writes anything
 or advances its sequence number, and raises :class:`~pagedkv.errors.InvariantViolationError` on a
-packet that fails.
+packet that fails (a packet for another number of KV cache groups included).
 """
 
 from __future__ import annotations
@@ -62,7 +73,7 @@ CMD_STEP, CMD_END, CMD_STOP = 1, 2, 3
 MAGIC = 0x706B7654_50000001
 
 _H_MAGIC, _H_CMD, _H_SEQNO, _H_NSEQS, _H_NTOK, _H_NKVI, _H_NCOPY, _H_MAXLEN, _H_NOUT, _H_NIN, \
-    _H_NROWS, _H_NBYTES, _H_MAXQ = range(13)
+    _H_NROWS, _H_NBYTES, _H_MAXQ, _H_NGROUPS = range(14)
 _HEADER_WORDS = 16
 _ALIGN = 64
 
@@ -72,6 +83,12 @@ _DEVICE_FIELDS = ("seq_lens", "slot_mapping", "block_tables", "kv_indptr", "kv_i
 #: Fields that are step tables (in :class:`StepBuffers`); the rest are the batch.
 _TABLE_FIELDS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "kv_indptr",
                  "kv_indices", "kv_last_page_len", "copies", "swap_out", "swap_in")
+
+
+def _group_fields(num_groups: int) -> tuple[tuple[int, str, str], ...]:
+    """``(g, slot-mapping field, block-tables field)`` of each group ``1..num_groups-1`` in the
+    packet (none with one group)."""
+    return tuple((g, f"g{g}.slot_mapping", f"g{g}.block_tables") for g in range(1, num_groups))
 
 
 class Received(NamedTuple):
@@ -124,10 +141,19 @@ class StepBroadcaster:
         shapes["input_ids"] = (torch.int64, (t_max,))
         shapes["positions"] = (torch.int64, (t_max,))
         shapes["sample_rows"] = (torch.int64, (buffers.max_seqs,))
+        #: Groups ``1..G-1``' fields (empty with one group): ``(g, slot mapping, block tables)``.
+        self.num_groups = int(getattr(buffers, "num_groups", 1))
+        self._groups = _group_fields(self.num_groups)
+        group_names: tuple[str, ...] = ()
+        for g, sm, bt in self._groups:
+            gt = buffers.groups_host[g - 1]
+            shapes[sm] = (gt.slot_mapping.dtype, tuple(gt.slot_mapping.shape))
+            shapes[bt] = (gt.block_tables.dtype, tuple(gt.block_tables.shape))
+            group_names += (sm, bt)
         self._shapes = shapes
         offsets: dict[str, int] = {}
         off = _HEADER_WORDS * 8
-        for name in _HOST_FIELDS + _DEVICE_FIELDS:
+        for name in _HOST_FIELDS + _DEVICE_FIELDS + group_names:
             off = -(-off // _ALIGN) * _ALIGN
             offsets[name] = off
             dtype, shape = shapes[name]
@@ -158,6 +184,9 @@ class StepBroadcaster:
         self._ids = np.zeros(t_max, dtype=np.int64)
         self._pos = np.zeros(t_max, dtype=np.int64)
         self._rows = np.zeros(buffers.max_seqs, dtype=np.int64)
+        # Numpy views of groups 1..G-1' host tables (fixed, like the buffers).
+        self._group_host_np = [(g.slot_mapping.numpy(), g.block_tables.numpy())
+                               for g in buffers.groups_host]
 
     def _carve(self, arena: torch.Tensor) -> dict[str, torch.Tensor]:
         views = {}
@@ -185,6 +214,7 @@ class StepBroadcaster:
         h[_H_NIN] = getattr(info, "num_swap_in", 0)
         h[_H_MAXQ] = getattr(info, "max_query_len", 0)
         h[_H_NROWS], h[_H_NBYTES] = rows.size, self.nbytes
+        h[_H_NGROUPS] = self.num_groups
         ext = _extents(info, self.buffers.csr, rows.size)
         host = self.buffers.host
         dst = self._host_np
@@ -192,6 +222,11 @@ class StepBroadcaster:
             n = ext[name]
             if n:
                 dst[name][:n] = getattr(host, name)[:n].numpy()
+        if self._groups:
+            t, s = ext["slot_mapping"], ext["block_tables"]
+            for (_g, sm, bt), (src_sm, src_bt) in zip(self._groups, self._group_host_np):
+                dst[sm][:t] = src_sm[:t]
+                dst[bt][:s] = src_bt[:s]
         t = ext["input_ids"]
         dst["input_ids"][:t] = input_ids
         dst["positions"][:t] = positions
@@ -207,6 +242,7 @@ class StepBroadcaster:
         h = self._header
         h[:] = 0
         h[_H_MAGIC], h[_H_CMD], h[_H_SEQNO], h[_H_NBYTES] = MAGIC, cmd, self.seq_no, self.nbytes
+        h[_H_NGROUPS] = self.num_groups
         self._broadcast()
         self.seq_no += 1
 
@@ -242,6 +278,13 @@ class StepBroadcaster:
                 f"tensor-parallel rank {self.group.rank}: step packet {int(h[_H_SEQNO])} "
                 f"(magic {int(h[_H_MAGIC]):#x}, {int(h[_H_NBYTES])} bytes) where packet "
                 f"{self.seq_no} of {self.nbytes} bytes was expected: ranks are out of step")
+        if int(h[_H_NGROUPS]) != self.num_groups:
+            n = int(h[_H_NGROUPS])
+            raise InvariantViolationError(
+                f"tensor-parallel rank {self.group.rank}: step packet {int(h[_H_SEQNO])} carries "
+                f"{n} KV cache groups' tables, this rank's buffers hold {self.num_groups}",
+                detail="KV cache groups differ", field="num_groups", value=n,
+                limit=self.num_groups)
         self._check_counts(h)
         self.seq_no += 1
         cmd = int(h[_H_CMD])
@@ -267,6 +310,10 @@ class StepBroadcaster:
                 n = ext[name]
                 if n:
                     getattr(host, name)[:n].numpy()[:] = src[name][:n]
+            s = ext["block_tables"]
+            for (_g, sm, bt), (dst_sm, dst_bt) in zip(self._groups, self._group_host_np):
+                dst_sm[:t] = src[sm][:t]
+                dst_bt[:s] = src[bt][:s]
             self._ids[:t] = src["input_ids"][:t]
             self._pos[:t] = src["positions"][:t]
             ids, pos = self._ids[:t], self._pos[:t]
@@ -321,10 +368,18 @@ class StepBroadcaster:
             n = ext[name]
             if n:
                 getattr(dev, name)[:n].copy_(src[name][:n], non_blocking=True)
+        t, s = ext["slot_mapping"], ext["block_tables"]
+        for (g, sm, bt) in self._groups:
+            gd = self.buffers.groups_device[g - 1]
+            if t:
+                gd.slot_mapping[:t].copy_(src[sm][:t], non_blocking=True)
+            if s:
+                gd.block_tables[:s].copy_(src[bt][:s], non_blocking=True)
         t = ext["input_ids"]
         self.ids_dev[:t].copy_(src["input_ids"][:t], non_blocking=True)
         self.positions_dev[:t].copy_(src["positions"][:t], non_blocking=True)
 
     def __repr__(self) -> str:
         return (f"StepBroadcaster(rank={self.group.rank}, nbytes={self.nbytes}, "
-                f"host_nbytes={self.host_nbytes}, device={str(self.group.device)!r})")
+                f"host_nbytes={self.host_nbytes}, device={str(self.group.device)!r}"
+                + (f", num_groups={self.num_groups})" if self.num_groups != 1 else ")"))

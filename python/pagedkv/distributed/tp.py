@@ -7,7 +7,8 @@ size, backend, communication device, the few collectives the engine uses), :func
 
 How the model is split. The layout is transformers' own: the config's ``base_model_tp_plan``
 (``"layers.*.self_attn.q_proj": "colwise"``, ``"...o_proj": "rowwise"``, the MLP's gate/up
-``colwise`` and down ``rowwise``) names the modules and their style. The cut itself is done here,
+``colwise`` and down ``rowwise``; ``replicated_with_grad_allreduce``, Gemma 3's per-head q/k norms,
+kept whole) names the modules and their style. The cut itself is done here,
 on plain tensors, rather than with ``from_pretrained(tp_plan=...)`` and DTensors, because:
 
 * transformers' colwise split of ``k_proj``/``v_proj`` cuts the output features evenly, which with
@@ -232,6 +233,11 @@ def _cut_rows(lin: nn.Linear, start: int, n: int) -> None:
     lin.out_features = n
 
 
+#: Plan styles that keep a module whole on every rank: at inference they only say "do not cut"
+#: (the gradient all-reduce they also name concerns training).
+_REPLICATED_STYLES = ("replicated_with_grad_allreduce",)
+
+
 def shard_model(model: Any, group: TPGroup) -> HeadSplit:
     """Cuts ``model`` (a transformers Llama-family causal LM) to rank ``group.rank``'s shard, in
     place; returns the rank's :class:`HeadSplit`. Idempotent for the same group.
@@ -241,9 +247,10 @@ def shard_model(model: Any, group: TPGroup) -> HeadSplit:
 
     Raises:
         InvalidConfigError: The config has no ``base_model_tp_plan``, the plan uses a style other
-            than ``colwise``/``rowwise``, the heads do not split (:func:`head_split`), or a
-            module's features are not divisible by the group's size. Raised before any weight is
-            cut.
+            than ``colwise``/``rowwise`` (or ``replicated_with_grad_allreduce``, which keeps the
+            module whole: Gemma 3's per-head query and key norms), the heads do not split
+            (:func:`head_split`), or a module's features are not divisible by the group's size.
+            Raised before any weight is cut.
     """
     done = getattr(model, "_pagedkv_tp", None)
     cfg = model.config
@@ -265,6 +272,8 @@ def shard_model(model: Any, group: TPGroup) -> HeadSplit:
     tp, r = group.world_size, group.rank
     jobs = []
     for pattern, style in plan.items():
+        if style in _REPLICATED_STYLES:
+            continue  # kept whole on every rank (Gemma 3's per-head q/k norms)
         if style not in ("colwise", "rowwise"):
             raise InvalidConfigError(
                 f"tp plan style {style!r} for {pattern!r} is not supported (colwise, rowwise)",

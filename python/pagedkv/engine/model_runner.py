@@ -33,11 +33,11 @@ Llama 4, Qwen with ``max_window_layers``): the runner cuts the layers into group
 ``groups=`` (:attr:`ModelRunner.kv_groups`), the step buffers ``num_groups=``, and the pool one
 page per block holding one group's ``slots`` layers (``KVPool(layer_slot=...)``); each step's
 metadata carries every group's tables and each layer reads its group's. Swap moves every group's
-blocks (a page is one block id across the pool's slots) and KV events name each block's group; the
-tiers below the GPU and tensor parallelism are refused for such a model
-(:func:`check_groups_supported`). A model with one kind of layer runs exactly as before (one
-group). The fused forward takes full and sliding layers (Mistral, Qwen2) through their groups'
-tables; chunked layers and the other families run the model's own forward.
+blocks (a page is one block id across the pool's slots), KV events name each block's group and
+tensor parallelism's step packet carries every group's tables; the tiers below the GPU are refused
+for such a model (:func:`check_groups_supported`). A model with one kind of layer runs exactly as
+before (one group). The fused forward takes full and sliding layers (Mistral, Qwen2) through their
+groups' tables; chunked layers and the other families run the model's own forward.
 
 With tensor parallelism (``tensor_parallel=``, ``docs/tp.md``) the pool holds this rank's KV heads
 only; rank 0's ``execute`` broadcasts each validated step (tables and batch, one packet) before
@@ -175,8 +175,7 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
         self.max_model_len = int(loaded.max_model_len)
         #: Each layer's attention kind (full, sliding, chunked: :attr:`LoadedModel.layer_kinds`).
         self.layer_kinds = loaded.layer_kinds
-        check_groups_supported(config, self.layer_kinds, loaded.path,
-                               tensor_parallel=tensor_parallel is not None)
+        check_groups_supported(config, self.layer_kinds, loaded.path)
         #: The layers cut into KV cache groups (:func:`pagedkv.layer_groups.group_layers`): one
         #: full group unless full layers sit beside sliding or chunked ones.
         self.grouping = group_layers(self.layer_kinds, self.max_model_len, block_size)
@@ -350,14 +349,13 @@ def is_hybrid(kinds: Sequence[Any]) -> bool:
     return any(full) and not all(full)
 
 
-def check_groups_supported(config: EngineConfig, kinds: Sequence[Any], model: str = "", *,
-                           tensor_parallel: bool = False) -> None:
+def check_groups_supported(config: EngineConfig, kinds: Sequence[Any], model: str = "") -> None:
     """Refuses what the cache does not do yet with more than one KV cache group (a model whose
     full layers sit beside sliding or chunked ones): the host, disk and remote tiers of the
-    prefix cache (their index and records know one group's blocks) and tensor parallelism (its
-    step packet carries group 0's tables only). Swapping to a host pool (``swap_space``,
-    ``num_host_blocks``) works: a swap moves every group's blocks. Prefix caching and KV events
-    (each naming its group) work.
+    prefix cache (their index and records know one group's blocks). Swapping to a host pool
+    (``swap_space``, ``num_host_blocks``) works: a swap moves every group's blocks. Prefix caching,
+    KV events (each naming its group) and tensor parallelism (the step packet carries every
+    group's tables) work.
 
     Raises:
         ConfigArgumentError: ``config`` asks for one of them (the setting, the model and the
@@ -368,17 +366,13 @@ def check_groups_supported(config: EngineConfig, kinds: Sequence[Any], model: st
     asked = [(name, getattr(config, name)) for name in (
         "host_cache_memory", "disk_cache_dir", "remote_cache_url")
         if getattr(config, name) is not None]
-    if tensor_parallel or config.tensor_parallel_size > 1:
-        asked.append(("tensor_parallel_size", config.tensor_parallel_size))
     if not asked:
         return
     name, value = asked[0]
-    what = {"tensor_parallel_size": "tensor parallelism"}.get(
-        name, "a prefix-cache tier below the GPU")
     mix = sorted({f"{k.kind}" + (f"({k.size})" if k.size else "") for k in kinds})
-    reason = (f"{what} is not supported yet with a model whose layers form several KV cache "
-              f"groups ({', '.join(mix)} attention layers)"
-              + ("; swap_space (preemption by swap) works" if what.startswith("a prefix") else ""))
+    reason = (f"a prefix-cache tier below the GPU is not supported yet with a model whose layers "
+              f"form several KV cache groups ({', '.join(mix)} attention layers); swap_space "
+              f"(preemption by swap) works")
     shown = "<set>" if name == "remote_cache_url" else value
     raise ConfigArgumentError(f"invalid config: {name} = {shown!r} for model "
                               f"{model or 'in memory'!r}: {reason}", field=name,

@@ -497,46 +497,147 @@ fn blocks_released_past_the_shared_prefix_are_evicted_first() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn blocks_released_inside_a_shared_prefix_keep_their_recency() {
-    // B = 4, sliding W = 4: boundary k needs group 0's [0, k) and the sliding block k - 1.
-    let s = AttentionKind::Sliding { window: 4 };
+/// A chat-shaped scenario for the rule on windows released mid-run inside a shared prefix. B = 4,
+/// sliding W = 8: boundary k needs group 0's [0, k) and the sliding blocks k - 2 and k - 1, and a
+/// step from position c releases the blocks before `(c - 7) / 4`. An idle history E (9 tokens:
+/// 2 full blocks per group, the LRU's oldest entries), then a session's first turn A = S ++ X
+/// (S an 8-token system prompt, 16 tokens) prefilled and freed. C and D, two other sessions'
+/// first turns S ++ 9 tokens, both hit boundary 2 (8 tokens), holding group 0's blocks of S and
+/// A's sliding blocks 0 and 1 (`s01`), and prefill their own 9 tokens.
+struct Chat {
+    m: BlockManager,
+    b: Bufs,
+    idle: Vec<u32>,
+    s01: [u32; 2],
+}
+
+fn chat_scenario() -> Chat {
+    let s = AttentionKind::Sliding { window: 8 };
     let mut m = BlockManager::new(cfg(64, 4, vec![FULL, s])).unwrap();
     let mut b = Bufs::new(&m);
-    let p: Vec<u32> = (100..124).collect();
-    // Run 1 releases sliding blocks 0..3 mid-run: cold, and evicted by a filler.
-    prefill_in_steps(&mut m, &mut b, 1, &p, 8);
+    let idle: Vec<u32> = (500..509).collect();
+    m.admit(7, &idle).unwrap();
+    b.step(&mut m, &[7], &[9]).unwrap();
+    m.free(7).unwrap();
+    let a: Vec<u32> = (100..108).chain(200..208).collect();
+    m.admit(1, &a).unwrap();
+    b.step(&mut m, &[1], &[16]).unwrap();
+    let s1 = m.block_table_group(1, 1).unwrap().to_vec();
     m.free(1).unwrap();
-    let free = m.stats().free_blocks as u32;
-    let e = 3 + (free + 1) % 2; // a filler takes blocks in pairs (one per group)
-    let filler: Vec<u32> = (2000..2000 + 2 * (free + e)).collect();
-    m.admit(9, &filler).unwrap();
-    assert_eq!(m.stats().evictions, e as u64);
-    m.free(9).unwrap();
-    // Run 2 shares 3 blocks of group 0's prefix but no sliding window: it recomputes from 0.
-    // Its sliding blocks 0..2, released mid-run inside that shared prefix, keep their recency;
-    // block 3, past it, goes to the evicting end.
-    let q = &p[..13];
-    prefill_in_steps(&mut m, &mut b, 2, q, 4);
-    assert_eq!(m.seq_len(2).unwrap(), 13);
-    for t in 0..7u32 {
-        m.append(2, &[t]).unwrap();
-        b.step(&mut m, &[2], &[1]).unwrap();
+    for (id, own) in [(3u64, 300u32), (4, 400)] {
+        let p: Vec<u32> = (100..108).chain(own..own + 9).collect();
+        assert_eq!(m.admit(id, &p).unwrap().cached_tokens, 8);
+        assert_eq!(m.block_table_group(id, 1).unwrap()[..2], s1[..2]);
+        b.step(&mut m, &[id], &[9]).unwrap();
     }
-    assert_eq!(nulls(m.block_table_group(2, 1).unwrap()), 4);
-    // Two or three evictions take block 3 and older entries, not the window that boundary 3
-    // needs (block 2; were the blocks inside the shared prefix at the evicting end too, the
-    // second eviction would take it).
-    let free = m.stats().free_blocks as u32;
-    let before = m.stats().evictions;
-    let e = 2 + free % 2;
-    let filler: Vec<u32> = (3000..3000 + 2 * (free + e)).collect();
-    m.admit(10, &filler).unwrap();
-    assert_eq!(m.stats().evictions, before + e as u64);
-    let r = m.admit(3, q).unwrap();
+    Chat {
+        m,
+        b,
+        idle,
+        s01: [s1[0], s1[1]],
+    }
+}
+
+impl Chat {
+    /// Appends one token to `id` and steps it alone.
+    fn decode(&mut self, id: u64) {
+        self.m.append(id, &[7]).unwrap();
+        self.b.step(&mut self.m, &[id], &[1]).unwrap();
+    }
+    /// Admits and frees a filler that takes every free block and 2 or 3 cached-free ones (a
+    /// filler takes blocks in pairs, one per group); returns the evictions.
+    fn evict_a_few(&mut self) -> u64 {
+        let free = self.m.stats().free_blocks as u32;
+        let before = self.m.stats().evictions;
+        let e = 2 + free % 2;
+        let filler: Vec<u32> = (3000..3000 + 2 * (free + e)).collect();
+        self.m.admit(10, &filler).unwrap();
+        assert_eq!(self.m.stats().evictions, before + e as u64);
+        self.m.free(10).unwrap();
+        e as u64
+    }
+    fn cached(&self, blk: u32) -> bool {
+        self.m.block_hash(blk).is_some()
+    }
+    /// Cached tokens of a new session's first turn on the system prompt (admitted and freed).
+    fn system_prompt_hit(&mut self) -> u32 {
+        let p: Vec<u32> = (100..108).chain(900..909).collect();
+        let r = self.m.admit(11, &p).unwrap().cached_tokens;
+        self.m.free(11).unwrap();
+        r
+    }
+}
+
+#[test]
+fn blocks_released_inside_a_shared_prefix_keep_their_recency() {
+    // C steps past the system prompt's window first (the sliding blocks 0 and 1 stay held by D),
+    // then D, while C still runs on group 0's blocks of S: D's release puts them in the LRU
+    // inside its shared prefix with another sequence holding group 0's twins, so they keep their
+    // recency. The evictions take the idle history's oldest entries, not them.
+    let mut c = chat_scenario();
+    c.decode(3);
+    assert_eq!(c.m.block_refcount(c.s01[0]).unwrap(), 1, "D still reads it");
+    c.decode(4);
+    // E's 4 blocks, A's blocks 2 and 3 of both groups, and the two windows.
+    assert_eq!(c.m.stats().cached_free_blocks, 4 + 4 + 2);
+    c.evict_a_few();
+    assert!(c.cached(c.s01[0]) && c.cached(c.s01[1]));
     assert_eq!(
-        r.cached_tokens, 12,
-        "a third request with the shared prefix hits boundary 3"
+        c.system_prompt_hit(),
+        8,
+        "the next session hits the system prompt"
     );
-    m.check_invariants().unwrap();
+    c.m.check_invariants().unwrap();
+
+    // C finishes before D leaves the window: nothing else runs on the system prompt, so D's
+    // released windows go to the evicting end, ahead of the idle history.
+    let mut c = chat_scenario();
+    c.decode(3);
+    c.m.free(3).unwrap();
+    c.decode(4);
+    let e = c.evict_a_few();
+    assert!(!c.cached(c.s01[0]) && !c.cached(c.s01[1]));
+    assert_eq!(c.system_prompt_hit(), 0);
+    let idle = c.idle.clone();
+    let r = c.m.admit(12, &idle).unwrap();
+    assert_eq!(r.cached_tokens, if e == 2 { 8 } else { 4 });
+    c.m.check_invariants().unwrap();
+}
+
+#[test]
+fn a_sessions_own_stale_windows_go_to_the_evicting_end() {
+    // The session's second turn B = A ++ 5 tokens hits all of A (boundary 4: group 0's 4 blocks,
+    // sliding blocks 2 and 3, all inside the prefix group 0 had cached at its admission) and
+    // decodes past that window: blocks 2 and 3 are released mid-run with group 0's twins held by
+    // B alone (its own earlier turn). They go to the evicting end, ahead of the idle history; D's
+    // windows of the system prompt, released while C and B run on it, keep their recency. (The
+    // previous rule kept every release inside the admission's shared prefix recent: the
+    // evictions took the idle history and left B's stale windows cached.)
+    let mut c = chat_scenario();
+    let turn2: Vec<u32> = (100..108).chain(200..208).chain(600..605).collect();
+    assert_eq!(c.m.admit(2, &turn2).unwrap().cached_tokens, 16);
+    let own = c.m.block_table_group(2, 1).unwrap().to_vec();
+    assert_eq!(nulls(&own), 2);
+    c.b.step(&mut c.m, &[2], &[5]).unwrap();
+    c.decode(3);
+    c.decode(4);
+    for _ in 0..4 {
+        c.decode(2);
+    }
+    assert_eq!(nulls(c.m.block_table_group(2, 1).unwrap()), 4);
+    let e = c.evict_a_few();
+    assert!(
+        !c.cached(own[2]) && !c.cached(own[3]),
+        "own stale windows go first"
+    );
+    assert!(c.cached(c.s01[0]) && c.cached(c.s01[1]));
+    assert_eq!(c.system_prompt_hit(), 8);
+    let idle = c.idle.clone();
+    let r = c.m.admit(12, &idle).unwrap();
+    assert_eq!(
+        r.cached_tokens,
+        if e == 2 { 8 } else { 4 },
+        "the idle history"
+    );
+    c.m.check_invariants().unwrap();
 }

@@ -27,12 +27,16 @@
 //!   instead of all of a sliding group's blocks before any of group 0's (which would leave group 0
 //!   cached and every hit gone).
 //! - Blocks a windowed group releases mid-run serve only boundaries inside the sequence's history.
-//!   Past the prefix group 0 already had cached at admission (`Seq::shared_prefix`: a prefix
-//!   another request reached before), no other request has reached those boundaries: the
-//!   released block goes to the LRU's evicting end, before any idle history (otherwise every
-//!   running sequence would push its dead windows in as the newest entries and evict the idle
-//!   sessions' histories first). Inside that shared prefix (a system prompt, a shared document)
-//!   it keeps its recency like any freed block: the next request sharing it needs that window.
+//!   A block released at position `j` keeps its recency (enters the LRU as its newest entry,
+//!   like any freed block) only while another running sequence shares that position: `j` lies
+//!   inside the prefix group 0 already had cached at admission (`Seq::shared_prefix`) and group
+//!   0's block `j` has a refcount above 1 (a system prompt or document other requests are
+//!   reading now; the next request sharing it needs that window). Every other released block
+//!   goes to the LRU's evicting end, before any idle history: past the shared prefix no other
+//!   request has reached its boundaries, and inside a prefix nobody else holds (a chat session's
+//!   own earlier turns, readmitted) it only serves a later turn of the same session, whose hit
+//!   rests on the last window anyway. Otherwise every running sequence would push its dead
+//!   windows in as the newest entries and evict the idle sessions' histories first.
 //! - Swap moves every group's held blocks to the host and back, released entries staying null
 //!   (see `reclaim`). The host tier knows one group: the configuration refuses it (`host_cache`
 //!   off) when there is more than one group.
@@ -188,11 +192,18 @@ impl BlockManager {
             let shared = s.shared_prefix;
             for j in t.start..dead {
                 let b = std::mem::replace(&mut self.slots[slot].extra[g].blocks[j], NULL_BLOCK);
+                // Group 0's block at `j` held by another running sequence too (a shared system
+                // prompt or document being read right now): the next request sharing it needs
+                // this window.
+                let g0 = self.slots[slot].table.blocks[j];
+                let live = j < shared && self.pool.refcount(g0).is_ok_and(|n| n > 1);
                 if let Err(e) = self.drop_ref(b) {
                     result = Err(e);
-                } else if j >= shared {
-                    // Past the shared prefix: it serves only boundaries inside this sequence's
-                    // own history, which no other request has reached. First to go.
+                } else if !live {
+                    // Past the shared prefix, or inside it with no other running sequence on
+                    // group 0's block: it serves boundaries inside this sequence's own history
+                    // (a session's earlier turns), which only a later turn of the same session
+                    // reaches. First to go, before any idle history.
                     self.prefix.lru_to_front(b);
                 }
             }

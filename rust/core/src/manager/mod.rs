@@ -180,8 +180,9 @@ struct Seq {
     next_release: usize,
     /// Blocks of the prompt's prefix that group 0 already had cached when the sequence was
     /// admitted (before the other groups shortened the hit): a prefix other requests share.
-    /// Windowed blocks released mid-run inside it keep their recency in the LRU; those past it
-    /// go to its evicting end (see `release_dead`).
+    /// A windowed block released mid-run inside it keeps its recency in the LRU while another
+    /// running sequence holds group 0's block at its position; the others go to the LRU's
+    /// evicting end (see `release_dead`).
     shared_prefix: usize,
     /// Provisional tokens: the last `provisional` of `table.num_tokens` are not final (no token
     /// ids kept, never hashed); `commit` settles them.

@@ -1,0 +1,204 @@
+"""Tensor parallelism with KV cache groups: the step packet carries every group's tables.
+
+A small random hybrid model (Gemma 3 text: three sliding layers of window 8 beside one full layer,
+fp32, seeded, 4 query heads over 2 KV heads) is saved with ``save_pretrained``. ``LLM(...,
+tensor_parallel_size=2)`` spawns rank 1 (gloo, CPU) and runs the same prompts as ``LLM(...)``:
+greedy tokens must be equal, token for token. With block size 4 and window 8 the sliding group
+releases blocks while sequences run, so its tables differ from group 0's (``-1`` where it
+released); the prompts also include a chunked prefill, a prefix-cache hit, a fork (``n=2``,
+copy-on-write in both groups) and, in a pool this small, preemption. Rank 1 computes half of the
+heads of every layer from the tables it received: a sliding layer read through group 0's tables
+(or stale ones) changes its heads' output, the all-reduced logits and the tokens.
+
+The packet itself is checked through a real gloo group of one rank (its broadcast leaves the
+packet as it is): groups ``1..G-1``' tables come back in the step's extent, a one-group packet
+has no group field (same layout and size as before groups), and a packet for another number of
+groups is refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("torch.distributed")
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from pagedkv import StepBuffers, StepInfo  # noqa: E402
+from pagedkv.distributed import step_broadcast as sb  # noqa: E402
+from pagedkv.engine.llm import LLM  # noqa: E402
+from pagedkv.engine.sampling_params import SamplingParams  # noqa: E402
+from pagedkv.errors import InvariantViolationError  # noqa: E402
+
+if not torch.distributed.is_available():  # pragma: no cover
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+VOCAB = 128
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+               initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+               tie_word_embeddings=False)
+
+
+def _config(kind: str):
+    if kind == "gemma3_text":
+        return transformers.Gemma3TextConfig(
+            num_hidden_layers=4, sliding_window=8, query_pre_attn_scalar=16,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"], **_COMMON)
+    if kind == "qwen2":  # the fused forward's path with groups
+        return transformers.Qwen2Config(num_hidden_layers=3, use_sliding_window=True,
+                                        sliding_window=8, max_window_layers=2, **_COMMON)
+    raise AssertionError(kind)
+
+
+@pytest.fixture(scope="module", params=["gemma3_text", "qwen2"])
+def hybrid(request, tmp_path_factory):
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(_config(request.param))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):  # zero at init: make them matter
+                p.normal_(0.0, 0.1)
+    directory = str(tmp_path_factory.mktemp(request.param))
+    model.save_pretrained(directory)
+    return directory
+
+
+def _prompts():
+    base = [(7 * j + 3) % VOCAB for j in range(70)]  # 70 tokens: prefilled in chunks of <= 32
+    return [
+        [(5 * j + 1) % VOCAB for j in range(5)],
+        [(11 * j + 2) % VOCAB for j in range(19)],
+        base,
+        base[:40] + [9, 8, 7],  # shares 10 full blocks with `base`: a prefix-cache hit
+        [(13 * j + 4) % VOCAB for j in range(14)],
+    ]
+
+
+def _params():
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    forked = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
+    return [greedy, forked, greedy, greedy, greedy]
+
+
+ENGINE = dict(device="cpu", block_size=4, num_blocks=96, max_num_batched_tokens=32,
+              max_num_seqs=8, progress=False, preemption_mode="recompute")
+
+
+def _generate(path, tp):
+    args = dict(ENGINE)
+    if tp > 1:
+        args.update(tensor_parallel_size=tp, record_steps=True, tp_timeout_s=120)
+    llm = LLM(path, **args)
+    try:
+        assert llm.llm_engine.runner.buffers.num_groups >= 2
+        outs = llm.generate(_prompts(), _params(), use_tqdm=False)
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    tokens = [[c.token_ids for c in o.outputs] for o in outs]
+    return tokens, stats, llm.llm_engine.tp_step_records
+
+
+def test_tp2_with_groups_equals_tp1(hybrid):
+    ref_tokens, ref_stats, _ = _generate(hybrid, 1)
+    tokens, stats, records = _generate(hybrid, 2)
+    assert tokens == ref_tokens
+    # The same schedule ran, and the cases this test is for did happen.
+    assert stats.num_steps == ref_stats.num_steps
+    assert stats.num_preemptions == ref_stats.num_preemptions > 0
+    assert stats.prefix_hit_tokens > 0
+    assert records is not None and len(records) == 2 and len(records[1]) == len(records[0])
+    infos = [r["info"] for r in records[0]]
+    assert max(i[1] for i in infos) == ENGINE["max_num_batched_tokens"]  # a full prefill chunk
+    assert any(i[3] > 0 for i in infos), "no copy-on-write list was broadcast"
+
+
+# --------------------------------------------------------------------------------- packet
+
+
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    """A real gloo process group of one rank, torn down afterwards."""
+    import torch.distributed as dist
+
+    from pagedkv.distributed.tp import TPGroup
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield TPGroup()
+    finally:
+        dist.destroy_process_group()
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
+
+
+def test_packet_carries_every_groups_tables(gloo_world_of_one):
+    max_seqs, max_tokens, max_blocks = 4, 16, 6
+    one = StepBuffers(max_seqs, max_tokens, max_blocks, max_copies=2, max_swaps=2, device="cpu")
+    three = StepBuffers(max_seqs, max_tokens, max_blocks, max_copies=2, max_swaps=2,
+                        device="cpu", num_groups=3)
+    b1 = sb.StepBroadcaster(one, gloo_world_of_one)
+    b3 = sb.StepBroadcaster(three, gloo_world_of_one)
+    # One group: no group field, the layout of a packet without groups.
+    assert set(b1.offsets) == set(sb._HOST_FIELDS + sb._DEVICE_FIELDS)
+    assert b1.num_groups == 1 and "num_groups" not in repr(b1)
+    per_group = _aligned(8 * max_tokens) + _aligned(4 * max_seqs * max_blocks)
+    assert b3.nbytes == b1.nbytes + 2 * per_group
+    assert {k: v for k, v in b3.offsets.items() if k in b1.offsets} == b1.offsets
+
+    info = StepInfo(3, 7, 0, 1, 13, 0, 0, 5)
+    g = np.random.default_rng(5)
+    sent = []
+    for gt in three.groups_host:
+        sm, bt = gt.slot_mapping.numpy(), gt.block_tables.numpy()
+        sm[:] = g.integers(-1, 100, sm.shape)
+        bt[:] = g.integers(-1, 30, bt.shape)
+        sent.append((sm.copy(), bt.copy()))
+    ids, pos, rows = np.arange(7), np.arange(7), np.array([1, 6])
+    b3.send_step(info, ids, pos, rows)
+    three._host_arena.zero_()  # what the receiver writes shows up as non-zero bytes
+    b3.seq_no = 0  # the one rank receives the packet it sent
+    got = b3.recv()
+    assert got.cmd == sb.CMD_STEP and got.info == info
+    for gt, (sm, bt) in zip(three.groups_host, sent):
+        assert gt.slot_mapping.numpy()[:7].tolist() == sm[:7].tolist()
+        assert gt.block_tables.numpy()[:3].tolist() == bt[:3].tolist()
+        # Past the step's extent nothing is carried.
+        assert not gt.slot_mapping.numpy()[7:].any() and not gt.block_tables.numpy()[3:].any()
+    # Each group's view of the step, as the runner cuts it, is what rank 0 had.
+    for k, (sm, bt) in enumerate(sent, start=1):
+        v = three.group_views(info, k, on_device=False)
+        assert v.slot_mapping.tolist() == sm[:7].tolist()
+        assert v.block_tables.tolist() == bt[:3].tolist()
+
+
+def test_packet_for_another_number_of_groups_is_refused(gloo_world_of_one):
+    three = StepBuffers(4, 16, 6, max_copies=2, max_swaps=2, device="cpu", num_groups=3)
+    b = sb.StepBroadcaster(three, gloo_world_of_one)
+    info = StepInfo(2, 5, 0, 0, 9, 0, 0, 4)
+    b.send_step(info, np.arange(5), np.arange(5), np.array([2, 4]))
+    good = b._header.copy()
+    arena = three._host_arena
+    arena.zero_()
+    for bad in (1, 2, 4):
+        b._header[:] = good
+        b._header[sb._H_NGROUPS] = bad
+        b.seq_no = 0
+        with pytest.raises(InvariantViolationError) as e:
+            b.recv()
+        assert e.value.value == bad and "3" in str(e.value)
+        assert b.seq_no == 0 and not bool(arena.any())
+    b._header[:] = good
+    assert b.recv().info == info and b.seq_no == 1
