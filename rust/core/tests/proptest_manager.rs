@@ -154,6 +154,32 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// `op()` weighted towards what brings blocks back from the host tier: admissions of few
+/// families, steps (which register blocks), frees, and the allocations that evict them.
+fn tier_op() -> impl Strategy<Value = Op> {
+    let seq = 0u64..6;
+    prop_oneof![
+        6 => (seq.clone(), 0u32..2, 6usize..24, 30usize..40, Just(0u8), prop::option::of(4usize..12))
+            .prop_map(|(seq, family, len, fork_at, salt, chunk)| Op::Admit { seq, family, len, fork_at, salt, chunk }),
+        1 => (seq.clone(), 1usize..9).prop_map(|(seq, k)| Op::Chunk { seq, k }),
+        6 => Just(Op::Step { mask: u16::MAX }),
+        1 => any::<u16>().prop_map(|mask| Op::Step { mask }),
+        4 => seq.clone().prop_map(|seq| Op::Free { seq }),
+        2 => (seq.clone(), prop::collection::vec(0u32..5, 1..7)).prop_map(|(seq, toks)| Op::Append { seq, toks }),
+        1 => (seq.clone(), seq.clone()).prop_map(|(parent, child)| Op::Fork { parent, child }),
+        1 => (seq.clone(), any::<bool>()).prop_map(|(seq, victim)| Op::SwapOut { seq, victim }),
+        1 => seq.clone().prop_map(|seq| Op::SwapIn { seq }),
+        1 => seq.clone().prop_map(|seq| Op::Recompute { seq }),
+        1 => (seq.clone(), prop::option::of(1usize..9)).prop_map(|(seq, chunk)| Op::Resume { seq, chunk }),
+        1 => (0u32..2, 1usize..24, 0u8..2, 0usize..6, any::<bool>())
+            .prop_map(|(family, len, salt, k, ok)| Op::Fetch { family, len, salt, k, ok }),
+        1 => (prop::collection::vec(0u64..6, 1..4), 0u32..4, any::<bool>())
+            .prop_map(|(seqs, k, clamp)| Op::Provisional { seqs, k, clamp }),
+        1 => (prop::collection::vec(0u64..6, 1..4), 0u32..5, any::<bool>())
+            .prop_map(|(seqs, n, clamp)| Op::Commit { seqs, n, clamp }),
+    ]
+}
+
 #[derive(Debug, Clone)]
 struct ModelSeq {
     tokens: Vec<u32>,
@@ -1492,21 +1518,22 @@ fn hybrid_tier_config() -> impl Strategy<Value = ManagerConfig> {
             c.host_cache = true;
             c.host_write_through = through;
             // A tight device pool, so prefixes are evicted and come back from the host.
-            c.num_blocks = (c.num_blocks / 2).max(8);
+            c.num_blocks = c.num_blocks.max(24);
+            c.max_blocks_per_seq = 24;
             c.watermark_blocks = c.watermark_blocks.min(1);
             c
         })
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 1500, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 4000, ..ProptestConfig::default() })]
 
     #[test]
     fn hybrid_groups_with_host_tier_match_model(
         cfg in hybrid_tier_config(),
         max_copies in prop::sample::select(vec![1usize, 2, 128]),
         max_swaps in prop::sample::select(vec![1usize, 3, 256]),
-        ops in prop::collection::vec(op(), 1..100),
+        ops in prop::collection::vec(tier_op(), 1..160),
     ) {
         let bs = cfg.block_size as usize;
         let layout = StepLayout {
@@ -1582,7 +1609,6 @@ proptest! {
         prop_assert_eq!(h.m.stats().used_blocks, 0);
         // Host-cached blocks stay, unreferenced; everything else of the host pool is free.
         let st = h.m.stats();
-        eprintln!("DBG loaded={} hit_tokens={} offloaded={}", st.host_loaded_blocks, st.host_hit_tokens, st.offloaded_blocks);
         prop_assert_eq!(
             h.m.num_free_host_blocks() + st.host_cached_blocks as usize,
             h.m.config().num_host_blocks as usize
