@@ -33,9 +33,9 @@ Llama 4, Qwen with ``max_window_layers``): the runner cuts the layers into group
 ``groups=`` (:attr:`ModelRunner.kv_groups`), the step buffers ``num_groups=``, and the pool one
 page per block holding one group's ``slots`` layers (``KVPool(layer_slot=...)``); each step's
 metadata carries every group's tables and each layer reads its group's. Swap moves every group's
-blocks (a page is one block id across the pool's slots) and KV events name each block's group; the
-tiers below the GPU and tensor parallelism are refused for such a model
-(:func:`check_groups_supported`). A model with one kind of layer runs exactly as before (one
+blocks (a page is one block id across the pool's slots), the host tier keeps each group's blocks
+and KV events name each block's group; the disk and remote tiers and tensor parallelism are
+refused for such a model (:func:`check_groups_supported`). A model with one kind of layer runs exactly as before (one
 group). The fused forward takes full and sliding layers (Mistral, Qwen2) through their groups'
 tables; chunked layers and the other families run the model's own forward.
 
@@ -328,11 +328,11 @@ def is_hybrid(kinds: Sequence[Any]) -> bool:
 def check_groups_supported(config: EngineConfig, kinds: Sequence[Any], model: str = "", *,
                            tensor_parallel: bool = False) -> None:
     """Refuses what the cache does not do yet with more than one KV cache group (a model whose
-    full layers sit beside sliding or chunked ones): the host, disk and remote tiers of the
-    prefix cache (their index and records know one group's blocks) and tensor parallelism (its
-    step packet carries group 0's tables only). Swapping to a host pool (``swap_space``,
-    ``num_host_blocks``) works: a swap moves every group's blocks. Prefix caching and KV events
-    (each naming its group) work.
+    full layers sit beside sliding or chunked ones): the disk and remote tiers of the prefix
+    cache (their fetch probes group 0's chain only) and tensor parallelism (its step packet
+    carries group 0's tables only). The host tier (``host_cache_memory``: every group's blocks
+    keyed by chain hash and group), swapping to a host pool (``swap_space``, ``num_host_blocks``),
+    prefix caching and KV events (each naming its group) work.
 
     Raises:
         ConfigArgumentError: ``config`` asks for one of them (the setting, the model and the
@@ -340,20 +340,20 @@ def check_groups_supported(config: EngineConfig, kinds: Sequence[Any], model: st
     """
     if not is_hybrid(kinds):
         return
-    asked = [(name, getattr(config, name)) for name in (
-        "host_cache_memory", "disk_cache_dir", "remote_cache_url")
-        if getattr(config, name) is not None]
+    asked = [(name, getattr(config, name)) for name in ("disk_cache_dir", "remote_cache_url")
+             if getattr(config, name) is not None]
     if tensor_parallel or config.tensor_parallel_size > 1:
         asked.append(("tensor_parallel_size", config.tensor_parallel_size))
     if not asked:
         return
     name, value = asked[0]
     what = {"tensor_parallel_size": "tensor parallelism"}.get(
-        name, "a prefix-cache tier below the GPU")
+        name, "a prefix-cache tier below the host (disk, remote)")
     mix = sorted({f"{k.kind}" + (f"({k.size})" if k.size else "") for k in kinds})
     reason = (f"{what} is not supported yet with a model whose layers form several KV cache "
               f"groups ({', '.join(mix)} attention layers)"
-              + ("; swap_space (preemption by swap) works" if what.startswith("a prefix") else ""))
+              + ("; the host tier (host_cache_memory) and swap_space (preemption by swap) work"
+                 if what.startswith("a prefix") else ""))
     shown = "<set>" if name == "remote_cache_url" else value
     raise ConfigArgumentError(f"invalid config: {name} = {shown!r} for model "
                               f"{model or 'in memory'!r}: {reason}", field=name,
