@@ -280,3 +280,34 @@ fn host_events_name_each_group_and_add_up_to_the_index() {
     let d = s.m.take_demotions();
     assert!(d.iter().any(|d| d.group > 0));
 }
+
+/// With a cost model the copy is priced by the blocks a hit loads (every group's), the prefill
+/// by the tokens it adds. Copying a block costs 0.8 of prefilling one here: a hit that loads 6
+/// blocks to add 4 is recomputed, one that loads 1 block to add 1 is loaded.
+#[test]
+fn the_cost_model_prices_every_groups_loads_against_the_tokens_added() {
+    use pagedkv::swap::CostModel;
+    let cost = CostModel::new(1.0, 1.0, 0.8);
+    // Every group's blocks evicted: 4 blocks added, 4 + 2 loaded.
+    let mut s = Sim::new(config(24, 64, true));
+    s.m.set_host_cost_model(Some(cost)).unwrap();
+    let prompt = toks(18, 100);
+    s.admit(1, prompt.clone());
+    s.free(1);
+    s.admit(2, toks(32, 500));
+    s.free(2);
+    assert_eq!(s.admit(3, prompt), (0, 0));
+    assert_eq!(s.m.stats().host_loaded_blocks, 0);
+    assert_eq!(s.host_refs(), 0);
+    // Group 0 on the device, the chunked group's block 2 on the host: 1 block added, 1 loaded.
+    let mut s = Sim::new(config(34, 64, true));
+    s.m.set_host_cost_model(Some(cost)).unwrap();
+    let prompt = toks(18, 100);
+    s.admit(1, prompt.clone());
+    s.free(1);
+    s.admit(5, prompt[..17].to_vec());
+    s.admit(2, toks(28, 500));
+    s.free(2);
+    assert_eq!(s.admit(3, prompt[..13].to_vec()), (12, 4));
+    assert_eq!(s.m.stats().host_loaded_blocks, 1);
+}

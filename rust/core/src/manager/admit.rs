@@ -320,15 +320,25 @@ impl BlockManager {
             };
             (k_dev, k)
         };
-        if load_rule && k > k_dev && !self.load_pays(k - k_dev) {
-            k = k_dev;
+        let plan = |k: usize, loads: &mut Vec<GroupLoad>| {
+            loads.clear();
+            if self.kinds.is_empty() {
+                0
+            } else {
+                self.group_plan(tokens, hashes, k, loads)
+            }
+        };
+        let mut revive = plan(k, group_loads);
+        if load_rule && k > k_dev {
+            let loads = k.saturating_sub(d0) + group_loads.len();
+            if !self.load_pays(k - k_dev, loads) {
+                k = k_dev;
+                revive = plan(k, group_loads);
+            }
         }
         hits.truncate(k.min(d0));
         host_hits.truncate(k - hits.len());
-        look.revive = hits.iter().filter(|&&b| self.prefix.in_lru(b)).count();
-        if !self.kinds.is_empty() {
-            look.revive += self.group_plan(tokens, hashes, k, group_loads);
-        }
+        look.revive = revive + hits.iter().filter(|&&b| self.prefix.in_lru(b)).count();
         look.group0 = d0.max(k);
         look.host_gain = k - k_dev.min(k);
         look.cached = k * bs;

@@ -145,17 +145,20 @@ impl BlockManager {
         Ok(())
     }
 
-    /// Whether loading a run of `blocks` host hits beats recomputing them.
-    pub(super) fn load_pays(&self, blocks: usize) -> bool {
-        if blocks < self.cfg.host_load_min_blocks as usize {
+    /// Whether loading `loads` host blocks beats recomputing the `gain` blocks of prompt they add
+    /// to the hit (the same number without KV cache groups; with groups a hit may load several
+    /// groups' blocks per position, or another group's few blocks beside group 0's on the
+    /// device). A gain shorter than `host_load_min_blocks` is recomputed.
+    pub(super) fn load_pays(&self, gain: usize, loads: usize) -> bool {
+        if gain < self.cfg.host_load_min_blocks as usize {
             return false;
         }
         match &self.host_cost {
             None => true,
             Some(m) => {
-                let tokens = (blocks * self.bs) as f64;
-                let load = tokens * m.kv_bytes_per_token / m.host_link_bytes_per_s;
-                load < tokens / m.prefill_tokens_per_s
+                let load =
+                    (loads * self.bs) as f64 * m.kv_bytes_per_token / m.host_link_bytes_per_s;
+                load < (gain * self.bs) as f64 / m.prefill_tokens_per_s
             }
         }
     }
