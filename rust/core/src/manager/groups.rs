@@ -34,8 +34,11 @@
 //!   sessions' histories first). Inside that shared prefix (a system prompt, a shared document)
 //!   it keeps its recency like any freed block: the next request sharing it needs that window.
 //! - Swap moves every group's held blocks to the host and back, released entries staying null
-//!   (see `reclaim`). The host tier knows one group: the configuration refuses it (`host_cache`
-//!   off) when there is more than one group.
+//!   (see `reclaim`).
+//! - The host tier keys each group's blocks as the device does (`group_hash(h_j, g)`), and the hit
+//!   rule above spans both tiers: each needed block is on the device (shared) or in the host
+//!   tier (loaded into a fresh block: `group_plan`, `load_extra`); the load-or-recompute rule
+//!   weighs the boundary the host adds past the device-only one (`lookup_root`).
 //! - KV events name each block's group: a registration in group `g` records `Stored` for
 //!   `(h_j, g)`, and a hash dropped from block `b` records `Removed` for the group `b` was last
 //!   registered in (`block_group`) and the key with that group's mix undone (`group_unhash`), so
