@@ -15,9 +15,13 @@
 //!   the `(host, device)` copy on the swap-in list. The device block is findable at once: a second
 //!   admission may share it, since any step that schedules a holder emits the load before its
 //!   forward (the swap-in rule of `build_step`).
+//!   With KV cache groups every group's blocks are offloaded and indexed under their group's
+//!   key (`group_hash(h_j, g)`), and the admission takes the longest boundary every group
+//!   completes from the device or the host (see `groups.rs`).
 //! - **Load or recompute**: a run of host hits shorter than `host_load_min_blocks`, or (with a
 //!   cost model) one whose copy over the host link would take longer than its prefill, is
-//!   recomputed instead.
+//!   recomputed instead. With groups the run is the boundary the host adds, and the copy counts
+//!   every block it loads, of every group.
 //! - **Demotions** are handed to the engine by `take_demotions`; the demoted host block's bytes
 //!   are intact until the next step's lists run or the engine writes a reserved block.
 
