@@ -9,9 +9,9 @@ prefix in the cache, and a small pool that forces preemption (recomputed). The m
 fewer blocks than full accounting would (released entries read ``-1``) and keep its invariants.
 Preempted by swap instead (a host pool, ``preemption_mode="swap"``), every group's blocks go to
 the host and back and the tokens are the same. A model whose full layers sit beside windowed ones
-runs with several groups and refuses the tiers below the GPU with a typed error (KV events
-work: ``tests/test_engine_kv_events.py``; tensor parallelism: ``tests/test_tp_groups.py``); one
-whose every layer
+runs with several groups and refuses the disk and remote tiers with a typed error (KV events
+work: ``tests/test_engine_kv_events.py``; tensor parallelism: ``tests/test_tp_groups.py``; the host
+tier: ``tests/test_tiers_groups.py``); one whose every layer
 slides (Mistral) runs as one group, its attention skipping keys outside the window. Under
 ``TRITON_INTERPRET=1`` the Triton kernels run the same equality for gpt-oss and Llama 4.
 """
@@ -304,7 +304,8 @@ def test_auto_preemption_prices_every_groups_pages(model_dir, dense):
     assert outs["swap"] == outs["recompute"] == [_reference(dense, p, 28) for p in prompts]
 
 
-@pytest.mark.parametrize("setting", [dict(host_cache_memory="1MiB")])
+@pytest.mark.parametrize("setting", [
+    dict(remote_cache_url="redis://127.0.0.1:1/0", host_cache_memory="1MiB", hash_seed=7)])
 def test_hybrid_refuses_what_groups_cannot_do(model_dir, loaded, setting):
     kind, directory = model_dir
     if kind not in HYBRID:

@@ -194,10 +194,9 @@ def test_bad_groups_are_typed_errors() -> None:
         _core.BlockManager(16, B, groups=[("local", 3)])
     with pytest.raises(InvalidConfigError, match="group 0 must be Full"):
         BlockManager(16, B, groups=[KVCacheGroup.sliding(4), KVCacheGroup.full()])
-    # Swap works with groups; the host tier does not yet.
+    # Swap and the host tier work with groups.
     assert BlockManager(16, B, groups=HYBRID, num_host_blocks=4).num_host_blocks == 4
-    with pytest.raises(InvalidConfigError, match="host_cache"):
-        BlockManager(16, B, groups=HYBRID, num_host_blocks=4, host_cache=True)
+    assert BlockManager(16, B, groups=HYBRID, num_host_blocks=4, host_cache=True).num_groups == 3
     with pytest.raises(InvalidArgumentError):
         BlockManager(16, B, groups=KVCacheGroup.full())  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError):

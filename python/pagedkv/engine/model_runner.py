@@ -33,11 +33,12 @@ Llama 4, Qwen with ``max_window_layers``): the runner cuts the layers into group
 ``groups=`` (:attr:`ModelRunner.kv_groups`), the step buffers ``num_groups=``, and the pool one
 page per block holding one group's ``slots`` layers (``KVPool(layer_slot=...)``); each step's
 metadata carries every group's tables and each layer reads its group's. Swap moves every group's
-blocks (a page is one block id across the pool's slots), KV events name each block's group and
-tensor parallelism's step packet carries every group's tables; the tiers below the GPU are refused
-for such a model (:func:`check_groups_supported`). A model with one kind of layer runs exactly as
-before (one group). The fused forward takes full and sliding layers (Mistral, Qwen2) through their
-groups' tables; chunked layers and the other families run the model's own forward.
+blocks (a page is one block id across the pool's slots), the host tier keeps each group's blocks,
+KV events name each block's group and tensor parallelism's step packet carries every group's
+tables; the disk and remote tiers are refused for such a model (:func:`check_groups_supported`). A
+model with one kind of layer runs exactly as before (one group). The fused forward takes full and
+sliding layers (Mistral, Qwen2) through their groups' tables; chunked layers and the other
+families run the model's own forward.
 
 With tensor parallelism (``tensor_parallel=``, ``docs/tp.md``) the pool holds this rank's KV heads
 only; rank 0's ``execute`` broadcasts each validated step (tables and batch, one packet) before
@@ -351,11 +352,11 @@ def is_hybrid(kinds: Sequence[Any]) -> bool:
 
 def check_groups_supported(config: EngineConfig, kinds: Sequence[Any], model: str = "") -> None:
     """Refuses what the cache does not do yet with more than one KV cache group (a model whose
-    full layers sit beside sliding or chunked ones): the host, disk and remote tiers of the
-    prefix cache (their index and records know one group's blocks). Swapping to a host pool
-    (``swap_space``, ``num_host_blocks``) works: a swap moves every group's blocks. Prefix caching,
-    KV events (each naming its group) and tensor parallelism (the step packet carries every
-    group's tables) work.
+    full layers sit beside sliding or chunked ones): the disk and remote tiers of the prefix
+    cache (their fetch probes group 0's chain only). The host tier (``host_cache_memory``: every
+    group's blocks keyed by chain hash and group), swapping to a host pool (``swap_space``,
+    ``num_host_blocks``), prefix caching, KV events (each naming its group) and tensor parallelism
+    (the step packet carries every group's tables) work.
 
     Raises:
         ConfigArgumentError: ``config`` asks for one of them (the setting, the model and the
@@ -363,16 +364,16 @@ def check_groups_supported(config: EngineConfig, kinds: Sequence[Any], model: st
     """
     if not is_hybrid(kinds):
         return
-    asked = [(name, getattr(config, name)) for name in (
-        "host_cache_memory", "disk_cache_dir", "remote_cache_url")
-        if getattr(config, name) is not None]
+    asked = [(name, getattr(config, name)) for name in ("disk_cache_dir", "remote_cache_url")
+             if getattr(config, name) is not None]
     if not asked:
         return
     name, value = asked[0]
     mix = sorted({f"{k.kind}" + (f"({k.size})" if k.size else "") for k in kinds})
-    reason = (f"a prefix-cache tier below the GPU is not supported yet with a model whose layers "
-              f"form several KV cache groups ({', '.join(mix)} attention layers); swap_space "
-              f"(preemption by swap) works")
+    reason = (f"a prefix-cache tier below the host (disk, remote) is not supported yet with a "
+              f"model whose layers form several KV cache groups ({', '.join(mix)} attention "
+              f"layers); the host tier (host_cache_memory) and swap_space (preemption by swap) "
+              f"work")
     shown = "<set>" if name == "remote_cache_url" else value
     raise ConfigArgumentError(f"invalid config: {name} = {shown!r} for model "
                               f"{model or 'in memory'!r}: {reason}", field=name,

@@ -103,15 +103,16 @@ class BlockManager(
             pool; a sliding or chunked group releases the blocks no later query reads when a step
             is built (``-1`` in :meth:`block_table`). ``None`` (the default): one full group,
             the manager without groups. Swap moves every group's held blocks (released entries
-            stay ``-1``). More than one group needs ``host_cache=False`` and step buffers built
-            with ``num_groups``; KV events then name each block's group.
+            stay ``-1``); the host tier (``host_cache``) keeps each group's blocks under (chain
+            hash, group). More than one group needs step buffers built with ``num_groups``; KV
+            events then name each block's group.
         max_provisional: Provisional tokens a sequence may hold past its committed length
             (speculative drafts; :meth:`append_provisional`, :meth:`commit`, :meth:`rewind`).
             0 (the default): none.
 
     Raises:
         InvalidConfigError: A value is out of range (no blocks, block size 0, watermark ≥ pool, a
-            group 0 that is not full, more than 64 groups, the host tier with groups, ...).
+            group 0 that is not full, more than 64 groups, ...).
         InvalidArgumentError: A size is negative or not an int (a bool is not one), or a flag is
             not a bool.
     """

@@ -1,8 +1,8 @@
 //! The host tier: the host block pool doubling as a second prefix-cache level
 //! (`ManagerConfig::host_cache`).
 //!
-//! This module owns the host index: hash → host block, host block → (hash, parent hash, salt
-//! digest, token ids), the LRU of host-cached blocks nobody references, the reservations of
+//! This module owns the host index: key → host block, host block → (key, group, parent hash,
+//! salt digest, token ids), the LRU of host-cached blocks nobody references, the reservations of
 //! blocks being filled from a lower tier, and the list of demotions the engine drains. The host
 //! memory and the copies belong to the engine; the manager queues them on its swap lists
 //! (`swap_out_q` device → host, `swap_in_q` host → device). See `docs/tiers.md` for the rules as
@@ -25,6 +25,11 @@
 //! block, so it can never evict a swapped one. An offload that finds no free or LRU block is
 //! skipped (the block is simply not kept).
 //!
+//! Keys are the device prefix cache's: group `g`'s block `j` is indexed under `group_hash(h_j, g)`
+//! (group 0's under the chain hash `h_j` itself), its parent recorded as the chain hash
+//! `h_{j-1}` and its group beside it, so one host pool serves every KV cache group and a block
+//! of one group is never found for another.
+//!
 //! Invariants (checked by `BlockManager::check_invariants`): the map is a bijection between the
 //! indexed blocks and their hashes; a block is in the LRU iff indexed with refcount 0; a reserved
 //! block is not indexed; a block is pinned by an offload iff exactly one queued swap-out fills it;
@@ -38,14 +43,21 @@ use crate::{BlockId, TokenId};
 /// A host-cached block evicted from the host LRU to make room: the engine copies its bytes to a
 /// lower tier (disk, a remote store) before the step that overwrites the slot runs (see
 /// `BlockManager::take_demotions`).
+///
+/// With KV cache groups a block of group `g >= 1` is named by its group's cache keys: `hash` is
+/// `group_hash(h_j, g)` and `parent` `group_hash(h_{j-1}, g)`, so a lower tier sees each group's
+/// blocks as a chain of their own that never answers for another group's (group 0's keys are the
+/// chain hashes themselves).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Demotion {
     /// The host block whose bytes are the block's KV until the next step's lists run.
     pub host_block: HostBlockId,
-    /// Its prefix hash.
+    /// Its prefix-cache key (its chain hash for group 0).
     pub hash: u128,
-    /// The previous block's hash in its chain (`None` for a chain's first block).
+    /// The previous block's key in its chain and group (`None` for a chain's first block).
     pub parent: Option<u128>,
+    /// The KV cache group whose block it is (0 without groups).
+    pub group: u32,
     /// Digest of the chain's salt (its root hash): lets a lower tier check a block belongs to a
     /// salt without storing the salt.
     pub salt_digest: u128,
@@ -79,6 +91,7 @@ pub struct HostTier {
     map: FastMap<u128, HostBlockId>,
     indexed: Vec<bool>,
     hash: Vec<u128>,
+    group: Vec<u8>,
     parent: Vec<Option<u128>>,
     salt: Vec<u128>,
     tokens: Vec<TokenId>,
@@ -113,6 +126,7 @@ impl HostTier {
             map,
             indexed: zeroed_vec(nh, "host tier flags")?,
             hash: zeroed_vec(nh, "host tier hashes")?,
+            group: filled_vec(nh, 0u8, "host tier groups")?,
             parent: filled_vec(nh, None, "host tier parents")?,
             salt: zeroed_vec(nh, "host tier salt digests")?,
             tokens: zeroed_vec(nt, what)?,
@@ -150,26 +164,42 @@ impl HostTier {
         &self.tokens[b as usize * self.bs..(b as usize + 1) * self.bs]
     }
 
-    /// `(hash, parent, salt digest)` of indexed block `b`.
+    /// `(key, parent chain hash, salt digest)` of indexed block `b`.
     pub fn meta(&self, b: HostBlockId) -> (u128, Option<u128>, u128) {
         let i = b as usize;
         (self.hash[i], self.parent[i], self.salt[i])
     }
 
-    /// Indexes `b` (not indexed) under `hash` (not taken).
+    /// The KV cache group of indexed block `b`.
+    #[inline]
+    pub fn group_of(&self, b: HostBlockId) -> usize {
+        self.group[b as usize] as usize
+    }
+
+    /// `(group, chain hash)` of every indexed block, in no order.
+    pub fn keys(&self) -> impl Iterator<Item = (usize, u128)> + '_ {
+        self.map.values().map(|&b| {
+            let g = self.group_of(b);
+            (g, crate::groups::group_unhash(self.hash[b as usize], g))
+        })
+    }
+
+    /// Indexes `b` (not indexed) under `key` (not taken) for group `group`.
     pub(crate) fn index(
         &mut self,
         b: HostBlockId,
-        hash: u128,
+        key: u128,
+        group: usize,
         parent: Option<u128>,
         salt: u128,
         tokens: &[TokenId],
     ) {
         let i = b as usize;
-        debug_assert!(!self.indexed[i] && !self.map.contains_key(&hash));
-        self.map.insert(hash, b);
+        debug_assert!(!self.indexed[i] && !self.map.contains_key(&key));
+        self.map.insert(key, b);
         self.indexed[i] = true;
-        self.hash[i] = hash;
+        self.hash[i] = key;
+        self.group[i] = group as u8;
         self.parent[i] = parent;
         self.salt[i] = salt;
         self.tokens[i * self.bs..(i + 1) * self.bs].copy_from_slice(tokens);

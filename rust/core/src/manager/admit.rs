@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use super::tier::registered;
-use super::{AdmitRequest, AdmitResult, BlockManager};
+use super::{AdmitRequest, AdmitResult, BlockManager, GroupLoad};
 use crate::error::{Error, Result};
 use crate::hash::{root_hash, Hasher, SeqKeys};
 use crate::swap::{HostBlockId, SeqState};
@@ -32,8 +32,10 @@ pub(super) struct Lookup {
     revive: usize,
     /// Verify-mode mismatches (served as misses).
     collisions: u64,
-    /// Group 0's device hits before the other groups shortened them (blocks).
+    /// Group 0's hits (device, then host) before the other groups shortened them (blocks).
     group0: usize,
+    /// Blocks the host tier adds to the hit: the boundary minus the device-only one.
+    host_gain: usize,
 }
 
 /// Tokens an admission holds: the cached prefix plus up to `max_new` more (the rest when `None`).
@@ -98,6 +100,7 @@ impl BlockManager {
             return Ok(false);
         }
         let (mut hashes, mut hits, mut host_hits) = (Vec::new(), Vec::new(), Vec::new());
+        let mut loads = Vec::new();
         let root = self.root_for(keys);
         let extra = keys.filter(|k| k.has_block_extras());
         let look = self.lookup_root(
@@ -108,10 +111,17 @@ impl BlockManager {
             &mut hashes,
             &mut hits,
             &mut host_hits,
+            &mut loads,
             true,
         );
         let held = held_tokens(n, look.cached, max_new_tokens);
-        let needed = (blocks_for(held, self.bs) - hits.len()) * self.num_groups() + look.revive;
+        let needed = self.admission_need(
+            blocks_for(held, self.bs),
+            hits.len(),
+            look.cached / self.bs,
+            loads.len(),
+            look.revive,
+        );
         Ok(self.fits(needed))
     }
 
@@ -229,12 +239,14 @@ impl BlockManager {
     }
 
     /// The prefix-cache lookup of an admission, under chain root `root` and block-extra keys
-    /// `extra`: fills `hits` with the leading run of cached device blocks (at most
-    /// `(len - 1) / B`), then, with the host tier on, `host_hits` with the run of host-cached
-    /// blocks after it (emptied again when `load_rule` and loading them does not pay), and
-    /// `hashes` with at least their chain. The chain is computed in groups, stopping after the
-    /// group of the first miss: blocks past it are hashed when a step registers them, so a cold
-    /// prompt is not hashed twice.
+    /// `extra`: fills `hits` with the leading run of cached device blocks of group 0, then, with
+    /// the host tier on, `host_hits` with group 0's run of host-cached blocks after it, and
+    /// `hashes` with at least their chain. With KV cache groups both are cut to the longest
+    /// boundary at which every other group has what it reads there (on the device, or in the
+    /// host tier: those blocks go to `group_loads`). The host tier's part of the hit (past the
+    /// device-only boundary) is dropped again when `load_rule` and loading it does not pay. The
+    /// chain is computed in groups of blocks, stopping after the group of the first miss: blocks
+    /// past it are hashed when a step registers them, so a cold prompt is not hashed twice.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn lookup_root(
         &self,
@@ -245,6 +257,7 @@ impl BlockManager {
         hashes: &mut Vec<u128>,
         hits: &mut Vec<BlockId>,
         host_hits: &mut Vec<HostBlockId>,
+        group_loads: &mut Vec<GroupLoad>,
         load_rule: bool,
     ) -> Lookup {
         const GROUP: usize = 16;
@@ -256,6 +269,7 @@ impl BlockManager {
         hashes.clear();
         hits.clear();
         host_hits.clear();
+        group_loads.clear();
         if !self.caching {
             return look;
         }
@@ -272,24 +286,12 @@ impl BlockManager {
                 look.collisions += 1;
                 break;
             }
-            if self.prefix.in_lru(b) {
-                look.revive += 1;
-            }
             hits.push(b);
         }
-        look.group0 = hits.len();
-        if !self.kinds.is_empty() && !hits.is_empty() {
-            // Other groups: the longest boundary at which each has what it reads.
-            let (k, revive) = self.group_boundary(tokens, hashes, hits.len());
-            if k < hits.len() {
-                hits.truncate(k);
-                look.revive = hits.iter().filter(|&&b| self.prefix.in_lru(b)).count();
-            }
-            look.revive += revive;
-        }
+        let d0 = hits.len();
         if let Some(t) = &self.tier {
             if look.collisions == 0 {
-                for i in hits.len()..max_hit {
+                for i in d0..max_hit {
                     if i == hashes.len() {
                         let upto = (i + GROUP).min(max_hit);
                         hasher.extend_chain(look.root, &tokens[..upto * bs], bs, extra, hashes);
@@ -303,13 +305,52 @@ impl BlockManager {
                     }
                     host_hits.push(h);
                 }
-                if load_rule && !host_hits.is_empty() && !self.load_pays(host_hits.len()) {
-                    host_hits.clear();
-                }
             }
         }
-        look.cached = (hits.len() + host_hits.len()) * bs;
+        let k0 = d0 + host_hits.len();
+        // The device-only boundary, and the one the host tier may extend it to.
+        let (k_dev, mut k) = if self.kinds.is_empty() {
+            (d0, k0)
+        } else {
+            let k_dev = self.group_boundary(tokens, hashes, d0, false);
+            let k = if self.tier.is_some() && k0 > k_dev {
+                self.group_boundary(tokens, hashes, k0, true)
+            } else {
+                k_dev
+            };
+            (k_dev, k)
+        };
+        let plan = |k: usize, loads: &mut Vec<GroupLoad>| {
+            loads.clear();
+            if self.kinds.is_empty() {
+                0
+            } else {
+                self.group_plan(tokens, hashes, k, loads)
+            }
+        };
+        let mut revive = plan(k, group_loads);
+        if load_rule && k > k_dev {
+            let loads = k.saturating_sub(d0) + group_loads.len();
+            if !self.load_pays(k - k_dev, loads) {
+                k = k_dev;
+                revive = plan(k, group_loads);
+            }
+        }
+        hits.truncate(k.min(d0));
+        host_hits.truncate(k - hits.len());
+        look.revive = revive + hits.iter().filter(|&&b| self.prefix.in_lru(b)).count();
+        look.group0 = d0.max(k);
+        look.host_gain = k - k_dev.min(k);
+        look.cached = k * bs;
         look
+    }
+
+    /// Blocks an admission holding `nb` blocks takes (watermark aside): group 0's past its `kd`
+    /// device hits, every other group's past the hit boundary `k`, one per block loaded into
+    /// another group from the host tier, and one per cached-free hit revived.
+    #[inline]
+    fn admission_need(&self, nb: usize, kd: usize, k: usize, loads: usize, revive: usize) -> usize {
+        (nb - kd) + self.kinds.len() * (nb - k) + loads + revive
     }
 
     /// Admission after `check_admit` and the duplicate check: lookup, fit, apply.
@@ -354,6 +395,7 @@ impl BlockManager {
         let mut hits = std::mem::take(&mut self.scratch_hits);
         let mut hashes = std::mem::take(&mut self.scratch_hashes);
         let mut host_hits = std::mem::take(&mut self.scratch_host_hits);
+        let mut loads = std::mem::take(&mut self.scratch_group_loads);
         let mut hasher = std::mem::take(&mut self.hasher);
         let look = self.lookup_root(
             &mut hasher,
@@ -363,13 +405,16 @@ impl BlockManager {
             &mut hashes,
             &mut hits,
             &mut host_hits,
+            &mut loads,
             true,
         );
         self.hasher = hasher;
         let held = held_tokens(n, look.cached, max_new_tokens);
         let nb = blocks_for(held, bs);
+        // The hit boundary (blocks): group 0's device hits, then its host loads.
+        let k = look.cached / bs;
         let new = nb - hits.len();
-        let needed = new * self.num_groups() + look.revive;
+        let needed = self.admission_need(nb, hits.len(), k, loads.len(), look.revive);
         let avail = self.num_free_blocks();
         let wm = self.cfg.watermark_blocks as usize;
         let err = if needed > avail {
@@ -390,6 +435,7 @@ impl BlockManager {
             self.scratch_hits = hits;
             self.scratch_hashes = hashes;
             self.scratch_host_hits = host_hits;
+            self.scratch_group_loads = loads;
             return Err(e);
         }
 
@@ -420,14 +466,14 @@ impl BlockManager {
         }
         if !self.kinds.is_empty() {
             self.slots[slot as usize].table.blocks = blocks;
-            self.pin_extra(slot as usize, tokens, &hashes, hits.len())?;
+            self.pin_extra(slot as usize, tokens, &hashes, k, &loads)?;
             self.slots[slot as usize].shared_prefix = look.group0;
             blocks = std::mem::take(&mut self.slots[slot as usize].table.blocks);
         }
         // Host hits are pinned before anything is allocated: an eviction below may offload, and
         // an offload may demote an unreferenced host-cached block, never one of these.
         if let Some(t) = self.tier.as_mut() {
-            for &h in &host_hits {
+            for h in host_hits.iter().copied().chain(loads.iter().map(|l| l.2)) {
                 t.lru.remove(h);
                 self.host.incref(h);
             }
@@ -439,19 +485,22 @@ impl BlockManager {
             blocks.push(b);
         }
         if !self.kinds.is_empty() {
-            self.grow_extra(slot as usize, new)?;
+            self.grow_extra(slot as usize, nb - k)?;
+            self.load_extra(slot as usize, tokens, &hashes, look.root, &loads)?;
         }
         let g = hits.len();
         for (k, &h) in host_hits.iter().enumerate() {
             let (i, b) = (g + k, blocks[g + k]);
             let toks = &tokens[i * bs..(i + 1) * bs];
             if self.prefix.register(b, hashes[i], toks) {
+                Self::note_block_group(&mut self.block_group, b, 0);
                 registered(
                     self.tier.as_mut(),
                     &mut self.host,
                     &mut self.events,
                     b,
                     hashes[i],
+                    0,
                     i.checked_sub(1).map(|p| hashes[p]),
                     look.root,
                     toks,
@@ -492,18 +541,20 @@ impl BlockManager {
             self.counters.prefix_query_tokens += n as u64;
             self.counters.prefix_hit_tokens += look.cached as u64;
             self.counters.prefix_collisions += look.collisions;
-            self.counters.host_hit_tokens += (host_hits.len() * bs) as u64;
-            self.counters.host_loaded_blocks += host_hits.len() as u64;
+            self.counters.host_hit_tokens += (look.host_gain * bs) as u64;
+            self.counters.host_loaded_blocks += (host_hits.len() + loads.len()) as u64;
         }
-        let host_cached = host_hits.len() * bs;
+        let host_cached = look.host_gain * bs;
+        let taken = needed - look.revive;
         self.scratch_hits = hits;
         self.scratch_hashes = hashes;
         self.scratch_host_hits = host_hits;
+        self.scratch_group_loads = loads;
         Ok(AdmitResult {
             cached_tokens: look.cached as u32,
             cached_tokens_gpu: (look.cached - host_cached) as u32,
             cached_tokens_host: host_cached as u32,
-            new_blocks: (new * self.num_groups()) as u32,
+            new_blocks: taken as u32,
             num_blocks: nb as u32,
             num_tokens: held as u32,
         })

@@ -14,11 +14,10 @@
 //! - Block-table rows are written incrementally (see `StepCache`): a row is rewritten in full
 //!   whenever its sequence's uid or table version changed, so a stale entry is never left behind.
 
-use super::groups::{register_group_blocks, write_groups};
-use super::tier::{offload, registered};
+use super::groups::{register_group_blocks, write_groups, TierSide};
+use super::tier::{host_unindex, offload, registered};
 use super::{BlockManager, Seq};
 use crate::error::{Error, Result};
-use crate::events::Medium;
 use crate::groups::release_threshold;
 use crate::prefix::FastMap;
 use crate::step::{GroupStepBuffers, StepBuffers, StepInfo};
@@ -239,6 +238,7 @@ impl BlockManager {
                     &mut self.events,
                     b,
                     s.hashes[j],
+                    0,
                     parent,
                     s.root,
                     toks,
@@ -255,6 +255,7 @@ impl BlockManager {
                             &mut self.swap_out_q,
                             b,
                             s.hashes[j],
+                            0,
                             parent,
                             s.root,
                             toks,
@@ -264,10 +265,18 @@ impl BlockManager {
             }
         }
         let from = s.registered;
+        let mut side = TierSide {
+            tier: self.tier.as_mut(),
+            host: &mut self.host,
+            counters: &mut self.counters,
+            swap_out_q: &mut self.swap_out_q,
+            write_through: self.cfg.host_write_through,
+        };
         register_group_blocks(
             &mut self.prefix,
             &mut self.block_group,
             &mut self.events,
+            &mut side,
             s,
             bs,
             from,
@@ -282,8 +291,7 @@ impl BlockManager {
         if let Some(t) = self.tier.as_mut() {
             t.pinned[h as usize] = false;
             if t.is_indexed(h) {
-                let hash = t.unindex(h);
-                self.events.removed(Medium::Host, hash);
+                host_unindex(t, &mut self.events, h);
             }
         }
         if self.host.decref(h)? == 0 {

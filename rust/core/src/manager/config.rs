@@ -51,7 +51,7 @@ pub struct ManagerConfig {
     /// The KV cache groups (see [`crate::groups`]), group `g` at index `g`. Empty (the default)
     /// means one [`AttentionKind::Full`] group, exactly the manager without groups. Group 0 must
     /// be `Full`: it carries the prefix chain. With more than one group, swap moves every group's
-    /// blocks, but the host tier is refused (`host_cache` must be off: it indexes group 0 only).
+    /// blocks and the host tier keeps each group's blocks under `(chain hash, group)`.
     /// KV events name each block's group (see [`crate::events`]).
     pub groups: Vec<AttentionKind>,
     /// Most provisional tokens a sequence may hold past its committed length (speculative drafts,
@@ -195,16 +195,6 @@ impl ManagerConfig {
                     format!("group 0 must be Full (it carries the prefix chain), got {k:?}"),
                 );
             }
-        }
-        if self.groups.len() > 1 && self.host_cache {
-            return bad(
-                "host_cache",
-                1,
-                format!(
-                    "must be off with {} KV cache groups: the host tier indexes group 0 only (swap works)",
-                    self.groups.len()
-                ),
-            );
         }
         if self.host_cache {
             let need = |what: &str| format!("host_cache needs {what}");

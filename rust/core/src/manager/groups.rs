@@ -38,20 +38,27 @@
 //!   rests on the last window anyway. Otherwise every running sequence would push its dead
 //!   windows in as the newest entries and evict the idle sessions' histories first.
 //! - Swap moves every group's held blocks to the host and back, released entries staying null
-//!   (see `reclaim`). The host tier knows one group: the configuration refuses it (`host_cache`
-//!   off) when there is more than one group.
+//!   (see `reclaim`).
+//! - The host tier keys each group's blocks as the device does (`group_hash(h_j, g)`), and the hit
+//!   rule above spans both tiers: each needed block is on the device (shared) or in the host
+//!   tier (loaded into a fresh block: `group_plan`, `load_extra`); the load-or-recompute rule
+//!   weighs the boundary the host adds past the device-only one (`lookup_root`).
 //! - KV events name each block's group: a registration in group `g` records `Stored` for
 //!   `(h_j, g)`, and a hash dropped from block `b` records `Removed` for the group `b` was last
 //!   registered in (`block_group`) and the key with that group's mix undone (`group_unhash`), so
 //!   a windowed group's block released mid-run and evicted later is removed as `(h_j, g)`.
 
-use super::{BlockManager, GroupTable, Seq};
+use super::tier::{offload, registered};
+use super::{BlockManager, GroupLoad, GroupTable, Seq};
 use crate::error::{Error, Result};
-use crate::events::{KvEventRing, Medium};
+use crate::events::KvEventRing;
 use crate::groups::{dead_blocks, group_hash, release_threshold, AttentionKind, NULL_BLOCK};
+use crate::metrics::Counters;
 use crate::pool::BlockPool;
 use crate::prefix::PrefixCache;
 use crate::step::{GroupStepBuffers, StepCache};
+use crate::swap::{HostBlockId, HostPool};
+use crate::tier::HostTier;
 use crate::{BlockId, SeqId, TokenId};
 
 impl BlockManager {
@@ -255,17 +262,33 @@ impl BlockManager {
             .then_some(b)
     }
 
-    /// The longest prefix-hit boundary `k <= k0` (in blocks; group 0 has `[0, k0)` cached) at
-    /// which every extra group has the blocks it needs, and the number of those extra-group hits
-    /// that are cached-free (each takes a block off the free count when revived).
+    /// Group `g`'s (`g >= 1`) host-cached block for block index `i` of a prompt: indexed under
+    /// `group_hash(hashes[i], g)` with the prompt's token ids (host tier off: `None`).
+    fn group_host_hit(
+        &self,
+        g: usize,
+        hashes: &[u128],
+        tokens: &[TokenId],
+        i: usize,
+    ) -> Option<HostBlockId> {
+        let t = self.tier.as_ref()?;
+        let bs = self.bs;
+        let h = t.lookup(group_hash(hashes[i], g))?;
+        (t.tokens_of(h) == &tokens[i * bs..(i + 1) * bs]).then_some(h)
+    }
+
+    /// The longest prefix-hit boundary `k <= k0` (in blocks; group 0 has `[0, k0)` cached, on
+    /// the device or, past its device hits, in the host tier) at which every extra group has
+    /// the blocks it needs: on the device, or with `host` in the host tier too.
     pub(super) fn group_boundary(
         &self,
         tokens: &[TokenId],
         hashes: &[u128],
         k0: usize,
-    ) -> (usize, usize) {
+        host: bool,
+    ) -> usize {
         if k0 == 0 {
-            return (0, 0);
+            return 0;
         }
         let bs = self.bs;
         // misses[g][i]: group g misses among its blocks [0, i).
@@ -274,7 +297,8 @@ impl BlockManager {
             let mut m = Vec::with_capacity(k0 + 1);
             m.push(0u32);
             for i in 0..k0 {
-                let miss = self.group_hit(g, hashes, tokens, i).is_none();
+                let miss = self.group_hit(g, hashes, tokens, i).is_none()
+                    && !(host && self.group_host_hit(g, hashes, tokens, i).is_some());
                 m.push(m[i] + miss as u32);
             }
             misses.push(m);
@@ -290,32 +314,53 @@ impl BlockManager {
             }
             k -= 1;
         }
+        k
+    }
+
+    /// What the extra groups take at hit boundary `k` (found by [`Self::group_boundary`]): each
+    /// needed block on the device is shared; each one that is not is loaded from the host tier
+    /// (appended to `loads` as `(group, block index, host block)`). Returns how many of the
+    /// shared blocks are cached-free (each takes a block off the free count when revived).
+    pub(super) fn group_plan(
+        &self,
+        tokens: &[TokenId],
+        hashes: &[u128],
+        k: usize,
+        loads: &mut Vec<GroupLoad>,
+    ) -> usize {
+        let bs = self.bs;
         let mut revive = 0;
         for (gi, &kind) in self.kinds.iter().enumerate() {
             for i in dead_blocks(kind, k * bs, bs)..k {
                 if let Some(b) = self.group_hit(gi + 1, hashes, tokens, i) {
                     revive += self.prefix.in_lru(b) as usize;
+                } else if let Some(h) = self.group_host_hit(gi + 1, hashes, tokens, i) {
+                    loads.push((gi + 1, i, h));
                 }
             }
         }
-        (k, revive)
+        revive
     }
 
     /// Starts the extra groups' tables of a sequence admitted at `slot` with `k` blocks hit:
-    /// null entries before each group's needed range, then the hits, pinned. Called before any
-    /// block is allocated for the admission, so an eviction cannot take a hit; the caller then
-    /// grows every table to its length with `grow_extra`.
+    /// null entries before each group's needed range, then the hits, pinned; a block the
+    /// admission loads from the host tier (in `loads`) is left null here and filled by the
+    /// caller once it allocates. Called before any block is allocated for the admission, so an
+    /// eviction cannot take a hit; the caller then grows every table to its length with
+    /// `grow_extra`.
     pub(super) fn pin_extra(
         &mut self,
         slot: usize,
         tokens: &[TokenId],
         hashes: &[u128],
         k: usize,
+        loads: &[GroupLoad],
     ) -> Result<()> {
         let bs = self.bs;
         let ng = self.kinds.len();
         let mut extra = std::mem::take(&mut self.slots[slot].extra);
         extra.resize_with(ng, GroupTable::default);
+        let mut next = 0;
         for (gi, t) in extra.iter_mut().enumerate() {
             let lo = dead_blocks(self.kinds[gi], k * bs, bs);
             t.blocks.clear();
@@ -323,6 +368,14 @@ impl BlockManager {
             t.start = lo;
             t.version += 1;
             for i in lo..k {
+                if loads
+                    .get(next)
+                    .is_some_and(|&(g, j, _)| g == gi + 1 && j == i)
+                {
+                    next += 1;
+                    t.blocks.push(NULL_BLOCK);
+                    continue;
+                }
                 let b = self.group_hit(gi + 1, hashes, tokens, i).ok_or_else(|| {
                     Error::InvariantViolation(format!("group {} hit {i} vanished", gi + 1))
                 })?;
@@ -332,6 +385,42 @@ impl BlockManager {
         }
         self.slots[slot].extra = extra;
         self.set_next_release(slot);
+        Ok(())
+    }
+
+    /// Gives each extra-group block of `loads` (left null by `pin_extra`) a fresh device block,
+    /// registers it under `(chain hash, group)` as a step would, and queues its load from the
+    /// host block (whose reference, taken before any allocation, the queued load now holds).
+    pub(super) fn load_extra(
+        &mut self,
+        slot: usize,
+        tokens: &[TokenId],
+        hashes: &[u128],
+        root: u128,
+        loads: &[GroupLoad],
+    ) -> Result<()> {
+        let bs = self.bs;
+        for &(g, i, h) in loads {
+            let b = self.alloc_block()?;
+            self.slots[slot].extra[g - 1].blocks[i] = b;
+            let toks = &tokens[i * bs..(i + 1) * bs];
+            let key = group_hash(hashes[i], g);
+            if self.prefix.register(b, key, toks) {
+                Self::note_block_group(&mut self.block_group, b, g);
+                registered(
+                    self.tier.as_mut(),
+                    &mut self.host,
+                    &mut self.events,
+                    b,
+                    key,
+                    g,
+                    i.checked_sub(1).map(|p| hashes[p]),
+                    root,
+                    toks,
+                );
+            }
+            self.swap_in_q.push((h, b));
+        }
         Ok(())
     }
 
@@ -426,14 +515,28 @@ pub(super) fn write_groups(
     }
 }
 
+/// The host tier's side of a registration: the tier (when on), the host pool, the counters and
+/// the swap-out queue an offload needs, and whether registration offloads (write-through).
+pub(super) struct TierSide<'a> {
+    pub tier: Option<&'a mut HostTier>,
+    pub host: &'a mut HostPool,
+    pub counters: &'a mut Counters,
+    pub swap_out_q: &'a mut Vec<(BlockId, HostBlockId)>,
+    pub write_through: bool,
+}
+
 /// Registers the blocks of `s`'s groups `1..G` at block indices `from.max(start)..upto` in the
 /// prefix cache under `(chain hash, group)`, as a step does: each newly registered block's group
-/// is noted (`block_group`) and announced (`Stored` for its group). Shared by the step's
-/// registration and a swap-in's re-registration.
+/// is noted (`block_group`) and announced (`Stored` for its group); with the host tier on its
+/// chain metadata is noted for a later write-back, and with `write_through` it is offloaded.
+/// Shared by the step's registration and a swap-in's re-registration (which passes
+/// `write_through: false`: its content arrives by the swap-in itself).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn register_group_blocks(
     prefix: &mut PrefixCache,
     block_group: &mut [u8],
     events: &mut KvEventRing,
+    side: &mut TierSide<'_>,
     s: &Seq,
     bs: usize,
     from: usize,
@@ -444,10 +547,38 @@ pub(super) fn register_group_blocks(
         for j in from.max(t.start)..upto {
             let toks = &s.tokens[j * bs..(j + 1) * bs];
             let b = t.blocks[j];
-            if prefix.register(b, group_hash(s.hashes[j], g), toks) {
+            let key = group_hash(s.hashes[j], g);
+            if prefix.register(b, key, toks) {
                 BlockManager::note_block_group(block_group, b, g);
                 let parent = j.checked_sub(1).map(|p| s.hashes[p]);
-                events.stored_in(Medium::Gpu, g as u32, s.hashes[j], parent, toks);
+                registered(
+                    side.tier.as_deref_mut(),
+                    side.host,
+                    events,
+                    b,
+                    key,
+                    g,
+                    parent,
+                    s.root,
+                    toks,
+                );
+                if side.write_through {
+                    if let Some(tier) = side.tier.as_deref_mut() {
+                        offload(
+                            tier,
+                            side.host,
+                            events,
+                            side.counters,
+                            side.swap_out_q,
+                            b,
+                            key,
+                            g,
+                            parent,
+                            s.root,
+                            toks,
+                        );
+                    }
+                }
             }
         }
     }

@@ -80,6 +80,10 @@ mod tier;
 
 pub use config::{ManagerConfig, MAX_GROUPS};
 
+/// An extra group's block an admission loads from the host tier: `(group, block index, host
+/// block)`.
+pub(super) type GroupLoad = (usize, usize, HostBlockId);
+
 /// Outcome of an admission.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AdmitResult {
@@ -88,8 +92,9 @@ pub struct AdmitResult {
     pub cached_tokens: u32,
     /// Of `cached_tokens`, those found on the device (shared blocks).
     pub cached_tokens_gpu: u32,
-    /// Of `cached_tokens`, those found in the host tier: loaded by the next step's swap-in list
-    /// into blocks allocated for them, not computed.
+    /// Of `cached_tokens`, those the host tier adds to what the device alone holds: loaded by
+    /// the next step's swap-in list into blocks allocated for them, not computed. With KV cache
+    /// groups: the tokens past the longest boundary the device alone completes.
     pub cached_tokens_host: u32,
     /// Blocks allocated for this admission (not shared from the cache), loads included, summed
     /// over the KV cache groups (`num_blocks - hits` per group).
@@ -224,6 +229,8 @@ pub struct BlockManager {
     scratch_hashes: Vec<u128>,
     scratch_hits: Vec<BlockId>,
     scratch_host_hits: Vec<HostBlockId>,
+    /// Extra groups' blocks an admission loads from the host tier: `(group, block index, host)`.
+    scratch_group_loads: Vec<GroupLoad>,
     /// Last uid handed out (uids start at 1; 0 marks a row as unknown).
     last_uid: u64,
     /// What `build_step` last wrote into the block-table buffer it last wrote.
@@ -317,6 +324,7 @@ impl BlockManager {
             scratch_hashes: Vec::new(),
             scratch_hits: Vec::new(),
             scratch_host_hits: Vec::new(),
+            scratch_group_loads: Vec::new(),
             last_uid: 0,
             step_cache: StepCache::default(),
             scratch_register: Vec::new(),

@@ -17,7 +17,7 @@
 //! - Every call checks fully first, so a refused swap, resume or decision changes nothing.
 
 use super::admit::check_max_new;
-use super::groups::register_group_blocks;
+use super::groups::{register_group_blocks, TierSide};
 use super::tier::registered;
 use super::{AdmitResult, BlockManager};
 use crate::error::{Error, Result};
@@ -328,6 +328,7 @@ impl BlockManager {
                             &mut self.events,
                             b,
                             s.hashes[j],
+                            0,
                             j.checked_sub(1).map(|p| s.hashes[p]),
                             s.root,
                             toks,
@@ -336,10 +337,18 @@ impl BlockManager {
                 }
                 // Every other group's blocks under (hash, group), as the step registered them,
                 // each announced for its group.
+                let mut side = TierSide {
+                    tier: self.tier.as_mut(),
+                    host: &mut self.host,
+                    counters: &mut self.counters,
+                    swap_out_q: &mut self.swap_out_q,
+                    write_through: false,
+                };
                 register_group_blocks(
                     &mut self.prefix,
                     &mut self.block_group,
                     &mut self.events,
+                    &mut side,
                     s,
                     bs,
                     0,

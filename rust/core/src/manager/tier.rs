@@ -15,15 +15,20 @@
 //!   the `(host, device)` copy on the swap-in list. The device block is findable at once: a second
 //!   admission may share it, since any step that schedules a holder emits the load before its
 //!   forward (the swap-in rule of `build_step`).
+//!   With KV cache groups every group's blocks are offloaded and indexed under their group's
+//!   key (`group_hash(h_j, g)`), and the admission takes the longest boundary every group
+//!   completes from the device or the host (see `groups.rs`).
 //! - **Load or recompute**: a run of host hits shorter than `host_load_min_blocks`, or (with a
 //!   cost model) one whose copy over the host link would take longer than its prefill, is
-//!   recomputed instead.
+//!   recomputed instead. With groups the run is the boundary the host adds, and the copy counts
+//!   every block it loads, of every group.
 //! - **Demotions** are handed to the engine by `take_demotions`; the demoted host block's bytes
 //!   are intact until the next step's lists run or the engine writes a reserved block.
 
 use super::BlockManager;
 use crate::error::{Error, Result};
 use crate::events::{KvEventRing, Medium};
+use crate::groups::{group_hash, group_unhash};
 use crate::hash::{Hasher, SeqKeys};
 use crate::metrics::Counters;
 use crate::swap::{CostModel, HostBlockId, HostPool};
@@ -44,15 +49,17 @@ pub(super) fn host_take(
     }
     let t = tier?;
     let h = t.lru.pop_front()?;
-    let (hash, parent, salt_digest) = t.meta(h);
+    let (key, parent, salt_digest) = t.meta(h);
+    let g = t.group_of(h);
     let tokens = t.tokens_of(h).to_vec();
     t.unindex(h);
-    events.removed(Medium::Host, hash);
+    events.removed_in(Medium::Host, g as u32, group_unhash(key, g));
     counters.demotions += 1;
     t.demotions.push(Demotion {
         host_block: h,
-        hash,
-        parent,
+        hash: key,
+        parent: parent.map(|p| group_hash(p, g)),
+        group: g as u32,
         salt_digest,
         tokens,
     });
@@ -60,9 +67,10 @@ pub(super) fn host_take(
     Some(h)
 }
 
-/// Keeps device block `b` (hashed `hash`, holding `tokens`) in the host tier: unless the hash
-/// is already there, takes a host block, indexes it, pins it for the queued copy and queues
-/// `(b, host)` on the swap-out list. Skipped when no host block can be taken.
+/// Keeps device block `b` (group `g`'s block under cache key `key`, holding `tokens`; `parent`
+/// is the chain hash before it) in the host tier: unless the key is already there, takes a host
+/// block, indexes it, pins it for the queued copy and queues `(b, host)` on the swap-out list.
+/// Skipped when no host block can be taken.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn offload(
     tier: &mut HostTier,
@@ -71,48 +79,57 @@ pub(super) fn offload(
     counters: &mut Counters,
     swap_out_q: &mut Vec<(BlockId, HostBlockId)>,
     b: BlockId,
-    hash: u128,
+    key: u128,
+    g: usize,
     parent: Option<u128>,
     salt: u128,
     tokens: &[TokenId],
 ) {
-    if tier.lookup(hash).is_some() {
+    if tier.lookup(key).is_some() {
         return;
     }
     let Some(h) = host_take(Some(&mut *tier), host, events, counters) else {
         return;
     };
-    tier.index(h, hash, parent, salt, tokens);
+    tier.index(h, key, g, parent, salt, tokens);
     tier.pinned[h as usize] = true;
     swap_out_q.push((b, h));
-    events.stored(Medium::Host, hash, parent, tokens);
+    events.stored_in(Medium::Host, g as u32, group_unhash(key, g), parent, tokens);
     counters.offloaded_blocks += 1;
 }
 
-/// After device block `b` was registered under `hash`: records the event and, with the tier on,
-/// the block's chain metadata; a host entry under the same hash with other token ids (a bad
-/// commit) is dropped, the device content being the one steps computed.
+/// Drops host-cached block `h` from the index (recording its removal for its group).
+pub(super) fn host_unindex(t: &mut HostTier, events: &mut KvEventRing, h: HostBlockId) {
+    let g = t.group_of(h);
+    let key = t.unindex(h);
+    events.removed_in(Medium::Host, g as u32, group_unhash(key, g));
+}
+
+/// After device block `b` was registered for group `g` under cache key `key` (chain hash
+/// `group_unhash(key, g)`, `parent` the chain hash before it): records the event and, with the
+/// tier on, the block's chain metadata; a host entry under the same key with other token ids (a
+/// bad commit) is dropped, the device content being the one steps computed.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn registered(
     tier: Option<&mut HostTier>,
     host: &mut HostPool,
     events: &mut KvEventRing,
     b: BlockId,
-    hash: u128,
+    key: u128,
+    g: usize,
     parent: Option<u128>,
     salt: u128,
     tokens: &[TokenId],
 ) {
-    events.stored(Medium::Gpu, hash, parent, tokens);
+    events.stored_in(Medium::Gpu, g as u32, group_unhash(key, g), parent, tokens);
     let Some(t) = tier else {
         return;
     };
     t.note_device(b, parent, salt);
-    if let Some(h) = t.lookup(hash) {
+    if let Some(h) = t.lookup(key) {
         if t.tokens_of(h) != tokens {
             let in_lru = t.lru.contains(h);
-            t.unindex(h);
-            events.removed(Medium::Host, hash);
+            host_unindex(t, events, h);
             if in_lru {
                 host.release(h);
             }
@@ -132,17 +149,20 @@ impl BlockManager {
         Ok(())
     }
 
-    /// Whether loading a run of `blocks` host hits beats recomputing them.
-    pub(super) fn load_pays(&self, blocks: usize) -> bool {
-        if blocks < self.cfg.host_load_min_blocks as usize {
+    /// Whether loading `loads` host blocks beats recomputing the `gain` blocks of prompt they add
+    /// to the hit (the same number without KV cache groups; with groups a hit may load several
+    /// groups' blocks per position, or another group's few blocks beside group 0's on the
+    /// device). A gain shorter than `host_load_min_blocks` is recomputed.
+    pub(super) fn load_pays(&self, gain: usize, loads: usize) -> bool {
+        if gain < self.cfg.host_load_min_blocks as usize {
             return false;
         }
         match &self.host_cost {
             None => true,
             Some(m) => {
-                let tokens = (blocks * self.bs) as f64;
-                let load = tokens * m.kv_bytes_per_token / m.host_link_bytes_per_s;
-                load < tokens / m.prefill_tokens_per_s
+                let load =
+                    (loads * self.bs) as f64 * m.kv_bytes_per_token / m.host_link_bytes_per_s;
+                load < (gain * self.bs) as f64 / m.prefill_tokens_per_s
             }
         }
     }
@@ -182,6 +202,7 @@ impl BlockManager {
         self.counters.evictions += 1;
         if let Some(t) = self.tier.as_mut() {
             let (parent, salt) = t.device_meta(b);
+            let g = self.block_group.get(b as usize).map_or(0, |&g| g as usize);
             offload(
                 t,
                 &mut self.host,
@@ -190,6 +211,7 @@ impl BlockManager {
                 &mut self.swap_out_q,
                 b,
                 hash,
+                g,
                 parent,
                 salt,
                 self.prefix.stored_tokens(b),
@@ -211,6 +233,15 @@ impl BlockManager {
             Some(t) => std::mem::take(&mut t.demotions),
             None => Vec::new(),
         }
+    }
+
+    /// `(group, chain hash)` of every block the host tier indexes, sorted: the state the host
+    /// tier's `Stored` / `Removed` events add up to. O(indexed blocks), for tests and
+    /// diagnostics; empty with the tier off.
+    pub fn host_block_keys(&self) -> Vec<(usize, u128)> {
+        let mut out: Vec<(usize, u128)> = self.tier.iter().flat_map(|t| t.keys()).collect();
+        out.sort_unstable();
+        out
     }
 
     /// The indexed host block under `hash`, if any (host tier off: `None`).
@@ -255,6 +286,7 @@ impl BlockManager {
             &mut hashes,
             &mut hits,
             &mut host_hits,
+            &mut Vec::new(),
             false,
         );
         let (gpu, host) = (hits.len(), host_hits.len());
@@ -376,7 +408,7 @@ impl BlockManager {
                 .is_none_or(|b| self.prefix.stored_tokens(b) == toks);
             let keep = ok && t.reservation_current(h) && t.lookup(hash).is_none() && device_agrees;
             if keep {
-                t.index(h, hash, parents[k], salt_digest, toks);
+                t.index(h, hash, 0, parents[k], salt_digest, toks);
                 self.events.stored(Medium::Host, hash, parents[k], toks);
                 indexed += 1;
             }

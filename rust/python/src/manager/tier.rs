@@ -85,7 +85,9 @@ impl PyBlockManager {
     }
 
     /// The host-tier demotions since the last call: `(host_block, hash, parent_hash,
-    /// salt_digest, token_ids)`. Call right after `step()` (before applying its swap lists) and
+    /// salt_digest, token_ids)`; with KV cache groups, a block of group `g >= 1` is named by that
+    /// group's keys (`hash` and `parent_hash` mixed with `g`, never group 0's). Call right after
+    /// `step()` (before applying its swap lists) and
     /// after `reserve_host_blocks` (before filling the blocks), and copy each demoted host
     /// block's bytes out then: the slot is reused.
     fn take_demotions(&self, py: Python<'_>) -> Vec<DemotionTuple> {
