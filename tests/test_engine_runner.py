@@ -526,3 +526,25 @@ def test_gpu_cuda_graph_decode_equals_eager(tmp_path):
         la, lb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
         assert (la - lb).abs().max().item() < GRAPH_EAGER_ATOL
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_a_forward_that_cannot_be_captured_is_refused_with_the_remedy():
+    """A capture that fails (transformers' fp32 grouped-GEMM experts copy from host memory inside
+    the graph, seen on an H100 with gpt-oss) becomes a typed error naming ``cuda_graphs=False``;
+    a capture that works runs once with the pieces asked for."""
+    from pagedkv.engine.model_runner import capture_or_refuse
+    from pagedkv.errors import InvalidConfigError
+
+    def broken(pieces):
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture "
+                           "unless the CPU tensor is pinned.\nsecond line")
+
+    with pytest.raises(InvalidConfigError) as info:
+        capture_or_refuse(broken, 1)
+    assert info.value.field == "cuda_graphs"
+    assert "cuda_graphs=False" in str(info.value) and "Cannot copy" in str(info.value)
+    assert "second line" not in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    seen = []
+    capture_or_refuse(lambda pieces: seen.append(pieces), 3)
+    assert seen == [3]

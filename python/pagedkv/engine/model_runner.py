@@ -302,7 +302,7 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
         #: Steps of several tokens a sequence (speculative verify steps) replayed by a graph.
         self.graph_verify_steps = 0
         if self.is_cuda and self.use_kernels and config.cuda_graphs:
-            self.capture_graphs(pieces=config.cuda_graph_pieces)
+            capture_or_refuse(self.capture_graphs, config.cuda_graph_pieces)
 
     # ------------------------------------------------------------------------------ set-up
 
@@ -378,6 +378,25 @@ def check_groups_supported(config: EngineConfig, kinds: Sequence[Any], model: st
     raise ConfigArgumentError(f"invalid config: {name} = {shown!r} for model "
                               f"{model or 'in memory'!r}: {reason}", field=name,
                               value=shown, reason=reason)
+
+
+def capture_or_refuse(capture: Any, pieces: int) -> None:
+    """Runs ``capture(pieces=pieces)``; a model whose forward cannot be captured in a CUDA graph
+    (a ``RuntimeError`` from the capture: e.g. transformers' fp32 grouped-GEMM experts copy from
+    host memory) is refused with a typed error that names the remedy, ``cuda_graphs=False``.
+
+    Raises:
+        InvalidConfigError: The capture failed (the original error chained).
+    """
+    try:
+        capture(pieces=pieces)
+    except RuntimeError as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise InvalidConfigError(
+            f"invalid config: cuda_graphs = True: this model's forward cannot be captured in a "
+            f"CUDA graph ({type(exc).__name__}: {first}); build the engine with "
+            f"cuda_graphs=False to run it eagerly", field="cuda_graphs", value=True,
+            reason="the model's forward cannot be captured") from exc
 
 
 def build_rank_runner(spec: Any, group: TPGroup, loaded: Optional[LoadedModel] = None) -> ModelRunner:
