@@ -129,6 +129,9 @@ def test_target_as_its_own_draft_accepts_every_draft(models, plain_workload):
     assert ss.num_generated_tokens == sp.num_generated_tokens and ss.num_steps < sp.num_steps
     engine = llm.llm_engine
     assert engine.core.proposer.runner.pool.num_blocks == engine.manager.num_blocks
+    # The draft-length policy prices the draft's forwards with the draft runner's measured rates.
+    rate, floor = engine.core.spec_policy.draft_rates
+    assert rate > 0 and floor >= 0
     engine.manager.check_invariants()
 
 

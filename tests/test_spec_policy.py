@@ -66,6 +66,37 @@ def test_at_the_knee_the_cap_follows_the_acceptance() -> None:
     assert always.cap(8, []) == 0
 
 
+def _trained_with_draft(draft_rates, accept_upto: int) -> DraftPolicy:
+    p = DraftPolicy(4, 1000.0, 1.0, draft_rates=draft_rates)
+    for _ in range(64):
+        p.observe([4] * 8, [min(accept_upto, 4)] * 8)
+    return p
+
+
+def test_a_draft_models_forwards_are_priced() -> None:
+    # The target's step is free below 1000 tokens (floor 1 s): drafts ride free on the target.
+    # A draft model whose forward costs 0.5 s each (its floor) adds 0.5 s per draft position:
+    # with every draft accepted, position j brings 8 tokens for 0.5 s, so all 4 pay
+    # (8 + 32 tokens in 1 + 0.5 * 5 s beats 8 in 1.5 s).
+    p = _trained_with_draft((1000.0, 0.5), accept_upto=4)
+    assert p.draft_cost(8, [4] * 8, 0) == pytest.approx(0.5)
+    assert p.draft_cost(8, [4] * 8, 4) == pytest.approx(2.5)
+    assert p.draft_cost(8, [1, 4], 2) == pytest.approx(0.5 + 0.5 + 0.5)
+    assert p.cap(8, [4] * 8) == 4
+    # Nothing accepted: each draft position costs 0.5 s and brings nothing, so none is sent,
+    # where a free proposer (n-gram) would still draft in full below the knee.
+    never = _trained_with_draft((1000.0, 0.5), accept_upto=0)
+    assert never.cap(8, [4] * 8) == 0
+    assert _trained(4, rate=1000.0, floor=1.0, accept_upto=0).cap(8, [4] * 8) == 4
+    # Only the first draft is accepted: one position pays, the rest do not.
+    first = _trained_with_draft((1000.0, 0.5), accept_upto=1)
+    assert first.cap(8, [4] * 8) == 1
+    # A free draft model (no floor, fast) prices like the n-gram proposer.
+    assert _trained_with_draft((1e12, 0.0), accept_upto=0).cap(8, [4] * 8) == 4
+    with pytest.raises(InvalidArgumentError):
+        DraftPolicy(4, 1000.0, 1.0, draft_rates=(0.0, 0.1))
+
+
 def test_warmup_drafts_in_full_and_probe_after_a_run_off() -> None:
     p = DraftPolicy(3, 100.0, 0.0)
     p.observe([3] * (pol.WARMUP - 1), [0] * (pol.WARMUP - 1))

@@ -102,6 +102,7 @@ class EngineCore:
                  tp: Any = None, kv_events: Any = None, tiers: Any = None,
                  cost_rates: Optional[Tuple[float, float, float]] = None,
                  spec_rates: Optional[Tuple[float, float]] = None,
+                 draft_rates: Optional[Tuple[float, float]] = None,
                  draft: Any = None) -> None:
         self.config = config
         self.runner = runner
@@ -140,7 +141,8 @@ class EngineCore:
         #: The per-step draft-length cap from the cost model (None: every step drafts in full).
         self.spec_policy: Optional[DraftPolicy] = None
         if spec is not None and spec_rates is not None:
-            self.spec_policy = DraftPolicy(spec.num_speculative_tokens, *spec_rates)
+            self.spec_policy = DraftPolicy(spec.num_speculative_tokens, *spec_rates,
+                                           draft_rates=draft_rates)
         self.spec_counts["num_steps_skipped"] = 0
 
     @classmethod
@@ -153,6 +155,7 @@ class EngineCore:
         extra: Dict[str, Any] = {}
         cost_rates: Optional[Tuple[float, float, float]] = None
         spec_rates: Optional[Tuple[float, float]] = None
+        draft_rates: Optional[Tuple[float, float]] = None
         measured: Any = None
 
         def measure() -> Any:  # once, and only if something needs a rate the config lacks
@@ -180,6 +183,10 @@ class EngineCore:
             tps = tps if tps is not None else measure().prefill_tokens_per_s
             floor = floor if floor is not None else measure().step_floor_s
             spec_rates = (float(tps), float(floor))
+            if draft is not None:
+                # The draft model's forwards are priced with its own measured rates.
+                dr = draft.measure_rates()
+                draft_rates = (float(dr.prefill_tokens_per_s), float(dr.step_floor_s))
         extra.update(manager_tier_args(config))
         # KV events need the optional extra (msgspec, pyzmq): imported only when asked for.
         events = config.kv_events_endpoint is not None or config.kv_events_bind is not None
@@ -215,7 +222,8 @@ class EngineCore:
             can_swap=False if config.host_blocks(bpb) == config.host_cache_blocks(bpb) else None,
         )
         return cls(config, runner, manager, scheduler, tp=tp, kv_events=kv_events, tiers=tiers,
-                   cost_rates=cost_rates, spec_rates=spec_rates, draft=draft)
+                   cost_rates=cost_rates, spec_rates=spec_rates, draft_rates=draft_rates,
+                   draft=draft)
 
     # ---------------------------------------------------------------------------- requests
 

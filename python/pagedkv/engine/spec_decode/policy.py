@@ -11,6 +11,12 @@ that the ``i``-th draft is accepted given the ones before it were. Each step the
 cap ``c`` in ``0..k`` with the most expected tokens per second of step over the proposer's
 drafts; ``c = 0`` sends the step without drafts.
 
+With a draft model (``draft_rates``: its own ``(prefill_tokens_per_s, step_floor_s)``, measured
+on its runner), each step's draft forwards are priced too: the draft runs one forward over the
+step's decodes every step (its KV follows the target's, drafting or not), then one more per draft
+position ``j = 1..c`` over the sequences still drafting there, each costing
+``max(draft floor, tokens / draft rate)``. The n-gram proposer costs nothing on the device.
+
 Acceptance is learnt online: each position's evaluated and accepted counts decay by
 :data:`DECAY` per observed step (recent steps weigh most) and start from one accepted and one
 rejected pseudo-count. Until :data:`WARMUP` drafted sequence-steps were observed the cap is ``k``
@@ -25,7 +31,7 @@ Invariants: the cap is in ``[0, k]``; an engine without measured rates never con
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from ...errors import InvalidArgumentError
 
@@ -46,9 +52,12 @@ class DraftPolicy:
         k: ``num_speculative_tokens``.
         prefill_tokens_per_s: The cost model's rate (tokens a step adds per second past the knee).
         step_floor_s: The cost model's floor (what a step costs however few tokens it carries).
+        draft_rates: A draft model's ``(prefill_tokens_per_s, step_floor_s)``: its forwards are
+            priced beside the target's (module doc). None: drafts cost no device time (n-gram).
     """
 
-    def __init__(self, k: int, prefill_tokens_per_s: float, step_floor_s: float) -> None:
+    def __init__(self, k: int, prefill_tokens_per_s: float, step_floor_s: float,
+                 draft_rates: Optional[Tuple[float, float]] = None) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise InvalidArgumentError(f"k = {k!r}: must be an int >= 1", what="k", value=k,
                                        reason="must be an int >= 1")
@@ -57,9 +66,17 @@ class DraftPolicy:
             raise InvalidArgumentError(
                 f"rates {rates!r}: the prefill rate must be > 0 and the floor >= 0",
                 what="rates", value=rates, reason="prefill rate > 0, floor >= 0")
+        if draft_rates is not None and not (draft_rates[0] > 0 and draft_rates[1] >= 0):
+            raise InvalidArgumentError(
+                f"draft_rates {tuple(draft_rates)!r}: the prefill rate must be > 0 and the floor "
+                f">= 0", what="draft_rates", value=tuple(draft_rates),
+                reason="prefill rate > 0, floor >= 0")
         self.k = k
         self.rate = float(prefill_tokens_per_s)
         self.floor = float(step_floor_s)
+        #: The draft model's (rate, floor), or None.
+        self.draft_rates = None if draft_rates is None else (float(draft_rates[0]),
+                                                             float(draft_rates[1]))
         #: Decayed counts per draft position: evaluated (the drafts before it were accepted) and
         #: accepted.
         self.evaluated = [0.0] * k
@@ -79,6 +96,20 @@ class DraftPolicy:
         """The cost model's time for a step of ``tokens`` tokens."""
         return max(self.floor, tokens / self.rate)
 
+    def draft_cost(self, num_decodes: int, lengths: Sequence[int], c: int) -> float:
+        """The draft model's forwards in a step with drafts capped at ``c`` (0 without a draft
+        model): one over the decodes, then one per position ``1..c`` over the sequences drafting
+        that far."""
+        if self.draft_rates is None:
+            return 0.0
+        rate, floor = self.draft_rates
+        t = max(floor, num_decodes / rate)
+        for j in range(1, c + 1):
+            active = sum(1 for n in lengths if min(c, n) >= j)
+            if active:
+                t += max(floor, active / rate)
+        return t
+
     def cap(self, num_decodes: int, lengths: Sequence[int]) -> int:
         """The draft length cap for a step with ``num_decodes`` decodes whose proposer drafted
         ``lengths`` tokens each (one per drafting decode): ``0`` for no drafts at all."""
@@ -95,11 +126,13 @@ class DraftPolicy:
         for j in range(min(self.k, longest)):
             run *= p[j]
             gain.append(gain[-1] + run)
-        best, best_rate = 0, num_decodes / self.cost(num_decodes)
+        best = 0
+        best_rate = num_decodes / (self.cost(num_decodes) + self.draft_cost(num_decodes, lengths, 0))
         for c in range(1, len(gain)):
             extra = sum(gain[min(c, n)] for n in lengths)
             tokens = num_decodes + sum(min(c, n) for n in lengths)
-            rate = (num_decodes + extra) / self.cost(tokens)
+            rate = (num_decodes + extra) / (self.cost(tokens)
+                                            + self.draft_cost(num_decodes, lengths, c))
             if rate >= best_rate:
                 best, best_rate = c, rate
         if best == 0:
