@@ -6,26 +6,18 @@ The KV cache is what vLLM hands an offloading worker: one block-major tensor per
 ``[num_blocks, page_bytes]`` (``--layers`` tensors, page = 2 (K, V) x ``--block-size`` tokens x
 ``--kv-heads`` x ``--head-dim`` x 2 bytes), all in one KV cache group. Each measurement moves
 ``--blocks`` blocks (a 4096-token prompt at 16 tokens a block: 256) between scattered GPU blocks
-and host chunks of ``--blocks-per-chunk`` blocks, through each of the copier's CUDA paths
-(``--paths``, module docs of :mod:`pagedkv.vllm.offload_copy`; all three by default, one copier
-each over one shared pinned host pool):
-
-- ``pipelined``: one gather launch per group into a ring of device staging slots, the DMA of
-  each slot's runs of consecutive chunks overlapping the gather of the next (loads: DMA, then
-  one scatter launch per slot);
-- ``direct``: one launch per group and direction reading / writing the pinned pool itself;
-- ``legacy``: per-tensor indexed copies over bytes into one staging buffer, then the DMAs, all
-  on one stream (the first scheme);
-
-each as ``store`` (GPU blocks -> host chunks) and ``load`` (host chunks -> GPU blocks), the
-chunks consecutive (``run``) or scattered over the host pool (``scattered``); and the baseline
-``pinned``: one ``copy_`` of the same byte count between a contiguous device buffer and pinned
-host memory, each direction.
+and host chunks of ``--blocks-per-chunk`` blocks, through the copier's CUDA path
+``pipelined`` (module docs of :mod:`pagedkv.vllm.offload_copy`): one gather launch per group into
+a ring of device staging slots, the DMA of each slot's runs of consecutive chunks overlapping the
+gather of the next (loads: DMA, then one scatter launch per slot); as ``store`` (GPU blocks ->
+host chunks) and ``load`` (host chunks -> GPU blocks), the chunks consecutive (``run``) or
+scattered over the host pool (``scattered``). The baseline ``pinned``: one ``copy_`` of the same
+byte count between a contiguous device buffer and pinned host memory, each direction.
 
 Each figure is the median over ``--reps`` of the wall time from submit to the job's event
 (CUDA-synchronized), after ``--warmup`` runs; the handlers' rate is reported as a fraction of the
-pinned copy's in the same direction (goal: >= 90%). Every path first passes a round trip checked
-byte for byte. Prints a table and writes JSON::
+pinned copy's in the same direction (goal: >= 90% on every row). The copier first passes a
+round trip checked byte for byte. Prints a table and writes JSON::
 
     PYTHONPATH=python .venv/bin/python benches/bench_vllm_offload_gpu.py
 """
@@ -68,8 +60,6 @@ def main() -> None:
     ap.add_argument("--host-chunks", type=int, default=2048)
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--blocks-per-chunk", type=int, default=1)
-    ap.add_argument("--paths", nargs="+", default=["pipelined", "direct", "legacy"],
-                    choices=["pipelined", "direct", "legacy"])
     ap.add_argument("--staging-chunks", type=int, default=None,
                     help="device staging per direction, in chunks (default: the copier's)")
     ap.add_argument("--reps", type=int, default=30)
@@ -86,10 +76,9 @@ def main() -> None:
     bpc = args.blocks_per_chunk
     host = torch.empty((args.host_chunks, page * args.layers * bpc), dtype=torch.uint8,
                        pin_memory=True)
-    copiers = {p: ChunkCopier(tensors, [list(range(args.layers))], blocks_per_chunk=bpc,
-                              num_chunks=args.host_chunks, host=host, path=p,
-                              staging_chunks=args.staging_chunks)
-               for p in args.paths}
+    cp = ChunkCopier(tensors, [list(range(args.layers))], blocks_per_chunk=bpc,
+                     num_chunks=args.host_chunks, host=host, staging_chunks=args.staging_chunks)
+    path = cp.path
     n = args.blocks
     nchunks = -(-n // bpc)
     nbytes = n * page * args.layers
@@ -105,20 +94,19 @@ def main() -> None:
         job[0] += 1
         return job[0]
 
-    # Correctness first: per path, a store and a load into other blocks return the same bytes.
+    # Correctness first: a store and a load into other blocks return the same bytes.
     rest = np.setdiff1d(np.arange(args.gpu_blocks), gpu_ids)
     g = torch.from_numpy(gpu_ids).to(dev)
-    for p, cp in copiers.items():
-        other = rng.choice(rest, size=n, replace=False)
-        o = torch.from_numpy(other).to(dev)
-        for t in tensors:
-            t[o] = 0
-        cp.store(next_job(), gpu_ids, [n], [0], layouts["scattered"])
-        cp.load(next_job(), layouts["scattered"], other, [n], [0])
-        cp.synchronize()
-        for t in tensors:
-            assert torch.equal(t[g], t[o]), f"{p}: round trip changed the bytes"
-        cp.finished()
+    other = rng.choice(rest, size=n, replace=False)
+    o = torch.from_numpy(other).to(dev)
+    for t in tensors:
+        t[o] = 0
+    cp.store(next_job(), gpu_ids, [n], [0], layouts["scattered"])
+    cp.load(next_job(), layouts["scattered"], other, [n], [0])
+    cp.synchronize()
+    for t in tensors:
+        assert torch.equal(t[g], t[o]), f"{path}: round trip changed the bytes"
+    cp.finished()
 
     dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     host_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -129,25 +117,24 @@ def main() -> None:
                             args.warmup),
     }
 
-    def store(cp: ChunkCopier, chunks: np.ndarray) -> None:
+    def store(chunks: np.ndarray) -> None:
         j = next_job()
         cp.store(j, gpu_ids, [n], [0], chunks)
         cp.wait({j})
 
-    def load(cp: ChunkCopier, chunks: np.ndarray) -> None:
+    def load(chunks: np.ndarray) -> None:
         j = next_job()
         cp.load(j, chunks, gpu_ids, [n], [0])
         cp.wait({j})
 
-    for p, cp in copiers.items():
-        for name, chunks in layouts.items():
-            res[f"{p} store {name}"] = timed(lambda: store(cp, chunks), args.reps, args.warmup)
-            res[f"{p} load {name}"] = timed(lambda: load(cp, chunks), args.reps, args.warmup)
-            cp.finished()
-    staging = {p: cp.staging_chunks for p, cp in copiers.items()}
+    for name, chunks in layouts.items():
+        res[f"{path} store {name}"] = timed(lambda: store(chunks), args.reps, args.warmup)
+        res[f"{path} load {name}"] = timed(lambda: load(chunks), args.reps, args.warmup)
+        cp.finished()
+    staging = cp.staging_chunks
     print(f"\n{torch.cuda.get_device_name()}: {n} blocks x {args.layers} layers "
           f"({nbytes / 2**20:.0f} MiB), {bpc} block(s) per chunk, median of {args.reps}; "
-          f"staging chunks per direction {staging}")
+          f"path {path}, staging chunks per direction {staging}")
     print(f"{'transfer':<28}{'ms':>9}{'GB/s':>9}{'of pinned':>11}")
     out = {}
     for name, s in res.items():
@@ -155,13 +142,12 @@ def main() -> None:
         frac = base / s
         out[name] = {"ms": s * 1e3, "GBps": nbytes / s / 1e9, "of_pinned": frac}
         print(f"{name:<28}{s * 1e3:>9.3f}{nbytes / s / 1e9:>9.1f}{frac:>10.0%}")
-    worst = {p: min(v["of_pinned"] for k, v in out.items() if k.startswith(p + " "))
-             for p in copiers}
-    for p, w in worst.items():
-        print(f"{p}: worst row {w:.0%} of pinned ({'meets' if w >= 0.9 else 'misses'} >= 90%)")
+    worst = min(v["of_pinned"] for k, v in out.items() if k.startswith(path + " "))
+    print(f"{path}: worst row {worst:.0%} of pinned "
+          f"({'meets' if worst >= 0.9 else 'misses'} >= 90%)")
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "machine": platform.machine(),
-                   "args": vars(args), "bytes": nbytes, "staging_chunks": staging,
+                   "args": vars(args), "bytes": nbytes, "path": path, "staging_chunks": staging,
                    "worst_of_pinned": worst, "results": out}, f, indent=1)
 
 

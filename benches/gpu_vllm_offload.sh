@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Runs the offloading copier's tests (their CUDA cases included: every path, the kernel compiled)
-# and the offloading handlers' benchmark on a CUDA machine; neither needs vLLM. The bench measures
-# the copier's pipelined, direct and legacy paths beside a plain pinned copy in one run and prints
-# each path's worst row against the >= 90% goal (a few seconds; the tests' Triton compiles most).
+# Runs the offloading copier's tests (their CUDA cases included: the pipelined path, the kernel
+# compiled) and the offloading handlers' benchmark on a CUDA machine; neither needs vLLM. The bench
+# measures the copier's pipelined path beside a plain pinned copy and prints its worst row against
+# the >= 90% goal (a few seconds; the tests' Triton compiles most).
 # Usage (repository root): OUT=/some/dir bash benches/gpu_vllm_offload.sh [bench args...]
 set -u -o pipefail
 . "$(dirname "$0")/gpu_env.sh"

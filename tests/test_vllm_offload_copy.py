@@ -5,12 +5,12 @@ groups over three tensors of different page sizes) through the host chunk pool: 
 chunks and loaded into other blocks come back byte for byte, sub-blocks land where the layout
 says (one chunk contiguous across tensors), a group entered part way through its first chunk
 (``block_indices``) maps to the right sub-blocks, and bad transfers raise typed errors with
-nothing copied. The round trips run through every copy path (``path``): on CPU the indexed
+nothing copied. The round trips run through both copy paths (``path``): on CPU the indexed
 copies and, under Triton's interpreter (``TRITON_INTERPRET=1``; skipped without it), the
-pipelined and direct paths' kernel; on CUDA (``gpu``-marked) the pipelined, direct and legacy
-paths, with a staging buffer smaller than a transfer so it goes through in pieces and the slot
-ring turns over. The kernel (:mod:`pagedkv.vllm.offload_kernels`) is also checked alone against
-indexing, both ways, at 8-, 4- and 2-byte words, and paths a device cannot take are refused.
+pipelined path's kernel; on CUDA (``gpu``-marked) the pipelined path, with a staging buffer
+smaller than a transfer so it goes through in pieces and the slot ring turns over. The kernel
+(:mod:`pagedkv.vllm.offload_kernels`) is also checked alone against indexing, both ways, at 8-,
+4- and 2-byte words, and unknown paths and paths a device cannot take are refused.
 """
 
 from __future__ import annotations
@@ -40,10 +40,7 @@ _gpu = pytest.mark.gpu
 PATHS = [
     pytest.param("cpu", "indexed", id="cpu-indexed"),
     pytest.param("cpu", "pipelined", marks=_kernel_cpu, id="cpu-pipelined"),
-    pytest.param("cpu", "direct", marks=_kernel_cpu, id="cpu-direct"),
     pytest.param("cuda", "pipelined", marks=_gpu, id="cuda-pipelined"),
-    pytest.param("cuda", "direct", marks=_gpu, id="cuda-direct"),
-    pytest.param("cuda", "legacy", marks=_gpu, id="cuda-legacy"),
 ]
 
 
@@ -145,12 +142,12 @@ def test_bad_config() -> None:
 
 @pytest.mark.parametrize("device, path", PATHS)
 def test_random_round_trips_match_a_model(device: str, path: str) -> None:
-    """Random stores and loads against a dict model of each chunk's sub-blocks. The staged paths
-    write whole host chunks, so there a store forgets every sub-block of the chunks it enters
-    before recording the ones it wrote."""
+    """Random stores and loads against a dict model of each chunk's sub-blocks. The pipelined
+    path writes whole host chunks, so there a store forgets every sub-block of the chunks it
+    enters before recording the ones it wrote."""
     rng = np.random.default_rng(1)
     tensors, cp = make(bpc=2, chunks=16, device=device, path=path)
-    whole_chunks = path in ("pipelined", "legacy")
+    whole_chunks = path == "pipelined"
     u8 = [t.view(torch.uint8) for t in tensors]
     model: dict = {}  # (tensor, chunk, sub) -> bytes
     for step in range(60):
@@ -247,48 +244,43 @@ def test_kernel_moves_blocks_both_ways(device: str, pages, word: int) -> None:
 
 @pytest.mark.skipif(not INTERPRET, reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
 def test_kernel_paths_on_odd_pages_round_trip() -> None:
-    """A path through the kernel with 2-byte words (pages of 6 and 10 bytes) and one group of
-    two tensors beside an empty group: the round trip restores every byte."""
+    """The pipelined path with 2-byte words (pages of 6 and 10 bytes) and one group of two
+    tensors beside an empty group: the round trip restores every byte."""
     pages, groups = (6, 10), [[1, 0], []]
-    for path in ("pipelined", "direct"):
-        tensors, cp = make(bpc=2, chunks=6, path=path, pages=pages, groups=groups)
-        assert cp.word == 2
-        before = [t.clone() for t in tensors]
-        cp.store(1, [3, 4, 5], [3, 0], [1, 0], [5, 0])
-        cp.load(2, [5, 0], [10, 11, 12], [3, 0], [1, 0])
-        for t, b in zip(tensors, before):
-            assert torch.equal(t[[10, 11, 12]], b[[3, 4, 5]]), path
+    tensors, cp = make(bpc=2, chunks=6, path="pipelined", pages=pages, groups=groups)
+    assert cp.word == 2
+    before = [t.clone() for t in tensors]
+    cp.store(1, [3, 4, 5], [3, 0], [1, 0], [5, 0])
+    cp.load(2, [5, 0], [10, 11, 12], [3, 0], [1, 0])
+    for t, b in zip(tensors, before):
+        assert torch.equal(t[[10, 11, 12]], b[[3, 4, 5]])
 
 
 def test_paths_a_device_cannot_take_are_refused(monkeypatch) -> None:
     t = torch.zeros(4, 8, dtype=torch.int8)
-    with pytest.raises(InvalidConfigError) as e:
-        ChunkCopier([t], [[0]], blocks_per_chunk=1, num_chunks=1, path="fast")
-    assert e.value.field == "path"
-    with pytest.raises(InvalidConfigError):  # the legacy path is CUDA's
-        ChunkCopier([t], [[0]], blocks_per_chunk=1, num_chunks=1, path="legacy")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    for path in ("pipelined", "direct"):
+    # Unknown names, the removed paths' among them, are refused naming the value.
+    for bad in ("fast", "direct", "legacy"):
         with pytest.raises(InvalidConfigError) as e:
-            ChunkCopier([t], [[0]], blocks_per_chunk=1, num_chunks=1, path=path)
-        assert "TRITON_INTERPRET" in str(e.value)
+            ChunkCopier([t], [[0]], blocks_per_chunk=1, num_chunks=1, path=bad)
+        assert e.value.field == "path" and e.value.value == bad and repr(bad) in str(e.value)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(InvalidConfigError) as e:
+        ChunkCopier([t], [[0]], blocks_per_chunk=1, num_chunks=1, path="pipelined")
+    assert e.value.field == "path" and "TRITON_INTERPRET" in str(e.value)
     assert ChunkCopier([t], [[0]], blocks_per_chunk=1, num_chunks=1).path == "indexed"
 
 
 @pytest.mark.gpu
 def test_cuda_default_path_and_pinned_pool() -> None:
     t = torch.zeros(4, 8, dtype=torch.int8, device="cuda")
-    assert ChunkCopier([t], [[0]], blocks_per_chunk=1, num_chunks=2).path == "pipelined"
-    with pytest.raises(InvalidConfigError):  # the kernel cannot address pageable memory
-        ChunkCopier([t], [[0]], blocks_per_chunk=1, num_chunks=2, path="direct",
-                    pin_memory=False)
+    cp = ChunkCopier([t], [[0]], blocks_per_chunk=1, num_chunks=2)
+    assert cp.path == "pipelined" and cp.host.is_pinned()
     with pytest.raises(InvalidConfigError):
         ChunkCopier([t], [[0]], blocks_per_chunk=1, num_chunks=2, path="indexed")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["pipelined", "direct", "legacy"])
-def test_cuda_long_transfers_through_the_slot_ring(path: str) -> None:
+def test_cuda_long_transfers_through_the_slot_ring() -> None:
     """Transfers of many pieces (staging of 4 chunks: 2 slots of 2), back to back without a
     wait: a load after the store of its chunks reads what the store wrote, and later stores
     overwriting those chunks wait for the loads still reading them."""
@@ -297,7 +289,7 @@ def test_cuda_long_transfers_through_the_slot_ring(path: str) -> None:
     tensors = [torch.randint(-128, 127, (nb, page), dtype=torch.int8, generator=g).cuda()
                for _ in range(layers)]
     cp = ChunkCopier(tensors, [list(range(layers))], blocks_per_chunk=1, num_chunks=40,
-                     staging_chunks=4, path=path)
+                     staging_chunks=4)
     rng = np.random.default_rng(5)
     src, dst = rng.permutation(nb)[:20], np.arange(40, 60)
     first = [t[src].clone() for t in tensors]

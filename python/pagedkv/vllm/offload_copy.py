@@ -19,10 +19,10 @@ entered ``block_index % blocks_per_chunk`` sub-blocks in), and the chunk ids, gr
 
 **Paths** (``path``). What costs time on CUDA is not the bytes but the number of operations: a
 4096-token prompt of a 32-layer model is 256 blocks x 32 tensors = 8192 block-rows of 64 KiB,
-and one DMA or one indexed copy per row (or per tensor) is launch-bound. Every CUDA path below
-moves a transfer in a handful of large operations:
+and one DMA or one indexed copy per row (or per tensor) is launch-bound. The CUDA path moves a
+transfer in a handful of large operations:
 
-- ``"pipelined"`` (the default on CUDA): a store gathers its GPU blocks, every tensor of a group
+- ``"pipelined"`` (the path on CUDA): a store gathers its GPU blocks, every tensor of a group
   in one Triton launch (:mod:`pagedkv.vllm.offload_kernels`, 8-byte words, at device
   bandwidth), into a device staging slot laid out as host chunks in ascending chunk order, and
   moves each run of consecutive chunks with one ``copy_`` (one DMA) into the pinned pool; a load
@@ -31,35 +31,32 @@ moves a transfer in a handful of large operations:
   a transfer goes through it piece by piece, the gather (scatter) of one piece on its own stream
   overlapping the DMA of the one before, so a long transfer runs at the link's rate plus one
   piece's gather.
-- ``"direct"``: no staging and no DMA: the same kernel reads the GPU blocks and writes the pinned
-  host chunks directly (unified addressing maps pinned memory into the device's address space),
-  or reads them on a load; one launch per group and direction. The SMs then issue the link's
-  transactions themselves (128-byte writes, reads that must be kept in flight), which commonly
-  runs below the copy engines' rate; it needs no device memory.
-- ``"legacy"``: the first scheme, kept for the benchmark's comparison: one indexed copy per tensor
-  over bytes into a single staging buffer, then the DMAs, serialised on one stream.
-- ``"indexed"`` (the only path on CPU tensors by default): one indexed assignment per tensor,
-  synchronous.
+- ``"indexed"`` (the path on CPU tensors): one indexed assignment per tensor, synchronous.
+
+Measured and removed (docs/performance.md): the kernel writing and reading the pinned host pool
+itself with no staging and no DMA (stores as fast as pipelined, loads at little over half the
+link's rate: the SMs reading pinned memory over the link cannot keep it full), and per-tensor
+indexed copies over bytes into one staging buffer before the DMAs (not overlapped: 64-73%).
 
 Not built: per-layer strided copies (one ``copy_`` moving a run of blocks of one tensor). A
 transfer's GPU blocks are scattered over the KV cache, so a run of host chunks is no run of GPU
 blocks, and such copies would stay one per block and tensor.
 
-``"pipelined"`` and ``"direct"`` also run on CPU tensors under Triton's interpreter
-(``TRITON_INTERPRET=1``; synchronous, the tests use that). ``benches/gpu_vllm_offload.sh`` measures
-every CUDA path beside a plain pinned ``copy_`` of the same bytes (docs/performance.md).
+``"pipelined"`` also runs on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``;
+synchronous, the tests use that); ``path`` exists to choose it there.
+``benches/gpu_vllm_offload.sh`` measures the CUDA path beside a plain pinned ``copy_`` of the
+same bytes (docs/performance.md).
 
-**Ordering (CUDA).** Stores and loads each have their own DMA stream (the link's two directions;
-the pipelined path adds a gather and a scatter stream). A store's first operation (gather, or
-the whole copy) waits for the work already queued on the caller's stream, which wrote the GPU
-blocks; a load's writes into the GPU blocks (scatter, or the whole copy) wait for it too, since
-that work may still read them. A store's host writes wait for the loads still reading its host
-chunks, a load's host reads for the stores still writing them (the swap engine's per-block rule,
-per chunk; the two directions otherwise overlap). Each transfer ends with an event that
-:meth:`ChunkCopier.finished` polls and :meth:`ChunkCopier.wait` blocks on. A store writes whole
-host chunks on the staged paths (the rows of the staging buffer), so a chunk a store enters part
-way has its other sub-blocks undefined, as a freshly allocated chunk's are; the direct and CPU
-paths write only the sub-blocks named.
+**Ordering (CUDA).** Stores and loads each have their own DMA stream (the link's two
+directions), beside a gather and a scatter stream. A store's gather waits for the work already
+queued on the caller's stream, which wrote the GPU blocks; a load's scatter into the GPU blocks
+waits for it too, since that work may still read them. A store's host writes wait for the loads
+still reading its host chunks, a load's host reads for the stores still writing them (the swap
+engine's per-block rule, per chunk; the two directions otherwise overlap). Each transfer ends
+with an event that :meth:`ChunkCopier.finished` polls and :meth:`ChunkCopier.wait` blocks on. A
+store writes whole host chunks on the pipelined path (the rows of the staging buffer), so a
+chunk a store enters part way has its other sub-blocks undefined, as a freshly allocated
+chunk's are; the indexed path writes only the sub-blocks named.
 
 Invariants: the host pool's shape and address never change; every transfer is validated whole
 (ids in range, counts consistent) before anything is queued, so a rejected one changes nothing;
@@ -91,7 +88,7 @@ DEFAULT_STAGING_BYTES = 256 * 2**20
 PIECE_BYTES = 32 * 2**20
 
 #: The copy paths (module docs).
-PATHS = ("pipelined", "direct", "legacy", "indexed")
+PATHS = ("pipelined", "indexed")
 
 #: The path CUDA tensors get when ``path`` is not given.
 DEFAULT_CUDA_PATH = "pipelined"
@@ -140,12 +137,11 @@ class ChunkCopier:
         num_chunks: Host chunks (>= 0).
         pin_memory: Page-locked host memory; None: when the tensors are on CUDA.
         staging_chunks: CUDA staging per direction, in chunks; None: as many as fit
-            :data:`DEFAULT_STAGING_BYTES` (at least 1). The direct path has none.
+            :data:`DEFAULT_STAGING_BYTES` (at least 1). The indexed path has none.
         host: An existing ``[num_chunks, chunk_bytes]`` uint8 host tensor to use.
         path: One of :data:`PATHS` (module docs); None: :data:`DEFAULT_CUDA_PATH` on CUDA,
-            ``"indexed"`` on CPU. ``"pipelined"`` and ``"direct"`` take CPU tensors only under
-            Triton's interpreter; ``"legacy"`` and ``"direct"`` need CUDA's pinned host memory
-            to be fast (``"direct"`` on CUDA refuses a pageable pool).
+            ``"indexed"`` on CPU. ``"pipelined"`` takes CPU tensors only under Triton's
+            interpreter; ``"indexed"`` takes CPU tensors only.
 
     Raises:
         InvalidConfigError: Inconsistent tensors, groups or sizes, or a path these tensors
@@ -207,13 +203,9 @@ class ChunkCopier:
                 f"host tensor {tuple(host.shape)} {host.dtype}; expected "
                 f"({num_chunks}, {self.chunk_bytes}) uint8", field="host",
                 value=tuple(host.shape), reason="shape mismatch")
-        if self.path in ("pipelined", "direct") and not host.is_contiguous():
+        if self.path == "pipelined" and not host.is_contiguous():
             raise InvalidConfigError("host tensor is not contiguous", field="host",
                                      value=tuple(host.stride()), reason="contiguous")
-        if self.path == "direct" and self.is_cuda and not host.is_pinned():
-            raise InvalidConfigError(
-                "path 'direct' needs a pinned host pool (the GPU addresses it directly)",
-                field="host", value="pageable", reason="pinned memory")
         self.host = host
         #: Per tensor, the host pool as ``[num_chunks, blocks_per_chunk, page_bytes]`` (a view).
         self.host_sections = [
@@ -236,9 +228,7 @@ class ChunkCopier:
             self._streams = {d: _NoStream() for d in names}
         self.staging_chunks = 0
         self.piece_chunks = 0
-        if self.path == "legacy":
-            self._init_legacy(staging_chunks)
-        elif self.path in ("pipelined", "direct"):
+        if self.path == "pipelined":
             self._init_kernel(staging_chunks)
 
     def _check_path(self, path: Optional[str]) -> str:
@@ -248,12 +238,11 @@ class ChunkCopier:
             raise InvalidConfigError(f"path must be one of {PATHS}, got {path!r}", field="path",
                                      value=path, reason="unknown path")
         interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
-        ok = {"pipelined": self.is_cuda or interpreted, "direct": self.is_cuda or interpreted,
-              "legacy": self.is_cuda, "indexed": not self.is_cuda}[path]
+        ok = self.is_cuda or interpreted if path == "pipelined" else not self.is_cuda
         if not ok:
             raise InvalidConfigError(
                 f"path {path!r} does not run on {self.device} tensors"
-                + ("" if self.is_cuda or path in ("legacy", "indexed")
+                + ("" if self.is_cuda or path == "indexed"
                    else " (outside Triton's interpreter, TRITON_INTERPRET=1)"),
                 field="path", value=path, reason=f"not available on {self.device.type}")
         return path
@@ -263,35 +252,21 @@ class ChunkCopier:
             staging_chunks = max(1, DEFAULT_STAGING_BYTES // max(1, self.chunk_bytes))
         return max(1, min(int(staging_chunks), max(1, self.num_chunks)))
 
-    def _init_legacy(self, staging_chunks: Optional[int]) -> None:
-        self.staging_chunks = self.piece_chunks = self._default_staging(staging_chunks)
-        self._stage = {d: torch.empty((self.staging_chunks, self.chunk_bytes),
-                                      dtype=torch.uint8, device=self.device)
-                       for d in ("store", "load")}
-        self._stage_sections = {
-            d: [s[:, o:o + self.bpc * pb].unflatten(1, (self.bpc, pb))
-                for o, pb in zip(self.offsets, self.page_bytes)]
-            for d, s in self._stage.items()}
-
     def _init_kernel(self, staging_chunks: Optional[int]) -> None:
         from pagedkv.vllm.offload_kernels import WORD_DTYPES, ChunkTable, word_bytes
 
-        w = word_bytes(self.page_bytes, [r.data_ptr() for r in self.rows]
-                       + [self.host.data_ptr()])
+        w = word_bytes(self.page_bytes, [r.data_ptr() for r in self.rows])
         self.word = w
         wdt = WORD_DTYPES[w]
         words = [r.view(wdt) for r in self.rows]
         self._kv_base = words[0]
         self._chunk_words = self.chunk_bytes // w
-        self._host_words = self.host.view(wdt) if self.num_chunks else self.host
         page_w = [pb // w for pb in self.page_bytes]
         sec_w = [o // w for o in self.offsets]
         self._tables = [
             ChunkTable.build(self._kv_base, [words[t] for t in ts], [page_w[t] for t in ts],
                              [sec_w[t] for t in ts], self._chunk_words, w) if ts else None
             for ts in self.groups]
-        if self.path != "pipelined":
-            return
         total = self._default_staging(staging_chunks)
         piece = max(1, min(total // 2 if total >= 2 else 1,
                            PIECE_BYTES // max(1, self.chunk_bytes)))
@@ -416,7 +391,7 @@ class ChunkCopier:
         other = "load" if direction == "store" else "store"
         if not plan:  # nothing to move: done once the caller's queued work is, recorded on
             # the stream that ends this direction's transfers (so it is also after them)
-            last = "scatter" if direction == "load" and self.path == "pipelined" else direction
+            last = "scatter" if direction == "load" else direction
             st = self._streams[last]
             st.wait_stream(self._caller())
             return self._record(st)
@@ -424,10 +399,8 @@ class ChunkCopier:
         before = None
         if chunks.size:
             before = self._events[other].get(int(self._last[other][chunks].max()))
-        run = {"legacy": (self._store_legacy, self._load_legacy),
-               "pipelined": (self._store_pipelined, self._load_pipelined),
-               "direct": (self._store_direct, self._load_direct)}[self.path]
-        ev = (run[0] if direction == "store" else run[1])(plan, before)
+        run = self._store_pipelined if direction == "store" else self._load_pipelined
+        ev = run(plan, before)
         self._seq += 1
         if ev is not None:
             self._events[direction][self._seq] = ev
@@ -566,60 +539,6 @@ class ChunkCopier:
             ev = self._record(ss)
             self._slot_free["load"][slot] = ev
         return ev
-
-    # -- direct: the kernel reads / writes the pinned host pool itself
-
-    def _direct(self, direction: str, plan: Plan, before: Any) -> Any:
-        st = self._streams[direction]
-        st.wait_stream(self._caller())
-        if before is not None:
-            st.wait_event(before)
-        with self._on(st):
-            idx, spans = self._upload([plan])
-            self._launch(idx, spans[0], self._host_words, direction == "store")
-        return self._record(st)
-
-    def _store_direct(self, plan: Plan, before: Any) -> Any:
-        return self._direct("store", plan, before)
-
-    def _load_direct(self, plan: Plan, before: Any) -> Any:
-        return self._direct("load", plan, before)
-
-    # -- legacy: per-tensor indexed copies over bytes, one staging buffer, one stream
-
-    def _store_legacy(self, plan: Plan, before: Any) -> Any:
-        st = self._streams["store"]
-        if before is not None:
-            st.wait_event(before)
-        st.wait_stream(self._caller())
-        stage, sections = self._stage["store"], self._stage_sections["store"]
-        with torch.cuda.stream(st):
-            for ids, part in self._pieces(plan, self.staging_chunks):
-                for g, blocks, rows, subs in part:
-                    b, r, s = self._indices(blocks, rows, subs)
-                    for t in self.groups[g]:
-                        sections[t][r, s] = self.rows[t].index_select(0, b)
-                for a, z in consecutive_runs(ids):
-                    c = int(ids[a])
-                    self.host[c:c + z - a].copy_(stage[a:z], non_blocking=True)
-        return self._record(st)
-
-    def _load_legacy(self, plan: Plan, before: Any) -> Any:
-        st = self._streams["load"]
-        if before is not None:
-            st.wait_event(before)
-        st.wait_stream(self._caller())
-        stage, sections = self._stage["load"], self._stage_sections["load"]
-        with torch.cuda.stream(st):
-            for ids, part in self._pieces(plan, self.staging_chunks):
-                for a, z in consecutive_runs(ids):
-                    c = int(ids[a])
-                    stage[a:z].copy_(self.host[c:c + z - a], non_blocking=True)
-                for g, blocks, rows, subs in part:
-                    b, r, s = self._indices(blocks, rows, subs)
-                    for t in self.groups[g]:
-                        self.rows[t].index_copy_(0, b, sections[t][r, s])
-        return self._record(st)
 
     # ------------------------------------------------------------------ completion
 

@@ -4,10 +4,8 @@ memory, for :mod:`pagedkv.vllm.offload_copy`. No vLLM import.
 Owns :class:`ChunkTable` (one KV cache group's tensors as the kernel addresses them) and
 :func:`copy_chunks` (one launch moves every block of a group, every tensor of the group, either
 way). The chunk side is any ``[rows, chunk_bytes]`` buffer laid out as the host pool's chunks
-(module docs of :mod:`pagedkv.vllm.offload_copy`): the device staging buffer (a gather before a
-DMA, a scatter after one), or the pinned host pool itself, which the GPU then reads or writes
-directly over the link (CUDA's unified addressing maps pinned host memory into the device's
-address space; no DMA, no staging).
+(module docs of :mod:`pagedkv.vllm.offload_copy`): the copier's device staging buffer (a gather
+before a DMA to the host pool, a scatter after one from it).
 
 Addressing: every tensor is viewed as ``word``-byte integers (the largest of 8, 4, 2, 1 bytes
 dividing every page size and every tensor's address), the tensors of all groups are reached
@@ -135,7 +133,7 @@ def copy_chunks(table: ChunkTable, kv_base: torch.Tensor, chunk_base: torch.Tens
     chunk row ``rows[i]``, sub-block ``subs[i]`` of ``chunk_base`` (``to_chunks``) or back.
 
     ``kv_base``: the word view the table's offsets count from; ``chunk_base``: a word view of a
-    chunk buffer (device staging, or pinned host memory); ``blocks``, ``rows``, ``subs``: int64,
+    chunk buffer (the device staging buffer); ``blocks``, ``rows``, ``subs``: int64,
     one entry each, contiguous, on the device. One launch on the current stream; no checks.
     """
     n = int(blocks.shape[0])
