@@ -13,9 +13,9 @@
 #   concurrency: the most 32K-token sequences a random-weight gpt-oss-20b-shaped model holds at
 #           once (engine-sized pool) against the analytic optimum and full accounting, then run
 #           (benches/bench_groups_gpu.py).
-#   spec:   speculative decoding with the oracle proposer at Llama-3-8B dimensions (k = 4,
-#           alpha 0.5/0.7/0.9, batch 1/8/64: speedup, share of the ideal, the cost model's
-#           switch-off) (benches/bench_spec_oracle.py).
+#   spec:   the gpu tests of speculative decoding (verify steps replayed by decode graphs), then
+#           the oracle proposer at Llama-3-8B dimensions (k = 4, alpha 0.5/0.7/0.9, batch 1/8/64:
+#           speedup, share of the ideal, the cost model's switch-off) (benches/bench_spec_oracle.py).
 set -u -o pipefail
 . "$(dirname "$0")/gpu_env.sh"
 part="${1:-engine}"
@@ -48,7 +48,9 @@ case "$part" in
       --context 32768 --json "$OUT/bench_groups_gpu.json"
     ;;
   spec)
-    step bench_spec_oracle 540 "$PY" benches/bench_spec_oracle.py --batches 1,8,64 \
+    step gpu_tests_spec 120 "$PY" -m pytest -m gpu -q -p no:cacheprovider $xdist \
+      tests/test_spec_decode.py tests/test_spec_draft.py
+    step bench_spec_oracle 420 "$PY" benches/bench_spec_oracle.py --batches 1,8,64 \
       --alphas 0.5,0.7,0.9 --k 4 --json "$OUT/bench_spec_oracle.json"
     ;;
   *)
