@@ -35,46 +35,12 @@ from pagedkv.engine.loader import load_model  # noqa: E402
 from pagedkv.errors import ConfigArgumentError, ModelLoadError  # noqa: E402
 from pagedkv.layer_groups import group_layers, layer_kinds  # noqa: E402
 
-VOCAB = 128
+from tiny_hybrid import (  # noqa: E402
+    COMMON, MAX_LEN, VOCAB, WINDOW, greedy_reference, hybrid_config, save_hybrid)
+
 BLOCK = 4
-WINDOW = 8
-MAX_LEN = 256
 NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_LEN,
-               initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-               tie_word_embeddings=False)
-
-
-def _config(kind: str):
-    if kind == "gemma3_text":
-        return transformers.Gemma3TextConfig(
-            num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=16,
-            layer_types=["sliding_attention"] * 3 + ["full_attention"], **_COMMON)
-    if kind == "gpt_oss":
-        common = dict(_COMMON, intermediate_size=32)
-        return transformers.GptOssConfig(
-            num_hidden_layers=2, sliding_window=WINDOW, num_local_experts=4,
-            num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"], **common)
-    if kind == "qwen3":
-        return transformers.Qwen3Config(num_hidden_layers=3, use_sliding_window=True,
-                                        sliding_window=WINDOW, max_window_layers=1, **_COMMON)
-    if kind == "qwen2":
-        return transformers.Qwen2Config(num_hidden_layers=3, use_sliding_window=True,
-                                        sliding_window=WINDOW, max_window_layers=2, **_COMMON)
-    if kind == "mistral":
-        return transformers.MistralConfig(num_hidden_layers=2, sliding_window=WINDOW, **_COMMON)
-    if kind == "llama4_text":
-        common = dict(_COMMON, intermediate_size=32)
-        # floor_scale 4: the NoPE layers' query temperature varies within these short prompts.
-        return transformers.Llama4TextConfig(
-            num_hidden_layers=4, attention_chunk_size=WINDOW, intermediate_size_mlp=64,
-            num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2,
-            floor_scale=4, **common)
-    raise AssertionError(kind)
-
 
 #: Model -> the attention kinds its layers get (and so whether it runs with several groups).
 KINDS = ["gemma3_text", "gpt_oss", "qwen3", "qwen2", "mistral", "llama4_text"]
@@ -85,15 +51,7 @@ FUSED = {"qwen2", "mistral"}
 
 @pytest.fixture(scope="module", params=KINDS)
 def model_dir(request, tmp_path_factory):
-    torch.manual_seed(1234)
-    model = transformers.AutoModelForCausalLM.from_config(_config(request.param))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "sinks" in name:  # zero at init: make them matter
-                p.normal_(0.0, 0.5 if "sinks" in name else 0.1)
-    directory = str(tmp_path_factory.mktemp(request.param))
-    model.save_pretrained(directory)
-    return request.param, directory
+    return request.param, save_hybrid(request.param, str(tmp_path_factory.mktemp(request.param)))
 
 
 @pytest.fixture(scope="module")
@@ -118,12 +76,7 @@ def _llm(model_dir, **kw) -> LLM:
 
 
 def _reference(dense, prompt, max_new_tokens=NEW):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = dense.generate(ids, attention_mask=torch.ones_like(ids),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return greedy_reference(dense, prompt, max_new_tokens)
 
 
 def _prompts(seed, lengths):
@@ -233,7 +186,7 @@ def test_preemption_recomputes_and_matches_generate(model_dir, dense):
     params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
     # A pool for the longest sequence at its peak (prefill chunks of 16 included), little more:
     # three growing together must preempt.
-    grouping = group_layers(layer_kinds(_config(model_dir[0])), MAX_LEN, BLOCK)
+    grouping = group_layers(layer_kinds(hybrid_config(model_dir[0])), MAX_LEN, BLOCK)
     peak = sequence_blocks(grouping.groups, 23 + 28, BLOCK, 16)
     llm = _llm(model_dir, num_blocks=peak + 2, max_num_batched_tokens=16)
     assert llm.max_model_len >= 23 + 28
@@ -249,7 +202,7 @@ def test_preemption_by_swap_matches_generate(model_dir, dense):
     staying released) carry the KV on: the same tokens as transformers, with swaps counted."""
     prompts = _prompts(3, [20, 17, 23])
     params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
-    grouping = group_layers(layer_kinds(_config(model_dir[0])), MAX_LEN, BLOCK)
+    grouping = group_layers(layer_kinds(hybrid_config(model_dir[0])), MAX_LEN, BLOCK)
     peak = sequence_blocks(grouping.groups, 23 + 28, BLOCK, 16)
     # swap_space in bytes: 128 pages (a page: the group's layer slots x K and V x 4 tokens x
     # 2 heads x 16 dims x fp32).
@@ -285,7 +238,7 @@ def test_auto_preemption_prices_every_groups_pages(model_dir, dense):
         pytest.skip("one sliding and one chunked hybrid suffice")
     prompts = _prompts(3, [20, 17, 23])
     params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
-    grouping = group_layers(layer_kinds(_config(kind)), MAX_LEN, BLOCK)
+    grouping = group_layers(layer_kinds(hybrid_config(kind)), MAX_LEN, BLOCK)
     peak = sequence_blocks(grouping.groups, 23 + 28, BLOCK, 16)
     outs = {}
     for mode, link, tps in (("swap", 1e15, 1.0), ("recompute", 1.0, 1e15)):
@@ -293,7 +246,7 @@ def test_auto_preemption_prices_every_groups_pages(model_dir, dense):
                    num_host_blocks=128, host_link_bytes_per_s=link, prefill_tokens_per_s=tps)
         engine = llm.llm_engine
         runner = engine.core.runner
-        assert runner.spec.num_layers == grouping.slots < len(layer_kinds(_config(kind)))
+        assert runner.spec.num_layers == grouping.slots < len(layer_kinds(hybrid_config(kind)))
         assert engine.manager.cost_model.kv_bytes_per_token == runner.spec.bytes_per_token
         outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                     use_tqdm=False)]
@@ -350,7 +303,7 @@ def test_pool_size_and_max_model_len_follow_the_groups(model_dir, loaded, caplog
 
 
 def test_softcapped_attention_is_refused(tmp_path):
-    cfg = _config("gemma3_text")
+    cfg = hybrid_config("gemma3_text")
     cfg.attn_logit_softcapping = 50.0
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
     with pytest.raises(ModelLoadError, match="attn_logit_softcapping"):
@@ -360,7 +313,7 @@ def test_softcapped_attention_is_refused(tmp_path):
 def test_one_kind_of_layer_keeps_one_group_and_the_fused_forward(tmp_path):
     """A Llama (every layer full) runs as before: one group, one pool slot per layer, the fused
     forward, no per-group metadata."""
-    cfg = transformers.LlamaConfig(**dict(_COMMON, num_hidden_layers=2))
+    cfg = transformers.LlamaConfig(**dict(COMMON, num_hidden_layers=2))
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
     runner = LLMEngine(str(tmp_path), device="cpu", block_size=BLOCK,
                        num_blocks=32).core.runner

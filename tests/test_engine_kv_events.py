@@ -21,6 +21,7 @@ from pagedkv.errors import ConfigArgumentError  # noqa: E402
 from pagedkv.events import BlockRemoved, BlockStored, decode_batch, hash_from_wire  # noqa: E402
 
 from polling import wait_for  # noqa: E402
+from tiny_hybrid import save_hybrid  # noqa: E402
 from tiny_llama import save_tiny_llama  # noqa: E402
 
 KEY = 1234
@@ -80,23 +81,6 @@ def test_bad_event_settings_are_refused(kwargs: dict, field: str) -> None:
     assert err.value.fields["field"] == field
 
 
-def _save_tiny_gemma3(directory: str) -> str:
-    """A tiny random Gemma 3 text model: three sliding layers (window 8) and one full layer, so
-    the engine runs it with several KV cache groups."""
-    import torch
-    import transformers
-
-    torch.manual_seed(1234)
-    config = transformers.Gemma3TextConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.1,
-        eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
-        num_hidden_layers=4, sliding_window=8, query_pre_attn_scalar=16,
-        layer_types=["sliding_attention"] * 3 + ["full_attention"])
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    return directory
-
-
 def test_hybrid_engine_events_carry_groups_balance_and_route(tmp_path) -> None:
     """A model with sliding and full layers publishes every group's blocks (group_idx and the
     group's spec), its released sliding blocks' evictions as removals of their group; the stream
@@ -104,7 +88,8 @@ def test_hybrid_engine_events_carry_groups_balance_and_route(tmp_path) -> None:
     subscriber sends a prompt sharing a cached prefix to this engine."""
     from pagedkv.router.app import ReplicaSpec, Router
 
-    model = _save_tiny_gemma3(str(tmp_path / "gemma3"))
+    # Three sliding layers (window 8) and one full layer: several KV cache groups.
+    model = save_hybrid("gemma3_text", str(tmp_path / "gemma3"))
     llm = LLM(model, device="cpu", num_blocks=48, block_size=4, max_num_seqs=2,
               max_num_batched_tokens=16, progress=False, hash_seed=KEY,
               kv_events_bind="tcp://127.0.0.1:*", kv_events_replay_endpoint="tcp://127.0.0.1:*")

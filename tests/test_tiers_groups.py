@@ -31,49 +31,17 @@ from pagedkv.engine.loader import load_model  # noqa: E402
 from pagedkv.errors import ConfigArgumentError  # noqa: E402
 from pagedkv.layer_groups import group_layers, layer_kinds  # noqa: E402
 
-VOCAB = 128
+from tiny_hybrid import (  # noqa: E402
+    MAX_LEN, VOCAB, greedy_reference, hybrid_config, save_hybrid)
+
 BLOCK = 4
-WINDOW = 8
-MAX_LEN = 256
 NEW = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_LEN,
-               initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-               tie_word_embeddings=False)
-
-
-def _config(kind: str) -> Any:
-    if kind == "gemma3_text":
-        return transformers.Gemma3TextConfig(
-            num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=16,
-            layer_types=["sliding_attention"] * 3 + ["full_attention"], **_COMMON)
-    if kind == "gpt_oss":
-        common = dict(_COMMON, intermediate_size=32)
-        return transformers.GptOssConfig(
-            num_hidden_layers=2, sliding_window=WINDOW, num_local_experts=4,
-            num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"], **common)
-    if kind == "llama4_text":
-        common = dict(_COMMON, intermediate_size=32)
-        return transformers.Llama4TextConfig(
-            num_hidden_layers=4, attention_chunk_size=WINDOW, intermediate_size_mlp=64,
-            num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2,
-            floor_scale=4, **common)
-    raise AssertionError(kind)
 
 
 @pytest.fixture(scope="module", params=["gemma3_text", "gpt_oss", "llama4_text"])
 def model_dir(request: Any, tmp_path_factory: pytest.TempPathFactory) -> Tuple[str, str]:
-    torch.manual_seed(1234)
-    model = transformers.AutoModelForCausalLM.from_config(_config(request.param))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "sinks" in name:  # zero at init: make them matter
-                p.normal_(0.0, 0.5 if "sinks" in name else 0.1)
-    directory = str(tmp_path_factory.mktemp(request.param))
-    model.save_pretrained(directory)
-    return request.param, directory
+    return request.param, save_hybrid(request.param, str(tmp_path_factory.mktemp(request.param)))
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +52,7 @@ def dense(model_dir: Tuple[str, str]) -> Any:
 
 
 def _reference(dense: Any, prompt: List[int], max_new_tokens: int = NEW) -> List[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = dense.generate(ids, attention_mask=torch.ones_like(ids),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    return list(out[0, len(prompt):].tolist())
+    return greedy_reference(dense, prompt, max_new_tokens)
 
 
 def _prompts(seed: int, lengths: List[int]) -> List[List[int]]:
@@ -103,7 +66,7 @@ PROMPTS = [_prompts(7, [12])[0] + p for p in _prompts(8, [30, 31, 29, 33, 30, 32
 
 
 def _page_bytes(kind: str) -> int:
-    grouping = group_layers(layer_kinds(_config(kind)), MAX_LEN, BLOCK)
+    grouping = group_layers(layer_kinds(hybrid_config(kind)), MAX_LEN, BLOCK)
     return int(grouping.slots) * 2 * BLOCK * 2 * 16 * 4  # slots x K,V x tokens x heads x dims x 4
 
 
@@ -120,7 +83,7 @@ def _idle_host_pool(llm: LLM) -> None:
 def _run(model_dir: Tuple[str, str], rounds: int = 2, **kw: Any) -> Tuple[List[List[int]], Any]:
     """Each prompt alone, ``rounds`` times, in a pool that holds one of them and a little more
     (a chunked group's finished prompt keeps few blocks: a few such prompts fit)."""
-    grouping = group_layers(layer_kinds(_config(model_dir[0])), MAX_LEN, BLOCK)
+    grouping = group_layers(layer_kinds(hybrid_config(model_dir[0])), MAX_LEN, BLOCK)
     peak = sequence_blocks(grouping.groups, max(map(len, PROMPTS)) + NEW, BLOCK, 64)
     llm = LLM(model_dir[1], device="cpu", progress=False, block_size=BLOCK,
               num_blocks=peak + peak // 4, max_num_seqs=2, max_num_batched_tokens=64, **kw)
@@ -167,7 +130,7 @@ def test_host_tier_and_swap_share_the_host_pool(model_dir: Tuple[str, str], dens
     kind, _ = model_dir
     prompts = _prompts(3, [20, 17, 23])
     params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
-    grouping = group_layers(layer_kinds(_config(kind)), MAX_LEN, BLOCK)
+    grouping = group_layers(layer_kinds(hybrid_config(kind)), MAX_LEN, BLOCK)
     peak = sequence_blocks(grouping.groups, 23 + 28, BLOCK, 16)
     page = _page_bytes(kind)
     llm = LLM(model_dir[1], device="cpu", progress=False, block_size=BLOCK, num_blocks=peak + 2,

@@ -36,38 +36,15 @@ from pagedkv.engine.llm import LLM  # noqa: E402
 from pagedkv.engine.sampling_params import SamplingParams  # noqa: E402
 from pagedkv.errors import InvariantViolationError  # noqa: E402
 
+from tiny_hybrid import VOCAB, save_hybrid  # noqa: E402
+
 if not torch.distributed.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-VOCAB = 128
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-               initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-               tie_word_embeddings=False)
 
-
-def _config(kind: str):
-    if kind == "gemma3_text":
-        return transformers.Gemma3TextConfig(
-            num_hidden_layers=4, sliding_window=8, query_pre_attn_scalar=16,
-            layer_types=["sliding_attention"] * 3 + ["full_attention"], **_COMMON)
-    if kind == "qwen2":  # the fused forward's path with groups
-        return transformers.Qwen2Config(num_hidden_layers=3, use_sliding_window=True,
-                                        sliding_window=8, max_window_layers=2, **_COMMON)
-    raise AssertionError(kind)
-
-
-@pytest.fixture(scope="module", params=["gemma3_text", "qwen2"])
+@pytest.fixture(scope="module", params=["gemma3_text", "qwen2"])  # qwen2: the fused forward
 def hybrid(request, tmp_path_factory):
-    torch.manual_seed(1234)
-    model = transformers.AutoModelForCausalLM.from_config(_config(request.param))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):  # zero at init: make them matter
-                p.normal_(0.0, 0.1)
-    directory = str(tmp_path_factory.mktemp(request.param))
-    model.save_pretrained(directory)
-    return directory
+    return save_hybrid(request.param, str(tmp_path_factory.mktemp(request.param)))
 
 
 def _prompts():
