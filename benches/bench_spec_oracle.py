@@ -8,14 +8,20 @@ oracle still proposes ``k`` so each verify pass costs what a real proposer's wou
 measured is then the engine: one target forward over ``k + 1`` positions per sequence, the
 commit/rewind of provisional slots, rejection bookkeeping and the cost model's switch-off.
 
-At each batch size of ``--batches`` (random prompts of ``--prompt`` tokens, ``--new`` greedy
-tokens each), in one run: plain decoding, then speculation at ``k = --k`` for each ``alpha`` of
-``--alphas``. The decode rate is ``batch * (new - 1)`` over the run's time less the time of the
+At each batch size of ``--batches`` (``--requests-per-slot`` times as many random prompts of
+``--prompt`` tokens, ``--new`` greedy tokens each, through ``max_num_seqs`` = the batch size), in
+one run: plain decoding, then speculation at ``k = --k`` for each ``alpha`` of
+``--alphas``. The decode rate is ``requests * (new - 1)`` over the run's time less the time of the
 same prompts at ``max_tokens=1`` (prefill and the first token). Reported per setting: decode
 tokens/s, the speedup over plain, the mean accepted length per drafted pass against the expected
 ``(1 - alpha^(k+1)) / (1 - alpha)``, the verify step's time, the *ideal* speedup (expected tokens
 per pass over the verify pass's cost, against the plain step) and the share of it reached, steps
 the cost model sent undrafted, and whether the outputs equal plain decoding's.
+
+With one request per slot the batch is closed: it drains as its sequences finish, and the slowest
+sequence's passes set the run's length, which a speculative run feels more than a plain one (its
+sequences finish after different numbers of passes). With several per slot a finished sequence's
+slot takes the next waiting request at once, as in serving, and only the last wave drains.
 
 Defaults: Llama-3-8B dimensions with random bf16 weights on CUDA (``benches/_dims.py``). A CPU
 smoke run: ``--device cpu --dtype float32 --layers 2 --hidden 256 --heads 4 --kv-heads 2 --mlp 512
@@ -144,7 +150,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
     for batch in args.batches:
         g = np.random.default_rng(batch)
-        prompts = [g.integers(0, vocab, args.prompt).tolist() for _ in range(batch)]
+        requests = batch * args.requests_per_slot
+        prompts = [g.integers(0, vocab, args.prompt).tolist() for _ in range(requests)]
         plain = make(None, batch)
         timed(plain, prompts[:1], 4)  # warm-up
         s0 = plain.stats().num_steps
@@ -153,9 +160,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         t_first, _ = timed(plain, prompts, 1)
         plain.shutdown()
         dec_plain = max(t_full - t_first, 1e-9)
-        rate_plain = batch * (args.new - 1) / dec_plain
+        rate_plain = requests * (args.new - 1) / dec_plain
         step_plain = dec_plain / max(steps_plain - 1, 1)
-        rows.append({"batch": batch, "alpha": None, "tokens_per_s": rate_plain, "speedup": 1.0,
+        rows.append({"batch": batch, "requests": requests, "alpha": None,
+                     "tokens_per_s": rate_plain, "speedup": 1.0,
                      "step_ms": step_plain * 1e3, "identical": True})
         refs = {tuple(p): r for p, r in zip(prompts, ref)}
         for alpha in args.alphas:
@@ -174,12 +182,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             accepted = st.spec_num_accepted_tokens - st0.spec_num_accepted_tokens
             skipped = st.spec_num_steps_skipped - st0.spec_num_steps_skipped
             dec = max(t_full - t_first, 1e-9)
-            rate = batch * (args.new - 1) / dec
+            rate = requests * (args.new - 1) / dec
             step = dec / max(steps - 1, 1)
             exp = expected_length(alpha, args.k)
             ideal = exp * step_plain / step
             rows.append({
-                "batch": batch, "alpha": alpha, "tokens_per_s": rate, "speedup": rate / rate_plain,
+                "batch": batch, "requests": requests, "alpha": alpha, "tokens_per_s": rate,
+                "speedup": rate / rate_plain,
                 "mean_accepted_length": 1.0 + accepted / drafts if drafts else 1.0,
                 "expected_length": exp, "step_ms": step * 1e3, "ideal_speedup": ideal,
                 "share_of_ideal": (rate / rate_plain) / ideal, "steps_skipped": skipped,
@@ -187,7 +196,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             })
     dev = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     return {"device": dev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "dims": dims, "k": args.k, "prompt": args.prompt, "new": args.new, "rows": rows}
+            "dims": dims, "k": args.k, "requests_per_slot": args.requests_per_slot,
+            "prompt": args.prompt, "new": args.new, "rows": rows}
 
 
 def main(argv: Sequence[str] = ()) -> int:
@@ -196,6 +206,8 @@ def main(argv: Sequence[str] = ()) -> int:
     ap.add_argument("--batches", type=_ints, default=[1, 8, 64])
     ap.add_argument("--alphas", type=_floats, default=[0.5, 0.7, 0.9])
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--requests-per-slot", type=int, default=1,
+                    help="requests per batch slot: 1 = a closed batch; more keep the batch full")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
@@ -206,7 +218,8 @@ def main(argv: Sequence[str] = ()) -> int:
     args = ap.parse_args(list(argv) or None)
     r = run(args)
     print(f"device {r['device']}, {r['date']}; k = {r['k']}, prompt {r['prompt']}, "
-          f"{r['new']} new tokens, dims {r['dims']}")
+          f"{r['new']} new tokens, {r['requests_per_slot']} request(s) per slot, "
+          f"dims {r['dims']}")
     print(f"{'batch':>5} {'alpha':>5} {'tok/s':>9} {'speedup':>7} {'accepted':>8} {'expected':>8} "
           f"{'step ms':>8} {'ideal':>6} {'share':>6} {'skipped':>7} identical")
     for x in r["rows"]:

@@ -468,3 +468,38 @@ def test_cost_model_rates_are_measured_on_a_grouped_runner(model_dir):
     out = llm.generate([_prompts(9, [20])[0]], GREEDY, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == NEW
     llm.llm_engine.manager.check_invariants()
+
+
+@pytest.mark.gpu
+def test_gpu_uncapturable_forward_is_refused_then_runs_eagerly(tmp_path):
+    """gpt-oss in fp32 with top-2 routing: transformers' grouped-GEMM experts copy from host memory
+    during the forward, which a CUDA graph cannot capture. The engine refuses the capture with a
+    typed error naming ``cuda_graphs=False``, and with that setting the same model runs (greedy
+    tokens are the dense fp32 argmax)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from pagedkv.errors import InvalidConfigError
+
+    torch.manual_seed(11)
+    cfg = _gpu_config("gpt_oss")
+    cfg.num_experts_per_tok = 2
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
+    kw = dict(device="cuda", dtype=torch.float32, block_size=16, num_blocks=64, max_num_seqs=4,
+              max_num_batched_tokens=128, progress=False)
+    with pytest.raises(InvalidConfigError, match="cuda_graphs=False"):
+        LLM(str(tmp_path), **kw)
+    llm = LLM(str(tmp_path), cuda_graphs=False, **kw)
+    g = np.random.default_rng(5)
+    prompts = [g.integers(0, 1024, n).tolist() for n in (70, 9)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)
+    llm.llm_engine.manager.check_invariants()
+    dense = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), dtype=torch.float32).to("cuda").eval()
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor([p + list(o.outputs[0].token_ids)], device="cuda")
+        with torch.no_grad():
+            lp = torch.log_softmax(dense(ids).logits[0].float(), -1)
+        pos = torch.arange(len(p) - 1, len(p) + 11, device="cuda")
+        chosen = lp[pos, torch.tensor(o.outputs[0].token_ids, device="cuda")]
+        assert (lp[pos].max(-1).values - chosen).max().item() <= 1e-3
