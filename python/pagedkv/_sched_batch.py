@@ -10,7 +10,7 @@ come first served among the sequences the admission gate lets in.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence as SequenceT
+from typing import Callable, Dict, List, Optional, Sequence as SequenceT
 
 from ._sched_preempt import _PreemptMixin
 from ._sched_seq import GATE_SCAN, AdmissionGate, ScheduledBatch, Sequence, SequenceStatus
@@ -37,10 +37,7 @@ class _BatchMixin(_PreemptMixin):
         Returns an empty batch (``is_empty``) when nothing can run. Raises
         :class:`SchedulerCapacityError` when a lone running sequence cannot grow.
         """
-        hook = self.metrics_hook
-        if hook is not None:
-            self.metrics_hook = None
-            hook()
+        self._metrics_hook()
         batch = ScheduledBatch()
         while True:
             self._schedule_into(batch)
@@ -49,6 +46,35 @@ class _BatchMixin(_PreemptMixin):
             # Running sequences exist but none could be given a token (their next chunks do not
             # fit the pool): make room by preempting the newest, then try again.
             self._preempt_for_room(batch, self.running[-1])
+        return self._build(batch)
+
+    def schedule_ahead(self, ahead: Dict[int, int]) -> Optional[ScheduledBatch]:
+        """Schedules a step *before* the previous one's tokens are known (asynchronous
+        scheduling); the previous step was :meth:`advance`-d at launch.
+
+        ``ahead`` maps each sequence of the previous step that decodes next (``seq_id`` -> index
+        of its token among the previous step's sampled tokens) to one provisional token (one
+        ``append_provisional_batch``), which the caller commits once the token is known. Prompt
+        chunks and admissions follow as in :meth:`schedule`. Such a step never preempts and never
+        swaps in: with swapped-out sequences, or when the decodes' tokens do not fit, nothing
+        changes and ``None`` is returned (schedule that step once the previous one completed).
+        """
+        if self.swapped:
+            return None
+        batch = ScheduledBatch()
+        if not self._schedule_ahead(batch, ahead):
+            return None
+        self._metrics_hook()
+        self._schedule_into(batch, ahead_done=True)
+        return self._build(batch)
+
+    def _metrics_hook(self) -> None:
+        hook = self.metrics_hook
+        if hook is not None:
+            self.metrics_hook = None
+            hook()
+
+    def _build(self, batch: ScheduledBatch) -> ScheduledBatch:
         if batch.seqs:
             ids = [s.seq_id for s in batch.seqs]
             batch.step = self.manager.step(ids, batch.num_new_tokens)
@@ -56,14 +82,46 @@ class _BatchMixin(_PreemptMixin):
             self.num_steps += 1
         return batch
 
-    def _schedule_into(self, batch: ScheduledBatch) -> None:
+    def _schedule_ahead(self, batch: ScheduledBatch, ahead: Dict[int, int]) -> bool:
+        """The decodes of a step scheduled ahead: one provisional token each (see
+        :meth:`schedule`); False (nothing changed) when the pool cannot hold them."""
+        decodes = [s for s in self.running if s.seq_id in ahead][:self.max_num_seqs]
+        if decodes:
+            try:
+                self.manager.append_provisional_batch([s.seq_id for s in decodes],
+                                                      [1] * len(decodes))
+            except (OutOfBlocksError, SequenceTooLongError):
+                return False
+        batch.seqs = decodes
+        batch.num_new_tokens = [1] * len(decodes)
+        batch.num_decodes = len(decodes)
+        batch.ahead = {k: ahead[s.seq_id] for k, s in enumerate(decodes)}
+        return True
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Moves each sequence of ``batch`` past its new tokens now, at launch, rather than in
+        :meth:`postprocess` (which then only appends the sampled tokens): the next step can be
+        scheduled before this one's tokens are known. Not for a step with drafts (how far a
+        drafted sequence advances depends on verification)."""
+        if batch.drafts:
+            raise InvalidArgumentError(
+                "invalid argument: batch: a step with drafts advances in postprocess",
+                what="batch", value=batch.num_draft_tokens, reason="has drafts")
+        for s, n in zip(batch.seqs, batch.num_new_tokens):
+            s.num_computed_tokens += n
+        batch.advanced = True
+
+    def _schedule_into(self, batch: ScheduledBatch, ahead_done: bool = False) -> None:
         m = self.manager
         budget = self.max_num_batched_tokens
-        seqs: List[Sequence] = []
-        news: List[int] = []
+        seqs: List[Sequence] = list(batch.seqs) if ahead_done else []
+        news: List[int] = list(batch.num_new_tokens) if ahead_done else []
+        budget -= len(seqs)
 
-        # 1. Decodes, one append_batch for all; preempt the newest until the appends fit.
-        while True:
+        # 1. Decodes, one append_batch for all; preempt the newest until the appends fit. (A step
+        # scheduled ahead has its decodes already, as provisional tokens.)
+        decodes: List[Sequence] = []
+        while not ahead_done:
             decodes = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]
             if len(decodes) > self.max_num_seqs:
                 decodes = decodes[:self.max_num_seqs]
@@ -74,10 +132,11 @@ class _BatchMixin(_PreemptMixin):
                 break
             except OutOfBlocksError:
                 self._preempt_for_room(batch, decodes[-1])
-        seqs.extend(decodes)
-        news.extend([1] * len(decodes))
-        budget -= len(decodes)
-        batch.num_decodes = len(decodes)
+        if not ahead_done:
+            seqs.extend(decodes)
+            news.extend([1] * len(decodes))
+            budget -= len(decodes)
+            batch.num_decodes = len(decodes)
         # 1a. Speculative drafts for the decodes, held as provisional tokens (none when the pool
         # cannot hold them: the step decodes plainly).
         if decodes and self.propose is not None and budget > 0:
@@ -97,7 +156,7 @@ class _BatchMixin(_PreemptMixin):
         # 1b. Swapped-out groups come back, oldest first, unless this step had to preempt; those
         # whose next token is a decode join this step's decodes (the swap-in pairs go out with
         # this step, and the runner copies them in before the forward reads them).
-        if self.swapped and not batch.preempted:
+        if self.swapped and not batch.preempted and not ahead_done:
             back = self._swap_in(batch, self.max_num_seqs - sum(q.n for q in self.running))
             dec = [q for q in back if q.num_uncomputed_tokens == 1][: self.max_num_seqs - len(seqs)]
             if dec:
@@ -224,6 +283,13 @@ class _BatchMixin(_PreemptMixin):
                     counts.append(len(a))
                     flat.extend(a)
             self.manager.commit_batch(ids, counts, flat)
+        if batch.advanced:
+            # Advanced at launch; a sequence that finished since (its step was already in
+            # flight when its end was seen) takes no more tokens.
+            for s, t in zip(batch.seqs, sampled):
+                if t is not None and s.status is not SequenceStatus.FINISHED:
+                    s.token_ids.append(int(t))
+            return
         for k, (s, n, t) in enumerate(zip(batch.seqs, batch.num_new_tokens, sampled)):
             if drafts and drafts[k]:
                 assert accepted is not None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, List, Optional, Protocol, Sequence as SequenceT, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence as SequenceT, Union
 
 import numpy as np
 
@@ -184,6 +184,15 @@ class ScheduledBatch:
     #: step has any. A drafted sequence's ``num_new_tokens`` counts its last known token and its
     #: drafts, which the manager holds as provisional tokens until :meth:`Scheduler.postprocess`.
     drafts: List[List[int]] = field(default_factory=list)
+    #: Scheduled ahead (``Scheduler.schedule(ahead=...)``): batch row -> the index, in the previous
+    #: step's sampled tokens, of the token this row computes. Such a row's one new token is the
+    #: token the previous step is still sampling: the manager holds it as a provisional token
+    #: until that step completes, and :meth:`input_ids` has a placeholder ``0`` for it (the
+    #: runner reads the token from the previous step's sampled tokens on the device).
+    ahead: Dict[int, int] = field(default_factory=dict)
+    #: Whether :meth:`Scheduler.advance` already moved the sequences past this step's tokens (at
+    #: launch, when the next step is scheduled before this one's tokens are known).
+    advanced: bool = False
 
     @property
     def num_draft_tokens(self) -> int:
@@ -203,6 +212,11 @@ class ScheduledBatch:
 
     def input_ids(self) -> np.ndarray:
         """Token ids of the step's new tokens, concatenated in batch order (int64)."""
+        ahead = self.ahead
+        if ahead:
+            return np.array([0 if k in ahead else s.token_ids[s.num_computed_tokens + j]
+                             for k, (s, n) in enumerate(zip(self.seqs, self.num_new_tokens))
+                             for j in range(n)], dtype=np.int64)
         if self.num_decodes == len(self.seqs) and not self.drafts:  # one new token each
             return np.array([s.token_ids[s.num_computed_tokens] for s in self.seqs],
                             dtype=np.int64)
@@ -227,7 +241,13 @@ class ScheduledBatch:
         return self.buffers.positions(self.step)
 
     def sample_mask(self) -> List[bool]:
-        """True where this step computes a sequence's last known token (its logits are sampled)."""
+        """True where this step computes a sequence's last known token (its logits are sampled),
+        and on rows scheduled ahead (their one token is the last once the previous step's
+        arrives)."""
+        if self.ahead:
+            ahead = self.ahead
+            return [k in ahead or s.num_computed_tokens + n == len(s.token_ids)
+                    for k, (s, n) in enumerate(zip(self.seqs, self.num_new_tokens))]
         if self.drafts:
             return [s.num_computed_tokens + n - len(d) == len(s.token_ids)
                     for s, n, d in zip(self.seqs, self.num_new_tokens, self.drafts)]

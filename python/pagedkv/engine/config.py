@@ -209,6 +209,11 @@ class EngineConfig:
                     "model: {\"model\": \"path/to/draft\", \"num_speculative_tokens\": 3} "
                     "(default: off)"})
 
+    async_scheduling: bool = field(default=False, metadata={
+        "help": "schedule each step while the previous one runs on the device, hiding the "
+                "host's work between steps (not with speculative_config or "
+                "tensor_parallel_size > 1)"})
+
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
         object.__setattr__(self, "speculative_config",
@@ -216,6 +221,12 @@ class EngineConfig:
         if self.speculative_config is not None and self.tensor_parallel_size > 1:
             raise _bad("speculative_config", self.speculative.as_dict() if self.speculative
                        else None, "not supported with tensor_parallel_size > 1 yet")
+        if self.async_scheduling is True and self.speculative_config is not None:
+            raise _bad("async_scheduling", True, "not supported with speculative_config yet "
+                       "(a drafted step's tokens decide the next step's)")
+        if self.async_scheduling is True and self.tensor_parallel_size != 1:
+            raise _bad("async_scheduling", True, "not supported with tensor_parallel_size > 1 "
+                       "yet")
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
                      "cuda_graph_pieces"):
             value = getattr(self, name)
@@ -282,7 +293,8 @@ class EngineConfig:
         if not isinstance(self.kv_events_topic, str):
             raise _bad("kv_events_topic", self.kv_events_topic, "must be a string")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "cuda_graphs", "progress",
-                     "record_steps", "decode_planner", "host_cache_write_through", "fused_model"):
+                     "record_steps", "decode_planner", "host_cache_write_through", "fused_model",
+                     "async_scheduling"):
             value = getattr(self, name)
             if value is not True and value is not False:
                 raise _bad(name, value, f"must be a bool, got {type(value).__name__}")

@@ -27,6 +27,11 @@ Invariants:
   a draft model (:mod:`.spec_decode.draft`, ``draft=``) keeps its KV in a pool indexed by the
   manager's block ids and computes it, each step before the target's forward, at exactly the
   positions the target computes (its drafts drawn into the provisional slots);
+* with ``async_scheduling``, step N + 1 may be scheduled and queued while step N runs: each of
+  N's decodes gets one provisional token, fed on the device from N's sampled tokens and committed
+  with their ids when N completes (before :meth:`EngineCore.step` returns N), so between steps
+  still no sequence holds provisional tokens; a sequence that ends at N (seen only then) drops
+  what N + 1 computed for it; what steps are queued ahead is :meth:`EngineCore._step_async`'s;
 * the core knows requests only through their sequences (``seq.data == (request, sample index)``):
   which requests exist, and what they report, is the engine's and output processing's.
 """
@@ -36,7 +41,10 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+import torch
 
 from ..errors import OutOfBlocksError
 from ..manager import BlockManager, CostModel
@@ -45,7 +53,7 @@ from ..scheduler import Sequence as SchedulerSequence
 from ..tiers.cache import build_tier_cache, manager_tier_args
 from .config import EngineConfig
 from .request import PromptLogprobStretch, Request, SampledToken
-from .sampler import SamplerRow, sample_batch
+from .sampler import SamplerRow, pick_tokens, sample_batch
 from .spec_decode import Proposer, build_proposer
 from .spec_decode.policy import DraftPolicy
 from .spec_decode.verify import VerifyRow, verify_batch
@@ -90,6 +98,27 @@ class CoreStep:
     #: With no batch: whether the step waited for blocks coming from a lower tier (so requests
     #: are left that will run, not one that never can).
     waited: bool = False
+
+
+@dataclass
+class _Launched:
+    """A step whose forward is queued (and, deferred, its draws): what completing it needs."""
+
+    batch: Any
+    out: CoreStep
+    #: Batch rows drawn plainly, and rows with drafts to verify.
+    rows: List[int]
+    spec_rows: List[int]
+    #: The draws: one per plain row, then the forked samples' first draws.
+    sampler_rows: List[SamplerRow]
+    forks: List[Tuple[Request, int, Any]]
+    logits: Any
+    spec_logits: Any
+    drawn: Any
+    #: Batch rows whose prompt forked its other samples this step.
+    fork_parents: Set[int]
+    #: Deferred: the drawn tokens, still on the device (plain rows, then forks).
+    picked: Any = None
 
 
 class EngineCore:
@@ -144,6 +173,13 @@ class EngineCore:
             self.spec_policy = DraftPolicy(spec.num_speculative_tokens, *spec_rates,
                                            draft_rates=draft_rates)
         self.spec_counts["num_steps_skipped"] = 0
+        #: Asynchronous scheduling (``async_scheduling``): the step queued ahead of the one being
+        #: completed (None: none in flight), how many steps were queued ahead, and the live
+        #: requests that keep steps synchronous (:meth:`async_ok`).
+        self.async_scheduling = bool(getattr(config, "async_scheduling", False))
+        self._inflight: Optional[_Launched] = None
+        self.num_async_steps = 0
+        self._sync_requests: Dict[str, Request] = {}
 
     @classmethod
     def create(cls, config: EngineConfig, runner: Any, model_path: str,
@@ -196,6 +232,8 @@ class EngineCore:
             extra["kv_event_capacity"] = KV_EVENT_CAPACITY
         if config.speculative is not None:
             extra["max_provisional"] = config.speculative.num_speculative_tokens
+        elif config.async_scheduling:
+            extra["max_provisional"] = 1  # the token a step scheduled ahead computes
         manager = build_block_manager(runner, watermark_blocks=config.watermark_blocks,
                                       enable_prefix_caching=config.enable_prefix_caching, **extra)
         if cost_rates is not None:
@@ -233,6 +271,8 @@ class EngineCore:
         # Admission keeps room under max_num_seqs for the samples forked from this sequence.
         seq.n = req.params.n
         self.scheduler.add(seq)
+        if self.async_scheduling and not self.async_ok(req):
+            self._sync_requests[req.request_id] = req
 
     def _new_sequence(self, req: Request, index: int, token_ids: List[int]) -> Any:
         # `token_ids` is always a fresh copy of checked ids: the sequence takes it as is.
@@ -247,10 +287,16 @@ class EngineCore:
         """Stops ``req``'s unfinished samples and frees their blocks (cached ones stay cached)."""
         live = [seq for i, seq in enumerate(req.seqs) if seq is not None and req.finish[i] is None]
         self.scheduler.finish_many(live)
+        self._sync_requests.pop(req.request_id, None)
 
     def finish(self, seqs: Sequence[Any]) -> None:
         """Ends sequences whose samples finished (their blocks freed, full ones cached)."""
         self.scheduler.finish_many(seqs)
+        if self._sync_requests:
+            for seq in seqs:
+                req = seq.data[0]
+                if req.finished:
+                    self._sync_requests.pop(req.request_id, None)
 
     def out_of_blocks(self, req: Request) -> OutOfBlocksError:
         """The error for a request that cannot be scheduled even in an empty pool."""
@@ -267,8 +313,24 @@ class EngineCore:
     def step(self) -> CoreStep:
         """Schedules a batch, runs it, samples its rows and forks the samples of prompts whose
         prefill completed. ``batch`` is ``None`` when nothing ran (after waiting for blocks still
-        coming from a lower tier, if that is all that is left)."""
-        batch = self.scheduler.schedule()
+        coming from a lower tier, if that is all that is left).
+
+        With ``async_scheduling``, the step returned may be the previous call's batch, completed
+        now, while the batch scheduled ahead of it runs on the device (:meth:`_step_async`)."""
+        if self.async_scheduling:
+            return self._step_async()
+        batch = self._schedule()
+        if not batch.seqs:
+            return self._nothing_ran()
+        return self._complete(self._launch(batch, defer=False))
+
+    def _schedule(self, ahead: Optional[Dict[int, int]] = None) -> Any:
+        if ahead is None:
+            batch = self.scheduler.schedule()
+        else:
+            batch = self.scheduler.schedule_ahead(ahead)
+            if batch is None:
+                return None
         if self.tiers is not None:
             self.tiers.after_schedule()  # before the step's swap-outs overwrite demoted slots
         if batch.preempted:
@@ -277,15 +339,89 @@ class EngineCore:
                 seq.data[0].metrics.num_preemptions += 1
             if self.on_preempt is not None:
                 self.on_preempt(len(batch.preempted), swapped)
-        if not batch.seqs:
-            if self.kv_events is not None:
-                self.kv_events.flush()
-            if self.tiers is not None and self.tiers.num_fetching:
-                # Only requests whose blocks are still coming from a lower tier are left.
-                self.tiers.wait()
-                return CoreStep(waited=True)
-            return CoreStep()
+        return batch
 
+    def _nothing_ran(self) -> CoreStep:
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        if self.tiers is not None and self.tiers.num_fetching:
+            # Only requests whose blocks are still coming from a lower tier are left.
+            self.tiers.wait()
+            return CoreStep(waited=True)
+        return CoreStep()
+
+    # ------------------------------------------------------------------ asynchronous scheduling
+
+    def _step_async(self) -> CoreStep:
+        """Asynchronous scheduling: while step N runs on the device, step N + 1 is scheduled and
+        queued behind it, each of N's decodes given one provisional token whose id the device
+        feeds from N's sampled tokens; then N's tokens are read, N + 1's provisional tokens
+        committed with them, and N is returned. The host's work for a step (scheduling, building
+        the tables, output processing) then overlaps the previous step's forward.
+
+        A step is queued ahead only when nothing in it needs the host to know the previous
+        step's tokens first: no request with penalties (they read the history), logprobs or
+        prompt logprobs (:meth:`async_ok`), no swapped-out sequence, and room in the pool for
+        the provisional tokens (a step scheduled ahead never preempts). Otherwise the previous
+        step completes and the next is scheduled as without it. A sequence whose previous token
+        ends it (a stop token or string, seen only once that token is read) has computed one
+        token more, which is dropped; its output is what it would have been without it."""
+        prev = self._inflight
+        self._inflight = None
+        if prev is None:
+            batch = self._schedule()
+            if not batch.seqs:
+                return self._nothing_ran()
+            prev = self._launch(batch, defer=self._deferrable(batch))
+            if prev.picked is None:
+                return self._complete(prev)
+        nxt = None
+        ahead = self._ahead_of(prev)
+        if ahead is not None:
+            batch = self._schedule(ahead)
+            if batch is not None and batch.seqs:
+                nxt = self._launch(batch, defer=True, prev=prev)
+                self.num_async_steps += 1
+        out = self._complete(prev, nxt)
+        self._inflight = nxt
+        return out
+
+    @staticmethod
+    def async_ok(req: Request) -> bool:
+        """Whether ``req``'s draws need nothing the host learns only when the previous step's
+        token is read: no penalties (they count the history), no logprobs, no prompt logprobs."""
+        p = req.params
+        return not p.has_penalties and p.logprobs is None and p.prompt_logprobs is None
+
+    def _deferrable(self, batch: Any) -> bool:
+        return not batch.drafts and all(self.async_ok(s.data[0]) for s in batch.seqs)
+
+    def _ahead_of(self, prev: "_Launched") -> Optional[Dict[int, int]]:
+        """The sequences of ``prev`` (a deferred step) that decode in the step scheduled ahead
+        of its completion, each mapped to its token's index in ``prev.picked``; None when no
+        step can be scheduled ahead (see :meth:`_step_async`)."""
+        if prev.picked is None or self._sync_requests or self.scheduler.swapped:
+            return None
+        ahead: Dict[int, int] = {}
+        seqs = prev.batch.seqs
+        max_len = self.max_model_len
+        for r, i in enumerate(prev.rows):
+            seq = seqs[i]
+            if seq.status is not SequenceStatus.RUNNING or i in prev.fork_parents:
+                continue
+            req = seq.data[0]
+            n = len(seq.token_ids)  # prev's token not yet among them
+            if n + 1 - seq.num_prompt_tokens >= req.params.max_tokens or n + 2 > max_len:
+                continue  # prev's token is its last: it ends there
+            ahead[seq.seq_id] = r
+        return ahead
+
+    # ------------------------------------------------------------------------ one step
+
+    def _launch(self, batch: Any, defer: bool, prev: Optional["_Launched"] = None) -> "_Launched":
+        """Queues ``batch``'s forward (and with ``defer`` its draws, the tokens left on the
+        device, and advances its sequences); ``prev``: the step it was scheduled ahead of, whose
+        tokens feed its provisional rows."""
         mask = batch.sample_mask()
         drafts = batch.drafts
         drawn = None
@@ -301,19 +437,25 @@ class EngineCore:
         # Positions: the runner reads the step's own from what the manager wrote. A drafted
         # sequence's logits come at all its positions (its known token's and each draft's).
         extra: List[int] = []
-        if spec_rows:
+        starts: List[int] = []
+        if spec_rows or batch.ahead:
             starts = list(itertools.accumulate(batch.num_new_tokens, initial=0))
-            for i in spec_rows:
-                extra.extend(range(starts[i], starts[i + 1]))
+        for i in spec_rows:
+            extra.extend(range(starts[i], starts[i + 1]))
         num_spec = len(extra)
         prompt_lp = self._prompt_logprob_rows(batch)
         if prompt_lp:
             extra += [t for _, lo, hi, at in prompt_lp for t in range(at, at + hi - lo)]
+        kwargs: Dict[str, Any] = {}
         if extra:
-            logits = self.runner.execute(batch.input_ids(), None, batch.step, rows,
-                                         extra_logit_indices=extra)
-        else:
-            logits = self.runner.execute(batch.input_ids(), None, batch.step, rows)
+            kwargs["extra_logit_indices"] = extra
+        if batch.ahead:
+            assert prev is not None and prev.picked is not None
+            at = np.array([starts[k] for k in batch.ahead], dtype=np.int64)
+            src = torch.tensor(list(batch.ahead.values()), dtype=torch.int64)
+            kwargs["ids_from"] = (at, prev.picked.index_select(
+                0, src.to(prev.picked.device, non_blocking=True)))
+        logits = self.runner.execute(batch.input_ids(), None, batch.step, rows, **kwargs)
         if prompt_lp:
             out.prompt_logprobs = prompt_lp
             out.prompt_logits = logits[len(rows) + num_spec:]
@@ -334,10 +476,12 @@ class EngineCore:
         sampler_rows: List[SamplerRow] = []
         forks: List[Tuple[Request, int, Any]] = []
         fork_rows: List[int] = []
+        ahead = batch.ahead
         for r, i in enumerate(rows):
             seq = batch.seqs[i]
             req, index = seq.data
-            sampler_rows.append(self._sampler_row(seq))
+            # A row scheduled ahead draws the token after the one still being read.
+            sampler_rows.append(self._sampler_row(seq, 1 if i in ahead else 0))
             if not req.forked:
                 req.forked = True
                 for child in range(1, req.params.n):
@@ -348,18 +492,35 @@ class EngineCore:
                                            parent.num_prompt_tokens, req.banned))
         if forks:
             logits = logits[list(range(len(rows))) + fork_rows]
-        result = sample_batch(logits, sampler_rows)
-        tokens = result.token_ids
-        row_logprobs = result.logprobs
+        launched = _Launched(batch, out, rows, spec_rows, sampler_rows, forks, logits,
+                             spec_logits, drawn, {rows[r] for r in fork_rows})
+        if defer:
+            launched.picked = pick_tokens(logits, sampler_rows)
+            self.scheduler.advance(batch)
+        return launched
+
+    def _complete(self, step: "_Launched", nxt: Optional["_Launched"] = None) -> CoreStep:
+        """Reads (or draws) ``step``'s tokens, verifies its drafts, commits the provisional rows
+        of ``nxt`` (scheduled ahead of it) with them, records them and makes its forks."""
+        batch, rows, drafts = step.batch, step.rows, step.batch.drafts
+        out = step.out
+        if step.picked is not None:
+            tokens = step.picked.tolist()
+            row_logprobs: List[Any] = [None] * len(tokens)
+        else:
+            result = sample_batch(step.logits, step.sampler_rows)
+            tokens, row_logprobs = result.token_ids, result.logprobs
 
         sampled: List[Optional[int]] = [None] * len(batch.seqs)
         for r, i in enumerate(rows):
             sampled[i] = tokens[r]
         accepted: Optional[List[List[int]]] = None
         verified: Dict[int, Tuple[List[int], List[Any]]] = {}
+        spec_rows = step.spec_rows
         if spec_rows:
             accepted = [[] for _ in batch.seqs]
-            ver = verify_batch(spec_logits, [
+            drawn = step.drawn
+            ver = verify_batch(step.spec_logits, [
                 VerifyRow(self._sampler_row(batch.seqs[i]), drafts[i],
                           drawn.probs_of(i) if drawn is not None else None)
                 for i in spec_rows])
@@ -372,18 +533,29 @@ class EngineCore:
             if self.proposer is not None:
                 self.proposer.accepted([batch.seqs[i].seq_id for i in spec_rows],
                                        ver.num_accepted)
+        if nxt is not None and nxt.batch.ahead:
+            # The tokens the step scheduled ahead is computing are known now: commit them.
+            ahead = nxt.batch.ahead
+            seqs = nxt.batch.seqs
+            self.manager.commit_batch([seqs[k].seq_id for k in ahead], [1] * len(ahead),
+                                      [tokens[src] for src in ahead.values()])
         self.scheduler.postprocess(batch, sampled, accepted)
 
         draws = out.sampled
         # Forks first: a parent that finishes on its first token must still be running to be
         # forked.
-        for j, ((req, child, parent), tok) in enumerate(zip(forks, tokens[len(rows):])):
+        for j, ((req, child, parent), tok) in enumerate(zip(step.forks, tokens[len(rows):])):
+            if parent.status is not SequenceStatus.RUNNING:
+                continue  # aborted while its step was in flight
             child_seq = self._new_sequence(req, child, list(req.prompt_token_ids))
             self.scheduler.fork(parent, child_seq)
             child_seq.append_token(tok)
             draws.append((req, child, child_seq, tok, row_logprobs[len(rows) + j]))
         plain = dict(zip(rows, range(len(rows))))
+        finished = SequenceStatus.FINISHED
         for i, seq in enumerate(batch.seqs):
+            if seq.status is finished:
+                continue  # ended while its step was in flight: the token is not its
             if i in plain:
                 req, index = seq.data
                 r = plain[i]
@@ -395,10 +567,10 @@ class EngineCore:
                     draws.append((req, index, seq, tok, lp))
         return out
 
-    def _sampler_row(self, seq: Any) -> SamplerRow:
+    def _sampler_row(self, seq: Any, pending: int = 0) -> SamplerRow:
         req, index = seq.data
         return SamplerRow(req.params, req.seq_seeds[index],
-                          len(seq.token_ids) - seq.num_prompt_tokens,
+                          len(seq.token_ids) + pending - seq.num_prompt_tokens,
                           seq.token_ids, seq.num_prompt_tokens, req.banned)
 
     # ------------------------------------------------------------------------- speculation
@@ -476,6 +648,7 @@ class EngineCore:
     def shutdown(self) -> None:
         """Closes the tiers below the host (pending fetches released, writes flushed) and the
         KV-event publisher. Idempotent. (The tensor-parallel ranks are the engine's to stop.)"""
+        self._inflight = None
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = None

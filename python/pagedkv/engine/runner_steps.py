@@ -13,7 +13,7 @@ other ranks run what it sends from ``serve``.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -31,7 +31,8 @@ class _StepMixin:
 
     def execute(self, input_ids: Any, positions: Optional[Any], step: Any,
                 sample_rows: Sequence[int], *,
-                extra_logit_indices: Optional[Sequence[int]] = None) -> torch.Tensor:
+                extra_logit_indices: Optional[Sequence[int]] = None,
+                ids_from: Optional[Tuple[np.ndarray, torch.Tensor]] = None) -> torch.Tensor:
         """Runs one step; returns float32 logits ``[len(sample_rows) + len(extra), vocab]``.
 
         Args:
@@ -45,6 +46,11 @@ class _StepMixin:
                 ``query_start_loc[k + 1] - 1``) gets logits, in the order wanted.
             extra_logit_indices: Packed token indices (``0 .. num_tokens - 1``) whose logits are
                 appended after the sampled rows' (prompt logprobs). Not with tensor parallelism.
+            ids_from: ``(indices, tokens)``: the packed input ids at ``indices`` are read from
+                ``tokens`` (a tensor on the runner's device, one per index) instead of
+                ``input_ids``, whose entries there are placeholders: the tokens a previous step
+                sampled, not yet read by the host (asynchronous scheduling). Not with tensor
+                parallelism.
 
         With tensor parallelism (rank 0 only), the validated step — its tables and batch — is
         broadcast first, and every other rank runs it from :meth:`serve`.
@@ -106,11 +112,22 @@ class _StepMixin:
                 f"invalid argument: extra_logit_indices: must be in [0, {t}), without tensor "
                 f"parallelism", what="extra_logit_indices", value=int(extra.size),
                 reason=f"indices must be in [0, {t})")
+        if ids_from is not None:
+            at, tokens = ids_from
+            at = np.asarray(at, dtype=np.int64).reshape(-1)
+            if (self.broadcaster is not None or tokens.shape != at.shape
+                    or (at.size and (at.min() < 0 or at.max() >= t))):
+                raise InvalidArgumentError(
+                    f"invalid argument: ids_from: {at.size} indices in [0, {t}) with one token "
+                    f"each, without tensor parallelism", what="ids_from", value=int(at.size),
+                    reason=f"indices must be in [0, {t}), one token each")
+            ids_from = (at, tokens)
         if self.broadcaster is not None:
             # Every rank runs this step: send it (validated, so no rank sees a bad one).
             self.broadcaster.send_step(step, ids, pos, rows)
         return self._run(ids, pos, step, rows,
-                         inputs_on_device=self.is_cuda and self.tp is not None, extra=extra)
+                         inputs_on_device=self.is_cuda and self.tp is not None, extra=extra,
+                         ids_from=ids_from)
 
     def serve(self, *, until: Sequence[int] = ()) -> int:
         """A rank other than 0: runs the steps rank 0 broadcasts until a command; returns it.
@@ -133,7 +150,8 @@ class _StepMixin:
 
     def _run(self, ids: Optional[np.ndarray], pos: Optional[np.ndarray], step: Any,
              rows: np.ndarray, *, inputs_on_device: bool,
-             extra: Optional[np.ndarray] = None) -> torch.Tensor:
+             extra: Optional[np.ndarray] = None,
+             ids_from: Optional[Tuple[np.ndarray, torch.Tensor]] = None) -> torch.Tensor:
         """The step itself (arguments validated). ``inputs_on_device``: the step buffers' device
         mirrors and the device ids/positions already hold this step (filled from the TP packet),
         so nothing is copied from the host; ``ids``/``pos`` may then be None."""
@@ -170,6 +188,9 @@ class _StepMixin:
         if not self.use_kernels:
             if ids is None:  # the step's batch arrived on the device (TP over NCCL)
                 ids, pos = self._ids_dev[:t].cpu().numpy(), self._pos_dev[:t].cpu().numpy()
+            if ids_from is not None and ids_from[0].size:
+                ids = ids.copy()
+                ids[ids_from[0]] = ids_from[1].cpu().numpy()
             return self._run_cpu(ids, pos, dev, n, qsl, last, self._group_tables(step))
         if vrows is not None:
             self._stage_rows(vrows, n)
@@ -179,6 +200,10 @@ class _StepMixin:
             ids_d, pos_d = self._stage(ids, pos, t)
         else:
             ids_d, pos_d = torch.from_numpy(ids), torch.from_numpy(pos)
+        if ids_from is not None and ids_from[0].size:
+            # The previous step's sampled tokens, still on the device, into this step's inputs.
+            at = torch.from_numpy(ids_from[0]).to(ids_d.device, non_blocking=True)
+            ids_d.index_copy_(0, at, ids_from[1].to(ids_d.dtype))
         if self.decode_plan is not None and (decode or vrows is not None):
             self._update_plan(host.seq_lens[:n].numpy() if vrows is None else vrows[1],
                               graph_bs or n)

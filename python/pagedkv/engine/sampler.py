@@ -30,7 +30,7 @@ import torch
 from . import penalties as _pen
 from .sampling_params import SamplingParams
 
-__all__ = ["sample", "sample_batch", "SamplerRow", "SamplerOutput", "RowLogprobs",
+__all__ = ["sample", "sample_batch", "pick_tokens", "SamplerRow", "SamplerOutput", "RowLogprobs",
            "compute_logprobs", "process_logits", "sample_seed", "token_seed", "filtered_probs"]
 
 _MASK64 = (1 << 64) - 1
@@ -199,6 +199,24 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> SamplerOut
     n = logits.shape[0]
     if n == 0:
         return SamplerOutput([], [])
+    picked = pick_tokens(logits, rows)
+    tokens = picked.tolist()
+    lps: List[Optional[RowLogprobs]] = [None] * n
+    want = [i for i in range(n) if rows[i].params.logprobs is not None]
+    if want:
+        w = torch.tensor(want, dtype=torch.int64, device=logits.device)
+        k = max(int(rows[i].params.logprobs or 0) for i in want)
+        for i, entry in zip(want, compute_logprobs(logits[w], picked[w], k)):
+            kk = int(rows[i].params.logprobs or 0)
+            lps[i] = (entry[0][:kk], entry[1][:kk], entry[2], entry[3])
+    return SamplerOutput(tokens, lps)
+
+
+def pick_tokens(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.Tensor:
+    """The tokens :func:`sample_batch` picks, as an int64 tensor on the logits' device, without
+    waiting for them: the draws are queued on the device (asynchronous scheduling feeds them to
+    the next step's forward before the host has read them). No logprobs."""
+    n = logits.shape[0]
     x = process_logits(logits, rows)
     greedy = [i for i in range(n) if rows[i].params.greedy]
     picked = torch.empty(n, dtype=torch.int64, device=logits.device)
@@ -218,16 +236,7 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> SamplerOut
             gen.manual_seed(token_seed(rows[i].seed, rows[i].num_generated))
             draws.append(torch.multinomial(probs[j], 1, generator=gen))
         picked[r_idx] = torch.cat(draws)
-    tokens = picked.tolist()
-    lps: List[Optional[RowLogprobs]] = [None] * n
-    want = [i for i in range(n) if rows[i].params.logprobs is not None]
-    if want:
-        w = torch.tensor(want, dtype=torch.int64, device=logits.device)
-        k = max(int(rows[i].params.logprobs or 0) for i in want)
-        for i, entry in zip(want, compute_logprobs(logits[w], picked[w], k)):
-            kk = int(rows[i].params.logprobs or 0)
-            lps[i] = (entry[0][:kk], entry[1][:kk], entry[2], entry[3])
-    return SamplerOutput(tokens, lps)
+    return picked
 
 
 def sample(
