@@ -16,6 +16,9 @@ vocab 128256) with transformers and, at every batch size of ``--batches`` (defau
 - with ``--llm``: ``pagedkv.LLM.generate`` end to end on the same prompts (scheduler, sampler,
   detokenization off): generated tokens/s, TTFT (the batch's prefill and first token) and the
   decode step it implies, against the same floor;
+- with ``--llm --async-ab``: the same ``LLM.generate`` runs with and without
+  ``async_scheduling`` (the next step scheduled while the previous runs), taking turns, 3 each:
+  the median decode step of each and their ratio;
 - with ``--contiguous``: the same engine limited to the batch that a contiguous ``max_model_len``
   reservation per sequence fits in the largest batch's KV memory;
 - with ``--ab``: all of the above also with ``fused_model=False`` (transformers' module forwards;
@@ -150,14 +153,15 @@ def _prompts(args, vocab, batch, seed=0):
     return [g.integers(0, vocab, args.prompt).tolist() for _ in range(batch)]
 
 
-def make_llm(loaded, num_blocks, max_seqs, args, fused):
+def make_llm(loaded, num_blocks, max_seqs, args, fused, async_scheduling=False):
     import pagedkv
 
     torch.cuda.empty_cache()
     llm = pagedkv.LLM(loaded, device="cuda", num_blocks=num_blocks, block_size=args.block_size,
                       max_num_seqs=max_seqs, max_num_batched_tokens=args.chunk,
                       enable_prefix_caching=False, progress=False, fused_model=fused,
-                      cuda_graph_pieces=args.graph_pieces if fused else 1)
+                      cuda_graph_pieces=args.graph_pieces if fused else 1,
+                      async_scheduling=async_scheduling)
     prompts = _prompts(args, loaded.config.vocab_size, 2, seed=99)
     llm.generate(prompts, pagedkv.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)  # warm-up
@@ -370,6 +374,26 @@ def engine_arm(loaded, args, batches, fused):
                 print(f"[{'fused' if fused else 'unfused'}] LLM.generate batch {b}: "
                       f"{r['tok_s']:,.0f} tok/s, step {r['decode_step_ms']:.2f} ms, TTFT "
                       f"{r['ttft_ms']:.1f} ms", flush=True)
+            if args.async_ab:
+                # The same, with and without async_scheduling, taking turns (3 runs each).
+                llm_a = make_llm(loaded, num_blocks, max_b, args, fused, async_scheduling=True)
+                for b in batches:
+                    runs = {"sync": [], "async": []}
+                    for _ in range(3):
+                        runs["sync"].append(run_llm(llm, loaded, b, args))
+                        runs["async"].append(run_llm(llm_a, loaded, b, args))
+                    ab = {k: statistics.median(x["decode_step_ms"] for x in v)
+                          for k, v in runs.items()}
+                    ab["ratio"] = ab["sync"] / ab["async"]
+                    ab["floor_fraction_async"] = arm["batches"][b]["floor_ms"] / ab["async"]
+                    ab["floor_fraction_sync"] = arm["batches"][b]["floor_ms"] / ab["sync"]
+                    ab["steps_ahead"] = llm_a.llm_engine.core.num_async_steps
+                    arm["batches"][b]["llm_async_ab"] = ab
+                    print(f"[{'fused' if fused else 'unfused'}] LLM.generate batch {b}: decode "
+                          f"step {ab['sync']:.2f} ms sync, {ab['async']:.2f} ms async "
+                          f"({ab['ratio']:.3f}x; {100 * ab['floor_fraction_sync']:.0f}% -> "
+                          f"{100 * ab['floor_fraction_async']:.0f}% of the floor)", flush=True)
+                del llm_a
             del llm
         except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
             arm["llm_error"] = repr(e)
@@ -394,6 +418,8 @@ def main(argv=None) -> int:
                     help="capture each fused decode step as this many graphs (cuda_graph_pieces)")
     ap.add_argument("--ab", action="store_true",
                     help="also run every engine figure with fused_model=False (before/after)")
+    ap.add_argument("--async-ab", action="store_true",
+                    help="with --llm: LLM.generate with and without async_scheduling, in turns")
     ap.add_argument("--llm", action="store_true",
                     help="also time pagedkv.LLM.generate end to end on the same prompts")
     ap.add_argument("--transformers", type=_ints, default=[],

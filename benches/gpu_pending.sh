@@ -2,7 +2,8 @@
 # Runs, on a CUDA machine, what is built and tested on the CPU but not yet measured on a GPU, in
 # parts that each fit one 10-minute device call. Each step has its own time limit and writes its
 # log (and JSON) under $OUT as it goes, so a call cut short still returns what finished.
-# Usage (repository root): OUT=/some/dir bash benches/gpu_pending.sh [engine|groups|concurrency|spec]
+# Usage (repository root): OUT=/some/dir bash benches/gpu_pending.sh
+#   [engine|groups|concurrency|spec|async]
 #   engine: the gpu tests changed since their last compiled run (the disk tier through the engine
 #           with a pinned prefill rate; the local-kernel plan tests); then bench_engine.py at
 #           batch 32, 128 and 256 (decode against the memory floor of the device it runs on) and
@@ -17,6 +18,8 @@
 #           the oracle proposer at Llama-3-8B dimensions (k = 4, alpha 0.5/0.7/0.9, batch 1/8/64:
 #           speedup, share of the ideal, the cost model's switch-off) (benches/bench_spec_oracle.py),
 #           first with the batch kept full (4 requests per slot, batch 8/64), then closed.
+#   async:  the gpu test of asynchronous scheduling (CUDA graphs, the next step's tokens fed on the
+#           device), then LLM.generate's decode step with and without it at batch 1, 32, 128.
 set -u -o pipefail
 . "$(dirname "$0")/gpu_env.sh"
 part="${1:-engine}"
@@ -48,6 +51,12 @@ case "$part" in
     step bench_groups_gpu 560 "$PY" benches/bench_groups_gpu.py --model gpt-oss-20b \
       --context 32768 --json "$OUT/bench_groups_gpu.json"
     ;;
+  async)
+    step gpu_tests_async 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+      tests/test_async_scheduling.py
+    step bench_engine_async 420 "$PY" benches/bench_engine.py --batches 1,32,128 --llm \
+      --async-ab --json "$OUT/bench_engine_async.json"
+    ;;
   spec)
     step gpu_tests_spec 120 "$PY" -m pytest -m gpu -q -p no:cacheprovider $xdist \
       tests/test_spec_decode.py tests/test_spec_draft.py
@@ -57,7 +66,7 @@ case "$part" in
       --alphas 0.5,0.7,0.9 --k 4 --json "$OUT/bench_spec_oracle.json"
     ;;
   *)
-    echo "usage: OUT=DIR bash benches/gpu_pending.sh [engine|groups|concurrency|spec]" >&2
+    echo "usage: OUT=DIR bash benches/gpu_pending.sh [engine|groups|concurrency|spec|async]" >&2
     exit 2
     ;;
 esac

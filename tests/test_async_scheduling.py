@@ -41,7 +41,8 @@ def _llm(model_dir, async_scheduling: bool, **kw) -> LLM:
     kw.setdefault("num_blocks", 256)
     kw.setdefault("max_num_seqs", 8)
     kw.setdefault("max_num_batched_tokens", 64)
-    return LLM(model_dir, device="cpu", progress=False, async_scheduling=async_scheduling, **kw)
+    kw.setdefault("device", "cpu")
+    return LLM(model_dir, progress=False, async_scheduling=async_scheduling, **kw)
 
 
 def _prompts(seed: int, lengths):
@@ -262,3 +263,29 @@ def test_schedule_ahead_without_room_changes_nothing():
     assert (m.num_free_blocks, [m.seq_len(i) for i in (0, 1)]) == before
     assert [m.num_provisional(i) for i in (0, 1)] == [0, 0]
     m.check_invariants()
+
+
+@pytest.mark.gpu
+def test_gpu_async_scheduling_identical_with_graphs(model_dir):
+    """On CUDA with decode graphs: each step queued ahead reads its tokens from the previous
+    step's sampled tokens on the device (never from the host); outputs equal the synchronous
+    engine's for greedy, seeded and stopped requests with ragged prompts and chunked prefill."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    prompts = _prompts(21, [5, 40, 12, 90, 3, 27, 60, 8])
+    ref = _llm(model_dir, False, device="cuda").generate(
+        prompts[:1], SamplingParams(temperature=0.0, max_tokens=30), use_tqdm=False)
+    stop = ref[0].outputs[0].token_ids[10]
+    params = [SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[stop]),
+              SamplingParams(temperature=0.9, top_p=0.8, max_tokens=25, seed=7),
+              SamplingParams(n=2, temperature=1.0, max_tokens=20, seed=3)] + \
+        [SamplingParams(temperature=0.0, max_tokens=m) for m in (1, 33, 17, 40, 9)]
+    outs = {}
+    for flag in (False, True):
+        llm = _llm(model_dir, flag, device="cuda", max_num_batched_tokens=32)
+        assert llm.llm_engine.core.runner.graph_sizes
+        outs[flag] = llm.generate(prompts, params, use_tqdm=False)
+        _check_quiet(llm)
+        if flag:
+            assert _steps_ahead(llm) > 20
+    assert _out(outs[False]) == _out(outs[True])
