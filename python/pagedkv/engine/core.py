@@ -117,8 +117,11 @@ class _Launched:
     drawn: Any
     #: Batch rows whose prompt forked its other samples this step.
     fork_parents: Set[int]
-    #: Deferred: the drawn tokens, still on the device (plain rows, then forks).
+    #: Deferred: the drawn tokens, still on the device (plain rows, then forks); on CUDA their
+    #: pinned host copy and the event after it.
     picked: Any = None
+    host_tokens: Any = None
+    tokens_ready: Any = None
 
 
 class EngineCore:
@@ -180,6 +183,8 @@ class EngineCore:
         self._inflight: Optional[_Launched] = None
         self.num_async_steps = 0
         self._sync_requests: Dict[str, Request] = {}
+        self._token_bufs: List[Any] = [None, None]
+        self._token_turn = 0
 
     @classmethod
     def create(cls, config: EngineConfig, runner: Any, model_path: str,
@@ -495,18 +500,40 @@ class EngineCore:
         launched = _Launched(batch, out, rows, spec_rows, sampler_rows, forks, logits,
                              spec_logits, drawn, {rows[r] for r in fork_rows})
         if defer:
-            launched.picked = pick_tokens(logits, sampler_rows)
+            launched.picked = picked = pick_tokens(logits, sampler_rows)
+            if picked.is_cuda:
+                # Read back through pinned memory behind an event: reading ``picked`` itself
+                # would wait for the step queued after this one too.
+                launched.host_tokens = self._token_buffer(picked.shape[0])
+                launched.host_tokens.copy_(picked, non_blocking=True)
+                launched.tokens_ready = torch.cuda.Event()
+                launched.tokens_ready.record()
             self.scheduler.advance(batch)
         return launched
+
+    def _token_buffer(self, n: int) -> Any:
+        """One of two pinned host buffers for a deferred step's tokens, in turns (at most two
+        deferred steps are ever pending: the one completing and the one queued ahead)."""
+        self._token_turn ^= 1
+        buf = self._token_bufs[self._token_turn]
+        if buf is None or buf.shape[0] < n:
+            buf = torch.empty(max(n, 2 * self.config.max_num_seqs), dtype=torch.int64,
+                              pin_memory=True)
+            self._token_bufs[self._token_turn] = buf
+        return buf[:n]
 
     def _complete(self, step: "_Launched", nxt: Optional["_Launched"] = None) -> CoreStep:
         """Reads (or draws) ``step``'s tokens, verifies its drafts, commits the provisional rows
         of ``nxt`` (scheduled ahead of it) with them, records them and makes its forks."""
         batch, rows, drafts = step.batch, step.rows, step.batch.drafts
         out = step.out
-        if step.picked is not None:
-            tokens = step.picked.tolist()
+        if step.tokens_ready is not None:
+            step.tokens_ready.synchronize()
+            tokens = step.host_tokens.tolist()
             row_logprobs: List[Any] = [None] * len(tokens)
+        elif step.picked is not None:
+            tokens = step.picked.tolist()
+            row_logprobs = [None] * len(tokens)
         else:
             result = sample_batch(step.logits, step.sampler_rows)
             tokens, row_logprobs = result.token_ids, result.logprobs
