@@ -2,16 +2,17 @@
 //! prefix-cache entries of swapped blocks, the swap lists of the step (order, overflow), victim
 //! choice, the cost model, and every error leaving the state unchanged.
 //!
-//! KV content is simulated: `dev[b]` / `host[h]` hold one value per token slot; a step applies its
-//! lists in the documented order (swap-out, swap-in, copy-on-write) and then writes each new token's
-//! value through the slot mapping.
+//! KV content is simulated (`common`): `dev[b]` / `host[h]` hold one value per token slot; a step
+//! applies its lists in the documented order (swap-out, swap-in, copy-on-write) and then writes each
+//! new token's value through the slot mapping.
 
+mod common;
+
+use common::{apply_lists, read_back, toks, write_new, B};
 use pagedkv::manager::{BlockManager, ManagerConfig};
 use pagedkv::step::{OwnedStepBuffers, StepInfo, StepLayout};
 use pagedkv::swap::{CostModel, PreemptMode, SeqState};
 use pagedkv::{BlockId, Error, SeqId, TokenId};
-
-const B: u32 = 4;
 
 struct Sim {
     m: BlockManager,
@@ -46,40 +47,16 @@ impl Sim {
 
     fn step(&mut self, seqs: &[SeqId], new: &[u32]) -> pagedkv::Result<StepInfo> {
         let info = self.m.build_step(seqs, new, &mut self.ob.view())?;
-        let bs = B as usize;
-        let copy = |from: &[i64], a: usize, to: &mut [i64], b: usize| {
-            to[b * bs..(b + 1) * bs].copy_from_slice(&from[a * bs..(a + 1) * bs]);
-        };
-        for j in 0..info.num_swap_out {
-            let (d, h) = (
-                self.ob.swap_out[2 * j] as usize,
-                self.ob.swap_out[2 * j + 1] as usize,
-            );
-            copy(&self.dev, d, &mut self.host, h);
-        }
-        for j in 0..info.num_swap_in {
-            let (h, d) = (
-                self.ob.swap_in[2 * j] as usize,
-                self.ob.swap_in[2 * j + 1] as usize,
-            );
-            copy(&self.host, h, &mut self.dev, d);
-        }
-        for j in 0..info.num_copies {
-            let (s, d) = (
-                self.ob.copies[2 * j] as usize,
-                self.ob.copies[2 * j + 1] as usize,
-            );
-            let src = self.dev.clone();
-            copy(&src, s, &mut self.dev, d);
-        }
-        let mut k = 0;
-        for (&sid, &n) in seqs.iter().zip(new) {
-            let t = &self.tokens[&sid];
-            for &tok in &t[t.len() - n as usize..] {
-                self.dev[self.ob.slot_mapping[k] as usize] = tok as i64;
-                k += 1;
-            }
-        }
+        apply_lists(&self.ob, &info, &mut self.dev, &mut self.host);
+        let tokens = &self.tokens;
+        write_new(
+            &mut self.dev,
+            &self.ob.slot_mapping,
+            seqs,
+            new,
+            |sid| &tokens[&sid],
+            |tok| tok as i64,
+        );
         Ok(info)
     }
 
@@ -102,21 +79,13 @@ impl Sim {
     }
 
     fn content(&self, sid: SeqId) -> Vec<i64> {
-        let bs = B as usize;
         let t = self.m.block_table(sid).unwrap();
-        let n = self.tokens[&sid].len();
-        (0..n)
-            .map(|p| self.dev[t[p / bs] as usize * bs + p % bs])
-            .collect()
+        read_back(&self.dev, t, self.tokens[&sid].len())
     }
 
     fn expect(&self, sid: SeqId) -> Vec<i64> {
         self.tokens[&sid].iter().map(|&t| t as i64).collect()
     }
-}
-
-fn toks(n: u32, base: u32) -> Vec<TokenId> {
-    (base..base + n).collect()
 }
 
 #[derive(Debug, PartialEq)]
