@@ -8,19 +8,11 @@
 
 mod common;
 
-use common::{apply_lists, read_back, toks, write_new, B};
+use common::{read_back, toks, Sim, B};
 use pagedkv::manager::{BlockManager, ManagerConfig};
 use pagedkv::step::{OwnedStepBuffers, StepInfo, StepLayout};
 use pagedkv::swap::{CostModel, PreemptMode, SeqState};
 use pagedkv::{BlockId, Error, SeqId, TokenId};
-
-struct Sim {
-    m: BlockManager,
-    ob: OwnedStepBuffers,
-    dev: Vec<i64>,
-    host: Vec<i64>,
-    tokens: std::collections::HashMap<SeqId, Vec<TokenId>>,
-}
 
 impl Sim {
     fn new(num_blocks: u32, num_host_blocks: u32, max_swaps: usize) -> Self {
@@ -28,35 +20,12 @@ impl Sim {
         cfg.watermark_blocks = 0;
         cfg.num_host_blocks = num_host_blocks;
         cfg.hash_seed = Some(1);
-        let m = BlockManager::new(cfg).unwrap();
-        let ob = OwnedStepBuffers::new(StepLayout {
-            max_seqs: 8,
-            max_tokens: 256,
-            max_blocks_per_seq: num_blocks as usize,
-            max_copies: 8,
-            max_swaps,
-        });
-        Self {
-            m,
-            ob,
-            dev: vec![-1; (num_blocks * B) as usize],
-            host: vec![-1; (num_host_blocks.max(1) * B) as usize],
-            tokens: Default::default(),
-        }
+        Self::with_config(cfg, max_swaps)
     }
 
     fn step(&mut self, seqs: &[SeqId], new: &[u32]) -> pagedkv::Result<StepInfo> {
         let info = self.m.build_step(seqs, new, &mut self.ob.view())?;
-        apply_lists(&self.ob, &info, &mut self.dev, &mut self.host);
-        let tokens = &self.tokens;
-        write_new(
-            &mut self.dev,
-            &self.ob.slot_mapping,
-            seqs,
-            new,
-            |sid| &tokens[&sid],
-            |tok| tok as i64,
-        );
+        self.apply_step(&info, seqs, new);
         Ok(info)
     }
 

@@ -9,26 +9,14 @@
 //! drained and copied to a simulated lower tier first, then swap-out, swap-in, copy-on-write) and
 //! then writes each new token's value through the slot mapping.
 
-use std::collections::HashMap;
-
 mod common;
 
-use common::{apply_lists, demote, read_back, toks, write_new, B};
+use common::{apply_lists, read_back, toks, write_new, Sim, B};
 use pagedkv::events::{KvEvent, KvEventKind, Medium};
 use pagedkv::manager::{AdmitResult, BlockManager, ManagerConfig};
-use pagedkv::step::{OwnedStepBuffers, StepInfo, StepLayout};
+use pagedkv::step::StepInfo;
 use pagedkv::swap::CostModel;
 use pagedkv::{Error, SeqId, TokenId};
-
-struct Sim {
-    m: BlockManager,
-    ob: OwnedStepBuffers,
-    dev: Vec<i64>,
-    host: Vec<i64>,
-    /// The lower tier: what demotions wrote, by hash.
-    disk: HashMap<u128, Vec<i64>>,
-    tokens: HashMap<SeqId, Vec<TokenId>>,
-}
 
 fn config(num_blocks: u32, num_host: u32) -> ManagerConfig {
     let mut cfg = ManagerConfig::new(num_blocks, B);
@@ -42,29 +30,11 @@ fn config(num_blocks: u32, num_host: u32) -> ManagerConfig {
 
 impl Sim {
     fn new(cfg: ManagerConfig) -> Self {
-        let ob = OwnedStepBuffers::new(StepLayout {
-            max_seqs: 8,
-            max_tokens: 256,
-            max_blocks_per_seq: cfg.num_blocks as usize,
-            max_copies: 8,
-            max_swaps: 64,
-        });
-        Self {
-            dev: vec![-1; (cfg.num_blocks * B) as usize],
-            host: vec![-1; (cfg.num_host_blocks * B) as usize],
-            m: BlockManager::new(cfg).unwrap(),
-            ob,
-            disk: HashMap::new(),
-            tokens: HashMap::new(),
-        }
+        Self::with_config(cfg, 64)
     }
 
-    /// Copies every pending demotion's bytes to the lower tier (the engine's contract: before the
-    /// step's lists run or a reserved block is written), checking they are the block's tokens.
-    fn drain_demotions(&mut self) -> Vec<u128> {
-        demote(&self.host, &mut self.disk, self.m.take_demotions())
-    }
-
+    /// Builds the step, drains the demotions, applies the lists, then writes each new token's id:
+    /// the last `new[i]` of the first `seq_len` tokens of each sequence.
     fn step(&mut self, seqs: &[SeqId], new: &[u32]) -> StepInfo {
         let info = self.m.build_step(seqs, new, &mut self.ob.view()).unwrap();
         self.drain_demotions();
@@ -111,12 +81,6 @@ impl Sim {
     fn expect(&self, sid: SeqId) -> Vec<i64> {
         let n = self.m.seq_len(sid).unwrap();
         self.tokens[&sid][..n].iter().map(|&t| t as i64).collect()
-    }
-
-    fn events(&mut self) -> Vec<KvEvent> {
-        let mut out = Vec::new();
-        self.m.drain_events(&mut out);
-        out
     }
 }
 

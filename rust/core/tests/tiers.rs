@@ -9,26 +9,14 @@
 //! writes each new token's value through the slot mapping; every scheduled sequence must then read
 //! back its tokens.
 
-use std::collections::HashMap;
-
 mod common;
 
-use common::{apply_lists, demote, read_back, toks, write_new, B};
-use pagedkv::events::{KvEvent, KvEventKind, Medium};
+use common::{read_back, toks, Sim, B};
+use pagedkv::events::{KvEventKind, Medium};
 use pagedkv::manager::{BlockManager, ManagerConfig};
-use pagedkv::step::{OwnedStepBuffers, StepInfo, StepLayout};
+use pagedkv::step::StepInfo;
 use pagedkv::swap::CostModel;
 use pagedkv::{Error, SeqId, TokenId};
-
-struct Sim {
-    m: BlockManager,
-    ob: OwnedStepBuffers,
-    dev: Vec<i64>,
-    host: Vec<i64>,
-    tokens: HashMap<SeqId, Vec<TokenId>>,
-    /// The "disk": demoted blocks by hash.
-    disk: HashMap<u128, Vec<i64>>,
-}
 
 fn config(num_blocks: u32, num_host: u32) -> ManagerConfig {
     let mut c = ManagerConfig::new(num_blocks, B);
@@ -42,36 +30,13 @@ fn config(num_blocks: u32, num_host: u32) -> ManagerConfig {
 
 impl Sim {
     fn new(cfg: ManagerConfig, max_swaps: usize) -> Self {
-        let ob = OwnedStepBuffers::new(StepLayout {
-            max_seqs: 8,
-            max_tokens: 256,
-            max_blocks_per_seq: cfg.num_blocks as usize,
-            max_copies: 8,
-            max_swaps,
-        });
-        Self {
-            dev: vec![-1; (cfg.num_blocks * B) as usize],
-            host: vec![-1; (cfg.num_host_blocks.max(1) * B) as usize],
-            m: BlockManager::new(cfg).unwrap(),
-            ob,
-            tokens: HashMap::new(),
-            disk: HashMap::new(),
-        }
+        Self::with_config(cfg, max_swaps)
     }
 
     fn step(&mut self, seqs: &[SeqId], new: &[u32]) -> pagedkv::Result<StepInfo> {
         let info = self.m.build_step(seqs, new, &mut self.ob.view())?;
-        demote(&self.host, &mut self.disk, self.m.take_demotions());
-        apply_lists(&self.ob, &info, &mut self.dev, &mut self.host);
-        let tokens = &self.tokens;
-        write_new(
-            &mut self.dev,
-            &self.ob.slot_mapping,
-            seqs,
-            new,
-            |sid| &tokens[&sid],
-            |tok| tok as i64,
-        );
+        self.drain_demotions();
+        self.apply_step(&info, seqs, new);
         for &sid in seqs {
             assert_eq!(
                 self.content(sid),
@@ -106,12 +71,6 @@ impl Sim {
 
     fn expect(&self, sid: SeqId) -> Vec<i64> {
         self.tokens[&sid].iter().map(|&t| t as i64).collect()
-    }
-
-    fn events(&mut self) -> Vec<KvEvent> {
-        let mut out = Vec::new();
-        self.m.drain_events(&mut out);
-        out
     }
 }
 

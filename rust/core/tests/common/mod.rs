@@ -9,6 +9,9 @@
 //! tier's side of the demotion contract: a demoted host block still holds its block's tokens when
 //! handed out. [`read_back`] is what a block table reads.
 //!
+//! [`Sim`]: a manager without groups, its step buffers, KV content where a token's value is its id,
+//! and a lower tier that demotions are copied to.
+//!
 //! [`GroupSim`]: a manager with a full, a sliding and a chunked group ([`group_config`]), its step
 //! buffers for every group, and KV content where each group writes `10 * token + group` through
 //! its own slot mapping; [`GroupSim::check_content`] asserts every non-null entry of every group's
@@ -20,6 +23,7 @@
 
 use std::collections::HashMap;
 
+use pagedkv::events::KvEvent;
 use pagedkv::groups::{AttentionKind, NULL_BLOCK};
 use pagedkv::manager::{BlockManager, ManagerConfig};
 use pagedkv::step::{OwnedGroupBuffers, OwnedStepBuffers, StepInfo, StepLayout};
@@ -98,6 +102,67 @@ pub fn read_back(dev: &[i64], table: &[u32], n: usize) -> Vec<i64> {
 
 pub fn toks(n: u32, base: u32) -> Vec<TokenId> {
     (base..base + n).collect()
+}
+
+/// A manager without KV cache groups, its step buffers, its simulated KV content, and a lower tier
+/// (`disk`: what demotions wrote, by hash).
+pub struct Sim {
+    pub m: BlockManager,
+    pub ob: OwnedStepBuffers,
+    pub dev: Vec<i64>,
+    pub host: Vec<i64>,
+    pub tokens: HashMap<SeqId, Vec<TokenId>>,
+    pub disk: HashMap<u128, Vec<i64>>,
+}
+
+impl Sim {
+    /// Up to 8 sequences and 256 tokens a step, 8 copies and `max_swaps` swap pairs.
+    pub fn with_config(cfg: ManagerConfig, max_swaps: usize) -> Self {
+        let ob = OwnedStepBuffers::new(StepLayout {
+            max_seqs: 8,
+            max_tokens: 256,
+            max_blocks_per_seq: cfg.num_blocks as usize,
+            max_copies: 8,
+            max_swaps,
+        });
+        Self {
+            dev: vec![-1; (cfg.num_blocks * B) as usize],
+            host: vec![-1; (cfg.num_host_blocks.max(1) * B) as usize],
+            m: BlockManager::new(cfg).unwrap(),
+            ob,
+            tokens: HashMap::new(),
+            disk: HashMap::new(),
+        }
+    }
+
+    /// Copies every pending demotion's bytes to the lower tier (the engine's contract: before the
+    /// step's lists run or a reserved block is written), checking they are the block's tokens;
+    /// returns their hashes.
+    pub fn drain_demotions(&mut self) -> Vec<u128> {
+        demote(&self.host, &mut self.disk, self.m.take_demotions())
+    }
+
+    /// Applies the built step's lists, then writes each new token's id through the slot mapping:
+    /// the last `new[i]` of `tokens[seqs[i]]`.
+    pub fn apply_step(&mut self, info: &StepInfo, seqs: &[SeqId], new: &[u32]) {
+        apply_lists(&self.ob, info, &mut self.dev, &mut self.host);
+        let tokens = &self.tokens;
+        write_new(
+            &mut self.dev,
+            &self.ob.slot_mapping,
+            seqs,
+            new,
+            |sid| &tokens[&sid],
+            |tok| tok as i64,
+        );
+    }
+
+    /// The KV events queued since the last call.
+    pub fn events(&mut self) -> Vec<KvEvent> {
+        let mut out = Vec::new();
+        self.m.drain_events(&mut out);
+        out
+    }
 }
 
 /// Blocks of [`B`] slots, no watermark, a host pool of `num_host_blocks`, hash seed 3, and the
