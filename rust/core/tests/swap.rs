@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{read_back, toks, Sim, B};
+use common::{expect_err_unchanged, read_back, toks, Sim, B};
 use pagedkv::manager::{BlockManager, ManagerConfig};
 use pagedkv::step::{OwnedStepBuffers, StepInfo, StepLayout};
 use pagedkv::swap::{CostModel, PreemptMode, SeqState};
@@ -101,11 +101,7 @@ fn unchanged<T: std::fmt::Debug>(
     op: impl FnOnce(&mut BlockManager) -> pagedkv::Result<T>,
     check: impl FnOnce(&Error) -> bool,
 ) {
-    let before = snap(m);
-    let e = op(m).expect_err("expected an error");
-    assert!(check(&e), "unexpected error {e:?}");
-    assert_eq!(snap(m), before, "state changed by failed call ({e:?})");
-    m.check_invariants().unwrap();
+    expect_err_unchanged(m, snap, op, check);
 }
 
 #[test]

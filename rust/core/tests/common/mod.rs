@@ -17,18 +17,22 @@
 //! its own slot mapping; [`GroupSim::check_content`] asserts every non-null entry of every group's
 //! table holds its group's values.
 //!
+//! Beside them: [`expect_err_unchanged`] (a failed call leaves the manager as it was) and
+//! [`GroupBufs`] (step buffers for every group of a manager).
+//!
 //! Each test binary uses a part of this module.
 
 #![allow(dead_code)]
 
 use std::collections::HashMap;
+use std::fmt::Debug;
 
 use pagedkv::events::KvEvent;
 use pagedkv::groups::{AttentionKind, NULL_BLOCK};
 use pagedkv::manager::{BlockManager, ManagerConfig};
 use pagedkv::step::{OwnedGroupBuffers, OwnedStepBuffers, StepInfo, StepLayout};
 use pagedkv::tier::Demotion;
-use pagedkv::{SeqId, TokenId};
+use pagedkv::{Error, SeqId, TokenId};
 
 /// The block size of every simulated pool.
 pub const B: u32 = 4;
@@ -102,6 +106,54 @@ pub fn read_back(dev: &[i64], table: &[u32], n: usize) -> Vec<i64> {
 
 pub fn toks(n: u32, base: u32) -> Vec<TokenId> {
     (base..base + n).collect()
+}
+
+/// Runs `op`, expects an error that `check` accepts, and asserts that `snap` of the manager is as
+/// before the call and that its invariants hold: a failed call changes nothing.
+pub fn expect_err_unchanged<S: PartialEq + Debug, T: Debug>(
+    m: &mut BlockManager,
+    snap: impl Fn(&BlockManager) -> S,
+    op: impl FnOnce(&mut BlockManager) -> pagedkv::Result<T>,
+    check: impl FnOnce(&Error) -> bool,
+) {
+    let before = snap(m);
+    let r = op(m);
+    match &r {
+        Err(e) if check(e) => {}
+        other => panic!("unexpected result {other:?}"),
+    }
+    assert_eq!(
+        snap(m),
+        before,
+        "state changed by a failed operation ({r:?})"
+    );
+    m.check_invariants().unwrap();
+}
+
+/// Step buffers for every group of a manager: group 0's and the other groups'.
+pub struct GroupBufs {
+    pub ob: OwnedStepBuffers,
+    pub gob: OwnedGroupBuffers,
+}
+
+impl GroupBufs {
+    pub fn with_layout(m: &BlockManager, layout: StepLayout) -> Self {
+        Self {
+            ob: OwnedStepBuffers::new(layout),
+            gob: OwnedGroupBuffers::new(layout, m.num_groups() - 1),
+        }
+    }
+
+    /// Builds the step of `n[i]` new tokens of each of `seqs` into the buffers.
+    pub fn build(
+        &mut self,
+        m: &mut BlockManager,
+        seqs: &[SeqId],
+        n: &[u32],
+    ) -> pagedkv::Result<StepInfo> {
+        let mut g = self.gob.views();
+        m.build_step_groups(seqs, n, &mut self.ob.view(), &mut g)
+    }
 }
 
 /// A manager without KV cache groups, its step buffers, its simulated KV content, and a lower tier
