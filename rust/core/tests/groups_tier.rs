@@ -62,6 +62,18 @@ impl Sim {
     }
 }
 
+/// Prefills and frees `toks(18, 100)`, then an unrelated 32-token prompt (8 blocks in each of 3
+/// groups: the whole of a 24-block pool), so every cached block of the first is evicted. Returns
+/// the first prompt.
+fn evict_to_host(s: &mut Sim) -> Vec<TokenId> {
+    let prompt = toks(18, 100);
+    s.admit(1, prompt.clone());
+    s.free(1);
+    s.admit(2, toks(32, 500));
+    s.free(2);
+    prompt
+}
+
 /// The whole device pool is evicted by one long unrelated prompt: every group's blocks of the
 /// first prompt go to the host, and the same prompt comes back from the host in every group.
 #[test]
@@ -144,11 +156,7 @@ fn a_host_gain_below_the_load_rule_is_recomputed() {
     let mut c = config(24, 64, true);
     c.host_load_min_blocks = 5;
     let mut s = Sim::new(c);
-    let prompt = toks(18, 100);
-    s.admit(1, prompt.clone());
-    s.free(1);
-    s.admit(2, toks(32, 500));
-    s.free(2);
+    let prompt = evict_to_host(&mut s);
     assert_eq!(s.admit(3, prompt), (0, 0));
     assert_eq!(s.m.stats().host_loaded_blocks, 0);
     assert_eq!(s.host_refs(), 0);
@@ -200,11 +208,7 @@ fn the_cost_model_prices_every_groups_loads_against_the_tokens_added() {
     // Every group's blocks evicted: 4 blocks added, 4 + 2 loaded.
     let mut s = Sim::new(config(24, 64, true));
     s.m.set_host_cost_model(Some(cost)).unwrap();
-    let prompt = toks(18, 100);
-    s.admit(1, prompt.clone());
-    s.free(1);
-    s.admit(2, toks(32, 500));
-    s.free(2);
+    let prompt = evict_to_host(&mut s);
     assert_eq!(s.admit(3, prompt), (0, 0));
     assert_eq!(s.m.stats().host_loaded_blocks, 0);
     assert_eq!(s.host_refs(), 0);
