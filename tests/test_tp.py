@@ -17,26 +17,22 @@ and bf16 with the tables checked exactly and the tokens against TP=1 up to bf16 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("torch.distributed")
+import tp_harness
+from tp_harness import (check_full_chunk_and_copies, check_same_schedule, generate, params,
+                        prompts, require_torch_distributed)
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch = require_torch_distributed()
+transformers = pytest.importorskip("transformers")
 
 from pagedkv.config import CacheSpec  # noqa: E402
 from pagedkv.distributed.tp import head_split  # noqa: E402
 from pagedkv.engine.llm import LLM  # noqa: E402
-from pagedkv.engine.sampling_params import SamplingParams  # noqa: E402
 from pagedkv.errors import InvalidConfigError  # noqa: E402
 from pagedkv.capacity import kv_heads_per_rank, shard_spec  # noqa: E402
 
-if not torch.distributed.is_available():  # pragma: no cover
-    pytest.skip("torch.distributed is not available", allow_module_level=True)
+gloo_world_of_one = tp_harness.gloo_world_of_one  # the fixture the packet test takes
 
 
 def _save_tiny(directory: str, kv_heads: int, seed: int = 1234) -> str:
@@ -49,39 +45,13 @@ def _save_tiny(directory: str, kv_heads: int, seed: int = 1234) -> str:
     return directory
 
 
-def _prompts():
-    base = [(7 * j + 3) % 128 for j in range(70)]  # 70 tokens: prefilled in chunks of <= 32
-    return [
-        [(5 * j + 1) % 128 for j in range(5)],
-        [(11 * j + 2) % 128 for j in range(11)],
-        base,
-        base[:24] + [9, 8, 7],  # shares 6 full blocks with `base`: a prefix-cache hit
-        [(13 * j + 4) % 128 for j in range(14)],
-    ]
-
-
-def _params():
-    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    forked = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
-    return [greedy, forked, greedy, greedy, greedy]
-
-
 ENGINE = dict(device="cpu", block_size=4, num_blocks=32, max_num_batched_tokens=32, max_num_seqs=8,
               progress=False)
 
 
 def _generate(path, tp, **kw):
-    args = dict(ENGINE, **kw)
-    if tp > 1:
-        args.update(tensor_parallel_size=tp, record_steps=True, tp_timeout_s=120)
-    llm = LLM(path, **args)
-    try:
-        outs = llm.generate(_prompts(), _params(), use_tqdm=False)
-        stats = llm.stats()
-    finally:
-        llm.shutdown()
-    tokens = [[c.token_ids for c in o.outputs] for o in outs]
-    return tokens, stats, llm.llm_engine.tp_step_records
+    # The 4th prompt shares 6 full blocks with the 70-token one: a prefix-cache hit.
+    return generate(path, tp, dict(ENGINE, **kw), prompts(128, second=11, shared=24), params())
 
 
 def _check_records(records, tp):
@@ -107,19 +77,16 @@ def test_tp2_greedy_equals_tp1_and_ranks_see_rank0_tables(models, kv_heads, pree
     kw = dict(preemption_mode=preemption)
     if preemption == "swap":
         kw["num_host_blocks"] = 64
-    ref_tokens, ref_stats, _ = _generate(models[kv_heads], 1, **kw)
-    tokens, stats, records = _generate(models[kv_heads], 2, **kw)
-    assert tokens == ref_tokens
+    ref = _generate(models[kv_heads], 1, **kw)
+    got = _generate(models[kv_heads], 2, **kw)
     # The same schedule ran: the cases this test is for did happen.
-    assert stats.num_steps == ref_stats.num_steps
-    assert stats.num_preemptions == ref_stats.num_preemptions > 0
-    assert stats.prefix_hit_tokens > 0
+    check_same_schedule(ref, got)
+    stats, records = got[1], got[2]
     if preemption == "swap":
         assert stats.num_preemptions_swap > 0 and stats.swapped_out_blocks > 0
     rank0 = _check_records(records, 2)
     infos = [r["info"] for r in rank0]  # StepInfo: seqs, tokens, kv_indices, copies, max_len, ...
-    assert max(i[1] for i in infos) == ENGINE["max_num_batched_tokens"]  # a full prefill chunk
-    assert any(i[3] > 0 for i in infos), "no copy-on-write list was broadcast"
+    check_full_chunk_and_copies(infos, ENGINE["max_num_batched_tokens"])
     if preemption == "swap":
         assert any(i[5] > 0 for i in infos) and any(i[6] > 0 for i in infos)
 
@@ -173,24 +140,6 @@ def test_bad_tensor_parallel_size_raises_before_any_process(models):
             LLM(models[2], tensor_parallel_size=bad, **ENGINE)
     assert not dist.is_initialized()
     assert not multiprocessing.active_children()
-
-
-@pytest.fixture
-def gloo_world_of_one(tmp_path):
-    """A real gloo process group of one rank (its broadcast leaves the packet as it is), torn
-    down afterwards so later tests see no group."""
-    import torch.distributed as dist
-
-    from pagedkv.distributed.tp import TPGroup
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        yield TPGroup()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_forged_step_packet_counts_are_refused(gloo_world_of_one):

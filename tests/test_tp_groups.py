@@ -18,28 +18,22 @@ groups is refused before anything is written.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("torch.distributed")
+import tp_harness
+from tp_harness import (check_full_chunk_and_copies, check_same_schedule, generate, params,
+                        prompts, require_torch_distributed)
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+require_torch_distributed()
 
 from pagedkv import StepBuffers, StepInfo  # noqa: E402
 from pagedkv.distributed import step_broadcast as sb  # noqa: E402
-from pagedkv.engine.llm import LLM  # noqa: E402
-from pagedkv.engine.sampling_params import SamplingParams  # noqa: E402
 from pagedkv.errors import InvariantViolationError  # noqa: E402
 
 from tiny_hybrid import VOCAB, save_hybrid  # noqa: E402
 
-if not torch.distributed.is_available():  # pragma: no cover
-    pytest.skip("torch.distributed is not available", allow_module_level=True)
+gloo_world_of_one = tp_harness.gloo_world_of_one  # the fixture the packet tests take
 
 
 @pytest.fixture(scope="module", params=["gemma3_text", "qwen2"])  # qwen2: the fused forward
@@ -47,74 +41,32 @@ def hybrid(request, tmp_path_factory):
     return save_hybrid(request.param, str(tmp_path_factory.mktemp(request.param)))
 
 
-def _prompts():
-    base = [(7 * j + 3) % VOCAB for j in range(70)]  # 70 tokens: prefilled in chunks of <= 32
-    return [
-        [(5 * j + 1) % VOCAB for j in range(5)],
-        [(11 * j + 2) % VOCAB for j in range(19)],
-        base,
-        base[:40] + [9, 8, 7],  # shares 10 full blocks with `base`: a prefix-cache hit
-        [(13 * j + 4) % VOCAB for j in range(14)],
-    ]
-
-
-def _params():
-    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    forked = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
-    return [greedy, forked, greedy, greedy, greedy]
-
-
 ENGINE = dict(device="cpu", block_size=4, num_blocks=96, max_num_batched_tokens=32,
               max_num_seqs=8, progress=False, preemption_mode="recompute")
 
 
+def _has_groups(llm) -> None:
+    assert llm.llm_engine.runner.buffers.num_groups >= 2
+
+
 def _generate(path, tp):
-    args = dict(ENGINE)
-    if tp > 1:
-        args.update(tensor_parallel_size=tp, record_steps=True, tp_timeout_s=120)
-    llm = LLM(path, **args)
-    try:
-        assert llm.llm_engine.runner.buffers.num_groups >= 2
-        outs = llm.generate(_prompts(), _params(), use_tqdm=False)
-        stats = llm.stats()
-    finally:
-        llm.shutdown()
-    tokens = [[c.token_ids for c in o.outputs] for o in outs]
-    return tokens, stats, llm.llm_engine.tp_step_records
+    # The 4th prompt shares 10 full blocks with the 70-token one: a prefix-cache hit.
+    return generate(path, tp, ENGINE, prompts(VOCAB, second=19, shared=40), params(),
+                    check=_has_groups)
 
 
 def test_tp2_with_groups_equals_tp1(hybrid):
-    ref_tokens, ref_stats, _ = _generate(hybrid, 1)
-    tokens, stats, records = _generate(hybrid, 2)
-    assert tokens == ref_tokens
+    ref = _generate(hybrid, 1)
+    got = _generate(hybrid, 2)
     # The same schedule ran, and the cases this test is for did happen.
-    assert stats.num_steps == ref_stats.num_steps
-    assert stats.num_preemptions == ref_stats.num_preemptions > 0
-    assert stats.prefix_hit_tokens > 0
+    check_same_schedule(ref, got)
+    records = got[2]
     assert records is not None and len(records) == 2 and len(records[1]) == len(records[0])
     infos = [r["info"] for r in records[0]]
-    assert max(i[1] for i in infos) == ENGINE["max_num_batched_tokens"]  # a full prefill chunk
-    assert any(i[3] > 0 for i in infos), "no copy-on-write list was broadcast"
+    check_full_chunk_and_copies(infos, ENGINE["max_num_batched_tokens"])
 
 
 # --------------------------------------------------------------------------------- packet
-
-
-@pytest.fixture
-def gloo_world_of_one(tmp_path):
-    """A real gloo process group of one rank, torn down afterwards."""
-    import torch.distributed as dist
-
-    from pagedkv.distributed.tp import TPGroup
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        yield TPGroup()
-    finally:
-        dist.destroy_process_group()
 
 
 def _aligned(nbytes: int) -> int:

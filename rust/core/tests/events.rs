@@ -1,6 +1,9 @@
 //! The KV-event ring through the manager: stored at step time with the chain's parent, removed
 //! on eviction and swap-out, cleared on reset, nothing when disabled, overflow counted.
 
+mod common;
+
+use common::GroupBufs;
 use pagedkv::events::{KvEvent, KvEventKind, Medium};
 use pagedkv::hash::Hasher;
 use pagedkv::manager::{BlockManager, ManagerConfig};
@@ -109,7 +112,6 @@ fn disabled_and_overflowing_rings() {
 // ---------------------------------------------------------------------------- KV cache groups
 
 use pagedkv::groups::{AttentionKind, NULL_BLOCK};
-use pagedkv::step::OwnedGroupBuffers;
 use std::collections::BTreeSet;
 
 const FULL: AttentionKind = AttentionKind::Full;
@@ -133,22 +135,15 @@ fn glayout() -> StepLayout {
     }
 }
 
-struct GBufs {
-    ob: OwnedStepBuffers,
-    gob: OwnedGroupBuffers,
-}
+type GBufs = GroupBufs;
 
 impl GBufs {
     fn new(m: &BlockManager) -> Self {
-        Self {
-            ob: OwnedStepBuffers::new(glayout()),
-            gob: OwnedGroupBuffers::new(glayout(), m.num_groups() - 1),
-        }
+        Self::with_layout(m, glayout())
     }
+
     fn step(&mut self, m: &mut BlockManager, seqs: &[u64], n: &[u32]) {
-        let mut g = self.gob.views();
-        m.build_step_groups(seqs, n, &mut self.ob.view(), &mut g)
-            .unwrap();
+        self.build(m, seqs, n).unwrap();
     }
 }
 

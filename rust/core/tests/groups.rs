@@ -3,6 +3,9 @@
 //! sliding group has released its old blocks, forks and copy-on-write across groups, and a
 //! one-Full-group config behaving exactly like the manager without groups.
 
+mod common;
+
+use common::GroupBufs;
 use pagedkv::groups::{AttentionKind, NULL_BLOCK};
 use pagedkv::manager::{BlockManager, ManagerConfig, MAX_GROUPS};
 use pagedkv::step::{OwnedGroupBuffers, OwnedStepBuffers, StepLayout};
@@ -28,26 +31,20 @@ fn layout() -> StepLayout {
     }
 }
 
-struct Bufs {
-    ob: OwnedStepBuffers,
-    gob: OwnedGroupBuffers,
-}
+type Bufs = GroupBufs;
 
 impl Bufs {
     fn new(m: &BlockManager) -> Self {
-        Self {
-            ob: OwnedStepBuffers::new(layout()),
-            gob: OwnedGroupBuffers::new(layout(), m.num_groups() - 1),
-        }
+        Self::with_layout(m, layout())
     }
+
     fn step(
         &mut self,
         m: &mut BlockManager,
         seqs: &[u64],
         n: &[u32],
     ) -> pagedkv::Result<pagedkv::StepInfo> {
-        let mut g = self.gob.views();
-        m.build_step_groups(seqs, n, &mut self.ob.view(), &mut g)
+        self.build(m, seqs, n)
     }
 }
 

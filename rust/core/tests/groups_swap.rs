@@ -4,98 +4,28 @@
 //! a swapped sequence releases every host block, and swapped-in blocks are found again by a prefix
 //! hit in every group.
 //!
-//! KV content is simulated as in `swap.rs`, per group: `dev[b]` / `host[h]` hold one value per
-//! token slot; a step applies its lists in the documented order (swap-out, swap-in, copy-on-write)
-//! and then writes, through each group's slot mapping, `10 * token + group` for each new token.
-//! After any step, every non-null entry of every group's table must hold its group's values.
+//! KV content is simulated as in `swap.rs`, per group (`common::GroupSim`): `dev[b]` / `host[h]`
+//! hold one value per token slot; a step applies its lists in the documented order (swap-out,
+//! swap-in, copy-on-write) and then writes, through each group's slot mapping, `10 * token + group`
+//! for each new token. After any step, every non-null entry of every group's table must hold its
+//! group's values.
 
-use pagedkv::groups::{AttentionKind, NULL_BLOCK};
-use pagedkv::manager::{BlockManager, ManagerConfig};
-use pagedkv::step::{OwnedGroupBuffers, OwnedStepBuffers, StepInfo, StepLayout};
+mod common;
+
+use common::{group_config as config, toks, GroupSim as Sim, B};
+use pagedkv::groups::NULL_BLOCK;
+use pagedkv::manager::BlockManager;
+use pagedkv::step::StepInfo;
 use pagedkv::swap::{CostModel, PreemptMode, SeqState};
 use pagedkv::{Error, SeqId, TokenId};
 
-const B: u32 = 4;
-const FULL: AttentionKind = AttentionKind::Full;
-const SLIDING: AttentionKind = AttentionKind::Sliding { window: 6 };
-const CHUNKED: AttentionKind = AttentionKind::Chunked { chunk: 8 };
-
-struct Sim {
-    m: BlockManager,
-    ob: OwnedStepBuffers,
-    gob: OwnedGroupBuffers,
-    dev: Vec<i64>,
-    host: Vec<i64>,
-    tokens: std::collections::HashMap<SeqId, Vec<TokenId>>,
-}
-
-fn config(num_blocks: u32, num_host_blocks: u32) -> ManagerConfig {
-    let mut cfg = ManagerConfig::new(num_blocks, B);
-    cfg.watermark_blocks = 0;
-    cfg.num_host_blocks = num_host_blocks;
-    cfg.hash_seed = Some(3);
-    cfg.groups = vec![FULL, SLIDING, CHUNKED];
-    cfg
-}
-
 impl Sim {
     fn new(num_blocks: u32, num_host_blocks: u32, max_swaps: usize) -> Self {
-        let m = BlockManager::new(config(num_blocks, num_host_blocks)).unwrap();
-        let layout = StepLayout {
-            max_seqs: 8,
-            max_tokens: 256,
-            max_blocks_per_seq: num_blocks as usize,
-            max_copies: 16,
-            max_swaps,
-        };
-        Self {
-            ob: OwnedStepBuffers::new(layout),
-            gob: OwnedGroupBuffers::new(layout, m.num_groups() - 1),
-            m,
-            dev: vec![-1; (num_blocks * B) as usize],
-            host: vec![-1; (num_host_blocks.max(1) * B) as usize],
-            tokens: Default::default(),
-        }
+        Self::with_config(config(num_blocks, num_host_blocks), max_swaps)
     }
 
     fn step(&mut self, seqs: &[SeqId], new: &[u32]) -> pagedkv::Result<StepInfo> {
-        let mut views = self.gob.views();
-        let info = self
-            .m
-            .build_step_groups(seqs, new, &mut self.ob.view(), &mut views)?;
-        let bs = B as usize;
-        let copy = |from: &[i64], a: usize, to: &mut [i64], b: usize| {
-            to[b * bs..(b + 1) * bs].copy_from_slice(&from[a * bs..(a + 1) * bs]);
-        };
-        for j in 0..info.num_swap_out {
-            let (d, h) = (self.ob.swap_out[2 * j], self.ob.swap_out[2 * j + 1]);
-            copy(&self.dev, d as usize, &mut self.host, h as usize);
-        }
-        for j in 0..info.num_swap_in {
-            let (h, d) = (self.ob.swap_in[2 * j], self.ob.swap_in[2 * j + 1]);
-            copy(&self.host, h as usize, &mut self.dev, d as usize);
-        }
-        for j in 0..info.num_copies {
-            let (s, d) = (self.ob.copies[2 * j], self.ob.copies[2 * j + 1]);
-            let src = self.dev.clone();
-            copy(&src, s as usize, &mut self.dev, d as usize);
-        }
-        for g in 0..self.m.num_groups() {
-            let slots: &[i64] = if g == 0 {
-                &self.ob.slot_mapping
-            } else {
-                &self.gob.slot_mappings[g - 1]
-            };
-            let mut k = 0;
-            for (&sid, &n) in seqs.iter().zip(new) {
-                let t = &self.tokens[&sid];
-                for &tok in &t[t.len() - n as usize..] {
-                    self.dev[slots[k] as usize] = 10 * tok as i64 + g as i64;
-                    k += 1;
-                }
-            }
-        }
-        Ok(info)
+        self.run_step(seqs, new)
     }
 
     fn admit(&mut self, sid: SeqId, toks: Vec<TokenId>) -> u32 {
@@ -120,35 +50,11 @@ impl Sim {
         self.tokens.insert(c, t);
     }
 
-    /// Every held entry of every group of a running `sid` holds its group's values.
-    fn check_content(&self, sid: SeqId) {
-        let bs = B as usize;
-        let toks = &self.tokens[&sid];
-        for g in 0..self.m.num_groups() {
-            let t = self.m.block_table_group(sid, g).unwrap();
-            for (p, &tok) in toks.iter().enumerate() {
-                let b = t[p / bs];
-                if b == NULL_BLOCK {
-                    continue;
-                }
-                assert_eq!(
-                    self.dev[b as usize * bs + p % bs],
-                    10 * tok as i64 + g as i64,
-                    "sequence {sid}, group {g}, position {p} (block {b})"
-                );
-            }
-        }
-    }
-
     fn tables(&self, sid: SeqId) -> Vec<Vec<u32>> {
         (0..self.m.num_groups())
             .map(|g| self.m.block_table_group(sid, g).unwrap().to_vec())
             .collect()
     }
-}
-
-fn toks(n: u32, base: u32) -> Vec<TokenId> {
-    (base..base + n).collect()
 }
 
 fn held(tables: &[Vec<u32>]) -> usize {

@@ -3,38 +3,23 @@
 //! every block before it and each other group the blocks its first computed position reads, each
 //! block on the device or in the host tier; what is only on the host is loaded.
 //!
-//! KV content is simulated as in `groups_swap.rs`: `dev[b]` / `host[h]` hold one value per token
-//! slot; a step applies its lists in the documented order (swap-out, swap-in, copy-on-write) and
-//! then writes, through each group's slot mapping, `10 * token + group` for each new token. After
-//! every step, every non-null entry of every group's table must hold its group's values: a block
-//! loaded from the host for the wrong group, or never loaded, fails that.
+//! KV content is simulated as in `groups_swap.rs` (`common::GroupSim`): `dev[b]` / `host[h]` hold
+//! one value per token slot; a step applies its lists in the documented order (swap-out, swap-in,
+//! copy-on-write) and then writes, through each group's slot mapping, `10 * token + group` for each
+//! new token. After every step, every non-null entry of every group's table must hold its group's
+//! values: a block loaded from the host for the wrong group, or never loaded, fails that.
 
+mod common;
+
+use common::{group_config, toks, GroupSim as Sim};
 use pagedkv::events::{KvEvent, KvEventKind, Medium};
-use pagedkv::groups::{AttentionKind, NULL_BLOCK};
-use pagedkv::manager::{BlockManager, ManagerConfig};
-use pagedkv::step::{OwnedGroupBuffers, OwnedStepBuffers, StepInfo, StepLayout};
+use pagedkv::groups::NULL_BLOCK;
+use pagedkv::manager::ManagerConfig;
+use pagedkv::step::StepInfo;
 use pagedkv::{SeqId, TokenId};
 
-const B: u32 = 4;
-const FULL: AttentionKind = AttentionKind::Full;
-const SLIDING: AttentionKind = AttentionKind::Sliding { window: 6 };
-const CHUNKED: AttentionKind = AttentionKind::Chunked { chunk: 8 };
-
-struct Sim {
-    m: BlockManager,
-    ob: OwnedStepBuffers,
-    gob: OwnedGroupBuffers,
-    dev: Vec<i64>,
-    host: Vec<i64>,
-    tokens: std::collections::HashMap<SeqId, Vec<TokenId>>,
-}
-
 fn config(num_blocks: u32, num_host_blocks: u32, tier: bool) -> ManagerConfig {
-    let mut cfg = ManagerConfig::new(num_blocks, B);
-    cfg.watermark_blocks = 0;
-    cfg.num_host_blocks = num_host_blocks;
-    cfg.hash_seed = Some(3);
-    cfg.groups = vec![FULL, SLIDING, CHUNKED];
+    let mut cfg = group_config(num_blocks, num_host_blocks);
     cfg.host_cache = tier;
     cfg.kv_event_capacity = 4096;
     cfg
@@ -42,63 +27,11 @@ fn config(num_blocks: u32, num_host_blocks: u32, tier: bool) -> ManagerConfig {
 
 impl Sim {
     fn new(cfg: ManagerConfig) -> Self {
-        let (num_blocks, num_host_blocks) = (cfg.num_blocks, cfg.num_host_blocks);
-        let m = BlockManager::new(cfg).unwrap();
-        let layout = StepLayout {
-            max_seqs: 8,
-            max_tokens: 256,
-            max_blocks_per_seq: num_blocks as usize,
-            max_copies: 16,
-            max_swaps: 256,
-        };
-        Self {
-            ob: OwnedStepBuffers::new(layout),
-            gob: OwnedGroupBuffers::new(layout, m.num_groups() - 1),
-            m,
-            dev: vec![-1; (num_blocks * B) as usize],
-            host: vec![-1; (num_host_blocks.max(1) * B) as usize],
-            tokens: Default::default(),
-        }
+        Self::with_config(cfg, 256)
     }
 
     fn step(&mut self, seqs: &[SeqId], new: &[u32]) -> StepInfo {
-        let mut views = self.gob.views();
-        let info = self
-            .m
-            .build_step_groups(seqs, new, &mut self.ob.view(), &mut views)
-            .unwrap();
-        let bs = B as usize;
-        let copy = |from: &[i64], a: usize, to: &mut [i64], b: usize| {
-            to[b * bs..(b + 1) * bs].copy_from_slice(&from[a * bs..(a + 1) * bs]);
-        };
-        for j in 0..info.num_swap_out {
-            let (d, h) = (self.ob.swap_out[2 * j], self.ob.swap_out[2 * j + 1]);
-            copy(&self.dev, d as usize, &mut self.host, h as usize);
-        }
-        for j in 0..info.num_swap_in {
-            let (h, d) = (self.ob.swap_in[2 * j], self.ob.swap_in[2 * j + 1]);
-            copy(&self.host, h as usize, &mut self.dev, d as usize);
-        }
-        for j in 0..info.num_copies {
-            let (s, d) = (self.ob.copies[2 * j], self.ob.copies[2 * j + 1]);
-            let src = self.dev.clone();
-            copy(&src, s as usize, &mut self.dev, d as usize);
-        }
-        for g in 0..self.m.num_groups() {
-            let slots: &[i64] = if g == 0 {
-                &self.ob.slot_mapping
-            } else {
-                &self.gob.slot_mappings[g - 1]
-            };
-            let mut k = 0;
-            for (&sid, &n) in seqs.iter().zip(new) {
-                let t = &self.tokens[&sid];
-                for &tok in &t[t.len() - n as usize..] {
-                    self.dev[slots[k] as usize] = 10 * tok as i64 + g as i64;
-                    k += 1;
-                }
-            }
-        }
+        let info = self.run_step(seqs, new).unwrap();
         self.m.check_invariants().unwrap();
         for &sid in seqs {
             self.check_content(sid);
@@ -121,26 +54,6 @@ impl Sim {
         self.m.check_invariants().unwrap();
     }
 
-    /// Every held entry of every group of a running `sid` holds its group's values.
-    fn check_content(&self, sid: SeqId) {
-        let bs = B as usize;
-        let toks = &self.tokens[&sid];
-        for g in 0..self.m.num_groups() {
-            let t = self.m.block_table_group(sid, g).unwrap();
-            for (p, &tok) in toks.iter().enumerate() {
-                let b = t[p / bs];
-                if b == NULL_BLOCK {
-                    continue;
-                }
-                assert_eq!(
-                    self.dev[b as usize * bs + p % bs],
-                    10 * tok as i64 + g as i64,
-                    "sequence {sid}, group {g}, position {p} (block {b})"
-                );
-            }
-        }
-    }
-
     /// Host blocks referenced by anyone (a queued load, a swapped table, an offload in flight).
     fn host_refs(&self) -> u32 {
         (0..self.m.config().num_host_blocks)
@@ -149,8 +62,16 @@ impl Sim {
     }
 }
 
-fn toks(n: u32, base: u32) -> Vec<TokenId> {
-    (base..base + n).collect()
+/// Prefills and frees `toks(18, 100)`, then an unrelated 32-token prompt (8 blocks in each of 3
+/// groups: the whole of a 24-block pool), so every cached block of the first is evicted. Returns
+/// the first prompt.
+fn evict_to_host(s: &mut Sim) -> Vec<TokenId> {
+    let prompt = toks(18, 100);
+    s.admit(1, prompt.clone());
+    s.free(1);
+    s.admit(2, toks(32, 500));
+    s.free(2);
+    prompt
 }
 
 /// The whole device pool is evicted by one long unrelated prompt: every group's blocks of the
@@ -235,11 +156,7 @@ fn a_host_gain_below_the_load_rule_is_recomputed() {
     let mut c = config(24, 64, true);
     c.host_load_min_blocks = 5;
     let mut s = Sim::new(c);
-    let prompt = toks(18, 100);
-    s.admit(1, prompt.clone());
-    s.free(1);
-    s.admit(2, toks(32, 500));
-    s.free(2);
+    let prompt = evict_to_host(&mut s);
     assert_eq!(s.admit(3, prompt), (0, 0));
     assert_eq!(s.m.stats().host_loaded_blocks, 0);
     assert_eq!(s.host_refs(), 0);
@@ -291,11 +208,7 @@ fn the_cost_model_prices_every_groups_loads_against_the_tokens_added() {
     // Every group's blocks evicted: 4 blocks added, 4 + 2 loaded.
     let mut s = Sim::new(config(24, 64, true));
     s.m.set_host_cost_model(Some(cost)).unwrap();
-    let prompt = toks(18, 100);
-    s.admit(1, prompt.clone());
-    s.free(1);
-    s.admit(2, toks(32, 500));
-    s.free(2);
+    let prompt = evict_to_host(&mut s);
     assert_eq!(s.admit(3, prompt), (0, 0));
     assert_eq!(s.m.stats().host_loaded_blocks, 0);
     assert_eq!(s.host_refs(), 0);

@@ -2,6 +2,9 @@
 //! the manager is exactly as before (free count, tables, reference counts, stats) and that its
 //! invariants hold.
 
+mod common;
+
+use common::expect_err_unchanged;
 use pagedkv::manager::{AdmitResult, BlockManager, ManagerConfig};
 use pagedkv::metrics::hist_bucket;
 use pagedkv::step::{OwnedStepBuffers, RegisteredBuffers, StepInfo, StepLayout};
@@ -39,18 +42,7 @@ fn expect_err<T: std::fmt::Debug>(
     op: impl FnOnce(&mut BlockManager) -> pagedkv::Result<T>,
     check: impl FnOnce(&Error) -> bool,
 ) {
-    let before = snap(m);
-    let r = op(m);
-    match &r {
-        Err(e) if check(e) => {}
-        other => panic!("unexpected result {other:?}"),
-    }
-    assert_eq!(
-        snap(m),
-        before,
-        "state changed by a failed operation ({r:?})"
-    );
-    m.check_invariants().unwrap();
+    expect_err_unchanged(m, snap, op, check);
 }
 
 fn cfg(num_blocks: u32, bs: u32) -> ManagerConfig {

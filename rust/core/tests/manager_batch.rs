@@ -2,6 +2,9 @@
 //! hits the prefix cache, `can_admit` counting hits, `admit_batch` / `free_batch`, and
 //! `reset_prefix_cache`. Every error case asserts the manager is exactly as before.
 
+mod common;
+
+use common::expect_err_unchanged;
 use pagedkv::hash::SeqKeys;
 use pagedkv::manager::{AdmitRequest, AdmitResult, BlockManager, ManagerConfig};
 use pagedkv::step::{OwnedStepBuffers, StepLayout};
@@ -32,23 +35,13 @@ fn snap(m: &BlockManager) -> Snap {
     }
 }
 
+/// Runs `op`, expects an error matching `check`, and asserts nothing changed.
 fn expect_err<T: std::fmt::Debug>(
     m: &mut BlockManager,
     op: impl FnOnce(&mut BlockManager) -> pagedkv::Result<T>,
     check: impl FnOnce(&Error) -> bool,
 ) {
-    let before = snap(m);
-    let r = op(m);
-    match &r {
-        Err(e) if check(e) => {}
-        other => panic!("unexpected result {other:?}"),
-    }
-    assert_eq!(
-        snap(m),
-        before,
-        "state changed by a failed operation ({r:?})"
-    );
-    m.check_invariants().unwrap();
+    expect_err_unchanged(m, snap, op, check);
 }
 
 fn mgr(num_blocks: u32, bs: u32, watermark: u32) -> BlockManager {

@@ -1287,6 +1287,156 @@ fn tier_config() -> impl Strategy<Value = ManagerConfig> {
         })
 }
 
+impl Harness {
+    /// A harness over a fresh manager of `cfg`: step buffers of up to 16 sequences and 4096 tokens
+    /// a step, `max_copies` copy and `max_swaps` swap pairs, every group's; empty KV.
+    fn new(cfg: ManagerConfig, max_copies: usize, max_swaps: usize) -> Self {
+        let bs = cfg.block_size as usize;
+        let layout = StepLayout {
+            max_seqs: 16,
+            max_tokens: 4096,
+            max_blocks_per_seq: cfg.max_blocks_per_seq as usize,
+            max_copies,
+            max_swaps,
+        };
+        let extra = cfg.groups.len().saturating_sub(1);
+        Self {
+            kv: vec![None; cfg.num_blocks as usize * bs],
+            host_kv: vec![None; cfg.num_host_blocks as usize * bs],
+            m: BlockManager::new(cfg).unwrap(),
+            model: HashMap::new(),
+            bs,
+            ob: OwnedStepBuffers::new(layout),
+            gob: OwnedGroupBuffers::new(layout, extra),
+        }
+    }
+
+    /// Applies `ops`, calling `after` on the manager after each. Then, when `drain_swaps`, empty
+    /// steps until the swap queues are empty (failing if 64 do not empty them); then one step of
+    /// every live sequence, every sequence freed, an empty step, and `after` once more. Nothing
+    /// leaks: every device block is free again.
+    fn walk(
+        &mut self,
+        ops: &[Op],
+        drain_swaps: bool,
+        mut after: impl FnMut(&mut BlockManager),
+    ) -> Result<(), TestCaseError> {
+        for op in ops {
+            self.apply(op);
+            after(&mut self.m);
+        }
+        if drain_swaps {
+            for _ in 0..64 {
+                if self.m.pending_swap_out().is_empty() && self.m.pending_swap_in().is_empty() {
+                    break;
+                }
+                self.apply(&Op::Step { mask: 0 });
+            }
+            prop_assert!(
+                self.m.pending_swap_out().is_empty() && self.m.pending_swap_in().is_empty()
+            );
+        }
+        let live: Vec<SeqId> = self.model.keys().copied().collect();
+        self.apply(&Op::Step {
+            mask: live.iter().fold(0u16, |m, &s| m | 1 << s),
+        });
+        for s in live {
+            self.apply(&Op::Free { seq: s });
+        }
+        self.apply(&Op::Step { mask: 0 });
+        after(&mut self.m);
+        prop_assert_eq!(
+            self.m.num_free_blocks(),
+            self.m.config().num_blocks as usize
+        );
+        prop_assert_eq!(self.m.stats().used_blocks, 0);
+        Ok(())
+    }
+
+    /// Host-cached blocks stay, unreferenced; everything else of the host pool is free.
+    fn check_host_pool_free_or_cached(&self) -> Result<(), TestCaseError> {
+        let st = self.m.stats();
+        prop_assert_eq!(
+            self.m.num_free_host_blocks() + st.host_cached_blocks as usize,
+            self.m.config().num_host_blocks as usize
+        );
+        Ok(())
+    }
+}
+
+/// Replays a manager's KV events per (group, hash) and checks them against what it holds: the
+/// device prefix cache's `cached_block_keys()` and, when `by_medium`, the host index's
+/// `host_block_keys()` (host events kept apart). Without `by_medium` every event counts towards
+/// the device's set.
+struct EventReplay {
+    by_medium: bool,
+    held: [std::collections::BTreeSet<(usize, u128)>; 2],
+    events: Vec<pagedkv::events::KvEvent>,
+}
+
+impl EventReplay {
+    fn new(by_medium: bool) -> Self {
+        Self {
+            by_medium,
+            held: Default::default(),
+            events: Vec::new(),
+        }
+    }
+
+    fn check(&mut self, m: &mut BlockManager) {
+        self.events.clear();
+        m.drain_events(&mut self.events);
+        for e in &self.events {
+            let g = e.group as usize;
+            let tier = match e.medium {
+                Medium::Host if self.by_medium => &mut self.held[1],
+                _ => &mut self.held[0],
+            };
+            match e.kind {
+                KvEventKind::Stored => {
+                    for &x in &e.block_hashes {
+                        assert!(tier.insert((g, x)), "stored twice: ({g}, {x:#x})");
+                    }
+                }
+                KvEventKind::Removed => {
+                    for &x in &e.block_hashes {
+                        assert!(tier.remove(&(g, x)), "removed unheld: ({g}, {x:#x})");
+                    }
+                }
+                KvEventKind::Cleared => tier.clear(),
+            }
+        }
+        assert_eq!(m.events_dropped(), 0);
+        let want: std::collections::BTreeSet<_> = m.cached_block_keys().into_iter().collect();
+        assert_eq!(self.held[0], want);
+        if self.by_medium {
+            let want: std::collections::BTreeSet<_> = m.host_block_keys().into_iter().collect();
+            assert_eq!(self.held[1], want);
+        }
+    }
+}
+
+/// The walk of the one-group tests: `ops`, the swap queues drained, everything freed; nothing
+/// leaks, and without the host tier the host pool was never used as a cache.
+fn one_group_walk(
+    cfg: ManagerConfig,
+    max_copies: usize,
+    max_swaps: usize,
+    ops: &[Op],
+) -> Result<(), TestCaseError> {
+    let mut h = Harness::new(cfg, max_copies, max_swaps);
+    h.walk(ops, true, |_| {})?;
+    h.check_host_pool_free_or_cached()?;
+    let st = h.m.stats();
+    if !h.m.config().host_cache {
+        prop_assert_eq!(
+            st.host_cached_blocks + st.offloaded_blocks + st.host_hit_tokens,
+            0
+        );
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 3000, ..ProptestConfig::default() })]
 
@@ -1297,52 +1447,7 @@ proptest! {
         max_swaps in prop::sample::select(vec![1usize, 3, 256]),
         ops in prop::collection::vec(op(), 1..100),
     ) {
-        let bs = cfg.block_size as usize;
-        let layout = StepLayout {
-            max_seqs: 16,
-            max_tokens: 4096,
-            max_blocks_per_seq: cfg.max_blocks_per_seq as usize,
-            max_copies,
-            max_swaps,
-        };
-        let mut h = Harness {
-            kv: vec![None; cfg.num_blocks as usize * bs],
-            host_kv: vec![None; cfg.num_host_blocks as usize * bs],
-            m: BlockManager::new(cfg).unwrap(),
-            model: HashMap::new(),
-            bs,
-            ob: OwnedStepBuffers::new(layout),
-            gob: OwnedGroupBuffers::new(layout, 0),
-        };
-        for op in &ops {
-            h.apply(op);
-        }
-        // Drain: empty steps until the swap queues are empty, step everything, free everything;
-        // nothing leaks.
-        for _ in 0..64 {
-            if h.m.pending_swap_out().is_empty() && h.m.pending_swap_in().is_empty() {
-                break;
-            }
-            h.apply(&Op::Step { mask: 0 });
-        }
-        prop_assert!(h.m.pending_swap_out().is_empty() && h.m.pending_swap_in().is_empty());
-        let live: Vec<SeqId> = h.model.keys().copied().collect();
-        h.apply(&Op::Step { mask: live.iter().fold(0u16, |m, &s| m | 1 << s) });
-        for s in live {
-            h.apply(&Op::Free { seq: s });
-        }
-        h.apply(&Op::Step { mask: 0 });
-        prop_assert_eq!(h.m.num_free_blocks(), h.m.config().num_blocks as usize);
-        prop_assert_eq!(h.m.stats().used_blocks, 0);
-        // Host-cached blocks stay, unreferenced; everything else of the host pool is free.
-        let st = h.m.stats();
-        prop_assert_eq!(
-            h.m.num_free_host_blocks() + st.host_cached_blocks as usize,
-            h.m.config().num_host_blocks as usize
-        );
-        if !h.m.config().host_cache {
-            prop_assert_eq!(st.host_cached_blocks + st.offloaded_blocks + st.host_hit_tokens, 0);
-        }
+        one_group_walk(cfg, max_copies, max_swaps, &ops)?;
     }
 }
 
@@ -1356,52 +1461,7 @@ proptest! {
         max_swaps in prop::sample::select(vec![1usize, 3, 256]),
         ops in prop::collection::vec(op(), 1..100),
     ) {
-        let bs = cfg.block_size as usize;
-        let layout = StepLayout {
-            max_seqs: 16,
-            max_tokens: 4096,
-            max_blocks_per_seq: cfg.max_blocks_per_seq as usize,
-            max_copies,
-            max_swaps,
-        };
-        let mut h = Harness {
-            kv: vec![None; cfg.num_blocks as usize * bs],
-            host_kv: vec![None; cfg.num_host_blocks as usize * bs],
-            m: BlockManager::new(cfg).unwrap(),
-            model: HashMap::new(),
-            bs,
-            ob: OwnedStepBuffers::new(layout),
-            gob: OwnedGroupBuffers::new(layout, 0),
-        };
-        for op in &ops {
-            h.apply(op);
-        }
-        // Drain: empty steps until the swap queues are empty, step everything, free everything;
-        // nothing leaks.
-        for _ in 0..64 {
-            if h.m.pending_swap_out().is_empty() && h.m.pending_swap_in().is_empty() {
-                break;
-            }
-            h.apply(&Op::Step { mask: 0 });
-        }
-        prop_assert!(h.m.pending_swap_out().is_empty() && h.m.pending_swap_in().is_empty());
-        let live: Vec<SeqId> = h.model.keys().copied().collect();
-        h.apply(&Op::Step { mask: live.iter().fold(0u16, |m, &s| m | 1 << s) });
-        for s in live {
-            h.apply(&Op::Free { seq: s });
-        }
-        h.apply(&Op::Step { mask: 0 });
-        prop_assert_eq!(h.m.num_free_blocks(), h.m.config().num_blocks as usize);
-        prop_assert_eq!(h.m.stats().used_blocks, 0);
-        // Host-cached blocks stay, unreferenced; everything else of the host pool is free.
-        let st = h.m.stats();
-        prop_assert_eq!(
-            h.m.num_free_host_blocks() + st.host_cached_blocks as usize,
-            h.m.config().num_host_blocks as usize
-        );
-        if !h.m.config().host_cache {
-            prop_assert_eq!(st.host_cached_blocks + st.offloaded_blocks + st.host_hit_tokens, 0);
-        }
+        one_group_walk(cfg, max_copies, max_swaps, &ops)?;
     }
 }
 
@@ -1437,64 +1497,11 @@ proptest! {
         max_copies in prop::sample::select(vec![1usize, 2, 128]),
         ops in prop::collection::vec(op(), 1..100),
     ) {
-        let bs = cfg.block_size as usize;
-        let layout = StepLayout {
-            max_seqs: 16,
-            max_tokens: 4096,
-            max_blocks_per_seq: cfg.max_blocks_per_seq as usize,
-            max_copies,
-            max_swaps: 4,
-        };
-        let extra = cfg.groups.len() - 1;
-        let mut h = Harness {
-            kv: vec![None; cfg.num_blocks as usize * bs],
-            host_kv: vec![None; cfg.num_host_blocks as usize * bs],
-            m: BlockManager::new(cfg).unwrap(),
-            model: HashMap::new(),
-            bs,
-            ob: OwnedStepBuffers::new(layout),
-            gob: OwnedGroupBuffers::new(layout, extra),
-        };
+        let mut h = Harness::new(cfg, max_copies, 4);
         // The device tier's KV events, replayed per (group, hash), equal the prefix cache after
         // every operation.
-        let mut held = std::collections::BTreeSet::new();
-        let mut events = Vec::new();
-        let mut balance = |m: &mut BlockManager| {
-            events.clear();
-            m.drain_events(&mut events);
-            for e in &events {
-                let g = e.group as usize;
-                match e.kind {
-                    KvEventKind::Stored => {
-                        for &x in &e.block_hashes {
-                            assert!(held.insert((g, x)), "stored twice: ({g}, {x:#x})");
-                        }
-                    }
-                    KvEventKind::Removed => {
-                        for &x in &e.block_hashes {
-                            assert!(held.remove(&(g, x)), "removed unheld: ({g}, {x:#x})");
-                        }
-                    }
-                    KvEventKind::Cleared => held.clear(),
-                }
-            }
-            assert_eq!(m.events_dropped(), 0);
-            let want: std::collections::BTreeSet<_> = m.cached_block_keys().into_iter().collect();
-            assert_eq!(held, want);
-        };
-        for op in &ops {
-            h.apply(op);
-            balance(&mut h.m);
-        }
-        let live: Vec<SeqId> = h.model.keys().copied().collect();
-        h.apply(&Op::Step { mask: live.iter().fold(0u16, |m, &s| m | 1 << s) });
-        for s in live {
-            h.apply(&Op::Free { seq: s });
-        }
-        h.apply(&Op::Step { mask: 0 });
-        balance(&mut h.m);
-        prop_assert_eq!(h.m.num_free_blocks(), h.m.config().num_blocks as usize);
-        prop_assert_eq!(h.m.stats().used_blocks, 0);
+        let mut events = EventReplay::new(false);
+        h.walk(&ops, false, |m| events.check(m))?;
         prop_assert_eq!(
             h.m.num_free_host_blocks(),
             h.m.config().num_host_blocks as usize
@@ -1535,83 +1542,12 @@ proptest! {
         max_swaps in prop::sample::select(vec![1usize, 3, 256]),
         ops in prop::collection::vec(tier_op(), 1..160),
     ) {
-        let bs = cfg.block_size as usize;
-        let layout = StepLayout {
-            max_seqs: 16,
-            max_tokens: 4096,
-            max_blocks_per_seq: cfg.max_blocks_per_seq as usize,
-            max_copies,
-            max_swaps,
-        };
-        let extra = cfg.groups.len() - 1;
-        let mut h = Harness {
-            kv: vec![None; cfg.num_blocks as usize * bs],
-            host_kv: vec![None; cfg.num_host_blocks as usize * bs],
-            m: BlockManager::new(cfg).unwrap(),
-            model: HashMap::new(),
-            bs,
-            ob: OwnedStepBuffers::new(layout),
-            gob: OwnedGroupBuffers::new(layout, extra),
-        };
+        let mut h = Harness::new(cfg, max_copies, max_swaps);
         // Each tier's KV events, replayed per (group, hash), equal what it holds after every
         // operation: the device prefix cache's `cached_block_keys()`, the host index's
         // `host_block_keys()`.
-        let mut held = [std::collections::BTreeSet::new(), std::collections::BTreeSet::new()];
-        let mut events = Vec::new();
-        let mut balance = |m: &mut BlockManager| {
-            events.clear();
-            m.drain_events(&mut events);
-            for e in &events {
-                let g = e.group as usize;
-                let tier = match e.medium {
-                    Medium::Gpu => &mut held[0],
-                    Medium::Host => &mut held[1],
-                };
-                match e.kind {
-                    KvEventKind::Stored => {
-                        for &x in &e.block_hashes {
-                            assert!(tier.insert((g, x)), "stored twice: ({g}, {x:#x})");
-                        }
-                    }
-                    KvEventKind::Removed => {
-                        for &x in &e.block_hashes {
-                            assert!(tier.remove(&(g, x)), "removed unheld: ({g}, {x:#x})");
-                        }
-                    }
-                    KvEventKind::Cleared => tier.clear(),
-                }
-            }
-            assert_eq!(m.events_dropped(), 0);
-            let want: std::collections::BTreeSet<_> = m.cached_block_keys().into_iter().collect();
-            assert_eq!(held[0], want);
-            let want: std::collections::BTreeSet<_> = m.host_block_keys().into_iter().collect();
-            assert_eq!(held[1], want);
-        };
-        for op in &ops {
-            h.apply(op);
-            balance(&mut h.m);
-        }
-        for _ in 0..64 {
-            if h.m.pending_swap_out().is_empty() && h.m.pending_swap_in().is_empty() {
-                break;
-            }
-            h.apply(&Op::Step { mask: 0 });
-        }
-        prop_assert!(h.m.pending_swap_out().is_empty() && h.m.pending_swap_in().is_empty());
-        let live: Vec<SeqId> = h.model.keys().copied().collect();
-        h.apply(&Op::Step { mask: live.iter().fold(0u16, |m, &s| m | 1 << s) });
-        for s in live {
-            h.apply(&Op::Free { seq: s });
-        }
-        h.apply(&Op::Step { mask: 0 });
-        balance(&mut h.m);
-        prop_assert_eq!(h.m.num_free_blocks(), h.m.config().num_blocks as usize);
-        prop_assert_eq!(h.m.stats().used_blocks, 0);
-        // Host-cached blocks stay, unreferenced; everything else of the host pool is free.
-        let st = h.m.stats();
-        prop_assert_eq!(
-            h.m.num_free_host_blocks() + st.host_cached_blocks as usize,
-            h.m.config().num_host_blocks as usize
-        );
+        let mut events = EventReplay::new(true);
+        h.walk(&ops, true, |m| events.check(m))?;
+        h.check_host_pool_free_or_cached()?;
     }
 }

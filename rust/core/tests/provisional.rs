@@ -4,9 +4,12 @@
 //! forks and appends refuse a sequence holding provisional tokens; preemption rewinds them; KV
 //! cache groups release blocks by the committed length only.
 
+mod common;
+
+use common::GroupBufs;
 use pagedkv::groups::{AttentionKind, NULL_BLOCK};
 use pagedkv::manager::{BlockManager, ManagerConfig};
-use pagedkv::step::{OwnedGroupBuffers, OwnedStepBuffers, StepLayout};
+use pagedkv::step::StepLayout;
 use pagedkv::swap::SeqState;
 use pagedkv::{Error, SeqId};
 use proptest::prelude::*;
@@ -29,23 +32,15 @@ fn layout() -> StepLayout {
     }
 }
 
-struct Bufs {
-    ob: OwnedStepBuffers,
-    gob: OwnedGroupBuffers,
-}
+type Bufs = GroupBufs;
 
 impl Bufs {
     fn new(m: &BlockManager) -> Self {
-        Self {
-            ob: OwnedStepBuffers::new(layout()),
-            gob: OwnedGroupBuffers::new(layout(), m.num_groups() - 1),
-        }
+        Self::with_layout(m, layout())
     }
+
     fn step(&mut self, m: &mut BlockManager, seqs: &[SeqId], n: &[u32]) {
-        let mut g = self.gob.views();
-        m.build_step_groups(seqs, n, &mut self.ob.view(), &mut g)
-            .unwrap();
-        drop(g);
+        self.build(m, seqs, n).unwrap();
         m.check_invariants().unwrap();
     }
 }

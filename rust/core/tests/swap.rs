@@ -2,24 +2,17 @@
 //! prefix-cache entries of swapped blocks, the swap lists of the step (order, overflow), victim
 //! choice, the cost model, and every error leaving the state unchanged.
 //!
-//! KV content is simulated: `dev[b]` / `host[h]` hold one value per token slot; a step applies its
-//! lists in the documented order (swap-out, swap-in, copy-on-write) and then writes each new token's
-//! value through the slot mapping.
+//! KV content is simulated (`common`): `dev[b]` / `host[h]` hold one value per token slot; a step
+//! applies its lists in the documented order (swap-out, swap-in, copy-on-write) and then writes each
+//! new token's value through the slot mapping.
 
+mod common;
+
+use common::{expect_err_unchanged, read_back, toks, Sim, B};
 use pagedkv::manager::{BlockManager, ManagerConfig};
 use pagedkv::step::{OwnedStepBuffers, StepInfo, StepLayout};
 use pagedkv::swap::{CostModel, PreemptMode, SeqState};
 use pagedkv::{BlockId, Error, SeqId, TokenId};
-
-const B: u32 = 4;
-
-struct Sim {
-    m: BlockManager,
-    ob: OwnedStepBuffers,
-    dev: Vec<i64>,
-    host: Vec<i64>,
-    tokens: std::collections::HashMap<SeqId, Vec<TokenId>>,
-}
 
 impl Sim {
     fn new(num_blocks: u32, num_host_blocks: u32, max_swaps: usize) -> Self {
@@ -27,59 +20,12 @@ impl Sim {
         cfg.watermark_blocks = 0;
         cfg.num_host_blocks = num_host_blocks;
         cfg.hash_seed = Some(1);
-        let m = BlockManager::new(cfg).unwrap();
-        let ob = OwnedStepBuffers::new(StepLayout {
-            max_seqs: 8,
-            max_tokens: 256,
-            max_blocks_per_seq: num_blocks as usize,
-            max_copies: 8,
-            max_swaps,
-        });
-        Self {
-            m,
-            ob,
-            dev: vec![-1; (num_blocks * B) as usize],
-            host: vec![-1; (num_host_blocks.max(1) * B) as usize],
-            tokens: Default::default(),
-        }
+        Self::with_config(cfg, max_swaps)
     }
 
     fn step(&mut self, seqs: &[SeqId], new: &[u32]) -> pagedkv::Result<StepInfo> {
         let info = self.m.build_step(seqs, new, &mut self.ob.view())?;
-        let bs = B as usize;
-        let copy = |from: &[i64], a: usize, to: &mut [i64], b: usize| {
-            to[b * bs..(b + 1) * bs].copy_from_slice(&from[a * bs..(a + 1) * bs]);
-        };
-        for j in 0..info.num_swap_out {
-            let (d, h) = (
-                self.ob.swap_out[2 * j] as usize,
-                self.ob.swap_out[2 * j + 1] as usize,
-            );
-            copy(&self.dev, d, &mut self.host, h);
-        }
-        for j in 0..info.num_swap_in {
-            let (h, d) = (
-                self.ob.swap_in[2 * j] as usize,
-                self.ob.swap_in[2 * j + 1] as usize,
-            );
-            copy(&self.host, h, &mut self.dev, d);
-        }
-        for j in 0..info.num_copies {
-            let (s, d) = (
-                self.ob.copies[2 * j] as usize,
-                self.ob.copies[2 * j + 1] as usize,
-            );
-            let src = self.dev.clone();
-            copy(&src, s, &mut self.dev, d);
-        }
-        let mut k = 0;
-        for (&sid, &n) in seqs.iter().zip(new) {
-            let t = &self.tokens[&sid];
-            for &tok in &t[t.len() - n as usize..] {
-                self.dev[self.ob.slot_mapping[k] as usize] = tok as i64;
-                k += 1;
-            }
-        }
+        self.apply_step(&info, seqs, new);
         Ok(info)
     }
 
@@ -102,21 +48,13 @@ impl Sim {
     }
 
     fn content(&self, sid: SeqId) -> Vec<i64> {
-        let bs = B as usize;
         let t = self.m.block_table(sid).unwrap();
-        let n = self.tokens[&sid].len();
-        (0..n)
-            .map(|p| self.dev[t[p / bs] as usize * bs + p % bs])
-            .collect()
+        read_back(&self.dev, t, self.tokens[&sid].len())
     }
 
     fn expect(&self, sid: SeqId) -> Vec<i64> {
         self.tokens[&sid].iter().map(|&t| t as i64).collect()
     }
-}
-
-fn toks(n: u32, base: u32) -> Vec<TokenId> {
-    (base..base + n).collect()
 }
 
 #[derive(Debug, PartialEq)]
@@ -163,11 +101,7 @@ fn unchanged<T: std::fmt::Debug>(
     op: impl FnOnce(&mut BlockManager) -> pagedkv::Result<T>,
     check: impl FnOnce(&Error) -> bool,
 ) {
-    let before = snap(m);
-    let e = op(m).expect_err("expected an error");
-    assert!(check(&e), "unexpected error {e:?}");
-    assert_eq!(snap(m), before, "state changed by failed call ({e:?})");
-    m.check_invariants().unwrap();
+    expect_err_unchanged(m, snap, op, check);
 }
 
 #[test]

@@ -4,30 +4,19 @@
 //! (`lookup_tiers` / `reserve_host_blocks` / `commit_host_blocks`), swapped blocks winning over
 //! cached ones, reset, the host-tier events, and typed errors that change nothing.
 //!
-//! KV content is simulated as in `tests/swap.rs`: `dev[b]` / `host[h]` hold one value per token
-//! slot (the token id), a step applies its lists in the documented order (demotions are drained
-//! and copied to a simulated lower tier first, then swap-out, swap-in, copy-on-write) and then
-//! writes each new token's value through the slot mapping.
+//! KV content is simulated as in `tests/swap.rs` (`common`): `dev[b]` / `host[h]` hold one value
+//! per token slot (the token id), a step applies its lists in the documented order (demotions are
+//! drained and copied to a simulated lower tier first, then swap-out, swap-in, copy-on-write) and
+//! then writes each new token's value through the slot mapping.
 
-use std::collections::HashMap;
+mod common;
 
+use common::{apply_lists, read_back, toks, write_new, Sim, B};
 use pagedkv::events::{KvEvent, KvEventKind, Medium};
 use pagedkv::manager::{AdmitResult, BlockManager, ManagerConfig};
-use pagedkv::step::{OwnedStepBuffers, StepInfo, StepLayout};
+use pagedkv::step::StepInfo;
 use pagedkv::swap::CostModel;
 use pagedkv::{Error, SeqId, TokenId};
-
-const B: u32 = 4;
-
-struct Sim {
-    m: BlockManager,
-    ob: OwnedStepBuffers,
-    dev: Vec<i64>,
-    host: Vec<i64>,
-    /// The lower tier: what demotions wrote, by hash.
-    disk: HashMap<u128, Vec<i64>>,
-    tokens: HashMap<SeqId, Vec<TokenId>>,
-}
 
 fn config(num_blocks: u32, num_host: u32) -> ManagerConfig {
     let mut cfg = ManagerConfig::new(num_blocks, B);
@@ -41,71 +30,24 @@ fn config(num_blocks: u32, num_host: u32) -> ManagerConfig {
 
 impl Sim {
     fn new(cfg: ManagerConfig) -> Self {
-        let ob = OwnedStepBuffers::new(StepLayout {
-            max_seqs: 8,
-            max_tokens: 256,
-            max_blocks_per_seq: cfg.num_blocks as usize,
-            max_copies: 8,
-            max_swaps: 64,
-        });
-        Self {
-            dev: vec![-1; (cfg.num_blocks * B) as usize],
-            host: vec![-1; (cfg.num_host_blocks * B) as usize],
-            m: BlockManager::new(cfg).unwrap(),
-            ob,
-            disk: HashMap::new(),
-            tokens: HashMap::new(),
-        }
+        Self::with_config(cfg, 64)
     }
 
-    /// Copies every pending demotion's bytes to the lower tier (the engine's contract: before the
-    /// step's lists run or a reserved block is written), checking they are the block's tokens.
-    fn drain_demotions(&mut self) -> Vec<u128> {
-        let bs = B as usize;
-        let mut out = Vec::new();
-        for d in self.m.take_demotions() {
-            let h = d.host_block as usize;
-            let bytes = self.host[h * bs..(h + 1) * bs].to_vec();
-            let want: Vec<i64> = d.tokens.iter().map(|&t| t as i64).collect();
-            assert_eq!(
-                bytes, want,
-                "demoted host block {h} no longer holds its block"
-            );
-            self.disk.insert(d.hash, bytes);
-            out.push(d.hash);
-        }
-        out
-    }
-
+    /// Builds the step, drains the demotions, applies the lists, then writes each new token's id:
+    /// the last `new[i]` of the first `seq_len` tokens of each sequence.
     fn step(&mut self, seqs: &[SeqId], new: &[u32]) -> StepInfo {
         let info = self.m.build_step(seqs, new, &mut self.ob.view()).unwrap();
         self.drain_demotions();
-        let bs = B as usize;
-        let copy = |from: &[i64], a: usize, to: &mut [i64], b: usize| {
-            to[b * bs..(b + 1) * bs].copy_from_slice(&from[a * bs..(a + 1) * bs]);
-        };
-        for j in 0..info.num_swap_out {
-            let (d, h) = (self.ob.swap_out[2 * j], self.ob.swap_out[2 * j + 1]);
-            copy(&self.dev, d as usize, &mut self.host, h as usize);
-        }
-        for j in 0..info.num_swap_in {
-            let (h, d) = (self.ob.swap_in[2 * j], self.ob.swap_in[2 * j + 1]);
-            copy(&self.host, h as usize, &mut self.dev, d as usize);
-        }
-        for j in 0..info.num_copies {
-            let (s, d) = (self.ob.copies[2 * j], self.ob.copies[2 * j + 1]);
-            let src = self.dev.clone();
-            copy(&src, s as usize, &mut self.dev, d as usize);
-        }
-        let mut k = 0;
-        for (&sid, &n) in seqs.iter().zip(new) {
-            let t = &self.tokens[&sid];
-            let len = self.m.seq_len(sid).unwrap();
-            for &tok in &t[len - n as usize..len] {
-                self.dev[self.ob.slot_mapping[k] as usize] = tok as i64;
-                k += 1;
-            }
-        }
+        apply_lists(&self.ob, &info, &mut self.dev, &mut self.host);
+        let (tokens, m) = (&self.tokens, &self.m);
+        write_new(
+            &mut self.dev,
+            &self.ob.slot_mapping,
+            seqs,
+            new,
+            |sid| &tokens[&sid][..m.seq_len(sid).unwrap()],
+            |tok| tok as i64,
+        );
         self.m.check_invariants().unwrap();
         info
     }
@@ -132,27 +74,14 @@ impl Sim {
 
     /// What `sid`'s table reads back, position by position.
     fn content(&self, sid: SeqId) -> Vec<i64> {
-        let bs = B as usize;
         let t = self.m.block_table(sid).unwrap();
-        (0..self.m.seq_len(sid).unwrap())
-            .map(|p| self.dev[t[p / bs] as usize * bs + p % bs])
-            .collect()
+        read_back(&self.dev, t, self.m.seq_len(sid).unwrap())
     }
 
     fn expect(&self, sid: SeqId) -> Vec<i64> {
         let n = self.m.seq_len(sid).unwrap();
         self.tokens[&sid][..n].iter().map(|&t| t as i64).collect()
     }
-
-    fn events(&mut self) -> Vec<KvEvent> {
-        let mut out = Vec::new();
-        self.m.drain_events(&mut out);
-        out
-    }
-}
-
-fn toks(n: u32, base: u32) -> Vec<TokenId> {
-    (base..base + n).collect()
 }
 
 /// Fills the pool with `a`, frees it, then runs a cold prompt over the whole pool: every cached

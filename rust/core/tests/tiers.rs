@@ -3,31 +3,20 @@
 //! from lower tiers (`lookup_tiers`, `reserve_host_blocks`, `commit_host_blocks`), reset, the
 //! shedding of offloads that do not fit a step, events and stats.
 //!
-//! KV content is simulated: `dev[b]` / `host[h]` hold one value per token slot; a step drains the
-//! demotions (checking the demoted bytes are still the block's, as the contract promises), applies
-//! its lists in the documented order (swap-out, swap-in, copy-on-write) and then writes each new
-//! token's value through the slot mapping; every scheduled sequence must then read back its tokens.
+//! KV content is simulated (`common`): `dev[b]` / `host[h]` hold one value per token slot; a step
+//! drains the demotions (checking the demoted bytes are still the block's, as the contract
+//! promises), applies its lists in the documented order (swap-out, swap-in, copy-on-write) and then
+//! writes each new token's value through the slot mapping; every scheduled sequence must then read
+//! back its tokens.
 
-use std::collections::HashMap;
+mod common;
 
-use pagedkv::events::{KvEvent, KvEventKind, Medium};
+use common::{read_back, toks, Sim, B};
+use pagedkv::events::{KvEventKind, Medium};
 use pagedkv::manager::{BlockManager, ManagerConfig};
-use pagedkv::step::{OwnedStepBuffers, StepInfo, StepLayout};
+use pagedkv::step::StepInfo;
 use pagedkv::swap::CostModel;
-use pagedkv::tier::Demotion;
 use pagedkv::{Error, SeqId, TokenId};
-
-const B: u32 = 4;
-
-struct Sim {
-    m: BlockManager,
-    ob: OwnedStepBuffers,
-    dev: Vec<i64>,
-    host: Vec<i64>,
-    tokens: HashMap<SeqId, Vec<TokenId>>,
-    /// The "disk": demoted blocks by hash.
-    disk: HashMap<u128, Vec<i64>>,
-}
 
 fn config(num_blocks: u32, num_host: u32) -> ManagerConfig {
     let mut c = ManagerConfig::new(num_blocks, B);
@@ -41,66 +30,13 @@ fn config(num_blocks: u32, num_host: u32) -> ManagerConfig {
 
 impl Sim {
     fn new(cfg: ManagerConfig, max_swaps: usize) -> Self {
-        let ob = OwnedStepBuffers::new(StepLayout {
-            max_seqs: 8,
-            max_tokens: 256,
-            max_blocks_per_seq: cfg.num_blocks as usize,
-            max_copies: 8,
-            max_swaps,
-        });
-        Self {
-            dev: vec![-1; (cfg.num_blocks * B) as usize],
-            host: vec![-1; (cfg.num_host_blocks.max(1) * B) as usize],
-            m: BlockManager::new(cfg).unwrap(),
-            ob,
-            tokens: HashMap::new(),
-            disk: HashMap::new(),
-        }
-    }
-
-    fn demote(&mut self, ds: Vec<Demotion>) {
-        let bs = B as usize;
-        for d in ds {
-            let h = d.host_block as usize;
-            let bytes = self.host[h * bs..(h + 1) * bs].to_vec();
-            let want: Vec<i64> = d.tokens.iter().map(|&t| t as i64).collect();
-            assert_eq!(
-                bytes, want,
-                "demoted host block {h} no longer holds its block"
-            );
-            self.disk.insert(d.hash, bytes);
-        }
+        Self::with_config(cfg, max_swaps)
     }
 
     fn step(&mut self, seqs: &[SeqId], new: &[u32]) -> pagedkv::Result<StepInfo> {
         let info = self.m.build_step(seqs, new, &mut self.ob.view())?;
-        let ds = self.m.take_demotions();
-        self.demote(ds);
-        let bs = B as usize;
-        let copy = |from: &[i64], a: usize, to: &mut [i64], b: usize| {
-            to[b * bs..(b + 1) * bs].copy_from_slice(&from[a * bs..(a + 1) * bs]);
-        };
-        for j in 0..info.num_swap_out {
-            let (d, h) = (self.ob.swap_out[2 * j], self.ob.swap_out[2 * j + 1]);
-            copy(&self.dev, d as usize, &mut self.host, h as usize);
-        }
-        for j in 0..info.num_swap_in {
-            let (h, d) = (self.ob.swap_in[2 * j], self.ob.swap_in[2 * j + 1]);
-            copy(&self.host, h as usize, &mut self.dev, d as usize);
-        }
-        for j in 0..info.num_copies {
-            let (s, d) = (self.ob.copies[2 * j], self.ob.copies[2 * j + 1]);
-            let src = self.dev.clone();
-            copy(&src, s as usize, &mut self.dev, d as usize);
-        }
-        let mut k = 0;
-        for (&sid, &n) in seqs.iter().zip(new) {
-            let t = &self.tokens[&sid];
-            for &tok in &t[t.len() - n as usize..] {
-                self.dev[self.ob.slot_mapping[k] as usize] = tok as i64;
-                k += 1;
-            }
-        }
+        self.drain_demotions();
+        self.apply_step(&info, seqs, new);
         for &sid in seqs {
             assert_eq!(
                 self.content(sid),
@@ -129,26 +65,13 @@ impl Sim {
     }
 
     fn content(&self, sid: SeqId) -> Vec<i64> {
-        let bs = B as usize;
         let t = self.m.block_table(sid).unwrap();
-        (0..self.tokens[&sid].len())
-            .map(|p| self.dev[t[p / bs] as usize * bs + p % bs])
-            .collect()
+        read_back(&self.dev, t, self.tokens[&sid].len())
     }
 
     fn expect(&self, sid: SeqId) -> Vec<i64> {
         self.tokens[&sid].iter().map(|&t| t as i64).collect()
     }
-
-    fn events(&mut self) -> Vec<KvEvent> {
-        let mut out = Vec::new();
-        self.m.drain_events(&mut out);
-        out
-    }
-}
-
-fn toks(n: u32, base: u32) -> Vec<TokenId> {
-    (base..base + n).collect()
 }
 
 /// Write-back: an evicted cached block is offloaded by the allocation that evicts it, and a
