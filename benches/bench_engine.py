@@ -472,6 +472,10 @@ def _save(report, args):
             json.dump(report, fh, indent=2)
 
 
+def args_new(r):
+    return r["args"]["new"]
+
+
 def print_table(r):
     print(f"device {r['device']}, {r['date']}; Llama-3-8B dims, random bf16, "
           f"{r['args']['layers']} layers; {r['args']['prompt']} prompt + {r['args']['new']} new; "
@@ -510,9 +514,16 @@ def print_table(r):
                 print(f"transformers {key} batch {b}: {v[:300]}")
                 continue
             line = f"transformers {key} batch {b}: {v['tok_s']:,.0f} tok/s ({v['wall_s']:.2f} s)"
-            fused = arms.get("fused", {}).get("batches", {}).get(b, {}).get("llm")
+            fb = arms.get("fused", {}).get("batches", {}).get(b, {})
+            fused = fb.get("llm")
             if fused:
                 line += f"; LLM.generate (fused) / this = {fused['tok_s'] / v['tok_s']:.2f}x"
+            ab = fb.get("llm_async_ab")
+            if ab and fused:
+                # The async run's tokens/s from its decode step, the same prefill and first token.
+                tok_s = b * args_new(r) / (fused["ttft_ms"] / 1e3
+                                           + (args_new(r) - 1) * ab["async"] / 1e3)
+                line += f"; with async_scheduling {tok_s / v['tok_s']:.2f}x"
             print(line)
     sys.stdout.flush()
 

@@ -15,8 +15,9 @@ one run: plain decoding, then speculation at ``k = --k`` for each ``alpha`` of
 same prompts at ``max_tokens=1`` (prefill and the first token). Reported per setting: decode
 tokens/s, the speedup over plain, the mean accepted length per drafted pass against the expected
 ``(1 - alpha^(k+1)) / (1 - alpha)``, the verify step's time, the *ideal* speedup (expected tokens
-per pass over the verify pass's cost, against the plain step) and the share of it reached, steps
-the cost model sent undrafted, and whether the outputs equal plain decoding's.
+per pass over the verify pass's cost, against the plain step) and the share of it reached; the
+same for the drafts actually sent (the cost model may send fewer than ``k`` a pass: ``drafted``
+is their mean, ``ideal d`` the ideal for that many); steps the cost model sent undrafted, and whether the outputs equal plain decoding's.
 
 With one request per slot the batch is closed: it drains as its sequences finish, and the slowest
 sequence's passes set the run's length, which a speculative run feels more than a plain one (its
@@ -186,12 +187,18 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             step = dec / max(steps - 1, 1)
             exp = expected_length(alpha, args.k)
             ideal = exp * step_plain / step
+            # The cost model may send fewer than k drafts a pass (it prices the verify pass):
+            # the ideal for what was actually drafted, d tokens a pass on average.
+            d = (st.spec_num_draft_tokens - st0.spec_num_draft_tokens) / drafts if drafts else 0.0
+            ideal_sent = (1 - alpha ** (d + 1)) / (1 - alpha) * step_plain / step
             rows.append({
                 "batch": batch, "requests": requests, "alpha": alpha, "tokens_per_s": rate,
                 "speedup": rate / rate_plain,
                 "mean_accepted_length": 1.0 + accepted / drafts if drafts else 1.0,
                 "expected_length": exp, "step_ms": step * 1e3, "ideal_speedup": ideal,
                 "share_of_ideal": (rate / rate_plain) / ideal, "steps_skipped": skipped,
+                "mean_drafted": d, "ideal_speedup_drafted": ideal_sent,
+                "share_of_ideal_drafted": (rate / rate_plain) / ideal_sent,
                 "identical": outs == ref,
             })
     dev = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
@@ -221,7 +228,8 @@ def main(argv: Sequence[str] = ()) -> int:
           f"{r['new']} new tokens, {r['requests_per_slot']} request(s) per slot, "
           f"dims {r['dims']}")
     print(f"{'batch':>5} {'alpha':>5} {'tok/s':>9} {'speedup':>7} {'accepted':>8} {'expected':>8} "
-          f"{'step ms':>8} {'ideal':>6} {'share':>6} {'skipped':>7} identical")
+          f"{'step ms':>8} {'ideal':>6} {'share':>6} {'skipped':>7} {'drafted':>7} "
+          f"{'ideal d':>7} {'share d':>7} identical")
     for x in r["rows"]:
         if x["alpha"] is None:
             print(f"{x['batch']:>5} {'-':>5} {x['tokens_per_s']:>9.1f} {1.0:>7.2f} {'-':>8} "
@@ -230,7 +238,9 @@ def main(argv: Sequence[str] = ()) -> int:
             print(f"{x['batch']:>5} {x['alpha']:>5.2f} {x['tokens_per_s']:>9.1f} "
                   f"{x['speedup']:>7.2f} {x['mean_accepted_length']:>8.2f} "
                   f"{x['expected_length']:>8.2f} {x['step_ms']:>8.2f} {x['ideal_speedup']:>6.2f} "
-                  f"{x['share_of_ideal']:>6.2f} {x['steps_skipped']:>7} {x['identical']}")
+                  f"{x['share_of_ideal']:>6.2f} {x['steps_skipped']:>7} "
+                  f"{x['mean_drafted']:>7.2f} {x['ideal_speedup_drafted']:>7.2f} "
+                  f"{x['share_of_ideal_drafted']:>7.2f} {x['identical']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=1)
