@@ -619,7 +619,11 @@ class TierCache:
         for store in self.stores:
             if not want:
                 break
-            held = store.holds([group_key(int(hashes[i]), g) for g, i in want])
+            keys = [group_key(int(hashes[i]), g) for g, i in want]
+            holds = getattr(store, "holds", None)
+            # A backend without ``holds`` is asked one key at a time.
+            held = holds(keys) if holds is not None else [
+                store.longest_prefix([key]) == 1 for key in keys]
             rest = []
             for gi, got in zip(want, held):
                 if got:
