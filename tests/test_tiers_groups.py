@@ -22,6 +22,7 @@ or asked for under another group), and the cache's group keys are the manager's.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Dict, List, Tuple
 
 import numpy as np
@@ -313,3 +314,84 @@ def test_remote_store_never_serves_a_group_as_another(redis_url: str) -> None:
     finally:
         client.close()
         store.close()
+
+
+class _Waiting:
+    """A waiting sequence as the tier cache reads it."""
+
+    def __init__(self, seq_id: int, token_ids: List[int]) -> None:
+        self.seq_id = seq_id
+        self.token_ids = token_ids
+        self.cache_salt = None
+
+
+def test_demoted_blocks_go_down_with_their_group_and_come_back(tmp_path: Any) -> None:
+    """Host blocks of two groups demoted through the tier cache land in the disk store under
+    their groups' keys, with STORAGE events naming group and chain hash; a later prompt's fetch
+    reads back exactly the blocks its boundary needs (group 0's four, the sliding group's
+    window), bytes intact, and the admission hits that boundary."""
+    from pagedkv.config import CacheSpec
+    from pagedkv.events.publisher import EventSink
+    from pagedkv.events.schema import BlockStored, hash_to_wire
+    from pagedkv.kv_pool import KVPool
+    from pagedkv.tiers import TierCache
+    from pagedkv.tiers.host import SwapEngine
+
+    bs = 4
+    spec = CacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=bs)
+    m = BlockManager(16, bs, watermark_blocks=0, num_host_blocks=8, host_cache=True,
+                     groups=[KVCacheGroup.full(), KVCacheGroup.sliding(8)])
+    swap = SwapEngine(KVPool(spec, 16, "cpu"), 8, pin_memory=False)
+    store = DiskStore(tmp_path / "kv", 1 << 20, b"f" * 16, spec.bytes_per_block, max_tokens=bs,
+                      secret=TierSecret(b"t" * 32))
+    sink = EventSink()
+    tiers = TierCache(m, swap, [store], block_size=bs, events=sink)
+    try:
+        tokens = list(range(1, 4 * bs + 2))
+        hashes, salt, _ = m.lookup_tiers_groups(tokens)
+        # Every group's block of every position, each page filled with its own value.
+        which = [(g, i) for g in (0, 1) for i in range(4)]
+        slots = m.reserve_host_blocks(len(which))
+        raw = swap.host.raw
+        for s, (g, i) in zip(slots, which):
+            raw[s] = 10 * i + g + 1
+        m.commit_host_blocks(slots, [hashes[i] for _, i in which],
+                             [None if i == 0 else hashes[i - 1] for _, i in which], salt,
+                             [t for _, i in which for t in tokens[i * bs:(i + 1) * bs]], True,
+                             groups=[g for g, _ in which])
+        # Taking every host block demotes all eight; after_schedule hands them down.
+        again = m.reserve_host_blocks(8)
+        tiers.after_schedule()
+        deadline = time.monotonic() + 30
+        while store.stats().puts < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.stats().puts == 8
+        assert store.holds([group_key(hashes[i], g) for g, i in which]) == [True] * 8
+        stored = [(e.group_idx, e.block_hashes[0]) for e in sink.take()
+                  if isinstance(e, BlockStored) and e.medium == "STORAGE"]
+        assert sorted(stored) == sorted((g, hash_to_wire(hashes[i])) for g, i in which)
+        m.commit_host_blocks(again, list(range(1, 9)), [None] * 8, salt, [0] * (8 * bs), False)
+        assert m.lookup_tiers_groups(tokens)[2] == [[False] * 4, [False] * 4]
+        raw.zero_()  # the host forgets: whatever is there after the fetch was read back
+
+        seq = _Waiting(1, tokens)
+        assert not tiers.ready(seq)  # fetching
+        deadline = time.monotonic() + 30
+        while not tiers.ready(seq):
+            assert time.monotonic() < deadline
+            tiers.wait()
+        # Boundary 4 (position 16, window 8: from 9) needs the sliding group's blocks 2 and 3.
+        present = m.lookup_tiers_groups(tokens)[2]
+        assert present == [[True] * 4, [False, False, True, True]]
+        assert tiers.stats.bytes_read["disk"] == 6 * spec.bytes_per_block
+        # The pages read back are the ones written: each holds its (group, position) value.
+        pages = {int(raw[s][0]) for s in range(8) if bool((raw[s] == raw[s][0]).all())}
+        assert pages == {0} | {10 * i + 1 for i in range(4)} | {10 * i + 2 for i in (2, 3)}
+        assert store.stats().hits == 6 and store.stats().mismatched == 0
+        r = m.admit(1, tokens)
+        assert r.cached_tokens == r.cached_tokens_host == 4 * bs
+        tiers.admitted(seq, r)
+        assert tiers.stats.fetched_tokens["disk"] == 4 * bs
+        m.check_invariants()
+    finally:
+        tiers.close()
