@@ -34,7 +34,8 @@ follows the host tier's hit rule: for a boundary ``k`` (blocks), group 0 (full) 
 ``[0, k)`` and every other group the blocks the first computed position ``k * B`` reads (a
 sliding group the window ending there, a chunked group the current chunk). The cache asks the
 manager which of those the device or the host tier hold (``lookup_tiers_groups``), asks each
-store which of the others it holds (``holds``), takes the longest boundary every group then
+store which of the others it holds (``holds``; after waiting, at most :data:`WRITE_WAIT_S`, for
+the writes still carrying any of them down), takes the longest boundary every group then
 completes (whose missing blocks fit the host tier), and reads only the missing blocks; each is
 committed under its group's key on its own (a failed read is a miss of that block only: the
 admission then finds the longest boundary that is complete). A model with one group takes the
@@ -77,7 +78,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pagedkv.tiers")
 
 __all__ = ["TierCache", "TierCacheStats", "build_tier_cache", "manager_tier_args",
-           "tier_fingerprint", "group_key", "LOAD_RATE_WEIGHT", "PROBE_AFTER_SKIPS"]
+           "tier_fingerprint", "group_key", "LOAD_RATE_WEIGHT", "PROBE_AFTER_SKIPS",
+           "WRITE_WAIT_S"]
 
 #: Weight of the newest read in each store's measured read rate (an exponentially weighted mean).
 LOAD_RATE_WEIGHT = 0.25
@@ -92,6 +94,10 @@ _GROUP_MIX = 0x9E3779B97F4A7C15F39CC0605CEDC835
 #: model with several groups, at most (the oldest are forgotten: their removal is then announced
 #: by key alone).
 _MAX_KEY_GROUPS = 1 << 20
+#: With KV cache groups, how long a probe waits at most for the writes still carrying blocks it
+#: asks for down to the stores (a prompt arriving right after its blocks were demoted would
+#: otherwise miss them and recompute).
+WRITE_WAIT_S = 1.0
 
 
 def group_key(h: int, g: int) -> int:
@@ -264,6 +270,8 @@ class TierCache:
         self._grouped = len(self.groups) > 1
         #: Stored keys of a grouped model -> (group, chain hash), for their removal events.
         self._key_groups: Dict[int, Tuple[int, int]] = {}
+        #: A grouped model's writes in flight by key (until reaped).
+        self._writing: Dict[int, "Future[None]"] = {}
         swap.add_swap_out_check(self.check_drained)
 
     # ----------------------------------------------------------------------- figures
@@ -332,7 +340,10 @@ class TierCache:
             buf = self._spare.pop() if self._spare else np.empty(self.block_bytes, np.uint8)
             np.copyto(buf, self.host[slot].numpy())
             meta = _meta(h, parent, salt, tokens, group)
-            self._writes.append((self._pool.submit(self._write, meta, buf), buf))
+            fut = self._pool.submit(self._write, meta, buf)
+            self._writes.append((fut, buf))
+            if self._grouped:
+                self._writing[meta.block_hash] = fut
 
     def _drain_removed(self) -> None:
         for store in self.stores:
@@ -360,6 +371,8 @@ class TierCache:
             else:
                 pending.append((f, buf))
         self._writes = pending
+        if self._writing:
+            self._writing = {k: f for k, f in self._writing.items() if not f.done()}
 
     def _write(self, meta: BlockMeta, data: np.ndarray) -> None:
         for store in self.stores:
@@ -616,6 +629,12 @@ class TierCache:
         # Every block not cached above, asked of each store in turn (one question per store).
         source: Dict[Tuple[int, int], BlockStore] = {}
         want = [(g, i) for g in range(len(self.groups)) for i in range(n) if not cached[g][i]]
+        # Blocks demoted a moment ago may still be on their way down: wait for those writes.
+        writing = self._writing
+        inflight = [writing[k] for k in (group_key(int(hashes[i]), g) for g, i in want)
+                    if k in writing and not writing[k].done()]
+        if inflight:
+            wait_futures(inflight, timeout=WRITE_WAIT_S)
         for store in self.stores:
             if not want:
                 break
