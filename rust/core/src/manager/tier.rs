@@ -1,5 +1,7 @@
 //! The host tier's side of the manager: offload, demotion, load-or-recompute, the fetch from
-//! lower tiers (`lookup_tiers`, `reserve_host_blocks`, `commit_host_blocks`) and `take_demotions`.
+//! lower tiers (`lookup_tiers`, `reserve_host_blocks`, `commit_host_blocks`; with KV cache groups
+//! `lookup_tiers_groups` and `commit_host_blocks_in_groups`, every group's blocks under their
+//! group's keys) and `take_demotions` (each demotion naming its group).
 //! The index itself and the host-block states are described in [`crate::tier`].
 //!
 //! Rules kept here (see also `docs/tiers.md`):
