@@ -9,9 +9,9 @@ prefix in the cache, and a small pool that forces preemption (recomputed). The m
 fewer blocks than full accounting would (released entries read ``-1``) and keep its invariants.
 Preempted by swap instead (a host pool, ``preemption_mode="swap"``), every group's blocks go to
 the host and back and the tokens are the same. A model whose full layers sit beside windowed ones
-runs with several groups and refuses the disk and remote tiers with a typed error (KV events
-work: ``tests/test_engine_kv_events.py``; tensor parallelism: ``tests/test_tp_groups.py``; the host
-tier: ``tests/test_tiers_groups.py``); one whose every layer
+runs with several groups and builds with the tiers below the host (KV events work:
+``tests/test_engine_kv_events.py``; tensor parallelism: ``tests/test_tp_groups.py``; the host,
+disk and remote tiers: ``tests/test_tiers_groups.py``); one whose every layer
 slides (Mistral) runs as one group, its attention skipping keys outside the window. Under
 ``TRITON_INTERPRET=1`` the Triton kernels run the same equality for gpt-oss and Llama 4.
 """
@@ -32,7 +32,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from pagedkv import LLM, LLMEngine, SamplingParams  # noqa: E402
 from pagedkv.engine.builder import sequence_blocks  # noqa: E402
 from pagedkv.engine.loader import load_model  # noqa: E402
-from pagedkv.errors import ConfigArgumentError, ModelLoadError  # noqa: E402
+from pagedkv.errors import ModelLoadError  # noqa: E402
 from pagedkv.layer_groups import group_layers, layer_kinds  # noqa: E402
 
 from tiny_hybrid import (  # noqa: E402
@@ -257,17 +257,20 @@ def test_auto_preemption_prices_every_groups_pages(model_dir, dense):
     assert outs["swap"] == outs["recompute"] == [_reference(dense, p, 28) for p in prompts]
 
 
-@pytest.mark.parametrize("setting", [
-    dict(remote_cache_url="redis://127.0.0.1:1/0", host_cache_memory="1MiB", hash_seed=7)])
-def test_hybrid_refuses_what_groups_cannot_do(model_dir, loaded, setting):
-    kind, directory = model_dir
+def test_hybrid_builds_with_the_tiers_below_the_host(model_dir, loaded, tmp_path):
+    """Several KV cache groups take a disk tier (and a remote one: ``tests/test_tiers_groups.py``)
+    like one group: the engine builds, its tier cache fetches by group."""
+    kind, _ = model_dir
     if kind not in HYBRID:
-        pytest.skip("one group: swap and tiers work")
-    with pytest.raises(ConfigArgumentError) as info:
-        LLMEngine(loaded, block_size=BLOCK, num_blocks=64, **setting)
-    name = next(iter(setting))
-    assert info.value.field == name
-    assert directory in str(info.value) and "KV cache groups" in str(info.value)
+        pytest.skip("one group: the tiers' one-chain path")
+    engine = LLMEngine(loaded, block_size=BLOCK, num_blocks=512, host_cache_memory="1MiB",
+                       disk_cache_dir=str(tmp_path / "kv"), disk_cache_memory="1MiB")
+    try:
+        tiers = engine.tiers
+        assert tiers is not None and [s.name for s in tiers.stores] == ["disk"]
+        assert len(tiers.groups) == engine.manager.num_groups > 1
+    finally:
+        engine.shutdown()
 
 
 

@@ -94,6 +94,15 @@ class BlockManager:
         extra_keys: Optional[_Keys] = ...,
     ) -> Tuple[int, int, list[int], int, Optional[int]]:
         """``(gpu_blocks, host_blocks, remaining_hashes, salt_digest, parent_hash)``."""
+    def lookup_tiers_groups(
+        self,
+        token_ids: _Ids,
+        cache_salt: Union[bytes, bytearray, str, None] = ...,
+        adapter_id: Optional[int] = ...,
+        mm_inputs: Optional[Sequence[Tuple[int, int, _Keys]]] = ...,
+        extra_keys: Optional[_Keys] = ...,
+    ) -> Tuple[list[int], int, list[list[bool]]]:
+        """``(hashes, salt_digest, present)``: ``present[g][i]`` for group ``g``'s block ``i``."""
     def reserve_host_blocks(self, n: int) -> list[int]: ...
     def commit_host_blocks(
         self,
@@ -103,9 +112,14 @@ class BlockManager:
         salt_digest: int,
         token_ids: _Ids,
         ok: bool,
+        groups: Optional[_Ids] = ...,
     ) -> int: ...
     def take_demotions(self) -> list[Tuple[int, int, Optional[int], int, list[int]]]:
         """``(host_block, hash, parent_hash, salt_digest, token_ids)`` per demotion, oldest first."""
+    def take_demotions_by_group(
+        self,
+    ) -> list[Tuple[int, int, Optional[int], int, list[int], int]]:
+        """``take_demotions`` with each demotion's KV cache group appended."""
     def host_blocks_available(self) -> int: ...
     def set_host_cost_model(
         self,

@@ -34,7 +34,7 @@ from .config import EngineConfig
 from .core import EngineCore
 from .input_processor import InputProcessor
 from .loader import LoadedModel, default_model_path, load_model
-from .model_runner import ModelRunner, build_rank_runner, check_groups_supported
+from .model_runner import ModelRunner, build_rank_runner
 from .output_processor import OutputProcessor
 from .stats import StatsTracker
 
@@ -85,8 +85,6 @@ def build_engine(config: EngineConfig, model: Union[str, LoadedModel, None],
     bar = _stage_bar(config.progress, total=3, desc="loading model")
     try:
         loaded = preloaded or load_model(path, device=device, dtype=dtype)
-        # What several KV cache groups cannot do yet is refused before any rank starts.
-        check_groups_supported(config, loaded.layer_kinds, str(path))
         draft: Any = None
         spec = config.speculative
         if spec is not None and spec.model is not None:

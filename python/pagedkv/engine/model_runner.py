@@ -35,7 +35,8 @@ page per block holding one group's ``slots`` layers (``KVPool(layer_slot=...)``)
 metadata carries every group's tables and each layer reads its group's. Swap moves every group's
 blocks (a page is one block id across the pool's slots), the host tier keeps each group's blocks,
 KV events name each block's group and tensor parallelism's step packet carries every group's
-tables; the disk and remote tiers are refused for such a model (:func:`check_groups_supported`). A
+tables; the disk and remote tiers store each group's blocks under its key and group
+(``pagedkv.tiers.cache``). A
 model with one kind of layer runs exactly as before (one group). The fused forward takes full and
 sliding layers (Mistral, Qwen2) through their groups' tables; chunked layers and the other
 families run the model's own forward.
@@ -81,8 +82,7 @@ from .runner_rates import (Rates, _fmt_rates, _model_fingerprint, _RatesMixin,  
                            _rates_ok)
 from .runner_steps import _as_int64, _StepMixin  # noqa: F401
 
-__all__ = ["ModelRunner", "graph_batch_sizes", "build_rank_runner", "check_groups_supported",
-           "is_hybrid"]
+__all__ = ["ModelRunner", "graph_batch_sizes", "build_rank_runner", "is_hybrid"]
 
 #: KV budget when neither ``num_blocks`` nor ``kv_cache_memory`` is given, on the CPU.
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
@@ -134,8 +134,7 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
         engine_config.
 
     Raises:
-        ConfigArgumentError: A setting is out of range, both budgets are given, or a setting
-            several KV cache groups cannot serve yet (:func:`check_groups_supported`).
+        ConfigArgumentError: A setting is out of range, or both budgets are given.
         CapacityError: The budget holds no block.
     """
 
@@ -176,7 +175,6 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
         self.max_model_len = int(loaded.max_model_len)
         #: Each layer's attention kind (full, sliding, chunked: :attr:`LoadedModel.layer_kinds`).
         self.layer_kinds = loaded.layer_kinds
-        check_groups_supported(config, self.layer_kinds, loaded.path)
         #: The layers cut into KV cache groups (:func:`pagedkv.layer_groups.group_layers`): one
         #: full group unless full layers sit beside sliding or chunked ones.
         self.grouping = group_layers(self.layer_kinds, self.max_model_len, block_size)
@@ -348,36 +346,6 @@ def is_hybrid(kinds: Sequence[Any]) -> bool:
     sliding or chunked ones; :func:`pagedkv.layer_groups.group_layers`)."""
     full = [k.kind == "full" for k in kinds]
     return any(full) and not all(full)
-
-
-def check_groups_supported(config: EngineConfig, kinds: Sequence[Any], model: str = "") -> None:
-    """Refuses what the cache does not do yet with more than one KV cache group (a model whose
-    full layers sit beside sliding or chunked ones): the disk and remote tiers of the prefix
-    cache (their fetch probes group 0's chain only). The host tier (``host_cache_memory``: every
-    group's blocks keyed by chain hash and group), swapping to a host pool (``swap_space``,
-    ``num_host_blocks``), prefix caching, KV events (each naming its group) and tensor parallelism
-    (the step packet carries every group's tables) work.
-
-    Raises:
-        ConfigArgumentError: ``config`` asks for one of them (the setting, the model and the
-            reason named).
-    """
-    if not is_hybrid(kinds):
-        return
-    asked = [(name, getattr(config, name)) for name in ("disk_cache_dir", "remote_cache_url")
-             if getattr(config, name) is not None]
-    if not asked:
-        return
-    name, value = asked[0]
-    mix = sorted({f"{k.kind}" + (f"({k.size})" if k.size else "") for k in kinds})
-    reason = (f"a prefix-cache tier below the host (disk, remote) is not supported yet with a "
-              f"model whose layers form several KV cache groups ({', '.join(mix)} attention "
-              f"layers); the host tier (host_cache_memory) and swap_space (preemption by swap) "
-              f"work")
-    shown = "<set>" if name == "remote_cache_url" else value
-    raise ConfigArgumentError(f"invalid config: {name} = {shown!r} for model "
-                              f"{model or 'in memory'!r}: {reason}", field=name,
-                              value=shown, reason=reason)
 
 
 def capture_or_refuse(capture: Any, pieces: int) -> None:

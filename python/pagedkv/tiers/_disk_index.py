@@ -114,6 +114,14 @@ class _DiskIndex(_DiskSegments):
                 n += 1
             return n
 
+    def holds(self, hashes: Sequence[int]) -> List[bool]:
+        """Which of ``hashes`` are stored, each on its own (not a chain: a sliding group's
+        window starts anywhere)."""
+        self._check_open()
+        checked = [self._check_hash(h) for h in hashes]
+        with self._lock:
+            return [h in self._index for h in checked]
+
     def remove(self, block_hash: int) -> bool:
         """Drop one block; ``True`` if it was stored."""
         self._check_open()

@@ -140,6 +140,7 @@ class _DiskRecordIO(_DiskIndex):
                 reason = verify_split(
                     prefix, body, trailer, fingerprint=self.fingerprint, block_hash=h,
                     token_ids=meta.token_ids, salt_digest=meta.salt_digest, secret=self.secret,
+                    group=meta.group,
                 )
         except OSError:
             reason = None

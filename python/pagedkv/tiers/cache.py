@@ -25,6 +25,22 @@ module owns everything below the host tier:
   admitted; its admission then hits them as host blocks (loaded by the step's swap-in list). A read
   that fails or does not verify ends the run there: those blocks are recomputed.
 
+**KV cache groups.** With a model whose layers form several groups (full beside sliding or
+chunked attention) every group's block is stored under its group's key
+(:func:`group_key`: the chain hash mixed with the group, as the prefix cache keys it) and its
+record names the group (:class:`~pagedkv.tiers.record.BlockMeta` ``group``, under the MAC), so a
+block of one group is never served as another's. A demotion carries its group down. The fetch
+follows the host tier's hit rule: for a boundary ``k`` (blocks), group 0 (full) needs its blocks
+``[0, k)`` and every other group the blocks the first computed position ``k * B`` reads (a
+sliding group the window ending there, a chunked group the current chunk). The cache asks the
+manager which of those the device or the host tier hold (``lookup_tiers_groups``), asks each
+store which of the others it holds (``holds``; after waiting, at most :data:`WRITE_WAIT_S`, for
+the writes still carrying any of them down), takes the longest boundary every group then
+completes (whose missing blocks fit the host tier), and reads only the missing blocks; each is
+committed under its group's key on its own (a failed read is a miss of that block only: the
+admission then finds the longest boundary that is complete). A model with one group takes the
+one-chain path above, unchanged.
+
 The admission gate (``ready`` / ``admitted`` / ``forget``) is the scheduler's
 :class:`~pagedkv.scheduler.AdmissionGate`; an admission's ``cached_tokens_host`` tells how many of
 the fetched blocks it hit. Nothing here imports :mod:`pagedkv.engine`: the engine is seen through
@@ -48,7 +64,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Protocol, Sequence, Tupl
 
 import numpy as np
 
-from ..errors import InvalidConfigError, TierOrderError
+from ..errors import InvalidArgumentError, InvalidConfigError, TierOrderError
 from .disk import load_or_create_hash_key
 from .fingerprint import fingerprint_for_spec
 from .record import BlockMeta
@@ -62,13 +78,54 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pagedkv.tiers")
 
 __all__ = ["TierCache", "TierCacheStats", "build_tier_cache", "manager_tier_args",
-           "tier_fingerprint", "LOAD_RATE_WEIGHT", "PROBE_AFTER_SKIPS"]
+           "tier_fingerprint", "group_key", "LOAD_RATE_WEIGHT", "PROBE_AFTER_SKIPS",
+           "WRITE_WAIT_S"]
 
 #: Weight of the newest read in each store's measured read rate (an exponentially weighted mean).
 LOAD_RATE_WEIGHT = 0.25
 #: After this many fetches in a row skipped as slower than recomputing, the next one is loaded
 #: anyway: a rate measured on a slow moment (a cold disk, a busy server) is measured again.
 PROBE_AFTER_SKIPS = 16
+
+_U128_MASK = (1 << 128) - 1
+#: The per-group mix of the prefix cache's keys (the core's ``groups::group_hash``).
+_GROUP_MIX = 0x9E3779B97F4A7C15F39CC0605CEDC835
+#: Keys of stored blocks remembered with their (group, chain hash) for the removal events of a
+#: model with several groups, at most (the oldest are forgotten: their removal is then announced
+#: by key alone).
+_MAX_KEY_GROUPS = 1 << 20
+#: With KV cache groups, how long a probe waits at most for the writes still carrying blocks it
+#: asks for down to the stores (a prompt arriving right after its blocks were demoted would
+#: otherwise miss them and recompute).
+WRITE_WAIT_S = 1.0
+
+
+def group_key(h: int, g: int) -> int:
+    """The key group ``g``'s block of chain hash ``h`` is cached and stored under: ``h`` itself
+    for group 0 (a model with one group keys exactly as without groups), ``h`` mixed with the
+    group otherwise (a bijection per group, its own inverse), as the block manager keys it.
+
+    Raises:
+        InvalidArgumentError: ``h`` is not in ``[0, 2**128)`` or ``g`` is not an int >= 0.
+    """
+    if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= _U128_MASK:
+        raise InvalidArgumentError(f"invalid argument: h = {h!r}: must be an int in [0, 2**128)",
+                                   what="h", value=h, reason="not a u128")
+    if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+        raise InvalidArgumentError(f"invalid argument: g = {g!r}: must be an int >= 0",
+                                   what="g", value=g, reason="not a group index")
+    return h if g == 0 else h ^ ((g * _GROUP_MIX) & _U128_MASK)
+
+
+def _first_block(kind: str, size: int, k: int, bs: int) -> int:
+    """The first block a query at position ``k * bs`` reads under a group of ``kind`` (window or
+    chunk ``size``): the blocks before it are dead at boundary ``k``."""
+    p = k * bs
+    if kind == "sliding":
+        return max(0, p + 1 - size) // bs
+    if kind == "chunked":
+        return p // size * size // bs
+    return 0
 
 
 class WaitingSeq(Protocol):
@@ -89,10 +146,10 @@ class StorageEvents(Protocol):
 
     def add_stored(self, block_hashes: Sequence[int], parent_hash: Optional[int],
                    token_ids: Sequence[int], block_size: int, *, medium: str = ...,
-                   locality: Optional[str] = ...) -> None: ...
+                   locality: Optional[str] = ..., group_idx: Optional[int] = ...) -> None: ...
 
     def add_removed(self, block_hashes: Sequence[int], *, medium: str = ...,
-                    locality: Optional[str] = ...) -> None: ...
+                    locality: Optional[str] = ..., group_idx: Optional[int] = ...) -> None: ...
 
 
 @dataclass
@@ -134,9 +191,15 @@ class _Fetch:
     parents: List[Optional[int]]
     tokens: List[List[int]]
     salt_digest: int
-    #: The prompt's block index of the first fetched block (its GPU and host hits before it).
+    #: The prompt's block index of the first fetched block (its GPU and host hits before it);
+    #: with KV cache groups, the boundary the device and the host tier completed before.
     first: int
     futures: List[Tuple[BlockStore, "Future[_ReadResult]"]]
+    #: With KV cache groups: each block's group (its ``hashes`` and ``parents`` are chain
+    #: hashes), and per position from ``first`` to the fetch's boundary, the store credited with
+    #: it. None on the one-group path.
+    groups: Optional[List[int]] = None
+    credit: Optional[List[str]] = None
 
 
 class TierCache:
@@ -201,6 +264,14 @@ class TierCache:
         self._spare: List[np.ndarray] = []
         self.max_pending_writes = max_pending_writes
         self.events = events
+        #: The manager's KV cache groups (group ``g`` at index ``g``): more than one takes the
+        #: grouped fetch (module docs).
+        self.groups = tuple(manager.groups)
+        self._grouped = len(self.groups) > 1
+        #: Stored keys of a grouped model -> (group, chain hash), for their removal events.
+        self._key_groups: Dict[int, Tuple[int, int]] = {}
+        #: A grouped model's writes in flight by key (until reaped).
+        self._writing: Dict[int, "Future[None]"] = {}
         swap.add_swap_out_check(self.check_drained)
 
     # ----------------------------------------------------------------------- figures
@@ -234,7 +305,7 @@ class TierCache:
         :meth:`pagedkv.scheduler.Scheduler.schedule` and before the step executes (the swap
         engine refuses a swap-out before it: :meth:`check_drained`)."""
         self._drain_removed()
-        self._hand_down(self.manager.take_demotions())
+        self._hand_down(self.manager.take_demotions_by_group())
 
     def check_drained(self) -> None:
         """Raises :class:`~pagedkv.errors.TierOrderError` when the manager holds demoted host
@@ -243,7 +314,7 @@ class TierCache:
         swap-out (one ``take_demotions`` call, well under a microsecond when there are none). The
         blocks it finds are handed to the stores before it raises (their slots still hold them:
         nothing is queued), so a broken order loses nothing but the step."""
-        demoted = self.manager.take_demotions()
+        demoted = self.manager.take_demotions_by_group()
         if demoted:
             self._hand_down(demoted)
             raise TierOrderError(
@@ -251,7 +322,8 @@ class TierCache:
                 "TierCache.after_schedule() between Scheduler.schedule() and the step's execution",
                 pending=len(demoted), rule="after_schedule between schedule and execute")
 
-    def _hand_down(self, demoted: List[Tuple[int, int, Optional[int], int, List[int]]]) -> None:
+    def _hand_down(self,
+                   demoted: List[Tuple[int, int, Optional[int], int, List[int], int]]) -> None:
         """Copies demoted host blocks out of their slots for the stores' threads to write."""
         if not demoted:
             return
@@ -260,15 +332,18 @@ class TierCache:
             return  # nothing below the host tier: a demoted block is dropped (no copy, no wait)
         self.swap.host_written()
         self._reap_writes()
-        for slot, h, parent, salt, tokens in demoted:
+        for slot, h, parent, salt, tokens, group in demoted:
             if len(self._writes) >= self.max_pending_writes:
                 self.stats.dropped_writes += 1
                 continue
             # The slot is reused once this step's swap-outs run: its bytes are copied now.
             buf = self._spare.pop() if self._spare else np.empty(self.block_bytes, np.uint8)
             np.copyto(buf, self.host[slot].numpy())
-            meta = _meta(h, parent, salt, tokens)
-            self._writes.append((self._pool.submit(self._write, meta, buf), buf))
+            meta = _meta(h, parent, salt, tokens, group)
+            fut = self._pool.submit(self._write, meta, buf)
+            self._writes.append((fut, buf))
+            if self._grouped:
+                self._writing[meta.block_hash] = fut
 
     def _drain_removed(self) -> None:
         for store in self.stores:
@@ -276,9 +351,16 @@ class TierCache:
             if not removed:
                 continue
             self.stats.removed_blocks[store.name] += len(removed)
-            if self.events is not None:
+            if self.events is None:
+                continue
+            if not self._grouped:
                 self.events.add_removed([int(h) for h in removed], medium="STORAGE",
                                         locality=store.locality)
+                continue
+            for key in removed:
+                g, h = self._key_groups.pop(int(key), (None, int(key)))
+                self.events.add_removed([h], medium="STORAGE", locality=store.locality,
+                                        group_idx=g)
 
     def _reap_writes(self) -> None:
         """Returns the buffers of finished writes to the spares."""
@@ -289,6 +371,8 @@ class TierCache:
             else:
                 pending.append((f, buf))
         self._writes = pending
+        if self._writing:
+            self._writing = {k: f for k, f in self._writing.items() if not f.done()}
 
     def _write(self, meta: BlockMeta, data: np.ndarray) -> None:
         for store in self.stores:
@@ -300,10 +384,32 @@ class TierCache:
             if not ok:
                 continue
             self.stats.bytes_written[store.name] += len(data)
-            if self.events is not None:
-                self.events.add_stored([meta.block_hash], meta.parent_hash,
-                                       [int(t) for t in meta.token_ids], self.block_size,
-                                       medium="STORAGE", locality=store.locality)
+            if self.events is None:
+                continue
+            tokens = [int(t) for t in meta.token_ids]
+            if not self._grouped:
+                self.events.add_stored([meta.block_hash], meta.parent_hash, tokens,
+                                       self.block_size, medium="STORAGE", locality=store.locality)
+                continue
+            # A grouped model's events name the chain hash and the group, as the host tier's.
+            g = meta.group
+            h = group_key(meta.block_hash, g)
+            parent = None if meta.parent_hash is None else group_key(meta.parent_hash, g)
+            self._remember_key(meta.block_hash, g, h)
+            self.events.add_stored([h], parent, tokens, self.block_size, medium="STORAGE",
+                                   locality=store.locality, group_idx=g)
+
+    def _remember_key(self, key: int, g: int, h: int) -> None:
+        """Notes a stored key's group and chain hash (for its removal event), bounded. Runs on
+        the writer threads: dict operations are atomic under the GIL; a lost race only costs a
+        removal event its group."""
+        keys = self._key_groups
+        keys[key] = (g, h)
+        while len(keys) > _MAX_KEY_GROUPS:
+            try:
+                del keys[next(iter(keys))]
+            except (StopIteration, KeyError, RuntimeError):
+                break
 
     def _read(self, store: BlockStore, meta: BlockMeta, slot: int) -> _ReadResult:
         # Straight into the reserved slot: nobody else reads or writes it until it is committed.
@@ -369,6 +475,8 @@ class TierCache:
 
     def _start(self, seq: WaitingSeq) -> bool:
         """Starts reading ``seq``'s lower-tier blocks; True when a fetch is under way."""
+        if self._grouped:
+            return self._start_groups(seq)
         gpu, host, rest, salt_digest, parent = self.manager.lookup_tiers(
             seq.token_ids, cache_salt=seq.cache_salt)
         if not rest:
@@ -415,11 +523,13 @@ class TierCache:
                                            first, futures)
         return True
 
-    def _worth_loading(self, plan: Sequence[BlockStore]) -> bool:
+    def _worth_loading(self, plan: Sequence[BlockStore], gain: Optional[int] = None) -> bool:
         """Load versus recompute: reading the blocks at each store's measured rate, spread over
         the reader threads, against prefilling their tokens at the engine's rate. A store not
         measured yet counts as free (its first reads measure it); after
-        :data:`PROBE_AFTER_SKIPS` skipped fetches in a row the next one loads anyway."""
+        :data:`PROBE_AFTER_SKIPS` skipped fetches in a row the next one loads anyway. ``gain``:
+        the blocks of prompt the fetch adds to the hit (``len(plan)`` when None; with KV cache
+        groups a position may need several groups' blocks, or none of group 0's)."""
         if not self.prefill_tokens_per_s:
             return True
         load_s = 0.0
@@ -428,7 +538,8 @@ class TierCache:
             if rate:
                 load_s += self.block_bytes / rate
         load_s /= max(1, min(self.threads, len(plan)))
-        if load_s < len(plan) * self.block_size / self.prefill_tokens_per_s:
+        gain = len(plan) if gain is None else gain
+        if load_s < gain * self.block_size / self.prefill_tokens_per_s:
             self._skips_in_row = 0
             return True
         self._skips_in_row += 1
@@ -448,6 +559,9 @@ class TierCache:
 
     def _finish(self, key: int, fetch: _Fetch) -> None:
         del self._fetches[key]
+        if fetch.groups is not None:
+            self._finish_groups(key, fetch)
+            return
         ok_run = 0
         broken = False
         for store, f in fetch.futures:
@@ -473,9 +587,151 @@ class TierCache:
             self._commit(fetch, ok_run, len(fetch.slots), False)
 
     def _commit(self, fetch: _Fetch, lo: int, hi: int, ok: bool) -> None:
+        if fetch.groups is not None:
+            self._commit_some(fetch, list(range(lo, hi)), ok)
+            return
         flat = [t for block in fetch.tokens[lo:hi] for t in block]
         self.manager.commit_host_blocks(fetch.slots[lo:hi], fetch.hashes[lo:hi],
                                         fetch.parents[lo:hi], fetch.salt_digest, flat, ok)
+
+    def _commit_some(self, fetch: _Fetch, which: List[int], ok: bool) -> None:
+        """Commits the grouped fetch's blocks ``which`` (indices into it) under their groups."""
+        if not which:
+            return
+        assert fetch.groups is not None
+        flat = [t for i in which for t in fetch.tokens[i]]
+        self.manager.commit_host_blocks(
+            [fetch.slots[i] for i in which], [fetch.hashes[i] for i in which],
+            [fetch.parents[i] for i in which], fetch.salt_digest, flat, ok,
+            groups=[fetch.groups[i] for i in which])
+
+    # ----------------------------------------------------------------------- KV cache groups
+
+    def _boundaries(self, have: List[np.ndarray], n: int) -> np.ndarray:
+        """``ok[k]`` for ``k`` in ``[0, n]``: whether every group has the blocks boundary ``k``
+        needs among ``have[g]`` (a bool per block)."""
+        bs = self.block_size
+        ok = np.ones(n + 1, dtype=bool)
+        for g, grp in enumerate(self.groups):
+            miss = np.concatenate(([0], np.cumsum(~have[g])))
+            lo = np.array([_first_block(grp.kind, grp.size, k, bs) for k in range(n + 1)])
+            ok &= miss[np.arange(n + 1)] == miss[lo]
+        return ok
+
+    def _start_groups(self, seq: WaitingSeq) -> bool:
+        """The grouped fetch (module docs); True when one is under way."""
+        hashes, salt_digest, present = self.manager.lookup_tiers_groups(
+            seq.token_ids, cache_salt=seq.cache_salt)
+        n = len(hashes)
+        if n == 0:
+            return False
+        cached = [np.asarray(p, dtype=bool) for p in present]
+        # Every block not cached above, asked of each store in turn (one question per store).
+        source: Dict[Tuple[int, int], BlockStore] = {}
+        want = [(g, i) for g in range(len(self.groups)) for i in range(n) if not cached[g][i]]
+        # Blocks demoted a moment ago may still be on their way down: wait for those writes.
+        writing = self._writing
+        inflight = [writing[k] for k in (group_key(int(hashes[i]), g) for g, i in want)
+                    if k in writing and not writing[k].done()]
+        if inflight:
+            wait_futures(inflight, timeout=WRITE_WAIT_S)
+        for store in self.stores:
+            if not want:
+                break
+            keys = [group_key(int(hashes[i]), g) for g, i in want]
+            holds = getattr(store, "holds", None)
+            # A backend without ``holds`` is asked one key at a time.
+            held = holds(keys) if holds is not None else [
+                store.longest_prefix([key]) == 1 for key in keys]
+            rest = []
+            for gi, got in zip(want, held):
+                if got:
+                    source[gi] = store
+                else:
+                    rest.append(gi)
+            want = rest
+        if not source:
+            return False
+        have = [c.copy() for c in cached]
+        for g, i in source:
+            have[g][i] = True
+        before = np.flatnonzero(self._boundaries(cached, n))
+        k_now = int(before[-1])
+        complete = self._boundaries(have, n)
+        # Blocks each boundary would load (those of its needed ranges not cached above).
+        bs = self.block_size
+        absent = [np.concatenate(([0], np.cumsum(~c))) for c in cached]
+        budget = self.manager.host_blocks_available()
+        k = n
+        while k > k_now:
+            if complete[k]:
+                loads = sum(int(absent[g][k] - absent[g][_first_block(grp.kind, grp.size, k, bs)])
+                            for g, grp in enumerate(self.groups))
+                if 0 < loads <= budget:
+                    break
+            k -= 1
+        if k <= k_now:
+            return False
+        need = [(g, i) for g, grp in enumerate(self.groups)
+                for i in range(_first_block(grp.kind, grp.size, k, bs), k) if not cached[g][i]]
+        plan = [source[gi] for gi in need]
+        if not self._worth_loading(plan, gain=k - k_now):
+            self.stats.skipped_fetches += 1
+            return False
+        try:
+            slots = self.manager.reserve_host_blocks(len(need))
+        except Exception as exc:  # noqa: BLE001 - a full host pool only means recompute
+            logger.debug("no host slots for %d fetched blocks: %s", len(need), exc)
+            return False
+        self.after_schedule()
+        self.swap.host_written()
+        self.swap.host_read()
+        ids = seq.token_ids
+        chain = [int(h) for h in hashes]
+        groups = [g for g, _ in need]
+        blocks = [i for _, i in need]
+        parents: List[Optional[int]] = [None if i == 0 else chain[i - 1] for i in blocks]
+        tokens = [list(ids[i * bs:(i + 1) * bs]) for i in blocks]
+        futures = []
+        for j, (g, i) in enumerate(need):
+            parent = parents[j]
+            meta = _meta(group_key(chain[i], g), None if parent is None else group_key(parent, g),
+                         int(salt_digest), tokens[j], g)
+            futures.append((plan[j], self._pool.submit(self._read, plan[j], meta, slots[j])))
+        # Each position the fetch adds is credited to the store of group 0's block there, else
+        # to the store that supplied most of the fetch.
+        counts: Dict[str, int] = {}
+        for st in plan:
+            counts[st.name] = counts.get(st.name, 0) + 1
+        main = max(self.stores, key=lambda st: counts.get(st.name, 0)).name
+        by_pos = {i: st.name for (g, i), st in zip(need, plan) if g == 0}
+        credit = [by_pos.get(i, main) for i in range(k_now, k)]
+        self._fetches[seq.seq_id] = _Fetch(slots, [chain[i] for i in blocks], parents, tokens,
+                                           int(salt_digest), k_now, futures, groups, credit)
+        return True
+
+    def _finish_groups(self, key: int, fetch: _Fetch) -> None:
+        """Commits each verified block of a grouped fetch under its group's key and releases the
+        others (each block on its own: the admission takes the longest complete boundary)."""
+        good_idx: List[int] = []
+        bad_idx: List[int] = []
+        for i, (store, f) in enumerate(fetch.futures):
+            try:
+                good, seconds = f.result()
+            except Exception:  # noqa: BLE001 - a read that raised is a miss
+                good, seconds = False, 0.0
+            if good:
+                self._measured(store, seconds)
+                self.stats.bytes_read[store.name] += self.block_bytes
+                good_idx.append(i)
+            else:
+                bad_idx.append(i)
+        if bad_idx:
+            self.stats.failed_fetches += 1
+        self._commit_some(fetch, good_idx, True)
+        self._commit_some(fetch, bad_idx, False)
+        if good_idx and fetch.credit:
+            self._fetched_by_seq[key] = (fetch.first, list(fetch.credit))
 
     def close(self) -> None:
         """Finishes every fetch (releasing its slots) and flushes and closes the stores."""
@@ -500,9 +756,11 @@ def _settle(fetch: _Fetch) -> None:
             pass
 
 
-def _meta(h: int, parent: Optional[int], salt: int, tokens: Sequence[int]) -> BlockMeta:
+def _meta(h: int, parent: Optional[int], salt: int, tokens: Sequence[int],
+          group: int = 0) -> BlockMeta:
     return BlockMeta(block_hash=int(h), parent_hash=None if parent is None else int(parent),
-                     salt_digest=int(salt), token_ids=np.asarray(tokens, dtype=np.uint32))
+                     salt_digest=int(salt), token_ids=np.asarray(tokens, dtype=np.uint32),
+                     group=int(group))
 
 
 # --------------------------------------------------------------------------- building one

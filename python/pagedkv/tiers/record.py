@@ -12,12 +12,21 @@ A record is, little-endian::
 
     header (88 bytes)      magic b"PKVB", version u16, flags u16, fingerprint (16 bytes),
                            block_hash u128, parent_hash u128, salt_digest u128,
-                           token_count u32, reserved u32, payload_len u64
+                           token_count u32, group u32, payload_len u64
     token ids              token_count x u32
     payload                payload_len bytes, the host block verbatim
     checksum               XXH3-128 of header + token ids + payload (16 bytes)
     mac                    HMAC-SHA256 of header + token ids + payload under the tier secret
                            (32 bytes)
+
+``group`` is the KV cache group whose block the record holds (0 for a model with one kind of
+attention layer; a one-group record is byte for byte what it was before the field was named: the
+old ``reserved`` word, always 0). With several groups, group ``g``'s block of chain hash ``h`` is
+stored under its group's key (``block_hash`` is ``h`` mixed with ``g``, as the prefix cache keys
+it) *and* names ``g`` here, under the MAC: a reader asking for group ``g'`` refuses it
+(``GROUP_MISMATCH``), so a block of one group is never served as another's, even by a party that
+can write the store and move records between keys (pages of every group have one size, so the
+payload alone would not tell).
 
 The checksum tells accidental damage (a torn write, bit rot: ``corrupt``) from a record that is
 intact but not written under this secret (re-encoded, swapped between keys, another fleet's:
@@ -26,7 +35,7 @@ intact but not written under this secret (re-encoded, swapped between keys, anot
 Invariants:
 
 * :func:`decode` never returns bytes that did not verify: magic, version, fingerprint, hash,
-  salt digest, token ids, lengths, the checksum and the MAC must all match what the caller
+  group, salt digest, token ids, lengths, the checksum and the MAC must all match what the caller
   expects, or the answer is ``None`` with the :class:`Reason` for the caller's counters;
 * :func:`decode` never raises on the record's content (any byte string is a valid input); only a
   malformed *expectation* (a hash outside u128, a token id outside u32) raises
@@ -89,7 +98,7 @@ _U128 = 1 << 128
 _U32_MAX = (1 << 32) - 1
 _U64 = 1 << 64
 
-# magic, version, flags, fingerprint, hash lo/hi, parent lo/hi, salt lo/hi, tokens, reserved, len
+# magic, version, flags, fingerprint, hash lo/hi, parent lo/hi, salt lo/hi, tokens, group, len
 _HEADER = struct.Struct("<4sHH16sQQQQQQIIQ")
 HEADER_BYTES = _HEADER.size
 assert HEADER_BYTES == 88
@@ -117,6 +126,7 @@ class Reason(str, enum.Enum):
     BAD_VERSION = "bad_version"
     FOREIGN = "foreign"
     HASH_MISMATCH = "hash_mismatch"
+    GROUP_MISMATCH = "group_mismatch"
     SALT_MISMATCH = "salt_mismatch"
     TOKENS_MISMATCH = "tokens_mismatch"
     LENGTH_MISMATCH = "length_mismatch"
@@ -132,7 +142,8 @@ class Reason(str, enum.Enum):
             return "foreign"
         if self is Reason.UNAUTHENTICATED:
             return "unauthenticated"
-        if self in (Reason.HASH_MISMATCH, Reason.SALT_MISMATCH, Reason.TOKENS_MISMATCH):
+        if self in (Reason.HASH_MISMATCH, Reason.GROUP_MISMATCH, Reason.SALT_MISMATCH,
+                    Reason.TOKENS_MISMATCH):
             return "mismatched"
         return "corrupt"
 
@@ -149,6 +160,17 @@ def _check_u128(what: str, value: Any) -> int:
             f"{what} must be in [0, 2**128), got {number}", what=what, value=number, reason="out of range"
         )
     return number
+
+
+def _check_group(value: Any) -> int:
+    """A KV cache group index (a u32), or InvalidArgumentError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+            or not 0 <= int(value) <= _U32_MAX:
+        raise InvalidArgumentError(
+            f"group must be an integer in [0, {_U32_MAX}], got {value!r}", what="group",
+            value=value, reason="not a u32",
+        )
+    return int(value)
 
 
 def _token_array(token_ids: Any) -> np.ndarray:
@@ -178,22 +200,26 @@ def _token_array(token_ids: Any) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class BlockMeta:
-    """A block's identity: its chained hash, its parent's, the tenant's salt digest, its tokens.
+    """A block's identity: its key (chained hash, mixed with its group's for a group other than
+    0), its parent's, the tenant's salt digest, its tokens and its KV cache group.
 
     ``token_ids`` is normalised to a read-only little-endian u32 array. Two metas are equal when all
-    four fields are.
+    five fields are.
     """
 
     block_hash: int
     parent_hash: Optional[int]
     salt_digest: int
     token_ids: np.ndarray = field(repr=False)
+    #: The KV cache group whose block it is (0 without groups): a u32, written into the record.
+    group: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_hash", _check_u128("block_hash", self.block_hash))
         if self.parent_hash is not None:
             object.__setattr__(self, "parent_hash", _check_u128("parent_hash", self.parent_hash))
         object.__setattr__(self, "salt_digest", _check_u128("salt_digest", self.salt_digest))
+        object.__setattr__(self, "group", _check_group(self.group))
         tokens = _token_array(self.token_ids)
         if tokens is self.token_ids or tokens.base is not None:
             tokens = tokens.copy()
@@ -207,11 +233,12 @@ class BlockMeta:
             self.block_hash == other.block_hash
             and self.parent_hash == other.parent_hash
             and self.salt_digest == other.salt_digest
+            and self.group == other.group
             and np.array_equal(self.token_ids, other.token_ids)
         )
 
     def __hash__(self) -> int:
-        return hash((self.block_hash, self.parent_hash, self.salt_digest))
+        return hash((self.block_hash, self.parent_hash, self.salt_digest, self.group))
 
 
 @dataclass(frozen=True)
@@ -225,6 +252,8 @@ class Header:
     salt_digest: int
     token_count: int
     payload_len: int
+    #: The KV cache group of the record's block (0 without groups).
+    group: int = 0
 
     @property
     def record_size(self) -> int:
@@ -342,8 +371,8 @@ def encode_parts(
     s_lo, s_hi = _lohi(meta.salt_digest)
     prefix = (
         _HEADER.pack(
-            MAGIC, FORMAT_VERSION, flags, fp, h_lo, h_hi, p_lo, p_hi, s_lo, s_hi, len(tokens), 0,
-            body.nbytes,
+            MAGIC, FORMAT_VERSION, flags, fp, h_lo, h_hi, p_lo, p_hi, s_lo, s_hi, len(tokens),
+            meta.group, body.nbytes,
         )
         + tokens.tobytes()
     )
@@ -384,7 +413,7 @@ def parse_header(buf: Buffer) -> Optional[Header]:
     view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf
     if view.nbytes < HEADER_BYTES:
         return None
-    (magic, version, flags, fp, h_lo, h_hi, p_lo, p_hi, s_lo, s_hi, ntok, _reserved, plen) = (
+    (magic, version, flags, fp, h_lo, h_hi, p_lo, p_hi, s_lo, s_hi, ntok, group, plen) = (
         _HEADER.unpack_from(view, 0)
     )
     if magic != MAGIC or version != FORMAT_VERSION:
@@ -397,6 +426,7 @@ def parse_header(buf: Buffer) -> Optional[Header]:
         salt_digest=s_lo | (s_hi << 64),
         token_count=ntok,
         payload_len=plen,
+        group=group,
     )
 
 
@@ -409,8 +439,10 @@ def decode_checked(
     salt_digest: int,
     payload_len: int,
     secret: TierSecret,
+    group: int = 0,
 ) -> Tuple[Optional[memoryview], Reason]:
-    """Verify the record at the start of ``buf`` against what the caller expects.
+    """Verify the record at the start of ``buf`` against what the caller expects (``group``: the
+    KV cache group whose block the caller asks for).
 
     Returns ``(payload, Reason.OK)`` with ``payload`` a view into ``buf``, or ``(None, reason)``.
     ``buf`` may be longer than the record (a disk slot's tail is ignored).
@@ -421,7 +453,8 @@ def decode_checked(
     salt_digest = _check_u128("salt_digest", salt_digest)
     tokens = _expected_tokens(token_ids)
     view = as_byte_view(buf, "buf")
-    reason = _check_prefix(view, fp, block_hash, salt_digest, tokens, payload_len)
+    reason = _check_prefix(view, fp, block_hash, salt_digest, tokens, payload_len,
+                           _check_group(group))
     if reason is not None:
         return None, reason
     tok_end = HEADER_BYTES + 4 * len(tokens)
@@ -457,6 +490,7 @@ def verify_split(
     token_ids: Union[Sequence[int], np.ndarray],
     salt_digest: int,
     secret: TierSecret,
+    group: int = 0,
 ) -> Reason:
     """Verify a record read in three pieces (header and tokens, payload, checksum and MAC).
 
@@ -471,7 +505,7 @@ def verify_split(
     tail = as_byte_view(trailer, "trailer")
     reason = _check_prefix(
         head, fp, _check_u128("block_hash", block_hash), _check_u128("salt_digest", salt_digest),
-        tokens, body.nbytes,
+        tokens, body.nbytes, _check_group(group),
     )
     if reason is not None:
         return reason
@@ -487,12 +521,13 @@ def _expected_tokens(token_ids: Union[Sequence[int], np.ndarray]) -> np.ndarray:
 
 
 def _check_prefix(
-    view: memoryview, fp: bytes, block_hash: int, salt_digest: int, tokens: np.ndarray, payload_len: int
+    view: memoryview, fp: bytes, block_hash: int, salt_digest: int, tokens: np.ndarray,
+    payload_len: int, group: int = 0,
 ) -> Optional[Reason]:
     """Why the header and token ids at the start of ``view`` are not the expected ones (or None)."""
     if view.nbytes < HEADER_BYTES:
         return Reason.TRUNCATED
-    (magic, version, _flags, rec_fp, h_lo, h_hi, _p_lo, _p_hi, s_lo, s_hi, ntok, _res, plen) = (
+    (magic, version, _flags, rec_fp, h_lo, h_hi, _p_lo, _p_hi, s_lo, s_hi, ntok, rec_group, plen) = (
         _HEADER.unpack_from(view, 0)
     )
     if magic != MAGIC:
@@ -503,6 +538,8 @@ def _check_prefix(
         return Reason.FOREIGN
     if (h_lo | (h_hi << 64)) != block_hash:
         return Reason.HASH_MISMATCH
+    if rec_group != group:
+        return Reason.GROUP_MISMATCH
     if (s_lo | (s_hi << 64)) != salt_digest:
         return Reason.SALT_MISMATCH
     if ntok != len(tokens):
@@ -526,6 +563,7 @@ def decode(
     salt_digest: int,
     payload_len: int,
     secret: TierSecret,
+    group: int = 0,
 ) -> Optional[memoryview]:
     """The verified payload of the record in ``buf`` (a view into it), or ``None``.
 
@@ -533,6 +571,6 @@ def decode(
     """
     payload, _reason = decode_checked(
         buf, fingerprint=fingerprint, block_hash=block_hash, token_ids=token_ids,
-        salt_digest=salt_digest, payload_len=payload_len, secret=secret,
+        salt_digest=salt_digest, payload_len=payload_len, secret=secret, group=group,
     )
     return payload

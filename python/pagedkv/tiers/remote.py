@@ -37,7 +37,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Callable, Optional, Sequence, Set, Tuple, Type, TypeVar
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple, Type, TypeVar
 
 from .. import _optional
 from ..errors import InvalidArgumentError, InvalidConfigError, TierSecretError
@@ -292,6 +292,7 @@ class RemoteStore:
         payload, reason = decode_checked(
             value, fingerprint=self.fingerprint, block_hash=meta.block_hash, token_ids=meta.token_ids,
             salt_digest=meta.salt_digest, payload_len=self.block_bytes, secret=self.secret,
+            group=meta.group,
         )
         if reason is Reason.OK:
             self._count(hits=1, bytes_read=len(value))
@@ -379,6 +380,25 @@ class RemoteStore:
                 break
             n += 1
         return n
+
+    def holds(self, hashes: Sequence[int]) -> List[bool]:
+        """Which of ``hashes`` the server holds, each on its own: one round trip (pipelined
+        EXISTS); all ``False`` when it cannot be asked."""
+        self._check_open()
+        keys = [self.key(h) for h in hashes]
+        if not keys:
+            return []
+
+        def ask() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            return list(pipe.execute())
+
+        ok, found = self._call(ask)
+        if not ok or found is None or len(found) != len(keys):
+            return [False] * len(keys)
+        return [bool(f) for f in found]
 
     def remove(self, block_hash: int) -> bool:
         """Delete one block; ``True`` if the server held it."""

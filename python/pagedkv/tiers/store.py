@@ -50,6 +50,11 @@ class BlockStore(Protocol):
         """How many leading blocks of ``hashes`` (chain order) the store holds."""
         ...
 
+    def holds(self, hashes: Sequence[int]) -> List[bool]:
+        """Which of ``hashes`` the store holds, each on its own (the KV cache groups' probe: a
+        sliding group needs a window, not a chain's head)."""
+        ...
+
     def stats(self) -> TierStats:
         """A snapshot of the store's own counters (``usage_bytes`` None where unknown)."""
         ...

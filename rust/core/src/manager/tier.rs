@@ -1,5 +1,7 @@
 //! The host tier's side of the manager: offload, demotion, load-or-recompute, the fetch from
-//! lower tiers (`lookup_tiers`, `reserve_host_blocks`, `commit_host_blocks`) and `take_demotions`.
+//! lower tiers (`lookup_tiers`, `reserve_host_blocks`, `commit_host_blocks`; with KV cache groups
+//! `lookup_tiers_groups` and `commit_host_blocks_in_groups`, every group's blocks under their
+//! group's keys) and `take_demotions` (each demotion naming its group).
 //! The index itself and the host-block states are described in [`crate::tier`].
 //!
 //! Rules kept here (see also `docs/tiers.md`):
@@ -34,6 +36,11 @@ use crate::metrics::Counters;
 use crate::swap::{CostModel, HostBlockId, HostPool};
 use crate::tier::{Demotion, HostTier, TierLookup};
 use crate::{BlockId, TokenId};
+
+/// What [`BlockManager::lookup_tiers_groups`] answers: the prompt's chain hashes (the full
+/// blocks an admission may share), its salt digest, and per group which blocks the device or
+/// the host tier holds.
+pub type GroupPresence = (Vec<u128>, u128, Vec<Vec<bool>>);
 
 /// Takes one host block with refcount 1: a free one, else (with the tier on) the oldest
 /// unreferenced host-cached one, demoting it. `None` when neither exists: every host block is
@@ -316,6 +323,70 @@ impl BlockManager {
         })
     }
 
+    /// Per KV cache group, which of a prompt's full blocks the device or the host tier holds, for
+    /// the engine to probe lower tiers for the rest (every group's keys, the hit rule of
+    /// `groups.rs`): `(hashes, salt_digest, present)` with `hashes` the chain hashes of the full
+    /// blocks an admission may share (the first `(len - 1) / B`) and `present[g][i]` whether
+    /// group `g`'s block `i` (key `group_hash(hashes[i], g)`) is cached with the prompt's token
+    /// ids on the device or in the host index. Read-only. Errors: `InvalidArgument` for an
+    /// empty prompt or malformed keys.
+    pub fn lookup_tiers_groups(
+        &self,
+        tokens: &[TokenId],
+        keys: Option<&SeqKeys>,
+    ) -> Result<GroupPresence> {
+        if tokens.is_empty() {
+            return Err(Error::InvalidArgument {
+                what: "tokens.len",
+                value: 0,
+                reason: "a prompt needs at least one token".into(),
+            });
+        }
+        if let Some(k) = keys {
+            k.validate(tokens.len())?;
+        }
+        let root = self.root_for(keys);
+        let extra = keys.filter(|k| k.has_block_extras());
+        let bs = self.bs;
+        let max_hit = if self.caching {
+            (tokens.len() - 1) / bs
+        } else {
+            0
+        };
+        let mut hashes = Vec::with_capacity(max_hit);
+        if max_hit > 0 {
+            Hasher::new(self.hash_key).extend_chain(
+                root,
+                &tokens[..max_hit * bs],
+                bs,
+                extra,
+                &mut hashes,
+            );
+        }
+        hashes.truncate(max_hit);
+        let present = (0..self.num_groups())
+            .map(|g| {
+                hashes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &h)| {
+                        let toks = &tokens[i * bs..(i + 1) * bs];
+                        let key = group_hash(h, g);
+                        let on_device = self
+                            .prefix
+                            .lookup(key)
+                            .is_some_and(|b| self.prefix.matches(b, toks));
+                        on_device
+                            || self.tier.as_ref().is_some_and(|t| {
+                                t.lookup(key).is_some_and(|hb| t.tokens_of(hb) == toks)
+                            })
+                    })
+                    .collect()
+            })
+            .collect();
+        Ok((hashes, root, present))
+    }
+
     /// Reserves `n` host blocks for the engine to fill from a lower tier; they are never findable
     /// and never evicted until [`BlockManager::commit_host_blocks`]. Taking unreferenced
     /// host-cached blocks demotes them (see [`BlockManager::take_demotions`]: drain before
@@ -360,9 +431,46 @@ impl BlockManager {
         tokens: &[TokenId],
         ok: bool,
     ) -> Result<usize> {
+        self.commit_host_blocks_in_groups(blocks, hashes, None, parents, salt_digest, tokens, ok)
+    }
+
+    /// [`BlockManager::commit_host_blocks`] for blocks of KV cache groups: `blocks[i]` is group
+    /// `groups[i]`'s block of chain hash `hashes[i]` (parent `parents[i]`, chain hashes both),
+    /// indexed under its group's key `group_hash(hashes[i], groups[i])` (`None`: every block is
+    /// group 0's, exactly `commit_host_blocks`). Errors, nothing changed: those of
+    /// `commit_host_blocks`, and `InvalidArgument` for `groups` of another length or naming a
+    /// group the manager does not have.
+    #[allow(clippy::too_many_arguments)]
+    pub fn commit_host_blocks_in_groups(
+        &mut self,
+        blocks: &[HostBlockId],
+        hashes: &[u128],
+        groups: Option<&[u32]>,
+        parents: &[Option<u128>],
+        salt_digest: u128,
+        tokens: &[TokenId],
+        ok: bool,
+    ) -> Result<usize> {
         self.need_tier("commit_host_blocks")?;
         let bs = self.bs;
         let n = blocks.len();
+        if let Some(gs) = groups {
+            if gs.len() != n {
+                return Err(Error::InvalidArgument {
+                    what: "groups.len",
+                    value: gs.len() as i64,
+                    reason: format!("must have blocks.len() ({n}) entries"),
+                });
+            }
+            let ng = self.num_groups();
+            if let Some(&g) = gs.iter().find(|&&g| g as usize >= ng) {
+                return Err(Error::InvalidArgument {
+                    what: "groups",
+                    value: g as i64,
+                    reason: format!("unknown KV cache group: the manager has {ng}"),
+                });
+            }
+        }
         let bad = |what: &'static str, value: usize, reason: String| {
             Err(Error::InvalidArgument {
                 what,
@@ -399,17 +507,19 @@ impl BlockManager {
         let mut indexed = 0;
         for (k, &h) in blocks.iter().enumerate() {
             let toks = &tokens[k * bs..(k + 1) * bs];
-            let hash = hashes[k];
+            let g = groups.map_or(0, |gs| gs[k] as usize);
+            let key = group_hash(hashes[k], g);
             let t = self.tier.as_mut().expect("checked");
             t.reserved[h as usize] = false;
             let device_agrees = self
                 .prefix
-                .lookup(hash)
+                .lookup(key)
                 .is_none_or(|b| self.prefix.stored_tokens(b) == toks);
-            let keep = ok && t.reservation_current(h) && t.lookup(hash).is_none() && device_agrees;
+            let keep = ok && t.reservation_current(h) && t.lookup(key).is_none() && device_agrees;
             if keep {
-                t.index(h, hash, 0, parents[k], salt_digest, toks);
-                self.events.stored(Medium::Host, hash, parents[k], toks);
+                t.index(h, key, g, parents[k], salt_digest, toks);
+                self.events
+                    .stored_in(Medium::Host, g as u32, hashes[k], parents[k], toks);
                 indexed += 1;
             }
             // The reservation's reference goes: an indexed block joins the host LRU.

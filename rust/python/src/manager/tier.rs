@@ -11,6 +11,10 @@ use crate::errors::CoreResultExt;
 
 /// What `take_demotions` returns per demotion: `(host_block, hash, parent, salt_digest, tokens)`.
 type DemotionTuple = (u32, u128, Option<u128>, u128, Vec<u32>);
+/// What `take_demotions_by_group` returns per demotion: the `DemotionTuple` and the group.
+type GroupDemotionTuple = (u32, u128, Option<u128>, u128, Vec<u32>, u32);
+/// `lookup_tiers_groups`' answer: `(hashes, salt_digest, present)`.
+type GroupLookupTuple = (Vec<u128>, u128, Vec<Vec<bool>>);
 /// `lookup_tiers`' answer: `(gpu_blocks, host_blocks, remaining_hashes, salt_digest, parent_hash)`.
 type LookupTuple = (usize, usize, Vec<u128>, u128, Option<u128>);
 
@@ -51,6 +55,31 @@ impl PyBlockManager {
         ))
     }
 
+    /// Per KV cache group, which of a prompt's full blocks the device or the host tier holds:
+    /// `(hashes, salt_digest, present)`, `hashes` the chain hashes of the full blocks an
+    /// admission may share, `present[g][i]` whether group `g`'s block `i` is cached (with the
+    /// prompt's token ids) on the device or in the host index.
+    #[pyo3(signature = (token_ids, cache_salt=None, adapter_id=None, mm_inputs=None, extra_keys=None))]
+    fn lookup_tiers_groups(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        cache_salt: Option<Bound<'_, PyAny>>,
+        adapter_id: Option<Bound<'_, PyAny>>,
+        mm_inputs: Option<Bound<'_, PyAny>>,
+        extra_keys: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<GroupLookupTuple> {
+        let keys = seq_keys(cache_salt, adapter_id, mm_inputs, extra_keys)?;
+        scratch(&TOKENS, |buf| {
+            with_ids("token_ids", token_ids, buf, |toks| {
+                Ok(self.run(py, toks.len() >= DETACH_MIN, |st| {
+                    st.inner.lookup_tiers_groups(toks, keys.as_ref())
+                }))
+            })
+        })?
+        .py()
+    }
+
     /// Reserves `n` host blocks to fill from a lower tier (never findable, never evicted until
     /// committed). May demote host-cached blocks: drain `take_demotions()` before writing.
     fn reserve_host_blocks(&self, py: Python<'_>, n: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
@@ -59,8 +88,11 @@ impl PyBlockManager {
     }
 
     /// Ends reservations: with `ok`, indexes each block under its hash (token ids `block_size`
-    /// per block, flat); otherwise frees them. Returns how many were indexed.
+    /// per block, flat); otherwise frees them. Returns how many were indexed. With `groups`,
+    /// block `i` is group `groups[i]`'s block of chain hash `hashes[i]`, indexed under that
+    /// group's key (`parents` chain hashes too).
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (blocks, hashes, parents, salt_digest, token_ids, ok, groups=None))]
     fn commit_host_blocks(
         &self,
         py: Python<'_>,
@@ -70,6 +102,7 @@ impl PyBlockManager {
         salt_digest: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
         ok: &Bound<'_, PyAny>,
+        groups: Option<Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let blocks: Vec<u32> = ids_into("blocks", blocks)?;
         let hashes = hash_list("hashes", hashes)?;
@@ -77,11 +110,40 @@ impl PyBlockManager {
         let salt = hash_of("salt_digest", salt_digest)?;
         let toks: Vec<u32> = ids_into("token_ids", token_ids)?;
         let ok = flag("ok", ok)?;
+        let groups: Option<Vec<u32>> = match groups {
+            Some(g) => Some(ids_into("groups", &g)?),
+            None => None,
+        };
         self.with(py, |st| {
-            st.inner
-                .commit_host_blocks(&blocks, &hashes, &parents, salt, &toks, ok)
+            st.inner.commit_host_blocks_in_groups(
+                &blocks,
+                &hashes,
+                groups.as_deref(),
+                &parents,
+                salt,
+                &toks,
+                ok,
+            )
         })
         .py()
+    }
+
+    /// `take_demotions` with each demotion's KV cache group appended: `(host_block, hash,
+    /// parent_hash, salt_digest, token_ids, group)` (`hash` and `parent_hash` that group's keys).
+    fn take_demotions_by_group(&self, py: Python<'_>) -> Vec<GroupDemotionTuple> {
+        self.with(py, |st| st.inner.take_demotions())
+            .into_iter()
+            .map(|d| {
+                (
+                    d.host_block,
+                    d.hash,
+                    d.parent,
+                    d.salt_digest,
+                    d.tokens,
+                    d.group,
+                )
+            })
+            .collect()
     }
 
     /// The host-tier demotions since the last call: `(host_block, hash, parent_hash,
