@@ -12,7 +12,8 @@ the host and back and the tokens are the same. A model whose full layers sit bes
 runs with several groups and refuses the disk and remote tiers with a typed error (KV events
 work: ``tests/test_engine_kv_events.py``; tensor parallelism: ``tests/test_tp_groups.py``; the host
 tier: ``tests/test_tiers_groups.py``); one whose every layer
-slides (Mistral) runs as one group, its attention skipping keys outside the window. Under
+slides (Mistral) runs as one sliding group, group 0 releasing what no later query reads
+(``tests/test_engine_all_sliding.py``). Under
 ``TRITON_INTERPRET=1`` the Triton kernels run the same equality for gpt-oss and Llama 4.
 """
 
@@ -112,18 +113,16 @@ def test_ragged_batch_matches_generate_and_releases_blocks(model_dir, dense):
     tables = [manager.block_table(seq.seq_id, g) for g in range(groups)]
     assert all(len(t) == full for t in tables)
     held = sum(sum(b >= 0 for b in t) for t in tables)
-    if groups > 1:
-        assert held < groups * full
-        for g, kind_g in enumerate(runner.grouping.groups):
-            if kind_g.kind == "full":
-                assert -1 not in tables[g]
-            else:
-                # Released entries read -1; what is held is the window of the next query and
-                # the block it starts in, no more.
-                assert tables[g][0] == -1 and tables[g][-1] >= 0
-                assert sum(b >= 0 for b in tables[g]) <= -(-(WINDOW - 1) // BLOCK) + 2
-    else:
-        assert held == full
+    # Every model here has a windowed layer: Mistral's one group is sliding (group 0 too).
+    assert held < groups * full
+    for g, kind_g in enumerate(runner.grouping.groups):
+        if kind_g.kind == "full":
+            assert -1 not in tables[g]
+        else:
+            # Released entries read -1; what is held is the window of the next query and
+            # the block it starts in, no more.
+            assert tables[g][0] == -1 and tables[g][-1] >= 0
+            assert sum(b >= 0 for b in tables[g]) <= -(-(WINDOW - 1) // BLOCK) + 2
     manager.check_invariants()
     while engine.has_unfinished_requests():
         engine.step()
