@@ -71,10 +71,23 @@ def test_group_limit_trades_padding_for_fewer_groups() -> None:
     assert g.efficiency(kinds, 8192, 16) < group_layers(kinds, 8192, 16).efficiency(kinds, 8192, 16)
 
 
-def test_uniform_models_are_one_full_group() -> None:
-    for kinds in ([FULL] * 4, [K.sliding(4)] * 4):
-        g = group_layers(kinds, 100, 4)
-        assert g.groups == (FULL,) and g.slots == 4 and not g.saves_memory
+def test_uniform_models_are_one_group() -> None:
+    g = group_layers([FULL] * 4, 100, 4)
+    assert g.groups == (FULL,) and g.slots == 4 and not g.saves_memory
+    # Every layer windowed: one group of that kind (group 0 windowed), or one full group when a
+    # tier below the GPU needs group 0 full.
+    g = group_layers([K.sliding(4)] * 4, 100, 4)
+    assert g.groups == (K.sliding(4),) and g.slots == 4 and g.saves_memory
+    assert g.need_blocks(100, 4) == 2
+    g = group_layers([K.sliding(4)] * 4, 100, 4, windowed_group0=False)
+    assert g.groups == (FULL,) and not g.saves_memory and g.need_blocks(100, 4) == 25
+    with pytest.raises(InvalidConfigError):
+        group_layers([FULL], 100, 4, windowed_group0=1)  # type: ignore[arg-type]
+    # Two windowed kinds: no full group at all; group 0 is one of them.
+    mixed = [K.chunked(8), K.sliding(4), K.sliding(4), K.chunked(8)]
+    g = group_layers(mixed, 100, 4)
+    assert all(k.kind != "full" for k in g.groups) and g.saves_memory
+    assert sorted(set(g.groups), key=str) == sorted({K.chunked(8), K.sliding(4)}, key=str)
     oss = [K.sliding(128) if i % 2 == 0 else FULL for i in range(36)]
     g = group_layers(oss, 32768, 16)
     assert (g.num_groups, g.slots, g.padding) == (2, 18, 0) and g.saves_memory

@@ -383,3 +383,40 @@ def test_swap_round_trip_moves_every_group() -> None:
     _check_step(m, buf, info, [1], [1])
     assert m.num_free_host_blocks == 32
     m.check_invariants()
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_every_group_windowed_releases_group_0(backend: str) -> None:
+    """A manager whose every group is windowed (a model without a full layer): group 0 releases
+    what no later query reads (``-1`` in its table and rows), a resent prompt hits up to its last
+    full block with only the window held, and the host tier is refused."""
+    m = BlockManager(64, B, groups=[KVCacheGroup.sliding(6)], watermark_blocks=0)
+    assert m.num_groups == 1 and m.groups == (KVCacheGroup.sliding(6),)
+    buf = StepBuffers(4, 64, 16, backend=backend, device="cpu")
+    m.attach_buffers(buf)
+    prompt = list(range(10))
+    m.admit(1, prompt)
+    info = m.step([1], [10])
+    _check_step(m, buf, info, [1], [10])
+    for t in range(30):
+        m.append_batch([1], [t])
+        info = m.step([1], 1)
+        _check_step(m, buf, info, [1], [1])
+        table = m.block_table(1)
+        # Window 6 at position p reads [p - 5, p]: at most ceil(5 / 4) + 1 = 3 blocks held.
+        assert sum(b >= 0 for b in table) <= 3
+        m.check_invariants()
+    table = m.block_table(1)
+    assert table[:8] == [-1] * 8 and -1 not in table[8:]
+    assert m.block_hashes(1)[:8] == [None] * 8
+    # The prompt again: boundary 8 tokens (two blocks) needs only [dead(8), 2) = [0, 2), still
+    # cached; past it, the first sequence's window has moved on.
+    r = m.admit(2, prompt)
+    assert r.cached_tokens == 8
+    m.free(1)
+    m.free(2)
+    m.check_invariants()
+    assert m.num_free_blocks == 64
+    with pytest.raises(InvalidConfigError, match="windowed group 0"):
+        BlockManager(16, B, groups=[KVCacheGroup.sliding(6)], num_host_blocks=8,
+                     host_cache=True)

@@ -204,20 +204,25 @@ def test_cli_plan_hf_config_groups(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["groups"] is None
 
 
-def test_every_layer_windowed_plans_as_one_full_group():
-    # Mistral-7B v0.1: a sliding window on every layer. The manager needs a full group 0, so the
-    # grouping is one full group of every layer and the plan has no group section.
+def test_every_layer_windowed_plans_as_one_sliding_group():
+    # Mistral-7B v0.1: a sliding window on every layer. One sliding group (group 0 windowed): a
+    # sequence holds its window's pages, whatever its length.
     cfg = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
            "torch_dtype": "bfloat16", "sliding_window": 4096, "max_position_embeddings": 32768}
     model = ModelConfig.from_hf_config(cfg)
     assert model.layer_kinds == (("sliding", 4096),) * 32
-    s = size_groups(model.cache_spec(), model.layer_kinds, 10 * GiB, 8192)
-    assert s.num_groups == 1 and not s.grouping.saves_memory
-    assert s.max_seqs(8192) == s.full_max_seqs(8192)
-    plan = make_plan(model.cache_spec(), MemoryBudget(total_bytes=80 * GiB), [8192],
+    s = size_groups(model.cache_spec(), model.layer_kinds, 10 * GiB, 32768)
+    assert s.num_groups == 1 and s.grouping.saves_memory
+    assert s.groups == (KVCacheGroup.sliding(4096),)
+    # ceil(4095 / 16) + 1 = 257 pages a sequence, at any length past the window.
+    assert s.blocks_per_seq(32768) == s.blocks_per_seq(8192) == 257
+    assert s.blocks_per_seq(4096) == 256
+    assert s.max_seqs(32768) == s.num_blocks // 257
+    assert s.full_max_seqs(32768) == s.num_blocks // 2048
+    plan = make_plan(model.cache_spec(), MemoryBudget(total_bytes=80 * GiB), [8192, 32768],
                      layer_kinds=model.layer_kinds)
-    assert plan.groups is None
+    assert plan.groups is not None and plan.groups.groups == (KVCacheGroup.sliding(4096),)
     # Qwen2 with use_sliding_window false: every layer full.
     qwen = dict(cfg, model_type="qwen2", use_sliding_window=False)
     assert ModelConfig.from_hf_config(qwen).layer_kinds is None

@@ -119,6 +119,24 @@ def test_cli_simulate_hf_config_with_groups(tmp_path, capsys):
     assert "groups" not in json.loads(capsys.readouterr().out)
 
 
+def test_cli_simulate_every_layer_sliding(tmp_path, capsys):
+    """Mistral-7B-v0.1's shape (a sliding window on every layer): the grouped run is one sliding
+    group of every layer (pages as large as full-attention blocks), and holds more sequences."""
+    cfg = {"model_type": "mistral", "torch_dtype": "float16", "hidden_size": 256,
+           "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": 1000, "sliding_window": 128,
+           "max_position_embeddings": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    argv = ["simulate", "--hf-config", str(tmp_path), "--num-blocks", "300", "--requests", "60",
+            "--rate", "1", "--prompt-median", "300", "--output-median", "100",
+            "--max-model-len", "1024", "--quiet", "--json"]
+    assert main(argv) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["groups"] == [["sliding", 128]] and d["group_num_blocks"] == 300
+    assert d["mean_concurrency_groups"] > d["mean_concurrency_paged"]
+    SimConfig(num_blocks=100, groups=(("sliding", 64), ("chunked", 32)), group_num_blocks=10)
+
+
 def test_grouped_run_swaps_every_group():
     """A pool too small for the workload with a host pool and ``preemption_mode="swap"``: the
     grouped run preempts by swap (every group's blocks out and back), serves every request and

@@ -173,7 +173,7 @@ class GroupSizing:
 
     @property
     def groups(self) -> Tuple["KVCacheGroup", ...]:
-        """The groups, group 0 full: what ``BlockManager(groups=)`` takes."""
+        """The groups, group 0 full unless no layer is: what ``BlockManager(groups=)`` takes."""
         return self.grouping.groups
 
     @property

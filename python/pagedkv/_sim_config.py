@@ -136,10 +136,11 @@ class SimConfig:
                 field="groups", value=g, reason="must list (kind, size) pairs")
         object.__setattr__(self, "groups", normalize_layer_kinds(g, len(g)))
         assert self.groups is not None
-        if self.groups[0][0] != "full":
+        if self.groups[0][0] != "full" and any(k == "full" for k, _ in self.groups):
             raise InvalidConfigError(
-                f"invalid simulation config: groups[0] = {self.groups[0]!r}: group 0 must be full",
-                field="groups", value=g, reason="group 0 must be full")
+                f"invalid simulation config: groups[0] = {self.groups[0]!r}: group 0 must be full "
+                "when some group is", field="groups", value=g,
+                reason="group 0 must be full when some group is")
         if n < 1:
             raise InvalidConfigError(
                 f"invalid simulation config: group_num_blocks = {n}: groups need a pool of >= 1 "

@@ -10,8 +10,10 @@ Invariants:
 
 * A :class:`KVCacheGroup` is immutable; ``size`` is 0 exactly for a full group and ``>= 1``
   otherwise (a sliding window or chunk of 0 tokens is refused when built).
-* A manager's group 0 is always full (it carries the prefix-hash chain); without ``groups`` a
-  manager has one full group and behaves exactly as before groups existed.
+* A manager's group 0 is full whenever any group is (it carries the prefix-hash chain); only a
+  manager whose every group is windowed (a model without a full layer) has a windowed group 0,
+  which releases like the others. Without ``groups`` a manager has one full group and behaves
+  exactly as before groups existed.
 * A query at position ``p`` reads ``[0, p]`` in a full group, ``[p - window + 1, p]`` in a sliding
   one and ``[p // chunk * chunk, p]`` in a chunked one; blocks no later query reads are released
   when a step is built and show as ``-1`` in that group's block table.

@@ -15,9 +15,14 @@ full and 52 sliding layers) gets ``m = 2``: 31 groups and no padding, where one 
 
 Invariants:
 
-* Group 0 is full (the manager's rule: it carries the prefix-hash chain). A model whose every
-  layer is windowed runs as one full group: correct, since the kernels still skip keys outside
-  each layer's window, but holding every position (:attr:`LayerGrouping.saves_memory` is False).
+* Group 0 is full whenever some layer is (the manager's rule: group 0 carries the prefix-hash
+  chain, and a windowed group 0 is for models without a full layer). A model whose every layer is
+  windowed (Mistral-7B-v0.1's sliding window on every layer, a Qwen2 config whose
+  ``max_window_layers`` leaves no layer full, Llama 4 with every layer chunked) gets groups of its
+  windowed kinds only, group 0 among them: a sequence holds its window's blocks, not its whole
+  length. With ``windowed_group0=False`` (what a host, disk or remote tier of the prefix cache
+  needs: they follow group 0's leading run of blocks) such a model runs as one full group instead,
+  correct since the kernels skip keys outside each layer's window, but holding every position.
 * Every layer is in exactly one group and one slot; groups of one kind are consecutive; a
   group's layers are ascending, and only a kind's last group can have padding.
 """
@@ -141,7 +146,8 @@ class LayerGrouping:
     """Layers cut into KV cache groups that share one page size.
 
     Attributes:
-        groups: Each group's kind, group 0 full: what ``BlockManager(groups=)`` takes.
+        groups: Each group's kind, group 0 full unless no layer is: what
+            ``BlockManager(groups=)`` takes.
         group_layers: Each group's model layers, ascending (fewer than :attr:`slots` only in a
             kind's last group).
         slots: Layers a page holds (every group's size, padding included).
@@ -206,11 +212,13 @@ def group_layers(
     block_size: int,
     *,
     max_groups: int = MAX_GROUPS,
+    windowed_group0: bool = True,
 ) -> LayerGrouping:
     """The grouping of ``kinds`` (one per layer, e.g. from :func:`layer_kinds`) whose sequences
     of ``context`` tokens need the least KV, within ``max_groups`` groups (ties: fewer groups).
 
-    A model without a full layer gets one full group of every layer (see the module doc).
+    A model without a full layer gets groups of its windowed kinds, group 0 windowed; with
+    ``windowed_group0=False`` one full group of every layer instead (see the module doc).
 
     Raises:
         InvalidConfigError: No layers, an entry that is not a :class:`KVCacheGroup`, or a
@@ -222,7 +230,10 @@ def group_layers(
     _positive("context", context)
     _positive("block_size", block_size)
     _positive("max_groups", max_groups)
-    if all(k.kind != "full" for k in kinds) or all(k.kind == "full" for k in kinds):
+    if not isinstance(windowed_group0, bool):
+        raise InvalidConfigError(f"windowed_group0 = {windowed_group0!r}: must be a bool")
+    windowed = [k.kind != "full" for k in kinds]
+    if not any(windowed) or (all(windowed) and not windowed_group0):
         return _cut([_FULL] * len(kinds), len(kinds))
     best: Optional[Tuple[int, int, int]] = None
     for m in range(1, len(kinds) + 1):

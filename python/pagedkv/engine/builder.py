@@ -147,10 +147,11 @@ def sequence_blocks(kv_groups: Any, length: int, block_size: int, chunk: int) ->
 
 
 def _group_need(runner: Any, config: EngineConfig) -> Optional[Any]:
-    """With several KV cache groups: a sequence's block need as a function of its length
-    (:func:`sequence_blocks`); None with one group (a sequence holds ``ceil(len / B)``)."""
+    """With a windowed KV cache group: a sequence's block need as a function of its length
+    (:func:`sequence_blocks`); None with full groups only (a sequence holds ``ceil(len / B)``
+    per group)."""
     groups = getattr(runner, "kv_groups", ())
-    if len(groups) <= 1:
+    if all(g.kind == "full" for g in groups):
         return None
     chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else 1 << 62
     return lambda length: sequence_blocks(groups, length, runner.block_size, chunk)

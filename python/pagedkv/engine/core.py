@@ -65,10 +65,11 @@ def build_block_manager(runner: Any, **kwargs: Any) -> BlockManager:
     """A :class:`pagedkv.BlockManager` shaped like ``runner``'s pool, its step buffers attached.
 
     ``kwargs`` go to the manager (``watermark_blocks``, ``enable_prefix_caching``, ...); a
-    runner with several KV cache groups (``runner.kv_groups``) gives it ``groups=``.
+    runner with several KV cache groups, or a windowed one (``runner.kv_groups``), gives it
+    ``groups=``.
     """
     groups = getattr(runner, "kv_groups", ())
-    if len(groups) > 1:
+    if len(groups) > 1 or any(g.kind != "full" for g in groups):
         kwargs.setdefault("groups", list(groups))
     mgr = BlockManager(runner.num_blocks, runner.block_size,
                        max_blocks_per_seq=runner.max_blocks_per_seq, **kwargs)

@@ -176,9 +176,14 @@ class ModelRunner(_RatesMixin, _StepMixin, _GraphMixin):
         #: Each layer's attention kind (full, sliding, chunked: :attr:`LoadedModel.layer_kinds`).
         self.layer_kinds = loaded.layer_kinds
         #: The layers cut into KV cache groups (:func:`pagedkv.layer_groups.group_layers`): one
-        #: full group unless full layers sit beside sliding or chunked ones.
-        self.grouping = group_layers(self.layer_kinds, self.max_model_len, block_size)
-        #: The manager's ``groups=`` (one per KV cache group, group 0 full).
+        #: full group for a full-attention model; a model whose every layer is windowed gets a
+        #: windowed group 0 (its sequences hold their windows only) unless a prefix-cache tier
+        #: below the GPU is on (those follow group 0's leading run: one full group then).
+        tiers = any(getattr(config, name, None) is not None
+                    for name in ("host_cache_memory", "disk_cache_dir", "remote_cache_url"))
+        self.grouping = group_layers(self.layer_kinds, self.max_model_len, block_size,
+                                     windowed_group0=not tiers)
+        #: The manager's ``groups=`` (one per KV cache group, group 0 full when some layer is).
         self.kv_groups = self.grouping.groups
         #: Whether some layer attends to a window or chunk only.
         self.windowed = any(k.kind != "full" for k in self.layer_kinds)

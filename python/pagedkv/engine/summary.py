@@ -65,10 +65,12 @@ def startup_summary(engine: Any) -> str:
     grouping = getattr(runner, "grouping", None)
     pool = f"KV pool {blocks} blocks x {bs} tokens = {tokens} tokens, {_gib(blocks * bpb)}"
     concurrency = tokens / max(max_len, 1)
-    if grouping is not None and grouping.num_groups > 1:
-        # A page holds one group's `slots` layers; a request holds its peak over every group.
+    if grouping is not None and grouping.saves_memory:
+        # A page holds one group's `slots` layers; a request holds its peak over every group
+        # (a model whose every layer slides: one sliding group).
+        n = grouping.num_groups
         pool = (f"KV pool {blocks} pages x {bs} tokens x {grouping.slots} layers, "
-                f"{_gib(blocks * bpb)}, {grouping.num_groups} KV cache groups "
+                f"{_gib(blocks * bpb)}, {n} KV cache group{'s' if n > 1 else ''} "
                 f"({_kinds(grouping.groups)})")
         concurrency = blocks / max(grouping.need_blocks(max(max_len, 1), bs), 1)
     return (f"pagedkv engine: {model} on {engine.device} ({runner.spec.dtype}"

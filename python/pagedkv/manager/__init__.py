@@ -99,7 +99,8 @@ class BlockManager(
             oldest dropped and counted when it is full. 0 (the default): nothing is recorded.
         groups: The KV cache groups (:class:`~pagedkv.KVCacheGroup`, or tuples ``("full",)``,
             ``("sliding", window)``, ``("chunked", chunk)``), group ``g`` at index ``g``; group 0
-            must be full. Each sequence gets one block table per group, all drawing on the one
+            must be full when any group is (a model whose every layer slides or is chunked runs
+            with every group windowed, group 0 included; no ``host_cache`` then). Each sequence gets one block table per group, all drawing on the one
             pool; a sliding or chunked group releases the blocks no later query reads when a step
             is built (``-1`` in :meth:`block_table`). ``None`` (the default): one full group,
             the manager without groups. Swap moves every group's held blocks (released entries
@@ -112,7 +113,7 @@ class BlockManager(
 
     Raises:
         InvalidConfigError: A value is out of range (no blocks, block size 0, watermark ≥ pool, a
-            group 0 that is not full, more than 64 groups, ...).
+            windowed group 0 beside a full group, more than 64 groups, ...).
         InvalidArgumentError: A size is negative or not an int (a bool is not one), or a flag is
             not a bool.
     """

@@ -176,6 +176,11 @@ fn decode_groups(c: &mut Criterion) {
             "full_sliding_128",
             vec![AttentionKind::Full, AttentionKind::Sliding { window: 128 }],
         ),
+        // Every layer sliding (Mistral-7B-v0.1): one group, group 0 windowed.
+        (
+            "sliding_only_128",
+            vec![AttentionKind::Sliding { window: 128 }],
+        ),
     ] {
         g.bench_function(name, |b| {
             const N: usize = 256;

@@ -348,7 +348,12 @@ impl Harness {
                 }
                 SeqState::Swapped => {
                     assert_eq!(t.len(), blocks_for(ms.tokens.len(), self.bs));
-                    for &h in t {
+                    // A windowed group 0 keeps its released prefix null on the host too.
+                    let start0 = t.iter().take_while(|&&h| h == NULL_BLOCK).count();
+                    assert!(start0 == 0 || self.m.group_kind(0).unwrap().is_windowed());
+                    assert!(start0 < t.len(), "swapped group 0 released its tail");
+                    for &h in &t[start0..] {
+                        assert_ne!(h, NULL_BLOCK, "swapped group 0: a null after a live one");
                         assert!(self.m.host_block_refcount(h).unwrap() >= 1);
                     }
                     // Other groups on the host too: as long, the released prefix still null.
@@ -366,15 +371,20 @@ impl Harness {
                 }
             }
             assert_eq!(t.len(), blocks_for(ms.tokens.len(), self.bs));
-            let mut sorted = t.to_vec();
+            // Group 0's null prefix: only when it is windowed (every group is), never the tail.
+            let start0 = t.iter().take_while(|&&b| b == NULL_BLOCK).count();
+            assert!(start0 == 0 || self.m.group_kind(0).unwrap().is_windowed());
+            assert!(start0 < t.len(), "group 0 released its tail");
+            let own0 = &t[start0..];
+            let mut sorted = own0.to_vec();
             sorted.sort();
             sorted.dedup();
             assert_eq!(
                 sorted.len(),
-                t.len(),
+                own0.len(),
                 "a table maps two positions to one slot"
             );
-            for &b in t {
+            for &b in own0 {
                 assert!(
                     self.m.block_refcount(b).unwrap() >= 1,
                     "table holds unowned block {b}"
@@ -428,7 +438,9 @@ impl Harness {
         for (&id, ms) in &self.model {
             let t = self.m.block_table(id).unwrap();
             let fp = fingerprints(ms);
-            for p in 0..ms.computed {
+            // Group 0 reads from the first position a later query reads (0 when it is full).
+            let kind0 = self.m.group_kind(0).unwrap();
+            for p in kind0.first_needed(ms.computed)..ms.computed {
                 let (b, o) = (t[p / self.bs], p % self.bs);
                 let v = match ms.state {
                     SeqState::Running => self.device_value(b, o),
@@ -1203,6 +1215,12 @@ impl Harness {
             // Releases follow the committed length.
             let c = (len - n[k] as usize).min(len - ms.prov);
             let tok0 = tok - n[k] as usize;
+            let kind0 = self.m.group_kind(0).unwrap();
+            assert_eq!(
+                t.iter().take_while(|&&b| b == NULL_BLOCK).count(),
+                dead_blocks(kind0, c, bs).min(blocks_for(len - ms.prov, bs) - 1),
+                "group 0 ({kind0:?}) at c = {c}"
+            );
             for g in 1..self.m.num_groups() {
                 let kind = self.m.group_kind(g).unwrap();
                 let gt = self.m.block_table_group(s, g).unwrap();
@@ -1497,15 +1515,63 @@ proptest! {
         max_copies in prop::sample::select(vec![1usize, 2, 128]),
         ops in prop::collection::vec(op(), 1..100),
     ) {
-        let mut h = Harness::new(cfg, max_copies, 4);
-        // The device tier's KV events, replayed per (group, hash), equal the prefix cache after
-        // every operation.
-        let mut events = EventReplay::new(false);
-        h.walk(&ops, false, |m| events.check(m))?;
-        prop_assert_eq!(
-            h.m.num_free_host_blocks(),
-            h.m.config().num_host_blocks as usize
+        walk_groups(cfg, max_copies, &ops)?;
+    }
+}
+
+/// One walk of `ops` on a manager with KV cache groups (`hybrid_groups_match_model`,
+/// `all_windowed_groups_match_model`): the model's checks after every operation, the KV events
+/// replayed per (group, hash) equal to the prefix cache, and everything free at the end.
+fn walk_groups(
+    cfg: ManagerConfig,
+    max_copies: usize,
+    ops: &[Op],
+) -> Result<(), proptest::test_runner::TestCaseError> {
+    let mut h = Harness::new(cfg, max_copies, 4);
+    let mut events = EventReplay::new(false);
+    h.walk(ops, false, |m| events.check(m))?;
+    prop_assert_eq!(
+        h.m.num_free_host_blocks(),
+        h.m.config().num_host_blocks as usize
+    );
+    Ok(())
+}
+
+/// Configurations whose every group is windowed (a model whose every layer slides or is
+/// chunked): group 0 sliding or chunked, alone or beside other windowed groups, with swap on or
+/// off and no host tier. Group 0 releases its dead blocks like the others.
+fn all_windowed_config() -> impl Strategy<Value = ManagerConfig> {
+    (config(), 1u32..12, 1u32..12, 0u8..4).prop_map(|(mut c, w, ch, shape)| {
+        c.host_cache = false;
+        c.host_write_through = false;
+        c.kv_event_capacity = 1 << 14;
+        let (a, b) = (
+            AttentionKind::Sliding { window: w },
+            AttentionKind::Chunked { chunk: ch },
         );
+        c.groups = match shape {
+            0 => vec![a],
+            1 => vec![b],
+            2 => vec![a, b],
+            _ => vec![b, a, a],
+        };
+        if c.groups.len() > 1 {
+            c.num_blocks *= 2;
+        }
+        c
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn all_windowed_groups_match_model(
+        cfg in all_windowed_config(),
+        max_copies in prop::sample::select(vec![1usize, 2, 128]),
+        ops in prop::collection::vec(op(), 1..100),
+    ) {
+        walk_groups(cfg, max_copies, &ops)?;
     }
 }
 

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use super::tier::registered;
 use super::{AdmitRequest, AdmitResult, BlockManager, GroupLoad};
 use crate::error::{Error, Result};
+use crate::groups::{dead_blocks, NULL_BLOCK};
 use crate::hash::{root_hash, Hasher, SeqKeys};
 use crate::swap::{HostBlockId, SeqState};
 use crate::table::blocks_for;
@@ -274,6 +275,10 @@ impl BlockManager {
             return look;
         }
         let max_hit = (tokens.len() - 1) / bs;
+        if self.kind0.is_windowed() {
+            self.lookup_windowed0(hasher, tokens, extra, hashes, hits, &mut look, max_hit);
+            return look;
+        }
         for i in 0..max_hit {
             if i == hashes.len() {
                 let upto = (i + GROUP).min(max_hit);
@@ -343,6 +348,50 @@ impl BlockManager {
         look.host_gain = k - k_dev.min(k);
         look.cached = k * bs;
         look
+    }
+
+    /// The lookup of a manager whose every group is windowed (no host tier): the whole prompt's
+    /// chain is hashed, the hit is the longest boundary `k` at which every group, group 0
+    /// included, has the blocks `[dead_blocks(kind, k * B, B), k)` cached, and `hits` holds
+    /// group 0's table at that boundary: null entries, then the hits.
+    #[allow(clippy::too_many_arguments)]
+    fn lookup_windowed0(
+        &self,
+        hasher: &mut Hasher,
+        tokens: &[TokenId],
+        extra: Option<&SeqKeys>,
+        hashes: &mut Vec<u128>,
+        hits: &mut Vec<BlockId>,
+        look: &mut Lookup,
+        max_hit: usize,
+    ) {
+        if max_hit == 0 {
+            return;
+        }
+        hasher.extend_chain(
+            look.root,
+            &tokens[..max_hit * self.bs],
+            self.bs,
+            extra,
+            hashes,
+        );
+        let k = self.group_boundary(tokens, hashes, max_hit, false);
+        let lo = dead_blocks(self.kind0, k * self.bs, self.bs);
+        hits.resize(lo, NULL_BLOCK);
+        let mut revive = 0;
+        for i in lo..k {
+            // Present: `group_boundary` checked it (a verify mismatch counts as a miss there).
+            let b = self.group_hit(0, hashes, tokens, i).unwrap_or(NULL_BLOCK);
+            revive += (b != NULL_BLOCK && self.prefix.in_lru(b)) as usize;
+            hits.push(b);
+        }
+        let mut loads = Vec::new();
+        if !self.kinds.is_empty() {
+            revive += self.group_plan(tokens, hashes, k, &mut loads);
+        }
+        look.revive = revive;
+        look.group0 = k;
+        look.cached = k * self.bs;
     }
 
     /// Blocks an admission holding `nb` blocks takes (watermark aside): group 0's past its `kd`
@@ -456,6 +505,11 @@ impl BlockManager {
         self.slots[slot as usize].table.clear();
         let mut blocks = std::mem::take(&mut self.slots[slot as usize].table.blocks);
         for &b in &hits {
+            if b == NULL_BLOCK {
+                // Dead at the boundary (a windowed group 0).
+                blocks.push(b);
+                continue;
+            }
             if self.prefix.in_lru(b) {
                 self.prefix.lru_remove(b);
                 self.pool.incref_mut(b)?;
@@ -464,11 +518,16 @@ impl BlockManager {
             }
             blocks.push(b);
         }
+        let start0 = hits.iter().take_while(|&&b| b == NULL_BLOCK).count();
+        self.slots[slot as usize].start0 = start0;
         if !self.kinds.is_empty() {
             self.slots[slot as usize].table.blocks = blocks;
             self.pin_extra(slot as usize, tokens, &hashes, k, &loads)?;
             self.slots[slot as usize].shared_prefix = look.group0;
             blocks = std::mem::take(&mut self.slots[slot as usize].table.blocks);
+        } else if self.kind0.is_windowed() {
+            self.slots[slot as usize].shared_prefix = look.group0;
+            self.set_next_release(slot as usize);
         }
         // Host hits are pinned before anything is allocated: an eviction below may offload, and
         // an offload may demote an unreferenced host-cached block, never one of these.

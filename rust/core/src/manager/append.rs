@@ -261,7 +261,8 @@ impl BlockManager {
             .extra
             .iter()
             .flat_map(|t| &t.blocks[t.start..]);
-        for &b in self.slots[p].table.blocks.iter().chain(extra_blocks) {
+        let ps = &self.slots[p];
+        for &b in ps.table.blocks[ps.start0..].iter().chain(extra_blocks) {
             if self.pool.refcount(b)? >= crate::pool::MAX_REFCOUNT {
                 return Err(Error::InvalidArgument {
                     what: "parent",
@@ -289,12 +290,14 @@ impl BlockManager {
         child_state.order = ps.order;
         child_state.group = ps.group;
         child_state.extra.clone_from(&ps.extra);
+        child_state.start0 = ps.start0;
         child_state.next_release = ps.next_release;
         child_state.shared_prefix = ps.shared_prefix;
         child_state.provisional = 0;
         child_state.stepped = 0;
         let extra_blocks = child_state.extra.iter().flat_map(|t| &t.blocks[t.start..]);
-        for &b in child_state.table.blocks.iter().chain(extra_blocks) {
+        let own0 = &child_state.table.blocks[child_state.start0..];
+        for &b in own0.iter().chain(extra_blocks) {
             if self.pool.incref_mut(b)? == 2 {
                 self.shared_blocks += 1;
             }

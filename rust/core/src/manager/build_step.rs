@@ -226,7 +226,7 @@ impl BlockManager {
         }
         self.hasher
             .extend_chain(s.root, &s.tokens, bs, s.keys.as_deref(), &mut s.hashes);
-        for j in s.registered..full {
+        for j in s.registered.max(s.start0)..full {
             let toks = &s.tokens[j * bs..(j + 1) * bs];
             let b = s.table.blocks[j];
             if self.prefix.register(b, s.hashes[j], toks) {
@@ -694,7 +694,12 @@ impl BlockManager {
             .filter(|(_, t)| t.start > 0)
             .map(|(&kind, t)| release_threshold(kind, t.start, self.bs))
             .max()
-            .unwrap_or(0);
+            .unwrap_or(0)
+            .max(if s.start0 > 0 {
+                release_threshold(self.kind0, s.start0, self.bs)
+            } else {
+                0
+            });
         if len - n < first {
             return Err(Error::InvalidArgument {
                 what: "num_new",

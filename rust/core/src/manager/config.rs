@@ -50,7 +50,9 @@ pub struct ManagerConfig {
     pub host_load_min_blocks: u32,
     /// The KV cache groups (see [`crate::groups`]), group `g` at index `g`. Empty (the default)
     /// means one [`AttentionKind::Full`] group, exactly the manager without groups. Group 0 must
-    /// be `Full`: it carries the prefix chain. With more than one group, swap moves every group's
+    /// be `Full` when any group is: it carries the prefix chain. A model whose every layer is
+    /// windowed runs with every group windowed (a windowed group 0 releases what it no longer
+    /// reads like the others; no host tier then). With more than one group, swap moves every group's
     /// blocks and the host tier keeps each group's blocks under `(chain hash, group)`.
     /// KV events name each block's group (see [`crate::events`]).
     pub groups: Vec<AttentionKind>,
@@ -187,12 +189,25 @@ impl ManagerConfig {
         for (g, k) in self.groups.iter().enumerate() {
             k.validate(g)?;
         }
+        // Group 0 carries the prefix chain. It is `Full` whenever any group is: a windowed group
+        // 0 is only for a model whose every layer is windowed (its blocks outside the window are
+        // released like any windowed group's).
         if let Some(&k) = self.groups.first() {
-            if k != AttentionKind::Full {
+            if k.is_windowed() && self.groups.iter().any(|g| !g.is_windowed()) {
                 return bad(
                     "groups",
                     0,
-                    format!("group 0 must be Full (it carries the prefix chain), got {k:?}"),
+                    format!(
+                        "group 0 must be Full when some group is (it carries the prefix chain), \
+                         got {k:?}"
+                    ),
+                );
+            }
+            if k.is_windowed() && self.host_cache {
+                return bad(
+                    "host_cache",
+                    1,
+                    format!("a windowed group 0 ({k:?}) has no host tier of the prefix cache"),
                 );
             }
         }

@@ -12,6 +12,10 @@
 //! - A block's refcount counts its entries in every group's table of every sequence. A released
 //!   block goes through the same `drop_ref` as a freed one: hashed, it enters the cached-free
 //!   LRU; unhashed, the free list (or waits as a pending copy's source).
+//! - Group 0 is `Full` unless every group is windowed (a model whose every layer slides or is
+//!   chunked). A windowed group 0 keeps `Seq::start0` leading null entries and releases like the
+//!   others (`release_dead0`); its hit is checked like theirs (its hits need not be a leading
+//!   run), and no host tier is kept for it.
 //! - The prefix cache keys group `g`'s full block `j` by `group_hash(h_j, g)`, `h_j` the chained
 //!   hash of the sequence's first `j + 1` blocks (group 0's key is `h_j` itself). An admission's
 //!   hit is the longest boundary `k` (blocks) at which group 0 has blocks `[0, k)` cached and
@@ -72,7 +76,7 @@ impl BlockManager {
     pub fn group_kind(&self, g: usize) -> Result<AttentionKind> {
         self.check_group(g)?;
         Ok(if g == 0 {
-            AttentionKind::Full
+            self.kind0
         } else {
             self.kinds[g - 1]
         })
@@ -108,7 +112,7 @@ impl BlockManager {
     /// Blocks a sequence holds in all groups together (null entries not counted).
     pub fn seq_blocks_held(&self, seq: SeqId) -> Result<usize> {
         let s = &self.slots[self.slot_of(seq)?];
-        Ok(s.table.blocks.len()
+        Ok(s.table.blocks.len() - s.start0
             + s.extra
                 .iter()
                 .map(|t| t.blocks.len() - t.start)
@@ -178,6 +182,9 @@ impl BlockManager {
     pub(super) fn release_dead(&mut self, slot: usize, c: usize) -> Result<()> {
         let bs = self.bs;
         let mut result = Ok(());
+        if self.kind0.is_windowed() {
+            result = self.release_dead0(slot, c);
+        }
         for g in 0..self.kinds.len() {
             let kind = self.kinds[g];
             if !kind.is_windowed() {
@@ -222,6 +229,39 @@ impl BlockManager {
         result
     }
 
+    /// Releases the dead blocks of `slot`'s windowed group 0 (a model whose every group is
+    /// windowed), as [`Self::release_dead`] does for the other groups. Group 0's block at `j`
+    /// keeps its recency only while another running sequence holds it too (inside the shared
+    /// prefix); the others go to the LRU's evicting end.
+    fn release_dead0(&mut self, slot: usize, c: usize) -> Result<()> {
+        let bs = self.bs;
+        let s = &self.slots[slot];
+        let tail = if s.provisional == 0 {
+            s.table.blocks.len().saturating_sub(1)
+        } else {
+            (s.table.num_tokens - s.provisional).saturating_sub(1) / bs
+        };
+        let dead = dead_blocks(self.kind0, c, bs).min(tail);
+        if dead <= s.start0 {
+            return Ok(());
+        }
+        let (from, shared) = (s.start0, s.shared_prefix);
+        let mut result = Ok(());
+        for j in from..dead {
+            let b = std::mem::replace(&mut self.slots[slot].table.blocks[j], NULL_BLOCK);
+            let live = j < shared && self.pool.refcount(b).is_ok_and(|n| n > 1);
+            if let Err(e) = self.drop_ref(b) {
+                result = Err(e);
+            } else if !live {
+                self.prefix.lru_to_front(b);
+            }
+        }
+        let s = &mut self.slots[slot];
+        s.start0 = dead;
+        s.version += 1;
+        result
+    }
+
     /// Recomputes `slot`'s `next_release` from its tables' null prefixes.
     pub(super) fn set_next_release(&mut self, slot: usize) {
         let bs = self.bs;
@@ -232,7 +272,8 @@ impl BlockManager {
             .zip(&s.extra)
             .map(|(&k, t)| release_threshold(k, t.start + 1, bs))
             .min()
-            .unwrap_or(usize::MAX);
+            .unwrap_or(usize::MAX)
+            .min(release_threshold(self.kind0, s.start0 + 1, bs));
     }
 
     /// Takes a reference to a prefix hit `b` (reviving it from the LRU if cached-free).
@@ -246,9 +287,9 @@ impl BlockManager {
         Ok(())
     }
 
-    /// Group `g`'s (`g >= 1`) cached block for block index `i` of a prompt: present under
+    /// Group `g`'s cached block for block index `i` of a prompt: present under
     /// `group_hash(hashes[i], g)` and, in verify mode, holding the same token ids.
-    fn group_hit(
+    pub(super) fn group_hit(
         &self,
         g: usize,
         hashes: &[u128],
@@ -291,9 +332,11 @@ impl BlockManager {
             return 0;
         }
         let bs = self.bs;
+        // A windowed group 0 is checked like the others (its hits are not a leading run).
+        let first = if self.kind0.is_windowed() { 0 } else { 1 };
         // misses[g][i]: group g misses among its blocks [0, i).
-        let mut misses: Vec<Vec<u32>> = Vec::with_capacity(self.kinds.len());
-        for g in 1..self.num_groups() {
+        let mut misses: Vec<Vec<u32>> = Vec::with_capacity(self.num_groups());
+        for g in first..self.num_groups() {
             let mut m = Vec::with_capacity(k0 + 1);
             m.push(0u32);
             for i in 0..k0 {
@@ -305,7 +348,8 @@ impl BlockManager {
         }
         let mut k = k0;
         while k > 0 {
-            let ok = self.kinds.iter().zip(&misses).all(|(&kind, m)| {
+            let kinds = std::iter::once(&self.kind0).skip(first);
+            let ok = kinds.chain(&self.kinds).zip(&misses).all(|(&kind, m)| {
                 let lo = dead_blocks(kind, k * bs, bs);
                 m[k] == m[lo]
             });

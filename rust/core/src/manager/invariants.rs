@@ -87,7 +87,16 @@ impl BlockManager {
                             t.blocks.len()
                         ));
                     }
-                    for &h in &t.blocks {
+                    for (j, &h) in t.blocks.iter().enumerate() {
+                        if (j < s.start0) != (h == NULL_BLOCK) {
+                            return bad(format!(
+                                "swapped sequence {id}: group 0 entry {j} is {h} with {} leading nulls",
+                                s.start0
+                            ));
+                        }
+                        if h == NULL_BLOCK {
+                            continue;
+                        }
                         if h as usize >= nh {
                             return bad(format!(
                                 "swapped sequence {id}: host block {h} outside the host pool"
@@ -151,7 +160,36 @@ impl BlockManager {
             if s.registered > committed / bs || s.hashes.len() > committed / bs {
                 return bad(format!("sequence {id}: hashes cover a partial block"));
             }
+            let reads_from = if self.cfg.max_provisional == 0 {
+                t.num_tokens - 1
+            } else {
+                committed
+            };
+            // Group 0's null entries: none unless it is windowed, and then as another group's.
+            if s.start0 != 0
+                && (!self.kind0.is_windowed()
+                    || s.start0 >= t.blocks.len()
+                    || s.start0 > (committed - 1) / bs
+                    || s.start0 * bs > self.kind0.first_needed(reads_from))
+            {
+                return bad(format!(
+                    "sequence {id}: group 0 ({:?}) releases {} of {} blocks at length {}",
+                    self.kind0,
+                    s.start0,
+                    t.blocks.len(),
+                    t.num_tokens
+                ));
+            }
             for (j, &b) in t.blocks.iter().enumerate() {
+                if (j < s.start0) != (b == NULL_BLOCK) {
+                    return bad(format!(
+                        "sequence {id}: group 0 entry {j} is {b} with {} leading nulls",
+                        s.start0
+                    ));
+                }
+                if b == NULL_BLOCK {
+                    continue;
+                }
                 if b as usize >= n {
                     return bad(format!("sequence {id}: block {b} outside the pool"));
                 }
@@ -190,14 +228,15 @@ impl BlockManager {
                     self.num_groups()
                 ));
             }
-            if !self.kinds.is_empty() {
+            if !self.kinds.is_empty() || self.kind0.is_windowed() {
                 let next = self
                     .kinds
                     .iter()
                     .zip(&s.extra)
                     .map(|(&k, gt)| release_threshold(k, gt.start + 1, bs))
                     .min()
-                    .unwrap_or(usize::MAX);
+                    .unwrap_or(usize::MAX)
+                    .min(release_threshold(self.kind0, s.start0 + 1, bs));
                 if s.next_release != next {
                     return bad(format!(
                         "sequence {id}: next release at {} but its tables say {next}",
@@ -205,11 +244,6 @@ impl BlockManager {
                     ));
                 }
             }
-            let reads_from = if self.cfg.max_provisional == 0 {
-                t.num_tokens - 1
-            } else {
-                committed
-            };
             for (gi, gt) in s.extra.iter().enumerate() {
                 let g = gi + 1;
                 let kind = self.kinds[gi];

@@ -180,6 +180,9 @@ struct Seq {
     swap_epoch: u64,
     /// Tables of groups `1..G` (empty for a one-group manager).
     extra: Vec<GroupTable>,
+    /// Leading null entries of group 0's table (released or never needed): 0 unless group 0 is
+    /// windowed (a model whose every layer slides or is chunked).
+    start0: usize,
     /// The first position from which a step releases another block of some windowed group
     /// (`usize::MAX` when none can): a step compares instead of dividing.
     next_release: usize,
@@ -253,6 +256,8 @@ pub struct BlockManager {
     tier: Option<HostTier>,
     /// The cost model of the host tier's load-or-recompute choice.
     host_cost: Option<CostModel>,
+    /// Attention kind of group 0: `Full` unless every group is windowed.
+    kind0: AttentionKind,
     /// Attention kinds of groups `1..G` (empty for a one-group manager).
     kinds: Vec<AttentionKind>,
     /// Some group releases blocks (sliding or chunked).
@@ -336,6 +341,7 @@ impl BlockManager {
             events,
             tier,
             host_cost: None,
+            kind0: cfg.groups.first().copied().unwrap_or(AttentionKind::Full),
             kinds: cfg.groups.iter().skip(1).copied().collect(),
             windowed: cfg.groups.iter().any(|k| k.is_windowed()),
             group_caches: vec![StepCache::default(); cfg.groups.len().saturating_sub(1)],
@@ -517,6 +523,7 @@ impl BlockManager {
         let blocks = std::mem::take(&mut self.slots[slot].table.blocks);
         let mut extra = std::mem::take(&mut self.slots[slot].extra);
         let state = self.slots[slot].state;
+        let start0 = std::mem::take(&mut self.slots[slot].start0);
         for (j, &b) in blocks.iter().enumerate().rev() {
             for t in &extra {
                 if j >= t.start {
@@ -529,6 +536,9 @@ impl BlockManager {
                         result = Err(e);
                     }
                 }
+            }
+            if j < start0 {
+                continue;
             }
             let r = if state == SeqState::Running {
                 self.drop_ref(b)

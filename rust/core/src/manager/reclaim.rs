@@ -106,7 +106,7 @@ impl BlockManager {
             let s = &self.slots[i];
             let keep = blocks_for(s.table.num_tokens - s.provisional, self.bs);
             let extra = s.extra.iter().flat_map(|t| &t.blocks[t.start..keep]);
-            for &b in s.table.blocks[..keep].iter().chain(extra) {
+            for &b in s.table.blocks[s.start0..keep].iter().chain(extra) {
                 if seen.insert(b, ()).is_none() && self.content_origin(b).is_err() {
                     needed += 1;
                 }
@@ -134,7 +134,9 @@ impl BlockManager {
         for &i in &slots {
             let n0 = self.slots[i].table.blocks.len();
             let mut hosts = Vec::with_capacity(n0);
-            for j in 0..n0 {
+            let lo0 = self.slots[i].start0;
+            hosts.resize(lo0, NULL_BLOCK);
+            for j in lo0..n0 {
                 let b = self.slots[i].table.blocks[j];
                 hosts.push(self.host_for(b, &mut map, &mut pairs)?);
             }
@@ -167,6 +169,9 @@ impl BlockManager {
                             result = Err(e);
                         }
                     }
+                }
+                if b == NULL_BLOCK {
+                    continue;
                 }
                 if let Err(e) = self.drop_device_unhashed(b) {
                     result = Err(e);
@@ -255,7 +260,7 @@ impl BlockManager {
         for &i in &slots {
             let s = &self.slots[i];
             let extra = s.extra.iter().flat_map(|t| &t.blocks[t.start..]);
-            for &h in s.table.blocks.iter().chain(extra) {
+            for &h in s.table.blocks[s.start0..].iter().chain(extra) {
                 seen.insert(h, ());
             }
         }
@@ -283,7 +288,11 @@ impl BlockManager {
             let hosts = std::mem::take(&mut self.slots[i].table.blocks);
             let mut device = Vec::with_capacity(hosts.len());
             for &h in &hosts {
-                device.push(self.device_for(h, &mut map, &mut pairs)?);
+                device.push(if h == NULL_BLOCK {
+                    NULL_BLOCK
+                } else {
+                    self.device_for(h, &mut map, &mut pairs)?
+                });
             }
             let mut extra_hosts = Vec::with_capacity(self.kinds.len());
             for g in 0..self.kinds.len() {
@@ -307,6 +316,9 @@ impl BlockManager {
                         }
                     }
                 }
+                if h == NULL_BLOCK {
+                    continue;
+                }
                 if let Err(e) = self.host_drop(h) {
                     result = Err(e);
                 }
@@ -316,7 +328,7 @@ impl BlockManager {
             s.table.blocks = device;
             if self.caching && s.swap_epoch == epoch {
                 let upto = s.registered.min(s.hashes.len());
-                for j in 0..upto {
+                for j in s.start0..upto {
                     let toks = &s.tokens[j * bs..(j + 1) * bs];
                     let b = s.table.blocks[j];
                     if self.prefix.register(b, s.hashes[j], toks) {
@@ -521,7 +533,7 @@ impl BlockManager {
             // A swap rewinds provisional tokens first: their own blocks do not travel.
             let keep = blocks_for(s.table.num_tokens - s.provisional, bs);
             let extra = s.extra.iter().flat_map(|t| &t.blocks[t.start..keep]);
-            for &b in s.table.blocks[..keep].iter().chain(extra) {
+            for &b in s.table.blocks[s.start0..keep].iter().chain(extra) {
                 let c = held.entry(b).or_insert(0);
                 if *c == 0 && self.content_origin(b).is_err() {
                     host_needed += 1;
@@ -541,21 +553,29 @@ impl BlockManager {
             let max_hit = (len - 1) / bs;
             let mut hits = 0usize;
             if self.caching {
-                for &b in t.blocks.iter().take(max_hit) {
-                    if !survives(b)? {
-                        break;
+                if self.kind0.is_windowed() {
+                    // Every group windowed: group 0's hits are not a leading run either; the
+                    // checks below start from the whole prompt.
+                    hits = max_hit;
+                } else {
+                    for &b in t.blocks.iter().take(max_hit) {
+                        if !survives(b)? {
+                            break;
+                        }
+                        hits += 1;
                     }
-                    hits += 1;
                 }
                 // With KV cache groups a hit is a boundary at which every group has what it
                 // needs (for a windowed group, the window ending there), as the admission's
                 // lookup decides: the longest boundary whose blocks of every group, found under
                 // (hash, group), survive.
+                let first = if self.kind0.is_windowed() { 0 } else { 1 };
                 let complete = |k: usize| -> Result<bool> {
-                    for (gi, &kind) in self.kinds.iter().enumerate() {
+                    let kinds = std::iter::once(&self.kind0).skip(first);
+                    for (gi, &kind) in kinds.chain(&self.kinds).enumerate() {
                         for j in dead_blocks(kind, k * bs, bs)..k {
                             let found = match s.hashes.get(j) {
-                                Some(&h) => self.prefix.lookup(group_hash(h, gi + 1)),
+                                Some(&h) => self.prefix.lookup(group_hash(h, gi + first)),
                                 None => None,
                             };
                             if !found.map_or(Ok(false), survives)? {

@@ -101,6 +101,13 @@ impl PyBlockManager {
             let table = self
                 .with(py, |st| st.inner.block_table(id).map(<[BlockId]>::to_vec))
                 .py()?;
+            if table.first() != Some(&NULL_BLOCK) {
+                return PyList::new(py, table);
+            }
+            // A windowed group 0 (every group windowed) released its leading blocks.
+            let table = table
+                .iter()
+                .map(|&b| if b == NULL_BLOCK { -1 } else { i64::from(b) });
             return PyList::new(py, table);
         };
         let table = self
