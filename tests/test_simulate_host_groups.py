@@ -137,3 +137,39 @@ def test_gemma3_groups_tier_sweep_and_disk_refused():
         simulate_tiers(WL, sim, [400], [1000], grouped=True)
     assert info.value.field == "disk_cache_blocks"
     assert "host_cache_blocks" in str(info.value)
+
+
+def test_cli_tier_sweep_runs_the_groups(tmp_path, capsys):
+    import json
+
+    from pagedkv.cli import main
+
+    cfg = {"model_type": "gemma3_text", "torch_dtype": "float16", "hidden_size": 256,
+           "intermediate_size": 512, "num_hidden_layers": 12, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000,
+           "sliding_window": 128, "sliding_window_pattern": 6, "max_position_embeddings": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    argv = ["simulate", "--hf-config", str(tmp_path), "--num-blocks", "200", "--requests", "150",
+            "--rate", "2", "--prompt-median", "600", "--output-median", "16",
+            "--max-model-len", "2048", "--num-prefixes", "24", "--prefix-len", "512",
+            "--prefix-fraction", "0.9", "--seed", "3", "--quiet", "--host-cache", "0", "60MiB"]
+    assert main(argv + ["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    # 10 sliding layers and 2 full: 6 groups of 2 layers, a page of 2 layers x 16 tokens.
+    assert d["groups"][0] == ["full", 0] and len(d["groups"]) == 6
+    page = 2 * 2 * 2 * 64 * 2 * 16  # layers x K,V x heads x dims x fp16 bytes x tokens
+    assert d["group_block_bytes"] == [page] * 6
+    none, host = d["points"]
+    assert none["grouped"] and host["grouped"]
+    assert host["hits_by_tier"]["host"] > 0.05 and host["prefix_hit_ratio"] > none["prefix_hit_ratio"]
+    assert host["loaded_bytes"]["host"] == sum(host["loaded_blocks"]["host"]) * page
+    assert main(argv) == 0
+    assert "KV cache groups: 6 groups over 1,200 pages" in capsys.readouterr().out
+    # The disk tier is refused with groups, and runs with full-attention accounting.
+    assert main(argv + ["--disk-cache", "0", "100MiB"]) != 0
+    err = capsys.readouterr().err
+    assert "--disk-cache with gemma3_text's 6 KV cache groups" in err and "--no-kv-groups" in err
+    assert main(argv + ["--disk-cache", "0", "100MiB", "--no-kv-groups", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert "groups" not in d and len(d["points"]) == 3 and not d["points"][0]["grouped"]
+    assert d["points"][2]["hits_by_tier"]["disk"] > 0
