@@ -173,3 +173,20 @@ def test_cli_tier_sweep_runs_the_groups(tmp_path, capsys):
     d = json.loads(capsys.readouterr().out)
     assert "groups" not in d and len(d["points"]) == 3 and not d["points"][0]["grouped"]
     assert d["points"][2]["hits_by_tier"]["disk"] > 0
+
+
+def test_groups_swap_and_host_tier_share_the_host_pool():
+    """Swap preemption and the host tier in one host pool with groups: swapped sequences come
+    back (their swap-ins are not priced as tier loads: the run's own check compares the priced
+    loads with the manager's ``host_loaded_blocks``), and the tier serves hits."""
+    from test_simulate_groups import WORKLOAD, _sim as _small
+
+    work = replace(WORKLOAD, num_requests=40, arrival_rate=50.0, prompt_median=200,
+                   output_median=600, seed=1)
+    sim, _ = _small(num_blocks=66, num_host_blocks=4000, preemption_mode="swap",
+                    host_cache_blocks=300, check_every=10)
+    g = simulate(work, sim, record_timeline=False).grouped
+    assert g is not None and g.requests_served == work.num_requests
+    assert g.preemptions_swap > 0 and g.swap_ins == g.preemptions_swap
+    assert g.prefix_hits_by_tier["host"] > 0
+    assert sum(g.tier_loaded_blocks["host"]) > 0
