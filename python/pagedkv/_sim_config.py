@@ -153,7 +153,6 @@ class SimConfig:
                 f"invalid simulation config: group_num_blocks = {n}: groups need a pool of >= 1 "
                 "page", field="group_num_blocks", value=n, reason="must be >= 1 with groups")
 
-
     def _check_group_tiers(self) -> None:
         """The tiers with groups: the host tier indexes every group's blocks (the core's), the
         modelled disk one group's chain only; ``group_block_bytes`` one size per group."""
