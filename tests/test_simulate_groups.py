@@ -88,14 +88,30 @@ def test_capacity_check_counts_every_group():
     ({"groups": (("sliding", 64), ("full", 0)), "group_num_blocks": 10}, "groups"),
     ({"groups": (("full", 0), ("window", 64)), "group_num_blocks": 10}, "layer_kinds"),
     ({"groups": (), "group_num_blocks": 10}, "groups"),
+    # The host tier works with groups; the modelled disk holds one group's chain only.
     ({"groups": (("full", 0), ("sliding", 64)), "group_num_blocks": 10,
-      "host_cache_blocks": 8}, "groups"),
+      "host_cache_blocks": 8, "disk_cache_blocks": 8}, "disk_cache_blocks"),
+    ({"groups": (("full", 0), ("sliding", 64)), "group_num_blocks": 10,
+      "group_block_bytes": (4096,)}, "group_block_bytes"),
+    ({"groups": (("full", 0), ("sliding", 64)), "group_num_blocks": 10,
+      "group_block_bytes": (4096, 0)}, "group_block_bytes"),
+    ({"group_block_bytes": (4096,)}, "group_block_bytes"),
     ({"groups": (("full", 0), ("sliding", 64)), "group_num_blocks": -1}, "group_num_blocks"),
 ])
 def test_bad_group_config_is_refused(kw, field):
     with pytest.raises(InvalidConfigError) as info:
         SimConfig(num_blocks=100, **kw)
     assert info.value.field == field
+
+
+def test_host_tier_with_groups_is_accepted():
+    sim = SimConfig(num_blocks=100, groups=(("full", 0), ("sliding", 64)), group_num_blocks=10,
+                    host_cache_blocks=8, group_block_bytes=[4096, 512])
+    assert sim.host_cache_blocks == 8 and sim.group_block_bytes == (4096, 512)
+    assert sim.group_page_bytes() == (4096, 512)
+    # Without sizes: a page of the same memory, 100 blocks of 16 x 131072 bytes over 10 pages.
+    plain = SimConfig(num_blocks=100, groups=(("full", 0), ("sliding", 64)), group_num_blocks=10)
+    assert plain.group_page_bytes() == (100 * 16 * 131072 // 10,) * 2
 
 
 def test_cli_simulate_hf_config_with_groups(tmp_path, capsys):

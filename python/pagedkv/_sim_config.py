@@ -46,9 +46,12 @@ class SimConfig:
     step_floor_s: float = 0.0
     #: KV bytes per token, for the cost model (the model's ``CacheSpec.bytes_per_token``).
     kv_bytes_per_token: int = 131_072
-    #: Host blocks of the prefix cache's host tier (0: none); added to ``num_host_blocks``.
+    #: Host blocks of the prefix cache's host tier (0: none); added to ``num_host_blocks``. With
+    #: ``groups`` the grouped run's host tier keeps every group's pages (the core's grouped
+    #: host tier) in the same host memory.
     host_cache_blocks: int = 0
-    #: Blocks of the modelled disk tier under the host tier (0: none; needs a host tier).
+    #: Blocks of the modelled disk tier under the host tier (0: none; needs a host tier; not
+    #: with ``groups``).
     disk_cache_blocks: int = 0
     #: The disk tier's read rate for the modelled TTFT.
     disk_bytes_per_s: float = 3e9
@@ -59,6 +62,10 @@ class SimConfig:
     groups: Optional[Tuple[Tuple[str, int], ...]] = None
     #: Pages of the grouped pool (0 without :attr:`groups`).
     group_num_blocks: int = 0
+    #: KV bytes one block of each group moves between tiers, group 0 first (the modelled TTFT
+    #: prices each loaded block at its group's size; the CLI gives the page's,
+    #: :attr:`pagedkv.config.GroupSizing.page_bytes`). ``None``: :meth:`group_page_bytes`.
+    group_block_bytes: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         # The simulation drives the block manager only: its block-size rule, not the pool's.
@@ -108,6 +115,7 @@ class SimConfig:
                 f"invalid simulation config: step_floor_s = {f!r}: must be a number >= 0",
                 field="step_floor_s", value=f, reason="must be >= 0")
         self._check_groups()
+        self._check_group_tiers()
         wm = self.watermark_blocks
         if wm is not None and (isinstance(wm, bool) or not isinstance(wm, int) or wm < 0):
             raise InvalidConfigError(
@@ -145,11 +153,40 @@ class SimConfig:
             raise InvalidConfigError(
                 f"invalid simulation config: group_num_blocks = {n}: groups need a pool of >= 1 "
                 "page", field="group_num_blocks", value=n, reason="must be >= 1 with groups")
-        if self.host_cache_blocks:
+
+    def _check_group_tiers(self) -> None:
+        """The tiers with groups: the host tier indexes every group's blocks (the core's), the
+        modelled disk one group's chain only; ``group_block_bytes`` one size per group."""
+        sizes, g = self.group_block_bytes, self.groups
+        if sizes is not None:
+            ok = (g is not None and isinstance(sizes, (tuple, list)) and len(sizes) == len(g)
+                  and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1
+                          for b in sizes))
+            if not ok:
+                want = f"{len(g)} sizes" if g is not None else "groups"
+                raise InvalidConfigError(
+                    f"invalid simulation config: group_block_bytes = {sizes!r}: must give one "
+                    f"integer >= 1 per KV cache group (needs {want})", field="group_block_bytes",
+                    value=sizes, reason="one size >= 1 per group")
+            object.__setattr__(self, "group_block_bytes", tuple(sizes))
+        if g is not None and self.disk_cache_blocks:
             raise InvalidConfigError(
-                "invalid simulation config: groups with host_cache_blocks: the host tier indexes "
-                "one group only (num_host_blocks, swap, works)", field="groups", value=g,
-                reason="no host tier with groups")
+                f"invalid simulation config: disk_cache_blocks = {self.disk_cache_blocks} with "
+                f"{len(g)} KV cache groups: the modelled disk tier holds one group's blocks, as "
+                "the engine's (host_cache_blocks and num_host_blocks work with groups)",
+                field="disk_cache_blocks", value=self.disk_cache_blocks,
+                reason="no disk tier with groups")
+
+    def group_page_bytes(self) -> Tuple[int, ...]:
+        """Bytes one block of each group moves between tiers: :attr:`group_block_bytes`, else
+        every group's a page of the same memory (``kv_bytes_per_token × block_size ×
+        num_blocks // group_num_blocks``). Empty without groups."""
+        if self.groups is None:
+            return ()
+        if self.group_block_bytes is not None:
+            return self.group_block_bytes
+        page = self.kv_bytes_per_token * self.block_size * self.num_blocks // self.group_num_blocks
+        return (max(1, page),) * len(self.groups)
 
 
 @dataclass
@@ -189,6 +226,11 @@ class PolicyResult:
     #: from the host and disk tiers at their rates; queueing excluded): mean and p90, seconds.
     modelled_ttft_mean_s: float = 0.0
     modelled_ttft_p90_s: float = 0.0
+    #: Blocks the admissions loaded from each tier (``"host"``, ``"disk"``), one count per KV
+    #: cache group (one entry without groups), and the bytes they moved (each group's blocks at
+    #: their size): what the modelled TTFT prices.
+    tier_loaded_blocks: dict[str, list[int]] = field(default_factory=dict)
+    tier_loaded_bytes: dict[str, int] = field(default_factory=dict)
     #: Per-step series for plots: "concurrency", "utilization", "waiting".
     timeline: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 

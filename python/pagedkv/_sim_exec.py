@@ -188,17 +188,21 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     # The step buffers a real engine would hand to its kernels. Building each step is what offers
     # newly full blocks to the prefix cache and drains the copy-on-write queue.
     # Swap lists as long as the pool, as the engine's: every device block may move in one step.
-    mgr.attach_buffers(StepBuffers(sim.max_num_seqs, max(budget, workload.max_model_len), max_blocks,
-                                   max_copies=sim.max_num_seqs * num_groups, device="cpu",
-                                   backend="numpy", max_swaps=max(2 * max_blocks, num_blocks),
-                                   num_groups=num_groups))
+    bufs = StepBuffers(sim.max_num_seqs, max(budget, workload.max_model_len), max_blocks,
+                       max_copies=sim.max_num_seqs * num_groups, device="cpu",
+                       backend="numpy", max_swaps=max(2 * max_blocks, num_blocks),
+                       num_groups=num_groups)
+    mgr.attach_buffers(bufs)
     tiers = None
     if sim.host_cache_blocks or model_ttft:
         from .tiers.model import ModelledDiskTier
 
+        # With groups each loaded block is priced at its group's bytes (a page), not a whole
+        # model's block.
         tiers = ModelledDiskTier(mgr, sim.disk_cache_blocks, host_cache=bool(sim.host_cache_blocks),
                                  block_size=B,
                                  block_bytes=sim.kv_bytes_per_token * B,
+                                 group_block_bytes=sim.group_page_bytes() if grouped else None,
                                  prefill_tokens_per_s=sim.prefill_tokens_per_s,
                                  host_bytes_per_s=sim.host_link_bytes_per_s,
                                  disk_bytes_per_s=sim.disk_bytes_per_s)
@@ -244,6 +248,9 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
         batch = sched.schedule()
         if tiers is not None:
             tiers.drain()
+            if batch.step is not None:
+                # The loads this step's admissions queued: their modelled TTFT.
+                tiers.step_built(bufs.views(batch.step, on_device=False).swap_in)
         if batch.step is not None:
             step_copies += batch.step.num_copies
         # The simulated executor: each sequence whose known tokens are all computed now emits the
@@ -351,8 +358,16 @@ def _simulate_paged(requests: list[Request], workload: WorkloadConfig, sim: SimC
     res.cow_copies = step_copies
     res.evictions = int(stats.evictions)
     if tiers is not None:
+        tiers.flush()
         ts = tiers.stats
         res.prefix_hits_by_tier = dict(ts.hit_tokens)
+        res.tier_loaded_blocks = {k: list(v) for k, v in ts.loaded_blocks.items()}
+        res.tier_loaded_bytes = dict(ts.loaded_bytes)
+        priced = sum(map(sum, ts.loaded_blocks.values()))
+        if priced != int(stats.host_loaded_blocks):
+            raise InvariantViolationError(
+                f"the modelled TTFT priced {priced} loaded blocks but the manager loaded "
+                f"{stats.host_loaded_blocks} from its host tier", detail="tier loads")
         res.admitted_prompt_tokens = ts.prompt_tokens
         if ts.ttft_s:
             ordered = sorted(ts.ttft_s)

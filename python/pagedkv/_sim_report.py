@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ._sim_config import SimResult
+from ._sim_config import PolicyResult, SimResult
 from .config import CacheSpec, MemoryBudget, format_bytes
 from .errors import InvalidConfigError
 
@@ -71,8 +71,10 @@ def result_dict(result: SimResult, *, model: Optional[str] = None, spec: Optiona
         "workload": asdict(result.workload),
         "sim": asdict(result.sim),
     }
+    out.update(_tier_keys(p, ""))
     g = result.grouped
     if g is not None:
+        out.update(_tier_keys(g, "_groups"))
         out.update({
             "groups": [list(x) for x in (result.sim.groups or ())],
             "group_num_blocks": result.sim.group_num_blocks,
@@ -99,6 +101,42 @@ def result_dict(result: SimResult, *, model: Optional[str] = None, spec: Optiona
     if memory is not None:
         out["memory"] = asdict(memory)
     return out
+
+
+def _tier_keys(res: PolicyResult, suffix: str) -> dict[str, Any]:
+    """A paged run's figures of the prefix cache's tiers (none without a host tier): prompt
+    tokens served per tier, blocks loaded per tier and group, their bytes, modelled TTFT."""
+    if not res.prefix_hits_by_tier:
+        return {}
+    return {
+        f"prefix_hits_by_tier{suffix}": dict(res.prefix_hits_by_tier),
+        f"admitted_prompt_tokens{suffix}": res.admitted_prompt_tokens,
+        f"tier_loaded_blocks{suffix}": {k: list(v) for k, v in res.tier_loaded_blocks.items()},
+        f"tier_loaded_bytes{suffix}": dict(res.tier_loaded_bytes),
+        f"modelled_ttft_mean_s{suffix}": _r(res.modelled_ttft_mean_s),
+        f"modelled_ttft_p90_s{suffix}": _r(res.modelled_ttft_p90_s),
+    }
+
+
+def _tier_rows(res: PolicyResult, disk: bool) -> dict[str, str]:
+    """The report's rows of a paged run's tiers (empty without a host tier)."""
+    hits, total = res.prefix_hits_by_tier, res.admitted_prompt_tokens
+    if not hits:
+        return {}
+
+    def share(tier: str) -> str:
+        return f"{hits.get(tier, 0) / total:.1%} of prompt tokens" if total else "—"
+
+    def loads(tier: str) -> str:
+        blocks = sum(res.tier_loaded_blocks.get(tier, ()))
+        return f"{blocks:,} blocks, {format_bytes(res.tier_loaded_bytes.get(tier, 0))}"
+
+    rows = {"host-tier hits": share("host"), "host-tier loads": loads("host")}
+    if disk:
+        rows.update({"disk-tier hits": share("disk"), "disk-tier loads": loads("disk")})
+    rows["modelled TTFT mean"] = f"{res.modelled_ttft_mean_s * 1e3:.1f} ms"
+    rows["modelled TTFT p90"] = f"{res.modelled_ttft_p90_s * 1e3:.1f} ms"
+    return rows
 
 
 def result_json(result: SimResult, **kwargs: Any) -> str:
@@ -171,6 +209,9 @@ def format_report(result: SimResult, *, model: Optional[str] = None, spec: Optio
         ]
     if p.recomputed_prompt_tokens:
         rows.append(("recomputed prompt tokens", f"{p.recomputed_prompt_tokens:,}", "—"))
+    disk = bool(s.disk_cache_blocks)
+    tier_rows = _tier_rows(p, disk)
+    rows += [(k, v, "—") for k, v in tier_rows.items()]
     if g is not None:
         grouped = {
             "": "paged, groups",
@@ -190,6 +231,7 @@ def format_report(result: SimResult, *, model: Optional[str] = None, spec: Optio
             "mean latency (steps)": f"{g.mean_latency_steps:.0f}",
             "prefix hit ratio": f"{g.prefix_hit_ratio:.1%}",
             "recomputed prompt tokens": f"{g.recomputed_prompt_tokens:,}",
+            **_tier_rows(g, disk),
         }
         if not any(r[0] == "prefix hit ratio" for r in rows):
             rows.append(("prefix hit ratio", f"{p.prefix_hit_ratio:.1%}", "—"))

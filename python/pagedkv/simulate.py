@@ -25,7 +25,11 @@ paged run again, on a manager with the model's KV cache groups over the pages th
 holds (``SimConfig.group_num_blocks``, from :func:`pagedkv.config.size_groups`): windowed groups
 release what their layers no longer read, so more sequences fit. The plain paged run is the same
 model counted as full attention. The grouped run's KV utilization is the share of pages live
-sequences hold; sharing is not measured there.
+sequences hold; sharing is not measured there. With ``host_cache_blocks`` both paged runs have the
+prefix cache's host tier (the grouped one the core's grouped tier, every group's pages, in the
+same host memory); each reports prompt tokens served per tier, the blocks its admissions loaded
+per tier and group, and a modelled TTFT that prices each loaded block at its group's bytes
+(:mod:`pagedkv.tiers.model`).
 
 **Contiguous** — the same arrivals, lengths, timing and scheduler limits, but each sequence
 reserves ``max_model_len`` token slots at admission, so at most ``floor(num_blocks × block_size /

@@ -2,7 +2,8 @@
 (``--host-cache``); the simulating lives in :mod:`pagedkv.simulate` and :mod:`pagedkv.workload`.
 A model with sliding-window or chunked layers (``--model gemma-3-27b``, ``--hf-config``) also
 runs with its KV cache groups (:func:`pagedkv.config.size_groups` at ``--max-model-len``) in the
-same memory, unless ``--no-kv-groups``.
+same memory, unless ``--no-kv-groups``; its tier sweep then runs the grouped pool (every group's
+pages in the host tier; ``--disk-cache`` refused there, as the engine refuses its disk tier).
 
 Invariant: a ``--plot`` that cannot be drawn (no matplotlib) is refused before simulating.
 """
@@ -68,7 +69,8 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="host tier sizes to compare (e.g. 0 8GiB 32GiB; 0 = no tier); prints hit "
                         "ratio by tier and modelled TTFT per size instead of paged vs contiguous")
     g.add_argument("--disk-cache", type=_size, nargs="+", default=[0], metavar="SIZE",
-                   help="disk tier sizes under each host size (default: 0, none)")
+                   help="disk tier sizes under each host size (default: 0, none; not with KV "
+                        "cache groups: add --no-kv-groups)")
     g.add_argument("--disk-gbps", type=_float, default=s.disk_bytes_per_s / 1e9, metavar="X",
                    help=f"modelled disk read rate, GB/s (default: {s.disk_bytes_per_s / 1e9:g})")
     g = p.add_argument_group("workload (lengths in tokens, time in scheduler steps)")
@@ -127,7 +129,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         budget = _budget(args, weights)
         num_blocks, memory = budget.num_blocks(spec), budget
         kv_bytes = budget.kv_bytes
-    groups, group_blocks = None, 0
+    groups, group_blocks, group_bytes = None, 0, None
     if model is not None and model.has_windowed_layers and not args.no_kv_groups:
         from ..config import size_groups
 
@@ -135,6 +137,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
         if sizing.grouping.saves_memory:
             groups = tuple(g.as_tuple() for g in sizing.groups)
             group_blocks = sizing.num_blocks
+            # Each group's block is a page (its layers, padded to the page's slots): what a
+            # load moves.
+            group_bytes = (sizing.page_bytes,) * sizing.num_groups
     workload = WorkloadConfig(
         num_requests=args.requests, arrival_rate=args.rate,
         prompt_median=args.prompt_median, prompt_sigma=args.prompt_sigma,
@@ -151,12 +156,16 @@ def _run_simulate(args: argparse.Namespace) -> int:
                     host_link_bytes_per_s=args.host_link_gbps * 1e9,
                     prefill_tokens_per_s=args.prefill_tps, kv_bytes_per_token=spec.bytes_per_token,
                     step_floor_s=args.step_floor_ms / 1e3, groups=groups,
-                    group_num_blocks=group_blocks)
+                    group_num_blocks=group_blocks, group_block_bytes=group_bytes)
     if args.host_cache is not None:
-        from dataclasses import replace
-
-        # The tiers hold one group's blocks: the sweep runs full-attention accounting only.
-        return _run_tier_sweep(args, workload, replace(sim, groups=None, group_num_blocks=0), spec)
+        if groups is not None and any(args.disk_cache):
+            raise InvalidConfigError(
+                f"--disk-cache with {label}'s {len(groups)} KV cache groups: the modelled disk "
+                "tier holds one group's blocks, as the engine's; sweep --host-cache alone, or add "
+                "--no-kv-groups for full-attention accounting", field="disk_cache",
+                value=args.disk_cache, reason="no disk tier with groups")
+        # With groups the sweep runs the grouped pool (the core's grouped host tier).
+        return _run_tier_sweep(args, workload, sim, spec)
     if args.disk_cache != [0]:
         raise InvalidConfigError("--disk-cache needs --host-cache (the disk tier is filled from "
                                  "the host tier)", field="disk_cache", value=args.disk_cache,
@@ -180,7 +189,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 
 def _run_tier_sweep(args: argparse.Namespace, workload: Any, sim: Any, spec: Any) -> int:
-    """``pagedkv simulate --host-cache ...``: the paged run per tier size pair."""
+    """``pagedkv simulate --host-cache ...``: the paged run per tier size pair (with the model's
+    KV cache groups when ``sim`` has them; sizes are host memory, whole-model blocks of it)."""
     from dataclasses import asdict, replace
 
     from ..simulate import format_tier_sweep, plot_tier_sweep, simulate_tiers
@@ -195,9 +205,16 @@ def _run_tier_sweep(args: argparse.Namespace, workload: Any, sim: Any, spec: Any
                 f"invalid tier size {given} bytes: smaller than one block ({block} bytes)",
                 field="host_cache/disk_cache", value=given, reason=f"must be >= {block} bytes")
     started = time.perf_counter()
-    points = simulate_tiers(workload, sim, hosts, disks, progress=not (args.quiet or args.json))
+    grouped = sim.groups is not None
+    points = simulate_tiers(workload, sim, hosts, disks, progress=not (args.quiet or args.json),
+                            grouped=grouped)
     if args.json:
-        print(json.dumps({"block_bytes": block, "points": [asdict(p) for p in points]}))
+        out: dict[str, Any] = {"block_bytes": block, "points": [asdict(p) for p in points]}
+        if grouped:
+            out.update({"groups": [list(g) for g in sim.groups],
+                        "group_num_blocks": sim.group_num_blocks,
+                        "group_block_bytes": list(sim.group_page_bytes())})
+        print(json.dumps(out))
     else:
         print(format_tier_sweep(points, sim))
         print(f"simulated in {time.perf_counter() - started:.1f} s")
