@@ -289,3 +289,29 @@ def test_gpu_async_scheduling_identical_with_graphs(model_dir):
         if flag:
             assert _steps_ahead(llm) > 20
     assert _out(outs[False]) == _out(outs[True])
+
+
+@pytest.mark.parametrize("kind", ["gemma3_text", "llama4_text", "mistral"])
+def test_kv_cache_groups_identical(kind, tmp_path):
+    """Hybrid (sliding + full, chunked + full) and all-sliding models: a step queued ahead holds
+    its provisional token in every group, and the windowed groups release by the committed
+    length; outputs equal the synchronous engine's and transformers' greedy search."""
+    transformers = pytest.importorskip("transformers")
+    from tiny_hybrid import VOCAB, greedy_reference, save_hybrid
+
+    path = save_hybrid(kind, str(tmp_path))
+    g = np.random.default_rng(17)
+    prompts = [g.integers(0, VOCAB, n).tolist() for n in (30, 9, 21)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = {}
+    for flag in (False, True):
+        llm = LLM(path, device="cpu", progress=False, block_size=BLOCK, num_blocks=128,
+                  max_num_seqs=4, max_num_batched_tokens=16, async_scheduling=flag)
+        outs[flag] = [o.outputs[0].token_ids for o in
+                      llm.generate(prompts, params, use_tqdm=False)]
+        _check_quiet(llm)
+        if flag:
+            assert _steps_ahead(llm) > 10
+            assert (llm.llm_engine.manager.num_groups > 1) == (kind != "mistral")
+    dense = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert outs[True] == outs[False] == [greedy_reference(dense, p, 16) for p in prompts]
