@@ -557,6 +557,17 @@ class TierCache:
         self.load_bytes_per_s[store.name] = rate if old is None else (
             old + LOAD_RATE_WEIGHT * (rate - old))
 
+    def _settled(self, store: BlockStore, future: Any) -> bool:
+        """Whether one block's read (a done future of ``(verified, seconds)``) succeeded; its
+        time feeds the store's measured load rate. A read that raised is a miss."""
+        try:
+            good, seconds = future.result()
+        except Exception:  # noqa: BLE001 - a read that raised is a miss
+            return False
+        if good:
+            self._measured(store, seconds)
+        return bool(good)
+
     def _finish(self, key: int, fetch: _Fetch) -> None:
         del self._fetches[key]
         if fetch.groups is not None:
@@ -565,12 +576,7 @@ class TierCache:
         ok_run = 0
         broken = False
         for store, f in fetch.futures:
-            try:
-                good, seconds = f.result()
-            except Exception:  # noqa: BLE001 - a read that raised is a miss
-                good, seconds = False, 0.0
-            if good:
-                self._measured(store, seconds)
+            good = self._settled(store, f)
             if not good:
                 broken = True
             if broken:
@@ -716,12 +722,7 @@ class TierCache:
         good_idx: List[int] = []
         bad_idx: List[int] = []
         for i, (store, f) in enumerate(fetch.futures):
-            try:
-                good, seconds = f.result()
-            except Exception:  # noqa: BLE001 - a read that raised is a miss
-                good, seconds = False, 0.0
-            if good:
-                self._measured(store, seconds)
+            if self._settled(store, f):
                 self.stats.bytes_read[store.name] += self.block_bytes
                 good_idx.append(i)
             else:

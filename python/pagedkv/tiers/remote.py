@@ -360,22 +360,8 @@ class RemoteStore:
 
     def longest_prefix(self, hashes: Sequence[int]) -> int:
         """How many of the leading ``hashes`` the server holds: one round trip (pipelined EXISTS)."""
-        self._check_open()
-        keys = [self.key(h) for h in hashes]
-        if not keys:
-            return 0
-
-        def ask() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(key)
-            return list(pipe.execute())
-
-        ok, found = self._call(ask)
-        if not ok or found is None:
-            return 0
         n = 0
-        for present in found:
+        for present in self.holds(hashes):
             if not present:
                 break
             n += 1

@@ -272,16 +272,7 @@ impl BlockManager {
     /// the load-or-recompute rule would decide), the hashes of all the full blocks an admission
     /// may share (the first `(len - 1) / B`) and the chain's salt digest. Read-only. Errors: `InvalidArgument` for an empty prompt or malformed keys.
     pub fn lookup_tiers(&self, tokens: &[TokenId], keys: Option<&SeqKeys>) -> Result<TierLookup> {
-        if tokens.is_empty() {
-            return Err(Error::InvalidArgument {
-                what: "tokens.len",
-                value: 0,
-                reason: "a prompt needs at least one token".into(),
-            });
-        }
-        if let Some(k) = keys {
-            k.validate(tokens.len())?;
-        }
+        check_prompt(tokens, keys)?;
         let root = self.root_for(keys);
         let extra = keys.filter(|k| k.has_block_extras());
         let (mut hashes, mut hits, mut host_hits) = (Vec::new(), Vec::new(), Vec::new());
@@ -335,16 +326,7 @@ impl BlockManager {
         tokens: &[TokenId],
         keys: Option<&SeqKeys>,
     ) -> Result<GroupPresence> {
-        if tokens.is_empty() {
-            return Err(Error::InvalidArgument {
-                what: "tokens.len",
-                value: 0,
-                reason: "a prompt needs at least one token".into(),
-            });
-        }
-        if let Some(k) = keys {
-            k.validate(tokens.len())?;
-        }
+        check_prompt(tokens, keys)?;
         let root = self.root_for(keys);
         let extra = keys.filter(|k| k.has_block_extras());
         let bs = self.bs;
@@ -527,4 +509,19 @@ impl BlockManager {
         }
         Ok(indexed)
     }
+}
+
+/// A tier lookup's prompt: at least one token, and keys (if any) that fit it.
+fn check_prompt(tokens: &[TokenId], keys: Option<&SeqKeys>) -> Result<()> {
+    if tokens.is_empty() {
+        return Err(Error::InvalidArgument {
+            what: "tokens.len",
+            value: 0,
+            reason: "a prompt needs at least one token".into(),
+        });
+    }
+    if let Some(k) = keys {
+        k.validate(tokens.len())?;
+    }
+    Ok(())
 }
