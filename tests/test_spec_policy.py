@@ -116,13 +116,27 @@ def test_observe_counts_positions_up_to_the_first_rejection() -> None:
     # Draft of 4, 2 accepted: positions 0, 1 accepted, 2 evaluated and rejected, 3 not evaluated.
     p.observe([4], [2])
     assert p.evaluated == [1.0, 1.0, 1.0, 0.0] and p.accepted == [1.0, 1.0, 0.0, 0.0]
-    # A draft of 2, both accepted: position 2 was never offered.
+    # A draft of 2, both accepted: position 2 was never offered, so it keeps its counts.
     p.observe([2], [2])
     d = pol.DECAY
-    assert p.evaluated == pytest.approx([d + 1, d + 1, d, 0.0])
+    assert p.evaluated == pytest.approx([d + 1, d + 1, 1.0, 0.0])
     assert p.accepted == pytest.approx([d + 1, d + 1, 0.0, 0.0])
     p.observe([], [])  # a step without drafts changes nothing
     assert p.observed == 2
+
+
+def test_positions_the_cap_keeps_out_keep_their_estimate() -> None:
+    # Deep drafts were always accepted; then a long run of steps sends only 2 a sequence (a cap,
+    # or a proposer that found short drafts). Positions 3 and 4 were not evaluated in that run:
+    # their estimate must not sink to the prior's 0.5, or the policy would stop sending them.
+    p = _trained(4, rate=100.0, floor=0.2, accept_upto=4)
+    before = p.acceptance()
+    for _ in range(1000):
+        p.observe([2] * 8, [2] * 8)
+    after = p.acceptance()
+    assert after[2:] == pytest.approx(before[2:])
+    assert min(after) > 0.95
+    assert p.cap(8, [4] * 8) == _trained(4, rate=100.0, floor=0.2, accept_upto=4).cap(8, [4] * 8)
 
 
 @pytest.mark.parametrize("args", [(0, 1.0, 0.0), (True, 1.0, 0.0), (2, 0.0, 0.0),

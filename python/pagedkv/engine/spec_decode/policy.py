@@ -18,8 +18,8 @@ position ``j = 1..c`` over the sequences still drafting there, each costing
 ``max(draft floor, tokens / draft rate)``. The n-gram proposer costs nothing on the device.
 
 Acceptance is learnt online: each position's evaluated and accepted counts decay by
-:data:`DECAY` per observed step (recent steps weigh most) and start from one accepted and one
-rejected pseudo-count. Until :data:`WARMUP` drafted sequence-steps were observed the cap is ``k``
+:data:`DECAY` per observed step that evaluated it (recent steps weigh most; a position the cap
+kept out keeps its estimate) and start from one accepted and one rejected pseudo-count. Until :data:`WARMUP` drafted sequence-steps were observed the cap is ``k``
 (nothing measured yet), and after :data:`PROBE_AFTER` steps in a row without drafts one step
 drafts at ``k`` so the estimate follows a workload that changes. The step's prefill tokens are not
 known when drafts are chosen (the scheduler places decodes and their drafts first); the policy
@@ -148,7 +148,11 @@ class DraftPolicy:
         drafts were accepted."""
         if not drafted:
             return
-        for j in range(self.k):
+        # Only the positions this step evaluated age: a position the cap kept out of recent steps
+        # keeps what was last learnt of it (decaying it towards the prior would make the policy
+        # trust deep drafts less the longer it does not send them, and so never send them again).
+        depth = max((min(n, m + 1, self.k) for n, m in zip(drafted, num_accepted)), default=0)
+        for j in range(depth):
             self.evaluated[j] *= DECAY
             self.accepted[j] *= DECAY
         for n, m in zip(drafted, num_accepted):
