@@ -61,7 +61,7 @@ case "$part" in
     step gpu_tests_spec 120 "$PY" -m pytest -m gpu -q -p no:cacheprovider $xdist \
       tests/test_spec_decode.py tests/test_spec_draft.py
     step bench_spec_oracle_open 300 "$PY" benches/bench_spec_oracle.py --batches 8,64 \
-      --requests-per-slot 4 --alphas 0.7,0.9 --k 4 --json "$OUT/bench_spec_oracle_open.json"
+      --requests-per-slot 4 --alphas 0.5,0.7,0.9 --k 4 --json "$OUT/bench_spec_oracle_open.json"
     step bench_spec_oracle 420 "$PY" benches/bench_spec_oracle.py --batches 1,8,64 \
       --alphas 0.5,0.7,0.9 --k 4 --json "$OUT/bench_spec_oracle.json"
     ;;
