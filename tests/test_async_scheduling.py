@@ -315,3 +315,56 @@ def test_kv_cache_groups_identical(kind, tmp_path):
             assert (llm.llm_engine.manager.num_groups > 1) == (kind != "mistral")
     dense = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert outs[True] == outs[False] == [greedy_reference(dense, p, 16) for p in prompts]
+
+
+def test_decodes_outside_the_step_ahead_are_not_starved(model_dir):
+    """Sequences whose next token is already known when a step is queued ahead (the samples a
+    prompt forks on its first draw, and the prompt itself) decode in that step too: they do not
+    wait for the chain of steps queued ahead to break (here: the long request to end)."""
+    prompts = _prompts(23, [6, 9])
+    params = [SamplingParams(n=3, temperature=0.0, max_tokens=12),
+              SamplingParams(temperature=0.0, max_tokens=80)]
+    steps = {}
+    for flag in (False, True):
+        eng = LLMEngine(model_dir, device="cpu", block_size=BLOCK, num_blocks=256,
+                        async_scheduling=flag)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            eng.add_request(str(i), p, sp)
+        n, done_at = 0, None
+        while eng.get_num_unfinished_requests():
+            n += 1
+            if any(o.finished and o.request_id == "0" for o in eng.step()):
+                done_at = n
+        steps[flag] = done_at
+        eng.manager.check_invariants()
+        assert eng.manager.num_seqs == 0
+    # The forked request ends within a few steps of where it ends synchronously, long before
+    # the 80-token request (a step ahead adds at most one step of latency to each token).
+    assert steps[True] <= steps[False] + 3 < 40
+
+
+def test_schedule_ahead_drops_its_provisional_tokens_when_known_decodes_do_not_fit():
+    """A step scheduled ahead takes the pending decodes' provisional tokens first, then appends
+    the decodes whose token is known; when those do not fit, the provisional tokens are dropped
+    again and nothing has changed."""
+    from pagedkv import BlockManager, StepBuffers
+    from pagedkv.scheduler import Scheduler, Sequence
+
+    m = BlockManager(num_blocks=4, block_size=2, max_blocks_per_seq=4, watermark_blocks=0,
+                     max_provisional=1)
+    m.attach_buffers(StepBuffers(4, 32, 4, max_copies=4, device="cpu"))
+    sched = Scheduler(m, max_num_seqs=4, max_num_batched_tokens=16)
+    a, b = Sequence(0, [1, 2, 3]), Sequence(1, [4, 5, 6, 7])
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    sched.postprocess(first, [8, 9])  # both now decode-ready; all 4 blocks in use
+    assert m.num_free_blocks == 0
+    before = ([m.seq_len(i) for i in (0, 1)], [s.num_computed_tokens for s in (a, b)])
+    # Sequence 0 as if its token were pending (its 4th slot is free); sequence 1's next token
+    # needs a fifth block.
+    assert sched.schedule_ahead({0: 0}) is None
+    assert [m.num_provisional(i) for i in (0, 1)] == [0, 0]
+    assert ([m.seq_len(i) for i in (0, 1)], [s.num_computed_tokens for s in (a, b)]) == before
+    assert m.num_free_blocks == 0
+    m.check_invariants()

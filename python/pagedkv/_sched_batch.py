@@ -54,8 +54,9 @@ class _BatchMixin(_PreemptMixin):
 
         ``ahead`` maps each sequence of the previous step that decodes next (``seq_id`` -> index
         of its token among the previous step's sampled tokens) to one provisional token (one
-        ``append_provisional_batch``), which the caller commits once the token is known. Prompt
-        chunks and admissions follow as in :meth:`schedule`. Such a step never preempts and never
+        ``append_provisional_batch``), which the caller commits once the token is known. Running
+        sequences whose next token is already known decode too; prompt chunks and admissions
+        follow as in :meth:`schedule`. Such a step never preempts and never
         swaps in: with swapped-out sequences, or when the decodes' tokens do not fit, nothing
         changes and ``None`` is returned (schedule that step once the previous one completed).
         """
@@ -83,19 +84,32 @@ class _BatchMixin(_PreemptMixin):
         return batch
 
     def _schedule_ahead(self, batch: ScheduledBatch, ahead: Dict[int, int]) -> bool:
-        """The decodes of a step scheduled ahead: one provisional token each (see
-        :meth:`schedule`); False (nothing changed) when the pool cannot hold them."""
-        decodes = [s for s in self.running if s.seq_id in ahead][:self.max_num_seqs]
-        if decodes:
+        """The decodes of a step scheduled ahead (see :meth:`schedule_ahead`): one provisional
+        token each for ``ahead``'s sequences, then the running sequences whose next token is
+        already known (forked samples, a prompt that forked them), appended as usual. False
+        (nothing changed) when the pool cannot hold them all."""
+        m = self.manager
+        pending = [s for s in self.running if s.seq_id in ahead][:self.max_num_seqs]
+        known = [s for s in self.running if s.seq_id not in ahead
+                 and len(s.token_ids) - s.num_computed_tokens == 1]
+        known = known[:self.max_num_seqs - len(pending)]
+        ids = [s.seq_id for s in pending]
+        if pending:
             try:
-                self.manager.append_provisional_batch([s.seq_id for s in decodes],
-                                                      [1] * len(decodes))
+                m.append_provisional_batch(ids, [1] * len(pending))
             except (OutOfBlocksError, SequenceTooLongError):
                 return False
-        batch.seqs = decodes
-        batch.num_new_tokens = [1] * len(decodes)
-        batch.num_decodes = len(decodes)
-        batch.ahead = {k: ahead[s.seq_id] for k, s in enumerate(decodes)}
+        if known:
+            try:
+                m.append_batch([s.seq_id for s in known], [s.token_ids[-1] for s in known])
+            except OutOfBlocksError:
+                if pending:
+                    m.commit_batch(ids, [0] * len(ids), [])  # drops the provisional tokens
+                return False
+        batch.seqs = pending + known
+        batch.num_new_tokens = [1] * len(batch.seqs)
+        batch.num_decodes = len(batch.seqs)
+        batch.ahead = {k: ahead[s.seq_id] for k, s in enumerate(pending)}
         return True
 
     def advance(self, batch: ScheduledBatch) -> None:
@@ -114,8 +128,9 @@ class _BatchMixin(_PreemptMixin):
     def _schedule_into(self, batch: ScheduledBatch, ahead_done: bool = False) -> None:
         m = self.manager
         budget = self.max_num_batched_tokens
-        seqs: List[Sequence] = list(batch.seqs) if ahead_done else []
-        news: List[int] = list(batch.num_new_tokens) if ahead_done else []
+        # A step scheduled ahead comes with its decodes; otherwise the batch is still empty.
+        seqs: List[Sequence] = list(batch.seqs)
+        news: List[int] = list(batch.num_new_tokens)
         budget -= len(seqs)
 
         # 1. Decodes, one append_batch for all; preempt the newest until the appends fit. (A step
@@ -156,7 +171,7 @@ class _BatchMixin(_PreemptMixin):
         # 1b. Swapped-out groups come back, oldest first, unless this step had to preempt; those
         # whose next token is a decode join this step's decodes (the swap-in pairs go out with
         # this step, and the runner copies them in before the forward reads them).
-        if self.swapped and not batch.preempted and not ahead_done:
+        if self.swapped and not batch.preempted:  # never in a step ahead (schedule_ahead)
             back = self._swap_in(batch, self.max_num_seqs - sum(q.n for q in self.running))
             dec = [q for q in back if q.num_uncomputed_tokens == 1][: self.max_num_seqs - len(seqs)]
             if dec:
