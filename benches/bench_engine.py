@@ -472,10 +472,6 @@ def _save(report, args):
             json.dump(report, fh, indent=2)
 
 
-def args_new(r):
-    return r["args"]["new"]
-
-
 def print_table(r):
     print(f"device {r['device']}, {r['date']}; Llama-3-8B dims, random bf16, "
           f"{r['args']['layers']} layers; {r['args']['prompt']} prompt + {r['args']['new']} new; "
@@ -521,8 +517,8 @@ def print_table(r):
             ab = fb.get("llm_async_ab")
             if ab and fused:
                 # The async run's tokens/s from its decode step, the same prefill and first token.
-                tok_s = b * args_new(r) / (fused["ttft_ms"] / 1e3
-                                           + (args_new(r) - 1) * ab["async"] / 1e3)
+                new = r["args"]["new"]
+                tok_s = b * new / (fused["ttft_ms"] / 1e3 + (new - 1) * ab["async"] / 1e3)
                 line += f"; with async_scheduling {tok_s / v['tok_s']:.2f}x"
             print(line)
     sys.stdout.flush()

@@ -180,7 +180,7 @@ class EngineCore:
         #: Asynchronous scheduling (``async_scheduling``): the step queued ahead of the one being
         #: completed (None: none in flight), how many steps were queued ahead, and the live
         #: requests that keep steps synchronous (:meth:`async_ok`).
-        self.async_scheduling = bool(getattr(config, "async_scheduling", False))
+        self.async_scheduling = config.async_scheduling
         self._inflight: Optional[_Launched] = None
         self.num_async_steps = 0
         self._sync_requests: Dict[str, Request] = {}
