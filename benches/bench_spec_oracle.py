@@ -22,7 +22,11 @@ is their mean, ``ideal d`` the ideal for that many); steps the cost model sent u
 With one request per slot the batch is closed: it drains as its sequences finish, and the slowest
 sequence's passes set the run's length, which a speculative run feels more than a plain one (its
 sequences finish after different numbers of passes). With several per slot a finished sequence's
-slot takes the next waiting request at once, as in serving, and only the last wave drains.
+slot takes the next waiting request at once, as in serving, and only the last wave drains. With
+every output ``--new`` tokens long a plain run's sequences finish in the same step, so only the
+speculative run drains at all; ``--ragged`` draws each request's length from ``[new / 2, 3 new /
+2]``, as a served mix is, and both runs drain (the decode rate counts every generated token after
+each request's first).
 
 Defaults: Llama-3-8B dimensions with random bf16 weights on CUDA (``benches/_dims.py``). A CPU
 smoke run: ``--device cpu --dtype float32 --layers 2 --hidden 256 --heads 4 --kv-heads 2 --mlp 512
@@ -143,8 +147,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                            max_num_seqs=max(batch, 1), max_num_batched_tokens=args.chunk,
                            enable_prefix_caching=False, progress=False, speculative_config=spec)
 
-    def timed(llm: Any, prompts: List[List[int]], n: int) -> tuple:
-        params = pagedkv.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    def timed(llm: Any, prompts: List[List[int]], n: Any) -> tuple:
+        lengths = n if isinstance(n, list) else [n] * len(prompts)
+        params = [pagedkv.SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                  for m in lengths]
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
@@ -153,15 +159,20 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         g = np.random.default_rng(batch)
         requests = batch * args.requests_per_slot
         prompts = [g.integers(0, vocab, args.prompt).tolist() for _ in range(requests)]
+        # Output lengths: all --new, or with --ragged drawn from [new / 2, 3 new / 2] (mean new).
+        new = [args.new] * requests
+        if args.ragged:
+            new = g.integers(args.new // 2, args.new * 3 // 2 + 1, requests).tolist()
+        decoded = sum(new) - requests  # the tokens after each request's first
         plain = make(None, batch)
         timed(plain, prompts[:1], 4)  # warm-up
         s0 = plain.stats().num_steps
-        t_full, ref = timed(plain, prompts, args.new)
+        t_full, ref = timed(plain, prompts, new)
         steps_plain = plain.stats().num_steps - s0
         t_first, _ = timed(plain, prompts, 1)
         plain.shutdown()
         dec_plain = max(t_full - t_first, 1e-9)
-        rate_plain = requests * (args.new - 1) / dec_plain
+        rate_plain = decoded / dec_plain
         step_plain = dec_plain / max(steps_plain - 1, 1)
         rows.append({"batch": batch, "requests": requests, "alpha": None,
                      "tokens_per_s": rate_plain, "speedup": 1.0,
@@ -174,7 +185,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             llm.llm_engine.core.proposer = make_oracle(refs, args.prompt, alpha, args.k, vocab,
                                                           seed=1)
             st0 = llm.stats()
-            t_full, outs = timed(llm, prompts, args.new)
+            t_full, outs = timed(llm, prompts, new)
             st = llm.stats()
             t_first, _ = timed(llm, prompts, 1)
             llm.shutdown()
@@ -183,7 +194,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             accepted = st.spec_num_accepted_tokens - st0.spec_num_accepted_tokens
             skipped = st.spec_num_steps_skipped - st0.spec_num_steps_skipped
             dec = max(t_full - t_first, 1e-9)
-            rate = requests * (args.new - 1) / dec
+            rate = decoded / dec
             step = dec / max(steps - 1, 1)
             exp = expected_length(alpha, args.k)
             ideal = exp * step_plain / step
@@ -204,6 +215,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     dev = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     return {"device": dev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "dims": dims, "k": args.k, "requests_per_slot": args.requests_per_slot,
+            "ragged": bool(args.ragged),
             "prompt": args.prompt, "new": args.new, "rows": rows}
 
 
@@ -217,6 +229,9 @@ def main(argv: Sequence[str] = ()) -> int:
                     help="requests per batch slot: 1 = a closed batch; more keep the batch full")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--ragged", action="store_true",
+                    help="output lengths drawn from [new / 2, 3 new / 2] per request (default: all "
+                         "--new, so a plain run's sequences finish together)")
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--device", default="cuda")
@@ -225,7 +240,8 @@ def main(argv: Sequence[str] = ()) -> int:
     args = ap.parse_args(list(argv) or None)
     r = run(args)
     print(f"device {r['device']}, {r['date']}; k = {r['k']}, prompt {r['prompt']}, "
-          f"{r['new']} new tokens, {r['requests_per_slot']} request(s) per slot, "
+          f"{r['new']} new tokens{' (ragged: new / 2 to 3 new / 2)' if r['ragged'] else ''}, "
+          f"{r['requests_per_slot']} request(s) per slot, "
           f"dims {r['dims']}")
     print(f"{'batch':>5} {'alpha':>5} {'tok/s':>9} {'speedup':>7} {'accepted':>8} {'expected':>8} "
           f"{'step ms':>8} {'ideal':>6} {'share':>6} {'skipped':>7} {'drafted':>7} "
