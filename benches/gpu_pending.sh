@@ -17,7 +17,8 @@
 #   spec:   the gpu tests of speculative decoding (verify steps replayed by decode graphs), then
 #           the oracle proposer at Llama-3-8B dimensions (k = 4, alpha 0.5/0.7/0.9, batch 1/8/64:
 #           speedup, share of the ideal, the cost model's switch-off) (benches/bench_spec_oracle.py),
-#           first with the batch kept full (4 requests per slot, batch 8/64), then closed.
+#           first with the batch kept full (4 requests per slot, batch 8/64), then closed; output
+#           lengths ragged (64-192 tokens), as a served mix is.
 #   async:  the gpu test of asynchronous scheduling (CUDA graphs, the next step's tokens fed on the
 #           device), then LLM.generate's decode step with and without it at batch 1, 32, 128.
 set -u -o pipefail
@@ -61,8 +62,9 @@ case "$part" in
     step gpu_tests_spec 120 "$PY" -m pytest -m gpu -q -p no:cacheprovider $xdist \
       tests/test_spec_decode.py tests/test_spec_draft.py
     step bench_spec_oracle_open 300 "$PY" benches/bench_spec_oracle.py --batches 8,64 \
-      --requests-per-slot 4 --alphas 0.5,0.7,0.9 --k 4 --json "$OUT/bench_spec_oracle_open.json"
-    step bench_spec_oracle 420 "$PY" benches/bench_spec_oracle.py --batches 1,8,64 \
+      --requests-per-slot 4 --ragged --alphas 0.5,0.7,0.9 --k 4 \
+      --json "$OUT/bench_spec_oracle_open.json"
+    step bench_spec_oracle 420 "$PY" benches/bench_spec_oracle.py --batches 1,8,64 --ragged \
       --alphas 0.5,0.7,0.9 --k 4 --json "$OUT/bench_spec_oracle.json"
     ;;
   *)

@@ -176,6 +176,38 @@ def test_chunked_prefill_and_preemption(models, reclaim):
         llm.llm_engine.manager.check_invariants()
 
 
+def test_host_tier_serves_the_draft_kv_too(models):
+    # 48 device blocks of 4 tokens; each 40-token prompt and its 12 tokens need 13. A host tier
+    # of 96 blocks keeps what the device evicts; the prompts sent again hit it. With the target as
+    # its own draft every draft is accepted only if the draft's KV came back from the host whole.
+    prompts = _prompts(12, [10, 10, 10, 10, 10, 10], repeat=4)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    plain = _llm(models["target"], num_blocks=48)
+    a = plain.generate(prompts, params, use_tqdm=False)
+    a2 = plain.generate(prompts, params, use_tqdm=False)
+    target = models["target"]
+    for draft in ("target", "noisy"):
+        spec = _spec(models[draft])
+        probe = _llm(target, spec, num_blocks=48)
+        bpb = (probe.llm_engine.runner.spec.bytes_per_block
+               + probe.llm_engine.core.proposer.runner.spec.bytes_per_block)
+        llm = _llm(target, spec, num_blocks=48, host_cache_memory=96 * bpb,
+                   prefill_tokens_per_s=1.0)
+        engine = llm.llm_engine
+        # The host pool holds both models' KV per block: 96 of them in the budget given.
+        assert engine.manager.num_host_blocks == 96
+        assert engine.core.proposer.runner.swap is not None
+        b = llm.generate(prompts, params, use_tqdm=False)
+        b2 = llm.generate(prompts, params, use_tqdm=False)
+        assert _ids(a) == _ids(b) and _ids(a2) == _ids(b2), draft
+        ss = llm.stats()
+        assert ss.prefix_hits_by_tier.get("host", 0) > 0, draft  # the second round hit the host tier
+        assert ss.spec_num_draft_tokens > 0
+        if draft == "target":
+            assert ss.spec_num_accepted_tokens == ss.spec_num_draft_tokens
+        engine.manager.check_invariants()
+
+
 def test_sampling_passes_the_draft_distribution_and_is_reproducible(models):
     prompts = _prompts(8, [6, 5, 8])
     seeded = SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=123)
@@ -245,8 +277,9 @@ def test_bad_draft_configs_raise(models, tmp_path):
         _llm(target, _spec(models["hybrid"]))
     with pytest.raises(ConfigArgumentError, match="attend fully"):
         _llm(models["hybrid"], _spec(target))
-    with pytest.raises(ConfigArgumentError, match="host_cache_memory"):
-        _llm(target, _spec(models["noisy"]), host_cache_memory=2**20)
+    with pytest.raises(ConfigArgumentError, match="disk_cache_dir"):
+        _llm(target, _spec(models["noisy"]), host_cache_memory=2**20, disk_cache_memory=2**20,
+             disk_cache_dir=str(tmp_path / "disk"))
     with pytest.raises(ConfigArgumentError, match=r"speculative_config\.model.*needs the draft"):
         _llm(target, {"method": "draft_model", "num_speculative_tokens": 2})
     with pytest.raises(ConfigArgumentError, match="method 'draft_model', not 'ngram'"):

@@ -193,7 +193,9 @@ class EngineCore:
         """Builds the manager (with the host pool and the cost model the config asks for), the
         scheduler, the KV-event publisher and the tiers around ``runner`` (and ``draft``, a draft
         model's runner whose pool shares the block ids: it gets a host pool too)."""
-        host_blocks = config.host_blocks(runner.spec.bytes_per_block)
+        # A draft model's pool shares the block ids, so each host block holds both models' KV.
+        bpb = runner.spec.bytes_per_block + (draft.spec.bytes_per_block if draft is not None else 0)
+        host_blocks = config.host_blocks(bpb)
         extra: Dict[str, Any] = {}
         cost_rates: Optional[Tuple[float, float, float]] = None
         spec_rates: Optional[Tuple[float, float]] = None
@@ -256,7 +258,6 @@ class EngineCore:
             config, runner, manager, model_path,
             cost_rates[1] if cost_rates else None,
             events=kv_events.sink if kv_events is not None else None)
-        bpb = runner.spec.bytes_per_block
         scheduler = Scheduler(
             manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,

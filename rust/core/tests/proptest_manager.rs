@@ -1617,3 +1617,52 @@ proptest! {
         h.check_host_pool_free_or_cached()?;
     }
 }
+
+/// At least 10⁶ operations of seeded random walks (the `op()` mix: admissions with shared
+/// prefixes, forks, chunked prefill, steps, swap and recompute preemption, evictions, tier
+/// fetches, resets) on managers that hold provisional tokens (`max_provisional` 2 or 4): drafts
+/// appended, stepped, committed in part and rewound, across block edges, with
+/// `check_invariants` and the simulated KV read back after every operation. Walks are drawn
+/// from a fixed seed, so a failure names the walk that reproduces it.
+#[test]
+fn provisional_walks_of_a_million_operations() {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+
+    let seed = [0x5e_u8; 32];
+    let mut runner = TestRunner::new_with_rng(
+        Config::default(),
+        TestRng::from_seed(RngAlgorithm::ChaCha, &seed),
+    );
+    let walk = (
+        config(),
+        prop::sample::select(vec![1usize, 2, 128]),
+        prop::sample::select(vec![1usize, 3, 256]),
+        prop::sample::select(vec![2u32, 4]),
+        prop::collection::vec(op(), 200..400),
+    );
+    let (mut ops_done, mut walks, mut drafts) = (0usize, 0usize, 0usize);
+    while ops_done < 1_000_000 {
+        let (mut cfg, copies, swaps, k, ops) = walk.new_tree(&mut runner).unwrap().current();
+        cfg.max_provisional = k;
+        drafts += ops
+            .iter()
+            .filter(|o| {
+                matches!(
+                    o,
+                    Op::Provisional { .. } | Op::Commit { .. } | Op::Rewind { .. }
+                )
+            })
+            .count();
+        if let Err(e) = one_group_walk(cfg.clone(), copies, swaps, &ops) {
+            panic!("walk {walks} (seed {seed:?}) failed: {e}\nconfig: {cfg:?}");
+        }
+        ops_done += ops.len();
+        walks += 1;
+    }
+    // The mix gives every walk drafts, commits and rewinds (about a fifth of the operations).
+    assert!(
+        drafts * 6 > ops_done,
+        "{drafts} draft operations in {ops_done}"
+    );
+}

@@ -38,8 +38,10 @@ reproducible whatever it is batched with.
 Refused, with :class:`~pagedkv.errors.ConfigArgumentError` naming ``speculative_config.model``:
 a missing path, a vocabulary size other than the target's (both named), a draft or target whose
 layers form several KV cache groups or a target with sliding or chunked layers (their tables
-release blocks the other model may still read), and the prefix-cache tiers below the GPU (they
-hold the target's KV only). The draft always runs in the target's dtype, on its device, with its
+release blocks the other model may still read), and the disk and remote tiers of the prefix cache
+(their records hold the target's KV only). The host tier serves a draft model: its loads and
+demotions are the step's swap lists, applied to both models' host pools, each host block sized for
+both models' KV. The draft always runs in the target's dtype, on its device, with its
 block size (one pool index serves both), so none of them is a setting. A draft whose context is
 shorter than the target's caps the engine's ``max_model_len``.
 """
@@ -68,8 +70,10 @@ log = logging.getLogger("pagedkv")
 #: Salt of the draft's generator seeds (verification draws with the unsalted seed).
 DRAFT_SEED_SALT = 0x5EED_D2AF_7000_0001
 
-#: Engine settings a draft model cannot serve: the prefix-cache tiers below the GPU.
-_TIER_FIELDS = ("host_cache_memory", "disk_cache_dir", "remote_cache_url")
+#: Engine settings a draft model cannot serve: the prefix-cache tiers below the host (their records
+#: hold the target's KV only). The host tier serves it: its blocks move by the step's swap lists,
+#: which the draft applies to its own host pool.
+_TIER_FIELDS = ("disk_cache_dir", "remote_cache_url")
 
 
 def _bad(value: Any, reason: str, key: str = "model") -> ConfigArgumentError:
@@ -107,7 +111,8 @@ def load_draft(config: Any, target: Any) -> Tuple[Any, Any]:
         if value is not None:
             shown = "<set>" if name == "remote_cache_url" else value
             reason = (f"a draft model does not run with {name} = {shown!r}: the prefix-cache "
-                      f"tiers below the GPU hold the target's KV only")
+                      f"tiers below the host hold the target's KV only (the host tier, "
+                      f"host_cache_memory, serves a draft model)")
             raise _bad(path, reason)
     tkinds = target.layer_kinds
     if any(k.kind != "full" for k in tkinds):
