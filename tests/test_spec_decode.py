@@ -2,7 +2,7 @@
 Llama (word-level tokenizer, saved with ``save_pretrained``, loaded by the engine's real loader).
 
 Greedy outputs must be identical to the same engine without speculation — with prefix caching
-(equal hits), ``n = 2`` forks, stop tokens and strings, logprobs, chunked prefill, preemption and
+(equal hits, on the device and in the host and disk tiers), ``n = 2`` forks, stop tokens and strings, logprobs, chunked prefill, preemption and
 length limits — while the n-gram proposer's drafts are actually accepted (counted in ``stats()``).
 Seeded sampling stays reproducible whatever a request is batched with; between steps no sequence
 holds provisional tokens.
@@ -229,6 +229,35 @@ def test_chunked_prefill_and_preemption_identical(model_dir, reclaim):
     if reclaim["preemption_mode"] == "swap":
         assert ss.num_preemptions_swap > 0 and ss.swapped_in_blocks > 0
     spec.llm_engine.manager.check_invariants()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_prefix_cache_tiers_hits_equal(model_dir, tmp_path, tier):
+    # 40 device blocks of 4 tokens; six 36-token prompts and their 16 tokens need 13 each, so the
+    # second round finds them in the host tier (and, with a small host tier, on disk): hits by
+    # tier and outputs must be what the engine gives without speculation. One request at a time:
+    # in a batch under pool pressure, speculation ends sequences at other steps, so what is
+    # evicted when differs (the outputs stay identical).
+    prompts = _prompts(12, [9] * 6, repeat=4)
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    kw: dict = dict(num_blocks=40, host_cache_memory="64KiB", prefill_tokens_per_s=1.0)
+    runs = []
+    for spec in (None, SPEC):
+        if tier == "disk":
+            kw.update(host_cache_memory="16KiB", disk_cache_memory="1MiB",
+                      disk_cache_dir=str(tmp_path / f"disk-{spec is not None}"))
+        llm = _llm(model_dir, spec, **kw)
+        outs = [o for _ in range(2) for p in prompts
+                for o in llm.generate([p], params, use_tqdm=False)]
+        llm.llm_engine.manager.check_invariants()
+        runs.append((llm.stats(), outs))
+        llm.shutdown()
+    (sp, a), (ss, b) = runs
+    assert _ids(a) == _ids(b)
+    assert [o.num_cached_tokens for o in a] == [o.num_cached_tokens for o in b]
+    assert ss.prefix_hits_by_tier == sp.prefix_hits_by_tier
+    assert ss.prefix_hits_by_tier.get(tier, 0) > 0, ss.prefix_hits_by_tier
+    assert ss.spec_num_accepted_tokens > 0
 
 
 def test_context_length_limits_drafts(model_dir):
