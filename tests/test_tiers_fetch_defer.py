@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, Iterator, List, Tuple
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -223,3 +224,85 @@ def test_forget_during_a_deferral_leaves_nothing_behind(rig: _Rig) -> None:
     rig.tiers.admitted(again, r)
     rig.m.free(2)
     rig.idle()
+
+
+def test_an_engine_whose_queue_holds_only_a_deferred_prompt_waits_for_it(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine end to end (a tiny Gemma 3 text model: sliding beside full layers, a host
+    tier of forty pages over a disk tier): every write to the disk is held through a first round
+    of prompts served one at a time, so when the first prompt comes back its blocks are still on
+    their way down. Its probe is deferred and nothing else can run: the engine waits on the
+    tiers, step after step (it does not take the queue for stuck and drop the request); the
+    writes are let go after a few such waits, the prompt's blocks come back from the disk, and
+    every output is the first round's (and transformers' for that prompt)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from tiny_hybrid import MAX_LEN, VOCAB, greedy_reference, hybrid_config, save_hybrid
+
+    from pagedkv import LLM, SamplingParams
+    from pagedkv.engine.builder import sequence_blocks
+    from pagedkv.layer_groups import group_layers, layer_kinds
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    # Generous: the writes are let go well within it, whatever this machine's load.
+    monkeypatch.setattr(tier_cache, "WRITE_WAIT_S", 20.0)
+    release = threading.Event()
+    put = DiskStore.put
+
+    def held_put(self: DiskStore, meta: BlockMeta, data: Any) -> bool:
+        release.wait(30.0)
+        return put(self, meta, data)
+
+    monkeypatch.setattr(DiskStore, "put", held_put)
+
+    kind = "gemma3_text"
+    path = save_hybrid(kind, str(tmp_path / kind))
+    grouping = group_layers(layer_kinds(hybrid_config(kind)), MAX_LEN, BS)
+    page = int(grouping.slots) * 2 * BS * 2 * 16 * 4
+    g = np.random.default_rng(8)
+    prompts = [g.integers(0, VOCAB, n).tolist() for n in (42, 43, 41, 45)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    peak = sequence_blocks(grouping.groups, max(map(len, prompts)) + 6, BS, 64)
+    llm = LLM(path, device="cpu", progress=False, block_size=BS, num_blocks=peak + peak // 4,
+              max_num_seqs=2, max_num_batched_tokens=64, host_cache_memory=40 * page,
+              disk_cache_dir=str(tmp_path / "kv"), disk_cache_memory="64MiB",
+              prefill_tokens_per_s=1.0)
+    try:
+        tiers = llm.llm_engine.tiers
+        assert tiers is not None
+        waits_while_deferred = []
+        wait = tiers.wait
+
+        def spy(timeout_s: float = 0.05) -> None:
+            if tiers._deferred and not tiers._fetches:
+                waits_while_deferred.append(tiers.num_fetching)
+                if len(waits_while_deferred) == 3:
+                    release.set()  # the writes go on after the engine waited three times
+            wait(timeout_s)
+
+        monkeypatch.setattr(tiers, "wait", spy)
+
+        def one(p: List[int]) -> List[int]:
+            got = llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)
+            return list(got[0].outputs[0].token_ids)
+
+        first = [one(p) for p in prompts]
+        disk = tiers.stores[0]
+        assert disk.stats().puts == 0 and tiers.stats.demotions > 0  # all held
+        again = one(prompts[0])
+        assert release.is_set()
+        assert len(waits_while_deferred) >= 3 and set(waits_while_deferred) == {1}
+        assert again == first[0]
+        dense = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        assert first[0] == greedy_reference(dense.eval(), prompts[0], 6)
+        assert llm.stats().prefix_hits_by_tier.get("disk", 0) > 0
+        assert [one(p) for p in prompts[1:]] == first[1:]
+        m = llm.llm_engine.manager
+        m.check_invariants()
+        assert m.num_seqs == 0
+        assert all(m.host_block_refcount(h) == 0 for h in range(m.num_host_blocks))
+    finally:
+        release.set()
+        llm.shutdown()
