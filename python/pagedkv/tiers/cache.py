@@ -56,9 +56,10 @@ the fetched blocks it hit. Nothing here imports :mod:`pagedkv.engine`: the engin
 the protocols below.
 
 Invariants: a reserved host slot is committed or released exactly once, and only after every read
-into it has finished; the engine's thread never waits for a store's write; no bytes reach a store unless they were read from a host slot after the
-transfer that wrote it completed; the stores verify every record (hash, tokens, salt digest,
-checksum, fingerprint) before its bytes are used, so a corrupt or foreign record is a miss.
+into it has finished; the engine's thread never waits for a store's write; no bytes reach a
+store unless they were read from a host slot after the transfer that wrote it completed; the
+stores verify every record (hash, tokens, salt digest, checksum, fingerprint) before its bytes
+are used, so a corrupt or foreign record is a miss.
 """
 
 
