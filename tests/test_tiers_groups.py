@@ -339,7 +339,8 @@ class _SlowDisk(DiskStore):
 def test_demoted_blocks_go_down_with_their_group_and_come_back(tmp_path: Any) -> None:
     """Host blocks of two groups demoted through the tier cache land in the disk store under
     their groups' keys, with STORAGE events naming group and chain hash; a prompt probed while
-    those writes are still under way waits for them, and its fetch reads back exactly the blocks
+    those writes are still under way is deferred until they land (the gate never waits for
+    them: tests/test_tiers_fetch_defer.py), and its fetch reads back exactly the blocks
     its boundary needs (group 0's four, the sliding group's window), bytes intact; the admission
     hits that boundary."""
     from pagedkv.config import CacheSpec
@@ -381,15 +382,17 @@ def test_demoted_blocks_go_down_with_their_group_and_come_back(tmp_path: Any) ->
         assert store.stats().puts < 8  # still writing
 
         seq = _Waiting(1, tokens)
-        assert not tiers.ready(seq)  # the probe waited for the writes: fetching
-        assert store.holds([group_key(hashes[i], g) for g, i in which]) == [True] * 8
-        stored = [(e.group_idx, e.block_hashes[0]) for e in sink.take()
-                  if isinstance(e, BlockStored) and e.medium == "STORAGE"]
-        assert sorted(stored) == sorted((g, hash_to_wire(hashes[i])) for g, i in which)
+        # The probe is deferred (never waited for) until the writes land, then fetches.
+        assert not tiers.ready(seq)
+        assert tiers.num_fetching == 1
         deadline = time.monotonic() + 30
         while not tiers.ready(seq):
             assert time.monotonic() < deadline
             tiers.wait()
+        assert store.holds([group_key(hashes[i], g) for g, i in which]) == [True] * 8
+        stored = [(e.group_idx, e.block_hashes[0]) for e in sink.take()
+                  if isinstance(e, BlockStored) and e.medium == "STORAGE"]
+        assert sorted(stored) == sorted((g, hash_to_wire(hashes[i])) for g, i in which)
         # Boundary 4 (position 16, window 8: from 9) needs the sliding group's blocks 2 and 3.
         present = m.lookup_tiers_groups(tokens)[2]
         assert present == [[True] * 4, [False, False, True, True]]

@@ -34,12 +34,21 @@ follows the host tier's hit rule: for a boundary ``k`` (blocks), group 0 (full) 
 ``[0, k)`` and every other group the blocks the first computed position ``k * B`` reads (a
 sliding group the window ending there, a chunked group the current chunk). The cache asks the
 manager which of those the device or the host tier hold (``lookup_tiers_groups``), asks each
-store which of the others it holds (``holds``; after waiting, at most :data:`WRITE_WAIT_S`, for
-the writes still carrying any of them down), takes the longest boundary every group then
+store which of the others it holds (``holds``), takes the longest boundary every group then
 completes (whose missing blocks fit the host tier), and reads only the missing blocks; each is
 committed under its group's key on its own (a failed read is a miss of that block only: the
 admission then finds the longest boundary that is complete). A model with one group takes the
 one-chain path above, unchanged.
+
+The probe never blocks the engine's thread (``ready`` runs while the scheduler builds a step: a
+wait there would stall every running request's decode). When demotion writes are still carrying
+some of the wanted blocks down (a prompt back right after its blocks were demoted), the probe is
+*deferred*: ``ready`` answers False, the sequence counts in :attr:`TierCache.num_fetching` (so an
+engine with nothing else to run waits for those writes in :meth:`TierCache.wait` rather than
+taking its queue for stuck) and a later ``ready`` asks again. Once the writes are done (or
+failed) the probe runs; if they are still running :data:`WRITE_WAIT_S` after the first deferral,
+it runs without them (what a stuck store has not written is a miss: recomputed), so a slow or
+stuck store delays only the requests that want its blocks, and those by a bounded time.
 
 The admission gate (``ready`` / ``admitted`` / ``forget``) is the scheduler's
 :class:`~pagedkv.scheduler.AdmissionGate`; an admission's ``cached_tokens_host`` tells how many of
@@ -47,9 +56,10 @@ the fetched blocks it hit. Nothing here imports :mod:`pagedkv.engine`: the engin
 the protocols below.
 
 Invariants: a reserved host slot is committed or released exactly once, and only after every read
-into it has finished; no bytes reach a store unless they were read from a host slot after the
-transfer that wrote it completed; the stores verify every record (hash, tokens, salt digest,
-checksum, fingerprint) before its bytes are used, so a corrupt or foreign record is a miss.
+into it has finished; the engine's thread never waits for a store's write; no bytes reach a
+store unless they were read from a host slot after the transfer that wrote it completed; the
+stores verify every record (hash, tokens, salt digest, checksum, fingerprint) before its bytes
+are used, so a corrupt or foreign record is a miss.
 """
 
 
@@ -94,9 +104,10 @@ _GROUP_MIX = 0x9E3779B97F4A7C15F39CC0605CEDC835
 #: model with several groups, at most (the oldest are forgotten: their removal is then announced
 #: by key alone).
 _MAX_KEY_GROUPS = 1 << 20
-#: With KV cache groups, how long a probe waits at most for the writes still carrying blocks it
-#: asks for down to the stores (a prompt arriving right after its blocks were demoted would
-#: otherwise miss them and recompute).
+#: With KV cache groups, how long (seconds, monotonic, from its first deferral) a sequence's probe
+#: is deferred at most while writes still carry blocks it asks for down to the stores (a prompt
+#: arriving right after its blocks were demoted would otherwise miss them and recompute); after
+#: that it probes without them. The engine's thread never waits for a write.
 WRITE_WAIT_S = 1.0
 
 
@@ -202,6 +213,20 @@ class _Fetch:
     credit: Optional[List[str]] = None
 
 
+@dataclass
+class _Deferral:
+    """A grouped probe put off while demotion writes carry some of the wanted blocks down."""
+
+    #: ``time.monotonic()`` at the sequence's first deferral (the bound runs from there).
+    since: float
+    #: The writes it waits for (the last probe's; done or failed ones included).
+    writes: List["Future[None]"]
+
+    def due(self, now: float) -> bool:
+        """Whether the probe runs now: every write finished, or :data:`WRITE_WAIT_S` passed."""
+        return now - self.since >= WRITE_WAIT_S or all(f.done() for f in self.writes)
+
+
 class TierCache:
     """The lower tiers under the host tier of one engine (module docs).
 
@@ -272,6 +297,9 @@ class TierCache:
         self._key_groups: Dict[int, Tuple[int, int]] = {}
         #: A grouped model's writes in flight by key (until reaped).
         self._writing: Dict[int, "Future[None]"] = {}
+        #: Sequences whose grouped probe waits for writes still carrying their blocks down (by
+        #: seq id; module docs).
+        self._deferred: Dict[int, _Deferral] = {}
         swap.add_swap_out_check(self.check_drained)
 
     # ----------------------------------------------------------------------- figures
@@ -431,18 +459,36 @@ class TierCache:
             return True
         if self._probed.get(key) or not self.stores:
             return True
+        deferral = self._deferred.get(key)
+        if deferral is not None and not deferral.due(time.monotonic()):
+            return False  # its blocks are still being written: asked again on a later step
+        started = self._start(seq)
+        if started is None:
+            return False  # deferred (module docs)
+        self._deferred.pop(key, None)
         self._probed[key] = True
-        return not self._start(seq)
+        return not started
 
     @property
     def num_fetching(self) -> int:
-        """Requests waiting for their blocks from a lower tier."""
-        return len(self._fetches)
+        """Requests waiting for their blocks from a lower tier: those whose reads are under way
+        and those whose probe is deferred until writes carrying their blocks down finish."""
+        return len(self._fetches) + len(self._deferred)
 
     def wait(self, timeout_s: float = 0.05) -> None:
-        """Blocks until some fetch finishes (or ``timeout_s``): what an engine with nothing else
-        to run does instead of spinning."""
+        """Blocks until some fetch finishes, or some deferred probe's writes do (or its bound
+        passes), or ``timeout_s``: what an engine with nothing else to run does instead of
+        spinning. Returns at once when a deferred probe can run now."""
         pending = [f for fetch in self._fetches.values() for _, f in fetch.futures if not f.done()]
+        if self._deferred:
+            now = time.monotonic()
+            for d in self._deferred.values():
+                live = [f for f in d.writes if not f.done()]
+                left = d.since + WRITE_WAIT_S - now
+                if not live or left <= 0:
+                    return
+                timeout_s = min(timeout_s, left)
+                pending.extend(live)
         if pending:
             wait_futures(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
@@ -452,6 +498,7 @@ class TierCache:
         to the admission's ``cached_tokens_host`` (a fetched block the host tier dropped again
         before the admission, or one after a dropped block, is not a hit)."""
         self._probed.pop(seq.seq_id, None)
+        self._deferred.pop(seq.seq_id, None)
         got = self._fetched_by_seq.pop(seq.seq_id, None)
         if got is None:
             return
@@ -467,14 +514,16 @@ class TierCache:
         its slots released: a reserved slot is released only after its reads."""
         key = seq.seq_id
         self._probed.pop(key, None)
+        self._deferred.pop(key, None)  # the writes it waited for go on: they are the stores'
         self._fetched_by_seq.pop(key, None)
         fetch = self._fetches.pop(key, None)
         if fetch is not None:
             _settle(fetch)
             self._commit(fetch, 0, len(fetch.slots), False)
 
-    def _start(self, seq: WaitingSeq) -> bool:
-        """Starts reading ``seq``'s lower-tier blocks; True when a fetch is under way."""
+    def _start(self, seq: WaitingSeq) -> Optional[bool]:
+        """Starts reading ``seq``'s lower-tier blocks; True when a fetch is under way, None when
+        the grouped probe is deferred (:meth:`_start_groups`)."""
         if self._grouped:
             return self._start_groups(seq)
         gpu, host, rest, salt_digest, parent = self.manager.lookup_tiers(
@@ -557,7 +606,7 @@ class TierCache:
         self.load_bytes_per_s[store.name] = rate if old is None else (
             old + LOAD_RATE_WEIGHT * (rate - old))
 
-    def _settled(self, store: BlockStore, future: Any) -> bool:
+    def _settled(self, store: BlockStore, future: "Future[_ReadResult]") -> bool:
         """Whether one block's read (a done future of ``(verified, seconds)``) succeeded; its
         time feeds the store's measured load rate. A read that raised is a miss."""
         try:
@@ -624,8 +673,11 @@ class TierCache:
             ok &= miss[np.arange(n + 1)] == miss[lo]
         return ok
 
-    def _start_groups(self, seq: WaitingSeq) -> bool:
-        """The grouped fetch (module docs); True when one is under way."""
+    def _start_groups(self, seq: WaitingSeq) -> Optional[bool]:
+        """The grouped fetch (module docs); True when one is under way, None when the probe is
+        deferred: writes still carry some of the wanted blocks down (recorded in
+        ``_deferred``, from the first deferral on, until :data:`WRITE_WAIT_S` has passed). Never
+        waits."""
         hashes, salt_digest, present = self.manager.lookup_tiers_groups(
             seq.token_ids, cache_salt=seq.cache_salt)
         n = len(hashes)
@@ -635,12 +687,22 @@ class TierCache:
         # Every block not cached above, asked of each store in turn (one question per store).
         source: Dict[Tuple[int, int], BlockStore] = {}
         want = [(g, i) for g in range(len(self.groups)) for i in range(n) if not cached[g][i]]
-        # Blocks demoted a moment ago may still be on their way down: wait for those writes.
+        # Blocks demoted a moment ago may still be on their way down: the probe is put off
+        # until those writes finish (never waited for here), WRITE_WAIT_S at most.
         writing = self._writing
         inflight = [writing[k] for k in (group_key(int(hashes[i]), g) for g, i in want)
                     if k in writing and not writing[k].done()]
         if inflight:
-            wait_futures(inflight, timeout=WRITE_WAIT_S)
+            now = time.monotonic()
+            deferral = self._deferred.get(seq.seq_id)
+            if deferral is None:
+                self._deferred[seq.seq_id] = _Deferral(now, inflight)
+                return None
+            if now - deferral.since < WRITE_WAIT_S:
+                deferral.writes = inflight
+                return None
+            # Bound passed: probe without them (what they have not written is a miss).
+        self._deferred.pop(seq.seq_id, None)
         for store in self.stores:
             if not want:
                 break
@@ -736,6 +798,7 @@ class TierCache:
 
     def close(self) -> None:
         """Finishes every fetch (releasing its slots) and flushes and closes the stores."""
+        self._deferred.clear()
         for key in list(self._fetches):
             fetch = self._fetches.pop(key)
             _settle(fetch)
