@@ -4,25 +4,32 @@
 # uses the pool) -- both through pagedkv.vllm.pytest_plugin -- and print pass/fail/error per file
 # side by side, plus every test whose outcome differs from stock.
 # PAGEDKV_VLLM_MODES picks the passes (default "stock pool manager").
-# Then the offloading spec: pagedkv's tests of it (tests/test_vllm_offload*.py), and vLLM's own
-# offloading manager tests (tests/v1/kv_offload/cpu/test_manager.py) twice, "stock" and "offload"
-# (pagedkv's PagedKVOffloadingManager built wherever vLLM's CPUOffloadingManager is built with
-# the LRU policy, PAGEDKV_VLLM_TEST_OFFLOAD=1); the tests whose outcome differs are checked
-# against the list of known differences below, each with its reason (about 3 minutes on the
-# 2-core box). PAGEDKV_VLLM_SKIP_MAIN=1 runs only this offloading part.
+# Then the offloading spec: vLLM's own offloading manager tests
+# (tests/v1/kv_offload/cpu/test_manager.py) twice, "stock" and "offload" (pagedkv's
+# PagedKVOffloadingManager built wherever vLLM's CPUOffloadingManager is built with the LRU
+# policy, PAGEDKV_VLLM_TEST_OFFLOAD=1); the tests whose outcome differs are checked against the
+# list of known differences (scripts/vllm_offload_known.tsv), each with its reason.
+# PAGEDKV_VLLM_SKIP_MAIN=1 runs only this offloading part.
 #
 # Needs the project venv (scripts/setup.sh). Into ./.vllm-test (ignored; PAGEDKV_VLLM_DIR to
 # move it) it installs vllm==0.33.0 and the pinned pure-Python packages of requirements/
 # vllm-test.txt with --no-deps (the venv's own packages stay untouched), and fetches the vLLM
-# sdist for its tests/ tree. Offline model hubs: HF_HUB_OFFLINE=1; the scheduler tests' model
-# config (facebook/opt-125m's config.json: no weights, no tokenizer) is written into an offline
-# hub cache under $DIR/hf, and VLLM_TARGET_DEVICE=cpu gives vLLM its CPU platform.
-# First it runs tests/test_kv_events_vllm_interop.py (pagedkv's KV events decoded by vLLM's
-# classes; a failure there stops the script). vLLM's test_prefix_caching.py covers the drop-in
-# pool's own events (test_kv_cache_events and the BlockStored/BlockRemoved tests).
-# Takes about 60 minutes on a 2-core box (three passes of ~20); scripts/test.sh runs it last
-# (PAGEDKV_SKIP_VLLM=1 skips it). Exits 1 when a test's outcome differs between the two pools or
-# when no test passed.
+# sdist for its tests/ tree (both skipped when already there). Offline model hubs:
+# HF_HUB_OFFLINE=1; the scheduler tests' model config (facebook/opt-125m's config.json: no
+# weights, no tokenizer) is written into an offline hub cache under $DIR/hf, and
+# VLLM_TARGET_DEVICE=cpu gives vLLM its CPU platform.
+# First it runs pagedkv's own tests with vLLM importable, in one pytest process (a failure there
+# stops the script): tests/test_kv_events_vllm_interop.py (pagedkv's KV events decoded by vLLM's
+# classes), tests/test_vllm_manager.py and the offloading spec's tests/test_vllm_offload*.py.
+# vLLM's test_prefix_caching.py covers the drop-in pool's own events (test_kv_cache_events and
+# the BlockStored/BlockRemoved tests).
+# Each pass is one pytest process over all of its files (vLLM's ~15 s import paid once a pass),
+# and the passes run two at a time (PAGEDKV_VLLM_JOBS, default 2: one a core; each has its own
+# log, junit file, temp dirs and vLLM cache); the summary splits each pass's junit file back per
+# file. Takes about MINUTES_TBD minutes on a 2-core box (a main pass ~PASS_TBD: stock beside
+# pool, then manager beside the two offloading passes); scripts/test.sh runs it last
+# (PAGEDKV_SKIP_VLLM=1 skips it). Exits 1 when a test's outcome differs from stock's (and, for the
+# offloading passes, is not a known difference) or when a pass passed nothing.
 # Usage: scripts/test_vllm.sh [test paths relative to vLLM's source tree ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
