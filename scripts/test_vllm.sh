@@ -26,7 +26,7 @@
 # Each pass is one pytest process over all of its files (vLLM's ~15 s import paid once a pass),
 # and the passes run two at a time (PAGEDKV_VLLM_JOBS, default 2: one a core; each has its own
 # log, junit file, temp dirs and vLLM cache); the summary splits each pass's junit file back per
-# file. Takes about MINUTES_TBD minutes on a 2-core box (a main pass ~PASS_TBD: stock beside
+# file. Takes about 17 minutes on a 2-core box (a main pass ~10 minutes, ~7 alone: stock beside
 # pool, then manager beside the two offloading passes); scripts/test.sh runs it last
 # (PAGEDKV_SKIP_VLLM=1 skips it). Exits 1 when a test's outcome differs from stock's (and, for the
 # offloading passes, is not a known difference) or when a pass passed nothing.
