@@ -4,25 +4,32 @@
 # uses the pool) -- both through pagedkv.vllm.pytest_plugin -- and print pass/fail/error per file
 # side by side, plus every test whose outcome differs from stock.
 # PAGEDKV_VLLM_MODES picks the passes (default "stock pool manager").
-# Then the offloading spec: pagedkv's tests of it (tests/test_vllm_offload*.py), and vLLM's own
-# offloading manager tests (tests/v1/kv_offload/cpu/test_manager.py) twice, "stock" and "offload"
-# (pagedkv's PagedKVOffloadingManager built wherever vLLM's CPUOffloadingManager is built with
-# the LRU policy, PAGEDKV_VLLM_TEST_OFFLOAD=1); the tests whose outcome differs are checked
-# against the list of known differences below, each with its reason (about 3 minutes on the
-# 2-core box). PAGEDKV_VLLM_SKIP_MAIN=1 runs only this offloading part.
+# Then the offloading spec: vLLM's own offloading manager tests
+# (tests/v1/kv_offload/cpu/test_manager.py) twice, "stock" and "offload" (pagedkv's
+# PagedKVOffloadingManager built wherever vLLM's CPUOffloadingManager is built with the LRU
+# policy, PAGEDKV_VLLM_TEST_OFFLOAD=1); the tests whose outcome differs are checked against the
+# list of known differences (scripts/vllm_offload_known.tsv), each with its reason.
+# PAGEDKV_VLLM_SKIP_MAIN=1 runs only this offloading part.
 #
 # Needs the project venv (scripts/setup.sh). Into ./.vllm-test (ignored; PAGEDKV_VLLM_DIR to
 # move it) it installs vllm==0.33.0 and the pinned pure-Python packages of requirements/
 # vllm-test.txt with --no-deps (the venv's own packages stay untouched), and fetches the vLLM
-# sdist for its tests/ tree. Offline model hubs: HF_HUB_OFFLINE=1; the scheduler tests' model
-# config (facebook/opt-125m's config.json: no weights, no tokenizer) is written into an offline
-# hub cache under $DIR/hf, and VLLM_TARGET_DEVICE=cpu gives vLLM its CPU platform.
-# First it runs tests/test_kv_events_vllm_interop.py (pagedkv's KV events decoded by vLLM's
-# classes; a failure there stops the script). vLLM's test_prefix_caching.py covers the drop-in
-# pool's own events (test_kv_cache_events and the BlockStored/BlockRemoved tests).
-# Takes about 60 minutes on a 2-core box (three passes of ~20); scripts/test.sh runs it last
-# (PAGEDKV_SKIP_VLLM=1 skips it). Exits 1 when a test's outcome differs between the two pools or
-# when no test passed.
+# sdist for its tests/ tree (both skipped when already there). Offline model hubs:
+# HF_HUB_OFFLINE=1; the scheduler tests' model config (facebook/opt-125m's config.json: no
+# weights, no tokenizer) is written into an offline hub cache under $DIR/hf, and
+# VLLM_TARGET_DEVICE=cpu gives vLLM its CPU platform.
+# First it runs pagedkv's own tests with vLLM importable, in one pytest process (a failure there
+# stops the script): tests/test_kv_events_vllm_interop.py (pagedkv's KV events decoded by vLLM's
+# classes), tests/test_vllm_manager.py and the offloading spec's tests/test_vllm_offload*.py.
+# vLLM's test_prefix_caching.py covers the drop-in pool's own events (test_kv_cache_events and
+# the BlockStored/BlockRemoved tests).
+# Each pass is one pytest process over all of its files (vLLM's ~15 s import paid once a pass),
+# and the passes run two at a time (PAGEDKV_VLLM_JOBS, default 2: one a core; each has its own
+# log, junit file, temp dirs and vLLM cache); the summary splits each pass's junit file back per
+# file. Takes about 17 minutes on a 2-core box (a main pass ~10 minutes, ~7 alone: stock beside
+# pool, then manager beside the two offloading passes); scripts/test.sh runs it last
+# (PAGEDKV_SKIP_VLLM=1 skips it). Exits 1 when a test's outcome differs from stock's (and, for the
+# offloading passes, is not a known difference) or when a pass passed nothing.
 # Usage: scripts/test_vllm.sh [test paths relative to vLLM's source tree ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -89,17 +96,15 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$SITE:$ROOT/python"
 export HF_HOME="$DIR/hf" VLLM_TARGET_DEVICE=cpu
 OUT=${PAGEDKV_VLLM_OUT:-$DIR/results}
 rm -rf "$OUT"; mkdir -p "$OUT"
-# pagedkv's KV-event batches against vLLM's own event classes and publisher (both directions);
-# vLLM is importable here, so the test must not skip.
-echo "test_vllm: KV-event wire interop (tests/test_kv_events_vllm_interop.py)"
-PAGEDKV_REQUIRE_VLLM=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_kv_events_vllm_interop.py
-# pagedkv's manager against vLLM's, call for call, on seeded traces.
-echo "test_vllm: drop-in manager vs vLLM's (tests/test_vllm_manager.py)"
-PAGEDKV_REQUIRE_VLLM=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_vllm_manager.py
-# pagedkv's offloading spec: its manager, worker and version gate with vLLM importable.
-echo "test_vllm: offloading spec (tests/test_vllm_offload*.py)"
-PAGEDKV_REQUIRE_VLLM=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_vllm_offload.py \
-    tests/test_vllm_offload_copy.py tests/test_vllm_offload_keyed.py
+# pagedkv's own tests with vLLM importable (vLLM is importable here, so none may skip for want of
+# it), in one pytest process; a failure there stops the script: its KV-event batches against
+# vLLM's own event classes and publisher (both directions), its manager against vLLM's, call for
+# call, on seeded traces, and its offloading spec (its manager, worker and version gate).
+echo "test_vllm: KV-event wire interop, drop-in manager vs vLLM's, offloading spec" \
+    "(tests/test_kv_events_vllm_interop.py tests/test_vllm_manager.py tests/test_vllm_offload*.py)"
+PAGEDKV_REQUIRE_VLLM=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_kv_events_vllm_interop.py \
+    tests/test_vllm_manager.py tests/test_vllm_offload.py tests/test_vllm_offload_copy.py \
+    tests/test_vllm_offload_keyed.py
 # The per-file table and the differences from the first pass (run once per group of passes).
 SUMMARY="$OUT/summary.py"
 cat >"$SUMMARY" <<'PYEOF'
@@ -151,8 +156,27 @@ print(f"\n{'file':<50}" + "".join(f"{m + ' pass/fail/err':>24}" for m in modes))
 tot = {m: [0, 0, 0] for m in modes}
 diffs = []
 known = []
+# One junit file per pass, over all the files: each test goes back to the file (or directory)
+# argument its module lies in (the longest match, as dotted paths from vLLM's tests package on).
+dotted = [os.path.normpath(f.split("::")[0]).removesuffix(".py").replace("/", ".") for f in files]
+
+def owner(name):
+    mod = name.split("::")[0]
+    best = None
+    for i, d in enumerate(dotted):
+        if (mod == d or mod.startswith(d + ".")) and (best is None or len(d) > len(dotted[best])):
+            best = i
+    return best
+
+per_file = {m: [{} for _ in files] for m in modes}
+for m in modes:
+    for name, kind in outcomes(f"{out}/{prefix}{m}.xml").items():
+        i = owner(name)
+        if i is None:
+            sys.exit(f"test_vllm: {name} matches none of the paths {files}")
+        per_file[m][i][name] = kind
 for i, f in enumerate(files):
-    res = {m: outcomes(f"{out}/{prefix}{i}.{m}.xml") for m in modes}
+    res = {m: per_file[m][i] for m in modes}
     row = f"{f:<50}"
     for m in modes:
         c = counts(res[m])
@@ -183,48 +207,65 @@ if diffs or any(tot[m][0] == 0 for m in modes):
     print("test_vllm: FAILED (outcomes differ, or nothing passed)")
     sys.exit(1)
 PYEOF
-cd "$SRC"
-start=$(date +%s)
-status=0
-[ "${PAGEDKV_VLLM_SKIP_MAIN:-0}" = 1 ] && FILES=()
-for i in "${!FILES[@]}"; do
-    f=${FILES[$i]}
-    for mode in "${MODES[@]}"; do
-        plugin=()
-        [ "$mode" != stock ] && plugin=(-p pagedkv.vllm.pytest_plugin)
-        want_manager=0
-        [ "$mode" = manager ] && want_manager=1
-        t0=$(date +%s)
-        PAGEDKV_VLLM_TEST_MANAGER=$want_manager "$PY" -m pytest -q -p no:cacheprovider \
-            "${plugin[@]}" --junitxml="$OUT/$i.$mode.xml" \
-            "$f" >"$OUT/$i.$mode.log" 2>&1 || true
-        echo "test_vllm: $mode $f: $(tail -1 "$OUT/$i.$mode.log") [$(( $(date +%s) - t0 ))s]"
-    done
-done
-if [ ${#FILES[@]} -gt 0 ]; then
-    echo "test_vllm: done in $(( $(date +%s) - start ))s"
-    "$PY" "$SUMMARY" "$OUT" "${MODES[*]}" "${FILES[@]}" || status=1
-fi
+# One pytest process per pass over all of its files (vLLM's import, ~15 s, paid once a pass, not
+# once a file), at most PAGEDKV_VLLM_JOBS (default 2, one a core) passes at a time. Each pass has
+# its own log, junit file, TMPDIR (vLLM's conftest writes dummy model dirs under the temp dir),
+# pytest basetemp and VLLM_CACHE_ROOT; the hub cache under $DIR/hf is only read.
+# run_pass NAME MODE PATHS...: MODE is stock, pool, manager or offload.
+run_pass() {
+    local name=$1 mode=$2 plugin=() manager=0 offload=0 t0
+    shift 2
+    [ "$mode" != stock ] && plugin=(-p pagedkv.vllm.pytest_plugin)
+    [ "$mode" = manager ] && manager=1
+    [ "$mode" = offload ] && offload=1
+    t0=$(date +%s)
+    rm -rf "$OUT/tmp.$name"
+    mkdir -p "$OUT/tmp.$name/tmp" "$OUT/tmp.$name/cache"
+    PAGEDKV_VLLM_TEST_MANAGER=$manager PAGEDKV_VLLM_TEST_OFFLOAD=$offload \
+        TMPDIR="$OUT/tmp.$name/tmp" VLLM_CACHE_ROOT="$OUT/tmp.$name/cache" \
+        "$PY" -m pytest -q -p no:cacheprovider "${plugin[@]}" \
+        --basetemp="$OUT/tmp.$name/pytest" --junitxml="$OUT/$name.xml" \
+        "$@" >"$OUT/$name.log" 2>&1 || true
+    echo "test_vllm: $mode pass ($# paths): $(tail -1 "$OUT/$name.log") [$(( $(date +%s) - t0 ))s]"
+}
 
 # vLLM's offloading manager tests with pagedkv's manager in place of the CPU one ("offload").
 # Every known difference, with its reason; a difference not listed fails the run.
 OFFLOAD_FILES=(tests/v1/kv_offload/cpu/test_manager.py)
 EXPECTED="$OUT/offload-expected.txt"
 cat "$ROOT/scripts/vllm_offload_known.tsv" >"$EXPECTED"
+
+cd "$SRC"
+[ "${PAGEDKV_VLLM_SKIP_MAIN:-0}" = 1 ] && FILES=()
+# The queue, longest passes first: "name mode" (the main passes, then the offloading ones).
+QUEUE=()
+if [ ${#FILES[@]} -gt 0 ]; then
+    for mode in "${MODES[@]}"; do QUEUE+=("$mode $mode"); done
+fi
+QUEUE+=("offload.stock stock" "offload.offload offload")
+JOBS=${PAGEDKV_VLLM_JOBS:-2}
 start=$(date +%s)
-for i in "${!OFFLOAD_FILES[@]}"; do
-    f=${OFFLOAD_FILES[$i]}
-    for mode in stock offload; do
-        plugin=()
-        want=0
-        if [ "$mode" = offload ]; then plugin=(-p pagedkv.vllm.pytest_plugin); want=1; fi
-        t0=$(date +%s)
-        PAGEDKV_VLLM_TEST_OFFLOAD=$want "$PY" -m pytest -q -p no:cacheprovider "${plugin[@]}" \
-            --junitxml="$OUT/offload.$i.$mode.xml" "$f" >"$OUT/offload.$i.$mode.log" 2>&1 || true
-        echo "test_vllm: $mode $f: $(tail -1 "$OUT/offload.$i.$mode.log") [$(( $(date +%s) - t0 ))s]"
-    done
+running=0
+for job in "${QUEUE[@]}"; do
+    read -r name mode <<<"$job"
+    if [ "$running" -ge "$JOBS" ]; then
+        wait -n || true
+        running=$((running - 1))
+    fi
+    if [ "${name%%.*}" = offload ]; then
+        run_pass "$name" "$mode" "${OFFLOAD_FILES[@]}" &
+    else
+        run_pass "$name" "$mode" "${FILES[@]}" &
+    fi
+    running=$((running + 1))
 done
-echo "test_vllm: offloading tests done in $(( $(date +%s) - start ))s"
+wait
+echo "test_vllm: all passes done in $(( $(date +%s) - start ))s"
+
+status=0
+if [ ${#FILES[@]} -gt 0 ]; then
+    "$PY" "$SUMMARY" "$OUT" "${MODES[*]}" "${FILES[@]}" || status=1
+fi
 SUMMARY_PREFIX=offload. SUMMARY_EXPECTED="$EXPECTED" "$PY" "$SUMMARY" "$OUT" "stock offload" \
     "${OFFLOAD_FILES[@]}" || status=1
 exit $status
