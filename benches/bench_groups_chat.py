@@ -35,6 +35,12 @@ cache (the history's full blocks). Of the turns after a session's first: ``whole
 whose hit covered the whole history; ``partial``, the share that hit part of it (more than the
 system prompt, less than the whole).
 
+``--concurrency-ratio R`` also runs the groups configuration at exactly ``R`` times full
+accounting's ``N`` at each target (config ``groups_Rx``), in the same memory, and compares its hit
+ratio with full accounting's at the same target: the question "with ``R``× the concurrency, what
+share of full accounting's hit ratio is kept" (its occupancy is then below full's, the rest of
+the pool keeping histories).
+
 Prints a table, writes JSON (``--json``) and plots hit ratio and concurrency against occupancy
 (``--plot``, matplotlib; skipped with a message when it is not installed).
 """
@@ -365,6 +371,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help=f"prompt tokens per prefill step (default {CHUNK})")
     ap.add_argument("--quick", action="store_true", help="16 GiB, three targets, fewer turns")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's manager")
+    ap.add_argument("--concurrency-ratio", type=float, default=None, metavar="R",
+                    help="also run groups at R times full accounting's concurrency at each target "
+                         "(config 'groups_R'), compared with full at the same target")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--plot", metavar="PNG")
     args = ap.parse_args(argv)
@@ -409,10 +418,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     # the target, so one more point past the last target lets every other run be compared at
     # its own occupancy.
     plan = [(t, name) for t in targets for name in configs]
+    fixed = None
+    if args.concurrency_ratio:
+        fixed = f"groups_{args.concurrency_ratio:g}x"
     plan.append((targets[-1] + 0.1, "full"))
+    if fixed is not None:
+        plan += [(t, fixed) for t in targets + [targets[-1] + 0.1]]
+    full_n = {t: max(1, round(t * configs["full"]["pages"] / configs["full"]["mean_live_pages"]))
+              for t in targets + [targets[-1] + 0.1]}
     for target, name in plan:
-        c = configs[name]
+        c = configs["groups" if name == fixed else name]
         n = max(1, round(target * c["pages"] / c["mean_live_pages"]))
+        if name == fixed:
+            n = round(args.concurrency_ratio * full_n[target])
         if name == "vllm":
             backend: Any = VllmBackend(kv, max_tokens)
         else:
@@ -426,7 +444,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{res['concurrency']:>11.1f} {res['hit_ratio']:>9.1%} {res['ceiling']:>7.1%} "
               f"{res['whole_history_hits']:>6.1%} {res['partial_history_hits']:>7.1%} "
               f"{res['preemptions']:>7} {res['seconds']:>7.1f}")
-    summary = compare(rows, list(configs))
+    summary = compare(rows, list(configs) + ([fixed] if fixed else []))
     print()
     print("against full-attention accounting at the same measured occupancy (full's figures "
           "interpolated linearly between its points):")
@@ -435,15 +453,33 @@ def main(argv: Optional[List[str]] = None) -> int:
         hit = "—" if c["hit_vs_full"] is None else f"{c['hit_vs_full']:.3f}"
         conc = "—" if c["concurrency_vs_full"] is None else f"{c['concurrency_vs_full']:.2f}"
         print(f"{c['config']:<7} {c['occupancy']:>9.1%} {hit:>10} {conc:>18}")
+    same_target = []
+    if fixed is not None:
+        full_rows = {r["target"]: r for r in rows if r["config"] == "full"}
+        print()
+        print(f"groups at {args.concurrency_ratio:g}x full accounting's concurrency, against full "
+              f"at the same target (same memory):")
+        print(f"{'target':>6} {'full occ':>8} {'full hit':>8} {'groups occ':>10} "
+              f"{'groups hit':>10} {'hit / full':>10} {'conc / full':>11}")
+        for r in sorted((r for r in rows if r["config"] == fixed), key=lambda r: r["target"]):
+            f = full_rows[r["target"]]
+            ratio = r["hit_ratio"] / f["hit_ratio"] if f["hit_ratio"] else None
+            same_target.append({"target": r["target"], "hit_vs_full": ratio,
+                                "concurrency_vs_full": r["concurrency"] / f["concurrency"]})
+            print(f"{r['target']:>6.0%} {f['occupancy']:>8.1%} {f['hit_ratio']:>8.1%} "
+                  f"{r['occupancy']:>10.1%} {r['hit_ratio']:>10.1%} "
+                  f"{'—' if ratio is None else format(ratio, '.3f'):>10} "
+                  f"{r['concurrency'] / f['concurrency']:>11.2f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"bench": "groups_chat", "python": sys.version.split()[0],
                        "machine": platform.machine(), "kv_gib": args.kv_gib, "seed": args.seed,
                        "turns_per_slot": args.turns_per_slot, "vllm": vllm_error or "ran",
                        "configs": {k: {kk: vv for kk, vv in v.items()} for k, v in configs.items()},
-                       "rows": rows, "vs_full": summary}, fh, indent=2)
+                       "rows": rows, "vs_full": summary,
+                       "vs_full_same_target": same_target}, fh, indent=2)
     if args.plot:
-        plot(rows, list(configs), args.plot, args.kv_gib)
+        plot(rows, list(configs) + ([fixed] if fixed else []), args.plot, args.kv_gib)
     return 0
 
 
@@ -490,8 +526,9 @@ def plot(rows: List[Dict[str, Any]], names: List[str], path: str, kv_gib: float)
     for name in names:
         rs = sorted((r for r in rows if r["config"] == name), key=lambda r: r["occupancy"])
         occ = [100 * r["occupancy"] for r in rs]
-        a1.plot(occ, [100 * r["hit_ratio"] for r in rs], marker="o", label=labels[name])
-        a2.plot(occ, [r["concurrency"] for r in rs], marker="o", label=labels[name])
+        label = labels.get(name, f"pagedkv groups, {name[7:]} full accounting's concurrency")
+        a1.plot(occ, [100 * r["hit_ratio"] for r in rs], marker="o", label=label)
+        a2.plot(occ, [r["concurrency"] for r in rs], marker="o", label=label)
     a1.set_xlabel("pool occupancy by running sequences (%)")
     a1.set_ylabel("prefix hit ratio (%)")
     a1.set_ylim(0, 100)

@@ -420,3 +420,46 @@ def test_every_group_windowed_releases_group_0(backend: str) -> None:
     with pytest.raises(InvalidConfigError, match="windowed group 0"):
         BlockManager(16, B, groups=[KVCacheGroup.sliding(6)], num_host_blocks=8,
                      host_cache=True)
+
+
+def test_a_shared_prefix_longer_than_the_window_keeps_hitting() -> None:
+    """A document prefix (1536 tokens) longer than a sliding window (1024), read by one request
+    after another, with other work evicting the LRU's oldest blocks in between. The first request
+    computes it cold: its windows, released mid-run, go to the evicting end (the second may still
+    find them), and are evicted. The next request finds group 0's run cached but not the window
+    ending there, and recomputes; group 0's run has then ended at the same cached block for two
+    admissions, so the window ending there keeps its recency when released (and group 0's cached
+    run is refreshed, not left to age behind the recomputed copy), and every later request hits
+    the whole prefix. Before, every request after the window's eviction recomputed it."""
+    bs, chunk = 16, 512
+    groups = [KVCacheGroup("full", 0), KVCacheGroup("sliding", 1024)]
+    mgr = BlockManager(800, bs, groups=groups, watermark_blocks=0,
+                       max_blocks_per_seq=8192 // bs + 2)
+    buf = StepBuffers(4, 8192 + 4, 8192 // bs + 2, device="cpu", backend="numpy", num_groups=2)
+    mgr.attach_buffers(buf)
+    doc = list(range(10_000, 10_000 + 1536))
+    fresh = iter(range(100_000, 10**9))
+
+    def run(rid: int, prompt: list, decode: int) -> int:
+        res = mgr.admit(rid, prompt, max_new_tokens=chunk)
+        mgr.step([rid], [res.num_tokens - res.cached_tokens])
+        held = res.num_tokens
+        while held < len(prompt):
+            part = prompt[held:held + chunk]
+            mgr.append(rid, part)
+            mgr.step([rid], [len(part)])
+            held += len(part)
+        for _ in range(decode):
+            mgr.append_batch([rid], [7])
+            mgr.step([rid], 1)
+        mgr.free(rid)
+        mgr.check_invariants()
+        return int(res.cached_tokens)
+
+    hits = []
+    for r in range(6):
+        hits.append(run(2 * r, doc + [next(fresh) for _ in range(1500)], 50))
+        # Unrelated work whose blocks take the pool's free list and the LRU's oldest entries.
+        run(2 * r + 1, [next(fresh) for _ in range(4000)], 0)
+    assert hits[0] == 0 and hits[2] == 0, hits
+    assert hits[3:] == [1536, 1536, 1536], hits

@@ -520,13 +520,36 @@ impl BlockManager {
         }
         let start0 = hits.iter().take_while(|&&b| b == NULL_BLOCK).count();
         self.slots[slot as usize].start0 = start0;
+        if self.windowed {
+            // Group 0's cached run ends at block `look.group0 - 1`: count this admission there.
+            let reach = match look.group0.checked_sub(1).and_then(|j| hashes.get(j)) {
+                Some(&h) => match self.prefix.lookup(h) {
+                    Some(b) => self.note_reach(b),
+                    None => 0,
+                },
+                None => 0,
+            };
+            let s = &mut self.slots[slot as usize];
+            s.shared_prefix = look.group0;
+            s.shared_reach = reach;
+            // Group 0 had the prefix past the hit (another group's window there was gone): this
+            // request recomputes it as unhashed duplicates, so group 0's cached copy would age
+            // while the prefix is in demand. It becomes the most recent instead, for the windows
+            // this request releases there to complete again.
+            for &h in hashes.get(k..look.group0).unwrap_or(&[]) {
+                if let Some(b) = self.prefix.lookup(h) {
+                    if self.prefix.in_lru(b) {
+                        self.prefix.lru_remove(b);
+                        self.prefix.lru_push(b);
+                    }
+                }
+            }
+        }
         if !self.kinds.is_empty() {
             self.slots[slot as usize].table.blocks = blocks;
             self.pin_extra(slot as usize, tokens, &hashes, k, &loads)?;
-            self.slots[slot as usize].shared_prefix = look.group0;
             blocks = std::mem::take(&mut self.slots[slot as usize].table.blocks);
         } else if self.kind0.is_windowed() {
-            self.slots[slot as usize].shared_prefix = look.group0;
             self.set_next_release(slot as usize);
         }
         // Host hits are pinned before anything is allocated: an eviction below may offload, and

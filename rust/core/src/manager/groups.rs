@@ -41,6 +41,18 @@
 //!   own earlier turns, readmitted) it only serves a later turn of the same session, whose hit
 //!   rests on the last window anyway. Otherwise every running sequence would push its dead
 //!   windows in as the newest entries and evict the idle sessions' histories first.
+//! - A prefix read by one request after another (a document longer than the window, with no two
+//!   requests on it at once) is told apart from a session's own history by how many admissions
+//!   found group 0's cached run ending at the same cached block (`note_reach`, counted in the
+//!   high byte of `block_group` and reset when the block is registered again): a session's
+//!   history top is reached once, by its next turn; a shared prefix's end by every request that
+//!   reads it. From the second such admission on (`Seq::shared_reach >= 2`) the blocks of the
+//!   window ending at the shared prefix keep their recency when released, whoever else runs.
+//!   Without this, the first request's windows go to the evicting end, every later request
+//!   finds group 0's run but not the window, recomputes, and sends its windows the same way:
+//!   the prefix never hits again. An admission whose hit stops short of group 0's cached run
+//!   also makes that run's cached blocks the most recent (its own recomputed copies are
+//!   unhashed duplicates, and the cached run must outlive them for its window to complete it).
 //! - Swap moves every group's held blocks to the host and back, released entries staying null
 //!   (see `reclaim`).
 //! - The host tier keys each group's blocks as the device does (`group_hash(h_j, g)`), and the hit
@@ -204,13 +216,21 @@ impl BlockManager {
                 continue;
             }
             let shared = s.shared_prefix;
+            // The window ending at the shared prefix, when several admissions reached its end.
+            let reached = if s.shared_reach >= 2 {
+                dead_blocks(kind, shared * bs, bs)
+            } else {
+                usize::MAX
+            };
             for j in t.start..dead {
                 let b = std::mem::replace(&mut self.slots[slot].extra[g].blocks[j], NULL_BLOCK);
                 // Group 0's block at `j` held by another running sequence too (a shared system
-                // prompt or document being read right now): the next request sharing it needs
-                // this window.
+                // prompt or document being read right now), or `j` in the window ending where
+                // group 0's cached run ended for at least two admissions (a shared prefix read
+                // by one request after another): the next request sharing it needs this window.
                 let g0 = self.slots[slot].table.blocks[j];
-                let live = j < shared && self.pool.refcount(g0).is_ok_and(|n| n > 1);
+                let live =
+                    j < shared && (j >= reached || self.pool.refcount(g0).is_ok_and(|n| n > 1));
                 if let Err(e) = self.drop_ref(b) {
                     result = Err(e);
                 } else if !live {
@@ -246,10 +266,15 @@ impl BlockManager {
             return Ok(());
         }
         let (from, shared) = (s.start0, s.shared_prefix);
+        let reached = if s.shared_reach >= 2 {
+            dead_blocks(self.kind0, shared * bs, bs)
+        } else {
+            usize::MAX
+        };
         let mut result = Ok(());
         for j in from..dead {
             let b = std::mem::replace(&mut self.slots[slot].table.blocks[j], NULL_BLOCK);
-            let live = j < shared && self.pool.refcount(b).is_ok_and(|n| n > 1);
+            let live = j < shared && (j >= reached || self.pool.refcount(b).is_ok_and(|n| n > 1));
             if let Err(e) = self.drop_ref(b) {
                 result = Err(e);
             } else if !live {
@@ -578,7 +603,7 @@ pub(super) struct TierSide<'a> {
 #[allow(clippy::too_many_arguments)]
 pub(super) fn register_group_blocks(
     prefix: &mut PrefixCache,
-    block_group: &mut [u8],
+    block_group: &mut [u16],
     events: &mut KvEventRing,
     side: &mut TierSide<'_>,
     s: &Seq,

@@ -29,7 +29,7 @@ impl BlockManager {
             || self
                 .block_group
                 .iter()
-                .any(|&g| g as usize >= self.num_groups())
+                .any(|&g| (g & 0xFF) as usize >= self.num_groups())
         {
             return bad(format!(
                 "{} block-group entries (want {want}) or one past the {} groups",
@@ -200,10 +200,14 @@ impl BlockManager {
                             "sequence {id}: partial or provisional block {b} is hashed"
                         ));
                     }
-                    if self.block_group.get(b as usize).is_some_and(|&g| g != 0) {
+                    if self
+                        .block_group
+                        .get(b as usize)
+                        .is_some_and(|&g| g & 0xFF != 0)
+                    {
                         return bad(format!(
                             "sequence {id}: block {b} is hashed for group {} but held by group 0",
-                            self.block_group[b as usize]
+                            self.block_group[b as usize] & 0xFF
                         ));
                     }
                     if j < s.hashes.len() && s.hashes[j] != h && !self.prefix.verifies() {
@@ -292,7 +296,7 @@ impl BlockManager {
                             ));
                         }
                         // Its removal event will name the group it was registered for.
-                        if self.block_group.get(b as usize) != Some(&(g as u8)) {
+                        if self.block_group.get(b as usize).map(|&x| x & 0xFF) != Some(g as u16) {
                             return bad(format!(
                                 "sequence {id}: group {g} block {b} is hashed for group {:?}",
                                 self.block_group.get(b as usize)

@@ -192,6 +192,11 @@ struct Seq {
     /// running sequence holds group 0's block at its position; the others go to the LRU's
     /// evicting end (see `release_dead`).
     shared_prefix: usize,
+    /// How many admissions (this one included) found group 0's cached run ending at the same
+    /// cached block as this one's `shared_prefix` did: 2 or more, and the window ending at
+    /// `shared_prefix` is one several requests reach (a shared document), so its blocks keep
+    /// their recency when released (see `release_dead`).
+    shared_reach: u8,
     /// Provisional tokens: the last `provisional` of `table.num_tokens` are not final (no token
     /// ids kept, never hashed); `commit` settles them.
     provisional: usize,
@@ -264,10 +269,12 @@ pub struct BlockManager {
     windowed: bool,
     /// What `build_step` last wrote into each extra group's block-table buffer.
     group_caches: Vec<StepCache>,
-    /// With more than one group: the group each block was last registered in the prefix cache
-    /// for (read when its hash is dropped, to name the group and chain hash in the removal
-    /// event). Empty for a one-group manager, whose blocks are all group 0's.
-    block_group: Vec<u8>,
+    /// With more than one group, per block: in the low byte, the group it was last registered in
+    /// the prefix cache for (read when its hash is dropped, to name the group and chain hash in
+    /// the removal event); in the high byte, for a group-0 block, how many admissions found
+    /// group 0's cached run ending at it since it was registered (saturating; see
+    /// `Seq::shared_reach`). Empty for a one-group manager, whose blocks are all group 0's.
+    block_group: Vec<u16>,
 }
 
 impl BlockManager {
@@ -292,7 +299,7 @@ impl BlockManager {
         let host = HostPool::new(cfg.num_host_blocks)?;
         let events = KvEventRing::new(cfg.kv_event_capacity, cfg.block_size)?;
         let block_group = if cfg.groups.len() > 1 {
-            crate::error::alloc::filled_vec(cfg.num_blocks as usize, 0u8, "block groups")?
+            crate::error::alloc::filled_vec(cfg.num_blocks as usize, 0u16, "block groups")?
         } else {
             Vec::new()
         };
@@ -691,7 +698,10 @@ impl BlockManager {
         if !self.events.enabled() {
             return;
         }
-        let g = self.block_group.get(b as usize).map_or(0, |&g| g as usize);
+        let g = self
+            .block_group
+            .get(b as usize)
+            .map_or(0, |&g| (g & 0xFF) as usize);
         self.events
             .removed_in(Medium::Gpu, g as u32, group_unhash(key, g));
     }
@@ -699,9 +709,22 @@ impl BlockManager {
     /// Notes that device block `b` was registered in the prefix cache for group `g` (only kept
     /// with more than one group).
     #[inline]
-    pub(super) fn note_block_group(block_group: &mut [u8], b: BlockId, g: usize) {
+    pub(super) fn note_block_group(block_group: &mut [u16], b: BlockId, g: usize) {
         if let Some(slot) = block_group.get_mut(b as usize) {
-            *slot = g as u8;
+            *slot = g as u16; // a new registration: its reach count starts at 0
+        }
+    }
+
+    /// Counts one more admission whose group-0 cached run ends at hashed block `b`; the count
+    /// (0 for a one-group manager).
+    pub(super) fn note_reach(&mut self, b: BlockId) -> u8 {
+        match self.block_group.get_mut(b as usize) {
+            Some(x) => {
+                let r = ((*x >> 8) as u8).saturating_add(1);
+                *x = (*x & 0xFF) | (u16::from(r) << 8);
+                r
+            }
+            None => 0,
         }
     }
 
@@ -712,7 +735,10 @@ impl BlockManager {
             return None;
         }
         let key = self.prefix.hash_of(b)?;
-        let g = self.block_group.get(b as usize).map_or(0, |&g| g as usize);
+        let g = self
+            .block_group
+            .get(b as usize)
+            .map_or(0, |&g| (g & 0xFF) as usize);
         Some((g, group_unhash(key, g)))
     }
 

@@ -209,7 +209,10 @@ impl BlockManager {
         self.counters.evictions += 1;
         if let Some(t) = self.tier.as_mut() {
             let (parent, salt) = t.device_meta(b);
-            let g = self.block_group.get(b as usize).map_or(0, |&g| g as usize);
+            let g = self
+                .block_group
+                .get(b as usize)
+                .map_or(0, |&g| (g & 0xFF) as usize);
             offload(
                 t,
                 &mut self.host,
