@@ -568,15 +568,19 @@ impl Chat {
 #[test]
 fn blocks_released_inside_a_shared_prefix_keep_their_recency() {
     // C steps past the system prompt's window first (the sliding blocks 0 and 1 stay held by D),
-    // then D, while C still runs on group 0's blocks of S: D's release puts them in the LRU
-    // inside its shared prefix with another sequence holding group 0's twins, so they keep their
-    // recency. The evictions take the idle history's oldest entries, not them.
+    // then D. D is the second admission whose group-0 run ended at the system prompt's last
+    // block (C was the first): the window ending there is in demand, so D keeps holding it
+    // (still referenced, out of its table) while it runs. The evictions take the idle history's
+    // oldest entries, not them.
     let mut c = chat_scenario();
     c.decode(3);
     assert_eq!(c.m.block_refcount(c.s01[0]).unwrap(), 1, "D still reads it");
     c.decode(4);
-    // E's 4 blocks, A's blocks 2 and 3 of both groups, and the two windows.
-    assert_eq!(c.m.stats().cached_free_blocks, 4 + 4 + 2);
+    assert_eq!(c.m.block_table_group(4, 1).unwrap()[..2], [NULL_BLOCK; 2]);
+    assert_eq!(c.m.block_refcount(c.s01[0]).unwrap(), 1, "D holds it");
+    assert_eq!(c.m.seq_blocks_held(4).unwrap(), 5 + 3 + 2);
+    // E's 4 blocks and A's blocks 2 and 3 of both groups.
+    assert_eq!(c.m.stats().cached_free_blocks, 4 + 4);
     c.evict_a_few();
     assert!(c.cached(c.s01[0]) && c.cached(c.s01[1]));
     assert_eq!(

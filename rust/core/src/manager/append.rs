@@ -294,6 +294,7 @@ impl BlockManager {
         child_state.next_release = ps.next_release;
         child_state.shared_prefix = ps.shared_prefix;
         child_state.shared_reach = ps.shared_reach;
+        child_state.held.clear(); // the parent keeps holding them
         child_state.provisional = 0;
         child_state.stepped = 0;
         let extra_blocks = child_state.extra.iter().flat_map(|t| &t.blocks[t.start..]);

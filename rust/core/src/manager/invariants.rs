@@ -46,6 +46,22 @@ impl BlockManager {
             if t.num_tokens == 0 {
                 return bad(format!("sequence {id} is empty"));
             }
+            // Held windows: device blocks a running sequence still references, hashed, inside
+            // its shared prefix.
+            if !s.held.is_empty() && (s.state != SeqState::Running || s.shared_reach < 2) {
+                return bad(format!(
+                    "sequence {id} ({}) holds {} released blocks (reach {})",
+                    s.state.name(),
+                    s.held.len(),
+                    s.shared_reach
+                ));
+            }
+            for &b in &s.held {
+                if b as usize >= n {
+                    return bad(format!("sequence {id}: held block {b} outside the pool"));
+                }
+                occ[b as usize] += 1;
+            }
             // Provisional tokens: at most `max_provisional`, only while running, and never all of
             // a sequence; token ids, hashes and cache entries cover the committed ones only.
             if s.provisional > self.cfg.max_provisional as usize

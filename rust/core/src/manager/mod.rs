@@ -197,6 +197,11 @@ struct Seq {
     /// `shared_prefix` is one several requests reach (a shared document), so its blocks keep
     /// their recency when released (see `release_dead`).
     shared_reach: u8,
+    /// Windowed blocks released from this sequence's tables but still referenced by it: the
+    /// window ending at an in-demand shared prefix (`shared_reach >= 2`), held while the sequence
+    /// runs so that the next request reading that prefix finds it (see `release_dead`). Dropped
+    /// (into the LRU as its newest entries) when the sequence is freed, preempted or swapped out.
+    held: Vec<BlockId>,
     /// Provisional tokens: the last `provisional` of `table.num_tokens` are not final (no token
     /// ids kept, never hashed); `commit` settles them.
     provisional: usize,
@@ -561,7 +566,16 @@ impl BlockManager {
             t.start = 0;
             t.version += 1;
         }
+        // The held windows last: the newest entries, evicted after the sequence's own history.
+        let mut held = std::mem::take(&mut self.slots[slot].held);
+        for &b in &held {
+            if let Err(e) = self.drop_ref(b) {
+                result = Err(e);
+            }
+        }
+        held.clear();
         let s = &mut self.slots[slot];
+        s.held = held;
         s.extra = extra;
         s.table.blocks = blocks;
         s.table.blocks.clear();
