@@ -81,14 +81,27 @@ def test_demo_json_on_a_tiny_model(tiny_model, capsys):
     r = json.loads(capsys.readouterr().out)
     _check_report(r, max_tokens=24)
     assert r["device"] == "cpu" and r["dtype"] == "float32"
+    # The KV cache groups stage: a Gemma-3-27B-shaped run (5 full, 26 sliding groups) holds more
+    # requests at once than full-attention accounting in the same memory, and its shared
+    # documents still hit.
+    k = r["kv_groups"]
+    assert (k["full_groups"], k["windowed_groups"]) == (5, 26)
+    assert k["concurrency_groups"] > 1.5 * k["concurrency_full"]
+    assert k["hit_ratio_full"] > 0.1
+    assert k["hit_ratio_groups"] >= 0.85 * k["hit_ratio_full"]
 
 
 def test_demo_text_report(tiny_model, capsys):
     assert main(["demo", "--model", tiny_model, "--quiet", "--max-tokens", "8", "--no-check"]) == 0
     out = capsys.readouterr().out
     for needle in ("KV pool:", "throughput", "time to first token", "KV utilization",
-                   "prefix cache", "preemptions", "not checked", "demo ran in"):
+                   "prefix cache", "preemptions", "not checked", "demo ran in",
+                   "KV cache groups (gemma-3-27b: 5 full and 26 sliding groups", "counted as full "
+                   "attention"):
         assert needle in out
+    assert main(["demo", "--model", tiny_model, "--quiet", "--max-tokens", "8", "--no-check",
+                 "--no-kv-groups"]) == 0
+    assert "KV cache groups" not in capsys.readouterr().out
 
 
 def test_demo_serves_metrics(tiny_model, capsys, monkeypatch):

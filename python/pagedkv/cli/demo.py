@@ -37,6 +37,9 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
                    help="host KV blocks for swapped-out sequences (default: as many as the pool)")
     g.add_argument("--no-check", action="store_true",
                    help="skip the comparison with transformers' dense-cache generate")
+    g.add_argument("--no-kv-groups", action="store_true",
+                   help="skip the KV cache groups stage (a Gemma-3-27B-shaped serving run, "
+                        "simulated with its groups and as full attention; about 2 s)")
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -79,7 +82,7 @@ def _run_demo(args: argparse.Namespace) -> int:
                       num_blocks=args.num_blocks, block_size=args.block_size,
                       check=not args.no_check, progress=not args.quiet,
                       metrics_port=args.metrics_port, preemption_mode=args.preemption_mode,
-                      num_host_blocks=args.num_host_blocks)
+                      num_host_blocks=args.num_host_blocks, kv_groups=not args.no_kv_groups)
     if args.json:
         print(report_json(report))
     else:
