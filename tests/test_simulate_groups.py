@@ -179,7 +179,10 @@ def test_shared_documents_longer_than_the_window_keep_their_hits():
     # Each request steps past a document's window right after its prefill; a document read by
     # one request after another keeps its window held while a reader runs. Before, the windows
     # went to the LRU's evicting end: 0.135 of prompt tokens hit with groups against 0.374
-    # counted as full attention (0.36 of it); now 0.279 (0.75 of it), with 2.6x the concurrency.
+    # counted as full attention (0.36 of it); now 0.279, with 2.6x the concurrency. The rest of
+    # full accounting's figure is its 36 preempted requests re-admitted (recompute) hitting their
+    # own computed tokens: on first admissions, 137 of 160 requests hit the whole document with
+    # groups against 134 counted as full attention.
     wl = WorkloadConfig(num_requests=160, arrival_rate=2.0, prompt_median=400, prompt_sigma=0.3,
                         output_median=120, output_sigma=0.3, max_model_len=1024, num_prefixes=2,
                         prefix_len=192, prefix_fraction=0.9, seed=5)
