@@ -222,9 +222,13 @@ class _Deferral:
     #: The writes it waits for (the last probe's; done or failed ones included).
     writes: List["Future[None]"]
 
+    def left(self, now: float) -> float:
+        """Seconds until :data:`WRITE_WAIT_S` has passed since the first deferral."""
+        return self.since + WRITE_WAIT_S - now
+
     def due(self, now: float) -> bool:
         """Whether the probe runs now: every write finished, or :data:`WRITE_WAIT_S` passed."""
-        return now - self.since >= WRITE_WAIT_S or all(f.done() for f in self.writes)
+        return self.left(now) <= 0 or all(f.done() for f in self.writes)
 
 
 class TierCache:
@@ -484,7 +488,7 @@ class TierCache:
             now = time.monotonic()
             for d in self._deferred.values():
                 live = [f for f in d.writes if not f.done()]
-                left = d.since + WRITE_WAIT_S - now
+                left = d.left(now)
                 if not live or left <= 0:
                     return
                 timeout_s = min(timeout_s, left)
@@ -698,11 +702,11 @@ class TierCache:
             if deferral is None:
                 self._deferred[seq.seq_id] = _Deferral(now, inflight)
                 return None
-            if now - deferral.since < WRITE_WAIT_S:
+            if deferral.left(now) > 0:
                 deferral.writes = inflight
                 return None
-            # Bound passed: probe without them (what they have not written is a miss).
-        self._deferred.pop(seq.seq_id, None)
+            # Bound passed: probe without them (what they have not written is a miss; ``ready``
+            # drops the deferral).
         for store in self.stores:
             if not want:
                 break

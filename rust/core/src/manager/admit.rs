@@ -522,13 +522,12 @@ impl BlockManager {
         self.slots[slot as usize].start0 = start0;
         if self.windowed {
             // Group 0's cached run ends at block `look.group0 - 1`: count this admission there.
-            let reach = match look.group0.checked_sub(1).and_then(|j| hashes.get(j)) {
-                Some(&h) => match self.prefix.lookup(h) {
-                    Some(b) => self.note_reach(b),
-                    None => 0,
-                },
-                None => 0,
-            };
+            let reach = look
+                .group0
+                .checked_sub(1)
+                .and_then(|j| hashes.get(j))
+                .and_then(|&h| self.prefix.lookup(h))
+                .map_or(0, |b| self.note_reach(b));
             let s = &mut self.slots[slot as usize];
             s.shared_prefix = look.group0;
             s.shared_reach = reach;

@@ -224,15 +224,10 @@ impl BlockManager {
                 continue;
             }
             let shared = s.shared_prefix;
-            // The window ending at the shared prefix, when several admissions reached its end.
-            let reached = if s.shared_reach >= 2 {
-                dead_blocks(kind, shared * bs, bs)
-            } else {
-                usize::MAX
-            };
+            let held = held_window(s, kind, bs);
             for j in t.start..dead {
                 let b = std::mem::replace(&mut self.slots[slot].extra[g].blocks[j], NULL_BLOCK);
-                if j < shared && j >= reached {
+                if held.contains(&j) {
                     // The window ending where group 0's cached run ended for at least two
                     // admissions (a shared prefix read by one request after another): held,
                     // still referenced, until the sequence ends, for the next request reading it.
@@ -279,15 +274,11 @@ impl BlockManager {
             return Ok(());
         }
         let (from, shared) = (s.start0, s.shared_prefix);
-        let reached = if s.shared_reach >= 2 {
-            dead_blocks(self.kind0, shared * bs, bs)
-        } else {
-            usize::MAX
-        };
+        let held = held_window(s, self.kind0, bs);
         let mut result = Ok(());
         for j in from..dead {
             let b = std::mem::replace(&mut self.slots[slot].table.blocks[j], NULL_BLOCK);
-            if j < shared && j >= reached {
+            if held.contains(&j) {
                 self.slots[slot].held.push(b);
                 continue;
             }
@@ -609,6 +600,17 @@ pub(super) struct TierSide<'a> {
     pub counters: &'a mut Counters,
     pub swap_out_q: &'a mut Vec<(BlockId, HostBlockId)>,
     pub write_through: bool,
+}
+
+/// The block positions a windowed group of kind `kind` holds for `s` when it steps past them
+/// (`Seq::held`): the window ending at its shared prefix, once at least two admissions reached
+/// that prefix's end (`Seq::shared_reach`); empty otherwise.
+fn held_window(s: &Seq, kind: AttentionKind, bs: usize) -> std::ops::Range<usize> {
+    if s.shared_reach >= 2 {
+        dead_blocks(kind, s.shared_prefix * bs, bs)..s.shared_prefix
+    } else {
+        0..0
+    }
 }
 
 /// Registers the blocks of `s`'s groups `1..G` at block indices `from.max(start)..upto` in the

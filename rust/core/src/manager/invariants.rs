@@ -6,7 +6,7 @@
 //! tests and debugging, is where a drift between the two shows up, as `InvariantViolation`
 //! naming the first mismatch.
 
-use super::BlockManager;
+use super::{registered_group, BlockManager};
 use crate::error::{Error, Result};
 use crate::groups::{group_hash, release_threshold, NULL_BLOCK};
 use crate::swap::SeqState;
@@ -216,14 +216,10 @@ impl BlockManager {
                             "sequence {id}: partial or provisional block {b} is hashed"
                         ));
                     }
-                    if self
-                        .block_group
-                        .get(b as usize)
-                        .is_some_and(|&g| g & 0xFF != 0)
-                    {
+                    let rg = registered_group(&self.block_group, b);
+                    if rg != 0 {
                         return bad(format!(
-                            "sequence {id}: block {b} is hashed for group {} but held by group 0",
-                            self.block_group[b as usize] & 0xFF
+                            "sequence {id}: block {b} is hashed for group {rg} but held by group 0"
                         ));
                     }
                     if j < s.hashes.len() && s.hashes[j] != h && !self.prefix.verifies() {
@@ -312,10 +308,10 @@ impl BlockManager {
                             ));
                         }
                         // Its removal event will name the group it was registered for.
-                        if self.block_group.get(b as usize).map(|&x| x & 0xFF) != Some(g as u16) {
+                        let rg = registered_group(&self.block_group, b);
+                        if rg != g {
                             return bad(format!(
-                                "sequence {id}: group {g} block {b} is hashed for group {:?}",
-                                self.block_group.get(b as usize)
+                                "sequence {id}: group {g} block {b} is hashed for group {rg}"
                             ));
                         }
                         if j < s.hashes.len()

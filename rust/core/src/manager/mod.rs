@@ -194,8 +194,8 @@ struct Seq {
     shared_prefix: usize,
     /// How many admissions (this one included) found group 0's cached run ending at the same
     /// cached block as this one's `shared_prefix` did: 2 or more, and the window ending at
-    /// `shared_prefix` is one several requests reach (a shared document), so its blocks keep
-    /// their recency when released (see `release_dead`).
+    /// `shared_prefix` is one several requests reach (a shared document), so the sequence holds
+    /// its blocks when it steps past them (`held`; see `release_dead`).
     shared_reach: u8,
     /// Windowed blocks released from this sequence's tables but still referenced by it: the
     /// window ending at an in-demand shared prefix (`shared_reach >= 2`), held while the sequence
@@ -567,6 +567,23 @@ impl BlockManager {
             t.version += 1;
         }
         // The held windows last: the newest entries, evicted after the sequence's own history.
+        if let Err(e) = self.drop_held(slot) {
+            result = Err(e);
+        }
+        let s = &mut self.slots[slot];
+        s.extra = extra;
+        s.table.blocks = blocks;
+        s.table.blocks.clear();
+        if state == SeqState::Running {
+            self.used_tokens -= s.table.num_tokens as u64;
+        }
+        result
+    }
+
+    /// Drops `slot`'s held windows (`Seq::held`) into the LRU as its newest entries. Every block
+    /// is dropped even when one fails; the last error is returned.
+    pub(super) fn drop_held(&mut self, slot: usize) -> Result<()> {
+        let mut result = Ok(());
         let mut held = std::mem::take(&mut self.slots[slot].held);
         for &b in &held {
             if let Err(e) = self.drop_ref(b) {
@@ -574,14 +591,7 @@ impl BlockManager {
             }
         }
         held.clear();
-        let s = &mut self.slots[slot];
-        s.held = held;
-        s.extra = extra;
-        s.table.blocks = blocks;
-        s.table.blocks.clear();
-        if state == SeqState::Running {
-            self.used_tokens -= s.table.num_tokens as u64;
-        }
+        self.slots[slot].held = held; // keeps its capacity for the slot's next sequence
         result
     }
 
@@ -712,10 +722,7 @@ impl BlockManager {
         if !self.events.enabled() {
             return;
         }
-        let g = self
-            .block_group
-            .get(b as usize)
-            .map_or(0, |&g| (g & 0xFF) as usize);
+        let g = registered_group(&self.block_group, b);
         self.events
             .removed_in(Medium::Gpu, g as u32, group_unhash(key, g));
     }
@@ -729,7 +736,8 @@ impl BlockManager {
         }
     }
 
-    /// Counts one more admission whose group-0 cached run ends at hashed block `b`; the count
+    /// Counts one more admission whose group-0 cached run ends at hashed block `b` (see
+    /// `Seq::shared_reach`); the count
     /// (0 for a one-group manager).
     pub(super) fn note_reach(&mut self, b: BlockId) -> u8 {
         match self.block_group.get_mut(b as usize) {
@@ -749,10 +757,7 @@ impl BlockManager {
             return None;
         }
         let key = self.prefix.hash_of(b)?;
-        let g = self
-            .block_group
-            .get(b as usize)
-            .map_or(0, |&g| (g & 0xFF) as usize);
+        let g = registered_group(&self.block_group, b);
         Some((g, group_unhash(key, g)))
     }
 
@@ -844,4 +849,13 @@ fn holds_provisional(seq_id: SeqId) -> Error {
         state: "holding provisional tokens",
         expected: "without provisional tokens (commit or rewind first)",
     }
+}
+
+/// The group device block `b` was last registered in the prefix cache for (the low byte of its
+/// `block_group` word; 0 for a one-group manager).
+#[inline]
+pub(super) fn registered_group(block_group: &[u16], b: BlockId) -> usize {
+    block_group
+        .get(b as usize)
+        .map_or(0, |&g| (g & 0xFF) as usize)
 }

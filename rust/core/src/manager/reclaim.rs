@@ -161,14 +161,9 @@ impl BlockManager {
         let mut result = rewound;
         // Held windows are not the sequence's to keep while it is off the device.
         for &i in &slots {
-            let mut held = std::mem::take(&mut self.slots[i].held);
-            for &b in &held {
-                if let Err(e) = self.drop_ref(b) {
-                    result = Err(e);
-                }
+            if let Err(e) = self.drop_held(i) {
+                result = Err(e);
             }
-            held.clear();
-            self.slots[i].held = held;
         }
         for (&i, (device, extra)) in slots.iter().zip(&device_tables) {
             // Tail first, as `free` does, the groups interleaved by position.

@@ -209,10 +209,7 @@ impl BlockManager {
         self.counters.evictions += 1;
         if let Some(t) = self.tier.as_mut() {
             let (parent, salt) = t.device_meta(b);
-            let g = self
-                .block_group
-                .get(b as usize)
-                .map_or(0, |&g| (g & 0xFF) as usize);
+            let g = super::registered_group(&self.block_group, b);
             offload(
                 t,
                 &mut self.host,
