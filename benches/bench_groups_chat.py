@@ -373,7 +373,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's manager")
     ap.add_argument("--concurrency-ratio", type=float, default=None, metavar="R",
                     help="also run groups at R times full accounting's concurrency at each target "
-                         "(config 'groups_R'), compared with full at the same target")
+                         "(config 'groups_Rx'), compared with full at the same target")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--plot", metavar="PNG")
     args = ap.parse_args(argv)
@@ -424,13 +424,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     plan.append((targets[-1] + 0.1, "full"))
     if fixed is not None:
         plan += [(t, fixed) for t in targets + [targets[-1] + 0.1]]
-    full_n = {t: max(1, round(t * configs["full"]["pages"] / configs["full"]["mean_live_pages"]))
-              for t in targets + [targets[-1] + 0.1]}
+
+    def running(name: str, target: float) -> int:
+        """Turns run at once for ``target`` occupancy: the pool over a turn's mean live pages."""
+        c = configs[name]
+        return max(1, round(target * c["pages"] / c["mean_live_pages"]))
+
     for target, name in plan:
-        c = configs["groups" if name == fixed else name]
-        n = max(1, round(target * c["pages"] / c["mean_live_pages"]))
         if name == fixed:
-            n = round(args.concurrency_ratio * full_n[target])
+            c = configs["groups"]
+            n = round(args.concurrency_ratio * running("full", target))
+        else:
+            c = configs[name]
+            n = running(name, target)
         if name == "vllm":
             backend: Any = VllmBackend(kv, max_tokens)
         else:
