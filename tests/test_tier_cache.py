@@ -44,6 +44,8 @@ from pagedkv.tiers import (  # noqa: E402
 from pagedkv.tiers import cache as tier_cache  # noqa: E402
 from pagedkv.tiers.host import HostKVPool, SwapEngine  # noqa: E402
 
+from tier_waiting import Waiting  # noqa: E402
+
 BS = 4
 SPEC = CacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=BS)
 FP = fingerprint_for_spec("test/tier-cache", SPEC)
@@ -290,19 +292,12 @@ def test_the_stores_evictions_are_published_once_per_step(tmp_path: Any) -> None
 # ------------------------------------------------------------------ fetches and their rate
 
 
-class Seq:
-    def __init__(self, seq_id: int, token_ids: List[int]) -> None:
-        self.seq_id = seq_id
-        self.token_ids = token_ids
-        self.cache_salt = None
-
-
 def _demote_everything(w: World, first: int, n: int) -> None:
     for k in range(first, first + n):
         w.run(k, prompt(k))
 
 
-def _fetch(w: World, seq: Seq) -> Tuple[bool, Any]:
+def _fetch(w: World, seq: Waiting) -> Tuple[bool, Any]:
     """Asks the gate until the fetch is done; then admits ``seq`` as the scheduler would."""
     started = w.tiers.ready(seq)
     deadline = time.monotonic() + 10
@@ -322,7 +317,7 @@ def test_fetched_blocks_count_by_the_admissions_host_share(tmp_path: Any) -> Non
         _demote_everything(w, 1, 6)  # prompt 0 left the pool and the host tier, into the store
         assert w.m.lookup_tiers(prompt(0))[:2] == (0, 0)
         assert store.longest_prefix(w.m.lookup_tiers(prompt(0))[2]) == 2
-        started, r = _fetch(w, Seq(50, prompt(0)))
+        started, r = _fetch(w, Waiting(50, prompt(0)))
         assert started is False  # it waited for its reads
         assert r.cached_tokens_host == 2 * BS and r.cached_tokens_gpu == 0
         assert w.tiers.stats.fetched_tokens == {"mem": 2 * BS}
@@ -342,7 +337,7 @@ def test_the_read_rate_is_measured_and_decides_load_or_recompute(tmp_path: Any) 
         w.run(0, prompt(0))
         _demote_everything(w, 1, 6)
         # Not measured yet: loaded, and its reads measure the store.
-        started, r = _fetch(w, Seq(50, prompt(0)))
+        started, r = _fetch(w, Waiting(50, prompt(0)))
         assert started is False and r.cached_tokens_host == 2 * BS
         rate = w.tiers.load_bytes_per_s["mem"]
         assert 0 < rate <= SPEC.bytes_per_block / 0.02
@@ -350,18 +345,18 @@ def test_the_read_rate_is_measured_and_decides_load_or_recompute(tmp_path: Any) 
         # Measured: 20 ms a block against a prefill of a nanosecond a token: recompute.
         _demote_everything(w, 10, 6)
         reads = store.reads
-        assert w.tiers.ready(Seq(51, prompt(0))) is True
+        assert w.tiers.ready(Waiting(51, prompt(0))) is True
         assert store.reads == reads and w.tiers.stats.skipped_fetches == 1
         # A slow prefill makes the same store worth loading.
         w.tiers.prefill_tokens_per_s = 1.0
-        started, r = _fetch(w, Seq(52, prompt(0)))
+        started, r = _fetch(w, Waiting(52, prompt(0)))
         assert started is False and r.cached_tokens_host == 2 * BS
         # The rate folds in new reads (an EWMA): faster reads raise it.
         store.read_delay_s = 0.0
         before = w.tiers.load_bytes_per_s["mem"]
         w.m.free(52)
         _demote_everything(w, 20, 6)
-        _fetch(w, Seq(53, prompt(0)))
+        _fetch(w, Waiting(53, prompt(0)))
         assert w.tiers.load_bytes_per_s["mem"] > before
     finally:
         w.close()
@@ -374,10 +369,10 @@ def test_a_skipped_store_is_measured_again_after_a_run_of_skips(tmp_path: Any) -
     try:
         w.run(0, prompt(0))
         _demote_everything(w, 1, 6)
-        skipped = [w.tiers.ready(Seq(100 + i, prompt(0))) for i in range(tier_cache.PROBE_AFTER_SKIPS)]
+        skipped = [w.tiers.ready(Waiting(100 + i, prompt(0))) for i in range(tier_cache.PROBE_AFTER_SKIPS)]
         assert all(skipped) and store.reads == 0
         assert w.tiers.stats.skipped_fetches == tier_cache.PROBE_AFTER_SKIPS
-        started, _ = _fetch(w, Seq(200, prompt(0)))
+        started, _ = _fetch(w, Waiting(200, prompt(0)))
         assert started is False and store.reads == 2
         assert w.tiers.load_bytes_per_s["mem"] > 1.0
     finally:

@@ -31,20 +31,13 @@ from pagedkv.tiers import cache as tier_cache  # noqa: E402
 from pagedkv.tiers.host import SwapEngine  # noqa: E402
 from pagedkv.tiers.secret import TierSecret  # noqa: E402
 
+from tier_waiting import Waiting  # noqa: E402
+
 BS = 4
 #: The write a test holds is released after this long at the latest (so nothing hangs).
 HOLD_S = 5.0
 #: A generous guard on a gate answer that must not wait for a write (it takes microseconds).
 PROMPT_S = 0.5
-
-
-class _Waiting:
-    """A waiting sequence as the tier cache reads it."""
-
-    def __init__(self, seq_id: int, token_ids: List[int]) -> None:
-        self.seq_id = seq_id
-        self.token_ids = token_ids
-        self.cache_salt = None
 
 
 class _HeldDisk(DiskStore):
@@ -92,7 +85,7 @@ class _Rig:
         raw.zero_()
         assert self.store.stats().puts == 0  # every write is held
 
-    def gate(self, seq: _Waiting) -> Tuple[bool, float]:
+    def gate(self, seq: Waiting) -> Tuple[bool, float]:
         """The gate's answer for ``seq`` and the seconds it took."""
         t0 = time.monotonic()
         ok = self.tiers.ready(seq)
@@ -125,7 +118,7 @@ def test_a_probe_whose_blocks_are_still_being_written_is_deferred_not_waited_for
     probe and fetch exactly the blocks boundary 4 needs from the store, and the admission hits
     them."""
     rig.demote()
-    seq = _Waiting(1, rig.tokens)
+    seq = Waiting(1, rig.tokens)
     for _ in range(3):  # asked on several steps: never waits, still deferred
         ok, took = rig.gate(seq)
         assert ok is False
@@ -168,7 +161,7 @@ def test_a_write_that_never_lands_delays_the_probe_by_write_wait_s_at_most(
     so the prompt is admitted and recomputes; no host slot is left reserved."""
     monkeypatch.setattr(tier_cache, "WRITE_WAIT_S", 0.3)
     rig.demote()
-    seq = _Waiting(1, rig.tokens)
+    seq = Waiting(1, rig.tokens)
     t0 = time.monotonic()
     answers = []
     while True:
@@ -198,7 +191,7 @@ def test_forget_during_a_deferral_leaves_nothing_behind(rig: _Rig) -> None:
     ``wait`` has nothing of it to wait for, and no host slot was touched; the same id asked again
     later probes afresh."""
     rig.demote()
-    seq = _Waiting(1, rig.tokens)
+    seq = Waiting(1, rig.tokens)
     assert rig.gate(seq)[0] is False
     assert rig.tiers.num_fetching == 1
     rig.tiers.forget(seq)
@@ -214,7 +207,7 @@ def test_forget_during_a_deferral_leaves_nothing_behind(rig: _Rig) -> None:
     while rig.store.stats().puts < 8:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    again = _Waiting(2, rig.tokens)
+    again = Waiting(2, rig.tokens)
     while not rig.tiers.ready(again):
         assert time.monotonic() < deadline
         rig.tiers.wait()

@@ -44,6 +44,7 @@ from pagedkv.tiers.secret import TierSecret  # noqa: E402
 
 from tiny_hybrid import (  # noqa: E402
     MAX_LEN, VOCAB, greedy_reference, hybrid_config, save_hybrid)
+from tier_waiting import Waiting  # noqa: E402
 
 BLOCK = 4
 NEW = 6
@@ -319,15 +320,6 @@ def test_remote_store_never_serves_a_group_as_another(redis_url: str) -> None:
         store.close()
 
 
-class _Waiting:
-    """A waiting sequence as the tier cache reads it."""
-
-    def __init__(self, seq_id: int, token_ids: List[int]) -> None:
-        self.seq_id = seq_id
-        self.token_ids = token_ids
-        self.cache_salt = None
-
-
 class _SlowDisk(DiskStore):
     """A disk store whose writes take a while (a busy disk, a far server)."""
 
@@ -381,7 +373,7 @@ def test_demoted_blocks_go_down_with_their_group_and_come_back(tmp_path: Any) ->
         raw.zero_()  # the host forgets: whatever is there after the fetch was read back
         assert store.stats().puts < 8  # still writing
 
-        seq = _Waiting(1, tokens)
+        seq = Waiting(1, tokens)
         # The probe is deferred (never waited for) until the writes land, then fetches.
         assert not tiers.ready(seq)
         assert tiers.num_fetching == 1
