@@ -22,6 +22,8 @@
 //! - [`swap`]: reclamation — the host block pool, sequence states, the swap-or-recompute cost model.
 //! - [`tier`]: the host tier of the prefix cache — the host index (hash → host block), its LRU,
 //!   blocks reserved while a lower tier fills them, and the demotions the engine drains.
+//! - [`offload_index`]: the offloading tier's index — chunks, keys, stores in flight and the
+//!   tail-first release, one method per call of vLLM's offloading manager.
 //! - [`events`]: the KV-event ring — a bounded record of blocks stored in and removed from the
 //!   cache tiers, for a router or an external index to follow.
 //! - [`manager`]: the block manager tying them together.
@@ -101,6 +103,7 @@ mod index_list;
 pub mod keyed;
 pub mod manager;
 pub mod metrics;
+pub mod offload_index;
 pub mod pool;
 pub mod prefix;
 pub mod step;
