@@ -59,11 +59,11 @@ MissingDependencyError` naming it.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
 import numpy as np
 
-from pagedkv.errors import InvalidArgumentError, InvalidConfigError, MissingDependencyError
+from pagedkv.errors import InvalidConfigError, MissingDependencyError
 
 #: The vLLM release line this module's spec was written and tested against.
 TESTED_VLLM = "0.33"
@@ -117,7 +117,7 @@ from vllm.v1.kv_offload.cpu.common import (  # noqa: E402
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
-from pagedkv._core import KeyedBlockPool  # noqa: E402
+from pagedkv._core import OffloadIndex  # noqa: E402
 
 if TYPE_CHECKING:
     from pagedkv.vllm.offload_worker import PagedKVOffloadingWorker
@@ -132,6 +132,9 @@ __all__ = [
 #: Host chunk sizes are rounded up to this many bytes (a chunk starts on a page boundary).
 CHUNK_ALIGNMENT = 4096
 
+#: Chunks a tier may have at most (chunk ids are int32, as vLLM's load/store specs hold them).
+MAX_CHUNKS = 2**31 - 1
+
 _HIT = LookupResult.HIT
 _PENDING = LookupResult.HIT_PENDING
 _MISS = LookupResult.MISS
@@ -140,6 +143,16 @@ _MISS = LookupResult.MISS
 class PagedKVLoadStoreSpec(CPULoadStoreSpec):
     """Host chunk ids of one load or store (``block_ids``/``chunk_ids``, an int32 array), in the
     order of the keys the manager was given."""
+
+    def __init__(self, block_ids: Union[Sequence[int], "np.ndarray[Any, Any]"]) -> None:
+        # The index hands out int32 arrays already: kept as they are (no copy).
+        if isinstance(block_ids, np.ndarray) and block_ids.dtype == np.int32:
+            self.block_ids = block_ids
+        else:
+            super().__init__(list(block_ids))
+
+
+_NO_CHUNKS = np.zeros(0, dtype=np.int32)
 
 
 class PagedKVOffloadingManager(OffloadingManager):
@@ -166,10 +179,11 @@ class PagedKVOffloadingManager(OffloadingManager):
                  cache_policy_module_path: Optional[str] = None, enable_events: bool = False,
                  store_threshold: int = 1, max_tracker_size: int = 64_000,
                  info: Optional[CPUOffloadingInfo] = None) -> None:
-        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 0:
+        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) \
+                or not 0 <= num_chunks <= MAX_CHUNKS:
             raise InvalidConfigError(
-                f"num_chunks must be an integer >= 0, got {num_chunks!r}",
-                field="num_chunks", value=num_chunks, reason="must be >= 0")
+                f"num_chunks must be an integer in [0, {MAX_CHUNKS}], got {num_chunks!r}",
+                field="num_chunks", value=num_chunks, reason=f"must be in [0, {MAX_CHUNKS}]")
         if cache_policy != "lru" or cache_policy_module_path is not None:
             raise InvalidConfigError(
                 f"eviction_policy {cache_policy!r} (module {cache_policy_module_path!r}) is not "
@@ -194,57 +208,31 @@ class PagedKVOffloadingManager(OffloadingManager):
         self._reset_state()
 
     def _reset_state(self) -> None:
-        # The core pool has at least one block; a zero-chunk tier refuses every store itself.
-        self.pool = KeyedBlockPool(max(1, self.num_chunks), reserve_null=False)
-        if self.num_chunks == 0:
-            self.pool.touch([0])  # held forever: never allocated
-        #: Stores in flight: key -> chunk.
-        self.pending: Dict[OffloadKey, int] = {}
-        #: Every keyed chunk's key.
-        self.key_of: Dict[int, OffloadKey] = {}
-        #: Per chunk, where the request that last named it (``prepare_store`` /
-        #: ``prepare_load``) has it: the key's token position in that request when its
-        #: ``ReqContext`` records one (vLLM's connector does), else when it was named.
-        #: Completions, which the connector reports as sets of keys, release their chunks in
-        #: descending order (tail first).
-        self.order: np.ndarray = np.zeros(max(1, self.num_chunks), dtype=np.int64)
-        self._tick = 0
+        #: The whole state: chunks, keys, stores in flight, stamps (module docs).
+        self.pool = OffloadIndex(self.num_chunks, (_MISS, _HIT, _PENDING),
+                                 ReqContext.get_offload_key_position)
+        # vLLM calls lookup once per key: the core method itself, no Python frame in between.
+        self.lookup = self.pool.lookup  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ figures
 
     @property
     def num_free_chunks(self) -> int:
         """Chunks a store may take now (never used, failed, or ready and unread)."""
-        return self.pool.num_free if self.num_chunks else 0
+        return self.pool.num_free
 
     @property
     def num_pending(self) -> int:
         """Chunks with a store in flight."""
-        return len(self.pending)
+        return self.pool.num_pending
 
     def check_coherence(self) -> None:
-        """Checks the Python tables against the core (and the core's own invariants).
+        """Checks the core index's invariants (module docs).
 
         Raises:
-            InvalidArgumentError: They disagree (names the chunk).
+            InvariantViolationError: They do not hold (names the chunk).
         """
-        pool = self.pool
-        pool.check_invariants()
-        if not self.num_chunks:
-            return
-        for c in range(self.num_chunks):
-            keys = pool.keys_of(c)
-            key = self.key_of.get(c)
-            if (key is None and keys) or (key is not None and keys != [key]):
-                raise InvalidArgumentError(
-                    f"chunk {c}: key {key!r}, core keys {keys!r}", what="chunk", value=c,
-                    reason="key disagrees with the core")
-        for key, c in self.pending.items():
-            if self.key_of.get(c) != key or pool.ref_count(c) != 1:
-                raise InvalidArgumentError(
-                    f"chunk {c} is being stored under {key!r} but is keyed "
-                    f"{self.key_of.get(c)!r} and held {pool.ref_count(c)} times",
-                    what="chunk", value=c, reason="a pending chunk is keyed and held once")
+        self.pool.check_invariants()
 
     # ------------------------------------------------------------------ requests
 
@@ -252,25 +240,12 @@ class PagedKVOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if self.pool.lookup(key) is None:
-            return _MISS
-        return _PENDING if key in self.pending else _HIT
+        # Shadowed per instance by the core's own method (``_reset_state``).
+        result: LookupResult = self.pool.lookup(key, req_context)
+        return result
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
-
-    def _ready_chunks(self, keys: Iterable[OffloadKey], what: str) -> List[int]:
-        keys = keys if isinstance(keys, list) else list(keys)
-        chunks = self.pool.lookup_many(keys)
-        pending = self.pending
-        if None in chunks or (pending and any(map(pending.__contains__, keys))):
-            for key, c in zip(keys, chunks):
-                if c is None or key in pending:
-                    raise InvalidArgumentError(
-                        f"invalid argument: {what} of key {key!r}: "
-                        f"{'not offloaded' if c is None else 'its store has not completed'}",
-                        what="keys", value=key, reason="every key must be offloaded and ready")
-        return chunks  # type: ignore[return-value]
 
     def prepare_load(self, keys: Collection[OffloadKey],
                      req_context: ReqContext) -> LoadStoreSpec:
@@ -279,66 +254,21 @@ class PagedKVOffloadingManager(OffloadingManager):
         Raises:
             InvalidArgumentError: A key is missing or still being stored (nothing held).
         """
-        keys = keys if isinstance(keys, list) else list(keys)
-        chunks = self._ready_chunks(keys, "prepare_load")
-        self.pool.touch(chunks)
-        spec = PagedKVLoadStoreSpec(chunks)
-        self._stamp(spec.block_ids, keys, req_context)
-        return spec
-
-    def _stamp(self, chunks: np.ndarray, keys: Collection[OffloadKey],
-               req_context: ReqContext) -> None:
-        """Records where each of ``chunks`` (for ``keys``, in order) sits in its request."""
-        n = len(chunks)
-        if not n:
-            return
-        if type(req_context).get_offload_key_position is ReqContext.get_offload_key_position:
-            # vLLM 0.33's ReqContext keeps the positions in a dict: read it in one pass.
-            table = getattr(req_context, "_offload_key_positions", None)
-            get = table.get if isinstance(table, dict) else req_context.get_offload_key_position
-        else:
-            get = req_context.get_offload_key_position
-        pos = list(map(get, keys))
-        if None in pos:
-            self.order[chunks] = np.arange(self._tick, self._tick + n)
-            self._tick += n
-        else:
-            self.order[chunks] = pos
-
-    def _tail_first(self, chunks: List[int]) -> List[int]:
-        """``chunks`` tail first: by position in their request, descending (module docs)."""
-        a = np.asarray(chunks, dtype=np.int64)
-        out: List[int] = a[np.argsort(-self.order[a], kind="stable")].tolist()
-        return out
+        return PagedKVLoadStoreSpec(self.pool.prepare_load(keys, req_context))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Releases the references :meth:`prepare_load` took, tail first.
 
         Raises:
-            InvalidArgumentError: A key is missing, or its chunk is not held by a load.
+            InvalidArgumentError: A key is missing, or its chunk is not held by a load (nothing
+                changed).
         """
-        chunks = self._ready_chunks(keys, "complete_load")
-        try:
-            self.pool.release(self._tail_first(chunks))
-        except Exception as exc:
-            raise InvalidArgumentError(
-                f"invalid argument: complete_load of a chunk no load holds: {exc}",
-                what="keys", value=len(chunks), reason="each key must be held by a load") from None
+        self.pool.complete_load(keys)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Moves the present, ready chunks of ``keys`` to the back of the eviction order, the
         head of ``keys`` last (evicted last). Unknown keys are ignored."""
-        keys = keys if isinstance(keys, list) else list(keys)
-        found = self.pool.lookup_many(keys)
-        pending = self.pending
-        if None in found or pending:
-            chunks = [c for key, c in zip(keys, found) if c is not None and key not in pending]
-        else:
-            chunks = found  # type: ignore[assignment]
-        if chunks:
-            chunks.reverse()
-            self.pool.touch(chunks)
-            self.pool.release(chunks)
+        self.pool.touch(keys)
 
     # ------------------------------------------------------------------ stores
 
@@ -363,72 +293,31 @@ class PagedKVOffloadingManager(OffloadingManager):
         released ready chunks as needed (never one of ``keys``). None, with nothing changed, when
         too few chunks are free."""
         pool = self.pool
-        keys = keys if isinstance(keys, list) else list(keys)
-        found = pool.lookup_many(keys)
-        if found.count(None) == len(keys):
-            new, held, free_held = keys, [], 0
-        else:
-            pending = self.pending
-            new = [key for key, c in zip(keys, found) if c is None]
-            held = [c for key, c in zip(keys, found) if c is not None and key not in pending]
-            free_held = sum(map(pool.is_free, held))
-        if len(set(new)) != len(new):
-            new = list(dict.fromkeys(new))
-        if self.offers is not None and new:
-            new = self._admit(new)
-        n = len(new)
-        if n == 0:
-            return PrepareStoreOutput(keys_to_store=[], store_spec=PagedKVLoadStoreSpec([]),
-                                      evicted_keys=[])
-        self.allocation_sizes.append(n)
-        if not self.num_chunks or n > pool.num_free - free_held:
+        admit: Optional[List[bool]] = None
+        if self.offers is not None:
+            new = pool.missing(keys)
+            if new:
+                admitted = set(self._admit(new))
+                admit = [key in admitted for key in keys]
+        store, chunks, evicted = pool.prepare_store(keys, req_context, admit)
+        if not store:
+            return PrepareStoreOutput(keys_to_store=[], store_spec=PagedKVLoadStoreSpec(
+                _NO_CHUNKS), evicted_keys=[])
+        self.allocation_sizes.append(len(store))
+        if chunks is None:
             return None
-        if free_held:
-            pool.touch(held)
-        chunks, lost = pool.allocate(n)
-        key_of = self.key_of
-        evicted: List[OffloadKey] = []
-        if lost:
-            # Every chunk that loses keys is keyed, and only ready chunks are free.
-            evicted = list(map(key_of.pop, lost))
-            if self.events is not None:
-                self.events.append(OffloadingEvent(keys=evicted, medium=self.medium,
-                                                   removed=True))
-        pool.insert_many(new, chunks)
-        spec = PagedKVLoadStoreSpec(chunks)
-        self._stamp(spec.block_ids, new, req_context)
-        key_of.update(zip(chunks, new))
-        self.pending.update(zip(new, chunks))
-        if free_held:
-            held.reverse()
-            pool.release(held)
-        return PrepareStoreOutput(keys_to_store=new if new is not keys else list(keys),
-                                  store_spec=spec, evicted_keys=evicted)
+        if evicted and self.events is not None:
+            self.events.append(OffloadingEvent(keys=evicted, medium=self.medium, removed=True))
+        return PrepareStoreOutput(keys_to_store=store, store_spec=PagedKVLoadStoreSpec(chunks),
+                                  evicted_keys=evicted)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
         """Marks the chunks of ``keys`` still being stored as ready (loadable, evictable), or, on
         failure, drops them (their chunks are reused first). Keys not being stored are ignored."""
-        pending = self.pending
-        keys = keys if isinstance(keys, list) else list(keys)
-        if not keys:
-            return
-        if not (all(map(pending.__contains__, keys)) and len(set(keys)) == len(keys)):
-            keys = [key for key in dict.fromkeys(keys) if key in pending]
-            if not keys:
-                return
-        chunks = list(map(pending.pop, keys))
-        pool = self.pool
-        if success:
-            pool.release(self._tail_first(chunks))  # the head of a prefix is evicted last
-        else:
-            remove, key_of = pool.remove, self.key_of
-            for key, c in zip(keys, chunks):
-                remove(key, c)
-                del key_of[c]
-            pool.release(chunks, "front")
-        if self.events is not None:
-            self.events.append(OffloadingEvent(keys=list(keys), medium=self.medium,
+        done = self.pool.complete_store(keys, success)
+        if done and self.events is not None:
+            self.events.append(OffloadingEvent(keys=done, medium=self.medium,
                                                removed=not success, metadata_only=not success))
 
     # ------------------------------------------------------------------ the rest
@@ -441,7 +330,7 @@ class PagedKVOffloadingManager(OffloadingManager):
         for ev in events:
             if ev.metadata_only:
                 # A failed store's keys, unless a later store took the key again.
-                keys = [k for k in ev.keys if look(k) is None]
+                keys = [k for k in ev.keys if look(k) is _MISS]
                 if not keys:
                     continue
                 ev = OffloadingEvent(keys=keys, medium=ev.medium, removed=True,
@@ -451,7 +340,7 @@ class PagedKVOffloadingManager(OffloadingManager):
     def reset_cache(self) -> None:
         """Forgets every chunk, held ones included (vLLM reports no completion of a job from
         before a reset)."""
-        self._reset_state()
+        self.pool.reset()
 
     def config_info(self) -> Sequence[ConfigInfoMapping]:
         return [self._config_info]

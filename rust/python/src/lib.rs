@@ -8,6 +8,7 @@
 //!   `live_blocks`, `peak_decode_blocks`);
 //! - [`plan`]: the `plan_decode` function, the core's split-K decode planner;
 //! - [`keyed`]: the `KeyedBlockPool` class, blocks keyed by caller-supplied hashes;
+//! - [`offload_index`]: the `OffloadIndex` class, the offloading tier's scheduler-side index;
 //! - [`convert`]: Python ints, lists and numpy arrays to the core's id types;
 //! - [`errors`]: core errors to the exception classes of `pagedkv.errors`;
 //! - [`stats`]: the core's counters as a dict.
@@ -23,6 +24,7 @@ mod errors;
 mod groups;
 mod keyed;
 mod manager;
+mod offload_index;
 mod plan;
 mod stats;
 
@@ -44,6 +46,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::PyBlockManager>()?;
     m.add_class::<buffers::PyStepArena>()?;
     m.add_class::<keyed::PyKeyedBlockPool>()?;
+    m.add_class::<offload_index::PyOffloadIndex>()?;
     m.add_function(wrap_pyfunction!(manager::hash_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(plan::plan_decode, m)?)?;
     m.add_function(wrap_pyfunction!(groups::bytes_per_token, m)?)?;

@@ -1,0 +1,413 @@
+//! `_core.OffloadIndex`: the offloading tier's index ([`pagedkv::offload_index::OffloadIndex`]),
+//! one method per call of vLLM's `OffloadingManager` (`pagedkv.vllm.offload` adapts it).
+//!
+//! Owns the wrapped index behind one `Mutex` (the class is `frozen`, as `KeyedBlockPool` is), and
+//! the three objects `lookup` answers with (vLLM's `LookupResult` members, given at construction,
+//! so the manager can bind `lookup` itself as its own method with no Python frame in between).
+//!
+//! Arguments are converted before the lock is taken and every Python object is built after it is
+//! released: the core runs only inside [`PyOffloadIndex::with`], whose closure is `Send` (no Python
+//! object, so no Python code, inside it). Keys are `bytes` (any iterable of them; a list is read
+//! fastest); chunk ids come back as numpy `int32` arrays; the keys handed back (to store,
+//! completed) are the caller's own objects, evicted keys new `bytes`. Token positions are read
+//! from a request context: through its `_offload_key_positions` dict when its class keeps vLLM's
+//! `get_offload_key_position` (the `context_getter` given at construction), else by calling its
+//! `get_offload_key_position` once per key.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use numpy::PyArray1;
+use pagedkv::offload_index::{Lookup, OffloadIndex, StoreOut};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use crate::convert::{flag, scalar};
+use crate::errors::{invalid_arg, CoreResultExt};
+
+/// The scheduler-side index of a host tier of KV chunks; see `pagedkv.vllm.offload`.
+#[pyclass(frozen, module = "pagedkv._core", name = "OffloadIndex")]
+pub struct PyOffloadIndex {
+    num_chunks: u32,
+    inner: Mutex<OffloadIndex>,
+    /// What `lookup` returns for a miss, a hit and a store in flight.
+    results: [Py<PyAny>; 3],
+    /// The `get_offload_key_position` whose contexts keep their positions in a dict.
+    getter: Option<Py<PyAny>>,
+}
+
+impl PyOffloadIndex {
+    #[inline]
+    fn with<R: Send>(&self, f: impl Send + FnOnce(&mut OffloadIndex) -> R) -> R {
+        // A panic inside the core while locked is a bug; every call is all or nothing, so later
+        // calls go on rather than fail.
+        let mut g: MutexGuard<'_, OffloadIndex> =
+            self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        f(&mut g)
+    }
+
+    /// Each key's token position in `ctx` (empty: none known).
+    fn positions(
+        &self,
+        ctx: Option<&Bound<'_, PyAny>>,
+        keys: &[Bound<'_, PyBytes>],
+    ) -> PyResult<Vec<Option<i64>>> {
+        let ctx = match ctx {
+            Some(c) if !c.is_none() && !keys.is_empty() => c,
+            _ => return Ok(Vec::new()),
+        };
+        let py = ctx.py();
+        let name = intern!(py, "get_offload_key_position");
+        let Ok(class_getter) = ctx.get_type().getattr(name) else {
+            return Ok(Vec::new());
+        };
+        let pos = |v: Bound<'_, PyAny>| -> PyResult<Option<i64>> {
+            if v.is_none() {
+                return Ok(None);
+            }
+            v.extract::<i64>().map(Some).map_err(|_| {
+                invalid_arg(
+                    "req_context",
+                    &v,
+                    "a key position must be an int in the int64 range",
+                )
+            })
+        };
+        let mut out = Vec::with_capacity(keys.len());
+        if self.getter.as_ref().is_some_and(|g| class_getter.is(g.bind(py))) {
+            if let Ok(table) = ctx.getattr(intern!(py, "_offload_key_positions")) {
+                if let Ok(d) = table.cast::<PyDict>() {
+                    for k in keys {
+                        out.push(match d.get_item(k)? {
+                            Some(v) => pos(v)?,
+                            None => None,
+                        });
+                    }
+                    return Ok(out);
+                }
+            }
+        }
+        let method = ctx.getattr(name)?;
+        for k in keys {
+            out.push(pos(method.call1((k,))?)?);
+        }
+        Ok(out)
+    }
+}
+
+/// Reads keys (`bytes` each) from a list or any iterable, holding the objects.
+fn keys_of<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    let mut out = Vec::new();
+    let mut push = |i: usize, item: Bound<'py, PyAny>| -> PyResult<()> {
+        match item.cast_into::<PyBytes>() {
+            Ok(b) => {
+                out.push(b);
+                Ok(())
+            }
+            Err(e) => {
+                let item = e.into_inner();
+                let got = item
+                    .get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_else(|_| "?".into());
+                Err(invalid_arg(
+                    "keys",
+                    &item,
+                    format!("element {i}: must be bytes, got {got}"),
+                ))
+            }
+        }
+    };
+    if let Ok(list) = obj.cast::<PyList>() {
+        for (i, item) in list.iter().enumerate() {
+            push(i, item)?;
+        }
+    } else {
+        for (i, item) in obj.try_iter()?.enumerate() {
+            push(i, item?)?;
+        }
+    }
+    Ok(out)
+}
+
+fn slices<'a>(keys: &'a [Bound<'_, PyBytes>]) -> Vec<&'a [u8]> {
+    keys.iter().map(|k| k.as_bytes()).collect()
+}
+
+fn chunk_array<'py>(py: Python<'py>, chunks: &[u32]) -> Bound<'py, PyArray1<i32>> {
+    // Chunk ids are below num_chunks <= i32::MAX (checked at construction).
+    PyArray1::from_iter(py, chunks.iter().map(|&c| c as i32))
+}
+
+fn picked<'py>(
+    py: Python<'py>,
+    keys: &[Bound<'py, PyBytes>],
+    idx: &[usize],
+) -> PyResult<Bound<'py, PyList>> {
+    PyList::new(py, idx.iter().map(|&i| &keys[i]))
+}
+
+#[pymethods]
+impl PyOffloadIndex {
+    #[new]
+    #[pyo3(signature = (num_chunks, lookup_results = None, context_getter = None))]
+    fn new(
+        num_chunks: &Bound<'_, PyAny>,
+        lookup_results: Option<(Py<PyAny>, Py<PyAny>, Py<PyAny>)>,
+        context_getter: Option<Py<PyAny>>,
+    ) -> PyResult<Self> {
+        let py = num_chunks.py();
+        let n = scalar::<u32>("num_chunks", num_chunks)?;
+        if n > i32::MAX as u32 {
+            return Err(invalid_arg(
+                "num_chunks",
+                num_chunks,
+                format!("must be at most {} (chunk ids are int32)", i32::MAX),
+            ));
+        }
+        let results = match lookup_results {
+            Some((m, h, p)) => [m, h, p],
+            None => [0, 1, 2].map(|i: i32| i.into_pyobject(py).unwrap().into_any().unbind()),
+        };
+        Ok(Self {
+            num_chunks: n,
+            inner: Mutex::new(OffloadIndex::new(n).py()?),
+            results,
+            getter: context_getter,
+        })
+    }
+
+    /// Chunks in the tier.
+    #[getter]
+    fn num_chunks(&self) -> u32 {
+        self.num_chunks
+    }
+
+    /// Free chunks (never used, failed, or ready and unread).
+    #[getter]
+    fn num_free(&self) -> usize {
+        self.with(|x| x.num_free())
+    }
+
+    /// Chunks with a store in flight.
+    #[getter]
+    fn num_pending(&self) -> usize {
+        self.with(|x| x.num_pending())
+    }
+
+    /// Keyed chunks.
+    #[getter]
+    fn num_keys(&self) -> usize {
+        self.with(|x| x.num_keys())
+    }
+
+    /// Miss, hit or pending (the objects given at construction); `req_context` is ignored.
+    #[pyo3(signature = (key, req_context = None))]
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        req_context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let _ = req_context;
+        let k = match key.cast::<PyBytes>() {
+            Ok(b) => b.as_bytes(),
+            Err(_) => {
+                return Err(invalid_arg("key", key, "must be bytes"));
+            }
+        };
+        let r = self.with(|x| x.lookup(k));
+        let i = match r {
+            Lookup::Miss => 0,
+            Lookup::Hit => 1,
+            Lookup::Pending => 2,
+        };
+        Ok(self.results[i].clone_ref(py))
+    }
+
+    /// Holds the chunks of `keys` (each ready) until `complete_load`: their ids, in key order.
+    #[pyo3(signature = (keys, req_context = None))]
+    fn prepare_load<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        req_context: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let keys = keys_of(keys)?;
+        let pos = self.positions(req_context, &keys)?;
+        let ks = slices(&keys);
+        let mut out = Vec::new();
+        self.with(|x| x.prepare_load(&ks, &pos, &mut out)).py()?;
+        Ok(chunk_array(py, &out))
+    }
+
+    /// Gives back the references `prepare_load` took, tail first.
+    fn complete_load(&self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = keys_of(keys)?;
+        let ks = slices(&keys);
+        self.with(|x| x.complete_load(&ks)).py()
+    }
+
+    /// Moves the present ready chunks of `keys` to the back of the free order, the first last.
+    fn touch(&self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = keys_of(keys)?;
+        let ks = slices(&keys);
+        self.with(|x| x.touch(&ks));
+        Ok(())
+    }
+
+    /// The keys of `keys` not in the tier, first occurrence each (the caller's objects).
+    fn missing<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let keys = keys_of(keys)?;
+        let ks = slices(&keys);
+        let idx = self.with(|x| x.missing(&ks));
+        picked(py, &keys, &idx)
+    }
+
+    /// Chunks for the keys not in the tier: `(keys_to_store, chunk ids or None when there is no
+    /// room (nothing changed), evicted keys)`. With `admit` (bools aligned with `keys`), only the
+    /// admitted new keys are stored.
+    #[pyo3(signature = (keys, req_context = None, admit = None))]
+    #[allow(clippy::type_complexity)]
+    fn prepare_store<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        req_context: Option<&Bound<'py, PyAny>>,
+        admit: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<(
+        Bound<'py, PyList>,
+        Option<Bound<'py, PyArray1<i32>>>,
+        Bound<'py, PyList>,
+    )> {
+        let keys = keys_of(keys)?;
+        let mask: Option<Vec<bool>> = match admit {
+            Some(a) if !a.is_none() => {
+                let mut v = Vec::new();
+                for item in a.try_iter()? {
+                    v.push(flag("admit", &item?)?);
+                }
+                Some(v)
+            }
+            _ => None,
+        };
+        let pos = self.positions(req_context, &keys)?;
+        let ks = slices(&keys);
+        let mut out = StoreOut::default();
+        let room = self
+            .with(|x| x.prepare_store(&ks, &pos, mask.as_deref(), &mut out))
+            .py()?;
+        let new = picked(py, &keys, &out.new)?;
+        let chunks = room.then(|| chunk_array(py, &out.chunks));
+        let evicted = PyList::new(py, out.evicted.iter().map(|k| PyBytes::new(py, k)))?;
+        Ok((new, chunks, evicted))
+    }
+
+    /// Completes the stores of the pending keys among `keys` (ready, or dropped when not
+    /// `success`); the keys completed, first occurrence each (the caller's objects).
+    #[pyo3(signature = (keys, success = true))]
+    fn complete_store<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        success: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let keys = keys_of(keys)?;
+        let ks = slices(&keys);
+        let mut done = Vec::new();
+        self.with(|x| x.complete_store(&ks, success, &mut done));
+        picked(py, &keys, &done)
+    }
+
+    /// Forgets every chunk, held ones included.
+    fn reset(&self) {
+        self.with(|x| x.reset())
+    }
+
+    fn ref_count(&self, chunk: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let c = scalar::<u32>("chunk", chunk)?;
+        self.with(|x| x.ref_count(c)).py()
+    }
+
+    fn is_free(&self, chunk: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let c = scalar::<u32>("chunk", chunk)?;
+        self.with(|x| x.is_free(c)).py()
+    }
+
+    fn is_pending(&self, chunk: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let c = scalar::<u32>("chunk", chunk)?;
+        self.with(|x| x.is_pending(c)).py()
+    }
+
+    /// The chunk's key, or None.
+    fn key<'py>(
+        &self,
+        py: Python<'py>,
+        chunk: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let c = scalar::<u32>("chunk", chunk)?;
+        let k = self
+            .with(|x| x.key(c).map(|k| k.map(<[u8]>::to_vec)))
+            .py()?;
+        Ok(k.map(|k| PyBytes::new(py, &k)))
+    }
+
+    /// The chunk's position stamp (token position, else a name counter).
+    fn stamp(&self, chunk: &Bound<'_, PyAny>) -> PyResult<i64> {
+        let c = scalar::<u32>("chunk", chunk)?;
+        self.with(|x| x.stamp(c)).py()
+    }
+
+    /// Free chunks in reuse order, front (taken next) first.
+    fn free_order(&self) -> Vec<u32> {
+        self.with(|x| x.free_order())
+    }
+
+    /// `{key: chunk}` for every keyed chunk.
+    fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let all: Vec<(Vec<u8>, u32)> =
+            self.with(|x| x.entries().map(|(k, c)| (k.to_vec(), c)).collect());
+        let d = PyDict::new(py);
+        for (k, c) in all {
+            d.set_item(PyBytes::new(py, &k), c)?;
+        }
+        Ok(d)
+    }
+
+    /// Counters: lookups, hits, pending_hits, stores, failed_stores, evictions, loads, refusals.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.with(|x| x.stats());
+        let d = PyDict::new(py);
+        d.set_item("lookups", s.lookups)?;
+        d.set_item("hits", s.hits)?;
+        d.set_item("pending_hits", s.pending_hits)?;
+        d.set_item("stores", s.stores)?;
+        d.set_item("failed_stores", s.failed_stores)?;
+        d.set_item("evictions", s.evictions)?;
+        d.set_item("loads", s.loads)?;
+        d.set_item("refusals", s.refusals)?;
+        Ok(d)
+    }
+
+    /// Raises `InvariantViolationError` if the index is inconsistent (never expected).
+    fn check_invariants(&self) -> PyResult<()> {
+        self.with(|x| x.check_invariants()).py()
+    }
+
+    fn __len__(&self) -> usize {
+        self.num_chunks as usize
+    }
+
+    fn __repr__(&self) -> String {
+        let (free, keys, pending) = self.with(|x| (x.num_free(), x.num_keys(), x.num_pending()));
+        format!(
+            "OffloadIndex(num_chunks={}, num_free={free}, num_keys={keys}, num_pending={pending})",
+            self.num_chunks
+        )
+    }
+}
