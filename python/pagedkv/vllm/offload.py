@@ -211,8 +211,8 @@ class PagedKVOffloadingManager(OffloadingManager):
         #: The whole state: chunks, keys, stores in flight, stamps (module docs).
         self.pool = OffloadIndex(self.num_chunks, (_MISS, _HIT, _PENDING),
                                  ReqContext.get_offload_key_position)
-        # vLLM calls lookup once per key: the core method itself, no Python frame in between.
-        self.lookup = self.pool.lookup  # type: ignore[method-assign]
+        # vLLM calls lookup once per key: the core's own function, no Python frame in between.
+        self.lookup = self.pool.lookup_function()  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ figures
 

@@ -7,8 +7,8 @@
 //!   chunk joins the back when its last reference goes, so the front of the ready part is the least
 //!   recently released one (LRU);
 //! - the key map: each chunk's key (an opaque byte string, inline up to [`INLINE_KEY`] bytes, boxed
-//!   above) and its hash, and an open-addressing table of chunk ids (linear probing, at most half
-//!   full, never resized: a chunk holds at most one key, so the table holds at most `num_chunks`
+//!   above) and its hash, and an open-addressing table of chunk ids (linear probing, at most a quarter
+//!   full (, at most, when every chunk is keyed), never resized: a chunk holds at most one key, so the table holds at most `num_chunks`
 //!   entries). The hash is XXH3-64 seeded per instance from the OS random source, so keys chosen
 //!   to collide in one process's table cannot be precomputed;
 //! - which chunks have a store in flight (pending), and each chunk's position stamp: where the
@@ -122,8 +122,20 @@ pub struct StoreOut {
     pub new: Vec<usize>,
     /// Their chunks, in the same order (empty when there is no room).
     pub chunks: Vec<u32>,
-    /// The keys evicted to make room, in eviction order.
-    pub evicted: Vec<Vec<u8>>,
+    /// The bytes of the keys evicted to make room, one after the other, in eviction order.
+    pub evicted: Vec<u8>,
+    /// Where each evicted key ends in `evicted`.
+    pub evicted_ends: Vec<usize>,
+}
+
+impl StoreOut {
+    /// The evicted keys, in eviction order.
+    pub fn evicted_keys(&self) -> impl ExactSizeIterator<Item = &[u8]> + '_ {
+        self.evicted_ends.iter().enumerate().map(|(j, &end)| {
+            let start = if j == 0 { 0 } else { self.evicted_ends[j - 1] };
+            &self.evicted[start..end]
+        })
+    }
 }
 
 /// See the module documentation.
@@ -148,6 +160,7 @@ pub struct OffloadIndex {
     stats: OffloadStats,
     // Scratch, reused across calls.
     found: Vec<u32>,
+    hashes: Vec<u64>,
     order: Vec<u32>,
     dedup: Vec<u32>,
     zeroed: Vec<u32>,
@@ -193,7 +206,7 @@ impl OffloadIndex {
             });
         }
         let n = num_chunks as usize;
-        let cap = (2 * n).max(8).next_power_of_two();
+        let cap = (4 * n).max(8).next_power_of_two();
         let mut idx = OffloadIndex {
             num_chunks,
             refcnt: zeroed_vec(n, "offload index reference counts")?,
@@ -210,6 +223,7 @@ impl OffloadIndex {
             tick: 0,
             stats: OffloadStats::default(),
             found: Vec::new(),
+            hashes: Vec::new(),
             order: Vec::new(),
             dedup: Vec::new(),
             zeroed: Vec::new(),
@@ -393,12 +407,20 @@ impl OffloadIndex {
             .expect("remove_key of a keyed chunk")
     }
 
-    /// Fills `self.found` with each key's chunk ([`NIL`] when absent).
+    /// Fills `self.found` with each key's chunk ([`NIL`] when absent) and `self.hashes` with
+    /// each key's hash.
     fn find_all(&mut self, keys: &[&[u8]]) {
-        let mut found = std::mem::take(&mut self.found);
+        let (mut found, mut hashes) =
+            (std::mem::take(&mut self.found), std::mem::take(&mut self.hashes));
         found.clear();
-        found.extend(keys.iter().map(|k| self.find(k, self.hash(k))));
+        hashes.clear();
+        for k in keys {
+            let h = self.hash(k);
+            hashes.push(h);
+            found.push(self.find(k, h));
+        }
         self.found = found;
+        self.hashes = hashes;
     }
 
     // ---- references and the free order ---------------------------------------------------
@@ -559,7 +581,7 @@ impl OffloadIndex {
             if c != NIL || admit.is_some_and(|a| !a[i]) {
                 continue;
             }
-            let h = self.hash(k);
+            let h = self.hashes[i];
             let mut s = h as usize & mask;
             let dup = loop {
                 let j = set[s];
@@ -651,6 +673,7 @@ impl OffloadIndex {
         out.new.clear();
         out.chunks.clear();
         out.evicted.clear();
+        out.evicted_ends.clear();
         Self::check_positions(keys, positions)?;
         if let Some(a) = admit {
             if a.len() != keys.len() {
@@ -697,15 +720,15 @@ impl OffloadIndex {
             self.refcnt[c as usize] = 1;
             if self.key_of[c as usize].is_some() {
                 let k = self.remove_key(c);
-                out.evicted.push(k.as_bytes().to_vec());
+                out.evicted.extend_from_slice(k.as_bytes());
+                out.evicted_ends.push(out.evicted.len());
                 self.stats.evictions += 1;
             }
             out.chunks.push(c);
         }
         for (j, &i) in out.new.iter().enumerate() {
             let c = out.chunks[j];
-            let k = keys[i];
-            self.insert_key(c, k, self.hash(k));
+            self.insert_key(c, keys[i], self.hashes[i]);
             self.pending[c as usize] = true;
         }
         self.num_pending += n;
@@ -890,7 +913,7 @@ mod tests {
         assert_eq!(before, after);
         let k = keys(&[2, 4]);
         assert!(x.prepare_store(&refs(&k), &[], None, &mut out).unwrap());
-        assert_eq!(out.evicted, vec![key(1)]);
+        assert_eq!(out.evicted_keys().collect::<Vec<_>>(), vec![&key(1)[..]]);
         assert_eq!(look(&mut x, 2), Lookup::Hit);
         x.check_invariants().unwrap();
     }

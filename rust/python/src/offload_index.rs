@@ -14,11 +14,13 @@
 //! `get_offload_key_position` (the `context_getter` given at construction), else by calling its
 //! `get_offload_key_position` once per key.
 
+use std::cell::UnsafeCell;
+use std::ffi::c_int;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use numpy::PyArray1;
 use pagedkv::offload_index::{Lookup, OffloadIndex, StoreOut};
-use pyo3::intern;
+use pyo3::{ffi, intern};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
@@ -148,6 +150,139 @@ fn picked<'py>(
     PyList::new(py, idx.iter().map(|&i| &keys[i]))
 }
 
+
+/// `METH_FASTCALL` (PEP 590), in CPython since 3.7; its stable-ABI constant is gated on 3.10.
+const METH_FASTCALL: c_int = 0x0080;
+
+/// The `PyMethodDef` of the fast `lookup`, shared by every index; CPython reads it, never writes.
+struct FastDef(UnsafeCell<ffi::PyMethodDef>);
+
+// SAFETY: the definition is written once, here, and only read afterwards (by CPython, with the
+// GIL held).
+unsafe impl Sync for FastDef {}
+
+type FastWithKeywords = unsafe extern "C" fn(
+    *mut ffi::PyObject,
+    *const *mut ffi::PyObject,
+    ffi::Py_ssize_t,
+    *mut ffi::PyObject,
+) -> *mut ffi::PyObject;
+
+static LOOKUP_DEF: FastDef = FastDef(UnsafeCell::new(ffi::PyMethodDef {
+    ml_name: c"lookup".as_ptr(),
+    ml_meth: ffi::PyMethodDefPointer {
+        // SAFETY: CPython calls `ml_meth` with the signature its flags name: METH_FASTCALL |
+        // METH_KEYWORDS is `FastWithKeywords`. The union's field for it is gated on 3.10 in the
+        // limited API, so the pointer goes through the field of the same size.
+        PyCFunctionWithKeywords: unsafe {
+            std::mem::transmute::<FastWithKeywords, ffi::PyCFunctionWithKeywords>(lookup_fast)
+        },
+    },
+    ml_flags: METH_FASTCALL | ffi::METH_KEYWORDS,
+    ml_doc: c"lookup(key, req_context=None): OffloadIndex.lookup, bound (req_context ignored)."
+        .as_ptr(),
+}));
+
+/// The fast `lookup` (see [`PyOffloadIndex::lookup_function`]): `slf` is the index object.
+/// Exactly one or two positional arguments with an exact `bytes` key are answered here; anything
+/// else goes through the ordinary method (its checks and errors).
+unsafe extern "C" fn lookup_fast(
+    slf: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    // No Rust panic may cross into C.
+    let r = std::panic::catch_unwind(|| {
+        // SAFETY: CPython calls a method with the GIL held, `args` holding `nargs` positional
+        // arguments then one per keyword name, all borrowed for the call.
+        unsafe {
+            if kwnames.is_null() && (nargs == 1 || nargs == 2) {
+                let key = *args;
+                if ffi::Py_TYPE(key) == std::ptr::addr_of_mut!(ffi::PyBytes_Type) {
+                    let py = Python::assume_attached();
+                    if let Ok(me) = Borrowed::from_ptr(py, slf).cast::<PyOffloadIndex>() {
+                        let me = me.get();
+                        let data = ffi::PyBytes_AsString(key) as *const u8;
+                        let len = ffi::PyBytes_Size(key) as usize;
+                        let k = std::slice::from_raw_parts(data, len);
+                        let i = me.answer(k);
+                        let out = me.results[i].as_ptr();
+                        ffi::Py_INCREF(out);
+                        return out;
+                    }
+                }
+            }
+            lookup_slow(slf, args, nargs, kwnames)
+        }
+    });
+    r.unwrap_or_else(|_| {
+        // SAFETY: the GIL is held (see above).
+        unsafe {
+            ffi::PyErr_SetString(
+                ffi::PyExc_RuntimeError,
+                c"pagedkv: panic in OffloadIndex.lookup".as_ptr(),
+            );
+        }
+        std::ptr::null_mut()
+    })
+}
+
+/// The ordinary `lookup` method called with the same arguments.
+///
+/// # Safety
+/// As for [`lookup_fast`].
+unsafe fn lookup_slow(
+    slf: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    Python::attach(|py| {
+        let call = || -> PyResult<Bound<'_, PyAny>> {
+            // SAFETY: as for `lookup_fast`: borrowed, live objects.
+            let (me, names) = unsafe {
+                (
+                    Bound::from_borrowed_ptr(py, slf),
+                    Bound::from_borrowed_ptr_or_opt(py, kwnames),
+                )
+            };
+            let nkw = names.as_ref().map_or(0, |n| n.len().unwrap_or(0));
+            let arg = |i: usize| {
+                // SAFETY: `i < nargs + nkw`, the length of `args`.
+                unsafe { Bound::from_borrowed_ptr(py, *args.add(i)) }
+            };
+            let pos = pyo3::types::PyTuple::new(py, (0..nargs as usize).map(arg))?;
+            let kw = PyDict::new(py);
+            if let Some(names) = &names {
+                for j in 0..nkw {
+                    kw.set_item(names.get_item(j)?, arg(nargs as usize + j))?;
+                }
+            }
+            me.call_method(intern!(py, "lookup"), pos, Some(&kw))
+        };
+        match call() {
+            Ok(v) => v.into_ptr(),
+            Err(e) => {
+                e.restore(py);
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+impl PyOffloadIndex {
+    /// The index of `lookup`'s answer for `key` in `results`.
+    #[inline]
+    fn answer(&self, key: &[u8]) -> usize {
+        match self.with(|x| x.lookup(key)) {
+            Lookup::Miss => 0,
+            Lookup::Hit => 1,
+            Lookup::Pending => 2,
+        }
+    }
+}
+
 #[pymethods]
 impl PyOffloadIndex {
     #[new]
@@ -217,13 +352,20 @@ impl PyOffloadIndex {
                 return Err(invalid_arg("key", key, "must be bytes"));
             }
         };
-        let r = self.with(|x| x.lookup(k));
-        let i = match r {
-            Lookup::Miss => 0,
-            Lookup::Hit => 1,
-            Lookup::Pending => 2,
-        };
-        Ok(self.results[i].clone_ref(py))
+        Ok(self.results[self.answer(k)].clone_ref(py))
+    }
+
+    /// `lookup` as a builtin function bound to this index, called without PyO3's argument
+    /// parsing (`lookup(key, req_context=None)`, the same answers and errors): what a caller
+    /// making one call per key binds.
+    fn lookup_function<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        // SAFETY: `LOOKUP_DEF` is a static, valid definition; the new function holds a reference
+        // to the index (its `self`); the GIL is held.
+        unsafe {
+            let f = ffi::PyCFunction_NewEx(LOOKUP_DEF.0.get(), slf.as_ptr(), std::ptr::null_mut());
+            Bound::from_owned_ptr_or_err(py, f)
+        }
     }
 
     /// Holds the chunks of `keys` (each ready) until `complete_load`: their ids, in key order.
@@ -304,7 +446,7 @@ impl PyOffloadIndex {
             .py()?;
         let new = picked(py, &keys, &out.new)?;
         let chunks = room.then(|| chunk_array(py, &out.chunks));
-        let evicted = PyList::new(py, out.evicted.iter().map(|k| PyBytes::new(py, k)))?;
+        let evicted = PyList::new(py, out.evicted_keys().map(|k| PyBytes::new(py, k)))?;
         Ok((new, chunks, evicted))
     }
 
