@@ -35,7 +35,7 @@ fn positions() -> Vec<Option<i64>> {
 fn store(x: &mut OffloadIndex, keys: &[&[u8]], pos: &[Option<i64>], out: &mut StoreOut,
          done: &mut Vec<usize>) {
     assert!(x.prepare_store(keys, pos, None, out).unwrap());
-    x.complete_store(keys, true, done);
+    x.complete_store(keys, true, None, done);
 }
 
 fn benches(c: &mut Criterion) {
@@ -73,9 +73,9 @@ fn benches(c: &mut Criterion) {
             for k in keys {
                 black_box(x.lookup(k));
             }
-            x.prepare_load(keys, &pos, &mut ids).unwrap();
-            x.touch(keys);
-            x.complete_load(keys).unwrap();
+            x.prepare_load(keys, &pos, None, &mut ids).unwrap();
+            x.touch(keys, None);
+            x.complete_load(keys, None).unwrap();
             i += 1;
         })
     });

@@ -83,6 +83,23 @@ impl Key {
     }
 }
 
+/// Each key's chunk ([`NIL`]: absent) as the index had it at key generation `generation`
+/// ([`OffloadIndex::generation`]): an earlier call's resolution of the same keys
+/// ([`OffloadIndex::last_chunks`]), which a call may use instead of hashing the keys again. The
+/// index uses it only while no key has been inserted or removed since (then it is exact, if the
+/// keys are the same); otherwise it resolves the keys itself. The caller vouches that the keys
+/// are the ones resolved (same bytes, same order).
+#[derive(Debug, Clone, Copy)]
+pub struct Hint<'a> {
+    /// [`OffloadIndex::generation`] when `chunks` was read.
+    pub generation: u64,
+    /// Each key's chunk, [`NIL_CHUNK`] when absent.
+    pub chunks: &'a [u32],
+}
+
+/// The chunk id that stands for "absent" in [`Hint`] and [`OffloadIndex::last_chunks`].
+pub const NIL_CHUNK: u32 = NIL;
+
 /// What [`OffloadIndex::lookup`] found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Lookup {
@@ -126,6 +143,8 @@ pub struct StoreOut {
     pub evicted: Vec<u8>,
     /// Where each evicted key ends in `evicted`.
     pub evicted_ends: Vec<usize>,
+    /// The chunks that lost those keys, in the same order.
+    pub evicted_chunks: Vec<u32>,
 }
 
 impl StoreOut {
@@ -155,6 +174,8 @@ pub struct OffloadIndex {
     pending: Vec<bool>,
     num_pending: usize,
     num_keys: usize,
+    /// Bumped whenever a key is inserted or removed (see [`Hint`]).
+    generation: u64,
     stamp: Vec<i64>,
     tick: i64,
     stats: OffloadStats,
@@ -175,6 +196,18 @@ impl std::fmt::Debug for OffloadIndex {
             .field("num_pending", &self.num_pending)
             .finish()
     }
+}
+
+/// Hints the CPU to bring `x`'s cache line in (no effect on other targets).
+#[inline(always)]
+fn prefetch<T>(x: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetching is a hint; it never faults, and `x` is a valid reference anyway.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch((x as *const T).cast::<i8>(), std::arch::x86_64::_MM_HINT_T0);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
 }
 
 /// Short hex of a key for messages (the first 16 bytes).
@@ -219,6 +252,7 @@ impl OffloadIndex {
             pending: zeroed_vec(n, "offload index pending flags")?,
             num_pending: 0,
             num_keys: 0,
+            generation: 0,
             stamp: Vec::new(),
             tick: 0,
             stats: OffloadStats::default(),
@@ -249,6 +283,7 @@ impl OffloadIndex {
         self.stamp.fill(0);
         self.num_pending = 0;
         self.num_keys = 0;
+        self.generation += 1;
         self.tick = 0;
         // Rebuilding the list cannot fail: it was allocated for `n` chunks and is emptied first.
         while self.free.pop_front().is_some() {}
@@ -282,6 +317,17 @@ impl OffloadIndex {
     /// Counters since construction.
     pub fn stats(&self) -> OffloadStats {
         self.stats
+    }
+
+    /// The key generation: bumped whenever a key is inserted or removed (and by a reset).
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Each key's chunk ([`NIL_CHUNK`]: absent) after the last call that named keys, in their
+    /// order; exact while [`Self::generation`] is unchanged (a [`Hint`] for the same keys).
+    pub fn last_chunks(&self) -> &[u32] {
+        &self.found
     }
 
     fn check_chunk(&self, c: u32) -> Result<usize> {
@@ -371,6 +417,7 @@ impl OffloadIndex {
         self.key_of[c as usize] = Some(Key::new(key));
         self.hash_of[c as usize] = h;
         self.num_keys += 1;
+        self.generation += 1;
     }
 
     /// Unkeys chunk `c` (keyed), closing the gap in its probe run; returns its key.
@@ -401,6 +448,7 @@ impl OffloadIndex {
         }
         self.slots[i] = NIL;
         self.num_keys -= 1;
+        self.generation += 1;
         self.hash_of[c as usize] = 0;
         self.key_of[c as usize]
             .take()
@@ -408,7 +456,8 @@ impl OffloadIndex {
     }
 
     /// Fills `self.found` with each key's chunk ([`NIL`] when absent) and `self.hashes` with
-    /// each key's hash.
+    /// each key's hash. Two passes: every key's hash (prefetching its home slot), then the
+    /// probes, so the table's cache misses overlap instead of following one another.
     fn find_all(&mut self, keys: &[&[u8]]) {
         let (mut found, mut hashes) =
             (std::mem::take(&mut self.found), std::mem::take(&mut self.hashes));
@@ -417,10 +466,25 @@ impl OffloadIndex {
         for k in keys {
             let h = self.hash(k);
             hashes.push(h);
+            prefetch(&self.slots[h as usize & self.mask]);
+        }
+        for (k, &h) in keys.iter().zip(&hashes) {
             found.push(self.find(k, h));
         }
         self.found = found;
         self.hashes = hashes;
+    }
+
+    /// Fills `self.found` from `hint` when it is current and fits, else by [`Self::find_all`].
+    fn resolve(&mut self, keys: &[&[u8]], hint: Option<Hint<'_>>) {
+        match hint {
+            Some(h) if h.generation == self.generation && h.chunks.len() == keys.len() => {
+                self.found.clear();
+                self.found.extend_from_slice(h.chunks);
+                self.hashes.clear();
+            }
+            _ => self.find_all(keys),
+        }
     }
 
     // ---- references and the free order ---------------------------------------------------
@@ -509,8 +573,8 @@ impl OffloadIndex {
     }
 
     /// Fills `self.found` and checks every key is present and ready (`what` names the call).
-    fn ready(&mut self, keys: &[&[u8]], what: &str) -> Result<()> {
-        self.find_all(keys);
+    fn ready(&mut self, keys: &[&[u8]], hint: Option<Hint<'_>>, what: &str) -> Result<()> {
+        self.resolve(keys, hint);
         for (i, &c) in self.found.iter().enumerate() {
             let why = if c == NIL {
                 "is not offloaded"
@@ -605,10 +669,10 @@ impl OffloadIndex {
     /// until [`Self::complete_load`]; their chunks into `out` in the order of the keys, stamped.
     /// `InvalidArgument` naming the first key missing or pending, with nothing held.
     pub fn prepare_load(&mut self, keys: &[&[u8]], positions: &[Option<i64>],
-                        out: &mut Vec<u32>) -> Result<()> {
+                        hint: Option<Hint<'_>>, out: &mut Vec<u32>) -> Result<()> {
         out.clear();
         Self::check_positions(keys, positions)?;
-        self.ready(keys, "prepare_load")?;
+        self.ready(keys, hint, "prepare_load")?;
         let found = std::mem::take(&mut self.found);
         let r = self.hold(&found);
         if r.is_ok() {
@@ -622,8 +686,8 @@ impl OffloadIndex {
 
     /// Gives back the references [`Self::prepare_load`] took, tail first. `InvalidArgument` when
     /// a key is missing or pending, or its chunk is not held by a load; nothing changes then.
-    pub fn complete_load(&mut self, keys: &[&[u8]]) -> Result<()> {
-        self.ready(keys, "complete_load")?;
+    pub fn complete_load(&mut self, keys: &[&[u8]], hint: Option<Hint<'_>>) -> Result<()> {
+        self.ready(keys, hint, "complete_load")?;
         let mut order = std::mem::take(&mut self.order);
         order.clear();
         order.extend_from_slice(&self.found);
@@ -645,8 +709,8 @@ impl OffloadIndex {
     /// Moves the present, ready chunks of `keys` that are free to the back of the free order,
     /// the first key last (evicted last); held ones keep their references. Other keys are
     /// ignored.
-    pub fn touch(&mut self, keys: &[&[u8]]) {
-        self.find_all(keys);
+    pub fn touch(&mut self, keys: &[&[u8]], hint: Option<Hint<'_>>) {
+        self.resolve(keys, hint);
         let mut order = std::mem::take(&mut self.order);
         order.clear();
         order.extend(
@@ -674,6 +738,7 @@ impl OffloadIndex {
         out.chunks.clear();
         out.evicted.clear();
         out.evicted_ends.clear();
+        out.evicted_chunks.clear();
         Self::check_positions(keys, positions)?;
         if let Some(a) = admit {
             if a.len() != keys.len() {
@@ -689,6 +754,7 @@ impl OffloadIndex {
         let mut new = std::mem::take(&mut out.new);
         self.dedup_missing(keys, &found, admit, &mut new);
         out.new = new;
+        let missing = found.iter().filter(|&&c| c == NIL).count();
         // The offered ready chunks, in order (repeats kept): held for the call.
         let mut held = std::mem::take(&mut self.order);
         held.clear();
@@ -722,6 +788,7 @@ impl OffloadIndex {
                 let k = self.remove_key(c);
                 out.evicted.extend_from_slice(k.as_bytes());
                 out.evicted_ends.push(out.evicted.len());
+                out.evicted_chunks.push(c);
                 self.stats.evictions += 1;
             }
             out.chunks.push(c);
@@ -730,6 +797,15 @@ impl OffloadIndex {
             let c = out.chunks[j];
             self.insert_key(c, keys[i], self.hashes[i]);
             self.pending[c as usize] = true;
+            self.found[i] = c;
+        }
+        if out.new.len() != missing {
+            // A repeated or unadmitted new key: what each of those names now, for last_chunks.
+            for (i, k) in keys.iter().enumerate() {
+                if self.found[i] == NIL {
+                    self.found[i] = self.find(k, self.hashes[i]);
+                }
+            }
         }
         self.num_pending += n;
         self.stats.stores += n as u64;
@@ -748,9 +824,10 @@ impl OffloadIndex {
     /// ignored): on success their chunks become ready and are released tail first; on failure
     /// they lose their keys and go to the front of the free list in the order given. The indices
     /// of the completed keys go into `done` (cleared first).
-    pub fn complete_store(&mut self, keys: &[&[u8]], success: bool, done: &mut Vec<usize>) {
+    pub fn complete_store(&mut self, keys: &[&[u8]], success: bool, hint: Option<Hint<'_>>,
+                          done: &mut Vec<usize>) {
         done.clear();
-        self.find_all(keys);
+        self.resolve(keys, hint);
         let mut order = std::mem::take(&mut self.order);
         order.clear();
         for (i, &c) in self.found.iter().enumerate() {
@@ -874,7 +951,7 @@ mod tests {
     fn complete(x: &mut OffloadIndex, ids: &[u32], ok: bool) -> Vec<usize> {
         let k = keys(ids);
         let mut done = Vec::new();
-        x.complete_store(&refs(&k), ok, &mut done);
+        x.complete_store(&refs(&k), ok, None, &mut done);
         done
     }
 
@@ -926,21 +1003,21 @@ mod tests {
         assert_eq!(x.free_order(), vec![3, 2, 1, 0]);
         let k = keys(&[3, 1]);
         let mut out = Vec::new();
-        x.prepare_load(&refs(&k), &[], &mut out).unwrap();
+        x.prepare_load(&refs(&k), &[], None, &mut out).unwrap();
         assert_eq!(out, vec![2, 0]);
         let bad = keys(&[1, 7]);
         let before = (x.free_order(), x.ref_count(0).unwrap());
-        assert!(matches!(x.prepare_load(&refs(&bad), &[], &mut out),
+        assert!(matches!(x.prepare_load(&refs(&bad), &[], None, &mut out),
                          Err(Error::InvalidArgument { value: 1, .. })));
         assert_eq!(before, (x.free_order(), x.ref_count(0).unwrap()));
-        x.complete_load(&refs(&k)).unwrap();
+        x.complete_load(&refs(&k), None).unwrap();
         assert_eq!(x.free_order(), vec![3, 1, 0, 2]);
-        assert!(matches!(x.complete_load(&refs(&k)), Err(Error::InvalidArgument { .. })));
+        assert!(matches!(x.complete_load(&refs(&k), None), Err(Error::InvalidArgument { .. })));
         assert_eq!(x.free_order(), vec![3, 1, 0, 2]);
         // With positions, the stamps decide: key 3 at 10, key 4 at 20 -> 4 released first.
         let k = keys(&[3, 4]);
-        x.prepare_load(&refs(&k), &[Some(10), Some(20)], &mut out).unwrap();
-        x.complete_load(&refs(&k)).unwrap();
+        x.prepare_load(&refs(&k), &[Some(10), Some(20)], None, &mut out).unwrap();
+        x.complete_load(&refs(&k), None).unwrap();
         assert_eq!(x.free_order(), vec![1, 0, 3, 2]);
         x.check_invariants().unwrap();
     }
@@ -958,7 +1035,7 @@ mod tests {
         complete(&mut x, &[5, 6], true);
         // free order now: 3, 0 (key 1), then 6's and 5's chunks
         let t = keys(&[1, 99, 6]);
-        x.touch(&refs(&t));
+        x.touch(&refs(&t), None);
         let order = x.free_order();
         assert_eq!(order[order.len() - 1], 0);
         x.check_invariants().unwrap();
@@ -979,6 +1056,31 @@ mod tests {
         x.check_invariants().unwrap();
         x.reset();
         assert_eq!((x.lookup(&long), x.num_free(), x.num_pending()), (Lookup::Miss, 2, 0));
+        x.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn hints_are_used_only_while_current() {
+        let mut x = OffloadIndex::with_seed(8, 8).unwrap();
+        let k = keys(&[1, 2, 1, 3]);
+        let mut out = StoreOut::default();
+        assert!(x.prepare_store(&refs(&k), &[], None, &mut out).unwrap());
+        // last_chunks names every key's chunk after the store, the repeat included.
+        let last = x.last_chunks().to_vec();
+        assert_eq!(last, vec![0, 1, 0, 2]);
+        let g = x.generation();
+        let mut done = Vec::new();
+        x.complete_store(&refs(&k), true, Some(Hint { generation: g, chunks: &last }), &mut done);
+        assert_eq!(done, vec![0, 1, 3]);
+        // A stale hint (a key removed since) is ignored: the keys are resolved again.
+        let one = keys(&[1]);
+        let mut ids = Vec::new();
+        x.prepare_load(&refs(&one), &[], None, &mut ids).unwrap();
+        let stale = Hint { generation: g, chunks: &[5] };
+        assert!(x.prepare_store(&refs(&keys(&[4, 5, 6, 7, 8])), &[], None, &mut out).unwrap());
+        assert_ne!(x.generation(), g);
+        x.complete_load(&refs(&one), Some(stale)).unwrap();
+        assert_eq!(x.ref_count(0).unwrap(), 0);
         x.check_invariants().unwrap();
     }
 

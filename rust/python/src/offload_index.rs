@@ -19,7 +19,7 @@ use std::ffi::c_int;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use numpy::PyArray1;
-use pagedkv::offload_index::{Lookup, OffloadIndex, StoreOut};
+use pagedkv::offload_index::{Hint, Lookup, OffloadIndex, StoreOut, NIL_CHUNK};
 use pyo3::{ffi, intern};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -31,19 +31,67 @@ use crate::errors::{invalid_arg, CoreResultExt};
 #[pyclass(frozen, module = "pagedkv._core", name = "OffloadIndex")]
 pub struct PyOffloadIndex {
     num_chunks: u32,
-    inner: Mutex<OffloadIndex>,
+    inner: Mutex<State>,
     /// What `lookup` returns for a miss, a hit and a store in flight.
     results: [Py<PyAny>; 3],
     /// The `get_offload_key_position` whose contexts keep their positions in a dict.
     getter: Option<Py<PyAny>>,
 }
 
+/// The last resolution of a key list: the key objects (held, so their addresses name them) and
+/// each one's chunk at a key generation. A later call given the same objects in the same order
+/// hands the chunks to the core as a [`Hint`], which it uses only if no key changed since.
+struct Memo {
+    keys: Vec<Py<PyBytes>>,
+    chunks: Vec<u32>,
+    generation: u64,
+}
+
+/// The index, each keyed chunk's key object (evictions hand back the objects that were stored),
+/// and the memo.
+struct State {
+    idx: OffloadIndex,
+    objs: Vec<Option<Py<PyBytes>>>,
+    memo: Option<Memo>,
+}
+
+/// The memo as a hint for `ptrs` (the addresses of the call's key objects), if they match.
+fn hint<'a>(memo: &'a Option<Memo>, ptrs: &[usize]) -> Option<Hint<'a>> {
+    let m = memo.as_ref()?;
+    let same = m.keys.len() == ptrs.len()
+        && m.keys.iter().zip(ptrs).all(|(k, &p)| k.as_ptr() as usize == p);
+    same.then_some(Hint {
+        generation: m.generation,
+        chunks: &m.chunks,
+    })
+}
+
+/// Records the index's resolution of `keys` (the call just made) as the memo; the old memo.
+fn remember(idx: &OffloadIndex, memo: &mut Option<Memo>, keys: Vec<Py<PyBytes>>) -> Option<Memo> {
+    memo.replace(Memo {
+        keys,
+        chunks: idx.last_chunks().to_vec(),
+        generation: idx.generation(),
+    })
+}
+
+/// The addresses of `keys`, which name them while they are held.
+fn addresses(keys: &[Bound<'_, PyBytes>]) -> Vec<usize> {
+    keys.iter().map(|k| k.as_ptr() as usize).collect()
+}
+
+/// Owned references to `keys` (for the memo and the key objects).
+fn owned(keys: &[Bound<'_, PyBytes>]) -> Vec<Py<PyBytes>> {
+    keys.iter().map(|k| k.clone().unbind()).collect()
+}
+
 impl PyOffloadIndex {
     #[inline]
-    fn with<R: Send>(&self, f: impl Send + FnOnce(&mut OffloadIndex) -> R) -> R {
+    fn with<R: Send>(&self, f: impl Send + FnOnce(&mut State) -> R) -> R {
         // A panic inside the core while locked is a bug; every call is all or nothing, so later
-        // calls go on rather than fail.
-        let mut g: MutexGuard<'_, OffloadIndex> =
+        // calls go on rather than fail. Python objects dropped in here are `bytes` (no code runs
+        // when they go); the ones a call replaces are handed out and dropped after the lock.
+        let mut g: MutexGuard<'_, State> =
             self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         f(&mut g)
     }
@@ -275,7 +323,7 @@ impl PyOffloadIndex {
     /// The index of `lookup`'s answer for `key` in `results`.
     #[inline]
     fn answer(&self, key: &[u8]) -> usize {
-        match self.with(|x| x.lookup(key)) {
+        match self.with(|st| st.idx.lookup(key)) {
             Lookup::Miss => 0,
             Lookup::Hit => 1,
             Lookup::Pending => 2,
@@ -305,9 +353,16 @@ impl PyOffloadIndex {
             Some((m, h, p)) => [m, h, p],
             None => [0, 1, 2].map(|i: i32| i.into_pyobject(py).unwrap().into_any().unbind()),
         };
+        let idx = OffloadIndex::new(n).py()?;
+        let mut objs = Vec::new();
+        objs.resize_with(n as usize, || None);
         Ok(Self {
             num_chunks: n,
-            inner: Mutex::new(OffloadIndex::new(n).py()?),
+            inner: Mutex::new(State {
+                idx,
+                objs,
+                memo: None,
+            }),
             results,
             getter: context_getter,
         })
@@ -322,19 +377,19 @@ impl PyOffloadIndex {
     /// Free chunks (never used, failed, or ready and unread).
     #[getter]
     fn num_free(&self) -> usize {
-        self.with(|x| x.num_free())
+        self.with(|st| st.idx.num_free())
     }
 
     /// Chunks with a store in flight.
     #[getter]
     fn num_pending(&self) -> usize {
-        self.with(|x| x.num_pending())
+        self.with(|st| st.idx.num_pending())
     }
 
     /// Keyed chunks.
     #[getter]
     fn num_keys(&self) -> usize {
-        self.with(|x| x.num_keys())
+        self.with(|st| st.idx.num_keys())
     }
 
     /// Miss, hit or pending (the objects given at construction); `req_context` is ignored.
@@ -378,24 +433,32 @@ impl PyOffloadIndex {
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let keys = keys_of(keys)?;
         let pos = self.positions(req_context, &keys)?;
-        let ks = slices(&keys);
+        let (ks, ptrs, held) = (slices(&keys), addresses(&keys), owned(&keys));
         let mut out = Vec::new();
-        self.with(|x| x.prepare_load(&ks, &pos, &mut out)).py()?;
+        let (r, _old) = self.with(|st| {
+            let State { idx, memo, .. } = st;
+            match idx.prepare_load(&ks, &pos, hint(memo, &ptrs), &mut out) {
+                Ok(()) => (Ok(()), remember(idx, memo, held)),
+                Err(e) => (Err(e), None),
+            }
+        });
+        r.py()?;
         Ok(chunk_array(py, &out))
     }
 
     /// Gives back the references `prepare_load` took, tail first.
     fn complete_load(&self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
         let keys = keys_of(keys)?;
-        let ks = slices(&keys);
-        self.with(|x| x.complete_load(&ks)).py()
+        let (ks, ptrs) = (slices(&keys), addresses(&keys));
+        self.with(|st| st.idx.complete_load(&ks, hint(&st.memo, &ptrs)))
+            .py()
     }
 
     /// Moves the present ready chunks of `keys` to the back of the free order, the first last.
     fn touch(&self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
         let keys = keys_of(keys)?;
-        let ks = slices(&keys);
-        self.with(|x| x.touch(&ks));
+        let (ks, ptrs) = (slices(&keys), addresses(&keys));
+        self.with(|st| st.idx.touch(&ks, hint(&st.memo, &ptrs)));
         Ok(())
     }
 
@@ -407,7 +470,7 @@ impl PyOffloadIndex {
     ) -> PyResult<Bound<'py, PyList>> {
         let keys = keys_of(keys)?;
         let ks = slices(&keys);
-        let idx = self.with(|x| x.missing(&ks));
+        let idx = self.with(|st| st.idx.missing(&ks));
         picked(py, &keys, &idx)
     }
 
@@ -439,14 +502,34 @@ impl PyOffloadIndex {
             _ => None,
         };
         let pos = self.positions(req_context, &keys)?;
-        let ks = slices(&keys);
+        let (ks, held) = (slices(&keys), owned(&keys));
+        let mut objs: Vec<Option<Py<PyBytes>>> = keys.iter().map(|k| Some(k.clone().unbind())).collect();
         let mut out = StoreOut::default();
-        let room = self
-            .with(|x| x.prepare_store(&ks, &pos, mask.as_deref(), &mut out))
-            .py()?;
+        let (room, evicted_objs, _old) = self.with(|st| {
+            let room = st.idx.prepare_store(&ks, &pos, mask.as_deref(), &mut out)?;
+            // The evicted chunks' key objects out, the new chunks' in.
+            let evicted: Vec<Option<Py<PyBytes>>> = out
+                .evicted_chunks
+                .iter()
+                .map(|&c| st.objs[c as usize].take())
+                .collect();
+            for (&i, &c) in out.new.iter().zip(&out.chunks) {
+                st.objs[c as usize] = objs[i].take();
+            }
+            let old = remember(&st.idx, &mut st.memo, held);
+            Ok::<_, pagedkv::Error>((room, evicted, old))
+        })
+        .py()?;
+        drop(objs);
         let new = picked(py, &keys, &out.new)?;
         let chunks = room.then(|| chunk_array(py, &out.chunks));
-        let evicted = PyList::new(py, out.evicted_keys().map(|k| PyBytes::new(py, k)))?;
+        let evicted = PyList::empty(py);
+        for (o, k) in evicted_objs.into_iter().zip(out.evicted_keys()) {
+            match o {
+                Some(o) => evicted.append(o.into_bound(py))?,
+                None => evicted.append(PyBytes::new(py, k))?,
+            }
+        }
         Ok((new, chunks, evicted))
     }
 
@@ -460,30 +543,47 @@ impl PyOffloadIndex {
         success: bool,
     ) -> PyResult<Bound<'py, PyList>> {
         let keys = keys_of(keys)?;
-        let ks = slices(&keys);
+        let (ks, ptrs) = (slices(&keys), addresses(&keys));
         let mut done = Vec::new();
-        self.with(|x| x.complete_store(&ks, success, &mut done));
+        let _dropped = self.with(|st| {
+            let State { idx, objs, memo } = st;
+            idx.complete_store(&ks, success, hint(memo, &ptrs), &mut done);
+            if success {
+                return Vec::new();
+            }
+            // A failed store's chunks lose their keys: their key objects go.
+            let chunks = idx.last_chunks();
+            done.iter()
+                .map(|&i| chunks[i])
+                .filter(|&c| c != NIL_CHUNK)
+                .filter_map(|c| objs[c as usize].take())
+                .collect::<Vec<_>>()
+        });
         picked(py, &keys, &done)
     }
 
     /// Forgets every chunk, held ones included.
     fn reset(&self) {
-        self.with(|x| x.reset())
+        let _dropped = self.with(|st| {
+            st.idx.reset();
+            let objs: Vec<_> = st.objs.iter_mut().filter_map(Option::take).collect();
+            (objs, st.memo.take())
+        });
     }
 
     fn ref_count(&self, chunk: &Bound<'_, PyAny>) -> PyResult<u32> {
         let c = scalar::<u32>("chunk", chunk)?;
-        self.with(|x| x.ref_count(c)).py()
+        self.with(|st| st.idx.ref_count(c)).py()
     }
 
     fn is_free(&self, chunk: &Bound<'_, PyAny>) -> PyResult<bool> {
         let c = scalar::<u32>("chunk", chunk)?;
-        self.with(|x| x.is_free(c)).py()
+        self.with(|st| st.idx.is_free(c)).py()
     }
 
     fn is_pending(&self, chunk: &Bound<'_, PyAny>) -> PyResult<bool> {
         let c = scalar::<u32>("chunk", chunk)?;
-        self.with(|x| x.is_pending(c)).py()
+        self.with(|st| st.idx.is_pending(c)).py()
     }
 
     /// The chunk's key, or None.
@@ -494,7 +594,7 @@ impl PyOffloadIndex {
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let c = scalar::<u32>("chunk", chunk)?;
         let k = self
-            .with(|x| x.key(c).map(|k| k.map(<[u8]>::to_vec)))
+            .with(|st| st.idx.key(c).map(|k| k.map(<[u8]>::to_vec)))
             .py()?;
         Ok(k.map(|k| PyBytes::new(py, &k)))
     }
@@ -502,18 +602,18 @@ impl PyOffloadIndex {
     /// The chunk's position stamp (token position, else a name counter).
     fn stamp(&self, chunk: &Bound<'_, PyAny>) -> PyResult<i64> {
         let c = scalar::<u32>("chunk", chunk)?;
-        self.with(|x| x.stamp(c)).py()
+        self.with(|st| st.idx.stamp(c)).py()
     }
 
     /// Free chunks in reuse order, front (taken next) first.
     fn free_order(&self) -> Vec<u32> {
-        self.with(|x| x.free_order())
+        self.with(|st| st.idx.free_order())
     }
 
     /// `{key: chunk}` for every keyed chunk.
     fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let all: Vec<(Vec<u8>, u32)> =
-            self.with(|x| x.entries().map(|(k, c)| (k.to_vec(), c)).collect());
+            self.with(|st| st.idx.entries().map(|(k, c)| (k.to_vec(), c)).collect());
         let d = PyDict::new(py);
         for (k, c) in all {
             d.set_item(PyBytes::new(py, &k), c)?;
@@ -523,7 +623,7 @@ impl PyOffloadIndex {
 
     /// Counters: lookups, hits, pending_hits, stores, failed_stores, evictions, loads, refusals.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.with(|x| x.stats());
+        let s = self.with(|st| st.idx.stats());
         let d = PyDict::new(py);
         d.set_item("lookups", s.lookups)?;
         d.set_item("hits", s.hits)?;
@@ -538,7 +638,7 @@ impl PyOffloadIndex {
 
     /// Raises `InvariantViolationError` if the index is inconsistent (never expected).
     fn check_invariants(&self) -> PyResult<()> {
-        self.with(|x| x.check_invariants()).py()
+        self.with(|st| st.idx.check_invariants()).py()
     }
 
     fn __len__(&self) -> usize {
@@ -546,7 +646,7 @@ impl PyOffloadIndex {
     }
 
     fn __repr__(&self) -> String {
-        let (free, keys, pending) = self.with(|x| (x.num_free(), x.num_keys(), x.num_pending()));
+        let (free, keys, pending) = self.with(|st| (st.idx.num_free(), st.idx.num_keys(), st.idx.num_pending()));
         format!(
             "OffloadIndex(num_chunks={}, num_free={free}, num_keys={keys}, num_pending={pending})",
             self.num_chunks
