@@ -128,9 +128,34 @@ impl PyOffloadIndex {
             if let Ok(table) = ctx.getattr(intern!(py, "_offload_key_positions")) {
                 if let Ok(d) = table.cast::<PyDict>() {
                     for k in keys {
-                        out.push(match d.get_item(k)? {
-                            Some(v) => pos(v)?,
-                            None => None,
+                        // SAFETY: the GIL is held; `d` and `k` are live. The value is borrowed
+                        // from the dict and read before any other call.
+                        let v = unsafe { ffi::PyDict_GetItemWithError(d.as_ptr(), k.as_ptr()) };
+                        if v.is_null() {
+                            if let Some(e) = PyErr::take(py) {
+                                return Err(e);
+                            }
+                            out.push(None);
+                            continue;
+                        }
+                        // SAFETY: as above; an exact int is read directly.
+                        let fast = unsafe {
+                            if ffi::Py_TYPE(v) == std::ptr::addr_of_mut!(ffi::PyLong_Type) {
+                                let x = ffi::PyLong_AsLongLong(v);
+                                if x == -1 && !ffi::PyErr_Occurred().is_null() {
+                                    ffi::PyErr_Clear();
+                                    None
+                                } else {
+                                    Some(x)
+                                }
+                            } else {
+                                None
+                            }
+                        };
+                        out.push(match fast {
+                            Some(x) => Some(x),
+                            // SAFETY: `v` is live (borrowed from the dict); owned from here.
+                            None => pos(unsafe { Bound::from_borrowed_ptr(py, v) })?,
                         });
                     }
                     return Ok(out);
@@ -145,37 +170,60 @@ impl PyOffloadIndex {
     }
 }
 
+/// A key that is not exact `bytes`: a `bytes` subclass is taken, anything else refused.
+fn key_item<'py>(i: usize, item: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    item.cast_into::<PyBytes>().map_err(|e| {
+        let item = e.into_inner();
+        let got = item
+            .get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_else(|_| "?".into());
+        invalid_arg(
+            "keys",
+            &item,
+            format!("element {i}: must be bytes, got {got}"),
+        )
+    })
+}
+
 /// Reads keys (`bytes` each) from a list or any iterable, holding the objects.
 fn keys_of<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
     let mut out = Vec::new();
-    let mut push = |i: usize, item: Bound<'py, PyAny>| -> PyResult<()> {
-        match item.cast_into::<PyBytes>() {
-            Ok(b) => {
-                out.push(b);
-                Ok(())
-            }
-            Err(e) => {
-                let item = e.into_inner();
-                let got = item
-                    .get_type()
-                    .name()
-                    .map(|n| n.to_string())
-                    .unwrap_or_else(|_| "?".into());
-                Err(invalid_arg(
-                    "keys",
-                    &item,
-                    format!("element {i}: must be bytes, got {got}"),
-                ))
-            }
-        }
-    };
     if let Ok(list) = obj.cast::<PyList>() {
-        for (i, item) in list.iter().enumerate() {
-            push(i, item)?;
+        let py = obj.py();
+        let n = list.len();
+        out.reserve(n);
+        for i in 0..n {
+            // SAFETY: the GIL is held and `i` is below the list's length, which only Python code
+            // could change: none runs between these reads unless an item is not exact `bytes`
+            // (then the length is checked again).
+            let item = unsafe { ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t) };
+            if item.is_null() {
+                return Err(PyErr::fetch(py));
+            }
+            // SAFETY: `item` is a live borrowed reference; the type test reads its header.
+            let exact =
+                unsafe { ffi::Py_TYPE(item) == std::ptr::addr_of_mut!(ffi::PyBytes_Type) };
+            // SAFETY: a live reference, owned from here on.
+            let item = unsafe { Bound::from_borrowed_ptr(py, item) };
+            if exact {
+                // SAFETY: checked to be exactly `bytes` just above.
+                out.push(unsafe { item.cast_into_unchecked::<PyBytes>() });
+            } else {
+                out.push(key_item(i, item)?);
+                if list.len() != n {
+                    return Err(invalid_arg(
+                        "keys",
+                        obj,
+                        "the list changed size while it was read",
+                    ));
+                }
+            }
         }
     } else {
         for (i, item) in obj.try_iter()?.enumerate() {
-            push(i, item?)?;
+            out.push(key_item(i, item?)?);
         }
     }
     Ok(out)
