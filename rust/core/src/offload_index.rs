@@ -6,11 +6,12 @@
 //!   chunks are reused, the front first. Never-used and failed chunks sit at the front; a ready
 //!   chunk joins the back when its last reference goes, so the front of the ready part is the least
 //!   recently released one (LRU);
-//! - the key map: each chunk's key (an opaque byte string, inline up to [`INLINE_KEY`] bytes, boxed
-//!   above) and its hash, and an open-addressing table of chunk ids (linear probing, at most a quarter
-//!   full (, at most, when every chunk is keyed), never resized: a chunk holds at most one key, so the table holds at most `num_chunks`
-//!   entries). The hash is XXH3-64 seeded per instance from the OS random source, so keys chosen
-//!   to collide in one process's table cannot be precomputed;
+//! - the key map: each chunk's key (an opaque byte string, inline up to [`INLINE_KEY`] bytes in
+//!   the chunk's own slot, boxed above) and its hash, and an open-addressing table of chunk ids,
+//!   each tagged with 32 bits of its key's hash (linear probing, at most a quarter full, never resized:
+//!   a chunk holds at most one key, so the table holds at most `num_chunks` entries). The hash is
+//!   XXH3-64 seeded per instance from the OS random source, so keys chosen to collide in one
+//!   process's table cannot be precomputed;
 //! - which chunks have a store in flight (pending), and each chunk's position stamp: where the
 //!   request that last named it had it (its token position), else a counter of names. Completions
 //!   release chunks tail first: by stamp, descending, ties in the order given.
@@ -49,39 +50,40 @@ use crate::error::{Error, Result};
 use crate::hash::random_key;
 use crate::index_list::{IndexList, NIL};
 
-/// Keys up to this many bytes are stored inline (a vLLM offload key is 32 hash bytes and a
-/// 4-byte group: 36); longer ones are boxed.
-pub const INLINE_KEY: usize = 46;
+/// Keys up to this many bytes are stored inline, in the chunk's own slot (a vLLM offload key is
+/// 32 hash bytes and a 4-byte group: 36); longer ones are boxed in a side map.
+pub const INLINE_KEY: usize = 44;
 
-/// One chunk's key: inline when short, boxed otherwise (48 bytes either way).
+/// An empty entry of the key table.
+const EMPTY: u64 = u64::MAX;
+
+/// The table entry of chunk `c` keyed with hash `h`.
+#[inline]
+fn entry(c: u32, h: u64) -> u64 {
+    (h << 32) | u64::from(c)
+}
+
+/// The chunk of a table entry.
+#[inline]
+fn chunk_of(e: u64) -> u32 {
+    e as u32
+}
+
+/// [`KeySlot::len`] of an unkeyed chunk.
+const NO_KEY: u32 = u32::MAX;
+
+/// One chunk's key (48 bytes), written in place: its length ([`NO_KEY`] when unkeyed) and, up to
+/// [`INLINE_KEY`] bytes, the key itself.
 #[derive(Clone)]
-enum Key {
-    Inline { len: u8, bytes: [u8; INLINE_KEY] },
-    Heap(Box<[u8]>),
+struct KeySlot {
+    len: u32,
+    inline: [u8; INLINE_KEY],
 }
 
-impl Key {
-    fn new(b: &[u8]) -> Key {
-        if b.len() <= INLINE_KEY {
-            let mut bytes = [0u8; INLINE_KEY];
-            bytes[..b.len()].copy_from_slice(b);
-            Key::Inline {
-                len: b.len() as u8,
-                bytes,
-            }
-        } else {
-            Key::Heap(b.into())
-        }
-    }
-
-    #[inline]
-    fn as_bytes(&self) -> &[u8] {
-        match self {
-            Key::Inline { len, bytes } => &bytes[..*len as usize],
-            Key::Heap(b) => b,
-        }
-    }
-}
+const EMPTY_SLOT: KeySlot = KeySlot {
+    len: NO_KEY,
+    inline: [0; INLINE_KEY],
+};
 
 /// Each key's chunk ([`NIL`]: absent) as the index had it at key generation `generation`
 /// ([`OffloadIndex::generation`]): an earlier call's resolution of the same keys
@@ -163,12 +165,15 @@ pub struct OffloadIndex {
     num_chunks: u32,
     refcnt: Vec<u32>,
     free: IndexList,
-    /// Each chunk's key (`None`: unkeyed).
-    key_of: Vec<Option<Key>>,
+    /// Each chunk's key.
+    key_of: Vec<KeySlot>,
+    /// The keys longer than [`INLINE_KEY`] bytes, by chunk.
+    long_keys: std::collections::HashMap<u32, Box<[u8]>>,
     /// Each keyed chunk's key hash.
     hash_of: Vec<u64>,
-    /// Open-addressing table of keyed chunks ([`NIL`]: empty), a power of two long.
-    slots: Vec<u32>,
+    /// Open-addressing table of keyed chunks, a power of two long: per entry the low 32 bits of
+    /// the key's hash (a tag, and the home slot) above the chunk id ([`EMPTY`]: empty).
+    slots: Vec<u64>,
     mask: usize,
     seed: u64,
     pending: Vec<bool>,
@@ -239,14 +244,16 @@ impl OffloadIndex {
             });
         }
         let n = num_chunks as usize;
-        let cap = (4 * n).max(8).next_power_of_two();
+        // At most a quarter full; the home slot is taken from the low 32 bits of the hash.
+        let cap = (4 * n).max(8).next_power_of_two().min(1 << 32);
         let mut idx = OffloadIndex {
             num_chunks,
             refcnt: zeroed_vec(n, "offload index reference counts")?,
             free: IndexList::new(n, "offload index free list")?,
             key_of: Vec::new(),
+            long_keys: std::collections::HashMap::new(),
             hash_of: Vec::new(),
-            slots: filled_vec(cap, NIL, "offload index key table")?,
+            slots: filled_vec(cap, EMPTY, "offload index key table")?,
             mask: cap - 1,
             seed,
             pending: zeroed_vec(n, "offload index pending flags")?,
@@ -264,7 +271,7 @@ impl OffloadIndex {
         };
         idx.hash_of = filled_vec(n, 0u64, "offload index key hashes")?;
         idx.stamp = filled_vec(n, 0i64, "offload index position stamps")?;
-        idx.key_of = filled_vec(n, None, "offload index keys")?;
+        idx.key_of = filled_vec(n, EMPTY_SLOT, "offload index keys")?;
         for c in 0..num_chunks {
             idx.free.push_back(c)?;
         }
@@ -276,9 +283,10 @@ impl OffloadIndex {
     pub fn reset(&mut self) {
         let n = self.num_chunks;
         self.refcnt.fill(0);
-        self.key_of.fill(None);
+        self.key_of.fill(EMPTY_SLOT);
+        self.long_keys.clear();
         self.hash_of.fill(0);
-        self.slots.fill(NIL);
+        self.slots.fill(EMPTY);
         self.pending.fill(false);
         self.stamp.fill(0);
         self.num_pending = 0;
@@ -359,7 +367,7 @@ impl OffloadIndex {
 
     /// The chunk's key, if keyed.
     pub fn key(&self, c: u32) -> Result<Option<&[u8]>> {
-        Ok(self.key_of[self.check_chunk(c)?].as_ref().map(Key::as_bytes))
+        Ok(self.key_bytes(self.check_chunk(c)? as u32))
     }
 
     /// The chunk's position stamp (see the module documentation).
@@ -374,13 +382,21 @@ impl OffloadIndex {
 
     /// Every `(key, chunk)` pair, in chunk order.
     pub fn entries(&self) -> impl Iterator<Item = (&[u8], u32)> {
-        self.key_of
-            .iter()
-            .enumerate()
-            .filter_map(|(c, k)| k.as_ref().map(|k| (k.as_bytes(), c as u32)))
+        (0..self.num_chunks).filter_map(|c| self.key_bytes(c).map(|k| (k, c)))
     }
 
     // ---- the key table -------------------------------------------------------------------
+
+    /// Chunk `c`'s key, if keyed.
+    #[inline]
+    fn key_bytes(&self, c: u32) -> Option<&[u8]> {
+        let s = &self.key_of[c as usize];
+        match s.len {
+            NO_KEY => None,
+            n if n as usize <= INLINE_KEY => Some(&s.inline[..n as usize]),
+            _ => self.long_keys.get(&c).map(|b| &b[..]),
+        }
+    }
 
     #[inline]
     fn hash(&self, key: &[u8]) -> u64 {
@@ -390,18 +406,15 @@ impl OffloadIndex {
     /// The chunk keyed `key` (hash `h`), or [`NIL`].
     #[inline]
     fn find(&self, key: &[u8], h: u64) -> u32 {
+        let tag = h & 0xffff_ffff;
         let mut i = h as usize & self.mask;
         loop {
-            let c = self.slots[i];
-            if c == NIL {
+            let e = self.slots[i];
+            if e == EMPTY {
                 return NIL;
             }
-            if self.hash_of[c as usize] == h {
-                if let Some(k) = &self.key_of[c as usize] {
-                    if k.as_bytes() == key {
-                        return c;
-                    }
-                }
+            if e >> 32 == tag && self.key_bytes(chunk_of(e)) == Some(key) {
+                return chunk_of(e);
             }
             i = (i + 1) & self.mask;
         }
@@ -410,20 +423,26 @@ impl OffloadIndex {
     /// Keys unkeyed chunk `c` with `key` (hash `h`; the key must be absent).
     fn insert_key(&mut self, c: u32, key: &[u8], h: u64) {
         let mut i = h as usize & self.mask;
-        while self.slots[i] != NIL {
+        while self.slots[i] != EMPTY {
             i = (i + 1) & self.mask;
         }
-        self.slots[i] = c;
-        self.key_of[c as usize] = Some(Key::new(key));
+        self.slots[i] = entry(c, h);
+        let s = &mut self.key_of[c as usize];
+        s.len = key.len() as u32;
+        if key.len() <= INLINE_KEY {
+            s.inline[..key.len()].copy_from_slice(key);
+        } else {
+            self.long_keys.insert(c, key.into());
+        }
         self.hash_of[c as usize] = h;
         self.num_keys += 1;
         self.generation += 1;
     }
 
-    /// Unkeys chunk `c` (keyed), closing the gap in its probe run; returns its key.
-    fn remove_key(&mut self, c: u32) -> Key {
+    /// Unkeys chunk `c` (keyed), closing the gap in its probe run.
+    fn remove_key(&mut self, c: u32) {
         let mut i = self.hash_of[c as usize] as usize & self.mask;
-        while self.slots[i] != c {
+        while chunk_of(self.slots[i]) != c {
             i = (i + 1) & self.mask;
         }
         // Backward-shift deletion: move each later entry of the run whose home slot does not lie
@@ -431,28 +450,29 @@ impl OffloadIndex {
         let mut j = i;
         loop {
             j = (j + 1) & self.mask;
-            let d = self.slots[j];
-            if d == NIL {
+            let e = self.slots[j];
+            if e == EMPTY {
                 break;
             }
-            let home = self.hash_of[d as usize] as usize & self.mask;
+            let home = (e >> 32) as usize & self.mask;
             let stays = if i <= j {
                 i < home && home <= j
             } else {
                 i < home || home <= j
             };
             if !stays {
-                self.slots[i] = d;
+                self.slots[i] = e;
                 i = j;
             }
         }
-        self.slots[i] = NIL;
+        self.slots[i] = EMPTY;
         self.num_keys -= 1;
         self.generation += 1;
         self.hash_of[c as usize] = 0;
-        self.key_of[c as usize]
-            .take()
-            .expect("remove_key of a keyed chunk")
+        if self.key_of[c as usize].len as usize > INLINE_KEY {
+            self.long_keys.remove(&c);
+        }
+        self.key_of[c as usize].len = NO_KEY;
     }
 
     /// Fills `self.found` with each key's chunk ([`NIL`] when absent) and `self.hashes` with
@@ -784,9 +804,9 @@ impl OffloadIndex {
         for _ in 0..n {
             let c = self.free.pop_front().expect("n <= free: checked above");
             self.refcnt[c as usize] = 1;
-            if self.key_of[c as usize].is_some() {
-                let k = self.remove_key(c);
-                out.evicted.extend_from_slice(k.as_bytes());
+            if let Some(k) = self.key_bytes(c) {
+                out.evicted.extend_from_slice(k);
+                self.remove_key(c);
                 out.evicted_ends.push(out.evicted.len());
                 out.evicted_chunks.push(c);
                 self.stats.evictions += 1;
@@ -876,7 +896,7 @@ impl OffloadIndex {
             if (r == 0) != free {
                 return bad(format!("chunk {c}: count {r}, in the free list: {free}"));
             }
-            let k = self.key_of[c].as_ref();
+            let k = self.key_bytes(c as u32);
             if r > 0 && k.is_none() {
                 return bad(format!("chunk {c} is held {r} times but unkeyed"));
             }
@@ -888,20 +908,25 @@ impl OffloadIndex {
             }
             if let Some(k) = k {
                 keyed += 1;
-                let h = self.hash(k.as_bytes());
+                let h = self.hash(k);
                 if self.hash_of[c] != h {
                     return bad(format!("chunk {c}: stored hash is not its key's"));
                 }
-                if self.find(k.as_bytes(), h) != c as u32 {
+                if self.find(k, h) != c as u32 {
                     return bad(format!("chunk {c}: its key ({}) finds another chunk or none",
-                                       show(k.as_bytes())));
+                                       show(k)));
                 }
             }
+        }
+        let long = self.key_of.iter().filter(|s| s.len != NO_KEY && s.len as usize > INLINE_KEY);
+        if long.count() != self.long_keys.len() {
+            return bad(format!("{} long keys stored, not one per long-keyed chunk",
+                               self.long_keys.len()));
         }
         if pending != self.num_pending {
             return bad(format!("{pending} pending chunks, num_pending says {}", self.num_pending));
         }
-        let in_table = self.slots.iter().filter(|&&c| c != NIL).count();
+        let in_table = self.slots.iter().filter(|&&e| e != EMPTY).count();
         if keyed != self.num_keys || in_table != keyed {
             return bad(format!(
                 "{keyed} keyed chunks, {in_table} table entries, num_keys says {}",
@@ -909,12 +934,16 @@ impl OffloadIndex {
             ));
         }
         let mut seen = vec![false; n];
-        for &c in &self.slots {
-            if c == NIL {
+        for &e in &self.slots {
+            if e == EMPTY {
                 continue;
             }
-            if c as usize >= n || seen[c as usize] || self.key_of[c as usize].is_none() {
+            let c = chunk_of(e);
+            if c as usize >= n || seen[c as usize] || self.key_bytes(c).is_none() {
                 return bad(format!("table entry {c}: repeated, out of range or unkeyed"));
+            }
+            if e >> 32 != self.hash_of[c as usize] & 0xffff_ffff {
+                return bad(format!("table entry {c}: its tag is not its key's hash"));
             }
             seen[c as usize] = true;
         }
