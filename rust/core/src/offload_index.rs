@@ -85,17 +85,13 @@ const EMPTY_SLOT: KeySlot = KeySlot {
     inline: [0; INLINE_KEY],
 };
 
-/// Each key's chunk ([`NIL`]: absent) as the index had it at key generation `generation`
-/// ([`OffloadIndex::generation`]): an earlier call's resolution of the same keys
-/// ([`OffloadIndex::last_chunks`]), which a call may use instead of hashing the keys again. The
-/// index uses it only while no key has been inserted or removed since (then it is exact, if the
-/// keys are the same); otherwise it resolves the keys itself. The caller vouches that the keys
-/// are the ones resolved (same bytes, same order).
+/// A guess of each key's chunk ([`NIL_CHUNK`]: no guess), e.g. an earlier call's resolution of
+/// the same keys ([`OffloadIndex::last_chunks`]). A call given one checks each guess against the
+/// chunk's own key (one comparison instead of hashing and probing) and resolves the keys whose
+/// guess is missing or wrong itself: a hint changes how fast a call runs, never what it does.
 #[derive(Debug, Clone, Copy)]
 pub struct Hint<'a> {
-    /// [`OffloadIndex::generation`] when `chunks` was read.
-    pub generation: u64,
-    /// Each key's chunk, [`NIL_CHUNK`] when absent.
+    /// Each key's guessed chunk.
     pub chunks: &'a [u32],
 }
 
@@ -179,8 +175,6 @@ pub struct OffloadIndex {
     pending: Vec<bool>,
     num_pending: usize,
     num_keys: usize,
-    /// Bumped whenever a key is inserted or removed (see [`Hint`]).
-    generation: u64,
     stamp: Vec<i64>,
     tick: i64,
     stats: OffloadStats,
@@ -259,7 +253,6 @@ impl OffloadIndex {
             pending: zeroed_vec(n, "offload index pending flags")?,
             num_pending: 0,
             num_keys: 0,
-            generation: 0,
             stamp: Vec::new(),
             tick: 0,
             stats: OffloadStats::default(),
@@ -291,7 +284,6 @@ impl OffloadIndex {
         self.stamp.fill(0);
         self.num_pending = 0;
         self.num_keys = 0;
-        self.generation += 1;
         self.tick = 0;
         // Rebuilding the list cannot fail: it was allocated for `n` chunks and is emptied first.
         while self.free.pop_front().is_some() {}
@@ -327,13 +319,8 @@ impl OffloadIndex {
         self.stats
     }
 
-    /// The key generation: bumped whenever a key is inserted or removed (and by a reset).
-    pub fn generation(&self) -> u64 {
-        self.generation
-    }
-
     /// Each key's chunk ([`NIL_CHUNK`]: absent) after the last call that named keys, in their
-    /// order; exact while [`Self::generation`] is unchanged (a [`Hint`] for the same keys).
+    /// order (a [`Hint`] for a later call naming the same keys).
     pub fn last_chunks(&self) -> &[u32] {
         &self.found
     }
@@ -436,7 +423,6 @@ impl OffloadIndex {
         }
         self.hash_of[c as usize] = h;
         self.num_keys += 1;
-        self.generation += 1;
     }
 
     /// Unkeys chunk `c` (keyed), closing the gap in its probe run.
@@ -467,7 +453,6 @@ impl OffloadIndex {
         }
         self.slots[i] = EMPTY;
         self.num_keys -= 1;
-        self.generation += 1;
         self.hash_of[c as usize] = 0;
         if self.key_of[c as usize].len as usize > INLINE_KEY {
             self.long_keys.remove(&c);
@@ -495,16 +480,20 @@ impl OffloadIndex {
         self.hashes = hashes;
     }
 
-    /// Fills `self.found` from `hint` when it is current and fits, else by [`Self::find_all`].
+    /// Fills `self.found`: each key's guessed chunk in `hint` when its key is that key, else by
+    /// [`Self::find`]. Without a hint (or one of another length), [`Self::find_all`].
     fn resolve(&mut self, keys: &[&[u8]], hint: Option<Hint<'_>>) {
-        match hint {
-            Some(h) if h.generation == self.generation && h.chunks.len() == keys.len() => {
-                self.found.clear();
-                self.found.extend_from_slice(h.chunks);
-                self.hashes.clear();
-            }
-            _ => self.find_all(keys),
+        let Some(h) = hint.filter(|h| h.chunks.len() == keys.len()) else {
+            return self.find_all(keys);
+        };
+        let mut found = std::mem::take(&mut self.found);
+        found.clear();
+        self.hashes.clear();
+        for (k, &c) in keys.iter().zip(h.chunks) {
+            let right = c < self.num_chunks && self.key_bytes(c) == Some(*k);
+            found.push(if right { c } else { self.find(k, self.hash(k)) });
         }
+        self.found = found;
     }
 
     // ---- references and the free order ---------------------------------------------------
@@ -617,9 +606,15 @@ impl OffloadIndex {
     /// Miss, hit or hit-pending.
     #[inline]
     pub fn lookup(&mut self, key: &[u8]) -> Lookup {
+        self.lookup_chunk(key).0
+    }
+
+    /// [`Self::lookup`] and the key's chunk ([`NIL_CHUNK`] on a miss).
+    #[inline]
+    pub fn lookup_chunk(&mut self, key: &[u8]) -> (Lookup, u32) {
         self.stats.lookups += 1;
         let c = self.find(key, self.hash(key));
-        if c == NIL {
+        let r = if c == NIL {
             Lookup::Miss
         } else if self.pending[c as usize] {
             self.stats.pending_hits += 1;
@@ -627,7 +622,8 @@ impl OffloadIndex {
         } else {
             self.stats.hits += 1;
             Lookup::Hit
-        }
+        };
+        (r, c)
     }
 
     /// Each key's chunk ([`NIL`] when absent) into `out` (cleared first); changes nothing.
@@ -1089,7 +1085,7 @@ mod tests {
     }
 
     #[test]
-    fn hints_are_used_only_while_current() {
+    fn hints_are_checked_against_the_keys() {
         let mut x = OffloadIndex::with_seed(8, 8).unwrap();
         let k = keys(&[1, 2, 1, 3]);
         let mut out = StoreOut::default();
@@ -1097,19 +1093,19 @@ mod tests {
         // last_chunks names every key's chunk after the store, the repeat included.
         let last = x.last_chunks().to_vec();
         assert_eq!(last, vec![0, 1, 0, 2]);
-        let g = x.generation();
         let mut done = Vec::new();
-        x.complete_store(&refs(&k), true, Some(Hint { generation: g, chunks: &last }), &mut done);
+        x.complete_store(&refs(&k), true, Some(Hint { chunks: &last }), &mut done);
         assert_eq!(done, vec![0, 1, 3]);
-        // A stale hint (a key removed since) is ignored: the keys are resolved again.
-        let one = keys(&[1]);
+        // Wrong, out-of-range and missing guesses are resolved by the keys themselves.
+        let two = keys(&[1, 3]);
         let mut ids = Vec::new();
-        x.prepare_load(&refs(&one), &[], None, &mut ids).unwrap();
-        let stale = Hint { generation: g, chunks: &[5] };
-        assert!(x.prepare_store(&refs(&keys(&[4, 5, 6, 7, 8])), &[], None, &mut out).unwrap());
-        assert_ne!(x.generation(), g);
-        x.complete_load(&refs(&one), Some(stale)).unwrap();
-        assert_eq!(x.ref_count(0).unwrap(), 0);
+        x.prepare_load(&refs(&two), &[], Some(Hint { chunks: &[2, 99] }), &mut ids).unwrap();
+        assert_eq!(ids, vec![0, 2]);
+        x.complete_load(&refs(&two), Some(Hint { chunks: &[NIL_CHUNK, 0] })).unwrap();
+        assert_eq!((x.ref_count(0).unwrap(), x.ref_count(2).unwrap()), (0, 0));
+        // A guess for a missing key does not make it present.
+        let gone = keys(&[9]);
+        assert!(x.prepare_load(&refs(&gone), &[], Some(Hint { chunks: &[0] }), &mut ids).is_err());
         x.check_invariants().unwrap();
     }
 

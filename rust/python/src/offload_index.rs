@@ -38,51 +38,62 @@ pub struct PyOffloadIndex {
     getter: Option<Py<PyAny>>,
 }
 
-/// The last resolution of a key list: the key objects (held, so their addresses name them) and
-/// each one's chunk at a key generation. A later call given the same objects in the same order
-/// hands the chunks to the core as a [`Hint`], which it uses only if no key changed since.
+/// Guesses of chunks for later calls ([`Hint`]: the core checks each against the chunk's key, so
+/// a stale or wrong guess costs a comparison, never a wrong answer): the last `prepare_*` call's
+/// key objects (by address) and their chunks, and the keys `lookup` answered since the last
+/// `prepare_load` (vLLM looks up a request's keys one by one, then loads the hits).
 struct Memo {
-    keys: Vec<Py<PyBytes>>,
+    ptrs: Vec<usize>,
     chunks: Vec<u32>,
-    generation: u64,
 }
 
+/// Lookups remembered at most (then the trail starts again).
+const TRAIL_MAX: usize = 1 << 16;
+
 /// The index, each keyed chunk's key object (evictions hand back the objects that were stored),
-/// and the memo.
+/// and the guesses.
 struct State {
     idx: OffloadIndex,
     objs: Vec<Option<Py<PyBytes>>>,
-    memo: Option<Memo>,
+    memo: Memo,
+    /// `(key address, chunk)` of each lookup since the last `prepare_load`.
+    trail: Vec<(usize, u32)>,
 }
 
-/// The memo as a hint for `ptrs` (the addresses of the call's key objects), if they match.
-fn hint<'a>(memo: &'a Option<Memo>, ptrs: &[usize]) -> Option<Hint<'a>> {
-    let m = memo.as_ref()?;
-    let same = m.keys.len() == ptrs.len()
-        && m.keys.iter().zip(ptrs).all(|(k, &p)| k.as_ptr() as usize == p);
-    same.then_some(Hint {
-        generation: m.generation,
-        chunks: &m.chunks,
+/// The memo's chunks as a hint for `ptrs` (the addresses of the call's key objects), if the
+/// call names the same objects.
+fn hint<'a>(memo: &'a Memo, ptrs: &[usize]) -> Option<Hint<'a>> {
+    (memo.ptrs == ptrs).then_some(Hint {
+        chunks: &memo.chunks,
     })
 }
 
-/// Records the index's resolution of `keys` (the call just made) as the memo; the old memo.
-fn remember(idx: &OffloadIndex, memo: &mut Option<Memo>, keys: Vec<Py<PyBytes>>) -> Option<Memo> {
-    memo.replace(Memo {
-        keys,
-        chunks: idx.last_chunks().to_vec(),
-        generation: idx.generation(),
-    })
+/// Guesses for `ptrs` from the lookup trail: aligned at the last lookup of the first key.
+fn trail_guess(trail: &[(usize, u32)], ptrs: &[usize]) -> Option<Vec<u32>> {
+    let first = *ptrs.first()?;
+    let at = trail.iter().rposition(|&(p, _)| p == first)?;
+    Some(
+        ptrs.iter()
+            .enumerate()
+            .map(|(i, &p)| match trail.get(at + i) {
+                Some(&(q, c)) if q == p => c,
+                _ => NIL_CHUNK,
+            })
+            .collect(),
+    )
 }
 
-/// The addresses of `keys`, which name them while they are held.
+/// The addresses of `keys` (guesses are checked, so an address reused by another object is
+/// harmless).
 fn addresses(keys: &[Bound<'_, PyBytes>]) -> Vec<usize> {
     keys.iter().map(|k| k.as_ptr() as usize).collect()
 }
 
-/// Owned references to `keys` (for the memo and the key objects).
-fn owned(keys: &[Bound<'_, PyBytes>]) -> Vec<Py<PyBytes>> {
-    keys.iter().map(|k| k.clone().unbind()).collect()
+/// Records the index's resolution of the keys at `ptrs` (the call just made) as the memo.
+fn remember(idx: &OffloadIndex, memo: &mut Memo, ptrs: Vec<usize>) {
+    memo.ptrs = ptrs;
+    memo.chunks.clear();
+    memo.chunks.extend_from_slice(idx.last_chunks());
 }
 
 impl PyOffloadIndex {
@@ -302,7 +313,7 @@ unsafe extern "C" fn lookup_fast(
                         let data = ffi::PyBytes_AsString(key) as *const u8;
                         let len = ffi::PyBytes_Size(key) as usize;
                         let k = std::slice::from_raw_parts(data, len);
-                        let i = me.answer(k);
+                        let i = me.answer(key as usize, k);
                         let out = me.results[i].as_ptr();
                         ffi::Py_INCREF(out);
                         return out;
@@ -368,10 +379,19 @@ unsafe fn lookup_slow(
 }
 
 impl PyOffloadIndex {
-    /// The index of `lookup`'s answer for `key` in `results`.
+    /// The index of `lookup`'s answer for `key` (the bytes of the object at `ptr`) in `results`;
+    /// the lookup joins the trail.
     #[inline]
-    fn answer(&self, key: &[u8]) -> usize {
-        match self.with(|st| st.idx.lookup(key)) {
+    fn answer(&self, ptr: usize, key: &[u8]) -> usize {
+        let r = self.with(|st| {
+            let (r, c) = st.idx.lookup_chunk(key);
+            if st.trail.len() >= TRAIL_MAX {
+                st.trail.clear();
+            }
+            st.trail.push((ptr, c));
+            r
+        });
+        match r {
             Lookup::Miss => 0,
             Lookup::Hit => 1,
             Lookup::Pending => 2,
@@ -409,7 +429,11 @@ impl PyOffloadIndex {
             inner: Mutex::new(State {
                 idx,
                 objs,
-                memo: None,
+                memo: Memo {
+                    ptrs: Vec::new(),
+                    chunks: Vec::new(),
+                },
+                trail: Vec::new(),
             }),
             results,
             getter: context_getter,
@@ -455,7 +479,7 @@ impl PyOffloadIndex {
                 return Err(invalid_arg("key", key, "must be bytes"));
             }
         };
-        Ok(self.results[self.answer(k)].clone_ref(py))
+        Ok(self.results[self.answer(key.as_ptr() as usize, k)].clone_ref(py))
     }
 
     /// `lookup` as a builtin function bound to this index, called without PyO3's argument
@@ -481,16 +505,25 @@ impl PyOffloadIndex {
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let keys = keys_of(keys)?;
         let pos = self.positions(req_context, &keys)?;
-        let (ks, ptrs, held) = (slices(&keys), addresses(&keys), owned(&keys));
+        let (ks, ptrs) = (slices(&keys), addresses(&keys));
         let mut out = Vec::new();
-        let (r, _old) = self.with(|st| {
-            let State { idx, memo, .. } = st;
-            match idx.prepare_load(&ks, &pos, hint(memo, &ptrs), &mut out) {
-                Ok(()) => (Ok(()), remember(idx, memo, held)),
-                Err(e) => (Err(e), None),
+        self.with(|st| {
+            let State {
+                idx, memo, trail, ..
+            } = st;
+            let guess = trail_guess(trail, &ptrs);
+            trail.clear();
+            let h = match &guess {
+                Some(g) => Some(Hint { chunks: g }),
+                None => hint(memo, &ptrs),
+            };
+            let r = idx.prepare_load(&ks, &pos, h, &mut out);
+            if r.is_ok() {
+                remember(idx, memo, ptrs);
             }
-        });
-        r.py()?;
+            r
+        })
+        .py()?;
         Ok(chunk_array(py, &out))
     }
 
@@ -550,10 +583,10 @@ impl PyOffloadIndex {
             _ => None,
         };
         let pos = self.positions(req_context, &keys)?;
-        let (ks, held) = (slices(&keys), owned(&keys));
+        let (ks, ptrs) = (slices(&keys), addresses(&keys));
         let mut objs: Vec<Option<Py<PyBytes>>> = keys.iter().map(|k| Some(k.clone().unbind())).collect();
         let mut out = StoreOut::default();
-        let (room, evicted_objs, _old) = self.with(|st| {
+        let (room, evicted_objs) = self.with(|st| {
             let room = st.idx.prepare_store(&ks, &pos, mask.as_deref(), &mut out)?;
             // The evicted chunks' key objects out, the new chunks' in.
             let evicted: Vec<Option<Py<PyBytes>>> = out
@@ -564,8 +597,8 @@ impl PyOffloadIndex {
             for (&i, &c) in out.new.iter().zip(&out.chunks) {
                 st.objs[c as usize] = objs[i].take();
             }
-            let old = remember(&st.idx, &mut st.memo, held);
-            Ok::<_, pagedkv::Error>((room, evicted, old))
+            remember(&st.idx, &mut st.memo, ptrs);
+            Ok::<_, pagedkv::Error>((room, evicted))
         })
         .py()?;
         drop(objs);
@@ -594,7 +627,9 @@ impl PyOffloadIndex {
         let (ks, ptrs) = (slices(&keys), addresses(&keys));
         let mut done = Vec::new();
         let _dropped = self.with(|st| {
-            let State { idx, objs, memo } = st;
+            let State {
+                idx, objs, memo, ..
+            } = st;
             idx.complete_store(&ks, success, hint(memo, &ptrs), &mut done);
             if success {
                 return Vec::new();
@@ -614,8 +649,9 @@ impl PyOffloadIndex {
     fn reset(&self) {
         let _dropped = self.with(|st| {
             st.idx.reset();
-            let objs: Vec<_> = st.objs.iter_mut().filter_map(Option::take).collect();
-            (objs, st.memo.take())
+            st.memo.ptrs.clear();
+            st.trail.clear();
+            st.objs.iter_mut().filter_map(Option::take).collect::<Vec<_>>()
         });
     }
 
