@@ -32,8 +32,13 @@ fn positions() -> Vec<Option<i64>> {
     (0..N as i64).map(|i| Some((i + 1) * 16)).collect()
 }
 
-fn store(x: &mut OffloadIndex, keys: &[&[u8]], pos: &[Option<i64>], out: &mut StoreOut,
-         done: &mut Vec<usize>) {
+fn store(
+    x: &mut OffloadIndex,
+    keys: &[&[u8]],
+    pos: &[Option<i64>],
+    out: &mut StoreOut,
+    done: &mut Vec<usize>,
+) {
     assert!(x.prepare_store(keys, pos, None, out).unwrap());
     x.complete_store(keys, true, None, done);
 }

@@ -203,7 +203,10 @@ fn prefetch<T>(x: &T) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: prefetching is a hint; it never faults, and `x` is a valid reference anyway.
     unsafe {
-        std::arch::x86_64::_mm_prefetch((x as *const T).cast::<i8>(), std::arch::x86_64::_MM_HINT_T0);
+        std::arch::x86_64::_mm_prefetch(
+            (x as *const T).cast::<i8>(),
+            std::arch::x86_64::_MM_HINT_T0,
+        );
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = x;
@@ -464,8 +467,10 @@ impl OffloadIndex {
     /// each key's hash. Two passes: every key's hash (prefetching its home slot), then the
     /// probes, so the table's cache misses overlap instead of following one another.
     fn find_all(&mut self, keys: &[&[u8]]) {
-        let (mut found, mut hashes) =
-            (std::mem::take(&mut self.found), std::mem::take(&mut self.hashes));
+        let (mut found, mut hashes) = (
+            std::mem::take(&mut self.found),
+            std::mem::take(&mut self.hashes),
+        );
         found.clear();
         hashes.clear();
         for k in keys {
@@ -549,8 +554,12 @@ impl OffloadIndex {
 
     /// Stamps `chunks` (named by `keys[idx[j]]`): positions when every one is known, else the
     /// next ticks. `positions` is empty (none known) or aligned with the keys.
-    fn stamp_chunks(&mut self, chunks: &[u32], idx: impl Iterator<Item = usize> + Clone,
-                    positions: &[Option<i64>]) {
+    fn stamp_chunks(
+        &mut self,
+        chunks: &[u32],
+        idx: impl Iterator<Item = usize> + Clone,
+        positions: &[Option<i64>],
+    ) {
         let known = !positions.is_empty() && idx.clone().all(|i| positions[i].is_some());
         if known {
             for (&c, i) in chunks.iter().zip(idx) {
@@ -567,7 +576,8 @@ impl OffloadIndex {
     /// `self.order` sorted tail first: stamp descending, ties in the order given (stable).
     fn sort_tail_first(&mut self) {
         let stamp = &self.stamp;
-        self.order.sort_by_key(|&c| std::cmp::Reverse(stamp[c as usize]));
+        self.order
+            .sort_by_key(|&c| std::cmp::Reverse(stamp[c as usize]));
     }
 
     fn check_positions(keys: &[&[u8]], positions: &[Option<i64>]) -> Result<()> {
@@ -644,8 +654,13 @@ impl OffloadIndex {
     }
 
     /// The indices `i` with `found[i] == NIL` (and `admit[i]`), first occurrence of each key.
-    fn dedup_missing(&mut self, keys: &[&[u8]], found: &[u32], admit: Option<&[bool]>,
-                     out: &mut Vec<usize>) {
+    fn dedup_missing(
+        &mut self,
+        keys: &[&[u8]],
+        found: &[u32],
+        admit: Option<&[bool]>,
+        out: &mut Vec<usize>,
+    ) {
         out.clear();
         let m = found.iter().filter(|&&c| c == NIL).count();
         if m == 0 {
@@ -684,8 +699,13 @@ impl OffloadIndex {
     /// Holds the chunks of `keys` (each present and ready; a key listed twice is held twice)
     /// until [`Self::complete_load`]; their chunks into `out` in the order of the keys, stamped.
     /// `InvalidArgument` naming the first key missing or pending, with nothing held.
-    pub fn prepare_load(&mut self, keys: &[&[u8]], positions: &[Option<i64>],
-                        hint: Option<Hint<'_>>, out: &mut Vec<u32>) -> Result<()> {
+    pub fn prepare_load(
+        &mut self,
+        keys: &[&[u8]],
+        positions: &[Option<i64>],
+        hint: Option<Hint<'_>>,
+        out: &mut Vec<u32>,
+    ) -> Result<()> {
         out.clear();
         Self::check_positions(keys, positions)?;
         self.ready(keys, hint, "prepare_load")?;
@@ -748,8 +768,13 @@ impl OffloadIndex {
     /// order as needed, never one of `keys`. Fills `out`; returns false ("no room", nothing
     /// changed, `out.new` still says which keys would have been stored) when the free chunks not
     /// offered are too few. With no key to store it returns true with everything empty.
-    pub fn prepare_store(&mut self, keys: &[&[u8]], positions: &[Option<i64>],
-                         admit: Option<&[bool]>, out: &mut StoreOut) -> Result<bool> {
+    pub fn prepare_store(
+        &mut self,
+        keys: &[&[u8]],
+        positions: &[Option<i64>],
+        admit: Option<&[bool]>,
+        out: &mut StoreOut,
+    ) -> Result<bool> {
         out.new.clear();
         out.chunks.clear();
         out.evicted.clear();
@@ -840,8 +865,13 @@ impl OffloadIndex {
     /// ignored): on success their chunks become ready and are released tail first; on failure
     /// they lose their keys and go to the front of the free list in the order given. The indices
     /// of the completed keys go into `done` (cleared first).
-    pub fn complete_store(&mut self, keys: &[&[u8]], success: bool, hint: Option<Hint<'_>>,
-                          done: &mut Vec<usize>) {
+    pub fn complete_store(
+        &mut self,
+        keys: &[&[u8]],
+        success: bool,
+        hint: Option<Hint<'_>>,
+        done: &mut Vec<usize>,
+    ) {
         done.clear();
         self.resolve(keys, hint);
         let mut order = std::mem::take(&mut self.order);
@@ -899,7 +929,10 @@ impl OffloadIndex {
             if self.pending[c] {
                 pending += 1;
                 if k.is_none() || r != 1 {
-                    return bad(format!("pending chunk {c}: keyed {}, count {r}", k.is_some()));
+                    return bad(format!(
+                        "pending chunk {c}: keyed {}, count {r}",
+                        k.is_some()
+                    ));
                 }
             }
             if let Some(k) = k {
@@ -909,18 +942,28 @@ impl OffloadIndex {
                     return bad(format!("chunk {c}: stored hash is not its key's"));
                 }
                 if self.find(k, h) != c as u32 {
-                    return bad(format!("chunk {c}: its key ({}) finds another chunk or none",
-                                       show(k)));
+                    return bad(format!(
+                        "chunk {c}: its key ({}) finds another chunk or none",
+                        show(k)
+                    ));
                 }
             }
         }
-        let long = self.key_of.iter().filter(|s| s.len != NO_KEY && s.len as usize > INLINE_KEY);
+        let long = self
+            .key_of
+            .iter()
+            .filter(|s| s.len != NO_KEY && s.len as usize > INLINE_KEY);
         if long.count() != self.long_keys.len() {
-            return bad(format!("{} long keys stored, not one per long-keyed chunk",
-                               self.long_keys.len()));
+            return bad(format!(
+                "{} long keys stored, not one per long-keyed chunk",
+                self.long_keys.len()
+            ));
         }
         if pending != self.num_pending {
-            return bad(format!("{pending} pending chunks, num_pending says {}", self.num_pending));
+            return bad(format!(
+                "{pending} pending chunks, num_pending says {}",
+                self.num_pending
+            ));
         }
         let in_table = self.slots.iter().filter(|&&e| e != EMPTY).count();
         if keyed != self.num_keys || in_table != keyed {
@@ -936,7 +979,9 @@ impl OffloadIndex {
             }
             let c = chunk_of(e);
             if c as usize >= n || seen[c as usize] || self.key_bytes(c).is_none() {
-                return bad(format!("table entry {c}: repeated, out of range or unkeyed"));
+                return bad(format!(
+                    "table entry {c}: repeated, out of range or unkeyed"
+                ));
             }
             if e >> 32 != self.hash_of[c as usize] & 0xffff_ffff {
                 return bad(format!("table entry {c}: its tag is not its key's hash"));
@@ -992,7 +1037,10 @@ mod tests {
         assert_eq!(look(&mut x, 1), Lookup::Pending);
         assert_eq!(look(&mut x, 3), Lookup::Miss);
         assert_eq!(complete(&mut x, &[2, 1, 2, 9], true), vec![0, 1]);
-        assert_eq!((look(&mut x, 1), look(&mut x, 2)), (Lookup::Hit, Lookup::Hit));
+        assert_eq!(
+            (look(&mut x, 1), look(&mut x, 2)),
+            (Lookup::Hit, Lookup::Hit)
+        );
         // Tail first by name order: 2 (named second) released first.
         assert_eq!(x.free_order(), vec![2, 3, 1, 0]);
         let out = store(&mut x, &[1, 2]);
@@ -1006,12 +1054,22 @@ mod tests {
         store(&mut x, &[1, 2]);
         complete(&mut x, &[1, 2], true);
         store(&mut x, &[3]);
-        let before = (x.free_order(), x.entries().map(|(k, c)| (k.to_vec(), c)).collect::<Vec<_>>());
+        let before = (
+            x.free_order(),
+            x.entries()
+                .map(|(k, c)| (k.to_vec(), c))
+                .collect::<Vec<_>>(),
+        );
         let k = keys(&[2, 4, 5]);
         let mut out = StoreOut::default();
         assert!(!x.prepare_store(&refs(&k), &[], None, &mut out).unwrap());
         assert_eq!(out.new, vec![1, 2]);
-        let after = (x.free_order(), x.entries().map(|(k, c)| (k.to_vec(), c)).collect::<Vec<_>>());
+        let after = (
+            x.free_order(),
+            x.entries()
+                .map(|(k, c)| (k.to_vec(), c))
+                .collect::<Vec<_>>(),
+        );
         assert_eq!(before, after);
         let k = keys(&[2, 4]);
         assert!(x.prepare_store(&refs(&k), &[], None, &mut out).unwrap());
@@ -1032,16 +1090,22 @@ mod tests {
         assert_eq!(out, vec![2, 0]);
         let bad = keys(&[1, 7]);
         let before = (x.free_order(), x.ref_count(0).unwrap());
-        assert!(matches!(x.prepare_load(&refs(&bad), &[], None, &mut out),
-                         Err(Error::InvalidArgument { value: 1, .. })));
+        assert!(matches!(
+            x.prepare_load(&refs(&bad), &[], None, &mut out),
+            Err(Error::InvalidArgument { value: 1, .. })
+        ));
         assert_eq!(before, (x.free_order(), x.ref_count(0).unwrap()));
         x.complete_load(&refs(&k), None).unwrap();
         assert_eq!(x.free_order(), vec![3, 1, 0, 2]);
-        assert!(matches!(x.complete_load(&refs(&k), None), Err(Error::InvalidArgument { .. })));
+        assert!(matches!(
+            x.complete_load(&refs(&k), None),
+            Err(Error::InvalidArgument { .. })
+        ));
         assert_eq!(x.free_order(), vec![3, 1, 0, 2]);
         // With positions, the stamps decide: key 3 at 10, key 4 at 20 -> 4 released first.
         let k = keys(&[3, 4]);
-        x.prepare_load(&refs(&k), &[Some(10), Some(20)], None, &mut out).unwrap();
+        x.prepare_load(&refs(&k), &[Some(10), Some(20)], None, &mut out)
+            .unwrap();
         x.complete_load(&refs(&k), None).unwrap();
         assert_eq!(x.free_order(), vec![1, 0, 3, 2]);
         x.check_invariants().unwrap();
@@ -1055,7 +1119,10 @@ mod tests {
         let out = store(&mut x, &[2, 3]);
         assert_eq!(complete(&mut x, &[1, 2, 3], false), vec![1, 2]);
         assert_eq!(x.free_order()[..2], out.chunks[..]);
-        assert_eq!((look(&mut x, 2), look(&mut x, 1)), (Lookup::Miss, Lookup::Hit));
+        assert_eq!(
+            (look(&mut x, 2), look(&mut x, 1)),
+            (Lookup::Miss, Lookup::Hit)
+        );
         store(&mut x, &[5, 6]);
         complete(&mut x, &[5, 6], true);
         // free order now: 3, 0 (key 1), then 6's and 5's chunks
@@ -1080,7 +1147,10 @@ mod tests {
         assert_eq!(x.lookup(&long), Lookup::Pending);
         x.check_invariants().unwrap();
         x.reset();
-        assert_eq!((x.lookup(&long), x.num_free(), x.num_pending()), (Lookup::Miss, 2, 0));
+        assert_eq!(
+            (x.lookup(&long), x.num_free(), x.num_pending()),
+            (Lookup::Miss, 2, 0)
+        );
         x.check_invariants().unwrap();
     }
 
@@ -1099,13 +1169,22 @@ mod tests {
         // Wrong, out-of-range and missing guesses are resolved by the keys themselves.
         let two = keys(&[1, 3]);
         let mut ids = Vec::new();
-        x.prepare_load(&refs(&two), &[], Some(Hint { chunks: &[2, 99] }), &mut ids).unwrap();
+        x.prepare_load(&refs(&two), &[], Some(Hint { chunks: &[2, 99] }), &mut ids)
+            .unwrap();
         assert_eq!(ids, vec![0, 2]);
-        x.complete_load(&refs(&two), Some(Hint { chunks: &[NIL_CHUNK, 0] })).unwrap();
+        x.complete_load(
+            &refs(&two),
+            Some(Hint {
+                chunks: &[NIL_CHUNK, 0],
+            }),
+        )
+        .unwrap();
         assert_eq!((x.ref_count(0).unwrap(), x.ref_count(2).unwrap()), (0, 0));
         // A guess for a missing key does not make it present.
         let gone = keys(&[9]);
-        assert!(x.prepare_load(&refs(&gone), &[], Some(Hint { chunks: &[0] }), &mut ids).is_err());
+        assert!(x
+            .prepare_load(&refs(&gone), &[], Some(Hint { chunks: &[0] }), &mut ids)
+            .is_err());
         x.check_invariants().unwrap();
     }
 

@@ -20,9 +20,9 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use numpy::PyArray1;
 use pagedkv::offload_index::{Hint, Lookup, OffloadIndex, StoreOut, NIL_CHUNK};
-use pyo3::{ffi, intern};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::{ffi, intern};
 
 use crate::convert::{flag, scalar};
 use crate::errors::{invalid_arg, CoreResultExt};
@@ -135,7 +135,11 @@ impl PyOffloadIndex {
             })
         };
         let mut out = Vec::with_capacity(keys.len());
-        if self.getter.as_ref().is_some_and(|g| class_getter.is(g.bind(py))) {
+        if self
+            .getter
+            .as_ref()
+            .is_some_and(|g| class_getter.is(g.bind(py)))
+        {
             if let Ok(table) = ctx.getattr(intern!(py, "_offload_key_positions")) {
                 if let Ok(d) = table.cast::<PyDict>() {
                     for k in keys {
@@ -214,8 +218,7 @@ fn keys_of<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
                 return Err(PyErr::fetch(py));
             }
             // SAFETY: `item` is a live borrowed reference; the type test reads its header.
-            let exact =
-                unsafe { ffi::Py_TYPE(item) == std::ptr::addr_of_mut!(ffi::PyBytes_Type) };
+            let exact = unsafe { ffi::Py_TYPE(item) == std::ptr::addr_of_mut!(ffi::PyBytes_Type) };
             // SAFETY: a live reference, owned from here on.
             let item = unsafe { Bound::from_borrowed_ptr(py, item) };
             if exact {
@@ -256,7 +259,6 @@ fn picked<'py>(
 ) -> PyResult<Bound<'py, PyList>> {
     PyList::new(py, idx.iter().map(|&i| &keys[i]))
 }
-
 
 /// `METH_FASTCALL` (PEP 590), in CPython since 3.7; its stable-ABI constant is gated on 3.10.
 const METH_FASTCALL: c_int = 0x0080;
@@ -584,23 +586,25 @@ impl PyOffloadIndex {
         };
         let pos = self.positions(req_context, &keys)?;
         let (ks, ptrs) = (slices(&keys), addresses(&keys));
-        let mut objs: Vec<Option<Py<PyBytes>>> = keys.iter().map(|k| Some(k.clone().unbind())).collect();
+        let mut objs: Vec<Option<Py<PyBytes>>> =
+            keys.iter().map(|k| Some(k.clone().unbind())).collect();
         let mut out = StoreOut::default();
-        let (room, evicted_objs) = self.with(|st| {
-            let room = st.idx.prepare_store(&ks, &pos, mask.as_deref(), &mut out)?;
-            // The evicted chunks' key objects out, the new chunks' in.
-            let evicted: Vec<Option<Py<PyBytes>>> = out
-                .evicted_chunks
-                .iter()
-                .map(|&c| st.objs[c as usize].take())
-                .collect();
-            for (&i, &c) in out.new.iter().zip(&out.chunks) {
-                st.objs[c as usize] = objs[i].take();
-            }
-            remember(&st.idx, &mut st.memo, ptrs);
-            Ok::<_, pagedkv::Error>((room, evicted))
-        })
-        .py()?;
+        let (room, evicted_objs) = self
+            .with(|st| {
+                let room = st.idx.prepare_store(&ks, &pos, mask.as_deref(), &mut out)?;
+                // The evicted chunks' key objects out, the new chunks' in.
+                let evicted: Vec<Option<Py<PyBytes>>> = out
+                    .evicted_chunks
+                    .iter()
+                    .map(|&c| st.objs[c as usize].take())
+                    .collect();
+                for (&i, &c) in out.new.iter().zip(&out.chunks) {
+                    st.objs[c as usize] = objs[i].take();
+                }
+                remember(&st.idx, &mut st.memo, ptrs);
+                Ok::<_, pagedkv::Error>((room, evicted))
+            })
+            .py()?;
         drop(objs);
         let new = picked(py, &keys, &out.new)?;
         let chunks = room.then(|| chunk_array(py, &out.chunks));
@@ -651,7 +655,10 @@ impl PyOffloadIndex {
             st.idx.reset();
             st.memo.ptrs.clear();
             st.trail.clear();
-            st.objs.iter_mut().filter_map(Option::take).collect::<Vec<_>>()
+            st.objs
+                .iter_mut()
+                .filter_map(Option::take)
+                .collect::<Vec<_>>()
         });
     }
 
@@ -730,7 +737,8 @@ impl PyOffloadIndex {
     }
 
     fn __repr__(&self) -> String {
-        let (free, keys, pending) = self.with(|st| (st.idx.num_free(), st.idx.num_keys(), st.idx.num_pending()));
+        let (free, keys, pending) =
+            self.with(|st| (st.idx.num_free(), st.idx.num_keys(), st.idx.num_pending()));
         format!(
             "OffloadIndex(num_chunks={}, num_free={free}, num_keys={keys}, num_pending={pending})",
             self.num_chunks
