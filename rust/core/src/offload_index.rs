@@ -8,10 +8,10 @@
 //!   recently released one (LRU);
 //! - the key map: each chunk's key (an opaque byte string, inline up to [`INLINE_KEY`] bytes in
 //!   the chunk's own slot, boxed above) and its hash, and an open-addressing table of chunk ids,
-//!   each tagged with 32 bits of its key's hash (linear probing, at most a quarter full, never resized:
-//!   a chunk holds at most one key, so the table holds at most `num_chunks` entries). The hash is
-//!   XXH3-64 seeded per instance from the OS random source, so keys chosen to collide in one
-//!   process's table cannot be precomputed;
+//!   each tagged with 32 bits of its key's hash (linear probing, at most a quarter full, never
+//!   resized: a chunk holds at most one key, so the table holds at most `num_chunks` entries).
+//!   The hash is XXH3-64 seeded per instance from the OS random source, so keys chosen to
+//!   collide in one process's table cannot be precomputed;
 //! - which chunks have a store in flight (pending), and each chunk's position stamp: where the
 //!   request that last named it had it (its token position), else a counter of names. Completions
 //!   release chunks tail first: by stamp, descending, ties in the order given.
@@ -30,6 +30,10 @@
 //! - [`OffloadIndex::complete_store`]: the chunks of the pending keys (first occurrence each)
 //!   become ready and are released tail first, or, on failure, lose their keys and go to the
 //!   front of the free list (reused first), in the order given.
+//!
+//! The calls that name keys again (loads, touches, completions) may be given a [`Hint`]: a guess
+//! of each key's chunk (an earlier call's resolution, [`OffloadIndex::last_chunks`]). A guess is
+//! taken only when the chunk's own key is that key, so hints make calls faster, never different.
 //!
 //! Invariants (checked by [`OffloadIndex::check_invariants`]):
 //! - a chunk is in the free list iff its count is zero; the list's own invariants hold;

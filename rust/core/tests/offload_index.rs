@@ -247,13 +247,18 @@ enum Op {
     Reset,
 }
 
+/// An admission mask (for up to 10 keys), one store in five.
+fn admit() -> impl Strategy<Value = Option<Vec<bool>>> {
+    prop::option::weighted(0.2, prop::collection::vec(any::<bool>(), 10))
+}
+
 fn op() -> impl Strategy<Value = Op> {
     let keys = || prop::collection::vec(0u8..40, 0..10);
     prop_oneof![
         4 => (0u8..40).prop_map(Op::Lookup),
-        5 => (keys(), 0u8..3, prop::option::weighted(0.2, prop::collection::vec(any::<bool>(), 10)), 0u8..3)
-            .prop_map(|(k, p, a, h)| Op::Store(k, p, a, h)),
-        3 => (keys(), prop::bool::weighted(0.85), 0u8..3).prop_map(|(k, s, h)| Op::Complete(k, s, h)),
+        5 => (keys(), 0u8..3, admit(), 0u8..3).prop_map(|(k, p, a, h)| Op::Store(k, p, a, h)),
+        3 => (keys(), prop::bool::weighted(0.85), 0u8..3)
+            .prop_map(|(k, s, h)| Op::Complete(k, s, h)),
         3 => (keys(), 0u8..3, 0u8..3).prop_map(|(k, p, h)| Op::Load(k, p, h)),
         2 => (any::<usize>(), 0u8..3).prop_map(|(i, h)| Op::Unload(i, h)),
         2 => (keys(), 0u8..3).prop_map(|(k, h)| Op::Touch(k, h)),
@@ -333,7 +338,9 @@ proptest! {
                     let pos = positions(&ks, with_pos, 16);
                     let admit: Option<Vec<bool>> = admit.map(|a| a[..ks.len()].to_vec());
                     let _ = h;
-                    let room = x.prepare_store(&refs(&ks), &pos, admit.as_deref(), &mut out).unwrap();
+                    let room = x
+                        .prepare_store(&refs(&ks), &pos, admit.as_deref(), &mut out)
+                        .unwrap();
                     let (new, want) = m.prepare_store(&ks, &pos, admit.as_deref());
                     prop_assert_eq!(&out.new, &new);
                     match want {
