@@ -11,34 +11,34 @@ It owns:
 
 - :class:`PagedKVOffloadingManager`, the scheduler side (vLLM's ``OffloadingManager``): which
   offload keys (vLLM's ``OffloadKey``: block hash bytes + 4-byte big-endian group index) live in
-  which host chunk. Its state is one :class:`pagedkv._core.KeyedBlockPool` of ``num_chunks``
-  blocks -- the core's map from opaque keys to blocks, the reference counts and the eviction
-  order (the same core the drop-in GPU block pool runs on) -- plus two Python dicts: the stores
-  in flight (``pending``: key -> chunk, the chunks whose bytes have not landed) and each keyed
-  chunk's key (``key_of``: so an eviction the core reports by chunk id is reported by key), and
-  per chunk its position in the request that last named it (``order``, for completions).
+  which host chunk. Its whole state is one :class:`pagedkv._core.OffloadIndex` of ``num_chunks``
+  chunks (the core's ``offload_index``): the chunks' reference counts and free order, the key
+  map (a seeded XXH3 table, keys stored inline), which chunks have a store in flight, and per
+  chunk its position in the request that last named it. Each of vLLM's calls is one core call;
+  ``lookup`` is the core's own function (``OffloadIndex.lookup_function``), with no Python frame
+  between vLLM and the index.
 - :class:`PagedKVLoadStoreSpec`, the chunk ids a load or store names (a ``CPULoadStoreSpec``, so
   vLLM code that reads chunk ids reads them).
 - :class:`PagedKVOffloadingSpec`, the spec: sizes the host tier from ``cpu_bytes_to_use`` and
   hands out the manager and the worker (:mod:`pagedkv.vllm.offload_worker`).
 
-How the manager maps vLLM's calls onto the core:
+What the calls do (the core's rules):
 
 - a chunk being written (``prepare_store`` .. ``complete_store``) is keyed and held (count 1):
   ``lookup`` finds it (``HIT_PENDING``) and nothing evicts it;
-- a ready chunk that no load reads has count 0 and sits in the core's free list, at the back
-  (cached blocks are evicted after every never-used or failed chunk, oldest release first);
-- ``prepare_load`` takes one reference per key (``touch``: a free chunk is revived out of the
-  free list, so no store evicts it), ``complete_load`` gives them back tail first, so the head of
-  a prefix outlives its tail ("tail first": by the keys' token positions in the request that
-  last named them in a ``prepare_store`` or ``prepare_load``, as its ``ReqContext`` records them,
-  else by the order it named them; vLLM's connector reports completions as unordered sets);
-  ``touch`` moves the present ready chunks to the back, the first key last;
+- a ready chunk that no load reads has count 0 and sits in the free list, at the back (cached
+  chunks are evicted after every never-used or failed chunk, oldest release first);
+- ``prepare_load`` takes one reference per key (a free chunk leaves the free list, so no store
+  evicts it), ``complete_load`` gives them back tail first, so the head of a prefix outlives its
+  tail ("tail first": by the keys' token positions in the request that last named them in a
+  ``prepare_store`` or ``prepare_load``, as its ``ReqContext`` records them, else by the order it
+  named them; vLLM's connector reports completions as unordered sets); ``touch`` moves the
+  present ready chunks to the back, the first key last;
 - ``prepare_store`` holds the offered keys that are already present for the call (an offered
-  chunk is never evicted by its own store), asks the core for the missing ones in one
-  ``allocate`` (which evicts from the front of the free list and says which chunks lost keys),
-  keys the new chunks, and releases the held ones tail first; it returns None, changing nothing,
-  when the free chunks not offered are too few;
+  chunk is never evicted by its own store), takes chunks for the missing ones from the front of
+  the free list (evicting ready chunks: their keys come back as the key objects that were
+  stored), keys them, and releases the held ones in reverse (the first key evicted last); it
+  returns None, changing nothing, when the free chunks not offered are too few;
 - ``complete_store`` marks the chunks ready and releases them tail first (the head of a prefix is
   evicted last); a failed store unkeys its chunks and puts them at the front (reused first).
 
@@ -46,10 +46,12 @@ The eviction order is thus the order in which chunks became free, each completio
 before its heads: recency is set when a transfer completes (or on ``touch``), not when the
 request that caused it finishes.
 
-Invariants: ``key_of[c]`` is the core's one key of chunk ``c`` (absent when unkeyed); every
-``pending`` entry is a keyed chunk held exactly once (by its store); a keyed chunk not pending is
-ready. vLLM's own checks on its caller (a load of a key that is not ready, a count going below
-zero) are ``InvalidArgumentError`` here, raised before anything changes.
+The index keeps guesses of each key's chunk for the next call naming the same key objects (the
+last ``prepare_*`` call's keys, and the keys ``lookup`` answered before a load); each guess is
+checked against the chunk's own key, so they make calls faster and never change an answer.
+vLLM's checks on its caller (a load of a key that is not ready, a count going below zero) are
+``InvalidArgumentError`` here, raised before anything changes; :meth:`PagedKVOffloadingManager.
+check_coherence` checks the index's invariants.
 
 Importing this module imports vLLM and checks its version: pagedkv's spec was built and tested
 against vLLM 0.33.x; any other version fails at import with :class:`pagedkv.errors.
