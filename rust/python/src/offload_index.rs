@@ -9,10 +9,18 @@
 //! released: the core runs only inside [`PyOffloadIndex::with`], whose closure is `Send` (no Python
 //! object, so no Python code, inside it). Keys are `bytes` (any iterable of them; a list is read
 //! fastest); chunk ids come back as numpy `int32` arrays; the keys handed back (to store,
-//! completed) are the caller's own objects, evicted keys new `bytes`. Token positions are read
-//! from a request context: through its `_offload_key_positions` dict when its class keeps vLLM's
+//! completed) are the caller's own objects, and evicted keys the objects that were stored (the
+//! binding holds each keyed chunk's key object). Token positions are read from a request context:
+//! through its `_offload_key_positions` dict when its class keeps vLLM's
 //! `get_offload_key_position` (the `context_getter` given at construction), else by calling its
 //! `get_offload_key_position` once per key.
+//!
+//! `lookup_function` hands out `lookup` as a `METH_FASTCALL` builtin bound to the index: the
+//! `abi3-py39` build gives PyO3 methods an argument tuple per call, which vLLM's one call per key
+//! would pay 256 times a prompt. The binding also keeps guesses for later calls (the last
+//! `prepare_*` call's key addresses and chunks, the trail of lookups before a load); the core
+//! checks every guess against the chunk's own key, so an address reused by another object costs a
+//! comparison, never a wrong answer.
 
 use std::cell::UnsafeCell;
 use std::ffi::c_int;
