@@ -174,6 +174,16 @@ def test_bad_arguments_are_typed_and_change_nothing() -> None:
     with pytest.raises(InvalidBlockError):
         x.ref_count(4)
     assert snapshot(x) == before
+    # A list with a key of another type, or a list subclass, is read key by key (same checks).
+    with pytest.raises(InvalidArgumentError) as e:
+        x.touch([k(1), "x"])  # type: ignore[list-item]
+    assert "element 1" in str(e.value)
+
+    class L(list):  # type: ignore[type-arg]
+        pass
+
+    x.prepare_store(L(ks(1, 2)))
+    assert x.complete_store(L(ks(2, 1))) == ks(2, 1)
     with pytest.raises(InvalidArgumentError):
         OffloadIndex(2**31)
     x.check_invariants()

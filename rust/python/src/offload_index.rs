@@ -251,6 +251,37 @@ fn keys_of<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
     Ok(out)
 }
 
+/// The bytes and addresses of the keys of an exact list of exact `bytes`, read without taking
+/// references; `None` for anything else (the caller then reads the keys with [`keys_of`]).
+///
+/// # Safety
+/// The slices borrow from objects the list owns: until the caller is done with them it must run
+/// no Python code and create no Python object (either could change the list and free a key).
+unsafe fn borrowed_keys<'a>(obj: &'a Bound<'_, PyAny>) -> Option<(Vec<&'a [u8]>, Vec<usize>)> {
+    let list = obj.cast_exact::<PyList>().ok()?;
+    let n = list.len();
+    let (mut ks, mut ptrs) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for i in 0..n {
+        // SAFETY: the GIL is held, `i` is in range and nothing runs between these reads; the
+        // item is borrowed from the list, exact `bytes` checked before its buffer is read.
+        unsafe {
+            let item = ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t);
+            if item.is_null() || ffi::Py_TYPE(item) != std::ptr::addr_of_mut!(ffi::PyBytes_Type) {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            let (mut data, mut len) = (std::ptr::null_mut(), 0);
+            if ffi::PyBytes_AsStringAndSize(item, &mut data, &mut len) != 0 {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            ks.push(std::slice::from_raw_parts(data as *const u8, len as usize));
+            ptrs.push(item as usize);
+        }
+    }
+    Some((ks, ptrs))
+}
+
 fn slices<'a>(keys: &'a [Bound<'_, PyBytes>]) -> Vec<&'a [u8]> {
     keys.iter().map(|k| k.as_bytes()).collect()
 }
@@ -389,6 +420,31 @@ unsafe fn lookup_slow(
 }
 
 impl PyOffloadIndex {
+    /// `complete_store` on the locked state: the completed key indices into `done`; the key
+    /// objects of a failed store's chunks, to be dropped after the lock.
+    fn complete(
+        st: &mut State,
+        ks: &[&[u8]],
+        ptrs: &[usize],
+        success: bool,
+        done: &mut Vec<usize>,
+    ) -> Vec<Py<PyBytes>> {
+        let State {
+            idx, objs, memo, ..
+        } = st;
+        idx.complete_store(ks, success, hint(memo, ptrs), done);
+        if success {
+            return Vec::new();
+        }
+        // A failed store's chunks lose their keys: their key objects go.
+        let chunks = idx.last_chunks();
+        done.iter()
+            .map(|&i| chunks[i])
+            .filter(|&c| c != NIL_CHUNK)
+            .filter_map(|c| objs[c as usize].take())
+            .collect()
+    }
+
     /// The index of `lookup`'s answer for `key` (the bytes of the object at `ptr`) in `results`;
     /// the lookup joins the trail.
     #[inline]
@@ -539,6 +595,12 @@ impl PyOffloadIndex {
 
     /// Gives back the references `prepare_load` took, tail first.
     fn complete_load(&self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        // SAFETY: only the core runs while the slices live; the error is built after.
+        if let Some((ks, ptrs)) = unsafe { borrowed_keys(keys) } {
+            let r = self.with(|st| st.idx.complete_load(&ks, hint(&st.memo, &ptrs)));
+            drop(ks);
+            return r.py();
+        }
         let keys = keys_of(keys)?;
         let (ks, ptrs) = (slices(&keys), addresses(&keys));
         self.with(|st| st.idx.complete_load(&ks, hint(&st.memo, &ptrs)))
@@ -547,6 +609,11 @@ impl PyOffloadIndex {
 
     /// Moves the present ready chunks of `keys` to the back of the free order, the first last.
     fn touch(&self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        // SAFETY: only the core runs while the slices live.
+        if let Some((ks, ptrs)) = unsafe { borrowed_keys(keys) } {
+            self.with(|st| st.idx.touch(&ks, hint(&st.memo, &ptrs)));
+            return Ok(());
+        }
         let keys = keys_of(keys)?;
         let (ks, ptrs) = (slices(&keys), addresses(&keys));
         self.with(|st| st.idx.touch(&ks, hint(&st.memo, &ptrs)));
@@ -635,25 +702,29 @@ impl PyOffloadIndex {
         keys: &Bound<'py, PyAny>,
         success: bool,
     ) -> PyResult<Bound<'py, PyList>> {
+        let mut done = Vec::new();
+        // SAFETY: only the core runs while the slices live; the completed keys are taken (owned)
+        // from the unchanged list before any object is created.
+        if let Some((ks, ptrs)) = unsafe { borrowed_keys(keys) } {
+            let dropped = self.with(|st| Self::complete(st, &ks, &ptrs, success, &mut done));
+            drop(ks);
+            let list = keys.cast_exact::<PyList>()?;
+            let owned: Vec<Bound<'py, PyAny>> = done
+                .iter()
+                .map(|&i| {
+                    // SAFETY: `i` indexes the list read above, which nothing has changed since.
+                    unsafe {
+                        let item = ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t);
+                        Bound::from_borrowed_ptr(py, item)
+                    }
+                })
+                .collect();
+            drop(dropped);
+            return PyList::new(py, owned);
+        }
         let keys = keys_of(keys)?;
         let (ks, ptrs) = (slices(&keys), addresses(&keys));
-        let mut done = Vec::new();
-        let _dropped = self.with(|st| {
-            let State {
-                idx, objs, memo, ..
-            } = st;
-            idx.complete_store(&ks, success, hint(memo, &ptrs), &mut done);
-            if success {
-                return Vec::new();
-            }
-            // A failed store's chunks lose their keys: their key objects go.
-            let chunks = idx.last_chunks();
-            done.iter()
-                .map(|&i| chunks[i])
-                .filter(|&c| c != NIL_CHUNK)
-                .filter_map(|c| objs[c as usize].take())
-                .collect::<Vec<_>>()
-        });
+        let _dropped = self.with(|st| Self::complete(st, &ks, &ptrs, success, &mut done));
         picked(py, &keys, &done)
     }
 
