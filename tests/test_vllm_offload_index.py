@@ -182,8 +182,11 @@ def test_bad_arguments_are_typed_and_change_nothing() -> None:
     class L(list):  # type: ignore[type-arg]
         pass
 
-    x.prepare_store(L(ks(1, 2)))
-    assert x.complete_store(L(ks(2, 1))) == ks(2, 1)
+    x.prepare_store(L(ks(5, 6)))
+    assert x.complete_store(L(ks(6, 5))) == ks(6, 5)
+    x.prepare_load(L(ks(5)))
+    x.complete_load(L(ks(5)))
+    assert x.ref_count(x.prepare_load(ks(6))[0]) == 1
     with pytest.raises(InvalidArgumentError):
         OffloadIndex(2**31)
     x.check_invariants()
