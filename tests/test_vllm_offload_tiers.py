@@ -18,6 +18,7 @@ Skips when vLLM is not importable (``scripts/test_vllm.sh`` runs it with vLLM in
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -64,6 +65,7 @@ NUM_CHUNKS = 16
 SECRET = "s" * 40
 STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 DEADLINE_S = 20.0
+_ENGINE_IDS = itertools.count()
 
 
 @pytest.fixture(autouse=True)
@@ -72,14 +74,14 @@ def _tier_secret(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def config(tiers: List[Dict[str, Any]], *, model: str = "org/model", dtype: str = "bfloat16",
-           chunk: int = CHUNK, engine: str = "e0", tp_size: int = 1,
+           chunk: int = CHUNK, engine: Optional[str] = None, tp_size: int = 1,
            events: bool = False) -> OffloadingConfig:
     extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": NUM_CHUNKS * chunk,
              "secondary_tiers": tiers}
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(16, ("model.layers.0.attn", "model.layers.1.attn"), 0),),
         worker_kv_bytes_per_block=chunk, enable_kv_cache_events=events, extra_config=extra,
-        engine_id=engine, model=OffloadingModelConfig(name=model, dtype=dtype, max_model_len=4096),
+        engine_id=engine or f"pagedkv-test-{os.getpid()}-{next(_ENGINE_IDS)}", model=OffloadingModelConfig(name=model, dtype=dtype, max_model_len=4096),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
             rank=0, world_size=tp_size, tp_size=tp_size, pp_size=1, pcp_size=1, dcp_size=1,
@@ -170,6 +172,7 @@ class Engine:
         return out
 
     def close(self) -> None:
+        del self.rows  # the primary region's buffer, exported to numpy
         self.m.shutdown()
 
 
@@ -284,6 +287,28 @@ def test_disk_corrupt_record_is_failed_key_never_served(tmp_path: Any,
     assert e.lookup(ks) == [HIT, MISS, HIT]  # no second promotion of the bad one
 
 
+def test_partial_promotion_reports_verified_keys_and_zeroes_the_rest(
+        tmp_path: Any, engines: List[Engine]) -> None:
+    e = build(engines, config([disk(tmp_path / "kv")]))
+    ks = keys(70, 71, 72)
+    data = payload(3, 6)
+    e.store(ks, data)
+    store = e.tier.store
+    fd, offset = store._locate(store._index[key_meta(ks[1]).block_hash])
+    os.pwrite(fd, b"\x00" * 64, offset + HEADER_BYTES + 40)
+    e.evict_primary()
+    e.rows[:3] = 0xAA
+    e.tier.submit_load(TransferJob(job_id=7, keys=ks, chunk_ids=np.array([0, 1, 2]),
+                                   is_promotion=True, req_context=ReqContext("p")))
+    e.tier.drain_jobs()
+    [result] = list(e.tier.get_finished_jobs())
+    assert result.job_id == 7 and not result.success
+    assert set(result.successful_keys or ()) == {ks[0], ks[2]}
+    np.testing.assert_array_equal(e.rows[[0, 2]], data[[0, 2]])
+    assert not e.rows[1].any()  # the unverified read left nothing behind
+    assert e.tier.lookup(ks[1], ReqContext("p")) is MISS
+
+
 def test_disk_full_queue_fails_store_at_once(tmp_path: Any, engines: List[Engine]) -> None:
     e = build(engines, config([disk(tmp_path / "kv", threads=1, max_queued_jobs=1)]))
     tier = e.tier
@@ -348,8 +373,8 @@ def test_remote_needs_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_remote_shared_by_two_engines(redis_server: Any, engines: List[Engine]) -> None:
-    a = build(engines, config([remote(redis_server.url)], engine="a"))
-    b = build(engines, config([remote(redis_server.url)], engine="b"))
+    a = build(engines, config([remote(redis_server.url)]))
+    b = build(engines, config([remote(redis_server.url)]))
     assert isinstance(b.tier, PagedKVRemoteTier)
     ks = keys(40, 41, 42)
     data = payload(3, 3)
@@ -365,14 +390,14 @@ def test_remote_shared_by_two_engines(redis_server: Any, engines: List[Engine]) 
     np.testing.assert_array_equal(b.load(ks), data)
 
     # Another model on the same server sees none of it.
-    c = build(engines, config([remote(redis_server.url)], model="org/other", engine="c"))
+    c = build(engines, config([remote(redis_server.url)], model="org/other"))
     assert c.lookup(ks) == [MISS] * 3
 
 
 def test_remote_tampered_values_never_served(redis_server: Any, engines: List[Engine]) -> None:
     import redis
 
-    a = build(engines, config([remote(redis_server.url)], engine="a"))
+    a = build(engines, config([remote(redis_server.url)]))
     ks = keys(50, 51, 52, 53)
     data = payload(4, 4)
     a.store(ks, data)
@@ -389,7 +414,7 @@ def test_remote_tampered_values_never_served(redis_server: Any, engines: List[En
                     secret=TierSecret(b"x" * 40))
     r.set(rkey[3], forged)
 
-    b = build(engines, config([remote(redis_server.url)], engine="b"))
+    b = build(engines, config([remote(redis_server.url)]))
     res = b.lookup(ks)
     assert res == [HIT, MISS, MISS, MISS]
     np.testing.assert_array_equal(b.load(ks[:1]), data[:1])
