@@ -61,8 +61,9 @@ is kept ``lookup_cache_s`` seconds (stores and failed loads update it).
 
 **Invariants.** A promotion's key is in ``successful_keys`` only when its record verified and its
 payload is in the slot; a slot whose read failed is zeroed before its job is reported, so an
-unverified byte never stays in the primary tier. A key whose load failed is a miss until it is
-stored again (no promotion livelock on a record that keeps failing). A store failure (the store
+unverified byte never stays in the primary tier. A key whose load failed is a miss (no promotion
+livelock on a record that keeps failing): on disk until it is stored again, on Redis for
+``lookup_cache_s`` (the store deleted a value that did not verify; a timeout may pass). A store failure (the store
 refused a chunk, an I/O or server error, a full queue) is a failed cascade job. ``drain_jobs``
 returns only when no job is queued or running. Bad options raise
 :class:`~pagedkv.errors.InvalidConfigError` naming the option and its value, before anything is
@@ -82,16 +83,17 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Tuple
 
 import numpy as np
 import xxhash
 
 from pagedkv.errors import InvalidArgumentError, InvalidConfigError
-from pagedkv.vllm.offload import _check_vllm_version  # noqa: F401 - imports and checks vLLM
+# Imports vLLM and refuses any release but the one tested (MissingDependencyError).
+from pagedkv.vllm.offload import TESTED_VLLM_RELEASE
 
 from vllm.v1.kv_offload.base import (  # noqa: E402
     Locality,
@@ -119,6 +121,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 __all__ = [
+    "TESTED_VLLM_RELEASE",
     "PagedKVDiskTier",
     "PagedKVRemoteTier",
     "key_meta",
