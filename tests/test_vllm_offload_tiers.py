@@ -19,7 +19,9 @@ Skips when vLLM is not importable (``scripts/test_vllm.sh`` runs it with vLLM in
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import re
 import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence
@@ -75,9 +77,10 @@ def _tier_secret(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def config(tiers: List[Dict[str, Any]], *, model: str = "org/model", dtype: str = "bfloat16",
            chunk: int = CHUNK, engine: Optional[str] = None, tp_size: int = 1,
-           events: bool = False) -> OffloadingConfig:
-    extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": NUM_CHUNKS * chunk,
-             "secondary_tiers": tiers}
+           events: bool = False, extra: Optional[Dict[str, Any]] = None) -> OffloadingConfig:
+    if extra is None:
+        extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": NUM_CHUNKS * chunk,
+                 "secondary_tiers": tiers}
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(16, ("model.layers.0.attn", "model.layers.1.attn"), 0),),
         worker_kv_bytes_per_block=chunk, enable_kv_cache_events=events, extra_config=extra,
@@ -440,3 +443,43 @@ def test_remote_server_down_is_miss_not_stall(tmp_path: Any, engines: List[Engin
     assert time.monotonic() - t0 < DEADLINE_S
     stats = e.tier.store.stats()
     assert stats.dropped >= 1 and stats.puts == 0
+
+
+# ------------------------------------------------------------------------------------ the docs
+
+
+def _doc_configs() -> Dict[str, Dict[str, Any]]:
+    """The ``kv_connector_extra_config`` of each ``vllm serve`` line of docs/vllm.md that names
+    one of this module's tiers, by tier type."""
+    doc = os.path.join(os.path.dirname(__file__), "..", "docs", "vllm.md")
+    with open(doc, encoding="utf-8") as f:
+        text = f.read()
+    found: Dict[str, Dict[str, Any]] = {}
+    for arg in re.findall(r"--kv-transfer-config '([^']*)'", text):
+        cfg = json.loads(arg)["kv_connector_extra_config"]
+        for tier in cfg.get("secondary_tiers", []):
+            if tier.get("module_path") == MODULE:
+                found[tier["type"]] = cfg
+    return found
+
+
+def test_the_documented_lines_build_working_tiers(tmp_path: Any, redis_server: Any,
+                                                  engines: List[Engine]) -> None:
+    docs = _doc_configs()
+    assert sorted(docs) == ["PagedKVDiskTier", "PagedKVRemoteTier"]
+    for name, extra in docs.items():
+        extra = json.loads(json.dumps(extra))
+        extra["cpu_bytes_to_use"] = NUM_CHUNKS * CHUNK  # a test-sized primary tier
+        [tier] = extra["secondary_tiers"]
+        if name == "PagedKVDiskTier":
+            tier["path"] = str(tmp_path / "kv")
+            tier["capacity_bytes"] = 1 << 20
+        else:
+            tier["url"] = redis_server.url
+        e = build(engines, config([], extra=extra))
+        ks = keys(80, 81)
+        data = payload(2, 8)
+        e.store(ks, data)
+        e.evict_primary()
+        assert e.lookup(ks) == [HIT, HIT], name
+        np.testing.assert_array_equal(e.load(ks), data)

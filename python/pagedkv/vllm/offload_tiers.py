@@ -124,6 +124,7 @@ __all__ = [
     "TESTED_VLLM_RELEASE",
     "PagedKVDiskTier",
     "PagedKVRemoteTier",
+    "key_hash",
     "key_meta",
     "layout_fingerprint",
 ]
@@ -143,11 +144,21 @@ _REFUSED_CAP = 65536
 # ------------------------------------------------------------------------------------ identity
 
 
+def _digest(key: bytes) -> bytes:
+    """The 256-bit BLAKE2b of a whole ``OffloadKey`` (hash bytes and group)."""
+    return hashlib.blake2b(bytes(key), digest_size=32, person=_KEY_PERSON).digest()
+
+
+def key_hash(key: bytes) -> int:
+    """The store key of ``key``: the first 128 bits of its digest (the record's ``block_hash``)."""
+    return int.from_bytes(_digest(key)[:16], "little")
+
+
 def key_meta(key: bytes) -> BlockMeta:
     """The record metadata of vLLM's ``OffloadKey`` ``key`` (module docs): ``block_hash`` and
     ``salt_digest`` the two halves of a 256-bit BLAKE2b of the whole key, ``group`` its group
     index, no token ids."""
-    digest = hashlib.blake2b(bytes(key), digest_size=32, person=_KEY_PERSON).digest()
+    digest = _digest(key)
     return BlockMeta(
         block_hash=int.from_bytes(digest[:16], "little"),
         parent_hash=None,
@@ -573,7 +584,7 @@ class PagedKVDiskTier(_StoreTier):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if key in self._refused:
             return LookupResult.MISS
-        present = self.store.holds([key_meta(key).block_hash])[0]
+        present = self.store.holds([key_hash(key)])[0]
         return LookupResult.HIT if present else LookupResult.MISS
 
 
@@ -653,7 +664,7 @@ class PagedKVRemoteTier(_StoreTier):
             if keys is None:
                 return
             try:
-                found = self.store.holds([key_meta(k).block_hash for k in keys])
+                found = self.store.holds([key_hash(k) for k in keys])
             except Exception:  # noqa: BLE001 - an unanswerable probe is a miss
                 _log.warning("%s: existence probe raised; answered as misses", self.tier_type,
                              exc_info=True)
