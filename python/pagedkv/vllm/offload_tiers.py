@@ -518,6 +518,10 @@ class _StoreTier(SecondaryTierManager):
             t.join()
         if self._store is not None:
             self._store.close()
+        try:
+            self._view.release()  # the workers are gone: no slice of it is left
+        except BufferError:  # pragma: no cover - a caller still holds a slice
+            pass
 
 
 class PagedKVDiskTier(_StoreTier):
