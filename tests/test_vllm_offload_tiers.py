@@ -347,6 +347,46 @@ def test_disk_full_queue_fails_store_at_once(tmp_path: Any, engines: List[Engine
         tier.store.put = put
 
 
+def test_full_queue_fails_promotion_without_refusing_its_keys(tmp_path: Any,
+                                                              engines: List[Engine]) -> None:
+    e = build(engines, config([disk(tmp_path / "kv", threads=1, max_queued_jobs=1)]))
+    ks = keys(90, 91, 92)
+    data = payload(3, 10)
+    e.store(ks, data)
+    e.evict_primary()
+    tier = e.tier
+    gate = threading.Event()
+    entered = threading.Event()
+    get_into = tier.store.get_into
+
+    def slow_get_into(meta: Any, out: Any) -> bool:
+        entered.set()
+        assert gate.wait(DEADLINE_S)
+        return bool(get_into(meta, out))
+
+    tier.store.get_into = slow_get_into
+    try:
+        e.rows[:3] = 0xAA
+        for i in range(3):
+            tier.submit_load(TransferJob(job_id=2000 + i, keys=ks[i:i + 1],
+                                         chunk_ids=np.array([i]), is_promotion=True,
+                                         req_context=ReqContext("q")))
+            if i == 0:
+                assert entered.wait(DEADLINE_S)
+        [rejected] = list(tier.get_finished_jobs())
+        assert rejected.job_id == 2002 and not rejected.success and not rejected.successful_keys
+        assert not e.rows[2].any()
+        gate.set()
+        tier.drain_jobs()
+        assert sorted((r.job_id, r.success) for r in tier.get_finished_jobs()) == [
+            (2000, True), (2001, True)]
+        np.testing.assert_array_equal(e.rows[:2], data[:2])
+        assert tier.lookup(ks[2], ReqContext("q")) is HIT  # the full queue was not its fault
+    finally:
+        gate.set()
+        tier.store.get_into = get_into
+
+
 def test_bad_options_are_typed_errors(tmp_path: Any) -> None:
     cases = [
         (disk(tmp_path / "a", capacity_bytes=0), "capacity_bytes"),

@@ -260,17 +260,20 @@ def _no_unknown(tier: str, unknown: Dict[str, Any]) -> None:
 
 @dataclass
 class _Job:
-    """One submitted job: its keys, their metas and primary chunk ids, split into parts."""
+    """One submitted job: its keys, their primary chunk ids and (made by the workers) their record
+    metas, split into parts."""
 
     job_id: int
     keys: List[OffloadKey]
-    metas: List[BlockMeta]
+    metas: List[Optional[BlockMeta]]
     chunks: List[int]
     is_load: bool
     parts_left: int
     ok: List[bool]
     started: float
     bytes_moved: int = 0
+    #: Keys whose part found the queue full (failed without being tried).
+    rejected: int = 0
 
 
 class _StoreTier(SecondaryTierManager):
@@ -368,12 +371,13 @@ class _StoreTier(SecondaryTierManager):
             for i in range(lo, hi):
                 slot = self._slot(job.chunks[i])
                 try:
+                    meta = job.metas[i] = key_meta(job.keys[i])
                     if job.is_load:
-                        ok = self.store.get_into(job.metas[i], slot)
+                        ok = self.store.get_into(meta, slot)
                         if not ok:
                             slot[:] = bytes(self._chunk_bytes)  # never leave unverified bytes
                     else:
-                        ok = self.store.put(job.metas[i], slot)
+                        ok = self.store.put(meta, slot)
                 except Exception:  # noqa: BLE001 - a failing store is a failed key, never a crash
                     _log.warning("%s: %s of one chunk raised; counted as failed", self.tier_type,
                                  "load" if job.is_load else "store", exc_info=True)
@@ -410,8 +414,8 @@ class _StoreTier(SecondaryTierManager):
                 what="chunk_ids", value=bad[0], reason=f"must be in [0, {self._num_chunks})")
         n = len(keys)
         parts = max(1, min(self._threads, n))
-        job = _Job(meta.job_id, keys, [key_meta(k) for k in keys], chunks, is_load, parts,
-                   [False] * n, time.monotonic())
+        job = _Job(meta.job_id, keys, [None] * n, chunks, is_load, parts, [False] * n,
+                   time.monotonic())
         self._jobs[job.job_id] = job
         with self._idle:
             self._in_flight += 1
@@ -424,6 +428,8 @@ class _StoreTier(SecondaryTierManager):
                 if is_load:
                     for i in range(bounds[p], bounds[p + 1]):
                         self._slot(chunks[i])[:] = bytes(self._chunk_bytes)
+                with self._idle:
+                    job.rejected += bounds[p + 1] - bounds[p]
                 self._part_done(job, 0)
 
     # ------------------------------------------------------------------ SecondaryTierManager
@@ -451,13 +457,15 @@ class _StoreTier(SecondaryTierManager):
             good = [k for k, ok in zip(job.keys, job.ok) if ok]
             failed = [k for k, ok in zip(job.keys, job.ok) if not ok]
             if job.is_load:
-                self._loaded(good, failed)
+                if not job.rejected:  # a full queue says nothing about the records
+                    self._loaded(good, failed)
                 results.append(JobResult(
                     job_id=job.job_id, success=not failed,
                     successful_keys=tuple(good) if failed and good else None,
                     transfer_time=elapsed, transfer_bytes=job.bytes_moved))
             else:
-                self._stored(good, [m.block_hash for m, ok in zip(job.metas, job.ok) if ok])
+                self._stored(good, [m.block_hash for m, ok in zip(job.metas, job.ok)
+                                    if ok and m is not None])
                 results.append(JobResult(job_id=job.job_id, success=not failed,
                                          transfer_time=elapsed, transfer_bytes=job.bytes_moved))
         return results
@@ -531,7 +539,7 @@ class PagedKVDiskTier(_StoreTier):
         path: The cache directory (created 0700; one engine at a time).
         capacity_bytes: Disk space its segment files may take (at least one chunk's slot).
         threads: I/O worker threads (default 2).
-        max_queued_jobs: Job parts waiting for a worker, at most (default 64); a job that finds
+        max_queued_jobs: Job parts waiting for a worker, at most (default 256); a job that finds
             the queue full fails at once.
         tier_secret_file: The fleet's tier secret (a 0600 file); default ``PAGEDKV_TIER_SECRET``,
             else a key the directory keeps.
@@ -552,7 +560,7 @@ class PagedKVDiskTier(_StoreTier):
         path: Any = None,
         capacity_bytes: Any = None,
         threads: Any = 2,
-        max_queued_jobs: Any = 64,
+        max_queued_jobs: Any = 256,
         tier_secret_file: Any = None,
         model_revision: Any = None,
         enable_kv_events: Any = False,
@@ -628,7 +636,7 @@ class PagedKVRemoteTier(_StoreTier):
         timeout_s: Any = None,
         lookup_cache_s: Any = 2.0,
         threads: Any = 2,
-        max_queued_jobs: Any = 64,
+        max_queued_jobs: Any = 256,
         tier_secret_file: Any = None,
         model_revision: Any = None,
         enable_kv_events: Any = False,
