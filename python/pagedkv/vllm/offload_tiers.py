@@ -422,9 +422,12 @@ class _StoreTier(SecondaryTierManager):
         bounds = [n * p // parts for p in range(parts + 1)]
         for p in range(parts):
             try:
+                if self._shut:  # no worker is left to take it
+                    raise queue.Full
                 self._tasks.put_nowait((job, bounds[p], bounds[p + 1]))
             except queue.Full:
-                # Queue full: this part fails at once (its keys stay False), without blocking.
+                # Queue full (or shut down): this part fails at once (its keys stay False),
+                # without blocking.
                 if is_load:
                     for i in range(bounds[p], bounds[p + 1]):
                         self._slot(chunks[i])[:] = bytes(self._chunk_bytes)
