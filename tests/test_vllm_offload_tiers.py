@@ -226,6 +226,24 @@ def test_disk_cascade_evict_promote_same_bytes(tmp_path: Any, engines: List[Engi
     assert e.tier.store.stats().hits == 5
 
 
+def test_disk_eviction_is_a_removed_event_and_a_miss(tmp_path: Any, engines: List[Engine]) -> None:
+    slot = 12288  # one 8 KiB chunk's record, rounded up to the disk's 4 KiB slots
+    e = build(engines, config([disk(tmp_path / "kv", capacity_bytes=3 * slot,
+                                    enable_kv_events=True)], events=True))
+    assert e.tier.store.num_slots == 3
+    ks = keys(100, 101, 102, 103, 104)
+    data = payload(5, 11)
+    for i, k in enumerate(ks):  # one at a time: the disk's LRU order is the store order
+        e.store([k], data[i : i + 1])
+    events = [ev for ev in e.m.take_events() if ev.medium is Medium.STORAGE]
+    assert [ev.keys for ev in events if not ev.removed] == [[k] for k in ks]
+    assert [sorted(ev.keys) for ev in events if ev.removed] == [sorted(ks[:2])]
+    assert all(ev.locality is Locality.LOCAL for ev in events)
+    e.evict_primary()
+    assert e.lookup(ks) == [MISS, MISS, HIT, HIT, HIT]
+    np.testing.assert_array_equal(e.load(ks[2:]), data[2:])
+
+
 def test_disk_restart_finds_chunks_other_model_or_layout_misses(tmp_path: Any,
                                                                  engines: List[Engine]) -> None:
     path = tmp_path / "kv"
