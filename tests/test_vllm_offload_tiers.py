@@ -455,6 +455,16 @@ def test_remote_shared_by_two_engines(redis_server: Any, engines: List[Engine]) 
     assert c.lookup(ks) == [MISS] * 3
 
 
+def test_remote_lookup_cache_zero_still_resolves(redis_server: Any, engines: List[Engine]) -> None:
+    a = build(engines, config([remote(redis_server.url, lookup_cache_s=0)]))
+    ks = keys(110, 111)
+    data = payload(2, 12)
+    a.store(ks, data)
+    b = build(engines, config([remote(redis_server.url, lookup_cache_s=0)]))
+    assert b.lookup(ks + keys(119)) == [HIT, HIT, MISS]  # each probe's answer is read once
+    np.testing.assert_array_equal(b.load(ks), data)
+
+
 def test_remote_tampered_values_never_served(redis_server: Any, engines: List[Engine]) -> None:
     import redis
 

@@ -605,11 +605,13 @@ class PagedKVDiskTier(_StoreTier):
 
 @dataclass
 class _Probe:
-    """The Redis tier's knowledge of one key: ``present`` (None while the probe is out) and
-    when it stops being trusted."""
+    """The Redis tier's knowledge of one key: ``present`` (None while the probe is out), when it
+    stops being trusted, and whether no lookup has read it yet (a probe's answer is read at least
+    once, however short ``lookup_cache_s``: else a key could be RETRY forever)."""
 
     present: Optional[bool]
     until: float
+    unread: bool = False
 
 
 class PagedKVRemoteTier(_StoreTier):
@@ -697,7 +699,7 @@ class PagedKVRemoteTier(_StoreTier):
             for key, present in answers:
                 probe = self._probes.get(key)
                 if probe is not None and probe.present is None:  # else a store or load answered
-                    self._probes[key] = _Probe(bool(present), now + self._cache_s)
+                    self._probes[key] = _Probe(bool(present), now + self._cache_s, unread=True)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._drain_probes()
@@ -706,7 +708,8 @@ class PagedKVRemoteTier(_StoreTier):
         if probe is not None:
             if probe.present is None:
                 return LookupResult.RETRY
-            if now <= probe.until:
+            if probe.unread or now <= probe.until:
+                probe.unread = False
                 return LookupResult.HIT if probe.present else LookupResult.MISS
         self._probes[key] = _Probe(None, math.inf)
         self._batch.append(key)
