@@ -620,7 +620,8 @@ class PagedKVRemoteTier(_StoreTier):
 
     Options:
         url: ``redis://host:port/db`` (``rediss://``, ``unix://``).
-        timeout_s: Bound on each connect, send and receive (default the store's, 0.05 s).
+        timeout_s: Bound on each connect, send and receive (default 1 s: every operation runs on
+            the tier's threads, none on the scheduler's, and a chunk of several blocks is MiBs).
         lookup_cache_s: How long an existence answer is trusted (default 2 s).
         threads, max_queued_jobs, tier_secret_file, model_revision, enable_kv_events: as for
             :class:`PagedKVDiskTier` (the secret is required: the file or ``PAGEDKV_TIER_SECRET``).
@@ -638,7 +639,7 @@ class PagedKVRemoteTier(_StoreTier):
         primary_kv_view: memoryview,
         tier_type: str,
         url: Any = None,
-        timeout_s: Any = None,
+        timeout_s: Any = 1.0,
         lookup_cache_s: Any = 2.0,
         threads: Any = 2,
         max_queued_jobs: Any = 256,
@@ -652,8 +653,7 @@ class PagedKVRemoteTier(_StoreTier):
         tier = self._label
         _no_unknown(tier, unknown)
         url = _str_option(tier, "url", url)
-        if timeout_s is not None:
-            timeout_s = _seconds_option(tier, "timeout_s", timeout_s)
+        timeout_s = _seconds_option(tier, "timeout_s", timeout_s)
         self._cache_s = _seconds_option(tier, "lookup_cache_s", lookup_cache_s, allow_zero=True)
         secret_file = _str_option(tier, "tier_secret_file", tier_secret_file, optional=True)
         super().__init__(
