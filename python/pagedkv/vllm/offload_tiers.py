@@ -54,16 +54,18 @@ own (0700, no links: :class:`~pagedkv.errors.UnsafePathError`).
 behind a bounded queue (``max_queued_jobs``): ``submit_store`` / ``submit_load`` only enqueue, and
 a job that finds the queue full fails at once (reported by the next ``get_finished_jobs``), never
 blocking the scheduler. The disk tier answers ``lookup`` from its in-memory index on the caller's
-thread (a dictionary look-up under a lock held only for look-ups, never across I/O). The Redis
-tier never touches the network from ``lookup``: an unknown key answers ``RETRY`` and joins the
-step's probe, sent at ``on_schedule_end`` to a probe thread as one pipelined ``EXISTS``; the answer
-is kept ``lookup_cache_s`` seconds (stores and failed loads update it).
+thread (a dictionary look-up under the store's index lock, which is never held across I/O).
+The Redis tier never touches the network from ``lookup``: an unknown key answers ``RETRY`` and
+joins the step's probe, sent at ``on_schedule_end`` to a probe thread as one pipelined
+``EXISTS``; the answer is read at least once and kept ``lookup_cache_s`` seconds (stores and
+failed loads update it).
 
 **Invariants.** A promotion's key is in ``successful_keys`` only when its record verified and its
 payload is in the slot; a slot whose read failed is zeroed before its job is reported, so an
 unverified byte never stays in the primary tier. A key whose load failed is a miss (no promotion
 livelock on a record that keeps failing): on disk until it is stored again, on Redis for
-``lookup_cache_s`` (the store deleted a value that did not verify; a timeout may pass). A store failure (the store
+``lookup_cache_s`` (the store deleted a value that did not verify; a timeout may pass); a
+promotion the full queue refused is not held against its keys. A store failure (the store
 refused a chunk, an I/O or server error, a full queue) is a failed cascade job. ``drain_jobs``
 returns only when no job is queued or running. Bad options raise
 :class:`~pagedkv.errors.InvalidConfigError` naming the option and its value, before anything is
