@@ -1,4 +1,4 @@
-"""Cascade and promotion throughput of vLLM's tiered offloading with pagedkv's disk (and Redis) tier.
+"""Cascade and promotion throughput of vLLM's tiered offloading with pagedkv's disk and Redis tiers.
 
 vLLM 0.33's real ``TieringOffloadingSpec`` / ``TieringOffloadingManager`` on the CPU, as
 ``tests/test_vllm_offload_tiers.py`` drives them: ``--chunks`` chunks of ``--chunk-kib`` KiB of
@@ -47,8 +47,8 @@ def build(tier: Dict[str, Any], chunks: int, chunk_bytes: int, engine: str) -> A
     cfg = OffloadingConfig(
         groups=(OffloadingGroupConfig(16, tuple(f"model.layers.{i}.attn" for i in range(32)), 0),),
         worker_kv_bytes_per_block=chunk_bytes, enable_kv_cache_events=False,
-        extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": chunks * chunk_bytes,
-                      "secondary_tiers": [tier]},
+        extra_config={"spec_name": "TieringOffloadingSpec",
+                      "cpu_bytes_to_use": chunks * chunk_bytes, "secondary_tiers": [tier]},
         engine_id=engine, model=OffloadingModelConfig(name="bench/model", dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
@@ -60,8 +60,14 @@ def build(tier: Dict[str, Any], chunks: int, chunk_bytes: int, engine: str) -> A
     return spec, spec.get_manager()
 
 
-def one_run(tier: Dict[str, Any], args: argparse.Namespace, run: int, name: str) -> Dict[str, float]:
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+def one_run(tier: Dict[str, Any], args: argparse.Namespace, run: int,
+            name: str) -> Dict[str, float]:
+    from vllm.v1.kv_offload.base import (
+        LookupResult,
+        ReqContext,
+        ScheduleEndContext,
+        make_offload_key,
+    )
 
     chunk_bytes = args.chunk_kib * 1024
     step = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
@@ -164,17 +170,18 @@ def main() -> None:
     finally:
         shutil.rmtree(parent, ignore_errors=True)
 
-    print(f"\n{args.chunks} chunks x {args.chunk_kib} KiB = {total / 2**20:.0f} MiB, cascade jobs of "
-          f"{args.job_chunks} keys, {args.threads} I/O threads, {args.repeat} runs")
-    print(f"{'tier':<15}{'cascade GiB/s':>16}{'(best)':>9}{'ms':>9}{'promote GiB/s':>16}{'(best)':>9}"
-          f"{'ms':>9}")
+    print(f"\n{args.chunks} chunks x {args.chunk_kib} KiB = {total / 2**20:.0f} MiB, "
+          f"cascade jobs of {args.job_chunks} keys, {args.threads} I/O threads, {args.repeat} runs")
+    print(f"{'tier':<15}{'cascade GiB/s':>16}{'(best)':>9}{'ms':>9}{'promote GiB/s':>16}"
+          f"{'(best)':>9}{'ms':>9}")
     summary = {}
     for name, runs in results.items():
         c = [x["cascade_s"] for x in runs]
         p = [x["promote_s"] for x in runs]
         gib = total / 2**30
         row = {"cascade_gib_s": gib / statistics.median(c), "cascade_best": gib / min(c),
-               "cascade_ms": 1e3 * statistics.median(c), "promote_gib_s": gib / statistics.median(p),
+               "cascade_ms": 1e3 * statistics.median(c),
+               "promote_gib_s": gib / statistics.median(p),
                "promote_best": gib / min(p), "promote_ms": 1e3 * statistics.median(p)}
         summary[name] = row
         print(f"{name:<15}{row['cascade_gib_s']:>16.2f}{row['cascade_best']:>9.2f}"

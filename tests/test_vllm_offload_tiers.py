@@ -84,7 +84,8 @@ def config(tiers: List[Dict[str, Any]], *, model: str = "org/model", dtype: str 
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(16, ("model.layers.0.attn", "model.layers.1.attn"), 0),),
         worker_kv_bytes_per_block=chunk, enable_kv_cache_events=events, extra_config=extra,
-        engine_id=engine or f"pagedkv-test-{os.getpid()}-{next(_ENGINE_IDS)}", model=OffloadingModelConfig(name=model, dtype=dtype, max_model_len=4096),
+        engine_id=engine or f"pagedkv-test-{os.getpid()}-{next(_ENGINE_IDS)}",
+        model=OffloadingModelConfig(name=model, dtype=dtype, max_model_len=4096),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
             rank=0, world_size=tp_size, tp_size=tp_size, pp_size=1, pcp_size=1, dcp_size=1,
@@ -169,7 +170,8 @@ class Engine:
         """The primary bytes of ``keys`` (all HIT), as the GPU load would read them."""
         ctx = self.ctx()
         spec = self.m.prepare_load(list(keys), ctx)
-        out = np.stack([self.rows[int(c)].copy() for c in spec.chunk_ids])  # type: ignore[attr-defined]
+        chunk_ids = spec.chunk_ids  # type: ignore[attr-defined]
+        out = np.stack([self.rows[int(c)].copy() for c in chunk_ids])
         self.m.complete_load(list(keys), ctx)
         self.m.on_request_finished(ctx)
         return out

@@ -344,10 +344,12 @@ class _StoreTier(SecondaryTierManager):
         """Adopt the built store (its payload size must be a chunk's) and start the workers."""
         if store.block_bytes != self._chunk_bytes:
             store.close()
-            raise _bad("block_bytes", store.block_bytes, f"must be {self._chunk_bytes}", self._label)
+            raise _bad("block_bytes", store.block_bytes, f"must be {self._chunk_bytes}",
+                       self._label)
         self._store = store
         for i in range(self._threads):
-            t = threading.Thread(target=self._work, name=f"pagedkv-{self.tier_type}-{i}", daemon=True)
+            t = threading.Thread(target=self._work, name=f"pagedkv-{self.tier_type}-{i}",
+                                 daemon=True)
             t.start()
             self._workers.append(t)
 
@@ -581,7 +583,8 @@ class PagedKVDiskTier(_StoreTier):
         super().__init__(
             offloading_spec, primary_kv_view, tier_type, backpressure_detector, threads=threads,
             max_queued_jobs=max_queued_jobs, enable_kv_events=enable_kv_events,
-            locality=_locality_option(tier, locality, Locality.LOCAL), model_revision=model_revision)
+            locality=_locality_option(tier, locality, Locality.LOCAL),
+            model_revision=model_revision)
         config = SimpleNamespace(disk_cache_dir=path, disk_cache_memory=capacity,
                                  tier_secret_file=secret_file)
         store = backend("disk")(config, self.fingerprint, self._chunk_bytes)
