@@ -18,12 +18,14 @@ Skips when vLLM is not importable (``scripts/test_vllm.sh`` runs it with vLLM in
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
 import re
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
@@ -59,6 +61,7 @@ from pagedkv.vllm.offload_tiers import (  # noqa: E402
     PagedKVDiskTier,
     PagedKVRemoteTier,
     key_meta,
+    layout_fingerprint,
 )
 
 MODULE = "pagedkv.vllm.offload_tiers"
@@ -206,6 +209,59 @@ def build(engines: List[Engine], cfg: OffloadingConfig) -> Engine:
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
 
+# ------------------------------------------------------------------------------------ identity
+
+
+def test_fingerprint_names_model_and_layout_not_the_engine() -> None:
+    base = config([])
+
+    def fp(cfg: OffloadingConfig, chunk: int = CHUNK, revision: str = "") -> bytes:
+        spec: Any = SimpleNamespace(config=cfg)
+        return layout_fingerprint(spec, chunk, revision)
+
+    def par(**kw: Any) -> OffloadingConfig:
+        return dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, **kw))
+
+    ref = fp(base)
+    assert len(ref) == 16 and fp(config([])) == ref
+    # The same KV from another engine, replica, rank or length limit: the same identity.
+    same = [
+        dataclasses.replace(base, engine_id="other"),
+        par(data_parallel_index=3, data_parallel_size=4),
+        par(rank=1),
+        dataclasses.replace(base, model=dataclasses.replace(base.model, max_model_len=128)),
+    ]
+    assert all(fp(c) == ref for c in same)
+    group = base.groups[0]
+    differ = [
+        fp(base, revision="abc123"),
+        fp(base, chunk=2 * CHUNK),
+        fp(config([], model="org/other")),
+        fp(config([], dtype="float16")),
+        fp(dataclasses.replace(base, cache=dataclasses.replace(base.cache, tokens_per_hash=32))),
+        fp(dataclasses.replace(base, cache=dataclasses.replace(base.cache, blocks_per_chunk=2))),
+        fp(dataclasses.replace(base, groups=(dataclasses.replace(group, layer_names=("x",)),))),
+        fp(dataclasses.replace(base, groups=(
+            dataclasses.replace(group, sliding_window_size_in_chunks=4),))),
+        fp(dataclasses.replace(base, worker_kv_bytes_per_block=CHUNK // 2)),
+        fp(par(tp_size=2, world_size=2)),
+        fp(par(pp_size=2)),
+        fp(par(dcp_size=2)),
+        fp(dataclasses.replace(base, replicated_layout=True)),
+        fp(dataclasses.replace(base, canonical_layout=True, kv_cache_layout="NHD")),
+    ]
+    assert ref not in differ and len(set(differ)) == len(differ)
+
+
+def test_key_meta_covers_the_whole_key() -> None:
+    a, b = make_offload_key(bytes(32), 0), make_offload_key(bytes(31) + b"\x01", 0)
+    ma, mb, mg = key_meta(a), key_meta(b), key_meta(make_offload_key(bytes(32), 1))
+    assert (ma.group, mg.group) == (0, 1) and len(ma.token_ids) == 0
+    assert len({ma.block_hash, mb.block_hash, mg.block_hash}) == 3
+    assert len({ma.salt_digest, mb.salt_digest, mg.salt_digest}) == 3
+    assert key_meta(a) == ma  # a pure function of the key
+
+
 # ------------------------------------------------------------------------------------ disk
 
 
@@ -266,8 +322,8 @@ def test_disk_restart_finds_chunks_other_model_or_layout_misses(tmp_path: Any,
         finally:
             b.close()
 
-    # The same model again, a fresh engine on the same directory (its records were scanned as
-    # free space only by the foreign engines, which wrote nothing): fresh stores round-trip.
+    # The same model again on the same directory, stored and restarted: found from the slots'
+    # headers.
     c = build(engines, config([disk(path)]))
     c.store(ks, data)
     c.close()
