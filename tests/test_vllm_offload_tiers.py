@@ -7,8 +7,9 @@
   bytes; a restarted engine finds its chunks; events carry medium STORAGE, locality LOCAL;
 - a corrupted file is a failed key of its promotion (the other keys arrive), then a miss; a
   directory written by another model (or another chunk layout) is all misses;
-- Redis on a real ``redis-server`` (loopback): two managers, one stores, the other (another
-  "process", its own spec and tier) hits after its RETRY; a tampered value, a real record moved
+- Redis on a real ``redis-server`` (loopback): two managers, one stores, the other (its own spec
+  and tier) hits after its RETRY; a chunk stored by another Python process (another hash seed)
+  is a hit here; a tampered value, a real record moved
   under another key, a record under another secret, and another model's chunks are never served;
 - a full job queue fails a cascade at once (submit never blocks); bad options are
   ``InvalidConfigError`` naming the option.
@@ -511,6 +512,33 @@ def test_remote_shared_by_two_engines(redis_server: Any, engines: List[Engine]) 
     # Another model on the same server sees none of it.
     c = build(engines, config([remote(redis_server.url)], model="org/other"))
     assert c.lookup(ks) == [MISS] * 3
+
+
+_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import test_vllm_offload_tiers as t
+e = t.Engine(t.config([t.remote(sys.argv[2])]))
+e.store(t.keys(120, 121, 122), t.payload(3, 13))
+e.close()
+print("stored")
+"""
+
+
+def test_remote_another_process_stores_this_one_hits(redis_server: Any,
+                                                     engines: List[Engine]) -> None:
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PAGEDKV_TIER_SECRET=SECRET, PYTHONHASHSEED="12345")
+    out = subprocess.run([sys.executable, "-c", _CHILD, os.path.dirname(__file__),
+                          redis_server.url], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("stored"), out.stderr[-2000:]
+    e = build(engines, config([remote(redis_server.url)]))
+    ks = keys(120, 121, 122)
+    assert e.lookup(ks) == [HIT] * 3
+    np.testing.assert_array_equal(e.load(ks), payload(3, 13))
 
 
 def test_remote_lookup_cache_zero_still_resolves(redis_server: Any, engines: List[Engine]) -> None:
