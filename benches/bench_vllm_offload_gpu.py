@@ -134,7 +134,7 @@ def main() -> None:
     staging = cp.staging_chunks
     print(f"\n{torch.cuda.get_device_name()}: {n} blocks x {args.layers} layers "
           f"({nbytes / 2**20:.0f} MiB), {bpc} block(s) per chunk, median of {args.reps}; "
-          f"path {path}, staging chunks per direction {staging}")
+          f"path {path} (DMAs: {cp.dma}), staging chunks per direction {staging}")
     print(f"{'transfer':<28}{'ms':>9}{'GB/s':>9}{'of pinned':>11}")
     out = {}
     for name, s in res.items():
@@ -147,7 +147,8 @@ def main() -> None:
           f"({'meets' if worst >= 0.9 else 'misses'} >= 90%)")
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "machine": platform.machine(),
-                   "args": vars(args), "bytes": nbytes, "path": path, "staging_chunks": staging,
+                   "args": vars(args), "bytes": nbytes, "path": path, "dma": cp.dma,
+                   "staging_chunks": staging,
                    "worst_of_pinned": worst, "results": out}, f, indent=1)
 
 

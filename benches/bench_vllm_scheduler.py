@@ -52,6 +52,9 @@ def main() -> None:
     ap.add_argument("--vllm-src", default=".vllm-test/vllm-0.33.0")
     ap.add_argument("--json", default="bench_vllm_scheduler.json")
     ap.add_argument("--profile", action="store_true", help="where each scheduler's time goes")
+    ap.add_argument("--split", action="store_true",
+                    help="also time the KV cache manager's calls inside the step (a second, "
+                         "timer-wrapped run): the step without them bounds any manager's gain")
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -127,11 +130,13 @@ def main() -> None:
             )
 
         def step(self) -> tuple[int, int]:
-            """One engine step; returns (wall ns of schedule + update, running count)."""
+            """One engine step; returns (wall ns of schedule + update, running count). The fake
+            model output is built between the two, outside the timed part."""
             s = self.s
             before = len(s.requests)
             t0 = time.perf_counter_ns()
             out = s.schedule()
+            t1 = time.perf_counter_ns()
             ids = list(out.num_scheduled_tokens)
             reqs = s.requests
             tok = self.tok.randrange(32000)
@@ -146,8 +151,9 @@ def main() -> None:
                 prompt_logprobs_dict={},
                 pooler_output=[],
             )
+            t2 = time.perf_counter_ns()
             eco = s.update_from_output(out, mro)
-            dt = time.perf_counter_ns() - t0
+            dt = time.perf_counter_ns() - t2 + t1 - t0
             del eco
             done = before - len(s.requests)  # finished requests leave the scheduler
             self.finished += done
@@ -193,6 +199,49 @@ def main() -> None:
               f"{base / r['median_us']:>8.2f}x {r['median_running']:>8.0f} {r['finished']:>9}")
     same = res["vllm"]["finished"] == res["pagedkv"]["finished"]
     print(f"same schedule on both (finished counts agree): {same}")
+    if args.split:
+        calls = ("allocate_slots", "free", "get_computed_blocks", "get_blocks", "get_block_ids",
+                 "new_step_starts", "take_events", "remove_skipped_blocks", "take_new_block_ids",
+                 "cache_blocks", "take_kv_cache_block_copies", "take_boundary_state_offloads",
+                 "make_prefix_cache_stats", "get_num_common_prefix_blocks", "create_kv_cache_blocks",
+                 "empty_kv_cache_blocks", "evict_blocks")
+        spent = {n: [0] for n in runners}
+        split_runners = {"vllm": Runner(None), "pagedkv": Runner(DropInKVCacheManager)}
+        for name, r in split_runners.items():
+            m = r.s.kv_cache_manager
+            acc = spent[name]
+            for c in calls:
+                f = getattr(m, c, None)
+                if f is None or not callable(f):
+                    continue
+
+                def timed(*a: Any, _f: Any = f, _acc: list[int] = acc, **k: Any) -> Any:
+                    t = time.perf_counter_ns()
+                    try:
+                        return _f(*a, **k)
+                    finally:
+                        _acc[0] += time.perf_counter_ns() - t
+                setattr(m, c, timed)
+        steps: dict[str, list[tuple[int, int]]] = {n: [] for n in split_runners}
+        for i in range(args.warmup + args.steps):
+            for name, r in split_runners.items():
+                spent[name][0] = 0
+                t, _ = r.step()
+                if i >= args.warmup:
+                    steps[name].append((t, spent[name][0]))
+        print(f"\nthe same steps again, the manager's calls timed ({', '.join(calls[:4])}, ...): "
+              "medians, µs")
+        print(f"{'KV cache manager':<18} {'step':>8} {'in manager':>11} {'step without':>13} "
+              f"{'bound':>7}")
+        for name, v in steps.items():
+            st = statistics.median(t for t, _ in v) / 1e3
+            mg = statistics.median(m for _, m in v) / 1e3
+            rest = statistics.median(t - m for t, m in v) / 1e3
+            res[name].update({"split_step_us": st, "split_manager_us": mg,
+                              "split_without_manager_us": rest})
+            print(f"{name:<18} {st:>8.0f} {mg:>11.0f} {rest:>13.0f} {st / rest:>6.2f}x")
+        print("bound: the step over the step without the manager's calls, i.e. the speed-up a "
+              "manager costing nothing would give")
     if args.profile:
         for name, cls in (("vllm", None), ("pagedkv", DropInKVCacheManager)):
             r = Runner(cls)

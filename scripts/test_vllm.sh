@@ -20,7 +20,9 @@
 # VLLM_TARGET_DEVICE=cpu gives vLLM its CPU platform.
 # First it runs pagedkv's own tests with vLLM importable, in one pytest process (a failure there
 # stops the script): tests/test_kv_events_vllm_interop.py (pagedkv's KV events decoded by vLLM's
-# classes), tests/test_vllm_manager.py and the offloading spec's tests/test_vllm_offload*.py.
+# classes), tests/test_vllm_manager.py and the offloading spec's tests/test_vllm_offload*.py
+# (test_vllm_offload_tiers.py: the disk and Redis tiers under vLLM's TieringOffloadingSpec; vLLM's
+# own tiering tests drive its example and fs tiers' internals, so they get no pagedkv pass).
 # vLLM's test_prefix_caching.py covers the drop-in pool's own events (test_kv_cache_events and
 # the BlockStored/BlockRemoved tests).
 # Each pass is one pytest process over all of its files (vLLM's ~15 s import paid once a pass),
@@ -100,11 +102,11 @@ rm -rf "$OUT"; mkdir -p "$OUT"
 # it), in one pytest process; a failure there stops the script: its KV-event batches against
 # vLLM's own event classes and publisher (both directions), its manager against vLLM's, call for
 # call, on seeded traces, and its offloading spec (its manager, worker and version gate).
-echo "test_vllm: KV-event wire interop, drop-in manager vs vLLM's, offloading spec" \
+echo "test_vllm: KV-event wire interop, drop-in manager vs vLLM's, offloading spec and tiers" \
     "(tests/test_kv_events_vllm_interop.py tests/test_vllm_manager.py tests/test_vllm_offload*.py)"
 PAGEDKV_REQUIRE_VLLM=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_kv_events_vllm_interop.py \
     tests/test_vllm_manager.py tests/test_vllm_offload.py tests/test_vllm_offload_copy.py \
-    tests/test_vllm_offload_keyed.py
+    tests/test_vllm_offload_keyed.py tests/test_vllm_offload_tiers.py
 # The per-file table and the differences from the first pass (run once per group of passes).
 SUMMARY="$OUT/summary.py"
 cat >"$SUMMARY" <<'PYEOF'

@@ -64,9 +64,9 @@ def _config(num_blocks: int, groups: int = 1) -> KVCacheConfig:
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=specs)
 
 
-def _manager(cls: type, num_blocks: int, **kw: Any) -> Any:
+def _manager(cls: type, num_blocks: int, groups: int = 1, **kw: Any) -> Any:
     return cls(
-        _config(num_blocks),
+        _config(num_blocks, groups),
         max_model_len=256,
         scheduler_block_size=BS,
         hash_block_size=BS,
@@ -114,13 +114,14 @@ class _Twin:
         self.out_len = out_len
 
 
-def _replay(seed: int, num_blocks: int, caching: bool, events: bool, lookahead: int) -> int:
+def _replay(seed: int, num_blocks: int, caching: bool, events: bool, lookahead: int,
+            groups: int = 1) -> int:
     init_none_hash(sha256)
     rng = random.Random(seed)
     kw = dict(enable_caching=caching, enable_kv_cache_events=events, log_stats=True)
-    stock = _manager(KVCacheManager, num_blocks, **kw)
-    ours = _manager(PagedKVCacheManager, num_blocks, **kw)
-    assert isinstance(ours.block_pool, PagedKVBlockPool) and ours.fast
+    stock = _manager(KVCacheManager, num_blocks, groups, **kw)
+    ours = _manager(PagedKVCacheManager, num_blocks, groups, **kw)
+    assert isinstance(ours.block_pool, PagedKVBlockPool) and ours.fast == (groups == 1)
     ms = (stock, ours)
     prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(3, 14))] for _ in range(4)]
     waiting: list[_Twin] = []
@@ -220,15 +221,36 @@ def test_same_answers_as_vllm(
     assert _replay(seed, num_blocks, caching, events, lookahead) == 160
 
 
-def test_hybrid_refused_naming_groups_and_drop_in_falls_back() -> None:
-    cfg = _config(32, groups=2)
+@pytest.mark.parametrize(
+    "seed,num_blocks,caching,events,lookahead",
+    [
+        (10, 64, True, True, 0),
+        (11, 36, True, False, 2),  # small pool: refusals, preemptions, evictions in both groups
+        (12, 48, True, True, 3),
+    ],
+)
+def test_hybrid_same_answers_as_vllm(
+    seed: int, num_blocks: int, caching: bool, events: bool, lookahead: int
+) -> None:
+    """A full-attention group beside a sliding-window one: vLLM's coordinator over pagedkv's
+    pool answers as vLLM's manager over vLLM's pool does, step by step (tables, keys, events,
+    usage, prefix-cache stats)."""
+    assert _replay(seed, num_blocks, caching, events, lookahead, groups=2) == 160
+
+
+def test_hybrid_served_on_the_pagedkv_pool_and_no_group_falls_back() -> None:
     kw = dict(max_model_len=64, scheduler_block_size=BS, hash_block_size=BS)
-    with pytest.raises(InvalidConfigError, match=r"0: FullAttentionSpec.*1: SlidingWindowSpec"):
-        PagedKVCacheManager(cfg, **kw)
-    m = DropInKVCacheManager(cfg, **kw)
-    assert type(m) is KVCacheManager
+    m = DropInKVCacheManager(_config(32, groups=2), **kw)
+    assert type(m) is DropInKVCacheManager and not m.fast
+    assert isinstance(m.block_pool, PagedKVBlockPool)
+    assert len(m.coordinator.single_type_managers) == 2
     m1 = DropInKVCacheManager(_config(32), **kw)
     assert type(m1) is DropInKVCacheManager and m1.fast
+    empty = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[])
+    # vLLM builds an attention-free model's manager with prefix caching off.
+    with pytest.raises(InvalidConfigError, match=r"at least one KV cache group, got 0"):
+        PagedKVCacheManager(empty, enable_caching=False, **kw)
+    assert type(DropInKVCacheManager(empty, enable_caching=False, **kw)) is KVCacheManager
 
 
 def test_activation_rebinds_the_schedulers_manager() -> None:

@@ -308,3 +308,54 @@ def test_cuda_long_transfers_through_the_slot_ring() -> None:
         assert torch.equal(t[dst], a)
         assert torch.equal(t[dst2], b)
     assert sorted(f.job_id for f in cp.finished()) == [1, 2, 3, 4]
+
+
+def test_batched_dma_off_says_why(monkeypatch) -> None:
+    """Batching turned off (or no driver) leaves the copies to the caller, queuing nothing."""
+    from pagedkv.vllm.offload_dma import BatchDMA
+
+    monkeypatch.setenv("PAGEDKV_BATCH_DMA", "0")
+    b = BatchDMA()
+    assert not b.available and "PAGEDKV_BATCH_DMA=0" in b.reason
+    z = np.zeros(1, dtype=np.uint64)
+    assert b.copy(0, z, z, z) is False
+    monkeypatch.delenv("PAGEDKV_BATCH_DMA")
+    b = BatchDMA()
+    if not torch.cuda.is_available():
+        # On a machine without a CUDA driver it is unavailable, and says so.
+        assert b.available or b.reason
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scattered", [False, True], ids=["run", "scattered"])
+def test_cuda_batched_dmas_equal_one_copy_each(scattered: bool) -> None:
+    """The same stores and loads with each slot's DMAs in one driver call and one ``copy_`` per
+    run move the same bytes; on a driver with the batched copy the copier uses it."""
+    from pagedkv.vllm.offload_dma import BatchDMA, batch_dma
+
+    g = torch.Generator().manual_seed(9)
+    nb, page, layers = 48, 4096, 3
+    tensors = [torch.randint(-128, 127, (nb, page), dtype=torch.int8, generator=g).cuda()
+               for _ in range(layers)]
+    rng = np.random.default_rng(9)
+    src = rng.permutation(24)[:16]  # the loads write blocks 24..47
+    chunks = rng.permutation(40)[:16] if scattered else np.arange(16) + 3
+    hosts = []
+    for batched in (True, False):
+        cp = ChunkCopier(tensors, [list(range(layers))], blocks_per_chunk=1, num_chunks=40,
+                         staging_chunks=8)
+        if batched:
+            assert cp.dma == ("batched" if batch_dma().available else "copy_")
+        else:
+            off = BatchDMA.__new__(BatchDMA)
+            off.available, off.reason = False, "test"
+            cp._batch = off
+            assert cp.dma == "copy_"
+        dst = np.arange(32, 48) if batched else np.arange(24, 40)
+        cp.store(1, src, [16], [0], chunks)
+        cp.load(2, chunks, dst, [16], [0])
+        cp.synchronize()
+        for t in tensors:
+            assert torch.equal(t[torch.from_numpy(dst).cuda()], t[torch.from_numpy(src).cuda()])
+        hosts.append(cp.host[torch.from_numpy(chunks)].clone())
+    assert torch.equal(hosts[0], hosts[1])

@@ -83,7 +83,8 @@ def activate_manager(*, also_manager_module: bool = False) -> type:
 
     Rebinds ``vllm.v1.core.sched.scheduler.KVCacheManager`` (the name ``Scheduler.__init__``
     calls) to :class:`~pagedkv.vllm.manager.DropInKVCacheManager`: pagedkv's manager (on the
-    pagedkv pool) for one KV cache group, vLLM's own manager for hybrid models. With
+    pagedkv pool; hybrid models run vLLM's per-group code over that pool), vLLM's own manager
+    for a model with no KV cache group. With
     ``also_manager_module``, ``vllm.v1.core.kv_cache_manager.KVCacheManager`` is rebound too
     (tests that build a manager directly). Idempotent; returns the class.
     """

@@ -31,8 +31,12 @@ Invariants:
   * A fast-path call leaves the pool, the tables and the caching state exactly as vLLM's code
     would (same blocks, same order, same return value); ``tests/test_vllm_manager.py`` replays
     traces on both managers and compares them step by step.
-  * More than one KV cache group is refused with ``InvalidConfigError`` naming the groups;
-    :class:`DropInKVCacheManager` then builds vLLM's own manager instead.
+  * A hybrid model (several KV cache groups: full attention beside sliding-window, chunked
+    local or Mamba layers) runs vLLM's coordinator and per-group managers over the pagedkv pool,
+    whose core keys every block by (vLLM's block hash, group id): the eviction order, the
+    reference counts and the prefix map of every group are the core's, the per-group tables
+    vLLM's (``fast`` is False). Only a configuration with no KV cache group is refused
+    (``InvalidConfigError``); :class:`DropInKVCacheManager` then builds vLLM's own manager.
 """
 
 from __future__ import annotations
@@ -67,13 +71,14 @@ def describe_groups(kv_cache_config: KVCacheConfig) -> str:
 
 
 def check_supported(kv_cache_config: KVCacheConfig) -> None:
-    """Raise ``InvalidConfigError`` for a configuration the manager refuses (hybrid models)."""
+    """Raise ``InvalidConfigError`` for a configuration the manager refuses: a model with no
+    KV cache group (attention-free), which has no blocks to manage."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
+    if not groups:
         raise InvalidConfigError(
-            f"pagedkv's vLLM KV cache manager takes exactly one KV cache group, got "
-            f"{len(groups)} ({describe_groups(kv_cache_config)}); hybrid models use vLLM's "
-            f"own manager"
+            "pagedkv's vLLM KV cache manager needs at least one KV cache group, got 0 (an "
+            "attention-free model); it uses vLLM's own manager",
+            field="kv_cache_groups", value=0, reason="at least one group",
         )
 
 
@@ -102,7 +107,8 @@ class PagedKVCacheManager(StockKVCacheManager):
         self._core = pool._core
         self._bs = stm.block_size
         self.fast = (
-            type(stm) is FullAttentionManager
+            len(coord.single_type_managers) == 1
+            and type(stm) is FullAttentionManager
             and stm.dcp_world_size == 1
             and stm.pcp_world_size == 1
             and getattr(coord, "num_reprefillable_tokens", 0) == 0
@@ -306,24 +312,34 @@ class PagedKVCacheManager(StockKVCacheManager):
     def check_coherence(self) -> None:
         """Every table's blocks are held by the core at least once per holder; the pool is
         coherent with its core (see :meth:`PagedKVBlockPool.check_coherence`)."""
-        counts: dict[int, int] = {}
-        for blocks in self._stm.req_to_blocks.values():
-            for b in blocks:
-                if not b.is_null:
-                    counts[b.block_id] = counts.get(b.block_id, 0) + 1
-        core = self._core
-        for bid, n in counts.items():
-            assert core.ref_count(bid) >= n, (
-                f"block {bid}: held by {n} requests, core count {core.ref_count(bid)}"
-            )
-            assert not core.is_free(bid), f"block {bid}: held by a request but free in the core"
+        core, pool = self._core, self._pool
+        # Per group: a group's tables take one reference per holder. Not checked: the tables of
+        # vLLM's host-backed sparse auxiliary groups (hot / resident pages), which keep pages
+        # after releasing them, as they do on vLLM's own pool, and blocks of another pool (the
+        # sparse source group's host pages), which that pool counts.
+        for g, stm in enumerate(self.coordinator.single_type_managers):
+            if any(c.__name__ == "_HiSparseAuxiliaryManager" for c in type(stm).__mro__):
+                continue
+            counts: dict[int, int] = {}
+            for blocks in stm.req_to_blocks.values():
+                for b in blocks:
+                    if not b.is_null and b.pool is pool:
+                        counts[b.block_id] = counts.get(b.block_id, 0) + 1
+            for bid, n in counts.items():
+                assert core.ref_count(bid) >= n, (
+                    f"group {g}, block {bid}: held by {n} requests, core count "
+                    f"{core.ref_count(bid)}"
+                )
+                assert not core.is_free(bid), (
+                    f"group {g}, block {bid}: held by a request but free in the core"
+                )
         self._pool.check_coherence()
 
 
 class DropInKVCacheManager(PagedKVCacheManager):
     """What the plugin binds as the scheduler's ``KVCacheManager``: pagedkv's manager where it
-    takes the configuration, vLLM's own (with vLLM's pool) where it refuses it (hybrid models),
-    with one warning naming the groups."""
+    takes the configuration, vLLM's own (with vLLM's pool) where it refuses it (no KV cache
+    group), with one warning saying why."""
 
     def __new__(cls, kv_cache_config: KVCacheConfig, *args: Any, **kwargs: Any) -> Any:
         try:

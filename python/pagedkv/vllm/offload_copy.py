@@ -25,8 +25,10 @@ transfer in a handful of large operations:
 - ``"pipelined"`` (the path on CUDA): a store gathers its GPU blocks, every tensor of a group
   in one Triton launch (:mod:`pagedkv.vllm.offload_kernels`, 8-byte words, at device
   bandwidth), into a device staging slot laid out as host chunks in ascending chunk order, and
-  moves each run of consecutive chunks with one ``copy_`` (one DMA) into the pinned pool; a load
-  is the mirror image (one DMA per run into a slot, one scatter launch per group). The staging
+  moves each run of consecutive chunks with one DMA into the pinned pool, all of a slot's DMAs
+  queued in one driver call (``cuMemcpyBatchAsync``, :mod:`pagedkv.vllm.offload_dma`; one
+  ``copy_`` per run where the driver has no batched copy); a load is the mirror image (the DMAs
+  into a slot, one scatter launch per group). The staging
   buffer (``staging_chunks`` per direction) is a ring of slots of at most :data:`PIECE_BYTES`;
   a transfer goes through it piece by piece, the gather (scatter) of one piece on its own stream
   overlapping the DMA of the one before, so a long transfer runs at the link's rate plus one
@@ -75,7 +77,7 @@ import numpy as np
 import torch
 
 from pagedkv.errors import InvalidArgumentError, InvalidConfigError
-from pagedkv.tiers.host import consecutive_runs
+from pagedkv.vllm.offload_dma import batch_dma
 
 __all__ = ["ChunkCopier", "Finished", "DEFAULT_STAGING_BYTES", "PIECE_BYTES", "PATHS",
            "DEFAULT_CUDA_PATH"]
@@ -228,8 +230,18 @@ class ChunkCopier:
             self._streams = {d: _NoStream() for d in names}
         self.staging_chunks = 0
         self.piece_chunks = 0
+        #: The driver's batched copy (CUDA): each piece's DMAs in one call where available.
+        self._batch = batch_dma()
         if self.path == "pipelined":
             self._init_kernel(staging_chunks)
+
+    @property
+    def dma(self) -> str:
+        """How the CUDA path issues its DMAs: ``"batched"`` (one driver call per staging slot) or
+        ``"copy_"`` (one per run of consecutive chunks); ``"none"`` off CUDA."""
+        if not self.is_cuda:
+            return "none"
+        return "batched" if self._batch.available else "copy_"
 
     def _check_path(self, path: Optional[str]) -> str:
         if path is None:
@@ -423,19 +435,45 @@ class ChunkCopier:
     def _pieces(self, plan: Plan, size: int) -> List[Tuple[np.ndarray, Plan]]:
         """Splits a plan into pieces of at most ``size`` distinct chunks: each piece is its
         ascending chunk ids and, per group, its entries with ``chunks`` replaced by rows of the
-        staging buffer."""
+        staging buffer (in the plan's order)."""
         all_chunks = np.unique(np.concatenate([c for _, _, c, _ in plan]))
-        out = []
-        for p0 in range(0, all_chunks.size, size):
-            ids = all_chunks[p0:p0 + size]
-            lo, hi = ids[0], ids[-1]
-            part = []
-            for g, blocks, chunks, subs in plan:
-                m = (chunks >= lo) & (chunks <= hi)
-                if m.any():
-                    part.append((g, blocks[m], np.searchsorted(ids, chunks[m]), subs[m]))
-            out.append((ids, part))
-        return out
+        npieces = -(-all_chunks.size // size)
+        parts: List[Plan] = [[] for _ in range(npieces)]
+        edges = np.arange(npieces + 1)
+        for g, blocks, chunks, subs in plan:
+            rank = np.searchsorted(all_chunks, chunks)
+            piece = rank // size
+            order = np.argsort(piece, kind="stable")
+            bounds = np.searchsorted(piece[order], edges).tolist()
+            b, r, s = blocks[order], (rank % size)[order], subs[order]
+            for p in range(npieces):
+                a, z = bounds[p], bounds[p + 1]
+                if z > a:
+                    parts[p].append((g, b[a:z], r[a:z], s[a:z]))
+        return [(all_chunks[p * size:(p + 1) * size], parts[p]) for p in range(npieces)]
+
+    def _dmas(self, stream: Any, ids: np.ndarray, buf: torch.Tensor, to_host: bool) -> None:
+        """Queues on ``stream`` the copies between the staging rows ``buf`` and the host chunks
+        ``ids`` (ascending, row ``i`` is chunk ``ids[i]``): one copy per run of consecutive
+        chunks, all in one driver call where the driver has one (:mod:`pagedkv.vllm.
+        offload_dma`), else one ``copy_`` each."""
+        cuts = np.flatnonzero(np.diff(ids) != 1) + 1
+        starts = np.concatenate(([0], cuts))
+        ends = np.concatenate((cuts, [ids.size]))
+        if self.is_cuda and self._batch.available:
+            cb = np.uint64(self.chunk_bytes)
+            host = np.uint64(self.host.data_ptr()) + ids[starts].astype(np.uint64) * cb
+            rows = np.uint64(buf.data_ptr()) + starts.astype(np.uint64) * cb
+            sizes = (ends - starts).astype(np.uint64) * cb
+            dst, src = (host, rows) if to_host else (rows, host)
+            if self._batch.copy(stream.cuda_stream, dst, src, sizes):
+                return
+        for a, z in zip(starts.tolist(), ends.tolist()):
+            c = int(ids[a])
+            if to_host:
+                self.host[c:c + z - a].copy_(buf[a:z], non_blocking=True)
+            else:
+                buf[a:z].copy_(self.host[c:c + z - a], non_blocking=True)
 
     def _indices(self, *arrays: np.ndarray) -> Tuple[torch.Tensor, ...]:
         """The index arrays on the device, in one pinned host-to-device copy on the current
@@ -504,9 +542,7 @@ class ChunkCopier:
                 cs.wait_event(gathered)
             buf = self._slot_bytes["store"][slot]
             with self._on(cs):
-                for a, z in consecutive_runs(ids):
-                    c = int(ids[a])
-                    self.host[c:c + z - a].copy_(buf[a:z], non_blocking=True)
+                self._dmas(cs, ids, buf, to_host=True)
             ev = self._record(cs)
             self._slot_free["store"][slot] = ev
         return ev
@@ -528,9 +564,7 @@ class ChunkCopier:
                 ls.wait_event(free)  # the slot's last piece is in the KV cache
             buf = self._slot_bytes["load"][slot]
             with self._on(ls):
-                for a, z in consecutive_runs(ids):
-                    c = int(ids[a])
-                    buf[a:z].copy_(self.host[c:c + z - a], non_blocking=True)
+                self._dmas(ls, ids, buf, to_host=False)
             loaded = self._record(ls)
             if loaded is not None:
                 ss.wait_event(loaded)
