@@ -10,6 +10,10 @@ key's token position (as the connector records them):
   ``on_request_finished``, in a tier with room for every prompt of the run (no eviction);
 - ``load``: ``on_new_request``, ``lookup`` of each of the 256 keys (all hits), ``prepare_load``,
   ``touch``, ``complete_load``, ``on_request_finished``;
+- ``load-scattered``: as ``load``, after a churn (every chunk touched alone in a random order,
+  then a quarter of a tier of new prompts stored), so each prompt's chunks are spread over the tier
+  instead of adjacent (vLLM's ARC sits this one out: after the churn it evicts each new prompt to
+  store the next);
 - ``evict``: as ``store``, in a tier full of ready chunks: each ``prepare_store`` evicts 256.
 
 Each manager is built with ``--chunks`` chunks (``store``: enough for the run) and warmed; the figure is the median over
@@ -29,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from typing import Any, Callable, Dict, List
@@ -41,6 +46,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=4096, help="chunks in the host tier")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0, help="the churn's shuffle (load-scattered)")
     ap.add_argument("--json", default="bench_vllm_offload.json")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -91,37 +97,56 @@ def main() -> None:
         return found
 
     def check(scenario: str, got: Any, keys: List[bytes]) -> None:
-        if scenario == "load":
+        if scenario.startswith("load"):
             assert len(got) == len(keys) and all(r is LookupResult.HIT for r in got)
         else:
             assert got is not None and len(got.keys_to_store) == len(keys)
 
     results: Dict[str, Dict[str, float]] = {}
-    for scenario in ("store", "load", "evict"):
+    for scenario in ("store", "load", "load-scattered", "evict"):
         if scenario == "store":
             n = (args.warmup + args.reps + 1) * nblk
             managers = {"pagedkv": PagedKVOffloadingManager(n, enable_events=True),
                         "vllm-lru": CPUOffloadingManager(n, "lru", enable_events=True),
                         "vllm-arc": CPUOffloadingManager(n, "arc", enable_events=True)}
         else:
-            managers = {name: b() for name, b in builders.items()}
+            # ARC sits out the scattered load: the churn's touches move every old chunk to its
+            # frequent list, so ARC evicts each new prompt to store the next one.
+            managers = {name: b() for name, b in builders.items()
+                        if not (scenario == "load-scattered" and name == "vllm-arc")}
         pools: Dict[str, List[List[bytes]]] = {name: [] for name in managers}
         # Setup: "load" and "evict" start from a tier full of ready chunks.
-        if scenario in ("load", "evict"):
+        if scenario in ("load", "load-scattered", "evict"):
             for _ in range(args.chunks // nblk):
                 keys = prompt_keys()
                 for name, m in managers.items():
                     store(m, keys, ctx(keys))
                     pools[name].append(keys)
+        if scenario == "load-scattered":
+            # Churn: every chunk touched on its own in a random order (the eviction order
+            # shuffled), then a quarter of a tier of new prompts stored: each takes its chunks from
+            # all over the tier, so a prompt's keys no longer sit in adjacent chunks.
+            shuffled = [k for p in pools["pagedkv"] for k in p]
+            random.Random(args.seed).shuffle(shuffled)
+            fresh = [prompt_keys() for _ in range(max(1, args.chunks // nblk // 4))]
+            for name, m in managers.items():
+                for k in shuffled:
+                    rc = ctx([k])
+                    m.on_new_request(rc)
+                    m.touch([k], rc)
+                    m.on_request_finished(rc)
+                for keys in fresh:
+                    store(m, keys, ctx(keys))
+                pools[name] = fresh
         times: Dict[str, List[float]] = {name: [] for name in managers}
         for rep in range(args.warmup + args.reps):
-            if scenario == "load":
+            if scenario.startswith("load"):
                 keys = pools["pagedkv"][rep % len(pools["pagedkv"])]
             else:
                 keys = prompt_keys()
             for name, m in managers.items():
                 rc = ctx(keys)
-                run = load if scenario == "load" else store
+                run = load if scenario.startswith("load") else store
                 t0 = time.perf_counter()
                 got = run(m, keys, rc)
                 t = time.perf_counter() - t0
@@ -132,12 +157,13 @@ def main() -> None:
 
     print(f"\nper {args.prompt_tokens}-token prompt ({nblk} blocks), {args.chunks}-chunk tier, "
           f"median of {args.reps}; us (us/block)")
-    print(f"{'scenario':<10}" + "".join(f"{n:>22}" for n in builders)
+    print(f"{'scenario':<15}" + "".join(f"{n:>22}" for n in builders)
           + "".join(f"{'x vs ' + n:>16}" for n in builders if n != "pagedkv"))
     for scenario, r in results.items():
-        row = f"{scenario:<10}" + "".join(
-            f"{r[n]:>12.1f} ({r[n] / nblk:6.2f})" for n in builders)
-        row += "".join(f"{r[n] / r['pagedkv']:>15.1f}x" for n in builders if n != "pagedkv")
+        row = f"{scenario:<15}" + "".join(
+            f"{r[n]:>12.1f} ({r[n] / nblk:6.2f})" if n in r else f"{'-':>22}" for n in builders)
+        row += "".join(f"{r[n] / r['pagedkv']:>15.1f}x" if n in r else f"{'-':>16}"
+                       for n in builders if n != "pagedkv")
         print(row)
     with open(args.json, "w") as f:
         json.dump({"prompt_tokens": args.prompt_tokens, "blocks": nblk, "chunks": args.chunks,

@@ -35,6 +35,13 @@
 //! of each key's chunk (an earlier call's resolution, [`OffloadIndex::last_chunks`]). A guess is
 //! taken only when the chunk's own key is that key, so hints make calls faster, never different.
 //!
+//! Lookups: a connector asks key by key, in prefix order, and a prefix's keys sit in adjacent
+//! chunks (a store takes its chunks in free-list order, and a completion frees a run of chunks
+//! together), so a lookup first compares the key with the chunks either side of the last hit,
+//! and probes the table only when neither holds it: the table's entry is then not read at all,
+//! and the neighbour's key slot is usually already in cache. "No two chunks hold equal keys"
+//! makes a chunk whose key matches the one answer.
+//!
 //! Invariants (checked by [`OffloadIndex::check_invariants`]):
 //! - a chunk is in the free list iff its count is zero; the list's own invariants hold;
 //! - every held chunk is keyed; a pending chunk is keyed and held exactly once; `num_pending`
@@ -182,6 +189,9 @@ pub struct OffloadIndex {
     stamp: Vec<i64>,
     tick: i64,
     stats: OffloadStats,
+    /// The chunk the last [`Self::lookup`] hit ([`NIL`]: none): its neighbours are the first
+    /// guesses for the next key (module docs, "Lookups").
+    last_hit: u32,
     // Scratch, reused across calls.
     found: Vec<u32>,
     hashes: Vec<u64>,
@@ -263,6 +273,7 @@ impl OffloadIndex {
             stamp: Vec::new(),
             tick: 0,
             stats: OffloadStats::default(),
+            last_hit: NIL,
             found: Vec::new(),
             hashes: Vec::new(),
             order: Vec::new(),
@@ -627,7 +638,10 @@ impl OffloadIndex {
     #[inline]
     pub fn lookup_chunk(&mut self, key: &[u8]) -> (Lookup, u32) {
         self.stats.lookups += 1;
-        let c = self.find(key, self.hash(key));
+        let mut c = self.neighbour_of_last_hit(key);
+        if c == NIL {
+            c = self.find(key, self.hash(key));
+        }
         let r = if c == NIL {
             Lookup::Miss
         } else if self.pending[c as usize] {
@@ -637,7 +651,27 @@ impl OffloadIndex {
             self.stats.hits += 1;
             Lookup::Hit
         };
+        if c != NIL {
+            self.last_hit = c;
+        }
         (r, c)
+    }
+
+    /// The chunk after or before the last hit when it is keyed `key`, else [`NIL`]. A key is
+    /// in one chunk at most, so a chunk whose key is `key` is the answer: a wrong guess costs
+    /// one comparison and never changes it.
+    #[inline]
+    fn neighbour_of_last_hit(&self, key: &[u8]) -> u32 {
+        let c = self.last_hit;
+        if c == NIL {
+            return NIL;
+        }
+        for g in [c.wrapping_add(1), c.wrapping_sub(1)] {
+            if g < self.num_chunks && self.key_bytes(g) == Some(key) {
+                return g;
+            }
+        }
+        NIL
     }
 
     /// Each key's chunk ([`NIL`] when absent) into `out` (cleared first); changes nothing.
@@ -1031,6 +1065,29 @@ mod tests {
 
     fn look(x: &mut OffloadIndex, i: u32) -> Lookup {
         x.lookup(&key(i))
+    }
+
+    #[test]
+    fn lookups_guess_the_last_hits_neighbours_and_stay_right() {
+        let mut x = OffloadIndex::with_seed(4, 3).unwrap();
+        let out = store(&mut x, &[10, 11, 12]);
+        assert_eq!(out.chunks, vec![0, 1, 2]);
+        complete(&mut x, &[10, 11, 12], true);
+        // In order and backwards: each answer from a neighbour of the last hit.
+        for i in [10, 11, 12, 11, 10] {
+            assert_eq!(x.lookup_chunk(&key(i)), (Lookup::Hit, i - 10));
+        }
+        // The neighbour loses its key (a failed store reuses it): no stale answer.
+        assert_eq!(x.lookup_chunk(&key(10)), (Lookup::Hit, 0));
+        let out = store(&mut x, &[20]);
+        assert_eq!(out.chunks, vec![3]);
+        complete(&mut x, &[20], false);
+        assert_eq!(look(&mut x, 20), Lookup::Miss);
+        assert_eq!(x.lookup_chunk(&key(12)), (Lookup::Hit, 2));
+        // A key held in a non-adjacent chunk is still found through the table.
+        assert_eq!(x.lookup_chunk(&key(10)), (Lookup::Hit, 0));
+        assert_eq!(look(&mut x, 99), Lookup::Miss);
+        x.check_invariants().unwrap();
     }
 
     #[test]
