@@ -398,13 +398,14 @@ def test_tracker_applies_each_batch_once_in_order_whatever_the_peer_says(
 # ====================================================================== block records
 
 _FAULTS = ("none", "trailing", "magic", "version", "fingerprint", "hash", "salt", "token_count",
-           "payload_len", "token_value", "unchecked_header", "payload_byte", "checksum_byte",
-           "truncate", "mac_byte")
+           "group", "payload_len", "token_value", "unchecked_header", "payload_byte",
+           "checksum_byte", "truncate", "mac_byte")
 #: Faults the identity checks see: the same reason whether or not the checksum was recomputed.
 _EXPECTED = {
     "none": Reason.OK, "trailing": Reason.OK, "magic": Reason.BAD_MAGIC,
     "version": Reason.BAD_VERSION, "fingerprint": Reason.FOREIGN, "hash": Reason.HASH_MISMATCH,
     "salt": Reason.SALT_MISMATCH, "token_count": Reason.TOKENS_MISMATCH,
+    "group": Reason.GROUP_MISMATCH,
     "payload_len": Reason.LENGTH_MISMATCH, "token_value": Reason.TOKENS_MISMATCH,
     "payload_byte": Reason.CHECKSUM, "checksum_byte": Reason.CHECKSUM,
     "truncate": Reason.TRUNCATED, "mac_byte": Reason.UNAUTHENTICATED,
@@ -449,6 +450,8 @@ def faulty_records(draw: Any, payload_size: Optional[int] = None, max_tokens: in
     elif fault == "token_count":  # up to 2**32-1: a reader must compare, never allocate
         bad = _other(draw, st.one_of(st.just(U32), st.integers(0, U32)), n)
         rec[72:76] = bad.to_bytes(4, "little")
+    elif fault == "group":  # the KV cache group the record names (bytes 76..80)
+        rec[76:80] = _other(draw, st.integers(0, U32), meta.group).to_bytes(4, "little")
     elif fault == "payload_len":  # up to 2**64-1
         rec[80:88] = _other(draw, st.one_of(st.just(U64), st.integers(0, U64)), size).to_bytes(
             8, "little")
@@ -456,8 +459,8 @@ def faulty_records(draw: Any, payload_size: Optional[int] = None, max_tokens: in
         i = draw(st.integers(0, n - 1))
         off = HEADER_BYTES + 4 * i
         rec[off:off + 4] = _other(draw, st.integers(0, U32), tokens[i]).to_bytes(4, "little")
-    elif fault == "unchecked_header":  # flags, parent hash, reserved: covered by the checksum only
-        off = draw(st.sampled_from([6, 7, *range(40, 56), *range(76, 80)]))
+    elif fault == "unchecked_header":  # flags, parent hash: covered by the checksum only
+        off = draw(st.sampled_from([6, 7, *range(40, 56)]))
         rec[off] ^= draw(st.integers(1, 255))
         expected = Reason.UNAUTHENTICATED if forge else Reason.CHECKSUM
     elif fault == "payload_byte":
@@ -572,7 +575,7 @@ def test_disk_slot_holding_a_faulty_record_is_a_miss_after_restart(
             # Corrupt slots are freed; a mismatch (another identity's valid block) is kept. A cut
             # record reads as zeros past the cut, which may be either.
             if fault != "truncate":
-                kept = fault in ("salt", "token_value") or (
+                kept = fault in ("salt", "group", "token_value") or (
                     # The scan indexes no record claiming more tokens than a slot holds.
                     fault == "token_count" and int.from_bytes(rec[72:76], "little") <= DISK_TOKENS)
                 assert s.contains(meta.block_hash) == kept, fault
