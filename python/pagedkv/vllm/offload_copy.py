@@ -77,6 +77,7 @@ import numpy as np
 import torch
 
 from pagedkv.errors import InvalidArgumentError, InvalidConfigError
+from pagedkv.tiers.host import run_bounds
 from pagedkv.vllm.offload_dma import batch_dma
 
 __all__ = ["ChunkCopier", "Finished", "DEFAULT_STAGING_BYTES", "PIECE_BYTES", "PATHS",
@@ -457,9 +458,7 @@ class ChunkCopier:
         ``ids`` (ascending, row ``i`` is chunk ``ids[i]``): one copy per run of consecutive
         chunks, all in one driver call where the driver has one (:mod:`pagedkv.vllm.
         offload_dma`), else one ``copy_`` each."""
-        cuts = np.flatnonzero(np.diff(ids) != 1) + 1
-        starts = np.concatenate(([0], cuts))
-        ends = np.concatenate((cuts, [ids.size]))
+        starts, ends = run_bounds(ids)
         if self.is_cuda and self._batch.available:
             cb = np.uint64(self.chunk_bytes)
             host = np.uint64(self.host.data_ptr()) + ids[starts].astype(np.uint64) * cb
