@@ -313,6 +313,7 @@ class _StoreTier(SecondaryTierManager):
         self._view = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 or \
             primary_kv_view.format != "B" else primary_kv_view
         self._chunk_bytes = self.block_size_bytes
+        self._zeros = bytes(self._chunk_bytes)
         self._num_chunks = self._view.nbytes // self._chunk_bytes
         #: The identity every record of this tier carries.
         self.fingerprint = layout_fingerprint(offloading_spec, self._chunk_bytes,
@@ -365,6 +366,10 @@ class _StoreTier(SecondaryTierManager):
         start = chunk * self._chunk_bytes
         return self._view[start : start + self._chunk_bytes]
 
+    def _zero(self, slot: memoryview) -> None:
+        """Clears a primary slot whose promotion failed: no unverified byte stays in it."""
+        slot[:] = self._zeros
+
     def _work(self) -> None:
         while True:
             task = self._tasks.get()
@@ -379,7 +384,7 @@ class _StoreTier(SecondaryTierManager):
                     if job.is_load:
                         ok = self.store.get_into(meta, slot)
                         if not ok:
-                            slot[:] = bytes(self._chunk_bytes)  # never leave unverified bytes
+                            self._zero(slot)
                     else:
                         ok = self.store.put(meta, slot)
                 except Exception:  # noqa: BLE001 - a failing store is a failed key, never a crash
@@ -387,7 +392,7 @@ class _StoreTier(SecondaryTierManager):
                                  "load" if job.is_load else "store", exc_info=True)
                     ok = False
                     if job.is_load:
-                        slot[:] = bytes(self._chunk_bytes)
+                        self._zero(slot)
                 job.ok[i] = ok
                 if ok:
                     moved += self._chunk_bytes
@@ -434,7 +439,7 @@ class _StoreTier(SecondaryTierManager):
                 # without blocking.
                 if is_load:
                     for i in range(bounds[p], bounds[p + 1]):
-                        self._slot(chunks[i])[:] = bytes(self._chunk_bytes)
+                        self._zero(self._slot(chunks[i]))
                 with self._idle:
                     job.rejected += bounds[p + 1] - bounds[p]
                 self._part_done(job, 0)
