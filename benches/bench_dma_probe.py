@@ -29,11 +29,8 @@ from typing import Callable, Dict, List
 import numpy as np
 import torch
 
-
-class MemcpyAttributes(ctypes.Structure):
-    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocType", ctypes.c_int),
-                ("srcLocId", ctypes.c_int), ("dstLocType", ctypes.c_int),
-                ("dstLocId", ctypes.c_int), ("flags", ctypes.c_uint)]
+# The driver's CUmemcpyAttributes, as the copier declares it.
+from pagedkv.vllm.offload_dma import _Attributes as MemcpyAttributes
 
 
 def driver() -> ctypes.CDLL:
