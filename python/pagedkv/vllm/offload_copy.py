@@ -32,7 +32,10 @@ transfer in a handful of large operations:
   buffer (``staging_chunks`` per direction) is a ring of slots of at most :data:`PIECE_BYTES`;
   a transfer goes through it piece by piece, the gather (scatter) of one piece on its own stream
   overlapping the DMA of the one before, so a long transfer runs at the link's rate plus one
-  piece's gather.
+  piece's gather. What a transfer pays before its first DMA is kept small: the split into
+  pieces is a fixed number of array operations over the whole transfer, the kernel entries are
+  written straight into a reused pinned buffer and reach the device in one copy, and a load
+  queues its first DMAs before that copy (they need no index).
 - ``"indexed"`` (the path on CPU tensors): one indexed assignment per tensor, synchronous.
 
 Measured and removed (docs/performance.md): the kernel writing and reading the pinned host pool
@@ -77,7 +80,6 @@ import numpy as np
 import torch
 
 from pagedkv.errors import InvalidArgumentError, InvalidConfigError
-from pagedkv.tiers.host import run_bounds
 from pagedkv.vllm.offload_dma import batch_dma
 
 __all__ = ["ChunkCopier", "Finished", "DEFAULT_STAGING_BYTES", "PIECE_BYTES", "PATHS",
@@ -114,6 +116,87 @@ class _Job:
     nbytes: int
     t0: float
     event: Any  # torch.cuda.Event or None (done at submit)
+
+
+@dataclass
+class _Pieces:
+    """One transfer split for the pipelined path (:meth:`ChunkCopier._split`).
+
+    ``uniq``: its distinct chunk ids, ascending; piece ``p`` is ``uniq[p * size:(p + 1) * size]``
+    and row ``i`` of its staging slot is chunk ``uniq[p * size + i]``. ``starts`` / ``ends``:
+    index ranges of ``uniq`` holding consecutive ids, cut at piece edges (one DMA each); piece
+    ``p``'s are ``run_edges[p]:run_edges[p + 1]``. ``cols``: int64 ``[3, n]`` kernel entries
+    (GPU block, staging row, sub-block), in (piece, group) order; ``spans[p]``: piece ``p``'s
+    ``(group, start, end)`` ranges of them.
+    """
+
+    uniq: np.ndarray
+    size: int
+    npieces: int
+    starts: np.ndarray
+    ends: np.ndarray
+    run_edges: List[int]
+    spans: List[List[Tuple[int, int, int]]]
+    cols: Optional[np.ndarray]
+    n: int
+    _addr: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None
+
+    def addresses(self, host_ptr: int, chunk_bytes: int) -> Tuple[np.ndarray, np.ndarray,
+                                                                     np.ndarray]:
+        """Per run, as uint64: its host address, its offset in its staging slot, its bytes."""
+        if self._addr is None:
+            cb = np.uint64(chunk_bytes)
+            self._addr = (np.uint64(host_ptr) + self.uniq[self.starts].astype(np.uint64) * cb,
+                          (self.starts % self.size).astype(np.uint64) * cb,
+                          (self.ends - self.starts).astype(np.uint64) * cb)
+        return self._addr
+
+
+class _IndexRing:
+    """Where one direction's kernel entries go to the device: pinned host buffers, each rewritten
+    only once the copy out of it has run (its event; a busy one is left to torch's caching host
+    allocator, which keeps it until that copy is done, and a new one is taken), and one device
+    buffer, written and read only on the direction's kernel stream (stream order protects it).
+    Saves the pinned allocation and the stacking copy a transfer otherwise pays before its first
+    launch."""
+
+    KEEP = 4
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._host: List[Tuple[torch.Tensor, Any]] = []
+        self._cur = -1
+        self._dev: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def _cap(n: int) -> int:
+        return max(1024, 1 << max(0, int(n) - 1).bit_length())
+
+    def host(self, n: int) -> np.ndarray:
+        """A free pinned buffer as an int64 ``[3, n]`` array to fill; :meth:`upload` sends it."""
+        for i, (buf, ev) in enumerate(self._host):
+            if buf.numel() >= 3 * n and (ev is None or ev.query()):
+                self._cur = i
+                return buf[:3 * n].numpy().reshape(3, n)
+        if len(self._host) >= self.KEEP:
+            self._host.pop(0)  # still being copied from: the caching host allocator keeps it
+        buf = torch.empty(3 * self._cap(n), dtype=torch.int64, pin_memory=True)
+        self._host.append((buf, None))
+        self._cur = len(self._host) - 1
+        return buf[:3 * n].numpy().reshape(3, n)
+
+    def upload(self, n: int) -> Tuple[torch.Tensor, ...]:
+        """The buffer :meth:`host` gave, copied to the device on the current stream: its three
+        rows there."""
+        buf, _ = self._host[self._cur]
+        if self._dev is None or self._dev.numel() < 3 * n:
+            self._dev = torch.empty(3 * self._cap(n), dtype=torch.int64, device=self.device)
+        dev = self._dev[:3 * n]
+        dev.copy_(buf[:3 * n], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._host[self._cur] = (buf, ev)
+        return dev[:n], dev[n:2 * n], dev[2 * n:]
 
 
 class _NoStream:
@@ -230,6 +313,7 @@ class ChunkCopier:
         else:
             self._streams = {d: _NoStream() for d in names}
         self.staging_chunks = 0
+        self._rings: Optional[Dict[str, _IndexRing]] = None
         self.piece_chunks = 0
         #: The driver's batched copy (CUDA): each piece's DMAs in one call where available.
         self._batch = batch_dma()
@@ -291,6 +375,9 @@ class ChunkCopier:
         self._slot_bytes = {d: list(s.unbind(0)) for d, s in stage.items()}
         self._slot_words = {d: [s.view(wdt) for s in v] for d, v in self._slot_bytes.items()}
         self._slot_next = {"store": 0, "load": 0}
+        #: Per direction, where the kernel entries go to the device (CUDA; None on CPU).
+        self._rings = ({d: _IndexRing(self.device) for d in ("store", "load")}
+                       if self.is_cuda else None)
         # The last event that used each slot (a DMA out of it, a scatter out of it).
         self._slot_free: Dict[str, List[Any]] = {"store": [None] * slots,
                                                  "load": [None] * slots}
@@ -408,12 +495,14 @@ class ChunkCopier:
             st = self._streams[last]
             st.wait_stream(self._caller())
             return self._record(st)
-        chunks = np.unique(np.concatenate([c for _, _, c, _ in plan]))
+        ring = self._rings[direction] if self._rings is not None else None
+        pcs = self._split(plan, self.piece_chunks, ring)
+        chunks = pcs.uniq
         before = None
         if chunks.size:
             before = self._events[other].get(int(self._last[other][chunks].max()))
         run = self._store_pipelined if direction == "store" else self._load_pipelined
-        ev = run(plan, before)
+        ev = run(pcs, ring, before)
         self._seq += 1
         if ev is not None:
             self._events[direction][self._seq] = ev
@@ -433,78 +522,90 @@ class ChunkCopier:
             for t in self.groups[g]:
                 self.rows[t].index_copy_(0, b, self.host_sections[t][c, s])
 
-    def _pieces(self, plan: Plan, size: int) -> List[Tuple[np.ndarray, Plan]]:
-        """Splits a plan into pieces of at most ``size`` distinct chunks: each piece is its
-        ascending chunk ids and, per group, its entries with ``chunks`` replaced by rows of the
-        staging buffer (in the plan's order)."""
-        all_chunks = np.unique(np.concatenate([c for _, _, c, _ in plan]))
-        npieces = -(-all_chunks.size // size)
-        parts: List[Plan] = [[] for _ in range(npieces)]
-        edges = np.arange(npieces + 1)
-        for g, blocks, chunks, subs in plan:
-            rank = np.searchsorted(all_chunks, chunks)
-            piece = rank // size
-            order = np.argsort(piece, kind="stable")
-            bounds = np.searchsorted(piece[order], edges).tolist()
-            b, r, s = blocks[order], (rank % size)[order], subs[order]
-            for p in range(npieces):
-                a, z = bounds[p], bounds[p + 1]
-                if z > a:
-                    parts[p].append((g, b[a:z], r[a:z], s[a:z]))
-        return [(all_chunks[p * size:(p + 1) * size], parts[p]) for p in range(npieces)]
+    def _split(self, plan: Plan, size: int, ring: Optional[_IndexRing]) -> _Pieces:
+        """The transfer in pieces of at most ``size`` distinct chunks (ascending chunk order),
+        computed whole in a fixed number of array operations (no per-piece or per-group pass
+        over the entries): its chunks, its DMA runs, and its kernel entries in (piece, group)
+        order (:class:`_Pieces`). The kernel entries are written straight into ``ring``'s
+        pinned buffer where there is one."""
+        if len(plan) == 1:
+            _, blocks, chunks, subs = plan[0]
+        else:
+            blocks = np.concatenate([b for _, b, _, _ in plan])
+            chunks = np.concatenate([c for _, _, c, _ in plan])
+            subs = np.concatenate([s for _, _, _, s in plan])
+        order = np.argsort(chunks, kind="stable")
+        ordered = chunks[order]
+        new = np.empty(ordered.size, dtype=bool)
+        new[:1] = True
+        np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
+        uniq = ordered[new]
+        rank = np.cumsum(new) - 1  # of each entry in sorted order
+        npieces = -(-uniq.size // size)
+        # DMA runs: consecutive chunk ids, cut at piece edges (a run is one DMA of one slot).
+        pos = np.arange(1, uniq.size)
+        cuts = np.flatnonzero((np.diff(uniq) != 1) | (pos % size == 0)) + 1
+        starts = np.concatenate(([0], cuts))
+        ends = np.concatenate((cuts, [uniq.size]))
+        run_edges = np.searchsorted(starts // size, np.arange(npieces + 1)).tolist()
+        spans: List[List[Tuple[int, int, int]]] = [[] for _ in range(npieces)]
+        tabled = [self._tables[g] is not None for g, _, _, _ in plan]
+        if not any(tabled):
+            return _Pieces(uniq, size, npieces, starts, ends, run_edges, spans, None, 0)
+        # Kernel entries sorted by (piece, group): by chunk already sorts them by piece.
+        key = rank // size
+        if len(plan) > 1:
+            gidx = np.repeat(np.arange(len(plan)), [len(b) for _, b, _, _ in plan])
+            key = key * len(plan) + gidx[order]
+            o2 = np.argsort(key, kind="stable")
+            order, rank, key = order[o2], rank[o2], key[o2]
+        n = int(order.size)
+        cols = ring.host(n) if ring is not None else np.empty((3, n), np.int64)
+        np.take(blocks, order, out=cols[0])
+        np.remainder(rank, size, out=cols[1])
+        np.take(subs, order, out=cols[2])
+        edges = np.searchsorted(key, np.arange(npieces * len(plan) + 1)).tolist()
+        k = 0
+        for p in range(npieces):
+            for (g, *_), tab in zip(plan, tabled):
+                a, z = edges[k], edges[k + 1]
+                if tab and z > a:
+                    spans[p].append((g, a, z))
+                k += 1
+        return _Pieces(uniq, size, npieces, starts, ends, run_edges, spans, cols, n)
 
-    def _dmas(self, stream: Any, ids: np.ndarray, buf: torch.Tensor, to_host: bool) -> None:
-        """Queues on ``stream`` the copies between the staging rows ``buf`` and the host chunks
-        ``ids`` (ascending, row ``i`` is chunk ``ids[i]``): one copy per run of consecutive
-        chunks, all in one driver call where the driver has one (:mod:`pagedkv.vllm.
-        offload_dma`), else one ``copy_`` each."""
-        starts, ends = run_bounds(ids)
+    def _dmas(self, stream: Any, pcs: _Pieces, p: int, buf: torch.Tensor,
+              to_host: bool) -> None:
+        """Queues on ``stream`` the copies of piece ``p`` between the staging rows ``buf`` and
+        its host chunks (row ``i`` is the piece's ``i``-th chunk): one copy per run of
+        consecutive chunks, all in one driver call where the driver has one
+        (:mod:`pagedkv.vllm.offload_dma`), else one ``copy_`` each."""
+        lo, hi = pcs.run_edges[p], pcs.run_edges[p + 1]
+        first = p * self.piece_chunks
         if self.is_cuda and self._batch.available:
-            cb = np.uint64(self.chunk_bytes)
-            host = np.uint64(self.host.data_ptr()) + ids[starts].astype(np.uint64) * cb
-            rows = np.uint64(buf.data_ptr()) + starts.astype(np.uint64) * cb
-            sizes = (ends - starts).astype(np.uint64) * cb
+            host, rows, sizes = pcs.addresses(self.host.data_ptr(), self.chunk_bytes)
+            rows = rows[lo:hi] + np.uint64(buf.data_ptr())
+            host = host[lo:hi]
             dst, src = (host, rows) if to_host else (rows, host)
-            if self._batch.copy(stream.cuda_stream, dst, src, sizes):
+            if self._batch.copy(stream.cuda_stream, dst, src, sizes[lo:hi]):
                 return
-        for a, z in zip(starts.tolist(), ends.tolist()):
-            c = int(ids[a])
+        for a, z in zip(pcs.starts[lo:hi].tolist(), pcs.ends[lo:hi].tolist()):
+            c = int(pcs.uniq[a])
+            ra, rz = a - first, z - first
             if to_host:
-                self.host[c:c + z - a].copy_(buf[a:z], non_blocking=True)
+                self.host[c:c + z - a].copy_(buf[ra:rz], non_blocking=True)
             else:
-                buf[a:z].copy_(self.host[c:c + z - a], non_blocking=True)
+                buf[ra:rz].copy_(self.host[c:c + z - a], non_blocking=True)
 
-    def _indices(self, *arrays: np.ndarray) -> Tuple[torch.Tensor, ...]:
-        """The index arrays on the device, in one pinned host-to-device copy on the current
-        stream (pinned through torch's caching host allocator, which keeps the buffer until the
-        copy has run)."""
-        host = torch.from_numpy(np.stack(arrays).astype(np.int64, copy=False))
-        if not self.is_cuda:
-            return tuple(host.unbind(0))
-        return tuple(host.pin_memory().to(self.device, non_blocking=True).unbind(0))
-
-    def _upload(self, parts: List[Plan]) -> Tuple[Tuple[torch.Tensor, ...],
-                                                  List[List[Tuple[int, int, int]]]]:
-        """Every entry of ``parts`` (lists of ``(group, blocks, rows, subs)``) on the device in
-        one copy on the current stream: the ``blocks``, ``rows``, ``subs`` tensors and, per part,
-        each group's ``(group, start, end)`` in them."""
-        spans: List[List[Tuple[int, int, int]]] = []
-        cols: List[List[np.ndarray]] = [[], [], []]
-        n = 0
-        for part in parts:
-            sp = []
-            for g, b, r, s in part:
-                if self._tables[g] is None:
-                    continue
-                sp.append((g, n, n + len(b)))
-                n += len(b)
-                for col, a in zip(cols, (b, r, s)):
-                    col.append(a)
-            spans.append(sp)
-        if n == 0:
+    def _upload(self, pcs: _Pieces, ring: Optional[_IndexRing]) -> Tuple[torch.Tensor, ...]:
+        """The kernel entries of ``pcs`` on the device (``blocks``, ``rows``, ``subs``), in one
+        copy on the current stream from the pinned index ring (CUDA)."""
+        if pcs.cols is None:
             e = torch.empty(0, dtype=torch.int64, device=self.device)
-            return (e, e, e), spans
-        return self._indices(*(np.concatenate(c) for c in cols)), spans
+            return e, e, e
+        if ring is None:
+            return tuple(torch.from_numpy(pcs.cols).unbind(0))
+        return ring.upload(pcs.n)
 
     def _launch(self, idx: Tuple[torch.Tensor, ...], spans: List[Tuple[int, int, int]],
                 chunk_base: torch.Tensor, to_chunks: bool) -> None:
@@ -519,56 +620,54 @@ class ChunkCopier:
 
     # -- pipelined: gather into a staging slot, DMA out; DMA into a slot, scatter
 
-    def _store_pipelined(self, plan: Plan, before: Any) -> Any:
+    def _store_pipelined(self, pcs: _Pieces, ring: Optional[_IndexRing], before: Any) -> Any:
         gs, cs = self._streams["gather"], self._streams["store"]
         gs.wait_stream(self._caller())  # the blocks hold what the caller's queued work wrote
         if before is not None:
             cs.wait_event(before)  # loads still reading these host chunks
-        pieces = self._pieces(plan, self.piece_chunks)
         with self._on(gs):
-            idx, spans = self._upload([part for _, part in pieces])
+            idx = self._upload(pcs, ring)
         ev = None
-        for (ids, _), sp in zip(pieces, spans):
+        for p in range(pcs.npieces):
             slot = self._slot_next["store"]
             self._slot_next["store"] = (slot + 1) % self._slots
             free = self._slot_free["store"][slot]
             if free is not None:
                 gs.wait_event(free)  # the slot's last piece has left
             with self._on(gs):
-                self._launch(idx, sp, self._slot_words["store"][slot], True)
+                self._launch(idx, pcs.spans[p], self._slot_words["store"][slot], True)
             gathered = self._record(gs)
             if gathered is not None:
                 cs.wait_event(gathered)
-            buf = self._slot_bytes["store"][slot]
             with self._on(cs):
-                self._dmas(cs, ids, buf, to_host=True)
+                self._dmas(cs, pcs, p, self._slot_bytes["store"][slot], to_host=True)
             ev = self._record(cs)
             self._slot_free["store"][slot] = ev
         return ev
 
-    def _load_pipelined(self, plan: Plan, before: Any) -> Any:
+    def _load_pipelined(self, pcs: _Pieces, ring: Optional[_IndexRing], before: Any) -> Any:
         ls, ss = self._streams["load"], self._streams["scatter"]
         if before is not None:
             ls.wait_event(before)  # stores still writing these host chunks
         ss.wait_stream(self._caller())  # queued work may still read the blocks this overwrites
-        pieces = self._pieces(plan, self.piece_chunks)
-        with self._on(ss):
-            idx, spans = self._upload([part for _, part in pieces])
+        idx: Optional[Tuple[torch.Tensor, ...]] = None
         ev = None
-        for (ids, _), sp in zip(pieces, spans):
+        for p in range(pcs.npieces):
             slot = self._slot_next["load"]
             self._slot_next["load"] = (slot + 1) % self._slots
             free = self._slot_free["load"][slot]
             if free is not None:
                 ls.wait_event(free)  # the slot's last piece is in the KV cache
-            buf = self._slot_bytes["load"][slot]
             with self._on(ls):
-                self._dmas(ls, ids, buf, to_host=False)
+                self._dmas(ls, pcs, p, self._slot_bytes["load"][slot], to_host=False)
+            if idx is None:  # after the first DMAs are queued: they need no index
+                with self._on(ss):
+                    idx = self._upload(pcs, ring)
             loaded = self._record(ls)
             if loaded is not None:
                 ss.wait_event(loaded)
             with self._on(ss):
-                self._launch(idx, sp, self._slot_words["load"][slot], False)
+                self._launch(idx, pcs.spans[p], self._slot_words["load"][slot], False)
             ev = self._record(ss)
             self._slot_free["load"][slot] = ev
         return ev
