@@ -359,3 +359,87 @@ def test_cuda_batched_dmas_equal_one_copy_each(scattered: bool) -> None:
             assert torch.equal(t[torch.from_numpy(dst).cuda()], t[torch.from_numpy(src).cuda()])
         hosts.append(cp.host[torch.from_numpy(chunks)].clone())
     assert torch.equal(hosts[0], hosts[1])
+
+
+@_kernel_cpu
+@pytest.mark.parametrize("seed", range(6))
+def test_piece_split_covers_each_entry_once_in_piece_order(seed: int) -> None:
+    """The pipelined path's split of a transfer (two groups, a partial first chunk, scattered
+    and consecutive chunk ids, pieces of 1-5 chunks): the DMA runs are consecutive ids inside one
+    piece and cover the chunks once; the kernel entries cover every block once, piece by piece,
+    each naming its block, its chunk's row in the piece's slot and its sub-block."""
+    rng = np.random.default_rng(seed)
+    tensors, cp = make(bpc=2, chunks=40, path="pipelined")
+    for _ in range(20):
+        sizes = [int(rng.integers(0, 9)), int(rng.integers(0, 9))]
+        if sum(sizes) == 0:
+            continue
+        idx = [int(rng.integers(0, 4)), int(rng.integers(0, 4))]
+        nc = sum(-(-((i % 2) + n) // 2) for n, i in zip(sizes, idx) if n)
+        chunks = (rng.choice(40, size=nc, replace=False) if rng.random() < 0.5
+                  else np.arange(nc) + int(rng.integers(0, 40 - nc + 1)))
+        blocks = rng.choice(NUM_BLOCKS, size=sum(sizes), replace=True)
+        plan = cp.plan(blocks, sizes, idx, chunks)
+        size = int(rng.integers(1, 6))
+        pcs = cp._split(plan, size, None)
+        assert pcs.uniq.tolist() == sorted(set(chunks.tolist()))
+        assert pcs.npieces == -(-pcs.uniq.size // size)
+        covered = []
+        for p in range(pcs.npieces):
+            for a, z in zip(pcs.starts[pcs.run_edges[p]:pcs.run_edges[p + 1]].tolist(),
+                            pcs.ends[pcs.run_edges[p]:pcs.run_edges[p + 1]].tolist()):
+                assert p * size <= a < z <= (p + 1) * size
+                assert np.all(np.diff(pcs.uniq[a:z]) == 1)
+                covered += list(range(a, z))
+        assert covered == list(range(pcs.uniq.size))
+        want = sorted((g, int(b), int(c), int(s)) for g, bs, cs, ss in plan
+                      for b, c, s in zip(bs, cs, ss))
+        got = []
+        last = -1
+        assert pcs.cols is not None
+        for p, spans in enumerate(pcs.spans):
+            for g, a, z in spans:
+                assert a >= last
+                last = z
+                for b, r, s in pcs.cols[:, a:z].T.tolist():
+                    assert 0 <= r < size
+                    got.append((g, b, int(pcs.uniq[p * size + r]), s))
+        assert sorted(got) == want
+
+
+@pytest.mark.gpu
+def test_cuda_index_buffers_reused_grown_and_never_overwritten_early() -> None:
+    """Many transfers queued without a wait, of growing size (past the index buffers' first
+    capacity), each behind a long kernel on the caller's stream: the pinned index buffers still
+    being copied from are not rewritten (new ones are taken), and every block arrives."""
+    g = torch.Generator().manual_seed(11)
+    nb, page = 3000, 256
+    tensors = [torch.randint(-128, 127, (nb, page), dtype=torch.int8, generator=g).cuda()
+               for _ in range(2)]
+    cp = ChunkCopier(tensors, [[0, 1]], blocks_per_chunk=1, num_chunks=3000, staging_chunks=64)
+    rng = np.random.default_rng(11)
+    busy = torch.randn(4096, 4096, device="cuda")
+    sent = []
+    for k, n in enumerate((10, 700, 1500, 40, 1400, 5)):
+        busy = busy @ busy  # the caller's queued work: the transfer waits for it
+        busy /= busy.norm()
+        src = rng.choice(nb, size=n, replace=False)
+        chunks = rng.choice(3000, size=n, replace=False)
+        want = [t[torch.from_numpy(src).cuda()].clone() for t in tensors]
+        cp.store(k, src, [n], [0], chunks)
+        sent.append((chunks, want))
+    cp.synchronize()
+    ring = cp._rings["store"]
+    assert 1 <= len(ring._host) <= ring.KEEP
+    for k, (chunks, want) in enumerate(sent):
+        # Only the last store of each chunk counts: check chunks no later store wrote.
+        later = {c for cs, _ in sent[k + 1:] for c in cs.tolist()}
+        keep = np.array([i for i, c in enumerate(chunks.tolist()) if c not in later])
+        if keep.size == 0:
+            continue
+        blocks = np.arange(keep.size)
+        cp.load(100 + k, chunks[keep], blocks, [keep.size], [0])
+        cp.synchronize()
+        sel = torch.from_numpy(keep).cuda()
+        for t, w in zip(tensors, want):
+            assert torch.equal(t[:keep.size], w[sel])
