@@ -361,7 +361,6 @@ def test_cuda_batched_dmas_equal_one_copy_each(scattered: bool) -> None:
     assert torch.equal(hosts[0], hosts[1])
 
 
-@_kernel_cpu
 @pytest.mark.parametrize("seed", range(6))
 def test_piece_split_covers_each_entry_once_in_piece_order(seed: int) -> None:
     """The pipelined path's split of a transfer (two groups, a partial first chunk, scattered
@@ -369,7 +368,7 @@ def test_piece_split_covers_each_entry_once_in_piece_order(seed: int) -> None:
     piece and cover the chunks once; the kernel entries cover every block once, piece by piece,
     each naming its block, its chunk's row in the piece's slot and its sub-block."""
     rng = np.random.default_rng(seed)
-    tensors, cp = make(bpc=2, chunks=40, path="pipelined")
+    tensors, cp = make(bpc=2, chunks=40)
     for _ in range(20):
         sizes = [int(rng.integers(0, 9)), int(rng.integers(0, 9))]
         if sum(sizes) == 0:
@@ -381,16 +380,16 @@ def test_piece_split_covers_each_entry_once_in_piece_order(seed: int) -> None:
         blocks = rng.choice(NUM_BLOCKS, size=sum(sizes), replace=True)
         plan = cp.plan(blocks, sizes, idx, chunks)
         size = int(rng.integers(1, 6))
-        pcs = cp._split(plan, size, None)
+        pcs = cp._split(blocks, sizes, idx, chunks, size, None, len(blocks))
         assert pcs.uniq.tolist() == sorted(set(chunks.tolist()))
         assert pcs.npieces == -(-pcs.uniq.size // size)
         covered = []
         for p in range(pcs.npieces):
-            for a, z in zip(pcs.starts[pcs.run_edges[p]:pcs.run_edges[p + 1]].tolist(),
-                            pcs.ends[pcs.run_edges[p]:pcs.run_edges[p + 1]].tolist()):
-                assert p * size <= a < z <= (p + 1) * size
-                assert np.all(np.diff(pcs.uniq[a:z]) == 1)
-                covered += list(range(a, z))
+            for c, r, k in pcs.runs[pcs.run_edges[p]:pcs.run_edges[p + 1]].tolist():
+                a = p * size + r
+                assert k >= 1 and 0 <= r and r + k <= size
+                assert pcs.uniq[a:a + k].tolist() == list(range(c, c + k))
+                covered += list(range(a, a + k))
         assert covered == list(range(pcs.uniq.size))
         want = sorted((g, int(b), int(c), int(s)) for g, bs, cs, ss in plan
                       for b, c, s in zip(bs, cs, ss))
@@ -409,28 +408,29 @@ def test_piece_split_covers_each_entry_once_in_piece_order(seed: int) -> None:
 
 @pytest.mark.gpu
 def test_cuda_index_buffers_reused_grown_and_never_overwritten_early() -> None:
-    """Many transfers queued without a wait, of growing size (past the index buffers' first
-    capacity), each behind a long kernel on the caller's stream: the pinned index buffers still
-    being copied from are not rewritten (new ones are taken), and every block arrives."""
+    """Transfers of growing size (past the index buffers' first capacity) queued without a
+    wait behind long work on the caller's stream: the pinned index buffers still to be copied
+    from are not rewritten (each transfer takes a new one), and every block arrives."""
     g = torch.Generator().manual_seed(11)
     nb, page = 3000, 256
     tensors = [torch.randint(-128, 127, (nb, page), dtype=torch.int8, generator=g).cuda()
                for _ in range(2)]
     cp = ChunkCopier(tensors, [[0, 1]], blocks_per_chunk=1, num_chunks=3000, staging_chunks=64)
     rng = np.random.default_rng(11)
-    busy = torch.randn(4096, 4096, device="cuda")
+    sizes = (10, 700, 1500, 40, 1400, 5)
+    srcs = [rng.choice(nb, size=n, replace=False) for n in sizes]
+    wants = [[t[torch.from_numpy(src).cuda()].clone() for t in tensors] for src in srcs]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # the caller's queued work (~0.1 s): every store waits for it
     sent = []
-    for k, n in enumerate((10, 700, 1500, 40, 1400, 5)):
-        busy = busy @ busy  # the caller's queued work: the transfer waits for it
-        busy /= busy.norm()
-        src = rng.choice(nb, size=n, replace=False)
+    for k, (n, src, want) in enumerate(zip(sizes, srcs, wants)):
         chunks = rng.choice(3000, size=n, replace=False)
-        want = [t[torch.from_numpy(src).cuda()].clone() for t in tensors]
         cp.store(k, src, [n], [0], chunks)
         sent.append((chunks, want))
+    # Every store was queued while the ones before it still waited: no index buffer was free,
+    # so each took its own (one rewritten early would have sent other blocks).
+    assert len(cp._rings["store"]._bufs) == len(sizes)
     cp.synchronize()
-    ring = cp._rings["store"]
-    assert 1 <= len(ring._host) <= ring.KEEP
     for k, (chunks, want) in enumerate(sent):
         # Only the last store of each chunk counts: check chunks no later store wrote.
         later = {c for cs, _ in sent[k + 1:] for c in cs.tolist()}

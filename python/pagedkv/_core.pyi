@@ -397,6 +397,31 @@ def plan_decode(
     writable, C-contiguous, native int32 array (``BufferInvalidError`` otherwise) long enough
     for the items and ``capacity`` (``BufferTooSmallError``); nothing is written on an error."""
 
+def split_transfer(
+    block_ids: _Ids,
+    group_sizes: _Ids,
+    block_indices: _Ids,
+    chunk_ids: _Ids,
+    tabled: Sequence[bool],
+    blocks_per_chunk: int,
+    num_blocks: int,
+    num_chunks: int,
+    piece: int,
+    out: npt.NDArray[np.int64],
+) -> Tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], list[int],
+           list[list[Tuple[int, int, int]]], int]:
+    """Checks one transfer of the vLLM offloading copier whole and splits it into staging
+    pieces of at most ``piece`` chunks (``pagedkv.vllm.offload_copy``): returns the distinct
+    chunk ids ascending, the DMA runs ``[runs, 3]`` (first chunk id, first row in its piece's
+    slot, chunk count; consecutive ids inside one piece), per piece the start of its runs
+    (``pieces + 1`` values), per piece its ``(group, start, end)`` spans of the kernel entries,
+    and the entry count ``n``. The entries (one per block of a group with ``tabled`` true:
+    GPU block, row in its piece's slot, sub-block; sorted by piece, then group) go into
+    ``out[:n]``, ``out[n:2n]``, ``out[2n:3n]``. ``InvalidArgumentError`` (``what``:
+    ``group_sizes``, ``block_ids``, ``chunk_ids``, ``piece`` or ``out``) for a transfer that does
+    not add up or an id out of range, ``BufferInvalidError`` for an ``out`` that is not a
+    writable, C-contiguous int64 array; nothing is written on an error."""
+
 def bytes_per_token(kv_heads: int, head_dim: int, dtype_bytes: int, layers: int) -> int:
     """``2 * kv_heads * head_dim * dtype_bytes * layers`` (InvalidArgumentError past 64 bits)."""
 

@@ -32,10 +32,11 @@ transfer in a handful of large operations:
   buffer (``staging_chunks`` per direction) is a ring of slots of at most :data:`PIECE_BYTES`;
   a transfer goes through it piece by piece, the gather (scatter) of one piece on its own stream
   overlapping the DMA of the one before, so a long transfer runs at the link's rate plus one
-  piece's gather. What a transfer pays before its first DMA is kept small: the split into
-  pieces is a fixed number of array operations over the whole transfer, the kernel entries are
-  written straight into a reused pinned buffer and reach the device in one copy, and a load
-  queues its first DMAs before that copy (they need no index).
+  piece's gather. What a transfer pays before its first DMA is kept small: the check of the
+  transfer and its split into pieces are one call into the core
+  (``_core.split_transfer``), which writes the kernel entries straight into a reused pinned
+  buffer, they reach the device in one copy, and a load queues its first DMAs before that copy
+  (they need no index).
 - ``"indexed"`` (the path on CPU tensors): one indexed assignment per tensor, synchronous.
 
 Measured and removed (docs/performance.md): the kernel writing and reading the pinned host pool
@@ -79,7 +80,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from pagedkv.errors import InvalidArgumentError, InvalidConfigError
+from pagedkv import _core
+from pagedkv.errors import InvalidConfigError
 from pagedkv.vllm.offload_dma import batch_dma
 
 __all__ = ["ChunkCopier", "Finished", "DEFAULT_STAGING_BYTES", "PIECE_BYTES", "PATHS",
@@ -120,21 +122,21 @@ class _Job:
 
 @dataclass
 class _Pieces:
-    """One transfer split for the pipelined path (:meth:`ChunkCopier._split`).
+    """One transfer checked and split for the pipelined path by the core
+    (``_core.split_transfer``; :meth:`ChunkCopier._split`).
 
     ``uniq``: its distinct chunk ids, ascending; piece ``p`` is ``uniq[p * size:(p + 1) * size]``
-    and row ``i`` of its staging slot is chunk ``uniq[p * size + i]``. ``starts`` / ``ends``:
-    index ranges of ``uniq`` holding consecutive ids, cut at piece edges (one DMA each); piece
-    ``p``'s are ``run_edges[p]:run_edges[p + 1]``. ``cols``: int64 ``[3, n]`` kernel entries
-    (GPU block, staging row, sub-block), in (piece, group) order; ``spans[p]``: piece ``p``'s
-    ``(group, start, end)`` ranges of them.
+    and row ``i`` of its staging slot is chunk ``uniq[p * size + i]``. ``runs``: ``[runs, 3]``
+    (first chunk id, first row in its piece's slot, chunk count), consecutive ids inside one
+    piece, one DMA each; piece ``p``'s are ``run_edges[p]:run_edges[p + 1]``. ``cols``: int64
+    ``[3, n]`` kernel entries (GPU block, staging row, sub-block), in (piece, group) order;
+    ``spans[p]``: piece ``p``'s ``(group, start, end)`` ranges of them.
     """
 
     uniq: np.ndarray
     size: int
     npieces: int
-    starts: np.ndarray
-    ends: np.ndarray
+    runs: np.ndarray
     run_edges: List[int]
     spans: List[List[Tuple[int, int, int]]]
     cols: Optional[np.ndarray]
@@ -146,25 +148,24 @@ class _Pieces:
         """Per run, as uint64: its host address, its offset in its staging slot, its bytes."""
         if self._addr is None:
             cb = np.uint64(chunk_bytes)
-            self._addr = (np.uint64(host_ptr) + self.uniq[self.starts].astype(np.uint64) * cb,
-                          (self.starts % self.size).astype(np.uint64) * cb,
-                          (self.ends - self.starts).astype(np.uint64) * cb)
+            self._addr = (np.uint64(host_ptr) + self.runs[:, 0] * cb, self.runs[:, 1] * cb,
+                          self.runs[:, 2] * cb)
         return self._addr
 
 
 class _IndexRing:
-    """Where one direction's kernel entries go to the device: pinned host buffers, each rewritten
-    only once the copy out of it has run (its event; a busy one is left to torch's caching host
-    allocator, which keeps it until that copy is done, and a new one is taken), and one device
-    buffer, written and read only on the direction's kernel stream (stream order protects it).
-    Saves the pinned allocation and the stacking copy a transfer otherwise pays before its first
-    launch."""
-
-    KEEP = 4
+    """Where one direction's kernel entries go to the device: pinned host buffers, each
+    rewritten only once the transfer that used it has completed (its final event; a busy one is
+    kept and a new one taken, so none is freed or rewritten while its copy may still be
+    queued), and one device buffer, written and read only on the direction's kernel stream
+    (stream order protects it). Saves the pinned allocation and the stacking copy a transfer
+    would otherwise pay before its first launch. (Letting the kernels read the entries from the
+    pinned buffer itself, with no copy, was measured and dropped: the reads over the link made
+    the gathers and scatters two to three times slower.)"""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._host: List[Tuple[torch.Tensor, Any]] = []
+        self._bufs: List[Tuple[torch.Tensor, Any]] = []
         self._cur = -1
         self._dev: Optional[torch.Tensor] = None
 
@@ -173,31 +174,34 @@ class _IndexRing:
         return max(1024, 1 << max(0, int(n) - 1).bit_length())
 
     def host(self, n: int) -> np.ndarray:
-        """A free pinned buffer as an int64 ``[3, n]`` array to fill; :meth:`upload` sends it."""
-        for i, (buf, ev) in enumerate(self._host):
+        """A free pinned buffer of at least ``3 * n`` int64 values, as a flat array to fill;
+        :meth:`upload` copies it to the device, :meth:`release` marks it busy until an event."""
+        bufs = self._bufs
+        for i, (buf, ev) in enumerate(bufs):
             if buf.numel() >= 3 * n and (ev is None or ev.query()):
                 self._cur = i
-                return buf[:3 * n].numpy().reshape(3, n)
-        if len(self._host) >= self.KEEP:
-            self._host.pop(0)  # still being copied from: the caching host allocator keeps it
+                return buf.numpy()
+        # None free and large enough: drop the free ones too small, keep the busy ones.
+        self._bufs = [(b, e) for b, e in bufs if e is not None and not e.query()]
         buf = torch.empty(3 * self._cap(n), dtype=torch.int64, pin_memory=True)
-        self._host.append((buf, None))
-        self._cur = len(self._host) - 1
-        return buf[:3 * n].numpy().reshape(3, n)
+        self._bufs.append((buf, None))
+        self._cur = len(self._bufs) - 1
+        return buf.numpy()
 
     def upload(self, n: int) -> Tuple[torch.Tensor, ...]:
-        """The buffer :meth:`host` gave, copied to the device on the current stream: its three
-        rows there."""
-        buf, _ = self._host[self._cur]
+        """The first ``3 * n`` values of the buffer :meth:`host` gave, copied to the device on
+        the current stream: its three rows there."""
+        buf, _ = self._bufs[self._cur]
         if self._dev is None or self._dev.numel() < 3 * n:
             self._dev = torch.empty(3 * self._cap(n), dtype=torch.int64, device=self.device)
         dev = self._dev[:3 * n]
         dev.copy_(buf[:3 * n], non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        self._host[self._cur] = (buf, ev)
         return dev[:n], dev[n:2 * n], dev[2 * n:]
 
+    def release(self, event: Any) -> None:
+        """The buffer :meth:`host` gave stays busy until ``event`` (the transfer's last)."""
+        buf, _ = self._bufs[self._cur]
+        self._bufs[self._cur] = (buf, event)
 
 class _NoStream:
     """Stands in for a CUDA stream where copies are synchronous (CPU tensors)."""
@@ -271,6 +275,9 @@ class ChunkCopier:
             self.groups.append(ts)
         self.bpc = blocks_per_chunk
         self.num_chunks = num_chunks
+        #: Per group, whether it has tensors, and its bytes per block.
+        self._has_tensors = [bool(ts) for ts in self.groups]
+        self._group_bytes = [sum(self.page_bytes[t] for t in ts) for ts in self.groups]
         self.offsets: List[int] = []
         off = 0
         for pb in self.page_bytes:
@@ -386,89 +393,63 @@ class ChunkCopier:
 
     def plan(self, block_ids: Any, group_sizes: Sequence[int], block_indices: Sequence[int],
              chunk_ids: Any) -> Plan:
-        """Per group with blocks: ``(group, gpu_blocks, chunks, sub_blocks)``, one entry per
-        block, after checking every id and count.
+        """Per group with tensors and blocks: ``(group, gpu_blocks, chunks, sub_blocks)``, one
+        entry per block, after checking every id and count (the core's check, as for the
+        pipelined path).
 
         Raises:
             InvalidArgumentError: Counts that do not add up, or an id out of range.
         """
-        blocks = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-        chunks = np.asarray(chunk_ids, dtype=np.int64).reshape(-1)
-        if len(group_sizes) != len(self.groups) or len(block_indices) != len(self.groups):
-            raise InvalidArgumentError(
-                f"invalid argument: {len(group_sizes)} group sizes and {len(block_indices)} "
-                f"block indices for {len(self.groups)} groups", what="group_sizes",
-                value=len(group_sizes), reason="one per KV cache group")
-        if int(sum(group_sizes)) != blocks.size:
-            raise InvalidArgumentError(
-                f"invalid argument: group sizes add up to {int(sum(group_sizes))}, "
-                f"{blocks.size} blocks given", what="group_sizes", value=int(sum(group_sizes)),
-                reason="must add up to the block count")
-        if blocks.size and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
-            bad = int(blocks[(blocks < 0) | (blocks >= self.num_blocks)][0])
-            raise InvalidArgumentError(
-                f"invalid argument: GPU block {bad} out of range: the KV cache holds "
-                f"{self.num_blocks} blocks", what="block_ids", value=bad,
-                reason=f"must be in [0, {self.num_blocks})")
-        if chunks.size and (chunks.min() < 0 or chunks.max() >= self.num_chunks):
-            bad = int(chunks[(chunks < 0) | (chunks >= self.num_chunks)][0])
-            raise InvalidArgumentError(
-                f"invalid argument: host chunk {bad} out of range: the host pool holds "
-                f"{self.num_chunks} chunks", what="chunk_ids", value=bad,
-                reason=f"must be in [0, {self.num_chunks})")
+        n = len(block_ids)
+        pcs = self._split(block_ids, group_sizes, block_indices, chunk_ids,
+                          max(1, len(chunk_ids)), None, n)
         out = []
-        b0 = c0 = 0
-        for g, (n, first) in enumerate(zip(group_sizes, block_indices)):
-            n = int(n)
-            if n == 0:
-                continue
-            skip = int(first) % self.bpc
-            logical = np.arange(skip, skip + n, dtype=np.int64)
-            nc = -(-(skip + n) // self.bpc)
-            if c0 + nc > chunks.size:
-                raise InvalidArgumentError(
-                    f"invalid argument: group {g} needs {nc} chunks from chunk {c0}; "
-                    f"{chunks.size} given", what="chunk_ids", value=int(chunks.size),
-                    reason="too few chunks for the blocks")
-            out.append((g, blocks[b0:b0 + n], chunks[c0 + logical // self.bpc],
-                        logical % self.bpc))
-            b0 += n
-            c0 += nc
-        if c0 != chunks.size:
-            raise InvalidArgumentError(
-                f"invalid argument: {chunks.size} chunks given, the blocks fill {c0}",
-                what="chunk_ids", value=int(chunks.size), reason="one chunk per block run")
+        if pcs.cols is not None:
+            for g, a, z in (pcs.spans[0] if pcs.spans else []):
+                rows = pcs.cols[1, a:z]
+                out.append((g, pcs.cols[0, a:z], pcs.uniq[rows].astype(np.int64),
+                            pcs.cols[2, a:z]))
         return out
 
-    def _nbytes(self, plan: Plan) -> int:
-        return sum(len(b) * sum(self.page_bytes[t] for t in self.groups[g])
-                   for g, b, _, _ in plan)
+    def _split(self, block_ids: Any, group_sizes: Sequence[int], block_indices: Sequence[int],
+               chunk_ids: Any, size: int, ring: Optional[_IndexRing], n: int) -> _Pieces:
+        """The transfer checked whole and split into pieces of at most ``size`` chunks by the
+        core (``_core.split_transfer``: one call, no per-piece or per-group pass here), its
+        kernel entries written straight into ``ring``'s pinned buffer where there is one.
+
+        Raises:
+            InvalidArgumentError: Counts that do not add up, or an id out of range.
+        """
+        buf = ring.host(n) if ring is not None and n else np.empty(3 * n, dtype=np.int64)
+        uniq, runs, run_edges, spans, m = _core.split_transfer(
+            block_ids, group_sizes, block_indices, chunk_ids, self._has_tensors, self.bpc,
+            self.num_blocks, self.num_chunks, size, buf)
+        cols = buf[:3 * m].reshape(3, m) if m else None
+        return _Pieces(uniq, size, len(run_edges) - 1, runs, run_edges, spans, cols, m)
 
     # ------------------------------------------------------------------ copies
 
     def store(self, job_id: int, block_ids: Any, group_sizes: Sequence[int],
               block_indices: Sequence[int], chunk_ids: Any) -> None:
         """Queues the copy of GPU blocks into host chunks (module docs)."""
-        plan = self.plan(block_ids, group_sizes, block_indices, chunk_ids)
-        t0 = time.perf_counter()
-        ev = None
-        if self.path == "indexed":
-            self._store_cpu(plan)
-        else:
-            ev = self._queue("store", plan)
-        self._jobs["store"].append(_Job(job_id, self._nbytes(plan), t0, ev))
+        self._submit("store", job_id, block_ids, group_sizes, block_indices, chunk_ids)
 
     def load(self, job_id: int, chunk_ids: Any, block_ids: Any, group_sizes: Sequence[int],
              block_indices: Sequence[int]) -> None:
         """Queues the copy of host chunks into GPU blocks (module docs)."""
-        plan = self.plan(block_ids, group_sizes, block_indices, chunk_ids)
+        self._submit("load", job_id, block_ids, group_sizes, block_indices, chunk_ids)
+
+    def _submit(self, direction: str, job_id: int, block_ids: Any, group_sizes: Sequence[int],
+                block_indices: Sequence[int], chunk_ids: Any) -> None:
         t0 = time.perf_counter()
         ev = None
         if self.path == "indexed":
-            self._load_cpu(plan)
+            plan = self.plan(block_ids, group_sizes, block_indices, chunk_ids)
+            (self._store_cpu if direction == "store" else self._load_cpu)(plan)
+            nbytes = sum(len(b) * self._group_bytes[g] for g, b, _, _ in plan)
         else:
-            ev = self._queue("load", plan)
-        self._jobs["load"].append(_Job(job_id, self._nbytes(plan), t0, ev))
+            ev, nbytes = self._queue(direction, block_ids, group_sizes, block_indices, chunk_ids)
+        self._jobs[direction].append(_Job(job_id, nbytes, t0, ev))
 
     # The stream helpers: on CPU tensors (the interpreter) streams are stand-ins, a copy runs at
     # once and a transfer has no event.
@@ -486,29 +467,32 @@ class ChunkCopier:
         ev.record(stream)
         return ev
 
-    def _queue(self, direction: str, plan: Plan) -> Any:
-        """Queues one transfer after the other direction's jobs on its chunks; its event."""
+    def _queue(self, direction: str, block_ids: Any, group_sizes: Sequence[int],
+               block_indices: Sequence[int], chunk_ids: Any) -> Tuple[Any, int]:
+        """Checks and queues one transfer after the other direction's jobs on its chunks; its
+        event and byte count."""
         other = "load" if direction == "store" else "store"
-        if not plan:  # nothing to move: done once the caller's queued work is, recorded on
-            # the stream that ends this direction's transfers (so it is also after them)
+        ring = self._rings[direction] if self._rings is not None else None
+        pcs = self._split(block_ids, group_sizes, block_indices, chunk_ids, self.piece_chunks,
+                          ring, len(block_ids))
+        nbytes = sum((z - a) * self._group_bytes[g] for sp in pcs.spans for g, a, z in sp)
+        if not pcs.npieces:  # nothing to move: done once the caller's queued work is, recorded
+            # on the stream that ends this direction's transfers (so it is also after them)
             last = "scatter" if direction == "load" else direction
             st = self._streams[last]
             st.wait_stream(self._caller())
-            return self._record(st)
-        ring = self._rings[direction] if self._rings is not None else None
-        pcs = self._split(plan, self.piece_chunks, ring)
+            return self._record(st), nbytes
         chunks = pcs.uniq
-        before = None
-        if chunks.size:
-            before = self._events[other].get(int(self._last[other][chunks].max()))
+        before = self._events[other].get(int(self._last[other][chunks].max()))
         run = self._store_pipelined if direction == "store" else self._load_pipelined
         ev = run(pcs, ring, before)
+        if ring is not None and pcs.n:
+            ring.release(ev)
         self._seq += 1
         if ev is not None:
             self._events[direction][self._seq] = ev
-        if chunks.size:
-            self._last[direction][chunks] = self._seq
-        return ev
+        self._last[direction][chunks] = self._seq
+        return ev, nbytes
 
     def _store_cpu(self, plan: Plan) -> None:
         for g, blocks, chunks, subs in plan:
@@ -522,58 +506,6 @@ class ChunkCopier:
             for t in self.groups[g]:
                 self.rows[t].index_copy_(0, b, self.host_sections[t][c, s])
 
-    def _split(self, plan: Plan, size: int, ring: Optional[_IndexRing]) -> _Pieces:
-        """The transfer in pieces of at most ``size`` distinct chunks (ascending chunk order),
-        computed whole in a fixed number of array operations (no per-piece or per-group pass
-        over the entries): its chunks, its DMA runs, and its kernel entries in (piece, group)
-        order (:class:`_Pieces`). The kernel entries are written straight into ``ring``'s
-        pinned buffer where there is one."""
-        if len(plan) == 1:
-            _, blocks, chunks, subs = plan[0]
-        else:
-            blocks = np.concatenate([b for _, b, _, _ in plan])
-            chunks = np.concatenate([c for _, _, c, _ in plan])
-            subs = np.concatenate([s for _, _, _, s in plan])
-        order = np.argsort(chunks, kind="stable")
-        ordered = chunks[order]
-        new = np.empty(ordered.size, dtype=bool)
-        new[:1] = True
-        np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
-        uniq = ordered[new]
-        rank = np.cumsum(new) - 1  # of each entry in sorted order
-        npieces = -(-uniq.size // size)
-        # DMA runs: consecutive chunk ids, cut at piece edges (a run is one DMA of one slot).
-        pos = np.arange(1, uniq.size)
-        cuts = np.flatnonzero((np.diff(uniq) != 1) | (pos % size == 0)) + 1
-        starts = np.concatenate(([0], cuts))
-        ends = np.concatenate((cuts, [uniq.size]))
-        run_edges = np.searchsorted(starts // size, np.arange(npieces + 1)).tolist()
-        spans: List[List[Tuple[int, int, int]]] = [[] for _ in range(npieces)]
-        tabled = [self._tables[g] is not None for g, _, _, _ in plan]
-        if not any(tabled):
-            return _Pieces(uniq, size, npieces, starts, ends, run_edges, spans, None, 0)
-        # Kernel entries sorted by (piece, group): by chunk already sorts them by piece.
-        key = rank // size
-        if len(plan) > 1:
-            gidx = np.repeat(np.arange(len(plan)), [len(b) for _, b, _, _ in plan])
-            key = key * len(plan) + gidx[order]
-            o2 = np.argsort(key, kind="stable")
-            order, rank, key = order[o2], rank[o2], key[o2]
-        n = int(order.size)
-        cols = ring.host(n) if ring is not None else np.empty((3, n), np.int64)
-        np.take(blocks, order, out=cols[0])
-        np.remainder(rank, size, out=cols[1])
-        np.take(subs, order, out=cols[2])
-        edges = np.searchsorted(key, np.arange(npieces * len(plan) + 1)).tolist()
-        k = 0
-        for p in range(npieces):
-            for (g, *_), tab in zip(plan, tabled):
-                a, z = edges[k], edges[k + 1]
-                if tab and z > a:
-                    spans[p].append((g, a, z))
-                k += 1
-        return _Pieces(uniq, size, npieces, starts, ends, run_edges, spans, cols, n)
-
     def _dmas(self, stream: Any, pcs: _Pieces, p: int, buf: torch.Tensor,
               to_host: bool) -> None:
         """Queues on ``stream`` the copies of piece ``p`` between the staging rows ``buf`` and
@@ -581,7 +513,6 @@ class ChunkCopier:
         consecutive chunks, all in one driver call where the driver has one
         (:mod:`pagedkv.vllm.offload_dma`), else one ``copy_`` each."""
         lo, hi = pcs.run_edges[p], pcs.run_edges[p + 1]
-        first = p * self.piece_chunks
         if self.is_cuda and self._batch.available:
             host, rows, sizes = pcs.addresses(self.host.data_ptr(), self.chunk_bytes)
             rows = rows[lo:hi] + np.uint64(buf.data_ptr())
@@ -589,13 +520,11 @@ class ChunkCopier:
             dst, src = (host, rows) if to_host else (rows, host)
             if self._batch.copy(stream.cuda_stream, dst, src, sizes[lo:hi]):
                 return
-        for a, z in zip(pcs.starts[lo:hi].tolist(), pcs.ends[lo:hi].tolist()):
-            c = int(pcs.uniq[a])
-            ra, rz = a - first, z - first
+        for c, r, k in pcs.runs[lo:hi].tolist():
             if to_host:
-                self.host[c:c + z - a].copy_(buf[ra:rz], non_blocking=True)
+                self.host[c:c + k].copy_(buf[r:r + k], non_blocking=True)
             else:
-                buf[ra:rz].copy_(self.host[c:c + z - a], non_blocking=True)
+                buf[r:r + k].copy_(self.host[c:c + k], non_blocking=True)
 
     def _upload(self, pcs: _Pieces, ring: Optional[_IndexRing]) -> Tuple[torch.Tensor, ...]:
         """The kernel entries of ``pcs`` on the device (``blocks``, ``rows``, ``subs``), in one

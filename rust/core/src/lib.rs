@@ -104,6 +104,7 @@ pub mod keyed;
 pub mod manager;
 pub mod metrics;
 pub mod offload_index;
+pub mod offload_plan;
 pub mod pool;
 pub mod prefix;
 pub mod step;

@@ -25,6 +25,7 @@ mod groups;
 mod keyed;
 mod manager;
 mod offload_index;
+mod offload_plan;
 mod plan;
 mod stats;
 
@@ -49,6 +50,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<offload_index::PyOffloadIndex>()?;
     m.add_function(wrap_pyfunction!(manager::hash_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(plan::plan_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(offload_plan::split_transfer, m)?)?;
     m.add_function(wrap_pyfunction!(groups::bytes_per_token, m)?)?;
     m.add_function(wrap_pyfunction!(groups::page_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(groups::live_blocks, m)?)?;
