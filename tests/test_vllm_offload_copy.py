@@ -420,16 +420,18 @@ def test_cuda_index_buffers_reused_grown_and_never_overwritten_early() -> None:
     sizes = (10, 700, 1500, 40, 1400, 5)
     srcs = [rng.choice(nb, size=n, replace=False) for n in sizes]
     wants = [[t[torch.from_numpy(src).cuda()].clone() for t in tensors] for src in srcs]
+    for n, src in zip(sizes, srcs):  # compile every kernel variant first (a compile outlasts
+        cp.store(99, src, [n], [0], np.arange(n))  # the wait below)
+    cp.synchronize()
+    cp = ChunkCopier(tensors, [[0, 1]], blocks_per_chunk=1, num_chunks=3000, staging_chunks=64)
     torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # the caller's queued work (~0.1 s): every store waits for it
+    torch.cuda._sleep(1_000_000_000)  # the caller's queued work (~0.5 s): every store waits for it
     sent = []
     for k, (n, src, want) in enumerate(zip(sizes, srcs, wants)):
         chunks = rng.choice(3000, size=n, replace=False)
         cp.store(k, src, [n], [0], chunks)
         sent.append((chunks, want))
-    # Every store was queued while the ones before it still waited: no index buffer was free,
-    # so each took its own (one rewritten early would have sent other blocks).
-    assert len(cp._rings["store"]._bufs) == len(sizes)
+    taken = len(cp._rings["store"]._bufs)
     cp.synchronize()
     for k, (chunks, want) in enumerate(sent):
         # Only the last store of each chunk counts: check chunks no later store wrote.
@@ -442,4 +444,7 @@ def test_cuda_index_buffers_reused_grown_and_never_overwritten_early() -> None:
         cp.synchronize()
         sel = torch.from_numpy(keep).cuda()
         for t, w in zip(tensors, want):
-            assert torch.equal(t[:keep.size], w[sel])
+            assert torch.equal(t[:keep.size], w[sel]), f"store {k} moved other blocks"
+    # Every store was queued while the ones before it still waited: no index buffer was free,
+    # so each took its own (one rewritten early would have sent other blocks, as checked above).
+    assert taken == len(sizes)
