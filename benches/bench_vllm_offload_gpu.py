@@ -20,12 +20,20 @@ pinned copy's in the same direction (goal: >= 90% on every row). The copier firs
 round trip checked byte for byte. Prints a table and writes JSON::
 
     PYTHONPATH=python .venv/bin/python benches/bench_vllm_offload_gpu.py
+
+``--baseline FILE`` also measures another version of the copier side by side: ``FILE`` is that
+version's ``offload_copy.py`` (e.g. ``git show REV:python/pagedkv/vllm/offload_copy.py >
+/tmp/old.py``), loaded beside the current one over the same tensors and host pool; ``--rounds``
+rounds then alternate the two (baseline first in even rounds, second in odd ones), each round
+with its own pinned copies, and a second table gives every row of every round.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import sys
 import platform
 import statistics
 import time
@@ -65,6 +73,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--baseline", default=None,
+                    help="another version's offload_copy.py, measured side by side")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="alternating rounds with --baseline")
     ap.add_argument("--json", default="bench_vllm_offload_gpu.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -145,11 +157,55 @@ def main() -> None:
     worst = min(v["of_pinned"] for k, v in out.items() if k.startswith(path + " "))
     print(f"{path}: worst row {worst:.0%} of pinned "
           f"({'meets' if worst >= 0.9 else 'misses'} >= 90%)")
+    rounds = []
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("baseline_offload_copy", args.baseline)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # its dataclasses look their module up
+        spec.loader.exec_module(mod)
+        base_cp = mod.ChunkCopier(tensors, [list(range(args.layers))], blocks_per_chunk=bpc,
+                                  num_chunks=args.host_chunks, host=host,
+                                  staging_chunks=args.staging_chunks)
+        copiers = {"baseline": base_cp, "current": cp}
+        print(f"\nside by side with {args.baseline}, {args.rounds} rounds alternating "
+              f"(percent of that round's pinned copy)")
+        print(f"{'round':<7}{'copier':<10}" + "".join(f"{k:>18}" for k in
+              ("store run", "load run", "store scattered", "load scattered")) + f"{'worst':>8}")
+        for r in range(args.rounds):
+            pin = {"store": timed(lambda: host_buf.copy_(dev_buf, non_blocking=True), args.reps,
+                                  args.warmup),
+                   "load": timed(lambda: dev_buf.copy_(host_buf, non_blocking=True), args.reps,
+                                 args.warmup)}
+            for which in (("baseline", "current") if r % 2 == 0 else ("current", "baseline")):
+                c = copiers[which]
+
+                def go(d: str, chunks: np.ndarray) -> None:
+                    j = next_job()
+                    if d == "store":
+                        c.store(j, gpu_ids, [n], [0], chunks)
+                    else:
+                        c.load(j, chunks, gpu_ids, [n], [0])
+                    c.wait({j})
+
+                row = {}
+                for name, chunks in layouts.items():
+                    for d in ("store", "load"):
+                        secs = timed(lambda: go(d, chunks), args.reps, args.warmup)
+                        row[f"{d} {name}"] = {"ms": secs * 1e3, "of_pinned": pin[d] / secs}
+                c.finished()
+                low = min(v["of_pinned"] for v in row.values())
+                rounds.append({"round": r, "copier": which, "rows": row, "worst": low,
+                               "pinned_ms": {k: v * 1e3 for k, v in pin.items()}})
+                print(f"{r:<7}{which:<10}" + "".join(
+                    f"{row[k]['of_pinned']:>18.0%}" for k in
+                    ("store run", "load run", "store scattered", "load scattered")) + f"{low:>8.0%}")
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "machine": platform.machine(),
                    "args": vars(args), "bytes": nbytes, "path": path, "dma": cp.dma,
                    "staging_chunks": staging,
-                   "worst_of_pinned": worst, "results": out}, f, indent=1)
+                   "worst_of_pinned": worst, "results": out, "side_by_side": rounds}, f,
+                  indent=1)
 
 
 if __name__ == "__main__":

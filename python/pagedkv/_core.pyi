@@ -30,6 +30,7 @@ __all__ = [
     "StepArena",
     "hash_blocks",
     "plan_decode",
+    "split_transfer",
     "bytes_per_token",
     "page_bytes",
     "live_blocks",
