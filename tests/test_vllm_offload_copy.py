@@ -448,3 +448,36 @@ def test_cuda_index_buffers_reused_grown_and_never_overwritten_early() -> None:
     # Every store was queued while the ones before it still waited: no index buffer was free,
     # so each took its own (one rewritten early would have sent other blocks, as checked above).
     assert taken == len(sizes)
+
+
+def test_core_split_refuses_bad_arguments_and_writes_nothing() -> None:
+    """``_core.split_transfer`` directly: a bad buffer, a negative id, a buffer too short, a
+    non-bool group flag and a zero piece are typed errors, and the buffer is left as it was."""
+    from pagedkv import _core
+    from pagedkv.errors import BufferInvalidError
+
+    good = dict(block_ids=[1, 2], group_sizes=[2], block_indices=[0], chunk_ids=[5, 6],
+                tabled=[True], blocks_per_chunk=1, num_blocks=8, num_chunks=8, piece=4)
+    out = np.full(6, -3, dtype=np.int64)
+    uniq, runs, edges, spans, n = _core.split_transfer(**good, out=out)
+    assert uniq.tolist() == [5, 6] and runs.tolist() == [[5, 0, 2]] and edges == [0, 1]
+    assert spans == [[(0, 0, 2)]] and n == 2 and out.tolist() == [1, 2, 0, 1, 0, 0]
+    bad_out = [np.zeros(6, dtype=np.int32), np.zeros((2, 3), dtype=np.int64),
+               np.zeros(12, dtype=np.int64)[::2], [0] * 6]
+    for o in bad_out:
+        with pytest.raises(BufferInvalidError):
+            _core.split_transfer(**good, out=o)
+    for field, value, what in (("block_ids", [-1, 2], "block_ids"),
+                               ("chunk_ids", [5, 8], "chunk_ids"),
+                               ("tabled", [1], "tabled"),
+                               ("piece", 0, "piece"),
+                               ("blocks_per_chunk", 0, "blocks_per_chunk")):
+        out = np.full(6, -3, dtype=np.int64)
+        with pytest.raises(InvalidArgumentError) as e:
+            _core.split_transfer(**{**good, field: value}, out=out)
+        assert e.value.what == what
+        assert (out == -3).all()
+    short = np.full(5, -3, dtype=np.int64)
+    with pytest.raises(InvalidArgumentError) as e:
+        _core.split_transfer(**good, out=short)
+    assert e.value.what == "out" and (short == -3).all()
