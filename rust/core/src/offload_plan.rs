@@ -71,6 +71,18 @@ fn invalid(what: &'static str, value: u64, reason: String) -> Error {
     }
 }
 
+/// `InvalidArgument` for the first id of `ids` at or past `limit`.
+fn in_range(ids: &[u64], limit: u64, what: &'static str, noun: &str, holds: &str) -> Result<()> {
+    match ids.iter().find(|&&v| v >= limit) {
+        None => Ok(()),
+        Some(&v) => Err(invalid(
+            what,
+            v,
+            format!("{noun} {v} out of range: {holds} {limit}"),
+        )),
+    }
+}
+
 /// Checks one transfer whole and splits it into pieces of at most `piece` chunks, writing its
 /// entries into `out` (`[blocks | rows | sub-blocks]`, each `entries` long, so `out` needs
 /// `3 * block_ids.len()` values at most). See the module docs for the layout.
@@ -120,26 +132,20 @@ pub fn split_transfer(
     if piece == 0 {
         return Err(invalid("piece", 0, "must be >= 1".into()));
     }
-    if let Some(&b) = block_ids.iter().find(|&&b| b >= shape.num_blocks) {
-        return Err(invalid(
-            "block_ids",
-            b,
-            format!(
-                "GPU block {b} out of range: the KV cache holds {} blocks",
-                shape.num_blocks
-            ),
-        ));
-    }
-    if let Some(&c) = chunk_ids.iter().find(|&&c| c >= shape.num_chunks) {
-        return Err(invalid(
-            "chunk_ids",
-            c,
-            format!(
-                "host chunk {c} out of range: the host pool holds {} chunks",
-                shape.num_chunks
-            ),
-        ));
-    }
+    in_range(
+        block_ids,
+        shape.num_blocks,
+        "block_ids",
+        "GPU block",
+        "the KV cache holds",
+    )?;
+    in_range(
+        chunk_ids,
+        shape.num_chunks,
+        "chunk_ids",
+        "host chunk",
+        "the host pool holds",
+    )?;
     // Each group's chunk range, and the entry count.
     let mut c0 = 0u64;
     let mut entries = 0usize;

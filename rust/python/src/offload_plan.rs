@@ -18,12 +18,16 @@ use pyo3::types::{PyList, PyTuple};
 use crate::convert::{count, ids_into, scalar};
 use crate::errors::{core_err, invalid_arg, CoreResultExt};
 
-fn bad_out(got: String) -> PyErr {
-    core_err(Error::BufferInvalid {
+fn bad_out_error(got: String) -> Error {
+    Error::BufferInvalid {
         buffer: "out",
         expected: "a writable, C-contiguous 1-D int64 numpy array (native byte order)",
         got,
-    })
+    }
+}
+
+fn bad_out(got: String) -> PyErr {
+    core_err(bad_out_error(got))
 }
 
 /// The split's result: the distinct chunk ids (ascending, `uint64`), the runs (`uint64`
@@ -103,18 +107,12 @@ pub fn split_transfer<'py>(
     };
     // The error (if any) is built after the borrow ends: building an exception runs Python code.
     let result = match arr.try_readwrite() {
-        Err(e) => Err(Error::BufferInvalid {
-            buffer: "out",
-            expected: "a writable, C-contiguous 1-D int64 numpy array (native byte order)",
-            got: format!("an array that cannot be borrowed for writing ({e})"),
-        }),
+        Err(e) => Err(bad_out_error(format!(
+            "an array that cannot be borrowed for writing ({e})"
+        ))),
         Ok(mut rw) => match rw.as_slice_mut() {
             Ok(dst) => split(&shape, &blocks, &sizes, &indices, &chunks, piece, dst),
-            Err(_) => Err(Error::BufferInvalid {
-                buffer: "out",
-                expected: "a writable, C-contiguous 1-D int64 numpy array (native byte order)",
-                got: "a non-contiguous array".into(),
-            }),
+            Err(_) => Err(bad_out_error("a non-contiguous array".into())),
         },
     };
     let s = result.py()?;
