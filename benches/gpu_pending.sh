@@ -3,7 +3,7 @@
 # parts that each fit one 10-minute device call. Each step has its own time limit and writes its
 # log (and JSON) under $OUT as it goes, so a call cut short still returns what finished.
 # Usage (repository root): OUT=/some/dir bash benches/gpu_pending.sh
-#   [engine|groups|concurrency|spec|async]
+#   [engine|groups|concurrency|spec|async|offload]
 #   engine: the gpu tests changed since their last compiled run (the disk tier through the engine
 #           with a pinned prefill rate; the local-kernel plan tests); then bench_engine.py at
 #           batch 32, 128 and 256 (decode against the memory floor of the device it runs on) and
@@ -19,6 +19,11 @@
 #           speedup, share of the ideal, the cost model's switch-off) (benches/bench_spec_oracle.py),
 #           first with the batch kept full (4 requests per slot, batch 8/64), then closed; output
 #           lengths ragged (64-192 tokens), as a served mix is.
+#   offload: the vLLM offloading copier's CUDA tests, then its bench side by side with an older
+#           copier in four alternating rounds (BASELINE, default benches/_baseline_offload_copy.py:
+#           write it before the call, e.g. git show dc18c53:python/pagedkv/vllm/offload_copy.py >
+#           benches/_baseline_offload_copy.py; the GPU machine has no git); not measured on an
+#           H200 since the transfer's split moved into the core.
 #   async:  the gpu test of asynchronous scheduling (CUDA graphs, the next step's tokens fed on the
 #           device), then LLM.generate's decode step with and without it at batch 1, 32, 128.
 set -u -o pipefail
@@ -67,8 +72,12 @@ case "$part" in
     step bench_spec_oracle 420 "$PY" benches/bench_spec_oracle.py --batches 1,8,64 --ragged \
       --alphas 0.5,0.7,0.9 --k 4 --json "$OUT/bench_spec_oracle.json"
     ;;
+  offload)
+    step gpu_vllm_offload 240 bash benches/gpu_vllm_offload.sh \
+      --baseline "${BASELINE:-benches/_baseline_offload_copy.py}" --rounds 4
+    ;;
   *)
-    echo "usage: OUT=DIR bash benches/gpu_pending.sh [engine|groups|concurrency|spec|async]" >&2
+    echo "usage: OUT=DIR bash benches/gpu_pending.sh [engine|groups|concurrency|spec|async|offload]" >&2
     exit 2
     ;;
 esac
