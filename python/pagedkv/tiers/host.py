@@ -478,20 +478,12 @@ class _EventLog:
             stream.wait_event(self._events[k - self._base])
 
 
-def run_bounds(sorted_ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """``(starts, ends)``: the index ranges ``[starts[i], ends[i])`` of ascending ``sorted_ids``
-    holding consecutive ids, as arrays (empty for no ids)."""
-    if sorted_ids.size == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty
-    cuts = np.flatnonzero(np.diff(sorted_ids) != 1) + 1
-    starts = np.concatenate(([0], cuts))
-    ends = np.concatenate((cuts, [sorted_ids.size]))
-    return starts, ends
-
-
 def consecutive_runs(sorted_ids: np.ndarray) -> List[Tuple[int, int]]:
     """``[(a, b), ...]``: index ranges of ascending ``sorted_ids`` holding consecutive ids (one
     copy per range moves a run of adjacent blocks)."""
-    starts, ends = run_bounds(sorted_ids)
+    if sorted_ids.size == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(sorted_ids) != 1) + 1
+    starts = np.concatenate(([0], cuts))
+    ends = np.concatenate((cuts, [sorted_ids.size]))
     return list(zip(starts.tolist(), ends.tolist()))
