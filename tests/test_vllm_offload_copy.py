@@ -379,7 +379,7 @@ def test_piece_split_covers_each_entry_once_in_piece_order(seed: int) -> None:
                   else np.arange(nc) + int(rng.integers(0, 40 - nc + 1)))
         blocks = rng.choice(NUM_BLOCKS, size=sum(sizes), replace=True)
         size = int(rng.integers(1, 6))
-        pcs = cp._split(blocks, sizes, idx, chunks, size, None, len(blocks))
+        pcs = cp._split(blocks, sizes, idx, chunks, size, None)
         assert pcs.uniq.tolist() == sorted(set(chunks.tolist()))
         assert pcs.npieces == -(-pcs.uniq.size // size)
         covered = []
@@ -437,7 +437,7 @@ def test_cuda_index_buffers_reused_grown_and_never_overwritten_early() -> None:
         chunks = rng.choice(3000, size=n, replace=False)
         cp.store(k, src, [n], [0], chunks)
         sent.append((chunks, want))
-    taken = len(cp._rings["store"]._bufs)
+    taken = len(cp._index["store"]._bufs)
     cp.synchronize()
     for k, (chunks, want) in enumerate(sent):
         # Only the last store of each chunk counts: check chunks no later store wrote.

@@ -125,8 +125,9 @@ class _Pieces:
     """One transfer checked and split for the pipelined path by the core
     (``_core.split_transfer``; :meth:`ChunkCopier._split`).
 
-    ``uniq``: its distinct chunk ids, ascending; piece ``p`` is ``uniq[p * size:(p + 1) * size]``
-    and row ``i`` of its staging slot is chunk ``uniq[p * size + i]``. ``runs``: ``[runs, 3]``
+    ``uniq``: its distinct chunk ids, ascending; with pieces of ``size`` chunks, piece ``p`` is
+    ``uniq[p * size:(p + 1) * size]`` and row ``i`` of its staging slot is chunk
+    ``uniq[p * size + i]``. ``runs``: ``[runs, 3]``
     (first chunk id, first row in its piece's slot, chunk count), consecutive ids inside one
     piece, one DMA each; piece ``p``'s are ``run_edges[p]:run_edges[p + 1]``. ``cols``: int64
     ``[3, n]`` kernel entries (GPU block, staging row, sub-block), in (piece, group) order;
@@ -134,14 +135,16 @@ class _Pieces:
     """
 
     uniq: np.ndarray
-    size: int
-    npieces: int
     runs: np.ndarray
     run_edges: List[int]
     spans: List[List[Tuple[int, int, int]]]
     cols: Optional[np.ndarray]
     n: int
     _addr: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None
+
+    @property
+    def npieces(self) -> int:
+        return len(self.run_edges) - 1
 
     def addresses(self, host_ptr: int, chunk_bytes: int) -> Tuple[np.ndarray, np.ndarray,
                                                                      np.ndarray]:
@@ -153,7 +156,7 @@ class _Pieces:
         return self._addr
 
 
-class _IndexRing:
+class _IndexBuffers:
     """Where one direction's kernel entries go to the device: pinned host buffers, each
     rewritten only once the transfer that used it has completed (its final event; a busy one is
     kept and a new one taken, so none is freed or rewritten while its copy may still be
@@ -320,7 +323,7 @@ class ChunkCopier:
         else:
             self._streams = {d: _NoStream() for d in names}
         self.staging_chunks = 0
-        self._rings: Optional[Dict[str, _IndexRing]] = None
+        self._index: Optional[Dict[str, _IndexBuffers]] = None
         self.piece_chunks = 0
         #: The driver's batched copy (CUDA): each piece's DMAs in one call where available.
         self._batch = batch_dma()
@@ -383,7 +386,7 @@ class ChunkCopier:
         self._slot_words = {d: [s.view(wdt) for s in v] for d, v in self._slot_bytes.items()}
         self._slot_next = {"store": 0, "load": 0}
         #: Per direction, where the kernel entries go to the device (CUDA; None on CPU).
-        self._rings = ({d: _IndexRing(self.device) for d in ("store", "load")}
+        self._index = ({d: _IndexBuffers(self.device) for d in ("store", "load")}
                        if self.is_cuda else None)
         # The last event that used each slot (a DMA out of it, a scatter out of it).
         self._slot_free: Dict[str, List[Any]] = {"store": [None] * slots,
@@ -400,9 +403,8 @@ class ChunkCopier:
         Raises:
             InvalidArgumentError: Counts that do not add up, or an id out of range.
         """
-        n = len(block_ids)
         pcs = self._split(block_ids, group_sizes, block_indices, chunk_ids,
-                          max(1, len(chunk_ids)), None, n)
+                          max(1, len(chunk_ids)), None)
         out = []
         if pcs.cols is not None:
             for g, a, z in (pcs.spans[0] if pcs.spans else []):
@@ -412,20 +414,21 @@ class ChunkCopier:
         return out
 
     def _split(self, block_ids: Any, group_sizes: Sequence[int], block_indices: Sequence[int],
-               chunk_ids: Any, size: int, ring: Optional[_IndexRing], n: int) -> _Pieces:
+               chunk_ids: Any, size: int, index: Optional[_IndexBuffers]) -> _Pieces:
         """The transfer checked whole and split into pieces of at most ``size`` chunks by the
         core (``_core.split_transfer``: one call, no per-piece or per-group pass here), its
-        kernel entries written straight into ``ring``'s pinned buffer where there is one.
+        kernel entries written straight into a pinned buffer of ``index`` where there is one.
 
         Raises:
             InvalidArgumentError: Counts that do not add up, or an id out of range.
         """
-        buf = ring.host(n) if ring is not None and n else np.empty(3 * n, dtype=np.int64)
+        n = len(block_ids)
+        buf = index.host(n) if index is not None and n else np.empty(3 * n, dtype=np.int64)
         uniq, runs, run_edges, spans, m = _core.split_transfer(
             block_ids, group_sizes, block_indices, chunk_ids, self._has_tensors, self.bpc,
             self.num_blocks, self.num_chunks, size, buf)
         cols = buf[:3 * m].reshape(3, m) if m else None
-        return _Pieces(uniq, size, len(run_edges) - 1, runs, run_edges, spans, cols, m)
+        return _Pieces(uniq, runs, run_edges, spans, cols, m)
 
     # ------------------------------------------------------------------ copies
 
@@ -472,9 +475,9 @@ class ChunkCopier:
         """Checks and queues one transfer after the other direction's jobs on its chunks; its
         event and byte count."""
         other = "load" if direction == "store" else "store"
-        ring = self._rings[direction] if self._rings is not None else None
+        index = self._index[direction] if self._index is not None else None
         pcs = self._split(block_ids, group_sizes, block_indices, chunk_ids, self.piece_chunks,
-                          ring, len(block_ids))
+                          index)
         nbytes = sum((z - a) * self._group_bytes[g] for sp in pcs.spans for g, a, z in sp)
         if not pcs.npieces:  # nothing to move: done once the caller's queued work is, recorded
             # on the stream that ends this direction's transfers (so it is also after them)
@@ -485,9 +488,9 @@ class ChunkCopier:
         chunks = pcs.uniq
         before = self._events[other].get(int(self._last[other][chunks].max()))
         run = self._store_pipelined if direction == "store" else self._load_pipelined
-        ev = run(pcs, ring, before)
-        if ring is not None and pcs.n:
-            ring.release(ev)
+        ev = run(pcs, index, before)
+        if index is not None and pcs.n:
+            index.release(ev)
         self._seq += 1
         if ev is not None:
             self._events[direction][self._seq] = ev
@@ -526,15 +529,15 @@ class ChunkCopier:
             else:
                 buf[r:r + k].copy_(self.host[c:c + k], non_blocking=True)
 
-    def _upload(self, pcs: _Pieces, ring: Optional[_IndexRing]) -> Tuple[torch.Tensor, ...]:
+    def _upload(self, pcs: _Pieces, index: Optional[_IndexBuffers]) -> Tuple[torch.Tensor, ...]:
         """The kernel entries of ``pcs`` on the device (``blocks``, ``rows``, ``subs``), in one
-        copy on the current stream from the pinned index ring (CUDA)."""
+        copy on the current stream from its pinned index buffer (CUDA)."""
         if pcs.cols is None:
             e = torch.empty(0, dtype=torch.int64, device=self.device)
             return e, e, e
-        if ring is None:
+        if index is None:
             return tuple(torch.from_numpy(pcs.cols).unbind(0))
-        return ring.upload(pcs.n)
+        return index.upload(pcs.n)
 
     def _launch(self, idx: Tuple[torch.Tensor, ...], spans: List[Tuple[int, int, int]],
                 chunk_base: torch.Tensor, to_chunks: bool) -> None:
@@ -549,13 +552,13 @@ class ChunkCopier:
 
     # -- pipelined: gather into a staging slot, DMA out; DMA into a slot, scatter
 
-    def _store_pipelined(self, pcs: _Pieces, ring: Optional[_IndexRing], before: Any) -> Any:
+    def _store_pipelined(self, pcs: _Pieces, index: Optional[_IndexBuffers], before: Any) -> Any:
         gs, cs = self._streams["gather"], self._streams["store"]
         gs.wait_stream(self._caller())  # the blocks hold what the caller's queued work wrote
         if before is not None:
             cs.wait_event(before)  # loads still reading these host chunks
         with self._on(gs):
-            idx = self._upload(pcs, ring)
+            idx = self._upload(pcs, index)
         ev = None
         for p in range(pcs.npieces):
             slot = self._slot_next["store"]
@@ -574,7 +577,7 @@ class ChunkCopier:
             self._slot_free["store"][slot] = ev
         return ev
 
-    def _load_pipelined(self, pcs: _Pieces, ring: Optional[_IndexRing], before: Any) -> Any:
+    def _load_pipelined(self, pcs: _Pieces, index: Optional[_IndexBuffers], before: Any) -> Any:
         ls, ss = self._streams["load"], self._streams["scatter"]
         if before is not None:
             ls.wait_event(before)  # stores still writing these host chunks
@@ -591,7 +594,7 @@ class ChunkCopier:
                 self._dmas(ls, pcs, p, self._slot_bytes["load"][slot], to_host=False)
             if idx is None:  # after the first DMAs are queued: they need no index
                 with self._on(ss):
-                    idx = self._upload(pcs, ring)
+                    idx = self._upload(pcs, index)
             loaded = self._record(ls)
             if loaded is not None:
                 ss.wait_event(loaded)
