@@ -419,8 +419,9 @@ def split_transfer(
     and the entry count ``n``. The entries (one per block of a group with ``tabled`` true:
     GPU block, row in its piece's slot, sub-block; sorted by piece, then group) go into
     ``out[:n]``, ``out[n:2n]``, ``out[2n:3n]``. ``InvalidArgumentError`` (``what``:
-    ``group_sizes``, ``block_ids``, ``chunk_ids``, ``piece`` or ``out``) for a transfer that does
-    not add up or an id out of range, ``BufferInvalidError`` for an ``out`` that is not a
+    ``group_sizes``, ``block_ids``, ``chunk_ids``, ``piece``, ``blocks_per_chunk``, ``tabled`` or
+    ``out``) for a transfer that does not add up, an id out of range or a zero size,
+    ``BufferInvalidError`` for an ``out`` that is not a
     writable, C-contiguous int64 array; nothing is written on an error."""
 
 def bytes_per_token(kv_heads: int, head_dim: int, dtype_bytes: int, layers: int) -> int:

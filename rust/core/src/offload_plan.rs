@@ -90,8 +90,8 @@ fn in_range(ids: &[u64], limit: u64, what: &'static str, noun: &str, holds: &str
 /// # Errors
 /// `InvalidArgument` naming `group_sizes` (not one per group, or not adding up to the block
 /// count), `block_ids` (an id out of range), `chunk_ids` (an id out of range, too few chunks for
-/// a group's blocks, or chunks the blocks do not fill), `piece` (zero) or `out` (too short);
-/// nothing is written then.
+/// a group's blocks, or chunks the blocks do not fill), `piece` or `blocks_per_chunk` (zero) or
+/// `out` (too short); nothing is written then.
 pub fn split_transfer(
     shape: &TransferShape<'_>,
     block_ids: &[u64],
@@ -102,7 +102,7 @@ pub fn split_transfer(
     out: &mut [i64],
 ) -> Result<TransferSplit> {
     let groups = shape.tabled.len();
-    let bpc = shape.blocks_per_chunk.max(1);
+    let bpc = shape.blocks_per_chunk;
     if group_sizes.len() != groups || block_indices.len() != groups {
         return Err(invalid(
             "group_sizes",
@@ -131,6 +131,9 @@ pub fn split_transfer(
     }
     if piece == 0 {
         return Err(invalid("piece", 0, "must be >= 1".into()));
+    }
+    if bpc == 0 {
+        return Err(invalid("blocks_per_chunk", 0, "must be >= 1".into()));
     }
     in_range(
         block_ids,

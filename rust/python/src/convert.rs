@@ -233,6 +233,33 @@ pub fn with_ids<T: Id, R>(
     Err(invalid_arg(what, &obj.get_type().into_any(), reason))
 }
 
+/// A numpy array's dtype as numpy spells it (`"<i4"`), for messages.
+pub fn dtype_str(arr: &Bound<'_, PyUntypedArray>) -> String {
+    arr.dtype()
+        .str()
+        .map(|s| s.to_string())
+        .unwrap_or_else(|_| "?".into())
+}
+
+/// What a buffer argument is, for a `BufferInvalid` message: `"a 2-D array of dtype <i4"`
+/// (`"a 1-D non-contiguous array of dtype <i8"` where it is not contiguous), else its type's
+/// name.
+pub fn describe_buffer(obj: &Bound<'_, PyAny>) -> String {
+    match obj.cast::<PyUntypedArray>() {
+        Ok(a) => format!(
+            "a {}-D{} array of dtype {}",
+            a.ndim(),
+            if a.is_contiguous() {
+                ""
+            } else {
+                " non-contiguous"
+            },
+            dtype_str(a)
+        ),
+        Err(_) => type_name(obj),
+    }
+}
+
 #[cold]
 fn list_changed(what: &str, obj: &Bound<'_, PyAny>, n: usize) -> PyErr {
     let now = obj.len().unwrap_or(0);

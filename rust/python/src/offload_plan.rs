@@ -9,13 +9,13 @@
 //! transfer takes a few microseconds, and holding it keeps Python code from touching `out`
 //! meanwhile.
 
-use numpy::{PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pagedkv::offload_plan::{split_transfer as split, TransferShape};
 use pagedkv::Error;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
-use crate::convert::{count, ids_into, scalar};
+use crate::convert::{count, describe_buffer, ids_into, scalar};
 use crate::errors::{core_err, invalid_arg, CoreResultExt};
 
 fn bad_out_error(got: String) -> Error {
@@ -67,43 +67,16 @@ pub fn split_transfer<'py>(
     let tabled: Vec<bool> = tabled
         .extract()
         .map_err(|_| invalid_arg("tabled", tabled, "must be a list of bools, one per group"))?;
-    let bpc = scalar::<u64>("blocks_per_chunk", blocks_per_chunk)?;
-    if bpc == 0 {
-        return Err(invalid_arg(
-            "blocks_per_chunk",
-            blocks_per_chunk,
-            "must be >= 1",
-        ));
-    }
     let shape = TransferShape {
         num_blocks: scalar::<u64>("num_blocks", num_blocks)?,
         num_chunks: scalar::<u64>("num_chunks", num_chunks)?,
-        blocks_per_chunk: bpc,
+        blocks_per_chunk: scalar::<u64>("blocks_per_chunk", blocks_per_chunk)?,
         tabled: &tabled,
     };
     let piece = count("piece", piece)?;
     let arr = match out.cast::<PyArray1<i64>>() {
         Ok(a) if a.is_contiguous() => a,
-        _ => {
-            let got = match out.cast::<PyUntypedArray>() {
-                Ok(a) => format!(
-                    "a {}-D{} array of dtype {}",
-                    a.ndim(),
-                    if a.is_contiguous() {
-                        ""
-                    } else {
-                        " non-contiguous"
-                    },
-                    a.dtype()
-                ),
-                Err(_) => out
-                    .get_type()
-                    .name()
-                    .map(|n| n.to_string())
-                    .unwrap_or_else(|_| "?".into()),
-            };
-            return Err(bad_out(got));
-        }
+        _ => return Err(bad_out(describe_buffer(out))),
     };
     // The error (if any) is built after the borrow ends: building an exception runs Python code.
     let result = match arr.try_readwrite() {

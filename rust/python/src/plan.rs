@@ -22,15 +22,8 @@ use pagedkv::Error;
 use pyo3::prelude::*;
 use pyo3::IntoPyObjectExt;
 
-use crate::convert::{count, scalar};
+use crate::convert::{count, describe_buffer, dtype_str, scalar};
 use crate::errors::{core_err, invalid_arg, CoreResultExt};
-
-fn dtype_str(arr: &Bound<'_, PyUntypedArray>) -> String {
-    arr.dtype()
-        .str()
-        .map(|s| s.to_string())
-        .unwrap_or_else(|_| "?".into())
-}
 
 fn bad_out_error(got: String) -> Error {
     Error::BufferInvalid {
@@ -169,17 +162,7 @@ pub fn plan_decode<'py>(
     };
     let out = match out.cast::<PyArray1<i32>>() {
         Ok(a) => a,
-        Err(_) => {
-            let got = match out.cast::<PyUntypedArray>() {
-                Ok(a) => format!("a {}-D array of dtype {}", a.ndim(), dtype_str(a)),
-                Err(_) => out
-                    .get_type()
-                    .name()
-                    .map(|n| n.to_string())
-                    .unwrap_or_else(|_| "?".into()),
-            };
-            return Err(bad_out(got));
-        }
+        Err(_) => return Err(bad_out(describe_buffer(out))),
     };
     if !out.is_contiguous() {
         return Err(bad_out("a non-contiguous array".into()));
