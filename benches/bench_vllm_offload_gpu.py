@@ -122,26 +122,29 @@ def main() -> None:
 
     dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     host_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    res: Dict[str, float] = {
-        "pinned d2h": timed(lambda: host_buf.copy_(dev_buf, non_blocking=True), args.reps,
-                            args.warmup),
-        "pinned h2d": timed(lambda: dev_buf.copy_(host_buf, non_blocking=True), args.reps,
-                            args.warmup),
-    }
 
-    def store(chunks: np.ndarray) -> None:
+    def pinned() -> Dict[str, float]:
+        """The plain pinned copy's seconds, per direction."""
+        return {"store": timed(lambda: host_buf.copy_(dev_buf, non_blocking=True), args.reps,
+                               args.warmup),
+                "load": timed(lambda: dev_buf.copy_(host_buf, non_blocking=True), args.reps,
+                              args.warmup)}
+
+    def move(c: ChunkCopier, d: str, chunks: np.ndarray) -> None:
+        """One transfer through ``c``, ``d`` "store" or "load", waited for."""
         j = next_job()
-        cp.store(j, gpu_ids, [n], [0], chunks)
-        cp.wait({j})
+        if d == "store":
+            c.store(j, gpu_ids, [n], [0], chunks)
+        else:
+            c.load(j, chunks, gpu_ids, [n], [0])
+        c.wait({j})
 
-    def load(chunks: np.ndarray) -> None:
-        j = next_job()
-        cp.load(j, chunks, gpu_ids, [n], [0])
-        cp.wait({j})
-
+    pin = pinned()
+    res: Dict[str, float] = {"pinned d2h": pin["store"], "pinned h2d": pin["load"]}
     for name, chunks in layouts.items():
-        res[f"{path} store {name}"] = timed(lambda: store(chunks), args.reps, args.warmup)
-        res[f"{path} load {name}"] = timed(lambda: load(chunks), args.reps, args.warmup)
+        for d in ("store", "load"):
+            res[f"{path} {d} {name}"] = timed(lambda: move(cp, d, chunks), args.reps,
+                                              args.warmup)
         cp.finished()
     staging = cp.staging_chunks
     print(f"\n{torch.cuda.get_device_name()}: {n} blocks x {args.layers} layers "
@@ -170,36 +173,24 @@ def main() -> None:
         copiers = {"baseline": base_cp, "current": cp}
         print(f"\nside by side with {args.baseline}, {args.rounds} rounds alternating "
               f"(percent of that round's pinned copy)")
-        print(f"{'round':<7}{'copier':<10}" + "".join(f"{k:>18}" for k in
-              ("store run", "load run", "store scattered", "load scattered")) + f"{'worst':>8}")
+        cols = [f"{d} {name}" for name in layouts for d in ("store", "load")]
+        print(f"{'round':<7}{'copier':<10}" + "".join(f"{k:>18}" for k in cols)
+              + f"{'worst':>8}")
         for r in range(args.rounds):
-            pin = {"store": timed(lambda: host_buf.copy_(dev_buf, non_blocking=True), args.reps,
-                                  args.warmup),
-                   "load": timed(lambda: dev_buf.copy_(host_buf, non_blocking=True), args.reps,
-                                 args.warmup)}
+            pin = pinned()
             for which in (("baseline", "current") if r % 2 == 0 else ("current", "baseline")):
                 c = copiers[which]
-
-                def go(d: str, chunks: np.ndarray) -> None:
-                    j = next_job()
-                    if d == "store":
-                        c.store(j, gpu_ids, [n], [0], chunks)
-                    else:
-                        c.load(j, chunks, gpu_ids, [n], [0])
-                    c.wait({j})
-
                 row = {}
                 for name, chunks in layouts.items():
                     for d in ("store", "load"):
-                        secs = timed(lambda: go(d, chunks), args.reps, args.warmup)
+                        secs = timed(lambda: move(c, d, chunks), args.reps, args.warmup)
                         row[f"{d} {name}"] = {"ms": secs * 1e3, "of_pinned": pin[d] / secs}
                 c.finished()
                 low = min(v["of_pinned"] for v in row.values())
                 rounds.append({"round": r, "copier": which, "rows": row, "worst": low,
                                "pinned_ms": {k: v * 1e3 for k, v in pin.items()}})
-                print(f"{r:<7}{which:<10}" + "".join(
-                    f"{row[k]['of_pinned']:>18.0%}" for k in
-                    ("store run", "load run", "store scattered", "load scattered")) + f"{low:>8.0%}")
+                print(f"{r:<7}{which:<10}" + "".join(f"{row[k]['of_pinned']:>18.0%}" for k in cols)
+                      + f"{low:>8.0%}")
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "machine": platform.machine(),
                    "args": vars(args), "bytes": nbytes, "path": path, "dma": cp.dma,
